@@ -1,0 +1,81 @@
+// Package lifecycle owns the request table: every request the proxy is serving, the state it
+// is in, and the KV hold a prefiller keeps for it. It is the only place a request's state
+// changes. Each transition is atomic and answers with what the caller must do (cancel a call,
+// release held KV, or nothing); an event for a request that already ended, or that the table
+// no longer knows, is a counted no-op, so a late abort can never release KV twice.
+package lifecycle
+
+import "fmt"
+
+// State is where a request is in its life. The zero value is Received.
+type State uint8
+
+// The states of shared/DESIGN.md. Finished, Aborted, Expired and Failed are terminal.
+const (
+	Received State = iota
+	Prefilling
+	KVHeld
+	Decoding
+	Finished
+	Aborted
+	Expired
+	Failed
+	numStates
+)
+
+var stateNames = [numStates]string{"received", "prefilling", "kv_held", "decoding", "finished", "aborted", "expired", "failed"}
+
+// String returns the snake_case name used in metrics, logs and /debug/requests.
+func (s State) String() string {
+	if s < numStates {
+		return stateNames[s]
+	}
+	return fmt.Sprintf("state(%d)", uint8(s))
+}
+
+// MarshalText lets a State appear by name in JSON.
+func (s State) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
+
+// Terminal reports whether no further transition can leave s.
+func (s State) Terminal() bool { return s >= Finished }
+
+// Action is what a transition asks its caller to do. The zero value means nothing.
+type Action uint8
+
+const (
+	// None: nothing to do (also the answer to every late event).
+	None Action = iota
+	// CancelPrefill: cancel the prefill call; the prefiller may still hold KV for it (race R1).
+	CancelPrefill
+	// ReleaseKV: the prefiller holds KV for this request and nobody will pull it; release it now.
+	// Exactly one transition per hold answers ReleaseKV.
+	ReleaseKV
+	// CancelDecode: cancel the decode call.
+	CancelDecode
+)
+
+var actionNames = [...]string{"none", "cancel_prefill", "release_kv", "cancel_decode"}
+
+// String names the action for logs.
+func (a Action) String() string {
+	if int(a) < len(actionNames) {
+		return actionNames[a]
+	}
+	return fmt.Sprintf("action(%d)", uint8(a))
+}
+
+// ReleaseReason says why a KV hold ended; it is the reason label of pdproxy_kv_releases_total.
+type ReleaseReason string
+
+// The release reasons. Every hold ends with exactly one of them.
+const (
+	// ReleaseDecoded: the params went to a decoder, which pulls the blocks and notifies the prefiller.
+	ReleaseDecoded ReleaseReason = "decoded"
+	// ReleaseDrained: a drain-only decode pulled the blocks after the client left.
+	ReleaseDrained ReleaseReason = "drained"
+	// ReleaseAborted: the engine's explicit abort freed them.
+	ReleaseAborted ReleaseReason = "aborted"
+	// ReleaseExpired: the proxy's hold deadline passed (or it was left to the engine's timer);
+	// the params are never forwarded after this.
+	ReleaseExpired ReleaseReason = "expired"
+)

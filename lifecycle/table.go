@@ -1,0 +1,425 @@
+package lifecycle
+
+import (
+	"errors"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// ErrDuplicate is returned by Begin when a request with the same id is already in flight.
+var ErrDuplicate = errors.New("a request with this id is already in flight")
+
+// Config tunes a Table.
+type Config struct {
+	// KVHoldTimeout bounds how long the proxy may forward a prefiller's kv_transfer_params
+	// after the prefill answered. Zero means 30s. It must not be longer than the engines' own
+	// hold timeout, or a decoder could read blocks the prefiller already reused (race R4).
+	KVHoldTimeout time.Duration
+	// Now is the clock; nil means time.Now. Tests inject one to pass deadlines without sleeping.
+	Now func() time.Time
+}
+
+// Table is the request table. The zero value is not usable; call New.
+type Table struct {
+	holdTimeout time.Duration
+	now         func() time.Time
+	logger      *zap.Logger
+	m           *metrics
+
+	mu   sync.Mutex
+	reqs map[string]*entry
+
+	holds atomic.Int64 // holds recorded and not yet released
+}
+
+type entry struct {
+	id       string
+	route    string
+	state    State
+	started  time.Time
+	prefill  string
+	decode   string
+	cancel   func()
+	hold     *Hold
+	deadline time.Time
+}
+
+// New returns an empty table that registers its metrics on reg.
+func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) *Table {
+	if cfg.KVHoldTimeout <= 0 {
+		cfg.KVHoldTimeout = 30 * time.Second
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	return &Table{
+		holdTimeout: cfg.KVHoldTimeout,
+		now:         cfg.Now,
+		logger:      logger,
+		m:           newMetrics(reg),
+		reqs:        make(map[string]*entry),
+	}
+}
+
+// KVHoldTimeout is the configured hold deadline.
+func (t *Table) KVHoldTimeout() time.Duration { return t.holdTimeout }
+
+// Hold is one KV hold on a prefiller. Release ends it; only the first call counts.
+type Hold struct {
+	t        *Table
+	id       string
+	released atomic.Bool
+}
+
+// Release records that the hold is over, for the given reason. It reports whether this call
+// was the one that released it; every later call is a counted late event and changes nothing.
+func (h *Hold) Release(reason ReleaseReason) bool {
+	if h == nil {
+		return false
+	}
+	if !h.released.CompareAndSwap(false, true) {
+		h.t.late("release", h.id)
+		return false
+	}
+	h.t.holds.Add(-1)
+	h.t.m.held.Dec()
+	h.t.m.releases.WithLabelValues(string(reason)).Inc()
+	return true
+}
+
+// Released reports whether the hold has been released.
+func (h *Hold) Released() bool { return h != nil && h.released.Load() }
+
+// OutstandingHolds counts holds recorded and not yet released; it is 0 when the proxy holds
+// nothing on any prefiller. Tests check it after every run.
+func (t *Table) OutstandingHolds() int64 { return t.holds.Load() }
+
+// Begin records a new request in Received. cancel, if not nil, is called by AbortAll (shutdown):
+// it must cancel the request's context, after which the request's own flow reports ClientGone.
+func (t *Table) Begin(id, route string, cancel func()) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if _, ok := t.reqs[id]; ok {
+		return ErrDuplicate
+	}
+	t.reqs[id] = &entry{id: id, route: route, state: Received, started: t.now(), cancel: cancel}
+	t.m.inflight.WithLabelValues(Received.String()).Inc()
+	return nil
+}
+
+// End forgets a request. A request still in a non-terminal state is first marked failed, so no
+// path (a recovered panic included) leaves an in-flight count or a hold behind; a hold that is
+// still unreleased then is released as expired: nobody will forward its params any more, and
+// the engine's own timer frees it.
+func (t *Table) End(id string) {
+	t.mu.Lock()
+	e, ok := t.reqs[id]
+	if ok {
+		if !e.state.Terminal() {
+			t.setState(e, Failed)
+		}
+		delete(t.reqs, id)
+	}
+	t.mu.Unlock()
+	if ok && e.hold != nil && !e.hold.Released() {
+		e.hold.Release(ReleaseExpired)
+	}
+}
+
+// StartPrefill moves a request from Received to Prefilling. It answers false when the request
+// is no longer in Received (the client left): then nothing may be sent.
+func (t *Table) StartPrefill(id, backend string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.lookup(id, "prefill_start")
+	if e == nil || e.state != Received {
+		if e != nil {
+			t.lateLocked("prefill_start", id)
+		}
+		return false
+	}
+	e.prefill = backend
+	t.setState(e, Prefilling)
+	return true
+}
+
+// PrefillRetry records that the prefill moved to another backend.
+func (t *Table) PrefillRetry(id, backend string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.lookup(id, "prefill_retry")
+	if e == nil || e.state != Prefilling {
+		if e != nil {
+			t.lateLocked("prefill_retry", id)
+		}
+		return false
+	}
+	e.prefill = backend
+	return true
+}
+
+// Prefilled records the prefiller's answer. holdsKV says it returned kv_transfer_params, i.e.
+// it now holds blocks for this request. In Prefilling that leads to KVHeld with a deadline
+// (or, without a hold, straight on to the decode). If the request was aborted meanwhile (race
+// R1: the abort reached the engine after its final step), the hold is recorded and the answer
+// is ReleaseKV with the hold to release: the engine will not free it before its timer.
+func (t *Table) Prefilled(id string, holdsKV bool) (Action, *Hold) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.lookup(id, "prefill_done")
+	if e == nil {
+		return None, nil
+	}
+	switch {
+	case e.state == Prefilling && holdsKV:
+		e.hold = t.newHold(id)
+		e.deadline = t.now().Add(t.holdTimeout)
+		t.setState(e, KVHeld)
+		return None, nil
+	case e.state == Prefilling:
+		t.setState(e, Decoding)
+		return None, nil
+	case e.state == Aborted && holdsKV && e.hold == nil:
+		e.hold = t.newHold(id)
+		return ReleaseKV, e.hold
+	default:
+		t.lateLocked("prefill_done", id)
+		return None, nil
+	}
+}
+
+// StartDecode moves a request to Decoding as its decode call goes out. forwardKV says whether
+// the prefiller's params may go with it: false once the hold deadline has passed (race R4),
+// and the hold then ends as expired; otherwise the hold passes to the decoder, which pulls the
+// blocks and notifies the prefiller (released as decoded). ok is false when the request is no
+// longer in a state that may decode (the client left): then nothing may be sent.
+func (t *Table) StartDecode(id, backend string) (forwardKV, ok bool) {
+	t.mu.Lock()
+	e := t.lookup(id, "decode_start")
+	if e == nil {
+		t.mu.Unlock()
+		return false, false
+	}
+	var (
+		hold   *Hold
+		reason ReleaseReason
+	)
+	switch e.state {
+	case KVHeld:
+		hold = e.hold
+		forwardKV = !t.now().After(e.deadline)
+		reason = ReleaseDecoded
+		if !forwardKV {
+			reason = ReleaseExpired
+			t.m.expiredForwards.Inc()
+		}
+	case Received, Decoding:
+	default:
+		t.lateLocked("decode_start", id)
+		t.mu.Unlock()
+		return false, false
+	}
+	e.decode = backend
+	t.setState(e, Decoding)
+	t.mu.Unlock()
+	if hold != nil {
+		hold.Release(reason)
+	}
+	return forwardKV, true
+}
+
+// HoldDeadline returns when the request's KV hold stops being forwardable (zero without a hold).
+func (t *Table) HoldDeadline(id string) time.Time {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if e, ok := t.reqs[id]; ok && e.hold != nil {
+		return e.deadline
+	}
+	return time.Time{}
+}
+
+// Finish ends a request that completed.
+func (t *Table) Finish(id string) bool {
+	return t.end(id, "finish", Finished, Decoding) != nil
+}
+
+// Fail ends a request that failed. If the prefiller still holds KV for it, the answer is
+// ReleaseKV with the hold to release.
+func (t *Table) Fail(id string) (Action, *Hold) {
+	return t.endWithHold(id, "fail", Failed)
+}
+
+// Expire ends a request whose KV hold deadline passed and that the proxy will not decode.
+func (t *Table) Expire(id string) (Action, *Hold) {
+	return t.endWithHold(id, "expire", Expired)
+}
+
+// ClientGone records that the client left and answers what to abort: nothing in Received,
+// the prefill call in Prefilling, the held KV in KVHeld, the decode call in Decoding. It also
+// returns the state the request was in (the stage label of pdproxy_aborts_total). In a
+// terminal state it is a counted no-op (races R3, R5).
+func (t *Table) ClientGone(id string) (Action, *Hold, State) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.lookup(id, "client_gone")
+	if e == nil {
+		return None, nil, Aborted
+	}
+	prev := e.state
+	var act Action
+	var hold *Hold
+	switch prev {
+	case Received:
+	case Prefilling:
+		act = CancelPrefill
+	case KVHeld:
+		act, hold = ReleaseKV, e.hold
+	case Decoding:
+		act = CancelDecode
+	default:
+		t.lateLocked("client_gone", id)
+		return None, nil, prev
+	}
+	t.m.aborts.WithLabelValues(prev.String()).Inc()
+	t.setState(e, Aborted)
+	return act, hold, prev
+}
+
+// State returns a request's state and whether the table knows it.
+func (t *Table) State(id string) (State, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if e, ok := t.reqs[id]; ok {
+		return e.state, true
+	}
+	return 0, false
+}
+
+// AbortAll cancels every request in flight (graceful shutdown past its drain deadline). Each
+// request's flow then sees its context done and aborts its stage as ClientGone says.
+func (t *Table) AbortAll() int {
+	t.mu.Lock()
+	var cancels []func()
+	for _, e := range t.reqs {
+		if !e.state.Terminal() && e.cancel != nil {
+			cancels = append(cancels, e.cancel)
+		}
+	}
+	t.mu.Unlock()
+	for _, c := range cancels {
+		c()
+	}
+	return len(cancels)
+}
+
+// Len counts the requests in the table.
+func (t *Table) Len() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.reqs)
+}
+
+// Info is one row of the inspection view (GET /debug/requests).
+type Info struct {
+	ID         string  `json:"id"`
+	Route      string  `json:"route"`
+	State      State   `json:"state"`
+	AgeSeconds float64 `json:"age_seconds"`
+	Prefill    string  `json:"prefill,omitempty"`
+	Decode     string  `json:"decode,omitempty"`
+	KVHeld     bool    `json:"kv_held"`
+}
+
+// Snapshot lists the requests in flight, oldest first.
+func (t *Table) Snapshot() []Info {
+	now := t.now()
+	t.mu.Lock()
+	out := make([]Info, 0, len(t.reqs))
+	for _, e := range t.reqs {
+		out = append(out, Info{
+			ID: e.id, Route: e.route, State: e.state,
+			AgeSeconds: now.Sub(e.started).Seconds(),
+			Prefill:    e.prefill, Decode: e.decode,
+			KVHeld: e.hold != nil && !e.hold.Released(),
+		})
+	}
+	t.mu.Unlock()
+	sort.Slice(out, func(i, j int) bool { return out[i].AgeSeconds > out[j].AgeSeconds })
+	return out
+}
+
+func (t *Table) end(id, event string, to State, from ...State) *entry {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.lookup(id, event)
+	if e == nil {
+		return nil
+	}
+	for _, f := range from {
+		if e.state == f {
+			t.setState(e, to)
+			return e
+		}
+	}
+	t.lateLocked(event, id)
+	return nil
+}
+
+func (t *Table) endWithHold(id, event string, to State) (Action, *Hold) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.lookup(id, event)
+	if e == nil {
+		return None, nil
+	}
+	if e.state.Terminal() {
+		t.lateLocked(event, id)
+		return None, nil
+	}
+	t.setState(e, to)
+	if e.hold != nil && !e.hold.Released() {
+		return ReleaseKV, e.hold
+	}
+	return None, nil
+}
+
+// lookup finds an entry; an unknown id is a late event. Callers hold t.mu.
+func (t *Table) lookup(id, event string) *entry {
+	e, ok := t.reqs[id]
+	if !ok {
+		t.lateLocked(event, id)
+		return nil
+	}
+	return e
+}
+
+func (t *Table) newHold(id string) *Hold {
+	t.holds.Add(1)
+	t.m.held.Inc()
+	return &Hold{t: t, id: id}
+}
+
+// setState moves e to s and keeps the per-state in-flight gauge right. Callers hold t.mu.
+func (t *Table) setState(e *entry, s State) {
+	if !e.state.Terminal() {
+		t.m.inflight.WithLabelValues(e.state.String()).Dec()
+	}
+	e.state = s
+	if !s.Terminal() {
+		t.m.inflight.WithLabelValues(s.String()).Inc()
+	}
+}
+
+func (t *Table) lateLocked(event, id string) { t.late(event, id) }
+
+func (t *Table) late(event, id string) {
+	t.m.late.WithLabelValues(event).Inc()
+	if ce := t.logger.Check(zap.DebugLevel, "late event ignored"); ce != nil {
+		ce.Write(zap.String("request_id", id), zap.String("event", event))
+	}
+}
