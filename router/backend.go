@@ -1,0 +1,197 @@
+package router
+
+import (
+	"net"
+	"net/http"
+	"net/url"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Backend is one engine. Its exported fields come from config and are read-only; the
+// live state (in-flight count, health, ejection) sits behind atomics so the hot path
+// reads it without locks.
+type Backend struct {
+	// Name labels the backend in metrics, logs and Hint.Exclude.
+	Name string
+	// URL is the engine's parsed base URL; callers must not modify it.
+	URL *url.URL
+	// URLString is the engine's base URL as configured.
+	URLString string
+	// Role is prefill or decode.
+	Role Role
+	// Engine is the engine kind, e.g. "vllm".
+	Engine string
+	// KVHoldTimeout is the engine's own KV hold timeout.
+	KVHoldTimeout time.Duration
+	// Weight biases selection; at least 1.
+	Weight int
+	// MaxInflight is the in-flight limit above which requests queue; at least 1.
+	MaxInflight int
+
+	client *http.Client
+	// st is shared by the Backend values that a Reload keeps under the same name, URL
+	// and role, so in-flight counts and health survive a reload that only retunes them.
+	st *backendState
+}
+
+// backendState is the live state of a backend.
+type backendState struct {
+	inflight atomic.Int64
+	// up is the active health verdict; backends start up so the proxy serves before
+	// the first check round completes.
+	up atomic.Bool
+	// removed is set when a Reload drops the backend: leases still release on it, but
+	// it is no longer picked and no longer reported.
+	removed atomic.Bool
+	// ejectedUntil is a UnixNano time from the router's clock; zero when never ejected.
+	ejectedUntil atomic.Int64
+	ejections    atomic.Int64
+
+	mu sync.Mutex // guards the streaks below
+	// failStreak counts passive failures in a row.
+	failStreak int
+	// backoffExp is the number of ejections since the last success: the next ejection
+	// lasts base_backoff << backoffExp.
+	backoffExp int
+	// checkFails and checkPasses count active check results in a row.
+	checkFails, checkPasses int
+}
+
+func newBackend(c BackendConfig, client *http.Client, st *backendState) *Backend {
+	u, _ := url.Parse(c.URL) // Validate parsed it already
+	if st == nil {
+		st = &backendState{}
+		st.up.Store(true)
+	}
+	if client == nil {
+		client = newClient(c.MaxInflight)
+	}
+	return &Backend{
+		Name:          c.Name,
+		URL:           u,
+		URLString:     c.URL,
+		Role:          c.Role,
+		Engine:        c.Engine,
+		KVHoldTimeout: c.KVHoldTimeout,
+		Weight:        c.Weight,
+		MaxInflight:   c.MaxInflight,
+		client:        client,
+		st:            st,
+	}
+}
+
+// newClient builds a client for one engine. There is no client Timeout because
+// responses stream for as long as generation takes; callers bound calls with their
+// context. The idle pool matches max_inflight so a busy backend reuses connections
+// instead of dialing; MaxConnsPerHost stays 0 because the router, not the transport,
+// enforces the limit (a transport limit would queue invisibly). HTTP/2 stays off:
+// engines speak HTTP/1.1, and one TCP connection per stream keeps an aborted request's
+// close visible to the engine, which is how vLLM learns to abort.
+func newClient(maxInflight int) *http.Client {
+	dialer := &net.Dialer{Timeout: 3 * time.Second, KeepAlive: 30 * time.Second}
+	return &http.Client{
+		Transport: &http.Transport{
+			// No Proxy: engines are reached directly; an HTTP_PROXY meant for the
+			// outside world must not sit between the proxy and its engines.
+			Proxy:                 nil,
+			DialContext:           dialer.DialContext,
+			MaxIdleConns:          maxInflight,
+			MaxIdleConnsPerHost:   maxInflight,
+			MaxConnsPerHost:       0,
+			IdleConnTimeout:       90 * time.Second,
+			TLSHandshakeTimeout:   5 * time.Second,
+			ExpectContinueTimeout: time.Second,
+			ForceAttemptHTTP2:     false,
+		},
+		// Redirects from an engine would be a misconfiguration; surface them.
+		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
+	}
+}
+
+// Client returns the backend's HTTP client with a transport tuned for it. Use it for
+// every call to this backend so connections are reused.
+func (b *Backend) Client() *http.Client { return b.client }
+
+// Inflight is the number of leases currently counted on the backend.
+func (b *Backend) Inflight() int64 { return b.st.inflight.Load() }
+
+// Ejections is how many times passive health has ejected the backend.
+func (b *Backend) Ejections() int64 { return b.st.ejections.Load() }
+
+// String returns the backend's name, for logs.
+func (b *Backend) String() string { return b.Name }
+
+// ejected reports whether passive ejection keeps the backend out at now.
+func (b *Backend) ejected(now time.Time) bool {
+	until := b.st.ejectedUntil.Load()
+	return until != 0 && now.UnixNano() < until
+}
+
+// available reports whether the backend may be picked, ignoring its in-flight limit.
+func (b *Backend) available(now time.Time) bool {
+	return b.st.up.Load() && !b.ejected(now) && !b.st.removed.Load()
+}
+
+// full reports whether the backend is at its in-flight limit.
+func (b *Backend) full() bool { return b.st.inflight.Load() >= int64(b.MaxInflight) }
+
+// closeIdle drops the backend's idle connections, e.g. once it is removed.
+func (b *Backend) closeIdle() { b.client.CloseIdleConnections() }
+
+// observe feeds one request's result to passive health and reports whether it ejected
+// the backend. Failures seen while the backend is already ejected are from requests sent
+// before the ejection and must not extend it.
+func (b *Backend) observe(failed bool, now time.Time, e EjectionConfig) (ejectedFor time.Duration) {
+	s := b.st
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !failed {
+		s.failStreak = 0
+		if !b.ejected(now) {
+			s.backoffExp = 0
+		}
+		return 0
+	}
+	if e.ConsecutiveFailures < 0 || b.ejected(now) {
+		return 0
+	}
+	s.failStreak++
+	if s.failStreak < e.ConsecutiveFailures {
+		return 0
+	}
+	d := e.BaseBackoff
+	for i := 0; i < s.backoffExp && d < e.MaxBackoff; i++ {
+		d *= 2
+	}
+	d = min(d, e.MaxBackoff)
+	s.failStreak = 0
+	s.backoffExp++
+	s.ejectedUntil.Store(now.Add(d).UnixNano())
+	s.ejections.Add(1)
+	return d
+}
+
+// check records one active check result and reports a state change (+1 up, -1 down).
+func (b *Backend) check(ok bool, h HealthConfig) int {
+	s := b.st
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ok {
+		s.checkFails = 0
+		s.checkPasses++
+		if !s.up.Load() && s.checkPasses >= h.HealthyThreshold {
+			s.up.Store(true)
+			return 1
+		}
+		return 0
+	}
+	s.checkPasses = 0
+	s.checkFails++
+	if s.up.Load() && s.checkFails >= h.UnhealthyThreshold {
+		s.up.Store(false)
+		return -1
+	}
+	return 0
+}

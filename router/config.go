@@ -1,0 +1,363 @@
+package router
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"strings"
+	"time"
+
+	"gopkg.in/yaml.v3"
+)
+
+// Role is what a backend does in disaggregated serving.
+type Role string
+
+const (
+	// RolePrefill backends compute the prompt's KV cache and hold it for a decoder.
+	RolePrefill Role = "prefill"
+	// RoleDecode backends generate tokens; an aggregated (non-P/D) engine is a decoder.
+	RoleDecode Role = "decode"
+)
+
+// Policy names accepted by Config.PrefillPolicy and Config.DecodePolicy.
+const (
+	PolicyLeastInflight  = "least_inflight"
+	PolicyRoundRobin     = "round_robin"
+	PolicyPowerOfTwo     = "power_of_two"
+	PolicyPrefixAffinity = "prefix_affinity"
+)
+
+// Engine kinds accepted by BackendConfig.Engine.
+const (
+	EngineVLLM = "vllm"
+	EngineSim  = "sim"
+)
+
+// Defaults applied by Config.Validate to zero fields.
+const (
+	DefaultWeight              = 1
+	DefaultMaxInflight         = 256
+	DefaultPrefixTokens        = 256
+	DefaultHealthInterval      = 5 * time.Second
+	DefaultHealthTimeout       = 2 * time.Second
+	DefaultUnhealthyThreshold  = 2
+	DefaultHealthyThreshold    = 1
+	DefaultHealthPath          = "/health"
+	DefaultConsecutiveFailures = 3
+	DefaultBaseBackoff         = time.Second
+	DefaultMaxBackoff          = 30 * time.Second
+	DefaultQueueSize           = 1024
+	DefaultQueueTimeout        = 10 * time.Second
+)
+
+// engineKVHoldTimeout is how long an engine of each kind holds a prefilled request's KV
+// blocks for a decoder before freeing them on its own. vLLM's NIXL connector defaults to
+// 480s (VLLM_NIXL_ABORT_REQUEST_TIMEOUT); the simulator copies vLLM. A new engine kind
+// (sglang) is one more case here.
+func engineKVHoldTimeout(engine string) (time.Duration, bool) {
+	switch engine {
+	case EngineVLLM, EngineSim:
+		return 480 * time.Second, true
+	default:
+		return 0, false
+	}
+}
+
+// BackendConfig is one engine from config.
+type BackendConfig struct {
+	// Name labels the backend in metrics, logs and Hint.Exclude. Empty means the URL's
+	// host:port. Names are unique across the config.
+	Name string `yaml:"name"`
+	// URL is the engine's base URL, http(s)://host:port, required.
+	URL string `yaml:"url"`
+	// Role is prefill or decode, required.
+	Role Role `yaml:"role"`
+	// Weight biases round_robin, prefix_affinity (virtual nodes) and least_inflight ties.
+	// Zero means 1.
+	Weight int `yaml:"weight"`
+	// MaxInflight is how many requests the router sends at once before queueing. Zero
+	// means 256.
+	MaxInflight int `yaml:"max_inflight"`
+	// Engine is the engine kind: "vllm" (the zero value) or "sim".
+	Engine string `yaml:"engine"`
+	// KVHoldTimeout is the engine's own KV hold timeout. Zero means the engine kind's
+	// default (480s for vllm and sim).
+	KVHoldTimeout time.Duration `yaml:"kv_hold_timeout"`
+}
+
+// HealthConfig configures active health checks.
+type HealthConfig struct {
+	// Interval between checks of every backend. Zero means 5s; negative disables active
+	// checks (in YAML, "interval: 0" also disables them, because an explicit zero is
+	// a choice, while a missing key is not).
+	Interval time.Duration `yaml:"interval"`
+	// Timeout of one check. Zero means 2s.
+	Timeout time.Duration `yaml:"timeout"`
+	// UnhealthyThreshold consecutive failed checks mark a backend down. Zero means 2.
+	UnhealthyThreshold int `yaml:"unhealthy_threshold"`
+	// HealthyThreshold consecutive passed checks mark a down backend up. Zero means 1.
+	HealthyThreshold int `yaml:"healthy_threshold"`
+	// Path is requested with GET on the backend's URL; a 2xx passes. Empty means /health.
+	Path string `yaml:"path"`
+}
+
+// UnmarshalYAML reads the health section. It exists because an explicit "interval: 0"
+// must disable checks while a missing interval means the default, and time.Duration
+// alone cannot tell the two apart (yaml.v3 also refuses a bare 0 for a duration).
+func (h *HealthConfig) UnmarshalYAML(n *yaml.Node) error {
+	type plain HealthConfig
+	var interval *yaml.Node
+	rest := *n
+	if n.Kind == yaml.MappingNode {
+		rest.Content = nil
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			if n.Content[i].Value == "interval" {
+				interval = n.Content[i+1]
+				continue
+			}
+			rest.Content = append(rest.Content, n.Content[i], n.Content[i+1])
+		}
+	}
+	var p plain
+	if err := rest.Decode(&p); err != nil {
+		return err
+	}
+	if interval != nil {
+		d, err := time.ParseDuration(interval.Value)
+		if err != nil {
+			return fmt.Errorf("health.interval: %w", err)
+		}
+		if d <= 0 {
+			d = -1 // disabled
+		}
+		p.Interval = d
+	}
+	*h = HealthConfig(p)
+	return nil
+}
+
+// EjectionConfig configures passive ejection: a backend that fails requests in a row is
+// taken out of rotation for a backoff that doubles on each ejection.
+type EjectionConfig struct {
+	// ConsecutiveFailures connect errors or 5xx answers in a row eject a backend. Zero
+	// means 3; negative disables passive ejection.
+	ConsecutiveFailures int `yaml:"consecutive_failures"`
+	// BaseBackoff is the first ejection's length. Zero means 1s.
+	BaseBackoff time.Duration `yaml:"base_backoff"`
+	// MaxBackoff caps the doubling. Zero means 30s.
+	MaxBackoff time.Duration `yaml:"max_backoff"`
+}
+
+// QueueConfig configures the wait for a free slot when every eligible backend is full.
+type QueueConfig struct {
+	// Size is how many requests per role may wait. Zero means 1024; negative disables
+	// waiting (a full pool answers ErrQueueFull at once).
+	Size int `yaml:"size"`
+	// Timeout is the longest wait before ErrQueueTimeout. Zero means 10s.
+	Timeout time.Duration `yaml:"timeout"`
+}
+
+// Config is the router's part of the proxy config.
+type Config struct {
+	// Backends lists the engines; at least one decode backend is required.
+	Backends []BackendConfig `yaml:"backends"`
+	// PrefillPolicy selects among prefill backends; empty means least_inflight.
+	PrefillPolicy string `yaml:"prefill_policy"`
+	// DecodePolicy selects among decode backends; empty means least_inflight.
+	DecodePolicy string `yaml:"decode_policy"`
+	// PrefixTokens is how much of Hint.Prefix prefix_affinity hashes, in tokens, where a
+	// token is taken as 4 bytes (a common average for English text with BPE tokenizers),
+	// so the first 4*PrefixTokens bytes are hashed. The router has no tokenizer, and
+	// what matters is only that equal prompt heads land on the same backend. Zero means 256.
+	PrefixTokens int `yaml:"prefix_tokens"`
+	// Health configures active health checks.
+	Health HealthConfig `yaml:"health"`
+	// Ejection configures passive ejection.
+	Ejection EjectionConfig `yaml:"ejection"`
+	// Queue configures backpressure.
+	Queue QueueConfig `yaml:"queue"`
+}
+
+// setDefaults fills zero fields. It leaves invalid values alone for Validate to name.
+func (c *Config) setDefaults() {
+	for i := range c.Backends {
+		b := &c.Backends[i]
+		if b.Engine == "" {
+			b.Engine = EngineVLLM
+		}
+		if b.Weight == 0 {
+			b.Weight = DefaultWeight
+		}
+		if b.MaxInflight == 0 {
+			b.MaxInflight = DefaultMaxInflight
+		}
+		if b.KVHoldTimeout == 0 {
+			b.KVHoldTimeout, _ = engineKVHoldTimeout(b.Engine)
+		}
+		if b.Name == "" {
+			if u, err := url.Parse(b.URL); err == nil && u.Host != "" {
+				b.Name = hostPort(u)
+			}
+		}
+	}
+	if c.PrefillPolicy == "" {
+		c.PrefillPolicy = PolicyLeastInflight
+	}
+	if c.DecodePolicy == "" {
+		c.DecodePolicy = PolicyLeastInflight
+	}
+	if c.PrefixTokens == 0 {
+		c.PrefixTokens = DefaultPrefixTokens
+	}
+	h := &c.Health
+	if h.Interval == 0 {
+		h.Interval = DefaultHealthInterval
+	}
+	if h.Timeout == 0 {
+		h.Timeout = DefaultHealthTimeout
+	}
+	if h.UnhealthyThreshold == 0 {
+		h.UnhealthyThreshold = DefaultUnhealthyThreshold
+	}
+	if h.HealthyThreshold == 0 {
+		h.HealthyThreshold = DefaultHealthyThreshold
+	}
+	if h.Path == "" {
+		h.Path = DefaultHealthPath
+	}
+	e := &c.Ejection
+	if e.ConsecutiveFailures == 0 {
+		e.ConsecutiveFailures = DefaultConsecutiveFailures
+	}
+	if e.BaseBackoff == 0 {
+		e.BaseBackoff = DefaultBaseBackoff
+	}
+	if e.MaxBackoff == 0 {
+		e.MaxBackoff = DefaultMaxBackoff
+	}
+	if c.Queue.Size == 0 {
+		c.Queue.Size = DefaultQueueSize
+	}
+	if c.Queue.Timeout == 0 {
+		c.Queue.Timeout = DefaultQueueTimeout
+	}
+}
+
+// hostPort names a backend after its address, adding the scheme's port when the URL
+// has none so that "http://a" and "http://a:80" get the same name.
+func hostPort(u *url.URL) string {
+	if u.Port() != "" {
+		return u.Host
+	}
+	port := "80"
+	if u.Scheme == "https" {
+		port = "443"
+	}
+	return net.JoinHostPort(u.Hostname(), port)
+}
+
+// Validate fills the defaults of zero fields in place, then checks the config. The
+// error names every bad field, e.g. "backends[1].url: ...".
+func (c *Config) Validate() error {
+	c.setDefaults()
+	var errs []error
+	bad := func(field, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%s: %s", field, fmt.Sprintf(format, args...)))
+	}
+	names := make(map[string]int, len(c.Backends))
+	decoders := 0
+	for i, b := range c.Backends {
+		f := fmt.Sprintf("backends[%d]", i)
+		if err := checkURL(b.URL); err != nil {
+			bad(f+".url", "%v", err)
+		}
+		switch b.Role {
+		case RolePrefill:
+		case RoleDecode:
+			decoders++
+		default:
+			bad(f+".role", "%q is not %q or %q", b.Role, RolePrefill, RoleDecode)
+		}
+		if b.Name == "" {
+			if b.URL != "" {
+				bad(f+".name", "empty and not derivable from the url")
+			}
+		} else if j, dup := names[b.Name]; dup {
+			bad(f+".name", "%q already names backends[%d]; set distinct names", b.Name, j)
+		} else {
+			names[b.Name] = i
+		}
+		if b.Weight < 0 {
+			bad(f+".weight", "%d is negative", b.Weight)
+		}
+		if b.MaxInflight < 0 {
+			bad(f+".max_inflight", "%d is negative", b.MaxInflight)
+		}
+		if _, ok := engineKVHoldTimeout(b.Engine); !ok {
+			bad(f+".engine", "unknown engine %q (want %q or %q)", b.Engine, EngineVLLM, EngineSim)
+		}
+		if b.KVHoldTimeout < 0 {
+			bad(f+".kv_hold_timeout", "%v is negative", b.KVHoldTimeout)
+		}
+	}
+	if decoders == 0 {
+		bad("backends", "at least one backend with role %q is required", RoleDecode)
+	}
+	for _, p := range []struct{ field, name string }{
+		{"prefill_policy", c.PrefillPolicy},
+		{"decode_policy", c.DecodePolicy},
+	} {
+		if !knownPolicy(p.name) {
+			bad(p.field, "unknown policy %q (want %s)", p.name, strings.Join(policyNames(), ", "))
+		}
+	}
+	if c.PrefixTokens < 0 {
+		bad("prefix_tokens", "%d is negative", c.PrefixTokens)
+	}
+	h := c.Health
+	if h.Timeout < 0 {
+		bad("health.timeout", "%v is negative", h.Timeout)
+	}
+	if h.UnhealthyThreshold < 0 {
+		bad("health.unhealthy_threshold", "%d is negative", h.UnhealthyThreshold)
+	}
+	if h.HealthyThreshold < 0 {
+		bad("health.healthy_threshold", "%d is negative", h.HealthyThreshold)
+	}
+	if !strings.HasPrefix(h.Path, "/") {
+		bad("health.path", "%q does not start with /", h.Path)
+	}
+	e := c.Ejection
+	if e.BaseBackoff < 0 {
+		bad("ejection.base_backoff", "%v is negative", e.BaseBackoff)
+	}
+	if e.MaxBackoff < e.BaseBackoff {
+		bad("ejection.max_backoff", "%v is less than base_backoff %v", e.MaxBackoff, e.BaseBackoff)
+	}
+	if c.Queue.Timeout < 0 {
+		bad("queue.timeout", "%v is negative", c.Queue.Timeout)
+	}
+	return errors.Join(errs...)
+}
+
+func checkURL(raw string) error {
+	if raw == "" {
+		return errors.New("required")
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		return err
+	}
+	if u.Scheme != "http" && u.Scheme != "https" {
+		return fmt.Errorf("%q: scheme must be http or https", raw)
+	}
+	if u.Hostname() == "" {
+		return fmt.Errorf("%q: no host", raw)
+	}
+	if u.RawQuery != "" || u.Fragment != "" || u.User != nil {
+		return fmt.Errorf("%q: no user info, query or fragment allowed", raw)
+	}
+	return nil
+}

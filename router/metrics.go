@@ -1,0 +1,93 @@
+package router
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// metrics are the router's Prometheus series. The per-backend gauges are read from the
+// backends' atomics at scrape time, so they cannot drift from the real counts and a
+// removed backend's series disappear with it.
+type metrics struct {
+	r *Router
+
+	requests      *prometheus.CounterVec
+	queueWait     *prometheus.HistogramVec
+	queueRejected *prometheus.CounterVec
+
+	inflight  *prometheus.Desc
+	healthy   *prometheus.Desc
+	ejections *prometheus.Desc
+	waiting   *prometheus.Desc
+}
+
+func newMetrics(r *Router) *metrics {
+	const ns = "pdproxy"
+	backendLabels := []string{"backend", "role"}
+	return &metrics{
+		r: r,
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "backend_requests_total",
+			Help: "Requests sent to a backend by outcome: the HTTP status, \"error\" for connect or transport errors, \"canceled\" when the client went away.",
+		}, []string{"backend", "role", "code"}),
+		queueWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: ns, Name: "queue_wait_seconds",
+			Help:    "Time requests waited in the backpressure queue for a free backend, whatever the outcome.",
+			Buckets: []float64{.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30},
+		}, []string{"role"}),
+		queueRejected: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "queue_rejected_total",
+			Help: "Requests that got no backend after queueing or could not queue, by reason: full, timeout, canceled, no_backend.",
+		}, []string{"role", "reason"}),
+		inflight: prometheus.NewDesc(ns+"_backend_inflight_requests",
+			"Requests in flight on a backend (leases not yet released).", backendLabels, nil),
+		healthy: prometheus.NewDesc(ns+"_backend_healthy",
+			"1 when the backend passes active health checks and is not ejected, else 0.", backendLabels, nil),
+		ejections: prometheus.NewDesc(ns+"_backend_ejections_total",
+			"Times passive health ejected the backend.", backendLabels, nil),
+		waiting: prometheus.NewDesc(ns+"_queue_waiting_requests",
+			"Requests waiting in the backpressure queue now.", []string{"role"}, nil),
+	}
+}
+
+func (m *metrics) register(reg prometheus.Registerer) error {
+	for _, c := range []prometheus.Collector{m.requests, m.queueWait, m.queueRejected, m} {
+		if err := reg.Register(c); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// forget deletes a removed backend's series.
+func (m *metrics) forget(b *Backend) {
+	m.requests.DeletePartialMatch(prometheus.Labels{"backend": b.Name, "role": string(b.Role)})
+}
+
+// Describe implements prometheus.Collector for the scrape-time gauges.
+func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
+	ch <- m.inflight
+	ch <- m.healthy
+	ch <- m.ejections
+	ch <- m.waiting
+}
+
+// Collect implements prometheus.Collector.
+func (m *metrics) Collect(ch chan<- prometheus.Metric) {
+	now := m.r.now()
+	for _, b := range m.r.backends() {
+		role := string(b.Role)
+		healthy := 0.0
+		if b.available(now) {
+			healthy = 1
+		}
+		ch <- prometheus.MustNewConstMetric(m.inflight, prometheus.GaugeValue, float64(b.Inflight()), b.Name, role)
+		ch <- prometheus.MustNewConstMetric(m.healthy, prometheus.GaugeValue, healthy, b.Name, role)
+		ch <- prometheus.MustNewConstMetric(m.ejections, prometheus.CounterValue, float64(b.Ejections()), b.Name, role)
+	}
+	for _, p := range []*pool{m.r.prefill, m.r.decode} {
+		p.mu.Lock()
+		n := p.waiters.Len()
+		p.mu.Unlock()
+		ch <- prometheus.MustNewConstMetric(m.waiting, prometheus.GaugeValue, float64(n), string(p.role))
+	}
+}

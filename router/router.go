@@ -1,0 +1,566 @@
+package router
+
+import (
+	"container/list"
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// Errors returned by Acquire. The proxy maps them to HTTP answers.
+var (
+	// ErrNoBackend means no healthy backend of the role is available: answer 503.
+	ErrNoBackend = errors.New("router: no healthy backend")
+	// ErrQueueFull means every eligible backend is full and so is the wait queue: 429.
+	ErrQueueFull = errors.New("router: all backends busy and queue full")
+	// ErrQueueTimeout means the request waited queue.timeout for a free backend: 503.
+	ErrQueueTimeout = errors.New("router: timed out waiting for a free backend")
+)
+
+// Hint carries what a policy may use about a request. It never reaches a metric label.
+type Hint struct {
+	// RequestID identifies the request in logs.
+	RequestID string
+	// Prefix is the start of the prompt, for prefix_affinity; empty means no affinity.
+	Prefix string
+	// Exclude names backends not to pick, e.g. the ones a retry already tried.
+	Exclude []string
+}
+
+// Result is what happened to the request sent under a lease. Its zero value means the
+// lease was never used (e.g. a decoder reserved for a prefill that then failed): it
+// counts nothing for the backend, neither a request nor a health signal.
+type Result struct {
+	// Status is the HTTP status the backend answered, 0 if none.
+	Status int
+	// Err is a connect or transport error talking to the backend.
+	Err error
+	// Canceled means the client went away; it takes precedence over Err and Status and
+	// is never held against the backend.
+	Canceled bool
+}
+
+// outcome turns a result into its metric code and whether it counts for passive health.
+func (res Result) outcome() (code string, counted, failed bool) {
+	switch {
+	case res.Canceled:
+		return "canceled", false, false
+	case res.Err != nil:
+		return "error", true, true
+	case res.Status != 0:
+		return fmtStatus(res.Status), true, res.Status >= 500
+	}
+	return "", false, false
+}
+
+// fmtStatus avoids strconv allocations for the common codes on the release path.
+func fmtStatus(s int) string {
+	switch s {
+	case 200:
+		return "200"
+	case 400:
+		return "400"
+	case 429:
+		return "429"
+	case 500:
+		return "500"
+	case 502:
+		return "502"
+	case 503:
+		return "503"
+	}
+	return fmt.Sprint(s)
+}
+
+// Router owns the backend pools. Its methods are safe for concurrent use.
+type Router struct {
+	logger  *zap.Logger
+	metrics *metrics
+	// now is the clock for ejection; tests replace it before use.
+	now func() time.Time
+
+	prefill, decode *pool
+
+	// all is every current backend in config order, replaced on Reload.
+	all atomic.Pointer[[]*Backend]
+	// settings holds the parts of the config read outside the pools.
+	settings atomic.Pointer[settings]
+	// reloaded wakes Run when a Reload may have changed the check interval.
+	reloaded chan struct{}
+	// reloadMu serializes New's first apply and Reloads.
+	reloadMu sync.Mutex
+}
+
+type settings struct {
+	health   HealthConfig
+	ejection EjectionConfig
+}
+
+// New validates cfg (filling its defaults) and builds a router. It starts nothing: Run
+// runs the active health checks. A nil logger logs nothing; a nil reg registers no
+// metrics.
+func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) (*Router, error) {
+	if logger == nil {
+		logger = zap.NewNop()
+	}
+	cfg.Backends = slices.Clone(cfg.Backends) // Validate writes defaults into it
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("router config: %w", err)
+	}
+	r := &Router{
+		logger:   logger,
+		now:      time.Now,
+		reloaded: make(chan struct{}, 1),
+	}
+	r.prefill = &pool{role: RolePrefill, r: r}
+	r.decode = &pool{role: RoleDecode, r: r}
+	r.metrics = newMetrics(r)
+	if reg != nil {
+		if err := r.metrics.register(reg); err != nil {
+			return nil, fmt.Errorf("register router metrics: %w", err)
+		}
+	}
+	if err := r.apply(cfg); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+func (r *Router) pool(role Role) *pool {
+	switch role {
+	case RolePrefill:
+		return r.prefill
+	case RoleDecode:
+		return r.decode
+	}
+	return nil
+}
+
+func (r *Router) backends() []*Backend {
+	if p := r.all.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// Acquire picks a backend of role and counts one in-flight request on it. While every
+// eligible backend is at max_inflight it waits in a bounded FIFO queue. Errors:
+// ErrNoBackend (no healthy backend of the role), ErrQueueFull, ErrQueueTimeout, or
+// ctx.Err() as soon as ctx is done. The caller must Release the lease.
+func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	p := r.pool(role)
+	if p == nil {
+		return nil, fmt.Errorf("role %q: %w", role, ErrNoBackend)
+	}
+	p.mu.Lock()
+	if p.waiters.Len() > 0 {
+		// A slot freed by an ejection ending or a check passing belongs to the
+		// waiters first.
+		p.dispatchLocked()
+	}
+	b, avail := p.pickLocked(h)
+	if b != nil {
+		l := p.leaseLocked(b)
+		p.mu.Unlock()
+		return l, nil
+	}
+	if !avail {
+		p.mu.Unlock()
+		return nil, ErrNoBackend
+	}
+	if p.waiters.Len() >= max(p.queueSize, 0) {
+		p.mu.Unlock()
+		r.metrics.queueRejected.WithLabelValues(string(role), "full").Inc()
+		return nil, ErrQueueFull
+	}
+	w := &waiter{h: h, ch: make(chan waitResult, 1)}
+	w.elem = p.waiters.PushBack(w)
+	timeout := p.queueTimeout
+	p.mu.Unlock()
+
+	start := time.Now()
+	timer := time.NewTimer(timeout)
+	defer timer.Stop()
+	var res waitResult
+	select {
+	case res = <-w.ch:
+	case <-ctx.Done():
+		res = p.leave(w, ctx.Err())
+	case <-timer.C:
+		res = p.leave(w, ErrQueueTimeout)
+	}
+	r.metrics.queueWait.WithLabelValues(string(role)).Observe(time.Since(start).Seconds())
+	if res.err != nil {
+		r.metrics.queueRejected.WithLabelValues(string(role), reason(res.err)).Inc()
+	}
+	return res.lease, res.err
+}
+
+func reason(err error) string {
+	switch {
+	case errors.Is(err, ErrQueueTimeout):
+		return "timeout"
+	case errors.Is(err, ErrNoBackend):
+		return "no_backend"
+	}
+	return "canceled"
+}
+
+// Has reports whether any backend of role is configured, healthy or not.
+func (r *Router) Has(role Role) bool {
+	for _, b := range r.backends() {
+		if b.Role == role {
+			return true
+		}
+	}
+	return false
+}
+
+// Ready reports whether at least one decode backend is healthy and not ejected: the
+// proxy can serve.
+func (r *Router) Ready() bool {
+	now := r.now()
+	for _, b := range r.backends() {
+		if b.Role == RoleDecode && b.available(now) {
+			return true
+		}
+	}
+	return false
+}
+
+// MinKVHoldTimeout is the smallest engine KV hold timeout among the backends of role,
+// or 0 when there are none: a proxy hold longer than it would forward KV params that the
+// engine may already have freed.
+func (r *Router) MinKVHoldTimeout(role Role) time.Duration {
+	var m time.Duration
+	for _, b := range r.backends() {
+		if b.Role == role && (m == 0 || b.KVHoldTimeout < m) {
+			m = b.KVHoldTimeout
+		}
+	}
+	return m
+}
+
+// BackendStatus is one backend as shown by GET /debug/backends.
+type BackendStatus struct {
+	Name string `json:"name"`
+	URL  string `json:"url"`
+	Role Role   `json:"role"`
+	// Healthy is true when the backend passes active checks and is not ejected.
+	Healthy bool `json:"healthy"`
+	// Ejected is true while passive health keeps the backend out.
+	Ejected     bool   `json:"ejected"`
+	Inflight    int64  `json:"inflight"`
+	MaxInflight int    `json:"max_inflight"`
+	Weight      int    `json:"weight"`
+	Ejections   int64  `json:"ejections"`
+	Engine      string `json:"engine"`
+}
+
+// Backends reports every current backend in config order.
+func (r *Router) Backends() []BackendStatus {
+	now := r.now()
+	all := r.backends()
+	out := make([]BackendStatus, 0, len(all))
+	for _, b := range all {
+		out = append(out, BackendStatus{
+			Name:        b.Name,
+			URL:         b.URLString,
+			Role:        b.Role,
+			Healthy:     b.available(now),
+			Ejected:     b.ejected(now),
+			Inflight:    b.Inflight(),
+			MaxInflight: b.MaxInflight,
+			Weight:      b.Weight,
+			Ejections:   b.Ejections(),
+			Engine:      b.Engine,
+		})
+	}
+	return out
+}
+
+// Reload switches to cfg without dropping requests in flight. A backend kept under the
+// same name, URL and role keeps its in-flight count and health; a removed backend is no
+// longer picked, its leases still release cleanly, and its metric series go away. An
+// invalid cfg returns the error and leaves the router as it was.
+func (r *Router) Reload(cfg Config) error {
+	cfg.Backends = slices.Clone(cfg.Backends)
+	if err := cfg.Validate(); err != nil {
+		return fmt.Errorf("router config: %w", err)
+	}
+	return r.apply(cfg)
+}
+
+// apply installs a validated config.
+func (r *Router) apply(cfg Config) error {
+	pre, ok1 := NewPolicy(cfg.PrefillPolicy, cfg.PrefixTokens)
+	dec, ok2 := NewPolicy(cfg.DecodePolicy, cfg.PrefixTokens)
+	if !ok1 || !ok2 { // Validate checked; keep apply honest anyway
+		return fmt.Errorf("router config: unknown policy")
+	}
+
+	r.reloadMu.Lock()
+	defer r.reloadMu.Unlock()
+
+	old := make(map[string]*Backend)
+	for _, b := range r.backends() {
+		old[b.Name] = b
+	}
+	all := make([]*Backend, 0, len(cfg.Backends))
+	kept := make(map[*backendState]bool)
+	for _, bc := range cfg.Backends {
+		var st *backendState
+		var client *http.Client
+		if o, ok := old[bc.Name]; ok && o.URLString == bc.URL && o.Role == bc.Role {
+			st = o.st
+			kept[st] = true
+			client = o.clientIfSame(bc)
+		}
+		all = append(all, newBackend(bc, client, st))
+	}
+	if cfg.Health.Interval <= 0 {
+		// Without active checks nothing would ever mark a down backend up again.
+		for _, b := range all {
+			b.st.up.Store(true)
+		}
+	}
+	r.settings.Store(&settings{health: cfg.Health, ejection: cfg.Ejection})
+
+	// Lock both pools (always prefill first) so that a Release sees a backend either
+	// current or removed, never half way, and its counter series is not re-created
+	// after deletion.
+	r.prefill.mu.Lock()
+	r.decode.mu.Lock()
+	for _, p := range []*pool{r.prefill, r.decode} {
+		var mine []*Backend
+		for _, b := range all {
+			if b.Role == p.role {
+				mine = append(mine, b)
+			}
+		}
+		policyName := cfg.DecodePolicy
+		pol := dec
+		if p.role == RolePrefill {
+			policyName, pol = cfg.PrefillPolicy, pre
+		}
+		if p.policy == nil || p.policyName != policyName || p.prefixTokens != cfg.PrefixTokens {
+			p.policy, p.policyName, p.prefixTokens = pol, policyName, cfg.PrefixTokens
+		}
+		if w, ok := p.policy.(poolWatcher); ok {
+			w.SetPool(mine)
+		}
+		p.backends = mine
+		p.queueSize, p.queueTimeout = cfg.Queue.Size, cfg.Queue.Timeout
+	}
+	var removed []*Backend
+	for _, b := range old {
+		if !kept[b.st] {
+			b.st.removed.Store(true)
+			r.metrics.forget(b)
+			removed = append(removed, b)
+		}
+	}
+	r.all.Store(&all)
+	r.prefill.dispatchLocked()
+	r.decode.dispatchLocked()
+	r.decode.mu.Unlock()
+	r.prefill.mu.Unlock()
+
+	for _, b := range removed {
+		if b.Inflight() == 0 {
+			b.closeIdle()
+		}
+		r.logger.Info("backend removed", zap.String("backend", b.Name), zap.String("role", string(b.Role)), zap.Int64("inflight", b.Inflight()))
+	}
+	select {
+	case r.reloaded <- struct{}{}:
+	default:
+	}
+	r.logger.Info("router config applied", zap.Int("backends", len(all)), zap.Int("removed", len(removed)))
+	return nil
+}
+
+// clientIfSame returns b's client when its pool sizing fits bc, so a reload that keeps a
+// backend keeps its warm connections; nil otherwise.
+func (b *Backend) clientIfSame(bc BackendConfig) *http.Client {
+	if b.MaxInflight != bc.MaxInflight {
+		return nil
+	}
+	return b.client
+}
+
+// pool is the backends of one role, their policy and their wait queue.
+type pool struct {
+	role Role
+	r    *Router
+
+	mu           sync.Mutex
+	backends     []*Backend
+	policy       Policy
+	policyName   string
+	prefixTokens int
+	queueSize    int
+	queueTimeout time.Duration
+	waiters      list.List // of *waiter, oldest first
+	scratch      []*Backend
+}
+
+type waiter struct {
+	h    Hint
+	ch   chan waitResult // buffered 1: the dispatcher never blocks
+	elem *list.Element
+}
+
+type waitResult struct {
+	lease *Lease
+	err   error
+}
+
+// pickLocked selects a backend for h. avail reports whether any backend could take h
+// were it not full, which tells "wait" from "no backend".
+func (p *pool) pickLocked(h Hint) (b *Backend, avail bool) {
+	now := p.r.now()
+	cands := p.scratch[:0]
+	for _, b := range p.backends {
+		if !b.available(now) || slices.Contains(h.Exclude, b.Name) {
+			continue
+		}
+		avail = true
+		if !b.full() {
+			cands = append(cands, b)
+		}
+	}
+	p.scratch = cands[:0]
+	if len(cands) == 0 {
+		return nil, avail
+	}
+	b = p.policy.Select(cands, h)
+	if b == nil || !slices.Contains(cands, b) {
+		b = cands[0] // a policy must pick a candidate; never let a bug pick a full one
+	}
+	clear(cands) // do not keep backends alive through the scratch slice
+	return b, true
+}
+
+func (p *pool) leaseLocked(b *Backend) *Lease {
+	b.st.inflight.Add(1)
+	return &Lease{b: b, p: p}
+}
+
+// dispatchLocked hands free slots to waiters, oldest first. A waiter that excludes the
+// free backends does not block the ones behind it.
+func (p *pool) dispatchLocked() {
+	for e := p.waiters.Front(); e != nil; {
+		next := e.Next()
+		w := e.Value.(*waiter)
+		b, avail := p.pickLocked(w.h)
+		switch {
+		case b != nil:
+			p.waiters.Remove(e)
+			w.elem = nil
+			w.ch <- waitResult{lease: p.leaseLocked(b)}
+		case !avail:
+			// Every backend it could use went down while it waited: waiting longer
+			// would only turn a clear 503 into a slow one.
+			p.waiters.Remove(e)
+			w.elem = nil
+			w.ch <- waitResult{err: ErrNoBackend}
+		case len(w.h.Exclude) == 0:
+			return // everything is full; nobody behind can be served either
+		}
+		e = next
+	}
+}
+
+// leave takes w out of the queue after its ctx ended or its time ran out. If a
+// dispatcher already served it, the result is waiting in w.ch: a lease is given back
+// unused, and an error stands.
+func (p *pool) leave(w *waiter, err error) waitResult {
+	p.mu.Lock()
+	if w.elem != nil { // still queued: w.elem is cleared under p.mu when served
+		p.waiters.Remove(w.elem)
+		w.elem = nil
+		p.mu.Unlock()
+		return waitResult{err: err}
+	}
+	p.mu.Unlock()
+	res := <-w.ch
+	if res.lease != nil {
+		res.lease.Release(Result{})
+		return waitResult{err: err}
+	}
+	return res
+}
+
+// kick dispatches waiters after a change that may free capacity outside a Release.
+func (p *pool) kick() {
+	p.mu.Lock()
+	p.dispatchLocked()
+	p.mu.Unlock()
+}
+
+// release ends one lease on b.
+func (p *pool) release(b *Backend, code string) {
+	p.mu.Lock()
+	removed := b.st.removed.Load()
+	if code != "" && !removed {
+		p.r.metrics.requests.WithLabelValues(b.Name, string(b.Role), code).Inc()
+	}
+	left := b.st.inflight.Add(-1)
+	p.dispatchLocked()
+	p.mu.Unlock()
+	if left < 0 {
+		// Cannot happen: a lease decrements once after incrementing once. Say so
+		// loudly rather than hide a broken invariant.
+		p.r.logger.Error("backend in-flight count went negative", zap.String("backend", b.Name), zap.Int64("inflight", left))
+	}
+	if removed && left == 0 {
+		b.closeIdle()
+	}
+}
+
+// Lease is one in-flight request counted on a backend, from Acquire until Release.
+type Lease struct {
+	b        *Backend
+	p        *pool
+	released atomic.Bool
+}
+
+// Backend is the backend the lease counts on.
+func (l *Lease) Backend() *Backend {
+	if l == nil {
+		return nil
+	}
+	return l.b
+}
+
+// Release ends the lease. Only the first call counts; later calls, from any goroutine,
+// do nothing, so a deferred Release may back up an explicit one. res feeds passive
+// health: a connect error or a 5xx counts a failure, a success resets the streak, a
+// client cancel or the zero Result counts nothing against the backend.
+func (l *Lease) Release(res Result) {
+	if l == nil || !l.released.CompareAndSwap(false, true) {
+		return
+	}
+	r := l.p.r
+	code, counted, failed := res.outcome()
+	if counted {
+		if d := l.b.observe(failed, r.now(), r.settings.Load().ejection); d > 0 {
+			r.logger.Warn("backend ejected",
+				zap.String("backend", l.b.Name), zap.String("role", string(l.b.Role)),
+				zap.Duration("backoff", d), zap.Int64("ejections", l.b.Ejections()))
+		}
+	}
+	l.p.release(l.b, code)
+}
