@@ -1,0 +1,86 @@
+package sim
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"golang.org/x/sync/errgroup"
+)
+
+// DefaultListen is the address `proxy sim` listens on without --listen.
+const DefaultListen = "127.0.0.1:8100"
+
+// shutdownGrace bounds how long RunCommand waits for in-flight responses.
+const shutdownGrace = 10 * time.Second
+
+// RunCommand implements `proxy sim [flags]`: it parses args (--listen plus
+// every flag of BindFlags), listens, logs the address to stderr, serves until
+// ctx is done, then shuts down gracefully and returns nil. With --help it
+// prints the usage to stderr and returns flag.ErrHelp.
+func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("sim", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	cfg := DefaultConfig()
+	listen := fs.String("listen", DefaultListen, "address to listen on (port 0 picks a free port)")
+	BindFlags(fs, &cfg)
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "Usage: proxy sim [flags]\n\n"+
+			"Runs one simulated vLLM-like engine (OpenAI API, P/D kv_transfer_params,\n"+
+			"KV block pool with hold/notify/expire). Per-request fault headers:\n"+
+			"X-Sim-Fail-Status, X-Sim-Stall, X-Sim-Close-After, X-Sim-Slow-Write.\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return err // flag.ErrHelp included: the caller exits 0 on it
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("sim: unexpected arguments %q", fs.Args())
+	}
+	logger := zap.New(zapcore.NewCore(
+		zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()),
+		zapcore.Lock(zapcore.AddSync(stderr)), zap.InfoLevel))
+	defer func() { _ = logger.Sync() }()
+
+	engine, err := New(cfg, logger)
+	if err != nil {
+		return err
+	}
+	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", *listen)
+	if err != nil {
+		return fmt.Errorf("sim: listen %s: %w", *listen, err)
+	}
+	srv := &http.Server{Handler: engine.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	logger.Info("sim engine listening", zap.String("addr", ln.Addr().String()),
+		zap.String("engine_id", engine.ID()), zap.String("role", cfg.Role), zap.String("model", cfg.Model))
+
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return engine.Run(gctx) })
+	g.Go(func() error {
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			return fmt.Errorf("sim: serve: %w", err)
+		}
+		return nil
+	})
+	g.Go(func() error {
+		<-gctx.Done()
+		// The engine stops with the same context and ends every request, so
+		// in-flight handlers return promptly; the grace period is a backstop.
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(gctx), shutdownGrace)
+		defer cancel()
+		if err := srv.Shutdown(sctx); err != nil {
+			_ = srv.Close()
+		}
+		return nil
+	})
+	err = g.Wait()
+	logger.Info("sim engine stopped", zap.String("addr", ln.Addr().String()))
+	return err
+}

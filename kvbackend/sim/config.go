@@ -1,0 +1,175 @@
+package sim
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"time"
+)
+
+// Config describes one simulated engine. The zero value of every field means
+// "use the default" (see DefaultConfig), except where a field says otherwise.
+type Config struct {
+	// Role is "prefill", "decode" or "both" (default). It is informational:
+	// every role serves every request kind, as a vLLM server with a
+	// NixlConnector in kv_both mode does. It appears in the engine id and logs.
+	Role string
+	// Model is the model name listed by /v1/models and used as the
+	// model_name metric label; default "sim".
+	Model string
+	// EngineID names this engine in kv_transfer_params.remote_engine_id;
+	// empty means "sim-<role>-<random hex>".
+	EngineID string
+	// KVBlocks is the size of the KV block pool; default 4096.
+	KVBlocks int
+	// BlockSize is the number of tokens per KV block; default 16 (vLLM's).
+	BlockSize int
+	// PrefillTime is the fixed cost of a prefill; default 20ms. Negative means 0.
+	PrefillTime time.Duration
+	// PrefillPerToken is added to PrefillTime per prompt token; default 0.
+	PrefillPerToken time.Duration
+	// ITL is the inter-token latency of a decoding request; default 10ms.
+	// Negative means 0: one token per request per scheduler step, as fast as
+	// the loop turns.
+	ITL time.Duration
+	// MaxRunning caps the requests holding blocks and computing at once
+	// (prefilling, pulling or decoding); the rest wait in a FIFO queue.
+	// Default 256.
+	MaxRunning int
+	// KVHoldTimeout is how long a prefiller holds a finished prefill's blocks
+	// for a decoder's read before freeing them itself (vLLM's
+	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT); default 480s.
+	KVHoldTimeout time.Duration
+	// KVTransferTime is the decoder's cost per pulled block; default 0.
+	KVTransferTime time.Duration
+	// Seed feeds the deterministic token source (with the request id).
+	Seed int64
+	// Clock drives the scheduler, holds and fault delays; nil means the real clock.
+	Clock Clock
+
+	// FailStatus, when non-zero, answers every completion request with this
+	// HTTP status and an OpenAI error body (header X-Sim-Fail-Status overrides).
+	FailStatus int
+	// Stall delays the first byte of every completion response; the engine
+	// works meanwhile (header X-Sim-Stall overrides).
+	Stall time.Duration
+	// CloseAfter, when positive, closes the connection after that many SSE
+	// events (streaming) or body bytes (non-streaming). 0 disables it here;
+	// the header X-Sim-Close-After: 0 closes before any byte.
+	CloseAfter int
+	// SlowWrite sleeps before every write of a completion response
+	// (header X-Sim-Slow-Write overrides).
+	SlowWrite time.Duration
+}
+
+// Defaults, in one place so that DefaultConfig, BindFlags and New agree.
+const (
+	defaultRole          = "both"
+	defaultModel         = "sim"
+	defaultKVBlocks      = 4096
+	defaultBlockSize     = 16
+	defaultPrefillTime   = 20 * time.Millisecond
+	defaultITL           = 10 * time.Millisecond
+	defaultMaxRunning    = 256
+	defaultKVHoldTimeout = 480 * time.Second
+)
+
+// DefaultConfig returns the configuration that New uses for zero fields.
+func DefaultConfig() Config {
+	return Config{
+		Role:          defaultRole,
+		Model:         defaultModel,
+		KVBlocks:      defaultKVBlocks,
+		BlockSize:     defaultBlockSize,
+		PrefillTime:   defaultPrefillTime,
+		ITL:           defaultITL,
+		MaxRunning:    defaultMaxRunning,
+		KVHoldTimeout: defaultKVHoldTimeout,
+	}
+}
+
+// BindFlags registers one flag per Config field on fs, with cfg's current
+// values as defaults, so `proxy sim --help` documents them all.
+func BindFlags(fs *flag.FlagSet, cfg *Config) {
+	fs.StringVar(&cfg.Role, "role", cfg.Role, `engine role: "prefill", "decode" or "both" (informational: every role serves every request kind)`)
+	fs.StringVar(&cfg.Model, "model", cfg.Model, "model name served and listed by /v1/models")
+	fs.StringVar(&cfg.EngineID, "engine-id", cfg.EngineID, "engine id sent as kv_transfer_params.remote_engine_id (empty: sim-<role>-<random>)")
+	fs.IntVar(&cfg.KVBlocks, "kv-blocks", cfg.KVBlocks, "number of KV cache blocks in the pool")
+	fs.IntVar(&cfg.BlockSize, "block-size", cfg.BlockSize, "tokens per KV block")
+	fs.DurationVar(&cfg.PrefillTime, "prefill-time", cfg.PrefillTime, "fixed time a prefill takes")
+	fs.DurationVar(&cfg.PrefillPerToken, "prefill-per-token", cfg.PrefillPerToken, "extra prefill time per prompt token")
+	fs.DurationVar(&cfg.ITL, "itl", cfg.ITL, "inter-token latency while decoding (0: one token per scheduler step)")
+	fs.IntVar(&cfg.MaxRunning, "max-running", cfg.MaxRunning, "requests computing at once; the rest wait in a FIFO queue")
+	fs.DurationVar(&cfg.KVHoldTimeout, "kv-hold-timeout", cfg.KVHoldTimeout, "how long a prefiller holds KV blocks for a decoder's pull before freeing them")
+	fs.DurationVar(&cfg.KVTransferTime, "kv-transfer-time", cfg.KVTransferTime, "decoder's pull cost per KV block")
+	fs.Int64Var(&cfg.Seed, "seed", cfg.Seed, "seed of the deterministic token source (tokens also depend on the request id)")
+	fs.IntVar(&cfg.FailStatus, "fail-status", cfg.FailStatus, "fault: answer every completion request with this HTTP status (0: off; header X-Sim-Fail-Status)")
+	fs.DurationVar(&cfg.Stall, "stall", cfg.Stall, "fault: delay the first byte of every completion response (header X-Sim-Stall)")
+	fs.IntVar(&cfg.CloseAfter, "close-after", cfg.CloseAfter, "fault: close the connection after N SSE events or N body bytes (0: off; header X-Sim-Close-After)")
+	fs.DurationVar(&cfg.SlowWrite, "slow-write", cfg.SlowWrite, "fault: sleep before every response write (header X-Sim-Slow-Write)")
+}
+
+// withDefaults fills zero fields and rejects values that cannot work.
+func (c Config) withDefaults() (Config, error) {
+	d := DefaultConfig()
+	if c.Role == "" {
+		c.Role = d.Role
+	}
+	if c.Model == "" {
+		c.Model = d.Model
+	}
+	if c.KVBlocks == 0 {
+		c.KVBlocks = d.KVBlocks
+	}
+	if c.BlockSize == 0 {
+		c.BlockSize = d.BlockSize
+	}
+	if c.PrefillTime == 0 {
+		c.PrefillTime = d.PrefillTime
+	}
+	if c.ITL == 0 {
+		c.ITL = d.ITL
+	}
+	if c.MaxRunning == 0 {
+		c.MaxRunning = d.MaxRunning
+	}
+	if c.KVHoldTimeout == 0 {
+		c.KVHoldTimeout = d.KVHoldTimeout
+	}
+	// A negative duration is the way to ask for "none" when 0 means default.
+	c.PrefillTime = max(c.PrefillTime, 0)
+	c.ITL = max(c.ITL, 0)
+	c.PrefillPerToken = max(c.PrefillPerToken, 0)
+	c.KVTransferTime = max(c.KVTransferTime, 0)
+	if c.Clock == nil {
+		c.Clock = realClock{}
+	}
+	var errs []error
+	switch c.Role {
+	case "prefill", "decode", "both":
+	default:
+		errs = append(errs, fmt.Errorf("role %q: want prefill, decode or both", c.Role))
+	}
+	if c.KVBlocks < 0 {
+		errs = append(errs, fmt.Errorf("kv blocks %d: must be positive", c.KVBlocks))
+	}
+	if c.BlockSize < 0 {
+		errs = append(errs, fmt.Errorf("block size %d: must be positive", c.BlockSize))
+	}
+	if c.MaxRunning < 0 {
+		errs = append(errs, fmt.Errorf("max running %d: must be positive", c.MaxRunning))
+	}
+	if c.KVHoldTimeout < 0 {
+		errs = append(errs, fmt.Errorf("kv hold timeout %s: must be positive", c.KVHoldTimeout))
+	}
+	if c.FailStatus != 0 && (c.FailStatus < 100 || c.FailStatus > 999) {
+		errs = append(errs, fmt.Errorf("fail status %d: not an HTTP status", c.FailStatus))
+	}
+	if c.CloseAfter < 0 || c.Stall < 0 || c.SlowWrite < 0 {
+		errs = append(errs, errors.New("fault settings must not be negative"))
+	}
+	if len(errs) > 0 {
+		return c, fmt.Errorf("sim config: %w", errors.Join(errs...))
+	}
+	return c, nil
+}

@@ -1,0 +1,69 @@
+// Package sim owns a simulated vLLM-like engine for disaggregated
+// prefill/decode: a real HTTP server with an OpenAI-shaped API, a KV block
+// pool, a FIFO queue and a step loop with vLLM's NixlConnector semantics for
+// holding, pulling, notifying and expiring KV blocks, races included. The
+// proxy's tests, CI and `go run ./cmd/proxy` (its embedded default) use it.
+//
+// # Requests
+//
+// POST /v1/completions and POST /v1/chat/completions take vLLM-shaped bodies
+// (prompt or messages, max_tokens, max_completion_tokens, min_tokens,
+// ignore_eos, stream, stream_options.include_usage, kv_transfer_params) and
+// answer like vLLM, streaming (SSE, ending with "data: [DONE]") or not. The
+// request id is the X-Request-Id header (generated when absent), echoed in
+// the response header; response ids are "cmpl-<rid>" / "chatcmpl-<rid>".
+//
+// Prompt tokens are counted without a tokenizer: ceil(bytes/4) for a string
+// prompt (at least 1), one per id for a token-id prompt, and for chat the sum
+// of ceil(bytes/4) over the message contents (at least 1). A prompt needing
+// more blocks than the pool has is a 400.
+//
+// Output token i is the word " tok<k>" with k a hash of (Seed, request id, i)
+// in [0, 50000), so engines with the same seed give a request id the same
+// answer. Without ignore_eos, token i (i >= min_tokens) is an EOS with
+// probability 1/256, again from the hash: the request then ends with
+// finish_reason "stop" and that token, counted in usage, has no text. With
+// ignore_eos a request yields exactly max_tokens tokens (default 16).
+//
+// # Prefill / decode
+//
+// A body with kv_transfer_params.do_remote_decode=true is a prefill: it takes
+// ceil(prompt_tokens/block_size) blocks, waits PrefillTime (+PrefillPerToken
+// per prompt token), emits one token, and if it ended length-capped, holds its
+// blocks and answers a top-level kv_transfer_params object (do_remote_prefill,
+// remote_block_ids, remote_engine_id, remote_request_id, remote_host and
+// remote_port of the connection it came in on, tp_size). A prefill that
+// stopped on EOS frees at once and answers kv_transfer_params null.
+//
+// A body with kv_transfer_params.do_remote_prefill=true is a decode: it takes
+// its own blocks, pulls the prefiller's (see kvtransfer.go for the /kv/pull
+// and /kv/notify protocol), notifies the prefiller, which frees at its next
+// step, then decodes. A pull of blocks no longer held fails the decode with a
+// 500 kv_transfer_failed error, never a 200. A decode that ends before its
+// pull (client gone, abort) still notifies the prefiller.
+//
+// A hold is freed exactly once: by the notification, by an explicit
+// POST /abort_request {"rid":".."}, or after KVHoldTimeout. Aborts and
+// notifications that arrive late (request finished, expired or unknown) are
+// logged, counted in late_events_total and otherwise ignored; an abort caused
+// by a client disconnect never frees a hold (vLLM's abort-after-finish no-op).
+// Events are queued and applied at step boundaries, as in vLLM's scheduler.
+//
+// # Other endpoints
+//
+// GET /health, GET /v1/models, GET /debug/kv (KVStats as JSON) and
+// GET /metrics (the engine's own registry: vllm:num_requests_running,
+// vllm:num_requests_waiting, vllm:kv_cache_usage_perc with a model_name label,
+// plus pdproxy_sim_* counters).
+//
+// # Fault injection
+//
+// Config fields (flags) set defaults, request headers override them:
+//
+//	X-Sim-Fail-Status: 503   answer that status at once, OpenAI error body
+//	X-Sim-Stall: 2s          delay the first response byte; the engine works
+//	                         meanwhile (abortable by the client)
+//	X-Sim-Close-After: N     cut the connection after N SSE events (streaming)
+//	                         or N body bytes (non-streaming); 0 = before any byte
+//	X-Sim-Slow-Write: 50ms   sleep before every write (abortable)
+package sim

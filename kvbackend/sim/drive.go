@@ -1,0 +1,98 @@
+package sim
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// drive submits r to the engine and hands each of its tokens to emit until
+// the request ends. It owns the decoder's side of the KV transfer: it pulls
+// when the scheduler has allocated r's blocks, notifies the prefiller, and
+// reports the pull's end to the scheduler. Whatever way it returns (ctx
+// done, emit failing, a panic(http.ErrAbortHandler) inside emit), a request
+// the engine has not ended is aborted, and a decode whose prefiller was not
+// told yet is notified, so the prefiller frees its hold (vLLM does the same
+// for a do_remote_prefill request aborted before its KV arrived).
+//
+// The error is nil once the last token was emitted; otherwise an *apiError
+// the engine answered with, errAborted, ctx's error or emit's.
+func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error) error {
+	if err := e.submit(r); err != nil {
+		return err
+	}
+	var (
+		ended    bool // the engine ended r: nothing to abort
+		notified bool // decode: the prefiller was told to free its hold
+		gone     bool // decode: the prefiller said it holds nothing
+	)
+	defer func() {
+		if !ended {
+			e.abortRequest(r)
+		}
+		if r.kind == kindDecode && !notified && !gone {
+			e.notifyPrefiller(ctx, r)
+		}
+	}()
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-r.ready:
+		}
+		for _, o := range r.take() {
+			switch o.kind {
+			case outPull:
+				err := e.pullKV(ctx, r)
+				gone = errors.Is(err, errKVNotHeld)
+				if err == nil {
+					notified = true
+					e.notifyPrefiller(ctx, r)
+				}
+				if ctx.Err() != nil {
+					return ctx.Err()
+				}
+				e.finishedReceiving(r, err)
+			case outEnd:
+				ended = true
+				return o.err
+			case outToken:
+				ended = o.finish != ""
+				if err := emit(o); err != nil {
+					return err
+				}
+				if ended {
+					return nil
+				}
+			}
+		}
+	}
+}
+
+// pullKV reads the prefiller's blocks: the transfer time, then the pull call
+// that verifies the blocks are still held at the end of the read.
+func (e *Engine) pullKV(ctx context.Context, r *request) error {
+	cost := time.Duration(len(r.remote.RemoteBlockIDs)) * e.cfg.KVTransferTime
+	if err := sleep(ctx, e.clock, cost); err != nil {
+		return err
+	}
+	if err := e.transport.pull(ctx, r.remote); err != nil {
+		e.log.Warn("kv pull failed", zap.String("request_id", r.rid), zap.String("prefiller", r.remote.RemoteEngineID), zap.Error(err))
+		return err
+	}
+	return nil
+}
+
+// notifyPrefiller sends the read-complete notification. It runs on a context
+// detached from the request's on purpose: the request may be ending because
+// its client left, and the prefiller must hear about it all the same.
+func (e *Engine) notifyPrefiller(ctx context.Context, r *request) {
+	nctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), notifyTimeout)
+	defer cancel()
+	if err := e.transport.notify(nctx, r.remote); err != nil {
+		e.log.Warn("kv notify failed: the prefiller frees at its hold timeout",
+			zap.String("request_id", r.rid), zap.String("prefiller", r.remote.RemoteEngineID), zap.Error(err))
+	}
+}

@@ -1,0 +1,322 @@
+package sim
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// reqKind is what a request asks of the engine.
+type reqKind uint8
+
+const (
+	kindAggregated reqKind = iota // prefill and decode here
+	kindPrefill                   // do_remote_decode: prefill, then hold the KV for a decoder
+	kindDecode                    // do_remote_prefill: pull the KV from a prefiller, then decode
+)
+
+func (k reqKind) String() string {
+	switch k {
+	case kindPrefill:
+		return "prefill"
+	case kindDecode:
+		return "decode"
+	default:
+		return "aggregated"
+	}
+}
+
+// reqState is where a request is in the scheduler.
+type reqState uint8
+
+const (
+	stateNew        reqState = iota // submitted, not yet seen by a step
+	stateWaiting                    // in the FIFO queue, no blocks
+	statePrefilling                 // blocks allocated, prefill computing
+	statePulling                    // decode: blocks allocated, waiting for the pull (vLLM's WAITING_FOR_REMOTE_KVS)
+	stateDecoding                   // emitting tokens
+	stateHeld                       // prefill finished, blocks held for a decoder's read
+	stateDone                       // finished, aborted, failed or expired: owns nothing
+)
+
+// request is one request inside the engine. Fields under "scheduler" belong
+// to the step (Engine.mu); the output queue has its own lock so a slow
+// client never blocks the scheduler.
+type request struct {
+	seq          uint64
+	rid          string
+	kind         reqKind
+	promptTokens int
+	maxTokens    int
+	minTokens    int
+	ignoreEOS    bool
+	remote       *kvTransferParams // decode only
+	needBlocks   int
+	hash         uint64
+
+	// scheduler
+	state     reqState
+	blocks    []int
+	readyAt   time.Time // prefill end, or next token
+	generated int
+	expiresAt time.Time // held only
+
+	outMu sync.Mutex
+	outs  []output
+	ready chan struct{} // capacity 1: "outs has something"
+}
+
+type outKind uint8
+
+const (
+	outPull  outKind = iota // decode: blocks allocated, pull the KV now
+	outToken                // a token; finish != "" on the last one
+	outEnd                  // ended without a token: err says why
+)
+
+type output struct {
+	kind     outKind
+	index    int    // token index
+	text     string // token text, "" for an EOS
+	finish   string // "length", "stop" or "" if more follow
+	held     []int  // prefill ending in a hold: the held block ids
+	err      error  // outEnd: an *apiError, or errAborted
+	complete int    // tokens generated when this output was made
+}
+
+func (r *request) push(o output) {
+	r.outMu.Lock()
+	r.outs = append(r.outs, o)
+	r.outMu.Unlock()
+	select {
+	case r.ready <- struct{}{}:
+	default:
+	}
+}
+
+func (r *request) take() []output {
+	r.outMu.Lock()
+	defer r.outMu.Unlock()
+	o := r.outs
+	r.outs = nil
+	return o
+}
+
+type evKind uint8
+
+const (
+	evAdd              evKind = iota
+	evAbort                   // the request's own client went away (vLLM: disconnect -> abort)
+	evAbortRID                // explicit /abort_request: also frees a held request
+	evFinishedSending         // prefiller: a decoder read the blocks of rid and is done with them
+	evFinishedReceving        // decoder: the pull of req ended, err says how
+)
+
+type event struct {
+	kind evKind
+	req  *request
+	rid  string
+	err  error
+}
+
+// errAborted ends a request that an explicit abort or the engine's shutdown
+// took away from its handler.
+var errAborted = errors.New("request aborted")
+
+// Engine is one simulated vLLM-like engine: a KV block pool, a FIFO queue,
+// a step loop and the HTTP endpoints in front of them.
+type Engine struct {
+	cfg       Config
+	log       *zap.Logger
+	id        string
+	clock     Clock
+	transport kvTransport
+	client    *http.Client // for the pull/notify protocol; closed when Run ends
+	registry  *prometheus.Registry
+
+	wake chan struct{} // capacity 1: "the inbox has events"
+
+	mu      sync.Mutex
+	inbox   []event
+	closed  bool // Run ended: no more requests
+	seq     uint64
+	pool    *blockPool
+	live    map[string]*request // waiting .. decoding, by request id
+	held    map[string]*request // prefills holding blocks for a decoder, by request id
+	waiting []*request          // FIFO
+	running []*request          // prefilling, pulling or decoding
+	counts  counters
+}
+
+type counters struct {
+	requests    int
+	aborted     int
+	expired     int
+	lateEvents  int
+	doubleFrees int
+}
+
+// KVStats is a snapshot of the engine's KV pool and request counters, the
+// body of GET /debug/kv. BlocksFree+BlocksInUse+BlocksHeld == BlocksTotal
+// always holds; DoubleFreeAttemptsTotal must stay 0.
+type KVStats struct {
+	BlocksTotal int `json:"blocks_total"`
+	BlocksFree  int `json:"blocks_free"`
+	// BlocksHeld are held by finished prefills for a decoder's pull.
+	BlocksHeld int `json:"blocks_held"`
+	// BlocksInUse belong to waiting-for-pull, prefilling or decoding requests.
+	BlocksInUse     int `json:"blocks_in_use"`
+	HeldRequests    int `json:"held_requests"`
+	RunningRequests int `json:"running_requests"`
+	WaitingRequests int `json:"waiting_requests"`
+	// RequestsTotal counts requests the scheduler accepted.
+	RequestsTotal int `json:"requests_total"`
+	// AbortedTotal counts aborts that ended a live request or freed a hold.
+	AbortedTotal int `json:"aborted_total"`
+	// ExpiredTotal counts holds freed by KVHoldTimeout.
+	ExpiredTotal int `json:"expired_total"`
+	// LateEventsTotal counts aborts and notifications for requests that had
+	// already finished, expired or were unknown: ignored, by design.
+	LateEventsTotal         int `json:"late_events_total"`
+	DoubleFreeAttemptsTotal int `json:"double_free_attempts_total"`
+}
+
+// New builds an engine; call Run to start its scheduler and serve Handler.
+func New(cfg Config, logger *zap.Logger) (*Engine, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = zap.NewNop()
+	}
+	id := cfg.EngineID
+	if id == "" {
+		var b [6]byte
+		_, _ = rand.Read(b[:]) // never fails (crypto/rand panics instead)
+		id = "sim-" + cfg.Role + "-" + hex.EncodeToString(b[:])
+	}
+	client := newTransferClient()
+	e := &Engine{
+		cfg:       cfg,
+		log:       logger.With(zap.String("engine_id", id), zap.String("role", cfg.Role)),
+		id:        id,
+		clock:     cfg.Clock,
+		transport: &httpTransport{client: client},
+		client:    client,
+		wake:      make(chan struct{}, 1),
+		pool:      newBlockPool(cfg.KVBlocks),
+		live:      make(map[string]*request),
+		held:      make(map[string]*request),
+	}
+	e.registry = e.newRegistry()
+	return e, nil
+}
+
+// ID is the engine id this engine puts in kv_transfer_params.
+func (e *Engine) ID() string { return e.id }
+
+// newRequest turns a parsed API request into an engine request.
+func (e *Engine) newRequest(rid string, a *apiRequest) (*request, error) {
+	need := (a.promptTokens + e.cfg.BlockSize - 1) / e.cfg.BlockSize
+	if need > e.cfg.KVBlocks {
+		return nil, badRequest("prompt_too_long", "prompt of %d tokens needs %d KV blocks, the pool has %d", a.promptTokens, need, e.cfg.KVBlocks)
+	}
+	r := &request{
+		rid:          rid,
+		kind:         a.kind,
+		promptTokens: a.promptTokens,
+		maxTokens:    a.maxTokens,
+		minTokens:    a.minTokens,
+		ignoreEOS:    a.ignoreEOS,
+		remote:       a.kv,
+		needBlocks:   need,
+		hash:         ridHash(e.cfg.Seed, rid),
+		ready:        make(chan struct{}, 1),
+	}
+	if r.remote != nil && r.remote.RemoteRequestID == "" {
+		// Older vLLM versions name the prefiller's request by the shared X-Request-Id.
+		r.remote.RemoteRequestID = rid
+	}
+	return r, nil
+}
+
+// enqueue hands an event to the next step.
+func (e *Engine) enqueue(ev event) error {
+	e.mu.Lock()
+	if e.closed && ev.kind == evAdd {
+		e.mu.Unlock()
+		return statusError(http.StatusServiceUnavailable, "engine_stopped", "engine is shutting down")
+	}
+	if ev.kind == evAdd {
+		e.seq++
+		ev.req.seq = e.seq
+	}
+	e.inbox = append(e.inbox, ev)
+	e.mu.Unlock()
+	select {
+	case e.wake <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+func (e *Engine) submit(r *request) error { return e.enqueue(event{kind: evAdd, req: r}) }
+
+// abortRequest aborts r because its own client went away. Like vLLM, it is a
+// no-op once r finished, including when r finished into a hold (race R1).
+func (e *Engine) abortRequest(r *request) { _ = e.enqueue(event{kind: evAbort, req: r}) }
+
+// abortRID is the explicit /abort_request: it also frees a held request.
+func (e *Engine) abortRID(rid string) { _ = e.enqueue(event{kind: evAbortRID, rid: rid}) }
+
+// finishedSending is the prefiller side of a decoder's notification.
+func (e *Engine) finishedSending(rid string) {
+	_ = e.enqueue(event{kind: evFinishedSending, rid: rid})
+}
+
+// finishedReceiving is the decoder side: the pull of r ended with err.
+func (e *Engine) finishedReceiving(r *request, err error) {
+	_ = e.enqueue(event{kind: evFinishedReceving, req: r, err: err})
+}
+
+// Run is the scheduler loop. It steps whenever events arrive or work is due,
+// sleeps otherwise, and returns nil once ctx is done, after aborting every
+// request and freeing every block.
+func (e *Engine) Run(ctx context.Context) error {
+	defer e.client.CloseIdleConnections()
+	defer e.shutdown()
+	for {
+		if ctx.Err() != nil {
+			return nil
+		}
+		now := e.clock.Now()
+		next, ok := e.step(now)
+		if ok && !next.After(now) {
+			continue // more work is due at once (ITL 0)
+		}
+		var (
+			fire  <-chan time.Time
+			timer Timer
+		)
+		if ok {
+			timer = e.clock.NewTimer(next.Sub(now))
+			fire = timer.C()
+		}
+		select {
+		case <-ctx.Done():
+		case <-e.wake:
+		case <-fire:
+		}
+		if timer != nil {
+			timer.Stop()
+		}
+	}
+}

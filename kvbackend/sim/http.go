@@ -1,0 +1,464 @@
+package sim
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.uber.org/zap"
+)
+
+// Handler serves every endpoint of the engine. Run must be running for
+// completion requests to make progress.
+func (e *Engine) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/completions", e.handleCompletion(false))
+	mux.HandleFunc("POST /v1/chat/completions", e.handleCompletion(true))
+	mux.HandleFunc("POST /abort_request", e.handleAbort)
+	mux.HandleFunc("POST /kv/pull", e.handlePull)
+	mux.HandleFunc("POST /kv/notify", e.handleNotify)
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	mux.HandleFunc("GET /v1/models", e.handleModels)
+	mux.HandleFunc("GET /debug/kv", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, e.Stats()) })
+	mux.Handle("GET /metrics", promhttp.HandlerFor(e.registry, promhttp.HandlerOpts{}))
+	return mux
+}
+
+// faults are the fault injections for one request: flag defaults, then headers.
+type faults struct {
+	failStatus int
+	stall      time.Duration
+	closeAfter int // -1: never
+	slowWrite  time.Duration
+}
+
+// Fault injection headers, read on completion requests.
+const (
+	HeaderFailStatus = "X-Sim-Fail-Status"
+	HeaderStall      = "X-Sim-Stall"
+	HeaderCloseAfter = "X-Sim-Close-After"
+	HeaderSlowWrite  = "X-Sim-Slow-Write"
+)
+
+func (e *Engine) faults(h http.Header) (faults, error) {
+	f := faults{failStatus: e.cfg.FailStatus, stall: e.cfg.Stall, closeAfter: -1, slowWrite: e.cfg.SlowWrite}
+	if e.cfg.CloseAfter > 0 {
+		f.closeAfter = e.cfg.CloseAfter
+	}
+	if v := h.Get(HeaderFailStatus); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 100 || n > 999 {
+			return f, badRequest("invalid_fault", "%s: %q is not an HTTP status", HeaderFailStatus, v)
+		}
+		f.failStatus = n
+	}
+	if v := h.Get(HeaderCloseAfter); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return f, badRequest("invalid_fault", "%s: %q is not a count", HeaderCloseAfter, v)
+		}
+		f.closeAfter = n
+	}
+	for _, d := range []struct {
+		name string
+		dst  *time.Duration
+	}{{HeaderStall, &f.stall}, {HeaderSlowWrite, &f.slowWrite}} {
+		if v := h.Get(d.name); v != "" {
+			dur, err := time.ParseDuration(v)
+			if err != nil || dur < 0 {
+				return f, badRequest("invalid_fault", "%s: %q is not a duration", d.name, v)
+			}
+			*d.dst = dur
+		}
+	}
+	return f, nil
+}
+
+func newRequestID() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return "sim-" + hex.EncodeToString(b[:])
+}
+
+func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		rid := r.Header.Get("X-Request-Id")
+		if rid == "" {
+			rid = newRequestID()
+		}
+		w.Header().Set("X-Request-Id", rid)
+		f, err := e.faults(r.Header)
+		if err != nil {
+			writeError(w, err)
+			return
+		}
+		if f.failStatus != 0 {
+			if f.failStatus == http.StatusServiceUnavailable || f.failStatus == http.StatusTooManyRequests {
+				w.Header().Set("Retry-After", "1")
+			}
+			writeError(w, statusError(f.failStatus, "injected_fault", "injected failure (status %d)", f.failStatus))
+			return
+		}
+		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
+		if err != nil {
+			var tooBig *http.MaxBytesError
+			if errors.As(err, &tooBig) {
+				writeError(w, statusError(http.StatusRequestEntityTooLarge, "body_too_large", "request body larger than %d bytes", maxBodyBytes))
+				return
+			}
+			writeError(w, badRequest("unreadable_body", "read request body: %v", err))
+			return
+		}
+		a, err := parseRequest(body, chat)
+		if err != nil {
+			writeError(w, err)
+			return
+		}
+		req, err := e.newRequest(rid, a)
+		if err != nil {
+			writeError(w, err)
+			return
+		}
+		model := a.model
+		if model == "" {
+			model = e.cfg.Model
+		}
+		resp := &responder{
+			e: e, w: w, rc: http.NewResponseController(w), ctx: r.Context(),
+			api: a, rid: rid, model: model, created: e.clock.Now().Unix(), f: f,
+			local: localAddr(r),
+		}
+		resp.id = "cmpl-" + rid
+		if chat {
+			resp.id = "chatcmpl-" + rid
+		}
+		err = e.drive(r.Context(), req, resp.emit)
+		resp.end(err)
+	}
+}
+
+func localAddr(r *http.Request) *net.TCPAddr {
+	if a, ok := r.Context().Value(http.LocalAddrContextKey).(*net.TCPAddr); ok {
+		return a
+	}
+	return &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)}
+}
+
+// responder writes one completion response, streaming or not, with the
+// request's fault injections applied to its writes.
+type responder struct {
+	e       *Engine
+	w       http.ResponseWriter
+	rc      *http.ResponseController
+	ctx     context.Context
+	api     *apiRequest
+	f       faults
+	local   *net.TCPAddr
+	rid     string
+	id      string
+	model   string
+	created int64
+
+	started bool // stream: headers sent
+	events  int  // stream: SSE events written
+	text    strings.Builder
+	last    output // the last token, once finished
+}
+
+// Response shapes, vLLM's field names.
+type usage struct {
+	PromptTokens     int `json:"prompt_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+	TotalTokens      int `json:"total_tokens"`
+}
+
+type message struct {
+	Role    string  `json:"role,omitempty"`
+	Content *string `json:"content,omitempty"`
+}
+
+type choice struct {
+	Index        int      `json:"index"`
+	Text         *string  `json:"text,omitempty"`
+	Message      *message `json:"message,omitempty"`
+	Delta        *message `json:"delta,omitempty"`
+	Logprobs     any      `json:"logprobs"`
+	FinishReason *string  `json:"finish_reason"`
+}
+
+type completion struct {
+	ID               string            `json:"id"`
+	Object           string            `json:"object"`
+	Created          int64             `json:"created"`
+	Model            string            `json:"model"`
+	Choices          []choice          `json:"choices"`
+	Usage            *usage            `json:"usage,omitempty"`
+	KVTransferParams *kvTransferParams `json:"kv_transfer_params"`
+}
+
+func (p *responder) usage(completionTokens int) *usage {
+	return &usage{PromptTokens: p.api.promptTokens, CompletionTokens: completionTokens, TotalTokens: p.api.promptTokens + completionTokens}
+}
+
+// kvParams is the top-level kv_transfer_params of a prefill that ended in a
+// hold: the address is the one this connection reached, so it works on port 0.
+func (p *responder) kvParams(held []int) *kvTransferParams {
+	if held == nil {
+		return nil
+	}
+	return &kvTransferParams{
+		DoRemotePrefill: true,
+		RemoteBlockIDs:  held,
+		RemoteEngineID:  p.e.id,
+		RemoteRequestID: p.rid,
+		RemoteHost:      p.local.IP.String(),
+		RemotePort:      p.local.Port,
+		TPSize:          1,
+	}
+}
+
+func (p *responder) emit(o output) error {
+	if !p.api.stream {
+		p.text.WriteString(o.text)
+		p.last = o
+		return nil
+	}
+	if !p.started {
+		if err := p.begin(); err != nil {
+			return err
+		}
+	}
+	var finish *string
+	if o.finish != "" {
+		finish = &o.finish
+	}
+	c := p.chunk(choice{FinishReason: finish}, o.text)
+	if o.finish != "" {
+		c.KVTransferParams = p.kvParams(o.held)
+	}
+	if err := p.event(c); err != nil {
+		return err
+	}
+	if o.finish == "" {
+		return nil
+	}
+	return p.done(o.complete)
+}
+
+// begin sends the stream's headers (after the stall fault) and, for chat,
+// the role chunk vLLM sends first.
+func (p *responder) begin() error {
+	if err := sleep(p.ctx, p.e.clock, p.f.stall); err != nil {
+		return err
+	}
+	h := p.w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	p.w.WriteHeader(http.StatusOK)
+	p.started = true
+	if p.api.chat {
+		empty := ""
+		c := p.chunk(choice{}, "")
+		c.Choices[0].Delta = &message{Role: "assistant", Content: &empty}
+		return p.event(c)
+	}
+	return nil
+}
+
+// done ends a stream: the usage chunk if asked for, then [DONE].
+func (p *responder) done(completionTokens int) error {
+	if p.api.includeUsage {
+		c := p.chunk(choice{}, "")
+		c.Choices = []choice{}
+		c.Usage = p.usage(completionTokens)
+		if err := p.event(c); err != nil {
+			return err
+		}
+	}
+	return p.write([]byte("data: [DONE]\n\n"))
+}
+
+// chunk builds a streaming chunk carrying text in choices[0].
+func (p *responder) chunk(ch choice, text string) *completion {
+	c := &completion{ID: p.id, Created: p.created, Model: p.model}
+	if p.api.chat {
+		c.Object = "chat.completion.chunk"
+		ch.Delta = &message{Content: &text}
+	} else {
+		c.Object = "text_completion"
+		ch.Text = &text
+	}
+	c.Choices = []choice{ch}
+	return c
+}
+
+func (p *responder) event(v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	buf := make([]byte, 0, len(b)+8)
+	buf = append(buf, "data: "...)
+	buf = append(buf, b...)
+	buf = append(buf, "\n\n"...)
+	return p.write(buf)
+}
+
+// write sends one SSE event and flushes it, applying the close-after and
+// slow-write faults.
+func (p *responder) write(b []byte) error {
+	if p.f.closeAfter >= 0 && p.events >= p.f.closeAfter {
+		// The honest way to cut a response that is already streaming.
+		panic(http.ErrAbortHandler)
+	}
+	if err := sleep(p.ctx, p.e.clock, p.f.slowWrite); err != nil {
+		return err
+	}
+	p.events++
+	if _, err := p.w.Write(b); err != nil {
+		return err
+	}
+	return p.rc.Flush()
+}
+
+// end writes what is left once drive returned err.
+func (p *responder) end(err error) {
+	switch {
+	case err == nil && p.api.stream:
+		return
+	case err == nil || errors.Is(err, errAborted):
+		p.writeWhole(err != nil)
+		return
+	case p.ctx.Err() != nil:
+		if ce := p.e.log.Check(zap.DebugLevel, "client gone, request aborted"); ce != nil {
+			ce.Write(zap.String("request_id", p.rid), zap.Error(err))
+		}
+		return
+	}
+	var ae *apiError
+	if !errors.As(err, &ae) {
+		// A write to the client failed: nobody is left to answer.
+		p.e.log.Debug("response write failed", zap.String("request_id", p.rid), zap.Error(err))
+		return
+	}
+	if !p.started {
+		if ae.Status >= 500 {
+			p.e.log.Warn("request failed", zap.String("request_id", p.rid), zap.Error(err))
+		}
+		writeError(p.w, ae)
+		return
+	}
+	// Headers are gone: report in the stream, as vLLM does.
+	if p.event(map[string]*apiError{"error": ae}) == nil {
+		_ = p.write([]byte("data: [DONE]\n\n"))
+	}
+}
+
+// writeWhole writes a non-streaming answer, or the end of an aborted stream.
+func (p *responder) writeWhole(aborted bool) {
+	finish := p.last.finish
+	if aborted {
+		finish = "abort"
+	}
+	if p.api.stream {
+		if !p.started && p.begin() != nil {
+			return
+		}
+		c := p.chunk(choice{FinishReason: &finish}, "")
+		if p.event(c) == nil {
+			_ = p.done(p.last.complete)
+		}
+		return
+	}
+	text := p.text.String()
+	ch := choice{FinishReason: &finish}
+	c := &completion{ID: p.id, Created: p.created, Model: p.model, Usage: p.usage(p.last.complete)}
+	if p.api.chat {
+		c.Object = "chat.completion"
+		ch.Message = &message{Role: "assistant", Content: &text}
+	} else {
+		c.Object = "text_completion"
+		ch.Text = &text
+	}
+	c.Choices = []choice{ch}
+	if !aborted {
+		c.KVTransferParams = p.kvParams(p.last.held)
+	}
+	body, err := json.Marshal(c)
+	if err != nil {
+		p.e.log.Error("encode response", zap.String("request_id", p.rid), zap.Error(err))
+		return
+	}
+	body = append(body, '\n')
+	if err := sleep(p.ctx, p.e.clock, p.f.stall+p.f.slowWrite); err != nil {
+		return
+	}
+	p.w.Header().Set("Content-Type", "application/json")
+	if p.f.closeAfter >= 0 {
+		// Promise the whole body, send part of it, cut: the client sees an
+		// unexpected EOF mid-body.
+		p.w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+		if p.f.closeAfter > 0 {
+			p.w.WriteHeader(http.StatusOK)
+			_, _ = p.w.Write(body[:min(p.f.closeAfter, len(body)-1)])
+			_ = p.rc.Flush()
+		}
+		panic(http.ErrAbortHandler)
+	}
+	_, _ = p.w.Write(body)
+}
+
+func (e *Engine) handleAbort(w http.ResponseWriter, r *http.Request) {
+	var req struct {
+		RID string `json:"rid"`
+	}
+	if err := json.NewDecoder(io.LimitReader(r.Body, maxBodyBytes)).Decode(&req); err != nil || req.RID == "" {
+		writeError(w, badRequest("invalid_abort", `abort_request needs a JSON body {"rid":"<request id>"}`))
+		return
+	}
+	e.abortRID(req.RID)
+	writeJSON(w, http.StatusOK, struct{}{})
+}
+
+func (e *Engine) handleModels(w http.ResponseWriter, _ *http.Request) {
+	type model struct {
+		ID          string `json:"id"`
+		Object      string `json:"object"`
+		Created     int64  `json:"created"`
+		OwnedBy     string `json:"owned_by"`
+		Root        string `json:"root"`
+		MaxModelLen int    `json:"max_model_len"`
+	}
+	writeJSON(w, http.StatusOK, struct {
+		Object string  `json:"object"`
+		Data   []model `json:"data"`
+	}{Object: "list", Data: []model{{
+		ID: e.cfg.Model, Object: "model", Created: e.clock.Now().Unix(), OwnedBy: "pdproxy-sim",
+		Root: e.cfg.Model, MaxModelLen: e.cfg.KVBlocks * e.cfg.BlockSize,
+	}}})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+// writeError is the one place that turns an error into an HTTP answer in
+// the OpenAI error shape.
+func writeError(w http.ResponseWriter, err error) {
+	var ae *apiError
+	if !errors.As(err, &ae) {
+		ae = statusError(http.StatusInternalServerError, "internal_error", "internal error")
+	}
+	writeJSON(w, ae.Status, map[string]*apiError{"error": ae})
+}

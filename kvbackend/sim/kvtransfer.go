@@ -1,0 +1,145 @@
+package sim
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"slices"
+	"strconv"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// The pull/notify protocol, the sim's stand-in for a NIXL READ and its
+// completion notification. Both calls go from the decoder to the prefiller
+// named by kv_transfer_params (remote_host:remote_port):
+//
+//	POST /kv/pull   {"engine_id":"..","request_id":"..","block_ids":[..]}
+//	  200 {"blocks":N}                 the blocks are held for that request: read done
+//	  410 {"error":{..,"code":"kv_not_held"}}  no such hold (expired, aborted, freed)
+//	POST /kv/notify {"engine_id":"..","request_id":".."}
+//	  200 {}                           queued as finished_sending for the next step
+//
+// The decoder spends KVTransferTime per block before its pull, so a hold
+// that expires during the transfer fails the pull: race R4 surfaces as a
+// failed decode, never as a 200 with stale output.
+
+// errKVNotHeld means the prefiller no longer holds the blocks a decoder asked for.
+var errKVNotHeld = errors.New("kv blocks are no longer held by the prefiller")
+
+// kvTransport carries a decoder's pull and notify to a prefiller.
+type kvTransport interface {
+	pull(ctx context.Context, p *kvTransferParams) error
+	notify(ctx context.Context, p *kvTransferParams) error
+}
+
+type pullRequest struct {
+	EngineID  string `json:"engine_id"`
+	RequestID string `json:"request_id"`
+	BlockIDs  []int  `json:"block_ids"`
+}
+
+type pullResponse struct {
+	Blocks int `json:"blocks"`
+}
+
+// notifyTimeout bounds a notification sent after the request's own context
+// ended (abort path): it must still reach the prefiller, but not hang.
+const notifyTimeout = 5 * time.Second
+
+func newTransferClient() *http.Client {
+	return &http.Client{Transport: &http.Transport{
+		DialContext:         (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
+		MaxIdleConnsPerHost: 64,
+		IdleConnTimeout:     30 * time.Second,
+	}}
+}
+
+// httpTransport speaks the protocol above over HTTP.
+type httpTransport struct{ client *http.Client }
+
+var _ kvTransport = (*httpTransport)(nil)
+
+func (t *httpTransport) pull(ctx context.Context, p *kvTransferParams) error {
+	return t.post(ctx, p, "/kv/pull", pullRequest{EngineID: p.RemoteEngineID, RequestID: p.RemoteRequestID, BlockIDs: p.RemoteBlockIDs})
+}
+
+func (t *httpTransport) notify(ctx context.Context, p *kvTransferParams) error {
+	return t.post(ctx, p, "/kv/notify", pullRequest{EngineID: p.RemoteEngineID, RequestID: p.RemoteRequestID})
+}
+
+func (t *httpTransport) post(ctx context.Context, p *kvTransferParams, path string, body pullRequest) error {
+	b, err := json.Marshal(body)
+	if err != nil {
+		return fmt.Errorf("encode %s: %w", path, err)
+	}
+	url := "http://" + net.JoinHostPort(p.RemoteHost, strconv.Itoa(p.RemotePort)) + path
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(b))
+	if err != nil {
+		return fmt.Errorf("build %s request: %w", path, err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := t.client.Do(req)
+	if err != nil {
+		return fmt.Errorf("post %s: %w", url, err)
+	}
+	defer resp.Body.Close()
+	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+	switch {
+	case resp.StatusCode == http.StatusGone:
+		return fmt.Errorf("post %s: %w", url, errKVNotHeld)
+	case resp.StatusCode != http.StatusOK:
+		return fmt.Errorf("post %s: status %d: %s", url, resp.StatusCode, bytes.TrimSpace(msg))
+	}
+	return nil
+}
+
+// checkHeld is the prefiller's side of a pull: it succeeds only while rid
+// holds exactly these blocks. Reading does not change scheduler state, so it
+// does not wait for a step.
+func (e *Engine) checkHeld(engineID, rid string, blocks []int) error {
+	if engineID != "" && engineID != e.id {
+		return fmt.Errorf("engine %q asked of engine %q: %w", engineID, e.id, errKVNotHeld)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	h, ok := e.held[rid]
+	if !ok || !slices.Equal(h.blocks, blocks) {
+		return fmt.Errorf("request %q: %w", rid, errKVNotHeld)
+	}
+	return nil
+}
+
+func (e *Engine) handlePull(w http.ResponseWriter, r *http.Request) {
+	var req pullRequest
+	if err := json.NewDecoder(io.LimitReader(r.Body, maxBodyBytes)).Decode(&req); err != nil || req.RequestID == "" {
+		writeError(w, badRequest("invalid_pull", "pull needs a JSON body with request_id and block_ids"))
+		return
+	}
+	if err := e.checkHeld(req.EngineID, req.RequestID, req.BlockIDs); err != nil {
+		e.log.Warn("kv pull of blocks not held refused", zap.String("request_id", req.RequestID), zap.Error(err))
+		writeError(w, statusError(http.StatusGone, "kv_not_held", "%v", err))
+		return
+	}
+	writeJSON(w, http.StatusOK, pullResponse{Blocks: len(req.BlockIDs)})
+}
+
+func (e *Engine) handleNotify(w http.ResponseWriter, r *http.Request) {
+	var req pullRequest
+	if err := json.NewDecoder(io.LimitReader(r.Body, maxBodyBytes)).Decode(&req); err != nil || req.RequestID == "" {
+		writeError(w, badRequest("invalid_notify", "notify needs a JSON body with request_id"))
+		return
+	}
+	if req.EngineID != "" && req.EngineID != e.id {
+		writeError(w, statusError(http.StatusNotFound, "unknown_engine", "engine %q is not this engine (%q)", req.EngineID, e.id))
+		return
+	}
+	e.finishedSending(req.RequestID)
+	writeJSON(w, http.StatusOK, struct{}{})
+}

@@ -1,0 +1,280 @@
+package sim
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"hash/fnv"
+	"net/http"
+	"strconv"
+)
+
+// Limits on what a request may ask for, so that a fuzzed or hostile body
+// cannot make the sim allocate without bound.
+const (
+	maxBodyBytes       = 16 << 20
+	maxTokensLimit     = 1 << 20
+	defaultMaxTokens   = 16
+	bytesPerTokenGuess = 4
+)
+
+// kvTransferParams is vLLM's NixlConnector kv_transfer_params object, both
+// as a request field and as a prefill response field. Absent fields and JSON
+// nulls decode to zero values.
+type kvTransferParams struct {
+	DoRemoteDecode  bool   `json:"do_remote_decode"`
+	DoRemotePrefill bool   `json:"do_remote_prefill"`
+	RemoteBlockIDs  []int  `json:"remote_block_ids"`
+	RemoteEngineID  string `json:"remote_engine_id"`
+	RemoteRequestID string `json:"remote_request_id"`
+	RemoteHost      string `json:"remote_host"`
+	RemotePort      int    `json:"remote_port"`
+	TPSize          int    `json:"tp_size"`
+}
+
+// apiRequest is what the sim needs from a completions or chat completions
+// body; every other field (temperature, stop, ...) is accepted and ignored.
+type apiRequest struct {
+	chat          bool
+	model         string
+	promptTokens  int
+	maxTokens     int
+	minTokens     int
+	ignoreEOS     bool
+	stream        bool
+	includeUsage  bool
+	kind          reqKind
+	kv            *kvTransferParams // decode only: where to pull from
+	explicitModel bool
+}
+
+// wireRequest mirrors the JSON fields the sim reads.
+type wireRequest struct {
+	Model               *string         `json:"model"`
+	Prompt              json.RawMessage `json:"prompt"`
+	Messages            []wireMessage   `json:"messages"`
+	MaxTokens           *int            `json:"max_tokens"`
+	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	MinTokens           *int            `json:"min_tokens"`
+	IgnoreEOS           *bool           `json:"ignore_eos"`
+	Stream              *bool           `json:"stream"`
+	StreamOptions       *struct {
+		IncludeUsage *bool `json:"include_usage"`
+	} `json:"stream_options"`
+	N                *int              `json:"n"`
+	KVTransferParams *kvTransferParams `json:"kv_transfer_params"`
+}
+
+type wireMessage struct {
+	Role    string          `json:"role"`
+	Content json.RawMessage `json:"content"`
+}
+
+// parseRequest validates a completions (chat=false) or chat completions body.
+// Its errors are *apiError values with status 400.
+//
+// Prompt tokens are counted without a tokenizer, deterministically:
+// a string prompt counts ceil(len(bytes)/4) tokens, at least 1; a prompt given
+// as token ids counts one per id; a chat counts ceil(len(bytes)/4) per message
+// content (text parts concatenated), summed, at least 1 in all.
+func parseRequest(body []byte, chat bool) (*apiRequest, error) {
+	var w wireRequest
+	dec := json.NewDecoder(bytes.NewReader(body))
+	if err := dec.Decode(&w); err != nil {
+		return nil, badRequest("invalid_json", "request body is not a valid JSON object: %v", err)
+	}
+	if dec.More() {
+		return nil, badRequest("invalid_json", "request body has trailing data after the JSON object")
+	}
+	req := &apiRequest{chat: chat, maxTokens: defaultMaxTokens}
+	if w.Model != nil {
+		req.model = *w.Model
+		req.explicitModel = true
+	}
+	var err error
+	if chat {
+		req.promptTokens, err = countChatTokens(w.Messages)
+	} else {
+		req.promptTokens, err = countPromptTokens(w.Prompt)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if w.N != nil && *w.N != 1 {
+		return nil, badRequest("invalid_n", "n=%d: the sim returns exactly one choice", *w.N)
+	}
+	maxTok := w.MaxTokens
+	if chat && w.MaxCompletionTokens != nil {
+		maxTok = w.MaxCompletionTokens
+	}
+	if maxTok != nil {
+		if *maxTok < 1 || *maxTok > maxTokensLimit {
+			return nil, badRequest("invalid_max_tokens", "max_tokens=%d: must be between 1 and %d", *maxTok, maxTokensLimit)
+		}
+		req.maxTokens = *maxTok
+	}
+	if w.MinTokens != nil {
+		if *w.MinTokens < 0 || *w.MinTokens > req.maxTokens {
+			return nil, badRequest("invalid_min_tokens", "min_tokens=%d: must be between 0 and max_tokens (%d)", *w.MinTokens, req.maxTokens)
+		}
+		req.minTokens = *w.MinTokens
+	}
+	if w.IgnoreEOS != nil {
+		req.ignoreEOS = *w.IgnoreEOS
+	}
+	if w.Stream != nil {
+		req.stream = *w.Stream
+	}
+	if w.StreamOptions != nil && w.StreamOptions.IncludeUsage != nil {
+		req.includeUsage = *w.StreamOptions.IncludeUsage
+	}
+	if kv := w.KVTransferParams; kv != nil {
+		switch {
+		case kv.DoRemoteDecode && kv.DoRemotePrefill:
+			return nil, badRequest("invalid_kv_transfer_params", "kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive")
+		case kv.DoRemoteDecode:
+			req.kind = kindPrefill
+		case kv.DoRemotePrefill:
+			if kv.RemoteHost == "" || kv.RemotePort <= 0 || kv.RemotePort > 65535 {
+				return nil, badRequest("invalid_kv_transfer_params", "kv_transfer_params: do_remote_prefill needs remote_host and remote_port")
+			}
+			if len(kv.RemoteBlockIDs) == 0 {
+				return nil, badRequest("invalid_kv_transfer_params", "kv_transfer_params: do_remote_prefill needs remote_block_ids")
+			}
+			req.kind = kindDecode
+			req.kv = kv
+		}
+	}
+	return req, nil
+}
+
+func countPromptTokens(raw json.RawMessage) (int, error) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
+		return 0, badRequest("missing_prompt", "prompt is required")
+	}
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return textTokens(len(s)), nil
+	}
+	var ss []string
+	if json.Unmarshal(raw, &ss) == nil {
+		if len(ss) != 1 {
+			return 0, badRequest("invalid_prompt", "prompt: the sim takes one prompt per request, got %d", len(ss))
+		}
+		return textTokens(len(ss[0])), nil
+	}
+	var ids []int
+	if json.Unmarshal(raw, &ids) == nil {
+		if len(ids) == 0 {
+			return 0, badRequest("invalid_prompt", "prompt: empty token list")
+		}
+		return len(ids), nil
+	}
+	return 0, badRequest("invalid_prompt", "prompt must be a string, a one-element list of strings or a list of token ids")
+}
+
+func countChatTokens(msgs []wireMessage) (int, error) {
+	if len(msgs) == 0 {
+		return 0, badRequest("missing_messages", "messages is required and must not be empty")
+	}
+	total := 0
+	for i, m := range msgs {
+		if m.Role == "" {
+			return 0, badRequest("invalid_messages", "messages[%d]: role is required", i)
+		}
+		n, err := contentBytes(m.Content)
+		if err != nil {
+			return 0, badRequest("invalid_messages", "messages[%d].content: %v", i, err)
+		}
+		total += (n + bytesPerTokenGuess - 1) / bytesPerTokenGuess
+	}
+	return max(total, 1), nil
+}
+
+// contentBytes measures a message content: a string, null, or a list of parts
+// of which the text ones count.
+func contentBytes(raw json.RawMessage) (int, error) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
+		return 0, nil
+	}
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return len(s), nil
+	}
+	var parts []struct {
+		Type string `json:"type"`
+		Text string `json:"text"`
+	}
+	if err := json.Unmarshal(raw, &parts); err != nil {
+		return 0, fmt.Errorf("want a string or a list of content parts")
+	}
+	n := 0
+	for _, p := range parts {
+		n += len(p.Text)
+	}
+	return n, nil
+}
+
+func textTokens(bytes int) int {
+	return max((bytes+bytesPerTokenGuess-1)/bytesPerTokenGuess, 1)
+}
+
+// Token source. Token i of a request is the word " tok<k>", k in [0,50000),
+// and token i is an EOS with probability 1/256; both come from a hash of
+// (Seed, request id, i), so a request id always yields the same answer on
+// every engine with the same seed: a decoder's first token equals its
+// prefiller's.
+const eosOneIn = 256
+
+func ridHash(seed int64, rid string) uint64 {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(rid))
+	return h.Sum64() ^ mix64(uint64(seed))
+}
+
+// mix64 is splitmix64's finalizer: cheap and well spread.
+func mix64(x uint64) uint64 {
+	x += 0x9e3779b97f4a7c15
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9
+	x = (x ^ (x >> 27)) * 0x94d049bb133111eb
+	return x ^ (x >> 31)
+}
+
+func tokenText(h uint64, i int) string {
+	return " tok" + strconv.FormatUint(mix64(h^uint64(i)*2)%50000, 10)
+}
+
+func tokenIsEOS(h uint64, i int) bool {
+	return mix64(h^(uint64(i)*2+1))%eosOneIn == 0
+}
+
+// apiError is an answer in the OpenAI error shape.
+type apiError struct {
+	Status  int    `json:"-"`
+	Message string `json:"message"`
+	Type    string `json:"type"`
+	Code    string `json:"code"`
+}
+
+func (e *apiError) Error() string { return e.Message }
+
+func badRequest(code, format string, args ...any) *apiError {
+	return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: code, Message: fmt.Sprintf(format, args...)}
+}
+
+func statusError(status int, code, format string, args ...any) *apiError {
+	typ := "server_error"
+	switch {
+	case status == http.StatusNotFound:
+		typ = "not_found_error"
+	case status == http.StatusTooManyRequests:
+		typ = "rate_limit_error"
+	case status < 500:
+		typ = "invalid_request_error"
+	case status == http.StatusServiceUnavailable:
+		typ = "service_unavailable"
+	}
+	return &apiError{Status: status, Type: typ, Code: code, Message: fmt.Sprintf(format, args...)}
+}

@@ -1,0 +1,294 @@
+package sim
+
+import (
+	"net/http"
+	"slices"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// step is one scheduler iteration, vLLM style: apply the events that arrived
+// since the last step (adds, aborts, finished-sending and finished-receiving
+// notifications) in arrival order, expire holds, admit waiting requests, then
+// advance every running request by at most one token. It returns the earliest
+// time more work is due, ok=false if nothing is scheduled (only events can
+// bring work then).
+func (e *Engine) step(now time.Time) (next time.Time, ok bool) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	inbox := e.inbox
+	e.inbox = nil
+	for _, ev := range inbox {
+		e.apply(ev, now)
+	}
+	e.expire(now)
+	e.schedule(now)
+	e.advance(now)
+	return e.nextDue()
+}
+
+func (e *Engine) apply(ev event, now time.Time) {
+	switch ev.kind {
+	case evAdd:
+		e.add(ev.req)
+	case evAbort:
+		r := ev.req
+		if !r.isLive() {
+			// vLLM raised KeyError here when the abort raced the request's
+			// finish (races R1/R5). A finished request keeps its hold.
+			e.late("abort of a finished request ignored", r.rid, r.state)
+			return
+		}
+		e.endLive(r, output{kind: outEnd, err: errAborted})
+		e.counts.aborted++
+	case evAbortRID:
+		found := false
+		if r, ok := e.live[ev.rid]; ok {
+			e.endLive(r, output{kind: outEnd, err: errAborted})
+			e.counts.aborted++
+			found = true
+		}
+		if h, ok := e.held[ev.rid]; ok {
+			e.freeHeld(h)
+			e.counts.aborted++
+			found = true
+		}
+		if !found {
+			e.late("abort of an unknown request ignored", ev.rid, stateDone)
+		}
+	case evFinishedSending:
+		h, ok := e.held[ev.rid]
+		if !ok {
+			// vLLM asserted `req_id in self.requests` here and crashed when
+			// the request had been aborted or expired meanwhile (race R3).
+			e.late("finished_sending for a request no longer held ignored", ev.rid, stateDone)
+			return
+		}
+		e.freeHeld(h)
+		if ce := e.log.Check(zap.DebugLevel, "kv read complete, blocks freed"); ce != nil {
+			ce.Write(zap.String("request_id", ev.rid), zap.Int("blocks", len(h.blocks)))
+		}
+	case evFinishedReceving:
+		r := ev.req
+		if r.state != statePulling {
+			e.late("finished_receiving for a request not pulling ignored", r.rid, r.state)
+			return
+		}
+		if ev.err != nil {
+			e.endLive(r, output{kind: outEnd, err: statusError(http.StatusInternalServerError, "kv_transfer_failed",
+				"kv transfer from the prefiller failed: %v", ev.err)})
+			return
+		}
+		r.state = stateDecoding
+		r.readyAt = now
+	}
+}
+
+func (r *request) isLive() bool {
+	switch r.state {
+	case stateWaiting, statePrefilling, statePulling, stateDecoding:
+		return true
+	}
+	return false
+}
+
+func (e *Engine) add(r *request) {
+	_, dupLive := e.live[r.rid]
+	_, dupHeld := e.held[r.rid]
+	// A decode may share its id with a prefill held on this same engine (P and
+	// D on one server); anything else with a live id is a client error.
+	if dupLive || (dupHeld && r.kind != kindDecode) {
+		r.state = stateDone
+		r.push(output{kind: outEnd, err: badRequest("duplicate_request_id", "request id %q is already in use on this engine", r.rid)})
+		return
+	}
+	e.counts.requests++
+	r.state = stateWaiting
+	e.live[r.rid] = r
+	e.waiting = append(e.waiting, r)
+}
+
+// late counts and logs an event that found nothing to act on.
+func (e *Engine) late(msg, rid string, st reqState) {
+	e.counts.lateEvents++
+	e.log.Warn(msg, zap.String("request_id", rid), zap.Uint8("state", uint8(st)))
+}
+
+// release frees r's blocks exactly once: the pool's ownership check turns
+// any second attempt into a counted double free.
+func (e *Engine) release(r *request) {
+	if n := e.pool.release(r.blocks, r.seq); n > 0 {
+		e.counts.doubleFrees += n
+		e.log.Error("double free of kv blocks detected", zap.String("request_id", r.rid), zap.Int("blocks", n))
+	}
+	r.blocks = nil
+}
+
+// endLive ends a live request: frees its blocks, removes it, tells its handler.
+func (e *Engine) endLive(r *request, o output) {
+	e.release(r)
+	r.state = stateDone
+	delete(e.live, r.rid)
+	o.complete = r.generated
+	r.push(o)
+}
+
+func (e *Engine) freeHeld(h *request) {
+	e.release(h)
+	h.state = stateDone
+	delete(e.held, h.rid)
+}
+
+func (e *Engine) expire(now time.Time) {
+	for rid, h := range e.held {
+		if now.Before(h.expiresAt) {
+			continue
+		}
+		e.freeHeld(h)
+		e.counts.expired++
+		e.log.Warn("kv hold expired before a decoder read it, blocks freed",
+			zap.String("request_id", rid), zap.Duration("kv_hold_timeout", e.cfg.KVHoldTimeout))
+	}
+}
+
+// schedule admits waiting requests in FIFO order while there is room; the
+// head waits for blocks rather than being overtaken, like vLLM's FCFS policy.
+func (e *Engine) schedule(now time.Time) {
+	e.running = slices.DeleteFunc(e.running, func(r *request) bool { return !r.isLive() })
+	e.waiting = slices.DeleteFunc(e.waiting, func(r *request) bool { return r.state != stateWaiting })
+	admitted := 0
+	for _, r := range e.waiting {
+		if len(e.running) >= e.cfg.MaxRunning {
+			break
+		}
+		blocks, ok := e.pool.alloc(r.needBlocks, r.seq)
+		if !ok {
+			break
+		}
+		admitted++
+		r.blocks = blocks
+		e.running = append(e.running, r)
+		if r.kind == kindDecode {
+			r.state = statePulling
+			r.push(output{kind: outPull})
+			continue
+		}
+		r.state = statePrefilling
+		r.readyAt = now.Add(e.cfg.PrefillTime + time.Duration(r.promptTokens)*e.cfg.PrefillPerToken)
+	}
+	e.waiting = e.waiting[admitted:]
+}
+
+// advance emits at most one token per due request.
+func (e *Engine) advance(now time.Time) {
+	for _, r := range e.running {
+		if (r.state != statePrefilling && r.state != stateDecoding) || now.Before(r.readyAt) {
+			continue
+		}
+		r.state = stateDecoding
+		e.emit(r, now)
+	}
+	e.running = slices.DeleteFunc(e.running, func(r *request) bool { return !r.isLive() })
+}
+
+func (e *Engine) emit(r *request, now time.Time) {
+	i := r.generated
+	r.generated++
+	o := output{kind: outToken, index: i, complete: r.generated}
+	eos := !r.ignoreEOS && i >= r.minTokens && tokenIsEOS(r.hash, i)
+	switch {
+	case eos:
+		o.finish = "stop" // the EOS token counts but has no text
+	case r.generated >= r.maxTokens:
+		o.finish = "length"
+		o.text = tokenText(r.hash, i)
+	default:
+		o.text = tokenText(r.hash, i)
+		r.readyAt = now.Add(e.cfg.ITL)
+		r.push(o)
+		return
+	}
+	if r.kind == kindPrefill && o.finish == "length" {
+		// vLLM's NixlConnector holds only length-capped prefills; a prefill
+		// that stopped on EOS frees at once and returns no kv_transfer_params.
+		r.state = stateHeld
+		r.expiresAt = now.Add(e.cfg.KVHoldTimeout)
+		delete(e.live, r.rid)
+		e.held[r.rid] = r
+		o.held = slices.Clone(r.blocks)
+		r.push(o)
+		return
+	}
+	e.endLive(r, o)
+}
+
+func (e *Engine) nextDue() (next time.Time, ok bool) {
+	consider := func(t time.Time) {
+		if !ok || t.Before(next) {
+			next, ok = t, true
+		}
+	}
+	for _, r := range e.running {
+		if r.state == statePrefilling || r.state == stateDecoding {
+			consider(r.readyAt)
+		}
+	}
+	for _, h := range e.held {
+		consider(h.expiresAt)
+	}
+	return next, ok
+}
+
+// shutdown ends everything when Run stops: pending adds are refused, live
+// requests aborted, holds freed, so the pool is whole again.
+func (e *Engine) shutdown() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.closed = true
+	stopped := statusError(http.StatusServiceUnavailable, "engine_stopped", "engine is shutting down")
+	for _, ev := range e.inbox {
+		if ev.kind == evAdd {
+			ev.req.state = stateDone
+			ev.req.push(output{kind: outEnd, err: stopped})
+		}
+	}
+	e.inbox = nil
+	for _, r := range e.live {
+		e.endLive(r, output{kind: outEnd, err: stopped})
+		e.counts.aborted++
+	}
+	for _, h := range e.held {
+		e.freeHeld(h)
+		e.counts.aborted++
+	}
+	e.waiting, e.running = nil, nil
+}
+
+// Stats returns a snapshot of the KV pool and counters (GET /debug/kv).
+func (e *Engine) Stats() KVStats {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	s := KVStats{
+		BlocksTotal:             e.pool.total(),
+		BlocksFree:              e.pool.available(),
+		HeldRequests:            len(e.held),
+		RequestsTotal:           e.counts.requests,
+		AbortedTotal:            e.counts.aborted,
+		ExpiredTotal:            e.counts.expired,
+		LateEventsTotal:         e.counts.lateEvents,
+		DoubleFreeAttemptsTotal: e.counts.doubleFrees,
+	}
+	for _, h := range e.held {
+		s.BlocksHeld += len(h.blocks)
+	}
+	for _, r := range e.live {
+		s.BlocksInUse += len(r.blocks)
+		if r.state == stateWaiting {
+			s.WaitingRequests++
+		} else {
+			s.RunningRequests++
+		}
+	}
+	return s
+}
