@@ -1,0 +1,134 @@
+package kvbackend
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+)
+
+// maxPrefillResponse bounds how much of a prefiller's answer is read: it is one token plus
+// the params, so anything near this size is a broken backend, not a completion.
+const maxPrefillResponse = 4 << 20
+
+// StatusError is a backend's answer with a status other than 200: the body is kept (bounded)
+// so that 4xx answers can be passed to the client as they came.
+type StatusError struct {
+	Status      int
+	ContentType string
+	Body        []byte
+}
+
+func (e *StatusError) Error() string {
+	return fmt.Sprintf("backend answered %d: %s", e.Status, bytes.TrimSpace(truncate(e.Body, 200)))
+}
+
+// CallError is a failure to get an answer from a backend at all. Connect tells whether the
+// connection was never made, so the backend provably never saw the request (safe to retry).
+type CallError struct {
+	Connect bool
+	Err     error
+}
+
+func (e *CallError) Error() string { return e.Err.Error() }
+func (e *CallError) Unwrap() error { return e.Err }
+
+// Call is one request to one backend.
+type Call struct {
+	Client  *http.Client
+	BaseURL string // scheme://host:port, no trailing slash
+	Path    string // e.g. /v1/completions
+	ID      string // X-Request-Id, the same on the prefill and the decode call
+	Header  http.Header
+	Body    []byte
+}
+
+func (c Call) request(ctx context.Context) (*http.Request, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.BaseURL+c.Path, bytes.NewReader(c.Body))
+	if err != nil {
+		return nil, fmt.Errorf("build request to %s: %w", c.BaseURL, err)
+	}
+	for k, v := range c.Header {
+		req.Header[k] = v
+	}
+	req.Header.Set("Content-Type", "application/json")
+	// identity keeps an SSE stream relayable byte for byte; the transport would otherwise ask
+	// for gzip and decompress behind our back.
+	req.Header.Set("Accept-Encoding", "identity")
+	req.Header.Set("X-Request-Id", c.ID)
+	return req, nil
+}
+
+// Do sends the call and returns the response of a 200, whose body the caller must close.
+// Any other status comes back as a *StatusError, a transport failure as a *CallError.
+func (c Call) Do(ctx context.Context) (*http.Response, error) {
+	req, err := c.request(ctx)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.Client.Do(req)
+	if err != nil {
+		return nil, &CallError{Connect: isConnectError(err), Err: fmt.Errorf("call %s%s: %w", c.BaseURL, c.Path, err)}
+	}
+	if resp.StatusCode != http.StatusOK {
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+		resp.Body.Close()
+		return nil, &StatusError{Status: resp.StatusCode, ContentType: resp.Header.Get("Content-Type"), Body: body}
+	}
+	return resp, nil
+}
+
+// Prefill sends the prefill call and returns the prefiller's kv_transfer_params (nil when it
+// holds nothing).
+func (c Call) Prefill(ctx context.Context) (json.RawMessage, error) {
+	resp, err := c.Do(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillResponse))
+	if err != nil {
+		return nil, &CallError{Err: fmt.Errorf("read prefill answer from %s: %w", c.BaseURL, err)}
+	}
+	return ParsePrefillResponse(body)
+}
+
+// Abort asks an engine that has an explicit abort (see HasAbort) to abort a request or free
+// the KV it holds for it. An unknown id is a no-op on the engine.
+func Abort(ctx context.Context, client *http.Client, baseURL, id string) error {
+	body, _ := json.Marshal(map[string]string{"rid": id})
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, baseURL+"/abort_request", bytes.NewReader(body))
+	if err != nil {
+		return fmt.Errorf("build abort to %s: %w", baseURL, err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Request-Id", id)
+	resp, err := client.Do(req)
+	if err != nil {
+		return fmt.Errorf("abort %s on %s: %w", id, baseURL, err)
+	}
+	io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+	resp.Body.Close()
+	if resp.StatusCode/100 != 2 {
+		return fmt.Errorf("abort %s on %s: status %d", id, baseURL, resp.StatusCode)
+	}
+	return nil
+}
+
+// isConnectError reports whether err happened while dialing, before the request could reach
+// the backend: only then is a retry on another backend provably safe.
+func isConnectError(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
+}
+
+func truncate(b []byte, n int) []byte {
+	if len(b) > n {
+		return b[:n]
+	}
+	return b
+}

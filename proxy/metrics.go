@@ -1,0 +1,59 @@
+package proxy
+
+import "github.com/prometheus/client_golang/prometheus"
+
+type metrics struct {
+	requests       *prometheus.CounterVec
+	duration       *prometheus.HistogramVec
+	ttft           *prometheus.HistogramVec
+	propagation    *prometheus.HistogramVec
+	tokensAfter    prometheus.Counter
+	retries        *prometheus.CounterVec
+	fallbacks      prometheus.Counter
+	releaseFailure *prometheus.CounterVec
+}
+
+// latencyBuckets span a sub-millisecond proxy hop to a multi-minute generation.
+var latencyBuckets = []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "requests_total",
+			Help: "Requests answered, by route pattern and HTTP status (499: the client left).",
+		}, []string{"route", "code"}),
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: "pdproxy", Name: "request_duration_seconds",
+			Help: "Time from a request's arrival to its last byte.", Buckets: latencyBuckets,
+		}, []string{"route"}),
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: "pdproxy", Name: "time_to_first_token_seconds",
+			Help: "Time from a request's arrival to the first byte of its answer sent to the client.", Buckets: latencyBuckets,
+		}, []string{"route"}),
+		propagation: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: "pdproxy", Name: "abort_propagation_seconds",
+			Help:    "From the client's disconnect being seen to the backend call cancelled or the KV release sent, by stage.",
+			Buckets: []float64{.00001, .00005, .0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1},
+		}, []string{"stage"}),
+		tokensAfter: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "tokens_after_disconnect_total",
+			Help: "Stream chunks a decoder produced after the client had left (read but not delivered).",
+		}),
+		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "retries_total",
+			Help: "Backend calls retried on another backend, by role and reason.",
+		}, []string{"role", "reason"}),
+		fallbacks: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "fallbacks_total",
+			Help: "Requests sent straight to a decoder because no prefiller could serve them.",
+		}),
+		releaseFailure: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "kv_release_failures_total",
+			Help: "KV releases that could not be done as configured and were left to the engine's timer, by attempted mode.",
+		}, []string{"mode"}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.requests, m.duration, m.ttft, m.propagation, m.tokensAfter, m.retries, m.fallbacks, m.releaseFailure)
+	}
+	return m
+}

@@ -1,0 +1,104 @@
+package proxy
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// modelsClient asks backends for their models; it is not on any request's hot path.
+var modelsClient = &http.Client{Timeout: 3 * time.Second}
+
+type modelList struct {
+	Object string            `json:"object"`
+	Data   []json.RawMessage `json:"data"`
+}
+
+// handleModels answers GET /v1/models with the models the decoders serve (every request ends
+// on a decoder, so that is what a client can ask for), merged by id.
+func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
+	body, err := s.modelList(r.Context())
+	if err != nil {
+		writeError(w, &apiError{status: http.StatusServiceUnavailable, typ: "service_unavailable", code: "no_backend", retryAfter: 1,
+			message: "no decode backend answered /v1/models", cause: err})
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Write(body)
+}
+
+func (s *Server) modelList(ctx context.Context) ([]byte, error) {
+	c := &s.models
+	c.mu.Lock()
+	if c.body != nil && time.Since(c.at) < c.fresh {
+		body := c.body
+		c.mu.Unlock()
+		return body, nil
+	}
+	c.mu.Unlock()
+	v, err, _ := c.group.Do("models", func() (any, error) {
+		// Detached from the one caller on purpose: the answer serves every caller waiting on it.
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 3*time.Second)
+		defer cancel()
+		body, err := s.fetchModels(ctx)
+		if err != nil {
+			return nil, err
+		}
+		c.mu.Lock()
+		c.body, c.at = body, time.Now()
+		c.mu.Unlock()
+		return body, nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return v.([]byte), nil
+}
+
+func (s *Server) fetchModels(ctx context.Context) ([]byte, error) {
+	seen := map[string]bool{}
+	out := modelList{Object: "list", Data: []json.RawMessage{}}
+	answered := false
+	for _, b := range s.router.Backends() {
+		if b.Role != router.RoleDecode || !b.Healthy {
+			continue
+		}
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimRight(b.URL, "/")+"/v1/models", nil)
+		if err != nil {
+			continue
+		}
+		resp, err := modelsClient.Do(req)
+		if err != nil {
+			continue
+		}
+		raw, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+		resp.Body.Close()
+		if err != nil || resp.StatusCode != http.StatusOK {
+			continue
+		}
+		var list modelList
+		if json.Unmarshal(raw, &list) != nil {
+			continue
+		}
+		answered = true
+		for _, m := range list.Data {
+			var id struct {
+				ID string `json:"id"`
+			}
+			if json.Unmarshal(m, &id) != nil || id.ID == "" || seen[id.ID] {
+				continue
+			}
+			seen[id.ID] = true
+			out.Data = append(out.Data, m)
+		}
+	}
+	if !answered {
+		return nil, errNoModels
+	}
+	return json.Marshal(out)
+}

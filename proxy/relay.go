@@ -1,0 +1,232 @@
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+var (
+	errFirstByteTimeout = fmt.Errorf("%w: no first byte from the decoder", errPhaseTimeout)
+	errIdleTimeout      = fmt.Errorf("%w: the decoder went silent", errPhaseTimeout)
+)
+
+// bufPool holds the relay's read buffers. A read returns whatever the decoder has sent so
+// far, and that goes to the client at once: the buffer bounds a write, it never waits to fill.
+var bufPool = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+
+// decode sends the decode call and relays its answer to the client.
+func (x *exchange) decode() *apiError {
+	start := time.Now()
+	defer func() { x.decodeT = time.Since(start) }()
+	b := x.decodeB
+	forward, ok := x.s.table.StartDecode(x.id, b.Name)
+	if !ok {
+		return x.gone()
+	}
+	var params json.RawMessage
+	if forward {
+		params = x.kvParams
+	}
+	body, err := kvbackend.DecodeBody(x.req.fields, params)
+	if err != nil {
+		x.s.table.Fail(x.id)
+		return &apiError{status: http.StatusInternalServerError, typ: "internal_error", code: "internal", message: "could not build the decode request", cause: err}
+	}
+	// With abort_during_kv_pull after_first_token, a decode that is pulling KV is not cancelled
+	// the moment the client leaves, but at its first byte (or its first-byte timeout): engines
+	// that crash on an abort during the pull (race R3) never see one.
+	deferCancel := params != nil && x.s.cfg.AbortDuringKVPull == PullAbortAfterFirstToken
+	wd := newWatchdog(x.ctx, deferCancel, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
+	defer wd.stop()
+
+	call := kvbackend.Call{Client: b.Client(), BaseURL: baseURL(b), Path: x.route, ID: x.id, Header: x.hdr, Body: body}
+	resp, err := call.Do(wd.ctx)
+	if err != nil {
+		x.decodeRes = resultOf(err, x.ctx)
+		if x.ctx.Err() != nil && !wd.timedOut() {
+			return x.gone()
+		}
+		x.s.table.Fail(x.id)
+		if cause := context.Cause(wd.ctx); wd.timedOut() {
+			err = errors.Join(cause, err)
+		}
+		return fromBackend(err, router.RoleDecode, "decode_timeout")
+	}
+	defer resp.Body.Close()
+	x.decodeRes = router.Result{Status: http.StatusOK}
+	return x.relay(resp, wd)
+}
+
+// relay copies the decoder's answer to the client as it arrives, flushing every read, so a
+// stream reaches the client chunk by chunk with nothing added in between.
+func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
+	h := x.w.Header()
+	ct := resp.Header.Get("Content-Type")
+	if ct == "" {
+		ct = "application/json"
+		if x.req.stream {
+			ct = "text/event-stream"
+		}
+	}
+	h.Set("Content-Type", ct)
+	if x.req.stream {
+		h.Set("Cache-Control", "no-cache")
+		// Tells an nginx in front not to buffer the stream either.
+		h.Set("X-Accel-Buffering", "no")
+	}
+	rc := http.NewResponseController(x.w)
+	bufp := bufPool.Get().(*[]byte)
+	defer bufPool.Put(bufp)
+	buf := *bufp
+	for {
+		n, rerr := resp.Body.Read(buf)
+		if n > 0 {
+			wd.onBytes()
+			if x.ctx.Err() != nil {
+				x.s.m.tokensAfter.Add(float64(countEvents(buf[:n])))
+				return x.gone()
+			}
+			if !x.wrote {
+				x.w.WriteHeader(http.StatusOK)
+				x.wrote = true
+				x.ttft = time.Since(x.start)
+			}
+			x.chunks++
+			if x.s.cfg.ClientWriteTimeout > 0 {
+				// A client that stops reading must not pin a decoder and its memory forever.
+				_ = rc.SetWriteDeadline(time.Now().Add(x.s.cfg.ClientWriteTimeout))
+			}
+			_, werr := x.w.Write(buf[:n])
+			if werr == nil {
+				werr = rc.Flush()
+			}
+			if werr != nil {
+				// The client is gone, or too slow: what this read held was never delivered.
+				x.s.m.tokensAfter.Add(float64(countEvents(buf[:n])))
+				x.cancel()
+				return x.gone()
+			}
+		}
+		if rerr == io.EOF {
+			if !x.wrote {
+				x.w.WriteHeader(http.StatusOK)
+				x.wrote = true
+			}
+			x.s.table.Finish(x.id)
+			return nil
+		}
+		if rerr != nil {
+			return x.brokenAnswer(rerr, wd)
+		}
+	}
+}
+
+// brokenAnswer ends an answer whose decoder failed or timed out after the call had begun.
+func (x *exchange) brokenAnswer(rerr error, wd *watchdog) *apiError {
+	if x.ctx.Err() != nil && !wd.timedOut() {
+		return x.gone()
+	}
+	x.s.table.Fail(x.id)
+	if wd.timedOut() {
+		rerr = errors.Join(context.Cause(wd.ctx), rerr)
+		x.decodeRes = router.Result{Status: http.StatusGatewayTimeout}
+	} else {
+		x.decodeRes = router.Result{Err: rerr}
+	}
+	e := fromBackend(rerr, router.RoleDecode, "decode_timeout")
+	if !x.wrote {
+		return e
+	}
+	if x.req.stream {
+		// The status line went out long ago; the stream ends with an error event in the
+		// OpenAI shape, and no [DONE], so clients see it failed.
+		x.w.Write([]byte("data: "))
+		x.w.Write(e.body())
+		x.w.Write([]byte("\n\n"))
+		http.NewResponseController(x.w).Flush()
+		return e
+	}
+	x.abortConn = true
+	return e
+}
+
+// countEvents counts the SSE events in p, which stand for tokens in a completion stream.
+func countEvents(p []byte) int {
+	n := bytes.Count(p, []byte("data:"))
+	n -= bytes.Count(p, []byte("data: [DONE]"))
+	if n < 0 {
+		return 0
+	}
+	return n
+}
+
+// watchdog bounds a decode's phases (first byte, silence between chunks) and, when asked,
+// defers the client's cancel to the decode's first byte.
+type watchdog struct {
+	ctx        context.Context
+	cancel     context.CancelCauseFunc
+	timer      *time.Timer
+	idle       time.Duration
+	sawByte    atomic.Bool
+	clientGone atomic.Bool
+	timeout    atomic.Bool
+	stopAfter  func() bool
+}
+
+func newWatchdog(client context.Context, deferCancel bool, firstByte, idle time.Duration) *watchdog {
+	base := client
+	if deferCancel {
+		// Detached from the client on purpose: the AfterFunc below cancels it at the first byte.
+		base = context.WithoutCancel(client)
+	}
+	ctx, cancel := context.WithCancelCause(base)
+	wd := &watchdog{ctx: ctx, cancel: cancel, idle: idle}
+	wd.timer = time.AfterFunc(firstByte, func() {
+		wd.timeout.Store(true)
+		if wd.sawByte.Load() {
+			cancel(errIdleTimeout)
+		} else {
+			cancel(errFirstByteTimeout)
+		}
+	})
+	if deferCancel {
+		wd.stopAfter = context.AfterFunc(client, func() {
+			wd.clientGone.Store(true)
+			if wd.sawByte.Load() {
+				cancel(context.Canceled)
+			}
+		})
+	}
+	return wd
+}
+
+func (wd *watchdog) onBytes() {
+	if !wd.sawByte.Load() {
+		wd.sawByte.Store(true)
+		if wd.clientGone.Load() {
+			wd.cancel(context.Canceled)
+		}
+	}
+	wd.timer.Reset(wd.idle)
+}
+
+func (wd *watchdog) timedOut() bool { return wd.timeout.Load() }
+
+func (wd *watchdog) stop() {
+	wd.timer.Stop()
+	if wd.stopAfter != nil {
+		wd.stopAfter()
+	}
+	wd.cancel(context.Canceled)
+}

@@ -1,0 +1,246 @@
+// Package proxy is pdproxy's HTTP front: the OpenAI-compatible routes, request parsing and
+// validation, the prefill/decode flow, the SSE relay, disconnect detection and error mapping.
+// It records every request in the lifecycle table and asks the router for backends; it never
+// keeps state beyond the requests it is serving.
+package proxy
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-chi/chi/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.uber.org/zap"
+	"golang.org/x/sync/singleflight"
+
+	"github.com/pdproxy/pdproxy/lifecycle"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// Router is what the proxy needs of the router: a backend lease per call, and its view of
+// the pools for readiness and inspection.
+type Router interface {
+	Acquire(ctx context.Context, role router.Role, h router.Hint) (*router.Lease, error)
+	Has(role router.Role) bool
+	Ready() bool
+	Backends() []router.BackendStatus
+}
+
+var _ Router = (*router.Router)(nil)
+
+// Abort modes, release modes and pull modes: the values the config accepts.
+const (
+	AbortPrefillCancel          = "cancel"
+	AbortPrefillFinishThenFree  = "finish_then_release"
+	ReleaseDrain                = "drain"
+	ReleaseAbort                = "abort"
+	ReleaseWait                 = "wait"
+	PullAbortImmediate          = "immediate"
+	PullAbortAfterFirstToken    = "after_first_token"
+	defaultMaxBodyBytes         = 10 << 20
+	defaultPhaseTimeout         = 5 * time.Minute
+	defaultDrainTimeout         = 2 * time.Second
+	defaultAbortCallTimeout     = 2 * time.Second
+	defaultModelsCacheFreshness = 5 * time.Second
+)
+
+// Config tunes the HTTP front and the P/D flow. Zero values mean the defaults in brackets.
+type Config struct {
+	// MaxBodyBytes bounds a request body; larger gets 413. [10 MiB]
+	MaxBodyBytes int64 `yaml:"max_body_bytes"`
+	// AbortDuringPrefill: cancel (close the prefill connection at once) or finish_then_release
+	// (let the prefill finish, then release its KV: for engines with no explicit abort). [cancel]
+	AbortDuringPrefill string `yaml:"abort_during_prefill"`
+	// KVRelease is how held KV is released when the client leaves before the decode was sent:
+	// drain (a one-token decode that pulls it), abort (the engine's explicit abort where it
+	// has one, else drain) or wait (leave it to the engine's timer). [drain]
+	KVRelease string `yaml:"kv_release"`
+	// AbortDuringKVPull: immediate, or after_first_token (defer a decode's cancel until its
+	// first byte, for engines that crash on an abort during the KV pull, race R3). [immediate]
+	AbortDuringKVPull string `yaml:"abort_during_kv_pull"`
+	// PrefillTimeout bounds the prefill call. [5m]
+	PrefillTimeout time.Duration `yaml:"prefill_timeout"`
+	// DecodeFirstByteTimeout bounds the wait for a decode's first byte. [5m]
+	DecodeFirstByteTimeout time.Duration `yaml:"decode_first_byte_timeout"`
+	// DecodeIdleTimeout bounds the silence between two chunks of a decode. [5m]
+	DecodeIdleTimeout time.Duration `yaml:"decode_idle_timeout"`
+	// DrainTimeout bounds a drain-only decode (it runs after the client left, on its own
+	// deadline). [2s]
+	DrainTimeout time.Duration `yaml:"drain_timeout"`
+	// ClientWriteTimeout bounds one write to the client: a client that stops reading its
+	// stream is given up on after it, and everything it held is released. [60s]
+	ClientWriteTimeout time.Duration `yaml:"client_write_timeout"`
+	// PrefillRetries is how many other prefillers a prefill that provably never started is
+	// tried on. [1]; negative means none.
+	PrefillRetries int `yaml:"prefill_retries"`
+	// DecodeOnlyFallback sends a request straight to a decoder when no prefiller can serve it.
+	// [true]
+	DecodeOnlyFallback *bool `yaml:"decode_only_fallback"`
+}
+
+func (c *Config) setDefaults() error {
+	if c.MaxBodyBytes <= 0 {
+		c.MaxBodyBytes = defaultMaxBodyBytes
+	}
+	if c.AbortDuringPrefill == "" {
+		c.AbortDuringPrefill = AbortPrefillCancel
+	}
+	if c.KVRelease == "" {
+		c.KVRelease = ReleaseDrain
+	}
+	if c.AbortDuringKVPull == "" {
+		c.AbortDuringKVPull = PullAbortImmediate
+	}
+	for _, d := range []*time.Duration{&c.PrefillTimeout, &c.DecodeFirstByteTimeout, &c.DecodeIdleTimeout} {
+		if *d <= 0 {
+			*d = defaultPhaseTimeout
+		}
+	}
+	if c.DrainTimeout <= 0 {
+		c.DrainTimeout = defaultDrainTimeout
+	}
+	if c.ClientWriteTimeout <= 0 {
+		c.ClientWriteTimeout = 60 * time.Second
+	}
+	if c.PrefillRetries == 0 {
+		c.PrefillRetries = 1
+	}
+	if c.PrefillRetries < 0 {
+		c.PrefillRetries = 0
+	}
+	if c.DecodeOnlyFallback == nil {
+		on := true
+		c.DecodeOnlyFallback = &on
+	}
+	switch c.AbortDuringPrefill {
+	case AbortPrefillCancel, AbortPrefillFinishThenFree:
+	default:
+		return fmt.Errorf("abort_during_prefill: %q is not one of cancel, finish_then_release", c.AbortDuringPrefill)
+	}
+	switch c.KVRelease {
+	case ReleaseDrain, ReleaseAbort, ReleaseWait:
+	default:
+		return fmt.Errorf("kv_release: %q is not one of drain, abort, wait", c.KVRelease)
+	}
+	switch c.AbortDuringKVPull {
+	case PullAbortImmediate, PullAbortAfterFirstToken:
+	default:
+		return fmt.Errorf("abort_during_kv_pull: %q is not one of immediate, after_first_token", c.AbortDuringKVPull)
+	}
+	return nil
+}
+
+// Server serves the OpenAI-compatible API in front of the router's pools.
+type Server struct {
+	cfg     Config
+	router  Router
+	table   *lifecycle.Table
+	logger  *zap.Logger
+	m       *metrics
+	gather  prometheus.Gatherer
+	handler http.Handler
+
+	draining atomic.Bool
+	// bg tracks work that outlives a request on purpose (KV releases after the client left,
+	// prefills let finish); Wait waits for it.
+	bg sync.WaitGroup
+
+	models modelCache
+}
+
+// New builds a Server. reg receives the proxy's metrics; gather is served on /metrics (pass
+// the same registry, as a prometheus.Gatherer).
+func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg prometheus.Registerer, gather prometheus.Gatherer) (*Server, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	s := &Server{cfg: cfg, router: rt, table: table, logger: logger, m: newMetrics(reg), gather: gather}
+	s.models.fresh = defaultModelsCacheFreshness
+	s.handler = s.routes()
+	return s, nil
+}
+
+// Handler is the proxy's HTTP handler.
+func (s *Server) Handler() http.Handler { return s.handler }
+
+// Table is the lifecycle table the server records requests in.
+func (s *Server) Table() *lifecycle.Table { return s.table }
+
+// SetDraining makes /ready fail (shutdown has begun) while requests in flight go on.
+func (s *Server) SetDraining() { s.draining.Store(true) }
+
+// Wait blocks until the work that outlives requests (KV releases, finishing prefills) is done
+// or ctx ends.
+func (s *Server) Wait(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() { s.bg.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (s *Server) routes() http.Handler {
+	r := chi.NewRouter()
+	r.NotFound(func(w http.ResponseWriter, _ *http.Request) {
+		writeError(w, &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "not_found", message: "no such route"})
+	})
+	r.MethodNotAllowed(func(w http.ResponseWriter, _ *http.Request) {
+		writeError(w, &apiError{status: http.StatusMethodNotAllowed, typ: "invalid_request_error", code: "method_not_allowed", message: "method not allowed on this route"})
+	})
+	r.Post("/v1/completions", s.generate("/v1/completions", false))
+	r.Post("/v1/chat/completions", s.generate("/v1/chat/completions", true))
+	r.Get("/v1/models", s.handleModels)
+	r.Get("/health", func(w http.ResponseWriter, _ *http.Request) {
+		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+	})
+	r.Get("/ready", s.handleReady)
+	r.Get("/debug/requests", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, s.table.Snapshot()) })
+	r.Get("/debug/backends", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, s.router.Backends()) })
+	if s.gather != nil {
+		r.Method(http.MethodGet, "/metrics", promhttp.HandlerFor(s.gather, promhttp.HandlerOpts{}))
+	}
+	return r
+}
+
+func (s *Server) handleReady(w http.ResponseWriter, _ *http.Request) {
+	switch {
+	case s.draining.Load():
+		writeError(w, &apiError{status: http.StatusServiceUnavailable, typ: "service_unavailable", code: "shutting_down", message: "the proxy is shutting down"})
+	case !s.router.Ready():
+		writeError(w, &apiError{status: http.StatusServiceUnavailable, typ: "service_unavailable", code: "no_backend", message: "no healthy decode backend"})
+	default:
+		writeJSON(w, http.StatusOK, map[string]string{"status": "ready"})
+	}
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	body, err := json.Marshal(v)
+	if err != nil {
+		status, body = http.StatusInternalServerError, []byte(`{"error":{"message":"internal error","type":"internal_error","param":null,"code":"internal"}}`)
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	w.Write(body)
+}
+
+// modelCache keeps the merged model list of the decoders for a few seconds, and makes
+// concurrent /v1/models calls share one round of backend calls.
+type modelCache struct {
+	fresh time.Duration
+	group singleflight.Group
+	mu    sync.Mutex
+	at    time.Time
+	body  []byte
+}
+
+var errNoModels = errors.New("no backend answered /v1/models")
