@@ -1,0 +1,169 @@
+// Package app wires pdproxy together: flags, the config file, the simulated engines of the
+// embedded default, the router, the lifecycle table and the HTTP front, with Start and
+// Shutdown. cmd/proxy is a thin main around it; the end-to-end tests start the very same Main
+// on port 0.
+package app
+
+import (
+	"bytes"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"gopkg.in/yaml.v3"
+
+	"github.com/pdproxy/pdproxy/configs"
+	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/proxy"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// Config is the whole configuration, as read from YAML. Zero values mean the defaults in
+// brackets; the proxy and router sections are inlined at the top level.
+type Config struct {
+	// Listen is the proxy's address. [127.0.0.1:8000]
+	Listen string `yaml:"listen"`
+	// LogFormat is json or console. [console]
+	LogFormat string `yaml:"log_format"`
+	// LogLevel is debug, info, warn or error. [info]
+	LogLevel string `yaml:"log_level"`
+	// KVHoldTimeout bounds how long the proxy forwards a prefiller's kv_transfer_params after
+	// the prefill; never longer than any prefiller's own hold timeout. [30s]
+	KVHoldTimeout time.Duration `yaml:"kv_hold_timeout"`
+	// ShutdownTimeout is the drain deadline: on SIGTERM, streams in flight may finish for this
+	// long, then the rest are aborted (their KV released). [10s]
+	ShutdownTimeout time.Duration `yaml:"shutdown_timeout"`
+	// Proxy is the HTTP front and P/D flow.
+	Proxy proxy.Config `yaml:",inline"`
+	// Router is the backend pools.
+	Router router.Config `yaml:",inline"`
+	// Sims are simulated engines started in-process on loopback and added to the pools: the
+	// embedded default runs one prefiller and one decoder.
+	Sims []SimConfig `yaml:"sims"`
+}
+
+// SimConfig is one in-process simulated engine (see `proxy sim --help` for each field).
+type SimConfig struct {
+	Role            string        `yaml:"role"`
+	Model           string        `yaml:"model"`
+	Listen          string        `yaml:"listen"` // [127.0.0.1:0: a free port]
+	KVBlocks        int           `yaml:"kv_blocks"`
+	BlockSize       int           `yaml:"block_size"`
+	PrefillTime     time.Duration `yaml:"prefill_time"`
+	PrefillPerToken time.Duration `yaml:"prefill_per_token"`
+	ITL             time.Duration `yaml:"itl"`
+	MaxRunning      int           `yaml:"max_running"`
+	KVHoldTimeout   time.Duration `yaml:"kv_hold_timeout"`
+	KVTransferTime  time.Duration `yaml:"kv_transfer_time"`
+	Seed            int64         `yaml:"seed"`
+	// MaxInflight is the proxy's in-flight limit for this engine (the router's max_inflight).
+	MaxInflight int `yaml:"max_inflight"`
+}
+
+// ParseConfig reads a YAML config. Unknown keys are rejected, with their line.
+func ParseConfig(data []byte) (Config, error) {
+	var c Config
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	dec.KnownFields(true)
+	if err := dec.Decode(&c); err != nil && !errors.Is(err, io.EOF) {
+		return Config{}, fmt.Errorf("config: %w", err)
+	}
+	return c, nil
+}
+
+// DefaultConfig is the embedded default: a simulated prefiller and decoder on loopback.
+func DefaultConfig() Config {
+	c, err := ParseConfig(configs.Default)
+	if err != nil {
+		// The embedded file is part of the binary and covered by tests.
+		panic(err)
+	}
+	return c
+}
+
+func (c *Config) setDefaults() {
+	if c.Listen == "" {
+		c.Listen = "127.0.0.1:8000"
+	}
+	if c.LogFormat == "" {
+		c.LogFormat = "console"
+	}
+	if c.LogLevel == "" {
+		c.LogLevel = "info"
+	}
+	if c.KVHoldTimeout <= 0 {
+		c.KVHoldTimeout = 30 * time.Second
+	}
+	if c.ShutdownTimeout <= 0 {
+		c.ShutdownTimeout = 10 * time.Second
+	}
+}
+
+// urlList is a repeatable flag.
+type urlList []string
+
+func (u *urlList) String() string     { return strings.Join(*u, ",") }
+func (u *urlList) Set(v string) error { *u = append(*u, v); return nil }
+
+// LoadConfig turns the command line into a Config: --prefill/--decode URLs (repeatable) name
+// vLLM engines; --config reads a file; with neither, the embedded default starts simulated
+// engines. --listen and --log-format override what the file says.
+func LoadConfig(args []string, stderr io.Writer) (Config, error) {
+	fs := flag.NewFlagSet("proxy", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var (
+		prefills, decodes urlList
+		file, listen      string
+		logFormat         string
+	)
+	fs.Var(&prefills, "prefill", "URL of a vLLM prefill engine (repeatable)")
+	fs.Var(&decodes, "decode", "URL of a vLLM decode engine (repeatable); with none of --prefill/--decode/--config, simulated engines start in-process")
+	fs.StringVar(&file, "config", "", "YAML config file (see configs/); unknown keys are rejected")
+	fs.StringVar(&listen, "listen", "", "address to serve on (default 127.0.0.1:8000)")
+	fs.StringVar(&logFormat, "log-format", "", "log format: json or console (default console)")
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "Usage: proxy [flags]\n       proxy sim [flags]   (run one simulated engine; proxy sim --help)\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return Config{}, err
+	}
+	if fs.NArg() > 0 {
+		return Config{}, fmt.Errorf("unexpected argument %q (flags go before nothing else; see --help)", fs.Arg(0))
+	}
+	var c Config
+	switch {
+	case file != "":
+		data, err := os.ReadFile(file)
+		if err != nil {
+			return Config{}, fmt.Errorf("read config: %w", err)
+		}
+		if c, err = ParseConfig(data); err != nil {
+			return Config{}, fmt.Errorf("%s: %w", file, err)
+		}
+	case len(prefills)+len(decodes) == 0:
+		c = DefaultConfig()
+	}
+	for _, u := range prefills {
+		c.Router.Backends = append(c.Router.Backends, router.BackendConfig{URL: u, Role: router.RolePrefill, Engine: kvbackend.KindVLLM})
+	}
+	for _, u := range decodes {
+		c.Router.Backends = append(c.Router.Backends, router.BackendConfig{URL: u, Role: router.RoleDecode, Engine: kvbackend.KindVLLM})
+	}
+	if listen != "" {
+		c.Listen = listen
+	}
+	if logFormat != "" {
+		c.LogFormat = logFormat
+	}
+	switch c.LogFormat {
+	case "", "json", "console":
+	default:
+		return Config{}, fmt.Errorf("--log-format: %q is not json or console", c.LogFormat)
+	}
+	return c, nil
+}

@@ -1,0 +1,259 @@
+package app
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/lifecycle"
+	"github.com/pdproxy/pdproxy/proxy"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// Main is one running pdproxy: its simulated engines (if any), router, table and HTTP front.
+type Main struct {
+	cfg      Config
+	logger   *zap.Logger
+	Registry *prometheus.Registry
+
+	sims   []*simProcess
+	Router *router.Router
+	Table  *lifecycle.Table
+	Server *proxy.Server
+
+	ln     net.Listener
+	http   *http.Server
+	cancel context.CancelFunc
+	group  *errgroup.Group
+}
+
+// simProcess is one in-process simulated engine with its own HTTP server.
+type simProcess struct {
+	cfg    SimConfig
+	engine *sim.Engine
+	ln     net.Listener
+	srv    *http.Server
+}
+
+// URL is where the engine serves.
+func (p *simProcess) URL() string { return "http://" + p.ln.Addr().String() }
+
+// NewLogger builds the process logger for a format (json or console) and level.
+func NewLogger(format, level string) (*zap.Logger, error) {
+	lvl, err := zapcore.ParseLevel(level)
+	if err != nil {
+		return nil, fmt.Errorf("log level: %w", err)
+	}
+	var zc zap.Config
+	if format == "json" {
+		zc = zap.NewProductionConfig()
+	} else {
+		zc = zap.NewDevelopmentConfig()
+		zc.EncoderConfig.EncodeLevel = zapcore.CapitalColorLevelEncoder
+		zc.DisableStacktrace = true
+	}
+	zc.Level = zap.NewAtomicLevelAt(lvl)
+	zc.DisableCaller = true
+	return zc.Build()
+}
+
+// New prepares a Main from a config; nothing listens until Start.
+func New(cfg Config, logger *zap.Logger) (*Main, error) {
+	cfg.setDefaults()
+	m := &Main{cfg: cfg, logger: logger, Registry: prometheus.NewRegistry()}
+	m.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m, nil
+}
+
+// Start starts the simulated engines, then the router, the table and the proxy's listener.
+// The goroutines it starts stop on Shutdown.
+func (m *Main) Start(ctx context.Context) error {
+	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	m.cancel = cancel
+	g, gctx := errgroup.WithContext(runCtx)
+	m.group = g
+	fail := func(err error) error {
+		m.stopSims()
+		cancel()
+		g.Wait()
+		return err
+	}
+
+	rcfg := m.cfg.Router
+	rcfg.Backends = append([]router.BackendConfig(nil), rcfg.Backends...)
+	for i, sc := range m.cfg.Sims {
+		p, err := m.startSim(gctx, g, i, sc)
+		if err != nil {
+			return fail(err)
+		}
+		rcfg.Backends = append(rcfg.Backends, router.BackendConfig{
+			Name: fmt.Sprintf("sim-%s-%d", p.cfg.Role, i), URL: p.URL(), Role: router.Role(p.cfg.Role),
+			Engine: kvbackend.KindSim, MaxInflight: sc.MaxInflight, KVHoldTimeout: sc.KVHoldTimeout,
+		})
+	}
+	if err := m.build(rcfg); err != nil {
+		return fail(err)
+	}
+	g.Go(func() error { return m.Router.Run(gctx) })
+
+	ln, err := net.Listen("tcp", m.cfg.Listen)
+	if err != nil {
+		return fail(fmt.Errorf("listen on %s: %w", m.cfg.Listen, err))
+	}
+	m.ln = ln
+	m.http = &http.Server{
+		Handler: m.Server.Handler(),
+		// A client that trickles its headers must not hold a connection open for long.
+		ReadHeaderTimeout: 10 * time.Second,
+		MaxHeaderBytes:    64 << 10,
+		IdleTimeout:       120 * time.Second,
+		ErrorLog:          zap.NewStdLog(m.logger.Named("http")),
+	}
+	g.Go(func() error {
+		if err := m.http.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			return fmt.Errorf("serve: %w", err)
+		}
+		return nil
+	})
+	m.logger.Info("proxy listening", zap.String("addr", ln.Addr().String()),
+		zap.Int("prefill_backends", countRole(rcfg.Backends, router.RolePrefill)),
+		zap.Int("decode_backends", countRole(rcfg.Backends, router.RoleDecode)))
+	return nil
+}
+
+func countRole(bs []router.BackendConfig, role router.Role) int {
+	n := 0
+	for _, b := range bs {
+		if b.Role == role {
+			n++
+		}
+	}
+	return n
+}
+
+// build makes the router, table and server, and checks that the proxy's hold deadline is
+// no longer than any prefiller's own (race R4 otherwise).
+func (m *Main) build(rcfg router.Config) error {
+	rt, err := router.New(rcfg, m.logger.Named("router"), m.Registry)
+	if err != nil {
+		return fmt.Errorf("config: %w", err)
+	}
+	if min := rt.MinKVHoldTimeout(router.RolePrefill); min > 0 && m.cfg.KVHoldTimeout > min {
+		return fmt.Errorf("config: kv_hold_timeout %s is longer than a prefill backend's engine hold timeout %s: a decoder could read blocks the prefiller already freed",
+			m.cfg.KVHoldTimeout, min)
+	}
+	m.Router = rt
+	m.Table = lifecycle.New(lifecycle.Config{KVHoldTimeout: m.cfg.KVHoldTimeout}, m.logger.Named("lifecycle"), m.Registry)
+	srv, err := proxy.New(m.cfg.Proxy, rt, m.Table, m.logger.Named("proxy"), m.Registry, m.Registry)
+	if err != nil {
+		return fmt.Errorf("config: %w", err)
+	}
+	m.Server = srv
+	return nil
+}
+
+func (m *Main) startSim(ctx context.Context, g *errgroup.Group, i int, sc SimConfig) (*simProcess, error) {
+	if sc.Role != "prefill" && sc.Role != "decode" {
+		return nil, fmt.Errorf("config: sims[%d].role: %q is not prefill or decode", i, sc.Role)
+	}
+	cfg := sim.Config{
+		Role: sc.Role, Model: sc.Model, KVBlocks: sc.KVBlocks, BlockSize: sc.BlockSize,
+		PrefillTime: sc.PrefillTime, PrefillPerToken: sc.PrefillPerToken, ITL: sc.ITL,
+		MaxRunning: sc.MaxRunning, KVHoldTimeout: sc.KVHoldTimeout, KVTransferTime: sc.KVTransferTime, Seed: sc.Seed,
+	}
+	logger := m.logger.Named(fmt.Sprintf("sim-%s-%d", sc.Role, i))
+	eng, err := sim.New(cfg, logger)
+	if err != nil {
+		return nil, fmt.Errorf("config: sims[%d]: %w", i, err)
+	}
+	addr := sc.Listen
+	if addr == "" {
+		addr = "127.0.0.1:0"
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("sims[%d]: listen on %s: %w", i, addr, err)
+	}
+	p := &simProcess{cfg: sc, engine: eng, ln: ln, srv: &http.Server{Handler: eng.Handler(), ReadHeaderTimeout: 10 * time.Second}}
+	m.sims = append(m.sims, p)
+	g.Go(func() error { return eng.Run(ctx) })
+	g.Go(func() error {
+		if err := p.srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			return fmt.Errorf("sim serve: %w", err)
+		}
+		return nil
+	})
+	logger.Info("simulated engine listening", zap.String("role", sc.Role), zap.String("url", p.URL()))
+	return p, nil
+}
+
+// Addr is the proxy's listening address (useful with port 0).
+func (m *Main) Addr() string { return m.ln.Addr().String() }
+
+// URL is the proxy's base URL.
+func (m *Main) URL() string { return "http://" + m.Addr() }
+
+// SimURLs lists the in-process simulated engines' URLs by role.
+func (m *Main) SimURLs(role string) []string {
+	var out []string
+	for _, p := range m.sims {
+		if p.cfg.Role == role {
+			out = append(out, p.URL())
+		}
+	}
+	return out
+}
+
+// Shutdown stops gracefully: /ready fails, no new connection is accepted, streams in flight
+// may finish until the drain deadline (ShutdownTimeout, or ctx if sooner), then the rest are
+// aborted through the lifecycle table so their KV is released; last the engines stop.
+func (m *Main) Shutdown(ctx context.Context) error {
+	if m.http == nil {
+		return nil
+	}
+	m.Server.SetDraining()
+	drainCtx, cancel := context.WithTimeout(ctx, m.cfg.ShutdownTimeout)
+	err := m.http.Shutdown(drainCtx)
+	cancel()
+	if err != nil {
+		n := m.Table.AbortAll()
+		m.logger.Warn("drain deadline passed: aborting requests in flight", zap.Int("requests", n))
+		// Aborted handlers return within moments; a short second wait lets them write their
+		// logs and release what they hold before connections are cut.
+		hard, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		if err := m.http.Shutdown(hard); err != nil {
+			m.http.Close()
+		}
+		cancel()
+	}
+	// KV releases run in the background after a client leaves; they need the engines up.
+	bgCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	if err := m.Server.Wait(bgCtx); err != nil {
+		m.logger.Warn("kv releases still running at shutdown", zap.Error(err))
+	}
+	cancel()
+	m.stopSims()
+	m.cancel()
+	return m.group.Wait()
+}
+
+func (m *Main) stopSims() {
+	for _, p := range m.sims {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		if err := p.srv.Shutdown(ctx); err != nil {
+			p.srv.Close()
+		}
+		cancel()
+	}
+}
