@@ -2,15 +2,18 @@ package router
 
 import (
 	"context"
+	"errors"
+	"net/http"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap/zaptest"
 )
 
-// newTestRouter builds a router over cfg with a fresh registry; checks are off unless cfg
-// turns them on, so tests drive health by hand.
-func newTestRouter(t *testing.T, cfg Config) (*Router, *prometheus.Registry) {
+// newTestRouter builds a router over cfg with a fresh registry and a fake clock; checks
+// are off unless cfg turns them on, so tests drive health by hand.
+func newTestRouter(t *testing.T, cfg Config) (*Router, *prometheus.Registry, *fakeClock) {
 	t.Helper()
 	if cfg.Health.Interval == 0 {
 		cfg.Health.Interval = -1
@@ -20,31 +23,211 @@ func newTestRouter(t *testing.T, cfg Config) (*Router, *prometheus.Registry) {
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}
-	return r, reg
+	clk := newFakeClock()
+	r.now = clk.Now
+	return r, reg, clk
 }
 
-func TestAcquireCountsOneInflightUntilRelease(t *testing.T) {
-	r, _ := newTestRouter(t, Config{Backends: []BackendConfig{
-		{Name: "d1", URL: "http://127.0.0.1:1", Role: RoleDecode},
-		{Name: "d2", URL: "http://127.0.0.1:2", Role: RoleDecode},
-	}})
-	l1, err := r.Acquire(context.Background(), RoleDecode, Hint{})
+func backendByName(t *testing.T, r *Router, name string) *Backend {
+	t.Helper()
+	for _, b := range r.backends() {
+		if b.Name == name {
+			return b
+		}
+	}
+	t.Fatalf("no backend %q", name)
+	return nil
+}
+
+func queued(r *Router, role Role) int {
+	p := r.pool(role)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.waiters.Len()
+}
+
+func mustAcquire(t *testing.T, r *Router, role Role, h Hint) *Lease {
+	t.Helper()
+	l, err := r.Acquire(context.Background(), role, h)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("Acquire(%s): %v", role, err)
 	}
-	l2, err := r.Acquire(context.Background(), RoleDecode, Hint{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if l1.Backend() == l2.Backend() {
-		t.Fatalf("least_inflight put both on %s", l1.Backend().Name)
-	}
-	l1.Release(Result{Status: 200})
-	l1.Release(Result{Status: 200})
-	l2.Release(Result{Status: 200})
+	return l
+}
+
+func assertAllIdle(t *testing.T, r *Router) {
+	t.Helper()
 	for _, b := range r.Backends() {
 		if b.Inflight != 0 {
 			t.Errorf("%s inflight = %d, want 0", b.Name, b.Inflight)
 		}
+	}
+}
+
+func TestAcquireCountsOneInflightUntilRelease(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 0)})
+	l1 := mustAcquire(t, r, RoleDecode, Hint{})
+	l2 := mustAcquire(t, r, RoleDecode, Hint{})
+	if l1.Backend() == l2.Backend() {
+		t.Fatalf("least_inflight put both on %s", l1.Backend().Name)
+	}
+	if n := l1.Backend().Inflight(); n != 1 {
+		t.Errorf("inflight while leased = %d, want 1", n)
+	}
+	l1.Release(Result{Status: 200})
+	l1.Release(Result{Status: 500}) // a second Release is a no-op
+	l2.Release(Result{Status: 200})
+	assertAllIdle(t, r)
+	var nilLease *Lease
+	nilLease.Release(Result{}) // safe
+	if nilLease.Backend() != nil {
+		t.Error("nil lease has a backend")
+	}
+}
+
+func TestAcquireSkipsIneligibleBackends(t *testing.T) {
+	tests := []struct {
+		name  string
+		setup func(t *testing.T, r *Router) Hint
+	}{
+		{"full backend is skipped", func(t *testing.T, r *Router) Hint {
+			backendByName(t, r, "d0").st.inflight.Store(1)
+			t.Cleanup(func() { backendByName(t, r, "d0").st.inflight.Store(0) })
+			return Hint{}
+		}},
+		{"unhealthy backend is skipped", func(t *testing.T, r *Router) Hint {
+			backendByName(t, r, "d0").st.up.Store(false)
+			return Hint{}
+		}},
+		{"ejected backend is skipped", func(t *testing.T, r *Router) Hint {
+			b := backendByName(t, r, "d0")
+			b.st.ejectedUntil.Store(r.now().Add(time.Second).UnixNano())
+			return Hint{}
+		}},
+		{"excluded backend is skipped", func(t *testing.T, r *Router) Hint {
+			return Hint{Exclude: []string{"d0"}}
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 1)})
+			h := tt.setup(t, r)
+			l := mustAcquire(t, r, RoleDecode, h)
+			defer l.Release(Result{Status: 200})
+			if got := l.Backend().Name; got != "d1" {
+				t.Errorf("picked %s, want d1", got)
+			}
+		})
+	}
+}
+
+func TestAcquireWithoutUsableBackendIsErrNoBackend(t *testing.T) {
+	tests := []struct {
+		name  string
+		role  Role
+		setup func(r *Router) Hint
+	}{
+		{"every backend down", RoleDecode, func(r *Router) Hint {
+			for _, b := range r.backends() {
+				b.st.up.Store(false)
+			}
+			return Hint{}
+		}},
+		{"every backend ejected", RoleDecode, func(r *Router) Hint {
+			for _, b := range r.backends() {
+				b.st.ejectedUntil.Store(r.now().Add(time.Minute).UnixNano())
+			}
+			return Hint{}
+		}},
+		{"every backend excluded", RoleDecode, func(*Router) Hint { return Hint{Exclude: []string{"d0", "d1"}} }},
+		{"role not configured", RolePrefill, func(*Router) Hint { return Hint{} }},
+		{"unknown role", Role("embed"), func(*Router) Hint { return Hint{} }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 0)})
+			h := tt.setup(r)
+			l, err := r.Acquire(context.Background(), tt.role, h)
+			if !errors.Is(err, ErrNoBackend) {
+				t.Fatalf("Acquire = %v, %v; want ErrNoBackend", l, err)
+			}
+			if queued(r, RoleDecode) != 0 {
+				t.Error("a request with no backend was queued")
+			}
+		})
+	}
+}
+
+func TestAcquireWithDoneContextFailsAtOnce(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 0)})
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := r.Acquire(ctx, RoleDecode, Hint{}); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Acquire = %v, want context.Canceled", err)
+	}
+	assertAllIdle(t, r)
+}
+
+func TestHasReadyAndMinKVHoldTimeout(t *testing.T) {
+	cfg := Config{Backends: []BackendConfig{
+		{Name: "p0", URL: "http://p0:1", Role: RolePrefill, KVHoldTimeout: 90 * time.Second},
+		{Name: "p1", URL: "http://p1:1", Role: RolePrefill},
+		{Name: "d0", URL: "http://d0:1", Role: RoleDecode, Engine: EngineSim},
+	}}
+	r, _, _ := newTestRouter(t, cfg)
+	if !r.Has(RolePrefill) || !r.Has(RoleDecode) || r.Has("other") {
+		t.Error("Has disagrees with config")
+	}
+	if got := r.MinKVHoldTimeout(RolePrefill); got != 90*time.Second {
+		t.Errorf("MinKVHoldTimeout(prefill) = %v, want 90s", got)
+	}
+	if got := r.MinKVHoldTimeout(RoleDecode); got != 480*time.Second {
+		t.Errorf("MinKVHoldTimeout(decode) = %v, want 480s", got)
+	}
+	if !r.Ready() {
+		t.Error("not ready with a healthy decoder")
+	}
+	backendByName(t, r, "d0").st.up.Store(false)
+	if r.Ready() {
+		t.Error("ready with the only decoder down")
+	}
+
+	r2, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 0)})
+	if r2.Has(RolePrefill) || r2.MinKVHoldTimeout(RolePrefill) != 0 {
+		t.Error("decode-only router claims prefill backends")
+	}
+}
+
+func TestBackendsReportsStatus(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{Backends: []BackendConfig{
+		{URL: "http://p0:8000", Role: RolePrefill, Engine: EngineSim},
+		{Name: "d0", URL: "http://d0:8000", Role: RoleDecode, Weight: 2, MaxInflight: 8},
+	}})
+	l := mustAcquire(t, r, RoleDecode, Hint{})
+	defer l.Release(Result{})
+	got := r.Backends()
+	want := []BackendStatus{
+		{Name: "p0:8000", URL: "http://p0:8000", Role: RolePrefill, Healthy: true, MaxInflight: 256, Weight: 1, Engine: "sim"},
+		{Name: "d0", URL: "http://d0:8000", Role: RoleDecode, Healthy: true, Inflight: 1, MaxInflight: 8, Weight: 2, Engine: "vllm"},
+	}
+	if len(got) != len(want) {
+		t.Fatalf("Backends() = %+v", got)
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Errorf("Backends()[%d] = %+v, want %+v", i, got[i], want[i])
+		}
+	}
+}
+
+func TestClientTransportIsTunedPerBackend(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{Backends: []BackendConfig{{Name: "d0", URL: "http://d0:1", Role: RoleDecode, MaxInflight: 32}}})
+	c := backendByName(t, r, "d0").Client()
+	if c.Timeout != 0 {
+		t.Errorf("client Timeout = %v; streams need none", c.Timeout)
+	}
+	tr := c.Transport.(*http.Transport)
+	if tr.MaxIdleConnsPerHost != 32 || tr.MaxConnsPerHost != 0 || tr.ForceAttemptHTTP2 {
+		t.Errorf("transport = idle/host %d, conns/host %d, h2 %v", tr.MaxIdleConnsPerHost, tr.MaxConnsPerHost, tr.ForceAttemptHTTP2)
 	}
 }

@@ -1,0 +1,209 @@
+package router
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"gopkg.in/yaml.v3"
+)
+
+func TestValidateFillsDefaults(t *testing.T) {
+	cfg := Config{Backends: []BackendConfig{{URL: "http://engine:8000", Role: RoleDecode}}}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	b := cfg.Backends[0]
+	checks := []struct {
+		field     string
+		got, want any
+	}{
+		{"name", b.Name, "engine:8000"},
+		{"weight", b.Weight, 1},
+		{"max_inflight", b.MaxInflight, 256},
+		{"engine", b.Engine, "vllm"},
+		{"kv_hold_timeout", b.KVHoldTimeout, 480 * time.Second},
+		{"prefill_policy", cfg.PrefillPolicy, "least_inflight"},
+		{"decode_policy", cfg.DecodePolicy, "least_inflight"},
+		{"prefix_tokens", cfg.PrefixTokens, 256},
+		{"health.interval", cfg.Health.Interval, 5 * time.Second},
+		{"health.timeout", cfg.Health.Timeout, 2 * time.Second},
+		{"health.unhealthy_threshold", cfg.Health.UnhealthyThreshold, 2},
+		{"health.healthy_threshold", cfg.Health.HealthyThreshold, 1},
+		{"health.path", cfg.Health.Path, "/health"},
+		{"ejection.consecutive_failures", cfg.Ejection.ConsecutiveFailures, 3},
+		{"ejection.base_backoff", cfg.Ejection.BaseBackoff, time.Second},
+		{"ejection.max_backoff", cfg.Ejection.MaxBackoff, 30 * time.Second},
+		{"queue.size", cfg.Queue.Size, 1024},
+		{"queue.timeout", cfg.Queue.Timeout, 10 * time.Second},
+	}
+	for _, c := range checks {
+		if c.got != c.want {
+			t.Errorf("%s = %v, want %v", c.field, c.got, c.want)
+		}
+	}
+}
+
+func TestNameDerivedFromURL(t *testing.T) {
+	tests := []struct{ url, want string }{
+		{"http://10.0.0.1:8000", "10.0.0.1:8000"},
+		{"http://engine", "engine:80"},
+		{"https://engine", "engine:443"},
+		{"http://[::1]:9000/", "[::1]:9000"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.url, func(t *testing.T) {
+			cfg := Config{Backends: []BackendConfig{{URL: tt.url, Role: RoleDecode}}}
+			if err := cfg.Validate(); err != nil {
+				t.Fatal(err)
+			}
+			if got := cfg.Backends[0].Name; got != tt.want {
+				t.Errorf("name = %q, want %q", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestValidateNamesTheBadField(t *testing.T) {
+	decoder := BackendConfig{URL: "http://d:1", Role: RoleDecode}
+	tests := []struct {
+		name string
+		cfg  Config
+		want string
+	}{
+		{"missing url", Config{Backends: []BackendConfig{decoder, {Role: RolePrefill}}}, "backends[1].url: required"},
+		{"url without http scheme", Config{Backends: []BackendConfig{{URL: "ftp://d:1", Role: RoleDecode}}}, "backends[0].url:"},
+		{"url without host", Config{Backends: []BackendConfig{{URL: "http://", Role: RoleDecode}}}, "backends[0].url:"},
+		{"url with query", Config{Backends: []BackendConfig{{URL: "http://d:1/?a=b", Role: RoleDecode}}}, "backends[0].url:"},
+		{"unknown role", Config{Backends: []BackendConfig{decoder, {URL: "http://p:1", Role: "both"}}}, "backends[1].role:"},
+		{"missing role", Config{Backends: []BackendConfig{decoder, {URL: "http://p:1"}}}, "backends[1].role:"},
+		{"duplicate derived name", Config{Backends: []BackendConfig{decoder, {URL: "http://d:1", Role: RolePrefill}}}, "backends[1].name:"},
+		{"no decoder", Config{Backends: []BackendConfig{{URL: "http://p:1", Role: RolePrefill}}}, "backends: at least one backend with role \"decode\""},
+		{"no backends", Config{}, "backends: at least one"},
+		{"negative weight", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, Weight: -1}}}, "backends[0].weight:"},
+		{"negative max_inflight", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, MaxInflight: -2}}}, "backends[0].max_inflight:"},
+		{"unknown engine", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, Engine: "trt"}}}, "backends[0].engine:"},
+		{"negative kv_hold_timeout", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, KVHoldTimeout: -time.Second}}}, "backends[0].kv_hold_timeout:"},
+		{"unknown prefill policy", Config{Backends: []BackendConfig{decoder}, PrefillPolicy: "random"}, "prefill_policy: unknown policy"},
+		{"unknown decode policy", Config{Backends: []BackendConfig{decoder}, DecodePolicy: "fastest"}, "decode_policy: unknown policy"},
+		{"negative prefix_tokens", Config{Backends: []BackendConfig{decoder}, PrefixTokens: -1}, "prefix_tokens:"},
+		{"health path without slash", Config{Backends: []BackendConfig{decoder}, Health: HealthConfig{Path: "health"}}, "health.path:"},
+		{"max_backoff below base", Config{Backends: []BackendConfig{decoder}, Ejection: EjectionConfig{BaseBackoff: time.Minute}}, "ejection.max_backoff:"},
+		{"negative queue timeout", Config{Backends: []BackendConfig{decoder}, Queue: QueueConfig{Timeout: -1}}, "queue.timeout:"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.cfg.Validate()
+			if err == nil {
+				t.Fatalf("Validate() = nil, want error containing %q", tt.want)
+			}
+			if !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("Validate() = %q, want it to contain %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestValidateReportsEveryBadField(t *testing.T) {
+	cfg := Config{Backends: []BackendConfig{{URL: "ftp://x", Role: "x"}}, DecodePolicy: "nope"}
+	err := cfg.Validate()
+	for _, want := range []string{"backends[0].url", "backends[0].role", "decode_policy", "backends: at least one"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("Validate() = %v, want it to mention %s", err, want)
+		}
+	}
+}
+
+func TestYAMLConfig(t *testing.T) {
+	const full = `
+backends:
+  - url: http://prefill-0:8000
+    role: prefill
+    engine: sim
+    kv_hold_timeout: 30s
+  - name: big
+    url: http://decode-0:8000
+    role: decode
+    weight: 3
+    max_inflight: 64
+prefill_policy: prefix_affinity
+decode_policy: power_of_two
+prefix_tokens: 128
+health:
+  interval: 2s
+  timeout: 500ms
+  unhealthy_threshold: 3
+  healthy_threshold: 2
+  path: /ready
+ejection:
+  consecutive_failures: 5
+  base_backoff: 2s
+  max_backoff: 1m
+queue:
+  size: 10
+  timeout: 3s
+`
+	tests := []struct {
+		name  string
+		yaml  string
+		check func(t *testing.T, c Config)
+	}{
+		{"every key is read", full, func(t *testing.T, c Config) {
+			p, d := c.Backends[0], c.Backends[1]
+			if p.Name != "prefill-0:8000" || p.Engine != "sim" || p.KVHoldTimeout != 30*time.Second || p.Role != RolePrefill {
+				t.Errorf("prefill backend = %+v", p)
+			}
+			if d.Name != "big" || d.Weight != 3 || d.MaxInflight != 64 || d.Engine != "vllm" || d.KVHoldTimeout != 480*time.Second {
+				t.Errorf("decode backend = %+v", d)
+			}
+			if c.PrefillPolicy != "prefix_affinity" || c.DecodePolicy != "power_of_two" || c.PrefixTokens != 128 {
+				t.Errorf("policies = %q %q %d", c.PrefillPolicy, c.DecodePolicy, c.PrefixTokens)
+			}
+			want := HealthConfig{Interval: 2 * time.Second, Timeout: 500 * time.Millisecond, UnhealthyThreshold: 3, HealthyThreshold: 2, Path: "/ready"}
+			if c.Health != want {
+				t.Errorf("health = %+v, want %+v", c.Health, want)
+			}
+			if c.Ejection != (EjectionConfig{ConsecutiveFailures: 5, BaseBackoff: 2 * time.Second, MaxBackoff: time.Minute}) {
+				t.Errorf("ejection = %+v", c.Ejection)
+			}
+			if c.Queue != (QueueConfig{Size: 10, Timeout: 3 * time.Second}) {
+				t.Errorf("queue = %+v", c.Queue)
+			}
+		}},
+		{"missing interval means 5s", "backends: [{url: 'http://d:1', role: decode}]\nhealth: {path: /h}\n", func(t *testing.T, c Config) {
+			if c.Health.Interval != 5*time.Second || c.Health.Path != "/h" {
+				t.Errorf("health = %+v", c.Health)
+			}
+		}},
+		{"interval 0 disables checks", "backends: [{url: 'http://d:1', role: decode}]\nhealth: {interval: 0}\n", func(t *testing.T, c Config) {
+			if c.Health.Interval >= 0 {
+				t.Errorf("interval = %v, want negative (disabled)", c.Health.Interval)
+			}
+		}},
+		{"interval 0s disables checks", "backends: [{url: 'http://d:1', role: decode}]\nhealth:\n  interval: 0s\n", func(t *testing.T, c Config) {
+			if c.Health.Interval >= 0 {
+				t.Errorf("interval = %v, want negative (disabled)", c.Health.Interval)
+			}
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var c Config
+			if err := yaml.Unmarshal([]byte(tt.yaml), &c); err != nil {
+				t.Fatalf("unmarshal: %v", err)
+			}
+			if err := c.Validate(); err != nil {
+				t.Fatalf("Validate: %v", err)
+			}
+			tt.check(t, c)
+		})
+	}
+}
+
+func TestYAMLBadIntervalIsAnError(t *testing.T) {
+	var c Config
+	err := yaml.Unmarshal([]byte("health: {interval: soon}\n"), &c)
+	if err == nil || !strings.Contains(err.Error(), "health.interval") {
+		t.Fatalf("unmarshal = %v, want a health.interval error", err)
+	}
+}

@@ -1,0 +1,147 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"syscall"
+	"testing"
+	"time"
+)
+
+var errConnRefused = &netOpError{syscall.ECONNREFUSED}
+
+type netOpError struct{ err error }
+
+func (e *netOpError) Error() string { return "dial tcp: " + e.err.Error() }
+func (e *netOpError) Unwrap() error { return e.err }
+
+// send acquires the only decoder and releases it with res.
+func send(t *testing.T, r *Router, res Result) {
+	t.Helper()
+	mustAcquire(t, r, RoleDecode, Hint{}).Release(res)
+}
+
+func TestPassiveHealthCountsOnlyBackendFaults(t *testing.T) {
+	fail5xx := Result{Status: 503}
+	tests := []struct {
+		name        string
+		results     []Result
+		wantEjected bool
+	}{
+		{"three 5xx in a row eject", []Result{fail5xx, fail5xx, fail5xx}, true},
+		{"three connect errors in a row eject", []Result{{Err: errConnRefused}, {Err: errConnRefused}, {Err: errConnRefused}}, true},
+		{"a success resets the streak", []Result{fail5xx, fail5xx, {Status: 200}, fail5xx, fail5xx}, false},
+		{"client cancels count nothing", []Result{fail5xx, fail5xx, {Canceled: true, Err: context.Canceled}, {Canceled: true}}, false},
+		{"4xx is the client's fault, not the backend's", []Result{{Status: 400}, {Status: 404}, {Status: 429}}, false},
+		{"an unused lease counts nothing", []Result{fail5xx, fail5xx, {}, {}}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 0)})
+			for _, res := range tt.results {
+				send(t, r, res)
+			}
+			st := r.Backends()[0]
+			if st.Ejected != tt.wantEjected || r.Ready() == tt.wantEjected {
+				t.Errorf("ejected = %v, ready = %v; want ejected %v", st.Ejected, r.Ready(), tt.wantEjected)
+			}
+			if tt.wantEjected {
+				if _, err := r.Acquire(context.Background(), RoleDecode, Hint{}); !errors.Is(err, ErrNoBackend) {
+					t.Errorf("Acquire on ejected pool = %v, want ErrNoBackend", err)
+				}
+			}
+		})
+	}
+}
+
+func TestEjectionBackoffDoublesUpToMax(t *testing.T) {
+	r, _, clk := newTestRouter(t, Config{
+		Backends: backendsCfg(RoleDecode, "d", 1, 0),
+		Ejection: EjectionConfig{ConsecutiveFailures: 2, BaseBackoff: time.Second, MaxBackoff: 3 * time.Second},
+	})
+	fail := func() {
+		send(t, r, Result{Status: 500})
+		send(t, r, Result{Status: 500})
+	}
+	for i, want := range []time.Duration{time.Second, 2 * time.Second, 3 * time.Second, 3 * time.Second} {
+		fail()
+		if r.Ready() {
+			t.Fatalf("ejection %d: still ready", i+1)
+		}
+		clk.Advance(want - time.Millisecond)
+		if r.Ready() {
+			t.Fatalf("ejection %d: back before %v", i+1, want)
+		}
+		clk.Advance(time.Millisecond)
+		if !r.Ready() {
+			t.Fatalf("ejection %d: still out after %v", i+1, want)
+		}
+		if got := r.Backends()[0].Ejections; got != int64(i+1) {
+			t.Errorf("ejections = %d, want %d", got, i+1)
+		}
+	}
+	// A success after coming back restarts the backoff at base.
+	send(t, r, Result{Status: 200})
+	fail()
+	clk.Advance(time.Second)
+	if !r.Ready() {
+		t.Error("backoff did not restart at base after a success")
+	}
+}
+
+func TestFailuresDuringEjectionDoNotExtendIt(t *testing.T) {
+	r, _, clk := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 0)})
+	// Six requests in flight when the backend breaks: twice the threshold.
+	var leases []*Lease
+	for range 6 {
+		leases = append(leases, mustAcquire(t, r, RoleDecode, Hint{}))
+	}
+	for _, l := range leases {
+		l.Release(Result{Status: 502})
+	}
+	if got := r.Backends()[0].Ejections; got != 1 {
+		t.Errorf("ejections = %d, want 1 for one outage", got)
+	}
+	clk.Advance(time.Second)
+	if !r.Ready() {
+		t.Error("late failures extended the ejection")
+	}
+}
+
+func TestPassiveEjectionCanBeDisabled(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{
+		Backends: backendsCfg(RoleDecode, "d", 1, 0),
+		Ejection: EjectionConfig{ConsecutiveFailures: -1},
+	})
+	for range 10 {
+		send(t, r, Result{Status: 500})
+	}
+	if !r.Ready() {
+		t.Error("ejected with passive ejection disabled")
+	}
+}
+
+func TestEjectedBackendTrafficGoesElsewhere(t *testing.T) {
+	r, _, clk := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 0)})
+	for range 3 {
+		l := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}})
+		l.Release(Result{Err: errConnRefused})
+	}
+	for range 5 {
+		l := mustAcquire(t, r, RoleDecode, Hint{})
+		if l.Backend().Name != "d1" {
+			t.Fatalf("picked ejected %s", l.Backend().Name)
+		}
+		l.Release(Result{Status: 200})
+	}
+	clk.Advance(time.Second)
+	seen := map[string]bool{}
+	for range 4 {
+		l := mustAcquire(t, r, RoleDecode, Hint{})
+		seen[l.Backend().Name] = true
+		l.Release(Result{Status: 200})
+	}
+	if !seen["d0"] {
+		t.Error("d0 never picked after its ejection ended")
+	}
+}

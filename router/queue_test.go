@@ -1,0 +1,195 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+)
+
+type acquired struct {
+	lease *Lease
+	err   error
+}
+
+// acquireAsync starts an Acquire and waits until it is queued, so tests control the
+// queue order.
+func acquireAsync(t *testing.T, r *Router, ctx context.Context, h Hint) <-chan acquired {
+	t.Helper()
+	before := queued(r, RoleDecode)
+	ch := make(chan acquired, 1)
+	go func() {
+		l, err := r.Acquire(ctx, RoleDecode, h)
+		ch <- acquired{l, err}
+	}()
+	waitFor(t, "the request to queue", func() bool { return queued(r, RoleDecode) == before+1 })
+	return ch
+}
+
+func recv(t *testing.T, ch <-chan acquired) acquired {
+	t.Helper()
+	select {
+	case a := <-ch:
+		return a
+	case <-time.After(10 * time.Second):
+		t.Fatal("Acquire did not return")
+		return acquired{}
+	}
+}
+
+func TestQueueReleaseWakesWaitersInOrder(t *testing.T) {
+	r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
+	first := mustAcquire(t, r, RoleDecode, Hint{})
+	w1 := acquireAsync(t, r, context.Background(), Hint{RequestID: "w1"})
+	w2 := acquireAsync(t, r, context.Background(), Hint{RequestID: "w2"})
+
+	first.Release(Result{Status: 200})
+	a1 := recv(t, w1)
+	if a1.err != nil {
+		t.Fatalf("first waiter: %v", a1.err)
+	}
+	select {
+	case a := <-w2:
+		t.Fatalf("second waiter served before its turn: %+v", a)
+	default:
+	}
+	if n := a1.lease.Backend().Inflight(); n != 1 {
+		t.Errorf("inflight after hand-over = %d, want 1", n)
+	}
+	a1.lease.Release(Result{Status: 200})
+	a2 := recv(t, w2)
+	if a2.err != nil {
+		t.Fatalf("second waiter: %v", a2.err)
+	}
+	a2.lease.Release(Result{Status: 200})
+	assertAllIdle(t, r)
+	if n, _ := metricValue(t, reg, "pdproxy_queue_wait_seconds", map[string]string{"role": "decode"}); n != 2 {
+		t.Errorf("queue_wait_seconds count = %v, want 2", n)
+	}
+}
+
+func TestQueueOutcomes(t *testing.T) {
+	tests := []struct {
+		name    string
+		queue   QueueConfig
+		waiting int // waiters queued before the one under test
+		ctx     func() (context.Context, context.CancelFunc)
+		want    error
+	}{
+		{"full queue rejects at once", QueueConfig{Size: 1, Timeout: time.Minute}, 1, nil, ErrQueueFull},
+		{"negative size never queues", QueueConfig{Size: -1, Timeout: time.Minute}, 0, nil, ErrQueueFull},
+		{"long wait times out", QueueConfig{Size: 4, Timeout: 20 * time.Millisecond}, 0, nil, ErrQueueTimeout},
+		{"client deadline ends the wait", QueueConfig{Size: 4, Timeout: time.Minute}, 0, func() (context.Context, context.CancelFunc) {
+			return context.WithTimeout(context.Background(), 20*time.Millisecond)
+		}, context.DeadlineExceeded},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1), Queue: tt.queue})
+			busy := mustAcquire(t, r, RoleDecode, Hint{})
+			bg, cancelBg := context.WithCancel(context.Background())
+			var others []<-chan acquired
+			for range tt.waiting {
+				others = append(others, acquireAsync(t, r, bg, Hint{}))
+			}
+			ctx, cancel := context.Background(), context.CancelFunc(func() {})
+			if tt.ctx != nil {
+				ctx, cancel = tt.ctx()
+			}
+			defer cancel()
+			l, err := r.Acquire(ctx, RoleDecode, Hint{})
+			if !errors.Is(err, tt.want) || l != nil {
+				t.Fatalf("Acquire = %v, %v; want %v", l, err, tt.want)
+			}
+			cancelBg()
+			for _, o := range others {
+				if a := recv(t, o); !errors.Is(a.err, context.Canceled) {
+					t.Errorf("canceled waiter got %+v", a)
+				}
+			}
+			if n := queued(r, RoleDecode); n != 0 {
+				t.Errorf("%d waiters left in the queue", n)
+			}
+			busy.Release(Result{Status: 200})
+			assertAllIdle(t, r)
+			if v, _ := metricValue(t, reg, "pdproxy_queue_waiting_requests", map[string]string{"role": "decode"}); v != 0 {
+				t.Errorf("queue_waiting_requests = %v, want 0", v)
+			}
+		})
+	}
+}
+
+func TestQueueCanceledWaiterLeavesAtOnceAndTakesNoSlot(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
+	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	ctx, cancel := context.WithCancel(context.Background())
+	gone := acquireAsync(t, r, ctx, Hint{RequestID: "gone"})
+	stays := acquireAsync(t, r, context.Background(), Hint{RequestID: "stays"})
+	cancel()
+	if a := recv(t, gone); !errors.Is(a.err, context.Canceled) {
+		t.Fatalf("canceled waiter got %+v, want context.Canceled", a)
+	}
+	if n := queued(r, RoleDecode); n != 1 {
+		t.Fatalf("queue length after cancel = %d, want 1", n)
+	}
+	busy.Release(Result{Status: 200})
+	a := recv(t, stays)
+	if a.err != nil {
+		t.Fatalf("remaining waiter: %v", a.err)
+	}
+	a.lease.Release(Result{Status: 200})
+	assertAllIdle(t, r)
+}
+
+func TestQueueExcludingWaiterDoesNotBlockOthers(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 1)})
+	l0 := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}})
+	l1 := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d0"}})
+	picky := acquireAsync(t, r, context.Background(), Hint{Exclude: []string{"d0"}})
+	other := acquireAsync(t, r, context.Background(), Hint{})
+	l0.Release(Result{Status: 200}) // frees d0, which picky refuses
+	a := recv(t, other)
+	if a.err != nil || a.lease.Backend().Name != "d0" {
+		t.Fatalf("other waiter got %+v, want d0", a)
+	}
+	l1.Release(Result{Status: 200})
+	p := recv(t, picky)
+	if p.err != nil || p.lease.Backend().Name != "d1" {
+		t.Fatalf("picky waiter got %+v, want d1", p)
+	}
+	a.lease.Release(Result{})
+	p.lease.Release(Result{})
+	assertAllIdle(t, r)
+}
+
+func TestQueueWaiterGetsErrNoBackendWhenPoolGoesDown(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
+	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	w := acquireAsync(t, r, context.Background(), Hint{})
+	backendByName(t, r, "d0").st.up.Store(false)
+	r.decode.kick() // what a health round does after a verdict
+	if a := recv(t, w); !errors.Is(a.err, ErrNoBackend) {
+		t.Fatalf("waiter got %+v, want ErrNoBackend", a)
+	}
+	busy.Release(Result{Status: 200})
+	assertAllIdle(t, r)
+}
+
+func TestQueueWaiterServedByBackendAddedOnReload(t *testing.T) {
+	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)}
+	r, _, _ := newTestRouter(t, cfg)
+	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	w := acquireAsync(t, r, context.Background(), Hint{})
+	cfg.Backends = backendsCfg(RoleDecode, "d", 2, 1)
+	cfg.Health.Interval = -1
+	if err := r.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	a := recv(t, w)
+	if a.err != nil || a.lease.Backend().Name != "d1" {
+		t.Fatalf("waiter got %+v, want the new d1", a)
+	}
+	a.lease.Release(Result{})
+	busy.Release(Result{})
+	assertAllIdle(t, r)
+}
