@@ -1,0 +1,210 @@
+package router
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sync/errgroup"
+)
+
+// engine is an httptest server whose health endpoint fails or hangs on cue.
+type engine struct {
+	*httptest.Server
+	failing atomic.Bool
+	hanging atomic.Bool
+	checks  atomic.Int64
+	path    atomic.Value // last path requested
+}
+
+func newEngine(t *testing.T) *engine {
+	e := &engine{}
+	e.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		e.checks.Add(1)
+		e.path.Store(req.URL.Path)
+		if e.hanging.Load() {
+			<-req.Context().Done() // the checker's timeout ends it
+			return
+		}
+		if e.failing.Load() {
+			http.Error(w, "sick", http.StatusServiceUnavailable)
+			return
+		}
+		w.WriteHeader(http.StatusOK)
+	}))
+	t.Cleanup(e.Close)
+	return e
+}
+
+// runRouter runs r's health checks until the test ends.
+func runRouter(t *testing.T, r *Router) {
+	ctx, cancel := context.WithCancel(context.Background())
+	var g errgroup.Group
+	g.Go(func() error { return r.Run(ctx) })
+	t.Cleanup(func() {
+		cancel()
+		if err := g.Wait(); err != nil {
+			t.Errorf("Run returned %v, want nil", err)
+		}
+	})
+}
+
+func healthCfg(h HealthConfig, engines ...*engine) Config {
+	cfg := Config{Health: h}
+	for i, e := range engines {
+		cfg.Backends = append(cfg.Backends, BackendConfig{Name: "d" + string(rune('0'+i)), URL: e.URL, Role: RoleDecode})
+	}
+	return cfg
+}
+
+func healthy(r *Router, name string) bool {
+	for _, b := range r.Backends() {
+		if b.Name == name {
+			return b.Healthy
+		}
+	}
+	return false
+}
+
+func TestActiveHealthMarksDownAndUp(t *testing.T) {
+	tests := []struct {
+		name  string
+		sick  func(e *engine)
+		well  func(e *engine)
+		check HealthConfig
+	}{
+		{"5xx answers",
+			func(e *engine) { e.failing.Store(true) }, func(e *engine) { e.failing.Store(false) },
+			HealthConfig{Interval: 5 * time.Millisecond, UnhealthyThreshold: 2, HealthyThreshold: 2}},
+		{"checks that time out",
+			func(e *engine) { e.hanging.Store(true) }, func(e *engine) { e.hanging.Store(false) },
+			HealthConfig{Interval: 5 * time.Millisecond, Timeout: 20 * time.Millisecond}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e := newEngine(t)
+			r, reg, _ := newTestRouter(t, healthCfg(tt.check, e))
+			runRouter(t, r)
+			waitFor(t, "a first check", func() bool { return e.checks.Load() > 0 })
+			if !r.Ready() {
+				t.Fatal("not ready with a healthy engine")
+			}
+			tt.sick(e)
+			waitFor(t, "the backend to be marked down", func() bool { return !r.Ready() })
+			if v, _ := metricValue(t, reg, "pdproxy_backend_healthy", map[string]string{"backend": "d0"}); v != 0 {
+				t.Errorf("backend_healthy = %v while down", v)
+			}
+			if _, err := r.Acquire(context.Background(), RoleDecode, Hint{}); err != ErrNoBackend {
+				t.Errorf("Acquire while down = %v, want ErrNoBackend", err)
+			}
+			tt.well(e)
+			waitFor(t, "the backend to be marked up", r.Ready)
+			send(t, r, Result{Status: 200})
+		})
+	}
+}
+
+func TestActiveHealthNeedsThresholdFailuresInARow(t *testing.T) {
+	e := newEngine(t)
+	r, _, _ := newTestRouter(t, healthCfg(HealthConfig{Interval: -1, UnhealthyThreshold: 3, HealthyThreshold: 2}, e))
+	h := HealthConfig{Timeout: time.Second, UnhealthyThreshold: 3, HealthyThreshold: 2, Path: "/health"}
+	round := func(fail bool) {
+		e.failing.Store(fail)
+		r.checkAll(context.Background(), h)
+	}
+	round(true)
+	round(true)
+	round(false) // breaks the streak
+	round(true)
+	round(true)
+	if !healthy(r, "d0") {
+		t.Fatal("down after failures that were not in a row")
+	}
+	round(true)
+	if healthy(r, "d0") {
+		t.Fatal("up after 3 failed checks in a row")
+	}
+	round(false)
+	if healthy(r, "d0") {
+		t.Fatal("up after 1 passed check; healthy_threshold is 2")
+	}
+	round(false)
+	if !healthy(r, "d0") {
+		t.Fatal("down after 2 passed checks")
+	}
+	// checkAll ran without Run, which would close the keep-alive connections it left.
+	for _, b := range r.backends() {
+		b.closeIdle()
+	}
+}
+
+func TestActiveHealthUsesConfiguredPath(t *testing.T) {
+	e := newEngine(t)
+	r, _, _ := newTestRouter(t, healthCfg(HealthConfig{Interval: 5 * time.Millisecond, Path: "/v1/ready"}, e))
+	runRouter(t, r)
+	waitFor(t, "a check", func() bool { return e.checks.Load() > 0 })
+	if got := e.path.Load(); got != "/v1/ready" {
+		t.Errorf("checked %v, want /v1/ready", got)
+	}
+}
+
+func TestActiveHealthChecksEachBackendOnItsOwn(t *testing.T) {
+	good, bad := newEngine(t), newEngine(t)
+	bad.failing.Store(true)
+	r, _, _ := newTestRouter(t, healthCfg(HealthConfig{Interval: 5 * time.Millisecond, UnhealthyThreshold: 1}, good, bad))
+	runRouter(t, r)
+	waitFor(t, "d1 down", func() bool { return !healthy(r, "d1") })
+	if !healthy(r, "d0") || !r.Ready() {
+		t.Error("a healthy backend was marked down with its neighbour")
+	}
+	for range 5 {
+		l := mustAcquire(t, r, RoleDecode, Hint{})
+		if l.Backend().Name != "d0" {
+			t.Errorf("picked down %s", l.Backend().Name)
+		}
+		l.Release(Result{Status: 200})
+	}
+}
+
+func TestRunStopsWithItsContext(t *testing.T) {
+	tests := []struct {
+		name     string
+		interval time.Duration
+	}{
+		{"checks enabled", time.Millisecond},
+		{"checks disabled", -1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e := newEngine(t)
+			r, _, _ := newTestRouter(t, healthCfg(HealthConfig{Interval: tt.interval}, e))
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- r.Run(ctx) }()
+			cancel()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Errorf("Run = %v, want nil", err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatal("Run did not return after its context ended")
+			}
+		})
+	}
+}
+
+func TestReloadEnablesHealthChecksWhileRunning(t *testing.T) {
+	e := newEngine(t)
+	cfg := healthCfg(HealthConfig{Interval: -1}, e)
+	r, _, _ := newTestRouter(t, cfg)
+	runRouter(t, r)
+	cfg.Health.Interval = 5 * time.Millisecond
+	if err := r.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "checks after the reload", func() bool { return e.checks.Load() > 0 })
+}
