@@ -5,6 +5,33 @@
 //
 // The proxy asks for a backend with [Router.Acquire] and gets a [Lease]; the lease counts
 // one in-flight request on the backend until [Lease.Release], which also feeds passive
-// health. The router never calls back into the proxy and never sends a request itself,
-// except its own health checks.
+// health. The router never calls back into the proxy and sends no request itself except
+// its health checks, which [Router.Run] owns.
+//
+// Configuration, with the defaults applied by [Config.Validate]:
+//
+//	backends:
+//	  - name: decode-0          # default: the URL's host:port
+//	    url: http://10.0.0.2:8000
+//	    role: decode            # prefill | decode (required)
+//	    weight: 1
+//	    max_inflight: 256       # 0 means the default
+//	    engine: vllm            # vllm | sim
+//	    kv_hold_timeout: 480s   # the engine's own hold timeout; engine default
+//	prefill_policy: least_inflight  # least_inflight | round_robin | power_of_two | prefix_affinity
+//	decode_policy: least_inflight
+//	prefix_tokens: 256          # prefix_affinity hashes the first 4*prefix_tokens bytes
+//	health:
+//	  interval: 5s              # 0 or negative disables active checks
+//	  timeout: 2s
+//	  unhealthy_threshold: 2
+//	  healthy_threshold: 1
+//	  path: /health
+//	ejection:
+//	  consecutive_failures: 3   # negative disables passive ejection
+//	  base_backoff: 1s
+//	  max_backoff: 30s
+//	queue:
+//	  size: 1024                # per role; negative disables waiting
+//	  timeout: 10s
 package router

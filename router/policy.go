@@ -12,7 +12,9 @@ import (
 
 // Policy picks one backend among candidates. The router passes only candidates it may
 // use (healthy, not ejected, not excluded, under their in-flight limit), at least one,
-// and calls Select under a lock, so a policy only needs to be safe for its own state.
+// and calls Select under its pool's lock. A policy must return one of cands, must not
+// keep the slice (the router reuses it), and reads in-flight counts that other pools'
+// releases may change at any moment, so it must tolerate them moving.
 type Policy interface {
 	Select(cands []*Backend, h Hint) *Backend
 }
@@ -61,24 +63,39 @@ type LeastInflight struct {
 	next atomic.Uint64
 }
 
-// Select implements Policy.
+// Select implements Policy. It makes three passes rather than collecting the ties in a
+// slice so that the hot path does not allocate.
 func (p *LeastInflight) Select(cands []*Backend, _ Hint) *Backend {
-	var best []*Backend
-	var bestN int64
-	bestW := 0
-	for _, b := range cands {
-		n := b.Inflight()
-		switch {
-		case best == nil || n < bestN || (n == bestN && b.Weight > bestW):
-			best, bestN, bestW = append(best[:0], b), n, b.Weight
-		case n == bestN && b.Weight == bestW:
-			best = append(best, b)
-		}
-	}
-	if len(best) == 0 {
+	if len(cands) == 0 {
 		return nil
 	}
-	return best[(p.next.Add(1)-1)%uint64(len(best))]
+	better := func(b *Backend, n int64, w int) bool {
+		return b.Inflight() < n || (b.Inflight() == n && b.Weight > w)
+	}
+	bestN, bestW := cands[0].Inflight(), cands[0].Weight
+	for _, b := range cands[1:] {
+		if better(b, bestN, bestW) {
+			bestN, bestW = b.Inflight(), b.Weight
+		}
+	}
+	ties := 0
+	for _, b := range cands {
+		if b.Inflight() == bestN && b.Weight == bestW {
+			ties++
+		}
+	}
+	k := int((p.next.Add(1) - 1) % uint64(max(ties, 1)))
+	for _, b := range cands {
+		if b.Inflight() == bestN && b.Weight == bestW {
+			if k == 0 {
+				return b
+			}
+			k--
+		}
+	}
+	// In-flight counts of other pools' leases moved between passes; any candidate
+	// is a fine answer then.
+	return cands[0]
 }
 
 // RoundRobin rotates through candidates in proportion to their weights (nginx's smooth

@@ -186,8 +186,11 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 	}
 	w := &waiter{h: h, ch: make(chan waitResult, 1)}
 	w.elem = p.waiters.PushBack(w)
-	timeout := p.queueTimeout
+	timeout, depth := p.queueTimeout, p.waiters.Len()
 	p.mu.Unlock()
+	if ce := r.logger.Check(zap.DebugLevel, "request queued for a backend"); ce != nil {
+		ce.Write(zap.String("request_id", h.RequestID), zap.String("role", string(role)), zap.Int("queue_depth", depth))
+	}
 
 	start := time.Now()
 	timer := time.NewTimer(timeout)
@@ -254,18 +257,27 @@ func (r *Router) MinKVHoldTimeout(role Role) time.Duration {
 
 // BackendStatus is one backend as shown by GET /debug/backends.
 type BackendStatus struct {
+	// Name is the backend's configured or derived name.
 	Name string `json:"name"`
-	URL  string `json:"url"`
-	Role Role   `json:"role"`
-	// Healthy is true when the backend passes active checks and is not ejected.
+	// URL is the backend's base URL as configured.
+	URL string `json:"url"`
+	// Role is prefill or decode.
+	Role Role `json:"role"`
+	// Healthy is true when the backend passes active checks and is not ejected, i.e.
+	// it may be picked when it has room.
 	Healthy bool `json:"healthy"`
 	// Ejected is true while passive health keeps the backend out.
-	Ejected     bool   `json:"ejected"`
-	Inflight    int64  `json:"inflight"`
-	MaxInflight int    `json:"max_inflight"`
-	Weight      int    `json:"weight"`
-	Ejections   int64  `json:"ejections"`
-	Engine      string `json:"engine"`
+	Ejected bool `json:"ejected"`
+	// Inflight is the number of leases counted on the backend now.
+	Inflight int64 `json:"inflight"`
+	// MaxInflight is the limit above which requests queue.
+	MaxInflight int `json:"max_inflight"`
+	// Weight is the configured weight.
+	Weight int `json:"weight"`
+	// Ejections counts passive ejections since the backend was added.
+	Ejections int64 `json:"ejections"`
+	// Engine is the engine kind.
+	Engine string `json:"engine"`
 }
 
 // Backends reports every current backend in config order.

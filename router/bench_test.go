@@ -1,0 +1,40 @@
+package router
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"go.uber.org/zap"
+)
+
+// BenchmarkAcquireRelease measures the router's per-request cost with each policy, from
+// parallel goroutines as the proxy calls it.
+func BenchmarkAcquireRelease(b *testing.B) {
+	for _, policy := range policyNames() {
+		b.Run(policy, func(b *testing.B) {
+			r, err := New(Config{
+				Backends:     backendsCfg(RoleDecode, "d", 8, 1<<20),
+				DecodePolicy: policy,
+				Health:       HealthConfig{Interval: -1},
+			}, zap.NewNop(), nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			ctx := context.Background()
+			b.ReportAllocs()
+			b.RunParallel(func(pb *testing.PB) {
+				i := 0
+				for pb.Next() {
+					i++
+					l, err := r.Acquire(ctx, RoleDecode, Hint{Prefix: fmt.Sprint("prompt ", i%64)})
+					if err != nil {
+						b.Error(err)
+						return
+					}
+					l.Release(Result{Status: 200})
+				}
+			})
+		})
+	}
+}
