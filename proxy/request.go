@@ -180,8 +180,9 @@ func countField(f map[string]json.RawMessage, name string) *apiError {
 	if !ok || isNull(raw) {
 		return nil
 	}
+	// json.Number also takes a quoted number ("5"), which the OpenAI API refuses as a string.
 	var n json.Number
-	if err := json.Unmarshal(raw, &n); err != nil {
+	if raw[0] == '"' || json.Unmarshal(raw, &n) != nil {
 		return badRequest(name, name+" must be an integer")
 	}
 	v, err := n.Int64()
