@@ -204,14 +204,15 @@ func isNull(raw json.RawMessage) bool {
 
 // jsonProblem turns a decoder error into a short sentence without Go type names.
 func jsonProblem(err error) string {
+	// A truncated body is a *json.SyntaxError too: tell it apart first.
+	if err.Error() == "unexpected end of JSON input" {
+		return "the JSON is truncated"
+	}
 	switch e := err.(type) {
 	case *json.SyntaxError:
 		return fmt.Sprintf("syntax error at byte %d", e.Offset)
 	case *json.UnmarshalTypeError:
 		return "expected a JSON object"
-	}
-	if err.Error() == "unexpected end of JSON input" {
-		return "the JSON is truncated"
 	}
 	return err.Error()
 }
