@@ -232,6 +232,11 @@ func (x *exchange) prefill() *apiError {
 		b := lease.Backend()
 		x.prefillB = b
 		tried = append(tried, b.Name)
+		if attempt > 0 {
+			// Counted only now that another prefiller takes it: a retry with nobody left to
+			// try is no retry.
+			x.s.m.retries.WithLabelValues(string(router.RolePrefill), retryReason(lastErr)).Inc()
+		}
 		var started bool
 		if attempt == 0 {
 			started = x.s.table.StartPrefill(x.id, b.Name)
@@ -264,9 +269,6 @@ func (x *exchange) prefill() *apiError {
 		lastErr = err
 		if !retriable(err) {
 			break
-		}
-		if attempt < x.s.cfg.PrefillRetries {
-			x.s.m.retries.WithLabelValues(string(router.RolePrefill), retryReason(err)).Inc()
 		}
 	}
 	var se *kvbackend.StatusError
