@@ -81,7 +81,7 @@ func TestActiveHealthMarksDownAndUp(t *testing.T) {
 			HealthConfig{Interval: 5 * time.Millisecond, UnhealthyThreshold: 2, HealthyThreshold: 2}},
 		{"checks that time out",
 			func(e *engine) { e.hanging.Store(true) }, func(e *engine) { e.hanging.Store(false) },
-			HealthConfig{Interval: 5 * time.Millisecond, Timeout: 20 * time.Millisecond}},
+			HealthConfig{Interval: 5 * time.Millisecond, Timeout: 250 * time.Millisecond}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
