@@ -197,7 +197,7 @@ func (x *exchange) serve() *apiError {
 		return fromRouter(err, router.RoleDecode)
 	}
 	x.decodeLease, x.decodeB = lease, lease.Backend()
-	x.decodeRes = router.Result{Canceled: true} // until the decode call says otherwise
+	x.decodeRes = router.Result{} // unused until the decode call says otherwise
 
 	if x.s.router.Has(router.RolePrefill) {
 		if e := x.prefill(); e != nil {
