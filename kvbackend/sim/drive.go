@@ -17,7 +17,8 @@ import (
 // told yet is notified, so the prefiller frees its hold (vLLM does the same
 // for a do_remote_prefill request aborted before its KV arrived).
 //
-// The error is nil once the last token was emitted; otherwise an *apiError
+// The error is nil once the last token was emitted (the caller then owns the
+// abort if writing the response fails); otherwise an *apiError
 // the engine answered with, errAborted, ctx's error or emit's.
 func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error) error {
 	if err := e.submit(r); err != nil {
@@ -61,6 +62,10 @@ func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error)
 			case outToken:
 				ended = o.finish != ""
 				if err := emit(o); err != nil {
+					// The client is gone before it got everything: abort, as
+					// vLLM's server does on a disconnect. If the engine has
+					// finished already this is the late, no-op abort of R1.
+					ended = false
 					return err
 				}
 				if ended {

@@ -133,7 +133,7 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 			model = e.cfg.Model
 		}
 		resp := &responder{
-			e: e, w: w, rc: http.NewResponseController(w), ctx: r.Context(),
+			e: e, req: req, w: w, rc: http.NewResponseController(w), ctx: r.Context(),
 			api: a, rid: rid, model: model, created: e.clock.Now().Unix(), f: f,
 			local: localAddr(r),
 		}
@@ -157,6 +157,7 @@ func localAddr(r *http.Request) *net.TCPAddr {
 // request's fault injections applied to its writes.
 type responder struct {
 	e       *Engine
+	req     *request
 	w       http.ResponseWriter
 	rc      *http.ResponseController
 	ctx     context.Context
@@ -400,6 +401,9 @@ func (p *responder) writeWhole(aborted bool) {
 	}
 	body = append(body, '\n')
 	if err := sleep(p.ctx, p.e.clock, p.f.stall+p.f.slowWrite); err != nil {
+		// The client left before the answer: the disconnect abort reaches an
+		// engine that already finished (race R1), a counted no-op.
+		p.e.abortRequest(p.req)
 		return
 	}
 	p.w.Header().Set("Content-Type", "application/json")
