@@ -10,6 +10,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -24,7 +26,11 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m)
+	goleak.VerifyTestMain(m, goleak.Cleanup(func(int) {
+		if bin, err := buildBinary(); err == nil {
+			os.RemoveAll(filepath.Dir(bin))
+		}
+	}))
 }
 
 // stack is a running pdproxy with its in-process simulated engines.
