@@ -17,12 +17,16 @@ import (
 	"time"
 )
 
+// builtDir is where buildBinary put the binary, removed when the tests end.
+var builtDir string
+
 // buildBinary builds cmd/proxy once for the tests that run it as a user would.
 var buildBinary = sync.OnceValues(func() (string, error) {
 	dir, err := os.MkdirTemp("", "pdproxy-bin")
 	if err != nil {
 		return "", err
 	}
+	builtDir = dir
 	bin := filepath.Join(dir, "proxy")
 	cmd := exec.Command("go", "build", "-o", bin, "../cmd/proxy")
 	out, err := cmd.CombinedOutput()

@@ -11,7 +11,6 @@ import (
 	"io"
 	"net/http"
 	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -27,8 +26,8 @@ import (
 
 func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m, goleak.Cleanup(func(int) {
-		if bin, err := buildBinary(); err == nil {
-			os.RemoveAll(filepath.Dir(bin))
+		if builtDir != "" {
+			os.RemoveAll(builtDir)
 		}
 	}))
 }
