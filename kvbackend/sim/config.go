@@ -7,8 +7,10 @@ import (
 	"time"
 )
 
-// Config describes one simulated engine. The zero value of every field means
-// "use the default" (see DefaultConfig), except where a field says otherwise.
+// Config describes one simulated engine. Start from DefaultConfig: in a
+// Config built by hand, zero sizes and names take their defaults, but zero
+// durations mean zero (no prefill time, no inter-token latency), which is
+// what benchmarks want.
 type Config struct {
 	// Role is "prefill", "decode" or "both" (default). It is informational:
 	// every role serves every request kind, as a vLLM server with a
@@ -24,13 +26,13 @@ type Config struct {
 	KVBlocks int
 	// BlockSize is the number of tokens per KV block; default 16 (vLLM's).
 	BlockSize int
-	// PrefillTime is the fixed cost of a prefill; default 20ms. Negative means 0.
+	// PrefillTime is the fixed cost of a prefill; DefaultConfig sets 20ms.
 	PrefillTime time.Duration
 	// PrefillPerToken is added to PrefillTime per prompt token; default 0.
 	PrefillPerToken time.Duration
-	// ITL is the inter-token latency of a decoding request; default 10ms.
-	// Negative means 0: one token per request per scheduler step, as fast as
-	// the loop turns.
+	// ITL is the inter-token latency of a decoding request; DefaultConfig
+	// sets 10ms. Zero means one token per request per scheduler step, as fast
+	// as the loop turns.
 	ITL time.Duration
 	// MaxRunning caps the requests holding blocks and computing at once
 	// (prefilling, pulling or decoding); the rest wait in a FIFO queue.
@@ -38,7 +40,7 @@ type Config struct {
 	MaxRunning int
 	// KVHoldTimeout is how long a prefiller holds a finished prefill's blocks
 	// for a decoder's read before freeing them itself (vLLM's
-	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT); default 480s.
+	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT); zero means the default, 480s.
 	KVHoldTimeout time.Duration
 	// KVTransferTime is the decoder's cost per pulled block; default 0.
 	KVTransferTime time.Duration
@@ -74,7 +76,7 @@ const (
 	defaultKVHoldTimeout = 480 * time.Second
 )
 
-// DefaultConfig returns the configuration that New uses for zero fields.
+// DefaultConfig returns the documented defaults, the flags' defaults too.
 func DefaultConfig() Config {
 	return Config{
 		Role:          defaultRole,
@@ -124,23 +126,12 @@ func (c Config) withDefaults() (Config, error) {
 	if c.BlockSize == 0 {
 		c.BlockSize = d.BlockSize
 	}
-	if c.PrefillTime == 0 {
-		c.PrefillTime = d.PrefillTime
-	}
-	if c.ITL == 0 {
-		c.ITL = d.ITL
-	}
 	if c.MaxRunning == 0 {
 		c.MaxRunning = d.MaxRunning
 	}
 	if c.KVHoldTimeout == 0 {
 		c.KVHoldTimeout = d.KVHoldTimeout
 	}
-	// A negative duration is the way to ask for "none" when 0 means default.
-	c.PrefillTime = max(c.PrefillTime, 0)
-	c.ITL = max(c.ITL, 0)
-	c.PrefillPerToken = max(c.PrefillPerToken, 0)
-	c.KVTransferTime = max(c.KVTransferTime, 0)
 	if c.Clock == nil {
 		c.Clock = realClock{}
 	}
@@ -164,6 +155,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.FailStatus != 0 && (c.FailStatus < 100 || c.FailStatus > 999) {
 		errs = append(errs, fmt.Errorf("fail status %d: not an HTTP status", c.FailStatus))
+	}
+	if c.PrefillTime < 0 || c.PrefillPerToken < 0 || c.ITL < 0 || c.KVTransferTime < 0 {
+		errs = append(errs, errors.New("prefill time, prefill per token, itl and kv transfer time must not be negative"))
 	}
 	if c.CloseAfter < 0 || c.Stall < 0 || c.SlowWrite < 0 {
 		errs = append(errs, errors.New("fault settings must not be negative"))

@@ -152,7 +152,9 @@ type Engine struct {
 	held    map[string]*request // prefills holding blocks for a decoder, by request id
 	waiting []*request          // FIFO
 	running []*request          // prefilling, pulling or decoding
+	holdDue time.Time           // no hold expires before this; zero: no hold
 	counts  counters
+	started bool // Run was called
 }
 
 type counters struct {
@@ -291,6 +293,13 @@ func (e *Engine) finishedReceiving(r *request, err error) {
 // sleeps otherwise, and returns nil once ctx is done, after aborting every
 // request and freeing every block.
 func (e *Engine) Run(ctx context.Context) error {
+	e.mu.Lock()
+	again := e.started
+	e.started = true
+	e.mu.Unlock()
+	if again {
+		return errors.New("sim: engine Run called twice")
+	}
 	defer e.client.CloseIdleConnections()
 	defer e.shutdown()
 	for {

@@ -140,9 +140,18 @@ func (e *Engine) freeHeld(h *request) {
 	delete(e.held, h.rid)
 }
 
+// expire frees the holds past their deadline. It scans only when the
+// earliest known deadline has passed, so a step stays cheap with many holds.
 func (e *Engine) expire(now time.Time) {
+	if e.holdDue.IsZero() || now.Before(e.holdDue) {
+		return
+	}
+	e.holdDue = time.Time{}
 	for rid, h := range e.held {
 		if now.Before(h.expiresAt) {
+			if e.holdDue.IsZero() || h.expiresAt.Before(e.holdDue) {
+				e.holdDue = h.expiresAt
+			}
 			continue
 		}
 		e.freeHeld(h)
@@ -214,6 +223,9 @@ func (e *Engine) emit(r *request, now time.Time) {
 		// that stopped on EOS frees at once and returns no kv_transfer_params.
 		r.state = stateHeld
 		r.expiresAt = now.Add(e.cfg.KVHoldTimeout)
+		if e.holdDue.IsZero() || r.expiresAt.Before(e.holdDue) {
+			e.holdDue = r.expiresAt
+		}
 		delete(e.live, r.rid)
 		e.held[r.rid] = r
 		o.held = slices.Clone(r.blocks)
@@ -234,8 +246,9 @@ func (e *Engine) nextDue() (next time.Time, ok bool) {
 			consider(r.readyAt)
 		}
 	}
-	for _, h := range e.held {
-		consider(h.expiresAt)
+	if !e.holdDue.IsZero() {
+		// May be a hold freed since by a read: the wake-up then finds nothing.
+		consider(e.holdDue)
 	}
 	return next, ok
 }
@@ -263,6 +276,7 @@ func (e *Engine) shutdown() {
 		e.counts.aborted++
 	}
 	e.waiting, e.running = nil, nil
+	e.holdDue = time.Time{}
 }
 
 // Stats returns a snapshot of the KV pool and counters (GET /debug/kv).

@@ -1,0 +1,117 @@
+package sim
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// syncBuffer is a bytes.Buffer safe for a writer and a reader in two goroutines.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+func TestRunCommandHelpListsEveryFlagAndReturnsErrHelp(t *testing.T) {
+	var stderr syncBuffer
+	err := RunCommand(context.Background(), []string{"--help"}, io.Discard, &stderr)
+	if !errors.Is(err, flag.ErrHelp) {
+		t.Fatalf("RunCommand --help = %v, want flag.ErrHelp", err)
+	}
+	usage := stderr.String()
+	for _, name := range []string{
+		"role", "listen", "model", "kv-blocks", "block-size", "prefill-time", "itl", "max-running",
+		"kv-hold-timeout", "kv-transfer-time", "prefill-per-token", "seed",
+		"fail-status", "stall", "close-after", "slow-write", "engine-id",
+	} {
+		if !strings.Contains(usage, "  -"+name+" ") && !strings.Contains(usage, "  -"+name+"\n") {
+			t.Errorf("usage does not document -%s:\n%s", name, usage)
+		}
+	}
+}
+
+func TestRunCommandRejectsBadFlags(t *testing.T) {
+	tests := []struct {
+		name string
+		args []string
+	}{
+		{"unknown flag", []string{"--nope"}},
+		{"unknown role", []string{"--role", "router"}},
+		{"stray argument", []string{"extra"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := RunCommand(context.Background(), tt.args, io.Discard, io.Discard)
+			if err == nil || errors.Is(err, flag.ErrHelp) {
+				t.Errorf("RunCommand %q = %v, want an error", tt.args, err)
+			}
+		})
+	}
+}
+
+func TestRunCommandServesOnPortZeroAndStopsWhenCancelled(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var stderr syncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- RunCommand(ctx, []string{"--listen", "127.0.0.1:0", "--role", "prefill", "--itl", "1ms", "--prefill-time", "1ms"}, io.Discard, &stderr)
+	}()
+	addr := ""
+	deadline := time.Now().Add(10 * time.Second)
+	tick := time.NewTicker(2 * time.Millisecond)
+	defer tick.Stop()
+	for addr == "" {
+		for _, line := range strings.Split(stderr.String(), "\n") {
+			var entry struct {
+				Msg  string `json:"msg"`
+				Addr string `json:"addr"`
+			}
+			if json.Unmarshal([]byte(line), &entry) == nil && entry.Msg == "sim engine listening" {
+				addr = entry.Addr
+			}
+		}
+		if addr == "" {
+			if time.Now().After(deadline) {
+				t.Fatalf("no listening log line; stderr:\n%s", stderr.String())
+			}
+			<-tick.C
+		}
+	}
+	client := &http.Client{Transport: &http.Transport{}}
+	defer client.CloseIdleConnections()
+	resp, err := client.Post("http://"+addr+"/v1/completions", "application/json",
+		strings.NewReader(`{"prompt":"hi","max_tokens":1,`+prefillKV+`}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), `"remote_port":`+addr[strings.LastIndex(addr, ":")+1:]) {
+		t.Errorf("prefill via RunCommand: %d %s", resp.StatusCode, body)
+	}
+	cancel()
+	if err := recv(t, done, "RunCommand's return"); err != nil {
+		t.Errorf("RunCommand after cancel = %v, want nil", err)
+	}
+}
