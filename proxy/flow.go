@@ -352,14 +352,17 @@ func (x *exchange) callPrefill(lease *router.Lease, b *router.Backend, body []by
 			ch <- prefillResult{params, err}
 			return
 		}
-		// The client left while the prefill ran: the entry is ours to end.
-		defer s.table.End(id)
+		// The client left while the prefill ran: the entry is ours to end, by release when
+		// there is KV to release.
 		if err != nil || params == nil {
+			s.table.End(id)
 			return
 		}
 		if act, hold := s.table.Prefilled(id, true); act == lifecycle.ReleaseKV {
 			s.release(id, req, b, params, hold, nil)
+			return
 		}
+		s.table.End(id)
 	}()
 	select {
 	case res := <-ch:
@@ -412,6 +415,7 @@ func (x *exchange) gone() *apiError {
 			lease, x.leaseHandedOff = x.decodeLease, true
 		}
 		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
+		x.endedElsewhere = true
 		x.s.release(x.id, x.req, x.prefillB, x.kvParams, hold, lease)
 	case lifecycle.CancelDecode:
 		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
@@ -438,7 +442,9 @@ func (s *Server) abortOnEngine(id string, b *router.Backend) {
 
 // release ends a KV hold whose params no decoder will get, as kv_release says, in the
 // background: the client is gone and nothing waits for it. lease, when not nil, is a decoder
-// reserved for the request, used for the drain and released after it.
+// reserved for the request, used for the drain and released after it. release ends the
+// request's table entry once the hold is released, so the caller must not: an End before
+// would release the hold as expired while the drain or abort is still on its way.
 func (s *Server) release(id string, req *genRequest, p *router.Backend, params json.RawMessage, hold *lifecycle.Hold, lease *router.Lease) {
 	mode := s.cfg.KVRelease
 	if mode == ReleaseWait || p == nil {
@@ -446,11 +452,13 @@ func (s *Server) release(id string, req *genRequest, p *router.Backend, params j
 			lease.Release(router.Result{Canceled: true})
 		}
 		hold.Release(lifecycle.ReleaseExpired)
+		s.table.End(id)
 		return
 	}
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
+		defer s.table.End(id)
 		if mode == ReleaseAbort && kvbackend.HasAbort(p.Engine) {
 			if lease != nil {
 				lease.Release(router.Result{Canceled: true})

@@ -24,7 +24,8 @@ const shutdownGrace = 10 * time.Second
 // RunCommand implements `proxy sim [flags]`: it parses args (--listen plus
 // every flag of BindFlags), listens, logs the address to stderr, serves until
 // ctx is done, then shuts down gracefully and returns nil. With --help it
-// prints the usage to stderr and returns flag.ErrHelp.
+// prints the usage to stderr and returns flag.ErrHelp. stdout is not
+// written: everything, the address included, is a log line on stderr.
 func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("sim", flag.ContinueOnError)
 	fs.SetOutput(stderr)

@@ -12,6 +12,8 @@
 // answer like vLLM, streaming (SSE, ending with "data: [DONE]") or not. The
 // request id is the X-Request-Id header (generated when absent), echoed in
 // the response header; response ids are "cmpl-<rid>" / "chatcmpl-<rid>".
+// Any model name is accepted and echoed (none: Config.Model), so that tests
+// do not depend on it; /v1/models lists Config.Model.
 //
 // Prompt tokens are counted without a tokenizer: ceil(bytes/4) for a string
 // prompt (at least 1), one per id for a token-id prompt, and for chat the sum

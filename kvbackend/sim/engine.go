@@ -207,19 +207,25 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 	}
 	client := newTransferClient()
 	e := &Engine{
-		cfg:       cfg,
-		log:       logger.With(zap.String("engine_id", id), zap.String("role", cfg.Role)),
-		id:        id,
-		clock:     cfg.Clock,
-		transport: &httpTransport{client: client},
-		client:    client,
-		wake:      make(chan struct{}, 1),
-		pool:      newBlockPool(cfg.KVBlocks),
-		live:      make(map[string]*request),
-		held:      make(map[string]*request),
+		cfg:    cfg,
+		log:    logger.With(zap.String("engine_id", id), zap.String("role", cfg.Role)),
+		id:     id,
+		clock:  cfg.Clock,
+		client: client,
+		wake:   make(chan struct{}, 1),
+		pool:   newBlockPool(cfg.KVBlocks),
+		live:   make(map[string]*request),
+		held:   make(map[string]*request),
 	}
+	e.transport = &httpTransport{client: client, stopped: e.stopped}
 	e.registry = e.newRegistry()
 	return e, nil
+}
+
+func (e *Engine) stopped() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.closed
 }
 
 // ID is the engine id this engine puts in kv_transfer_params.

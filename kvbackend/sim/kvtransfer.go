@@ -62,7 +62,13 @@ func newTransferClient() *http.Client {
 }
 
 // httpTransport speaks the protocol above over HTTP.
-type httpTransport struct{ client *http.Client }
+type httpTransport struct {
+	client *http.Client
+	// stopped reports that the engine's Run has ended. A handler may still
+	// notify after that (its request ended by the shutdown); its connection
+	// must not then sit idle with nobody left to close it.
+	stopped func() bool
+}
 
 var _ kvTransport = (*httpTransport)(nil)
 
@@ -89,7 +95,12 @@ func (t *httpTransport) post(ctx context.Context, p *kvTransferParams, path stri
 	if err != nil {
 		return fmt.Errorf("post %s: %w", url, err)
 	}
-	defer resp.Body.Close()
+	defer func() {
+		resp.Body.Close()
+		if t.stopped() {
+			t.client.CloseIdleConnections()
+		}
+	}()
 	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
 	switch {
 	case resp.StatusCode == http.StatusGone:

@@ -35,17 +35,16 @@ type kvTransferParams struct {
 // apiRequest is what the sim needs from a completions or chat completions
 // body; every other field (temperature, stop, ...) is accepted and ignored.
 type apiRequest struct {
-	chat          bool
-	model         string
-	promptTokens  int
-	maxTokens     int
-	minTokens     int
-	ignoreEOS     bool
-	stream        bool
-	includeUsage  bool
-	kind          reqKind
-	kv            *kvTransferParams // decode only: where to pull from
-	explicitModel bool
+	chat         bool
+	model        string
+	promptTokens int
+	maxTokens    int
+	minTokens    int
+	ignoreEOS    bool
+	stream       bool
+	includeUsage bool
+	kind         reqKind
+	kv           *kvTransferParams // decode only: where to pull from
 }
 
 // wireRequest mirrors the JSON fields the sim reads.
@@ -89,7 +88,6 @@ func parseRequest(body []byte, chat bool) (*apiRequest, error) {
 	req := &apiRequest{chat: chat, maxTokens: defaultMaxTokens}
 	if w.Model != nil {
 		req.model = *w.Model
-		req.explicitModel = true
 	}
 	var err error
 	if chat {

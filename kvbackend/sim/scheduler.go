@@ -230,7 +230,13 @@ func (e *Engine) emit(r *request, now time.Time) {
 		e.held[r.rid] = r
 		o.held = slices.Clone(r.blocks)
 		r.push(o)
+		if ce := e.log.Check(zap.DebugLevel, "prefill holds kv blocks for a decoder"); ce != nil {
+			ce.Write(zap.String("request_id", r.rid), zap.Int("blocks", len(r.blocks)), zap.Time("expires_at", r.expiresAt))
+		}
 		return
+	}
+	if ce := e.log.Check(zap.DebugLevel, "request finished"); ce != nil {
+		ce.Write(zap.String("request_id", r.rid), zap.Stringer("kind", r.kind), zap.String("finish_reason", o.finish), zap.Int("tokens", r.generated))
 	}
 	e.endLive(r, o)
 }
