@@ -31,7 +31,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}),
 		late: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "pdproxy", Name: "late_events_total",
-			Help: "Events for requests that had already ended or were unknown; each was a no-op.",
+			Help: "Events a request could not take (it had ended, was unknown, or was in a state the event does not apply to); each was a no-op.",
 		}, []string{"event"}),
 		expiredForwards: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: "pdproxy", Name: "kv_hold_deadline_exceeded_total",

@@ -79,11 +79,19 @@ type Hold struct {
 // Release records that the hold is over, for the given reason. It reports whether this call
 // was the one that released it; every later call is a counted late event and changes nothing.
 func (h *Hold) Release(reason ReleaseReason) bool {
+	return h.release(reason, true)
+}
+
+// release is Release; countLate false is for the table's own sweep in End, which only tidies
+// up after an owner and so is never itself a late event when the owner got there first.
+func (h *Hold) release(reason ReleaseReason, countLate bool) bool {
 	if h == nil {
 		return false
 	}
 	if !h.released.CompareAndSwap(false, true) {
-		h.t.late("release", h.id)
+		if countLate {
+			h.t.late("release", h.id)
+		}
 		return false
 	}
 	h.t.holds.Add(-1)
@@ -118,17 +126,18 @@ func (t *Table) Begin(id, route string, cancel func()) error {
 // the engine's own timer frees it.
 func (t *Table) End(id string) {
 	t.mu.Lock()
+	defer t.mu.Unlock()
 	e, ok := t.reqs[id]
-	if ok {
-		if !e.state.Terminal() {
-			t.setState(e, Failed)
-		}
-		delete(t.reqs, id)
+	if !ok {
+		return
 	}
-	t.mu.Unlock()
-	if ok && e.hold != nil && !e.hold.Released() {
-		e.hold.Release(ReleaseExpired)
+	if !e.state.Terminal() {
+		t.setState(e, Failed)
 	}
+	delete(t.reqs, id)
+	// An owner may be releasing this hold at the same moment: whoever loses the race changes
+	// nothing, and End losing it is no late event.
+	e.hold.release(ReleaseExpired, false)
 }
 
 // StartPrefill moves a request from Received to Prefilling. It answers false when the request
@@ -200,36 +209,30 @@ func (t *Table) Prefilled(id string, holdsKV bool) (Action, *Hold) {
 // longer in a state that may decode (the client left): then nothing may be sent.
 func (t *Table) StartDecode(id, backend string) (forwardKV, ok bool) {
 	t.mu.Lock()
+	defer t.mu.Unlock()
 	e := t.lookup(id, "decode_start")
 	if e == nil {
-		t.mu.Unlock()
 		return false, false
 	}
-	var (
-		hold   *Hold
-		reason ReleaseReason
-	)
 	switch e.state {
 	case KVHeld:
-		hold = e.hold
 		forwardKV = !t.now().After(e.deadline)
-		reason = ReleaseDecoded
+		reason := ReleaseDecoded
 		if !forwardKV {
 			reason = ReleaseExpired
 			t.m.expiredForwards.Inc()
 		}
+		// Released under t.mu, in the same step as the move to Decoding: otherwise a Fail or
+		// End in between would find a decoding request whose hold is still unreleased, and
+		// answer ReleaseKV (or release it as expired) for KV a decoder is about to pull.
+		e.hold.Release(reason)
 	case Received, Decoding:
 	default:
 		t.lateLocked("decode_start", id)
-		t.mu.Unlock()
 		return false, false
 	}
 	e.decode = backend
 	t.setState(e, Decoding)
-	t.mu.Unlock()
-	if hold != nil {
-		hold.Release(reason)
-	}
 	return forwardKV, true
 }
 
@@ -254,9 +257,23 @@ func (t *Table) Fail(id string) (Action, *Hold) {
 	return t.endWithHold(id, "fail", Failed)
 }
 
-// Expire ends a request whose KV hold deadline passed and that the proxy will not decode.
+// Expire ends a request whose KV hold deadline passed and that the proxy will not decode; the
+// answer is ReleaseKV with the hold to release. Only a request in KVHeld has a hold deadline: in
+// any other state Expire is a counted no-op, so a deadline timer that fires after the decode
+// went out (or before the prefill answered) cannot end a request that is still being served.
 func (t *Table) Expire(id string) (Action, *Hold) {
-	return t.endWithHold(id, "expire", Expired)
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.lookup(id, "expire")
+	if e == nil {
+		return None, nil
+	}
+	if e.state != KVHeld {
+		t.lateLocked("expire", id)
+		return None, nil
+	}
+	t.setState(e, Expired)
+	return ReleaseKV, e.hold
 }
 
 // ClientGone records that the client left and answers what to abort: nothing in Received,

@@ -1,0 +1,488 @@
+package lifecycle
+
+import (
+	"strings"
+	"testing"
+)
+
+const (
+	reqID    = "req-1"
+	reqRoute = "/v1/chat/completions"
+)
+
+// The events of the lifecycle table, as the proxy fires them.
+const (
+	evPrefillStart    = "prefill_start"
+	evPrefillRetry    = "prefill_retry"
+	evPrefilledKV     = "prefilled_kv"
+	evPrefilledNoKV   = "prefilled_no_kv"
+	evDecodeStart     = "decode_start"
+	evDecodeStartLate = "decode_start_late" // StartDecode once the hold deadline has passed
+	evFinish          = "finish"
+	evFail            = "fail"
+	evExpire          = "expire" // Expire once the hold deadline has passed
+	evClientGone      = "client_gone"
+	evEnd             = "end"
+	evReleaseTwice    = "release_twice" // Release, twice, of the hold the caller owns
+)
+
+var allEvents = []string{
+	evPrefillStart, evPrefillRetry, evPrefilledKV, evPrefilledNoKV, evDecodeStart,
+	evDecodeStartLate, evFinish, evFail, evExpire, evClientGone, evEnd, evReleaseTwice,
+}
+
+// outcome is everything a transition answered.
+type outcome struct {
+	ok       bool // StartPrefill, PrefillRetry, Finish, StartDecode's ok
+	forward  bool // StartDecode's forwardKV
+	act      Action
+	hold     *Hold
+	prev     State   // ClientGone's stage
+	released [2]bool // the two Release answers of release_twice
+}
+
+func fire(f *fixture, event string, owned *Hold) outcome {
+	var o outcome
+	tb := f.tb
+	switch event {
+	case evPrefillStart:
+		o.ok = tb.StartPrefill(reqID, "p2")
+	case evPrefillRetry:
+		o.ok = tb.PrefillRetry(reqID, "p2")
+	case evPrefilledKV:
+		o.act, o.hold = tb.Prefilled(reqID, true)
+	case evPrefilledNoKV:
+		o.act, o.hold = tb.Prefilled(reqID, false)
+	case evDecodeStart:
+		o.forward, o.ok = tb.StartDecode(reqID, "d2")
+	case evDecodeStartLate:
+		f.clk.pastDeadline(tb)
+		o.forward, o.ok = tb.StartDecode(reqID, "d2")
+	case evFinish:
+		o.ok = tb.Finish(reqID)
+	case evFail:
+		o.act, o.hold = tb.Fail(reqID)
+	case evExpire:
+		f.clk.pastDeadline(tb)
+		o.act, o.hold = tb.Expire(reqID)
+	case evClientGone:
+		o.act, o.hold, o.prev = tb.ClientGone(reqID)
+	case evEnd:
+		tb.End(reqID)
+	case evReleaseTwice:
+		o.released[0] = owned.Release(ReleaseDrained)
+		o.released[1] = owned.Release(ReleaseDrained)
+	default:
+		panic("unknown event " + event)
+	}
+	return o
+}
+
+// row drives a fresh table to one state. It returns the hold the caller owns at that point
+// (nil when it owns none) and how many holds are then outstanding.
+type row struct {
+	name  string
+	setup func(t *testing.T, f *fixture) *Hold
+	held  int
+}
+
+func mustTrue(t *testing.T, what string, ok bool) {
+	t.Helper()
+	if !ok {
+		t.Fatalf("setup: %s answered false", what)
+	}
+}
+
+func begin(t *testing.T, f *fixture) {
+	t.Helper()
+	if err := f.tb.Begin(reqID, reqRoute, nil); err != nil {
+		t.Fatalf("setup: Begin: %v", err)
+	}
+}
+
+func toPrefilling(t *testing.T, f *fixture) {
+	t.Helper()
+	begin(t, f)
+	mustTrue(t, "StartPrefill", f.tb.StartPrefill(reqID, "p1"))
+}
+
+func toKVHeld(t *testing.T, f *fixture) {
+	t.Helper()
+	toPrefilling(t, f)
+	if act, h := f.tb.Prefilled(reqID, true); act != None || h != nil {
+		t.Fatalf("setup: Prefilled(true) = %v, %v; want none, nil", act, h)
+	}
+}
+
+func toDecoding(t *testing.T, f *fixture) {
+	t.Helper()
+	toKVHeld(t, f)
+	fwd, ok := f.tb.StartDecode(reqID, "d1")
+	mustTrue(t, "StartDecode", ok)
+	mustTrue(t, "StartDecode forwardKV", fwd)
+}
+
+var rows = []row{
+	{name: "received", setup: func(t *testing.T, f *fixture) *Hold { begin(t, f); return nil }},
+	{name: "prefilling", setup: func(t *testing.T, f *fixture) *Hold { toPrefilling(t, f); return nil }},
+	{name: "kv_held", held: 1, setup: func(t *testing.T, f *fixture) *Hold { toKVHeld(t, f); return nil }},
+	// decoding: the P/D path, the params forwarded and the hold handed to the decoder.
+	{name: "decoding", setup: func(t *testing.T, f *fixture) *Hold { toDecoding(t, f); return nil }},
+	{name: "finished", setup: func(t *testing.T, f *fixture) *Hold {
+		toDecoding(t, f)
+		mustTrue(t, "Finish", f.tb.Finish(reqID))
+		return nil
+	}},
+	// aborted: the client left while the prefill was running; nothing holds KV yet.
+	{name: "aborted", setup: func(t *testing.T, f *fixture) *Hold {
+		toPrefilling(t, f)
+		if act, h, _ := f.tb.ClientGone(reqID); act != CancelPrefill || h != nil {
+			t.Fatalf("setup: ClientGone = %v, %v", act, h)
+		}
+		return nil
+	}},
+	// aborted_with_kv: the client left in kv_held; the caller owns the hold and has not yet
+	// finished releasing it (R2 in progress).
+	{name: "aborted_with_kv", held: 1, setup: func(t *testing.T, f *fixture) *Hold {
+		toKVHeld(t, f)
+		act, h, _ := f.tb.ClientGone(reqID)
+		if act != ReleaseKV || h == nil {
+			t.Fatalf("setup: ClientGone = %v, %v", act, h)
+		}
+		return h
+	}},
+	// expired: the deadline passed in kv_held; the caller released the hold as expired.
+	{name: "expired", setup: func(t *testing.T, f *fixture) *Hold {
+		toKVHeld(t, f)
+		f.clk.pastDeadline(f.tb)
+		act, h := f.tb.Expire(reqID)
+		if act != ReleaseKV || h == nil {
+			t.Fatalf("setup: Expire = %v, %v", act, h)
+		}
+		mustTrue(t, "Release", h.Release(ReleaseExpired))
+		return h
+	}},
+	// failed: the decoder failed after the params went to it.
+	{name: "failed", setup: func(t *testing.T, f *fixture) *Hold {
+		toDecoding(t, f)
+		if act, h := f.tb.Fail(reqID); act != None || h != nil {
+			t.Fatalf("setup: Fail = %v, %v", act, h)
+		}
+		return nil
+	}},
+	// unknown: an id the table forgot (End came first) is as unknown as one it never saw.
+	{name: "unknown", setup: func(t *testing.T, f *fixture) *Hold {
+		toKVHeld(t, f)
+		f.tb.End(reqID)
+		return nil
+	}},
+}
+
+// expect is what a user of the table sees after one event.
+type expect struct {
+	ok, forward bool
+	act         Action
+	hold        bool // a *Hold came back (the caller must release it)
+	prev        State
+	released    [2]bool
+	state       State // ignored when gone
+	gone        bool  // the table no longer knows the request
+	held        int   // pdproxy_kv_held_requests and OutstandingHolds right after the event
+	delta       map[string]float64
+	check       func(t *testing.T, f *fixture, owned *Hold)
+}
+
+type cell struct {
+	row, event, behaviour string
+	want                  expect
+}
+
+func (c cell) name() string { return c.row + "/" + c.event + " " + c.behaviour }
+
+func late(event string) map[string]float64 { return map[string]float64{mLate(event): 1} }
+func one(key string) map[string]float64    { return map[string]float64{key: 1} }
+
+func snapshotRow(t *testing.T, f *fixture) Info {
+	t.Helper()
+	rows := f.tb.Snapshot()
+	if len(rows) != 1 {
+		t.Fatalf("Snapshot() has %d rows, want 1: %+v", len(rows), rows)
+	}
+	return rows[0]
+}
+
+func wantBackends(prefill, decode string) func(t *testing.T, f *fixture, _ *Hold) {
+	return func(t *testing.T, f *fixture, _ *Hold) {
+		t.Helper()
+		r := snapshotRow(t, f)
+		if r.Prefill != prefill || r.Decode != decode {
+			t.Errorf("Snapshot backends = %q/%q, want %q/%q", r.Prefill, r.Decode, prefill, decode)
+		}
+	}
+}
+
+var cells = []cell{
+	// received
+	{"received", evPrefillStart, "moves to prefilling", expect{ok: true, state: Prefilling, check: wantBackends("p2", "")}},
+	{"received", evPrefillRetry, "before any prefill is refused and counted late", expect{state: Received, delta: late("prefill_retry")}},
+	{"received", evPrefilledKV, "before any prefill is a counted no-op", expect{state: Received, delta: late("prefill_done")}},
+	{"received", evPrefilledNoKV, "before any prefill is a counted no-op", expect{state: Received, delta: late("prefill_done")}},
+	{"received", evDecodeStart, "takes the aggregated path without params", expect{ok: true, state: Decoding, check: wantBackends("", "d2")}},
+	{"received", evDecodeStartLate, "has no hold and so no deadline: the aggregated decode goes out", expect{ok: true, state: Decoding}},
+	{"received", evFinish, "before any decode is refused and counted late", expect{state: Received, delta: late("finish")}},
+	{"received", evFail, "ends the request with nothing to release", expect{state: Failed}},
+	{"received", evExpire, "without a hold is a counted no-op", expect{state: Received, delta: late("expire")}},
+	{"received", evClientGone, "aborts with nothing to cancel", expect{prev: Received, state: Aborted, delta: one(mAborts(Received))}},
+	{"received", evEnd, "forgets the request and clears its in-flight count", expect{gone: true}},
+	{"received", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Received}},
+
+	// prefilling
+	{"prefilling", evPrefillStart, "again is refused and counted late", expect{state: Prefilling, delta: late("prefill_start")}},
+	{"prefilling", evPrefillRetry, "moves the prefill to another backend", expect{ok: true, state: Prefilling, check: wantBackends("p2", "")}},
+	{"prefilling", evPrefilledKV, "with kv holds the KV until the deadline", expect{state: KVHeld, held: 1, check: func(t *testing.T, f *fixture, _ *Hold) {
+		if got, want := f.tb.HoldDeadline(reqID), f.clk.Now().Add(testHoldTimeout); !got.Equal(want) {
+			t.Errorf("HoldDeadline = %v, want %v", got, want)
+		}
+		if !snapshotRow(t, f).KVHeld {
+			t.Errorf("Snapshot kv_held = false, want true")
+		}
+	}}},
+	{"prefilling", evPrefilledNoKV, "without kv goes straight to decoding: P holds nothing, D recomputes", expect{state: Decoding, check: func(t *testing.T, f *fixture, _ *Hold) {
+		if !f.tb.HoldDeadline(reqID).IsZero() {
+			t.Errorf("HoldDeadline = %v, want zero without a hold", f.tb.HoldDeadline(reqID))
+		}
+	}}},
+	{"prefilling", evDecodeStart, "before the prefill answered is refused", expect{state: Prefilling, delta: late("decode_start")}},
+	{"prefilling", evDecodeStartLate, "before the prefill answered is refused, deadline or not", expect{state: Prefilling, delta: late("decode_start")}},
+	{"prefilling", evFinish, "before any decode is refused and counted late", expect{state: Prefilling, delta: late("finish")}},
+	{"prefilling", evFail, "ends the request: the prefill failed and P holds nothing", expect{state: Failed}},
+	{"prefilling", evExpire, "without a hold is a counted no-op", expect{state: Prefilling, delta: late("expire")}},
+	{"prefilling", evClientGone, "cancels the prefill call (R1)", expect{act: CancelPrefill, prev: Prefilling, state: Aborted, delta: one(mAborts(Prefilling))}},
+	{"prefilling", evEnd, "forgets the request and clears its in-flight count", expect{gone: true}},
+	{"prefilling", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Prefilling}},
+
+	// kv_held
+	{"kv_held", evPrefillStart, "is refused and counted late", expect{state: KVHeld, held: 1, delta: late("prefill_start")}},
+	{"kv_held", evPrefillRetry, "after the answer is refused and counted late", expect{state: KVHeld, held: 1, delta: late("prefill_retry")}},
+	{"kv_held", evPrefilledKV, "again never records a second hold", expect{state: KVHeld, held: 1, delta: late("prefill_done")}},
+	{"kv_held", evPrefilledNoKV, "without kv afterwards is a counted no-op that keeps the hold", expect{state: KVHeld, held: 1, delta: late("prefill_done")}},
+	{"kv_held", evDecodeStart, "within the deadline forwards the params and hands the hold to the decoder", expect{ok: true, forward: true, state: Decoding, delta: one(mReleases(ReleaseDecoded)), check: wantBackends("p1", "d2")}},
+	{"kv_held", evDecodeStartLate, "after the deadline never forwards the params (R4)", expect{ok: true, state: Decoding,
+		delta: map[string]float64{mReleases(ReleaseExpired): 1, mDeadlineExceeded: 1}}},
+	{"kv_held", evFinish, "before any decode is refused and counted late", expect{state: KVHeld, held: 1, delta: late("finish")}},
+	{"kv_held", evFail, "ends the request and asks for a release", expect{act: ReleaseKV, hold: true, state: Failed, held: 1}},
+	{"kv_held", evExpire, "after the deadline ends the request and asks for a release", expect{act: ReleaseKV, hold: true, state: Expired, held: 1}},
+	{"kv_held", evClientGone, "releases the held KV now (R2)", expect{act: ReleaseKV, hold: true, prev: KVHeld, state: Aborted, held: 1, delta: one(mAborts(KVHeld))}},
+	{"kv_held", evEnd, "releases the hold nobody took, as expired", expect{gone: true, delta: one(mReleases(ReleaseExpired))}},
+	{"kv_held", evReleaseTwice, "hands no hold out: the table owns it until a transition does", expect{state: KVHeld, held: 1}},
+
+	// decoding
+	{"decoding", evPrefillStart, "is refused and counted late", expect{state: Decoding, delta: late("prefill_start")}},
+	{"decoding", evPrefillRetry, "is refused and counted late", expect{state: Decoding, delta: late("prefill_retry")}},
+	{"decoding", evPrefilledKV, "a late prefill answer is a counted no-op", expect{state: Decoding, delta: late("prefill_done")}},
+	{"decoding", evPrefilledNoKV, "a late prefill answer is a counted no-op", expect{state: Decoding, delta: late("prefill_done")}},
+	{"decoding", evDecodeStart, "again records the decoder and never forwards params", expect{ok: true, state: Decoding, check: wantBackends("p1", "d2")}},
+	{"decoding", evDecodeStartLate, "again past the deadline counts nothing: the hold already went to the decoder", expect{ok: true, state: Decoding}},
+	{"decoding", evFinish, "completes the request", expect{ok: true, state: Finished}},
+	{"decoding", evFail, "ends the request with nothing to release: D's notify or P's timer frees P", expect{state: Failed}},
+	{"decoding", evExpire, "once the decode went out is a counted no-op", expect{state: Decoding, delta: late("expire")}},
+	{"decoding", evClientGone, "cancels the decode call", expect{act: CancelDecode, prev: Decoding, state: Aborted, delta: one(mAborts(Decoding))}},
+	{"decoding", evEnd, "forgets the request and clears its in-flight count", expect{gone: true}},
+	{"decoding", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Decoding}},
+
+	// finished
+	{"finished", evPrefillStart, "is a counted no-op", expect{state: Finished, delta: late("prefill_start")}},
+	{"finished", evPrefillRetry, "is a counted no-op", expect{state: Finished, delta: late("prefill_retry")}},
+	{"finished", evPrefilledKV, "a late prefill answer is a counted no-op", expect{state: Finished, delta: late("prefill_done")}},
+	{"finished", evPrefilledNoKV, "a late prefill answer is a counted no-op", expect{state: Finished, delta: late("prefill_done")}},
+	{"finished", evDecodeStart, "is refused and counted late", expect{state: Finished, delta: late("decode_start")}},
+	{"finished", evDecodeStartLate, "is refused and counted late", expect{state: Finished, delta: late("decode_start")}},
+	{"finished", evFinish, "again is a counted no-op", expect{state: Finished, delta: late("finish")}},
+	{"finished", evFail, "is a counted no-op: the request stays finished", expect{state: Finished, delta: late("fail")}},
+	{"finished", evExpire, "is a counted no-op", expect{state: Finished, delta: late("expire")}},
+	{"finished", evClientGone, "is a counted no-op (R5)", expect{prev: Finished, state: Finished, delta: late("client_gone")}},
+	{"finished", evEnd, "forgets the request", expect{gone: true}},
+	{"finished", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Finished}},
+
+	// aborted (while prefilling)
+	{"aborted", evPrefillStart, "after the client left is refused: nothing may be sent", expect{state: Aborted, delta: late("prefill_start")}},
+	{"aborted", evPrefillRetry, "after the client left is refused: nothing may be sent", expect{state: Aborted, delta: late("prefill_retry")}},
+	{"aborted", evPrefilledKV, "with kv asks for a release (R1)", expect{act: ReleaseKV, hold: true, state: Aborted, held: 1, check: func(t *testing.T, f *fixture, _ *Hold) {
+		if !snapshotRow(t, f).KVHeld {
+			t.Errorf("Snapshot kv_held = false while the R1 hold is unreleased")
+		}
+	}}},
+	{"aborted", evPrefilledNoKV, "without kv is a counted no-op: P holds nothing", expect{state: Aborted, delta: late("prefill_done")}},
+	{"aborted", evDecodeStart, "after the client left is refused: nothing may be sent", expect{state: Aborted, delta: late("decode_start")}},
+	{"aborted", evDecodeStartLate, "after the client left is refused: nothing may be sent", expect{state: Aborted, delta: late("decode_start")}},
+	{"aborted", evFinish, "is a counted no-op", expect{state: Aborted, delta: late("finish")}},
+	{"aborted", evFail, "is a counted no-op: the request stays aborted", expect{state: Aborted, delta: late("fail")}},
+	{"aborted", evExpire, "is a counted no-op", expect{state: Aborted, delta: late("expire")}},
+	{"aborted", evClientGone, "again is a counted no-op (R3)", expect{prev: Aborted, state: Aborted, delta: late("client_gone")}},
+	{"aborted", evEnd, "forgets the request", expect{gone: true}},
+	{"aborted", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Aborted}},
+
+	// aborted_with_kv (the client left in kv_held; the caller still owns the hold)
+	{"aborted_with_kv", evPrefillStart, "is refused and counted late", expect{state: Aborted, held: 1, delta: late("prefill_start")}},
+	{"aborted_with_kv", evPrefillRetry, "is refused and counted late", expect{state: Aborted, held: 1, delta: late("prefill_retry")}},
+	{"aborted_with_kv", evPrefilledKV, "again never asks for a second release", expect{state: Aborted, held: 1, delta: late("prefill_done")}},
+	{"aborted_with_kv", evPrefilledNoKV, "is a counted no-op that keeps the hold", expect{state: Aborted, held: 1, delta: late("prefill_done")}},
+	{"aborted_with_kv", evDecodeStart, "after the client left never forwards the params", expect{state: Aborted, held: 1, delta: late("decode_start")}},
+	{"aborted_with_kv", evDecodeStartLate, "after the client left never forwards the params", expect{state: Aborted, held: 1, delta: late("decode_start")}},
+	{"aborted_with_kv", evFinish, "is a counted no-op", expect{state: Aborted, held: 1, delta: late("finish")}},
+	{"aborted_with_kv", evFail, "never asks for a second release", expect{state: Aborted, held: 1, delta: late("fail")}},
+	{"aborted_with_kv", evExpire, "never asks for a second release", expect{state: Aborted, held: 1, delta: late("expire")}},
+	{"aborted_with_kv", evClientGone, "again never asks for a second release (R3)", expect{prev: Aborted, state: Aborted, held: 1, delta: late("client_gone")}},
+	{"aborted_with_kv", evEnd, "releases the hold its owner never released, as expired", expect{gone: true, delta: one(mReleases(ReleaseExpired)), check: func(t *testing.T, f *fixture, owned *Hold) {
+		if !owned.Released() {
+			t.Fatalf("the owned hold is not released after End")
+		}
+		before := gather(t, f.reg)
+		if owned.Release(ReleaseDrained) {
+			t.Errorf("the owner's Release after End answered true: released twice")
+		}
+		assertDeltas(t, before, gather(t, f.reg), late("release"))
+	}}},
+	{"aborted_with_kv", evReleaseTwice, "frees the hold once; the second release is counted late", expect{released: [2]bool{true, false}, state: Aborted,
+		delta: map[string]float64{mReleases(ReleaseDrained): 1, mLate("release"): 1}, check: func(t *testing.T, f *fixture, _ *Hold) {
+			if snapshotRow(t, f).KVHeld {
+				t.Errorf("Snapshot kv_held = true after the release")
+			}
+		}}},
+
+	// expired (the caller already released the hold as expired)
+	{"expired", evPrefillStart, "is a counted no-op", expect{state: Expired, delta: late("prefill_start")}},
+	{"expired", evPrefillRetry, "is a counted no-op", expect{state: Expired, delta: late("prefill_retry")}},
+	{"expired", evPrefilledKV, "a late prefill answer never makes a second hold", expect{state: Expired, delta: late("prefill_done")}},
+	{"expired", evPrefilledNoKV, "a late prefill answer is a counted no-op", expect{state: Expired, delta: late("prefill_done")}},
+	{"expired", evDecodeStart, "never forwards the params (R4)", expect{state: Expired, delta: late("decode_start")}},
+	{"expired", evDecodeStartLate, "never forwards the params (R4)", expect{state: Expired, delta: late("decode_start")}},
+	{"expired", evFinish, "is a counted no-op", expect{state: Expired, delta: late("finish")}},
+	{"expired", evFail, "is a counted no-op: the request stays expired", expect{state: Expired, delta: late("fail")}},
+	{"expired", evExpire, "again is a counted no-op", expect{state: Expired, delta: late("expire")}},
+	{"expired", evClientGone, "is a counted no-op (R5)", expect{prev: Expired, state: Expired, delta: late("client_gone")}},
+	{"expired", evEnd, "forgets the request", expect{gone: true}},
+	{"expired", evReleaseTwice, "releasing the released hold again is a counted no-op, twice", expect{state: Expired, delta: map[string]float64{mLate("release"): 2}}},
+
+	// failed (the decoder failed)
+	{"failed", evPrefillStart, "is a counted no-op", expect{state: Failed, delta: late("prefill_start")}},
+	{"failed", evPrefillRetry, "is a counted no-op", expect{state: Failed, delta: late("prefill_retry")}},
+	{"failed", evPrefilledKV, "a late prefill answer is a counted no-op", expect{state: Failed, delta: late("prefill_done")}},
+	{"failed", evPrefilledNoKV, "a late prefill answer is a counted no-op", expect{state: Failed, delta: late("prefill_done")}},
+	{"failed", evDecodeStart, "is refused and counted late", expect{state: Failed, delta: late("decode_start")}},
+	{"failed", evDecodeStartLate, "is refused and counted late", expect{state: Failed, delta: late("decode_start")}},
+	{"failed", evFinish, "is refused: the request stays failed", expect{state: Failed, delta: late("finish")}},
+	{"failed", evFail, "again is a counted no-op", expect{state: Failed, delta: late("fail")}},
+	{"failed", evExpire, "is a counted no-op", expect{state: Failed, delta: late("expire")}},
+	{"failed", evClientGone, "is a counted no-op (R5)", expect{prev: Failed, state: Failed, delta: late("client_gone")}},
+	{"failed", evEnd, "forgets the request", expect{gone: true}},
+	{"failed", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Failed}},
+
+	// unknown (already ended)
+	{"unknown", evPrefillStart, "is refused and counted late", expect{gone: true, delta: late("prefill_start")}},
+	{"unknown", evPrefillRetry, "is refused and counted late", expect{gone: true, delta: late("prefill_retry")}},
+	{"unknown", evPrefilledKV, "is a counted no-op", expect{gone: true, delta: late("prefill_done")}},
+	{"unknown", evPrefilledNoKV, "is a counted no-op", expect{gone: true, delta: late("prefill_done")}},
+	{"unknown", evDecodeStart, "is refused and counted late", expect{gone: true, delta: late("decode_start")}},
+	{"unknown", evDecodeStartLate, "is refused and counted late", expect{gone: true, delta: late("decode_start")}},
+	{"unknown", evFinish, "is a counted no-op", expect{gone: true, delta: late("finish")}},
+	{"unknown", evFail, "is a counted no-op", expect{gone: true, delta: late("fail")}},
+	{"unknown", evExpire, "is a counted no-op", expect{gone: true, delta: late("expire")}},
+	{"unknown", evClientGone, "is a counted no-op that answers aborted", expect{prev: Aborted, gone: true, delta: late("client_gone")}},
+	{"unknown", evEnd, "is a no-op", expect{gone: true}},
+	{"unknown", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{gone: true}},
+}
+
+// TestTransitions drives a fresh table into each state and fires each event once, then checks
+// what the caller got back, the state, and the metrics a dashboard shows.
+func TestTransitions(t *testing.T) {
+	byName := make(map[string]row, len(rows))
+	for _, r := range rows {
+		byName[r.name] = r
+	}
+	seen := make(map[string]bool)
+	for _, c := range cells {
+		key := c.row + "/" + c.event
+		if seen[key] {
+			t.Fatalf("bad test: two cells for %s", key)
+		}
+		seen[key] = true
+		r, ok := byName[c.row]
+		if !ok {
+			t.Fatalf("bad test: no row %q", c.row)
+		}
+		t.Run(c.name(), func(t *testing.T) {
+			f := newFixture(t)
+			owned := r.setup(t, f)
+			before := gather(t, f.reg)
+			f.assertGauges(t, before, stateOfRow(t, f), !strings.HasPrefix(r.name, "unknown"), r.held)
+
+			got := fire(f, c.event, owned)
+			w := c.want
+
+			if got.ok != w.ok || got.forward != w.forward || got.act != w.act || (got.hold != nil) != w.hold {
+				t.Errorf("answer: ok=%v forward=%v action=%v hold=%v; want ok=%v forward=%v action=%v hold=%v",
+					got.ok, got.forward, got.act, got.hold != nil, w.ok, w.forward, w.act, w.hold)
+			}
+			if c.event == evClientGone && got.prev != w.prev {
+				t.Errorf("ClientGone stage = %v, want %v", got.prev, w.prev)
+			}
+			if got.released != w.released {
+				t.Errorf("Release answers = %v, want %v", got.released, w.released)
+			}
+			st, known := f.tb.State(reqID)
+			switch {
+			case w.gone && known:
+				t.Errorf("State = %v, want the request forgotten", st)
+			case !w.gone && !known:
+				t.Errorf("State: request forgotten, want %v", w.state)
+			case !w.gone && st != w.state:
+				t.Errorf("State = %v, want %v", st, w.state)
+			}
+			if n, want := f.tb.Len(), map[bool]int{true: 0, false: 1}[w.gone]; n != want {
+				t.Errorf("Len() = %d, want %d", n, want)
+			}
+			after := gather(t, f.reg)
+			assertDeltas(t, before, after, w.delta)
+			f.assertGauges(t, after, st, known, w.held)
+			if known {
+				if kv := snapshotRow(t, f).KVHeld; kv != (w.held > 0) {
+					t.Errorf("Snapshot kv_held = %v with %d holds outstanding", kv, w.held)
+				}
+			}
+			if w.check != nil {
+				w.check(t, f, owned)
+			}
+
+			// A hold that came back is the caller's to release: exactly once.
+			if got.hold != nil {
+				if got.hold.Released() {
+					t.Fatalf("the hold came back already released")
+				}
+				before := gather(t, f.reg)
+				if !got.hold.Release(ReleaseAborted) {
+					t.Errorf("first Release = false, want true")
+				}
+				if got.hold.Release(ReleaseAborted) {
+					t.Errorf("second Release = true, want false: released twice")
+				}
+				after := gather(t, f.reg)
+				assertDeltas(t, before, after, map[string]float64{mReleases(ReleaseAborted): 1, mLate("release"): 1})
+				f.assertGauges(t, after, st, known, w.held-1)
+			}
+		})
+	}
+	for _, r := range rows {
+		for _, ev := range allEvents {
+			if !seen[r.name+"/"+ev] {
+				t.Errorf("bad test: no cell for %s/%s", r.name, ev)
+			}
+		}
+	}
+}
+
+func stateOfRow(t *testing.T, f *fixture) State {
+	t.Helper()
+	st, _ := f.tb.State(reqID)
+	return st
+}
