@@ -8,6 +8,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"net/http/httptrace"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -186,25 +187,52 @@ func (x *exchange) hint(exclude []string) router.Hint {
 }
 
 func (x *exchange) serve() *apiError {
-	// The decoder is reserved first, so that a prefilled request never waits for one and its
-	// KV is held only as long as sending the decode takes.
-	lease, err := x.s.router.Acquire(x.ctx, router.RoleDecode, x.hint(nil))
-	if err != nil {
-		if x.ctx.Err() != nil {
-			return x.gone()
+	before := x.s.cfg.DecoderReservation != ReserveAfterPrefill
+	if before {
+		// The decoder is reserved first, so that a prefilled request never waits for one and
+		// its KV is held only as long as sending the decode takes.
+		if e := x.reserveDecoder(); e != nil {
+			return e
 		}
-		x.s.table.Fail(x.id)
-		return fromRouter(err, router.RoleDecode)
 	}
-	x.decodeLease, x.decodeB = lease, lease.Backend()
-	x.decodeRes = router.Result{} // unused until the decode call says otherwise
-
 	if x.s.router.Has(router.RolePrefill) {
 		if e := x.prefill(); e != nil {
 			return e
 		}
 	}
+	if !before {
+		// Waiting for a decoder now happens in kv_held: a client leaving meanwhile gets its KV
+		// released, and the hold deadline keeps running.
+		if e := x.reserveDecoder(); e != nil {
+			return e
+		}
+	}
 	return x.decode()
+}
+
+func (x *exchange) reserveDecoder() *apiError {
+	lease, err := x.s.router.Acquire(x.ctx, router.RoleDecode, x.hint(nil))
+	if err != nil {
+		if x.ctx.Err() != nil {
+			return x.gone()
+		}
+		x.fail()
+		return fromRouter(err, router.RoleDecode)
+	}
+	x.decodeLease, x.decodeB = lease, lease.Backend()
+	x.decodeRes = router.Result{} // unused until the decode call says otherwise
+	return nil
+}
+
+// fail ends the request as failed; KV still held for it is released.
+func (x *exchange) fail() {
+	if act, hold := x.s.table.Fail(x.id); act == lifecycle.ReleaseKV {
+		var lease *router.Lease
+		if x.decodeLease != nil && !x.leaseHandedOff {
+			lease, x.leaseHandedOff = x.decodeLease, true
+		}
+		x.s.release(x.id, x.req, x.prefillB, x.kvParams, hold, lease)
+	}
 }
 
 // prefill runs the prefill call, on another prefiller when one provably never started it,
@@ -282,7 +310,7 @@ func (x *exchange) prefill() *apiError {
 		}
 		return nil
 	}
-	x.s.table.Fail(x.id)
+	x.fail()
 	if rerr := lastErr; rerr != nil && (errors.Is(rerr, router.ErrNoBackend) || errors.Is(rerr, router.ErrQueueFull) || errors.Is(rerr, router.ErrQueueTimeout)) {
 		return fromRouter(rerr, router.RolePrefill)
 	}
@@ -496,12 +524,16 @@ func (s *Server) abortHold(id string, p *router.Backend, hold *lifecycle.Hold) b
 
 // drain sends a decoder a one-token decode with the held params, so that it pulls the blocks
 // and the prefiller frees them. It runs on its own deadline: the client that asked is gone.
+// It may go past the decoders' in-flight limit: it frees memory, it must not queue behind load.
+// A drain whose deadline passes after it reached the decoder still releases: the decoder
+// aborts a do_remote_prefill request that was never scheduled and notifies the prefiller,
+// which frees the blocks (vLLM does this; so does the simulator).
 func (s *Server) drain(id string, req *genRequest, params json.RawMessage, lease *router.Lease) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.DrainTimeout)
 	defer cancel()
 	if lease == nil {
 		var err error
-		lease, err = s.router.Acquire(ctx, router.RoleDecode, router.Hint{RequestID: id})
+		lease, err = s.router.Acquire(ctx, router.RoleDecode, router.Hint{RequestID: id, Overcommit: true})
 		if err != nil {
 			s.logger.Warn("kv drain found no decoder", zap.String("request_id", id), zap.Error(err))
 			return false
@@ -510,18 +542,26 @@ func (s *Server) drain(id string, req *genRequest, params json.RawMessage, lease
 	b := lease.Backend()
 	body, err := kvbackend.DrainBody(req.fields, req.chat, params)
 	if err != nil {
-		lease.Release(router.Result{Canceled: true})
+		lease.Release(router.Result{})
 		return false
 	}
 	path := "/v1/completions"
 	if req.chat {
 		path = "/v1/chat/completions"
 	}
+	var delivered atomic.Bool
+	traced := httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+		WroteRequest: func(i httptrace.WroteRequestInfo) { delivered.Store(i.Err == nil) },
+	})
 	call := kvbackend.Call{Client: b.Client(), BaseURL: baseURL(b), Path: path, ID: id, Body: body}
-	resp, err := call.Do(ctx)
+	resp, err := call.Do(traced)
 	if err == nil {
 		_, err = io.Copy(io.Discard, resp.Body)
 		resp.Body.Close()
+	}
+	if err != nil && ctx.Err() != nil && delivered.Load() {
+		lease.Release(router.Result{Canceled: true})
+		return true
 	}
 	lease.Release(resultOf(err, nil))
 	if err != nil {

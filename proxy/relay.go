@@ -37,10 +37,16 @@ func (x *exchange) decode() *apiError {
 	var params json.RawMessage
 	if forward {
 		params = x.kvParams
+	} else if x.kvParams != nil {
+		// The hold deadline passed (race R4): these params are never forwarded, the decoder
+		// recomputes. An engine with an explicit abort can free the stale hold right away.
+		if p := x.prefillB; p != nil && kvbackend.HasAbort(p.Engine) {
+			x.s.abortOnEngine(x.id, p)
+		}
 	}
 	body, err := kvbackend.DecodeBody(x.req.fields, params)
 	if err != nil {
-		x.s.table.Fail(x.id)
+		x.fail()
 		return &apiError{status: http.StatusInternalServerError, typ: "internal_error", code: "internal", message: "could not build the decode request", cause: err}
 	}
 	// With abort_during_kv_pull after_first_token, a decode that is pulling KV is not cancelled
@@ -57,7 +63,7 @@ func (x *exchange) decode() *apiError {
 		if x.ctx.Err() != nil && !wd.timedOut() {
 			return x.gone()
 		}
-		x.s.table.Fail(x.id)
+		x.fail()
 		if cause := context.Cause(wd.ctx); wd.timedOut() {
 			err = errors.Join(cause, err)
 		}
@@ -137,7 +143,7 @@ func (x *exchange) brokenAnswer(rerr error, wd *watchdog) *apiError {
 	if x.ctx.Err() != nil && !wd.timedOut() {
 		return x.gone()
 	}
-	x.s.table.Fail(x.id)
+	x.fail()
 	if wd.timedOut() {
 		rerr = errors.Join(context.Cause(wd.ctx), rerr)
 		x.decodeRes = router.Result{Status: http.StatusGatewayTimeout}

@@ -44,6 +44,8 @@ const (
 	ReleaseWait                 = "wait"
 	PullAbortImmediate          = "immediate"
 	PullAbortAfterFirstToken    = "after_first_token"
+	ReserveBeforePrefill        = "before_prefill"
+	ReserveAfterPrefill         = "after_prefill"
 	defaultMaxBodyBytes         = 10 << 20
 	defaultPhaseTimeout         = 5 * time.Minute
 	defaultDrainTimeout         = 2 * time.Second
@@ -65,6 +67,10 @@ type Config struct {
 	// AbortDuringKVPull: immediate, or after_first_token (defer a decode's cancel until its
 	// first byte, for engines that crash on an abort during the KV pull, race R3). [immediate]
 	AbortDuringKVPull string `yaml:"abort_during_kv_pull"`
+	// DecoderReservation: before_prefill (a decoder slot is taken before the prefill starts, so
+	// KV is never held while waiting for one) or after_prefill (the prefiller never waits
+	// for a decoder, but a prefilled request may wait in kv_held). [before_prefill]
+	DecoderReservation string `yaml:"decoder_reservation"`
 	// PrefillTimeout bounds the prefill call. [5m]
 	PrefillTimeout time.Duration `yaml:"prefill_timeout"`
 	// DecodeFirstByteTimeout bounds the wait for a decode's first byte. [5m]
@@ -118,6 +124,14 @@ func (c *Config) setDefaults() error {
 	if c.DecodeOnlyFallback == nil {
 		on := true
 		c.DecodeOnlyFallback = &on
+	}
+	if c.DecoderReservation == "" {
+		c.DecoderReservation = ReserveBeforePrefill
+	}
+	switch c.DecoderReservation {
+	case ReserveBeforePrefill, ReserveAfterPrefill:
+	default:
+		return fmt.Errorf("decoder_reservation: %q is not one of before_prefill, after_prefill", c.DecoderReservation)
 	}
 	switch c.AbortDuringPrefill {
 	case AbortPrefillCancel, AbortPrefillFinishThenFree:

@@ -231,3 +231,29 @@ func TestClientTransportIsTunedPerBackend(t *testing.T) {
 		t.Errorf("transport = idle/host %d, conns/host %d, h2 %v", tr.MaxIdleConnsPerHost, tr.MaxConnsPerHost, tr.ForceAttemptHTTP2)
 	}
 }
+
+func TestOvercommitHintPicksAFullBackendInsteadOfWaiting(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{
+		Backends: []BackendConfig{{Name: "d", URL: "http://127.0.0.1:1", Role: RoleDecode, MaxInflight: 1}},
+		Queue:    QueueConfig{Size: -1},
+	})
+	first, err := r.Acquire(context.Background(), RoleDecode, Hint{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.Acquire(context.Background(), RoleDecode, Hint{}); !errors.Is(err, ErrQueueFull) {
+		t.Fatalf("second plain acquire: %v, want ErrQueueFull", err)
+	}
+	over, err := r.Acquire(context.Background(), RoleDecode, Hint{Overcommit: true})
+	if err != nil {
+		t.Fatalf("overcommit acquire: %v", err)
+	}
+	if got := over.Backend().Inflight(); got != 2 {
+		t.Fatalf("in-flight %d, want 2 (counted past the limit)", got)
+	}
+	over.Release(Result{Status: 200})
+	first.Release(Result{Status: 200})
+	if got := first.Backend().Inflight(); got != 0 {
+		t.Fatalf("in-flight %d after both releases", got)
+	}
+}

@@ -33,6 +33,10 @@ type Hint struct {
 	Prefix string
 	// Exclude names backends not to pick, e.g. the ones a retry already tried.
 	Exclude []string
+	// Overcommit lets the pick go past max_inflight instead of waiting. It is for the
+	// proxy's own release traffic (a one-token drain that makes a decoder pull and free a
+	// prefiller's KV): that must never queue behind the load whose memory it frees.
+	Overcommit bool
 }
 
 // Result is what happened to the request sent under a lease. Its zero value means the
@@ -449,7 +453,7 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool) {
 			continue
 		}
 		avail = true
-		if !b.full() {
+		if !b.full() || h.Overcommit {
 			cands = append(cands, b)
 		}
 	}

@@ -62,6 +62,14 @@ type SimConfig struct {
 	Seed            int64         `yaml:"seed"`
 	// MaxInflight is the proxy's in-flight limit for this engine (the router's max_inflight).
 	MaxInflight int `yaml:"max_inflight"`
+	// Engine is the kind the proxy takes the engine for. [sim] "vllm" makes the proxy treat
+	// it as vLLM, with no explicit abort, which is how tests show what happens on vLLM.
+	Engine string `yaml:"engine"`
+	// Stall, FailStatus, CloseAfter and SlowWrite are the engine's fault defaults.
+	Stall      time.Duration `yaml:"stall"`
+	FailStatus int           `yaml:"fail_status"`
+	CloseAfter int           `yaml:"close_after"`
+	SlowWrite  time.Duration `yaml:"slow_write"`
 }
 
 // ParseConfig reads a YAML config. Unknown keys are rejected, with their line.

@@ -99,7 +99,7 @@ func (m *Main) Start(ctx context.Context) error {
 		}
 		rcfg.Backends = append(rcfg.Backends, router.BackendConfig{
 			Name: fmt.Sprintf("sim-%s-%d", p.cfg.Role, i), URL: p.URL(), Role: router.Role(p.cfg.Role),
-			Engine: kvbackend.KindSim, MaxInflight: sc.MaxInflight, KVHoldTimeout: sc.KVHoldTimeout,
+			Engine: engineKind(sc.Engine), MaxInflight: sc.MaxInflight, KVHoldTimeout: sc.KVHoldTimeout,
 		})
 	}
 	if err := m.build(rcfg); err != nil {
@@ -171,6 +171,7 @@ func (m *Main) startSim(ctx context.Context, g *errgroup.Group, i int, sc SimCon
 		Role: sc.Role, Model: sc.Model, KVBlocks: sc.KVBlocks, BlockSize: sc.BlockSize,
 		PrefillTime: sc.PrefillTime, PrefillPerToken: sc.PrefillPerToken, ITL: sc.ITL,
 		MaxRunning: sc.MaxRunning, KVHoldTimeout: sc.KVHoldTimeout, KVTransferTime: sc.KVTransferTime, Seed: sc.Seed,
+		Stall: sc.Stall, FailStatus: sc.FailStatus, CloseAfter: sc.CloseAfter, SlowWrite: sc.SlowWrite,
 	}
 	logger := m.logger.Named(fmt.Sprintf("sim-%s-%d", sc.Role, i))
 	eng, err := sim.New(cfg, logger)
@@ -196,6 +197,13 @@ func (m *Main) startSim(ctx context.Context, g *errgroup.Group, i int, sc SimCon
 	})
 	logger.Info("simulated engine listening", zap.String("role", sc.Role), zap.String("url", p.URL()))
 	return p, nil
+}
+
+func engineKind(k string) string {
+	if k == "" {
+		return kvbackend.KindSim
+	}
+	return k
 }
 
 // Addr is the proxy's listening address (useful with port 0).

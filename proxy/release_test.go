@@ -1,0 +1,203 @@
+package proxy
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// With abort_during_prefill finish_then_release the prefill is let finish after the client
+// left; the KV it then holds is released as kv_release says, and the proxy's books close.
+func TestKVHeldForAGoneClientIsReleased(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		release    string
+		engineKind string
+		reason     string // pdproxy_kv_releases_total reason
+		drain      bool   // a drain decode goes to the decoder
+		abort      bool   // the prefiller gets /abort_request
+	}{
+		{name: "drain: a one-token decode pulls the KV so the prefiller frees it", release: ReleaseDrain,
+			engineKind: router.EngineVLLM, reason: "drained", drain: true},
+		{name: "abort on an engine with an abort call: the prefiller is told to free it", release: ReleaseAbort,
+			engineKind: router.EngineSim, reason: "aborted", abort: true},
+		{name: "abort on vLLM, which has no abort call: drained instead", release: ReleaseAbort,
+			engineKind: router.EngineVLLM, reason: "drained", drain: true},
+		{name: "wait: left to the engine's timer, nothing is sent", release: ReleaseWait,
+			engineKind: router.EngineVLLM, reason: "expired"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			var h *harness
+			var hmu sync.Mutex // h is set after the engines exist
+			var p *engine
+			p = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+				if r.URL.Path == "/abort_request" {
+					return
+				}
+				cancel() // the client leaves during the prefill ...
+				hmu.Lock()
+				hh := h
+				hmu.Unlock()
+				// ... and the prefill answers only once the proxy has seen it leave.
+				seen := func() bool {
+					return hh.value("pdproxy_aborts_total", map[string]string{"stage": "prefilling"}) == 1
+				}
+				if !p.poll(r, seen) {
+					return
+				}
+				vllmPrefill(prefillerParams)(w, r, body)
+			})
+			d := newEngine(t, vllmDecode)
+			hmu.Lock()
+			h = newHarness(t, Config{AbortDuringPrefill: AbortPrefillFinishThenFree, KVRelease: tc.release},
+				router.Config{Backends: []router.BackendConfig{
+					{Name: "p0", URL: p.URL(), Role: router.RolePrefill, Engine: tc.engineKind},
+					decoder("d0", d.URL()),
+				}})
+			hmu.Unlock()
+
+			resp, err := h.front.Client().Do(h.request(ctx, http.MethodPost, "/v1/chat/completions",
+				`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":50,"n":2}`, nil))
+			if err == nil {
+				resp.Body.Close()
+				t.Fatalf("answered %d; want the request cut by the client", resp.StatusCode)
+			}
+			eventually(t, "the hold to be released", func() bool {
+				return h.value("pdproxy_kv_releases_total", map[string]string{"reason": tc.reason}) == 1
+			})
+			h.waitQuiet()
+			if n := h.value("pdproxy_kv_releases_total", nil); n != 1 {
+				t.Errorf("pdproxy_kv_releases_total = %v, want 1 (one hold, released once)", n)
+			}
+			if n := h.value("pdproxy_kv_held_requests", nil); n != 0 {
+				t.Errorf("pdproxy_kv_held_requests = %v, want 0", n)
+			}
+			if n := h.table.OutstandingHolds(); n != 0 {
+				t.Errorf("OutstandingHolds = %d, want 0", n)
+			}
+			drains := d.generations()
+			if !tc.drain && len(drains) != 0 {
+				t.Errorf("the decoder got %d calls; want none", len(drains))
+			}
+			if tc.drain {
+				if len(drains) != 1 {
+					t.Fatalf("the decoder got %d calls, want one drain", len(drains))
+				}
+				f := drains[0].fields(t)
+				if string(f["kv_transfer_params"]) != prefillerParams || string(f["stream"]) != "false" ||
+					string(f["max_tokens"]) != "1" || string(f["max_completion_tokens"]) != "1" || f["n"] != nil {
+					t.Errorf("drain body %s, want the held params, no stream, one token, n dropped", drains[0].Body)
+				}
+				if id := drains[0].Header.Get("X-Request-Id"); id == "" || id != p.only(t, "prefiller").Header.Get("X-Request-Id") {
+					t.Errorf("drain X-Request-Id %q, want the prefill's", id)
+				}
+			}
+			// An engine with an abort call may get one more, sent as the client left during
+			// the prefill (race R1); one is enough to free the KV, and a repeat is a no-op.
+			aborts := p.callsTo("/abort_request")
+			if tc.abort != (len(aborts) > 0) {
+				t.Errorf("the prefiller got %d aborts, want abort %v", len(aborts), tc.abort)
+			}
+			for _, a := range aborts {
+				var body map[string]string
+				if json.Unmarshal(a.Body, &body); body["rid"] != a.Header.Get("X-Request-Id") || body["rid"] == "" {
+					t.Errorf("abort body %s, want the request's id", a.Body)
+				}
+			}
+		})
+	}
+}
+
+func TestConcurrentRequestsAllCompleteAndLeaveNothingBehind(t *testing.T) {
+	p := newEngine(t, vllmPrefill(prefillerParams))
+	d0, d1 := newEngine(t, vllmDecode), newEngine(t, vllmDecode)
+	h := newHarness(t, Config{}, router.Config{Backends: []router.BackendConfig{
+		prefiller("p0", p.URL()), decoder("d0", d0.URL()), decoder("d1", d1.URL()),
+	}})
+	const n = 24
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i := range n {
+		wg.Go(func() {
+			stream := i%2 == 0
+			body := fmt.Sprintf(`{"model":"m","prompt":"req %d","stream":%v}`, i, stream)
+			req := h.request(context.Background(), http.MethodPost, "/v1/completions", body, nil)
+			resp, err := h.front.Client().Do(req)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer resp.Body.Close()
+			b, err := io.ReadAll(resp.Body)
+			switch {
+			case err != nil:
+				errs <- err
+			case resp.StatusCode != http.StatusOK:
+				errs <- fmt.Errorf("request %d: status %d", i, resp.StatusCode)
+			case stream && !strings.HasSuffix(string(b), "data: [DONE]\n\n"):
+				errs <- fmt.Errorf("request %d: stream %q does not end with [DONE]", i, b)
+			case !stream && !json.Valid(b):
+				errs <- fmt.Errorf("request %d: body %q is not JSON", i, b)
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	h.waitQuiet()
+	if got := len(d0.generations()) + len(d1.generations()); got != n {
+		t.Errorf("decoders got %d calls, want %d", got, n)
+	}
+	if got := h.value("pdproxy_requests_total", map[string]string{"code": "200"}); got != n {
+		t.Errorf(`pdproxy_requests_total{code="200"} = %v, want %d`, got, n)
+	}
+}
+
+func TestASecondRequestWithAnIDInFlightIs409(t *testing.T) {
+	release := make(chan struct{})
+	var d *engine
+	d = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		if d.wait(r, release) {
+			vllmDecode(w, r, body)
+		}
+	})
+	h := aggregated(t, Config{}, d)
+	hdr := http.Header{"X-Request-Id": {"same-id"}}
+	done := make(chan int, 1)
+	go func() {
+		req := h.request(context.Background(), http.MethodPost, "/v1/completions", `{"model":"m","prompt":"a"}`, hdr)
+		resp, err := h.front.Client().Do(req)
+		if err != nil {
+			done <- 0
+			return
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		done <- resp.StatusCode
+	}()
+	eventually(t, "the first request to reach the decoder", func() bool { return len(d.generations()) == 1 })
+	resp, body := h.do(http.MethodPost, "/v1/completions", `{"model":"m","prompt":"b"}`, hdr)
+	if _, _, code, param := checkOpenAIError(t, resp, body, http.StatusConflict); code != "duplicate_request_id" || param == nil || *param != "X-Request-Id" {
+		t.Errorf("code %q param %v, want duplicate_request_id on X-Request-Id", code, param)
+	}
+	close(release)
+	if status := <-done; status != http.StatusOK {
+		t.Errorf("the first request got %d, want 200", status)
+	}
+	h.waitQuiet()
+	// Once the first is done the id is free again.
+	if resp, _ := h.do(http.MethodPost, "/v1/completions", `{"model":"m","prompt":"c"}`, hdr); resp.StatusCode != http.StatusOK {
+		t.Errorf("the id reused after the first finished got %d, want 200", resp.StatusCode)
+	}
+}
