@@ -197,13 +197,15 @@ type choice struct {
 }
 
 type completion struct {
-	ID               string            `json:"id"`
-	Object           string            `json:"object"`
-	Created          int64             `json:"created"`
-	Model            string            `json:"model"`
-	Choices          []choice          `json:"choices"`
-	Usage            *usage            `json:"usage,omitempty"`
-	KVTransferParams *kvTransferParams `json:"kv_transfer_params"`
+	ID      string   `json:"id"`
+	Object  string   `json:"object"`
+	Created int64    `json:"created"`
+	Model   string   `json:"model"`
+	Choices []choice `json:"choices"`
+	Usage   *usage   `json:"usage,omitempty"`
+	// KVTransferParams is left nil (omitted) in stream chunks; a whole
+	// answer sets it to a *kvTransferParams, which is null when P holds nothing.
+	KVTransferParams any `json:"kv_transfer_params,omitempty"`
 }
 
 func (p *responder) usage(completionTokens int) *usage {
@@ -243,7 +245,7 @@ func (p *responder) emit(o output) error {
 		finish = &o.finish
 	}
 	c := p.chunk(choice{FinishReason: finish}, o.text)
-	if o.finish != "" {
+	if o.held != nil {
 		c.KVTransferParams = p.kvParams(o.held)
 	}
 	if err := p.event(c); err != nil {
@@ -382,7 +384,7 @@ func (p *responder) writeWhole(aborted bool) {
 	}
 	text := p.text.String()
 	ch := choice{FinishReason: &finish}
-	c := &completion{ID: p.id, Created: p.created, Model: p.model, Usage: p.usage(p.last.complete)}
+	c := &completion{ID: p.id, Created: p.created, Model: p.model, Usage: p.usage(p.last.complete), KVTransferParams: (*kvTransferParams)(nil)}
 	if p.api.chat {
 		c.Object = "chat.completion"
 		ch.Message = &message{Role: "assistant", Content: &text}
