@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"errors"
 	"testing"
 )
 
@@ -78,4 +79,41 @@ func equal(a, b []string) bool {
 		}
 	}
 	return true
+}
+
+func TestDuplicateRequestIDs(t *testing.T) {
+	tests := []struct {
+		name     string
+		first    reqKind
+		second   reqKind
+		rejected bool
+	}{
+		{"a second live request with the same id is rejected", kindAggregated, kindAggregated, true},
+		{"a second prefill while the first is held is rejected", kindPrefill, kindPrefill, true},
+		{"a decode may share the id of a prefill held on the same engine", kindPrefill, kindDecode, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e := newScripted(t, scriptedConfig(), newFakeClock())
+			kv := &kvTransferParams{DoRemotePrefill: true, RemoteBlockIDs: []int{0}, RemoteHost: "127.0.0.1", RemotePort: 1}
+			if tt.first == kindPrefill {
+				e.holdPrefill(t, "dup")
+			} else {
+				_ = e.submit(e.request(t, "dup", tt.first, 16, 4, nil))
+				e.stepNow()
+			}
+			second := e.request(t, "dup", tt.second, 16, 4, kv)
+			_ = e.submit(second)
+			e.stepNow()
+			outs := second.take()
+			var ae *apiError
+			gotRejected := len(outs) == 1 && errors.As(outs[0].err, &ae) && ae.Code == "duplicate_request_id"
+			if gotRejected != tt.rejected {
+				t.Errorf("second request outputs %+v, rejected=%v, want rejected=%v", outs, gotRejected, tt.rejected)
+			}
+			if s := e.Stats(); s.BlocksFree+s.BlocksInUse+s.BlocksHeld != s.BlocksTotal || s.DoubleFreeAttemptsTotal != 0 {
+				t.Errorf("stats %+v", s)
+			}
+		})
+	}
 }
