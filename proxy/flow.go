@@ -231,6 +231,7 @@ func (x *exchange) fail() {
 		if x.decodeLease != nil && !x.leaseHandedOff {
 			lease, x.leaseHandedOff = x.decodeLease, true
 		}
+		x.endedElsewhere = true // release ends the entry once the hold is released
 		x.s.release(x.id, x.req, x.prefillB, x.kvParams, hold, lease)
 	}
 }
