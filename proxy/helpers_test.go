@@ -296,6 +296,9 @@ func newFront(t *testing.T, cfg Config, rt Router, reg *prometheus.Registry) *ha
 	}
 	h := &harness{t: t, reg: reg, table: table, srv: srv, front: httptest.NewServer(srv.Handler())}
 	t.Cleanup(func() {
+		// A test that failed half way may leave a client waiting on an engine that waits on
+		// the test: cutting the clients' connections unwinds every call in flight.
+		h.front.CloseClientConnections()
 		h.front.Close()
 		ctx, cancel := context.WithTimeout(context.Background(), testDeadline)
 		defer cancel()

@@ -201,3 +201,66 @@ func TestASecondRequestWithAnIDInFlightIs409(t *testing.T) {
 		t.Errorf("the id reused after the first finished got %d, want 200", resp.StatusCode)
 	}
 }
+
+// With decoder_reservation after_prefill a prefilled request may find every decoder busy; it
+// fails (429), and the KV its prefiller holds is drained past the decoder's in-flight limit,
+// not left to the engine's timer.
+func TestPrefilledRequestFindingNoDecoderHasItsKVDrained(t *testing.T) {
+	release := make(chan struct{})
+	var d *engine
+	d = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		if strings.Contains(string(body), `"prompt":"first"`) && !d.wait(r, release) {
+			return
+		}
+		vllmDecode(w, r, body)
+	})
+	p := newEngine(t, vllmPrefill(prefillerParams))
+	h := newHarness(t, Config{DecoderReservation: ReserveAfterPrefill}, router.Config{
+		Backends: []router.BackendConfig{
+			prefiller("p0", p.URL()),
+			{Name: "d0", URL: d.URL(), Role: router.RoleDecode, MaxInflight: 1},
+		},
+		Queue: router.QueueConfig{Size: -1},
+	})
+
+	first := make(chan int, 1)
+	go func() {
+		resp, err := h.front.Client().Do(h.request(context.Background(), http.MethodPost, "/v1/completions", `{"model":"m","prompt":"first"}`, nil))
+		if err != nil {
+			first <- 0
+			return
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		first <- resp.StatusCode
+	}()
+	eventually(t, "the first request to occupy the decoder", func() bool { return len(d.generations()) == 1 })
+
+	resp, body := h.post("/v1/completions", `{"model":"m","prompt":"second"}`)
+	if _, _, code, _ := checkOpenAIError(t, resp, body, http.StatusTooManyRequests); code != "queue_full" {
+		t.Errorf("code %q, want queue_full", code)
+	}
+	eventually(t, "the second request's KV to be drained", func() bool {
+		return h.value("pdproxy_kv_releases_total", map[string]string{"reason": "drained"}) == 1
+	})
+	if n := h.value("pdproxy_kv_releases_total", map[string]string{"reason": "expired"}); n != 0 {
+		t.Errorf(`pdproxy_kv_releases_total{reason="expired"} = %v, want 0: the hold was drained`, n)
+	}
+	var drain *received
+	for _, g := range d.generations() {
+		if strings.Contains(string(g.Body), `"prompt":"second"`) {
+			drain = &g
+		}
+	}
+	if drain == nil {
+		t.Fatalf("no drain reached the decoder")
+	}
+	if f := drain.fields(t); string(f["kv_transfer_params"]) != prefillerParams || string(f["max_tokens"]) != "1" || string(f["stream"]) != "false" {
+		t.Errorf("drain body %s, want the held params, one token, no stream", drain.Body)
+	}
+	close(release)
+	if status := <-first; status != http.StatusOK {
+		t.Errorf("the first request got %d, want 200", status)
+	}
+	h.waitQuiet()
+}
