@@ -57,6 +57,9 @@ func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) *Table {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
+	if logger == nil {
+		logger = zap.NewNop()
+	}
 	return &Table{
 		holdTimeout: cfg.KVHoldTimeout,
 		now:         cfg.Now,

@@ -167,12 +167,23 @@ func (m *Main) startSim(ctx context.Context, g *errgroup.Group, i int, sc SimCon
 	if sc.Role != "prefill" && sc.Role != "decode" {
 		return nil, fmt.Errorf("config: sims[%d].role: %q is not prefill or decode", i, sc.Role)
 	}
-	cfg := sim.Config{
-		Role: sc.Role, Model: sc.Model, KVBlocks: sc.KVBlocks, BlockSize: sc.BlockSize,
-		PrefillTime: sc.PrefillTime, PrefillPerToken: sc.PrefillPerToken, ITL: sc.ITL,
-		MaxRunning: sc.MaxRunning, KVHoldTimeout: sc.KVHoldTimeout, KVTransferTime: sc.KVTransferTime, Seed: sc.Seed,
-		Stall: sc.Stall, FailStatus: sc.FailStatus, CloseAfter: sc.CloseAfter, SlowWrite: sc.SlowWrite,
-	}
+	// Unset fields keep the simulator's own defaults, as `proxy sim` flags do.
+	cfg := sim.DefaultConfig()
+	cfg.Role = sc.Role
+	setIf(&cfg.Model, sc.Model)
+	setIf(&cfg.KVBlocks, sc.KVBlocks)
+	setIf(&cfg.BlockSize, sc.BlockSize)
+	setIf(&cfg.PrefillTime, sc.PrefillTime)
+	setIf(&cfg.PrefillPerToken, sc.PrefillPerToken)
+	setIf(&cfg.ITL, sc.ITL)
+	setIf(&cfg.MaxRunning, sc.MaxRunning)
+	setIf(&cfg.KVHoldTimeout, sc.KVHoldTimeout)
+	setIf(&cfg.KVTransferTime, sc.KVTransferTime)
+	setIf(&cfg.Seed, sc.Seed)
+	setIf(&cfg.Stall, sc.Stall)
+	setIf(&cfg.FailStatus, sc.FailStatus)
+	setIf(&cfg.CloseAfter, sc.CloseAfter)
+	setIf(&cfg.SlowWrite, sc.SlowWrite)
 	logger := m.logger.Named(fmt.Sprintf("sim-%s-%d", sc.Role, i))
 	eng, err := sim.New(cfg, logger)
 	if err != nil {
@@ -197,6 +208,15 @@ func (m *Main) startSim(ctx context.Context, g *errgroup.Group, i int, sc SimCon
 	})
 	logger.Info("simulated engine listening", zap.String("role", sc.Role), zap.String("url", p.URL()))
 	return p, nil
+}
+
+// setIf sets *dst to v unless v is the zero value (the field was not configured). A
+// negative duration in the config means zero for the simulator.
+func setIf[T comparable](dst *T, v T) {
+	var zero T
+	if v != zero {
+		*dst = v
+	}
 }
 
 func engineKind(k string) string {
