@@ -264,6 +264,8 @@ func TestPrefillRetryAndDecodeOnlyFallback(t *testing.T) {
 			first: busy, second: busy, wantRetries: 1, wantFallbacks: 1},
 		{name: "a lone failing prefiller counts no retry, only the fallback",
 			first: busy, noSecond: true, wantFallbacks: 1},
+		{name: "a prefiller answering kv_transfer_params that are not an object is not trusted: the decoder serves alone",
+			first: vllmPrefill(`"10.0.0.7:5600"`), noSecond: true, wantFallbacks: 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			d := newEngine(t, vllmDecode)

@@ -264,6 +264,12 @@ type harness struct {
 // checks are off unless rcfg sets them: a test decides who is healthy.
 func newHarness(t *testing.T, cfg Config, rcfg router.Config) *harness {
 	t.Helper()
+	return newHarnessTable(t, cfg, rcfg, lifecycle.Config{})
+}
+
+// newHarnessTable is newHarness with a request table built from lcfg (e.g. its clock).
+func newHarnessTable(t *testing.T, cfg Config, rcfg router.Config, lcfg lifecycle.Config) *harness {
+	t.Helper()
 	if rcfg.Health.Interval == 0 {
 		rcfg.Health.Interval = -1
 	}
@@ -280,7 +286,7 @@ func newHarness(t *testing.T, cfg Config, rcfg router.Config) *harness {
 	}()
 	// Run closes the backends' idle connections as it returns, so none outlives the test.
 	t.Cleanup(func() { cancel(); <-done })
-	h := newFront(t, cfg, rt, reg)
+	h := newFrontTable(t, cfg, rt, reg, lcfg)
 	h.rt = rt
 	return h
 }
@@ -288,8 +294,13 @@ func newHarness(t *testing.T, cfg Config, rcfg router.Config) *harness {
 // newFront serves a proxy with cfg over rt.
 func newFront(t *testing.T, cfg Config, rt Router, reg *prometheus.Registry) *harness {
 	t.Helper()
+	return newFrontTable(t, cfg, rt, reg, lifecycle.Config{})
+}
+
+func newFrontTable(t *testing.T, cfg Config, rt Router, reg *prometheus.Registry, lcfg lifecycle.Config) *harness {
+	t.Helper()
 	logger := zaptest.NewLogger(t)
-	table := lifecycle.New(lifecycle.Config{}, logger, reg)
+	table := lifecycle.New(lcfg, logger, reg)
 	srv, err := New(cfg, rt, table, logger, reg, reg)
 	if err != nil {
 		t.Fatalf("proxy.New: %v", err)
@@ -360,6 +371,30 @@ func (h *harness) do(method, path, body string, hdr http.Header) (*http.Response
 		h.t.Fatalf("%s %s: read answer: %v", method, path, err)
 	}
 	return resp, b
+}
+
+// statusOf sends a completion request and returns its status once the whole answer is read
+// (0 when the request failed). Safe from any goroutine.
+func (h *harness) statusOf(body string, hdr http.Header) int {
+	ctx, cancel := context.WithTimeout(context.Background(), testDeadline)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, h.front.URL+"/v1/completions", strings.NewReader(body))
+	if err != nil {
+		return 0
+	}
+	req.Header.Set("Content-Type", "application/json")
+	for k, v := range hdr {
+		req.Header[k] = v
+	}
+	resp, err := h.front.Client().Do(req)
+	if err != nil {
+		return 0
+	}
+	defer resp.Body.Close()
+	if _, err := io.Copy(io.Discard, resp.Body); err != nil {
+		return 0
+	}
+	return resp.StatusCode
 }
 
 func (h *harness) post(path, body string) (*http.Response, []byte) {

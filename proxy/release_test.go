@@ -9,7 +9,9 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
+	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -263,4 +265,183 @@ func TestPrefilledRequestFindingNoDecoderHasItsKVDrained(t *testing.T) {
 		t.Errorf("the first request got %d, want 200", status)
 	}
 	h.waitQuiet()
+}
+
+// testClock is a settable clock for the request table's hold deadlines.
+type testClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *testClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *testClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
+// Race R4: a prefilled request that waited for a decoder past the KV hold deadline must not
+// forward the prefiller's params (its blocks may be reused by then); the decoder recomputes,
+// and an engine with an abort call is told to free the stale hold.
+func TestKVPastItsHoldDeadlineIsNeverForwarded(t *testing.T) {
+	release := make(chan struct{})
+	var d *engine
+	d = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		if strings.Contains(string(body), `"prompt":"first"`) && !d.wait(r, release) {
+			return
+		}
+		vllmDecode(w, r, body)
+	})
+	p := newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		if r.URL.Path != "/abort_request" {
+			vllmPrefill(prefillerParams)(w, r, body)
+		}
+	})
+	clock := &testClock{t: time.Date(2026, 11, 30, 9, 0, 0, 0, time.UTC)}
+	const holdTimeout = 30 * time.Second
+	h := newHarnessTable(t, Config{DecoderReservation: ReserveAfterPrefill}, router.Config{
+		Backends: []router.BackendConfig{
+			{Name: "p0", URL: p.URL(), Role: router.RolePrefill, Engine: router.EngineSim},
+			{Name: "d0", URL: d.URL(), Role: router.RoleDecode, MaxInflight: 1},
+		},
+	}, lifecycle.Config{KVHoldTimeout: holdTimeout, Now: clock.Now})
+	t.Cleanup(func() { closeOnce(release) })
+
+	first := make(chan int, 1)
+	go func() { first <- h.statusOf(`{"model":"m","prompt":"first"}`, nil) }()
+	eventually(t, "the first request to occupy the decoder", func() bool { return len(d.generations()) == 1 })
+
+	second := make(chan int, 1)
+	hdr := http.Header{"X-Request-Id": {"waits-in-kv-held"}}
+	go func() { second <- h.statusOf(`{"model":"m","prompt":"second","stream":true}`, hdr) }()
+	eventually(t, "the second request to wait for a decoder with its KV held", func() bool {
+		st, ok := h.table.State("waits-in-kv-held")
+		return ok && st == lifecycle.KVHeld
+	})
+	clock.Advance(holdTimeout + time.Second)
+	closeOnce(release)
+
+	if s := <-first; s != http.StatusOK {
+		t.Errorf("first request: %d, want 200", s)
+	}
+	if s := <-second; s != http.StatusOK {
+		t.Errorf("second request: %d, want 200 (the decoder recomputes)", s)
+	}
+	h.waitQuiet()
+	var dec *received
+	for _, g := range d.generations() {
+		if strings.Contains(string(g.Body), `"prompt":"second"`) {
+			dec = &g
+		}
+	}
+	if dec == nil {
+		t.Fatalf("the second request never reached the decoder")
+	}
+	if kv, ok := dec.fields(t)["kv_transfer_params"]; ok {
+		t.Errorf("the decode carries kv_transfer_params %s past the hold deadline; want none", kv)
+	}
+	if n := h.value("pdproxy_kv_hold_deadline_exceeded_total", nil); n != 1 {
+		t.Errorf("pdproxy_kv_hold_deadline_exceeded_total = %v, want 1", n)
+	}
+	if n := h.value("pdproxy_kv_releases_total", map[string]string{"reason": "expired"}); n != 1 {
+		t.Errorf(`pdproxy_kv_releases_total{reason="expired"} = %v, want 1`, n)
+	}
+	eventually(t, "the prefiller to be told to free the stale hold", func() bool {
+		for _, a := range p.callsTo("/abort_request") {
+			if a.Header.Get("X-Request-Id") == "waits-in-kv-held" {
+				return true
+			}
+		}
+		return false
+	})
+}
+
+var closeMu sync.Mutex
+
+// closeOnce closes ch unless it is closed already.
+func closeOnce(ch chan struct{}) {
+	closeMu.Lock()
+	defer closeMu.Unlock()
+	select {
+	case <-ch:
+	default:
+		close(ch)
+	}
+}
+
+// Race R2: a client that leaves while its prefilled request waits for a decoder gets its KV
+// released at once (drained past the busy decoder's limit), not pinned until the engine's timer.
+func TestClientLeavingWithKVHeldGetsItDrained(t *testing.T) {
+	release := make(chan struct{})
+	var d *engine
+	d = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		if strings.Contains(string(body), `"prompt":"first"`) && !d.wait(r, release) {
+			return
+		}
+		vllmDecode(w, r, body)
+	})
+	p := newEngine(t, vllmPrefill(prefillerParams))
+	h := newHarness(t, Config{DecoderReservation: ReserveAfterPrefill}, router.Config{
+		Backends: []router.BackendConfig{
+			prefiller("p0", p.URL()),
+			{Name: "d0", URL: d.URL(), Role: router.RoleDecode, MaxInflight: 1},
+		},
+	})
+	t.Cleanup(func() { closeOnce(release) })
+
+	first := make(chan int, 1)
+	go func() { first <- h.statusOf(`{"model":"m","prompt":"first"}`, nil) }()
+	eventually(t, "the first request to occupy the decoder", func() bool { return len(d.generations()) == 1 })
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	gone := make(chan error, 1)
+	go func() {
+		req := h.request(ctx, http.MethodPost, "/v1/completions", `{"model":"m","prompt":"second","stream":true}`,
+			http.Header{"X-Request-Id": {"leaves-in-kv-held"}})
+		resp, err := h.front.Client().Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		gone <- err
+	}()
+	eventually(t, "the second request to wait for a decoder with its KV held", func() bool {
+		st, ok := h.table.State("leaves-in-kv-held")
+		return ok && st == lifecycle.KVHeld
+	})
+	cancel()
+	if err := <-gone; err == nil {
+		t.Fatalf("the second request was answered; want it cut by the client")
+	}
+	eventually(t, "the held KV to be drained", func() bool {
+		return h.value("pdproxy_kv_releases_total", map[string]string{"reason": "drained"}) == 1
+	})
+	if n := h.value("pdproxy_aborts_total", map[string]string{"stage": "kv_held"}); n != 1 {
+		t.Errorf(`pdproxy_aborts_total{stage="kv_held"} = %v, want 1`, n)
+	}
+	var drains []received
+	for _, g := range d.generations() {
+		if strings.Contains(string(g.Body), `"prompt":"second"`) {
+			drains = append(drains, g)
+		}
+	}
+	if len(drains) != 1 {
+		t.Fatalf("the decoder got %d calls for the second request, want one drain", len(drains))
+	}
+	if f := drains[0].fields(t); string(f["kv_transfer_params"]) != prefillerParams || string(f["stream"]) != "false" || string(f["max_tokens"]) != "1" {
+		t.Errorf("drain body %s, want the held params, no stream, one token", drains[0].Body)
+	}
+	closeOnce(release)
+	if s := <-first; s != http.StatusOK {
+		t.Errorf("first request: %d, want 200", s)
+	}
+	h.waitQuiet()
+	if n := h.table.OutstandingHolds(); n != 0 {
+		t.Errorf("OutstandingHolds = %d, want 0", n)
+	}
 }
