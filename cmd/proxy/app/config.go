@@ -37,6 +37,9 @@ type Config struct {
 	// ShutdownTimeout is the drain deadline: on SIGTERM, streams in flight may finish for this
 	// long, then the rest are aborted (their KV released). [10s]
 	ShutdownTimeout time.Duration `yaml:"shutdown_timeout"`
+	// ReadHeaderTimeout bounds how long a client may take to send its request headers: one
+	// that trickles them is disconnected after it, so it cannot hold a connection open. [10s]
+	ReadHeaderTimeout time.Duration `yaml:"read_header_timeout"`
 	// Proxy is the HTTP front and P/D flow.
 	Proxy proxy.Config `yaml:",inline"`
 	// Router is the backend pools.
@@ -108,6 +111,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.ShutdownTimeout <= 0 {
 		c.ShutdownTimeout = 10 * time.Second
+	}
+	if c.ReadHeaderTimeout <= 0 {
+		c.ReadHeaderTimeout = 10 * time.Second
 	}
 }
 

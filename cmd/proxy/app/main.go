@@ -112,13 +112,21 @@ func (m *Main) Start(ctx context.Context) error {
 		return fail(fmt.Errorf("listen on %s: %w", m.cfg.Listen, err))
 	}
 	m.ln = ln
+	// HTTP/2 without TLS (h2c, prior knowledge) next to HTTP/1.1: gRPC-style and HTTP/2-only
+	// clients reach the proxy on the same port, many streams over one connection. HTTP/2 over
+	// TLS is on too, for when the listener serves TLS.
+	var protocols http.Protocols
+	protocols.SetHTTP1(true)
+	protocols.SetHTTP2(true)
+	protocols.SetUnencryptedHTTP2(true)
 	m.http = &http.Server{
 		Handler: m.Server.Handler(),
 		// A client that trickles its headers must not hold a connection open for long.
-		ReadHeaderTimeout: 10 * time.Second,
+		ReadHeaderTimeout: m.cfg.ReadHeaderTimeout,
 		MaxHeaderBytes:    64 << 10,
 		IdleTimeout:       120 * time.Second,
 		ErrorLog:          zap.NewStdLog(m.logger.Named("http")),
+		Protocols:         &protocols,
 	}
 	g.Go(func() error {
 		if err := m.http.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
