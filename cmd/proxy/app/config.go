@@ -27,6 +27,10 @@ import (
 type Config struct {
 	// Listen is the proxy's address. [127.0.0.1:8000]
 	Listen string `yaml:"listen"`
+	// AdminListen is the address of a separate admin listener serving the Go profiler
+	// (/debug/pprof/). Empty, the default, means none: profiles expose internals and cost
+	// CPU, so they are never on the proxy's own listener and only where asked for.
+	AdminListen string `yaml:"admin_listen"`
 	// LogFormat is json or console. [console]
 	LogFormat string `yaml:"log_format"`
 	// LogLevel is debug, info, warn or error. [info]
@@ -47,6 +51,67 @@ type Config struct {
 	// Sims are simulated engines started in-process on loopback and added to the pools: the
 	// embedded default runs one prefiller and one decoder.
 	Sims []SimConfig `yaml:"sims"`
+	// Source is how the command line made this config, so that a reload on SIGHUP reads the
+	// file again and applies the same flags on top. Never read from YAML.
+	Source Source `yaml:"-"`
+}
+
+// Source is the command line's part of a Config. Its zero value means the embedded default
+// with no flags.
+type Source struct {
+	// File is the --config file; empty means flags only or the embedded default, which a
+	// reload has nothing to read again from.
+	File string
+	// Prefill and Decode are the --prefill and --decode URLs, added to the file's backends.
+	Prefill, Decode []string
+	// Listen, AdminListen and LogFormat are --listen, --admin-listen and --log-format;
+	// empty means what the file says.
+	Listen, AdminListen, LogFormat string
+}
+
+// load makes the Config this command line stands for: the file (or, with no file and no
+// URL flags, the embedded default) with the flags applied on top.
+func (s Source) load() (Config, error) {
+	var c Config
+	switch {
+	case s.File != "":
+		data, err := os.ReadFile(s.File)
+		if err != nil {
+			return Config{}, fmt.Errorf("read config: %w", err)
+		}
+		if c, err = ParseConfig(data); err != nil {
+			return Config{}, fmt.Errorf("%s: %w", s.File, err)
+		}
+	case len(s.Prefill)+len(s.Decode) == 0:
+		c = DefaultConfig()
+	}
+	return s.apply(c)
+}
+
+// apply puts the flags on top of a config read from the file.
+func (s Source) apply(c Config) (Config, error) {
+	for _, u := range s.Prefill {
+		c.Router.Backends = append(c.Router.Backends, router.BackendConfig{URL: u, Role: router.RolePrefill, Engine: kvbackend.KindVLLM})
+	}
+	for _, u := range s.Decode {
+		c.Router.Backends = append(c.Router.Backends, router.BackendConfig{URL: u, Role: router.RoleDecode, Engine: kvbackend.KindVLLM})
+	}
+	if s.Listen != "" {
+		c.Listen = s.Listen
+	}
+	if s.AdminListen != "" {
+		c.AdminListen = s.AdminListen
+	}
+	if s.LogFormat != "" {
+		c.LogFormat = s.LogFormat
+	}
+	switch c.LogFormat {
+	case "", "json", "console":
+	default:
+		return Config{}, fmt.Errorf("--log-format: %q is not json or console", c.LogFormat)
+	}
+	c.Source = s
+	return c, nil
 }
 
 // SimConfig is one in-process simulated engine (see `proxy sim --help` for each field).
@@ -125,20 +190,20 @@ func (u *urlList) Set(v string) error { *u = append(*u, v); return nil }
 
 // LoadConfig turns the command line into a Config: --prefill/--decode URLs (repeatable) name
 // vLLM engines; --config reads a file; with neither, the embedded default starts simulated
-// engines. --listen and --log-format override what the file says.
+// engines. --listen, --admin-listen and --log-format override what the file says.
 func LoadConfig(args []string, stderr io.Writer) (Config, error) {
 	fs := flag.NewFlagSet("proxy", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var (
+		src               Source
 		prefills, decodes urlList
-		file, listen      string
-		logFormat         string
 	)
 	fs.Var(&prefills, "prefill", "URL of a vLLM prefill engine (repeatable)")
 	fs.Var(&decodes, "decode", "URL of a vLLM decode engine (repeatable); with none of --prefill/--decode/--config, simulated engines start in-process")
-	fs.StringVar(&file, "config", "", "YAML config file (see configs/); unknown keys are rejected")
-	fs.StringVar(&listen, "listen", "", "address to serve on (default 127.0.0.1:8000)")
-	fs.StringVar(&logFormat, "log-format", "", "log format: json or console (default console)")
+	fs.StringVar(&src.File, "config", "", "YAML config file (see configs/); unknown keys are rejected; SIGHUP reloads its backends")
+	fs.StringVar(&src.Listen, "listen", "", "address to serve on (default 127.0.0.1:8000)")
+	fs.StringVar(&src.AdminListen, "admin-listen", "", "address of a separate admin listener serving the Go profiler, /debug/pprof/ (default none)")
+	fs.StringVar(&src.LogFormat, "log-format", "", "log format: json or console (default console)")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: proxy [flags]\n       proxy sim [flags]   (run one simulated engine; proxy sim --help)\n\nFlags:\n")
 		fs.PrintDefaults()
@@ -149,35 +214,6 @@ func LoadConfig(args []string, stderr io.Writer) (Config, error) {
 	if fs.NArg() > 0 {
 		return Config{}, fmt.Errorf("unexpected argument %q (flags go before nothing else; see --help)", fs.Arg(0))
 	}
-	var c Config
-	switch {
-	case file != "":
-		data, err := os.ReadFile(file)
-		if err != nil {
-			return Config{}, fmt.Errorf("read config: %w", err)
-		}
-		if c, err = ParseConfig(data); err != nil {
-			return Config{}, fmt.Errorf("%s: %w", file, err)
-		}
-	case len(prefills)+len(decodes) == 0:
-		c = DefaultConfig()
-	}
-	for _, u := range prefills {
-		c.Router.Backends = append(c.Router.Backends, router.BackendConfig{URL: u, Role: router.RolePrefill, Engine: kvbackend.KindVLLM})
-	}
-	for _, u := range decodes {
-		c.Router.Backends = append(c.Router.Backends, router.BackendConfig{URL: u, Role: router.RoleDecode, Engine: kvbackend.KindVLLM})
-	}
-	if listen != "" {
-		c.Listen = listen
-	}
-	if logFormat != "" {
-		c.LogFormat = logFormat
-	}
-	switch c.LogFormat {
-	case "", "json", "console":
-	default:
-		return Config{}, fmt.Errorf("--log-format: %q is not json or console", c.LogFormat)
-	}
-	return c, nil
+	src.Prefill, src.Decode = prefills, decodes
+	return src.load()
 }

@@ -32,10 +32,13 @@ type Main struct {
 	Table  *lifecycle.Table
 	Server *proxy.Server
 
-	ln     net.Listener
-	http   *http.Server
-	cancel context.CancelFunc
-	group  *errgroup.Group
+	ln   net.Listener
+	http *http.Server
+	// adminLn and admin serve the profiler when Config.AdminListen is set; nil otherwise.
+	adminLn net.Listener
+	admin   *http.Server
+	cancel  context.CancelFunc
+	group   *errgroup.Group
 }
 
 // simProcess is one in-process simulated engine with its own HTTP server.
@@ -107,8 +110,12 @@ func (m *Main) Start(ctx context.Context) error {
 	}
 	g.Go(func() error { return m.Router.Run(gctx) })
 
+	if err := m.startAdmin(g); err != nil {
+		return fail(err)
+	}
 	ln, err := net.Listen("tcp", m.cfg.Listen)
 	if err != nil {
+		m.stopAdmin()
 		return fail(fmt.Errorf("listen on %s: %w", m.cfg.Listen, err))
 	}
 	m.ln = ln
@@ -138,6 +145,39 @@ func (m *Main) Start(ctx context.Context) error {
 		zap.Int("prefill_backends", countRole(rcfg.Backends, router.RolePrefill)),
 		zap.Int("decode_backends", countRole(rcfg.Backends, router.RoleDecode)))
 	return nil
+}
+
+// startAdmin starts the admin listener when one is configured; stopAdmin closes it.
+func (m *Main) startAdmin(g *errgroup.Group) error {
+	if m.cfg.AdminListen == "" {
+		return nil
+	}
+	ln, err := net.Listen("tcp", m.cfg.AdminListen)
+	if err != nil {
+		return fmt.Errorf("admin: listen on %s: %w", m.cfg.AdminListen, err)
+	}
+	m.adminLn = ln
+	m.admin = &http.Server{
+		Handler:           adminHandler(),
+		ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog:          zap.NewStdLog(m.logger.Named("admin")),
+	}
+	g.Go(func() error {
+		if err := m.admin.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			return fmt.Errorf("admin serve: %w", err)
+		}
+		return nil
+	})
+	m.logger.Info("admin listening", zap.String("addr", ln.Addr().String()))
+	return nil
+}
+
+// stopAdmin closes the admin listener and its connections at once: a profile being taken
+// has nothing to drain.
+func (m *Main) stopAdmin() {
+	if m.admin != nil {
+		m.admin.Close()
+	}
 }
 
 func countRole(bs []router.BackendConfig, role router.Role) int {
@@ -240,6 +280,14 @@ func (m *Main) Addr() string { return m.ln.Addr().String() }
 // URL is the proxy's base URL.
 func (m *Main) URL() string { return "http://" + m.Addr() }
 
+// AdminAddr is the admin listener's address, or "" when there is none.
+func (m *Main) AdminAddr() string {
+	if m.adminLn == nil {
+		return ""
+	}
+	return m.adminLn.Addr().String()
+}
+
 // SimURLs lists the in-process simulated engines' URLs by role.
 func (m *Main) SimURLs(role string) []string {
 	var out []string
@@ -280,6 +328,7 @@ func (m *Main) Shutdown(ctx context.Context) error {
 	}
 	cancel()
 	m.stopSims()
+	m.stopAdmin()
 	m.cancel()
 	return m.group.Wait()
 }
