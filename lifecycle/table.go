@@ -46,6 +46,9 @@ type entry struct {
 	decode   string
 	cancel   func()
 	hold     *Hold
+	// handedOff: StartDecodeHandoff gave the hold to the caller, who releases it once it
+	// knows whether the decode reached the decoder; nothing else in the table touches it.
+	handedOff bool
 	deadline time.Time
 }
 
@@ -138,6 +141,9 @@ func (t *Table) End(id string) {
 		t.setState(e, Failed)
 	}
 	delete(t.reqs, id)
+	if e.handedOff {
+		return
+	}
 	// An owner may be releasing this hold at the same moment: whoever loses the race changes
 	// nothing, and End losing it is no late event.
 	e.hold.release(ReleaseExpired, false)
@@ -237,6 +243,40 @@ func (t *Table) StartDecode(id, backend string) (forwardKV, ok bool) {
 	e.decode = backend
 	t.setState(e, Decoding)
 	return forwardKV, true
+}
+
+// StartDecodeHandoff is StartDecode for a caller that releases the hold itself: when the
+// params may be forwarded, the hold comes back unreleased and the caller must Release it
+// exactly once, as decoded when the decode call was written to the decoder (which then pulls
+// the blocks and notifies the prefiller), or through a release of its own when it never was
+// (the client left between this call and the write, or the connection failed): otherwise the
+// prefiller would keep the blocks until its own timer. Past the deadline it behaves as
+// StartDecode (the hold ends as expired, hold is nil).
+func (t *Table) StartDecodeHandoff(id, backend string) (forwardKV bool, hold *Hold, ok bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.lookup(id, "decode_start")
+	if e == nil {
+		return false, nil, false
+	}
+	switch e.state {
+	case KVHeld:
+		forwardKV = !t.now().After(e.deadline)
+		if forwardKV {
+			e.handedOff = true
+			hold = e.hold
+		} else {
+			t.m.expiredForwards.Inc()
+			e.hold.Release(ReleaseExpired)
+		}
+	case Received, Decoding:
+	default:
+		t.lateLocked("decode_start", id)
+		return false, nil, false
+	}
+	e.decode = backend
+	t.setState(e, Decoding)
+	return forwardKV, hold, true
 }
 
 // HoldDeadline returns when the request's KV hold stops being forwardable (zero without a hold).
@@ -402,7 +442,7 @@ func (t *Table) endWithHold(id, event string, to State) (Action, *Hold) {
 		return None, nil
 	}
 	t.setState(e, to)
-	if e.hold != nil && !e.hold.Released() {
+	if e.hold != nil && !e.handedOff && !e.hold.Released() {
 		return ReleaseKV, e.hold
 	}
 	return None, nil

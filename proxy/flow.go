@@ -295,6 +295,11 @@ func (x *exchange) prefill() *apiError {
 		if x.ctx.Err() != nil {
 			return x.gone()
 		}
+		if mayHoldKV(err) && kvbackend.HasAbort(b.Engine) {
+			// The prefiller took the request but its answer broke or timed out: it may hold
+			// KV whose params never arrived. Its explicit abort frees that.
+			x.s.abortOnEngine(x.id, b)
+		}
 		lastErr = err
 		if !retriable(err) {
 			break
@@ -316,6 +321,17 @@ func (x *exchange) prefill() *apiError {
 		return fromRouter(rerr, router.RolePrefill)
 	}
 	return fromBackend(lastErr, router.RolePrefill, "prefill_timeout")
+}
+
+// mayHoldKV reports whether a failed prefill call may have left KV held on the prefiller: the
+// request reached it (no connect error) and it did not answer with an error status.
+func mayHoldKV(err error) bool {
+	var se *kvbackend.StatusError
+	if errors.As(err, &se) {
+		return false
+	}
+	var ce *kvbackend.CallError
+	return !errors.As(err, &ce) || !ce.Connect
 }
 
 // retriable: the prefiller provably never started the work (no connection, or it refused
@@ -384,6 +400,9 @@ func (x *exchange) callPrefill(lease *router.Lease, b *router.Backend, body []by
 		// The client left while the prefill ran: the entry is ours to end, by release when
 		// there is KV to release.
 		if err != nil || params == nil {
+			if err != nil && mayHoldKV(err) && kvbackend.HasAbort(b.Engine) {
+				s.abortOnEngine(id, b)
+			}
 			s.table.End(id)
 			return
 		}

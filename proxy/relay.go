@@ -8,11 +8,13 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptrace"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -30,9 +32,22 @@ func (x *exchange) decode() *apiError {
 	start := time.Now()
 	defer func() { x.decodeT = time.Since(start) }()
 	b := x.decodeB
-	forward, ok := x.s.table.StartDecode(x.id, b.Name)
+	forward, hold, ok := x.s.table.StartDecodeHandoff(x.id, b.Name)
 	if !ok {
 		return x.gone()
+	}
+	// The hold passes to the decoder only once the decode call has been written to it: from
+	// then on the decoder pulls the blocks, or notifies the prefiller when it aborts. A call
+	// that never got written (the client left just now, the connection failed) leaves the
+	// prefiller holding blocks nobody will pull, so they are released like an abandoned hold.
+	var written atomic.Bool
+	if hold != nil {
+		defer func() {
+			if !written.Load() {
+				x.endedElsewhere = true
+				x.s.release(x.id, x.req, x.prefillB, x.kvParams, hold, nil)
+			}
+		}()
 	}
 	var params json.RawMessage
 	if forward {
@@ -56,8 +71,18 @@ func (x *exchange) decode() *apiError {
 	wd := newWatchdog(x.ctx, deferCancel, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
 	defer wd.stop()
 
+	callCtx := wd.ctx
+	if hold != nil {
+		callCtx = httptrace.WithClientTrace(callCtx, &httptrace.ClientTrace{
+			WroteRequest: func(i httptrace.WroteRequestInfo) {
+				if i.Err == nil && written.CompareAndSwap(false, true) {
+					hold.Release(lifecycle.ReleaseDecoded)
+				}
+			},
+		})
+	}
 	call := kvbackend.Call{Client: b.Client(), BaseURL: baseURL(b), Path: x.route, ID: x.id, Header: x.hdr, Body: body}
-	resp, err := call.Do(wd.ctx)
+	resp, err := call.Do(callCtx)
 	if err != nil {
 		x.decodeRes = resultOf(err, x.ctx)
 		if x.ctx.Err() != nil && !wd.timedOut() {
