@@ -1,9 +1,13 @@
 package router
 
 import (
+	"crypto/tls"
+	"crypto/x509"
+	"fmt"
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -31,6 +35,8 @@ type Backend struct {
 	MaxInflight int
 
 	client *http.Client
+	// opts is what client was built from.
+	opts clientOptions
 	// st is shared by the Backend values that a Reload keeps under the same name, URL
 	// and role, so in-flight counts and health survive a reload that only retunes them.
 	st *backendState
@@ -66,7 +72,7 @@ func newBackend(c BackendConfig, client *http.Client, st *backendState) *Backend
 		st.up.Store(true)
 	}
 	if client == nil {
-		client = newClient(c.MaxInflight)
+		client = newClient(clientOptions{maxInflight: c.MaxInflight})
 	}
 	return &Backend{
 		Name:          c.Name,
@@ -82,33 +88,99 @@ func newBackend(c BackendConfig, client *http.Client, st *backendState) *Backend
 	}
 }
 
+// clientOptions is what a backend's HTTP client is built from, resolved (the key read from
+// its variable, the CA file read), so that a reload can tell whether the client must change.
+type clientOptions struct {
+	maxInflight int
+	apiKey      string
+	caPEM       string
+	serverName  string
+	skipVerify  bool
+}
+
+// resolveClientOptions reads what c names outside the config: the API key's environment
+// variable and the CA file. Errors name the field.
+func resolveClientOptions(c BackendConfig) (clientOptions, error) {
+	o := clientOptions{maxInflight: c.MaxInflight, apiKey: c.APIKey, serverName: c.TLSServerName, skipVerify: c.TLSInsecureSkipVerify}
+	if c.APIKeyEnv != "" {
+		o.apiKey = os.Getenv(c.APIKeyEnv)
+		if o.apiKey == "" {
+			return o, fmt.Errorf("api_key_env: environment variable %s is unset or empty", c.APIKeyEnv)
+		}
+	}
+	if c.TLSCAFile != "" {
+		pem, err := os.ReadFile(c.TLSCAFile)
+		if err != nil {
+			return o, fmt.Errorf("tls_ca_file: %w", err)
+		}
+		if !x509.NewCertPool().AppendCertsFromPEM(pem) {
+			return o, fmt.Errorf("tls_ca_file: %s holds no PEM certificate", c.TLSCAFile)
+		}
+		o.caPEM = string(pem)
+	}
+	return o, nil
+}
+
 // newClient builds a client for one engine. There is no client Timeout because
 // responses stream for as long as generation takes; callers bound calls with their
 // context. The idle pool matches max_inflight so a busy backend reuses connections
 // instead of dialing; MaxConnsPerHost stays 0 because the router, not the transport,
-// enforces the limit (a transport limit would queue invisibly). HTTP/2 stays off:
-// engines speak HTTP/1.1, and one TCP connection per stream keeps an aborted request's
-// close visible to the engine, which is how vLLM learns to abort.
-func newClient(maxInflight int) *http.Client {
+// enforces the limit (a transport limit would queue invisibly). HTTP/2 stays off, on
+// https too: engines speak HTTP/1.1, and one TCP connection per stream keeps an aborted
+// request's close visible to the engine, which is how vLLM learns to abort.
+func newClient(o clientOptions) *http.Client {
 	dialer := &net.Dialer{Timeout: 3 * time.Second, KeepAlive: 30 * time.Second}
+	tlsConf := &tls.Config{
+		MinVersion:         tls.VersionTLS12,
+		ServerName:         o.serverName,
+		InsecureSkipVerify: o.skipVerify,
+	}
+	if o.caPEM != "" {
+		tlsConf.RootCAs = x509.NewCertPool()
+		tlsConf.RootCAs.AppendCertsFromPEM([]byte(o.caPEM)) // resolveClientOptions checked it
+	}
+	tr := &http.Transport{
+		// No Proxy: engines are reached directly; an HTTP_PROXY meant for the
+		// outside world must not sit between the proxy and its engines.
+		Proxy:                 nil,
+		DialContext:           dialer.DialContext,
+		TLSClientConfig:       tlsConf,
+		MaxIdleConns:          o.maxInflight,
+		MaxIdleConnsPerHost:   o.maxInflight,
+		MaxConnsPerHost:       0,
+		IdleConnTimeout:       90 * time.Second,
+		TLSHandshakeTimeout:   5 * time.Second,
+		ExpectContinueTimeout: time.Second,
+		ForceAttemptHTTP2:     false,
+	}
+	var rt http.RoundTripper = tr
+	if o.apiKey != "" {
+		rt = &bearerTransport{value: "Bearer " + o.apiKey, base: tr}
+	}
 	return &http.Client{
-		Transport: &http.Transport{
-			// No Proxy: engines are reached directly; an HTTP_PROXY meant for the
-			// outside world must not sit between the proxy and its engines.
-			Proxy:                 nil,
-			DialContext:           dialer.DialContext,
-			MaxIdleConns:          maxInflight,
-			MaxIdleConnsPerHost:   maxInflight,
-			MaxConnsPerHost:       0,
-			IdleConnTimeout:       90 * time.Second,
-			TLSHandshakeTimeout:   5 * time.Second,
-			ExpectContinueTimeout: time.Second,
-			ForceAttemptHTTP2:     false,
-		},
+		Transport: rt,
 		// Redirects from an engine would be a misconfiguration; surface them.
 		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
 	}
 }
+
+// bearerTransport sends a backend's own API key on every call to it. Whatever
+// Authorization the request carried (a client's key) is replaced: the engine's key is
+// the one the engine checks.
+type bearerTransport struct {
+	value string
+	base  *http.Transport
+}
+
+// RoundTrip sets the key on a copy: a RoundTripper must not modify its request.
+func (t *bearerTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	req = req.Clone(req.Context())
+	req.Header.Set("Authorization", t.value)
+	return t.base.RoundTrip(req)
+}
+
+// CloseIdleConnections lets http.Client.CloseIdleConnections reach the transport.
+func (t *bearerTransport) CloseIdleConnections() { t.base.CloseIdleConnections() }
 
 // Client returns the backend's HTTP client with a transport tuned for it. Use it for
 // every call to this backend so connections are reused.

@@ -85,6 +85,25 @@ type BackendConfig struct {
 	// KVHoldTimeout is the engine's own KV hold timeout. Zero means the engine kind's
 	// default (480s for vllm and sim).
 	KVHoldTimeout time.Duration `yaml:"kv_hold_timeout"`
+	// APIKey is the engine's own key (vLLM's --api-key), sent as "Authorization: Bearer"
+	// on every call to it, health checks included; it replaces whatever key the client
+	// sent. Empty means none is sent.
+	APIKey string `yaml:"api_key"`
+	// APIKeyEnv names an environment variable that holds APIKey, so the key stays out of
+	// the file. It is read when the config is applied; naming an unset or empty variable
+	// is an error. Set at most one of APIKey and APIKeyEnv.
+	APIKeyEnv string `yaml:"api_key_env"`
+	// TLSCAFile is a PEM bundle of the CAs the engine's certificate must chain to, for an
+	// https URL. It replaces the system roots for this backend, and is re-read on every
+	// config apply. Empty means the system roots.
+	TLSCAFile string `yaml:"tls_ca_file"`
+	// TLSServerName is the name the engine's certificate must carry (and the SNI sent),
+	// when it differs from the URL's host, e.g. a URL by IP address. Empty means the host.
+	TLSServerName string `yaml:"tls_server_name"`
+	// TLSInsecureSkipVerify accepts any certificate from the engine: the link is encrypted
+	// but anyone on the path can pose as the engine and read every prompt. For tests only;
+	// it is logged as a warning whenever the backend's client is built. [false]
+	TLSInsecureSkipVerify bool `yaml:"tls_insecure_skip_verify"`
 }
 
 // HealthConfig configures active health checks.
@@ -300,6 +319,24 @@ func (c *Config) Validate() error {
 		}
 		if b.KVHoldTimeout < 0 {
 			bad(f+".kv_hold_timeout", "%v is negative", b.KVHoldTimeout)
+		}
+		if b.APIKey != "" && b.APIKeyEnv != "" {
+			bad(f+".api_key_env", "set together with api_key; set one")
+		}
+		if u, err := url.Parse(b.URL); err == nil && u.Scheme != "https" {
+			// TLS settings on a plain-HTTP URL would be silently ignored: the operator
+			// believes the link is protected while prompts cross it in clear text.
+			for _, o := range []struct {
+				field string
+				set   bool
+			}{{"tls_ca_file", b.TLSCAFile != ""}, {"tls_server_name", b.TLSServerName != ""}, {"tls_insecure_skip_verify", b.TLSInsecureSkipVerify}} {
+				if o.set {
+					bad(f+"."+o.field, "set, but the url %q is not https", b.URL)
+				}
+			}
+		}
+		if b.TLSInsecureSkipVerify && b.TLSCAFile != "" {
+			bad(f+".tls_insecure_skip_verify", "contradicts tls_ca_file: a CA is pointless when nothing is verified")
 		}
 	}
 	if decoders == 0 {

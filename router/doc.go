@@ -18,6 +18,11 @@
 //	    max_inflight: 256       # 0 means the default
 //	    engine: vllm            # vllm | sim
 //	    kv_hold_timeout: 480s   # the engine's own hold timeout; engine default
+//	    api_key: ""             # the engine's own key, sent as Authorization: Bearer
+//	    api_key_env: ""         # or the name of a variable that holds it
+//	    tls_ca_file: ""         # https only: PEM CAs to trust instead of the system roots
+//	    tls_server_name: ""     # https only: name to verify instead of the URL's host
+//	    tls_insecure_skip_verify: false  # https only: verify nothing (tests; logged)
 //	prefill_policy: least_inflight  # least_inflight | round_robin | power_of_two | prefix_affinity
 //	decode_policy: least_inflight
 //	prefix_tokens: 256          # prefix_affinity hashes the first 4*prefix_tokens bytes

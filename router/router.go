@@ -326,6 +326,18 @@ func (r *Router) apply(cfg Config) error {
 		return fmt.Errorf("router config: unknown policy")
 	}
 
+	opts := make([]clientOptions, len(cfg.Backends))
+	var errs []error
+	for i, bc := range cfg.Backends {
+		var err error
+		if opts[i], err = resolveClientOptions(bc); err != nil {
+			errs = append(errs, fmt.Errorf("backends[%d].%w", i, err))
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("router config: %w", err)
+	}
+
 	r.reloadMu.Lock()
 	defer r.reloadMu.Unlock()
 
@@ -335,15 +347,28 @@ func (r *Router) apply(cfg Config) error {
 	}
 	all := make([]*Backend, 0, len(cfg.Backends))
 	kept := make(map[*backendState]bool)
-	for _, bc := range cfg.Backends {
+	var replaced []*http.Client
+	for i, bc := range cfg.Backends {
 		var st *backendState
 		var client *http.Client
 		if o, ok := old[bc.Name]; ok && o.URLString == bc.URL && o.Role == bc.Role {
 			st = o.st
 			kept[st] = true
-			client = o.clientIfSame(bc)
+			client = o.clientIfSame(opts[i])
+			if client == nil {
+				replaced = append(replaced, o.client)
+			}
 		}
-		all = append(all, newBackend(bc, client, st))
+		if client == nil {
+			client = newClient(opts[i])
+			if opts[i].skipVerify {
+				r.logger.Warn("tls certificate verification is off for a backend: anyone on the network path can pose as it and read every prompt (tls_insecure_skip_verify)",
+					zap.String("backend", bc.Name), zap.String("url", bc.URL))
+			}
+		}
+		b := newBackend(bc, client, st)
+		b.opts = opts[i]
+		all = append(all, b)
 	}
 	if cfg.Health.Interval <= 0 {
 		// Without active checks nothing would ever mark a down backend up again.
@@ -393,6 +418,10 @@ func (r *Router) apply(cfg Config) error {
 	r.decode.mu.Unlock()
 	r.prefill.mu.Unlock()
 
+	for _, c := range replaced {
+		// Calls in flight on the old client keep their connections; idle ones would linger.
+		c.CloseIdleConnections()
+	}
 	for _, b := range removed {
 		if b.Inflight() == 0 {
 			b.closeIdle()
@@ -407,10 +436,11 @@ func (r *Router) apply(cfg Config) error {
 	return nil
 }
 
-// clientIfSame returns b's client when its pool sizing fits bc, so a reload that keeps a
-// backend keeps its warm connections; nil otherwise.
-func (b *Backend) clientIfSame(bc BackendConfig) *http.Client {
-	if b.MaxInflight != bc.MaxInflight {
+// clientIfSame returns b's client when it was built from o (same pool sizing, key and TLS
+// settings, CA file content included), so a reload that keeps a backend keeps its warm
+// connections; nil otherwise.
+func (b *Backend) clientIfSame(o clientOptions) *http.Client {
+	if b.opts != o {
 		return nil
 	}
 	return b.client
