@@ -120,6 +120,9 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 	bufp := bufPool.Get().(*[]byte)
 	defer bufPool.Put(bufp)
 	buf := *bufp
+	// tail is the last two bytes the client got: where a broken stream stopped, mid-line or
+	// on an event boundary.
+	var tail []byte
 	for {
 		n, rerr := resp.Body.Read(buf)
 		if n > 0 {
@@ -148,6 +151,8 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 				x.cancel()
 				return x.gone()
 			}
+			tail = append(tail, buf[max(0, n-2):n]...)
+			tail = tail[max(0, len(tail)-2):]
 		}
 		if rerr == io.EOF {
 			if !x.wrote {
@@ -158,13 +163,14 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 			return nil
 		}
 		if rerr != nil {
-			return x.brokenAnswer(rerr, wd)
+			return x.brokenAnswer(rerr, wd, tail)
 		}
 	}
 }
 
-// brokenAnswer ends an answer whose decoder failed or timed out after the call had begun.
-func (x *exchange) brokenAnswer(rerr error, wd *watchdog) *apiError {
+// brokenAnswer ends an answer whose decoder failed or timed out after the call had begun;
+// tail is the last bytes of it the client got.
+func (x *exchange) brokenAnswer(rerr error, wd *watchdog, tail []byte) *apiError {
 	if x.ctx.Err() != nil && !wd.timedOut() {
 		return x.gone()
 	}
@@ -181,7 +187,10 @@ func (x *exchange) brokenAnswer(rerr error, wd *watchdog) *apiError {
 	}
 	if x.req.stream {
 		// The status line went out long ago; the stream ends with an error event in the
-		// OpenAI shape, and no [DONE], so clients see it failed.
+		// OpenAI shape, and no [DONE], so clients see it failed. A decoder that broke mid-event
+		// left a partial line: the error starts an event of its own, or the client would read
+		// it as the end of that line.
+		x.w.Write(eventBreak(tail))
 		x.w.Write([]byte("data: "))
 		x.w.Write(e.body())
 		x.w.Write([]byte("\n\n"))
@@ -190,6 +199,20 @@ func (x *exchange) brokenAnswer(rerr error, wd *watchdog) *apiError {
 	}
 	x.abortConn = true
 	return e
+}
+
+// eventBreak is what ends the partial SSE event a stream stopped in, given its last bytes:
+// nothing on an event boundary (a blank line), one more line end after a complete line.
+func eventBreak(tail []byte) []byte {
+	switch {
+	case len(tail) == 0 || bytes.HasSuffix(tail, []byte("\n\n")):
+		return nil
+	case tail[len(tail)-1] == '\n':
+		return []byte("\n")
+	}
+	// A lone CR ends a line too, but a CR followed by this LF is one line end: two LFs are
+	// needed either way.
+	return []byte("\n\n")
 }
 
 // countEvents counts the SSE events in p, which stand for tokens in a completion stream.
