@@ -1,0 +1,202 @@
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/pdproxy/pdproxy/lifecycle"
+)
+
+// chopReader hands out data in the read sizes cuts gives (each byte one read of 1 to 256
+// bytes, cycled), then ends with end. A cut byte above 0xf0 returns the last piece together
+// with end, as a connection's reader may.
+type chopReader struct {
+	data []byte
+	cuts []byte
+	i    int
+	end  error
+}
+
+func (r *chopReader) Read(p []byte) (int, error) {
+	if len(r.data) == 0 {
+		return 0, r.end
+	}
+	n := len(r.data)
+	var early bool
+	if len(r.cuts) > 0 {
+		c := r.cuts[r.i%len(r.cuts)]
+		r.i++
+		n = min(n, int(c)+1)
+		early = c > 0xf0
+	}
+	n = copy(p, r.data[:n])
+	r.data = r.data[n:]
+	if len(r.data) == 0 && early {
+		return n, r.end
+	}
+	return n, nil
+}
+
+// sseEvents parses an SSE stream as a client does (WHATWG event-stream: lines end in CRLF,
+// LF or CR; a blank line dispatches the data lines gathered so far) and returns the data of
+// every event dispatched.
+func sseDispatched(b []byte) []string {
+	var out []string
+	var data []string
+	for len(b) > 0 {
+		i := bytes.IndexAny(b, "\r\n")
+		if i < 0 {
+			break // an unterminated last line is never dispatched
+		}
+		line := b[:i]
+		if b[i] == '\r' && i+1 < len(b) && b[i+1] == '\n' {
+			i++
+		}
+		b = b[i+1:]
+		switch {
+		case len(line) == 0:
+			if data != nil {
+				out = append(out, string(bytes.Join(toBytes(data), []byte("\n"))))
+			}
+			data = nil
+		case bytes.HasPrefix(line, []byte("data:")):
+			v := bytes.TrimPrefix(line[5:], []byte(" "))
+			data = append(data, string(v))
+		}
+	}
+	return out
+}
+
+// clip shortens b for a failure message.
+func clip(b []byte) string {
+	if len(b) > 300 {
+		return strconv.Quote(string(b[:150])) + "..." + strconv.Quote(string(b[len(b)-150:]))
+	}
+	return strconv.Quote(string(b))
+}
+
+func toBytes(ss []string) [][]byte {
+	out := make([][]byte, len(ss))
+	for i, s := range ss {
+		out[i] = []byte(s)
+	}
+	return out
+}
+
+var errDecoderCut = errors.New("decoder connection cut")
+
+// FuzzRelay feeds the SSE relay arbitrary decoder bytes, cut into arbitrary reads. It must
+// never panic and must pass every byte to the client unchanged, in order. When the decoder
+// breaks mid-answer, a stream ends with an error event in the OpenAI shape that a client's
+// SSE parser reads as an event of its own, whatever partial line the decoder left; a
+// non-streaming answer is left truncated for the handler to cut the connection.
+func FuzzRelay(f *testing.F) {
+	for _, seed := range []struct {
+		data   string
+		cuts   []byte
+		stream bool
+		broken bool
+	}{
+		{"data: {\"choices\":[{\"text\":\"hi\"}]}\n\ndata: [DONE]\n\n", nil, true, false},
+		{"data: {\"choices\":[{\"text\":\"hi\"}]}\n\ndata: [DONE]\n\n", []byte{3, 0, 200}, true, true},
+		{"data: {\"choices\":[{\"text\":\"h", []byte{5}, true, true},
+		{"data: {\"a\":1}\r\n\r\ndata: {\"a\":2}\r\n", []byte{0xff}, true, true},
+		{"data: x\r", nil, true, true},
+		{"data: x\n", nil, true, true},
+		{"event: ping\n: comment\n\nretry: 10\nid: 7\ndata: {}\n\n", []byte{1, 2}, true, false},
+		{"not sse at all", []byte{0xf8}, true, false},
+		{"\x00\xff\xfe garbage \n\n\n\r\r", []byte{0}, true, true},
+		{"", nil, true, true},
+		{"", nil, false, false},
+		{`{"id":"cmpl-d","choices":[{"text":"Hello"}]}`, []byte{9}, false, false},
+		{`{"id":"cmpl-d","choi`, nil, false, true},
+		{string(bytes.Repeat([]byte("x"), 100<<10)), []byte{0xff, 0x10}, true, true},
+	} {
+		f.Add([]byte(seed.data), seed.cuts, seed.stream, seed.broken)
+	}
+	reg := prometheus.NewRegistry()
+	table := lifecycle.New(lifecycle.Config{}, zap.NewNop(), reg)
+	srv, err := New(Config{}, stubRouter{}, table, zap.NewNop(), reg, nil)
+	if err != nil {
+		f.Fatal(err)
+	}
+	var n atomic.Int64
+	f.Fuzz(func(t *testing.T, data, cuts []byte, stream, broken bool) {
+		id := "fuzz-" + strconv.FormatInt(n.Add(1), 10)
+		if err := table.Begin(id, "/v1/completions", func() {}); err != nil {
+			t.Fatal(err)
+		}
+		defer table.End(id)
+		if _, ok := table.StartDecode(id, "d0"); !ok {
+			t.Fatal("StartDecode refused")
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		rec := httptest.NewRecorder()
+		x := &exchange{s: srv, w: rec, ctx: ctx, cancel: cancel, id: id, route: "/v1/completions",
+			start: time.Now(), req: &genRequest{stream: stream}}
+		wd := newWatchdog(ctx, false, time.Hour, time.Hour)
+		defer wd.stop()
+		end := io.EOF
+		if broken {
+			end = errDecoderCut
+		}
+		in := append([]byte(nil), data...)
+		resp := &http.Response{StatusCode: http.StatusOK, Header: http.Header{}, Body: io.NopCloser(&chopReader{data: in, cuts: cuts, end: end})}
+		e := x.relay(resp, wd)
+		got := rec.Body.Bytes()
+
+		if !broken {
+			if e != nil {
+				t.Fatalf("a complete answer ended in error %v", e)
+			}
+			if rec.Code != http.StatusOK || !bytes.Equal(got, data) {
+				t.Fatalf("status %d, relayed %s, want 200 and %s", rec.Code, clip(got), clip(data))
+			}
+			return
+		}
+		if e == nil || e.status != http.StatusBadGateway {
+			t.Fatalf("a broken answer ended with %v, want a 502", e)
+		}
+		if len(data) == 0 {
+			// Nothing went out: the handler answers with the error itself.
+			if x.wrote || len(got) != 0 {
+				t.Fatalf("wrote %s before any byte came from the decoder", clip(got))
+			}
+			return
+		}
+		if !bytes.HasPrefix(got, data) {
+			t.Fatalf("relayed %s, which does not start with the decoder's bytes %s", clip(got), clip(data))
+		}
+		if !stream {
+			if !x.abortConn || len(got) != len(data) {
+				t.Fatalf("a broken non-streaming answer: abortConn %v, relayed %s; want the connection cut after %s", x.abortConn, clip(got), clip(data))
+			}
+			return
+		}
+		events := sseDispatched(got)
+		if len(events) == 0 {
+			t.Fatalf("no event dispatched from %s", clip(got))
+		}
+		var body errorBody
+		last := events[len(events)-1]
+		if err := json.Unmarshal([]byte(last), &body); err != nil || body.Error.Type == "" || body.Error.Message == "" {
+			t.Fatalf("last event %s is not an OpenAI error (%v); stream %s", clip([]byte(last)), err, clip(got))
+		}
+		if !bytes.HasSuffix(got, []byte("\n\n")) {
+			t.Fatalf("stream %s does not end with a blank line", clip(got))
+		}
+	})
+}
