@@ -28,6 +28,9 @@ type apiError struct {
 	raw         []byte
 	rawType     string
 	backendSide bool
+	// bearerChallenge adds "WWW-Authenticate: Bearer", which a 401 must carry (RFC 9110
+	// section 15.5.2).
+	bearerChallenge bool
 }
 
 func (e *apiError) Error() string {
@@ -74,6 +77,9 @@ func writeError(w http.ResponseWriter, e *apiError) {
 	h := w.Header()
 	if e.retryAfter > 0 {
 		h.Set("Retry-After", strconv.Itoa(e.retryAfter))
+	}
+	if e.bearerChallenge {
+		h.Set("WWW-Authenticate", "Bearer")
 	}
 	if e.raw != nil {
 		ct := e.rawType

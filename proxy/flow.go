@@ -158,6 +158,10 @@ func (x *exchange) run(chat bool) *apiError {
 	}
 	x.req = req
 	x.hdr = upstreamHeader(x.r.Header)
+	if x.s.keys != nil {
+		// The client's key is for the proxy; a backend that wants one has its own api_key.
+		x.hdr.Del("Authorization")
+	}
 
 	ctx, cancel := context.WithCancel(x.r.Context())
 	defer cancel()

@@ -89,6 +89,19 @@ type Config struct {
 	// DecodeOnlyFallback sends a request straight to a decoder when no prefiller can serve it.
 	// [true]
 	DecodeOnlyFallback *bool `yaml:"decode_only_fallback"`
+	// APIKeysFile is a file of client API keys, one a line; blank lines and # comments are
+	// skipped. When it or APIKeysEnv is set, every route but AuthOpenPaths answers 401
+	// unless the request carries "Authorization: Bearer <key>" with one of the keys, and
+	// the client's Authorization is not passed on to backends. A file with no key is an
+	// error. Empty means no file.
+	APIKeysFile string `yaml:"api_keys_file"`
+	// APIKeysEnv names an environment variable holding comma-separated client API keys,
+	// added to those of APIKeysFile. An unset or empty variable is an error. Empty means
+	// none.
+	APIKeysEnv string `yaml:"api_keys_env"`
+	// AuthOpenPaths are the exact paths served without a key when keys are configured.
+	// [/health, /ready, /metrics]; an explicit empty list opens none.
+	AuthOpenPaths []string `yaml:"auth_open_paths"`
 }
 
 func (c *Config) setDefaults() error {
@@ -167,6 +180,8 @@ type Server struct {
 	bg sync.WaitGroup
 
 	models modelCache
+	// keys are the client API keys; nil means none are required.
+	keys *keyring
 }
 
 // New builds a Server. reg receives the proxy's metrics; gather is served on /metrics (pass
@@ -177,6 +192,11 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 	}
 	s := &Server{cfg: cfg, router: rt, table: table, logger: logger, m: newMetrics(reg), gather: gather}
 	s.models.fresh = defaultModelsCacheFreshness
+	keys, err := loadKeyring(cfg)
+	if err != nil {
+		return nil, err
+	}
+	s.keys = keys
 	s.handler = s.routes()
 	return s, nil
 }
@@ -222,6 +242,9 @@ func (s *Server) routes() http.Handler {
 	r.Get("/debug/backends", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, s.router.Backends()) })
 	if s.gather != nil {
 		r.Method(http.MethodGet, "/metrics", promhttp.HandlerFor(s.gather, promhttp.HandlerOpts{}))
+	}
+	if s.keys != nil {
+		return s.requireKey(r, r)
 	}
 	return r
 }
