@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -39,6 +40,9 @@ type Main struct {
 	admin   *http.Server
 	cancel  context.CancelFunc
 	group   *errgroup.Group
+
+	// reloadMu makes reloads one at a time.
+	reloadMu sync.Mutex
 }
 
 // simProcess is one in-process simulated engine with its own HTTP server.
@@ -100,10 +104,7 @@ func (m *Main) Start(ctx context.Context) error {
 		if err != nil {
 			return fail(err)
 		}
-		rcfg.Backends = append(rcfg.Backends, router.BackendConfig{
-			Name: fmt.Sprintf("sim-%s-%d", p.cfg.Role, i), URL: p.URL(), Role: router.Role(p.cfg.Role),
-			Engine: engineKind(sc.Engine), MaxInflight: sc.MaxInflight, KVHoldTimeout: sc.KVHoldTimeout,
-		})
+		rcfg.Backends = append(rcfg.Backends, simBackend(i, p))
 	}
 	if err := m.build(rcfg); err != nil {
 		return fail(err)
@@ -267,6 +268,15 @@ func setIf[T comparable](dst *T, v T) {
 	}
 }
 
+// simBackend is the router's entry for the i-th in-process engine: the same at startup and
+// on every reload, so a reload keeps it with its state.
+func simBackend(i int, p *simProcess) router.BackendConfig {
+	return router.BackendConfig{
+		Name: fmt.Sprintf("sim-%s-%d", p.cfg.Role, i), URL: p.URL(), Role: router.Role(p.cfg.Role),
+		Engine: engineKind(p.cfg.Engine), MaxInflight: p.cfg.MaxInflight, KVHoldTimeout: p.cfg.KVHoldTimeout,
+	}
+}
+
 func engineKind(k string) string {
 	if k == "" {
 		return kvbackend.KindSim
@@ -297,6 +307,18 @@ func (m *Main) SimURLs(role string) []string {
 		}
 	}
 	return out
+}
+
+// StopSim closes the in-process engine serving at url at once, as if its machine went
+// away: its listener and its connections close, so requests in flight on it break and new
+// ones are refused. It is a hook for tests of failover; Shutdown stops the rest as usual.
+func (m *Main) StopSim(url string) error {
+	for _, p := range m.sims {
+		if p.URL() == url {
+			return p.srv.Close()
+		}
+	}
+	return fmt.Errorf("no simulated engine serves at %s", url)
 }
 
 // Shutdown stops gracefully: /ready fails, no new connection is accepted, streams in flight

@@ -6,6 +6,9 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
+	"os/signal"
+	"syscall"
 
 	"go.uber.org/zap"
 
@@ -13,7 +16,8 @@ import (
 )
 
 // Run is the whole command: `proxy [flags]` serves until ctx is done (SIGINT/SIGTERM), then
-// shuts down gracefully; `proxy sim [flags]` runs one simulated engine. It returns the exit code.
+// shuts down gracefully, and reloads its --config file on SIGHUP; `proxy sim [flags]` runs one
+// simulated engine. It returns the exit code.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if len(args) > 0 && args[0] == "sim" {
 		if err := sim.RunCommand(ctx, args[1:], stdout, stderr); err != nil {
@@ -45,11 +49,22 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "proxy:", err)
 		return 1
 	}
+	// Caught before Start says the proxy listens: a SIGHUP from then on reloads, it never
+	// kills the process.
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
 	if err := m.Start(ctx); err != nil {
 		fmt.Fprintln(stderr, "proxy:", err)
 		return 1
 	}
+	reloads := make(chan struct{})
+	go func() {
+		defer close(reloads)
+		reloadOnSignal(ctx, m, hup, cfg.Source.File, logger)
+	}()
 	<-ctx.Done()
+	<-reloads
 	logger.Info("shutting down", zap.Duration("drain_deadline", cfg.ShutdownTimeout))
 	if err := m.Shutdown(context.Background()); err != nil {
 		logger.Error("shutdown", zap.Error(err))
@@ -57,4 +72,23 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	logger.Info("stopped")
 	return 0
+}
+
+// reloadOnSignal reloads the --config file on every SIGHUP until ctx is done. A rejected
+// file is logged and the running config stays.
+func reloadOnSignal(ctx context.Context, m *Main, hup <-chan os.Signal, file string, logger *zap.Logger) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-hup:
+		}
+		if file == "" {
+			logger.Warn("sighup: nothing to reload, the proxy was started without --config")
+			continue
+		}
+		if err := m.Reload(file); err != nil {
+			logger.Error("config reload rejected, the running config stays", zap.String("file", file), zap.Error(err))
+		}
+	}
 }
