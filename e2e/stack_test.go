@@ -52,13 +52,19 @@ func fastSims(c *app.Config) {
 // when the test ends, checking that nothing was left behind.
 func startStack(t *testing.T, mutate ...func(*app.Config)) *stack {
 	t.Helper()
+	return startStackWith(t, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)), mutate...)
+}
+
+// startStackWith is startStack with the logger given.
+func startStackWith(t *testing.T, logger *zap.Logger, mutate ...func(*app.Config)) *stack {
+	t.Helper()
 	cfg := app.DefaultConfig()
 	cfg.Listen = "127.0.0.1:0"
 	cfg.ShutdownTimeout = 2 * time.Second
 	for _, f := range mutate {
 		f(&cfg)
 	}
-	m, err := app.New(cfg, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)))
+	m, err := app.New(cfg, logger)
 	if err != nil {
 		t.Fatalf("new: %v", err)
 	}

@@ -484,13 +484,27 @@ func (s *Server) abortOnEngine(id string, b *router.Backend) {
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
-		ctx, cancel := context.WithTimeout(context.Background(), defaultAbortCallTimeout)
-		defer cancel()
-		if err := kvbackend.Abort(ctx, b.Client(), baseURL(b), id); err != nil {
-			s.logger.Warn("engine abort failed", zap.String("request_id", id), zap.String("backend", b.Name), zap.Error(err))
+		// The abort travels on its own connection and can overtake the request it aborts
+		// (the engine has not read it yet, so it ignores an unknown id, then finishes the
+		// request and holds its KV). A second abort a moment later closes that gap; for an
+		// engine that already forgot the request it is a no-op.
+		for i, wait := range []time.Duration{0, abortRepeatDelay} {
+			if wait > 0 {
+				time.Sleep(wait)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), defaultAbortCallTimeout)
+			err := kvbackend.Abort(ctx, b.Client(), baseURL(b), id)
+			cancel()
+			if err != nil {
+				s.logger.Warn("engine abort failed", zap.String("request_id", id), zap.String("backend", b.Name), zap.Int("attempt", i+1), zap.Error(err))
+				return
+			}
 		}
 	}()
 }
+
+// abortRepeatDelay is when an explicit abort is sent again (see abortOnEngine).
+const abortRepeatDelay = 250 * time.Millisecond
 
 // release ends a KV hold whose params no decoder will get, as kv_release says, in the
 // background: the client is gone and nothing waits for it. lease, when not nil, is a decoder

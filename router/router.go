@@ -610,3 +610,11 @@ func (l *Lease) Release(res Result) {
 	}
 	l.p.release(l.b, code)
 }
+
+// CloseIdleConnections drops every backend's idle keep-alive connections. The pools refill on
+// demand; this is for shutdown, and for tests that count goroutines after a run.
+func (r *Router) CloseIdleConnections() {
+	for _, b := range r.backends() {
+		b.closeIdle()
+	}
+}

@@ -335,3 +335,7 @@ func (e *Engine) Run(ctx context.Context) error {
 		}
 	}
 }
+
+// CloseIdleConnections drops the idle keep-alive connections of the engine's pull/notify
+// client (a decoder keeps some open to its prefillers); they are redialled on demand.
+func (e *Engine) CloseIdleConnections() { e.client.CloseIdleConnections() }

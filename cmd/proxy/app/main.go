@@ -284,11 +284,26 @@ func engineKind(k string) string {
 	return k
 }
 
+// CloseIdleConnections empties the keep-alive pools toward the engines, and the engines' own
+// pools toward each other. They refill on demand; tests call it before counting goroutines.
+func (m *Main) CloseIdleConnections() {
+	m.Router.CloseIdleConnections()
+	for _, p := range m.sims {
+		p.engine.CloseIdleConnections()
+	}
+}
+
 // Addr is the proxy's listening address (useful with port 0).
 func (m *Main) Addr() string { return m.ln.Addr().String() }
 
 // URL is the proxy's base URL.
-func (m *Main) URL() string { return "http://" + m.Addr() }
+func (m *Main) URL() string {
+	// Not m.http.TLSConfig: the server fills it in itself, for HTTP/2, even without TLS.
+	if m.cfg.TLSCertFile != "" {
+		return "https://" + m.Addr()
+	}
+	return "http://" + m.Addr()
+}
 
 // AdminAddr is the admin listener's address, or "" when there is none.
 func (m *Main) AdminAddr() string {
