@@ -297,13 +297,7 @@ func (m *Main) CloseIdleConnections() {
 func (m *Main) Addr() string { return m.ln.Addr().String() }
 
 // URL is the proxy's base URL.
-func (m *Main) URL() string {
-	// Not m.http.TLSConfig: the server fills it in itself, for HTTP/2, even without TLS.
-	if m.cfg.TLSCertFile != "" {
-		return "https://" + m.Addr()
-	}
-	return "http://" + m.Addr()
-}
+func (m *Main) URL() string { return "http://" + m.Addr() }
 
 // AdminAddr is the admin listener's address, or "" when there is none.
 func (m *Main) AdminAddr() string {
