@@ -27,6 +27,11 @@ import (
 type Config struct {
 	// Listen is the proxy's address. [127.0.0.1:8000]
 	Listen string `yaml:"listen"`
+	// TLSCertFile and TLSKeyFile are a PEM certificate (chain) and its private key: with
+	// both set, the listener serves HTTPS only (TLS 1.2 or newer, HTTP/2 by ALPN). Empty
+	// means plain HTTP; setting one without the other is an error. Read at startup.
+	TLSCertFile string `yaml:"tls_cert_file"`
+	TLSKeyFile  string `yaml:"tls_key_file"`
 	// AdminListen is the address of a separate admin listener serving the Go profiler
 	// (/debug/pprof/). Empty, the default, means none: profiles expose internals and cost
 	// CPU, so they are never on the proxy's own listener and only where asked for.
@@ -67,6 +72,8 @@ type Source struct {
 	// Listen, AdminListen and LogFormat are --listen, --admin-listen and --log-format;
 	// empty means what the file says.
 	Listen, AdminListen, LogFormat string
+	// TLSCert and TLSKey are --tls-cert and --tls-key; empty means what the file says.
+	TLSCert, TLSKey string
 }
 
 // load makes the Config this command line stands for: the file (or, with no file and no
@@ -104,6 +111,15 @@ func (s Source) apply(c Config) (Config, error) {
 	}
 	if s.LogFormat != "" {
 		c.LogFormat = s.LogFormat
+	}
+	if s.TLSCert != "" {
+		c.TLSCertFile = s.TLSCert
+	}
+	if s.TLSKey != "" {
+		c.TLSKeyFile = s.TLSKey
+	}
+	if (c.TLSCertFile == "") != (c.TLSKeyFile == "") {
+		return Config{}, errors.New("tls_cert_file and tls_key_file (--tls-cert, --tls-key): set both to serve HTTPS, or neither")
 	}
 	switch c.LogFormat {
 	case "", "json", "console":
@@ -204,6 +220,8 @@ func LoadConfig(args []string, stderr io.Writer) (Config, error) {
 	fs.StringVar(&src.Listen, "listen", "", "address to serve on (default 127.0.0.1:8000)")
 	fs.StringVar(&src.AdminListen, "admin-listen", "", "address of a separate admin listener serving the Go profiler, /debug/pprof/ (default none)")
 	fs.StringVar(&src.LogFormat, "log-format", "", "log format: json or console (default console)")
+	fs.StringVar(&src.TLSCert, "tls-cert", "", "PEM certificate file: serve HTTPS (with --tls-key)")
+	fs.StringVar(&src.TLSKey, "tls-key", "", "PEM private key file of --tls-cert")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: proxy [flags]\n       proxy sim [flags]   (run one simulated engine; proxy sim --help)\n\nFlags:\n")
 		fs.PrintDefaults()

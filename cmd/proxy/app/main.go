@@ -114,6 +114,11 @@ func (m *Main) Start(ctx context.Context) error {
 	if err := m.startAdmin(g); err != nil {
 		return fail(err)
 	}
+	tlsConf, err := listenerTLS(m.cfg)
+	if err != nil {
+		m.stopAdmin()
+		return fail(err)
+	}
 	ln, err := net.Listen("tcp", m.cfg.Listen)
 	if err != nil {
 		m.stopAdmin()
@@ -135,14 +140,21 @@ func (m *Main) Start(ctx context.Context) error {
 		IdleTimeout:       120 * time.Second,
 		ErrorLog:          zap.NewStdLog(m.logger.Named("http")),
 		Protocols:         &protocols,
+		TLSConfig:         tlsConf,
 	}
 	g.Go(func() error {
-		if err := m.http.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		var err error
+		if tlsConf != nil {
+			err = m.http.ServeTLS(ln, "", "") // the certificate is in TLSConfig already
+		} else {
+			err = m.http.Serve(ln)
+		}
+		if err != nil && !errors.Is(err, http.ErrServerClosed) {
 			return fmt.Errorf("serve: %w", err)
 		}
 		return nil
 	})
-	m.logger.Info("proxy listening", zap.String("addr", ln.Addr().String()),
+	m.logger.Info("proxy listening", zap.String("addr", ln.Addr().String()), zap.Bool("tls", tlsConf != nil),
 		zap.Int("prefill_backends", countRole(rcfg.Backends, router.RolePrefill)),
 		zap.Int("decode_backends", countRole(rcfg.Backends, router.RoleDecode)))
 	return nil
@@ -297,7 +309,13 @@ func (m *Main) CloseIdleConnections() {
 func (m *Main) Addr() string { return m.ln.Addr().String() }
 
 // URL is the proxy's base URL.
-func (m *Main) URL() string { return "http://" + m.Addr() }
+func (m *Main) URL() string {
+	// Not m.http.TLSConfig: the server fills it in itself, for HTTP/2, even without TLS.
+	if m.cfg.TLSCertFile != "" {
+		return "https://" + m.Addr()
+	}
+	return "http://" + m.Addr()
+}
 
 // AdminAddr is the admin listener's address, or "" when there is none.
 func (m *Main) AdminAddr() string {
