@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -228,7 +229,16 @@ func (s *Server) routes() http.Handler {
 	r.NotFound(func(w http.ResponseWriter, _ *http.Request) {
 		writeError(w, &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "not_found", message: "no such route"})
 	})
-	r.MethodNotAllowed(func(w http.ResponseWriter, _ *http.Request) {
+	r.MethodNotAllowed(func(w http.ResponseWriter, req *http.Request) {
+		// A 405 must say which methods the route takes (RFC 9110, section 15.5.6); chi sets
+		// Allow only in its own 405 handler. Every route here is a GET or a POST.
+		var allow []string
+		for _, m := range []string{http.MethodGet, http.MethodPost} {
+			if r.Match(chi.NewRouteContext(), m, req.URL.Path) {
+				allow = append(allow, m)
+			}
+		}
+		w.Header().Set("Allow", strings.Join(allow, ", "))
 		writeError(w, &apiError{status: http.StatusMethodNotAllowed, typ: "invalid_request_error", code: "method_not_allowed", message: "method not allowed on this route"})
 	})
 	r.Post("/v1/completions", s.generate("/v1/completions", false))
