@@ -376,6 +376,13 @@ func (m *Main) Shutdown(ctx context.Context) error {
 		m.logger.Warn("kv releases still running at shutdown", zap.Error(err))
 	}
 	cancel()
+	// A connection dialled under load and then left unused (the transport's dial race) is
+	// new, not idle, to an engine's server, whose Shutdown would wait for it until its own
+	// deadline: the clients let go of theirs first.
+	m.Router.CloseIdleConnections()
+	for _, p := range m.sims {
+		p.engine.CloseIdleConnections()
+	}
 	m.stopSims()
 	m.stopAdmin()
 	m.cancel()
