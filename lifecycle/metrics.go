@@ -27,7 +27,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}, []string{"reason"}),
 		held: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: "pdproxy", Name: "kv_held_requests",
-			Help: "Requests whose KV a prefiller holds and that no decoder has been sent yet.",
+			Help: "Requests whose KV a prefiller holds for them and that no decoder has acknowledged yet (by answering the decode).",
 		}),
 		late: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "pdproxy", Name: "late_events_total",

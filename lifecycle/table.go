@@ -38,18 +38,18 @@ type Table struct {
 }
 
 type entry struct {
-	id       string
-	route    string
-	state    State
-	started  time.Time
-	prefill  string
-	decode   string
-	cancel   func()
-	hold     *Hold
+	id      string
+	route   string
+	state   State
+	started time.Time
+	prefill string
+	decode  string
+	cancel  func()
+	hold    *Hold
 	// handedOff: StartDecodeHandoff gave the hold to the caller, who releases it once it
 	// knows whether the decode reached the decoder; nothing else in the table touches it.
 	handedOff bool
-	deadline time.Time
+	deadline  time.Time
 }
 
 // New returns an empty table that registers its metrics on reg.

@@ -512,7 +512,21 @@ const abortRepeatDelay = 250 * time.Millisecond
 // request's table entry once the hold is released, so the caller must not: an End before
 // would release the hold as expired while the drain or abort is still on its way.
 func (s *Server) release(id string, req *genRequest, p *router.Backend, params json.RawMessage, hold *lifecycle.Hold, lease *router.Lease) {
+	s.releaseAs(s.cfg.KVRelease, id, req, p, params, hold, lease)
+}
+
+// releaseUncertain releases a hold whose decode may or may not have reached a decoder. The
+// engine's explicit abort, where it has one, is exact and a no-op if the decoder did pull the
+// blocks; a drain is the way for engines without one.
+func (s *Server) releaseUncertain(id string, req *genRequest, p *router.Backend, params json.RawMessage, hold *lifecycle.Hold) {
 	mode := s.cfg.KVRelease
+	if p != nil && kvbackend.HasAbort(p.Engine) && mode != ReleaseWait {
+		mode = ReleaseAbort
+	}
+	s.releaseAs(mode, id, req, p, params, hold, nil)
+}
+
+func (s *Server) releaseAs(mode, id string, req *genRequest, p *router.Backend, params json.RawMessage, hold *lifecycle.Hold, lease *router.Lease) {
 	if mode == ReleaseWait || p == nil {
 		if lease != nil {
 			lease.Release(router.Result{Canceled: true})
@@ -601,7 +615,9 @@ func (s *Server) drain(id string, req *genRequest, params json.RawMessage, lease
 		lease.Release(router.Result{Canceled: true})
 		return true
 	}
-	lease.Release(resultOf(err, nil))
+	// A drain says little about the decoder's health (it may find the blocks already freed, by
+	// design), so its outcome feeds no passive ejection.
+	lease.Release(router.Result{})
 	if err != nil {
 		s.logger.Warn("kv drain failed", zap.String("request_id", id), zap.String("backend", b.Name), zap.Error(err))
 		return false

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptrace"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -36,16 +35,18 @@ func (x *exchange) decode() *apiError {
 	if !ok {
 		return x.gone()
 	}
-	// The hold passes to the decoder only once the decode call has been written to it: from
-	// then on the decoder pulls the blocks, or notifies the prefiller when it aborts. A call
-	// that never got written (the client left just now, the connection failed) leaves the
-	// prefiller holding blocks nobody will pull, so they are released like an abandoned hold.
-	var written atomic.Bool
+	// The hold passes to the decoder only once the decoder has acknowledged the decode by
+	// answering its headers: from then on it pulls the blocks, or notifies the prefiller when
+	// it aborts. Before that, a written request is no proof: a server still finishing the
+	// previous response on a reused connection drops a request whose connection closes
+	// before it reads it. So a decode cut short before its headers (the client left, the
+	// connection failed, the decoder refused it) leaves the release to the proxy.
+	var acked bool
 	if hold != nil {
 		defer func() {
-			if !written.Load() {
+			if !acked {
 				x.endedElsewhere = true
-				x.s.release(x.id, x.req, x.prefillB, x.kvParams, hold, nil)
+				x.s.releaseUncertain(x.id, x.req, x.prefillB, x.kvParams, hold)
 			}
 		}()
 	}
@@ -71,18 +72,12 @@ func (x *exchange) decode() *apiError {
 	wd := newWatchdog(x.ctx, deferCancel, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
 	defer wd.stop()
 
-	callCtx := wd.ctx
-	if hold != nil {
-		callCtx = httptrace.WithClientTrace(callCtx, &httptrace.ClientTrace{
-			WroteRequest: func(i httptrace.WroteRequestInfo) {
-				if i.Err == nil && written.CompareAndSwap(false, true) {
-					hold.Release(lifecycle.ReleaseDecoded)
-				}
-			},
-		})
-	}
 	call := kvbackend.Call{Client: b.Client(), BaseURL: baseURL(b), Path: x.route, ID: x.id, Header: x.hdr, Body: body}
-	resp, err := call.Do(callCtx)
+	resp, err := call.Do(wd.ctx)
+	if err == nil && hold != nil {
+		acked = true
+		hold.Release(lifecycle.ReleaseDecoded)
+	}
 	if err != nil {
 		x.decodeRes = resultOf(err, x.ctx)
 		if x.ctx.Err() != nil && !wd.timedOut() {
