@@ -1,0 +1,692 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/pdproxy/pdproxy/kvbackend"
+)
+
+// params sizes a harness run. The tiny one runs with every `go test` (under -race in CI) and
+// only shows that each scenario runs and yields numbers; PDPROXY_BENCH=full runs the real one.
+type params struct {
+	name        string
+	concurrency uint64        // workers of a max-throughput attack
+	rounds      int           // max-throughput rounds, direct and proxy alternating
+	roundDur    time.Duration // one max-throughput attack
+	rate        int           // requests per second of the fixed-rate attacks
+	rateDur     time.Duration // one fixed-rate attack
+	probes      int           // abort probes per stage and path
+	probeGap    time.Duration // pause between two probes
+	streams     int           // concurrent slow streams of the scale scenario
+	interval    time.Duration // between two chunks of a slow stream
+	hold        time.Duration // how long the scale scenario keeps every stream open
+	openBudget  time.Duration // the longest the scale scenario may take to open its streams
+	healthEvery time.Duration // between two /health calls during the scale scenario
+	streamsCap  string        // why streams is less than asked for, if it is
+}
+
+func harnessParams(t *testing.T) params {
+	p := params{
+		name: "tiny", concurrency: 8, rounds: 1, roundDur: 200 * time.Millisecond,
+		rate: 100, rateDur: 300 * time.Millisecond, probes: 3, probeGap: 5 * time.Millisecond,
+		streams: 20, interval: 50 * time.Millisecond, hold: 100 * time.Millisecond,
+		openBudget: time.Minute, healthEvery: 10 * time.Millisecond,
+	}
+	if os.Getenv("PDPROXY_BENCH") == "full" {
+		p = params{
+			name: "full", concurrency: 64, rounds: 3, roundDur: 3 * time.Second,
+			rate: 500, rateDur: 10 * time.Second, probes: 200, probeGap: 10 * time.Millisecond,
+			streams: 10000, interval: time.Second, hold: 10 * time.Second,
+			openBudget: 3 * time.Minute, healthEvery: 10 * time.Millisecond,
+		}
+	}
+	for env, dst := range map[string]*int{"PDPROXY_BENCH_STREAMS": &p.streams, "PDPROXY_BENCH_ROUNDS": &p.rounds, "PDPROXY_BENCH_RATE": &p.rate, "PDPROXY_BENCH_PROBES": &p.probes} {
+		if v := os.Getenv(env); v != "" {
+			n, err := strconv.Atoi(v)
+			if err != nil || n <= 0 {
+				t.Fatalf("%s=%q: want a positive integer", env, v)
+			}
+			*dst = n
+		}
+	}
+	if v := os.Getenv("PDPROXY_BENCH_CONCURRENCY"); v != "" {
+		n, err := strconv.ParseUint(v, 10, 32)
+		if err != nil || n == 0 {
+			t.Fatalf("PDPROXY_BENCH_CONCURRENCY=%q: want a positive integer", v)
+		}
+		p.concurrency = n
+	}
+	return p
+}
+
+// fdSlack is the descriptors a process of the harness needs besides its slow streams.
+const fdSlack = 512
+
+// harness is one run: the fast backends, the proxies in front of them and the report.
+type harness struct {
+	t          *testing.T
+	p          params
+	prefill    *backend
+	decode     *backend
+	body       []byte
+	profileDir string
+	rep        *report
+}
+
+// TestHarness measures the proxy against direct calls to the same backend, scenario by
+// scenario, and prints the figures. PDPROXY_BENCH=full is the real run (a few minutes);
+// PDPROXY_BENCH_ONLY=throughput,latency,abort,scale picks scenarios; PDPROXY_BENCH_PROFILE=DIR
+// saves the proxy's CPU and allocation profiles of the first max-throughput rounds there;
+// PDPROXY_BENCH_OUT=FILE also writes the report to FILE. Nothing here asserts a speed:
+// only that every request streamed to its end, that every abort reached the backend, and
+// that each scenario produced its figures.
+func TestHarness(t *testing.T) {
+	p := harnessParams(t)
+	// A slow stream costs the proxy two descriptors (client and backend connection) and this
+	// process two as well (the client's and the backend's end). Where the hard limit cannot
+	// be raised (a container without CAP_SYS_RESOURCE), fewer streams are opened; the report
+	// says how many.
+	if limit, err := raiseNoFile(uint64(2*p.streams + fdSlack)); err != nil {
+		p.streams = min(p.streams, (int(limit)-fdSlack)/2)
+		p.streamsCap = fmt.Sprintf(" (capped: RLIMIT_NOFILE %d cannot be raised here)", limit)
+		t.Logf("%v: the scale scenario opens %d streams", err, p.streams)
+	}
+	h := &harness{
+		t: t, p: p, prefill: startBackend(t), decode: startBackend(t), body: streamBody(1),
+		profileDir: os.Getenv("PDPROXY_BENCH_PROFILE"), rep: &report{params: p},
+	}
+	only := os.Getenv("PDPROXY_BENCH_ONLY")
+	run := func(name string, f func(*testing.T)) {
+		if only != "" && !slices.Contains(strings.Split(only, ","), name) {
+			return
+		}
+		t.Run(name, f)
+	}
+	var agg, pd *proxyProc
+	if only == "" || strings.Contains(only, "throughput") || strings.Contains(only, "latency") || strings.Contains(only, "abort") {
+		agg = startProxy(t, childConfig{Decode: []string{h.decode.URL()}})
+		pd = startProxy(t, childConfig{Prefill: []string{h.prefill.URL()}, Decode: []string{h.decode.URL()}})
+	}
+	run("throughput", func(t *testing.T) {
+		h.throughput(t, "aggregated", agg)
+		h.throughput(t, "pd", pd)
+	})
+	run("latency", func(t *testing.T) {
+		h.latency(t, "aggregated", agg)
+		h.latency(t, "pd", pd)
+	})
+	run("abort", func(t *testing.T) { h.abort(t, pd) })
+	run("scale", h.scale)
+	h.rep.write(t)
+}
+
+// targets of one mode: the direct call(s) and the proxied one.
+type modeTargets struct {
+	direct     attackSpec // aggregated: the backend; pd: the decoder alone (decode-only)
+	directPair attackSpec // pd only: the prefill then the decode, made by the client
+	proxy      attackSpec
+}
+
+func (h *harness) targets(mode string, proc *proxyProc, conns int) (modeTargets, func()) {
+	var mt modeTargets
+	dc, pc := newClient(conns), newClient(conns)
+	mt.direct = attackSpec{client: dc, url: h.decode.URL() + "/v1/completions", body: h.body}
+	mt.proxy = attackSpec{client: pc, url: proc.url + "/v1/completions", body: h.body}
+	closers := []func(){dc.CloseIdleConnections, pc.CloseIdleConnections}
+	if mode == "pd" {
+		base := newClient(conns)
+		pair, err := newPDDirect(base.Transport, h.prefill.URL(), h.body)
+		if err != nil {
+			h.t.Fatal(err)
+		}
+		pairClient := &http.Client{Timeout: time.Minute, Transport: pair}
+		mt.directPair = attackSpec{client: pairClient, url: h.decode.URL() + "/v1/completions", body: h.body}
+		closers = append(closers, pairClient.CloseIdleConnections)
+	}
+	return mt, func() {
+		for _, c := range closers {
+			c()
+		}
+	}
+}
+
+// checkStreams fails the test when an attack lost requests: a proxy that truncates or drops
+// streams is broken whatever its speed.
+func checkStreams(t *testing.T, what string, r loadResult) {
+	t.Helper()
+	if r.ok == 0 || r.failed > 0 {
+		t.Errorf("%s: %d streams complete, %d failed (first: %s)", what, r.ok, r.failed, r.firstErr)
+	}
+}
+
+// throughput is figures 1 and 2 (and the CPU of figure 6): closed-loop attacks with a fixed
+// number of workers, direct and proxied rounds alternating so that drift on a shared machine
+// falls on both.
+func (h *harness) throughput(t *testing.T, mode string, proc *proxyProc) {
+	p := h.p
+	var direct, pair, proxied []float64
+	var cpu float64
+	var proxiedOK int
+	for round := 0; round < p.rounds; round++ {
+		mt, closeAll := h.targets(mode, proc, int(p.concurrency))
+		for _, s := range []*attackSpec{&mt.direct, &mt.directPair, &mt.proxy} {
+			s.workers, s.dur = p.concurrency, p.roundDur
+		}
+		runDirect := func() {
+			r := attack(mt.direct)
+			checkStreams(t, mode+" direct", r)
+			direct = append(direct, r.rate())
+			if mode == "pd" {
+				r := attack(mt.directPair)
+				checkStreams(t, mode+" direct pair", r)
+				pair = append(pair, r.rate())
+			}
+		}
+		runProxy := func() {
+			before, err := proc.sample()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var prof sync.WaitGroup
+			if h.profileDir != "" && round == 0 {
+				prof.Go(func() {
+					secs := max(1, int(p.roundDur.Seconds())-1)
+					file := filepath.Join(h.profileDir, "cpu-"+mode+".pprof")
+					if err := proc.profile(fmt.Sprintf("profile?seconds=%d", secs), file); err != nil {
+						t.Errorf("cpu profile: %v", err)
+					}
+				})
+			}
+			r := attack(mt.proxy)
+			prof.Wait()
+			after, err := proc.sample()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if h.profileDir != "" && round == 0 {
+				if err := proc.profile("allocs", filepath.Join(h.profileDir, "allocs-"+mode+".pprof")); err != nil {
+					t.Errorf("allocs profile: %v", err)
+				}
+			}
+			checkStreams(t, mode+" via proxy", r)
+			proxied = append(proxied, r.rate())
+			cpu += after.cpuSeconds - before.cpuSeconds
+			proxiedOK += r.ok
+		}
+		if round%2 == 0 {
+			runDirect()
+			runProxy()
+		} else {
+			runProxy()
+			runDirect()
+		}
+		closeAll()
+	}
+	d, x := median(direct), median(proxied)
+	fig, target, goal := "1. aggregated streaming, max throughput (req/s)", "proxy/direct >= 0.80", 0.80
+	if mode == "pd" {
+		fig, target, goal = "2. P/D streaming, max throughput (req/s)", "proxy/direct decode-only >= 0.45", 0.45
+	}
+	h.rep.add(row{fig, fmt.Sprintf("%.0f", d), fmt.Sprintf("%.0f", x), fmt.Sprintf("ratio %.2f (rounds %s)", x/d, ratios(proxied, direct)), target, h.rep.met(x/d >= goal)})
+	if mode == "pd" {
+		pp := median(pair)
+		h.rep.add(row{"2b. P/D, against the client making both calls itself", fmt.Sprintf("%.0f", pp), fmt.Sprintf("%.0f", x), fmt.Sprintf("ratio %.2f", x/pp), "(no target)", ""})
+	}
+	if proxiedOK > 0 {
+		h.rep.add(row{"6. proxy CPU per 1,000 requests at max throughput, " + mode, "", fmt.Sprintf("%.3f s", cpu/float64(proxiedOK)*1000), fmt.Sprintf("%.2f of %d cores busy", cpu/(float64(p.rounds)*p.roundDur.Seconds()), runtime.NumCPU()), "(no target)", ""})
+	}
+	if d <= 0 || x <= 0 {
+		t.Errorf("%s throughput: direct %.0f, proxy %.0f req/s: no figure", mode, d, x)
+	}
+}
+
+// latency is figure 3 (and the CPU of figure 6 at a fixed rate): the same open-loop rate
+// direct and through the proxy. For P/D the direct path is the client making the prefill and
+// the decode call itself, so the difference is what the proxy adds.
+func (h *harness) latency(t *testing.T, mode string, proc *proxyProc) {
+	p := h.p
+	mt, closeAll := h.targets(mode, proc, 256)
+	defer closeAll()
+	for _, s := range []*attackSpec{&mt.direct, &mt.directPair, &mt.proxy} {
+		s.rate, s.workers, s.dur = p.rate, 16, p.rateDur
+	}
+	base := mt.direct
+	if mode == "pd" {
+		base = mt.directPair
+	}
+	d := attack(base)
+	checkStreams(t, mode+" direct", d)
+	before, err := proc.sample()
+	if err != nil {
+		t.Fatal(err)
+	}
+	x := attack(mt.proxy)
+	after, err := proc.sample()
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkStreams(t, mode+" via proxy", x)
+	if len(d.latencies) == 0 || len(x.latencies) == 0 {
+		t.Fatalf("%s latency: no samples", mode)
+	}
+	added50, added99 := x.quantile(0.50)-d.quantile(0.50), x.quantile(0.99)-d.quantile(0.99)
+	fig, target, met := "3. aggregated latency at "+strconv.Itoa(p.rate)+" req/s", "(no target)", ""
+	if mode == "pd" {
+		fig, target = "3. P/D latency at "+strconv.Itoa(p.rate)+" req/s (direct: the client's own prefill+decode)", "added p50 <= 0.3 ms, p99 <= 2 ms"
+		met = h.rep.met(added50 <= 300*time.Microsecond && added99 <= 2*time.Millisecond)
+	}
+	h.rep.add(row{fig,
+		fmt.Sprintf("p50 %s p99 %s", ms(d.quantile(0.50)), ms(d.quantile(0.99))),
+		fmt.Sprintf("p50 %s p99 %s", ms(x.quantile(0.50)), ms(x.quantile(0.99))),
+		fmt.Sprintf("added p50 %s p99 %s (%d/%d samples)", ms(added50), ms(added99), len(d.latencies), len(x.latencies)),
+		target, met})
+	if x.ok > 0 {
+		h.rep.add(row{"6. proxy CPU per 1,000 requests at " + strconv.Itoa(p.rate) + " req/s, " + mode, "", fmt.Sprintf("%.3f s", (after.cpuSeconds-before.cpuSeconds)/float64(x.ok)*1000), "", "(no target)", ""})
+	}
+}
+
+// abort is figure 4: under a fixed background load through the proxy, probe requests whose
+// client disconnects, timed from the disconnect to the backend seeing its connection closed,
+// in the decode and in the prefill stage; the same probes straight to the backend are the
+// floor (Go noticing a closed connection at all).
+func (h *harness) abort(t *testing.T, proc *proxyProc) {
+	p := h.p
+	bgClient := newClient(256)
+	defer bgClient.CloseIdleConnections()
+	attacker, results := start(attackSpec{client: bgClient, url: proc.url + "/v1/completions", body: h.body, rate: p.rate, workers: 16, dur: 10 * time.Minute})
+	bgDone := make(chan loadResult, 1)
+	began := time.Now()
+	go func() { bgDone <- collect(results, began) }()
+
+	probeClient := newClient(4)
+	defer probeClient.CloseIdleConnections()
+	prefillBody, err := prefillBodyOf(h.body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type path struct {
+		name, stage, url string
+		body             []byte
+		be               *backend
+	}
+	paths := []path{
+		{"direct", "decode", h.decode.URL(), h.body, h.decode},
+		{"proxy", "decode", proc.url, h.body, h.decode},
+		{"direct", "prefill", h.prefill.URL(), prefillBody, h.prefill},
+		{"proxy", "prefill", proc.url, h.body, h.prefill},
+	}
+	got := map[string][]time.Duration{}
+	for _, pa := range paths {
+		var missed int
+		for i := 0; i < p.probes; i++ {
+			d, err := probeAbort(probeClient, pa.url+"/v1/completions", pa.body, pa.be, pa.stage, fmt.Sprintf("probe-%s-%s-%d", pa.name, pa.stage, i))
+			if err != nil {
+				missed++
+				if missed == 1 {
+					t.Errorf("abort probe %s %s: %v", pa.name, pa.stage, err)
+				}
+			} else {
+				got[pa.name+pa.stage] = append(got[pa.name+pa.stage], d)
+			}
+			time.Sleep(p.probeGap)
+		}
+	}
+	attacker.Stop()
+	bg := <-bgDone
+	checkStreams(t, "background load", bg)
+	for _, stage := range []string{"decode", "prefill"} {
+		d, x := got["direct"+stage], got["proxy"+stage]
+		slices.Sort(d)
+		slices.Sort(x)
+		if len(d) == 0 || len(x) == 0 {
+			t.Errorf("abort %s: no measurement", stage)
+			continue
+		}
+		h.rep.add(row{"4. abort propagation in " + stage + ", client disconnect to the backend's r.Context().Done(), under " + strconv.Itoa(p.rate) + " req/s",
+			fmt.Sprintf("p50 %s p99 %s", ms(q(d, 0.5)), ms(q(d, 0.99))),
+			fmt.Sprintf("p50 %s p99 %s max %s", ms(q(x, 0.5)), ms(q(x, 0.99)), ms(x[len(x)-1])),
+			fmt.Sprintf("%d probes; load %.0f req/s, %d streams", len(x), bg.rate(), bg.ok),
+			"proxy p99 <= 5 ms", h.rep.met(q(x, 0.99) <= 5*time.Millisecond)})
+	}
+}
+
+func prefillBodyOf(body []byte) ([]byte, error) {
+	var f kvbackend.Fields
+	if err := json.Unmarshal(body, &f); err != nil {
+		return nil, err
+	}
+	return kvbackend.PrefillBody(f, false)
+}
+
+var errNoClose = errors.New("the backend never saw the connection close")
+
+// probeAbort sends one request the backend holds open (a slow stream in decode, a stalled
+// prefill), disconnects once the backend has it (and, in decode, once its first chunk
+// arrived), and returns how long the backend took to see the disconnect.
+func probeAbort(client *http.Client, url string, body []byte, be *backend, stage, id string) (time.Duration, error) {
+	pr := be.watch(id)
+	defer be.unwatch(id)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+	if err != nil {
+		return 0, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Request-Id", id)
+	if stage == "decode" {
+		req.Header.Set(hdrInterval, "5ms")
+	} else {
+		req.Header.Set(hdrPrefillStall, "1")
+	}
+	type answer struct {
+		resp *http.Response
+		err  error
+	}
+	done := make(chan answer, 1)
+	go func() {
+		resp, err := client.Do(req)
+		done <- answer{resp, err}
+	}()
+	var resp *http.Response
+	closeResp := func() {
+		if resp != nil {
+			resp.Body.Close()
+		}
+	}
+	timeout := time.NewTimer(10 * time.Second)
+	defer timeout.Stop()
+	if stage == "decode" {
+		select {
+		case a := <-done:
+			if a.err != nil {
+				return 0, a.err
+			}
+			resp = a.resp
+		case <-timeout.C:
+			cancel()
+			a := <-done
+			resp = a.resp
+			closeResp()
+			return 0, errors.New("no answer")
+		}
+		var first [256]byte
+		if _, err := resp.Body.Read(first[:]); err != nil {
+			closeResp()
+			return 0, fmt.Errorf("first chunk: %w", err)
+		}
+	}
+	select {
+	case <-pr.started:
+	case <-timeout.C:
+		cancel()
+		resp = (<-done).resp
+		closeResp()
+		return 0, errors.New("the backend never started the request")
+	}
+	t0 := time.Now()
+	cancel()
+	if stage != "decode" {
+		resp = (<-done).resp
+	}
+	closeResp()
+	select {
+	case t1 := <-pr.closed:
+		return t1.Sub(t0), nil
+	case <-timeout.C:
+		return 0, errNoClose
+	}
+}
+
+// scale is figure 5: many slow streams open at once through a fresh proxy process, its
+// resident memory and goroutines per stream, and /health answering meanwhile.
+func (h *harness) scale(t *testing.T) {
+	p := h.p
+	proc := startProxy(t, childConfig{Decode: []string{h.decode.URL()}, MaxInflight: p.streams + 1024, NoFile: uint64(2*p.streams + fdSlack)})
+	warm := newClient(8)
+	checkStreams(t, "warm-up", attack(attackSpec{client: warm, url: proc.url + "/v1/completions", body: h.body, workers: 8, dur: 200 * time.Millisecond}))
+	warm.CloseIdleConnections()
+	base, err := proc.sample()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// /health, every healthEvery, from the first stream opening until they close: the calls
+	// made while every stream is open (the hold) apart from those made while they open.
+	var holding atomic.Bool
+	healthStop := make(chan struct{})
+	healthDone := make(chan [2][]time.Duration, 1)
+	go func() {
+		c := newClient(1)
+		defer c.CloseIdleConnections()
+		var lat [2][]time.Duration // opening, holding
+		tick := time.NewTicker(p.healthEvery)
+		defer tick.Stop()
+		for {
+			select {
+			case <-healthStop:
+				healthDone <- lat
+				return
+			case <-tick.C:
+			}
+			phase := 0
+			if holding.Load() {
+				phase = 1
+			}
+			t0 := time.Now()
+			resp, err := c.Get(proc.url + "/health")
+			if err != nil {
+				continue
+			}
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				lat[phase] = append(lat[phase], time.Since(t0))
+			}
+		}
+	}()
+
+	streamClient := &http.Client{Transport: &http.Transport{Proxy: nil, MaxIdleConnsPerHost: 1, DisableCompression: true}}
+	defer streamClient.CloseIdleConnections()
+	var (
+		opened, failed atomic.Int64
+		firstErr       atomic.Value
+		openWG, doneWG sync.WaitGroup
+		release        = make(chan struct{})
+		dialing        = make(chan struct{}, 256) // streams being opened at once
+	)
+	openStart := time.Now()
+	for i := 0; i < p.streams; i++ {
+		openWG.Add(1)
+		doneWG.Go(func() {
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			dialing <- struct{}{}
+			resp, err := slowStream(ctx, streamClient, proc.url, h.body, p.interval, i)
+			<-dialing
+			if err != nil {
+				failed.Add(1)
+				firstErr.CompareAndSwap(nil, err.Error())
+				openWG.Done()
+				return
+			}
+			opened.Add(1)
+			openWG.Done()
+			<-release
+			cancel()
+			resp.Body.Close()
+		})
+	}
+	allOpen := make(chan struct{})
+	go func() { openWG.Wait(); close(allOpen) }()
+	select {
+	case <-allOpen:
+	case <-time.After(p.openBudget):
+		t.Errorf("scale: %d of %d streams open after %s", opened.Load(), p.streams, p.openBudget)
+	}
+	openTime := time.Since(openStart)
+	holding.Store(true)
+	holdStart, err := proc.sample()
+	if err != nil {
+		t.Error(err)
+	}
+	time.Sleep(p.hold)
+	full, err := proc.sample()
+	if err != nil {
+		t.Error(err)
+	}
+	holding.Store(false)
+	close(release)
+	doneWG.Wait()
+	<-allOpen
+	close(healthStop)
+	healths := <-healthDone
+	opening, health := healths[0], healths[1]
+	// The backend sees every stream end; until then the proxy still holds them.
+	deadline := time.Now().Add(time.Minute)
+	for h.decode.active.Load() > 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := failed.Load(); n > 0 {
+		t.Errorf("scale: %d streams failed to open (first: %v)", n, firstErr.Load())
+	}
+	n := float64(opened.Load())
+	if n == 0 || len(health) == 0 {
+		t.Fatalf("scale: %v streams open, %d /health answers: no figure", n, len(health))
+	}
+	slices.Sort(health)
+	slices.Sort(opening)
+	perStream := (full.rss - base.rss) / n
+	h.rep.add(row{fmt.Sprintf("5. %d concurrent slow streams%s (a chunk every %s): proxy memory per stream", int(n), p.streamsCap, p.interval), "",
+		fmt.Sprintf("RSS %.1f KiB, heap %.1f KiB, stacks %.1f KiB, %.2f goroutines", perStream/1024, (full.heapInuse-base.heapInuse)/n/1024, (full.stackInuse-base.stackInuse)/n/1024, (full.goroutines-base.goroutines)/n),
+		fmt.Sprintf("RSS %.0f MiB with them, %.0f MiB before; opened in %s", full.rss/(1<<20), base.rss/(1<<20), openTime.Round(time.Millisecond)),
+		"<= 64 KiB per stream", h.rep.met(perStream <= 64*1024)})
+	h.rep.add(row{fmt.Sprintf("5. /health while they are all open and stream (%s)", p.hold), "",
+		fmt.Sprintf("p50 %s p99 %s max %s", ms(q(health, 0.5)), ms(q(health, 0.99)), ms(health[len(health)-1])),
+		fmt.Sprintf("%d calls; proxy CPU meanwhile %.2f cores", len(health), (full.cpuSeconds-holdStart.cpuSeconds)/p.hold.Seconds()),
+		"p99 < 10 ms", h.rep.met(q(health, 0.99) < 10*time.Millisecond)})
+	if len(opening) > 0 {
+		h.rep.add(row{"5b. /health while the streams open (all at once, 256 at a time)", "",
+			fmt.Sprintf("p50 %s p99 %s max %s", ms(q(opening, 0.5)), ms(q(opening, 0.99)), ms(opening[len(opening)-1])),
+			fmt.Sprintf("%d calls", len(opening)), "(no target)", ""})
+	}
+}
+
+// slowStream opens a stream whose backend sends a chunk every interval, and returns once
+// the first chunk arrived.
+func slowStream(ctx context.Context, c *http.Client, url string, body []byte, interval time.Duration, i int) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url+"/v1/completions", bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set(hdrInterval, interval.String())
+	resp, err := c.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("stream %d: %w", i, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		resp.Body.Close()
+		return nil, fmt.Errorf("stream %d: status %d", i, resp.StatusCode)
+	}
+	var first [256]byte
+	if _, err := resp.Body.Read(first[:]); err != nil {
+		resp.Body.Close()
+		return nil, fmt.Errorf("stream %d: first chunk: %w", i, err)
+	}
+	return resp, nil
+}
+
+func median(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
+
+func ratios(a, b []float64) string {
+	var parts []string
+	for i := range min(len(a), len(b)) {
+		parts = append(parts, fmt.Sprintf("%.2f", a[i]/b[i]))
+	}
+	return strings.Join(parts, " ")
+}
+
+// q is the nearest-rank quantile of sorted durations.
+func q(sorted []time.Duration, x float64) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(x*float64(len(sorted))+0.5) - 1
+	return sorted[max(0, min(i, len(sorted)-1))]
+}
+
+func ms(d time.Duration) string { return fmt.Sprintf("%.3f ms", float64(d)/float64(time.Millisecond)) }
+
+// report is the table a harness run prints.
+type report struct {
+	params params
+	mu     sync.Mutex
+	rows   []row
+}
+
+type row struct{ figure, direct, proxy, result, target, met string }
+
+func (r *report) add(x row) {
+	r.mu.Lock()
+	r.rows = append(r.rows, x)
+	r.mu.Unlock()
+}
+
+// met says whether a target is met; a tiny run is too short to say.
+func (r *report) met(ok bool) string {
+	switch {
+	case r.params.name != "full":
+		return "n/a (tiny run)"
+	case ok:
+		return "met"
+	}
+	return "NOT met"
+}
+
+func (r *report) write(t *testing.T) {
+	var b strings.Builder
+	cpu := "unknown CPU"
+	if data, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		for _, l := range strings.Split(string(data), "\n") {
+			if k, v, ok := strings.Cut(l, ":"); ok && strings.TrimSpace(k) == "model name" {
+				cpu = strings.TrimSpace(v)
+				break
+			}
+		}
+	}
+	fmt.Fprintf(&b, "\npdproxy harness (%s run), %s, %d CPUs (%s), %s, %s\n\n", r.params.name, time.Now().UTC().Format(time.RFC3339), runtime.NumCPU(), cpu, runtime.Version(), runtime.GOARCH)
+	fmt.Fprintf(&b, "| figure | direct | via proxy | result | target | |\n|---|---|---|---|---|---|\n")
+	for _, x := range r.rows {
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s |\n", x.figure, x.direct, x.proxy, x.result, x.target, x.met)
+	}
+	fmt.Print(b.String())
+	if out := os.Getenv("PDPROXY_BENCH_OUT"); out != "" {
+		if err := os.WriteFile(out, []byte(b.String()), 0o644); err != nil {
+			t.Errorf("write %s: %v", out, err)
+		}
+	}
+}
