@@ -15,6 +15,9 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest"
+
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/proxy"
 )
@@ -324,4 +327,23 @@ func TestR5AbortsOfFinishedRequestsAreNoOps(t *testing.T) {
 		t.Errorf("%v requests failed with 502", got)
 	}
 	s.assertQuiet(2 * time.Second)
+}
+
+func TestProxyRefusesAHoldDeadlineLongerThanAnEnginesHold(t *testing.T) {
+	cfg := app.DefaultConfig()
+	cfg.Listen = "127.0.0.1:0"
+	cfg.Sims[0].KVHoldTimeout = 60 * time.Second
+	cfg.KVHoldTimeout = 90 * time.Second
+	m, err := app.New(cfg, zaptest.NewLogger(t, zaptest.Level(zap.ErrorLevel)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = m.Start(context.Background())
+	if err == nil {
+		m.Shutdown(context.Background())
+		t.Fatal("started with kv_hold_timeout 90s in front of a prefiller that holds KV for 60s")
+	}
+	if !strings.Contains(err.Error(), "kv_hold_timeout") {
+		t.Fatalf("error does not name kv_hold_timeout: %v", err)
+	}
 }
