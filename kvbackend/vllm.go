@@ -22,84 +22,77 @@ const (
 // connection is its only abort, and its holds are freed by a decoder's notify or its timer.
 func HasAbort(kind string) bool { return kind == KindSim || kind == "sglang" }
 
-// Fields is a request body parsed once into its top-level fields, each kept as raw JSON, so
-// fields the proxy does not know pass through untouched.
-type Fields map[string]json.RawMessage
-
 var (
-	rawTrue  = json.RawMessage("true")
-	rawFalse = json.RawMessage("false")
-	rawOne   = json.RawMessage("1")
+	rawFalse = []byte("false")
+	rawOne   = []byte("1")
+	rawNull  = []byte("null")
 	// prefillParams asks the prefiller to keep the KV for a remote decoder.
-	prefillParams = json.RawMessage(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
+	prefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
+
+	// What a prefill leaves out of the client's body (and sets itself, for the last ones): the
+	// stream options and minimum token counts would fight max_tokens 1.
+	prefillDrop     = []string{"stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params", "stream", "max_tokens"}
+	prefillDropChat = append(prefillDrop[:len(prefillDrop):len(prefillDrop)], "max_completion_tokens")
+	// A drain also leaves out what multiplies the work.
+	drainDrop     = []string{"stream_options", "min_tokens", "min_completion_tokens", "n", "best_of", "logprobs", "top_logprobs", "kv_transfer_params", "stream", "max_tokens"}
+	drainDropChat = append(drainDrop[:len(drainDrop):len(drainDrop)], "max_completion_tokens")
+	decodeDrop    = []string{"kv_transfer_params"}
 )
 
 // PrefillBody rewrites a client's body for the prefiller: the KV is to be kept for a remote
 // decode, one token, no stream, and no minimum token counts (they would fight max_tokens 1).
-func PrefillBody(f Fields, chat bool) ([]byte, error) {
-	out := make(Fields, len(f)+2)
-	for k, v := range f {
-		switch k {
-		case "stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params":
-			continue
-		}
-		out[k] = v
-	}
-	out["kv_transfer_params"] = prefillParams
-	out["stream"] = rawFalse
-	out["max_tokens"] = rawOne
+// Every other member is the client's, byte for byte.
+func PrefillBody(f *Fields, chat bool) ([]byte, error) {
 	if chat {
-		out["max_completion_tokens"] = rawOne
+		return f.rewrite(prefillDropChat, set{"kv_transfer_params", prefillParams}, set{"stream", rawFalse},
+			set{"max_tokens", rawOne}, set{"max_completion_tokens", rawOne}), nil
 	}
-	return marshal(out)
+	return f.rewrite(prefillDrop, set{"kv_transfer_params", prefillParams}, set{"stream", rawFalse}, set{"max_tokens", rawOne}), nil
 }
 
 // DecodeBody is the client's body as it came, plus the prefiller's kv_transfer_params passed
-// on unchanged (they are opaque: their fields change between vLLM versions). With params nil
-// the decoder recomputes the prompt itself.
-func DecodeBody(f Fields, params json.RawMessage) ([]byte, error) {
-	out := make(Fields, len(f)+1)
-	for k, v := range f {
-		if k == "kv_transfer_params" {
-			continue
+// on unchanged (they are opaque: their fields change between vLLM versions); a
+// kv_transfer_params of the client's own never passes. With params nil the decoder recomputes
+// the prompt itself, and the body usually is the client's, shared, not copied: the caller must
+// not modify it. params that are not valid JSON are an error.
+func DecodeBody(f *Fields, params json.RawMessage) ([]byte, error) {
+	if params != nil && !json.Valid(params) {
+		return nil, ErrBadKVParams
+	}
+	if f.dup || f.has("kv_transfer_params") {
+		if params == nil {
+			return f.rewrite(decodeDrop), nil
 		}
-		out[k] = v
+		return f.rewrite(decodeDrop, set{"kv_transfer_params", params}), nil
 	}
-	if params != nil {
-		out["kv_transfer_params"] = params
+	if params == nil {
+		return f.raw, nil
 	}
-	return marshal(out)
+	// The client's bytes up to its closing brace, then the params.
+	end := bytes.LastIndexByte(f.raw, '}')
+	out := make([]byte, 0, end+len(params)+len(`,"kv_transfer_params":}`))
+	out = append(out, f.raw[:end]...)
+	if len(f.members) > 0 {
+		out = append(out, ',')
+	}
+	out = append(out, `"kv_transfer_params":`...)
+	out = append(out, params...)
+	return append(out, '}'), nil
 }
 
 // DrainBody is a decode whose only purpose is to make a decoder pull a held KV so that the
 // prefiller frees it: the params, one token, no stream; its output is discarded.
-func DrainBody(f Fields, chat bool, params json.RawMessage) ([]byte, error) {
-	out := make(Fields, len(f)+2)
-	for k, v := range f {
-		switch k {
-		case "stream_options", "min_tokens", "min_completion_tokens", "n", "best_of", "logprobs", "top_logprobs":
-			continue
-		}
-		out[k] = v
+func DrainBody(f *Fields, chat bool, params json.RawMessage) ([]byte, error) {
+	if params == nil {
+		params = rawNull
+	} else if !json.Valid(params) {
+		return nil, ErrBadKVParams
 	}
-	out["kv_transfer_params"] = params
-	out["stream"] = rawFalse
-	out["max_tokens"] = rawOne
 	if chat {
-		out["max_completion_tokens"] = rawOne
+		return f.rewrite(drainDropChat, set{"kv_transfer_params", params}, set{"stream", rawFalse},
+			set{"max_tokens", rawOne}, set{"max_completion_tokens", rawOne}), nil
 	}
-	return marshal(out)
-}
-
-func marshal(f Fields) ([]byte, error) {
-	var buf bytes.Buffer
-	buf.Grow(256)
-	enc := json.NewEncoder(&buf)
-	enc.SetEscapeHTML(false)
-	if err := enc.Encode(map[string]json.RawMessage(f)); err != nil {
-		return nil, fmt.Errorf("encode request body: %w", err)
-	}
-	return bytes.TrimRight(buf.Bytes(), "\n"), nil
+	return f.rewrite(drainDrop, set{"kv_transfer_params", params}, set{"stream", rawFalse}, set{"max_tokens", rawOne}), nil
 }
 
 // ErrBadKVParams means a prefiller answered with kv_transfer_params that are neither null nor

@@ -3,6 +3,7 @@ package proxy
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"unicode/utf8"
 
@@ -17,7 +18,7 @@ const maxTokensLimit = 1 << 24
 // untouched) and the few values the proxy itself needs.
 type genRequest struct {
 	chat         bool
-	fields       kvbackend.Fields
+	fields       *kvbackend.Fields
 	model        string
 	stream       bool
 	includeUsage bool
@@ -34,12 +35,12 @@ func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
 	if !utf8.Valid(body) {
 		return nil, badRequest("", "request body is not valid UTF-8")
 	}
-	var fields kvbackend.Fields
-	if err := json.Unmarshal(body, &fields); err != nil {
-		return nil, badRequest("", "request body is not a valid JSON object: "+jsonProblem(err))
-	}
-	if fields == nil {
+	fields, err := kvbackend.ParseFields(body)
+	if errors.Is(err, kvbackend.ErrNullBody) {
 		return nil, badRequest("", "request body must be a JSON object, not null")
+	}
+	if err != nil {
+		return nil, badRequest("", "request body is not a valid JSON object: "+jsonProblem(err))
 	}
 	req := &genRequest{chat: chat, fields: fields}
 
@@ -52,8 +53,8 @@ func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
 	if e := boolField(fields, "stream", &req.stream); e != nil {
 		return nil, e
 	}
-	if raw, ok := fields["stream_options"]; ok && !isNull(raw) {
-		var so map[string]json.RawMessage
+	if raw, ok := fields.Field("stream_options"); ok && !isNull(raw) {
+		var so rawObject
 		if err := json.Unmarshal(raw, &so); err != nil {
 			return nil, badRequest("stream_options", "stream_options must be an object")
 		}
@@ -78,13 +79,13 @@ func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
 	return req, nil
 }
 
-func parsePrompt(fields kvbackend.Fields, req *genRequest) *apiError {
-	raw, ok := fields["prompt"]
+func parsePrompt(fields *kvbackend.Fields, req *genRequest) *apiError {
+	raw, ok := fields.Field("prompt")
 	if !ok || isNull(raw) {
 		return badRequest("prompt", "prompt is required")
 	}
 	var s string
-	if json.Unmarshal(raw, &s) == nil {
+	if decodeString(raw, &s) == nil {
 		req.prefix = s
 		return nil
 	}
@@ -113,12 +114,12 @@ func parsePrompt(fields kvbackend.Fields, req *genRequest) *apiError {
 	return nil
 }
 
-func parseMessages(fields kvbackend.Fields, req *genRequest) *apiError {
-	raw, ok := fields["messages"]
+func parseMessages(fields *kvbackend.Fields, req *genRequest) *apiError {
+	raw, ok := fields.Field("messages")
 	if !ok || isNull(raw) {
 		return badRequest("messages", "messages is required")
 	}
-	var msgs []map[string]json.RawMessage
+	var msgs []rawObject
 	if err := json.Unmarshal(raw, &msgs); err != nil {
 		return badRequest("messages", "messages must be an array of message objects")
 	}
@@ -139,7 +140,7 @@ func parseMessages(fields kvbackend.Fields, req *genRequest) *apiError {
 			// Routing by prefix wants what repeats across requests: the first message (often a
 			// system prompt) is a good stand-in for the prompt's first tokens.
 			var content string
-			if json.Unmarshal(m["content"], &content) == nil {
+			if decodeString(m["content"], &content) == nil {
 				req.prefix = content
 			} else {
 				req.prefix = string(m["content"])
@@ -149,23 +150,58 @@ func parseMessages(fields kvbackend.Fields, req *genRequest) *apiError {
 	return nil
 }
 
-func stringField(f map[string]json.RawMessage, name string, required bool, dst *string) *apiError {
-	raw, ok := f[name]
+// object is a JSON object whose members are read one by one: the client's body, or an object
+// inside it.
+type object interface {
+	Field(name string) (json.RawMessage, bool)
+}
+
+var _ object = (*kvbackend.Fields)(nil)
+
+// rawObject is an object inside the body, decoded into its raw members.
+type rawObject map[string]json.RawMessage
+
+func (o rawObject) Field(name string) (json.RawMessage, bool) {
+	raw, ok := o[name]
+	return raw, ok
+}
+
+func stringField(f object, name string, required bool, dst *string) *apiError {
+	raw, ok := f.Field(name)
 	if !ok || isNull(raw) {
 		if required {
 			return badRequest(name, name+" is required")
 		}
 		return nil
 	}
-	if err := json.Unmarshal(raw, dst); err != nil {
+	if decodeString(raw, dst) != nil {
 		return badRequest(name, name+" must be a string")
 	}
 	return nil
 }
 
-func boolField(f map[string]json.RawMessage, name string, dst *bool) *apiError {
-	raw, ok := f[name]
+// decodeString decodes a JSON string; one without escapes (most) needs no decoder.
+func decodeString(raw json.RawMessage, dst *string) error {
+	if n := len(raw); n >= 2 && raw[0] == '"' && raw[n-1] == '"' {
+		if s := raw[1 : n-1]; bytes.IndexByte(s, '\\') < 0 && utf8.Valid(s) {
+			*dst = string(s)
+			return nil
+		}
+	}
+	return json.Unmarshal(raw, dst)
+}
+
+func boolField(f object, name string, dst *bool) *apiError {
+	raw, ok := f.Field(name)
 	if !ok || isNull(raw) {
+		return nil
+	}
+	switch string(raw) {
+	case "true":
+		*dst = true
+		return nil
+	case "false":
+		*dst = false
 		return nil
 	}
 	if err := json.Unmarshal(raw, dst); err != nil {
@@ -175,19 +211,22 @@ func boolField(f map[string]json.RawMessage, name string, dst *bool) *apiError {
 }
 
 // countField checks an optional non-negative integer field.
-func countField(f map[string]json.RawMessage, name string) *apiError {
-	raw, ok := f[name]
+func countField(f object, name string) *apiError {
+	raw, ok := f.Field(name)
 	if !ok || isNull(raw) {
 		return nil
 	}
-	// json.Number also takes a quoted number ("5"), which the OpenAI API refuses as a string.
-	var n json.Number
-	if raw[0] == '"' || json.Unmarshal(raw, &n) != nil {
-		return badRequest(name, name+" must be an integer")
-	}
-	v, err := n.Int64()
-	if err != nil {
-		return badRequest(name, name+" must be an integer")
+	v, ok := plainInt(raw)
+	if !ok {
+		// json.Number also takes a quoted number ("5"), which the OpenAI API refuses as a string.
+		var n json.Number
+		if raw[0] == '"' || json.Unmarshal(raw, &n) != nil {
+			return badRequest(name, name+" must be an integer")
+		}
+		var err error
+		if v, err = n.Int64(); err != nil {
+			return badRequest(name, name+" must be an integer")
+		}
 	}
 	if v < 0 {
 		return badRequest(name, name+" must not be negative")
@@ -196,6 +235,29 @@ func countField(f map[string]json.RawMessage, name string) *apiError {
 		return badRequest(name, fmt.Sprintf("%s must be at most %d", name, maxTokensLimit))
 	}
 	return nil
+}
+
+// plainInt reads a JSON number written as a plain integer short enough not to overflow, which
+// is how clients write counts; anything else is left to json.Number.
+func plainInt(raw []byte) (int64, bool) {
+	b, neg := raw, false
+	if len(b) > 0 && b[0] == '-' {
+		b, neg = b[1:], true
+	}
+	if len(b) == 0 || len(b) > 18 {
+		return 0, false
+	}
+	var v int64
+	for _, c := range b {
+		if c < '0' || c > '9' {
+			return 0, false
+		}
+		v = v*10 + int64(c-'0')
+	}
+	if neg {
+		v = -v
+	}
+	return v, true
 }
 
 func isNull(raw json.RawMessage) bool {
