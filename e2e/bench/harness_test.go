@@ -3,7 +3,6 @@ package bench
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -367,8 +366,8 @@ func (h *harness) abort(t *testing.T, proc *proxyProc) {
 }
 
 func prefillBodyOf(body []byte) ([]byte, error) {
-	var f kvbackend.Fields
-	if err := json.Unmarshal(body, &f); err != nil {
+	f, err := kvbackend.ParseFields(body)
+	if err != nil {
 		return nil, err
 	}
 	return kvbackend.PrefillBody(f, false)

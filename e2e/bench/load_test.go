@@ -2,7 +2,6 @@ package bench
 
 import (
 	"bytes"
-	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -41,8 +40,8 @@ type pdDirect struct {
 }
 
 func newPDDirect(base http.RoundTripper, prefillURL string, clientBody []byte) (*pdDirect, error) {
-	var f kvbackend.Fields
-	if err := json.Unmarshal(clientBody, &f); err != nil {
+	f, err := kvbackend.ParseFields(clientBody)
+	if err != nil {
 		return nil, err
 	}
 	pb, err := kvbackend.PrefillBody(f, false)
