@@ -276,7 +276,7 @@ func TestOpenAISDKAgainstTheProxy(t *testing.T) {
 		}
 		cancel()
 		stream.Close()
-		waitFor(t, time.Second, func() (bool, string) {
+		waitFor(t, 2*time.Second, func() (bool, string) {
 			st := kv(t, s.m.SimURLs("decode")[0])
 			return st.AbortedTotal >= 1, "decoder saw no abort"
 		})

@@ -184,9 +184,11 @@ func TestR2ClientLeavesAfterThePrefillBeforeTheDecoderPulls(t *testing.T) {
 			left := time.Now()
 			waitFor(t, time.Second, prefillerHoldsNothing(t, s))
 			t.Logf("prefiller free %s after the client left", time.Since(left).Round(time.Millisecond))
-			if got := metricValue(t, s, "pdproxy_kv_releases_total", map[string]string{"reason": tc.reason}); got != 1 {
-				t.Errorf("kv releases{reason=%s} = %v, want 1", tc.reason, got)
-			}
+			// The release is recorded when its call returns, a moment after the blocks are free.
+			waitFor(t, time.Second, func() (bool, string) {
+				got := metricValue(t, s, "pdproxy_kv_releases_total", map[string]string{"reason": tc.reason})
+				return got == 1, fmt.Sprintf("kv releases{reason=%s} = %v, want 1", tc.reason, got)
+			})
 			if got := metricValue(t, s, "pdproxy_aborts_total", map[string]string{"stage": "kv_held"}); got != 1 {
 				t.Errorf("aborts{stage=kv_held} = %v, want 1", got)
 			}
