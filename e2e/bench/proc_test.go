@@ -95,6 +95,8 @@ func startProxy(t testing.TB, cc childConfig) *proxyProc {
 	}
 	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(os.Environ(), childEnv+"="+string(env))
+	// Settings for the proxy process alone, e.g. GOGC=400: this process keeps its own.
+	cmd.Env = append(cmd.Env, strings.Fields(os.Getenv("PDPROXY_BENCH_PROXY_ENV"))...)
 	if os.Getenv("PDPROXY_BENCH_VERBOSE") != "" {
 		cmd.Stderr = os.Stderr
 	}
