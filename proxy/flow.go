@@ -512,21 +512,23 @@ const abortRepeatDelay = 250 * time.Millisecond
 // request's table entry once the hold is released, so the caller must not: an End before
 // would release the hold as expired while the drain or abort is still on its way.
 func (s *Server) release(id string, req *genRequest, p *router.Backend, params json.RawMessage, hold *lifecycle.Hold, lease *router.Lease) {
-	s.releaseAs(s.cfg.KVRelease, id, req, p, params, hold, lease)
+	s.releaseAs(s.cfg.KVRelease, id, req, p, params, hold, lease, nil)
 }
 
 // releaseUncertain releases a hold whose decode may or may not have reached a decoder. The
 // engine's explicit abort, where it has one, is exact and a no-op if the decoder did pull the
 // blocks; a drain is the way for engines without one.
-func (s *Server) releaseUncertain(id string, req *genRequest, p *router.Backend, params json.RawMessage, hold *lifecycle.Hold) {
+func (s *Server) releaseUncertain(id string, req *genRequest, p *router.Backend, params json.RawMessage, hold *lifecycle.Hold, failed string) {
 	mode := s.cfg.KVRelease
 	if p != nil && kvbackend.HasAbort(p.Engine) && mode != ReleaseWait {
 		mode = ReleaseAbort
 	}
-	s.releaseAs(mode, id, req, p, params, hold, nil)
+	// A drain does not go to the decoder that just failed this decode: it may be dead, and
+	// with nothing in flight it would be the first pick.
+	s.releaseAs(mode, id, req, p, params, hold, nil, []string{failed})
 }
 
-func (s *Server) releaseAs(mode, id string, req *genRequest, p *router.Backend, params json.RawMessage, hold *lifecycle.Hold, lease *router.Lease) {
+func (s *Server) releaseAs(mode, id string, req *genRequest, p *router.Backend, params json.RawMessage, hold *lifecycle.Hold, lease *router.Lease, exclude []string) {
 	if mode == ReleaseWait || p == nil {
 		if lease != nil {
 			lease.Release(router.Result{Canceled: true})
@@ -550,7 +552,7 @@ func (s *Server) releaseAs(mode, id string, req *genRequest, p *router.Backend, 
 			hold.Release(lifecycle.ReleaseExpired)
 			return
 		}
-		if s.drain(id, req, params, lease) {
+		if s.drain(id, req, params, lease, exclude) {
 			hold.Release(lifecycle.ReleaseDrained)
 			return
 		}
@@ -580,12 +582,12 @@ func (s *Server) abortHold(id string, p *router.Backend, hold *lifecycle.Hold) b
 // A drain whose deadline passes after it reached the decoder still releases: the decoder
 // aborts a do_remote_prefill request that was never scheduled and notifies the prefiller,
 // which frees the blocks (vLLM does this; so does the simulator).
-func (s *Server) drain(id string, req *genRequest, params json.RawMessage, lease *router.Lease) bool {
+func (s *Server) drain(id string, req *genRequest, params json.RawMessage, lease *router.Lease, exclude []string) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.DrainTimeout)
 	defer cancel()
 	if lease == nil {
 		var err error
-		lease, err = s.router.Acquire(ctx, router.RoleDecode, router.Hint{RequestID: id, Overcommit: true})
+		lease, err = s.router.Acquire(ctx, router.RoleDecode, router.Hint{RequestID: id, Overcommit: true, Exclude: exclude})
 		if err != nil {
 			s.logger.Warn("kv drain found no decoder", zap.String("request_id", id), zap.Error(err))
 			return false

@@ -46,7 +46,7 @@ func (x *exchange) decode() *apiError {
 		defer func() {
 			if !acked {
 				x.endedElsewhere = true
-				x.s.releaseUncertain(x.id, x.req, x.prefillB, x.kvParams, hold)
+				x.s.releaseUncertain(x.id, x.req, x.prefillB, x.kvParams, hold, x.decodeB.Name)
 			}
 		}()
 	}
@@ -74,6 +74,20 @@ func (x *exchange) decode() *apiError {
 
 	call := kvbackend.Call{Client: b.Client(), BaseURL: baseURL(b), Path: x.route, ID: x.id, Header: x.hdr, Body: body}
 	resp, err := call.Do(wd.ctx)
+	tried := []string{b.Name}
+	for attempt := 0; err != nil && isConnectError(err) && x.ctx.Err() == nil && attempt < x.s.cfg.DecodeRetries; attempt++ {
+		// The decoder provably never got the call: another one may take it.
+		lease, aerr := x.s.router.Acquire(x.ctx, router.RoleDecode, x.hint(tried))
+		if aerr != nil {
+			break
+		}
+		x.decodeLease.Release(resultOf(err, x.ctx))
+		x.decodeLease, x.decodeB, b = lease, lease.Backend(), lease.Backend()
+		tried = append(tried, b.Name)
+		x.s.m.retries.WithLabelValues(string(router.RoleDecode), "connect_error").Inc()
+		call.Client, call.BaseURL = b.Client(), baseURL(b)
+		resp, err = call.Do(wd.ctx)
+	}
 	if err == nil && hold != nil {
 		acked = true
 		hold.Release(lifecycle.ReleaseDecoded)
@@ -278,4 +292,10 @@ func (wd *watchdog) stop() {
 		wd.stopAfter()
 	}
 	wd.cancel(context.Canceled)
+}
+
+// isConnectError reports whether a backend call failed before it reached the backend.
+func isConnectError(err error) bool {
+	var ce *kvbackend.CallError
+	return errors.As(err, &ce) && ce.Connect
 }

@@ -87,6 +87,9 @@ type Config struct {
 	// PrefillRetries is how many other prefillers a prefill that provably never started is
 	// tried on. [1]; negative means none.
 	PrefillRetries int `yaml:"prefill_retries"`
+	// DecodeRetries is how many other decoders a decode whose connection could not be made
+	// is tried on (only then did the decoder provably never start it). [1]; negative: none.
+	DecodeRetries int `yaml:"decode_retries"`
 	// DecodeOnlyFallback sends a request straight to a decoder when no prefiller can serve it.
 	// [true]
 	DecodeOnlyFallback *bool `yaml:"decode_only_fallback"`
@@ -134,6 +137,12 @@ func (c *Config) setDefaults() error {
 	}
 	if c.PrefillRetries < 0 {
 		c.PrefillRetries = 0
+	}
+	if c.DecodeRetries == 0 {
+		c.DecodeRetries = 1
+	}
+	if c.DecodeRetries < 0 {
+		c.DecodeRetries = 0
 	}
 	if c.DecodeOnlyFallback == nil {
 		on := true
