@@ -183,6 +183,9 @@ func (h *harness) throughput(t *testing.T, mode string, proc *proxyProc) {
 	var direct, pair, proxied []float64
 	var cpu float64
 	var proxiedOK int
+	if h.profileDir != "" {
+		h.profile(t, mode, proc)
+	}
 	for round := 0; round < p.rounds; round++ {
 		mt, closeAll := h.targets(mode, proc, int(p.concurrency))
 		for _, s := range []*attackSpec{&mt.direct, &mt.directPair, &mt.proxy} {
@@ -203,26 +206,10 @@ func (h *harness) throughput(t *testing.T, mode string, proc *proxyProc) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			var prof sync.WaitGroup
-			if h.profileDir != "" && round == 0 {
-				prof.Go(func() {
-					secs := max(1, int(p.roundDur.Seconds())-1)
-					file := filepath.Join(h.profileDir, "cpu-"+mode+".pprof")
-					if err := proc.profile(fmt.Sprintf("profile?seconds=%d", secs), file); err != nil {
-						t.Errorf("cpu profile: %v", err)
-					}
-				})
-			}
 			r := attack(mt.proxy)
-			prof.Wait()
 			after, err := proc.sample()
 			if err != nil {
 				t.Fatal(err)
-			}
-			if h.profileDir != "" && round == 0 {
-				if err := proc.profile("allocs", filepath.Join(h.profileDir, "allocs-"+mode+".pprof")); err != nil {
-					t.Errorf("allocs profile: %v", err)
-				}
 			}
 			checkStreams(t, mode+" via proxy", r)
 			proxied = append(proxied, r.rate())
@@ -255,6 +242,28 @@ func (h *harness) throughput(t *testing.T, mode string, proc *proxyProc) {
 	}
 	if d <= 0 || x <= 0 {
 		t.Errorf("%s throughput: direct %.0f, proxy %.0f req/s: no figure", mode, d, x)
+	}
+}
+
+// profile takes the proxy's CPU profile over a max-throughput attack of its own (not counted
+// in any figure), then its allocation profile, into the profile directory.
+func (h *harness) profile(t *testing.T, mode string, proc *proxyProc) {
+	const secs = 10
+	mt, closeAll := h.targets(mode, proc, int(h.p.concurrency))
+	defer closeAll()
+	mt.proxy.workers, mt.proxy.dur = h.p.concurrency, (secs+1)*time.Second
+	var prof sync.WaitGroup
+	prof.Go(func() {
+		time.Sleep(500 * time.Millisecond) // past the warm-up
+		file := filepath.Join(h.profileDir, "cpu-"+mode+".pprof")
+		if err := proc.profile(fmt.Sprintf("profile?seconds=%d", secs), file); err != nil {
+			t.Errorf("cpu profile: %v", err)
+		}
+	})
+	checkStreams(t, mode+" via proxy, profiled", attack(mt.proxy))
+	prof.Wait()
+	if err := proc.profile("allocs", filepath.Join(h.profileDir, "allocs-"+mode+".pprof")); err != nil {
+		t.Errorf("allocs profile: %v", err)
 	}
 }
 
