@@ -22,9 +22,15 @@ var (
 	errIdleTimeout      = fmt.Errorf("%w: the decoder went silent", errPhaseTimeout)
 )
 
-// bufPool holds the relay's read buffers. A read returns whatever the decoder has sent so
-// far, and that goes to the client at once: the buffer bounds a write, it never waits to fill.
-var bufPool = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+// The relay's read buffers. A read returns whatever the decoder has sent so far, and that
+// goes to the client at once: a buffer bounds a write, it never waits to fill. A stream holds
+// its buffer for as long as it lasts, idle between tokens, so streams get small ones (an SSE
+// event is a few hundred bytes, and the transport reads through 4 KiB anyway): 10,000 open
+// streams then hold 40 MiB, not 320. A whole JSON answer, read at once, gets a large one.
+var (
+	streamBufPool = sync.Pool{New: func() any { b := make([]byte, 4<<10); return &b }}
+	wholeBufPool  = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+)
 
 // decode sends the decode call and relays its answer to the client.
 func (x *exchange) decode() *apiError {
@@ -125,9 +131,18 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 		// Tells an nginx in front not to buffer the stream either.
 		h.Set("X-Accel-Buffering", "no")
 	}
+	// The decoder's Date is the answer's: a proxy passes it on (RFC 9110 section 6.6.1), and
+	// the server then has none of its own to format.
+	if d := resp.Header["Date"]; len(d) > 0 {
+		h["Date"] = d
+	}
 	rc := http.NewResponseController(x.w)
-	bufp := bufPool.Get().(*[]byte)
-	defer bufPool.Put(bufp)
+	pool := &wholeBufPool
+	if x.req.stream {
+		pool = &streamBufPool
+	}
+	bufp := pool.Get().(*[]byte)
+	defer pool.Put(bufp)
 	buf := *bufp
 	// tail is the last two bytes the client got: where a broken stream stopped, mid-line or
 	// on an event boundary.
