@@ -91,7 +91,8 @@ type harness struct {
 // TestHarness measures the proxy against direct calls to the same backend, scenario by
 // scenario, and prints the figures. PDPROXY_BENCH=full is the real run (a few minutes);
 // PDPROXY_BENCH_ONLY=throughput,latency,abort,scale picks scenarios; PDPROXY_BENCH_PROFILE=DIR
-// saves the proxy's CPU and allocation profiles of the first max-throughput rounds there;
+// saves the proxy's CPU and allocation profiles at max throughput there, and its heap and
+// goroutine profiles with every slow stream open;
 // PDPROXY_BENCH_OUT=FILE also writes the report to FILE; PDPROXY_BENCH_PROXY_ENV="GOGC=400 ..."
 // sets environment variables for the proxy process alone. Nothing here asserts a speed:
 // only that every request streamed to its end, that every abort reached the backend, and
@@ -558,6 +559,13 @@ func (h *harness) scale(t *testing.T) {
 		t.Error(err)
 	}
 	time.Sleep(p.hold)
+	if h.profileDir != "" {
+		for name, file := range map[string]string{"heap?gc=1": "heap-streams.pprof", "goroutine": "goroutine-streams.pprof"} {
+			if err := proc.profile(name, filepath.Join(h.profileDir, file)); err != nil {
+				t.Errorf("%s profile: %v", name, err)
+			}
+		}
+	}
 	full, err := proc.sample()
 	if err != nil {
 		t.Error(err)
