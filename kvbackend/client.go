@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"sync"
 )
 
 // maxPrefillResponse bounds how much of a prefiller's answer is read: it is one token plus
@@ -90,12 +91,28 @@ func (c Call) Prefill(ctx context.Context) (json.RawMessage, error) {
 		return nil, err
 	}
 	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillResponse))
-	if err != nil {
+	buf := prefillBufPool.Get().(*bytes.Buffer)
+	buf.Reset()
+	defer func() {
+		if buf.Cap() <= maxPooledPrefillBuf {
+			prefillBufPool.Put(buf)
+		}
+	}()
+	if n := resp.ContentLength; n > 0 && n <= maxPrefillResponse {
+		buf.Grow(int(n))
+	}
+	if _, err := buf.ReadFrom(io.LimitReader(resp.Body, maxPrefillResponse)); err != nil {
 		return nil, &CallError{Err: fmt.Errorf("read prefill answer from %s: %w", c.BaseURL, err)}
 	}
-	return ParsePrefillResponse(body)
+	return ParsePrefillResponse(buf.Bytes())
 }
+
+// prefillBufPool holds the buffers prefill answers are read into: one token and the params,
+// a few hundred bytes, which ParsePrefillResponse copies out. A buffer that grew past
+// maxPooledPrefillBuf for an odd answer is let go.
+var prefillBufPool = sync.Pool{New: func() any { return new(bytes.Buffer) }}
+
+const maxPooledPrefillBuf = 64 << 10
 
 // Abort asks an engine that has an explicit abort (see HasAbort) to abort a request or free
 // the KV it holds for it. An unknown id is a no-op on the engine.

@@ -205,3 +205,30 @@ func TestHasAbort(t *testing.T) {
 		}
 	}
 }
+
+func TestPrefillParamsOutliveTheNextCall(t *testing.T) {
+	// Answers are read into pooled buffers: params handed out must not share them.
+	var n int
+	var mu sync.Mutex
+	srv, client, _ := fakeEngine(t, func(w http.ResponseWriter, _ *http.Request) {
+		mu.Lock()
+		n++
+		i := n
+		mu.Unlock()
+		io.WriteString(w, `{"kv_transfer_params":{"remote_request_id":"req-`+strings.Repeat(string(rune('a'+i)), 40)+`"}}`)
+	})
+	call := Call{Client: client, BaseURL: srv.URL, Path: "/v1/completions", ID: "x"}
+	first, err := call.Prefill(testCtx(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := string(first)
+	for range 20 {
+		if _, err := call.Prefill(testCtx(t)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if string(first) != want {
+		t.Fatalf("the first params changed after later calls: %s, was %s", first, want)
+	}
+}

@@ -101,7 +101,7 @@ var ErrBadKVParams = errors.New("prefiller returned kv_transfer_params that are 
 
 // ParsePrefillResponse extracts the top-level kv_transfer_params from a prefiller's
 // non-streaming answer. It returns nil when they are null or absent: the prefiller holds
-// nothing for this request.
+// nothing for this request. The params are a copy: body may be reused afterwards.
 func ParsePrefillResponse(body []byte) (json.RawMessage, error) {
 	var resp struct {
 		KV json.RawMessage `json:"kv_transfer_params"`
