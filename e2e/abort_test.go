@@ -167,10 +167,9 @@ func TestAbortPropagationByStage(t *testing.T) {
 				stop := busyDecoder(t, s)
 				defer stop()
 				ctx, cancel := context.WithCancel(context.Background())
-				done := inBackground(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(200)+`","max_tokens":5}`)
-				waitFor(t, 2*time.Second, func() (bool, string) {
-					return kv(t, s.m.SimURLs("prefill")[0]).HeldRequests == 1, "not held"
-				})
+				id := fmt.Sprintf("queued-%d", time.Now().UnixNano())
+				done := inBackground(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(200)+`","max_tokens":5}`, "X-Request-Id", id)
+				waitFor(t, 2*time.Second, queuedOnDecoder(t, s, id))
 				cancel()
 				<-done
 				return freeAfter(t, s, time.Now())

@@ -118,6 +118,19 @@ func TestR1ClientLeavesWhileThePrefillerFinishesItsLastStep(t *testing.T) {
 	})
 }
 
+// queuedOnDecoder holds once request id is prefilled (its KV held on the prefiller), its
+// decode was sent, and the decoder queued it behind a busy slot without pulling yet.
+func queuedOnDecoder(t *testing.T, s *stack, id string) func() (bool, string) {
+	return func() (bool, string) {
+		st, ok := s.m.Table.State(id)
+		if !ok || st.String() != "decoding" {
+			return false, fmt.Sprintf("%s not decoding yet (%v)", id, st)
+		}
+		p, d := kv(t, s.m.SimURLs("prefill")[0]), kv(t, s.m.SimURLs("decode")[0])
+		return p.HeldRequests == 1 && d.WaitingRequests == 1, "prefiller " + jsonString(p) + ", decoder " + jsonString(d)
+	}
+}
+
 // busyDecoder starts a long stream that keeps the decoder's only running slot busy; stop ends it.
 func busyDecoder(t *testing.T, s *stack) (stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
@@ -138,11 +151,8 @@ func TestR2ClientLeavesAfterThePrefillBeforeTheDecoderPulls(t *testing.T) {
 		stop := busyDecoder(t, s)
 		defer stop()
 		ctx, cancel := context.WithCancel(context.Background())
-		done := inBackground(t, ctx, s.url+"/v1/completions", body)
-		waitFor(t, 2*time.Second, func() (bool, string) {
-			st := kv(t, s.m.SimURLs("prefill")[0])
-			return st.HeldRequests == 1, "second request not prefilled and held: " + jsonString(st)
-		})
+		done := inBackground(t, ctx, s.url+"/v1/completions", body, "X-Request-Id", "r2-queued")
+		waitFor(t, 2*time.Second, queuedOnDecoder(t, s, "r2-queued"))
 		cancel()
 		<-done
 		left := time.Now()
