@@ -156,34 +156,14 @@ func (s *stack) assertQuiet(within time.Duration) {
 		s.t.Fatalf("pdproxy_inflight_requests missing: %d series, %v", n, err)
 	}
 	for _, name := range []string{"pdproxy_inflight_requests", "pdproxy_kv_held_requests", "pdproxy_backend_inflight_requests"} {
-		if v := sumGauge(s.t, s, name); v != 0 {
+		if v := metricValue(s.t, s, name, nil); v != 0 {
 			s.t.Fatalf("%s sums to %v after the run", name, v)
 		}
 	}
 }
 
-// sumGauge adds up every series of a gauge in the stack's registry.
-func sumGauge(t *testing.T, s *stack, name string) float64 {
-	t.Helper()
-	mfs, err := s.m.Registry.Gather()
-	if err != nil {
-		t.Fatalf("gather: %v", err)
-	}
-	var sum float64
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if g := m.GetGauge(); g != nil {
-				sum += g.GetValue()
-			}
-		}
-	}
-	return sum
-}
-
-// metricValue is one series' value: a counter or gauge whose labels include all of labels.
+// metricValue adds up the series of a counter or gauge (a histogram: its sample counts) whose
+// labels include all of labels; with labels nil, every series.
 func metricValue(t *testing.T, s *stack, name string, labels map[string]string) float64 {
 	t.Helper()
 	mfs, err := s.m.Registry.Gather()
