@@ -91,8 +91,8 @@ type harness struct {
 // TestHarness measures the proxy against direct calls to the same backend, scenario by
 // scenario, and prints the figures. PDPROXY_BENCH=full is the real run (a few minutes);
 // PDPROXY_BENCH_ONLY=throughput,latency,abort,scale picks scenarios; PDPROXY_BENCH_PROFILE=DIR
-// saves the proxy's CPU and allocation profiles at max throughput there, and its heap and
-// goroutine profiles with every slow stream open;
+// saves the proxy's CPU and allocation profiles at max throughput there, its CPU profile at
+// the fixed rate, and its heap and goroutine profiles with every slow stream open;
 // PDPROXY_BENCH_OUT=FILE also writes the report to FILE; PDPROXY_BENCH_PROXY_ENV="GOGC=400 ..."
 // sets environment variables for the proxy process alone. Nothing here asserts a speed:
 // only that every request streamed to its end, that every abort reached the backend, and
@@ -288,7 +288,17 @@ func (h *harness) latency(t *testing.T, mode string, proc *proxyProc) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	var prof sync.WaitGroup
+	if secs := int(p.rateDur.Seconds()) - 1; h.profileDir != "" && secs > 0 {
+		prof.Go(func() {
+			file := filepath.Join(h.profileDir, "cpu-"+mode+"-rate.pprof")
+			if err := proc.profile(fmt.Sprintf("profile?seconds=%d", secs), file); err != nil {
+				t.Errorf("cpu profile: %v", err)
+			}
+		})
+	}
 	x := attack(mt.proxy)
+	prof.Wait()
 	after, err := proc.sample()
 	if err != nil {
 		t.Fatal(err)
