@@ -25,7 +25,9 @@ type StatusError struct {
 }
 
 func (e *StatusError) Error() string {
-	return fmt.Sprintf("backend answered %d: %s", e.Status, bytes.TrimSpace(truncate(e.Body, 200)))
+	// The body stays out of the message: errors end up in log lines, and an engine's error
+	// text may quote the request (a prompt must never reach a log). The client gets the body.
+	return fmt.Sprintf("backend answered %d (%d-byte body)", e.Status, len(e.Body))
 }
 
 // CallError is a failure to get an answer from a backend at all. Connect tells whether the
@@ -141,11 +143,4 @@ func Abort(ctx context.Context, client *http.Client, baseURL, id string) error {
 func isConnectError(err error) bool {
 	var op *net.OpError
 	return errors.As(err, &op) && op.Op == "dial"
-}
-
-func truncate(b []byte, n int) []byte {
-	if len(b) > n {
-		return b[:n]
-	}
-	return b
 }

@@ -232,3 +232,14 @@ func TestPrefillParamsOutliveTheNextCall(t *testing.T) {
 		t.Fatalf("the first params changed after later calls: %s, was %s", first, want)
 	}
 }
+
+func TestStatusErrorMessageKeepsTheBackendsBodyOut(t *testing.T) {
+	// Error messages reach log lines; an engine's error text may quote the prompt.
+	err := &StatusError{Status: 400, Body: []byte(`{"error":{"message":"prompt 'my secret prompt' is too long"}}`)}
+	if strings.Contains(err.Error(), "secret") {
+		t.Fatalf("message carries the body: %q", err.Error())
+	}
+	if !strings.Contains(err.Error(), "400") {
+		t.Fatalf("message lacks the status: %q", err.Error())
+	}
+}
