@@ -54,6 +54,11 @@ type backendState struct {
 	// ejectedUntil is a UnixNano time from the router's clock; zero when never ejected.
 	ejectedUntil atomic.Int64
 	ejections    atomic.Int64
+	// probation is set by an ejection and cleared by the next success: a backend back from
+	// ejection takes one request at a time, and its first failure ejects it again. Without it
+	// a dead backend with nothing in flight is every policy's first pick the moment its
+	// back-off ends, and draws a burst of requests into failure.
+	probation atomic.Bool
 
 	mu sync.Mutex // guards the streaks below
 	// failStreak counts passive failures in a row.
@@ -212,7 +217,10 @@ func (b *Backend) available(now time.Time) bool {
 }
 
 // full reports whether the backend is at its in-flight limit.
-func (b *Backend) full() bool { return b.st.inflight.Load() >= int64(b.MaxInflight) }
+func (b *Backend) full() bool {
+	n := b.st.inflight.Load()
+	return n >= int64(b.MaxInflight) || (n >= 1 && b.st.probation.Load())
+}
 
 // closeIdle drops the backend's idle connections, e.g. once it is removed.
 func (b *Backend) closeIdle() { b.client.CloseIdleConnections() }
@@ -228,6 +236,7 @@ func (b *Backend) observe(failed bool, now time.Time, e EjectionConfig) (ejected
 		s.failStreak = 0
 		if !b.ejected(now) {
 			s.backoffExp = 0
+			s.probation.Store(false)
 		}
 		return 0
 	}
@@ -235,9 +244,10 @@ func (b *Backend) observe(failed bool, now time.Time, e EjectionConfig) (ejected
 		return 0
 	}
 	s.failStreak++
-	if s.failStreak < e.ConsecutiveFailures {
+	if s.failStreak < e.ConsecutiveFailures && !s.probation.Load() {
 		return 0
 	}
+	s.probation.Store(true)
 	d := e.BaseBackoff
 	for i := 0; i < s.backoffExp && d < e.MaxBackoff; i++ {
 		d *= 2

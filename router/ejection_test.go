@@ -61,7 +61,9 @@ func TestEjectionBackoffDoublesUpToMax(t *testing.T) {
 	})
 	fail := func() {
 		send(t, r, Result{Status: 500})
-		send(t, r, Result{Status: 500})
+		if r.Ready() { // back from an ejection, one failure is enough (probation)
+			send(t, r, Result{Status: 500})
+		}
 	}
 	for i, want := range []time.Duration{time.Second, 2 * time.Second, 3 * time.Second, 3 * time.Second} {
 		fail()
@@ -144,4 +146,70 @@ func TestEjectedBackendTrafficGoesElsewhere(t *testing.T) {
 	if !seen["d0"] {
 		t.Error("d0 never picked after its ejection ended")
 	}
+}
+
+func TestABackendBackFromEjectionTakesOneRequestUntilItSucceeds(t *testing.T) {
+	r, _, clk := newTestRouter(t, Config{
+		Backends: []BackendConfig{
+			{Name: "flaky", URL: "http://127.0.0.1:1", Role: RoleDecode},
+			{Name: "steady", URL: "http://127.0.0.1:2", Role: RoleDecode},
+		},
+		Ejection: EjectionConfig{ConsecutiveFailures: 2, BaseBackoff: time.Second, MaxBackoff: 8 * time.Second},
+	})
+	flaky := backendByName(t, r, "flaky")
+	failOn := func(b *Backend) {
+		for flaky.Inflight() == 0 {
+			l, err := r.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"steady"}})
+			if err != nil {
+				t.Fatalf("acquire flaky: %v", err)
+			}
+			l.Release(Result{Status: 503})
+			if flaky.Ejections() > 0 {
+				return
+			}
+		}
+	}
+	failOn(flaky)
+	if flaky.Ejections() != 1 {
+		t.Fatalf("ejections %d, want 1", flaky.Ejections())
+	}
+	clk.Advance(time.Second)
+
+	// Back, on probation: one request may go to it; the next ones go elsewhere.
+	probe, err := r.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"steady"}})
+	if err != nil {
+		t.Fatalf("probe: %v", err)
+	}
+	for i := 0; i < 5; i++ {
+		l, err := r.Acquire(context.Background(), RoleDecode, Hint{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l.Backend().Name != "steady" {
+			t.Fatalf("request %d went to %s while the probe was in flight", i, l.Backend().Name)
+		}
+		l.Release(Result{Status: 200})
+	}
+	// The probe fails: ejected again at once, for twice as long.
+	probe.Release(Result{Status: 503})
+	if flaky.Ejections() != 2 {
+		t.Fatalf("ejections %d after a failed probe, want 2", flaky.Ejections())
+	}
+	clk.Advance(2 * time.Second)
+	// A successful probe ends the probation: it takes requests in parallel again.
+	probe, err = r.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"steady"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	probe.Release(Result{Status: 200})
+	a, err := r.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"steady"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := r.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"steady"}})
+	if err != nil {
+		t.Fatalf("second parallel request after a good probe: %v", err)
+	}
+	a.Release(Result{Status: 200})
+	b.Release(Result{Status: 200})
 }
