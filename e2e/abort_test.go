@@ -129,7 +129,7 @@ func TestAbortPropagationByStage(t *testing.T) {
 			run: func(t *testing.T, s *stack) time.Duration {
 				ctx, cancel := context.WithTimeout(context.Background(), 60*time.Millisecond)
 				defer cancel()
-				<-inBackground(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(200)+`","max_tokens":5}`, "X-Sim-Stall", "300ms")
+				<-inBackground(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(200)+`","max_tokens":5,"ignore_eos":true}`, "X-Sim-Stall", "300ms")
 				return freeAfter(t, s, time.Now())
 			},
 		},
@@ -146,7 +146,7 @@ func TestAbortPropagationByStage(t *testing.T) {
 				stop := busyDecoder(t, s)
 				defer stop()
 				ctx, cancel := context.WithCancel(context.Background())
-				done := inBackground(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(200)+`","max_tokens":5}`)
+				done := inBackground(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(200)+`","max_tokens":5,"ignore_eos":true}`)
 				waitFor(t, 2*time.Second, func() (bool, string) {
 					for _, r := range s.m.Table.Snapshot() {
 						if r.State.String() == "kv_held" {
@@ -168,7 +168,7 @@ func TestAbortPropagationByStage(t *testing.T) {
 				defer stop()
 				ctx, cancel := context.WithCancel(context.Background())
 				id := fmt.Sprintf("queued-%d", time.Now().UnixNano())
-				done := inBackground(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(200)+`","max_tokens":5}`, "X-Request-Id", id)
+				done := inBackground(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(200)+`","max_tokens":5,"ignore_eos":true}`, "X-Request-Id", id)
 				waitFor(t, 2*time.Second, queuedOnDecoder(t, s, id))
 				cancel()
 				<-done

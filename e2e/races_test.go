@@ -61,7 +61,7 @@ func TestR1ClientLeavesWhileThePrefillerFinishesItsLastStep(t *testing.T) {
 	// are held: the client leaving then is the abort that reaches an engine that already
 	// finished, which the engine ignores.
 	const stall = "600ms"
-	body := `{"model":"sim","prompt":"` + prompt(200) + `","max_tokens":5}`
+	body := `{"model":"sim","prompt":"` + prompt(200) + `","max_tokens":5,"ignore_eos":true}`
 
 	t.Run("an engine with an explicit abort is told, and frees the hold at once", func(t *testing.T) {
 		s := startStack(t, fastSims)
@@ -144,7 +144,7 @@ func busyDecoder(t *testing.T, s *stack) (stop func()) {
 }
 
 func TestR2ClientLeavesAfterThePrefillBeforeTheDecoderPulls(t *testing.T) {
-	body := `{"model":"sim","prompt":"` + prompt(300) + `","max_tokens":5}`
+	body := `{"model":"sim","prompt":"` + prompt(300) + `","max_tokens":5,"ignore_eos":true}`
 
 	t.Run("decode queued in a busy engine: cancelling it makes the decoder notify the prefiller", func(t *testing.T) {
 		s := startStack(t, fastSims, func(c *app.Config) { c.Sims[1].MaxRunning = 1 })
