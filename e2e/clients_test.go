@@ -143,7 +143,7 @@ func TestKeepAliveConnectionsAreReusedAfterAStreamEndsEarly(t *testing.T) {
 		readDataLines(t, bufio.NewReader(stream.Body), 3)
 		// A second request while the stream runs opens a second connection, which goes back
 		// to the pool idle once it is answered.
-		resp, _, idleConn := tracedPost(t, context.Background(), client, s.url+"/v1/completions", `{"model":"sim","prompt":"hi","max_tokens":3}`)
+		resp, _, idleConn := tracedPost(t, context.Background(), client, s.url+"/v1/completions", `{"model":"sim","prompt":"hi","max_tokens":3,"ignore_eos":true}`)
 		readOK(t, resp)
 		if idleConn == streamConn {
 			t.Fatalf("the second request shared the streaming connection %s", streamConn)
@@ -152,7 +152,7 @@ func TestKeepAliveConnectionsAreReusedAfterAStreamEndsEarly(t *testing.T) {
 		stream.Body.Close()
 		decoderAbortedAndFree(t, d, 1)
 
-		resp, reused, conn := tracedPost(t, context.Background(), client, s.url+"/v1/completions", `{"model":"sim","prompt":"again","max_tokens":3}`)
+		resp, reused, conn := tracedPost(t, context.Background(), client, s.url+"/v1/completions", `{"model":"sim","prompt":"again","max_tokens":3,"ignore_eos":true}`)
 		readOK(t, resp)
 		if !reused || conn != idleConn {
 			t.Errorf("the request after the cancel went over %s (reused %v), want the kept-alive %s", conn, reused, idleConn)
@@ -225,7 +225,7 @@ func TestHTTP2ClientStreamsAndCancelsOverOneConnection(t *testing.T) {
 		decoderAbortedAndFree(t, d, 1)
 		// HTTP/2 cancels a stream with RST_STREAM, not by closing the connection: the next
 		// request shares it.
-		resp, reused, again := tracedPost(t, context.Background(), client, s.url+"/v1/completions", `{"model":"sim","prompt":"hi","max_tokens":3}`)
+		resp, reused, again := tracedPost(t, context.Background(), client, s.url+"/v1/completions", `{"model":"sim","prompt":"hi","max_tokens":3,"ignore_eos":true}`)
 		readOK(t, resp)
 		if !reused || again != conn {
 			t.Errorf("the request after the cancel went over %s (reused %v), want the HTTP/2 connection %s", again, reused, conn)
