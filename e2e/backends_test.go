@@ -121,7 +121,7 @@ func TestBrokenPrefillerAnswers(t *testing.T) {
 				t.Run(tc.fault, func(t *testing.T) {
 					before := metricValue(t, s, "pdproxy_fallbacks_total", nil)
 					forwardedBefore := metricValue(t, s, "pdproxy_kv_releases_total", map[string]string{"reason": "decoded"})
-					resp := sendBroken(t, context.Background(), s.url, tc.fault, `{"model":"sim","prompt":"hi","max_tokens":3}`)
+					resp := sendBroken(t, context.Background(), s.url, tc.fault, `{"model":"sim","prompt":"hi","max_tokens":3,"ignore_eos":true}`)
 					if tc.code == "" || fallback {
 						// The decoder computes the prompt itself, as with no prefiller at all.
 						readOK(t, resp)

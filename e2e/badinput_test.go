@@ -294,7 +294,7 @@ func TestHeadersThatPickAnUpstreamNeverReachIt(t *testing.T) {
 	before := enginesServed(t, s)
 	addr := elsewhere.Listener.Addr().String()
 	for _, stream := range []bool{false, true} {
-		body := fmt.Sprintf(`{"model":"sim","prompt":"hi","max_tokens":3,"stream":%v}`, stream)
+		body := fmt.Sprintf(`{"model":"sim","prompt":"hi","max_tokens":3,"ignore_eos":true,"stream":%v}`, stream)
 		req, err := http.NewRequestWithContext(context.Background(), http.MethodPost, s.url+"/v1/completions", strings.NewReader(body))
 		if err != nil {
 			t.Fatal(err)
