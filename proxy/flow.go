@@ -341,9 +341,8 @@ func mayHoldKV(err error) bool {
 // retriable: the prefiller provably never started the work (no connection, or it refused
 // with 502/503/504), so another one may take it.
 func retriable(err error) bool {
-	var ce *kvbackend.CallError
-	if errors.As(err, &ce) {
-		return ce.Connect
+	if isConnectError(err) {
+		return true
 	}
 	var se *kvbackend.StatusError
 	if errors.As(err, &se) {
@@ -484,23 +483,31 @@ func (s *Server) abortOnEngine(id string, b *router.Backend) {
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
+		if !s.abortCall(id, b, "engine abort failed") {
+			return
+		}
 		// The abort travels on its own connection and can overtake the request it aborts
 		// (the engine has not read it yet, so it ignores an unknown id, then finishes the
 		// request and holds its KV). A second abort a moment later closes that gap; for an
 		// engine that already forgot the request it is a no-op.
-		for i, wait := range []time.Duration{0, abortRepeatDelay} {
-			if wait > 0 {
-				time.Sleep(wait)
-			}
-			ctx, cancel := context.WithTimeout(context.Background(), defaultAbortCallTimeout)
-			err := kvbackend.Abort(ctx, b.Client(), baseURL(b), id)
-			cancel()
-			if err != nil {
-				s.logger.Warn("engine abort failed", zap.String("request_id", id), zap.String("backend", b.Name), zap.Int("attempt", i+1), zap.Error(err))
-				return
-			}
-		}
+		s.bg.Add(1)
+		time.AfterFunc(abortRepeatDelay, func() {
+			defer s.bg.Done()
+			s.abortCall(id, b, "repeated engine abort failed")
+		})
 	}()
+}
+
+// abortCall sends one explicit abort on its own short deadline (the client's context is done
+// by then) and logs a failure with msg.
+func (s *Server) abortCall(id string, b *router.Backend, msg string) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), defaultAbortCallTimeout)
+	defer cancel()
+	if err := kvbackend.Abort(ctx, b.Client(), baseURL(b), id); err != nil {
+		s.logger.Warn(msg, zap.String("request_id", id), zap.String("backend", b.Name), zap.Error(err))
+		return false
+	}
+	return true
 }
 
 // abortRepeatDelay is when an explicit abort is sent again (see abortOnEngine).
@@ -566,10 +573,7 @@ func (s *Server) releaseAs(mode, id string, req *genRequest, p *router.Backend, 
 }
 
 func (s *Server) abortHold(id string, p *router.Backend, hold *lifecycle.Hold) bool {
-	ctx, cancel := context.WithTimeout(context.Background(), defaultAbortCallTimeout)
-	defer cancel()
-	if err := kvbackend.Abort(ctx, p.Client(), baseURL(p), id); err != nil {
-		s.logger.Warn("kv release by abort failed", zap.String("request_id", id), zap.String("backend", p.Name), zap.Error(err))
+	if !s.abortCall(id, p, "kv release by abort failed") {
 		return false
 	}
 	hold.Release(lifecycle.ReleaseAborted)
