@@ -48,6 +48,8 @@ type Call struct {
 	ID      string // X-Request-Id, the same on the prefill and the decode call
 	Header  http.Header
 	Body    []byte
+	// Engine reads a prefill's answer; nil means vLLM.
+	Engine Engine
 }
 
 func (c Call) request(ctx context.Context) (*http.Request, error) {
@@ -106,6 +108,9 @@ func (c Call) Prefill(ctx context.Context) (json.RawMessage, error) {
 	if _, err := buf.ReadFrom(io.LimitReader(resp.Body, maxPrefillResponse)); err != nil {
 		return nil, &CallError{Err: fmt.Errorf("read prefill answer from %s: %w", c.BaseURL, err)}
 	}
+	if c.Engine != nil {
+		return c.Engine.ParsePrefill(buf.Bytes())
+	}
 	return ParsePrefillResponse(buf.Bytes())
 }
 
@@ -116,9 +121,12 @@ var prefillBufPool = sync.Pool{New: func() any { return new(bytes.Buffer) }}
 
 const maxPooledPrefillBuf = 64 << 10
 
-// Abort asks an engine that has an explicit abort (see HasAbort) to abort a request or free
-// the KV it holds for it. An unknown id is a no-op on the engine.
-func Abort(ctx context.Context, client *http.Client, baseURL, id string) error {
+// ErrNoAbort is Engine.Abort's answer for an engine without an explicit abort.
+var ErrNoAbort = errors.New("the engine has no explicit abort")
+
+// abortRequest is SGLang's explicit abort, POST /abort_request {"rid": id}: it aborts a request
+// or frees the KV held for it; an unknown id is a no-op on the engine.
+func abortRequest(ctx context.Context, client *http.Client, baseURL, id string) error {
 	body, _ := json.Marshal(map[string]string{"rid": id})
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, baseURL+"/abort_request", bytes.NewReader(body))
 	if err != nil {

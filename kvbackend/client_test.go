@@ -180,7 +180,7 @@ func waitClosed(t *testing.T, ch <-chan struct{}, what string) {
 func TestAbort(t *testing.T) {
 	t.Run("posts the request id to /abort_request", func(t *testing.T) {
 		srv, client, got := fakeEngine(t, func(http.ResponseWriter, *http.Request) {})
-		if err := Abort(testCtx(t), client, srv.URL, "req-9"); err != nil {
+		if err := Sim.Abort(testCtx(t), client, srv.URL, "req-9"); err != nil {
 			t.Fatalf("Abort: %v", err)
 		}
 		r := got()[0]
@@ -192,18 +192,34 @@ func TestAbort(t *testing.T) {
 	})
 	t.Run("a refusal is an error", func(t *testing.T) {
 		srv, client, _ := fakeEngine(t, func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusNotFound) })
-		if err := Abort(testCtx(t), client, srv.URL, "req-9"); err == nil || !strings.Contains(err.Error(), "404") {
+		if err := Sim.Abort(testCtx(t), client, srv.URL, "req-9"); err == nil || !strings.Contains(err.Error(), "404") {
 			t.Errorf("error %v, want one naming the 404", err)
 		}
 	})
 }
 
-func TestHasAbort(t *testing.T) {
-	for kind, want := range map[string]bool{KindVLLM: false, KindSim: true, "sglang": true, "": false} {
-		if HasAbort(kind) != want {
-			t.Errorf("HasAbort(%q) = %v, want %v", kind, !want, want)
+func TestEngineKinds(t *testing.T) {
+	for kind, want := range map[string]bool{KindVLLM: false, KindSim: true, "": false} {
+		e, ok := Lookup(kind)
+		if !ok {
+			t.Fatalf("Lookup(%q) found no engine", kind)
+		}
+		if e.CanAbort() != want {
+			t.Errorf("Lookup(%q).CanAbort() = %v, want %v", kind, !want, want)
 		}
 	}
+	if _, ok := Lookup("tgi"); ok {
+		t.Error("Lookup(\"tgi\") found an engine")
+	}
+	t.Run("an engine without an abort says so", func(t *testing.T) {
+		srv, client, got := fakeEngine(t, func(http.ResponseWriter, *http.Request) {})
+		if err := VLLM.Abort(testCtx(t), client, srv.URL, "req-9"); !errors.Is(err, ErrNoAbort) {
+			t.Errorf("VLLM.Abort = %v, want ErrNoAbort", err)
+		}
+		if n := len(got()); n != 0 {
+			t.Errorf("the engine got %d calls, want none", n)
+		}
+	})
 }
 
 func TestPrefillParamsOutliveTheNextCall(t *testing.T) {

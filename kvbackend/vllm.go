@@ -11,17 +11,6 @@ import (
 	"fmt"
 )
 
-// Engine kinds, as named in config.
-const (
-	KindVLLM = "vllm"
-	KindSim  = "sim"
-)
-
-// HasAbort reports whether an engine kind has an explicit abort call that also frees a KV hold
-// (SGLang-shaped POST /abort_request). vLLM has none outside its dev mode: closing the
-// connection is its only abort, and its holds are freed by a decoder's notify or its timer.
-func HasAbort(kind string) bool { return kind == KindSim || kind == "sglang" }
-
 var (
 	rawFalse = []byte("false")
 	rawOne   = []byte("1")

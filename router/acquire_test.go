@@ -172,8 +172,8 @@ func TestHasReadyAndMinKVHoldTimeout(t *testing.T) {
 	cfg := Config{Backends: []BackendConfig{
 		{Name: "p0", URL: "http://p0:1", Role: RolePrefill, KVHoldTimeout: 90 * time.Second},
 		{Name: "p1", URL: "http://p1:1", Role: RolePrefill},
-		{Name: "d0", URL: "http://d0:1", Role: RoleDecode, Engine: EngineSim},
-	}}
+		{Name: "d0", URL: "http://d0:1", Role: RoleDecode, Engine: "sim"},
+	}, Engines: testEngines{}}
 	r, _, _ := newTestRouter(t, cfg)
 	if !r.Has(RolePrefill) || !r.Has(RoleDecode) || r.Has("other") {
 		t.Error("Has disagrees with config")
@@ -200,9 +200,9 @@ func TestHasReadyAndMinKVHoldTimeout(t *testing.T) {
 
 func TestBackendsReportsStatus(t *testing.T) {
 	r, _, _ := newTestRouter(t, Config{Backends: []BackendConfig{
-		{URL: "http://p0:8000", Role: RolePrefill, Engine: EngineSim},
+		{URL: "http://p0:8000", Role: RolePrefill, Engine: "sim"},
 		{Name: "d0", URL: "http://d0:8000", Role: RoleDecode, Weight: 2, MaxInflight: 8},
-	}})
+	}, Engines: testEngines{}})
 	l := mustAcquire(t, r, RoleDecode, Hint{})
 	defer l.Release(Result{})
 	got := r.Backends()

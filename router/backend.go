@@ -25,8 +25,8 @@ type Backend struct {
 	URLString string
 	// Role is prefill or decode.
 	Role Role
-	// Engine is the engine kind, e.g. "vllm".
-	Engine string
+	// Engine is the backend's engine, from Config.Engines: opaque to the router.
+	Engine Engine
 	// KVHoldTimeout is the engine's own KV hold timeout.
 	KVHoldTimeout time.Duration
 	// Weight biases selection; at least 1.
@@ -70,7 +70,7 @@ type backendState struct {
 	checkFails, checkPasses int
 }
 
-func newBackend(c BackendConfig, client *http.Client, st *backendState) *Backend {
+func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendState) *Backend {
 	u, _ := url.Parse(c.URL) // Validate parsed it already
 	if st == nil {
 		st = &backendState{}
@@ -84,7 +84,7 @@ func newBackend(c BackendConfig, client *http.Client, st *backendState) *Backend
 		URL:           u,
 		URLString:     c.URL,
 		Role:          c.Role,
-		Engine:        c.Engine,
+		Engine:        eng,
 		KVHoldTimeout: c.KVHoldTimeout,
 		Weight:        c.Weight,
 		MaxInflight:   c.MaxInflight,

@@ -29,11 +29,38 @@ const (
 	PolicyPrefixAffinity = "prefix_affinity"
 )
 
-// Engine kinds accepted by BackendConfig.Engine.
-const (
-	EngineVLLM = "vllm"
-	EngineSim  = "sim"
-)
+// Engine is an engine kind as the router sees it: a value it hands back on every Backend for
+// the proxy, which knows what it is, and the one fact the router's config needs of it.
+type Engine interface {
+	// Kind is the engine's name in config.
+	Kind() string
+	// KVHoldTimeout is how long a prefiller of this kind holds KV on its own: the default
+	// of a backend's kv_hold_timeout.
+	KVHoldTimeout() time.Duration
+}
+
+// EngineCatalog resolves the engine kinds that config names. The router keeps no list of
+// its own: whoever wires the proxy passes one (cmd/proxy passes kvbackend's).
+type EngineCatalog interface {
+	// Engine returns the engine of kind; "" is the default kind.
+	Engine(kind string) (Engine, bool)
+	// Kinds lists the kinds Engine knows, for error messages.
+	Kinds() []string
+}
+
+// opaqueEngine stands for an engine kind when no catalog was given: a name and nothing else.
+type opaqueEngine string
+
+func (e opaqueEngine) Kind() string               { return string(e) }
+func (opaqueEngine) KVHoldTimeout() time.Duration { return 0 }
+
+// engineOf resolves kind through c, or takes it as a bare name without a catalog.
+func engineOf(c EngineCatalog, kind string) (Engine, bool) {
+	if c == nil {
+		return opaqueEngine(kind), true
+	}
+	return c.Engine(kind)
+}
 
 // Defaults applied by Config.Validate to zero fields.
 const (
@@ -52,19 +79,6 @@ const (
 	DefaultQueueTimeout        = 10 * time.Second
 )
 
-// engineKVHoldTimeout is how long an engine of each kind holds a prefilled request's KV
-// blocks for a decoder before freeing them on its own. vLLM's NIXL connector defaults to
-// 480s (VLLM_NIXL_ABORT_REQUEST_TIMEOUT); the simulator copies vLLM. A new engine kind
-// (sglang) is one more case here.
-func engineKVHoldTimeout(engine string) (time.Duration, bool) {
-	switch engine {
-	case EngineVLLM, EngineSim:
-		return 480 * time.Second, true
-	default:
-		return 0, false
-	}
-}
-
 // BackendConfig is one engine from config.
 type BackendConfig struct {
 	// Name labels the backend in metrics, logs and Hint.Exclude. Empty means the URL's
@@ -80,10 +94,11 @@ type BackendConfig struct {
 	// MaxInflight is how many requests the router sends at once before queueing. Zero
 	// means 256.
 	MaxInflight int `yaml:"max_inflight"`
-	// Engine is the engine kind: "vllm" (the zero value) or "sim".
+	// Engine is the engine kind, one of Config.Engines' kinds; empty means its default
+	// (vllm, with cmd/proxy's catalog).
 	Engine string `yaml:"engine"`
 	// KVHoldTimeout is the engine's own KV hold timeout. Zero means the engine kind's
-	// default (480s for vllm and sim).
+	// default.
 	KVHoldTimeout time.Duration `yaml:"kv_hold_timeout"`
 	// APIKey is the engine's own key (vLLM's --api-key), sent as "Authorization: Bearer"
 	// on every call to it, health checks included; it replaces whatever key the client
@@ -197,23 +212,26 @@ type Config struct {
 	Ejection EjectionConfig `yaml:"ejection"`
 	// Queue configures backpressure.
 	Queue QueueConfig `yaml:"queue"`
+	// Engines resolves each backend's engine kind. Nil takes any kind as a bare name, with
+	// no default kind and no default kv_hold_timeout.
+	Engines EngineCatalog `yaml:"-"`
 }
 
 // setDefaults fills zero fields. It leaves invalid values alone for Validate to name.
 func (c *Config) setDefaults() {
 	for i := range c.Backends {
 		b := &c.Backends[i]
-		if b.Engine == "" {
-			b.Engine = EngineVLLM
+		if e, ok := engineOf(c.Engines, b.Engine); ok {
+			b.Engine = e.Kind()
+			if b.KVHoldTimeout == 0 {
+				b.KVHoldTimeout = e.KVHoldTimeout()
+			}
 		}
 		if b.Weight == 0 {
 			b.Weight = DefaultWeight
 		}
 		if b.MaxInflight == 0 {
 			b.MaxInflight = DefaultMaxInflight
-		}
-		if b.KVHoldTimeout == 0 {
-			b.KVHoldTimeout, _ = engineKVHoldTimeout(b.Engine)
 		}
 		if b.Name == "" {
 			if u, err := url.Parse(b.URL); err == nil && u.Host != "" {
@@ -314,8 +332,8 @@ func (c *Config) Validate() error {
 		if b.MaxInflight < 0 {
 			bad(f+".max_inflight", "%d is negative", b.MaxInflight)
 		}
-		if _, ok := engineKVHoldTimeout(b.Engine); !ok {
-			bad(f+".engine", "unknown engine %q (want %q or %q)", b.Engine, EngineVLLM, EngineSim)
+		if _, ok := engineOf(c.Engines, b.Engine); !ok {
+			bad(f+".engine", "unknown engine %q (want one of %s)", b.Engine, strings.Join(c.Engines.Kinds(), ", "))
 		}
 		if b.KVHoldTimeout < 0 {
 			bad(f+".kv_hold_timeout", "%v is negative", b.KVHoldTimeout)

@@ -104,10 +104,34 @@ func testBackends(inflight ...int64) []*Backend {
 	for i, n := range inflight {
 		b := newBackend(BackendConfig{
 			Name: fmt.Sprintf("b%d", i), URL: fmt.Sprintf("http://10.0.0.%d:8000", i+1),
-			Role: RoleDecode, Weight: 1, MaxInflight: 1000, Engine: EngineVLLM,
-		}, nil, nil)
+			Role: RoleDecode, Weight: 1, MaxInflight: 1000, Engine: "vllm",
+		}, opaqueEngine("vllm"), nil, nil)
 		b.st.inflight.Store(n)
 		out = append(out, b)
 	}
 	return out
 }
+
+// testEngines is an engine catalog as cmd/proxy's would be, for tests of what the router does
+// with one: two kinds, "" meaning vllm.
+type testEngines struct{}
+
+type testEngine struct {
+	kind string
+	hold time.Duration
+}
+
+func (e testEngine) Kind() string                 { return e.kind }
+func (e testEngine) KVHoldTimeout() time.Duration { return e.hold }
+
+func (testEngines) Engine(kind string) (Engine, bool) {
+	switch kind {
+	case "", "vllm":
+		return testEngine{"vllm", 480 * time.Second}, true
+	case "sim":
+		return testEngine{"sim", 480 * time.Second}, true
+	}
+	return nil, false
+}
+
+func (testEngines) Kinds() []string { return []string{"vllm", "sim"} }

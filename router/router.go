@@ -300,7 +300,7 @@ func (r *Router) Backends() []BackendStatus {
 			MaxInflight: b.MaxInflight,
 			Weight:      b.Weight,
 			Ejections:   b.Ejections(),
-			Engine:      b.Engine,
+			Engine:      b.Engine.Kind(),
 		})
 	}
 	return out
@@ -366,7 +366,8 @@ func (r *Router) apply(cfg Config) error {
 					zap.String("backend", bc.Name), zap.String("url", bc.URL))
 			}
 		}
-		b := newBackend(bc, client, st)
+		eng, _ := engineOf(cfg.Engines, bc.Engine)
+		b := newBackend(bc, eng, client, st)
 		b.opts = opts[i]
 		all = append(all, b)
 	}

@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -55,9 +56,9 @@ func startInProcess(b *testing.B, prefill, decode *backend) *app.Main {
 	b.Helper()
 	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
 	if prefill != nil {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: prefill.URL(), Role: router.RolePrefill, Engine: router.EngineVLLM})
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: prefill.URL(), Role: router.RolePrefill, Engine: kvbackend.KindVLLM})
 	}
-	cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: decode.URL(), Role: router.RoleDecode, Engine: router.EngineVLLM})
+	cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: decode.URL(), Role: router.RoleDecode, Engine: kvbackend.KindVLLM})
 	logger := zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()), zapcore.AddSync(io.Discard), zap.InfoLevel))
 	m, err := app.New(cfg, logger)
 	if err != nil {

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -47,10 +48,10 @@ func runChild() int {
 	}
 	cfg := app.Config{Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", LogFormat: "json", ShutdownTimeout: 5 * time.Second}
 	for _, u := range cc.Prefill {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: u, Role: router.RolePrefill, Engine: router.EngineVLLM, MaxInflight: cc.MaxInflight})
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: u, Role: router.RolePrefill, Engine: kvbackend.KindVLLM, MaxInflight: cc.MaxInflight})
 	}
 	for _, u := range cc.Decode {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: u, Role: router.RoleDecode, Engine: router.EngineVLLM, MaxInflight: cc.MaxInflight})
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: u, Role: router.RoleDecode, Engine: kvbackend.KindVLLM, MaxInflight: cc.MaxInflight})
 	}
 	logger, err := app.NewLogger("json", "info")
 	if err != nil {

@@ -235,3 +235,14 @@ func LoadConfig(args []string, stderr io.Writer) (Config, error) {
 	src.Prefill, src.Decode = prefills, decodes
 	return src.load()
 }
+
+// engineCatalog gives the router kvbackend's engine kinds, as the opaque values it hands back
+// on every backend.
+type engineCatalog struct{}
+
+func (engineCatalog) Engine(kind string) (router.Engine, bool) {
+	e, ok := kvbackend.Lookup(kind)
+	return e, ok
+}
+
+func (engineCatalog) Kinds() []string { return kvbackend.Kinds() }

@@ -46,6 +46,7 @@ func (m *Main) Reload(path string) error {
 	cfg.setDefaults()
 
 	rcfg := cfg.Router
+	rcfg.Engines = engineCatalog{}
 	rcfg.Backends = slices.Clone(rcfg.Backends)
 	for i, p := range m.sims {
 		rcfg.Backends = append(rcfg.Backends, simBackend(i, p))

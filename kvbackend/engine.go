@@ -1,0 +1,114 @@
+package kvbackend
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"slices"
+	"time"
+)
+
+// Engine is what pdproxy knows of one kind of inference engine in P/D mode: how the prefill,
+// decode and drain calls are built and read, whether it has an explicit abort, how long its
+// prefillers hold KV on their own, and what a decoder's refusal means for the KV it was sent.
+// The proxy asks these questions of a backend's engine and never of a kind's name.
+type Engine interface {
+	// Kind is the engine's name in config ("vllm", "sim").
+	Kind() string
+	// KVHoldTimeout is how long a prefiller of this kind keeps a prefilled request's KV for a
+	// decoder before freeing it on its own (its lease, or its timer).
+	KVHoldTimeout() time.Duration
+	// PrefillBody is the client's body rewritten for the prefiller.
+	PrefillBody(f *Fields, chat bool) ([]byte, error)
+	// DecodeBody is the client's body for the decoder, with the prefiller's params (nil: the
+	// decoder computes the prompt itself).
+	DecodeBody(f *Fields, params json.RawMessage) ([]byte, error)
+	// DrainBody is a one-token decode whose only purpose is to make a decoder pull held KV.
+	DrainBody(f *Fields, chat bool, params json.RawMessage) ([]byte, error)
+	// ParsePrefill reads a prefiller's answer: the params it holds KV under, nil when it
+	// holds nothing.
+	ParsePrefill(body []byte) (json.RawMessage, error)
+	// CanAbort reports whether Abort exists: an explicit abort call that also frees a KV hold.
+	CanAbort() bool
+	// Abort asks the engine to abort request id, or free the KV it holds for it. An unknown
+	// id is a no-op on the engine. Engines without one (CanAbort false) return ErrNoAbort.
+	Abort(ctx context.Context, client *http.Client, baseURL, id string) error
+	// RejectionFreesKV reports whether a decoder that refused a decode carrying params with
+	// this status has told the prefiller to free them, so that nobody else may send them.
+	RejectionFreesKV(status int) bool
+}
+
+// Engine kinds, as named in config.
+const (
+	KindVLLM = "vllm"
+	KindSim  = "sim"
+)
+
+// vllm is vLLM with its NixlConnector. It has no explicit abort outside its dev mode: closing
+// the connection is its only abort, and its holds end on a decoder's notify or its timer.
+type vllm struct {
+	kind string
+	hold time.Duration
+}
+
+// vllmHoldTimeout is how long a vLLM prefiller holds a prefilled request's KV on its own
+// (VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+const vllmHoldTimeout = 480 * time.Second
+
+var (
+	// VLLM is the vLLM NixlConnector engine.
+	VLLM Engine = vllm{kind: KindVLLM, hold: vllmHoldTimeout}
+	// Sim is the simulated engine: vLLM's protocol, plus an explicit abort
+	// (POST /abort_request) that also frees a hold.
+	Sim Engine = sim{vllm{kind: KindSim, hold: vllmHoldTimeout}}
+)
+
+func (e vllm) Kind() string                 { return e.kind }
+func (e vllm) KVHoldTimeout() time.Duration { return e.hold }
+func (vllm) PrefillBody(f *Fields, chat bool) ([]byte, error) {
+	return PrefillBody(f, chat)
+}
+func (vllm) DecodeBody(f *Fields, params json.RawMessage) ([]byte, error) {
+	return DecodeBody(f, params)
+}
+func (vllm) DrainBody(f *Fields, chat bool, params json.RawMessage) ([]byte, error) {
+	return DrainBody(f, chat, params)
+}
+func (vllm) ParsePrefill(body []byte) (json.RawMessage, error) { return ParsePrefillResponse(body) }
+func (vllm) CanAbort() bool                                    { return false }
+func (vllm) Abort(context.Context, *http.Client, string, string) error {
+	return ErrNoAbort
+}
+
+// RejectionFreesKV: a vLLM decoder that refuses a request gives the prefiller no word the
+// proxy can rely on, so the proxy releases the hold itself.
+func (vllm) RejectionFreesKV(int) bool { return false }
+
+// sim is the simulated engine: vLLM, plus SGLang's explicit abort.
+type sim struct{ vllm }
+
+func (sim) CanAbort() bool { return true }
+func (sim) Abort(ctx context.Context, client *http.Client, baseURL, id string) error {
+	return abortRequest(ctx, client, baseURL, id)
+}
+
+// Lookup returns the engine of kind; "" is vLLM, the default.
+func Lookup(kind string) (Engine, bool) {
+	switch kind {
+	case "", KindVLLM:
+		return VLLM, true
+	case KindSim:
+		return Sim, true
+	}
+	return nil, false
+}
+
+// Kinds lists the engine kinds Lookup knows, for error messages.
+func Kinds() []string { return slices.Clone(kinds) }
+
+var kinds = []string{KindVLLM, KindSim}
+
+var (
+	_ Engine = vllm{}
+	_ Engine = sim{}
+)
