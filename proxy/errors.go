@@ -25,9 +25,8 @@ type apiError struct {
 	retryAfter int
 	cause      error
 	// raw, when set, is a backend's own error answer, passed to the client as it came.
-	raw         []byte
-	rawType     string
-	backendSide bool
+	raw     []byte
+	rawType string
 	// bearerChallenge adds "WWW-Authenticate: Bearer", which a 401 must carry (RFC 9110
 	// section 15.5.2).
 	bearerChallenge bool
@@ -117,10 +116,10 @@ func fromBackend(err error, role router.Role, timeoutCode string) *apiError {
 	var se *kvbackend.StatusError
 	if errors.As(err, &se) {
 		if se.Status >= 400 && se.Status < 500 {
-			return &apiError{status: se.Status, raw: se.Body, rawType: se.ContentType, cause: err, backendSide: true}
+			return &apiError{status: se.Status, raw: se.Body, rawType: se.ContentType, cause: err}
 		}
 		return &apiError{status: http.StatusBadGateway, typ: "bad_gateway", code: "backend_error",
-			message: string(role) + " backend answered with status " + strconv.Itoa(se.Status), cause: err, backendSide: true}
+			message: string(role) + " backend answered with status " + strconv.Itoa(se.Status), cause: err}
 	}
 	if errors.Is(err, errPhaseTimeout) {
 		return &apiError{status: http.StatusGatewayTimeout, typ: "timeout", code: timeoutCode,
@@ -128,10 +127,10 @@ func fromBackend(err error, role router.Role, timeoutCode string) *apiError {
 	}
 	if errors.Is(err, kvbackend.ErrBadKVParams) {
 		return &apiError{status: http.StatusBadGateway, typ: "bad_gateway", code: "bad_kv_transfer_params",
-			message: "prefill backend answered with invalid kv_transfer_params", cause: err, backendSide: true}
+			message: "prefill backend answered with invalid kv_transfer_params", cause: err}
 	}
 	return &apiError{status: http.StatusBadGateway, typ: "bad_gateway", code: "backend_unreachable",
-		message: string(role) + " backend could not be reached or failed", cause: err, backendSide: true}
+		message: string(role) + " backend could not be reached or failed", cause: err}
 }
 
 var errPhaseTimeout = errors.New("phase timeout")

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"reflect"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -19,6 +20,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap/zaptest"
 
+	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -273,6 +275,9 @@ func newHarnessTable(t *testing.T, cfg Config, rcfg router.Config, lcfg lifecycl
 	if rcfg.Health.Interval == 0 {
 		rcfg.Health.Interval = -1
 	}
+	if rcfg.Engines == nil {
+		rcfg.Engines = engineCatalog{}
+	}
 	reg := prometheus.NewRegistry()
 	rt, err := router.New(rcfg, zaptest.NewLogger(t), reg)
 	if err != nil {
@@ -480,7 +485,7 @@ func (h *harness) waitQuiet() {
 			var inflight []string
 			if h.rt != nil {
 				for _, b := range h.rt.Backends() {
-					inflight = append(inflight, b.Name+"="+itoa(b.Inflight))
+					inflight = append(inflight, b.Name+"="+strconv.FormatInt(b.Inflight, 10))
 				}
 			}
 			h.t.Fatalf("requests left behind: table %d %v, pdproxy_inflight_requests sum %v, backend in-flight %v",
@@ -582,3 +587,13 @@ func (s stubRouter) Acquire(context.Context, router.Role, router.Hint) (*router.
 func (stubRouter) Has(router.Role) bool             { return false }
 func (stubRouter) Ready() bool                      { return false }
 func (stubRouter) Backends() []router.BackendStatus { return nil }
+
+// engineCatalog gives the router kvbackend's engines, as cmd/proxy does.
+type engineCatalog struct{}
+
+func (engineCatalog) Engine(kind string) (router.Engine, bool) {
+	e, ok := kvbackend.Lookup(kind)
+	return e, ok
+}
+
+func (engineCatalog) Kinds() []string { return kvbackend.Kinds() }

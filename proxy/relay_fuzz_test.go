@@ -139,14 +139,14 @@ func FuzzRelay(f *testing.F) {
 			t.Fatal(err)
 		}
 		defer table.End(id)
-		if _, ok := table.StartDecode(id, "d0"); !ok {
+		if _, _, ok := table.StartDecode(id, "d0"); !ok {
 			t.Fatal("StartDecode refused")
 		}
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
 		rec := httptest.NewRecorder()
 		x := &exchange{s: srv, w: rec, ctx: ctx, cancel: cancel, id: id, route: "/v1/completions",
-			start: time.Now(), req: &genRequest{stream: stream}}
+			start: time.Now(), req: &genRequest{stream: stream}, own: &custody{id: id}}
 		wd := newWatchdog(ctx, false, time.Hour, time.Hour)
 		defer wd.stop()
 		end := io.EOF

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -27,13 +28,13 @@ func TestKVHeldForAGoneClientIsReleased(t *testing.T) {
 		abort      bool   // the prefiller gets /abort_request
 	}{
 		{name: "drain: a one-token decode pulls the KV so the prefiller frees it", release: ReleaseDrain,
-			engineKind: router.EngineVLLM, reason: "drained", drain: true},
+			engineKind: kvbackend.KindVLLM, reason: "drained", drain: true},
 		{name: "abort on an engine with an abort call: the prefiller is told to free it", release: ReleaseAbort,
-			engineKind: router.EngineSim, reason: "aborted", abort: true},
+			engineKind: kvbackend.KindSim, reason: "aborted", abort: true},
 		{name: "abort on vLLM, which has no abort call: drained instead", release: ReleaseAbort,
-			engineKind: router.EngineVLLM, reason: "drained", drain: true},
+			engineKind: kvbackend.KindVLLM, reason: "drained", drain: true},
 		{name: "wait: left to the engine's timer, nothing is sent", release: ReleaseWait,
-			engineKind: router.EngineVLLM, reason: "expired"},
+			engineKind: kvbackend.KindVLLM, reason: "expired"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
@@ -306,7 +307,7 @@ func TestKVPastItsHoldDeadlineIsNeverForwarded(t *testing.T) {
 	const holdTimeout = 30 * time.Second
 	h := newHarnessTable(t, Config{DecoderReservation: ReserveAfterPrefill}, router.Config{
 		Backends: []router.BackendConfig{
-			{Name: "p0", URL: p.URL(), Role: router.RolePrefill, Engine: router.EngineSim},
+			{Name: "p0", URL: p.URL(), Role: router.RolePrefill, Engine: kvbackend.KindSim},
 			{Name: "d0", URL: d.URL(), Role: router.RoleDecode, MaxInflight: 1},
 		},
 	}, lifecycle.Config{KVHoldTimeout: holdTimeout, Now: clock.Now})

@@ -17,11 +17,10 @@ const maxTokensLimit = 1 << 24
 // genRequest is a completion or chat request, parsed once: its raw top-level fields (passed on
 // untouched) and the few values the proxy itself needs.
 type genRequest struct {
-	chat         bool
-	fields       *kvbackend.Fields
-	model        string
-	stream       bool
-	includeUsage bool
+	chat   bool
+	fields *kvbackend.Fields
+	model  string
+	stream bool
 	// prefix is the start of the prompt, for prefix-affinity routing.
 	prefix string
 }
@@ -58,7 +57,8 @@ func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
 		if err := json.Unmarshal(raw, &so); err != nil {
 			return nil, badRequest("stream_options", "stream_options must be an object")
 		}
-		if e := boolField(so, "include_usage", &req.includeUsage); e != nil {
+		var includeUsage bool // checked, not used: the decoder reads it
+		if e := boolField(so, "include_usage", &includeUsage); e != nil {
 			e.param = "stream_options.include_usage"
 			return nil, e
 		}

@@ -71,12 +71,11 @@ func FuzzParseRequest(f *testing.F) {
 
 func TestParseRequestKeepsWhatRoutingNeeds(t *testing.T) {
 	for _, tc := range []struct {
-		name, body   string
-		chat         bool
-		model        string
-		stream       bool
-		includeUsage bool
-		prefix       string
+		name, body string
+		chat       bool
+		model      string
+		stream     bool
+		prefix     string
 	}{
 		{name: "a string prompt is the routing prefix", body: `{"model":"m","prompt":"You are a pirate."}`,
 			model: "m", prefix: "You are a pirate."},
@@ -84,7 +83,7 @@ func TestParseRequestKeepsWhatRoutingNeeds(t *testing.T) {
 			model: "m", stream: true, prefix: "sys"},
 		{name: "a chat's first message is the routing prefix", chat: true,
 			body:  `{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}],"stream":true,"stream_options":{"include_usage":true}}`,
-			model: "m", stream: true, includeUsage: true, prefix: "Be brief."},
+			model: "m", stream: true, prefix: "Be brief."},
 		{name: "null optional fields count as absent", body: `{"model":"m","prompt":"p","stream":null,"max_tokens":null,"stream_options":null}`,
 			model: "m", prefix: "p"},
 	} {
@@ -93,9 +92,9 @@ func TestParseRequestKeepsWhatRoutingNeeds(t *testing.T) {
 			if e != nil {
 				t.Fatalf("refused: %v", e)
 			}
-			if req.model != tc.model || req.stream != tc.stream || req.includeUsage != tc.includeUsage || req.prefix != tc.prefix {
-				t.Errorf("got model %q stream %v include_usage %v prefix %q, want %q %v %v %q",
-					req.model, req.stream, req.includeUsage, req.prefix, tc.model, tc.stream, tc.includeUsage, tc.prefix)
+			if req.model != tc.model || req.stream != tc.stream || req.prefix != tc.prefix {
+				t.Errorf("got model %q stream %v prefix %q, want %q %v %q",
+					req.model, req.stream, req.prefix, tc.model, tc.stream, tc.prefix)
 			}
 		})
 	}

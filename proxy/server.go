@@ -214,9 +214,6 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 // Handler is the proxy's HTTP handler.
 func (s *Server) Handler() http.Handler { return s.handler }
 
-// Table is the lifecycle table the server records requests in.
-func (s *Server) Table() *lifecycle.Table { return s.table }
-
 // SetDraining makes /ready fail (shutdown has begun) while requests in flight go on.
 func (s *Server) SetDraining() { s.draining.Store(true) }
 

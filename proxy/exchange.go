@@ -1,0 +1,293 @@
+package proxy
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// exchange is one client request on its way through the P/D flow. Only the handler's
+// goroutine touches it, except where a field says otherwise.
+type exchange struct {
+	s      *Server
+	w      http.ResponseWriter
+	r      *http.Request
+	ctx    context.Context // the request's context: done when the client leaves
+	cancel context.CancelFunc
+	id     string
+	route  string
+	start  time.Time
+	req    *genRequest
+	hdr    http.Header // headers passed on to backends
+
+	// own is the request's custody (its table entry, its decoder's lease, a hold on its way
+	// to the decoder) while the exchange has it; nil once it went to a release or to a
+	// prefill let finish in the background (abort.go).
+	own      *custody
+	prefillB *router.Backend
+	decodeB  *router.Backend
+	kvParams json.RawMessage
+
+	goneAt   atomic.Int64 // UnixNano when ctx was seen done; written by an AfterFunc
+	wrote    bool         // a byte of the answer went to the client
+	ttft     time.Duration
+	prefillT time.Duration
+	decodeT  time.Duration
+	fallback bool
+	chunks   int
+	// abortConn: the answer broke after its headers went out in a non-streaming response; the
+	// only honest end is to cut the connection.
+	abortConn bool
+}
+
+// generate serves /v1/completions (chat false) and /v1/chat/completions.
+func (s *Server) generate(route string, chat bool) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		x := &exchange{s: s, w: w, r: r, route: route, start: time.Now(), id: requestID(r)}
+		w.Header().Set("X-Request-Id", x.id)
+		err := x.run(chat)
+		status := http.StatusOK
+		if err != nil {
+			status = err.status
+			if !x.wrote {
+				writeError(w, err)
+			}
+		}
+		s.finish(x, status, err)
+		if x.abortConn {
+			// The headers and part of a non-streaming body are out; ending the handler
+			// normally would pass a truncated JSON off as complete.
+			panic(http.ErrAbortHandler)
+		}
+	}
+}
+
+func (s *Server) finish(x *exchange, status int, err *apiError) {
+	elapsed := time.Since(x.start)
+	code := strconv.Itoa(status)
+	s.m.requests.WithLabelValues(x.route, code).Inc()
+	s.m.duration.WithLabelValues(x.route).Observe(elapsed.Seconds())
+	if x.ttft > 0 {
+		s.m.ttft.WithLabelValues(x.route).Observe(x.ttft.Seconds())
+	}
+	level := zap.InfoLevel
+	if status >= 500 && status != StatusClientClosed {
+		level = zap.WarnLevel
+	}
+	ce := s.logger.Check(level, "request")
+	if ce == nil {
+		return
+	}
+	fields := []zap.Field{
+		zap.String("request_id", x.id), zap.String("route", x.route), zap.Int("status", status),
+		zap.Duration("duration", elapsed), zap.Duration("prefill_duration", x.prefillT),
+		zap.Duration("decode_duration", x.decodeT), zap.Duration("ttft", x.ttft),
+	}
+	if x.req != nil {
+		fields = append(fields, zap.Bool("stream", x.req.stream))
+	}
+	if x.prefillB != nil {
+		fields = append(fields, zap.String("prefill_backend", x.prefillB.Name))
+	}
+	if x.decodeB != nil {
+		fields = append(fields, zap.String("decode_backend", x.decodeB.Name))
+	}
+	if x.fallback {
+		fields = append(fields, zap.Bool("decode_only_fallback", true))
+	}
+	if err != nil {
+		fields = append(fields, zap.String("error", err.Error()))
+	}
+	ce.Write(fields...)
+}
+
+// requestID is the client's X-Request-Id when it sent a usable one, else a new random id.
+func requestID(r *http.Request) string {
+	if id := r.Header.Get("X-Request-Id"); id != "" && len(id) <= 128 && printable(id) {
+		return id
+	}
+	var b [16]byte
+	rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+func printable(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < 0x21 || s[i] > 0x7e {
+			return false
+		}
+	}
+	return true
+}
+
+func (x *exchange) run(chat bool) *apiError {
+	body, e := readBody(x.w, x.r, x.s.cfg.MaxBodyBytes)
+	if e != nil {
+		return e
+	}
+	req, e := parseRequest(body, chat)
+	if e != nil {
+		return e
+	}
+	x.req = req
+	x.hdr = upstreamHeader(x.r.Header)
+	if x.s.keys != nil {
+		// The client's key is for the proxy; a backend that wants one has its own api_key.
+		x.hdr.Del("Authorization")
+	}
+
+	ctx, cancel := context.WithCancel(x.r.Context())
+	defer cancel()
+	x.ctx, x.cancel = ctx, cancel
+	stop := context.AfterFunc(ctx, func() { x.goneAt.Store(time.Now().UnixNano()) })
+	defer stop()
+
+	if err := x.s.table.Begin(x.id, x.route, cancel); err != nil {
+		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "duplicate_request_id",
+			param: "X-Request-Id", message: "a request with this X-Request-Id is already in flight"}
+	}
+	x.own = &custody{id: x.id}
+	defer func() {
+		if c := x.handOff(); c != nil {
+			c.end(x.s)
+		}
+	}()
+	return x.serve()
+}
+
+func (x *exchange) hint(exclude []string) router.Hint {
+	return router.Hint{RequestID: x.id, Prefix: x.req.prefix, Exclude: exclude}
+}
+
+func (x *exchange) serve() *apiError {
+	before := x.s.cfg.DecoderReservation != ReserveAfterPrefill
+	if before {
+		// The decoder is reserved first, so that a prefilled request never waits for one and
+		// its KV is held only as long as sending the decode takes.
+		if e := x.reserveDecoder(); e != nil {
+			return e
+		}
+	}
+	if x.s.router.Has(router.RolePrefill) {
+		if e := x.prefill(); e != nil {
+			return e
+		}
+	}
+	if !before {
+		// Waiting for a decoder now happens in kv_held: a client leaving meanwhile gets its KV
+		// released, and the hold deadline keeps running.
+		if e := x.reserveDecoder(); e != nil {
+			return e
+		}
+	}
+	return x.decode()
+}
+
+func (x *exchange) reserveDecoder() *apiError {
+	lease, err := x.s.router.Acquire(x.ctx, router.RoleDecode, x.hint(nil))
+	if err != nil {
+		if x.ctx.Err() != nil {
+			return x.gone()
+		}
+		x.fail()
+		return fromRouter(err, router.RoleDecode)
+	}
+	x.own.lease, x.decodeB = lease, lease.Backend()
+	return nil
+}
+
+// engineOf is the engine a backend runs; the router carries it from config without knowing it.
+func engineOf(b *router.Backend) kvbackend.Engine {
+	if e, ok := b.Engine.(kvbackend.Engine); ok {
+		return e
+	}
+	return kvbackend.VLLM
+}
+
+// resultOf turns a call's outcome into the router's passive-health input; a call ended by
+// the client leaving says nothing about the backend.
+func resultOf(err error, clientCtx context.Context) router.Result {
+	if err == nil {
+		return router.Result{Status: http.StatusOK}
+	}
+	if clientCtx != nil && clientCtx.Err() != nil {
+		return router.Result{Canceled: true}
+	}
+	var se *kvbackend.StatusError
+	if errors.As(err, &se) {
+		return router.Result{Status: se.Status}
+	}
+	return router.Result{Err: err}
+}
+
+// retriable reports whether a call provably never started on its backend, so that another
+// may take it: the connection was never made, or, with refusals, the backend refused it with
+// 502, 503 or 504. A decode that carried KV params is retried only on the first ground: a
+// decoder that refused one may have told the prefiller already.
+func retriable(err error, refusals bool) bool {
+	var ce *kvbackend.CallError
+	if errors.As(err, &ce) && ce.Connect {
+		return true
+	}
+	var se *kvbackend.StatusError
+	if refusals && errors.As(err, &se) {
+		return se.Status == http.StatusBadGateway || se.Status == http.StatusServiceUnavailable || se.Status == http.StatusGatewayTimeout
+	}
+	return false
+}
+
+func retryReason(err error) string {
+	var se *kvbackend.StatusError
+	if errors.As(err, &se) {
+		return strconv.Itoa(se.Status)
+	}
+	return "connect_error"
+}
+
+func baseURL(b *router.Backend) string { return strings.TrimRight(b.URLString, "/") }
+
+// call is the request's call to backend b on path, with the client's headers.
+func (x *exchange) call(b *router.Backend, path string, body []byte) kvbackend.Call {
+	return backendCall(b, path, x.id, x.hdr, body)
+}
+
+func backendCall(b *router.Backend, path, id string, hdr http.Header, body []byte) kvbackend.Call {
+	return kvbackend.Call{Client: b.Client(), BaseURL: baseURL(b), Path: path, ID: id, Header: hdr, Body: body, Engine: engineOf(b)}
+}
+
+// readBody reads the whole request body, bounded: a larger one is 413.
+func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, *apiError) {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, limit))
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return nil, &apiError{status: http.StatusRequestEntityTooLarge, typ: "invalid_request_error", code: "request_too_large",
+				message: "request body is larger than the limit of " + formatBytes(limit)}
+		}
+		return nil, &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "unreadable_body", message: "could not read the request body", cause: err}
+	}
+	return body, nil
+}
+
+func formatBytes(n int64) string {
+	switch {
+	case n >= 1<<20 && n%(1<<20) == 0:
+		return strconv.FormatInt(n>>20, 10) + " MiB"
+	case n >= 1<<10 && n%(1<<10) == 0:
+		return strconv.FormatInt(n>>10, 10) + " KiB"
+	}
+	return strconv.FormatInt(n, 10) + " bytes"
+}

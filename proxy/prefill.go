@@ -1,0 +1,182 @@
+package proxy
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"sync/atomic"
+	"time"
+
+	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/lifecycle"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// prefill runs the prefill call, on another prefiller when one provably never started it,
+// and falls back to a decode-only request when no prefiller can serve and that is allowed.
+func (x *exchange) prefill() *apiError {
+	start := time.Now()
+	defer func() { x.prefillT = time.Since(start) }()
+	var (
+		body    []byte
+		bodyFor kvbackend.Engine // the engine body was built for
+		tried   []string
+		lastErr error
+	)
+	for attempt := 0; attempt <= x.s.cfg.PrefillRetries; attempt++ {
+		lease, err := x.s.router.Acquire(x.ctx, router.RolePrefill, x.hint(tried))
+		if err != nil {
+			if x.ctx.Err() != nil {
+				return x.gone()
+			}
+			if lastErr == nil {
+				lastErr = err
+			}
+			break
+		}
+		b := lease.Backend()
+		x.prefillB = b
+		tried = append(tried, b.Name)
+		if eng := engineOf(b); eng != bodyFor {
+			if body, err = eng.PrefillBody(x.req.fields, x.req.chat); err != nil {
+				lease.Release(router.Result{Canceled: true})
+				x.fail()
+				return &apiError{status: http.StatusInternalServerError, typ: "internal_error", code: "internal", message: "could not build the prefill request", cause: err}
+			}
+			bodyFor = eng
+		}
+		if attempt > 0 {
+			// Counted only now that another prefiller takes it: a retry with nobody left to
+			// try is no retry.
+			x.s.m.retries.WithLabelValues(string(router.RolePrefill), retryReason(lastErr)).Inc()
+		}
+		var started bool
+		if attempt == 0 {
+			started = x.s.table.StartPrefill(x.id, b.Name)
+		} else {
+			started = x.s.table.PrefillRetry(x.id, b.Name)
+		}
+		if !started {
+			lease.Release(router.Result{Canceled: true})
+			return x.gone()
+		}
+		params, err, gone := x.callPrefill(lease, b, body)
+		if gone {
+			return errClientGone
+		}
+		if err == nil {
+			if act, hold := x.s.table.Prefilled(x.id, params != nil); act == lifecycle.ReleaseKV {
+				// The request was aborted while the prefill ran. Cannot happen while only
+				// this goroutine moves it; kept so that a hold is never dropped if that changes.
+				x.s.startRelease(release{mode: x.s.cfg.KVRelease, c: x.handOff(), hold: hold, req: x.req, prefill: b, params: params})
+				return errClientGone
+			}
+			x.kvParams = params
+			if x.ctx.Err() != nil {
+				return x.gone()
+			}
+			return nil
+		}
+		if x.ctx.Err() != nil {
+			return x.gone()
+		}
+		x.s.abortBrokenPrefill(x.id, b, err)
+		lastErr = err
+		if !retriable(err, true) {
+			break
+		}
+	}
+	var se *kvbackend.StatusError
+	clientFault := errors.As(lastErr, &se) && se.Status >= 400 && se.Status < 500
+	if !clientFault && *x.s.cfg.DecodeOnlyFallback {
+		// Nobody prefilled: move on without KV, the decoder computes the prompt itself.
+		if !x.s.table.DecodeOnly(x.id) {
+			return x.gone()
+		}
+		x.fallback = true
+		x.s.m.fallbacks.Inc()
+		return nil
+	}
+	x.fail()
+	if rerr := lastErr; rerr != nil && (errors.Is(rerr, router.ErrNoBackend) || errors.Is(rerr, router.ErrQueueFull) || errors.Is(rerr, router.ErrQueueTimeout)) {
+		return fromRouter(rerr, router.RolePrefill)
+	}
+	return fromBackend(lastErr, router.RolePrefill, "prefill_timeout")
+}
+
+// mayHoldKV reports whether a failed prefill call may have left KV held on the prefiller: the
+// request reached it (no connect error) and it did not answer with an error status.
+func mayHoldKV(err error) bool {
+	var se *kvbackend.StatusError
+	if errors.As(err, &se) {
+		return false
+	}
+	var ce *kvbackend.CallError
+	return !errors.As(err, &ce) || !ce.Connect
+}
+
+type prefillAnswer struct {
+	params json.RawMessage
+	err    error
+}
+
+// callPrefill makes the prefill call. With abort_during_prefill cancel the call carries the
+// request's context, so the client leaving closes the prefiller's connection at once. With
+// finish_then_release it runs on a context detached from the client on purpose: if the
+// client leaves, the call goes on in the background and takes the request's custody, so that
+// its KV is released as soon as the prefiller answers (gone is then true: the client's leaving
+// has been handled).
+func (x *exchange) callPrefill(lease *router.Lease, b *router.Backend, body []byte) (params json.RawMessage, err error, gone bool) {
+	call := x.call(b, x.route, body)
+	timeout := x.s.cfg.PrefillTimeout
+	if x.s.cfg.AbortDuringPrefill == AbortPrefillCancel {
+		ctx, cancel := context.WithTimeoutCause(x.ctx, timeout, errPhaseTimeout)
+		defer cancel()
+		params, err := call.Prefill(ctx)
+		lease.Release(resultOf(err, x.ctx))
+		if err != nil && context.Cause(ctx) == errPhaseTimeout {
+			err = errors.Join(errPhaseTimeout, err)
+		}
+		return params, err, false
+	}
+
+	var taken atomic.Bool // set by whichever side handles the answer: the handler, or the call
+	answer := make(chan prefillAnswer, 1)
+	adopt := make(chan *custody, 1)
+	s, req := x.s, x.req
+	s.bg.Add(1)
+	go func() {
+		defer s.bg.Done()
+		ctx, cancel := context.WithTimeoutCause(context.WithoutCancel(x.ctx), timeout, errPhaseTimeout)
+		defer cancel()
+		params, err := call.Prefill(ctx)
+		lease.Release(resultOf(err, nil))
+		if err != nil && context.Cause(ctx) == errPhaseTimeout {
+			err = errors.Join(errPhaseTimeout, err)
+		}
+		if taken.CompareAndSwap(false, true) {
+			answer <- prefillAnswer{params, err}
+			return
+		}
+		// The handler gave up on the client and hands over the request's custody.
+		s.prefillAnswerAfterClientLeft(<-adopt, req, b, params, err)
+	}()
+	select {
+	case res := <-answer:
+		return res.params, res.err, false
+	case <-x.ctx.Done():
+		if taken.CompareAndSwap(false, true) {
+			// The table learns first that the client left, so that the answer, whenever it
+			// comes, is taken for a hold nobody will decode.
+			x.gone()
+			c := x.handOff()
+			// The decoder reserved for the request is of no use to it any more.
+			c.giveBackLease(router.Result{Canceled: true})
+			adopt <- c
+			return nil, nil, true
+		}
+		res := <-answer
+		return res.params, res.err, false
+	}
+}
