@@ -579,6 +579,7 @@ type stubRouter struct{ err error }
 func (s stubRouter) Acquire(context.Context, router.Role, router.Hint) (*router.Lease, error) {
 	return nil, s.err
 }
-func (stubRouter) Has(router.Role) bool             { return false }
-func (stubRouter) Ready() bool                      { return false }
-func (stubRouter) Backends() []router.BackendStatus { return nil }
+func (stubRouter) Available(router.Role) []*router.Backend { return nil }
+func (stubRouter) Has(router.Role) bool                    { return false }
+func (stubRouter) Ready() bool                             { return false }
+func (stubRouter) Backends() []router.BackendStatus        { return nil }
