@@ -584,9 +584,10 @@ type stubRouter struct{ err error }
 func (s stubRouter) Acquire(context.Context, router.Role, router.Hint) (*router.Lease, error) {
 	return nil, s.err
 }
-func (stubRouter) Has(router.Role) bool             { return false }
-func (stubRouter) Ready() bool                      { return false }
-func (stubRouter) Backends() []router.BackendStatus { return nil }
+func (stubRouter) Available(router.Role) []*router.Backend { return nil }
+func (stubRouter) Has(router.Role) bool                    { return false }
+func (stubRouter) Ready() bool                             { return false }
+func (stubRouter) Backends() []router.BackendStatus        { return nil }
 
 // engineCatalog gives the router kvbackend's engines, as cmd/proxy does.
 type engineCatalog struct{}

@@ -5,14 +5,10 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
-	"strings"
 	"time"
 
 	"github.com/pdproxy/pdproxy/router"
 )
-
-// modelsClient asks backends for their models; it is not on any request's hot path.
-var modelsClient = &http.Client{Timeout: 3 * time.Second}
 
 type modelList struct {
 	Object string            `json:"object"`
@@ -64,15 +60,14 @@ func (s *Server) fetchModels(ctx context.Context) ([]byte, error) {
 	seen := map[string]bool{}
 	out := modelList{Object: "list", Data: []json.RawMessage{}}
 	answered := false
-	for _, b := range s.router.Backends() {
-		if b.Role != router.RoleDecode || !b.Healthy {
-			continue
-		}
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimRight(b.URL, "/")+"/v1/models", nil)
+	for _, b := range s.router.Available(router.RoleDecode) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, baseURL(b)+"/v1/models", nil)
 		if err != nil {
 			continue
 		}
-		resp, err := modelsClient.Do(req)
+		// The backend's own client: it carries the engine's API key and TLS settings. It has
+		// no Timeout; ctx bounds the call (3 s, in modelList).
+		resp, err := b.Client().Do(req)
 		if err != nil {
 			continue
 		}

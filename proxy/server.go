@@ -25,10 +25,12 @@ import (
 	"github.com/pdproxy/pdproxy/router"
 )
 
-// Router is what the proxy needs of the router: a backend lease per call, and its view of
-// the pools for readiness and inspection.
+// Router is what the proxy needs of the router: a backend lease per call, the backends
+// that may be picked now for calls outside a lease (listing models), and its view of the
+// pools for readiness and inspection.
 type Router interface {
 	Acquire(ctx context.Context, role router.Role, h router.Hint) (*router.Lease, error)
+	Available(role router.Role) []*router.Backend
 	Has(role router.Role) bool
 	Ready() bool
 	Backends() []router.BackendStatus

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"slices"
 	"testing"
 	"time"
 
@@ -217,6 +218,60 @@ func TestBackendsReportsStatus(t *testing.T) {
 		if got[i] != want[i] {
 			t.Errorf("Backends()[%d] = %+v, want %+v", i, got[i], want[i])
 		}
+	}
+}
+
+func TestAvailableListsTheBackendsOfARoleThatMayBePicked(t *testing.T) {
+	tests := []struct {
+		name  string
+		role  Role
+		setup func(t *testing.T, r *Router)
+		want  []string
+	}{
+		{"every healthy decoder in config order", RoleDecode, func(*testing.T, *Router) {}, []string{"d0", "d1", "d2"}},
+		{"only the role asked for", RolePrefill, func(*testing.T, *Router) {}, []string{"p0"}},
+		{"a backend failing active checks is left out", RoleDecode, func(t *testing.T, r *Router) {
+			backendByName(t, r, "d0").st.up.Store(false)
+		}, []string{"d1", "d2"}},
+		{"an ejected backend is left out", RoleDecode, func(t *testing.T, r *Router) {
+			backendByName(t, r, "d1").st.ejectedUntil.Store(r.now().Add(time.Second).UnixNano())
+		}, []string{"d0", "d2"}},
+		{"a backend whose ejection ended is back", RoleDecode, func(t *testing.T, r *Router) {
+			backendByName(t, r, "d1").st.ejectedUntil.Store(r.now().Add(-time.Second).UnixNano())
+		}, []string{"d0", "d1", "d2"}},
+		{"a full backend is still listed", RoleDecode, func(t *testing.T, r *Router) {
+			l := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d0", "d1"}})
+			t.Cleanup(func() { l.Release(Result{Status: 200}) })
+		}, []string{"d0", "d1", "d2"}},
+		{"no backend of the role", Role("embed"), func(*testing.T, *Router) {}, nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := Config{Backends: append(backendsCfg(RolePrefill, "p", 1, 0), backendsCfg(RoleDecode, "d", 3, 1)...)}
+			r, _, _ := newTestRouter(t, cfg)
+			tt.setup(t, r)
+			var got []string
+			for _, b := range r.Available(tt.role) {
+				if b != backendByName(t, r, b.Name) {
+					t.Errorf("Available(%s) returned a copy of %s, not the live backend", tt.role, b.Name)
+				}
+				got = append(got, b.Name)
+			}
+			if !slices.Equal(got, tt.want) {
+				t.Errorf("Available(%s) = %v, want %v", tt.role, got, tt.want)
+			}
+		})
+	}
+}
+
+func TestAvailableLeavesOutABackendThatAReloadRemoved(t *testing.T) {
+	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 2, 0)}
+	r, _, _ := newTestRouter(t, cfg)
+	if err := r.Reload(Config{Backends: cfg.Backends[1:], Health: HealthConfig{Interval: -1}}); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.Available(RoleDecode); len(got) != 1 || got[0].Name != "d1" {
+		t.Errorf("Available(decode) after removing d0 = %v, want [d1]", got)
 	}
 }
 

@@ -246,6 +246,22 @@ func (r *Router) Ready() bool {
 	return false
 }
 
+// Available returns the backends of role that may be picked now (passing active checks,
+// not ejected, not removed by a Reload), in config order, whether or not they have room
+// under max_inflight. It is for calls made outside a lease, such as listing models: make
+// them through each backend's Client, which carries its key and TLS settings. The
+// backends are shared and read-only.
+func (r *Router) Available(role Role) []*Backend {
+	now := r.now()
+	var out []*Backend
+	for _, b := range r.backends() {
+		if b.Role == role && b.available(now) {
+			out = append(out, b)
+		}
+	}
+	return out
+}
+
 // MinKVHoldTimeout is the smallest engine KV hold timeout among the backends of role,
 // or 0 when there are none: a proxy hold longer than it would forward KV params that the
 // engine may already have freed.
