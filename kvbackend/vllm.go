@@ -90,20 +90,45 @@ var ErrBadKVParams = errors.New("prefiller returned kv_transfer_params that are 
 
 // ParsePrefillResponse extracts the top-level kv_transfer_params from a prefiller's
 // non-streaming answer. It returns nil when they are null or absent: the prefiller holds
-// nothing for this request. The params are a copy: body may be reused afterwards.
+// nothing for this request; likewise when their remote_block_ids name no block (vLLM holds
+// nothing then, and a decoder handed empty ids may fail an assertion). The member is matched
+// by its exact name, as the engine's own JSON reader does: "KV_Transfer_Params" is another
+// field. The params are a copy: body may be reused afterwards.
 func ParsePrefillResponse(body []byte) (json.RawMessage, error) {
-	var resp struct {
-		KV json.RawMessage `json:"kv_transfer_params"`
+	f, err := ParseFields(body)
+	if err != nil {
+		return nil, fmt.Errorf("prefiller answered with a body that is not a JSON object: %w", err)
 	}
-	if err := json.Unmarshal(body, &resp); err != nil {
-		return nil, fmt.Errorf("prefiller answered with a body that is not JSON: %w", err)
-	}
-	kv := bytes.TrimSpace(resp.KV)
-	if len(kv) == 0 || bytes.Equal(kv, []byte("null")) {
+	kv, _ := f.Field("kv_transfer_params")
+	if len(kv) == 0 || bytes.Equal(kv, rawNull) {
 		return nil, nil
 	}
 	if kv[0] != '{' {
 		return nil, ErrBadKVParams
 	}
-	return kv, nil
+	if noBlocks(kv) {
+		return nil, nil
+	}
+	return bytes.Clone(kv), nil
+}
+
+// noBlocks reports whether params carry a remote_block_ids that names no block: [] or a list
+// of empty lists, one per KV cache group. Params without the field are taken as they are.
+func noBlocks(params json.RawMessage) bool {
+	f, err := ParseFields(params)
+	if err != nil {
+		return false
+	}
+	ids, ok := f.Field("remote_block_ids")
+	var flat []json.RawMessage
+	if !ok || bytes.Equal(ids, rawNull) || json.Unmarshal(ids, &flat) != nil {
+		return false
+	}
+	for _, g := range flat {
+		var group []json.RawMessage
+		if json.Unmarshal(g, &group) != nil || len(group) > 0 {
+			return false
+		}
+	}
+	return true
 }

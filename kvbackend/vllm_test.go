@@ -222,6 +222,16 @@ func TestParsePrefillResponse(t *testing.T) {
 		{name: "a truncated body is an error", body: `{"kv_transfer_params":{"a":`, wantErr: errAny},
 		{name: "an empty body is an error", body: ``, wantErr: errAny},
 		{name: "an array body is an error", body: `[{"kv_transfer_params":{}}]`, wantErr: errAny},
+		{name: "another case is another field (vLLM reads JSON case-sensitively)",
+			body: `{"KV_Transfer_Params":` + kvParams + `}`},
+		{name: "the exact field wins over one in another case",
+			body: `{"KV_Transfer_Params":{"a":1},"kv_transfer_params":{"b":2}}`, want: `{"b":2}`},
+		{name: "empty remote_block_ids mean nothing is held", body: `{"kv_transfer_params":{"remote_block_ids":[],"remote_engine_id":"e"}}`},
+		{name: "one empty list per KV cache group means nothing is held", body: `{"kv_transfer_params":{"remote_block_ids":[[],[]]}}`},
+		{name: "one group with blocks is a hold", body: `{"kv_transfer_params":{"remote_block_ids":[[],[4]]}}`, want: `{"remote_block_ids":[[],[4]]}`},
+		{name: "2026 fields pass through unchanged",
+			body: `{"kv_transfer_params":{"remote_block_ids":[[1,2]],"remote_num_tokens":20,"remote_blocks_expiry_time":null,"transfer_mode":"read","dcp_size":1,"pp_size":1}}`,
+			want: `{"remote_block_ids":[[1,2]],"remote_num_tokens":20,"remote_blocks_expiry_time":null,"transfer_mode":"read","dcp_size":1,"pp_size":1}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, err := ParsePrefillResponse([]byte(tc.body))
