@@ -242,12 +242,14 @@ func TestR3ClientLeavesWhileTheDecoderPullsKV(t *testing.T) {
 			})
 			testutil.WaitFor(t, time.Second, prefillerHoldsNothing(t, s))
 			t.Logf("decoder aborted and prefiller free %s after the client left", time.Since(left).Round(time.Millisecond))
+			// The decoder sends its first token only once the pull is over, so the chunks it
+			// produced after the client left tell whether the cancel waited for the pull.
 			after := testutil.Value(t, s.m.Registry, "pdproxy_tokens_after_disconnect_total", nil)
 			if tc.deferred && after < 1 {
 				t.Errorf("tokens after disconnect = %v: the cancel did not wait for the first token", after)
 			}
-			if !tc.deferred && time.Since(left) > 900*time.Millisecond {
-				t.Errorf("immediate mode took %s: the pull was not cut short", time.Since(left))
+			if !tc.deferred && after != 0 {
+				t.Errorf("tokens after disconnect = %v: the decode outlived its pull, which was not cut short", after)
 			}
 			for _, u := range s.allSimURLs() {
 				if st := kv(t, u); st.DoubleFreeAttemptsTotal != 0 {
