@@ -20,6 +20,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 // TestRandomDisconnectsLeaveEveryBlockFree sends requests through a 1P1D stack whose clients
@@ -119,7 +120,7 @@ func TestAbortPropagationByStage(t *testing.T) {
 		run   func(t *testing.T, s *stack) time.Duration // returns the time until the prefiller is free
 	}
 	freeAfter := func(t *testing.T, s *stack, left time.Time) time.Duration {
-		waitFor(t, 2*time.Second, prefillerHoldsNothing(t, s))
+		testutil.WaitFor(t, 2*time.Second, prefillerHoldsNothing(t, s))
 		return time.Since(left)
 	}
 	stages := []stageRun{
@@ -147,7 +148,7 @@ func TestAbortPropagationByStage(t *testing.T) {
 				defer stop()
 				ctx, cancel := context.WithCancel(context.Background())
 				done := inBackground(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(200)+`","max_tokens":5,"ignore_eos":true}`)
-				waitFor(t, 2*time.Second, func() (bool, string) {
+				testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
 					for _, r := range s.m.Table.Snapshot() {
 						if r.State.String() == "kv_held" {
 							return true, ""
@@ -169,7 +170,7 @@ func TestAbortPropagationByStage(t *testing.T) {
 				ctx, cancel := context.WithCancel(context.Background())
 				id := fmt.Sprintf("queued-%d", time.Now().UnixNano())
 				done := inBackground(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(200)+`","max_tokens":5,"ignore_eos":true}`, "X-Request-Id", id)
-				waitFor(t, 2*time.Second, queuedOnDecoder(t, s, id))
+				testutil.WaitFor(t, 2*time.Second, queuedOnDecoder(t, s, id))
 				cancel()
 				<-done
 				return freeAfter(t, s, time.Now())
@@ -182,7 +183,7 @@ func TestAbortPropagationByStage(t *testing.T) {
 			var free []time.Duration
 			for i := 0; i < rounds; i++ {
 				// Each round starts from a quiet stack, so that what it waits for is its own.
-				waitFor(t, 2*time.Second, func() (bool, string) {
+				testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
 					if n := s.m.Table.Len(); n != 0 {
 						return false, fmt.Sprintf("%d requests in flight", n)
 					}
@@ -192,7 +193,7 @@ func TestAbortPropagationByStage(t *testing.T) {
 			}
 			// At least one per round (the streams that keep the decoder busy count as
 			// decoding aborts too when they are stopped).
-			if got := metricValue(t, s, "pdproxy_aborts_total", map[string]string{"stage": st.stage}); got < rounds {
+			if got := testutil.Value(t, s.m.Registry, "pdproxy_aborts_total", map[string]string{"stage": st.stage}); got < rounds {
 				t.Fatalf("aborts{stage=%s} = %v, want at least %d", st.stage, got, rounds)
 			}
 			p50, p99 := histogramQuantiles(t, s, "pdproxy_abort_propagation_seconds", st.stage)
@@ -208,39 +209,19 @@ func TestAbortPropagationByStage(t *testing.T) {
 // percentiles of a histogram series with the given stage label.
 func histogramQuantiles(t *testing.T, s *stack, name, stage string) (p50, p99 time.Duration) {
 	t.Helper()
-	mfs, err := s.m.Registry.Gather()
-	if err != nil {
-		t.Fatal(err)
+	h, ok := testutil.HistogramOf(t, s.m.Registry, name, map[string]string{"stage": stage})
+	if !ok {
+		t.Fatalf("no %s{stage=%s}", name, stage)
 	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
+	at := func(q float64) time.Duration {
+		for _, b := range h.Buckets {
+			if float64(b.CumulativeCount) >= q*float64(h.Count) {
+				return time.Duration(b.UpperBound * float64(time.Second))
+			}
 		}
-		for _, m := range mf.GetMetric() {
-			match := false
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "stage" && l.GetValue() == stage {
-					match = true
-				}
-			}
-			if !match {
-				continue
-			}
-			h := m.GetHistogram()
-			total := float64(h.GetSampleCount())
-			at := func(q float64) time.Duration {
-				for _, b := range h.GetBucket() {
-					if float64(b.GetCumulativeCount()) >= q*total {
-						return time.Duration(b.GetUpperBound() * float64(time.Second))
-					}
-				}
-				return -1
-			}
-			return at(0.5), at(0.99)
-		}
+		return -1
 	}
-	t.Fatalf("no %s{stage=%s}", name, stage)
-	return 0, 0
+	return at(0.5), at(0.99)
 }
 
 // TestGracefulShutdownUnderLoad stops the proxy while streams are running: /ready fails at
@@ -306,7 +287,7 @@ func TestGracefulShutdownUnderLoad(t *testing.T) {
 		shutdownDone <- s.m.Shutdown(ctx)
 	}()
 	// /ready fails at once, while requests are still being served.
-	waitFor(t, time.Second, func() (bool, string) {
+	testutil.WaitFor(t, time.Second, func() (bool, string) {
 		w := httptest.NewRecorder()
 		s.m.Server.Handler().ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/ready", nil))
 		return w.Code == http.StatusServiceUnavailable, fmt.Sprintf("/ready answered %d", w.Code)
@@ -333,7 +314,7 @@ func TestGracefulShutdownUnderLoad(t *testing.T) {
 	if h := s.m.Table.OutstandingHolds(); h != 0 {
 		t.Fatalf("%d KV holds not released", h)
 	}
-	if got := metricValue(t, s, "pdproxy_aborts_total", map[string]string{"stage": "decoding"}); got != 10 {
+	if got := testutil.Value(t, s.m.Registry, "pdproxy_aborts_total", map[string]string{"stage": "decoding"}); got != 10 {
 		t.Errorf("aborts{stage=decoding} = %v, want the 10 long streams", got)
 	}
 	if _, err := http.Get(s.url + "/health"); err == nil {

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -50,7 +51,7 @@ func newBrokenEngine(t *testing.T, handle func(w http.ResponseWriter, r *http.Re
 // connection the proxy forgot.
 func (e *brokenEngine) idle(t *testing.T) {
 	t.Helper()
-	waitFor(t, 10*time.Second, func() (bool, string) {
+	testutil.WaitFor(t, 10*time.Second, func() (bool, string) {
 		c, r := e.calls.Load(), e.returned.Load()
 		return c == r, fmt.Sprintf("%d of %d calls still running on the engine", c-r, c)
 	})
@@ -119,8 +120,8 @@ func TestBrokenPrefillerAnswers(t *testing.T) {
 				{"params-junk-object", ""},
 			} {
 				t.Run(tc.fault, func(t *testing.T) {
-					before := metricValue(t, s, "pdproxy_fallbacks_total", nil)
-					forwardedBefore := metricValue(t, s, "pdproxy_kv_releases_total", map[string]string{"reason": "decoded"})
+					before := testutil.Value(t, s.m.Registry, "pdproxy_fallbacks_total", nil)
+					forwardedBefore := testutil.Value(t, s.m.Registry, "pdproxy_kv_releases_total", map[string]string{"reason": "decoded"})
 					resp := sendBroken(t, context.Background(), s.url, tc.fault, `{"model":"sim","prompt":"hi","max_tokens":3,"ignore_eos":true}`)
 					if tc.code == "" || fallback {
 						// The decoder computes the prompt itself, as with no prefiller at all.
@@ -135,14 +136,14 @@ func TestBrokenPrefillerAnswers(t *testing.T) {
 					if tc.code != "" && fallback {
 						wantFallbacks = 1
 					}
-					if got := metricValue(t, s, "pdproxy_fallbacks_total", nil) - before; got != wantFallbacks {
+					if got := testutil.Value(t, s.m.Registry, "pdproxy_fallbacks_total", nil) - before; got != wantFallbacks {
 						t.Errorf("pdproxy_fallbacks_total went up by %v, want %v", got, wantFallbacks)
 					}
 					wantForwarded := 0.0
 					if tc.code == "" {
 						wantForwarded = 1
 					}
-					if got := metricValue(t, s, "pdproxy_kv_releases_total", map[string]string{"reason": "decoded"}) - forwardedBefore; got != wantForwarded {
+					if got := testutil.Value(t, s.m.Registry, "pdproxy_kv_releases_total", map[string]string{"reason": "decoded"}) - forwardedBefore; got != wantForwarded {
 						t.Errorf("params forwarded to the decoder %v times, want %v", got, wantForwarded)
 					}
 				})

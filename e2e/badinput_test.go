@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -225,11 +226,11 @@ func TestClientThatNeverReadsItsStreamIsGivenUpOn(t *testing.T) {
 		d := s.m.SimURLs("decode")[0]
 		conn := neverReads(t, s.m.Addr(), `{"model":"sim","prompt":"everything","max_tokens":1000000,"ignore_eos":true,"stream":true}`)
 		defer conn.Close()
-		waitFor(t, 10*time.Second, func() (bool, string) {
+		testutil.WaitFor(t, 10*time.Second, func() (bool, string) {
 			st := kv(t, d)
 			return st.AbortedTotal == 1 && st.BlocksFree == st.BlocksTotal && st.RunningRequests == 0, "decoder: " + jsonString(st)
 		})
-		if got := metricValue(t, s, "pdproxy_requests_total", map[string]string{"code": "499"}); got != 1 {
+		if got := testutil.Value(t, s.m.Registry, "pdproxy_requests_total", map[string]string{"code": "499"}); got != 1 {
 			t.Errorf(`pdproxy_requests_total{code="499"} = %v, want 1: the proxy gave up on the client`, got)
 		}
 		cutByPeer(t, conn)

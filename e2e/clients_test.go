@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 // longStream is a streaming completion that goes on far longer than any test.
@@ -47,7 +48,7 @@ func readDataLines(t *testing.T, br *bufio.Reader, n int) {
 // and holds no block and runs nothing.
 func decoderAbortedAndFree(t *testing.T, d string, abortsWanted int) {
 	t.Helper()
-	waitFor(t, time.Second, func() (bool, string) {
+	testutil.WaitFor(t, time.Second, func() (bool, string) {
 		st := kv(t, d)
 		return st.AbortedTotal == abortsWanted && st.BlocksFree == st.BlocksTotal && st.RunningRequests == 0, "decoder: " + jsonString(st)
 	})
@@ -80,7 +81,7 @@ func TestCurlKilledMidStreamAbortsTheDecodeAndFreesItsKV(t *testing.T) {
 	}
 	cmd.Wait()
 	decoderAbortedAndFree(t, d, 1)
-	if got := metricValue(t, s, "pdproxy_aborts_total", map[string]string{"stage": "decoding"}); got != 1 {
+	if got := testutil.Value(t, s.m.Registry, "pdproxy_aborts_total", map[string]string{"stage": "decoding"}); got != 1 {
 		t.Errorf("pdproxy_aborts_total{stage=decoding} = %v, want 1", got)
 	}
 	if stderr.Len() != 0 {

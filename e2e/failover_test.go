@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -133,23 +134,10 @@ func tally(outs []outcome) string {
 // backendSpread reads pdproxy_backend_requests_total as "backend role: code=n ..." lines.
 func backendSpread(t *testing.T, s *stack) string {
 	t.Helper()
-	mfs, err := s.m.Registry.Gather()
-	if err != nil {
-		t.Fatalf("gather: %v", err)
-	}
 	rows := map[string][]string{}
-	for _, mf := range mfs {
-		if mf.GetName() != "pdproxy_backend_requests_total" {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			l := map[string]string{}
-			for _, lp := range m.GetLabel() {
-				l[lp.GetName()] = lp.GetValue()
-			}
-			k := l["backend"] + " " + l["role"]
-			rows[k] = append(rows[k], fmt.Sprintf("%s=%v", l["code"], m.GetCounter().GetValue()))
-		}
+	for _, m := range testutil.Series(t, s.m.Registry, "pdproxy_backend_requests_total", nil) {
+		k := m.Labels["backend"] + " " + m.Labels["role"]
+		rows[k] = append(rows[k], fmt.Sprintf("%s=%v", m.Labels["code"], m.Value))
 	}
 	keys := make([]string, 0, len(rows))
 	for k := range rows {
@@ -228,7 +216,7 @@ func TestDecoderKilledUnderLoadFailsOverToTheSurvivor(t *testing.T) {
 	}
 
 	var onVictim int64
-	waitFor(t, 10*time.Second, func() (bool, string) {
+	testutil.WaitFor(t, 10*time.Second, func() (bool, string) {
 		onVictim = statusOf(t, s, victim).Inflight
 		return finished(time.Time{}) >= 2*workers && onVictim >= 2, fmt.Sprintf("%d finished, %d on the victim", finished(time.Time{}), onVictim)
 	})
@@ -236,12 +224,12 @@ func TestDecoderKilledUnderLoadFailsOverToTheSurvivor(t *testing.T) {
 	if err := s.m.StopSim(victim); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 5*time.Second, func() (bool, string) {
+	testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
 		st := statusOf(t, s, victim)
 		return !st.Healthy, fmt.Sprintf("the dead decoder still shows %+v", st)
 	})
 	down := time.Now()
-	waitFor(t, 10*time.Second, func() (bool, string) {
+	testutil.WaitFor(t, 10*time.Second, func() (bool, string) {
 		return finished(down) >= 3*workers, fmt.Sprintf("%d requests finished since the victim was marked down", finished(down))
 	})
 	stopLoad()
@@ -298,7 +286,7 @@ func TestDecoderKilledUnderLoadFailsOverToTheSurvivor(t *testing.T) {
 
 	// Nothing leaks: every live engine's KV free, no request or hold in the table, every
 	// lease released, the dead decoder's included.
-	waitFor(t, 2*time.Second, func() (bool, string) {
+	testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
 		for _, u := range append(s.m.SimURLs("prefill"), survivor) {
 			st := kv(t, u)
 			if st.BlocksFree != st.BlocksTotal || st.HeldRequests != 0 || st.RunningRequests != 0 || st.WaitingRequests != 0 || st.DoubleFreeAttemptsTotal != 0 {
@@ -319,7 +307,7 @@ func TestDecoderKilledUnderLoadFailsOverToTheSurvivor(t *testing.T) {
 		return true, ""
 	})
 	for _, name := range []string{"pdproxy_inflight_requests", "pdproxy_kv_held_requests", "pdproxy_backend_inflight_requests"} {
-		if v := metricValue(t, s, name, nil); v != 0 {
+		if v := testutil.Value(t, s.m.Registry, name, nil); v != 0 {
 			t.Errorf("%s sums to %v after the run", name, v)
 		}
 	}
@@ -355,8 +343,8 @@ func TestFailingPrefillersAreRetriedThenSkipped(t *testing.T) {
 					t.Fatalf("request %d: %s", i, o.kind)
 				}
 			}
-			retries := metricValue(t, s, "pdproxy_retries_total", map[string]string{"role": "prefill"})
-			fallbacks := metricValue(t, s, "pdproxy_fallbacks_total", nil)
+			retries := testutil.Value(t, s.m.Registry, "pdproxy_retries_total", map[string]string{"role": "prefill"})
+			fallbacks := testutil.Value(t, s.m.Registry, "pdproxy_fallbacks_total", nil)
 			t.Logf("prefill retries %v, decode-only fallbacks %v; pdproxy_backend_requests_total:%s", retries, fallbacks, backendSpread(t, s))
 			if retries == 0 {
 				t.Error("no prefill retry counted")
@@ -430,6 +418,6 @@ func TestADecoderDyingWithTheParamsLeavesNoKVHeld(t *testing.T) {
 	}
 	// The decoder got the params and will never pull them nor tell the prefiller: unless the
 	// proxy releases them, the blocks stay held for the engine's whole hold timeout (480s).
-	waitFor(t, 2*time.Second, s.kvAllFree)
+	testutil.WaitFor(t, 2*time.Second, s.kvAllFree)
 	s.assertQuiet(time.Second)
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/openai/openai-go/v3/option"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 type completion struct {
@@ -64,7 +65,7 @@ func TestCompletionGoesThroughPrefillerAndDecoder(t *testing.T) {
 	if got := kv(t, d).RequestsTotal - dBefore; got != 1 {
 		t.Errorf("decoder served %d requests, want 1", got)
 	}
-	if got := metricValue(t, s, "pdproxy_kv_releases_total", map[string]string{"reason": "decoded"}); got != 1 {
+	if got := testutil.Value(t, s.m.Registry, "pdproxy_kv_releases_total", map[string]string{"reason": "decoded"}); got != 1 {
 		t.Errorf("kv releases (decoded) = %v, want 1: the prefiller's params went to the decoder", got)
 	}
 	s.assertQuiet(time.Second)
@@ -279,7 +280,7 @@ func TestOpenAISDKAgainstTheProxy(t *testing.T) {
 		}
 		cancel()
 		stream.Close()
-		waitFor(t, 2*time.Second, func() (bool, string) {
+		testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
 			st := kv(t, s.m.SimURLs("decode")[0])
 			return st.AbortedTotal >= 1, "decoder saw no abort"
 		})
@@ -308,12 +309,12 @@ func TestClientLeavingMidStreamAbortsTheDecodeAndFreesItsKV(t *testing.T) {
 	cancel()
 	resp.Body.Close()
 	gone := time.Now()
-	waitFor(t, time.Second, func() (bool, string) {
+	testutil.WaitFor(t, time.Second, func() (bool, string) {
 		st := kv(t, d)
 		return st.AbortedTotal == 1 && st.BlocksFree == st.BlocksTotal && st.RunningRequests == 0, "decoder: " + jsonString(st)
 	})
 	t.Logf("decoder aborted and freed every block %s after the client left", time.Since(gone).Round(time.Millisecond))
-	if got := metricValue(t, s, "pdproxy_aborts_total", map[string]string{"stage": "decoding"}); got != 1 {
+	if got := testutil.Value(t, s.m.Registry, "pdproxy_aborts_total", map[string]string{"stage": "decoding"}); got != 1 {
 		t.Errorf("pdproxy_aborts_total{stage=decoding} = %v, want 1", got)
 	}
 	s.assertQuiet(time.Second)

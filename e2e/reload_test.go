@@ -18,6 +18,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
 
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -175,7 +176,7 @@ func TestReloadRemovingADecoderLetsItsStreamFinish(t *testing.T) {
 	if len(events) == 0 || events[len(events)-1] != "[DONE]" {
 		t.Fatalf("the stream on the removed decoder did not finish: last events %q", events[max(0, len(events)-3):])
 	}
-	waitFor(t, time.Second, func() (bool, string) {
+	testutil.WaitFor(t, time.Second, func() (bool, string) {
 		st := kv(t, extra.URL)
 		return st.BlocksFree == st.BlocksTotal && st.RunningRequests == 0, "extra: " + jsonString(st)
 	})
@@ -204,7 +205,7 @@ func TestSIGHUPReloadsTheConfigFile(t *testing.T) {
 	t.Run("a second decoder is added", func(t *testing.T) {
 		writeFile(t, path, strings.Replace(head, "2s", "3s", 1)+decoder("decode-a", a)+decoder("decode-b", b))
 		hup()
-		waitFor(t, 5*time.Second, func() (bool, string) {
+		testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
 			bs := debugBackends(t, base)
 			for _, st := range bs {
 				if st.Name == "decode-b" && st.Healthy {
@@ -214,7 +215,7 @@ func TestSIGHUPReloadsTheConfigFile(t *testing.T) {
 			return false, fmt.Sprintf("backends %+v\n%s", bs, px.log())
 		})
 		// shutdown_timeout takes a restart: the proxy says it did not apply it.
-		waitFor(t, 5*time.Second, func() (bool, string) {
+		testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
 			for _, l := range px.logged("config reload ignored settings that need a restart") {
 				if fmt.Sprint(l["keys"]) == "[shutdown_timeout]" {
 					return true, ""
@@ -229,7 +230,7 @@ func TestSIGHUPReloadsTheConfigFile(t *testing.T) {
 		writeFile(t, path, head+decoder("decode-a", a)+"kv_hold_timout: 10s\n")
 		hup()
 		var line map[string]any
-		waitFor(t, 5*time.Second, func() (bool, string) {
+		testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
 			ls := px.logged("config reload rejected, the running config stays")
 			if len(ls) == 0 {
 				return false, "no rejection logged:\n" + px.log()
@@ -256,7 +257,7 @@ func TestSIGHUPWithoutAConfigFileReloadsNothing(t *testing.T) {
 	if err := px.cmd.Process.Signal(syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 5*time.Second, func() (bool, string) {
+	testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
 		return len(px.logged("sighup: nothing to reload, the proxy was started without --config")) == 1, "not logged:\n" + px.log()
 	})
 	completionOK(t, "http://"+addr)

@@ -29,6 +29,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -116,7 +117,7 @@ func TestAPIKeysGuardEveryRouteButTheOpenOnes(t *testing.T) {
 			if n := s.simRequests(); n != 0 {
 				t.Fatalf("the engines accepted %d requests from clients with no valid key, want 0", n)
 			}
-			if got := metricValue(t, s, "pdproxy_requests_total", map[string]string{"code": "401"}); got != 6 {
+			if got := testutil.Value(t, s.m.Registry, "pdproxy_requests_total", map[string]string{"code": "401"}); got != 6 {
 				t.Errorf("pdproxy_requests_total{code=401} = %v, want 6", got)
 			}
 			for _, path := range []string{"/health", "/ready", "/metrics"} {

@@ -23,6 +23,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/proxy"
 )
 
@@ -160,16 +161,16 @@ func TestChaosSoak(t *testing.T) {
 		metrics.Requests, metrics.Success, metrics.Latencies.P50, metrics.Latencies.P99, codes.String())
 	t.Logf("give-ups: %s; proxy aborts by stage: prefilling %v, kv_held %v, decoding %v, received %v",
 		giveUps.String(),
-		metricValue(t, s, "pdproxy_aborts_total", map[string]string{"stage": "prefilling"}),
-		metricValue(t, s, "pdproxy_aborts_total", map[string]string{"stage": "kv_held"}),
-		metricValue(t, s, "pdproxy_aborts_total", map[string]string{"stage": "decoding"}),
-		metricValue(t, s, "pdproxy_aborts_total", map[string]string{"stage": "received"}))
+		testutil.Value(t, s.m.Registry, "pdproxy_aborts_total", map[string]string{"stage": "prefilling"}),
+		testutil.Value(t, s.m.Registry, "pdproxy_aborts_total", map[string]string{"stage": "kv_held"}),
+		testutil.Value(t, s.m.Registry, "pdproxy_aborts_total", map[string]string{"stage": "decoding"}),
+		testutil.Value(t, s.m.Registry, "pdproxy_aborts_total", map[string]string{"stage": "received"}))
 	t.Logf("faults injected (kind:client saw): %s", faults.String())
 	t.Logf("kv releases: decoded %v drained %v aborted %v expired %v",
-		metricValue(t, s, "pdproxy_kv_releases_total", map[string]string{"reason": "decoded"}),
-		metricValue(t, s, "pdproxy_kv_releases_total", map[string]string{"reason": "drained"}),
-		metricValue(t, s, "pdproxy_kv_releases_total", map[string]string{"reason": "aborted"}),
-		metricValue(t, s, "pdproxy_kv_releases_total", map[string]string{"reason": "expired"}))
+		testutil.Value(t, s.m.Registry, "pdproxy_kv_releases_total", map[string]string{"reason": "decoded"}),
+		testutil.Value(t, s.m.Registry, "pdproxy_kv_releases_total", map[string]string{"reason": "drained"}),
+		testutil.Value(t, s.m.Registry, "pdproxy_kv_releases_total", map[string]string{"reason": "aborted"}),
+		testutil.Value(t, s.m.Registry, "pdproxy_kv_releases_total", map[string]string{"reason": "expired"}))
 
 	if metrics.Requests == 0 || metrics.Success != 1 {
 		t.Errorf("clean requests: %d, success ratio %v (errors %v)", metrics.Requests, metrics.Success, metrics.Errors)
@@ -194,7 +195,7 @@ func TestChaosSoak(t *testing.T) {
 	client.CloseIdleConnections()
 	http.DefaultClient.CloseIdleConnections()
 	s.m.CloseIdleConnections()
-	waitFor(t, 5*time.Second, func() (bool, string) {
+	testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
 		n := runtime.NumGoroutine()
 		if n <= baseline+2 {
 			return true, ""

@@ -15,12 +15,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/goleak"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/kvbackend/sim"
 )
 
@@ -103,22 +103,6 @@ func (s *stack) allSimURLs() []string {
 	return append(s.m.SimURLs("prefill"), s.m.SimURLs("decode")...)
 }
 
-// waitFor polls cond until it holds or the deadline passes; what is the last reason it gave.
-func waitFor(t *testing.T, within time.Duration, cond func() (bool, string)) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for {
-		ok, why := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("not within %s: %s", within, why)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // kvAllFree reports whether every engine has every block free and nothing held or running.
 func (s *stack) kvAllFree() (bool, string) {
 	for _, u := range s.allSimURLs() {
@@ -137,8 +121,8 @@ func (s *stack) kvAllFree() (bool, string) {
 // table, every in-flight gauge at zero.
 func (s *stack) assertQuiet(within time.Duration) {
 	s.t.Helper()
-	waitFor(s.t, within, s.kvAllFree)
-	waitFor(s.t, within, func() (bool, string) {
+	testutil.WaitFor(s.t, within, s.kvAllFree)
+	testutil.WaitFor(s.t, within, func() (bool, string) {
 		if n := s.m.Table.Len(); n != 0 {
 			return false, fmt.Sprintf("%d requests still in the table: %+v", n, s.m.Table.Snapshot())
 		}
@@ -152,53 +136,14 @@ func (s *stack) assertQuiet(within time.Duration) {
 		}
 		return true, ""
 	})
-	if n, err := testutil.GatherAndCount(s.m.Registry, "pdproxy_inflight_requests"); err != nil || n == 0 {
-		s.t.Fatalf("pdproxy_inflight_requests missing: %d series, %v", n, err)
+	if n := len(testutil.Series(s.t, s.m.Registry, "pdproxy_inflight_requests", nil)); n == 0 {
+		s.t.Fatalf("pdproxy_inflight_requests missing: %d series", n)
 	}
 	for _, name := range []string{"pdproxy_inflight_requests", "pdproxy_kv_held_requests", "pdproxy_backend_inflight_requests"} {
-		if v := metricValue(s.t, s, name, nil); v != 0 {
+		if v := testutil.Value(s.t, s.m.Registry, name, nil); v != 0 {
 			s.t.Fatalf("%s sums to %v after the run", name, v)
 		}
 	}
-}
-
-// metricValue adds up the series of a counter or gauge (a histogram: its sample counts) whose
-// labels include all of labels; with labels nil, every series.
-func metricValue(t *testing.T, s *stack, name string, labels map[string]string) float64 {
-	t.Helper()
-	mfs, err := s.m.Registry.Gather()
-	if err != nil {
-		t.Fatalf("gather: %v", err)
-	}
-	var sum float64
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	series:
-		for _, m := range mf.GetMetric() {
-			for k, v := range labels {
-				found := false
-				for _, lp := range m.GetLabel() {
-					if lp.GetName() == k && lp.GetValue() == v {
-						found = true
-					}
-				}
-				if !found {
-					continue series
-				}
-			}
-			switch {
-			case m.GetCounter() != nil:
-				sum += m.GetCounter().GetValue()
-			case m.GetGauge() != nil:
-				sum += m.GetGauge().GetValue()
-			case m.GetHistogram() != nil:
-				sum += float64(m.GetHistogram().GetSampleCount())
-			}
-		}
-	}
-	return sum
 }
 
 // post sends a JSON body and returns the response (the caller closes it).

@@ -13,6 +13,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 // seen is what a fake engine received.
@@ -159,22 +161,13 @@ func TestCallErrors(t *testing.T) {
 			_, err := Call{Client: client, BaseURL: srv.URL, Path: "/", ID: "x"}.Prefill(ctx)
 			done <- err
 		}()
-		waitClosed(t, arrived, "the call to reach the engine")
+		testutil.Recv(t, testutil.Timeout, arrived, "the call to reach the engine")
 		cancel()
 		if err := <-done; !errors.Is(err, context.Canceled) {
 			t.Errorf("error %v, want context.Canceled", err)
 		}
-		waitClosed(t, gone, "the engine's request context to end")
+		testutil.Recv(t, testutil.Timeout, gone, "the engine's request context to end")
 	})
-}
-
-func waitClosed(t *testing.T, ch <-chan struct{}, what string) {
-	t.Helper()
-	select {
-	case <-ch:
-	case <-time.After(10 * time.Second):
-		t.Fatalf("timed out waiting for %s", what)
-	}
 }
 
 func TestAbort(t *testing.T) {

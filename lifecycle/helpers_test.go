@@ -2,20 +2,19 @@ package lifecycle
 
 import (
 	"fmt"
-	"sort"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 // The metric series a user sees, by the name the exposition gives them. The tests read them
-// from a fresh registry with Gather, the way a scrape would: prometheus/testutil would need a
-// module (kylelemons/godebug) that go.sum does not pin, and go.mod is not this package's to edit.
+// from a fresh registry with Gather, the way a scrape would (see gather).
 const (
 	mHeld             = "pdproxy_kv_held_requests"
 	mDeadlineExceeded = "pdproxy_kv_hold_deadline_exceeded_total"
@@ -38,36 +37,7 @@ var allReasons = []ReleaseReason{ReleaseDecoded, ReleaseDrained, ReleaseAborted,
 // gather scrapes reg and returns every pdproxy series as `name{label="value",...}` -> value.
 func gather(t testing.TB, reg *prometheus.Registry) map[string]float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatalf("gather metrics: %v", err)
-	}
-	out := make(map[string]float64)
-	for _, mf := range mfs {
-		if !strings.HasPrefix(mf.GetName(), "pdproxy_") {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			labels := make([]string, 0, len(m.GetLabel()))
-			for _, l := range m.GetLabel() {
-				labels = append(labels, fmt.Sprintf("%s=%q", l.GetName(), l.GetValue()))
-			}
-			sort.Strings(labels)
-			key := mf.GetName()
-			if len(labels) > 0 {
-				key += "{" + strings.Join(labels, ",") + "}"
-			}
-			switch {
-			case m.GetCounter() != nil:
-				out[key] = m.GetCounter().GetValue()
-			case m.GetGauge() != nil:
-				out[key] = m.GetGauge().GetValue()
-			default:
-				t.Fatalf("metric %s is neither a counter nor a gauge", key)
-			}
-		}
-	}
-	return out
+	return testutil.Snapshot(t, reg, "pdproxy_")
 }
 
 // isGauge tells the series whose absolute value a test asserts from the ones it asserts as a delta.
@@ -76,16 +46,11 @@ func isGauge(key string) bool {
 }
 
 // clock is an injected Config.Now: it moves only when a test says so.
-type clock struct{ ns atomic.Int64 }
+type clock struct{ *testutil.Clock }
 
 func newClock() *clock {
-	c := &clock{}
-	c.ns.Store(time.Date(2026, 11, 2, 9, 0, 0, 0, time.UTC).UnixNano())
-	return c
+	return &clock{testutil.NewClock(time.Date(2026, 11, 2, 9, 0, 0, 0, time.UTC))}
 }
-
-func (c *clock) Now() time.Time          { return time.Unix(0, c.ns.Load()).UTC() }
-func (c *clock) Advance(d time.Duration) { c.ns.Add(int64(d)) }
 
 // pastDeadline moves the clock just past the hold deadline of a hold recorded now.
 func (c *clock) pastDeadline(tb *Table) { c.Advance(tb.KVHoldTimeout() + time.Nanosecond) }

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -17,9 +18,9 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap/zaptest"
 
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
@@ -411,49 +412,13 @@ func (h *harness) post(path, body string) (*http.Response, []byte) {
 // a histogram's sample count. present says whether any series matched.
 func (h *harness) metric(name string, want map[string]string) (sum float64, present bool) {
 	h.t.Helper()
-	mfs, err := h.reg.Gather()
-	if err != nil {
-		h.t.Fatalf("gather metrics: %v", err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if !hasLabels(m, want) {
-				continue
-			}
-			present = true
-			switch {
-			case m.Counter != nil:
-				sum += m.Counter.GetValue()
-			case m.Gauge != nil:
-				sum += m.Gauge.GetValue()
-			case m.Histogram != nil:
-				sum += float64(m.Histogram.GetSampleCount())
-			}
-		}
-	}
-	return sum, present
+	return testutil.Lookup(h.t, h.reg, name, want)
 }
 
 func (h *harness) value(name string, want map[string]string) float64 {
 	h.t.Helper()
 	v, _ := h.metric(name, want)
 	return v
-}
-
-func hasLabels(m *dto.Metric, want map[string]string) bool {
-	got := make(map[string]string, len(m.GetLabel()))
-	for _, lp := range m.GetLabel() {
-		got[lp.GetName()] = lp.GetValue()
-	}
-	for k, v := range want {
-		if got[k] != v {
-			return false
-		}
-	}
-	return true
 }
 
 // quiet reports whether nothing of a request is left: no table entry, no in-flight series
@@ -479,42 +444,31 @@ func (h *harness) quiet() bool {
 // never happens.
 func (h *harness) waitQuiet() {
 	h.t.Helper()
-	deadline := time.Now().Add(testDeadline)
-	for !h.quiet() {
-		if time.Now().After(deadline) {
-			var inflight []string
-			if h.rt != nil {
-				for _, b := range h.rt.Backends() {
-					inflight = append(inflight, b.Name+"="+strconv.FormatInt(b.Inflight, 10))
-				}
-			}
-			h.t.Fatalf("requests left behind: table %d %v, pdproxy_inflight_requests sum %v, backend in-flight %v",
-				h.table.Len(), h.table.Snapshot(), h.value("pdproxy_inflight_requests", nil), inflight)
+	testutil.WaitFor(h.t, testDeadline, func() (bool, string) {
+		if h.quiet() {
+			return true, ""
 		}
-		time.Sleep(2 * time.Millisecond)
-	}
+		var inflight []string
+		if h.rt != nil {
+			for _, b := range h.rt.Backends() {
+				inflight = append(inflight, b.Name+"="+strconv.FormatInt(b.Inflight, 10))
+			}
+		}
+		return false, fmt.Sprintf("requests left behind: table %d %v, pdproxy_inflight_requests sum %v, backend in-flight %v",
+			h.table.Len(), h.table.Snapshot(), h.value("pdproxy_inflight_requests", nil), inflight)
+	})
 }
 
 // eventually polls cond until it holds, failing the test at the deadline.
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(testDeadline)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	testutil.Eventually(t, testDeadline, cond, "%s", what)
 }
 
 // closedWithin waits for ch to be closed, failing the test at the deadline.
 func closedWithin(t *testing.T, ch <-chan struct{}, what string) {
 	t.Helper()
-	select {
-	case <-ch:
-	case <-time.After(testDeadline):
-		t.Fatalf("timed out waiting for %s", what)
-	}
+	testutil.Recv(t, testDeadline, ch, "%s", what)
 }
 
 // checkOpenAIError asserts an error answer in the OpenAI shape, with every key present, and

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
@@ -268,24 +269,6 @@ func TestPrefilledRequestFindingNoDecoderHasItsKVDrained(t *testing.T) {
 	h.waitQuiet()
 }
 
-// testClock is a settable clock for the request table's hold deadlines.
-type testClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *testClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *testClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	c.t = c.t.Add(d)
-	c.mu.Unlock()
-}
-
 // Race R4: a prefilled request that waited for a decoder past the KV hold deadline must not
 // forward the prefiller's params (its blocks may be reused by then); the decoder recomputes,
 // and an engine with an abort call is told to free the stale hold.
@@ -303,7 +286,7 @@ func TestKVPastItsHoldDeadlineIsNeverForwarded(t *testing.T) {
 			vllmPrefill(prefillerParams)(w, r, body)
 		}
 	})
-	clock := &testClock{t: time.Date(2026, 11, 30, 9, 0, 0, 0, time.UTC)}
+	clock := testutil.NewClock(time.Date(2026, 11, 30, 9, 0, 0, 0, time.UTC))
 	const holdTimeout = 30 * time.Second
 	h := newHarnessTable(t, Config{DecoderReservation: ReserveAfterPrefill}, router.Config{
 		Backends: []router.BackendConfig{

@@ -10,11 +10,13 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap/zaptest"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 // newTestRouter builds a router over cfg with a fresh registry and a fake clock; checks
 // are off unless cfg turns them on, so tests drive health by hand.
-func newTestRouter(t *testing.T, cfg Config) (*Router, *prometheus.Registry, *fakeClock) {
+func newTestRouter(t *testing.T, cfg Config) (*Router, *prometheus.Registry, *testutil.Clock) {
 	t.Helper()
 	if cfg.Health.Interval == 0 {
 		cfg.Health.Interval = -1
@@ -24,7 +26,7 @@ func newTestRouter(t *testing.T, cfg Config) (*Router, *prometheus.Registry, *fa
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}
-	clk := newFakeClock()
+	clk := testutil.NewClock(time.Unix(1_700_000_000, 0))
 	r.now = clk.Now
 	return r, reg, clk
 }

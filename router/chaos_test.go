@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 // TestInflightNeverLeaksUnderChaos hammers Acquire, Release and Reload from many
@@ -190,7 +192,7 @@ func TestInflightNeverLeaksUnderChaos(t *testing.T) {
 		}
 	}
 	for _, b := range r.Backends() {
-		if v, _ := metricValue(t, reg, "pdproxy_backend_inflight_requests", map[string]string{"backend": b.Name}); v != 0 {
+		if v, _ := testutil.Lookup(t, reg, "pdproxy_backend_inflight_requests", map[string]string{"backend": b.Name}); v != 0 {
 			t.Errorf("inflight gauge for %s = %v", b.Name, v)
 		}
 	}

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"golang.org/x/sync/errgroup"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 // engine is an httptest server whose health endpoint fails or hangs on cue.
@@ -88,20 +90,20 @@ func TestActiveHealthMarksDownAndUp(t *testing.T) {
 			e := newEngine(t)
 			r, reg, _ := newTestRouter(t, healthCfg(tt.check, e))
 			runRouter(t, r)
-			waitFor(t, "a first check", func() bool { return e.checks.Load() > 0 })
+			testutil.Eventually(t, testutil.Timeout, func() bool { return e.checks.Load() > 0 }, "a first check")
 			if !r.Ready() {
 				t.Fatal("not ready with a healthy engine")
 			}
 			tt.sick(e)
-			waitFor(t, "the backend to be marked down", func() bool { return !r.Ready() })
-			if v, _ := metricValue(t, reg, "pdproxy_backend_healthy", map[string]string{"backend": "d0"}); v != 0 {
+			testutil.Eventually(t, testutil.Timeout, func() bool { return !r.Ready() }, "the backend to be marked down")
+			if v, _ := testutil.Lookup(t, reg, "pdproxy_backend_healthy", map[string]string{"backend": "d0"}); v != 0 {
 				t.Errorf("backend_healthy = %v while down", v)
 			}
 			if _, err := r.Acquire(context.Background(), RoleDecode, Hint{}); err != ErrNoBackend {
 				t.Errorf("Acquire while down = %v, want ErrNoBackend", err)
 			}
 			tt.well(e)
-			waitFor(t, "the backend to be marked up", r.Ready)
+			testutil.Eventually(t, testutil.Timeout, r.Ready, "the backend to be marked up")
 			send(t, r, Result{Status: 200})
 		})
 	}
@@ -145,7 +147,7 @@ func TestActiveHealthUsesConfiguredPath(t *testing.T) {
 	e := newEngine(t)
 	r, _, _ := newTestRouter(t, healthCfg(HealthConfig{Interval: 5 * time.Millisecond, Path: "/v1/ready"}, e))
 	runRouter(t, r)
-	waitFor(t, "a check", func() bool { return e.checks.Load() > 0 })
+	testutil.Eventually(t, testutil.Timeout, func() bool { return e.checks.Load() > 0 }, "a check")
 	if got := e.path.Load(); got != "/v1/ready" {
 		t.Errorf("checked %v, want /v1/ready", got)
 	}
@@ -156,7 +158,7 @@ func TestActiveHealthChecksEachBackendOnItsOwn(t *testing.T) {
 	bad.failing.Store(true)
 	r, _, _ := newTestRouter(t, healthCfg(HealthConfig{Interval: 5 * time.Millisecond, UnhealthyThreshold: 1}, good, bad))
 	runRouter(t, r)
-	waitFor(t, "d1 down", func() bool { return !healthy(r, "d1") })
+	testutil.Eventually(t, testutil.Timeout, func() bool { return !healthy(r, "d1") }, "d1 down")
 	if !healthy(r, "d0") || !r.Ready() {
 		t.Error("a healthy backend was marked down with its neighbour")
 	}
@@ -185,13 +187,8 @@ func TestRunStopsWithItsContext(t *testing.T) {
 			done := make(chan error, 1)
 			go func() { done <- r.Run(ctx) }()
 			cancel()
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Errorf("Run = %v, want nil", err)
-				}
-			case <-time.After(10 * time.Second):
-				t.Fatal("Run did not return after its context ended")
+			if err := testutil.Recv(t, testutil.Timeout, done, "Run to return after its context ended"); err != nil {
+				t.Errorf("Run = %v, want nil", err)
 			}
 		})
 	}
@@ -206,5 +203,5 @@ func TestReloadEnablesHealthChecksWhileRunning(t *testing.T) {
 	if err := r.Reload(cfg); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "checks after the reload", func() bool { return e.checks.Load() > 0 })
+	testutil.Eventually(t, testutil.Timeout, func() bool { return e.checks.Load() > 0 }, "checks after the reload")
 }

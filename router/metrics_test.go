@@ -6,6 +6,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap/zaptest"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 func TestRequestsTotalCodes(t *testing.T) {
@@ -20,12 +22,12 @@ func TestRequestsTotalCodes(t *testing.T) {
 		send(t, r, res)
 	}
 	for code, want := range map[string]float64{"200": 2, "503": 1, "418": 1, "error": 1, "canceled": 2} {
-		got, _ := metricValue(t, reg, "pdproxy_backend_requests_total", map[string]string{"backend": "d0", "role": "decode", "code": code})
+		got, _ := testutil.Lookup(t, reg, "pdproxy_backend_requests_total", map[string]string{"backend": "d0", "role": "decode", "code": code})
 		if got != want {
 			t.Errorf("requests_total{code=%q} = %v, want %v", code, got, want)
 		}
 	}
-	if _, ok := metricValue(t, reg, "pdproxy_backend_requests_total", map[string]string{"code": "0"}); ok {
+	if _, ok := testutil.Lookup(t, reg, "pdproxy_backend_requests_total", map[string]string{"code": "0"}); ok {
 		t.Error("an unused lease was counted as a request")
 	}
 }
@@ -46,13 +48,13 @@ func TestBackendGauges(t *testing.T) {
 		{"pdproxy_backend_ejections_total", "d0", "decode", 0},
 	}
 	for _, tt := range tests {
-		got, ok := metricValue(t, reg, tt.metric, map[string]string{"backend": tt.backend, "role": tt.role})
+		got, ok := testutil.Lookup(t, reg, tt.metric, map[string]string{"backend": tt.backend, "role": tt.role})
 		if !ok || got != tt.want {
 			t.Errorf("%s{backend=%q} = %v (present %v), want %v", tt.metric, tt.backend, got, ok, tt.want)
 		}
 	}
 	l.Release(Result{Status: 200})
-	if got, _ := metricValue(t, reg, "pdproxy_backend_inflight_requests", map[string]string{"backend": "p0"}); got != 0 {
+	if got, _ := testutil.Lookup(t, reg, "pdproxy_backend_inflight_requests", map[string]string{"backend": "p0"}); got != 0 {
 		t.Errorf("inflight after release = %v, want 0", got)
 	}
 }

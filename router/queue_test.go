@@ -5,6 +5,8 @@ import (
 	"errors"
 	"testing"
 	"time"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 type acquired struct {
@@ -22,19 +24,8 @@ func acquireAsync(t *testing.T, r *Router, ctx context.Context, h Hint) <-chan a
 		l, err := r.Acquire(ctx, RoleDecode, h)
 		ch <- acquired{l, err}
 	}()
-	waitFor(t, "the request to queue", func() bool { return queued(r, RoleDecode) == before+1 })
+	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == before+1 }, "the request to queue")
 	return ch
-}
-
-func recv(t *testing.T, ch <-chan acquired) acquired {
-	t.Helper()
-	select {
-	case a := <-ch:
-		return a
-	case <-time.After(10 * time.Second):
-		t.Fatal("Acquire did not return")
-		return acquired{}
-	}
 }
 
 func TestQueueReleaseWakesWaitersInOrder(t *testing.T) {
@@ -44,7 +35,7 @@ func TestQueueReleaseWakesWaitersInOrder(t *testing.T) {
 	w2 := acquireAsync(t, r, context.Background(), Hint{RequestID: "w2"})
 
 	first.Release(Result{Status: 200})
-	a1 := recv(t, w1)
+	a1 := testutil.Recv(t, testutil.Timeout, w1, "Acquire to return")
 	if a1.err != nil {
 		t.Fatalf("first waiter: %v", a1.err)
 	}
@@ -57,13 +48,13 @@ func TestQueueReleaseWakesWaitersInOrder(t *testing.T) {
 		t.Errorf("inflight after hand-over = %d, want 1", n)
 	}
 	a1.lease.Release(Result{Status: 200})
-	a2 := recv(t, w2)
+	a2 := testutil.Recv(t, testutil.Timeout, w2, "Acquire to return")
 	if a2.err != nil {
 		t.Fatalf("second waiter: %v", a2.err)
 	}
 	a2.lease.Release(Result{Status: 200})
 	assertAllIdle(t, r)
-	if n, _ := metricValue(t, reg, "pdproxy_queue_wait_seconds", map[string]string{"role": "decode"}); n != 2 {
+	if n, _ := testutil.Lookup(t, reg, "pdproxy_queue_wait_seconds", map[string]string{"role": "decode"}); n != 2 {
 		t.Errorf("queue_wait_seconds count = %v, want 2", n)
 	}
 }
@@ -103,7 +94,7 @@ func TestQueueOutcomes(t *testing.T) {
 			}
 			cancelBg()
 			for _, o := range others {
-				if a := recv(t, o); !errors.Is(a.err, context.Canceled) {
+				if a := testutil.Recv(t, testutil.Timeout, o, "Acquire to return"); !errors.Is(a.err, context.Canceled) {
 					t.Errorf("canceled waiter got %+v", a)
 				}
 			}
@@ -112,7 +103,7 @@ func TestQueueOutcomes(t *testing.T) {
 			}
 			busy.Release(Result{Status: 200})
 			assertAllIdle(t, r)
-			if v, _ := metricValue(t, reg, "pdproxy_queue_waiting_requests", map[string]string{"role": "decode"}); v != 0 {
+			if v, _ := testutil.Lookup(t, reg, "pdproxy_queue_waiting_requests", map[string]string{"role": "decode"}); v != 0 {
 				t.Errorf("queue_waiting_requests = %v, want 0", v)
 			}
 		})
@@ -126,14 +117,14 @@ func TestQueueCanceledWaiterLeavesAtOnceAndTakesNoSlot(t *testing.T) {
 	gone := acquireAsync(t, r, ctx, Hint{RequestID: "gone"})
 	stays := acquireAsync(t, r, context.Background(), Hint{RequestID: "stays"})
 	cancel()
-	if a := recv(t, gone); !errors.Is(a.err, context.Canceled) {
+	if a := testutil.Recv(t, testutil.Timeout, gone, "Acquire to return"); !errors.Is(a.err, context.Canceled) {
 		t.Fatalf("canceled waiter got %+v, want context.Canceled", a)
 	}
 	if n := queued(r, RoleDecode); n != 1 {
 		t.Fatalf("queue length after cancel = %d, want 1", n)
 	}
 	busy.Release(Result{Status: 200})
-	a := recv(t, stays)
+	a := testutil.Recv(t, testutil.Timeout, stays, "Acquire to return")
 	if a.err != nil {
 		t.Fatalf("remaining waiter: %v", a.err)
 	}
@@ -148,12 +139,12 @@ func TestQueueExcludingWaiterDoesNotBlockOthers(t *testing.T) {
 	picky := acquireAsync(t, r, context.Background(), Hint{Exclude: []string{"d0"}})
 	other := acquireAsync(t, r, context.Background(), Hint{})
 	l0.Release(Result{Status: 200}) // frees d0, which picky refuses
-	a := recv(t, other)
+	a := testutil.Recv(t, testutil.Timeout, other, "Acquire to return")
 	if a.err != nil || a.lease.Backend().Name != "d0" {
 		t.Fatalf("other waiter got %+v, want d0", a)
 	}
 	l1.Release(Result{Status: 200})
-	p := recv(t, picky)
+	p := testutil.Recv(t, testutil.Timeout, picky, "Acquire to return")
 	if p.err != nil || p.lease.Backend().Name != "d1" {
 		t.Fatalf("picky waiter got %+v, want d1", p)
 	}
@@ -168,7 +159,7 @@ func TestQueueWaiterGetsErrNoBackendWhenPoolGoesDown(t *testing.T) {
 	w := acquireAsync(t, r, context.Background(), Hint{})
 	backendByName(t, r, "d0").st.up.Store(false)
 	r.decode.kick() // what a health round does after a verdict
-	if a := recv(t, w); !errors.Is(a.err, ErrNoBackend) {
+	if a := testutil.Recv(t, testutil.Timeout, w, "Acquire to return"); !errors.Is(a.err, ErrNoBackend) {
 		t.Fatalf("waiter got %+v, want ErrNoBackend", a)
 	}
 	busy.Release(Result{Status: 200})
@@ -185,7 +176,7 @@ func TestQueueWaiterServedByBackendAddedOnReload(t *testing.T) {
 	if err := r.Reload(cfg); err != nil {
 		t.Fatal(err)
 	}
-	a := recv(t, w)
+	a := testutil.Recv(t, testutil.Timeout, w, "Acquire to return")
 	if a.err != nil || a.lease.Backend().Name != "d1" {
 		t.Fatalf("waiter got %+v, want the new d1", a)
 	}

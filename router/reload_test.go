@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"testing"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 func TestReloadRemovedBackendDrainsCleanly(t *testing.T) {
@@ -37,7 +39,7 @@ func TestReloadRemovedBackendDrainsCleanly(t *testing.T) {
 		t.Errorf("removed backend inflight after release = %d, want 0", n)
 	}
 	for _, name := range []string{"pdproxy_backend_requests_total", "pdproxy_backend_inflight_requests", "pdproxy_backend_healthy"} {
-		if _, ok := metricValue(t, reg, name, map[string]string{"backend": "d1"}); ok {
+		if _, ok := testutil.Lookup(t, reg, name, map[string]string{"backend": "d1"}); ok {
 			t.Errorf("%s still has a series for removed d1", name)
 		}
 	}

@@ -9,12 +9,12 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -173,28 +173,16 @@ var sampleMetrics = map[string]func(*procSample) *float64{
 
 func (p *proxyProc) sample() (procSample, error) {
 	var s procSample
-	resp, err := p.http.Get(p.url + "/metrics")
+	mfs, err := testutil.Scrape(p.http, p.url+"/metrics").Gather()
 	if err != nil {
 		return s, fmt.Errorf("scrape the proxy: %w", err)
 	}
-	defer resp.Body.Close()
 	seen := 0
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		name, value, ok := strings.Cut(sc.Text(), " ")
-		if !ok || strings.HasPrefix(name, "#") {
-			continue
-		}
-		if field, ok := sampleMetrics[name]; ok {
-			if *field(&s), err = strconv.ParseFloat(value, 64); err != nil {
-				return s, fmt.Errorf("metric %s: %w", name, err)
-			}
+	for name, field := range sampleMetrics {
+		if v, ok := testutil.Sum(mfs, name, nil); ok {
+			*field(&s) = v
 			seen++
 		}
-	}
-	if err := sc.Err(); err != nil {
-		return s, err
 	}
 	if seen != len(sampleMetrics) {
 		return s, fmt.Errorf("the proxy's /metrics has %d of the %d process metrics", seen, len(sampleMetrics))

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 // BenchmarkPrefillDecodeOverHTTP measures one P/D round trip (prefill on P,
@@ -53,13 +55,10 @@ func BenchmarkPrefillDecodeOverHTTP(b *testing.B) {
 		drain(resp)
 	}
 	b.StopTimer()
-	deadline := time.Now().Add(5 * time.Second)
-	for s := p.e.Stats(); s.HeldRequests != 0; s = p.e.Stats() {
-		if time.Now().After(deadline) {
-			b.Fatalf("P still holds: %+v", s)
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testutil.WaitFor(b, 5*time.Second, func() (bool, string) {
+		s := p.e.Stats()
+		return s.HeldRequests == 0, fmt.Sprintf("P still holds: %+v", s)
+	})
 }
 
 // BenchmarkStep measures a scheduler step with 256 requests decoding.

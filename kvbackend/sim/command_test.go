@@ -11,7 +11,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"time"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 // syncBuffer is a bytes.Buffer safe for a writer and a reader in two goroutines.
@@ -78,10 +79,7 @@ func TestRunCommandServesOnPortZeroAndStopsWhenCancelled(t *testing.T) {
 		done <- RunCommand(ctx, []string{"--listen", "127.0.0.1:0", "--role", "prefill", "--itl", "1ms", "--prefill-time", "1ms"}, io.Discard, &stderr)
 	}()
 	addr := ""
-	deadline := time.Now().Add(10 * time.Second)
-	tick := time.NewTicker(2 * time.Millisecond)
-	defer tick.Stop()
-	for addr == "" {
+	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
 		for _, line := range strings.Split(stderr.String(), "\n") {
 			var entry struct {
 				Msg  string `json:"msg"`
@@ -91,13 +89,8 @@ func TestRunCommandServesOnPortZeroAndStopsWhenCancelled(t *testing.T) {
 				addr = entry.Addr
 			}
 		}
-		if addr == "" {
-			if time.Now().After(deadline) {
-				t.Fatalf("no listening log line; stderr:\n%s", stderr.String())
-			}
-			<-tick.C
-		}
-	}
+		return addr != "", "no listening log line; stderr:\n" + stderr.String()
+	})
 	client := &http.Client{Transport: &http.Transport{}}
 	defer client.CloseIdleConnections()
 	resp, err := client.Post("http://"+addr+"/v1/completions", "application/json",
@@ -111,7 +104,7 @@ func TestRunCommandServesOnPortZeroAndStopsWhenCancelled(t *testing.T) {
 		t.Errorf("prefill via RunCommand: %d %s", resp.StatusCode, body)
 	}
 	cancel()
-	if err := recv(t, done, "RunCommand's return"); err != nil {
+	if err := testutil.Recv(t, testutil.Timeout, done, "RunCommand's return"); err != nil {
 		t.Errorf("RunCommand after cancel = %v, want nil", err)
 	}
 }

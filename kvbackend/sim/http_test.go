@@ -9,6 +9,8 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 // do is post without failing on a transport error, for faults that cut the connection.
@@ -153,7 +155,7 @@ func TestClientGoneAfterPrefillFinishedKeepsTheHoldUntilAbortRequest(t *testing.
 	}()
 	p.waitKV(t, "prefill held", func(s KVStats) bool { return s.HeldRequests == 1 })
 	cancel()
-	if err := recv(t, done, "the client's end"); err == nil {
+	if err := testutil.Recv(t, testutil.Timeout, done, "the client's end"); err == nil {
 		t.Fatal("client got an answer through a 1h stall")
 	}
 	s := p.waitKV(t, "abort seen as late", func(s KVStats) bool { return s.LateEventsTotal == 1 })

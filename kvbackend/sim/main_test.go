@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -14,6 +15,8 @@ import (
 
 	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 func TestMain(m *testing.M) {
@@ -102,19 +105,12 @@ func (ts *testServer) kv(t *testing.T) KVStats {
 // Only the deadline is wall-clock; the assertion is on state.
 func (ts *testServer) waitKV(t *testing.T, what string, cond func(KVStats) bool) KVStats {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	tick := time.NewTicker(2 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		s := ts.kv(t)
-		if cond(s) {
-			return s
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not reached, /debug/kv = %+v", what, s)
-		}
-		<-tick.C
-	}
+	var s KVStats
+	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+		s = ts.kv(t)
+		return cond(s), fmt.Sprintf("%s: not reached, /debug/kv = %+v", what, s)
+	})
+	return s
 }
 
 func allFree(s KVStats) bool {

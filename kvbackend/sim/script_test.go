@@ -9,71 +9,19 @@ import (
 	"time"
 
 	"go.uber.org/zap/zaptest"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
-// fakeClock is a Clock that moves only when a test advances it.
-type fakeClock struct {
-	mu     sync.Mutex
-	now    time.Time
-	timers []*fakeTimer
+// fakeClock is a Clock that moves only when a test advances it. The Clock interface wants
+// a NewTimer that returns this package's Timer, hence the one method of its own.
+type fakeClock struct{ *testutil.Clock }
+
+func newFakeClock() *fakeClock {
+	return &fakeClock{testutil.NewClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))}
 }
 
-type fakeTimer struct {
-	c     chan time.Time
-	at    time.Time
-	clock *fakeClock
-}
-
-func newFakeClock() *fakeClock { return &fakeClock{now: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)} }
-
-func (c *fakeClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.now
-}
-
-func (c *fakeClock) NewTimer(d time.Duration) Timer {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	t := &fakeTimer{c: make(chan time.Time, 1), at: c.now.Add(d), clock: c}
-	if d <= 0 {
-		t.c <- c.now
-		return t
-	}
-	c.timers = append(c.timers, t)
-	return t
-}
-
-func (t *fakeTimer) C() <-chan time.Time { return t.c }
-
-func (t *fakeTimer) Stop() bool {
-	c := t.clock
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	for i, x := range c.timers {
-		if x == t {
-			c.timers = append(c.timers[:i], c.timers[i+1:]...)
-			return true
-		}
-	}
-	return false
-}
-
-// Advance moves the clock and fires the timers that fall due.
-func (c *fakeClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.now = c.now.Add(d)
-	kept := c.timers[:0]
-	for _, t := range c.timers {
-		if t.at.After(c.now) {
-			kept = append(kept, t)
-			continue
-		}
-		t.c <- c.now
-	}
-	c.timers = kept
-}
+func (c *fakeClock) NewTimer(d time.Duration) Timer { return c.Clock.NewTimer(d) }
 
 // peerTransport carries a decoder's pull and notify straight to a prefiller
 // engine in the same test. With gate set, each pull first announces itself on
@@ -424,17 +372,17 @@ func TestScriptedDecoderRaces(t *testing.T) {
 		{
 			name: "decode pulls, notifies the prefiller, then generates",
 			script: func(t *testing.T, p, d *scripted, tr *peerTransport, run *decodeRun) error {
-				recv(t, d.wake, "D's event")
+				testutil.Recv(t, testutil.Timeout, d.wake, "D's event")
 				d.stepNow() // admitted: pull order
-				recv(t, tr.pullStarted, "the pull")
+				testutil.Recv(t, testutil.Timeout, tr.pullStarted, "the pull")
 				send(t, tr.release)
-				recv(t, d.wake, "D's finished_receiving")
+				testutil.Recv(t, testutil.Timeout, d.wake, "D's finished_receiving")
 				for range 4 {
 					d.stepNow()
 					d.clock.Advance(d.cfg.ITL)
 				}
 				p.stepNow()
-				return recv(t, run.done, "the decode's end")
+				return testutil.Recv(t, testutil.Timeout, run.done, "the decode's end")
 			},
 			wantP:     free(16),
 			wantD:     free(16),
@@ -444,9 +392,9 @@ func TestScriptedDecoderRaces(t *testing.T) {
 		{
 			name: "abort before the pull still notifies the prefiller, which frees",
 			script: func(t *testing.T, p, d *scripted, tr *peerTransport, run *decodeRun) error {
-				recv(t, d.wake, "D's submit") // submitted, not yet scheduled
+				testutil.Recv(t, testutil.Timeout, d.wake, "D's submit") // submitted, not yet scheduled
 				run.cancel()
-				err := recv(t, run.done, "the decode's end")
+				err := testutil.Recv(t, testutil.Timeout, run.done, "the decode's end")
 				d.stepNow()
 				p.stepNow()
 				return err
@@ -459,14 +407,14 @@ func TestScriptedDecoderRaces(t *testing.T) {
 		{
 			name: "abort during the pull notifies the prefiller and frees both sides",
 			script: func(t *testing.T, p, d *scripted, tr *peerTransport, run *decodeRun) error {
-				recv(t, d.wake, "D's event")
+				testutil.Recv(t, testutil.Timeout, d.wake, "D's event")
 				d.stepNow()
-				recv(t, tr.pullStarted, "the pull")
+				testutil.Recv(t, testutil.Timeout, tr.pullStarted, "the pull")
 				if st := d.Stats(); st.BlocksInUse != 2 || st.RunningRequests != 1 {
 					t.Errorf("during pull D stats = %+v, want 2 blocks in use by 1 running request", st)
 				}
 				run.cancel()
-				err := recv(t, run.done, "the decode's end")
+				err := testutil.Recv(t, testutil.Timeout, run.done, "the decode's end")
 				d.stepNow()
 				p.stepNow()
 				return err
@@ -483,13 +431,13 @@ func TestScriptedDecoderRaces(t *testing.T) {
 			script: func(t *testing.T, p, d *scripted, tr *peerTransport, run *decodeRun) error {
 				p.clock.Advance(time.Minute)
 				p.stepNow() // expiry
-				recv(t, d.wake, "D's event")
+				testutil.Recv(t, testutil.Timeout, d.wake, "D's event")
 				d.stepNow()
-				recv(t, tr.pullStarted, "the pull")
+				testutil.Recv(t, testutil.Timeout, tr.pullStarted, "the pull")
 				send(t, tr.release)
-				recv(t, d.wake, "D's finished_receiving") // with the error
+				testutil.Recv(t, testutil.Timeout, d.wake, "D's finished_receiving") // with the error
 				d.stepNow()
-				return recv(t, run.done, "the decode's end")
+				return testutil.Recv(t, testutil.Timeout, run.done, "the decode's end")
 			},
 			wantP:     KVStats{BlocksFree: 16, ExpiredTotal: 1},
 			wantD:     free(16),
@@ -502,15 +450,15 @@ func TestScriptedDecoderRaces(t *testing.T) {
 		{
 			name: "hold expiring during the pull fails the decode and the late notify-free path stays clean",
 			script: func(t *testing.T, p, d *scripted, tr *peerTransport, run *decodeRun) error {
-				recv(t, d.wake, "D's event")
+				testutil.Recv(t, testutil.Timeout, d.wake, "D's event")
 				d.stepNow()
-				recv(t, tr.pullStarted, "the pull")
+				testutil.Recv(t, testutil.Timeout, tr.pullStarted, "the pull")
 				p.clock.Advance(time.Minute)
 				p.stepNow() // expiry while the read is in flight
 				send(t, tr.release)
-				recv(t, d.wake, "D's event")
+				testutil.Recv(t, testutil.Timeout, d.wake, "D's event")
 				d.stepNow()
-				return recv(t, run.done, "the decode's end")
+				return testutil.Recv(t, testutil.Timeout, run.done, "the decode's end")
 			},
 			wantP:     KVStats{BlocksFree: 16, ExpiredTotal: 1},
 			wantD:     free(16),
@@ -545,22 +493,8 @@ func TestScriptedDecoderRaces(t *testing.T) {
 	}
 }
 
-// recv and send bound a test's wait on a channel, so that a broken guard
-// fails the test instead of hanging it.
-func recv[T any](t *testing.T, ch <-chan T, what string) T {
-	t.Helper()
-	timer := time.NewTimer(10 * time.Second)
-	defer timer.Stop()
-	select {
-	case v := <-ch:
-		return v
-	case <-timer.C:
-		t.Fatalf("timed out waiting for %s", what)
-	}
-	var zero T
-	return zero
-}
-
+// send bounds a test's wait for a receiver, so that a broken guard fails the test instead
+// of hanging it.
 func send(t *testing.T, ch chan<- struct{}) {
 	t.Helper()
 	timer := time.NewTimer(10 * time.Second)
