@@ -10,7 +10,10 @@ import "fmt"
 // State is where a request is in its life. The zero value is Received.
 type State uint8
 
-// The states of shared/DESIGN.md. Finished, Aborted, Expired and Failed are terminal.
+// The states of shared/DESIGN.md, but for expired: a hold whose deadline passes is never
+// forwarded (StartDecode), and the request goes on to a decoder that computes the prompt
+// itself, so no request ends as expired; the hold's release reason says it. Finished, Aborted
+// and Failed are terminal.
 const (
 	Received State = iota
 	Prefilling
@@ -18,12 +21,11 @@ const (
 	Decoding
 	Finished
 	Aborted
-	Expired
 	Failed
 	numStates
 )
 
-var stateNames = [numStates]string{"received", "prefilling", "kv_held", "decoding", "finished", "aborted", "expired", "failed"}
+var stateNames = [numStates]string{"received", "prefilling", "kv_held", "decoding", "finished", "aborted", "failed"}
 
 // String returns the snake_case name used in metrics, logs and /debug/requests.
 func (s State) String() string {

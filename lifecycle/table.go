@@ -45,11 +45,10 @@ type entry struct {
 	prefill string
 	decode  string
 	cancel  func()
-	hold    *Hold
-	// handedOff: StartDecodeHandoff gave the hold to the caller, who releases it once it
-	// knows whether the decode reached the decoder; nothing else in the table touches it.
-	handedOff bool
-	deadline  time.Time
+	// hold is the KV hold the table keeps for the request, from the prefill's answer until
+	// StartDecode hands it to the caller (then nil: the caller owns it) or it is released.
+	hold     *Hold
+	deadline time.Time
 }
 
 // New returns an empty table that registers its metrics on reg.
@@ -141,9 +140,6 @@ func (t *Table) End(id string) {
 		t.setState(e, Failed)
 	}
 	delete(t.reqs, id)
-	if e.handedOff {
-		return
-	}
 	// An owner may be releasing this hold at the same moment: whoever loses the race changes
 	// nothing, and End losing it is no late event.
 	e.hold.release(ReleaseExpired, false)
@@ -157,7 +153,7 @@ func (t *Table) StartPrefill(id, backend string) bool {
 	e := t.lookup(id, "prefill_start")
 	if e == nil || e.state != Received {
 		if e != nil {
-			t.lateLocked("prefill_start", id)
+			t.late("prefill_start", id)
 		}
 		return false
 	}
@@ -173,7 +169,7 @@ func (t *Table) PrefillRetry(id, backend string) bool {
 	e := t.lookup(id, "prefill_retry")
 	if e == nil || e.state != Prefilling {
 		if e != nil {
-			t.lateLocked("prefill_retry", id)
+			t.late("prefill_retry", id)
 		}
 		return false
 	}
@@ -206,53 +202,39 @@ func (t *Table) Prefilled(id string, holdsKV bool) (Action, *Hold) {
 		e.hold = t.newHold(id)
 		return ReleaseKV, e.hold
 	default:
-		t.lateLocked("prefill_done", id)
+		t.late("prefill_done", id)
 		return None, nil
 	}
 }
 
-// StartDecode moves a request to Decoding as its decode call goes out. forwardKV says whether
-// the prefiller's params may go with it: false once the hold deadline has passed (race R4),
-// and the hold then ends as expired; otherwise the hold passes to the decoder, which pulls the
-// blocks and notifies the prefiller (released as decoded). ok is false when the request is no
-// longer in a state that may decode (the client left): then nothing may be sent.
-func (t *Table) StartDecode(id, backend string) (forwardKV, ok bool) {
+// DecodeOnly records that the request goes to a decoder without a prefill (no prefiller
+// could serve it, or the engine cannot serve it disaggregated): the decoder computes the
+// prompt itself. It answers false when the request is no longer waiting for a prefill (the
+// client left): then nothing may be sent.
+func (t *Table) DecodeOnly(id string) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	e := t.lookup(id, "decode_start")
+	e := t.lookup(id, "decode_only")
 	if e == nil {
-		return false, false
+		return false
 	}
-	switch e.state {
-	case KVHeld:
-		forwardKV = !t.now().After(e.deadline)
-		reason := ReleaseDecoded
-		if !forwardKV {
-			reason = ReleaseExpired
-			t.m.expiredForwards.Inc()
-		}
-		// Released under t.mu, in the same step as the move to Decoding: otherwise a Fail or
-		// End in between would find a decoding request whose hold is still unreleased, and
-		// answer ReleaseKV (or release it as expired) for KV a decoder is about to pull.
-		e.hold.Release(reason)
-	case Received, Decoding:
-	default:
-		t.lateLocked("decode_start", id)
-		return false, false
+	if e.state != Received && e.state != Prefilling {
+		t.late("decode_only", id)
+		return false
 	}
-	e.decode = backend
 	t.setState(e, Decoding)
-	return forwardKV, true
+	return true
 }
 
-// StartDecodeHandoff is StartDecode for a caller that releases the hold itself: when the
-// params may be forwarded, the hold comes back unreleased and the caller must Release it
-// exactly once, as decoded when the decode call was written to the decoder (which then pulls
-// the blocks and notifies the prefiller), or through a release of its own when it never was
-// (the client left between this call and the write, or the connection failed): otherwise the
-// prefiller would keep the blocks until its own timer. Past the deadline it behaves as
-// StartDecode (the hold ends as expired, hold is nil).
-func (t *Table) StartDecodeHandoff(id, backend string) (forwardKV bool, hold *Hold, ok bool) {
+// StartDecode moves a request to Decoding as its decode call goes out. forwardKV says whether
+// the prefiller's params may go with it: false once the hold deadline has passed (race R4),
+// and the hold then ends as expired. When they may, the hold comes back to the caller, who
+// owns it from then on and must Release it exactly once: as decoded once the decoder has
+// the call (it then pulls the blocks and notifies the prefiller), or through a release of
+// its own when the decoder never got it (the client left before, the connection failed),
+// or the prefiller would keep the blocks until its own timer. ok is false when the request
+// is no longer in a state that may decode (the client left): then nothing may be sent.
+func (t *Table) StartDecode(id, backend string) (forwardKV bool, hold *Hold, ok bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	e := t.lookup(id, "decode_start")
@@ -263,30 +245,20 @@ func (t *Table) StartDecodeHandoff(id, backend string) (forwardKV bool, hold *Ho
 	case KVHeld:
 		forwardKV = !t.now().After(e.deadline)
 		if forwardKV {
-			e.handedOff = true
 			hold = e.hold
 		} else {
 			t.m.expiredForwards.Inc()
 			e.hold.Release(ReleaseExpired)
 		}
+		e.hold = nil
 	case Received, Decoding:
 	default:
-		t.lateLocked("decode_start", id)
+		t.late("decode_start", id)
 		return false, nil, false
 	}
 	e.decode = backend
 	t.setState(e, Decoding)
 	return forwardKV, hold, true
-}
-
-// HoldDeadline returns when the request's KV hold stops being forwardable (zero without a hold).
-func (t *Table) HoldDeadline(id string) time.Time {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if e, ok := t.reqs[id]; ok && e.hold != nil {
-		return e.deadline
-	}
-	return time.Time{}
 }
 
 // Finish ends a request that completed.
@@ -298,25 +270,6 @@ func (t *Table) Finish(id string) bool {
 // ReleaseKV with the hold to release.
 func (t *Table) Fail(id string) (Action, *Hold) {
 	return t.endWithHold(id, "fail", Failed)
-}
-
-// Expire ends a request whose KV hold deadline passed and that the proxy will not decode; the
-// answer is ReleaseKV with the hold to release. Only a request in KVHeld has a hold deadline: in
-// any other state Expire is a counted no-op, so a deadline timer that fires after the decode
-// went out (or before the prefill answered) cannot end a request that is still being served.
-func (t *Table) Expire(id string) (Action, *Hold) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	e := t.lookup(id, "expire")
-	if e == nil {
-		return None, nil
-	}
-	if e.state != KVHeld {
-		t.lateLocked("expire", id)
-		return None, nil
-	}
-	t.setState(e, Expired)
-	return ReleaseKV, e.hold
 }
 
 // ClientGone records that the client left and answers what to abort: nothing in Received,
@@ -342,7 +295,7 @@ func (t *Table) ClientGone(id string) (Action, *Hold, State) {
 	case Decoding:
 		act = CancelDecode
 	default:
-		t.lateLocked("client_gone", id)
+		t.late("client_gone", id)
 		return None, nil, prev
 	}
 	t.m.aborts.WithLabelValues(prev.String()).Inc()
@@ -426,7 +379,7 @@ func (t *Table) end(id, event string, to State, from ...State) *entry {
 			return e
 		}
 	}
-	t.lateLocked(event, id)
+	t.late(event, id)
 	return nil
 }
 
@@ -438,11 +391,11 @@ func (t *Table) endWithHold(id, event string, to State) (Action, *Hold) {
 		return None, nil
 	}
 	if e.state.Terminal() {
-		t.lateLocked(event, id)
+		t.late(event, id)
 		return None, nil
 	}
 	t.setState(e, to)
-	if e.hold != nil && !e.handedOff && !e.hold.Released() {
+	if e.hold != nil && !e.hold.Released() {
 		return ReleaseKV, e.hold
 	}
 	return None, nil
@@ -452,7 +405,7 @@ func (t *Table) endWithHold(id, event string, to State) (Action, *Hold) {
 func (t *Table) lookup(id, event string) *entry {
 	e, ok := t.reqs[id]
 	if !ok {
-		t.lateLocked(event, id)
+		t.late(event, id)
 		return nil
 	}
 	return e
@@ -474,8 +427,6 @@ func (t *Table) setState(e *entry, s State) {
 		t.m.inflight.WithLabelValues(s.String()).Inc()
 	}
 }
-
-func (t *Table) lateLocked(event, id string) { t.late(event, id) }
 
 func (t *Table) late(event, id string) {
 	t.m.late.WithLabelValues(event).Inc()
