@@ -88,3 +88,43 @@ func TestStartDecodeHandsTheHoldOver(t *testing.T) {
 		})
 	}
 }
+
+// TestLatePrefillAnswerAfterTheDecodeMakesNoHold: once the decode went out, the prefill's hold
+// is settled (handed to the caller with the params, or released as expired past the deadline).
+// If the client then leaves, a repeated prefill answer with kv is a counted no-op like any late
+// event: only a request aborted while its prefill ran records a hold from it (R1). Otherwise
+// the caller would release, as a second hold, KV that a decoder may be pulling.
+func TestLatePrefillAnswerAfterTheDecodeMakesNoHold(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		pastDeadline bool
+	}{
+		{"after the params went to the decoder", false},
+		{"after the deadline passed and the decode went out without them", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			toKVHeld(t, f)
+			if tc.pastDeadline {
+				f.clk.pastDeadline(f.tb)
+			}
+			fwd, hold, ok := f.tb.StartDecode(reqID, "d1")
+			if !ok || fwd == tc.pastDeadline || (hold != nil) == tc.pastDeadline {
+				t.Fatalf("StartDecode = %v, %v, %v", fwd, hold, ok)
+			}
+			if hold != nil {
+				hold.Release(ReleaseDecoded)
+			}
+			if act, _, _ := f.tb.ClientGone(reqID); act != CancelDecode {
+				t.Fatalf("ClientGone = %v, want cancel_decode", act)
+			}
+			before := gather(t, f.reg)
+			if act, h := f.tb.Prefilled(reqID, true); act != None || h != nil {
+				t.Errorf("Prefilled(true) = %v, %v; want none, nil: no second hold", act, h)
+			}
+			after := gather(t, f.reg)
+			assertDeltas(t, before, after, late("prefill_done"))
+			f.assertGauges(t, after, Aborted, true, 0)
+		})
+	}
+}
