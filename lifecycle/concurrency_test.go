@@ -22,23 +22,32 @@ var seedFlag = flag.Uint64("lifecycle.seed", 0, "seed of TestConcurrentRequests;
 type path int
 
 const (
-	pathPD               path = iota // prefill with kv, decode with the params, finish
-	pathAggregated                   // no prefill: decode, finish
-	pathNoKV                         // P answers without params: D recomputes
-	pathClientGone                   // the client leaves after a random step
-	pathPrefillAfterGone             // the client leaves, then P answers with kv (R1)
-	pathDeadlineDecode               // the hold deadline passes, then the decode goes out (R4)
-	pathDeadlineExpire               // the hold deadline passes and the request expires
-	pathFail                         // P or D fails at a random step
-	pathDouble                       // every event fired twice
-	pathLateAfterEnd                 // the P/D path, then every event again after End
-	pathEndBeforeRelease             // client gone in kv_held; End runs before the release is done
-	pathEndMidway                    // End while still in flight (a recovered panic)
+	pathPD                     path = iota // prefill with kv, decode with the params, finish
+	pathAggregated                         // no prefill: decode, finish
+	pathNoKV                               // P answers without params: D recomputes
+	pathDecodeOnly                         // the decode-only fallback, before or during the prefill
+	pathClientGone                         // the client leaves after a random step
+	pathPrefillAfterGone                   // the client leaves, then P answers with kv (R1)
+	pathDeadlineDecode                     // the hold deadline passes, then the decode goes out (R4)
+	pathDeadlineFail                       // the deadline passes, the decode goes out without params, D fails
+	pathFail                               // P or D fails at a random step
+	pathDouble                             // every event fired twice
+	pathLateAfterEnd                       // the P/D path, then every event again after End
+	pathEndBeforeRelease                   // client gone in kv_held; End runs before the release is done
+	pathEndBeforeDecodeRelease             // the decode got the hold; End runs before its owner releases it
+	pathEndMidway                          // End while still in flight (a recovered panic)
 	numPaths
 )
 
-var pathNames = [numPaths]string{"pd", "aggregated", "no_kv", "client_gone", "prefill_after_gone",
-	"deadline_decode", "deadline_expire", "fail", "double", "late_after_end", "end_before_release", "end_midway"}
+var pathNames = [numPaths]string{"pd", "aggregated", "no_kv", "decode_only", "client_gone", "prefill_after_gone",
+	"deadline_decode", "deadline_fail", "fail", "double", "late_after_end", "end_before_release",
+	"end_before_decode_release", "end_midway"}
+
+// releasesAfterEnd: the flow releases the holds it owns only after End, which may have released
+// a hold it got from a ReleaseKV answer first.
+func (p path) releasesAfterEnd() bool {
+	return p == pathEndBeforeRelease || p == pathEndBeforeDecodeRelease
+}
 
 // answer is one event on one request and what the table answered.
 type answer struct {
@@ -66,8 +75,8 @@ func (a answer) String() string {
 type rec struct {
 	id         string
 	path       path
-	step       int  // where pathClientGone / pathFail leave the happy path
-	chaos      bool // chaos goroutines fire ClientGone / Expire at it
+	step       int  // where pathClientGone / pathFail leave the happy path; pathDecodeOnly: 1 after StartPrefill
+	chaos      bool // chaos goroutines fire ClientGone at it
 	abortAfter bool // AbortAll is fired when this request ends
 
 	cancel   context.CancelFunc
@@ -196,8 +205,14 @@ func (d *driver) prefilled(kv bool) bool {
 	return act == None
 }
 
+func (d *driver) decodeOnly() bool {
+	ok := d.tb().DecodeOnly(d.r.id)
+	d.r.record(answer{event: "decode_only", by: "driver", ok: ok})
+	return ok
+}
+
 func (d *driver) startDecode() bool {
-	fwd, ok := d.tb().StartDecode(d.r.id, "d1")
+	fwd, h, ok := d.tb().StartDecode(d.r.id, "d1")
 	d.r.mu.Lock()
 	if ok && d.r.kvHeld && !d.r.decodeSent && !fwd {
 		d.r.deadlineExceeded++
@@ -205,8 +220,13 @@ func (d *driver) startDecode() bool {
 	if ok {
 		d.r.decodeSent = true
 	}
-	d.r.answers = append(d.r.answers, answer{event: "decode_start", by: "driver", ok: ok, fwd: fwd})
+	d.r.answers = append(d.r.answers, answer{event: "decode_start", by: "driver", ok: ok, fwd: fwd, hold: h})
 	d.r.mu.Unlock()
+	if h != nil {
+		// The hold went with the params and is this flow's now: it releases it as decoded
+		// once the decoder has the call. Only the flow has it, so no chaos release races it.
+		d.pending = append(d.pending, owned{h, ReleaseDecoded})
+	}
 	return ok
 }
 
@@ -220,12 +240,6 @@ func (d *driver) fail() {
 	act, h := d.tb().Fail(d.r.id)
 	d.r.record(answer{event: "fail", by: "driver", act: act, hold: h})
 	d.take(act, h, ReleaseAborted)
-}
-
-func (d *driver) expire() {
-	act, h := d.tb().Expire(d.r.id)
-	d.r.record(answer{event: "expire", by: "driver", act: act, hold: h})
-	d.take(act, h, ReleaseExpired)
 }
 
 func (d *driver) clientGone() {
@@ -254,13 +268,12 @@ func (d *driver) lateAfterEnd() {
 	note(answer{event: "prefill_retry", ok: tb.PrefillRetry(id, "p2")})
 	act, h := tb.Prefilled(id, true)
 	note(answer{event: "prefilled", act: act, hold: h})
-	fwd, ok := tb.StartDecode(id, "d1")
-	note(answer{event: "decode_start", ok: ok, fwd: fwd})
+	note(answer{event: "decode_only", ok: tb.DecodeOnly(id)})
+	fwd, h, ok := tb.StartDecode(id, "d1")
+	note(answer{event: "decode_start", ok: ok, fwd: fwd, hold: h})
 	note(answer{event: "finish", ok: tb.Finish(id)})
 	act, h = tb.Fail(id)
 	note(answer{event: "fail", act: act, hold: h})
-	act, h = tb.Expire(id)
-	note(answer{event: "expire", act: act, hold: h})
 	act, h, prev := tb.ClientGone(id)
 	note(answer{event: "client_gone", act: act, hold: h, prev: prev})
 	tb.End(id)
@@ -304,6 +317,9 @@ func (d *driver) run() {
 		d.seq(d.startDecode, d.finish)
 	case pathNoKV:
 		d.seq(d.startPrefill, pf(false), d.startDecode, d.finish)
+	case pathDecodeOnly:
+		steps := []func() bool{d.startPrefill, d.decodeOnly, d.startDecode, d.finish}
+		d.seq(steps[1-r.step:]...)
 	case pathClientGone:
 		steps := []func() bool{d.startPrefill, pf(true), d.startDecode}
 		d.seq(append(steps[:r.step:r.step], gone)...)
@@ -311,8 +327,8 @@ func (d *driver) run() {
 		d.seq(d.startPrefill, func() bool { d.clientGone(); return true }, pf(true))
 	case pathDeadlineDecode:
 		d.seq(d.startPrefill, pf(true), pastDeadline, d.startDecode, d.finish)
-	case pathDeadlineExpire:
-		d.seq(d.startPrefill, pf(true), pastDeadline, func() bool { d.expire(); return false })
+	case pathDeadlineFail:
+		d.seq(d.startPrefill, pf(true), pastDeadline, d.startDecode, failNow)
 	case pathFail:
 		steps := []func() bool{d.startPrefill, pf(true), d.startDecode}
 		d.seq(append(steps[:r.step+1:r.step+1], failNow)...)
@@ -327,6 +343,9 @@ func (d *driver) run() {
 	case pathEndBeforeRelease:
 		releaseLate = true
 		d.seq(d.startPrefill, pf(true), gone)
+	case pathEndBeforeDecodeRelease:
+		releaseLate = true
+		d.seq(d.startPrefill, pf(true), d.startDecode)
 	case pathEndMidway:
 		d.seq(d.startPrefill, pf(true))
 	}
@@ -400,6 +419,8 @@ func TestConcurrentRequests(t *testing.T) {
 			r.step = plan.IntN(4)
 		case pathFail:
 			r.step = plan.IntN(3)
+		case pathDecodeOnly:
+			r.step = plan.IntN(2)
 		}
 		w.rec = append(w.rec, r)
 	}
@@ -432,16 +453,10 @@ func TestConcurrentRequests(t *testing.T) {
 				}
 			})
 		},
-		// A hold-deadline timer firing at any moment.
+		// Time passing: a hold deadline may pass at any moment before the decode goes out, and
+		// StartDecode then never forwards the params (R4).
 		func(rng *rand.Rand) {
-			w.chaosTarget(rng, func(r *rec) {
-				act, h := w.f.tb.Expire(r.id)
-				r.record(answer{event: "expire", by: "chaos", act: act, hold: h, afterEnd: r.ended})
-				if h != nil {
-					w.adopt(h)
-					w.release(h, ReleaseExpired)
-				}
-			})
+			w.f.clk.Advance(time.Duration(rng.Int64N(int64(testHoldTimeout / 16))))
 		},
 		// Duplicate releases of holds already handed out.
 		func(rng *rand.Rand) {
@@ -505,6 +520,7 @@ func (w *world) check(t *testing.T) {
 	stages := make(map[State]int)
 	paths := make(map[string]int)
 	handedOut := make(map[*Hold]*rec)
+	handedOver := make(map[*Hold]bool) // the holds StartDecode handed to the flow with the params
 	var created, forwarded, deadlineExceeded, abortAllCalls int
 	failures := 0
 	fail := func(r *rec, format string, args ...any) {
@@ -537,7 +553,7 @@ func (w *world) check(t *testing.T) {
 			proofs = append(proofs, "end")
 		}
 		finals[final]++
-		calledFail, decodeOK, fwd, releases := false, false, 0, 0
+		calledFail, fwd, releases := false, 0, 0
 		for _, a := range r.answers {
 			if a.afterEnd {
 				if a.ok || a.fwd || a.act != None || a.hold != nil || (a.event == "client_gone" && a.prev != Aborted) {
@@ -554,7 +570,7 @@ func (w *world) check(t *testing.T) {
 				} else {
 					handedOut[a.hold] = r
 				}
-			} else if a.hold != nil {
+			} else if a.hold != nil && a.event != "decode_start" {
 				fail(r, "%v hands out a hold without asking for a release", a)
 			}
 			switch a.event {
@@ -589,21 +605,24 @@ func (w *world) check(t *testing.T) {
 				if a.act == ReleaseKV {
 					proofs = append(proofs, a.String())
 				}
-			case "expire":
-				if a.act == ReleaseKV {
-					proofs = append(proofs, a.String())
-					if final != Expired {
-						fail(r, "%v, yet it ended %v", a, final)
-					}
-				}
 			case "prefilled":
 				if a.act == ReleaseKV && final != Aborted {
 					fail(r, "%v asked for an R1 release, yet it ended %v", a, final)
 				}
 			case "decode_start":
-				decodeOK = decodeOK || a.ok
 				if a.fwd {
 					fwd++
+				}
+				if (a.hold != nil) != a.fwd {
+					fail(r, "%v: a hold goes with the params, and only with them", a)
+				}
+				if a.hold != nil {
+					if other, dup := handedOut[a.hold]; dup {
+						fail(r, "%v hands out a hold already handed out to %s", a, other.id)
+					} else {
+						handedOut[a.hold] = r
+						handedOver[a.hold] = true
+					}
 				}
 			}
 		}
@@ -614,22 +633,23 @@ func (w *world) check(t *testing.T) {
 		case len(proofs) == 0 && !(final == Failed && calledFail):
 			fail(r, "it ended %v with no transition to show for it", final)
 		}
-		if decodeOK && final == Expired {
-			fail(r, "its decode went out, yet it ended expired")
-		}
 		if fwd+releases > 1 {
 			fail(r, "its KV went to a decoder %d times and to a release %d times", fwd, releases)
 		}
 	}
 
 	// Every hold handed out was released exactly once by the one who got it (or, when End came
-	// first, by End, after which the owner's release answered false).
+	// first, by End, after which the owner's release answered false). End never releases a hold
+	// StartDecode handed over: its owner's release always wins.
 	for h, r := range handedOut {
 		if !h.Released() {
 			fail(r, "a hold handed out was never released")
 		}
 		wins := w.wins[h]
-		if wins > 1 || (wins == 0 && r.path != pathEndBeforeRelease) {
+		switch {
+		case handedOver[h] && wins != 1:
+			fail(r, "the hold StartDecode handed over was released %d times by its owner, want 1", wins)
+		case wins > 1 || (wins == 0 && !r.path.releasesAfterEnd()):
 			fail(r, "a hold handed out was released %d times", wins)
 		}
 	}
@@ -673,6 +693,6 @@ func (w *world) check(t *testing.T) {
 		t.Errorf("... and %d more request failures", failures-20)
 	}
 	t.Logf("paths %v", paths)
-	t.Logf("ended: finished %d, aborted %d, expired %d, failed %d; holds %d (handed out %d), decoded %d, deadline exceeded %d, AbortAll cancels %d",
-		finals[Finished], finals[Aborted], finals[Expired], finals[Failed], created, len(handedOut), forwarded, deadlineExceeded, abortAllCalls)
+	t.Logf("ended: finished %d, aborted %d, failed %d; holds %d (handed out %d, with the params %d), decoded %d, deadline exceeded %d, AbortAll cancels %d",
+		finals[Finished], finals[Aborted], finals[Failed], created, len(handedOut), len(handedOver), forwarded, deadlineExceeded, abortAllCalls)
 }

@@ -42,11 +42,13 @@ func TestSnapshot(t *testing.T) {
 	begin("d", "/v1/chat/completions")
 	must("StartPrefill", tb.StartPrefill("d", "p1"))
 	tb.Prefilled("d", true)
-	_, ok := tb.StartDecode("d", "d1")
+	_, decodeHold, ok := tb.StartDecode("d", "d1")
 	must("StartDecode", ok)
+	// The decoder has the call: the caller releases the hold it was handed as decoded.
+	must("Release", decodeHold.Release(ReleaseDecoded))
 	tick()
 	begin("e", "/v1/completions")
-	_, ok = tb.StartDecode("e", "d2")
+	_, _, ok = tb.StartDecode("e", "d2")
 	must("StartDecode", ok)
 	tick()
 	begin("f", "/v1/completions")
@@ -55,7 +57,7 @@ func TestSnapshot(t *testing.T) {
 	_, hold, _ := tb.ClientGone("f")
 	tick()
 	begin("g", "/v1/completions")
-	_, ok = tb.StartDecode("g", "d1")
+	_, _, ok = tb.StartDecode("g", "d1")
 	must("StartDecode", ok)
 	must("Finish", tb.Finish("g"))
 	tick()
@@ -217,8 +219,10 @@ func TestAbortAllCancelsOutsideTheLock(t *testing.T) {
 	}
 }
 
-// TestHoldDeadlineBoundary: the params may go to a decoder up to and including the deadline,
-// never a nanosecond after (R4).
+// TestHoldDeadlineBoundary: the params may go to a decoder up to and including the deadline
+// (the prefill's answer plus the hold timeout), never a nanosecond after (R4). Within it the
+// hold goes to the caller, who releases it as decoded; past it StartDecode releases it as
+// expired and hands nothing over.
 func TestHoldDeadlineBoundary(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
@@ -232,13 +236,13 @@ func TestHoldDeadlineBoundary(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newFixture(t)
 			toKVHeld(t, f)
-			if got, want := f.tb.HoldDeadline(reqID), f.clk.Now().Add(testHoldTimeout); !got.Equal(want) {
-				t.Errorf("HoldDeadline = %v, want %v", got, want)
-			}
 			f.clk.Advance(tc.after)
-			fwd, ok := f.tb.StartDecode(reqID, "d1")
-			if !ok || fwd != tc.forward {
-				t.Errorf("StartDecode = forward %v, ok %v; want forward %v, ok true", fwd, ok, tc.forward)
+			fwd, hold, ok := f.tb.StartDecode(reqID, "d1")
+			if !ok || fwd != tc.forward || (hold != nil) != tc.forward {
+				t.Errorf("StartDecode = forward %v, hold %v, ok %v; want forward %v, a hold %v, ok true", fwd, hold, ok, tc.forward, tc.forward)
+			}
+			if hold != nil && !hold.Release(ReleaseDecoded) {
+				t.Errorf("the caller's Release of the hold it was handed answered false")
 			}
 			m := gather(t, f.reg)
 			if m[mReleases(tc.reason)] != 1 {

@@ -29,7 +29,8 @@ func together(a, b func()) {
 }
 
 // TestDecodeStartRacingFail: the decode going out and a failure reported at the same moment.
-// The KV goes either to the decoder or to exactly one release, never to both.
+// The KV goes either to the decoder (its hold to StartDecode's caller) or to exactly one
+// release that Fail asks for, never to both.
 func TestDecodeStartRacingFail(t *testing.T) {
 	f := newFixture(t, zaptest.Level(zapcore.InfoLevel))
 	tb := f.tb
@@ -42,19 +43,25 @@ func TestDecodeStartRacingFail(t *testing.T) {
 		tb.StartPrefill(id, "p1")
 		tb.Prefilled(id, true)
 		var (
-			fwd, ok bool
-			act     Action
-			hold    *Hold
+			fwd, ok          bool
+			act              Action
+			hold, decodeHold *Hold
 		)
-		together(func() { fwd, ok = tb.StartDecode(id, "d1") }, func() { act, hold = tb.Fail(id) })
+		together(func() { fwd, decodeHold, ok = tb.StartDecode(id, "d1") }, func() { act, hold = tb.Fail(id) })
 		if fwd && act == ReleaseKV {
 			t.Fatalf("round %d: the params went to the decoder and Fail asked for a release too", i)
 		}
 		if ok == (act == ReleaseKV) {
 			t.Fatalf("round %d: StartDecode ok=%v and Fail answered %v: exactly one must take the hold", i, ok, act)
 		}
+		if (decodeHold != nil) != fwd || (decodeHold != nil && decodeHold == hold) {
+			t.Fatalf("round %d: StartDecode forward=%v handed over %p, Fail %p: the hold goes with the params, to one owner", i, fwd, decodeHold, hold)
+		}
 		if fwd {
 			forwarded++
+			if !decodeHold.Release(ReleaseDecoded) {
+				t.Fatalf("round %d: the decoder's hold was already released", i)
+			}
 		}
 		if hold != nil && !hold.Release(ReleaseAborted) {
 			releaseFalse++

@@ -47,7 +47,10 @@ type entry struct {
 	cancel  func()
 	// hold is the KV hold the table keeps for the request, from the prefill's answer until
 	// StartDecode hands it to the caller (then nil: the caller owns it) or it is released.
-	hold     *Hold
+	hold *Hold
+	// deadline is when the hold the prefill's answer recorded stops being forwardable; zero
+	// when the answer recorded none. It stays once StartDecode clears hold, so it also tells
+	// that the request had a hold.
 	deadline time.Time
 }
 
@@ -198,7 +201,9 @@ func (t *Table) Prefilled(id string, holdsKV bool) (Action, *Hold) {
 	case e.state == Prefilling:
 		t.setState(e, Decoding)
 		return None, nil
-	case e.state == Aborted && holdsKV && e.hold == nil:
+	case e.state == Aborted && holdsKV && e.hold == nil && e.deadline.IsZero():
+		// Only when no prefill answer recorded a hold: after the decode went out (hold then
+		// nil) a repeated answer must not make a second hold for KV a decoder may be pulling.
 		e.hold = t.newHold(id)
 		return ReleaseKV, e.hold
 	default:

@@ -1,6 +1,7 @@
 package lifecycle
 
 import (
+	"errors"
 	"strings"
 	"testing"
 )
@@ -10,31 +11,33 @@ const (
 	reqRoute = "/v1/chat/completions"
 )
 
-// The events of the lifecycle table, as the proxy fires them.
+// The events of the lifecycle table, as the proxy fires them: one per production transition.
 const (
+	evBegin           = "begin" // Begin again with the id of the request in the table
 	evPrefillStart    = "prefill_start"
 	evPrefillRetry    = "prefill_retry"
 	evPrefilledKV     = "prefilled_kv"
 	evPrefilledNoKV   = "prefilled_no_kv"
+	evDecodeOnly      = "decode_only" // the decode-only fallback: to a decoder without a prefill
 	evDecodeStart     = "decode_start"
 	evDecodeStartLate = "decode_start_late" // StartDecode once the hold deadline has passed
 	evFinish          = "finish"
 	evFail            = "fail"
-	evExpire          = "expire" // Expire once the hold deadline has passed
 	evClientGone      = "client_gone"
 	evEnd             = "end"
 	evReleaseTwice    = "release_twice" // Release, twice, of the hold the caller owns
 )
 
 var allEvents = []string{
-	evPrefillStart, evPrefillRetry, evPrefilledKV, evPrefilledNoKV, evDecodeStart,
-	evDecodeStartLate, evFinish, evFail, evExpire, evClientGone, evEnd, evReleaseTwice,
+	evBegin, evPrefillStart, evPrefillRetry, evPrefilledKV, evPrefilledNoKV, evDecodeOnly,
+	evDecodeStart, evDecodeStartLate, evFinish, evFail, evClientGone, evEnd, evReleaseTwice,
 }
 
 // outcome is everything a transition answered.
 type outcome struct {
-	ok       bool // StartPrefill, PrefillRetry, Finish, StartDecode's ok
-	forward  bool // StartDecode's forwardKV
+	ok       bool  // Begin without an error, StartPrefill, PrefillRetry, DecodeOnly, Finish, StartDecode's ok
+	err      error // Begin's error
+	forward  bool  // StartDecode's forwardKV
 	act      Action
 	hold     *Hold
 	prev     State   // ClientGone's stage
@@ -45,6 +48,9 @@ func fire(f *fixture, event string, owned *Hold) outcome {
 	var o outcome
 	tb := f.tb
 	switch event {
+	case evBegin:
+		o.err = tb.Begin(reqID, reqRoute, nil)
+		o.ok = o.err == nil
 	case evPrefillStart:
 		o.ok = tb.StartPrefill(reqID, "p2")
 	case evPrefillRetry:
@@ -53,18 +59,17 @@ func fire(f *fixture, event string, owned *Hold) outcome {
 		o.act, o.hold = tb.Prefilled(reqID, true)
 	case evPrefilledNoKV:
 		o.act, o.hold = tb.Prefilled(reqID, false)
+	case evDecodeOnly:
+		o.ok = tb.DecodeOnly(reqID)
 	case evDecodeStart:
-		o.forward, o.ok = tb.StartDecode(reqID, "d2")
+		o.forward, o.hold, o.ok = tb.StartDecode(reqID, "d2")
 	case evDecodeStartLate:
 		f.clk.pastDeadline(tb)
-		o.forward, o.ok = tb.StartDecode(reqID, "d2")
+		o.forward, o.hold, o.ok = tb.StartDecode(reqID, "d2")
 	case evFinish:
 		o.ok = tb.Finish(reqID)
 	case evFail:
 		o.act, o.hold = tb.Fail(reqID)
-	case evExpire:
-		f.clk.pastDeadline(tb)
-		o.act, o.hold = tb.Expire(reqID)
 	case evClientGone:
 		o.act, o.hold, o.prev = tb.ClientGone(reqID)
 	case evEnd:
@@ -114,24 +119,32 @@ func toKVHeld(t *testing.T, f *fixture) {
 	}
 }
 
-func toDecoding(t *testing.T, f *fixture) {
+// toDecoding takes the P/D path: the params go to the decoder and the hold to the caller, who
+// releases it as decoded once the decoder has the call. It returns that (released) hold.
+func toDecoding(t *testing.T, f *fixture) *Hold {
 	t.Helper()
 	toKVHeld(t, f)
-	fwd, ok := f.tb.StartDecode(reqID, "d1")
+	fwd, h, ok := f.tb.StartDecode(reqID, "d1")
 	mustTrue(t, "StartDecode", ok)
 	mustTrue(t, "StartDecode forwardKV", fwd)
+	if h == nil {
+		t.Fatalf("setup: StartDecode forwarded the params but handed no hold over")
+	}
+	mustTrue(t, "Release", h.Release(ReleaseDecoded))
+	return h
 }
 
 var rows = []row{
 	{name: "received", setup: func(t *testing.T, f *fixture) *Hold { begin(t, f); return nil }},
 	{name: "prefilling", setup: func(t *testing.T, f *fixture) *Hold { toPrefilling(t, f); return nil }},
 	{name: "kv_held", held: 1, setup: func(t *testing.T, f *fixture) *Hold { toKVHeld(t, f); return nil }},
-	// decoding: the P/D path, the params forwarded and the hold handed to the decoder.
-	{name: "decoding", setup: func(t *testing.T, f *fixture) *Hold { toDecoding(t, f); return nil }},
+	// decoding: the P/D path, the params forwarded; the caller owned the hold and released it
+	// as decoded.
+	{name: "decoding", setup: func(t *testing.T, f *fixture) *Hold { return toDecoding(t, f) }},
 	{name: "finished", setup: func(t *testing.T, f *fixture) *Hold {
-		toDecoding(t, f)
+		h := toDecoding(t, f)
 		mustTrue(t, "Finish", f.tb.Finish(reqID))
-		return nil
+		return h
 	}},
 	// aborted: the client left while the prefill was running; nothing holds KV yet.
 	{name: "aborted", setup: func(t *testing.T, f *fixture) *Hold {
@@ -151,24 +164,13 @@ var rows = []row{
 		}
 		return h
 	}},
-	// expired: the deadline passed in kv_held; the caller released the hold as expired.
-	{name: "expired", setup: func(t *testing.T, f *fixture) *Hold {
-		toKVHeld(t, f)
-		f.clk.pastDeadline(f.tb)
-		act, h := f.tb.Expire(reqID)
-		if act != ReleaseKV || h == nil {
-			t.Fatalf("setup: Expire = %v, %v", act, h)
-		}
-		mustTrue(t, "Release", h.Release(ReleaseExpired))
-		return h
-	}},
 	// failed: the decoder failed after the params went to it.
 	{name: "failed", setup: func(t *testing.T, f *fixture) *Hold {
-		toDecoding(t, f)
+		owned := toDecoding(t, f)
 		if act, h := f.tb.Fail(reqID); act != None || h != nil {
 			t.Fatalf("setup: Fail = %v, %v", act, h)
 		}
-		return nil
+		return owned
 	}},
 	// unknown: an id the table forgot (End came first) is as unknown as one it never saw.
 	{name: "unknown", setup: func(t *testing.T, f *fixture) *Hold {
@@ -183,6 +185,7 @@ type expect struct {
 	ok, forward bool
 	act         Action
 	hold        bool // a *Hold came back (the caller must release it)
+	handedOver  bool // the hold is the caller's alone (StartDecode): Snapshot no longer shows it
 	prev        State
 	released    [2]bool
 	state       State // ignored when gone
@@ -223,88 +226,95 @@ func wantBackends(prefill, decode string) func(t *testing.T, f *fixture, _ *Hold
 
 var cells = []cell{
 	// received
+	{"received", evBegin, "again with the id in flight is refused as a duplicate", expect{state: Received}},
 	{"received", evPrefillStart, "moves to prefilling", expect{ok: true, state: Prefilling, check: wantBackends("p2", "")}},
 	{"received", evPrefillRetry, "before any prefill is refused and counted late", expect{state: Received, delta: late("prefill_retry")}},
 	{"received", evPrefilledKV, "before any prefill is a counted no-op", expect{state: Received, delta: late("prefill_done")}},
 	{"received", evPrefilledNoKV, "before any prefill is a counted no-op", expect{state: Received, delta: late("prefill_done")}},
+	{"received", evDecodeOnly, "goes to a decoder without a prefill and without a hold", expect{ok: true, state: Decoding, check: wantBackends("", "")}},
 	{"received", evDecodeStart, "takes the aggregated path without params", expect{ok: true, state: Decoding, check: wantBackends("", "d2")}},
 	{"received", evDecodeStartLate, "has no hold and so no deadline: the aggregated decode goes out", expect{ok: true, state: Decoding}},
 	{"received", evFinish, "before any decode is refused and counted late", expect{state: Received, delta: late("finish")}},
 	{"received", evFail, "ends the request with nothing to release", expect{state: Failed}},
-	{"received", evExpire, "without a hold is a counted no-op", expect{state: Received, delta: late("expire")}},
 	{"received", evClientGone, "aborts with nothing to cancel", expect{prev: Received, state: Aborted, delta: one(mAborts(Received))}},
 	{"received", evEnd, "forgets the request and clears its in-flight count", expect{gone: true}},
 	{"received", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Received}},
 
 	// prefilling
+	{"prefilling", evBegin, "again with the id in flight is refused as a duplicate", expect{state: Prefilling}},
 	{"prefilling", evPrefillStart, "again is refused and counted late", expect{state: Prefilling, delta: late("prefill_start")}},
 	{"prefilling", evPrefillRetry, "moves the prefill to another backend", expect{ok: true, state: Prefilling, check: wantBackends("p2", "")}},
 	{"prefilling", evPrefilledKV, "with kv holds the KV until the deadline", expect{state: KVHeld, held: 1, check: func(t *testing.T, f *fixture, _ *Hold) {
-		if got, want := f.tb.HoldDeadline(reqID), f.clk.Now().Add(testHoldTimeout); !got.Equal(want) {
-			t.Errorf("HoldDeadline = %v, want %v", got, want)
-		}
 		if !snapshotRow(t, f).KVHeld {
 			t.Errorf("Snapshot kv_held = false, want true")
 		}
 	}}},
 	{"prefilling", evPrefilledNoKV, "without kv goes straight to decoding: P holds nothing, D recomputes", expect{state: Decoding, check: func(t *testing.T, f *fixture, _ *Hold) {
-		if !f.tb.HoldDeadline(reqID).IsZero() {
-			t.Errorf("HoldDeadline = %v, want zero without a hold", f.tb.HoldDeadline(reqID))
+		// No hold, so no deadline: a decode long after still goes out, and nothing expires.
+		f.clk.pastDeadline(f.tb)
+		before := gather(t, f.reg)
+		if fwd, h, ok := f.tb.StartDecode(reqID, "d1"); fwd || h != nil || !ok {
+			t.Errorf("StartDecode past the deadline = %v, %v, %v; want false, nil, true", fwd, h, ok)
 		}
+		assertDeltas(t, before, gather(t, f.reg), nil)
 	}}},
+	{"prefilling", evDecodeOnly, "falls back to decode-only: P holds nothing, the decoder computes the prompt", expect{ok: true, state: Decoding, check: wantBackends("p1", "")}},
 	{"prefilling", evDecodeStart, "before the prefill answered is refused", expect{state: Prefilling, delta: late("decode_start")}},
 	{"prefilling", evDecodeStartLate, "before the prefill answered is refused, deadline or not", expect{state: Prefilling, delta: late("decode_start")}},
 	{"prefilling", evFinish, "before any decode is refused and counted late", expect{state: Prefilling, delta: late("finish")}},
 	{"prefilling", evFail, "ends the request: the prefill failed and P holds nothing", expect{state: Failed}},
-	{"prefilling", evExpire, "without a hold is a counted no-op", expect{state: Prefilling, delta: late("expire")}},
 	{"prefilling", evClientGone, "cancels the prefill call (R1)", expect{act: CancelPrefill, prev: Prefilling, state: Aborted, delta: one(mAborts(Prefilling))}},
 	{"prefilling", evEnd, "forgets the request and clears its in-flight count", expect{gone: true}},
 	{"prefilling", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Prefilling}},
 
 	// kv_held
+	{"kv_held", evBegin, "again with the id in flight is refused as a duplicate and keeps the hold", expect{state: KVHeld, held: 1}},
 	{"kv_held", evPrefillStart, "is refused and counted late", expect{state: KVHeld, held: 1, delta: late("prefill_start")}},
 	{"kv_held", evPrefillRetry, "after the answer is refused and counted late", expect{state: KVHeld, held: 1, delta: late("prefill_retry")}},
 	{"kv_held", evPrefilledKV, "again never records a second hold", expect{state: KVHeld, held: 1, delta: late("prefill_done")}},
 	{"kv_held", evPrefilledNoKV, "without kv afterwards is a counted no-op that keeps the hold", expect{state: KVHeld, held: 1, delta: late("prefill_done")}},
-	{"kv_held", evDecodeStart, "within the deadline forwards the params and hands the hold to the decoder", expect{ok: true, forward: true, state: Decoding, delta: one(mReleases(ReleaseDecoded)), check: wantBackends("p1", "d2")}},
-	{"kv_held", evDecodeStartLate, "after the deadline never forwards the params (R4)", expect{ok: true, state: Decoding,
+	{"kv_held", evDecodeOnly, "is refused and counted late: the decode takes the params (StartDecode)", expect{state: KVHeld, held: 1, delta: late("decode_only")}},
+	{"kv_held", evDecodeStart, "within the deadline forwards the params and hands the unreleased hold to the caller", expect{ok: true, forward: true, hold: true, handedOver: true, state: Decoding, held: 1, check: wantBackends("p1", "d2")}},
+	{"kv_held", evDecodeStartLate, "after the deadline never forwards the params and releases the hold as expired (R4)", expect{ok: true, state: Decoding,
 		delta: map[string]float64{mReleases(ReleaseExpired): 1, mDeadlineExceeded: 1}}},
 	{"kv_held", evFinish, "before any decode is refused and counted late", expect{state: KVHeld, held: 1, delta: late("finish")}},
 	{"kv_held", evFail, "ends the request and asks for a release", expect{act: ReleaseKV, hold: true, state: Failed, held: 1}},
-	{"kv_held", evExpire, "after the deadline ends the request and asks for a release", expect{act: ReleaseKV, hold: true, state: Expired, held: 1}},
 	{"kv_held", evClientGone, "releases the held KV now (R2)", expect{act: ReleaseKV, hold: true, prev: KVHeld, state: Aborted, held: 1, delta: one(mAborts(KVHeld))}},
 	{"kv_held", evEnd, "releases the hold nobody took, as expired", expect{gone: true, delta: one(mReleases(ReleaseExpired))}},
 	{"kv_held", evReleaseTwice, "hands no hold out: the table owns it until a transition does", expect{state: KVHeld, held: 1}},
 
-	// decoding
+	// decoding (P/D: the caller released its hold as decoded)
+	{"decoding", evBegin, "again with the id in flight is refused as a duplicate", expect{state: Decoding}},
 	{"decoding", evPrefillStart, "is refused and counted late", expect{state: Decoding, delta: late("prefill_start")}},
 	{"decoding", evPrefillRetry, "is refused and counted late", expect{state: Decoding, delta: late("prefill_retry")}},
 	{"decoding", evPrefilledKV, "a late prefill answer is a counted no-op", expect{state: Decoding, delta: late("prefill_done")}},
 	{"decoding", evPrefilledNoKV, "a late prefill answer is a counted no-op", expect{state: Decoding, delta: late("prefill_done")}},
-	{"decoding", evDecodeStart, "again records the decoder and never forwards params", expect{ok: true, state: Decoding, check: wantBackends("p1", "d2")}},
-	{"decoding", evDecodeStartLate, "again past the deadline counts nothing: the hold already went to the decoder", expect{ok: true, state: Decoding}},
+	{"decoding", evDecodeOnly, "once the decode went out is refused and counted late", expect{state: Decoding, delta: late("decode_only")}},
+	{"decoding", evDecodeStart, "again records the decoder and never forwards params or hands a hold out", expect{ok: true, state: Decoding, check: wantBackends("p1", "d2")}},
+	{"decoding", evDecodeStartLate, "again past the deadline counts nothing: the hold already went to the caller", expect{ok: true, state: Decoding}},
 	{"decoding", evFinish, "completes the request", expect{ok: true, state: Finished}},
 	{"decoding", evFail, "ends the request with nothing to release: D's notify or P's timer frees P", expect{state: Failed}},
-	{"decoding", evExpire, "once the decode went out is a counted no-op", expect{state: Decoding, delta: late("expire")}},
 	{"decoding", evClientGone, "cancels the decode call", expect{act: CancelDecode, prev: Decoding, state: Aborted, delta: one(mAborts(Decoding))}},
 	{"decoding", evEnd, "forgets the request and clears its in-flight count", expect{gone: true}},
-	{"decoding", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Decoding}},
+	{"decoding", evReleaseTwice, "the caller's hold was released as decoded: each release again is counted late", expect{state: Decoding, delta: map[string]float64{mLate("release"): 2}}},
 
 	// finished
+	{"finished", evBegin, "before End the id is still taken: refused as a duplicate", expect{state: Finished}},
 	{"finished", evPrefillStart, "is a counted no-op", expect{state: Finished, delta: late("prefill_start")}},
 	{"finished", evPrefillRetry, "is a counted no-op", expect{state: Finished, delta: late("prefill_retry")}},
 	{"finished", evPrefilledKV, "a late prefill answer is a counted no-op", expect{state: Finished, delta: late("prefill_done")}},
 	{"finished", evPrefilledNoKV, "a late prefill answer is a counted no-op", expect{state: Finished, delta: late("prefill_done")}},
+	{"finished", evDecodeOnly, "is refused and counted late", expect{state: Finished, delta: late("decode_only")}},
 	{"finished", evDecodeStart, "is refused and counted late", expect{state: Finished, delta: late("decode_start")}},
 	{"finished", evDecodeStartLate, "is refused and counted late", expect{state: Finished, delta: late("decode_start")}},
 	{"finished", evFinish, "again is a counted no-op", expect{state: Finished, delta: late("finish")}},
 	{"finished", evFail, "is a counted no-op: the request stays finished", expect{state: Finished, delta: late("fail")}},
-	{"finished", evExpire, "is a counted no-op", expect{state: Finished, delta: late("expire")}},
 	{"finished", evClientGone, "is a counted no-op (R5)", expect{prev: Finished, state: Finished, delta: late("client_gone")}},
 	{"finished", evEnd, "forgets the request", expect{gone: true}},
-	{"finished", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Finished}},
+	{"finished", evReleaseTwice, "the caller's hold was released as decoded: each release again is counted late", expect{state: Finished, delta: map[string]float64{mLate("release"): 2}}},
 
 	// aborted (while prefilling)
+	{"aborted", evBegin, "before End the id is still taken: refused as a duplicate", expect{state: Aborted}},
 	{"aborted", evPrefillStart, "after the client left is refused: nothing may be sent", expect{state: Aborted, delta: late("prefill_start")}},
 	{"aborted", evPrefillRetry, "after the client left is refused: nothing may be sent", expect{state: Aborted, delta: late("prefill_retry")}},
 	{"aborted", evPrefilledKV, "with kv asks for a release (R1)", expect{act: ReleaseKV, hold: true, state: Aborted, held: 1, check: func(t *testing.T, f *fixture, _ *Hold) {
@@ -313,25 +323,26 @@ var cells = []cell{
 		}
 	}}},
 	{"aborted", evPrefilledNoKV, "without kv is a counted no-op: P holds nothing", expect{state: Aborted, delta: late("prefill_done")}},
+	{"aborted", evDecodeOnly, "after the client left is refused: nothing may be sent", expect{state: Aborted, delta: late("decode_only")}},
 	{"aborted", evDecodeStart, "after the client left is refused: nothing may be sent", expect{state: Aborted, delta: late("decode_start")}},
 	{"aborted", evDecodeStartLate, "after the client left is refused: nothing may be sent", expect{state: Aborted, delta: late("decode_start")}},
 	{"aborted", evFinish, "is a counted no-op", expect{state: Aborted, delta: late("finish")}},
 	{"aborted", evFail, "is a counted no-op: the request stays aborted", expect{state: Aborted, delta: late("fail")}},
-	{"aborted", evExpire, "is a counted no-op", expect{state: Aborted, delta: late("expire")}},
 	{"aborted", evClientGone, "again is a counted no-op (R3)", expect{prev: Aborted, state: Aborted, delta: late("client_gone")}},
 	{"aborted", evEnd, "forgets the request", expect{gone: true}},
 	{"aborted", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Aborted}},
 
 	// aborted_with_kv (the client left in kv_held; the caller still owns the hold)
+	{"aborted_with_kv", evBegin, "before End the id is still taken: refused as a duplicate", expect{state: Aborted, held: 1}},
 	{"aborted_with_kv", evPrefillStart, "is refused and counted late", expect{state: Aborted, held: 1, delta: late("prefill_start")}},
 	{"aborted_with_kv", evPrefillRetry, "is refused and counted late", expect{state: Aborted, held: 1, delta: late("prefill_retry")}},
 	{"aborted_with_kv", evPrefilledKV, "again never asks for a second release", expect{state: Aborted, held: 1, delta: late("prefill_done")}},
 	{"aborted_with_kv", evPrefilledNoKV, "is a counted no-op that keeps the hold", expect{state: Aborted, held: 1, delta: late("prefill_done")}},
+	{"aborted_with_kv", evDecodeOnly, "after the client left is refused: nothing may be sent", expect{state: Aborted, held: 1, delta: late("decode_only")}},
 	{"aborted_with_kv", evDecodeStart, "after the client left never forwards the params", expect{state: Aborted, held: 1, delta: late("decode_start")}},
 	{"aborted_with_kv", evDecodeStartLate, "after the client left never forwards the params", expect{state: Aborted, held: 1, delta: late("decode_start")}},
 	{"aborted_with_kv", evFinish, "is a counted no-op", expect{state: Aborted, held: 1, delta: late("finish")}},
 	{"aborted_with_kv", evFail, "never asks for a second release", expect{state: Aborted, held: 1, delta: late("fail")}},
-	{"aborted_with_kv", evExpire, "never asks for a second release", expect{state: Aborted, held: 1, delta: late("expire")}},
 	{"aborted_with_kv", evClientGone, "again never asks for a second release (R3)", expect{prev: Aborted, state: Aborted, held: 1, delta: late("client_gone")}},
 	{"aborted_with_kv", evEnd, "releases the hold its owner never released, as expired", expect{gone: true, delta: one(mReleases(ReleaseExpired)), check: func(t *testing.T, f *fixture, owned *Hold) {
 		if !owned.Released() {
@@ -350,44 +361,32 @@ var cells = []cell{
 			}
 		}}},
 
-	// expired (the caller already released the hold as expired)
-	{"expired", evPrefillStart, "is a counted no-op", expect{state: Expired, delta: late("prefill_start")}},
-	{"expired", evPrefillRetry, "is a counted no-op", expect{state: Expired, delta: late("prefill_retry")}},
-	{"expired", evPrefilledKV, "a late prefill answer never makes a second hold", expect{state: Expired, delta: late("prefill_done")}},
-	{"expired", evPrefilledNoKV, "a late prefill answer is a counted no-op", expect{state: Expired, delta: late("prefill_done")}},
-	{"expired", evDecodeStart, "never forwards the params (R4)", expect{state: Expired, delta: late("decode_start")}},
-	{"expired", evDecodeStartLate, "never forwards the params (R4)", expect{state: Expired, delta: late("decode_start")}},
-	{"expired", evFinish, "is a counted no-op", expect{state: Expired, delta: late("finish")}},
-	{"expired", evFail, "is a counted no-op: the request stays expired", expect{state: Expired, delta: late("fail")}},
-	{"expired", evExpire, "again is a counted no-op", expect{state: Expired, delta: late("expire")}},
-	{"expired", evClientGone, "is a counted no-op (R5)", expect{prev: Expired, state: Expired, delta: late("client_gone")}},
-	{"expired", evEnd, "forgets the request", expect{gone: true}},
-	{"expired", evReleaseTwice, "releasing the released hold again is a counted no-op, twice", expect{state: Expired, delta: map[string]float64{mLate("release"): 2}}},
-
-	// failed (the decoder failed)
+	// failed (the decoder failed after the caller released its hold as decoded)
+	{"failed", evBegin, "before End the id is still taken: refused as a duplicate", expect{state: Failed}},
 	{"failed", evPrefillStart, "is a counted no-op", expect{state: Failed, delta: late("prefill_start")}},
 	{"failed", evPrefillRetry, "is a counted no-op", expect{state: Failed, delta: late("prefill_retry")}},
 	{"failed", evPrefilledKV, "a late prefill answer is a counted no-op", expect{state: Failed, delta: late("prefill_done")}},
 	{"failed", evPrefilledNoKV, "a late prefill answer is a counted no-op", expect{state: Failed, delta: late("prefill_done")}},
+	{"failed", evDecodeOnly, "is refused and counted late", expect{state: Failed, delta: late("decode_only")}},
 	{"failed", evDecodeStart, "is refused and counted late", expect{state: Failed, delta: late("decode_start")}},
 	{"failed", evDecodeStartLate, "is refused and counted late", expect{state: Failed, delta: late("decode_start")}},
 	{"failed", evFinish, "is refused: the request stays failed", expect{state: Failed, delta: late("finish")}},
 	{"failed", evFail, "again is a counted no-op", expect{state: Failed, delta: late("fail")}},
-	{"failed", evExpire, "is a counted no-op", expect{state: Failed, delta: late("expire")}},
 	{"failed", evClientGone, "is a counted no-op (R5)", expect{prev: Failed, state: Failed, delta: late("client_gone")}},
 	{"failed", evEnd, "forgets the request", expect{gone: true}},
-	{"failed", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Failed}},
+	{"failed", evReleaseTwice, "the caller's hold was released as decoded: each release again is counted late", expect{state: Failed, delta: map[string]float64{mLate("release"): 2}}},
 
 	// unknown (already ended)
+	{"unknown", evBegin, "once its request ended the id begins a new request", expect{ok: true, state: Received}},
 	{"unknown", evPrefillStart, "is refused and counted late", expect{gone: true, delta: late("prefill_start")}},
 	{"unknown", evPrefillRetry, "is refused and counted late", expect{gone: true, delta: late("prefill_retry")}},
 	{"unknown", evPrefilledKV, "is a counted no-op", expect{gone: true, delta: late("prefill_done")}},
 	{"unknown", evPrefilledNoKV, "is a counted no-op", expect{gone: true, delta: late("prefill_done")}},
+	{"unknown", evDecodeOnly, "is refused and counted late", expect{gone: true, delta: late("decode_only")}},
 	{"unknown", evDecodeStart, "is refused and counted late", expect{gone: true, delta: late("decode_start")}},
 	{"unknown", evDecodeStartLate, "is refused and counted late", expect{gone: true, delta: late("decode_start")}},
 	{"unknown", evFinish, "is a counted no-op", expect{gone: true, delta: late("finish")}},
 	{"unknown", evFail, "is a counted no-op", expect{gone: true, delta: late("fail")}},
-	{"unknown", evExpire, "is a counted no-op", expect{gone: true, delta: late("expire")}},
 	{"unknown", evClientGone, "is a counted no-op that answers aborted", expect{prev: Aborted, gone: true, delta: late("client_gone")}},
 	{"unknown", evEnd, "is a no-op", expect{gone: true}},
 	{"unknown", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{gone: true}},
@@ -424,6 +423,9 @@ func TestTransitions(t *testing.T) {
 				t.Errorf("answer: ok=%v forward=%v action=%v hold=%v; want ok=%v forward=%v action=%v hold=%v",
 					got.ok, got.forward, got.act, got.hold != nil, w.ok, w.forward, w.act, w.hold)
 			}
+			if got.err != nil && !errors.Is(got.err, ErrDuplicate) {
+				t.Errorf("Begin = %v, want nil or ErrDuplicate", got.err)
+			}
 			if c.event == evClientGone && got.prev != w.prev {
 				t.Errorf("ClientGone stage = %v, want %v", got.prev, w.prev)
 			}
@@ -446,8 +448,8 @@ func TestTransitions(t *testing.T) {
 			assertDeltas(t, before, after, w.delta)
 			f.assertGauges(t, after, st, known, w.held)
 			if known {
-				if kv := snapshotRow(t, f).KVHeld; kv != (w.held > 0) {
-					t.Errorf("Snapshot kv_held = %v with %d holds outstanding", kv, w.held)
+				if kv := snapshotRow(t, f).KVHeld; kv != (w.held > 0 && !w.handedOver) {
+					t.Errorf("Snapshot kv_held = %v with %d holds outstanding (handed over %v)", kv, w.held, w.handedOver)
 				}
 			}
 			if w.check != nil {
