@@ -246,6 +246,35 @@ func TestHeadersThatPickAnUpstreamAreNotForwarded(t *testing.T) {
 	}
 }
 
+func TestHeadersNamedInConnectionAreNotForwarded(t *testing.T) {
+	// RFC 9110 section 7.6.1: a header that the client's Connection header names was for the
+	// hop to the proxy alone.
+	p := newEngine(t, vllmPrefill(prefillerParams))
+	d := newEngine(t, vllmDecode)
+	h := pd(t, Config{}, p, d)
+	hdr := http.Header{}
+	hdr.Add("Connection", "X-Hop-Secret, x-trace-hop")
+	hdr.Add("Connection", " X-Second-Line ")
+	hdr.Set("X-Hop-Secret", "for the proxy")
+	hdr.Set("X-Trace-Hop", "1")
+	hdr.Set("X-Second-Line", "2")
+	hdr.Set("X-Tenant", "team-a")
+	resp, _ := h.do(http.MethodPost, "/v1/completions", `{"model":"m","prompt":"hi"}`, hdr)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("status %d, want 200", resp.StatusCode)
+	}
+	for who, got := range map[string]received{"prefiller": p.only(t, "prefiller"), "decoder": d.only(t, "decoder")} {
+		for _, k := range []string{"X-Hop-Secret", "X-Trace-Hop", "X-Second-Line"} {
+			if v := got.Header.Get(k); v != "" {
+				t.Errorf("%s got %s: %q; Connection named it, so it must not be forwarded", who, k, v)
+			}
+		}
+		if got.Header.Get("X-Tenant") != "team-a" {
+			t.Errorf("%s lost X-Tenant, which Connection did not name", who)
+		}
+	}
+}
+
 func TestPrefillRetryAndDecodeOnlyFallback(t *testing.T) {
 	busy := answer(http.StatusServiceUnavailable, "application/json", `{"error":"overloaded"}`)
 	for _, tc := range []struct {
