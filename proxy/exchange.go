@@ -181,7 +181,15 @@ func (x *exchange) serve() *apiError {
 			return e
 		}
 	}
-	if x.s.router.Has(router.RolePrefill) {
+	switch {
+	case !x.s.router.Has(router.RolePrefill):
+	case x.req.decodeOnly != "":
+		// P/D cannot serve this request safely: a decoder computes the prompt itself.
+		if !x.s.table.DecodeOnly(x.id) {
+			return x.gone()
+		}
+		x.s.m.decodeOnly.WithLabelValues(x.req.decodeOnly).Inc()
+	default:
 		if e := x.prefill(); e != nil {
 			return e
 		}

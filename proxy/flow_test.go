@@ -425,3 +425,62 @@ func TestClientLeavingDuringPrefillCancelsThePrefillAndSendsNoDecode(t *testing.
 		t.Errorf(`pdproxy_aborts_total{stage="prefilling"} = %v, want 1`, n)
 	}
 }
+
+func TestRequestsPDCannotServeSafelyGoDecodeOnly(t *testing.T) {
+	const chat = "/v1/chat/completions"
+	for _, tc := range []struct {
+		name, route, body string
+		reason            string // "" means the request is prefilled as usual
+	}{
+		{name: "n > 1 (the prefiller would hold one set of blocks per sample, vLLM #38900)",
+			body: `{"model":"m","prompt":"hi","n":2}`, reason: "n"},
+		{name: "best_of > 1", body: `{"model":"m","prompt":"hi","best_of":3}`, reason: "n"},
+		{name: "a chat with n > 1", route: chat, body: `{"model":"m","messages":[{"role":"user","content":"hi"}],"n":4}`, reason: "n"},
+		{name: "two prompts in one completion (only the first's params come back, vLLM #54707)",
+			body: `{"model":"m","prompt":["a","b"]}`, reason: "prompt_array"},
+		{name: "two token-id prompts", body: `{"model":"m","prompt":[[1,2],[3]]}`, reason: "prompt_array"},
+		{name: "prompt_logprobs (a decoder handed params crashes, vLLM #50792)",
+			body: `{"model":"m","prompt":"hi","prompt_logprobs":1}`, reason: "prompt_logprobs"},
+		{name: "echo with logprobs", body: `{"model":"m","prompt":"hi","echo":true,"logprobs":1}`, reason: "prompt_logprobs"},
+		{name: "n = 1 is prefilled", body: `{"model":"m","prompt":"hi","n":1}`},
+		{name: "one prompt in an array is prefilled", body: `{"model":"m","prompt":["a"]}`},
+		{name: "one prompt of token ids is prefilled", body: `{"model":"m","prompt":[1,2,3]}`},
+		{name: "echo without logprobs is prefilled", body: `{"model":"m","prompt":"hi","echo":true}`},
+		{name: "logprobs without echo is prefilled", body: `{"model":"m","prompt":"hi","logprobs":2}`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			route := tc.route
+			if route == "" {
+				route = "/v1/completions"
+			}
+			p := newEngine(t, vllmPrefill(prefillerParams))
+			d := newEngine(t, vllmDecode)
+			h := pd(t, Config{}, p, d)
+			resp, body := h.post(route, tc.body)
+			if resp.StatusCode != http.StatusOK {
+				t.Fatalf("status %d (%s), want 200", resp.StatusCode, body)
+			}
+			prefills := len(p.generations())
+			_, withKV := d.only(t, "decoder").fields(t)["kv_transfer_params"]
+			if tc.reason == "" {
+				if prefills != 1 || !withKV {
+					t.Errorf("%d prefills, decode with params %v; want the request prefilled", prefills, withKV)
+				}
+				if n := h.value("pdproxy_decode_only_total", nil); n != 0 {
+					t.Errorf("pdproxy_decode_only_total = %v, want 0", n)
+				}
+				return
+			}
+			if prefills != 0 || withKV {
+				t.Errorf("%d prefills, decode with params %v; want no prefill and a decode without params", prefills, withKV)
+			}
+			if n := h.value("pdproxy_decode_only_total", map[string]string{"reason": tc.reason}); n != 1 {
+				t.Errorf(`pdproxy_decode_only_total{reason=%q} = %v, want 1`, tc.reason, n)
+			}
+			if !jsonEqual(t, d.only(t, "decoder").Body, []byte(tc.body)) {
+				t.Errorf("decoder got %s, want the client's body as sent", d.only(t, "decoder").Body)
+			}
+			h.waitQuiet()
+		})
+	}
+}

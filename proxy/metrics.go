@@ -10,6 +10,7 @@ type metrics struct {
 	tokensAfter    prometheus.Counter
 	retries        *prometheus.CounterVec
 	fallbacks      prometheus.Counter
+	decodeOnly     *prometheus.CounterVec
 	releaseFailure *prometheus.CounterVec
 }
 
@@ -47,13 +48,17 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Namespace: "pdproxy", Name: "fallbacks_total",
 			Help: "Requests sent straight to a decoder because no prefiller could serve them.",
 		}),
+		decodeOnly: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "decode_only_total",
+			Help: "Requests sent to a decoder without a prefill because P/D cannot serve them safely, by reason (n, prompt_array, prompt_logprobs).",
+		}, []string{"reason"}),
 		releaseFailure: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "pdproxy", Name: "kv_release_failures_total",
 			Help: "KV releases that could not be done as configured and were left to the engine's timer, by attempted mode.",
 		}, []string{"mode"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.requests, m.duration, m.ttft, m.propagation, m.tokensAfter, m.retries, m.fallbacks, m.releaseFailure)
+		reg.MustRegister(m.requests, m.duration, m.ttft, m.propagation, m.tokensAfter, m.retries, m.fallbacks, m.decodeOnly, m.releaseFailure)
 	}
 	return m
 }

@@ -70,7 +70,7 @@ func TestKVHeldForAGoneClientIsReleased(t *testing.T) {
 			hmu.Unlock()
 
 			resp, err := h.front.Client().Do(h.request(ctx, http.MethodPost, "/v1/chat/completions",
-				`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":50,"n":2}`, nil))
+				`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":50,"n":1}`, nil))
 			if err == nil {
 				resp.Body.Close()
 				t.Fatalf("answered %d; want the request cut by the client", resp.StatusCode)

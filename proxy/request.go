@@ -5,13 +5,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"unicode/utf8"
 
 	"github.com/pdproxy/pdproxy/kvbackend"
 )
 
-// maxTokensLimit rejects absurd max_tokens values before they reach a GPU; no model served
-// today has a context anywhere near it.
+// maxTokensLimit rejects absurd max_tokens values before they reach a GPU: a count must be
+// below it. No model served today has a context anywhere near it.
 const maxTokensLimit = 1 << 24
 
 // genRequest is a completion or chat request, parsed once: its raw top-level fields (passed on
@@ -23,7 +24,26 @@ type genRequest struct {
 	stream bool
 	// prefix is the start of the prompt, for prefix-affinity routing.
 	prefix string
+	// decodeOnly, when set, is why the request must not be prefilled on another engine (the
+	// pdproxy_decode_only_total reason): P/D cannot serve it safely, so a decoder computes the
+	// prompt itself.
+	decodeOnly string
+	// prompts counts a completion's prompts (a prompt array holds several).
+	prompts int
 }
+
+// The reasons a request goes decode-only: what vLLM's P/D cannot serve safely.
+const (
+	// decodeOnlyN: n > 1 or best_of > 1. The prefiller makes a child request per sample and
+	// returns params for one: the others' holds are invisible to the proxy (vLLM #38900).
+	decodeOnlyN = "n"
+	// decodeOnlyPromptArray: several prompts in one completion; only the first prompt's
+	// params come back (vLLM #54707), and decoders assert on shared block ids.
+	decodeOnlyPromptArray = "prompt_array"
+	// decodeOnlyPromptLogprobs: prompt_logprobs, or echo with logprobs, crash a decoder that
+	// is handed KV params (vLLM #50792).
+	decodeOnlyPromptLogprobs = "prompt_logprobs"
+)
 
 // parseRequest validates a body as an OpenAI completions (chat false) or chat completions
 // request. Errors name the field.
@@ -63,21 +83,85 @@ func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
 			return nil, e
 		}
 	}
-	for _, name := range []string{"max_tokens", "max_completion_tokens", "min_tokens", "n"} {
-		if e := countField(fields, name); e != nil {
-			return nil, e
-		}
-	}
-	if chat {
-		e := parseMessages(fields, req)
+	counts := make(map[string]int64, len(countFields))
+	for _, c := range countFields {
+		v, present, e := countField(fields, c.name, c.min)
 		if e != nil {
 			return nil, e
 		}
-	} else if e := parsePrompt(fields, req); e != nil {
+		if present {
+			counts[c.name] = v
+		}
+	}
+	for _, name := range numberFields {
+		if e := numberField(fields, name); e != nil {
+			return nil, e
+		}
+	}
+	for _, name := range intFields {
+		if _, _, e := countField(fields, name, math.MinInt64); e != nil {
+			return nil, e
+		}
+	}
+	for _, name := range boolFields {
+		var v bool
+		if e := boolField(fields, name, &v); e != nil {
+			return nil, e
+		}
+	}
+	var echo, logprobs bool
+	boolField(fields, "echo", &echo) // checked above
+	if e := stopField(fields); e != nil {
 		return nil, e
+	}
+	if chat {
+		// A chat's logprobs is a boolean; a completion's a count.
+		if e := boolField(fields, "logprobs", &logprobs); e != nil {
+			return nil, e
+		}
+		if e := parseMessages(fields, req); e != nil {
+			return nil, e
+		}
+	} else {
+		var e *apiError
+		if _, logprobs, e = countField(fields, "logprobs", 0); e != nil {
+			return nil, e
+		}
+		if e := parsePrompt(fields, req); e != nil {
+			return nil, e
+		}
+	}
+	_, promptLogprobs := counts["prompt_logprobs"]
+	switch {
+	case counts["n"] > 1 || counts["best_of"] > 1:
+		req.decodeOnly = decodeOnlyN
+	case req.prompts > 1:
+		req.decodeOnly = decodeOnlyPromptArray
+	case promptLogprobs || echo && logprobs:
+		req.decodeOnly = decodeOnlyPromptLogprobs
 	}
 	return req, nil
 }
+
+// countFields are the integer fields the proxy checks, with their smallest value: a
+// max_tokens of 0 is refused here, before a prefiller rewritten to one token holds KV for a
+// decode the decoder would refuse.
+var countFields = []struct {
+	name string
+	min  int64
+}{
+	{"max_tokens", 1}, {"max_completion_tokens", 1}, {"min_tokens", 0}, {"n", 1}, {"best_of", 1},
+	{"top_logprobs", 0}, {"prompt_logprobs", 0},
+}
+
+// numberFields, intFields and boolFields are sampling fields of the OpenAI API and vLLM's
+// extensions whose type the proxy checks, so that a request no engine would take is refused
+// before one holds KV for it.
+var (
+	numberFields = []string{"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty"}
+	intFields    = []string{"top_k", "seed"}
+	boolFields   = []string{"echo", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "add_generation_prompt"}
+)
 
 func parsePrompt(fields *kvbackend.Fields, req *genRequest) *apiError {
 	raw, ok := fields.Field("prompt")
@@ -85,33 +169,63 @@ func parsePrompt(fields *kvbackend.Fields, req *genRequest) *apiError {
 		return badRequest("prompt", "prompt is required")
 	}
 	var s string
-	if decodeString(raw, &s) == nil {
-		req.prefix = s
+	if raw[0] == '"' && decodeString(raw, &s) == nil {
+		req.prefix, req.prompts = s, 1
 		return nil
 	}
-	// The other shapes OpenAI allows: an array of strings, of token ids, or of arrays of ids.
+	// The other shapes OpenAI allows: an array of strings, of token ids (one prompt), or of
+	// arrays of ids. A null anywhere is none of them.
 	var many []json.RawMessage
 	if json.Unmarshal(raw, &many) != nil || len(many) == 0 {
 		return badRequest("prompt", "prompt must be a string, or a non-empty array of strings or token ids")
 	}
+	tokens := 0
 	for i, p := range many {
 		var ps string
-		var n json.Number
-		var ids []json.Number
 		switch {
-		case json.Unmarshal(p, &ps) == nil:
+		case p[0] == '"' && json.Unmarshal(p, &ps) == nil:
 			if i == 0 {
 				req.prefix = ps
 			}
-		case json.Unmarshal(p, &n) == nil, json.Unmarshal(p, &ids) == nil:
+			req.prompts++
+		case tokenID(p):
+			tokens++
+		case p[0] == '[' && tokenIDs(p):
+			req.prompts++
 		default:
-			return badRequest("prompt", fmt.Sprintf("prompt[%d] must be a string, a token id or an array of token ids", i))
+			return badRequest("prompt", fmt.Sprintf("prompt[%d] must be a string, a token id or a non-empty array of token ids", i))
 		}
+	}
+	if tokens > 0 {
+		if req.prompts > 0 {
+			return badRequest("prompt", "prompt must not mix token ids with strings or arrays")
+		}
+		req.prompts = 1
 	}
 	if req.prefix == "" {
 		req.prefix = string(raw)
 	}
 	return nil
+}
+
+// tokenID reports whether raw is a token id: a non-negative integer.
+func tokenID(raw json.RawMessage) bool {
+	v, ok := plainInt(raw)
+	return ok && v >= 0
+}
+
+// tokenIDs reports whether raw is a non-empty array of token ids.
+func tokenIDs(raw json.RawMessage) bool {
+	var ids []json.RawMessage
+	if json.Unmarshal(raw, &ids) != nil || len(ids) == 0 {
+		return false
+	}
+	for _, id := range ids {
+		if !tokenID(id) {
+			return false
+		}
+	}
+	return true
 }
 
 func parseMessages(fields *kvbackend.Fields, req *genRequest) *apiError {
@@ -210,31 +324,78 @@ func boolField(f object, name string, dst *bool) *apiError {
 	return nil
 }
 
-// countField checks an optional non-negative integer field.
-func countField(f object, name string) *apiError {
+// countField checks an optional integer field, at least min and below maxTokensLimit, and
+// returns it with whether it is there (not absent, not null).
+func countField(f object, name string, min int64) (int64, bool, *apiError) {
 	raw, ok := f.Field(name)
 	if !ok || isNull(raw) {
-		return nil
+		return 0, false, nil
 	}
+	v, e := checkCount(raw, name, min)
+	return v, e == nil, e
+}
+
+func checkCount(raw json.RawMessage, name string, min int64) (int64, *apiError) {
 	v, ok := plainInt(raw)
 	if !ok {
 		// json.Number also takes a quoted number ("5"), which the OpenAI API refuses as a string.
 		var n json.Number
 		if raw[0] == '"' || json.Unmarshal(raw, &n) != nil {
-			return badRequest(name, name+" must be an integer")
+			return 0, badRequest(name, name+" must be an integer")
 		}
 		var err error
 		if v, err = n.Int64(); err != nil {
-			return badRequest(name, name+" must be an integer")
+			return 0, badRequest(name, name+" must be an integer")
 		}
 	}
-	if v < 0 {
-		return badRequest(name, name+" must not be negative")
+	if min == math.MinInt64 {
+		return v, nil // a seed or top_k: any integer
 	}
-	if v > maxTokensLimit {
-		return badRequest(name, fmt.Sprintf("%s must be at most %d", name, maxTokensLimit))
+	if v < min {
+		if min == 0 {
+			return 0, badRequest(name, name+" must not be negative")
+		}
+		return 0, badRequest(name, fmt.Sprintf("%s must be at least %d", name, min))
+	}
+	if v >= maxTokensLimit {
+		return 0, badRequest(name, fmt.Sprintf("%s must be less than %d", name, maxTokensLimit))
+	}
+	return v, nil
+}
+
+// numberField checks an optional JSON number field (a quoted number is a string).
+func numberField(f object, name string) *apiError {
+	raw, ok := f.Field(name)
+	if !ok || isNull(raw) {
+		return nil
+	}
+	var v float64
+	if c := raw[0]; (c != '-' && (c < '0' || c > '9')) || json.Unmarshal(raw, &v) != nil {
+		return badRequest(name, name+" must be a number")
 	}
 	return nil
+}
+
+// stopField checks stop: a string or an array of strings.
+func stopField(f object) *apiError {
+	raw, ok := f.Field("stop")
+	if !ok || isNull(raw) {
+		return nil
+	}
+	if raw[0] == '"' {
+		return nil // valid JSON already, so a valid string
+	}
+	var many []json.RawMessage
+	if json.Unmarshal(raw, &many) == nil {
+		ok := true
+		for _, s := range many {
+			ok = ok && s[0] == '"'
+		}
+		if ok {
+			return nil
+		}
+	}
+	return badRequest("stop", "stop must be a string or an array of strings")
 }
 
 // plainInt reads a JSON number written as a plain integer short enough not to overflow, which
