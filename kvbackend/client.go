@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"sync"
 )
 
@@ -50,6 +51,12 @@ type Call struct {
 	Body    []byte
 	// Engine reads a prefill's answer; nil means vLLM.
 	Engine Engine
+	// OnAck, when set, asks the backend to acknowledge the call (Expect: 100-continue) and is
+	// called, on another goroutine, when it does: the backend's handler has begun to read the
+	// body, so the request has reached it. Servers send it before any answer (Go's net/http
+	// and uvicorn on the handler's first read of the body); a server that answers without
+	// reading the body sends none.
+	OnAck func()
 }
 
 func (c Call) request(ctx context.Context) (*http.Request, error) {
@@ -65,6 +72,10 @@ func (c Call) request(ctx context.Context) (*http.Request, error) {
 	// for gzip and decompress behind our back.
 	req.Header.Set("Accept-Encoding", "identity")
 	req.Header.Set("X-Request-Id", c.ID)
+	if c.OnAck != nil {
+		req.Header.Set("Expect", "100-continue")
+		req = req.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{Got100Continue: c.OnAck}))
+	}
 	return req, nil
 }
 

@@ -80,9 +80,11 @@ func (vllm) Abort(context.Context, *http.Client, string, string) error {
 	return ErrNoAbort
 }
 
-// RejectionFreesKV: a vLLM decoder that refuses a request gives the prefiller no word the
-// proxy can rely on, so the proxy releases the hold itself.
-func (vllm) RejectionFreesKV(int) bool { return false }
+// RejectionFreesKV: a vLLM decoder whose serving layer refuses a request that carries params
+// tells the prefiller to free them (vLLM #41269); so does one that aborts it before it was
+// scheduled (#19223). Refusals before the handler (body validation) do not, but the proxy
+// sends only bodies it validated, and a decoder acknowledges a decode only from its handler.
+func (vllm) RejectionFreesKV(int) bool { return true }
 
 // sim is the simulated engine: vLLM, plus SGLang's explicit abort.
 type sim struct{ vllm }

@@ -25,13 +25,17 @@ import (
 // serves, then whoever the exchange hands it to (a release, a prefill let finish after the
 // client left). The owner ends it exactly once, with end or by running a release.
 type custody struct {
-	id string
+	id       string // the request's key in the table
+	engineID string // what the engines know it by
 	// lease is the decoder reserved for the request; nil before that, and once given back.
 	lease *router.Lease
 	// res is what the lease is given back with: the decode's outcome, for passive health.
 	res router.Result
 	// hold is a hold StartDecode handed over and no decoder has acknowledged yet; nil else.
 	hold *lifecycle.Hold
+	// avoid names a decoder that could not be reached with the hold: its release's drain
+	// goes elsewhere. Empty: any decoder will do.
+	avoid string
 }
 
 // handOff takes the custody away from the exchange, for a new owner.
@@ -75,7 +79,7 @@ func (x *exchange) gone() *apiError {
 		if b := x.prefillB; b != nil && engineOf(b).CanAbort() {
 			// The engine may have finished its last step before the connection closed and
 			// now hold KV nobody will pull (race R1): its explicit abort frees that too.
-			x.s.abortOnEngine(x.id, b)
+			x.s.abortOnEngine(x.engineID, b)
 		}
 	case lifecycle.ReleaseKV:
 		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
@@ -99,8 +103,9 @@ func (x *exchange) fail() {
 // releaseUnsentHold releases, when the decode returns, a hold that StartDecode handed over
 // and no decoder acknowledged (see decode): the engine's explicit abort where it has one (it
 // is exact, and a no-op if the decoder did pull the blocks), else kv_release. A drain does
-// not go to the decoder that just failed this decode: it may be dead, and with nothing in
-// flight it would be the first pick.
+// not go to a decoder that could not be reached (custody.avoid): it may be dead, and with
+// nothing in flight it would be the first pick. One that answered is alive, and may be the
+// only one there is.
 func (x *exchange) releaseUnsentHold() {
 	if x.own == nil || x.own.hold == nil {
 		return
@@ -113,7 +118,27 @@ func (x *exchange) releaseUnsentHold() {
 	if x.prefillB != nil && engineOf(x.prefillB).CanAbort() && mode != ReleaseWait {
 		mode = ReleaseAbort
 	}
-	x.s.startRelease(release{mode: mode, c: c, hold: hold, req: x.req, prefill: x.prefillB, params: x.kvParams, exclude: []string{x.decodeB.Name}})
+	var exclude []string
+	if c.avoid != "" {
+		exclude = []string{c.avoid}
+	}
+	x.s.startRelease(release{mode: mode, c: c, hold: hold, req: x.req, prefill: x.prefillB, params: x.kvParams, exclude: exclude})
+}
+
+// refusedAfterHandoff handles a decoder that refused a decode it had acknowledged, with its
+// params: its engine tells the prefiller where RejectionFreesKV says so (vLLM #41269). Where
+// not, the hold, which went to the decoder, is freed by the prefiller's explicit abort, or
+// its lease: it may never go to a second decoder.
+func (s *Server) refusedAfterHandoff(engineID string, p, d *router.Backend, status int) {
+	if engineOf(d).RejectionFreesKV(status) || p == nil {
+		return
+	}
+	if engineOf(p).CanAbort() {
+		s.abortOnEngine(engineID, p)
+		return
+	}
+	s.logger.Warn("a decoder refused a decode it had the kv params of, and its engine does not tell the prefiller: the blocks stay held until the prefiller's lease ends",
+		zap.String("engine_request_id", engineID), zap.String("decoder", d.Name), zap.Int("status", status))
 }
 
 // abortStaleHold frees a hold whose deadline passed before the decode went out (race R4):
@@ -139,7 +164,7 @@ func (s *Server) abortBrokenPrefill(id string, p *router.Backend, err error) {
 func (s *Server) prefillAnswerAfterClientLeft(c *custody, req *genRequest, p *router.Backend, params json.RawMessage, err error) {
 	if err != nil || params == nil {
 		if err != nil {
-			s.abortBrokenPrefill(c.id, p, err)
+			s.abortBrokenPrefill(c.engineID, p, err)
 		}
 		c.end(s)
 		return
@@ -178,7 +203,7 @@ func (s *Server) abortCall(id string, b *router.Backend, msg string) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), defaultAbortCallTimeout)
 	defer cancel()
 	if err := engineOf(b).Abort(ctx, b.Client(), baseURL(b), id); err != nil {
-		s.logger.Warn(msg, zap.String("request_id", id), zap.String("backend", b.Name), zap.Error(err))
+		s.logger.Warn(msg, zap.String("engine_request_id", id), zap.String("backend", b.Name), zap.Error(err))
 		return false
 	}
 	return true
@@ -244,7 +269,7 @@ func (s *Server) startRelease(r release) {
 }
 
 func (s *Server) abortHold(r release) bool {
-	if !s.abortCall(r.c.id, r.prefill, "kv release by abort failed") {
+	if !s.abortCall(r.c.engineID, r.prefill, "kv release by abort failed") {
 		return false
 	}
 	r.hold.Release(lifecycle.ReleaseAborted)
@@ -285,7 +310,7 @@ func (s *Server) drain(r release) bool {
 	traced := httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
 		WroteRequest: func(i httptrace.WroteRequestInfo) { delivered.Store(i.Err == nil) },
 	})
-	call := backendCall(b, path, r.c.id, nil, body)
+	call := backendCall(b, path, r.c.engineID, nil, body)
 	resp, err := call.Do(traced)
 	if err == nil {
 		_, err = io.Copy(io.Discard, resp.Body)

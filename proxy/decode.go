@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -26,19 +27,22 @@ func (x *exchange) decode() *apiError {
 	if !ok {
 		return x.gone()
 	}
-	// The hold passes to the decoder only once the decoder has acknowledged the decode by
-	// answering its headers: from then on it pulls the blocks, or notifies the prefiller when
-	// it aborts. Before that, a written request is no proof: a server still finishing the
-	// previous response on a reused connection drops a request whose connection closes
-	// before it reads it. So a decode cut short before its headers (the client left, the
-	// connection failed, the decoder refused it) leaves the release to the proxy.
+	// The hold passes to the decoder only once the decoder has acknowledged the decode: with
+	// "100 Continue", which its server sends as the handler begins to read the body, or with
+	// its answer's headers. From then on it pulls the blocks, or tells the prefiller when it
+	// aborts or refuses the request. Before that, a written request is no proof: a server
+	// still finishing the previous response on a reused connection drops a request whose
+	// connection closes before it reads it. So a decode cut short before it was acknowledged
+	// (the client left, the connection failed, the decoder answered without reading it)
+	// leaves the release to the proxy; one acknowledged is never sent to a second decoder,
+	// even when the answer, which for a whole JSON answer comes only at its end, never does.
 	x.own.hold = hold
 	defer x.releaseUnsentHold()
 	params := x.kvParams
 	if !forward {
 		params = nil
 		if x.kvParams != nil {
-			x.s.abortStaleHold(x.id, x.prefillB)
+			x.s.abortStaleHold(x.engineID, x.prefillB)
 		}
 	}
 	body, err := engineOf(b).DecodeBody(x.req.fields, params)
@@ -54,6 +58,14 @@ func (x *exchange) decode() *apiError {
 	defer wd.stop()
 
 	call := x.call(b, x.route, body)
+	var handoff atomic.Int32 // handoffOpen until the decoder acknowledges, or the proxy withdraws the hold
+	if hold != nil {
+		call.OnAck = func() {
+			if handoff.CompareAndSwap(handoffOpen, handoffAcked) {
+				hold.Release(lifecycle.ReleaseDecoded)
+			}
+		}
+	}
 	resp, err := call.Do(wd.ctx)
 	tried := []string{b.Name}
 	for attempt := 0; err != nil && retriable(err, false) && x.ctx.Err() == nil && attempt < x.s.cfg.DecodeRetries; attempt++ {
@@ -66,12 +78,28 @@ func (x *exchange) decode() *apiError {
 		x.own.lease, x.decodeB, b = lease, lease.Backend(), lease.Backend()
 		tried = append(tried, b.Name)
 		x.s.m.retries.WithLabelValues(string(router.RoleDecode), "connect_error").Inc()
-		call = x.call(b, x.route, body)
+		call.Client, call.BaseURL, call.Engine = b.Client(), baseURL(b), engineOf(b)
 		resp, err = call.Do(wd.ctx)
 	}
-	if err == nil && x.own.hold != nil {
-		x.own.hold.Release(lifecycle.ReleaseDecoded)
-		x.own.hold = nil
+	if hold != nil {
+		if err == nil && handoff.CompareAndSwap(handoffOpen, handoffAcked) {
+			// Answered without a "100 Continue" first: the headers are the acknowledgement.
+			hold.Release(lifecycle.ReleaseDecoded)
+		}
+		if handoff.CompareAndSwap(handoffOpen, handoffWithdrawn) {
+			// Never acknowledged: the hold stays in the custody, for releaseUnsentHold. A
+			// decoder that answered at all is alive, and may take the release's drain.
+			var se *kvbackend.StatusError
+			if !errors.As(err, &se) {
+				x.own.avoid = b.Name
+			}
+		} else {
+			x.own.hold = nil
+			var se *kvbackend.StatusError
+			if errors.As(err, &se) {
+				x.s.refusedAfterHandoff(x.engineID, x.prefillB, b, se.Status)
+			}
+		}
 	}
 	if err != nil {
 		x.own.res = resultOf(err, x.ctx)
@@ -88,6 +116,15 @@ func (x *exchange) decode() *apiError {
 	x.own.res = router.Result{Status: http.StatusOK}
 	return x.relay(resp, wd)
 }
+
+// The states of a decode's hold handoff: open until the decoder acknowledges the decode
+// (acked: the hold is the decoder's) or the proxy gives up on it first (withdrawn: the proxy
+// releases it). The acknowledgement arrives on the transport's goroutine, hence an atomic.
+const (
+	handoffOpen int32 = iota
+	handoffAcked
+	handoffWithdrawn
+)
 
 // watchdog bounds a decode's phases (first byte, silence between chunks) and, when asked,
 // defers the client's cancel to the decode's first byte.

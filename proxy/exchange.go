@@ -27,11 +27,15 @@ type exchange struct {
 	r      *http.Request
 	ctx    context.Context // the request's context: done when the client leaves
 	cancel context.CancelFunc
-	id     string
-	route  string
-	start  time.Time
-	req    *genRequest
-	hdr    http.Header // headers passed on to backends
+	id     string // the client's X-Request-Id or one of ours: the table's key, in logs and in the answer
+	// engineID is the id the engines see for this request, new and random for each one: an
+	// engine's explicit abort (repeated a moment later) and SGLang's prefix match must never
+	// reach another request, as they would through a client's id used twice.
+	engineID string
+	route    string
+	start    time.Time
+	req      *genRequest
+	hdr      http.Header // headers passed on to backends
 
 	// own is the request's custody (its table entry, its decoder's lease, a hold on its way
 	// to the decoder) while the exchange has it; nil once it went to a release or to a
@@ -56,7 +60,7 @@ type exchange struct {
 // generate serves /v1/completions (chat false) and /v1/chat/completions.
 func (s *Server) generate(route string, chat bool) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		x := &exchange{s: s, w: w, r: r, route: route, start: time.Now(), id: requestID(r)}
+		x := &exchange{s: s, w: w, r: r, route: route, start: time.Now(), id: requestID(r), engineID: newID()}
 		w.Header().Set("X-Request-Id", x.id)
 		err := x.run(chat)
 		status := http.StatusOK
@@ -92,7 +96,7 @@ func (s *Server) finish(x *exchange, status int, err *apiError) {
 		return
 	}
 	fields := []zap.Field{
-		zap.String("request_id", x.id), zap.String("route", x.route), zap.Int("status", status),
+		zap.String("request_id", x.id), zap.String("engine_request_id", x.engineID), zap.String("route", x.route), zap.Int("status", status),
 		zap.Duration("duration", elapsed), zap.Duration("prefill_duration", x.prefillT),
 		zap.Duration("decode_duration", x.decodeT), zap.Duration("ttft", x.ttft),
 	}
@@ -119,6 +123,11 @@ func requestID(r *http.Request) string {
 	if id := r.Header.Get("X-Request-Id"); id != "" && len(id) <= 128 && printable(id) {
 		return id
 	}
+	return newID()
+}
+
+// newID is a random id of 32 hex digits. Ids of one length are prefix-free.
+func newID() string {
 	var b [16]byte
 	rand.Read(b[:])
 	return hex.EncodeToString(b[:])
@@ -159,7 +168,7 @@ func (x *exchange) run(chat bool) *apiError {
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "duplicate_request_id",
 			param: "X-Request-Id", message: "a request with this X-Request-Id is already in flight"}
 	}
-	x.own = &custody{id: x.id}
+	x.own = &custody{id: x.id, engineID: x.engineID}
 	defer func() {
 		if c := x.handOff(); c != nil {
 			c.end(x.s)
@@ -269,7 +278,7 @@ func baseURL(b *router.Backend) string { return strings.TrimRight(b.URLString, "
 
 // call is the request's call to backend b on path, with the client's headers.
 func (x *exchange) call(b *router.Backend, path string, body []byte) kvbackend.Call {
-	return backendCall(b, path, x.id, x.hdr, body)
+	return backendCall(b, path, x.engineID, x.hdr, body)
 }
 
 func backendCall(b *router.Backend, path, id string, hdr http.Header, body []byte) kvbackend.Call {

@@ -179,7 +179,7 @@ func TestAggregatedServingSendsTheRequestStraightToADecoder(t *testing.T) {
 	}
 }
 
-func TestRequestIDIsTheSameOnBothCallsAndReturnedToTheClient(t *testing.T) {
+func TestRequestIDsForTheClientAndForTheEngines(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
 		sent   string
@@ -197,21 +197,31 @@ func TestRequestIDIsTheSameOnBothCallsAndReturnedToTheClient(t *testing.T) {
 			if tc.sent != "" {
 				hdr.Set("X-Request-Id", tc.sent)
 			}
-			resp, _ := h.do(http.MethodPost, "/v1/completions", `{"model":"m","prompt":"hi"}`, hdr)
-			if resp.StatusCode != http.StatusOK {
-				t.Fatalf("status %d, want 200", resp.StatusCode)
+			var engineIDs []string
+			for range 2 { // the same client id twice: each request is a new one to the engines
+				resp, _ := h.do(http.MethodPost, "/v1/completions", `{"model":"m","prompt":"hi"}`, hdr)
+				if resp.StatusCode != http.StatusOK {
+					t.Fatalf("status %d, want 200", resp.StatusCode)
+				}
+				got := resp.Header.Get("X-Request-Id")
+				pre, dec := p.generations(), d.generations()
+				pid, did := pre[len(pre)-1].Header.Get("X-Request-Id"), dec[len(dec)-1].Header.Get("X-Request-Id")
+				if got == "" || pid == "" || pid != did {
+					t.Errorf("X-Request-Id: answer %q, prefill %q, decode %q; want an answer id and one engine id on both calls", got, pid, did)
+				}
+				if len(pid) != 32 || pid == got {
+					t.Errorf("engine id %q, want 32 hex digits of its own (the client's id is %q)", pid, got)
+				}
+				if tc.wantIt && got != tc.sent {
+					t.Errorf("X-Request-Id %q, want the client's %q", got, tc.sent)
+				}
+				if !tc.wantIt && got == tc.sent {
+					t.Errorf("X-Request-Id %q was kept; want a generated one", got)
+				}
+				engineIDs = append(engineIDs, pid)
 			}
-			got := resp.Header.Get("X-Request-Id")
-			pid := p.only(t, "prefiller").Header.Get("X-Request-Id")
-			did := d.only(t, "decoder").Header.Get("X-Request-Id")
-			if got == "" || pid != got || did != got {
-				t.Errorf("X-Request-Id: answer %q, prefill %q, decode %q; want one id on all three", got, pid, did)
-			}
-			if tc.wantIt && got != tc.sent {
-				t.Errorf("X-Request-Id %q, want the client's %q", got, tc.sent)
-			}
-			if !tc.wantIt && got == tc.sent {
-				t.Errorf("X-Request-Id %q was kept; want a generated one", got)
+			if engineIDs[0] == engineIDs[1] {
+				t.Errorf("two requests went to the engines as %q both", engineIDs[0])
 			}
 		})
 	}

@@ -81,7 +81,7 @@ func (x *exchange) prefill() *apiError {
 		if x.ctx.Err() != nil {
 			return x.gone()
 		}
-		x.s.abortBrokenPrefill(x.id, b, err)
+		x.s.abortBrokenPrefill(x.engineID, b, err)
 		lastErr = err
 		if !retriable(err, true) {
 			break

@@ -335,9 +335,15 @@ func TestKVPastItsHoldDeadlineIsNeverForwarded(t *testing.T) {
 	if n := h.value("pdproxy_kv_releases_total", map[string]string{"reason": "expired"}); n != 1 {
 		t.Errorf(`pdproxy_kv_releases_total{reason="expired"} = %v, want 1`, n)
 	}
+	var engineID string
+	for _, g := range p.generations() {
+		if strings.Contains(string(g.Body), `"prompt":"second"`) {
+			engineID = g.Header.Get("X-Request-Id")
+		}
+	}
 	eventually(t, "the prefiller to be told to free the stale hold", func() bool {
 		for _, a := range p.callsTo("/abort_request") {
-			if a.Header.Get("X-Request-Id") == "waits-in-kv-held" {
+			if engineID != "" && a.Header.Get("X-Request-Id") == engineID {
 				return true
 			}
 		}
@@ -427,5 +433,63 @@ func TestClientLeavingWithKVHeldGetsItDrained(t *testing.T) {
 	h.waitQuiet()
 	if n := h.table.OutstandingHolds(); n != 0 {
 		t.Errorf("OutstandingHolds = %d, want 0", n)
+	}
+}
+
+// TestAnAcknowledgedDecodeIsNeverSentToASecondDecoder: a non-streaming answer's headers come
+// at its end, so a client that leaves mid-decode cuts the call before them. The decoder had
+// acknowledged the decode ("100 Continue") and has the params: the proxy must not drain
+// them to another decoder, which would read blocks the first one already pulled.
+func TestAnAcknowledgedDecodeIsNeverSentToASecondDecoder(t *testing.T) {
+	for _, stream := range []bool{false, true} {
+		t.Run(fmt.Sprintf("stream %v", stream), func(t *testing.T) {
+			p := newEngine(t, vllmPrefill(prefillerParams))
+			var decoders []*engine
+			for range 2 {
+				var d *engine
+				d = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+					// Generates until the client leaves; a stream's headers go out at once.
+					if stream {
+						w.Header().Set("Content-Type", "text/event-stream")
+						w.WriteHeader(http.StatusOK)
+						w.(http.Flusher).Flush()
+					}
+					d.wait(r, nil)
+				})
+				decoders = append(decoders, d)
+			}
+			h := newHarness(t, Config{}, router.Config{Backends: []router.BackendConfig{
+				prefiller("p0", p.URL()), decoder("d0", decoders[0].URL()), decoder("d1", decoders[1].URL()),
+			}})
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				resp, err := h.front.Client().Do(h.request(ctx, http.MethodPost, "/v1/completions",
+					fmt.Sprintf(`{"model":"m","prompt":"hi","max_tokens":100,"stream":%v}`, stream), nil))
+				if err == nil {
+					io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+			}()
+			eventually(t, "a decoder to have the decode", func() bool {
+				return len(decoders[0].generations())+len(decoders[1].generations()) == 1
+			})
+			cancel()
+			<-done
+			h.waitQuiet()
+			if n := len(decoders[0].generations()) + len(decoders[1].generations()); n != 1 {
+				t.Errorf("the decoders got %d calls with the hold's params, want 1", n)
+			}
+			if n := h.value("pdproxy_kv_releases_total", map[string]string{"reason": "decoded"}); n != 1 {
+				t.Errorf(`pdproxy_kv_releases_total{reason="decoded"} = %v, want 1`, n)
+			}
+			if n := h.value("pdproxy_kv_releases_total", nil); n != 1 {
+				t.Errorf("pdproxy_kv_releases_total = %v, want 1 (one hold, released once)", n)
+			}
+			if n := h.value("pdproxy_kv_held_requests", nil); n != 0 {
+				t.Errorf("pdproxy_kv_held_requests = %v, want 0", n)
+			}
+		})
 	}
 }

@@ -147,15 +147,17 @@ func newClient(o clientOptions) *http.Client {
 	tr := &http.Transport{
 		// No Proxy: engines are reached directly; an HTTP_PROXY meant for the
 		// outside world must not sit between the proxy and its engines.
-		Proxy:                 nil,
-		DialContext:           dialer.DialContext,
-		TLSClientConfig:       tlsConf,
-		MaxIdleConns:          o.maxInflight,
-		MaxIdleConnsPerHost:   o.maxInflight,
-		MaxConnsPerHost:       0,
-		IdleConnTimeout:       90 * time.Second,
-		TLSHandshakeTimeout:   5 * time.Second,
-		ExpectContinueTimeout: time.Second,
+		Proxy:               nil,
+		DialContext:         dialer.DialContext,
+		TLSClientConfig:     tlsConf,
+		MaxIdleConns:        o.maxInflight,
+		MaxIdleConnsPerHost: o.maxInflight,
+		MaxConnsPerHost:     0,
+		IdleConnTimeout:     90 * time.Second,
+		TLSHandshakeTimeout: 5 * time.Second,
+		// A decode asks for "100 Continue" only to learn that the decoder took it (the proxy's
+		// handoff signal): its body goes out at once, never waiting for the answer.
+		ExpectContinueTimeout: 0,
 		ForceAttemptHTTP2:     false,
 		// A connection keeps its write buffer for as long as it lives, idle once the request
 		// is out, which for a stream is the whole generation: 2 KiB holds the request line,
