@@ -44,9 +44,14 @@
 // 500 kv_transfer_failed error, never a 200. A decode that ends before its
 // pull (client gone, abort) still notifies the prefiller.
 //
-// A hold is freed exactly once: by the notification, by an explicit
-// POST /abort_request {"rid":".."}, or after KVHoldTimeout. Aborts and
-// notifications that arrive late (request finished, expired or unknown) are
+// A hold is a lease (vLLM PR #41383): it lasts KVHoldTimeout (default 30s)
+// from the prefill's end, and a decoder that has the request queued or
+// pulling renews it to now+KVHoldTimeout every KVHeartbeatInterval (default
+// 5s) with POST /kv/heartbeat (see heartbeat.go). A hold is freed exactly
+// once: by the notification, by an explicit POST /abort_request {"rid":".."},
+// or when its lease runs out (expired_total, and
+// vllm:nixl_num_kv_expired_reqs_total on /metrics). Aborts, notifications
+// and heartbeats that arrive late (request finished, expired or unknown) are
 // logged, counted in late_events_total and otherwise ignored; an abort caused
 // by a client disconnect never frees a hold (vLLM's abort-after-finish no-op).
 // Events are queued and applied at step boundaries, as in vLLM's scheduler.

@@ -50,6 +50,7 @@ func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error)
 				gone = errors.Is(err, errKVNotHeld)
 				if err == nil {
 					notified = true
+					r.pulled.Store(true) // no lease left to renew
 					e.notifyPrefiller(ctx, r)
 				}
 				if ctx.Err() != nil {

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -66,7 +67,11 @@ type request struct {
 	blocks    []int
 	readyAt   time.Time // prefill end, or next token
 	generated int
-	expiresAt time.Time // held only
+	expiresAt time.Time // held only: the lease's end, moved by heartbeats
+
+	// pulled is set by the decode's driver once its read is done, before it
+	// notifies the prefiller: from then on there is no lease to renew.
+	pulled atomic.Bool
 
 	outMu sync.Mutex
 	outs  []output
@@ -117,12 +122,14 @@ const (
 	evAbortRID                // explicit /abort_request: also frees a held request
 	evFinishedSending         // prefiller: a decoder read the blocks of rid and is done with them
 	evFinishedReceving        // decoder: the pull of req ended, err says how
+	evHeartbeat               // prefiller: a decoder renews the leases of rids
 )
 
 type event struct {
 	kind evKind
 	req  *request
 	rid  string
+	rids []string // evHeartbeat
 	err  error
 }
 
@@ -158,11 +165,13 @@ type Engine struct {
 }
 
 type counters struct {
-	requests    int
-	aborted     int
-	expired     int
-	lateEvents  int
-	doubleFrees int
+	requests       int
+	aborted        int
+	expired        int
+	lateEvents     int
+	doubleFrees    int
+	heartbeats     int
+	heartbeatsSent int
 }
 
 // KVStats is a snapshot of the engine's KV pool and request counters, the
@@ -182,12 +191,20 @@ type KVStats struct {
 	RequestsTotal int `json:"requests_total"`
 	// AbortedTotal counts aborts that ended a live request or freed a hold.
 	AbortedTotal int `json:"aborted_total"`
-	// ExpiredTotal counts holds freed by KVHoldTimeout.
+	// ExpiredTotal counts holds freed because their lease (KVHoldTimeout,
+	// renewed by heartbeats) ran out, as vllm:nixl_num_kv_expired_reqs_total.
 	ExpiredTotal int `json:"expired_total"`
-	// LateEventsTotal counts aborts and notifications for requests that had
-	// already finished, expired or were unknown: ignored, by design.
+	// LateEventsTotal counts aborts, notifications and heartbeats for
+	// requests that had already finished, expired or were unknown: ignored,
+	// by design.
 	LateEventsTotal         int `json:"late_events_total"`
 	DoubleFreeAttemptsTotal int `json:"double_free_attempts_total"`
+	// HeartbeatsTotal counts lease renewals this engine applied as a
+	// prefiller: one per held request id in a heartbeat it received.
+	HeartbeatsTotal int `json:"heartbeats_total"`
+	// HeartbeatsSentTotal counts request ids this engine sent in heartbeats
+	// that a prefiller accepted, as a decoder.
+	HeartbeatsSentTotal int `json:"heartbeats_sent_total"`
 }
 
 // New builds an engine; call Run to start its scheduler and serve Handler.
@@ -308,6 +325,15 @@ func (e *Engine) Run(ctx context.Context) error {
 	}
 	defer e.client.CloseIdleConnections()
 	defer e.shutdown()
+	if e.cfg.KVHeartbeatInterval > 0 {
+		// Deferred after shutdown, so they run before it: the loop stops and
+		// is waited for while the engine still knows its requests.
+		hctx, stop := context.WithCancel(ctx)
+		var wg sync.WaitGroup
+		wg.Go(func() { e.heartbeatLoop(hctx) })
+		defer wg.Wait()
+		defer stop()
+	}
 	for {
 		if ctx.Err() != nil {
 			return nil

@@ -26,6 +26,7 @@ func (e *Engine) Handler() http.Handler {
 	mux.HandleFunc("POST /abort_request", e.handleAbort)
 	mux.HandleFunc("POST /kv/pull", e.handlePull)
 	mux.HandleFunc("POST /kv/notify", e.handleNotify)
+	mux.HandleFunc("POST /kv/heartbeat", e.handleHeartbeat)
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	mux.HandleFunc("GET /v1/models", e.handleModels)
 	mux.HandleFunc("GET /debug/kv", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, e.Stats()) })

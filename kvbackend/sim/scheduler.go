@@ -69,6 +69,8 @@ func (e *Engine) apply(ev event, now time.Time) {
 		if ce := e.log.Check(zap.DebugLevel, "kv read complete, blocks freed"); ce != nil {
 			ce.Write(zap.String("request_id", ev.rid), zap.Int("blocks", len(h.blocks)))
 		}
+	case evHeartbeat:
+		e.renewLeases(ev.rids, now)
 	case evFinishedReceving:
 		r := ev.req
 		if r.state != statePulling {
@@ -156,8 +158,8 @@ func (e *Engine) expire(now time.Time) {
 		}
 		e.freeHeld(h)
 		e.counts.expired++
-		e.log.Warn("kv hold expired before a decoder read it, blocks freed",
-			zap.String("request_id", rid), zap.Duration("kv_hold_timeout", e.cfg.KVHoldTimeout))
+		e.log.Warn("kv lease expired before a decoder read it, blocks freed",
+			zap.String("request_id", rid), zap.Duration("kv_lease", e.cfg.KVHoldTimeout))
 	}
 }
 
@@ -298,6 +300,8 @@ func (e *Engine) Stats() KVStats {
 		ExpiredTotal:            e.counts.expired,
 		LateEventsTotal:         e.counts.lateEvents,
 		DoubleFreeAttemptsTotal: e.counts.doubleFrees,
+		HeartbeatsTotal:         e.counts.heartbeats,
+		HeartbeatsSentTotal:     e.counts.heartbeatsSent,
 	}
 	for _, h := range e.held {
 		s.BlocksHeld += len(h.blocks)
