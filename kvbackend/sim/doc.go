@@ -31,18 +31,24 @@
 //
 // A body with kv_transfer_params.do_remote_decode=true is a prefill: it takes
 // ceil(prompt_tokens/block_size) blocks, waits PrefillTime (+PrefillPerToken
-// per prompt token), emits one token, and if it ended length-capped, holds its
-// blocks and answers a top-level kv_transfer_params object (do_remote_prefill,
+// per prompt token), emits one token, holds its blocks whether it ended
+// length-capped or on EOS (FINISHED_STOPPED, as vLLM does since 2026), and
+// answers a top-level kv_transfer_params object (do_remote_prefill,
 // remote_block_ids, remote_engine_id, remote_request_id, remote_host and
-// remote_port of the connection it came in on, tp_size). A prefill that
-// stopped on EOS frees at once and answers kv_transfer_params null.
+// remote_port of the connection it came in on, tp_size, and 2026's
+// remote_num_tokens, remote_blocks_expiry_time, transfer_mode "read",
+// dcp_size 1, pp_size 1). It lists all its blocks, the partial last one
+// too, so remote_block_ids is never empty here; vLLM lists full blocks only.
+// An aborted prefill holds nothing and answers kv_transfer_params null.
 //
 // A body with kv_transfer_params.do_remote_prefill=true is a decode: it takes
 // its own blocks, pulls the prefiller's (see kvtransfer.go for the /kv/pull
 // and /kv/notify protocol), notifies the prefiller, which frees at its next
 // step, then decodes. A pull of blocks no longer held fails the decode with a
 // 500 kv_transfer_failed error, never a 200. A decode that ends before its
-// pull (client gone, abort) still notifies the prefiller.
+// pull (client gone, abort) still notifies the prefiller. Fields it does not
+// use are ignored; empty or null remote_block_ids mean nothing to read: the
+// decode computes the prompt itself and neither pulls, notifies nor renews.
 //
 // A hold is a lease (vLLM PR #41383): it lasts KVHoldTimeout (default 30s)
 // from the prefill's end, and a decoder that has the request queued or

@@ -33,7 +33,7 @@ func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error)
 		if !ended {
 			e.abortRequest(r)
 		}
-		if r.kind == kindDecode && !notified && !gone {
+		if r.readsKV() && !notified && !gone {
 			e.notifyPrefiller(ctx, r)
 		}
 	}()
@@ -46,6 +46,13 @@ func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error)
 		for _, o := range r.take() {
 			switch o.kind {
 			case outPull:
+				if !r.readsKV() {
+					// No full block to read (vLLM sends only full blocks):
+					// nothing held for us, nobody to notify, compute the
+					// prompt here.
+					e.finishedReceiving(r, nil)
+					continue
+				}
 				err := e.pullKV(ctx, r)
 				gone = errors.Is(err, errKVNotHeld)
 				if err == nil {
@@ -75,6 +82,12 @@ func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error)
 			}
 		}
 	}
+}
+
+// readsKV reports that r is a decode with blocks to read from a prefiller:
+// the requests that pull, notify and renew a lease.
+func (r *request) readsKV() bool {
+	return r.kind == kindDecode && len(r.remote.RemoteBlockIDs) > 0
 }
 
 // pullKV reads the prefiller's blocks: the transfer time, then the pull call

@@ -88,12 +88,13 @@ const (
 
 type output struct {
 	kind     outKind
-	index    int    // token index
-	text     string // token text, "" for an EOS
-	finish   string // "length", "stop" or "" if more follow
-	held     []int  // prefill ending in a hold: the held block ids
-	err      error  // outEnd: an *apiError, or errAborted
-	complete int    // tokens generated when this output was made
+	index    int       // token index
+	text     string    // token text, "" for an EOS
+	finish   string    // "length", "stop" or "" if more follow
+	held     []int     // prefill ending in a hold: the held block ids, never nil then
+	leaseEnd time.Time // prefill ending in a hold: when its first lease ends
+	err      error     // outEnd: an *apiError, or errAborted
+	complete int       // tokens generated when this output was made
 }
 
 func (r *request) push(o output) {

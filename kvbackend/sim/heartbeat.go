@@ -65,7 +65,7 @@ func (e *Engine) heartbeatTargets() map[kvPeer][]string {
 	defer e.mu.Unlock()
 	var out map[kvPeer][]string
 	for _, r := range e.live {
-		if r.kind != kindDecode || len(r.remote.RemoteBlockIDs) == 0 || r.pulled.Load() {
+		if !r.readsKV() || r.pulled.Load() {
 			continue
 		}
 		if r.state != stateWaiting && r.state != statePulling {

@@ -215,18 +215,25 @@ func (p *responder) usage(completionTokens int) *usage {
 
 // kvParams is the top-level kv_transfer_params of a prefill that ended in a
 // hold: the address is the one this connection reached, so it works on port 0.
-func (p *responder) kvParams(held []int) *kvTransferParams {
-	if held == nil {
+func (p *responder) kvParams(o output) *prefillKVParams {
+	if o.held == nil {
 		return nil
 	}
-	return &kvTransferParams{
-		DoRemotePrefill: true,
-		RemoteBlockIDs:  held,
-		RemoteEngineID:  p.e.id,
-		RemoteRequestID: p.rid,
-		RemoteHost:      p.local.IP.String(),
-		RemotePort:      p.local.Port,
-		TPSize:          1,
+	return &prefillKVParams{
+		kvTransferParams: kvTransferParams{
+			DoRemotePrefill: true,
+			RemoteBlockIDs:  o.held,
+			RemoteEngineID:  p.e.id,
+			RemoteRequestID: p.rid,
+			RemoteHost:      p.local.IP.String(),
+			RemotePort:      p.local.Port,
+			TPSize:          1,
+		},
+		RemoteNumTokens:        p.req.promptTokens,
+		RemoteBlocksExpiryTime: float64(o.leaseEnd.UnixNano()) / 1e9,
+		TransferMode:           "read",
+		DCPSize:                1,
+		PPSize:                 1,
 	}
 }
 
@@ -247,7 +254,7 @@ func (p *responder) emit(o output) error {
 	}
 	c := p.chunk(choice{FinishReason: finish}, o.text)
 	if o.held != nil {
-		c.KVTransferParams = p.kvParams(o.held)
+		c.KVTransferParams = p.kvParams(o)
 	}
 	if err := p.event(c); err != nil {
 		return err
@@ -385,7 +392,7 @@ func (p *responder) writeWhole(aborted bool) {
 	}
 	text := p.text.String()
 	ch := choice{FinishReason: &finish}
-	c := &completion{ID: p.id, Created: p.created, Model: p.model, Usage: p.usage(p.last.complete), KVTransferParams: (*kvTransferParams)(nil)}
+	c := &completion{ID: p.id, Created: p.created, Model: p.model, Usage: p.usage(p.last.complete), KVTransferParams: (*prefillKVParams)(nil)}
 	if p.api.chat {
 		c.Object = "chat.completion"
 		ch.Message = &message{Role: "assistant", Content: &text}
@@ -395,7 +402,7 @@ func (p *responder) writeWhole(aborted bool) {
 	}
 	c.Choices = []choice{ch}
 	if !aborted {
-		c.KVTransferParams = p.kvParams(p.last.held)
+		c.KVTransferParams = p.kvParams(p.last)
 	}
 	body, err := json.Marshal(c)
 	if err != nil {

@@ -32,6 +32,22 @@ type kvTransferParams struct {
 	TPSize          int    `json:"tp_size"`
 }
 
+// prefillKVParams is the kv_transfer_params a prefiller answers with: the
+// request fields plus those 2026 vLLM adds, which the sim's decoders ignore
+// as vLLM's ignore fields they do not use.
+type prefillKVParams struct {
+	kvTransferParams
+	// RemoteNumTokens is the prompt's length in tokens.
+	RemoteNumTokens int `json:"remote_num_tokens"`
+	// RemoteBlocksExpiryTime is when the first lease ends, in unix seconds.
+	// Heartbeats move the end later without changing this value.
+	RemoteBlocksExpiryTime float64 `json:"remote_blocks_expiry_time"`
+	// TransferMode is "read": the decoder reads the prefiller's blocks.
+	TransferMode string `json:"transfer_mode"`
+	DCPSize      int    `json:"dcp_size"`
+	PPSize       int    `json:"pp_size"`
+}
+
 // apiRequest is what the sim needs from a completions or chat completions
 // body; every other field (temperature, stop, ...) is accepted and ignored.
 type apiRequest struct {
@@ -136,9 +152,9 @@ func parseRequest(body []byte, chat bool) (*apiRequest, error) {
 			if kv.RemoteHost == "" || kv.RemotePort <= 0 || kv.RemotePort > 65535 {
 				return nil, badRequest("invalid_kv_transfer_params", "kv_transfer_params: do_remote_prefill needs remote_host and remote_port")
 			}
-			if len(kv.RemoteBlockIDs) == 0 {
-				return nil, badRequest("invalid_kv_transfer_params", "kv_transfer_params: do_remote_prefill needs remote_block_ids")
-			}
+			// Empty or null remote_block_ids are valid: vLLM's prefiller
+			// sends only full blocks, so a short prompt has none to read and
+			// the decoder computes it itself.
 			req.kind = kindDecode
 			req.kv = kv
 		}

@@ -220,9 +220,11 @@ func (e *Engine) emit(r *request, now time.Time) {
 		r.push(o)
 		return
 	}
-	if r.kind == kindPrefill && o.finish == "length" {
-		// vLLM's NixlConnector holds only length-capped prefills; a prefill
-		// that stopped on EOS frees at once and returns no kv_transfer_params.
+	if r.kind == kindPrefill {
+		// Since 2026 vLLM's NixlConnector holds a prefill that stopped on EOS
+		// or a stop string (FINISHED_STOPPED) as it holds a length-capped one:
+		// before, it freed at once and answered kv_transfer_params null, and
+		// the decoder recomputed the prompt.
 		r.state = stateHeld
 		r.expiresAt = now.Add(e.cfg.KVHoldTimeout)
 		if e.holdDue.IsZero() || r.expiresAt.Before(e.holdDue) {
@@ -230,7 +232,8 @@ func (e *Engine) emit(r *request, now time.Time) {
 		}
 		delete(e.live, r.rid)
 		e.held[r.rid] = r
-		o.held = slices.Clone(r.blocks)
+		o.held = append([]int{}, r.blocks...)
+		o.leaseEnd = r.expiresAt
 		r.push(o)
 		if ce := e.log.Check(zap.DebugLevel, "prefill holds kv blocks for a decoder"); ce != nil {
 			ce.Write(zap.String("request_id", r.rid), zap.Int("blocks", len(r.blocks)), zap.Time("expires_at", r.expiresAt))
