@@ -49,6 +49,11 @@ type Config struct {
 	// POST /kv/heartbeat per prefiller. DefaultConfig sets 5s (vLLM derives
 	// lease/6); zero disables heartbeats, as in vLLM before the lease.
 	KVHeartbeatInterval time.Duration
+	// MaxModelLen, when positive, rejects a prompt longer than this many
+	// tokens with a 400, as vLLM's --max-model-len does in its serving layer
+	// (a decoder then notifies the prefiller, vLLM #41269). Zero means no
+	// limit beyond the pool's size; /v1/models reports the effective one.
+	MaxModelLen int
 	// KVTransferTime is the decoder's cost per pulled block; default 0.
 	KVTransferTime time.Duration
 	// Seed feeds the deterministic token source (with the request id).
@@ -113,6 +118,7 @@ func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.IntVar(&cfg.MaxRunning, "max-running", cfg.MaxRunning, "requests computing at once; the rest wait in a FIFO queue")
 	fs.DurationVar(&cfg.KVHoldTimeout, "kv-hold-timeout", cfg.KVHoldTimeout, "KV lease: how long a prefiller holds a finished prefill's KV blocks for a decoder's pull before freeing them; each decoder heartbeat renews it to now+lease (vLLM kv_lease_duration; older vLLM held a fixed 480s)")
 	fs.DurationVar(&cfg.KVHeartbeatInterval, "kv-heartbeat-interval", cfg.KVHeartbeatInterval, "how often a decoder renews the KV lease of each do_remote_prefill request it has queued or pulling (POST /kv/heartbeat to the prefiller; 0: no heartbeats)")
+	fs.IntVar(&cfg.MaxModelLen, "max-model-len", cfg.MaxModelLen, "reject prompts longer than this many tokens with a 400, as vLLM's --max-model-len (0: no limit but the pool's size)")
 	fs.DurationVar(&cfg.KVTransferTime, "kv-transfer-time", cfg.KVTransferTime, "decoder's pull cost per KV block")
 	fs.Int64Var(&cfg.Seed, "seed", cfg.Seed, "seed of the deterministic token source (tokens also depend on the request id)")
 	fs.IntVar(&cfg.FailStatus, "fail-status", cfg.FailStatus, "fault: answer every completion request with this HTTP status (0: off; header X-Sim-Fail-Status)")
@@ -162,6 +168,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.KVHoldTimeout < 0 {
 		errs = append(errs, fmt.Errorf("kv hold timeout %s: must be positive", c.KVHoldTimeout))
+	}
+	if c.MaxModelLen < 0 {
+		errs = append(errs, fmt.Errorf("max model len %d: must not be negative", c.MaxModelLen))
 	}
 	if c.KVHeartbeatInterval < 0 {
 		errs = append(errs, fmt.Errorf("kv heartbeat interval %s: must not be negative", c.KVHeartbeatInterval))

@@ -18,7 +18,13 @@
 // Prompt tokens are counted without a tokenizer: ceil(bytes/4) for a string
 // prompt (at least 1), one per id for a token-id prompt, and for chat the sum
 // of ceil(bytes/4) over the message contents (at least 1). A prompt needing
-// more blocks than the pool has is a 400.
+// more blocks than the pool has, or longer than MaxModelLen, is a 400.
+//
+// A body is rejected in two stages, as vLLM does. Malformed JSON, wrong
+// field types and missing prompts fail first, before vLLM's handler. Bad
+// values (max_tokens < 1, n, min_tokens, a prompt too long) fail in its
+// serving layer: a decode rejected there notifies its prefiller first, so
+// that the prefiller frees the blocks it holds for it (vLLM #41269).
 //
 // Output token i is the word " tok<k>" with k a hash of (Seed, request id, i)
 // in [0, 50000), so engines with the same seed give a request id the same
@@ -46,7 +52,8 @@
 // and /kv/notify protocol), notifies the prefiller, which frees at its next
 // step, then decodes. A pull of blocks no longer held fails the decode with a
 // 500 kv_transfer_failed error, never a 200. A decode that ends before its
-// pull (client gone, abort) still notifies the prefiller. Fields it does not
+// pull (client gone, abort, queued or not: vLLM #19223) still notifies the
+// prefiller. Fields it does not
 // use are ignored; empty or null remote_block_ids mean nothing to read: the
 // decode computes the prompt itself and neither pulls, notifies nor renews.
 //

@@ -34,7 +34,7 @@ func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error)
 			e.abortRequest(r)
 		}
 		if r.readsKV() && !notified && !gone {
-			e.notifyPrefiller(ctx, r)
+			e.notifyPrefiller(ctx, r.rid, r.remote)
 		}
 	}()
 	for {
@@ -58,7 +58,7 @@ func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error)
 				if err == nil {
 					notified = true
 					r.pulled.Store(true) // no lease left to renew
-					e.notifyPrefiller(ctx, r)
+					e.notifyPrefiller(ctx, r.rid, r.remote)
 				}
 				if ctx.Err() != nil {
 					return ctx.Err()
@@ -104,14 +104,30 @@ func (e *Engine) pullKV(ctx context.Context, r *request) error {
 	return nil
 }
 
-// notifyPrefiller sends the read-complete notification. It runs on a context
+// notifyPrefiller sends the read-complete notification for the decode rid
+// that read (or will never read) the blocks kv names. It runs on a context
 // detached from the request's on purpose: the request may be ending because
 // its client left, and the prefiller must hear about it all the same.
-func (e *Engine) notifyPrefiller(ctx context.Context, r *request) {
+func (e *Engine) notifyPrefiller(ctx context.Context, rid string, kv *kvTransferParams) {
 	nctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), notifyTimeout)
 	defer cancel()
-	if err := e.transport.notify(nctx, r.remote); err != nil {
-		e.log.Warn("kv notify failed: the prefiller frees at its hold timeout",
-			zap.String("request_id", r.rid), zap.String("prefiller", r.remote.RemoteEngineID), zap.Error(err))
+	if err := e.transport.notify(nctx, kv); err != nil {
+		e.log.Warn("kv notify failed: the prefiller frees when the lease ends",
+			zap.String("request_id", rid), zap.String("prefiller", kv.RemoteEngineID), zap.Error(err))
 	}
+}
+
+// rejectDecode tells the prefiller that a decode it holds blocks for was
+// rejected by this engine's serving layer (a 4xx after the body parsed), so
+// that it frees them now rather than when the lease ends (vLLM #41269).
+// It returns once the prefiller has the notification, before the 4xx goes
+// out, so that whoever gets the 4xx may count on it.
+func (e *Engine) rejectDecode(ctx context.Context, rid string, kv *kvTransferParams, why error) {
+	kv = kv.heldFor(rid)
+	if kv == nil {
+		return
+	}
+	e.log.Info("decode rejected, prefiller notified to free its blocks",
+		zap.String("request_id", rid), zap.String("prefiller", kv.RemoteEngineID), zap.Error(why))
+	e.notifyPrefiller(ctx, rid, kv)
 }

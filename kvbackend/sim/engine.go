@@ -251,6 +251,9 @@ func (e *Engine) ID() string { return e.id }
 
 // newRequest turns a parsed API request into an engine request.
 func (e *Engine) newRequest(rid string, a *apiRequest) (*request, error) {
+	if e.cfg.MaxModelLen > 0 && a.promptTokens > e.cfg.MaxModelLen {
+		return nil, badRequest("prompt_too_long", "the prompt (length %d) is longer than the maximum model length of %d", a.promptTokens, e.cfg.MaxModelLen)
+	}
 	need := (a.promptTokens + e.cfg.BlockSize - 1) / e.cfg.BlockSize
 	if need > e.cfg.KVBlocks {
 		return nil, badRequest("prompt_too_long", "prompt of %d tokens needs %d KV blocks, the pool has %d", a.promptTokens, need, e.cfg.KVBlocks)

@@ -119,13 +119,20 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 			writeError(w, badRequest("unreadable_body", "read request body: %v", err))
 			return
 		}
-		a, err := parseRequest(body, chat)
+		wb, err := decodeBody(body, chat)
 		if err != nil {
+			// Malformed JSON or a wrong type: vLLM fails such a body before
+			// its handler, so no prefiller hears of it.
 			writeError(w, err)
 			return
 		}
-		req, err := e.newRequest(rid, a)
+		a, err := wb.validate(chat)
+		var req *request
+		if err == nil {
+			req, err = e.newRequest(rid, a)
+		}
 		if err != nil {
+			e.rejectDecode(r.Context(), rid, wb.KVTransferParams, err)
 			writeError(w, err)
 			return
 		}
@@ -457,8 +464,18 @@ func (e *Engine) handleModels(w http.ResponseWriter, _ *http.Request) {
 		Data   []model `json:"data"`
 	}{Object: "list", Data: []model{{
 		ID: e.cfg.Model, Object: "model", Created: e.clock.Now().Unix(), OwnedBy: "pdproxy-sim",
-		Root: e.cfg.Model, MaxModelLen: e.cfg.KVBlocks * e.cfg.BlockSize,
+		Root: e.cfg.Model, MaxModelLen: e.maxModelLen(),
 	}}})
+}
+
+// maxModelLen is the longest prompt this engine takes: MaxModelLen, or
+// what the whole pool holds.
+func (e *Engine) maxModelLen() int {
+	pool := e.cfg.KVBlocks * e.cfg.BlockSize
+	if e.cfg.MaxModelLen > 0 {
+		return min(e.cfg.MaxModelLen, pool)
+	}
+	return pool
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {

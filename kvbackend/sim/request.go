@@ -85,34 +85,69 @@ type wireMessage struct {
 	Content json.RawMessage `json:"content"`
 }
 
-// parseRequest validates a completions (chat=false) or chat completions body.
-// Its errors are *apiError values with status 400.
+// parseRequest parses and validates a completions (chat=false) or chat
+// completions body: decodeBody, then validate. Its errors are *apiError
+// values with status 400.
+func parseRequest(body []byte, chat bool) (*apiRequest, error) {
+	b, err := decodeBody(body, chat)
+	if err != nil {
+		return nil, err
+	}
+	return b.validate(chat)
+}
+
+// wireBody is a body that passed what vLLM checks before its handler runs:
+// JSON syntax, field types and required fields (its pydantic request
+// models). A decoder that rejects a body at this stage has not seen the
+// request, so it notifies no prefiller; validate's rejections come from
+// the serving layer, which does (vLLM #41269).
+type wireBody struct {
+	wireRequest
+	// prompts holds each prompt's token count; a chat has one prompt.
+	prompts []int
+}
+
+// decodeBody decodes body and checks its shape.
 //
 // Prompt tokens are counted without a tokenizer, deterministically:
 // a string prompt counts ceil(len(bytes)/4) tokens, at least 1; a prompt given
 // as token ids counts one per id; a chat counts ceil(len(bytes)/4) per message
 // content (text parts concatenated), summed, at least 1 in all.
-func parseRequest(body []byte, chat bool) (*apiRequest, error) {
-	var w wireRequest
+func decodeBody(body []byte, chat bool) (*wireBody, error) {
+	var b wireBody
 	dec := json.NewDecoder(bytes.NewReader(body))
-	if err := dec.Decode(&w); err != nil {
+	if err := dec.Decode(&b.wireRequest); err != nil {
 		return nil, badRequest("invalid_json", "request body is not a valid JSON object: %v", err)
 	}
 	if dec.More() {
 		return nil, badRequest("invalid_json", "request body has trailing data after the JSON object")
 	}
-	req := &apiRequest{chat: chat, maxTokens: defaultMaxTokens}
+	if chat {
+		n, err := countChatTokens(b.Messages)
+		if err != nil {
+			return nil, err
+		}
+		b.prompts = []int{n}
+		return &b, nil
+	}
+	var err error
+	b.prompts, err = countPromptTokens(b.Prompt)
+	if err != nil {
+		return nil, err
+	}
+	return &b, nil
+}
+
+// validate checks the values of a well-formed body, as vLLM's serving layer
+// does (SamplingParams and the prompt's length).
+func (b *wireBody) validate(chat bool) (*apiRequest, error) {
+	w := &b.wireRequest
+	req := &apiRequest{chat: chat, maxTokens: defaultMaxTokens, promptTokens: b.prompts[0]}
 	if w.Model != nil {
 		req.model = *w.Model
 	}
-	var err error
-	if chat {
-		req.promptTokens, err = countChatTokens(w.Messages)
-	} else {
-		req.promptTokens, err = countPromptTokens(w.Prompt)
-	}
-	if err != nil {
-		return nil, err
+	if len(b.prompts) != 1 {
+		return nil, badRequest("invalid_prompt", "prompt: the sim takes one prompt per request, got %d", len(b.prompts))
 	}
 	if w.N != nil && *w.N != 1 {
 		return nil, badRequest("invalid_n", "n=%d: the sim returns exactly one choice", *w.N)
@@ -149,7 +184,7 @@ func parseRequest(body []byte, chat bool) (*apiRequest, error) {
 		case kv.DoRemoteDecode:
 			req.kind = kindPrefill
 		case kv.DoRemotePrefill:
-			if kv.RemoteHost == "" || kv.RemotePort <= 0 || kv.RemotePort > 65535 {
+			if !kv.reachable() {
 				return nil, badRequest("invalid_kv_transfer_params", "kv_transfer_params: do_remote_prefill needs remote_host and remote_port")
 			}
 			// Empty or null remote_block_ids are valid: vLLM's prefiller
@@ -162,30 +197,60 @@ func parseRequest(body []byte, chat bool) (*apiRequest, error) {
 	return req, nil
 }
 
-func countPromptTokens(raw json.RawMessage) (int, error) {
+// reachable reports that p names a prefiller a decoder can call.
+func (p *kvTransferParams) reachable() bool {
+	return p.RemoteHost != "" && p.RemotePort > 0 && p.RemotePort <= 65535
+}
+
+// heldFor returns the params of a decode that would read blocks held for
+// it, with the request id filled in, or nil: the decodes whose rejection
+// must reach the prefiller.
+func (p *kvTransferParams) heldFor(rid string) *kvTransferParams {
+	if p == nil || !p.DoRemotePrefill || p.DoRemoteDecode || !p.reachable() || len(p.RemoteBlockIDs) == 0 {
+		return nil
+	}
+	c := *p
+	if c.RemoteRequestID == "" {
+		c.RemoteRequestID = rid // older vLLM names P's request by the shared X-Request-Id
+	}
+	return &c
+}
+
+// countPromptTokens counts each prompt of a completions request: a string,
+// a list of strings, a list of token ids or a list of such lists.
+func countPromptTokens(raw json.RawMessage) ([]int, error) {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
-		return 0, badRequest("missing_prompt", "prompt is required")
+		return nil, badRequest("missing_prompt", "prompt is required")
 	}
 	var s string
 	if json.Unmarshal(raw, &s) == nil {
-		return textTokens(len(s)), nil
+		return []int{textTokens(len(s))}, nil
 	}
 	var ss []string
-	if json.Unmarshal(raw, &ss) == nil {
-		if len(ss) != 1 {
-			return 0, badRequest("invalid_prompt", "prompt: the sim takes one prompt per request, got %d", len(ss))
+	if json.Unmarshal(raw, &ss) == nil && len(ss) > 0 {
+		out := make([]int, len(ss))
+		for i, p := range ss {
+			out[i] = textTokens(len(p))
 		}
-		return textTokens(len(ss[0])), nil
+		return out, nil
 	}
 	var ids []int
-	if json.Unmarshal(raw, &ids) == nil {
-		if len(ids) == 0 {
-			return 0, badRequest("invalid_prompt", "prompt: empty token list")
-		}
-		return len(ids), nil
+	if json.Unmarshal(raw, &ids) == nil && len(ids) > 0 {
+		return []int{len(ids)}, nil
 	}
-	return 0, badRequest("invalid_prompt", "prompt must be a string, a one-element list of strings or a list of token ids")
+	var batches [][]int
+	if json.Unmarshal(raw, &batches) == nil && len(batches) > 0 {
+		out := make([]int, len(batches))
+		for i, b := range batches {
+			if len(b) == 0 {
+				return nil, badRequest("invalid_prompt", "prompt[%d]: empty token list", i)
+			}
+			out[i] = len(b)
+		}
+		return out, nil
+	}
+	return nil, badRequest("invalid_prompt", "prompt must be a string, a list of strings, a list of token ids or a list of token id lists, not empty")
 }
 
 func countChatTokens(msgs []wireMessage) (int, error) {
