@@ -69,6 +69,19 @@
 // by a client disconnect never frees a hold (vLLM's abort-after-finish no-op).
 // Events are queued and applied at step boundaries, as in vLLM's scheduler.
 //
+// # Requests a P/D pair cannot serve safely
+//
+// A prefill with n > 1 or best_of, or with several prompts, runs one
+// request per (prompt, sample), each holding its own blocks, and answers
+// kv_transfer_params for the first only (X-Request-Id); the others' holds
+// are invisible and end with their leases (vLLM #38900, #54707; see
+// fanout.go). Outside a prefill the sim still answers n != 1 and prompt
+// arrays with a 400. A decode with kv_transfer_params that asks for
+// prompt_logprobs, or echo with logprobs, crashes the engine (vLLM #50792):
+// it and every request the engine has fail with a 500 engine_dead, holds
+// vanish, no prefiller is notified or heartbeated any more,
+// engine_crashes_total counts it, and the engine serves again at once.
+//
 // # Other endpoints
 //
 // GET /health, GET /v1/models, GET /debug/kv (KVStats as JSON) and

@@ -66,6 +66,7 @@ func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error)
 				e.finishedReceiving(r, err)
 			case outEnd:
 				ended = true
+				notified = notified || o.crashed // a dead engine tells nobody
 				return o.err
 			case outToken:
 				ended = o.finish != ""

@@ -59,6 +59,7 @@ type request struct {
 	minTokens    int
 	ignoreEOS    bool
 	remote       *kvTransferParams // decode only
+	crashes      bool              // the engine dies when it takes this request (vLLM #50792)
 	needBlocks   int
 	hash         uint64
 
@@ -94,6 +95,7 @@ type output struct {
 	held     []int     // prefill ending in a hold: the held block ids, never nil then
 	leaseEnd time.Time // prefill ending in a hold: when its first lease ends
 	err      error     // outEnd: an *apiError, or errAborted
+	crashed  bool      // outEnd: the engine died under the request, and tells nobody
 	complete int       // tokens generated when this output was made
 }
 
@@ -173,6 +175,7 @@ type counters struct {
 	doubleFrees    int
 	heartbeats     int
 	heartbeatsSent int
+	crashes        int
 }
 
 // KVStats is a snapshot of the engine's KV pool and request counters, the
@@ -206,6 +209,9 @@ type KVStats struct {
 	// HeartbeatsSentTotal counts request ids this engine sent in heartbeats
 	// that a prefiller accepted, as a decoder.
 	HeartbeatsSentTotal int `json:"heartbeats_sent_total"`
+	// EngineCrashesTotal counts the engine's deaths: a decode asking for
+	// prompt logprobs (vLLM #50792) fails every request the engine has.
+	EngineCrashesTotal int `json:"engine_crashes_total"`
 }
 
 // New builds an engine; call Run to start its scheduler and serve Handler.
@@ -266,6 +272,7 @@ func (e *Engine) newRequest(rid string, a *apiRequest) (*request, error) {
 		minTokens:    a.minTokens,
 		ignoreEOS:    a.ignoreEOS,
 		remote:       a.kv,
+		crashes:      a.crashesDecoder,
 		needBlocks:   need,
 		hash:         ridHash(e.cfg.Seed, rid),
 		ready:        make(chan struct{}, 1),

@@ -131,6 +131,10 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 		if err == nil {
 			req, err = e.newRequest(rid, a)
 		}
+		var children []child
+		if err == nil {
+			children, err = e.newChildren(rid, a)
+		}
 		if err != nil {
 			e.rejectDecode(r.Context(), rid, wb.KVTransferParams, err)
 			writeError(w, err)
@@ -149,7 +153,9 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 		if chat {
 			resp.id = "chatcmpl-" + rid
 		}
+		fan := e.startChildren(r.Context(), children)
 		err = e.drive(r.Context(), req, resp.emit)
+		resp.extra = fan.wait()
 		resp.end(err)
 	}
 }
@@ -180,7 +186,8 @@ type responder struct {
 	started bool // stream: headers sent
 	events  int  // stream: SSE events written
 	text    strings.Builder
-	last    output // the last token, once finished
+	last    output        // the last token, once finished
+	extra   []childResult // a prefill's fan-out: the other choices (fanout.go)
 }
 
 // Response shapes, vLLM's field names.
@@ -397,17 +404,24 @@ func (p *responder) writeWhole(aborted bool) {
 		}
 		return
 	}
-	text := p.text.String()
-	ch := choice{FinishReason: &finish}
 	c := &completion{ID: p.id, Created: p.created, Model: p.model, Usage: p.usage(p.last.complete), KVTransferParams: (*prefillKVParams)(nil)}
+	c.Object = "text_completion"
 	if p.api.chat {
 		c.Object = "chat.completion"
-		ch.Message = &message{Role: "assistant", Content: &text}
-	} else {
-		c.Object = "text_completion"
-		ch.Text = &text
 	}
-	c.Choices = []choice{ch}
+	c.Choices = []choice{p.wholeChoice(0, p.text.String(), finish)}
+	for _, x := range p.extra {
+		c.Choices = append(c.Choices, p.wholeChoice(x.index, x.text, x.finish))
+		c.Usage.CompletionTokens += x.complete
+	}
+	if len(p.api.prompts) > 1 {
+		// Every prompt counts once, however many samples it had.
+		c.Usage.PromptTokens = 0
+		for _, n := range p.api.prompts {
+			c.Usage.PromptTokens += n
+		}
+	}
+	c.Usage.TotalTokens = c.Usage.PromptTokens + c.Usage.CompletionTokens
 	if !aborted {
 		c.KVTransferParams = p.kvParams(p.last)
 	}
@@ -436,6 +450,17 @@ func (p *responder) writeWhole(aborted bool) {
 		panic(http.ErrAbortHandler)
 	}
 	_, _ = p.w.Write(body)
+}
+
+// wholeChoice is one choice of a non-streaming answer.
+func (p *responder) wholeChoice(index int, text, finish string) choice {
+	ch := choice{Index: index, FinishReason: &finish}
+	if p.api.chat {
+		ch.Message = &message{Role: "assistant", Content: &text}
+	} else {
+		ch.Text = &text
+	}
+	return ch
 }
 
 func (e *Engine) handleAbort(w http.ResponseWriter, r *http.Request) {

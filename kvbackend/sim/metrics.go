@@ -35,6 +35,8 @@ func (e *Engine) newRegistry() *prometheus.Registry {
 			func(s KVStats) float64 { return float64(s.HeartbeatsTotal) }),
 		counter("pdproxy_sim_late_events_total", "Aborts and notifications that found nothing to act on.",
 			func(s KVStats) float64 { return float64(s.LateEventsTotal) }),
+		counter("pdproxy_sim_engine_crashes_total", "Engine deaths: every request failed (vLLM #50792).",
+			func(s KVStats) float64 { return float64(s.EngineCrashesTotal) }),
 		counter("pdproxy_sim_double_free_attempts_total", "Attempts to free KV blocks twice; must stay 0.",
 			func(s KVStats) float64 { return float64(s.DoubleFreeAttemptsTotal) }),
 	)

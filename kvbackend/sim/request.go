@@ -14,6 +14,7 @@ import (
 const (
 	maxBodyBytes       = 16 << 20
 	maxTokensLimit     = 1 << 20
+	maxChoices         = 128 // n and best_of, and prompts in one request
 	defaultMaxTokens   = 16
 	bytesPerTokenGuess = 4
 )
@@ -61,6 +62,16 @@ type apiRequest struct {
 	includeUsage bool
 	kind         reqKind
 	kv           *kvTransferParams // decode only: where to pull from
+
+	// prompts holds every prompt's token count (promptTokens is the first);
+	// more than one only on a prefill.
+	prompts []int
+	// samples is how many requests a prefill runs per prompt, max(n,
+	// best_of), and n how many choices per prompt it answers with.
+	samples, n int
+	// crashesDecoder: prompt logprobs asked of a decode, which kills a vLLM
+	// decoder's engine (vLLM #50792).
+	crashesDecoder bool
 }
 
 // wireRequest mirrors the JSON fields the sim reads.
@@ -76,7 +87,13 @@ type wireRequest struct {
 	StreamOptions       *struct {
 		IncludeUsage *bool `json:"include_usage"`
 	} `json:"stream_options"`
-	N                *int              `json:"n"`
+	N      *int `json:"n"`
+	BestOf *int `json:"best_of"`
+	// PromptLogprobs, and Logprobs with Echo, ask for the prompt's logprobs;
+	// any JSON value but null (and false for chat's logprobs) counts.
+	PromptLogprobs   json.RawMessage   `json:"prompt_logprobs"`
+	Echo             *bool             `json:"echo"`
+	Logprobs         json.RawMessage   `json:"logprobs"`
 	KVTransferParams *kvTransferParams `json:"kv_transfer_params"`
 }
 
@@ -142,15 +159,24 @@ func decodeBody(body []byte, chat bool) (*wireBody, error) {
 // does (SamplingParams and the prompt's length).
 func (b *wireBody) validate(chat bool) (*apiRequest, error) {
 	w := &b.wireRequest
-	req := &apiRequest{chat: chat, maxTokens: defaultMaxTokens, promptTokens: b.prompts[0]}
+	req := &apiRequest{chat: chat, maxTokens: defaultMaxTokens, promptTokens: b.prompts[0], prompts: b.prompts, n: 1, samples: 1}
 	if w.Model != nil {
 		req.model = *w.Model
 	}
-	if len(b.prompts) != 1 {
-		return nil, badRequest("invalid_prompt", "prompt: the sim takes one prompt per request, got %d", len(b.prompts))
+	if w.N != nil {
+		if *w.N < 1 || *w.N > maxChoices {
+			return nil, badRequest("invalid_n", "n=%d: must be between 1 and %d", *w.N, maxChoices)
+		}
+		req.n, req.samples = *w.N, *w.N
 	}
-	if w.N != nil && *w.N != 1 {
-		return nil, badRequest("invalid_n", "n=%d: the sim returns exactly one choice", *w.N)
+	if w.BestOf != nil {
+		if *w.BestOf < req.n || *w.BestOf > maxChoices {
+			return nil, badRequest("invalid_best_of", "best_of=%d: must be between n (%d) and %d", *w.BestOf, req.n, maxChoices)
+		}
+		req.samples = *w.BestOf
+	}
+	if len(b.prompts) > maxChoices {
+		return nil, badRequest("invalid_prompt", "prompt: %d prompts, at most %d", len(b.prompts), maxChoices)
 	}
 	maxTok := w.MaxTokens
 	if chat && w.MaxCompletionTokens != nil {
@@ -194,7 +220,25 @@ func (b *wireBody) validate(chat bool) (*apiRequest, error) {
 			req.kv = kv
 		}
 	}
+	if req.kind != kindPrefill {
+		// Only a prefill fans out (into requests that each hold, vLLM #38900
+		// and #54707); elsewhere the sim answers one choice for one prompt.
+		if len(b.prompts) != 1 {
+			return nil, badRequest("invalid_prompt", "prompt: the sim takes one prompt per request outside a prefill, got %d", len(b.prompts))
+		}
+		if req.samples != 1 {
+			return nil, badRequest("invalid_n", "n=%d, best_of=%d: the sim returns exactly one choice outside a prefill", req.n, req.samples)
+		}
+	}
+	req.crashesDecoder = req.kind == kindDecode &&
+		(isSet(w.PromptLogprobs) || (w.Echo != nil && *w.Echo && isSet(w.Logprobs)))
 	return req, nil
+}
+
+// isSet reports a JSON value other than absent, null and false.
+func isSet(raw json.RawMessage) bool {
+	raw = bytes.TrimSpace(raw)
+	return len(raw) > 0 && !bytes.Equal(raw, []byte("null")) && !bytes.Equal(raw, []byte("false"))
 }
 
 // reachable reports that p names a prefiller a decoder can call.

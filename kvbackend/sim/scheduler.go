@@ -106,9 +106,38 @@ func (e *Engine) add(r *request) {
 		return
 	}
 	e.counts.requests++
+	if r.crashes {
+		e.crash(r)
+		return
+	}
 	r.state = stateWaiting
 	e.live[r.rid] = r
 	e.waiting = append(e.waiting, r)
+}
+
+// errEngineDead is what every request of a crashed engine gets.
+var errEngineDead = statusError(http.StatusInternalServerError, "engine_dead",
+	"the engine crashed: prompt logprobs were asked of a request whose KV came from a prefiller (vLLM #50792)")
+
+// crash models vLLM #50792: prompt_logprobs (or echo with logprobs) on a
+// decode with kv_transfer_params kills a vLLM decoder's engine, and every
+// request it has fails with a 500. The sim restarts at once: its pool is
+// whole again (holds included: a dead engine's GPU memory is gone) and it
+// serves the next request. A dead engine tells no prefiller anything, so
+// the prefillers' holds for these decodes end with their leases.
+func (e *Engine) crash(cause *request) {
+	e.counts.crashes++
+	e.log.Error("engine crashed: prompt logprobs asked of a decode with remote kv, every request fails",
+		zap.String("request_id", cause.rid), zap.Int("live_requests", len(e.live)), zap.Int("held_requests", len(e.held)))
+	dead := output{kind: outEnd, err: errEngineDead, crashed: true}
+	for _, r := range e.live {
+		e.endLive(r, dead)
+	}
+	for _, h := range e.held {
+		e.freeHeld(h)
+	}
+	cause.state = stateDone
+	cause.push(dead)
 }
 
 // late counts and logs an event that found nothing to act on.
@@ -305,6 +334,7 @@ func (e *Engine) Stats() KVStats {
 		DoubleFreeAttemptsTotal: e.counts.doubleFrees,
 		HeartbeatsTotal:         e.counts.heartbeats,
 		HeartbeatsSentTotal:     e.counts.heartbeatsSent,
+		EngineCrashesTotal:      e.counts.crashes,
 	}
 	for _, h := range e.held {
 		s.BlocksHeld += len(h.blocks)
