@@ -56,6 +56,9 @@
 // prefiller. Fields it does not
 // use are ignored; empty or null remote_block_ids mean nothing to read: the
 // decode computes the prompt itself and neither pulls, notifies nor renews.
+// A decoder's first read from each prefiller waits NIXLHandshakeDelay for
+// the NIXL handshake (vLLM #46240), its blocks allocated: an abort then is
+// an abort during the transfer.
 //
 // A hold is a lease (vLLM PR #41383): it lasts KVHoldTimeout (default 30s)
 // from the prefill's end, and a decoder that has the request queued or

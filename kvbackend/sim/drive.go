@@ -92,7 +92,8 @@ func (r *request) readsKV() bool {
 }
 
 // pullKV reads the prefiller's blocks: the transfer time, then the pull call
-// that verifies the blocks are still held at the end of the read.
+// that verifies the blocks are still held at the end of the read. (The
+// scheduler has waited for the handshake before ordering the pull.)
 func (e *Engine) pullKV(ctx context.Context, r *request) error {
 	cost := time.Duration(len(r.remote.RemoteBlockIDs)) * e.cfg.KVTransferTime
 	if err := sleep(ctx, e.clock, cost); err != nil {

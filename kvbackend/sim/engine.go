@@ -64,11 +64,14 @@ type request struct {
 	hash         uint64
 
 	// scheduler
-	state     reqState
-	blocks    []int
-	readyAt   time.Time // prefill end, or next token
-	generated int
-	expiresAt time.Time // held only: the lease's end, moved by heartbeats
+	state   reqState
+	blocks  []int
+	readyAt time.Time // prefill end, next token, or (handshaking) the handshake's end
+	// handshaking: a decode admitted before its prefiller's NIXL handshake
+	// is done; the scheduler orders its pull at readyAt.
+	handshaking bool
+	generated   int
+	expiresAt   time.Time // held only: the lease's end, moved by heartbeats
 
 	// pulled is set by the decode's driver once its read is done, before it
 	// notifies the prefiller: from then on there is no lease to renew.
@@ -163,8 +166,11 @@ type Engine struct {
 	waiting []*request          // FIFO
 	running []*request          // prefilling, pulling or decoding
 	holdDue time.Time           // no hold expires before this; zero: no hold
-	counts  counters
-	started bool // Run was called
+	// handshakes holds when the NIXL handshake with each prefiller is (or
+	// was) done; an absent peer has not been asked for yet.
+	handshakes map[kvPeer]time.Time
+	counts     counters
+	started    bool // Run was called
 }
 
 type counters struct {
@@ -240,6 +246,8 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 		pool:   newBlockPool(cfg.KVBlocks),
 		live:   make(map[string]*request),
 		held:   make(map[string]*request),
+
+		handshakes: make(map[kvPeer]time.Time),
 	}
 	e.transport = &httpTransport{client: client, stopped: e.stopped}
 	e.registry = e.newRegistry()
@@ -359,7 +367,9 @@ func (e *Engine) Run(ctx context.Context) error {
 			timer Timer
 		)
 		if ok {
-			timer = e.clock.NewTimer(next.Sub(now))
+			// From the clock's time now, not the step's: a test's fake clock
+			// may have moved during the step.
+			timer = e.clock.NewTimer(next.Sub(e.clock.Now()))
 			fire = timer.C()
 		}
 		select {

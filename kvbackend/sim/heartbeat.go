@@ -61,6 +61,7 @@ func (e *Engine) heartbeatLoop(ctx context.Context) {
 // (on_new_request), not when it is scheduled, because the wait in the queue
 // is what outlives a short lease.
 func (e *Engine) heartbeatTargets() map[kvPeer][]string {
+	now := e.clock.Now()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	var out map[kvPeer][]string
@@ -71,10 +72,16 @@ func (e *Engine) heartbeatTargets() map[kvPeer][]string {
 		if r.state != stateWaiting && r.state != statePulling {
 			continue
 		}
+		peer := peerOf(r.remote)
+		if now.Before(e.handshake(peer, now)) {
+			// vLLM's heartbeats ride NIXL notifications, which need the
+			// handshake: the first heartbeat to a new prefiller starts it
+			// and the renewal waits for a round after it is done.
+			continue
+		}
 		if out == nil {
 			out = make(map[kvPeer][]string)
 		}
-		peer := peerOf(r.remote)
 		out[peer] = append(out[peer], r.remote.RemoteRequestID)
 	}
 	return out
@@ -99,6 +106,22 @@ func (e *Engine) sendHeartbeats(ctx context.Context) {
 		e.counts.heartbeatsSent += len(ids)
 		e.mu.Unlock()
 	}
+}
+
+// handshake returns when the NIXL handshake with peer is done, starting it
+// at now if nobody asked for it before. The caller holds e.mu.
+func (e *Engine) handshake(peer kvPeer, now time.Time) time.Time {
+	if e.cfg.NIXLHandshakeDelay <= 0 {
+		return time.Time{}
+	}
+	done, ok := e.handshakes[peer]
+	if !ok {
+		done = now.Add(e.cfg.NIXLHandshakeDelay)
+		e.handshakes[peer] = done
+		e.log.Info("nixl handshake with a prefiller started", zap.String("prefiller", peer.engineID),
+			zap.String("host", peer.host), zap.Int("port", peer.port), zap.Duration("takes", e.cfg.NIXLHandshakeDelay))
+	}
+	return done
 }
 
 // heartbeat is the prefiller side of a decoder's heartbeat.

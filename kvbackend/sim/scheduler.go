@@ -211,6 +211,17 @@ func (e *Engine) schedule(now time.Time) {
 		e.running = append(e.running, r)
 		if r.kind == kindDecode {
 			r.state = statePulling
+			if r.readsKV() {
+				// The worker handshakes with a new prefiller when it first
+				// needs to read from it, and that takes seconds (vLLM
+				// #46240): the request waits for it, blocks allocated, as
+				// WAITING_FOR_REMOTE_KVS; an abort then is an abort during
+				// the transfer.
+				if done := e.handshake(peerOf(r.remote), now); now.Before(done) {
+					r.handshaking, r.readyAt = true, done
+					continue
+				}
+			}
 			r.push(output{kind: outPull})
 			continue
 		}
@@ -220,9 +231,15 @@ func (e *Engine) schedule(now time.Time) {
 	e.waiting = e.waiting[admitted:]
 }
 
-// advance emits at most one token per due request.
+// advance orders the pulls whose handshake is done and emits at most one
+// token per due request.
 func (e *Engine) advance(now time.Time) {
 	for _, r := range e.running {
+		if r.handshaking && r.state == statePulling && !now.Before(r.readyAt) {
+			r.handshaking = false
+			r.push(output{kind: outPull})
+			continue
+		}
 		if (r.state != statePrefilling && r.state != stateDecoding) || now.Before(r.readyAt) {
 			continue
 		}
@@ -282,7 +299,7 @@ func (e *Engine) nextDue() (next time.Time, ok bool) {
 		}
 	}
 	for _, r := range e.running {
-		if r.state == statePrefilling || r.state == stateDecoding {
+		if r.state == statePrefilling || r.state == stateDecoding || r.handshaking {
 			consider(r.readyAt)
 		}
 	}

@@ -121,6 +121,12 @@ func (p *peerTransport) heartbeat(_ context.Context, _ *kvTransferParams, rids [
 	return nil
 }
 
+func (p *peerTransport) heartbeatsSent() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]string(nil), p.heartbeats...)
+}
+
 func (p *peerTransport) notifications() []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
