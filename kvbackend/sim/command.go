@@ -35,7 +35,7 @@ func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: proxy sim [flags]\n\n"+
 			"Runs one simulated vLLM-like engine (OpenAI API, P/D kv_transfer_params,\n"+
-			"KV block pool with hold/notify/expire). Per-request fault headers:\n"+
+			"KV block pool with leases, heartbeats, notify and expiry). Per-request fault headers:\n"+
 			"X-Sim-Fail-Status, X-Sim-Stall, X-Sim-Close-After, X-Sim-Slow-Write.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}

@@ -44,6 +44,7 @@ func TestRunCommandHelpListsEveryFlagAndReturnsErrHelp(t *testing.T) {
 		"role", "listen", "model", "kv-blocks", "block-size", "prefill-time", "itl", "max-running",
 		"kv-hold-timeout", "kv-transfer-time", "prefill-per-token", "seed",
 		"fail-status", "stall", "close-after", "slow-write", "engine-id",
+		"kv-heartbeat-interval", "max-model-len", "nixl-handshake-delay",
 	} {
 		if !strings.Contains(usage, "  -"+name+" ") && !strings.Contains(usage, "  -"+name+"\n") {
 			t.Errorf("usage does not document -%s:\n%s", name, usage)

@@ -38,10 +38,27 @@ type Config struct {
 	// (prefilling, pulling or decoding); the rest wait in a FIFO queue.
 	// Default 256.
 	MaxRunning int
-	// KVHoldTimeout is how long a prefiller holds a finished prefill's blocks
-	// for a decoder's read before freeing them itself (vLLM's
-	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT); zero means the default, 480s.
+	// KVHoldTimeout is the KV lease: how long a prefiller holds a finished
+	// prefill's blocks for a decoder's read before freeing them itself, each
+	// decoder heartbeat renewing it to now+KVHoldTimeout (vLLM's
+	// kv_lease_duration, PR #41383). Zero means the default, 30s. Older vLLM
+	// had a fixed 480s hold (VLLM_NIXL_ABORT_REQUEST_TIMEOUT) and no heartbeats.
 	KVHoldTimeout time.Duration
+	// KVHeartbeatInterval is how often a decoder renews the leases of the
+	// do_remote_prefill requests it has queued or pulling, with one
+	// POST /kv/heartbeat per prefiller. DefaultConfig sets 5s (vLLM derives
+	// lease/6); zero disables heartbeats, as in vLLM before the lease.
+	KVHeartbeatInterval time.Duration
+	// MaxModelLen, when positive, rejects a prompt longer than this many
+	// tokens with a 400, as vLLM's --max-model-len does in its serving layer
+	// (a decoder then notifies the prefiller, vLLM #41269). Zero means no
+	// limit beyond the pool's size; /v1/models reports the effective one.
+	MaxModelLen int
+	// NIXLHandshakeDelay is how long a decoder's first NIXL handshake with
+	// a prefiller takes (seconds in vLLM, #46240): its first pull, and its
+	// heartbeats, wait for it; later ones do not. It starts when a decode
+	// for that prefiller is scheduled or first heartbeated. Default 0.
+	NIXLHandshakeDelay time.Duration
 	// KVTransferTime is the decoder's cost per pulled block; default 0.
 	KVTransferTime time.Duration
 	// Seed feeds the deterministic token source (with the request id).
@@ -73,20 +90,22 @@ const (
 	defaultPrefillTime   = 20 * time.Millisecond
 	defaultITL           = 10 * time.Millisecond
 	defaultMaxRunning    = 256
-	defaultKVHoldTimeout = 480 * time.Second
+	defaultKVHoldTimeout = 30 * time.Second
+	defaultKVHeartbeat   = 5 * time.Second
 )
 
 // DefaultConfig returns the documented defaults, the flags' defaults too.
 func DefaultConfig() Config {
 	return Config{
-		Role:          defaultRole,
-		Model:         defaultModel,
-		KVBlocks:      defaultKVBlocks,
-		BlockSize:     defaultBlockSize,
-		PrefillTime:   defaultPrefillTime,
-		ITL:           defaultITL,
-		MaxRunning:    defaultMaxRunning,
-		KVHoldTimeout: defaultKVHoldTimeout,
+		Role:                defaultRole,
+		Model:               defaultModel,
+		KVBlocks:            defaultKVBlocks,
+		BlockSize:           defaultBlockSize,
+		PrefillTime:         defaultPrefillTime,
+		ITL:                 defaultITL,
+		MaxRunning:          defaultMaxRunning,
+		KVHoldTimeout:       defaultKVHoldTimeout,
+		KVHeartbeatInterval: defaultKVHeartbeat,
 	}
 }
 
@@ -102,7 +121,10 @@ func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.DurationVar(&cfg.PrefillPerToken, "prefill-per-token", cfg.PrefillPerToken, "extra prefill time per prompt token")
 	fs.DurationVar(&cfg.ITL, "itl", cfg.ITL, "inter-token latency while decoding (0: one token per scheduler step)")
 	fs.IntVar(&cfg.MaxRunning, "max-running", cfg.MaxRunning, "requests computing at once; the rest wait in a FIFO queue")
-	fs.DurationVar(&cfg.KVHoldTimeout, "kv-hold-timeout", cfg.KVHoldTimeout, "how long a prefiller holds KV blocks for a decoder's pull before freeing them")
+	fs.DurationVar(&cfg.KVHoldTimeout, "kv-hold-timeout", cfg.KVHoldTimeout, "KV lease: how long a prefiller holds a finished prefill's KV blocks for a decoder's pull before freeing them; each decoder heartbeat renews it to now+lease (vLLM kv_lease_duration; older vLLM held a fixed 480s)")
+	fs.DurationVar(&cfg.KVHeartbeatInterval, "kv-heartbeat-interval", cfg.KVHeartbeatInterval, "how often a decoder renews the KV lease of each do_remote_prefill request it has queued or pulling (POST /kv/heartbeat to the prefiller; 0: no heartbeats)")
+	fs.IntVar(&cfg.MaxModelLen, "max-model-len", cfg.MaxModelLen, "reject prompts longer than this many tokens with a 400, as vLLM's --max-model-len (0: no limit but the pool's size)")
+	fs.DurationVar(&cfg.NIXLHandshakeDelay, "nixl-handshake-delay", cfg.NIXLHandshakeDelay, "how long a decoder's first NIXL handshake with each prefiller takes: its first pull and heartbeats to it wait (0: none)")
 	fs.DurationVar(&cfg.KVTransferTime, "kv-transfer-time", cfg.KVTransferTime, "decoder's pull cost per KV block")
 	fs.Int64Var(&cfg.Seed, "seed", cfg.Seed, "seed of the deterministic token source (tokens also depend on the request id)")
 	fs.IntVar(&cfg.FailStatus, "fail-status", cfg.FailStatus, "fault: answer every completion request with this HTTP status (0: off; header X-Sim-Fail-Status)")
@@ -153,11 +175,17 @@ func (c Config) withDefaults() (Config, error) {
 	if c.KVHoldTimeout < 0 {
 		errs = append(errs, fmt.Errorf("kv hold timeout %s: must be positive", c.KVHoldTimeout))
 	}
+	if c.MaxModelLen < 0 {
+		errs = append(errs, fmt.Errorf("max model len %d: must not be negative", c.MaxModelLen))
+	}
+	if c.KVHeartbeatInterval < 0 {
+		errs = append(errs, fmt.Errorf("kv heartbeat interval %s: must not be negative", c.KVHeartbeatInterval))
+	}
 	if c.FailStatus != 0 && (c.FailStatus < 100 || c.FailStatus > 999) {
 		errs = append(errs, fmt.Errorf("fail status %d: not an HTTP status", c.FailStatus))
 	}
-	if c.PrefillTime < 0 || c.PrefillPerToken < 0 || c.ITL < 0 || c.KVTransferTime < 0 {
-		errs = append(errs, errors.New("prefill time, prefill per token, itl and kv transfer time must not be negative"))
+	if c.PrefillTime < 0 || c.PrefillPerToken < 0 || c.ITL < 0 || c.KVTransferTime < 0 || c.NIXLHandshakeDelay < 0 {
+		errs = append(errs, errors.New("prefill time, prefill per token, itl, kv transfer time and nixl handshake delay must not be negative"))
 	}
 	if c.CloseAfter < 0 || c.Stall < 0 || c.SlowWrite < 0 {
 		errs = append(errs, errors.New("fault settings must not be negative"))

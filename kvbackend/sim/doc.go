@@ -18,7 +18,13 @@
 // Prompt tokens are counted without a tokenizer: ceil(bytes/4) for a string
 // prompt (at least 1), one per id for a token-id prompt, and for chat the sum
 // of ceil(bytes/4) over the message contents (at least 1). A prompt needing
-// more blocks than the pool has is a 400.
+// more blocks than the pool has, or longer than MaxModelLen, is a 400.
+//
+// A body is rejected in two stages, as vLLM does. Malformed JSON, wrong
+// field types and missing prompts fail first, before vLLM's handler. Bad
+// values (max_tokens < 1, n, min_tokens, a prompt too long) fail in its
+// serving layer: a decode rejected there notifies its prefiller first, so
+// that the prefiller frees the blocks it holds for it (vLLM #41269).
 //
 // Output token i is the word " tok<k>" with k a hash of (Seed, request id, i)
 // in [0, 50000), so engines with the same seed give a request id the same
@@ -31,25 +37,53 @@
 //
 // A body with kv_transfer_params.do_remote_decode=true is a prefill: it takes
 // ceil(prompt_tokens/block_size) blocks, waits PrefillTime (+PrefillPerToken
-// per prompt token), emits one token, and if it ended length-capped, holds its
-// blocks and answers a top-level kv_transfer_params object (do_remote_prefill,
+// per prompt token), emits one token, holds its blocks whether it ended
+// length-capped or on EOS (FINISHED_STOPPED, as vLLM does since 2026), and
+// answers a top-level kv_transfer_params object (do_remote_prefill,
 // remote_block_ids, remote_engine_id, remote_request_id, remote_host and
-// remote_port of the connection it came in on, tp_size). A prefill that
-// stopped on EOS frees at once and answers kv_transfer_params null.
+// remote_port of the connection it came in on, tp_size, and 2026's
+// remote_num_tokens, remote_blocks_expiry_time, transfer_mode "read",
+// dcp_size 1, pp_size 1). It lists all its blocks, the partial last one
+// too, so remote_block_ids is never empty here; vLLM lists full blocks only.
+// An aborted prefill holds nothing and answers kv_transfer_params null.
 //
 // A body with kv_transfer_params.do_remote_prefill=true is a decode: it takes
 // its own blocks, pulls the prefiller's (see kvtransfer.go for the /kv/pull
 // and /kv/notify protocol), notifies the prefiller, which frees at its next
 // step, then decodes. A pull of blocks no longer held fails the decode with a
 // 500 kv_transfer_failed error, never a 200. A decode that ends before its
-// pull (client gone, abort) still notifies the prefiller.
+// pull (client gone, abort, queued or not: vLLM #19223) still notifies the
+// prefiller. Fields it does not
+// use are ignored; empty or null remote_block_ids mean nothing to read: the
+// decode computes the prompt itself and neither pulls, notifies nor renews.
+// A decoder's first read from each prefiller waits NIXLHandshakeDelay for
+// the NIXL handshake (vLLM #46240), its blocks allocated: an abort then is
+// an abort during the transfer.
 //
-// A hold is freed exactly once: by the notification, by an explicit
-// POST /abort_request {"rid":".."}, or after KVHoldTimeout. Aborts and
-// notifications that arrive late (request finished, expired or unknown) are
+// A hold is a lease (vLLM PR #41383): it lasts KVHoldTimeout (default 30s)
+// from the prefill's end, and a decoder that has the request queued or
+// pulling renews it to now+KVHoldTimeout every KVHeartbeatInterval (default
+// 5s) with POST /kv/heartbeat (see heartbeat.go). A hold is freed exactly
+// once: by the notification, by an explicit POST /abort_request {"rid":".."},
+// or when its lease runs out (expired_total, and
+// vllm:nixl_num_kv_expired_reqs_total on /metrics). Aborts, notifications
+// and heartbeats that arrive late (request finished, expired or unknown) are
 // logged, counted in late_events_total and otherwise ignored; an abort caused
 // by a client disconnect never frees a hold (vLLM's abort-after-finish no-op).
 // Events are queued and applied at step boundaries, as in vLLM's scheduler.
+//
+// # Requests a P/D pair cannot serve safely
+//
+// A prefill with n > 1 or best_of, or with several prompts, runs one
+// request per (prompt, sample), each holding its own blocks, and answers
+// kv_transfer_params for the first only (X-Request-Id); the others' holds
+// are invisible and end with their leases (vLLM #38900, #54707; see
+// fanout.go). Outside a prefill the sim still answers n != 1 and prompt
+// arrays with a 400. A decode with kv_transfer_params that asks for
+// prompt_logprobs, or echo with logprobs, crashes the engine (vLLM #50792):
+// it and every request the engine has fail with a 500 engine_dead, holds
+// vanish, no prefiller is notified or heartbeated any more,
+// engine_crashes_total counts it, and the engine serves again at once.
 //
 // # Other endpoints
 //

@@ -33,8 +33,8 @@ func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error)
 		if !ended {
 			e.abortRequest(r)
 		}
-		if r.kind == kindDecode && !notified && !gone {
-			e.notifyPrefiller(ctx, r)
+		if r.readsKV() && !notified && !gone {
+			e.notifyPrefiller(ctx, r.rid, r.remote)
 		}
 	}()
 	for {
@@ -46,11 +46,19 @@ func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error)
 		for _, o := range r.take() {
 			switch o.kind {
 			case outPull:
+				if !r.readsKV() {
+					// No full block to read (vLLM sends only full blocks):
+					// nothing held for us, nobody to notify, compute the
+					// prompt here.
+					e.finishedReceiving(r, nil)
+					continue
+				}
 				err := e.pullKV(ctx, r)
 				gone = errors.Is(err, errKVNotHeld)
 				if err == nil {
 					notified = true
-					e.notifyPrefiller(ctx, r)
+					r.pulled.Store(true) // no lease left to renew
+					e.notifyPrefiller(ctx, r.rid, r.remote)
 				}
 				if ctx.Err() != nil {
 					return ctx.Err()
@@ -58,6 +66,7 @@ func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error)
 				e.finishedReceiving(r, err)
 			case outEnd:
 				ended = true
+				notified = notified || o.crashed // a dead engine tells nobody
 				return o.err
 			case outToken:
 				ended = o.finish != ""
@@ -76,8 +85,15 @@ func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error)
 	}
 }
 
+// readsKV reports that r is a decode with blocks to read from a prefiller:
+// the requests that pull, notify and renew a lease.
+func (r *request) readsKV() bool {
+	return r.kind == kindDecode && len(r.remote.RemoteBlockIDs) > 0
+}
+
 // pullKV reads the prefiller's blocks: the transfer time, then the pull call
-// that verifies the blocks are still held at the end of the read.
+// that verifies the blocks are still held at the end of the read. (The
+// scheduler has waited for the handshake before ordering the pull.)
 func (e *Engine) pullKV(ctx context.Context, r *request) error {
 	cost := time.Duration(len(r.remote.RemoteBlockIDs)) * e.cfg.KVTransferTime
 	if err := sleep(ctx, e.clock, cost); err != nil {
@@ -90,14 +106,30 @@ func (e *Engine) pullKV(ctx context.Context, r *request) error {
 	return nil
 }
 
-// notifyPrefiller sends the read-complete notification. It runs on a context
+// notifyPrefiller sends the read-complete notification for the decode rid
+// that read (or will never read) the blocks kv names. It runs on a context
 // detached from the request's on purpose: the request may be ending because
 // its client left, and the prefiller must hear about it all the same.
-func (e *Engine) notifyPrefiller(ctx context.Context, r *request) {
+func (e *Engine) notifyPrefiller(ctx context.Context, rid string, kv *kvTransferParams) {
 	nctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), notifyTimeout)
 	defer cancel()
-	if err := e.transport.notify(nctx, r.remote); err != nil {
-		e.log.Warn("kv notify failed: the prefiller frees at its hold timeout",
-			zap.String("request_id", r.rid), zap.String("prefiller", r.remote.RemoteEngineID), zap.Error(err))
+	if err := e.transport.notify(nctx, kv); err != nil {
+		e.log.Warn("kv notify failed: the prefiller frees when the lease ends",
+			zap.String("request_id", rid), zap.String("prefiller", kv.RemoteEngineID), zap.Error(err))
 	}
+}
+
+// rejectDecode tells the prefiller that a decode it holds blocks for was
+// rejected by this engine's serving layer (a 4xx after the body parsed), so
+// that it frees them now rather than when the lease ends (vLLM #41269).
+// It returns once the prefiller has the notification, before the 4xx goes
+// out, so that whoever gets the 4xx may count on it.
+func (e *Engine) rejectDecode(ctx context.Context, rid string, kv *kvTransferParams, why error) {
+	kv = kv.heldFor(rid)
+	if kv == nil {
+		return
+	}
+	e.log.Info("decode rejected, prefiller notified to free its blocks",
+		zap.String("request_id", rid), zap.String("prefiller", kv.RemoteEngineID), zap.Error(why))
+	e.notifyPrefiller(ctx, rid, kv)
 }

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -58,15 +59,23 @@ type request struct {
 	minTokens    int
 	ignoreEOS    bool
 	remote       *kvTransferParams // decode only
+	crashes      bool              // the engine dies when it takes this request (vLLM #50792)
 	needBlocks   int
 	hash         uint64
 
 	// scheduler
-	state     reqState
-	blocks    []int
-	readyAt   time.Time // prefill end, or next token
-	generated int
-	expiresAt time.Time // held only
+	state   reqState
+	blocks  []int
+	readyAt time.Time // prefill end, next token, or (handshaking) the handshake's end
+	// handshaking: a decode admitted before its prefiller's NIXL handshake
+	// is done; the scheduler orders its pull at readyAt.
+	handshaking bool
+	generated   int
+	expiresAt   time.Time // held only: the lease's end, moved by heartbeats
+
+	// pulled is set by the decode's driver once its read is done, before it
+	// notifies the prefiller: from then on there is no lease to renew.
+	pulled atomic.Bool
 
 	outMu sync.Mutex
 	outs  []output
@@ -83,12 +92,14 @@ const (
 
 type output struct {
 	kind     outKind
-	index    int    // token index
-	text     string // token text, "" for an EOS
-	finish   string // "length", "stop" or "" if more follow
-	held     []int  // prefill ending in a hold: the held block ids
-	err      error  // outEnd: an *apiError, or errAborted
-	complete int    // tokens generated when this output was made
+	index    int       // token index
+	text     string    // token text, "" for an EOS
+	finish   string    // "length", "stop" or "" if more follow
+	held     []int     // prefill ending in a hold: the held block ids, never nil then
+	leaseEnd time.Time // prefill ending in a hold: when its first lease ends
+	err      error     // outEnd: an *apiError, or errAborted
+	crashed  bool      // outEnd: the engine died under the request, and tells nobody
+	complete int       // tokens generated when this output was made
 }
 
 func (r *request) push(o output) {
@@ -117,12 +128,14 @@ const (
 	evAbortRID                // explicit /abort_request: also frees a held request
 	evFinishedSending         // prefiller: a decoder read the blocks of rid and is done with them
 	evFinishedReceving        // decoder: the pull of req ended, err says how
+	evHeartbeat               // prefiller: a decoder renews the leases of rids
 )
 
 type event struct {
 	kind evKind
 	req  *request
 	rid  string
+	rids []string // evHeartbeat
 	err  error
 }
 
@@ -153,16 +166,22 @@ type Engine struct {
 	waiting []*request          // FIFO
 	running []*request          // prefilling, pulling or decoding
 	holdDue time.Time           // no hold expires before this; zero: no hold
-	counts  counters
-	started bool // Run was called
+	// handshakes holds when the NIXL handshake with each prefiller is (or
+	// was) done; an absent peer has not been asked for yet.
+	handshakes map[kvPeer]time.Time
+	counts     counters
+	started    bool // Run was called
 }
 
 type counters struct {
-	requests    int
-	aborted     int
-	expired     int
-	lateEvents  int
-	doubleFrees int
+	requests       int
+	aborted        int
+	expired        int
+	lateEvents     int
+	doubleFrees    int
+	heartbeats     int
+	heartbeatsSent int
+	crashes        int
 }
 
 // KVStats is a snapshot of the engine's KV pool and request counters, the
@@ -182,12 +201,23 @@ type KVStats struct {
 	RequestsTotal int `json:"requests_total"`
 	// AbortedTotal counts aborts that ended a live request or freed a hold.
 	AbortedTotal int `json:"aborted_total"`
-	// ExpiredTotal counts holds freed by KVHoldTimeout.
+	// ExpiredTotal counts holds freed because their lease (KVHoldTimeout,
+	// renewed by heartbeats) ran out, as vllm:nixl_num_kv_expired_reqs_total.
 	ExpiredTotal int `json:"expired_total"`
-	// LateEventsTotal counts aborts and notifications for requests that had
-	// already finished, expired or were unknown: ignored, by design.
+	// LateEventsTotal counts aborts, notifications and heartbeats for
+	// requests that had already finished, expired or were unknown: ignored,
+	// by design.
 	LateEventsTotal         int `json:"late_events_total"`
 	DoubleFreeAttemptsTotal int `json:"double_free_attempts_total"`
+	// HeartbeatsTotal counts lease renewals this engine applied as a
+	// prefiller: one per held request id in a heartbeat it received.
+	HeartbeatsTotal int `json:"heartbeats_total"`
+	// HeartbeatsSentTotal counts request ids this engine sent in heartbeats
+	// that a prefiller accepted, as a decoder.
+	HeartbeatsSentTotal int `json:"heartbeats_sent_total"`
+	// EngineCrashesTotal counts the engine's deaths: a decode asking for
+	// prompt logprobs (vLLM #50792) fails every request the engine has.
+	EngineCrashesTotal int `json:"engine_crashes_total"`
 }
 
 // New builds an engine; call Run to start its scheduler and serve Handler.
@@ -216,6 +246,8 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 		pool:   newBlockPool(cfg.KVBlocks),
 		live:   make(map[string]*request),
 		held:   make(map[string]*request),
+
+		handshakes: make(map[kvPeer]time.Time),
 	}
 	e.transport = &httpTransport{client: client, stopped: e.stopped}
 	e.registry = e.newRegistry()
@@ -233,6 +265,9 @@ func (e *Engine) ID() string { return e.id }
 
 // newRequest turns a parsed API request into an engine request.
 func (e *Engine) newRequest(rid string, a *apiRequest) (*request, error) {
+	if e.cfg.MaxModelLen > 0 && a.promptTokens > e.cfg.MaxModelLen {
+		return nil, badRequest("prompt_too_long", "the prompt (length %d) is longer than the maximum model length of %d", a.promptTokens, e.cfg.MaxModelLen)
+	}
 	need := (a.promptTokens + e.cfg.BlockSize - 1) / e.cfg.BlockSize
 	if need > e.cfg.KVBlocks {
 		return nil, badRequest("prompt_too_long", "prompt of %d tokens needs %d KV blocks, the pool has %d", a.promptTokens, need, e.cfg.KVBlocks)
@@ -245,6 +280,7 @@ func (e *Engine) newRequest(rid string, a *apiRequest) (*request, error) {
 		minTokens:    a.minTokens,
 		ignoreEOS:    a.ignoreEOS,
 		remote:       a.kv,
+		crashes:      a.crashesDecoder,
 		needBlocks:   need,
 		hash:         ridHash(e.cfg.Seed, rid),
 		ready:        make(chan struct{}, 1),
@@ -308,6 +344,15 @@ func (e *Engine) Run(ctx context.Context) error {
 	}
 	defer e.client.CloseIdleConnections()
 	defer e.shutdown()
+	if e.cfg.KVHeartbeatInterval > 0 {
+		// Deferred after shutdown, so they run before it: the loop stops and
+		// is waited for while the engine still knows its requests.
+		hctx, stop := context.WithCancel(ctx)
+		var wg sync.WaitGroup
+		wg.Go(func() { e.heartbeatLoop(hctx) })
+		defer wg.Wait()
+		defer stop()
+	}
 	for {
 		if ctx.Err() != nil {
 			return nil
@@ -322,7 +367,9 @@ func (e *Engine) Run(ctx context.Context) error {
 			timer Timer
 		)
 		if ok {
-			timer = e.clock.NewTimer(next.Sub(now))
+			// From the clock's time now, not the step's: a test's fake clock
+			// may have moved during the step.
+			timer = e.clock.NewTimer(next.Sub(e.clock.Now()))
 			fire = timer.C()
 		}
 		select {

@@ -13,6 +13,9 @@ func FuzzParseRequest(f *testing.F) {
 		`{"prompt":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[1,2],"remote_host":"127.0.0.1","remote_port":8100,"remote_engine_id":"e","remote_request_id":"r","tp_size":1}}`,
 		`{"prompt":"x","kv_transfer_params":null}`,
 		`{"prompt":"x","max_tokens":-1}`,
+		`{"prompt":["a","b"],"n":2,"best_of":3,` + prefillKV + `}`,
+		`{"prompt":[[1,2],[3]],` + prefillKV + `}`,
+		`{"prompt":"x","prompt_logprobs":1,"echo":true,"logprobs":false,"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"h","remote_port":1,"remote_block_ids":[]}}`,
 		`{}`, `[]`, `null`, ``, `{"prompt":`, `{"prompt":"a"} trailing`,
 	}
 	for _, s := range seeds {
@@ -30,7 +33,17 @@ func FuzzParseRequest(f *testing.F) {
 		if req.promptTokens < 1 || req.maxTokens < 1 || req.maxTokens > maxTokensLimit || req.minTokens < 0 || req.minTokens > req.maxTokens {
 			t.Fatalf("accepted out-of-range request %+v from %q", req, body)
 		}
-		if req.kind == kindDecode && (req.kv == nil || req.kv.RemoteHost == "" || len(req.kv.RemoteBlockIDs) == 0) {
+		if req.kind != kindPrefill && (len(req.prompts) != 1 || req.samples != 1) {
+			t.Fatalf("fan-out outside a prefill: %+v from %q", req, body)
+		}
+		if req.samples < req.n || req.n < 1 || req.samples > maxChoices || len(req.prompts) > maxChoices || req.prompts[0] != req.promptTokens {
+			t.Fatalf("accepted out-of-range fan-out %+v from %q", req, body)
+		}
+		if req.crashesDecoder && req.kind != kindDecode {
+			t.Fatalf("only a decode crashes its engine: %+v from %q", req, body)
+		}
+		// No remote_block_ids is a usable decode: nothing to read (vLLM 2026).
+		if req.kind == kindDecode && (req.kv == nil || req.kv.RemoteHost == "" || req.kv.RemotePort <= 0) {
 			t.Fatalf("decode without a usable prefiller address: %+v", req.kv)
 		}
 	})

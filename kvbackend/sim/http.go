@@ -26,6 +26,7 @@ func (e *Engine) Handler() http.Handler {
 	mux.HandleFunc("POST /abort_request", e.handleAbort)
 	mux.HandleFunc("POST /kv/pull", e.handlePull)
 	mux.HandleFunc("POST /kv/notify", e.handleNotify)
+	mux.HandleFunc("POST /kv/heartbeat", e.handleHeartbeat)
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	mux.HandleFunc("GET /v1/models", e.handleModels)
 	mux.HandleFunc("GET /debug/kv", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, e.Stats()) })
@@ -118,13 +119,24 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 			writeError(w, badRequest("unreadable_body", "read request body: %v", err))
 			return
 		}
-		a, err := parseRequest(body, chat)
+		wb, err := decodeBody(body, chat)
 		if err != nil {
+			// Malformed JSON or a wrong type: vLLM fails such a body before
+			// its handler, so no prefiller hears of it.
 			writeError(w, err)
 			return
 		}
-		req, err := e.newRequest(rid, a)
+		a, err := wb.validate(chat)
+		var req *request
+		if err == nil {
+			req, err = e.newRequest(rid, a)
+		}
+		var children []child
+		if err == nil {
+			children, err = e.newChildren(rid, a)
+		}
 		if err != nil {
+			e.rejectDecode(r.Context(), rid, wb.KVTransferParams, err)
 			writeError(w, err)
 			return
 		}
@@ -141,7 +153,9 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 		if chat {
 			resp.id = "chatcmpl-" + rid
 		}
+		fan := e.startChildren(r.Context(), children)
 		err = e.drive(r.Context(), req, resp.emit)
+		resp.extra = fan.wait()
 		resp.end(err)
 	}
 }
@@ -172,7 +186,8 @@ type responder struct {
 	started bool // stream: headers sent
 	events  int  // stream: SSE events written
 	text    strings.Builder
-	last    output // the last token, once finished
+	last    output        // the last token, once finished
+	extra   []childResult // a prefill's fan-out: the other choices (fanout.go)
 }
 
 // Response shapes, vLLM's field names.
@@ -214,18 +229,25 @@ func (p *responder) usage(completionTokens int) *usage {
 
 // kvParams is the top-level kv_transfer_params of a prefill that ended in a
 // hold: the address is the one this connection reached, so it works on port 0.
-func (p *responder) kvParams(held []int) *kvTransferParams {
-	if held == nil {
+func (p *responder) kvParams(o output) *prefillKVParams {
+	if o.held == nil {
 		return nil
 	}
-	return &kvTransferParams{
-		DoRemotePrefill: true,
-		RemoteBlockIDs:  held,
-		RemoteEngineID:  p.e.id,
-		RemoteRequestID: p.rid,
-		RemoteHost:      p.local.IP.String(),
-		RemotePort:      p.local.Port,
-		TPSize:          1,
+	return &prefillKVParams{
+		kvTransferParams: kvTransferParams{
+			DoRemotePrefill: true,
+			RemoteBlockIDs:  o.held,
+			RemoteEngineID:  p.e.id,
+			RemoteRequestID: p.rid,
+			RemoteHost:      p.local.IP.String(),
+			RemotePort:      p.local.Port,
+			TPSize:          1,
+		},
+		RemoteNumTokens:        p.req.promptTokens,
+		RemoteBlocksExpiryTime: float64(o.leaseEnd.UnixNano()) / 1e9,
+		TransferMode:           "read",
+		DCPSize:                1,
+		PPSize:                 1,
 	}
 }
 
@@ -246,7 +268,7 @@ func (p *responder) emit(o output) error {
 	}
 	c := p.chunk(choice{FinishReason: finish}, o.text)
 	if o.held != nil {
-		c.KVTransferParams = p.kvParams(o.held)
+		c.KVTransferParams = p.kvParams(o)
 	}
 	if err := p.event(c); err != nil {
 		return err
@@ -382,19 +404,26 @@ func (p *responder) writeWhole(aborted bool) {
 		}
 		return
 	}
-	text := p.text.String()
-	ch := choice{FinishReason: &finish}
-	c := &completion{ID: p.id, Created: p.created, Model: p.model, Usage: p.usage(p.last.complete), KVTransferParams: (*kvTransferParams)(nil)}
+	c := &completion{ID: p.id, Created: p.created, Model: p.model, Usage: p.usage(p.last.complete), KVTransferParams: (*prefillKVParams)(nil)}
+	c.Object = "text_completion"
 	if p.api.chat {
 		c.Object = "chat.completion"
-		ch.Message = &message{Role: "assistant", Content: &text}
-	} else {
-		c.Object = "text_completion"
-		ch.Text = &text
 	}
-	c.Choices = []choice{ch}
+	c.Choices = []choice{p.wholeChoice(0, p.text.String(), finish)}
+	for _, x := range p.extra {
+		c.Choices = append(c.Choices, p.wholeChoice(x.index, x.text, x.finish))
+		c.Usage.CompletionTokens += x.complete
+	}
+	if len(p.api.prompts) > 1 {
+		// Every prompt counts once, however many samples it had.
+		c.Usage.PromptTokens = 0
+		for _, n := range p.api.prompts {
+			c.Usage.PromptTokens += n
+		}
+	}
+	c.Usage.TotalTokens = c.Usage.PromptTokens + c.Usage.CompletionTokens
 	if !aborted {
-		c.KVTransferParams = p.kvParams(p.last.held)
+		c.KVTransferParams = p.kvParams(p.last)
 	}
 	body, err := json.Marshal(c)
 	if err != nil {
@@ -423,6 +452,17 @@ func (p *responder) writeWhole(aborted bool) {
 	_, _ = p.w.Write(body)
 }
 
+// wholeChoice is one choice of a non-streaming answer.
+func (p *responder) wholeChoice(index int, text, finish string) choice {
+	ch := choice{Index: index, FinishReason: &finish}
+	if p.api.chat {
+		ch.Message = &message{Role: "assistant", Content: &text}
+	} else {
+		ch.Text = &text
+	}
+	return ch
+}
+
 func (e *Engine) handleAbort(w http.ResponseWriter, r *http.Request) {
 	var req struct {
 		RID string `json:"rid"`
@@ -449,8 +489,18 @@ func (e *Engine) handleModels(w http.ResponseWriter, _ *http.Request) {
 		Data   []model `json:"data"`
 	}{Object: "list", Data: []model{{
 		ID: e.cfg.Model, Object: "model", Created: e.clock.Now().Unix(), OwnedBy: "pdproxy-sim",
-		Root: e.cfg.Model, MaxModelLen: e.cfg.KVBlocks * e.cfg.BlockSize,
+		Root: e.cfg.Model, MaxModelLen: e.maxModelLen(),
 	}}})
+}
+
+// maxModelLen is the longest prompt this engine takes: MaxModelLen, or
+// what the whole pool holds.
+func (e *Engine) maxModelLen() int {
+	pool := e.cfg.KVBlocks * e.cfg.BlockSize
+	if e.cfg.MaxModelLen > 0 {
+		return min(e.cfg.MaxModelLen, pool)
+	}
+	return pool
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {

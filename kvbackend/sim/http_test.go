@@ -304,7 +304,6 @@ func TestBadInputIsA400InTheOpenAIErrorShape(t *testing.T) {
 func TestEarlyStopIsDeterministic(t *testing.T) {
 	ts := startServer(t, fastConfig())
 	stopAt2 := ridWithEOS("stop", 2)
-	firstEOS := ridWithEOS("eos", 0)
 	tests := []struct {
 		name, rid, body string
 		want            []string
@@ -318,11 +317,6 @@ func TestEarlyStopIsDeterministic(t *testing.T) {
 			name: "min_tokens suppresses an EOS before it", rid: stopAt2,
 			body: `{"prompt":"hi","max_tokens":4,"min_tokens":3}`,
 			want: []string{`"finish_reason":"length"`, `"completion_tokens":4`},
-		},
-		{
-			name: "a prefill that stops on its first token frees and returns null kv_transfer_params", rid: firstEOS,
-			body: `{"prompt":"hi","max_tokens":1,` + prefillKV + `}`,
-			want: []string{`"finish_reason":"stop"`, `"kv_transfer_params":null`, `"completion_tokens":1`},
 		},
 	}
 	for _, tt := range tests {

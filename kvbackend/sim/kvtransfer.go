@@ -25,6 +25,11 @@ import (
 //	  410 {"error":{..,"code":"kv_not_held"}}  no such hold (expired, aborted, freed)
 //	POST /kv/notify {"engine_id":"..","request_id":".."}
 //	  200 {}                           queued as finished_sending for the next step
+//	POST /kv/heartbeat {"engine_id":"..","request_ids":[".."]}
+//	  200 {}                           queued lease renewals (see heartbeat.go)
+//
+// A call naming another engine_id is a 404 (unknown_engine): the prefiller
+// restarted under a new id and holds nothing of the old one.
 //
 // The decoder spends KVTransferTime per block before its pull, so a hold
 // that expires during the transfer fails the pull: race R4 surfaces as a
@@ -33,16 +38,23 @@ import (
 // errKVNotHeld means the prefiller no longer holds the blocks a decoder asked for.
 var errKVNotHeld = errors.New("kv blocks are no longer held by the prefiller")
 
-// kvTransport carries a decoder's pull and notify to a prefiller.
+// kvTransport carries a decoder's pull, notify and heartbeat to a prefiller.
 type kvTransport interface {
 	pull(ctx context.Context, p *kvTransferParams) error
 	notify(ctx context.Context, p *kvTransferParams) error
+	// heartbeat renews the leases of rids on the prefiller p names.
+	heartbeat(ctx context.Context, p *kvTransferParams, rids []string) error
 }
 
 type pullRequest struct {
 	EngineID  string `json:"engine_id"`
 	RequestID string `json:"request_id"`
 	BlockIDs  []int  `json:"block_ids"`
+}
+
+type heartbeatRequest struct {
+	EngineID   string   `json:"engine_id"`
+	RequestIDs []string `json:"request_ids"`
 }
 
 type pullResponse struct {
@@ -80,7 +92,11 @@ func (t *httpTransport) notify(ctx context.Context, p *kvTransferParams) error {
 	return t.post(ctx, p, "/kv/notify", pullRequest{EngineID: p.RemoteEngineID, RequestID: p.RemoteRequestID})
 }
 
-func (t *httpTransport) post(ctx context.Context, p *kvTransferParams, path string, body pullRequest) error {
+func (t *httpTransport) heartbeat(ctx context.Context, p *kvTransferParams, rids []string) error {
+	return t.post(ctx, p, "/kv/heartbeat", heartbeatRequest{EngineID: p.RemoteEngineID, RequestIDs: rids})
+}
+
+func (t *httpTransport) post(ctx context.Context, p *kvTransferParams, path string, body any) error {
 	b, err := json.Marshal(body)
 	if err != nil {
 		return fmt.Errorf("encode %s: %w", path, err)
@@ -147,10 +163,31 @@ func (e *Engine) handleNotify(w http.ResponseWriter, r *http.Request) {
 		writeError(w, badRequest("invalid_notify", "notify needs a JSON body with request_id"))
 		return
 	}
-	if req.EngineID != "" && req.EngineID != e.id {
-		writeError(w, statusError(http.StatusNotFound, "unknown_engine", "engine %q is not this engine (%q)", req.EngineID, e.id))
+	if !e.isEngine(w, req.EngineID) {
 		return
 	}
 	e.finishedSending(req.RequestID)
 	writeJSON(w, http.StatusOK, struct{}{})
+}
+
+func (e *Engine) handleHeartbeat(w http.ResponseWriter, r *http.Request) {
+	var req heartbeatRequest
+	if err := json.NewDecoder(io.LimitReader(r.Body, maxBodyBytes)).Decode(&req); err != nil || len(req.RequestIDs) == 0 || slices.Contains(req.RequestIDs, "") {
+		writeError(w, badRequest("invalid_heartbeat", "heartbeat needs a JSON body with a non-empty request_ids list"))
+		return
+	}
+	if !e.isEngine(w, req.EngineID) {
+		return
+	}
+	e.heartbeat(req.RequestIDs)
+	writeJSON(w, http.StatusOK, struct{}{})
+}
+
+// isEngine answers 404 when a decoder names another engine than this one.
+func (e *Engine) isEngine(w http.ResponseWriter, engineID string) bool {
+	if engineID != "" && engineID != e.id {
+		writeError(w, statusError(http.StatusNotFound, "unknown_engine", "engine %q is not this engine (%q)", engineID, e.id))
+		return false
+	}
+	return true
 }

@@ -27,8 +27,16 @@ func (e *Engine) newRegistry() *prometheus.Registry {
 			func(s KVStats) float64 { return float64(s.BlocksHeld) }),
 		counter("pdproxy_sim_kv_hold_expired_total", "Holds freed by the hold timeout.",
 			func(s KVStats) float64 { return float64(s.ExpiredTotal) }),
+		// vLLM's own name for the same count (PR #41383), so that a dashboard
+		// or a proxy test written against vLLM reads the sim unchanged.
+		counter("vllm:nixl_num_kv_expired_reqs_total", "Requests whose KV lease expired before a decoder read them.",
+			func(s KVStats) float64 { return float64(s.ExpiredTotal) }),
+		counter("pdproxy_sim_kv_heartbeats_total", "KV lease renewals applied from decoders' heartbeats.",
+			func(s KVStats) float64 { return float64(s.HeartbeatsTotal) }),
 		counter("pdproxy_sim_late_events_total", "Aborts and notifications that found nothing to act on.",
 			func(s KVStats) float64 { return float64(s.LateEventsTotal) }),
+		counter("pdproxy_sim_engine_crashes_total", "Engine deaths: every request failed (vLLM #50792).",
+			func(s KVStats) float64 { return float64(s.EngineCrashesTotal) }),
 		counter("pdproxy_sim_double_free_attempts_total", "Attempts to free KV blocks twice; must stay 0.",
 			func(s KVStats) float64 { return float64(s.DoubleFreeAttemptsTotal) }),
 	)

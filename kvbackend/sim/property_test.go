@@ -92,7 +92,11 @@ func TestRandomInterleavingsKeepThePoolWholeAndFreeEverythingAtTheEnd(t *testing
 			case 3:
 				e.abortRID(rid())
 			case 4:
-				e.finishedSending(rid())
+				if rng.IntN(2) == 0 {
+					e.finishedSending(rid())
+				} else {
+					e.heartbeat([]string{rid(), rid()})
+				}
 			case 5:
 				if r := pick(); r != nil {
 					var err error

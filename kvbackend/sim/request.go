@@ -14,6 +14,7 @@ import (
 const (
 	maxBodyBytes       = 16 << 20
 	maxTokensLimit     = 1 << 20
+	maxChoices         = 128 // n and best_of, and prompts in one request
 	defaultMaxTokens   = 16
 	bytesPerTokenGuess = 4
 )
@@ -32,6 +33,22 @@ type kvTransferParams struct {
 	TPSize          int    `json:"tp_size"`
 }
 
+// prefillKVParams is the kv_transfer_params a prefiller answers with: the
+// request fields plus those 2026 vLLM adds, which the sim's decoders ignore
+// as vLLM's ignore fields they do not use.
+type prefillKVParams struct {
+	kvTransferParams
+	// RemoteNumTokens is the prompt's length in tokens.
+	RemoteNumTokens int `json:"remote_num_tokens"`
+	// RemoteBlocksExpiryTime is when the first lease ends, in unix seconds.
+	// Heartbeats move the end later without changing this value.
+	RemoteBlocksExpiryTime float64 `json:"remote_blocks_expiry_time"`
+	// TransferMode is "read": the decoder reads the prefiller's blocks.
+	TransferMode string `json:"transfer_mode"`
+	DCPSize      int    `json:"dcp_size"`
+	PPSize       int    `json:"pp_size"`
+}
+
 // apiRequest is what the sim needs from a completions or chat completions
 // body; every other field (temperature, stop, ...) is accepted and ignored.
 type apiRequest struct {
@@ -45,6 +62,16 @@ type apiRequest struct {
 	includeUsage bool
 	kind         reqKind
 	kv           *kvTransferParams // decode only: where to pull from
+
+	// prompts holds every prompt's token count (promptTokens is the first);
+	// more than one only on a prefill.
+	prompts []int
+	// samples is how many requests a prefill runs per prompt, max(n,
+	// best_of), and n how many choices per prompt it answers with.
+	samples, n int
+	// crashesDecoder: prompt logprobs asked of a decode, which kills a vLLM
+	// decoder's engine (vLLM #50792).
+	crashesDecoder bool
 }
 
 // wireRequest mirrors the JSON fields the sim reads.
@@ -60,7 +87,13 @@ type wireRequest struct {
 	StreamOptions       *struct {
 		IncludeUsage *bool `json:"include_usage"`
 	} `json:"stream_options"`
-	N                *int              `json:"n"`
+	N      *int `json:"n"`
+	BestOf *int `json:"best_of"`
+	// PromptLogprobs, and Logprobs with Echo, ask for the prompt's logprobs;
+	// any JSON value but null (and false for chat's logprobs) counts.
+	PromptLogprobs   json.RawMessage   `json:"prompt_logprobs"`
+	Echo             *bool             `json:"echo"`
+	Logprobs         json.RawMessage   `json:"logprobs"`
 	KVTransferParams *kvTransferParams `json:"kv_transfer_params"`
 }
 
@@ -69,37 +102,81 @@ type wireMessage struct {
 	Content json.RawMessage `json:"content"`
 }
 
-// parseRequest validates a completions (chat=false) or chat completions body.
-// Its errors are *apiError values with status 400.
+// parseRequest parses and validates a completions (chat=false) or chat
+// completions body: decodeBody, then validate. Its errors are *apiError
+// values with status 400.
+func parseRequest(body []byte, chat bool) (*apiRequest, error) {
+	b, err := decodeBody(body, chat)
+	if err != nil {
+		return nil, err
+	}
+	return b.validate(chat)
+}
+
+// wireBody is a body that passed what vLLM checks before its handler runs:
+// JSON syntax, field types and required fields (its pydantic request
+// models). A decoder that rejects a body at this stage has not seen the
+// request, so it notifies no prefiller; validate's rejections come from
+// the serving layer, which does (vLLM #41269).
+type wireBody struct {
+	wireRequest
+	// prompts holds each prompt's token count; a chat has one prompt.
+	prompts []int
+}
+
+// decodeBody decodes body and checks its shape.
 //
 // Prompt tokens are counted without a tokenizer, deterministically:
 // a string prompt counts ceil(len(bytes)/4) tokens, at least 1; a prompt given
 // as token ids counts one per id; a chat counts ceil(len(bytes)/4) per message
 // content (text parts concatenated), summed, at least 1 in all.
-func parseRequest(body []byte, chat bool) (*apiRequest, error) {
-	var w wireRequest
+func decodeBody(body []byte, chat bool) (*wireBody, error) {
+	var b wireBody
 	dec := json.NewDecoder(bytes.NewReader(body))
-	if err := dec.Decode(&w); err != nil {
+	if err := dec.Decode(&b.wireRequest); err != nil {
 		return nil, badRequest("invalid_json", "request body is not a valid JSON object: %v", err)
 	}
 	if dec.More() {
 		return nil, badRequest("invalid_json", "request body has trailing data after the JSON object")
 	}
-	req := &apiRequest{chat: chat, maxTokens: defaultMaxTokens}
-	if w.Model != nil {
-		req.model = *w.Model
+	if chat {
+		n, err := countChatTokens(b.Messages)
+		if err != nil {
+			return nil, err
+		}
+		b.prompts = []int{n}
+		return &b, nil
 	}
 	var err error
-	if chat {
-		req.promptTokens, err = countChatTokens(w.Messages)
-	} else {
-		req.promptTokens, err = countPromptTokens(w.Prompt)
-	}
+	b.prompts, err = countPromptTokens(b.Prompt)
 	if err != nil {
 		return nil, err
 	}
-	if w.N != nil && *w.N != 1 {
-		return nil, badRequest("invalid_n", "n=%d: the sim returns exactly one choice", *w.N)
+	return &b, nil
+}
+
+// validate checks the values of a well-formed body, as vLLM's serving layer
+// does (SamplingParams and the prompt's length).
+func (b *wireBody) validate(chat bool) (*apiRequest, error) {
+	w := &b.wireRequest
+	req := &apiRequest{chat: chat, maxTokens: defaultMaxTokens, promptTokens: b.prompts[0], prompts: b.prompts, n: 1, samples: 1}
+	if w.Model != nil {
+		req.model = *w.Model
+	}
+	if w.N != nil {
+		if *w.N < 1 || *w.N > maxChoices {
+			return nil, badRequest("invalid_n", "n=%d: must be between 1 and %d", *w.N, maxChoices)
+		}
+		req.n, req.samples = *w.N, *w.N
+	}
+	if w.BestOf != nil {
+		if *w.BestOf < req.n || *w.BestOf > maxChoices {
+			return nil, badRequest("invalid_best_of", "best_of=%d: must be between n (%d) and %d", *w.BestOf, req.n, maxChoices)
+		}
+		req.samples = *w.BestOf
+	}
+	if len(b.prompts) > maxChoices {
+		return nil, badRequest("invalid_prompt", "prompt: %d prompts, at most %d", len(b.prompts), maxChoices)
 	}
 	maxTok := w.MaxTokens
 	if chat && w.MaxCompletionTokens != nil {
@@ -133,43 +210,91 @@ func parseRequest(body []byte, chat bool) (*apiRequest, error) {
 		case kv.DoRemoteDecode:
 			req.kind = kindPrefill
 		case kv.DoRemotePrefill:
-			if kv.RemoteHost == "" || kv.RemotePort <= 0 || kv.RemotePort > 65535 {
+			if !kv.reachable() {
 				return nil, badRequest("invalid_kv_transfer_params", "kv_transfer_params: do_remote_prefill needs remote_host and remote_port")
 			}
-			if len(kv.RemoteBlockIDs) == 0 {
-				return nil, badRequest("invalid_kv_transfer_params", "kv_transfer_params: do_remote_prefill needs remote_block_ids")
-			}
+			// Empty or null remote_block_ids are valid: vLLM's prefiller
+			// sends only full blocks, so a short prompt has none to read and
+			// the decoder computes it itself.
 			req.kind = kindDecode
 			req.kv = kv
 		}
 	}
+	if req.kind != kindPrefill {
+		// Only a prefill fans out (into requests that each hold, vLLM #38900
+		// and #54707); elsewhere the sim answers one choice for one prompt.
+		if len(b.prompts) != 1 {
+			return nil, badRequest("invalid_prompt", "prompt: the sim takes one prompt per request outside a prefill, got %d", len(b.prompts))
+		}
+		if req.samples != 1 {
+			return nil, badRequest("invalid_n", "n=%d, best_of=%d: the sim returns exactly one choice outside a prefill", req.n, req.samples)
+		}
+	}
+	req.crashesDecoder = req.kind == kindDecode &&
+		(isSet(w.PromptLogprobs) || (w.Echo != nil && *w.Echo && isSet(w.Logprobs)))
 	return req, nil
 }
 
-func countPromptTokens(raw json.RawMessage) (int, error) {
+// isSet reports a JSON value other than absent, null and false.
+func isSet(raw json.RawMessage) bool {
+	raw = bytes.TrimSpace(raw)
+	return len(raw) > 0 && !bytes.Equal(raw, []byte("null")) && !bytes.Equal(raw, []byte("false"))
+}
+
+// reachable reports that p names a prefiller a decoder can call.
+func (p *kvTransferParams) reachable() bool {
+	return p.RemoteHost != "" && p.RemotePort > 0 && p.RemotePort <= 65535
+}
+
+// heldFor returns the params of a decode that would read blocks held for
+// it, with the request id filled in, or nil: the decodes whose rejection
+// must reach the prefiller.
+func (p *kvTransferParams) heldFor(rid string) *kvTransferParams {
+	if p == nil || !p.DoRemotePrefill || p.DoRemoteDecode || !p.reachable() || len(p.RemoteBlockIDs) == 0 {
+		return nil
+	}
+	c := *p
+	if c.RemoteRequestID == "" {
+		c.RemoteRequestID = rid // older vLLM names P's request by the shared X-Request-Id
+	}
+	return &c
+}
+
+// countPromptTokens counts each prompt of a completions request: a string,
+// a list of strings, a list of token ids or a list of such lists.
+func countPromptTokens(raw json.RawMessage) ([]int, error) {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
-		return 0, badRequest("missing_prompt", "prompt is required")
+		return nil, badRequest("missing_prompt", "prompt is required")
 	}
 	var s string
 	if json.Unmarshal(raw, &s) == nil {
-		return textTokens(len(s)), nil
+		return []int{textTokens(len(s))}, nil
 	}
 	var ss []string
-	if json.Unmarshal(raw, &ss) == nil {
-		if len(ss) != 1 {
-			return 0, badRequest("invalid_prompt", "prompt: the sim takes one prompt per request, got %d", len(ss))
+	if json.Unmarshal(raw, &ss) == nil && len(ss) > 0 {
+		out := make([]int, len(ss))
+		for i, p := range ss {
+			out[i] = textTokens(len(p))
 		}
-		return textTokens(len(ss[0])), nil
+		return out, nil
 	}
 	var ids []int
-	if json.Unmarshal(raw, &ids) == nil {
-		if len(ids) == 0 {
-			return 0, badRequest("invalid_prompt", "prompt: empty token list")
-		}
-		return len(ids), nil
+	if json.Unmarshal(raw, &ids) == nil && len(ids) > 0 {
+		return []int{len(ids)}, nil
 	}
-	return 0, badRequest("invalid_prompt", "prompt must be a string, a one-element list of strings or a list of token ids")
+	var batches [][]int
+	if json.Unmarshal(raw, &batches) == nil && len(batches) > 0 {
+		out := make([]int, len(batches))
+		for i, b := range batches {
+			if len(b) == 0 {
+				return nil, badRequest("invalid_prompt", "prompt[%d]: empty token list", i)
+			}
+			out[i] = len(b)
+		}
+		return out, nil
+	}
+	return nil, badRequest("invalid_prompt", "prompt must be a string, a list of strings, a list of token ids or a list of token id lists, not empty")
 }
 
 func countChatTokens(msgs []wireMessage) (int, error) {

@@ -69,6 +69,8 @@ func (e *Engine) apply(ev event, now time.Time) {
 		if ce := e.log.Check(zap.DebugLevel, "kv read complete, blocks freed"); ce != nil {
 			ce.Write(zap.String("request_id", ev.rid), zap.Int("blocks", len(h.blocks)))
 		}
+	case evHeartbeat:
+		e.renewLeases(ev.rids, now)
 	case evFinishedReceving:
 		r := ev.req
 		if r.state != statePulling {
@@ -104,9 +106,38 @@ func (e *Engine) add(r *request) {
 		return
 	}
 	e.counts.requests++
+	if r.crashes {
+		e.crash(r)
+		return
+	}
 	r.state = stateWaiting
 	e.live[r.rid] = r
 	e.waiting = append(e.waiting, r)
+}
+
+// errEngineDead is what every request of a crashed engine gets.
+var errEngineDead = statusError(http.StatusInternalServerError, "engine_dead",
+	"the engine crashed: prompt logprobs were asked of a request whose KV came from a prefiller (vLLM #50792)")
+
+// crash models vLLM #50792: prompt_logprobs (or echo with logprobs) on a
+// decode with kv_transfer_params kills a vLLM decoder's engine, and every
+// request it has fails with a 500. The sim restarts at once: its pool is
+// whole again (holds included: a dead engine's GPU memory is gone) and it
+// serves the next request. A dead engine tells no prefiller anything, so
+// the prefillers' holds for these decodes end with their leases.
+func (e *Engine) crash(cause *request) {
+	e.counts.crashes++
+	e.log.Error("engine crashed: prompt logprobs asked of a decode with remote kv, every request fails",
+		zap.String("request_id", cause.rid), zap.Int("live_requests", len(e.live)), zap.Int("held_requests", len(e.held)))
+	dead := output{kind: outEnd, err: errEngineDead, crashed: true}
+	for _, r := range e.live {
+		e.endLive(r, dead)
+	}
+	for _, h := range e.held {
+		e.freeHeld(h)
+	}
+	cause.state = stateDone
+	cause.push(dead)
 }
 
 // late counts and logs an event that found nothing to act on.
@@ -156,8 +187,8 @@ func (e *Engine) expire(now time.Time) {
 		}
 		e.freeHeld(h)
 		e.counts.expired++
-		e.log.Warn("kv hold expired before a decoder read it, blocks freed",
-			zap.String("request_id", rid), zap.Duration("kv_hold_timeout", e.cfg.KVHoldTimeout))
+		e.log.Warn("kv lease expired before a decoder read it, blocks freed",
+			zap.String("request_id", rid), zap.Duration("kv_lease", e.cfg.KVHoldTimeout))
 	}
 }
 
@@ -180,6 +211,17 @@ func (e *Engine) schedule(now time.Time) {
 		e.running = append(e.running, r)
 		if r.kind == kindDecode {
 			r.state = statePulling
+			if r.readsKV() {
+				// The worker handshakes with a new prefiller when it first
+				// needs to read from it, and that takes seconds (vLLM
+				// #46240): the request waits for it, blocks allocated, as
+				// WAITING_FOR_REMOTE_KVS; an abort then is an abort during
+				// the transfer.
+				if done := e.handshake(peerOf(r.remote), now); now.Before(done) {
+					r.handshaking, r.readyAt = true, done
+					continue
+				}
+			}
 			r.push(output{kind: outPull})
 			continue
 		}
@@ -189,9 +231,15 @@ func (e *Engine) schedule(now time.Time) {
 	e.waiting = e.waiting[admitted:]
 }
 
-// advance emits at most one token per due request.
+// advance orders the pulls whose handshake is done and emits at most one
+// token per due request.
 func (e *Engine) advance(now time.Time) {
 	for _, r := range e.running {
+		if r.handshaking && r.state == statePulling && !now.Before(r.readyAt) {
+			r.handshaking = false
+			r.push(output{kind: outPull})
+			continue
+		}
 		if (r.state != statePrefilling && r.state != stateDecoding) || now.Before(r.readyAt) {
 			continue
 		}
@@ -218,9 +266,11 @@ func (e *Engine) emit(r *request, now time.Time) {
 		r.push(o)
 		return
 	}
-	if r.kind == kindPrefill && o.finish == "length" {
-		// vLLM's NixlConnector holds only length-capped prefills; a prefill
-		// that stopped on EOS frees at once and returns no kv_transfer_params.
+	if r.kind == kindPrefill {
+		// Since 2026 vLLM's NixlConnector holds a prefill that stopped on EOS
+		// or a stop string (FINISHED_STOPPED) as it holds a length-capped one:
+		// before, it freed at once and answered kv_transfer_params null, and
+		// the decoder recomputed the prompt.
 		r.state = stateHeld
 		r.expiresAt = now.Add(e.cfg.KVHoldTimeout)
 		if e.holdDue.IsZero() || r.expiresAt.Before(e.holdDue) {
@@ -228,7 +278,8 @@ func (e *Engine) emit(r *request, now time.Time) {
 		}
 		delete(e.live, r.rid)
 		e.held[r.rid] = r
-		o.held = slices.Clone(r.blocks)
+		o.held = append([]int{}, r.blocks...)
+		o.leaseEnd = r.expiresAt
 		r.push(o)
 		if ce := e.log.Check(zap.DebugLevel, "prefill holds kv blocks for a decoder"); ce != nil {
 			ce.Write(zap.String("request_id", r.rid), zap.Int("blocks", len(r.blocks)), zap.Time("expires_at", r.expiresAt))
@@ -248,7 +299,7 @@ func (e *Engine) nextDue() (next time.Time, ok bool) {
 		}
 	}
 	for _, r := range e.running {
-		if r.state == statePrefilling || r.state == stateDecoding {
+		if r.state == statePrefilling || r.state == stateDecoding || r.handshaking {
 			consider(r.readyAt)
 		}
 	}
@@ -298,6 +349,9 @@ func (e *Engine) Stats() KVStats {
 		ExpiredTotal:            e.counts.expired,
 		LateEventsTotal:         e.counts.lateEvents,
 		DoubleFreeAttemptsTotal: e.counts.doubleFrees,
+		HeartbeatsTotal:         e.counts.heartbeats,
+		HeartbeatsSentTotal:     e.counts.heartbeatsSent,
+		EngineCrashesTotal:      e.counts.crashes,
 	}
 	for _, h := range e.held {
 		s.BlocksHeld += len(h.blocks)

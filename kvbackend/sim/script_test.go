@@ -32,8 +32,9 @@ type peerTransport struct {
 	pullStarted chan struct{}
 	release     chan struct{}
 
-	mu       sync.Mutex
-	notified []string
+	mu         sync.Mutex
+	notified   []string
+	heartbeats []string
 }
 
 func newPeerTransport(peer *Engine, gate bool) *peerTransport {
@@ -58,6 +59,20 @@ func (p *peerTransport) notify(_ context.Context, kv *kvTransferParams) error {
 	p.mu.Unlock()
 	p.peer.finishedSending(kv.RemoteRequestID)
 	return nil
+}
+
+func (p *peerTransport) heartbeat(_ context.Context, _ *kvTransferParams, rids []string) error {
+	p.mu.Lock()
+	p.heartbeats = append(p.heartbeats, rids...)
+	p.mu.Unlock()
+	p.peer.heartbeat(rids)
+	return nil
+}
+
+func (p *peerTransport) heartbeatsSent() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]string(nil), p.heartbeats...)
 }
 
 func (p *peerTransport) notifications() []string {
