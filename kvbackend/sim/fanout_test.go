@@ -1,6 +1,8 @@
 package sim
 
 import (
+	"github.com/pdproxy/pdproxy/internal/testutil"
+
 	"bufio"
 	"context"
 	"encoding/json"
@@ -170,7 +172,7 @@ func TestDecoderCrashFailsEveryRequestAndItsHoldsEndWithTheirLeases_Issue50792_P
 	if b := readAll(t, resp); resp.StatusCode != http.StatusInternalServerError {
 		t.Fatalf("crashing decode: %d %s", resp.StatusCode, b)
 	}
-	if res := recv(t, queued, "the queued decode"); res.status != http.StatusInternalServerError || !strings.Contains(res.body, "engine_dead") {
+	if res := testutil.Recv(t, testutil.Timeout, queued, "the queued decode"); res.status != http.StatusInternalServerError || !strings.Contains(res.body, "engine_dead") {
 		t.Errorf("queued decode: %d %s, want a 500 engine_dead", res.status, res.body)
 	}
 	rest, _ := io.ReadAll(sr)

@@ -1,6 +1,8 @@
 package sim
 
 import (
+	"github.com/pdproxy/pdproxy/internal/testutil"
+
 	"context"
 	"net/http"
 	"strings"
@@ -25,7 +27,7 @@ func TestFirstPullFromEachPrefillerWaitsForTheNIXLHandshake_Issue46240(t *testin
 	default:
 	}
 	pd.clock.Advance(10 * time.Second)
-	if res := recv(t, done, "the first decode"); res.status != http.StatusOK {
+	if res := testutil.Recv(t, testutil.Timeout, done, "the first decode"); res.status != http.StatusOK {
 		t.Fatalf("first decode: %d %s", res.status, res.body)
 	}
 	pd.p.waitKV(t, "P frees on the notify", allFree)
@@ -56,7 +58,7 @@ func TestAbortDuringTheFirstHandshakeIsAnAbortDuringTheTransfer_Issue46240(t *te
 			name: "client gone: D aborts, notifies once, P frees once; the handshake's end finds nothing",
 			script: func(t *testing.T, p, d *scripted, run *decodeRun) error {
 				run.cancel()
-				err := recv(t, run.done, "the decode's end")
+				err := testutil.Recv(t, testutil.Timeout, run.done, "the decode's end")
 				d.stepNow()
 				d.clock.Advance(time.Minute)
 				d.stepNow()
@@ -72,7 +74,7 @@ func TestAbortDuringTheFirstHandshakeIsAnAbortDuringTheTransfer_Issue46240(t *te
 			script: func(t *testing.T, p, d *scripted, run *decodeRun) error {
 				d.abortRID("r1")
 				d.stepNow()
-				err := recv(t, run.done, "the decode's end")
+				err := testutil.Recv(t, testutil.Timeout, run.done, "the decode's end")
 				d.abortRID("r1")
 				d.clock.Advance(time.Minute)
 				d.stepNow()
@@ -91,9 +93,9 @@ func TestAbortDuringTheFirstHandshakeIsAnAbortDuringTheTransfer_Issue46240(t *te
 				p.clock.Advance(2 * time.Minute) // past P's 1-minute lease and D's handshake
 				p.stepNow()                      // expiry
 				d.stepNow()                      // handshake done: pull ordered
-				recv(t, d.wake, "D's finished_receiving")
+				testutil.Recv(t, testutil.Timeout, d.wake, "D's finished_receiving")
 				d.stepNow()
-				return recv(t, run.done, "the decode's end")
+				return testutil.Recv(t, testutil.Timeout, run.done, "the decode's end")
 			},
 			wantP:     KVStats{BlocksFree: 16, ExpiredTotal: 1},
 			wantD:     free(16),
@@ -113,7 +115,7 @@ func TestAbortDuringTheFirstHandshakeIsAnAbortDuringTheTransfer_Issue46240(t *te
 			r := d.request(t, "r1", kindDecode, 32, 4, kv)
 			run := startDecode(d, r)
 			defer run.cancel()
-			recv(t, d.wake, "D's submit")
+			testutil.Recv(t, testutil.Timeout, d.wake, "D's submit")
 			d.stepNow()
 			if st := d.Stats(); st.RunningRequests != 1 || st.BlocksInUse != 2 || !r.handshaking {
 				t.Fatalf("D stats %+v, handshaking %v: want the decode admitted and handshaking", st, r.handshaking)

@@ -1,6 +1,8 @@
 package sim
 
 import (
+	"github.com/pdproxy/pdproxy/internal/testutil"
+
 	"bufio"
 	"context"
 	"io"
@@ -238,7 +240,7 @@ func TestQueuedDecoderHeartbeatsKeepThePrefillersBlocksPastTheLease_PR41383(t *t
 	}
 
 	stopBlocker() // the decode gets the slot, pulls, notifies
-	res := recv(t, done, "the decode")
+	res := testutil.Recv(t, testutil.Timeout, done, "the decode")
 	if res.status != http.StatusOK || !strings.Contains(res.body, `"finish_reason":"length"`) {
 		t.Fatalf("decode: %d %s", res.status, res.body)
 	}
@@ -264,7 +266,7 @@ func TestHeartbeatsOffLetTheLeaseExpireUnderAQueuedDecoder_PR41383(t *testing.T)
 	stopBlocker()
 	// Race R4: the read comes after the lease, and fails rather than
 	// decoding from blocks that may have been reused.
-	if res := recv(t, done, "the decode"); res.status != http.StatusInternalServerError || !strings.Contains(res.body, "kv_transfer_failed") {
+	if res := testutil.Recv(t, testutil.Timeout, done, "the decode"); res.status != http.StatusInternalServerError || !strings.Contains(res.body, "kv_transfer_failed") {
 		t.Fatalf("decode after the lease: %d %s, want a 500 kv_transfer_failed", res.status, res.body)
 	}
 	if s := pd.p.kv(t); s.HeartbeatsTotal != 0 || s.DoubleFreeAttemptsTotal != 0 {

@@ -1,6 +1,8 @@
 package sim
 
 import (
+	"github.com/pdproxy/pdproxy/internal/testutil"
+
 	"context"
 	"net/http"
 	"strings"
@@ -97,7 +99,7 @@ func TestDecoderAbortingAQueuedDecodeNotifiesThePrefiller_Issue19223(t *testing.
 	done := decodeInBackground(t, ctx, pd.d, "queued", `{"prompt":"hello","max_tokens":4,"kv_transfer_params":`+kv+`}`)
 	pd.d.waitKV(t, "decode queued", func(s KVStats) bool { return s.WaitingRequests == 1 })
 	cancel() // the client leaves before D scheduled the decode
-	if res := recv(t, done, "the decode"); res.status != -1 {
+	if res := testutil.Recv(t, testutil.Timeout, done, "the decode"); res.status != -1 {
 		t.Fatalf("decode answered %d %s after its client left", res.status, res.body)
 	}
 	if s := pd.p.waitKV(t, "P frees on D's notify", allFree); s.ExpiredTotal != 0 || s.LateEventsTotal != 0 {
