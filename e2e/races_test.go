@@ -102,7 +102,7 @@ func TestR1ClientLeavesWhileThePrefillerFinishesItsLastStep(t *testing.T) {
 		s := startStack(t, fastSims, func(c *app.Config) {
 			c.Sims[0].Engine = "vllm"
 			c.Sims[0].KVHoldTimeout = 800 * time.Millisecond
-			c.KVHoldTimeout = 800 * time.Millisecond
+			c.KVHoldTimeout = 500 * time.Millisecond
 		})
 		ctx, cancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
 		defer cancel()
@@ -262,10 +262,10 @@ func TestR3ClientLeavesWhileTheDecoderPullsKV(t *testing.T) {
 }
 
 func TestR4HoldDeadlinePassesBeforeTheDecodeIsSent(t *testing.T) {
-	// The prefiller holds KV for 300ms; the proxy's deadline is the same. The only decoder
+	// The prefiller holds KV for 450ms; the proxy's deadline is 2/3 of it. The only decoder
 	// slot is busy for longer, so the prefilled request waits past the deadline.
 	s := startStack(t, fastSims, func(c *app.Config) {
-		c.Sims[0].KVHoldTimeout = 300 * time.Millisecond
+		c.Sims[0].KVHoldTimeout = 450 * time.Millisecond
 		c.KVHoldTimeout = 300 * time.Millisecond
 		c.Sims[1].MaxInflight = 1
 		c.Sims[1].ITL = 10 * time.Millisecond
@@ -344,21 +344,49 @@ func TestR5AbortsOfFinishedRequestsAreNoOps(t *testing.T) {
 	s.assertQuiet(2 * time.Second)
 }
 
-func TestProxyRefusesAHoldDeadlineLongerThanAnEnginesHold(t *testing.T) {
-	cfg := app.DefaultConfig()
-	cfg.Listen = "127.0.0.1:0"
-	cfg.Sims[0].KVHoldTimeout = 60 * time.Second
-	cfg.KVHoldTimeout = 90 * time.Second
-	m, err := app.New(cfg, zaptest.NewLogger(t, zaptest.Level(zap.ErrorLevel)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	err = m.Start(context.Background())
-	if err == nil {
-		m.Shutdown(context.Background())
-		t.Fatal("started with kv_hold_timeout 90s in front of a prefiller that holds KV for 60s")
-	}
-	if !strings.Contains(err.Error(), "kv_hold_timeout") {
-		t.Fatalf("error does not name kv_hold_timeout: %v", err)
+func TestProxyKeepsItsHoldDeadlineAMarginBelowTheEnginesLease(t *testing.T) {
+	// The lease starts before the proxy reads the prefill's answer, and heartbeats extend it
+	// only once a decoder has the request: the proxy forwards params for at most 2/3 of it.
+	for _, tc := range []struct {
+		name      string
+		proxyHold time.Duration // 0: unset
+		starts    bool
+		want      time.Duration // the deadline in force
+	}{
+		{name: "longer than the lease is refused", proxyHold: 90 * time.Second},
+		{name: "the lease itself is refused", proxyHold: 60 * time.Second},
+		{name: "more than 2/3 of the lease is refused", proxyHold: 45 * time.Second},
+		{name: "2/3 of the lease starts", proxyHold: 40 * time.Second, starts: true, want: 40 * time.Second},
+		{name: "unset is 2/3 of the shortest lease", starts: true, want: 40 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := app.DefaultConfig()
+			cfg.Listen = "127.0.0.1:0"
+			cfg.Sims[0].KVHoldTimeout = 60 * time.Second
+			cfg.KVHoldTimeout = tc.proxyHold
+			m, err := app.New(cfg, zaptest.NewLogger(t, zaptest.Level(zap.ErrorLevel)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = m.Start(context.Background())
+			if err == nil {
+				defer m.Shutdown(context.Background())
+			}
+			if !tc.starts {
+				if err == nil {
+					t.Fatalf("started with kv_hold_timeout %s in front of a prefiller whose lease is 60s", tc.proxyHold)
+				}
+				if !strings.Contains(err.Error(), "kv_hold_timeout") {
+					t.Fatalf("error does not name kv_hold_timeout: %v", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("refused to start: %v", err)
+			}
+			if got := m.Table.KVHoldTimeout(); got != tc.want {
+				t.Errorf("hold deadline %s, want %s", got, tc.want)
+			}
+		})
 	}
 }

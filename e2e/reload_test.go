@@ -107,7 +107,7 @@ func TestReloadRejectsABadFileNamingTheFieldAndLineAndKeepsTheBackends(t *testin
 		{"a missing role", "health:\n  interval: 1s\nbackends:\n  - url: http://127.0.0.1:1\n",
 			[]string{"backends[0].role (line 4)"}},
 		{"a prefiller that frees its KV before the proxy's hold ends", "backends:\n  - url: http://127.0.0.1:1\n    role: prefill\n    engine: sim\n    kv_hold_timeout: 10s\n",
-			[]string{"backends[0].kv_hold_timeout (line 5)", "30s"}},
+			[]string{"backends[0].kv_hold_timeout (line 5)", "20s"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			path := filepath.Join(t.TempDir(), "proxy.yaml")

@@ -41,7 +41,11 @@ type Engine interface {
 // Engine kinds, as named in config.
 const (
 	KindVLLM = "vllm"
-	KindSim  = "sim"
+	// KindVLLMLegacy is vLLM from before the KV lease (2025): a prefiller holds KV for
+	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s, with no heartbeats, and a decoder that refuses a
+	// request in its serving layer tells nobody (before vLLM #41269).
+	KindVLLMLegacy = "vllm-legacy"
+	KindSim        = "sim"
 )
 
 // vllm is vLLM with its NixlConnector. It has no explicit abort outside its dev mode: closing
@@ -51,16 +55,22 @@ type vllm struct {
 	hold time.Duration
 }
 
-// vllmHoldTimeout is how long a vLLM prefiller holds a prefilled request's KV on its own
-// (VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
-const vllmHoldTimeout = 480 * time.Second
+// vllmLease is how long a vLLM prefiller holds a prefilled request's KV for a decoder:
+// kv_lease_duration's default (vLLM PR #41383), which the decoder's heartbeats extend while it
+// has the request. vllmLegacyHold is VLLM_NIXL_ABORT_REQUEST_TIMEOUT, from before the lease.
+const (
+	vllmLease      = 30 * time.Second
+	vllmLegacyHold = 480 * time.Second
+)
 
 var (
 	// VLLM is the vLLM NixlConnector engine.
-	VLLM Engine = vllm{kind: KindVLLM, hold: vllmHoldTimeout}
-	// Sim is the simulated engine: vLLM's protocol, plus an explicit abort
+	VLLM Engine = vllm{kind: KindVLLM, hold: vllmLease}
+	// VLLMLegacy is vLLM from before the KV lease.
+	VLLMLegacy Engine = legacy{vllm{kind: KindVLLMLegacy, hold: vllmLegacyHold}}
+	// Sim is the simulated engine: today's vLLM, plus an explicit abort
 	// (POST /abort_request) that also frees a hold.
-	Sim Engine = sim{vllm{kind: KindSim, hold: vllmHoldTimeout}}
+	Sim Engine = sim{vllm{kind: KindSim, hold: vllmLease}}
 )
 
 func (e vllm) Kind() string                 { return e.kind }
@@ -86,6 +96,12 @@ func (vllm) Abort(context.Context, *http.Client, string, string) error {
 // sends only bodies it validated, and a decoder acknowledges a decode only from its handler.
 func (vllm) RejectionFreesKV(int) bool { return true }
 
+// legacy is vLLM before the lease and before #41269: a decoder that refuses a request tells
+// the prefiller nothing.
+type legacy struct{ vllm }
+
+func (legacy) RejectionFreesKV(int) bool { return false }
+
 // sim is the simulated engine: vLLM, plus SGLang's explicit abort.
 type sim struct{ vllm }
 
@@ -99,6 +115,8 @@ func Lookup(kind string) (Engine, bool) {
 	switch kind {
 	case "", KindVLLM:
 		return VLLM, true
+	case KindVLLMLegacy:
+		return VLLMLegacy, true
 	case KindSim:
 		return Sim, true
 	}
@@ -108,9 +126,10 @@ func Lookup(kind string) (Engine, bool) {
 // Kinds lists the engine kinds Lookup knows, for error messages.
 func Kinds() []string { return slices.Clone(kinds) }
 
-var kinds = []string{KindVLLM, KindSim}
+var kinds = []string{KindVLLM, KindVLLMLegacy, KindSim}
 
 var (
 	_ Engine = vllm{}
+	_ Engine = legacy{}
 	_ Engine = sim{}
 )

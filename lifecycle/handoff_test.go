@@ -128,3 +128,38 @@ func TestLatePrefillAnswerAfterTheDecodeMakesNoHold(t *testing.T) {
 		})
 	}
 }
+
+// TestEveryHoldCountsByWhoFreesItsBlocks: pdproxy_kv_hold_handoffs_total tells an operator
+// which holds the proxy left pinned until the prefiller's lease ends.
+func TestEveryHoldCountsByWhoFreesItsBlocks(t *testing.T) {
+	for _, tc := range []struct {
+		reason ReleaseReason
+		result string
+	}{
+		{ReleaseDecoded, "handed_over"},
+		{ReleaseDrained, "released"},
+		{ReleaseAborted, "released"},
+		{ReleaseExpired, "left_to_engine"},
+	} {
+		t.Run(string(tc.reason), func(t *testing.T) {
+			f := newFixture(t)
+			toKVHeld(t, f)
+			_, hold, ok := f.tb.StartDecode(reqID, "d1")
+			if !ok || hold == nil {
+				t.Fatalf("StartDecode gave no hold")
+			}
+			hold.Release(tc.reason)
+			hold.Release(tc.reason) // a second release is a late event, not a second count
+			m := gather(t, f.reg)
+			for _, result := range []string{"handed_over", "released", "left_to_engine"} {
+				want := 0.0
+				if result == tc.result {
+					want = 1
+				}
+				if got := m[mHandoffs(result)]; got != want {
+					t.Errorf("%s = %v, want %v", mHandoffs(result), got, want)
+				}
+			}
+		})
+	}
+}

@@ -27,6 +27,9 @@ func mAborts(stage State) string {
 func mReleases(r ReleaseReason) string {
 	return fmt.Sprintf(`pdproxy_kv_releases_total{reason=%q}`, string(r))
 }
+func mHandoffs(result string) string {
+	return fmt.Sprintf(`pdproxy_kv_hold_handoffs_total{result=%q}`, result)
+}
 func mLate(event string) string { return fmt.Sprintf(`pdproxy_late_events_total{event=%q}`, event) }
 
 // liveStates are the states with a pdproxy_inflight_requests series.
@@ -102,6 +105,17 @@ func (f *fixture) assertGauges(t *testing.T, got map[string]float64, state State
 // that no other counter moved.
 func assertDeltas(t *testing.T, before, after map[string]float64, want map[string]float64) {
 	t.Helper()
+	// Every hold that ends counts once by reason and once by who frees its blocks.
+	withHandoffs := make(map[string]float64, len(want)+2)
+	for k, v := range want {
+		withHandoffs[k] += v
+	}
+	for _, r := range allReasons {
+		if d := want[mReleases(r)]; d != 0 {
+			withHandoffs[mHandoffs(r.handoff())] += d
+		}
+	}
+	want = withHandoffs
 	keys := make(map[string]bool)
 	for k := range before {
 		keys[k] = true

@@ -6,6 +6,7 @@ type metrics struct {
 	inflight        *prometheus.GaugeVec
 	aborts          *prometheus.CounterVec
 	releases        *prometheus.CounterVec
+	handoffs        *prometheus.CounterVec
 	held            prometheus.Gauge
 	late            *prometheus.CounterVec
 	expiredForwards prometheus.Counter
@@ -25,6 +26,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Namespace: "pdproxy", Name: "kv_releases_total",
 			Help: "KV holds on prefillers that ended, by how: decoded, drained, aborted, expired.",
 		}, []string{"reason"}),
+		handoffs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "kv_hold_handoffs_total",
+			Help: "KV holds on prefillers that ended, by who frees the blocks: handed_over (a decoder acknowledged the decode: it pulls them, or tells the prefiller), released (the proxy freed them: a drain or the engine's abort), left_to_engine (nobody did: the prefiller's own lease will).",
+		}, []string{"result"}),
 		held: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: "pdproxy", Name: "kv_held_requests",
 			Help: "Requests whose KV a prefiller holds for them and that no decoder has acknowledged yet (by answering the decode).",
@@ -46,9 +51,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	}
 	for _, r := range []ReleaseReason{ReleaseDecoded, ReleaseDrained, ReleaseAborted, ReleaseExpired} {
 		m.releases.WithLabelValues(string(r))
+		m.handoffs.WithLabelValues(r.handoff())
 	}
 	if reg != nil {
-		reg.MustRegister(m.inflight, m.aborts, m.releases, m.held, m.late, m.expiredForwards)
+		reg.MustRegister(m.inflight, m.aborts, m.releases, m.handoffs, m.held, m.late, m.expiredForwards)
 	}
 	return m
 }

@@ -81,3 +81,16 @@ const (
 	// the params are never forwarded after this.
 	ReleaseExpired ReleaseReason = "expired"
 )
+
+// handoff is who frees the blocks of a hold that ended for reason r: the result label of
+// pdproxy_kv_hold_handoffs_total. left_to_engine is the one an operator watches: blocks
+// that stay pinned until the prefiller's own lease ends.
+func (r ReleaseReason) handoff() string {
+	switch r {
+	case ReleaseDecoded:
+		return "handed_over"
+	case ReleaseDrained, ReleaseAborted:
+		return "released"
+	}
+	return "left_to_engine"
+}

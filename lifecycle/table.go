@@ -105,6 +105,7 @@ func (h *Hold) release(reason ReleaseReason, countLate bool) bool {
 	h.t.holds.Add(-1)
 	h.t.m.held.Dec()
 	h.t.m.releases.WithLabelValues(string(reason)).Inc()
+	h.t.m.handoffs.WithLabelValues(reason.handoff()).Inc()
 	return true
 }
 

@@ -284,7 +284,14 @@ func (s *Server) abortHold(r release) bool {
 // aborts a do_remote_prefill request that was never scheduled and notifies the prefiller,
 // which frees the blocks (vLLM does this; so does the simulator).
 func (s *Server) drain(r release) bool {
-	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.DrainTimeout)
+	timeout := s.cfg.DrainTimeout
+	if timeout <= 0 {
+		timeout = r.prefill.KVHoldTimeout
+	}
+	if timeout <= 0 {
+		timeout = defaultPhaseTimeout
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	lease := r.c.lease
 	r.c.lease = nil

@@ -51,7 +51,6 @@ const (
 	ReserveAfterPrefill         = "after_prefill"
 	defaultMaxBodyBytes         = 10 << 20
 	defaultPhaseTimeout         = 5 * time.Minute
-	defaultDrainTimeout         = 2 * time.Second
 	defaultAbortCallTimeout     = 2 * time.Second
 	defaultModelsCacheFreshness = 5 * time.Second
 )
@@ -81,7 +80,9 @@ type Config struct {
 	// DecodeIdleTimeout bounds the silence between two chunks of a decode. [5m]
 	DecodeIdleTimeout time.Duration `yaml:"decode_idle_timeout"`
 	// DrainTimeout bounds a drain-only decode (it runs after the client left, on its own
-	// deadline). [2s]
+	// deadline). A drain cut while its decoder may be pulling the blocks is an abort during
+	// the transfer, which engines handle worst (race R3), so by default it lasts as long as
+	// the prefiller may hold them. [the prefiller's kv_hold_timeout: its lease]
 	DrainTimeout time.Duration `yaml:"drain_timeout"`
 	// ClientWriteTimeout bounds one write to the client: a client that stops reading its
 	// stream is given up on after it, and everything it held is released. [60s]
@@ -127,9 +128,6 @@ func (c *Config) setDefaults() error {
 		if *d <= 0 {
 			*d = defaultPhaseTimeout
 		}
-	}
-	if c.DrainTimeout <= 0 {
-		c.DrainTimeout = defaultDrainTimeout
 	}
 	if c.ClientWriteTimeout <= 0 {
 		c.ClientWriteTimeout = 60 * time.Second

@@ -41,7 +41,10 @@ type Config struct {
 	// LogLevel is debug, info, warn or error. [info]
 	LogLevel string `yaml:"log_level"`
 	// KVHoldTimeout bounds how long the proxy forwards a prefiller's kv_transfer_params after
-	// the prefill; never longer than any prefiller's own hold timeout. [30s]
+	// the prefill. It keeps a margin below every prefiller's own hold (vLLM's lease), which
+	// starts before the proxy reads the answer and which a decoder's heartbeats extend only
+	// once the decoder has the request: at most 2/3 of the shortest, or the proxy refuses to
+	// start. [2/3 of the shortest prefiller's kv_hold_timeout: 20s for vLLM's 30s lease]
 	KVHoldTimeout time.Duration `yaml:"kv_hold_timeout"`
 	// ShutdownTimeout is the drain deadline: on SIGTERM, streams in flight may finish for this
 	// long, then the rest are aborted (their KV released). [10s]
@@ -186,9 +189,6 @@ func (c *Config) setDefaults() {
 	}
 	if c.LogLevel == "" {
 		c.LogLevel = "info"
-	}
-	if c.KVHoldTimeout <= 0 {
-		c.KVHoldTimeout = 30 * time.Second
 	}
 	if c.ShutdownTimeout <= 0 {
 		c.ShutdownTimeout = 10 * time.Second

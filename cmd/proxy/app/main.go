@@ -43,6 +43,21 @@ type Main struct {
 
 	// reloadMu makes reloads one at a time.
 	reloadMu sync.Mutex
+	// holdTimeout is the proxy's forwarding deadline for KV params in force: kv_hold_timeout,
+	// or its default derived from the prefillers at start. A reload does not change it.
+	holdTimeout time.Duration
+}
+
+// holdMargin is the share of a prefiller's own hold the proxy may forward its params for.
+const holdMarginNum, holdMarginDen = 2, 3
+
+// defaultHoldTimeout is the forwarding deadline without a prefiller to derive it from: 2/3 of
+// vLLM's lease.
+const defaultHoldTimeout = 20 * time.Second
+
+// maxHoldTimeout is the longest forwarding deadline a prefiller holding KV for hold allows.
+func maxHoldTimeout(hold time.Duration) time.Duration {
+	return hold * holdMarginNum / holdMarginDen
 }
 
 // simProcess is one in-process simulated engine with its own HTTP server.
@@ -211,12 +226,21 @@ func (m *Main) build(rcfg router.Config) error {
 	if err != nil {
 		return fmt.Errorf("config: %w", err)
 	}
-	if min := rt.MinKVHoldTimeout(router.RolePrefill); min > 0 && m.cfg.KVHoldTimeout > min {
-		return fmt.Errorf("config: kv_hold_timeout %s is longer than a prefill backend's engine hold timeout %s: a decoder could read blocks the prefiller already freed",
-			m.cfg.KVHoldTimeout, min)
+	m.holdTimeout = m.cfg.KVHoldTimeout
+	if min := rt.MinKVHoldTimeout(router.RolePrefill); min > 0 {
+		limit := maxHoldTimeout(min)
+		if m.holdTimeout == 0 {
+			m.holdTimeout = limit
+		} else if m.holdTimeout > limit {
+			return fmt.Errorf("config: kv_hold_timeout %s is more than 2/3 of a prefill backend's own kv hold (its lease) %s: a decoder could read blocks the prefiller already freed; at most %s",
+				m.holdTimeout, min, limit)
+		}
+	}
+	if m.holdTimeout == 0 {
+		m.holdTimeout = defaultHoldTimeout
 	}
 	m.Router = rt
-	m.Table = lifecycle.New(lifecycle.Config{KVHoldTimeout: m.cfg.KVHoldTimeout}, m.logger.Named("lifecycle"), m.Registry)
+	m.Table = lifecycle.New(lifecycle.Config{KVHoldTimeout: m.holdTimeout}, m.logger.Named("lifecycle"), m.Registry)
 	srv, err := proxy.New(m.cfg.Proxy, rt, m.Table, m.logger.Named("proxy"), m.Registry, m.Registry)
 	if err != nil {
 		return fmt.Errorf("config: %w", err)

@@ -79,9 +79,9 @@ func (m *Main) Reload(path string) error {
 func (m *Main) checkHolds(bs []router.BackendConfig) error {
 	var errs []error
 	for i, b := range bs {
-		if b.Role == router.RolePrefill && b.KVHoldTimeout < m.cfg.KVHoldTimeout {
-			errs = append(errs, fmt.Errorf("backends[%d].kv_hold_timeout: %s is shorter than the running kv_hold_timeout %s (which only a restart changes): a decoder could read blocks the prefiller already freed",
-				i, b.KVHoldTimeout, m.cfg.KVHoldTimeout))
+		if b.Role == router.RolePrefill && maxHoldTimeout(b.KVHoldTimeout) < m.holdTimeout {
+			errs = append(errs, fmt.Errorf("backends[%d].kv_hold_timeout: %s leaves less than the running kv_hold_timeout %s (which only a restart changes) plus its margin (it must be at least 3/2 of it): a decoder could read blocks the prefiller already freed",
+				i, b.KVHoldTimeout, m.holdTimeout))
 		}
 	}
 	return errors.Join(errs...)
