@@ -90,7 +90,7 @@ func BenchmarkRelay(b *testing.B) {
 		if err := s.table.Begin(x.id, x.route, cancel); err != nil {
 			b.Fatal(err)
 		}
-		wd := newWatchdog(ctx, false, time.Minute, time.Minute)
+		wd := newWatchdog(ctx, false, false, time.Minute, time.Minute)
 		resp := &http.Response{StatusCode: http.StatusOK, Header: backendHeader, Body: &chunkReader{chunks: chunks}}
 		if e := x.relay(resp, wd); e != nil {
 			b.Fatal(e)

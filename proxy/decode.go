@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -36,6 +37,9 @@ func (x *exchange) decode() *apiError {
 	// (the client left, the connection failed, the decoder answered without reading it)
 	// leaves the release to the proxy; one acknowledged is never sent to a second decoder,
 	// even when the answer, which for a whole JSON answer comes only at its end, never does.
+	// A client that leaves while the decode is on its way does not cut it before the
+	// acknowledgement (see watchdog): the decoder may have read it already, and a release
+	// would then send its params to a second decoder.
 	x.own.hold = hold
 	defer x.releaseUnsentHold()
 	params := x.kvParams
@@ -54,7 +58,7 @@ func (x *exchange) decode() *apiError {
 	// the moment the client leaves, but at its first byte (or its first-byte timeout): engines
 	// that crash on an abort during the pull (race R3) never see one.
 	deferCancel := params != nil && x.s.cfg.AbortDuringKVPull == PullAbortAfterFirstToken
-	wd := newWatchdog(x.ctx, deferCancel, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
+	wd := newWatchdog(x.ctx, deferCancel, hold != nil, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
 	defer wd.stop()
 
 	call := x.call(b, x.route, body)
@@ -64,6 +68,7 @@ func (x *exchange) decode() *apiError {
 			if handoff.CompareAndSwap(handoffOpen, handoffAcked) {
 				hold.Release(lifecycle.ReleaseDecoded)
 			}
+			wd.onAck()
 		}
 	}
 	resp, err := call.Do(wd.ctx)
@@ -85,6 +90,9 @@ func (x *exchange) decode() *apiError {
 		if err == nil && handoff.CompareAndSwap(handoffOpen, handoffAcked) {
 			// Answered without a "100 Continue" first: the headers are the acknowledgement.
 			hold.Release(lifecycle.ReleaseDecoded)
+		}
+		if err == nil {
+			wd.onAck()
 		}
 		if handoff.CompareAndSwap(handoffOpen, handoffWithdrawn) {
 			// Never acknowledged: the hold stays in the custody, for releaseUnsentHold. A
@@ -126,27 +134,39 @@ const (
 	handoffWithdrawn
 )
 
-// watchdog bounds a decode's phases (first byte, silence between chunks) and, when asked,
-// defers the client's cancel to the decode's first byte.
+// ackGrace bounds how long a decode whose client left waits for the decoder's acknowledgement
+// before it is cut: a healthy server acknowledges as soon as its handler reads the body.
+const ackGrace = time.Second
+
+// watchdog bounds a decode's phases (first byte, silence between chunks) and defers the
+// client's cancel, when asked: to the decode's first byte (abort_during_kv_pull
+// after_first_token), and, for a decode that carries a hold, to the decoder's acknowledgement
+// (or ackGrace), so that the proxy learns whether the decoder has the params before it cuts
+// the call.
 type watchdog struct {
 	ctx        context.Context
 	cancel     context.CancelCauseFunc
 	timer      *time.Timer
 	idle       time.Duration
+	toByte     bool // defer the client's cancel to the first byte
+	toAck      bool // defer the client's cancel to the acknowledgement
 	sawByte    atomic.Bool
+	acked      atomic.Bool
 	clientGone atomic.Bool
 	timeout    atomic.Bool
+	graceOnce  sync.Once
+	grace      *time.Timer
 	stopAfter  func() bool
 }
 
-func newWatchdog(client context.Context, deferCancel bool, firstByte, idle time.Duration) *watchdog {
+func newWatchdog(client context.Context, toByte, toAck bool, firstByte, idle time.Duration) *watchdog {
 	base := client
-	if deferCancel {
-		// Detached from the client on purpose: the AfterFunc below cancels it at the first byte.
+	if toByte || toAck {
+		// Detached from the client on purpose: clientLeft cancels it when the wait is over.
 		base = context.WithoutCancel(client)
 	}
 	ctx, cancel := context.WithCancelCause(base)
-	wd := &watchdog{ctx: ctx, cancel: cancel, idle: idle}
+	wd := &watchdog{ctx: ctx, cancel: cancel, idle: idle, toByte: toByte, toAck: toAck}
 	wd.timer = time.AfterFunc(firstByte, func() {
 		wd.timeout.Store(true)
 		if wd.sawByte.Load() {
@@ -155,23 +175,40 @@ func newWatchdog(client context.Context, deferCancel bool, firstByte, idle time.
 			cancel(errFirstByteTimeout)
 		}
 	})
-	if deferCancel {
+	if toByte || toAck {
 		wd.stopAfter = context.AfterFunc(client, func() {
 			wd.clientGone.Store(true)
-			if wd.sawByte.Load() {
-				cancel(context.Canceled)
-			}
+			wd.cancelIfDone()
 		})
 	}
 	return wd
 }
 
+// cancelIfDone cancels the call for a client that left, once nothing it waits for is pending.
+func (wd *watchdog) cancelIfDone() {
+	if !wd.clientGone.Load() || wd.toByte && !wd.sawByte.Load() {
+		return
+	}
+	if wd.toAck && !wd.acked.Load() {
+		wd.graceOnce.Do(func() {
+			wd.grace = time.AfterFunc(ackGrace, func() { wd.cancel(context.Canceled) })
+		})
+		return
+	}
+	wd.cancel(context.Canceled)
+}
+
+// onAck records the decoder's acknowledgement of the decode.
+func (wd *watchdog) onAck() {
+	if !wd.acked.Swap(true) {
+		wd.cancelIfDone()
+	}
+}
+
 func (wd *watchdog) onBytes() {
-	if !wd.sawByte.Load() {
-		wd.sawByte.Store(true)
-		if wd.clientGone.Load() {
-			wd.cancel(context.Canceled)
-		}
+	if !wd.sawByte.Swap(true) {
+		wd.acked.Store(true)
+		wd.cancelIfDone()
 	}
 	wd.timer.Reset(wd.idle)
 }
@@ -182,6 +219,10 @@ func (wd *watchdog) stop() {
 	wd.timer.Stop()
 	if wd.stopAfter != nil {
 		wd.stopAfter()
+	}
+	wd.graceOnce.Do(func() {}) // no grace timer starts after this
+	if wd.grace != nil {
+		wd.grace.Stop()
 	}
 	wd.cancel(context.Canceled)
 }

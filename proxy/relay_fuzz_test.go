@@ -147,7 +147,7 @@ func FuzzRelay(f *testing.F) {
 		rec := httptest.NewRecorder()
 		x := &exchange{s: srv, w: rec, ctx: ctx, cancel: cancel, id: id, route: "/v1/completions",
 			start: time.Now(), req: &genRequest{stream: stream}, own: &custody{id: id}}
-		wd := newWatchdog(ctx, false, time.Hour, time.Hour)
+		wd := newWatchdog(ctx, false, false, time.Hour, time.Hour)
 		defer wd.stop()
 		end := io.EOF
 		if broken {

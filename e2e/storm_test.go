@@ -1,0 +1,152 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/proxy"
+)
+
+// TestGiveUpStormOnTodaysVLLM sends requests of every kind a client mixes, n > 1, prompt
+// arrays, prompt logprobs, max_tokens 0, streaming or not, completions or chat, whose clients
+// give up at random moments, to one prefiller and two decoders that the proxy takes for vLLM
+// (no explicit abort: holds end by a decoder's pull, a drain, or the lease). Afterwards no
+// prefiller holds anything within a second, and every prefill was followed by exactly one
+// decode: a hold's params reach one decoder, once. PDPROXY_STORM=N sets the number of
+// requests (200 by default).
+func TestGiveUpStormOnTodaysVLLM(t *testing.T) {
+	n := 200
+	if v := os.Getenv("PDPROXY_STORM"); v != "" {
+		var err error
+		if n, err = strconv.Atoi(v); err != nil {
+			t.Fatalf("PDPROXY_STORM=%q: %v", v, err)
+		}
+	}
+	s := startStack(t, func(c *app.Config) {
+		p := app.SimConfig{Role: "prefill", Engine: "vllm", PrefillTime: 5 * time.Millisecond, PrefillPerToken: 10 * time.Microsecond, KVBlocks: 8192}
+		d := app.SimConfig{Role: "decode", Engine: "vllm", ITL: 2 * time.Millisecond, KVTransferTime: 100 * time.Microsecond, KVBlocks: 8192}
+		c.Sims = []app.SimConfig{p, d, d}
+		// vLLM has no abort call: a prefill the client left is let finish and its KV drained,
+		// rather than cut with a chance of losing the race with its last step (R1).
+		c.Proxy.AbortDuringPrefill = proxy.AbortPrefillFinishThenFree
+	})
+	kinds := []struct {
+		name, route, body string
+	}{
+		{"completion", "/v1/completions", `{"model":"sim","prompt":"%s","max_tokens":%d,"ignore_eos":true}`},
+		{"completion stream", "/v1/completions", `{"model":"sim","prompt":"%s","max_tokens":%d,"ignore_eos":true,"stream":true}`},
+		{"chat", "/v1/chat/completions", `{"model":"sim","messages":[{"role":"user","content":"%s"}],"max_tokens":%d,"ignore_eos":true}`},
+		{"chat stream", "/v1/chat/completions", `{"model":"sim","messages":[{"role":"user","content":"%s"}],"max_tokens":%d,"ignore_eos":true,"stream":true}`},
+		{"n=2", "/v1/completions", `{"model":"sim","prompt":"%s","max_tokens":%d,"ignore_eos":true,"n":2}`},
+		{"prompt array", "/v1/completions", `{"model":"sim","prompt":["%s","second"],"max_tokens":%d,"ignore_eos":true,"stream":true}`},
+		{"prompt logprobs", "/v1/completions", `{"model":"sim","prompt":"%s","max_tokens":%d,"ignore_eos":true,"prompt_logprobs":1}`},
+		{"max_tokens 0", "/v1/completions", `{"model":"sim","prompt":"%s","max_tokens":%d}`},
+	}
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 32}}
+	defer client.CloseIdleConnections()
+	var (
+		mu       sync.Mutex
+		outcomes = map[string]int{}
+		wg       sync.WaitGroup
+		next     = make(chan int)
+	)
+	for w := range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), 11))
+			for i := range next {
+				k := kinds[i%len(kinds)]
+				maxTokens := rng.IntN(40) + 1
+				if k.name == "max_tokens 0" {
+					maxTokens = 0
+				}
+				body := fmt.Sprintf(k.body, prompt(rng.IntN(400)+1), maxTokens)
+				// A request takes tens of milliseconds here: clients leave at every stage,
+				// and some never do.
+				ctx, cancel := context.WithTimeout(context.Background(), time.Duration(rng.IntN(300))*time.Millisecond)
+				req, _ := http.NewRequestWithContext(ctx, http.MethodPost, s.url+k.route, strings.NewReader(body))
+				outcome := "gave up before the answer"
+				resp, err := client.Do(req)
+				if err != nil && ctx.Err() == nil {
+					outcome = "error: " + err.Error()
+				}
+				if err == nil {
+					_, err = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+					switch {
+					case err != nil:
+						outcome = "gave up mid-answer"
+					default:
+						outcome = strconv.Itoa(resp.StatusCode)
+					}
+				}
+				cancel()
+				mu.Lock()
+				outcomes[k.name+": "+outcome]++
+				mu.Unlock()
+			}
+		}()
+	}
+	for i := range n {
+		next <- i
+	}
+	close(next)
+	wg.Wait()
+	done := time.Now()
+
+	var lines []string
+	for k, v := range outcomes {
+		lines = append(lines, fmt.Sprintf("%s %d", k, v))
+		if strings.HasPrefix(k, "max_tokens 0: 2") {
+			t.Errorf("max_tokens 0 answered %s: want 400", k)
+		}
+		if strings.HasSuffix(k, ": 500") || strings.HasSuffix(k, ": 502") || strings.Contains(k, "error:") {
+			t.Errorf("a request the client waited for failed: %s %d", k, v)
+		}
+	}
+	sort.Strings(lines)
+	t.Logf("%d requests:\n  %s", n, strings.Join(lines, "\n  "))
+
+	prefiller := s.m.SimURLs("prefill")[0]
+	testutil.WaitFor(t, time.Second, func() (bool, string) {
+		st := kv(t, prefiller)
+		return st.HeldRequests == 0, "prefiller: " + jsonString(st)
+	})
+	t.Logf("prefiller held_requests 0 %s after the last client was done", time.Since(done).Round(time.Millisecond))
+	s.assertQuiet(5 * time.Second)
+
+	prefills := kv(t, prefiller).RequestsTotal
+	var decodes int
+	for _, u := range s.m.SimURLs("decode") {
+		decodes += kv(t, u).RequestsTotal
+	}
+	reg := s.m.Registry
+	decodeOnly := testutil.Value(t, reg, "pdproxy_decode_only_total", nil)
+	fallbacks := testutil.Value(t, reg, "pdproxy_fallbacks_total", nil)
+	t.Logf("prefills %d, decodes %d (decode-only %v, fallbacks %v); holds by result: handed_over %v, released %v, left_to_engine %v; drains %v",
+		prefills, decodes, decodeOnly, fallbacks,
+		testutil.Value(t, reg, "pdproxy_kv_hold_handoffs_total", map[string]string{"result": "handed_over"}),
+		testutil.Value(t, reg, "pdproxy_kv_hold_handoffs_total", map[string]string{"result": "released"}),
+		testutil.Value(t, reg, "pdproxy_kv_hold_handoffs_total", map[string]string{"result": "left_to_engine"}),
+		testutil.Value(t, reg, "pdproxy_kv_releases_total", map[string]string{"reason": "drained"}))
+	if want := prefills + int(decodeOnly+fallbacks); decodes != want {
+		t.Errorf("decoders got %d calls; want one per prefill plus one per decode-only request: %d", decodes, want)
+	}
+	for _, u := range s.m.SimURLs("decode") {
+		t.Logf("%s /debug/kv: %s", u, jsonString(kv(t, u)))
+	}
+	t.Logf("%s /debug/kv: %s", prefiller, jsonString(kv(t, prefiller)))
+}
