@@ -135,10 +135,14 @@ const maxPooledPrefillBuf = 64 << 10
 // ErrNoAbort is Engine.Abort's answer for an engine without an explicit abort.
 var ErrNoAbort = errors.New("the engine has no explicit abort")
 
-// abortRequest is SGLang's explicit abort, POST /abort_request {"rid": id}: it aborts a request
-// or frees the KV held for it; an unknown id is a no-op on the engine.
+// abortRequest is SGLang's explicit abort, POST /abort_request {"rid": id, "abort_all": false}:
+// it aborts a request or frees the KV held for it; an unknown id is a no-op on the engine,
+// which matches ids by prefix (so the proxy's ids are of one length).
 func abortRequest(ctx context.Context, client *http.Client, baseURL, id string) error {
-	body, _ := json.Marshal(map[string]string{"rid": id})
+	body, _ := json.Marshal(struct {
+		RID      string `json:"rid"`
+		AbortAll bool   `json:"abort_all"`
+	}{id, false})
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, baseURL+"/abort_request", bytes.NewReader(body))
 	if err != nil {
 		return fmt.Errorf("build abort to %s: %w", baseURL, err)

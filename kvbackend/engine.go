@@ -119,6 +119,8 @@ func Lookup(kind string) (Engine, bool) {
 		return VLLMLegacy, true
 	case KindSim:
 		return Sim, true
+	case KindSGLang:
+		return SGLang, true
 	}
 	return nil, false
 }
@@ -126,7 +128,7 @@ func Lookup(kind string) (Engine, bool) {
 // Kinds lists the engine kinds Lookup knows, for error messages.
 func Kinds() []string { return slices.Clone(kinds) }
 
-var kinds = []string{KindVLLM, KindVLLMLegacy, KindSim}
+var kinds = []string{KindVLLM, KindVLLMLegacy, KindSim, KindSGLang}
 
 var (
 	_ Engine = vllm{}

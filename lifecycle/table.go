@@ -149,6 +149,48 @@ func (t *Table) End(id string) {
 	e.hold.release(ReleaseExpired, false)
 }
 
+// StartLegs moves a request from Received to Prefilling as its two legs go out together to
+// prefill and decode (SGLang): the prefiller holds the request's KV in a bootstrap room from
+// now until the decoder claims it. The hold is recorded at once, with no forwarding deadline
+// (no params travel through the proxy); LegsJoined ends it, or a ClientGone or Fail hands it
+// to the caller, who aborts the legs. It answers false when the request is no longer in
+// Received (the client left): then nothing may be sent.
+func (t *Table) StartLegs(id, prefill, decode string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.lookup(id, "legs_start")
+	if e == nil || e.state != Received {
+		if e != nil {
+			t.late("legs_start", id)
+		}
+		return false
+	}
+	e.prefill, e.decode = prefill, decode
+	e.hold = t.newHold(id)
+	t.setState(e, Prefilling)
+	return true
+}
+
+// LegsJoined records that the decoder has the KV of a request on paired legs (its answer
+// began, or the prefiller finished the transfer): the room's hold ends as decoded, and the
+// request is decoding. In any other state it is a counted no-op.
+func (t *Table) LegsJoined(id string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.lookup(id, "legs_joined")
+	if e == nil {
+		return false
+	}
+	if e.state != Prefilling || e.hold == nil {
+		t.late("legs_joined", id)
+		return false
+	}
+	e.hold.Release(ReleaseDecoded)
+	e.hold = nil
+	t.setState(e, Decoding)
+	return true
+}
+
 // StartPrefill moves a request from Received to Prefilling. It answers false when the request
 // is no longer in Received (the client left): then nothing may be sent.
 func (t *Table) StartPrefill(id, backend string) bool {
@@ -295,7 +337,9 @@ func (t *Table) ClientGone(id string) (Action, *Hold, State) {
 	switch prev {
 	case Received:
 	case Prefilling:
-		act = CancelPrefill
+		// A request on paired legs holds its room from the start (StartLegs): it comes back
+		// with the cancel, to be released by the engines' aborts.
+		act, hold = CancelPrefill, e.hold
 	case KVHeld:
 		act, hold = ReleaseKV, e.hold
 	case Decoding:

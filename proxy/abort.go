@@ -15,6 +15,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -76,7 +77,10 @@ func (x *exchange) gone() *apiError {
 	case lifecycle.CancelPrefill:
 		// The call's context is already cancelled, which closed the prefiller's connection.
 		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
-		if b := x.prefillB; b != nil && engineOf(b).CanAbort() {
+		if hold != nil {
+			// Paired legs: the room is held until both are aborted, the decoder's first.
+			x.s.abortLegs(x.engineID, x.prefillB, x.decodeB, hold)
+		} else if b := x.prefillB; b != nil && engineOf(b).CanAbort() {
 			// The engine may have finished its last step before the connection closed and
 			// now hold KV nobody will pull (race R1): its explicit abort frees that too.
 			x.s.abortOnEngine(x.engineID, b)
@@ -86,6 +90,10 @@ func (x *exchange) gone() *apiError {
 		x.s.startRelease(release{mode: x.s.cfg.KVRelease, c: x.handOff(), hold: hold, req: x.req, prefill: x.prefillB, params: x.kvParams})
 	case lifecycle.CancelDecode:
 		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
+		if _, paired := engineOf(x.decodeB).(kvbackend.Paired); paired {
+			// SGLang notices a closed stream only seconds later: its abort stops it now.
+			x.s.abortOnEngine(x.engineID, x.decodeB)
+		}
 	}
 	if ce := x.s.logger.Check(zap.DebugLevel, "client gone"); ce != nil {
 		ce.Write(zap.String("request_id", x.id), zap.Stringer("stage", stage), zap.Stringer("action", act))
@@ -99,6 +107,61 @@ func (x *exchange) fail() {
 		x.s.startRelease(release{mode: x.s.cfg.KVRelease, c: x.handOff(), hold: hold, req: x.req, prefill: x.prefillB, params: x.kvParams})
 	}
 }
+
+// failLegs ends a request on paired legs as failed; while the room is still held, both legs
+// are aborted, the decoder's first, so that neither waits for a partner that never comes.
+func (x *exchange) failLegs() {
+	if act, hold := x.s.table.Fail(x.id); act == lifecycle.ReleaseKV {
+		x.s.abortLegs(x.engineID, x.prefillB, x.decodeB, hold)
+	}
+}
+
+// abortLegs frees a room that paired legs hold: the decoder is aborted first, then the
+// prefiller (aborting a prefiller in mid-transfer may leak; with the decoder gone first,
+// no transfer starts). Each abort is tried again within a bound; one that never succeeds is
+// counted (pdproxy_kv_release_failures_total{mode="abort"}) and logged: with NIXL nothing
+// else frees the room. Each is repeated a moment later, as in abortOnEngine, in case it
+// overtook its leg.
+func (s *Server) abortLegs(id string, p, d *router.Backend, hold *lifecycle.Hold) {
+	s.bg.Add(1)
+	go func() {
+		defer s.bg.Done()
+		okD := s.abortRetrying(id, d)
+		okP := s.abortRetrying(id, p)
+		if okD && okP {
+			hold.Release(lifecycle.ReleaseAborted)
+		} else {
+			s.m.releaseFailure.WithLabelValues(ReleaseAbort).Inc()
+			s.logger.Error("could not abort a request's paired legs: the prefiller may hold its room until it restarts",
+				zap.String("engine_request_id", id), zap.String("prefill_backend", p.Name), zap.String("decode_backend", d.Name))
+			hold.Release(lifecycle.ReleaseExpired)
+		}
+		s.bg.Add(1)
+		time.AfterFunc(abortRepeatDelay, func() {
+			defer s.bg.Done()
+			s.abortCall(id, d, "repeated engine abort failed")
+			s.abortCall(id, p, "repeated engine abort failed")
+		})
+	}()
+}
+
+// abortRetrying sends an explicit abort, again after a failure, abortRetries times at most.
+func (s *Server) abortRetrying(id string, b *router.Backend) bool {
+	for i := range abortRetries {
+		if s.abortCall(id, b, "engine abort failed") {
+			return true
+		}
+		time.Sleep(abortRetryBackoff << i)
+	}
+	return false
+}
+
+// abortRetries and abortRetryBackoff bound the tries of an abort that frees KV: 3 tries
+// within about a second.
+const (
+	abortRetries      = 3
+	abortRetryBackoff = 150 * time.Millisecond
+)
 
 // releaseUnsentHold releases, when the decode returns, a hold that StartDecode handed over
 // and no decoder acknowledged (see decode): the engine's explicit abort where it has one (it
@@ -202,7 +265,7 @@ func (s *Server) abortOnEngine(id string, b *router.Backend) {
 func (s *Server) abortCall(id string, b *router.Backend, msg string) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), defaultAbortCallTimeout)
 	defer cancel()
-	if err := engineOf(b).Abort(ctx, b.Client(), baseURL(b), id); err != nil {
+	if err := engineOf(b).Abort(ctx, b.AdminClient(), baseURL(b), id); err != nil {
 		s.logger.Warn(msg, zap.String("engine_request_id", id), zap.String("backend", b.Name), zap.Error(err))
 		return false
 	}
@@ -297,7 +360,7 @@ func (s *Server) drain(r release) bool {
 	r.c.lease = nil
 	if lease == nil {
 		var err error
-		lease, err = s.router.Acquire(ctx, router.RoleDecode, router.Hint{RequestID: r.c.id, Overcommit: true, Exclude: r.exclude})
+		lease, err = s.router.Acquire(ctx, router.RoleDecode, router.Hint{RequestID: r.c.id, Overcommit: true, Exclude: r.exclude, Accept: sequential})
 		if err != nil {
 			s.logger.Warn("kv drain found no decoder", zap.String("request_id", r.c.id), zap.Error(err))
 			return false

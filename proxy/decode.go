@@ -75,7 +75,9 @@ func (x *exchange) decode() *apiError {
 	tried := []string{b.Name}
 	for attempt := 0; err != nil && retriable(err, false) && x.ctx.Err() == nil && attempt < x.s.cfg.DecodeRetries; attempt++ {
 		// The decoder provably never got the call: another one may take it.
-		lease, aerr := x.s.router.Acquire(x.ctx, router.RoleDecode, x.hint(tried))
+		h := x.hint(tried)
+		h.Accept = sequential
+		lease, aerr := x.s.router.Acquire(x.ctx, router.RoleDecode, h)
 		if aerr != nil {
 			break
 		}

@@ -52,6 +52,9 @@ type exchange struct {
 	decodeT  time.Duration
 	fallback bool
 	chunks   int
+	// joined, for a request on paired legs, records that the decoder has the room's KV; the
+	// relay calls it at the decoder's first byte (joinLegs).
+	joined func()
 	// abortConn: the answer broke after its headers went out in a non-streaming response; the
 	// only honest end is to cut the connection.
 	abortConn bool
@@ -181,13 +184,26 @@ func (x *exchange) hint(exclude []string) router.Hint {
 	return router.Hint{RequestID: x.id, Prefix: x.req.prefix, Exclude: exclude}
 }
 
+// sequential accepts the engines that serve a request as a prefill, then a decode (vLLM),
+// and pairedWith those that speak the same paired protocol as e (SGLang): one request never
+// mixes the two.
+func sequential(e router.Engine) bool { _, p := e.(kvbackend.Paired); return !p }
+
+func pairedWith(d router.Engine) func(router.Engine) bool {
+	return func(e router.Engine) bool { return e.Kind() == d.Kind() }
+}
+
 func (x *exchange) serve() *apiError {
 	before := x.s.cfg.DecoderReservation != ReserveAfterPrefill
 	if before {
 		// The decoder is reserved first, so that a prefilled request never waits for one and
-		// its KV is held only as long as sending the decode takes.
-		if e := x.reserveDecoder(); e != nil {
+		// its KV is held only as long as sending the decode takes. Its engine says how the
+		// request is served: paired legs (SGLang) go out together with it.
+		if e := x.reserveDecoder(nil); e != nil {
 			return e
+		}
+		if _, ok := engineOf(x.decodeB).(kvbackend.Paired); ok {
+			return x.serveLegs()
 		}
 	}
 	switch {
@@ -205,16 +221,19 @@ func (x *exchange) serve() *apiError {
 	}
 	if !before {
 		// Waiting for a decoder now happens in kv_held: a client leaving meanwhile gets its KV
-		// released, and the hold deadline keeps running.
-		if e := x.reserveDecoder(); e != nil {
+		// released, and the hold deadline keeps running. (Paired engines need their decoder
+		// with the prefill, so this mode leaves them out.)
+		if e := x.reserveDecoder(sequential); e != nil {
 			return e
 		}
 	}
 	return x.decode()
 }
 
-func (x *exchange) reserveDecoder() *apiError {
-	lease, err := x.s.router.Acquire(x.ctx, router.RoleDecode, x.hint(nil))
+func (x *exchange) reserveDecoder(accept func(router.Engine) bool) *apiError {
+	h := x.hint(nil)
+	h.Accept = accept
+	lease, err := x.s.router.Acquire(x.ctx, router.RoleDecode, h)
 	if err != nil {
 		if x.ctx.Err() != nil {
 			return x.gone()

@@ -25,7 +25,9 @@ func (x *exchange) prefill() *apiError {
 		lastErr error
 	)
 	for attempt := 0; attempt <= x.s.cfg.PrefillRetries; attempt++ {
-		lease, err := x.s.router.Acquire(x.ctx, router.RolePrefill, x.hint(tried))
+		h := x.hint(tried)
+		h.Accept = sequential
+		lease, err := x.s.router.Acquire(x.ctx, router.RolePrefill, h)
 		if err != nil {
 			if x.ctx.Err() != nil {
 				return x.gone()

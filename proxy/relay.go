@@ -64,6 +64,8 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 				return x.gone()
 			}
 			if !x.wrote {
+				// A decoder generates only once it has the KV: paired legs have joined.
+				x.joinLegs()
 				x.w.WriteHeader(http.StatusOK)
 				x.wrote = true
 				x.ttft = time.Since(x.start)

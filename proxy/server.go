@@ -190,6 +190,10 @@ type Server struct {
 	bg sync.WaitGroup
 
 	models modelCache
+	// bootstrap caches paired prefillers' bootstrap ports by URL; discover makes concurrent
+	// first requests share one discovery.
+	bootstrap sync.Map
+	discover  singleflight.Group
 	// keys are the client API keys; nil means none are required.
 	keys *keyring
 }

@@ -34,7 +34,12 @@ type Backend struct {
 	// MaxInflight is the in-flight limit above which requests queue; at least 1.
 	MaxInflight int
 
+	// BootstrapPort is the configured bootstrap port (SGLang); zero means ask the engine.
+	BootstrapPort int
+
 	client *http.Client
+	// admin is the client for the engine's admin calls: client, with the admin key.
+	admin *http.Client
 	// opts is what client was built from.
 	opts clientOptions
 	// st is shared by the Backend values that a Reload keeps under the same name, URL
@@ -88,6 +93,7 @@ func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendSta
 		KVHoldTimeout: c.KVHoldTimeout,
 		Weight:        c.Weight,
 		MaxInflight:   c.MaxInflight,
+		BootstrapPort: c.BootstrapPort,
 		client:        client,
 		st:            st,
 	}
@@ -98,6 +104,7 @@ func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendSta
 type clientOptions struct {
 	maxInflight int
 	apiKey      string
+	adminKey    string
 	caPEM       string
 	serverName  string
 	skipVerify  bool
@@ -107,6 +114,13 @@ type clientOptions struct {
 // variable and the CA file. Errors name the field.
 func resolveClientOptions(c BackendConfig) (clientOptions, error) {
 	o := clientOptions{maxInflight: c.MaxInflight, apiKey: c.APIKey, serverName: c.TLSServerName, skipVerify: c.TLSInsecureSkipVerify}
+	o.adminKey = c.AdminAPIKey
+	if c.AdminAPIKeyEnv != "" {
+		o.adminKey = os.Getenv(c.AdminAPIKeyEnv)
+		if o.adminKey == "" {
+			return o, fmt.Errorf("admin_api_key_env: environment variable %s is unset or empty", c.AdminAPIKeyEnv)
+		}
+	}
 	if c.APIKeyEnv != "" {
 		o.apiKey = os.Getenv(c.APIKeyEnv)
 		if o.apiKey == "" {
@@ -197,6 +211,31 @@ func (t *bearerTransport) CloseIdleConnections() { t.base.CloseIdleConnections()
 // Client returns the backend's HTTP client with a transport tuned for it. Use it for
 // every call to this backend so connections are reused.
 func (b *Backend) Client() *http.Client { return b.client }
+
+// AdminClient is Client for the engine's admin calls: it sends admin_api_key where one is
+// configured, over the same connections.
+func (b *Backend) AdminClient() *http.Client {
+	if b.admin != nil {
+		return b.admin
+	}
+	return b.client
+}
+
+// withAdmin gives b its admin client when o has an admin key.
+func (b *Backend) withAdmin(o clientOptions) {
+	if o.adminKey == "" {
+		return
+	}
+	base := b.client.Transport
+	if bt, ok := base.(*bearerTransport); ok {
+		base = bt.base
+	}
+	tr, ok := base.(*http.Transport)
+	if !ok {
+		return
+	}
+	b.admin = &http.Client{Transport: &bearerTransport{value: "Bearer " + o.adminKey, base: tr}, CheckRedirect: b.client.CheckRedirect}
+}
 
 // Inflight is the number of leases currently counted on the backend.
 func (b *Backend) Inflight() int64 { return b.st.inflight.Load() }

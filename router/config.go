@@ -115,6 +115,14 @@ type BackendConfig struct {
 	// TLSServerName is the name the engine's certificate must carry (and the SNI sent),
 	// when it differs from the URL's host, e.g. a URL by IP address. Empty means the host.
 	TLSServerName string `yaml:"tls_server_name"`
+	// BootstrapPort is the port of an SGLang prefiller's bootstrap server. Zero means the
+	// one the engine reports (GET /server_info). Other engines ignore it.
+	BootstrapPort int `yaml:"bootstrap_port"`
+	// AdminAPIKey is the engine's admin key (SGLang's --admin-api-key), sent on its admin
+	// calls (the explicit abort) in place of api_key. AdminAPIKeyEnv names a variable that
+	// holds it instead. Empty means api_key, if any.
+	AdminAPIKey    string `yaml:"admin_api_key"`
+	AdminAPIKeyEnv string `yaml:"admin_api_key_env"`
 	// TLSInsecureSkipVerify accepts any certificate from the engine: the link is encrypted
 	// but anyone on the path can pose as the engine and read every prompt. For tests only;
 	// it is logged as a warning whenever the backend's client is built. [false]
@@ -337,6 +345,12 @@ func (c *Config) Validate() error {
 		}
 		if b.KVHoldTimeout < 0 {
 			bad(f+".kv_hold_timeout", "%v is negative", b.KVHoldTimeout)
+		}
+		if b.AdminAPIKey != "" && b.AdminAPIKeyEnv != "" {
+			bad(f+".admin_api_key_env", "set together with admin_api_key; set one")
+		}
+		if b.BootstrapPort < 0 || b.BootstrapPort > 65535 {
+			bad(f+".bootstrap_port", "%d is not a port", b.BootstrapPort)
 		}
 		if b.APIKey != "" && b.APIKeyEnv != "" {
 			bad(f+".api_key_env", "set together with api_key; set one")

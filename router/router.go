@@ -33,6 +33,9 @@ type Hint struct {
 	Prefix string
 	// Exclude names backends not to pick, e.g. the ones a retry already tried.
 	Exclude []string
+	// Accept, when set, restricts the pick to backends whose engine it accepts: one request
+	// never mixes engines that speak different protocols.
+	Accept func(Engine) bool
 	// Overcommit lets the pick go past max_inflight instead of waiting. It is for the
 	// proxy's own release traffic (a one-token drain that makes a decoder pull and free a
 	// prefiller's KV): that must never queue behind the load whose memory it frees.
@@ -268,7 +271,7 @@ func (r *Router) Available(role Role) []*Backend {
 func (r *Router) MinKVHoldTimeout(role Role) time.Duration {
 	var m time.Duration
 	for _, b := range r.backends() {
-		if b.Role == role && (m == 0 || b.KVHoldTimeout < m) {
+		if b.Role == role && b.KVHoldTimeout > 0 && (m == 0 || b.KVHoldTimeout < m) {
 			m = b.KVHoldTimeout
 		}
 	}
@@ -385,6 +388,7 @@ func (r *Router) apply(cfg Config) error {
 		eng, _ := engineOf(cfg.Engines, bc.Engine)
 		b := newBackend(bc, eng, client, st)
 		b.opts = opts[i]
+		b.withAdmin(opts[i])
 		all = append(all, b)
 	}
 	if cfg.Health.Interval <= 0 {
@@ -496,7 +500,7 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool) {
 	now := p.r.now()
 	cands := p.scratch[:0]
 	for _, b := range p.backends {
-		if !b.available(now) || slices.Contains(h.Exclude, b.Name) {
+		if !b.available(now) || slices.Contains(h.Exclude, b.Name) || h.Accept != nil && !h.Accept(b.Engine) {
 			continue
 		}
 		avail = true

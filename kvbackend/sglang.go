@@ -1,0 +1,153 @@
+package kvbackend
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"strconv"
+	"time"
+)
+
+// KindSGLang is SGLang's prefill/decode disaggregation.
+const KindSGLang = "sglang"
+
+// Paired is an engine whose prefill and decode legs go out together and find each other
+// through a bootstrap room on the prefiller (SGLang): the decoder claims the room and pulls
+// the KV; the prefiller holds it until then. The proxy runs such a request as two legs at
+// once, relays the decoder's answer, and reads and drops the prefiller's.
+type Paired interface {
+	Engine
+	// LegBody is the client's body for both legs, with the bootstrap fields and the rid.
+	LegBody(f *Fields, leg Leg) ([]byte, error)
+	// BootstrapPort asks a prefiller for the port of its bootstrap server.
+	BootstrapPort(ctx context.Context, client *http.Client, baseURL string) (int, error)
+}
+
+// Leg is what pairs a request's two legs: the prefiller's bootstrap server, a room, and the
+// request's id on both engines. Prompts is how many prompts the body holds (a batch gets one
+// room and one rid per prompt).
+type Leg struct {
+	Host    string
+	Port    int
+	Room    uint64
+	RID     string
+	Prompts int
+}
+
+// NewRoom is a random bootstrap room in [0, 2^63-1], as SGLang's own router draws them.
+func NewRoom() uint64 { return rand.Uint64() >> 1 }
+
+type sglang struct{}
+
+// SGLang is SGLang's disaggregation: parallel legs paired by a bootstrap room, and an explicit
+// abort on both engines.
+var SGLang Paired = sglang{}
+
+func (sglang) Kind() string { return KindSGLang }
+
+// KVHoldTimeout is zero: with NIXL a prefiller holds a room nobody claims until it restarts,
+// so only the proxy's aborts free it. The proxy forwards no params, so it keeps no deadline.
+func (sglang) KVHoldTimeout() time.Duration { return 0 }
+
+var errPaired = errors.New("sglang runs a request as two paired legs, not as prefill then decode")
+
+func (sglang) PrefillBody(*Fields, bool) ([]byte, error)                { return nil, errPaired }
+func (sglang) DecodeBody(*Fields, json.RawMessage) ([]byte, error)      { return nil, errPaired }
+func (sglang) DrainBody(*Fields, bool, json.RawMessage) ([]byte, error) { return nil, errPaired }
+func (sglang) ParsePrefill([]byte) (json.RawMessage, error)             { return nil, errPaired }
+func (sglang) CanAbort() bool                                           { return true }
+func (sglang) RejectionFreesKV(int) bool                                { return false }
+func (sglang) Abort(ctx context.Context, c *http.Client, baseURL, id string) error {
+	return abortRequest(ctx, c, baseURL, id)
+}
+
+// LegBody adds bootstrap_host, bootstrap_port, bootstrap_room and rid to the client's body;
+// for several prompts each is an array with one entry per prompt, the rids suffixed with the
+// prompt's index in fixed width so that they stay prefix-free. The rest is the client's, byte
+// for byte; a client's own bootstrap fields or rid never pass.
+func (sglang) LegBody(f *Fields, leg Leg) ([]byte, error) {
+	host, _ := json.Marshal(leg.Host)
+	port := []byte(strconv.Itoa(leg.Port))
+	room := []byte(strconv.FormatUint(leg.Room, 10))
+	rid, _ := json.Marshal(leg.RID)
+	if leg.Prompts > 1 {
+		hosts, ports, rooms, rids := []any{}, []any{}, []any{}, []any{}
+		for i := range leg.Prompts {
+			hosts = append(hosts, leg.Host)
+			ports = append(ports, leg.Port)
+			r := leg.Room + uint64(i)
+			if r >= 1<<63 {
+				r -= 1 << 63
+			}
+			rooms = append(rooms, r)
+			rids = append(rids, fmt.Sprintf("%s-%04d", leg.RID, i))
+		}
+		host, _ = json.Marshal(hosts)
+		port, _ = json.Marshal(ports)
+		room, _ = json.Marshal(rooms)
+		rid, _ = json.Marshal(rids)
+	}
+	return f.rewrite(sglangDrop, set{"bootstrap_host", host}, set{"bootstrap_port", port},
+		set{"bootstrap_room", room}, set{"rid", rid}), nil
+}
+
+var sglangDrop = []string{"bootstrap_host", "bootstrap_port", "bootstrap_room", "rid", "kv_transfer_params"}
+
+// BootstrapPort reads disaggregation_bootstrap_port from GET /server_info, or from
+// /get_server_info on servers older than its rename.
+func (sglang) BootstrapPort(ctx context.Context, client *http.Client, baseURL string) (int, error) {
+	var last error
+	for _, path := range []string{"/server_info", "/get_server_info"} {
+		port, err := bootstrapPortFrom(ctx, client, baseURL+path)
+		if err == nil {
+			return port, nil
+		}
+		last = err
+	}
+	return 0, last
+}
+
+func bootstrapPortFrom(ctx context.Context, client *http.Client, url string) (int, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return 0, fmt.Errorf("discover bootstrap port: %w", err)
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return 0, fmt.Errorf("discover bootstrap port: read %s: %w", url, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return 0, fmt.Errorf("discover bootstrap port: %s answered %d", url, resp.StatusCode)
+	}
+	var info struct {
+		Mode string `json:"disaggregation_mode"`
+		Port *int   `json:"disaggregation_bootstrap_port"`
+	}
+	if err := json.Unmarshal(raw, &info); err != nil {
+		return 0, fmt.Errorf("discover bootstrap port: %s: %w", url, err)
+	}
+	if info.Mode != "" && info.Mode != "prefill" {
+		return 0, fmt.Errorf("discover bootstrap port: %s says disaggregation_mode %q, not prefill", url, info.Mode)
+	}
+	if info.Port == nil {
+		return defaultBootstrapPort, nil
+	}
+	if *info.Port <= 0 || *info.Port > 65535 {
+		return 0, fmt.Errorf("discover bootstrap port: %s says port %d", url, *info.Port)
+	}
+	return *info.Port, nil
+}
+
+// defaultBootstrapPort is SGLang's --disaggregation-bootstrap-port default.
+const defaultBootstrapPort = 8998
+
+var _ Paired = sglang{}

@@ -1,0 +1,196 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// serveLegs serves a request on an engine with paired legs (SGLang): the client's body goes
+// to a prefiller and to the reserved decoder at once, both naming the same bootstrap room on
+// the prefiller; the decoder's answer goes to the client, the prefiller's is read and dropped.
+// The prefiller holds the request's KV in the room from the start until the decoder has it
+// (its first byte, or the prefiller's answer, which comes once the transfer is done): until
+// then every way out aborts the legs (abort.go), the decoder's first.
+func (x *exchange) serveLegs() *apiError {
+	start := time.Now()
+	d := x.decodeB
+	eng := engineOf(d).(kvbackend.Paired)
+	h := x.hint(nil)
+	h.Accept = pairedWith(d.Engine)
+	lease, err := x.s.router.Acquire(x.ctx, router.RolePrefill, h)
+	if err != nil {
+		if x.ctx.Err() != nil {
+			return x.gone()
+		}
+		// A decoder in disaggregated mode cannot serve alone: no decode-only fallback.
+		x.fail()
+		return fromRouter(err, router.RolePrefill)
+	}
+	p := lease.Backend()
+	x.prefillB = p
+	port, err := x.s.bootstrapPort(x.ctx, p)
+	if err != nil {
+		lease.Release(resultOf(err, x.ctx))
+		if x.ctx.Err() != nil {
+			return x.gone()
+		}
+		x.fail()
+		return fromBackend(&kvbackend.CallError{Err: err}, router.RolePrefill, "prefill_timeout")
+	}
+	body, err := eng.LegBody(x.req.fields, kvbackend.Leg{
+		Host: p.URL.Hostname(), Port: port, Room: kvbackend.NewRoom(), RID: x.engineID, Prompts: x.req.prompts,
+	})
+	if err != nil {
+		lease.Release(router.Result{})
+		x.fail()
+		return &apiError{status: http.StatusInternalServerError, typ: "internal_error", code: "internal", message: "could not build the request", cause: err}
+	}
+	if !x.s.table.StartLegs(x.id, p.Name, d.Name) {
+		lease.Release(router.Result{Canceled: true})
+		return x.gone()
+	}
+
+	// The prefill leg: its answer only says whether the room was served.
+	pctx, pcancel := context.WithTimeoutCause(x.ctx, x.s.cfg.PrefillTimeout, errPhaseTimeout)
+	defer pcancel()
+	prefilled := make(chan error, 1)
+	var legs sync.WaitGroup
+	legs.Add(1)
+	go func() {
+		defer legs.Done()
+		resp, err := x.call(p, x.route, body).Do(pctx)
+		if err == nil {
+			_, err = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+		if err != nil && context.Cause(pctx) == errPhaseTimeout {
+			err = errors.Join(errPhaseTimeout, err)
+		}
+		lease.Release(resultOf(err, x.ctx))
+		prefilled <- err
+	}()
+	// However the request ends, the prefill leg is over before the handler returns.
+	defer func() {
+		pcancel()
+		legs.Wait()
+		x.prefillT = time.Since(start)
+	}()
+
+	// The decode leg.
+	wd := newWatchdog(x.ctx, false, false, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
+	defer wd.stop()
+	x.joined = func() { x.s.table.LegsJoined(x.id) }
+	type answer struct {
+		resp *http.Response
+		err  error
+	}
+	decoded := make(chan answer, 1)
+	go func() {
+		resp, err := x.call(d, x.route, body).Do(wd.ctx)
+		decoded <- answer{resp, err}
+	}()
+	var ans answer
+	for waiting := true; waiting; {
+		select {
+		case err := <-prefilled:
+			prefilled = nil // the leg is done; a nil channel is never ready again
+			if err == nil {
+				// The prefiller answers once the room's KV went to the decoder.
+				x.joinLegs()
+				continue
+			}
+			if x.ctx.Err() != nil {
+				continue // the decode leg ends on the same cancel
+			}
+			// The decoder would wait for a room nobody fills: it is aborted with the prefill.
+			x.own.res = router.Result{Canceled: true}
+			x.failLegs()
+			ans = <-decoded
+			if ans.resp != nil {
+				ans.resp.Body.Close()
+			}
+			return fromBackend(err, router.RolePrefill, "prefill_timeout")
+		case ans = <-decoded:
+			waiting = false
+		}
+	}
+	if ans.err != nil {
+		x.own.res = resultOf(ans.err, x.ctx)
+		if x.ctx.Err() != nil && !wd.timedOut() {
+			return x.gone()
+		}
+		x.failLegs()
+		if cause := context.Cause(wd.ctx); wd.timedOut() {
+			ans.err = errors.Join(cause, ans.err)
+		}
+		return fromBackend(ans.err, router.RoleDecode, "decode_timeout")
+	}
+	defer ans.resp.Body.Close()
+	x.own.res = router.Result{Status: http.StatusOK}
+	return x.relay(ans.resp, wd)
+}
+
+// joinLegs records, once, that the decoder has the room's KV.
+func (x *exchange) joinLegs() {
+	if x.joined != nil {
+		x.joined()
+		x.joined = nil
+	}
+}
+
+// bootstrapPort is the port of p's bootstrap server: configured, or asked of the engine once
+// (DiscoverBootstrapPorts asks again at start and on reload).
+func (s *Server) bootstrapPort(ctx context.Context, p *router.Backend) (int, error) {
+	if p.BootstrapPort > 0 {
+		return p.BootstrapPort, nil
+	}
+	if port, ok := s.bootstrap.Load(p.URLString); ok {
+		return port.(int), nil
+	}
+	v, err, _ := s.discover.Do(p.URLString, func() (any, error) {
+		// Shared by every request waiting on it, so detached from this one's client.
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), defaultAbortCallTimeout)
+		defer cancel()
+		return s.discoverBootstrapPort(ctx, p)
+	})
+	if err != nil {
+		return 0, err
+	}
+	return v.(int), nil
+}
+
+func (s *Server) discoverBootstrapPort(ctx context.Context, p *router.Backend) (int, error) {
+	eng, ok := engineOf(p).(kvbackend.Paired)
+	if !ok {
+		return 0, errors.New("not a paired engine")
+	}
+	port, err := eng.BootstrapPort(ctx, p.Client(), baseURL(p))
+	if err != nil {
+		return 0, err
+	}
+	s.bootstrap.Store(p.URLString, port)
+	return port, nil
+}
+
+// DiscoverBootstrapPorts asks every paired prefiller without a configured bootstrap_port for
+// its port (SGLang: GET /server_info), at start and after a reload. One that does not answer
+// is asked again by its first request.
+func (s *Server) DiscoverBootstrapPorts(ctx context.Context) error {
+	var errs []error
+	for _, p := range s.router.Available(router.RolePrefill) {
+		if _, ok := engineOf(p).(kvbackend.Paired); !ok || p.BootstrapPort > 0 {
+			continue
+		}
+		if _, err := s.discoverBootstrapPort(ctx, p); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
