@@ -343,3 +343,71 @@ func TestAbortRequestOfOneChoiceEndsThatChoiceOnly(t *testing.T) {
 	}
 	ts.waitKV(t, "all free", allFree)
 }
+
+func TestPromptLogprobsWithoutKVParamsAreServedAndCrashNothing_Issue50792(t *testing.T) {
+	tests := []struct {
+		name, path, body string
+		choices          int
+	}{
+		{"prompt_logprobs", "/v1/completions", `{"prompt":"hello","prompt_logprobs":1}`, 1},
+		{"prompt_logprobs with kv_transfer_params null", "/v1/completions", `{"prompt":"hello","prompt_logprobs":0,"kv_transfer_params":null}`, 1},
+		{"echo with logprobs", "/v1/completions", `{"prompt":"hello","echo":true,"logprobs":1,"kv_transfer_params":null}`, 1},
+		{"chat echo with logprobs", "/v1/chat/completions", `{"messages":[{"role":"user","content":"hello"}],"echo":true,"logprobs":true,"top_logprobs":1}`, 1},
+		{"prompt_logprobs with n=2 and two prompts", "/v1/completions", `{"prompt":["hello","world"],"n":2,"prompt_logprobs":1,"echo":true,"logprobs":1}`, 4},
+	}
+	for _, tt := range tests {
+		for _, stream := range []bool{false, true} {
+			name := tt.name
+			if stream {
+				name += ", streaming"
+			}
+			t.Run(name, func(t *testing.T) {
+				ts := startServer(t, fastConfig())
+				// A request running beside it, which a crash would kill.
+				ctx, cancel := context.WithCancel(context.Background())
+				defer cancel()
+				bystander := ts.post(t, ctx, "/v1/completions", `{"prompt":"busy","max_tokens":1000000,"ignore_eos":true,"stream":true}`, nil)
+				defer bystander.Body.Close()
+				br := bufio.NewReader(bystander.Body)
+				if line, err := br.ReadString('\n'); err != nil || !strings.Contains(line, " tok") {
+					t.Fatalf("bystander's first line %q, %v", line, err)
+				}
+
+				extra := ""
+				if stream {
+					extra = `,"stream":true`
+				}
+				resp := ts.post(t, context.Background(), tt.path, withOptions(tt.body, extra), nil)
+				body := readAll(t, resp)
+				if resp.StatusCode != http.StatusOK {
+					t.Fatalf("status %d: %s", resp.StatusCode, body)
+				}
+				got := 0
+				if stream {
+					text, finish := streamText(t, sseEvents(t, body))
+					if finish != "length" || text == "" {
+						t.Errorf("stream %s: text %q, finish %q", body, text, finish)
+					}
+					got = strings.Count(string(body), `"finish_reason":"length"`)
+				} else {
+					var ans fanOutAnswer
+					if err := json.Unmarshal(body, &ans); err != nil {
+						t.Fatalf("answer %s: %v", body, err)
+					}
+					got = len(ans.Choices)
+				}
+				if got != tt.choices {
+					t.Errorf("%d choices, want %d: %s", got, tt.choices, body)
+				}
+				// A crash would have ended the bystander before the answer came.
+				if s := ts.kv(t); s.RunningRequests != 1 || s.EngineCrashesTotal != 0 {
+					t.Errorf("/debug/kv = %+v, want the bystander still running and no crash", s)
+				}
+				cancel()
+				if s := ts.waitKV(t, "all free", allFree); s.EngineCrashesTotal != 0 || s.DoubleFreeAttemptsTotal != 0 {
+					t.Errorf("/debug/kv = %+v, want no crash", s)
+				}
+			})
+		}
+	}
+}
