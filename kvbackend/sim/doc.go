@@ -78,7 +78,12 @@
 // request per (prompt, sample), each holding its own blocks, and answers
 // kv_transfer_params for the first only (X-Request-Id); the others' holds
 // are invisible and end with their leases (vLLM #38900, #54707; see
-// fanout.go). Outside a prefill the sim still answers n != 1 and prompt
+// fanout.go). A proxy sends such requests decode-only, without
+// kv_transfer_params: the sim then serves them as vLLM does, one request per
+// (prompt, sample) computing its prompt in blocks of its own, every choice
+// in one answer (index prompt*n+sample), streamed interleaved or whole (see
+// choices.go); prompt_logprobs and echo with logprobs are served too. A
+// decode with kv_transfer_params still answers n != 1, best_of and prompt
 // arrays with a 400. A decode with kv_transfer_params that asks for
 // prompt_logprobs, or echo with logprobs, crashes the engine (vLLM #50792):
 // it and every request the engine has fail with a 500 engine_dead, holds

@@ -19,6 +19,9 @@ import (
 // the first request's choice only, a simplification: a proxy streams
 // nothing from a prefiller.
 
+// A request without kv_transfer_params fans out the same way, each child
+// computing its own prompt, and answers every choice (choices.go).
+
 // childID names sample k of prompt i of request rid, after vLLM's "<k>_<id>"
 // for n and "<id>-<i>" for prompt arrays. (0, 0) is rid itself.
 func childID(rid string, i, k int) string {
@@ -28,7 +31,7 @@ func childID(rid string, i, k int) string {
 	return fmt.Sprintf("%d_%s-%d", k, rid, i)
 }
 
-// child is one request of a fan-out other than the first.
+// child is one request of a fan-out.
 type child struct {
 	req   *request
 	index int  // choice index, prompt*n+sample
@@ -43,10 +46,11 @@ type childResult struct {
 	complete int
 }
 
-// newChildren builds the requests of a prefill's fan-out beyond the first,
-// or none. An error is the first prompt that cannot be served.
+// newChildren builds the requests of a fan-out beyond the first (which
+// keeps rid), or none for a request of one prompt and one sample. An error
+// is the first prompt that cannot be served.
 func (e *Engine) newChildren(rid string, a *apiRequest) ([]child, error) {
-	if a.kind != kindPrefill || (len(a.prompts) == 1 && a.samples == 1) {
+	if len(a.prompts) == 1 && a.samples == 1 {
 		return nil, nil
 	}
 	var out []child

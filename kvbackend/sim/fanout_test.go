@@ -1,8 +1,6 @@
 package sim
 
 import (
-	"github.com/pdproxy/pdproxy/internal/testutil"
-
 	"bufio"
 	"context"
 	"encoding/json"
@@ -11,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 // fanOutAnswer is what these tests read of a prefill's whole answer.

@@ -15,6 +15,8 @@ func FuzzParseRequest(f *testing.F) {
 		`{"prompt":"x","max_tokens":-1}`,
 		`{"prompt":["a","b"],"n":2,"best_of":3,` + prefillKV + `}`,
 		`{"prompt":[[1,2],[3]],` + prefillKV + `}`,
+		`{"prompt":["a","b"],"n":2,"best_of":3,"kv_transfer_params":null}`,
+		`{"prompt":["a","b"],"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"h","remote_port":1}}`,
 		`{"prompt":"x","prompt_logprobs":1,"echo":true,"logprobs":false,"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"h","remote_port":1,"remote_block_ids":[]}}`,
 		`{}`, `[]`, `null`, ``, `{"prompt":`, `{"prompt":"a"} trailing`,
 	}
@@ -33,8 +35,8 @@ func FuzzParseRequest(f *testing.F) {
 		if req.promptTokens < 1 || req.maxTokens < 1 || req.maxTokens > maxTokensLimit || req.minTokens < 0 || req.minTokens > req.maxTokens {
 			t.Fatalf("accepted out-of-range request %+v from %q", req, body)
 		}
-		if req.kind != kindPrefill && (len(req.prompts) != 1 || req.samples != 1) {
-			t.Fatalf("fan-out outside a prefill: %+v from %q", req, body)
+		if req.kind == kindDecode && (len(req.prompts) != 1 || req.samples != 1) {
+			t.Fatalf("fan-out of a decode with kv_transfer_params: %+v from %q", req, body)
 		}
 		if req.samples < req.n || req.n < 1 || req.samples > maxChoices || len(req.prompts) > maxChoices || req.prompts[0] != req.promptTokens {
 			t.Fatalf("accepted out-of-range fan-out %+v from %q", req, body)

@@ -1,13 +1,13 @@
 package sim
 
 import (
-	"github.com/pdproxy/pdproxy/internal/testutil"
-
 	"context"
 	"net/http"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 func TestFirstPullFromEachPrefillerWaitsForTheNIXLHandshake_Issue46240(t *testing.T) {

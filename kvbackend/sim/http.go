@@ -153,6 +153,10 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 		if chat {
 			resp.id = "chatcmpl-" + rid
 		}
+		if a.kind == kindAggregated && len(children) > 0 {
+			resp.serveChoices(append([]child{{req: req, index: 0, shown: true}}, children...))
+			return
+		}
 		fan := e.startChildren(r.Context(), children)
 		err = e.drive(r.Context(), req, resp.emit)
 		resp.extra = fan.wait()
@@ -223,8 +227,14 @@ type completion struct {
 	KVTransferParams any `json:"kv_transfer_params,omitempty"`
 }
 
+// usage counts every prompt once, however many samples it had, and the
+// completion tokens of the choices shown.
 func (p *responder) usage(completionTokens int) *usage {
-	return &usage{PromptTokens: p.api.promptTokens, CompletionTokens: completionTokens, TotalTokens: p.api.promptTokens + completionTokens}
+	prompt := 0
+	for _, n := range p.api.prompts {
+		prompt += n
+	}
+	return &usage{PromptTokens: prompt, CompletionTokens: completionTokens, TotalTokens: prompt + completionTokens}
 }
 
 // kvParams is the top-level kv_transfer_params of a prefill that ended in a
@@ -258,7 +268,7 @@ func (p *responder) emit(o output) error {
 		return nil
 	}
 	if !p.started {
-		if err := p.begin(); err != nil {
+		if err := p.begin(1); err != nil {
 			return err
 		}
 	}
@@ -280,8 +290,8 @@ func (p *responder) emit(o output) error {
 }
 
 // begin sends the stream's headers (after the stall fault) and, for chat,
-// the role chunk vLLM sends first.
-func (p *responder) begin() error {
+// the role chunks vLLM sends first, one for each of the choices.
+func (p *responder) begin(choices int) error {
 	if err := sleep(p.ctx, p.e.clock, p.f.stall); err != nil {
 		return err
 	}
@@ -290,11 +300,16 @@ func (p *responder) begin() error {
 	h.Set("Cache-Control", "no-cache")
 	p.w.WriteHeader(http.StatusOK)
 	p.started = true
-	if p.api.chat {
+	if !p.api.chat {
+		return nil
+	}
+	for i := range choices {
 		empty := ""
-		c := p.chunk(choice{}, "")
+		c := p.chunk(choice{Index: i}, "")
 		c.Choices[0].Delta = &message{Role: "assistant", Content: &empty}
-		return p.event(c)
+		if err := p.event(c); err != nil {
+			return err
+		}
 	}
 	return nil
 }
@@ -395,7 +410,7 @@ func (p *responder) writeWhole(aborted bool) {
 		finish = "abort"
 	}
 	if p.api.stream {
-		if !p.started && p.begin() != nil {
+		if !p.started && p.begin(1) != nil {
 			return
 		}
 		c := p.chunk(choice{FinishReason: &finish}, "")
@@ -414,17 +429,17 @@ func (p *responder) writeWhole(aborted bool) {
 		c.Choices = append(c.Choices, p.wholeChoice(x.index, x.text, x.finish))
 		c.Usage.CompletionTokens += x.complete
 	}
-	if len(p.api.prompts) > 1 {
-		// Every prompt counts once, however many samples it had.
-		c.Usage.PromptTokens = 0
-		for _, n := range p.api.prompts {
-			c.Usage.PromptTokens += n
-		}
-	}
 	c.Usage.TotalTokens = c.Usage.PromptTokens + c.Usage.CompletionTokens
 	if !aborted {
 		c.KVTransferParams = p.kvParams(p.last)
 	}
+	p.writeBody(c, p.req)
+}
+
+// writeBody writes a whole (non-streaming) answer, applying the stall,
+// slow-write and close-after faults. reqs are the engine requests that made
+// it: a client that leaves before the answer aborts them.
+func (p *responder) writeBody(c *completion, reqs ...*request) {
 	body, err := json.Marshal(c)
 	if err != nil {
 		p.e.log.Error("encode response", zap.String("request_id", p.rid), zap.Error(err))
@@ -434,7 +449,9 @@ func (p *responder) writeWhole(aborted bool) {
 	if err := sleep(p.ctx, p.e.clock, p.f.stall+p.f.slowWrite); err != nil {
 		// The client left before the answer: the disconnect abort reaches an
 		// engine that already finished (race R1), a counted no-op.
-		p.e.abortRequest(p.req)
+		for _, r := range reqs {
+			p.e.abortRequest(r)
+		}
 		return
 	}
 	p.w.Header().Set("Content-Type", "application/json")

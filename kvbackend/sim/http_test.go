@@ -266,6 +266,10 @@ func TestFaultHeaders(t *testing.T) {
 	}
 }
 
+// nothingHeldKV is a decode's kv_transfer_params that name no block: a
+// decoder rejecting it has no prefiller to notify.
+const nothingHeldKV = `"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"127.0.0.1","remote_port":1,"remote_block_ids":[]}`
+
 func TestBadInputIsA400InTheOpenAIErrorShape(t *testing.T) {
 	huge := strings.Repeat("y", 64*16*4+4) // one token more than the pool holds
 	tests := []struct {
@@ -275,8 +279,12 @@ func TestBadInputIsA400InTheOpenAIErrorShape(t *testing.T) {
 		{"prompt missing", "/v1/completions", `{"max_tokens":3}`, "missing_prompt"},
 		{"max_tokens zero", "/v1/completions", `{"prompt":"x","max_tokens":0}`, "invalid_max_tokens"},
 		{"max_tokens not a number", "/v1/completions", `{"prompt":"x","max_tokens":"ten"}`, "invalid_json"},
-		{"several choices", "/v1/completions", `{"prompt":"x","n":2}`, "invalid_n"},
-		{"batched prompts", "/v1/completions", `{"prompt":["a","b"]}`, "invalid_prompt"},
+		{"n zero", "/v1/completions", `{"prompt":"x","n":0}`, "invalid_n"},
+		{"best_of below n", "/v1/completions", `{"prompt":"x","n":3,"best_of":2}`, "invalid_best_of"},
+		{"several choices of a decode with kv_transfer_params", "/v1/completions", `{"prompt":"x","n":2,` + nothingHeldKV + `}`, "invalid_n"},
+		{"best_of on a decode with kv_transfer_params", "/v1/completions", `{"prompt":"x","best_of":2,` + nothingHeldKV + `}`, "invalid_n"},
+		{"batched prompts on a decode with kv_transfer_params", "/v1/completions", `{"prompt":["a","b"],` + nothingHeldKV + `}`, "invalid_prompt"},
+		{"chat n on a decode with kv_transfer_params", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"n":2,` + nothingHeldKV + `}`, "invalid_n"},
 		{"min_tokens above max_tokens", "/v1/completions", `{"prompt":"x","max_tokens":2,"min_tokens":5}`, "invalid_min_tokens"},
 		{"prompt larger than the whole pool", "/v1/completions", `{"prompt":"` + huge + `"}`, "prompt_too_long"},
 		{"decode without a prefiller address", "/v1/completions", `{"prompt":"x","kv_transfer_params":{"do_remote_prefill":true}}`, "invalid_kv_transfer_params"},

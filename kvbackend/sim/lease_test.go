@@ -1,8 +1,6 @@
 package sim
 
 import (
-	"github.com/pdproxy/pdproxy/internal/testutil"
-
 	"bufio"
 	"context"
 	"io"
@@ -11,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 // leaseConfig is a scripted engine with the default lease (30s).

@@ -1,12 +1,12 @@
 package sim
 
 import (
-	"github.com/pdproxy/pdproxy/internal/testutil"
-
 	"context"
 	"net/http"
 	"strings"
 	"testing"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 // barrier returns once ts's scheduler has applied every event queued before

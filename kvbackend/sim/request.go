@@ -64,10 +64,10 @@ type apiRequest struct {
 	kv           *kvTransferParams // decode only: where to pull from
 
 	// prompts holds every prompt's token count (promptTokens is the first);
-	// more than one only on a prefill.
+	// never more than one on a decode.
 	prompts []int
-	// samples is how many requests a prefill runs per prompt, max(n,
-	// best_of), and n how many choices per prompt it answers with.
+	// samples is how many requests run per prompt, max(n, best_of), and n
+	// how many choices per prompt the answer has; both 1 on a decode.
 	samples, n int
 	// crashesDecoder: prompt logprobs asked of a decode, which kills a vLLM
 	// decoder's engine (vLLM #50792).
@@ -220,14 +220,17 @@ func (b *wireBody) validate(chat bool) (*apiRequest, error) {
 			req.kv = kv
 		}
 	}
-	if req.kind != kindPrefill {
-		// Only a prefill fans out (into requests that each hold, vLLM #38900
-		// and #54707); elsewhere the sim answers one choice for one prompt.
+	if req.kind == kindDecode {
+		// A prefill fans out (into requests that each hold, vLLM #38900 and
+		// #54707), and so does a request without kv_transfer_params (each
+		// child computing its prompt, as a vLLM server does: choices.go). A
+		// decode reads one prefill's blocks: the sim answers one choice for
+		// one prompt, and a proxy must not send it more.
 		if len(b.prompts) != 1 {
-			return nil, badRequest("invalid_prompt", "prompt: the sim takes one prompt per request outside a prefill, got %d", len(b.prompts))
+			return nil, badRequest("invalid_prompt", "prompt: the sim takes one prompt per decode with kv_transfer_params, got %d", len(b.prompts))
 		}
 		if req.samples != 1 {
-			return nil, badRequest("invalid_n", "n=%d, best_of=%d: the sim returns exactly one choice outside a prefill", req.n, req.samples)
+			return nil, badRequest("invalid_n", "n=%d, best_of=%d: the sim returns exactly one choice for a decode with kv_transfer_params", req.n, req.samples)
 		}
 	}
 	req.crashesDecoder = req.kind == kindDecode &&
