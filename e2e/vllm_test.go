@@ -1,0 +1,139 @@
+package e2e
+
+// Regression tests for issue 11, in front of engines the proxy takes for vLLM (no explicit
+// abort: only a decoder's pull or notify frees a prefiller's hold, else its lease): a bad
+// request or a refused decode never pins KV.
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// simDecoderBehind runs a simulated decoder on a port of its own, with wrap in front of its
+// handler: a test's fault or recorder on the real engine's path.
+func simDecoderBehind(t *testing.T, wrap func(engine http.Handler) http.Handler) *httptest.Server {
+	t.Helper()
+	cfg := sim.DefaultConfig()
+	cfg.Role = "decode"
+	cfg.ITL = time.Millisecond
+	eng, err := sim.New(cfg, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- eng.Run(ctx) }()
+	srv := httptest.NewServer(wrap(eng.Handler()))
+	t.Cleanup(func() {
+		srv.Close()
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("sim decoder: %v", err)
+		}
+		eng.CloseIdleConnections()
+	})
+	return srv
+}
+
+// asVLLM makes every in-process engine one the proxy takes for vLLM.
+func asVLLM(c *app.Config) {
+	for i := range c.Sims {
+		c.Sims[i].Engine = "vllm"
+	}
+}
+
+func TestVLLMBadRequestsAreRefusedBeforeAnyEngineHoldsKV(t *testing.T) {
+	// Each of these used to pass the proxy, be prefilled (rewritten to one token), and leave
+	// its hold pinned when the decoder refused the decode: on vLLM nobody frees it then.
+	s := startStack(t, fastSims, asVLLM)
+	long := prompt(1000)
+	for _, tc := range []struct {
+		name, body, param string
+	}{
+		{"max_tokens 0", `{"model":"sim","prompt":"` + long + `","max_tokens":0}`, "max_tokens"},
+		{"max_tokens -0", `{"model":"sim","prompt":"` + long + `","max_tokens":-0}`, "max_tokens"},
+		{"max_tokens 2^24", `{"model":"sim","prompt":"` + long + `","max_tokens":16777216}`, "max_tokens"},
+		{"a null in a prompt array", `{"model":"sim","prompt":["` + long + `",null],"max_tokens":5}`, "prompt"},
+		{"a sampling field of the wrong type", `{"model":"sim","prompt":"` + long + `","max_tokens":5,"temperature":"hot"}`, "temperature"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := readOpenAIError(t, post(t, context.Background(), s.url+"/v1/completions", tc.body), http.StatusBadRequest)
+			if e.Error.Param == nil || *e.Error.Param != tc.param {
+				t.Errorf("error param %v, want %q: %s", e.Error.Param, tc.param, e.Error.Message)
+			}
+			for _, u := range s.allSimURLs() {
+				if st := kv(t, u); st.RequestsTotal != 0 || st.HeldRequests != 0 {
+					t.Errorf("%s reached an engine: %s", tc.name, jsonString(st))
+				}
+			}
+			if got := testutil.Value(t, s.m.Registry, "pdproxy_backend_requests_total", nil); got != 0 {
+				t.Errorf("the proxy sent %v requests to backends", got)
+			}
+		})
+	}
+	if got := testutil.Value(t, s.m.Registry, "pdproxy_kv_held_requests", nil); got != 0 {
+		t.Errorf("pdproxy_kv_held_requests = %v", got)
+	}
+	s.assertQuiet(time.Second)
+}
+
+func TestVLLMDecoderRefusingADecodeUnreadGetsTheDrainAndThePrefillerHoldsNothing(t *testing.T) {
+	// The only decoder answers 429 without reading the decode (so it never acknowledged it,
+	// and never saw the params) when the client sends X-Refuse-Decode; the proxy passes the
+	// header to both legs and the prefiller ignores it. The drain that releases the hold
+	// carries no client header: the decoder, alive, takes it and pulls the blocks.
+	d := simDecoderBehind(t, func(engine http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Header.Get("X-Refuse-Decode") == "" {
+				engine.ServeHTTP(w, r)
+				return
+			}
+			w.Header().Set("Content-Type", "application/json")
+			w.Header().Set("Retry-After", "1")
+			w.WriteHeader(http.StatusTooManyRequests)
+			io.WriteString(w, `{"error":{"message":"too many requests","type":"rate_limit_error","code":"rate_limited"}}`)
+		})
+	})
+	s := startStack(t, fastSims, func(c *app.Config) {
+		c.Sims = c.Sims[:1] // the simulated prefiller; the decoder is d
+		c.Sims[0].Engine = "vllm"
+		c.Router.Backends = []router.BackendConfig{{Name: "refusing-decode", URL: d.URL, Role: router.RoleDecode, Engine: "vllm"}}
+	})
+	p := s.m.SimURLs("prefill")[0]
+	body := `{"model":"sim","prompt":"` + prompt(1000) + `","max_tokens":5,"ignore_eos":true}`
+	const n = 20
+	for i := 0; i < n; i++ {
+		readOpenAIError(t, post(t, context.Background(), s.url+"/v1/completions", body, "X-Refuse-Decode", "1"), http.StatusTooManyRequests)
+	}
+	testutil.WaitFor(t, time.Second, func() (bool, string) {
+		st := kv(t, p)
+		return st.HeldRequests == 0 && st.BlocksFree == st.BlocksTotal, "prefiller after the last refusal: " + jsonString(st)
+	})
+	if st := kv(t, p); st.RequestsTotal != n {
+		t.Errorf("prefiller served %d prefills, want %d", st.RequestsTotal, n)
+	}
+	testutil.WaitFor(t, time.Second, func() (bool, string) {
+		got := testutil.Value(t, s.m.Registry, "pdproxy_kv_hold_handoffs_total", map[string]string{"result": "released"})
+		return got == n, fmt.Sprintf("holds released by the proxy: %v, want %d", got, n)
+	})
+	if got := testutil.Value(t, s.m.Registry, "pdproxy_kv_held_requests", nil); got != 0 {
+		t.Errorf("pdproxy_kv_held_requests = %v", got)
+	}
+	if got := testutil.Value(t, s.m.Registry, "pdproxy_kv_hold_handoffs_total", map[string]string{"result": "left_to_engine"}); got != 0 {
+		t.Errorf("%v holds left pinned until the prefiller's lease", got)
+	}
+	s.assertQuiet(time.Second)
+}
