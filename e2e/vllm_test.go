@@ -2,7 +2,7 @@ package e2e
 
 // Regression tests for issue 11, in front of engines the proxy takes for vLLM (no explicit
 // abort: only a decoder's pull or notify frees a prefiller's hold, else its lease): a bad
-// request or a refused decode never pins KV.
+// request or a refused decode never pins KV, and a cut non-streaming decode is decoded once.
 
 import (
 	"context"
@@ -134,6 +134,66 @@ func TestVLLMDecoderRefusingADecodeUnreadGetsTheDrainAndThePrefillerHoldsNothing
 	}
 	if got := testutil.Value(t, s.m.Registry, "pdproxy_kv_hold_handoffs_total", map[string]string{"result": "left_to_engine"}); got != 0 {
 		t.Errorf("%v holds left pinned until the prefiller's lease", got)
+	}
+	s.assertQuiet(time.Second)
+}
+
+func TestVLLMCancelledNonStreamingRequestIsDecodedOnce(t *testing.T) {
+	// A whole-JSON decode answers only at its end: the hold passes to the decoder when it
+	// acknowledges the decode (100 Continue), not with the answer. A client that leaves mid-
+	// decode then leaves nothing to release, so no drain goes to the other decoder with
+	// params whose blocks were pulled already.
+	s := startStack(t, fastSims, asVLLM, func(c *app.Config) {
+		c.Sims = append(c.Sims, c.Sims[1]) // two decoders
+		c.Sims[1].ITL = 10 * time.Millisecond
+		c.Sims[2].ITL = 10 * time.Millisecond
+	})
+	p, ds := s.m.SimURLs("prefill")[0], s.m.SimURLs("decode")
+	if len(ds) != 2 {
+		t.Fatalf("decoders %v, want 2", ds)
+	}
+	sum := func(f func(sim.KVStats) int) int {
+		n := 0
+		for _, u := range ds {
+			n += f(kv(t, u))
+		}
+		return n
+	}
+	body := `{"model":"sim","prompt":"` + prompt(100) + `","max_tokens":200,"ignore_eos":true}`
+	const n = 20
+	for i := 0; i < n; i++ {
+		ctx, cancel := context.WithCancel(context.Background())
+		done := inBackground(t, ctx, s.url+"/v1/completions", body, "X-Request-Id", fmt.Sprintf("cut-%d", i))
+		// Mid-decode: a decoder runs it and has pulled the blocks (the prefiller was told).
+		testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
+			running, held := sum(func(st sim.KVStats) int { return st.RunningRequests }), kv(t, p).HeldRequests
+			return running == 1 && held == 0, fmt.Sprintf("request %d: %d decoding, prefiller holds %d", i, running, held)
+		})
+		cancel()
+		testutil.Recv(t, 2*time.Second, done, "request %d's client to return", i)
+		testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
+			running := sum(func(st sim.KVStats) int { return st.RunningRequests + st.WaitingRequests })
+			return running == 0, fmt.Sprintf("after cutting request %d: %d requests still on the decoders", i, running)
+		})
+	}
+	if got := kv(t, p).RequestsTotal; got != n {
+		t.Errorf("prefills %d, want %d", got, n)
+	}
+	if got := sum(func(st sim.KVStats) int { return st.RequestsTotal }); got != n {
+		t.Errorf("decodes %d, want %d: a cut decode was sent again as a drain", got, n)
+	}
+	testutil.WaitFor(t, time.Second, func() (bool, string) {
+		st := kv(t, p)
+		return st.HeldRequests == 0 && st.BlocksFree == st.BlocksTotal, "prefiller: " + jsonString(st)
+	})
+	if got := testutil.Value(t, s.m.Registry, "pdproxy_kv_releases_total", map[string]string{"reason": "drained"}); got != 0 {
+		t.Errorf("%v drains after decodes the decoders had taken", got)
+	}
+	if got := testutil.Value(t, s.m.Registry, "pdproxy_kv_release_failures_total", nil); got != 0 {
+		t.Errorf("%v releases failed (a drain answered kv_transfer_failed?)", got)
+	}
+	if got := testutil.Value(t, s.m.Registry, "pdproxy_kv_hold_handoffs_total", map[string]string{"result": "handed_over"}); got != n {
+		t.Errorf("holds handed over to a decoder: %v, want %d", got, n)
 	}
 	s.assertQuiet(time.Second)
 }
