@@ -2,10 +2,12 @@ package e2e
 
 // Regression tests for issue 11, in front of engines the proxy takes for vLLM (no explicit
 // abort: only a decoder's pull or notify frees a prefiller's hold, else its lease): a bad
-// request or a refused decode never pins KV, and a cut non-streaming decode is decoded once.
+// request or a refused decode never pins KV, a cut non-streaming decode is decoded once, and
+// a repeated explicit abort never reaches a later request with the same X-Request-Id.
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -194,6 +196,56 @@ func TestVLLMCancelledNonStreamingRequestIsDecodedOnce(t *testing.T) {
 	}
 	if got := testutil.Value(t, s.m.Registry, "pdproxy_kv_hold_handoffs_total", map[string]string{"result": "handed_over"}); got != n {
 		t.Errorf("holds handed over to a decoder: %v, want %d", got, n)
+	}
+	s.assertQuiet(time.Second)
+}
+
+func TestVLLMRepeatedAbortNeverReachesALaterRequestWithTheSameID(t *testing.T) {
+	// The proxy aborts a prefill cut short on the engine, and once more 250 ms later (the
+	// first may overtake the request). The engines must not know both requests by the
+	// client's X-Request-Id: the repeat would then abort the second one.
+	s := startStack(t, fastSims, func(c *app.Config) { c.Sims[1].ITL = 10 * time.Millisecond })
+	p, d := s.m.SimURLs("prefill")[0], s.m.SimURLs("decode")[0]
+	const id = "reused-id"
+
+	// A: the prefill is done and its KV held, its answer stalled; the client leaves then.
+	ctx, cancel := context.WithCancel(context.Background())
+	done := inBackground(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(200)+`","max_tokens":5}`,
+		"X-Request-Id", id, "X-Sim-Stall", "600ms")
+	testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
+		st := kv(t, p)
+		return st.HeldRequests == 1, "A not prefilled: " + jsonString(st)
+	})
+	cancel()
+	testutil.Recv(t, 2*time.Second, done, "A's client to return")
+	// A's first abort freed its hold, and the proxy is done with A: the id is free again.
+	testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
+		st := kv(t, p)
+		_, inTable := s.m.Table.State(id)
+		return st.AbortedTotal == 1 && st.HeldRequests == 0 && !inTable, fmt.Sprintf("A in the table %v, prefiller %s", inTable, jsonString(st))
+	})
+
+	// B, same id, at once: its answer is stalled too, so its prefill is held on the prefiller
+	// while A's abort is repeated, and its decode runs 40 tokens at 10 ms after that.
+	resp := post(t, context.Background(), s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(200)+`","max_tokens":40,"ignore_eos":true}`,
+		"X-Request-Id", id, "X-Sim-Stall", "600ms")
+	b, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("B: %d %v: %s", resp.StatusCode, err, b)
+	}
+	var c completion
+	if err := json.Unmarshal(b, &c); err != nil || c.Usage == nil || c.Usage.CompletionTokens != 40 {
+		t.Fatalf("B answered %s, want 40 tokens", b)
+	}
+	if got := resp.Header.Get("X-Request-Id"); got != id {
+		t.Errorf("B's answer carries X-Request-Id %q, want the client's %q", got, id)
+	}
+	if st := kv(t, p); st.AbortedTotal != 1 {
+		t.Errorf("prefiller aborted %d requests, want 1 (A's): %s", st.AbortedTotal, jsonString(st))
+	}
+	if st := kv(t, d); st.AbortedTotal != 0 {
+		t.Errorf("decoder aborted %d requests, want 0: %s", st.AbortedTotal, jsonString(st))
 	}
 	s.assertQuiet(time.Second)
 }
