@@ -2,16 +2,20 @@ package e2e
 
 // Regression tests for issue 11, in front of engines the proxy takes for vLLM (no explicit
 // abort: only a decoder's pull or notify frees a prefiller's hold, else its lease): a bad
-// request or a refused decode never pins KV, a cut non-streaming decode is decoded once, and
-// a repeated explicit abort never reaches a later request with the same X-Request-Id.
+// request or a refused decode never pins KV, a cut non-streaming decode is decoded once, a
+// repeated explicit abort never reaches a later request with the same X-Request-Id, and only
+// a prefiller's exact "kv_transfer_params" is forwarded.
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -247,5 +251,74 @@ func TestVLLMRepeatedAbortNeverReachesALaterRequestWithTheSameID(t *testing.T) {
 	if st := kv(t, d); st.AbortedTotal != 0 {
 		t.Errorf("decoder aborted %d requests, want 0: %s", st.AbortedTotal, jsonString(st))
 	}
+	s.assertQuiet(time.Second)
+}
+
+func TestVLLMOnlyAPrefillersExactKVTransferParamsAreForwarded(t *testing.T) {
+	// vLLM reads exactly "kv_transfer_params": a prefiller's "KV_Transfer_Params" is another
+	// field, and the prefiller held nothing for the decoder to pull. Were it forwarded, the
+	// decoder would try to pull blocks from remote_port 1 and fail the request.
+	pre := newBrokenEngine(t, func(w http.ResponseWriter, r *http.Request, _ string) {
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"id":"cmpl-p","object":"text_completion","model":"sim","choices":[{"index":0,"text":"H","finish_reason":"length"}],`+
+			`"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4},`+
+			`"KV_Transfer_Params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2,3],"remote_engine_id":"elsewhere","remote_request_id":"r","remote_host":"127.0.0.1","remote_port":1,"tp_size":1}}`)
+	})
+	var (
+		mu     sync.Mutex
+		decode [][]byte
+	)
+	d := simDecoderBehind(t, func(engine http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method == http.MethodPost && strings.HasSuffix(r.URL.Path, "/completions") {
+				b, err := io.ReadAll(r.Body)
+				if err != nil {
+					return
+				}
+				mu.Lock()
+				decode = append(decode, b)
+				mu.Unlock()
+				r.Body = io.NopCloser(bytes.NewReader(b))
+			}
+			engine.ServeHTTP(w, r)
+		})
+	})
+	s := startStack(t, func(c *app.Config) {
+		c.Sims = nil
+		c.Router.Backends = []router.BackendConfig{
+			{Name: "odd-prefill", URL: pre.URL, Role: router.RolePrefill, Engine: "vllm"},
+			{Name: "sim-decode", URL: d.URL, Role: router.RoleDecode, Engine: "vllm"},
+		}
+	})
+	resp := post(t, context.Background(), s.url+"/v1/completions", `{"model":"sim","prompt":"hello there","max_tokens":4,"ignore_eos":true}`)
+	b, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	var c completion
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Errorf("status %d %v: %s", resp.StatusCode, err, b)
+	} else if err := json.Unmarshal(b, &c); err != nil || c.Usage == nil || c.Usage.CompletionTokens != 4 {
+		t.Errorf("answer %s, want 4 tokens the decoder computed", b)
+	}
+	if got := pre.calls.Load(); got != 1 {
+		t.Errorf("prefiller called %d times, want 1", got)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(decode) != 1 {
+		t.Fatalf("decoder got %d completion calls, want 1", len(decode))
+	}
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(decode[0], &fields); err != nil {
+		t.Fatalf("decode body: %v: %s", err, decode[0])
+	}
+	for k, v := range fields {
+		if strings.EqualFold(k, "kv_transfer_params") {
+			t.Errorf("the decode carries %q: %s", k, v)
+		}
+	}
+	if got := testutil.Value(t, s.m.Registry, "pdproxy_kv_releases_total", nil); got != 0 {
+		t.Errorf("the proxy recorded %v holds for a prefill that held nothing", got)
+	}
+	pre.idle(t)
 	s.assertQuiet(time.Second)
 }
