@@ -72,11 +72,21 @@ type Source struct {
 	File string
 	// Prefill and Decode are the --prefill and --decode URLs, added to the file's backends.
 	Prefill, Decode []string
+	// Engine is --engine, the engine kind of the --prefill and --decode URLs; empty means
+	// vllm.
+	Engine string
 	// Listen, AdminListen and LogFormat are --listen, --admin-listen and --log-format;
 	// empty means what the file says.
 	Listen, AdminListen, LogFormat string
 	// TLSCert and TLSKey are --tls-cert and --tls-key; empty means what the file says.
 	TLSCert, TLSKey string
+}
+
+func (s Source) engine() string {
+	if s.Engine == "" {
+		return kvbackend.KindVLLM
+	}
+	return s.Engine
 }
 
 // load makes the Config this command line stands for: the file (or, with no file and no
@@ -101,10 +111,10 @@ func (s Source) load() (Config, error) {
 // apply puts the flags on top of a config read from the file.
 func (s Source) apply(c Config) (Config, error) {
 	for _, u := range s.Prefill {
-		c.Router.Backends = append(c.Router.Backends, router.BackendConfig{URL: u, Role: router.RolePrefill, Engine: kvbackend.KindVLLM})
+		c.Router.Backends = append(c.Router.Backends, router.BackendConfig{URL: u, Role: router.RolePrefill, Engine: s.engine()})
 	}
 	for _, u := range s.Decode {
-		c.Router.Backends = append(c.Router.Backends, router.BackendConfig{URL: u, Role: router.RoleDecode, Engine: kvbackend.KindVLLM})
+		c.Router.Backends = append(c.Router.Backends, router.BackendConfig{URL: u, Role: router.RoleDecode, Engine: s.engine()})
 	}
 	if s.Listen != "" {
 		c.Listen = s.Listen
@@ -214,8 +224,9 @@ func LoadConfig(args []string, stderr io.Writer) (Config, error) {
 		src               Source
 		prefills, decodes urlList
 	)
-	fs.Var(&prefills, "prefill", "URL of a vLLM prefill engine (repeatable)")
-	fs.Var(&decodes, "decode", "URL of a vLLM decode engine (repeatable); with none of --prefill/--decode/--config, simulated engines start in-process")
+	fs.Var(&prefills, "prefill", "URL of a prefill engine (repeatable)")
+	fs.Var(&decodes, "decode", "URL of a decode engine (repeatable); with none of --prefill/--decode/--config, simulated engines start in-process")
+	fs.StringVar(&src.Engine, "engine", "", "engine kind of the --prefill and --decode URLs: "+strings.Join(kvbackend.Kinds(), ", ")+" (default vllm)")
 	fs.StringVar(&src.File, "config", "", "YAML config file (see configs/); unknown keys are rejected; SIGHUP reloads its backends")
 	fs.StringVar(&src.Listen, "listen", "", "address to serve on (default 127.0.0.1:8000)")
 	fs.StringVar(&src.AdminListen, "admin-listen", "", "address of a separate admin listener serving the Go profiler, /debug/pprof/ (default none)")

@@ -48,6 +48,16 @@ type Main struct {
 	holdTimeout time.Duration
 }
 
+// discoverBootstrapPorts asks the paired prefillers (SGLang) for their bootstrap ports. One
+// that does not answer is logged and asked again by its first request.
+func (m *Main) discoverBootstrapPorts(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if err := m.Server.DiscoverBootstrapPorts(ctx); err != nil {
+		m.logger.Warn("bootstrap port discovery failed; asked again on first use", zap.Error(err))
+	}
+}
+
 // holdMargin is the share of a prefiller's own hold the proxy may forward its params for.
 const holdMarginNum, holdMarginDen = 2, 3
 
@@ -124,6 +134,7 @@ func (m *Main) Start(ctx context.Context) error {
 	if err := m.build(rcfg); err != nil {
 		return fail(err)
 	}
+	m.discoverBootstrapPorts(ctx)
 	g.Go(func() error { return m.Router.Run(gctx) })
 
 	if err := m.startAdmin(g); err != nil {

@@ -1,6 +1,7 @@
 package app
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -64,6 +65,7 @@ func (m *Main) Reload(path string) error {
 	if err := m.Router.Reload(rcfg); err != nil {
 		return fmt.Errorf("reload %s: %w", path, err)
 	}
+	m.discoverBootstrapPorts(context.Background())
 	if keys := restartOnlyChanges(m.cfg, cfg); len(keys) > 0 {
 		m.logger.Warn("config reload ignored settings that need a restart", zap.String("file", path), zap.Strings("keys", keys))
 	}
