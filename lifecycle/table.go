@@ -52,6 +52,9 @@ type entry struct {
 	// when the answer recorded none. It stays once StartDecode clears hold, so it also tells
 	// that the request had a hold.
 	deadline time.Time
+	// paired says the request went out on paired legs (StartLegs): the room's hold recorded
+	// then is the only hold it ever has, and only LegsJoined, ClientGone, Fail or End end it.
+	paired bool
 }
 
 // New returns an empty table that registers its metrics on reg.
@@ -166,6 +169,7 @@ func (t *Table) StartLegs(id, prefill, decode string) bool {
 		return false
 	}
 	e.prefill, e.decode = prefill, decode
+	e.paired = true
 	e.hold = t.newHold(id)
 	t.setState(e, Prefilling)
 	return true
@@ -227,7 +231,8 @@ func (t *Table) PrefillRetry(id, backend string) bool {
 // it now holds blocks for this request. In Prefilling that leads to KVHeld with a deadline
 // (or, without a hold, straight on to the decode). If the request was aborted meanwhile (race
 // R1: the abort reached the engine after its final step), the hold is recorded and the answer
-// is ReleaseKV with the hold to release: the engine will not free it before its timer.
+// is ReleaseKV with the hold to release: the engine will not free it before its timer. For a
+// request on paired legs (StartLegs) it is a counted no-op: LegsJoined is their answer.
 func (t *Table) Prefilled(id string, holdsKV bool) (Action, *Hold) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -236,6 +241,13 @@ func (t *Table) Prefilled(id string, holdsKV bool) (Action, *Hold) {
 		return None, nil
 	}
 	switch {
+	case e.paired:
+		// Paired legs have no prefill answer of this kind: their room's hold is already
+		// recorded. One would make a second hold (losing the room's), move the request on
+		// with the room's hold left in the table, or, once the legs joined and the client
+		// left, take a hold for KV the decoder already has.
+		t.late("prefill_done", id)
+		return None, nil
 	case e.state == Prefilling && holdsKV:
 		e.hold = t.newHold(id)
 		e.deadline = t.now().Add(t.holdTimeout)

@@ -1,0 +1,60 @@
+package lifecycle
+
+import "testing"
+
+// toLegs sends the request out on paired legs (SGLang): the prefiller holds its KV in a
+// bootstrap room from now on, and the table records that hold at once.
+func toLegs(t *testing.T, f *fixture) {
+	t.Helper()
+	begin(t, f)
+	mustTrue(t, "StartLegs", f.tb.StartLegs(reqID, "p1", "d1"))
+}
+
+// TestPrefillAnswerOnPairedLegsMakesNoHold: a request on paired legs has its room's hold from
+// StartLegs, and LegsJoined ends it. A prefill answer (the sequential path's event) is a
+// counted late event there: it must neither record a second hold, losing the room's, nor move
+// the request on to decoding with the room's hold left in the table, nor, once the legs joined
+// and the client left, take a hold for KV the decoder already has (R1 is not this path's race).
+func TestPrefillAnswerOnPairedLegsMakesNoHold(t *testing.T) {
+	joinedThenGone := func(t *testing.T, f *fixture) {
+		toLegs(t, f)
+		mustTrue(t, "LegsJoined", f.tb.LegsJoined(reqID))
+		if act, h, _ := f.tb.ClientGone(reqID); act != CancelDecode || h != nil {
+			t.Fatalf("setup: ClientGone = %v, %v; want cancel_decode, nil", act, h)
+		}
+	}
+	for _, tc := range []struct {
+		name  string
+		setup func(t *testing.T, f *fixture)
+		kv    bool
+		state State
+		held  int
+	}{
+		{"while the room is held, with kv", toLegs, true, Prefilling, 1},
+		{"while the room is held, without kv", toLegs, false, Prefilling, 1},
+		{"after the legs joined and the client left, with kv", joinedThenGone, true, Aborted, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			tc.setup(t, f)
+			before := gather(t, f.reg)
+			if act, h := f.tb.Prefilled(reqID, tc.kv); act != None || h != nil {
+				t.Errorf("Prefilled(%v) = %v, %v; want none, nil", tc.kv, act, h)
+			}
+			after := gather(t, f.reg)
+			assertDeltas(t, before, after, late("prefill_done"))
+			f.assertGauges(t, after, tc.state, true, tc.held)
+
+			// The room's hold is still the table's, and the only one: End releases it once.
+			before = gather(t, f.reg)
+			f.tb.End(reqID)
+			after = gather(t, f.reg)
+			want := map[string]float64{}
+			if tc.held > 0 {
+				want[mReleases(ReleaseExpired)] = 1
+			}
+			assertDeltas(t, before, after, want)
+			f.assertGauges(t, after, 0, false, 0)
+		})
+	}
+}
