@@ -58,3 +58,27 @@ func TestPrefillAnswerOnPairedLegsMakesNoHold(t *testing.T) {
 		})
 	}
 }
+
+// TestDecodeOnlyOnPairedLegsIsLate: the decode-only fallback is the sequential path's way
+// round a prefill. On paired legs the decode leg is already out and the prefiller holds the
+// room: going to decoding would leave the room's hold in the table where LegsJoined no longer
+// ends it and ClientGone no longer hands it over. It is refused, and the legs still join.
+func TestDecodeOnlyOnPairedLegsIsLate(t *testing.T) {
+	f := newFixture(t)
+	toLegs(t, f)
+	before := gather(t, f.reg)
+	if f.tb.DecodeOnly(reqID) {
+		t.Errorf("DecodeOnly = true, want false: the request is on paired legs")
+	}
+	after := gather(t, f.reg)
+	assertDeltas(t, before, after, late("decode_only"))
+	f.assertGauges(t, after, Prefilling, true, 1)
+
+	before = gather(t, f.reg)
+	if !f.tb.LegsJoined(reqID) {
+		t.Fatalf("LegsJoined = false after the refused DecodeOnly")
+	}
+	after = gather(t, f.reg)
+	assertDeltas(t, before, after, one(mReleases(ReleaseDecoded)))
+	f.assertGauges(t, after, Decoding, true, 0)
+}

@@ -270,7 +270,7 @@ func (t *Table) Prefilled(id string, holdsKV bool) (Action, *Hold) {
 // DecodeOnly records that the request goes to a decoder without a prefill (no prefiller
 // could serve it, or the engine cannot serve it disaggregated): the decoder computes the
 // prompt itself. It answers false when the request is no longer waiting for a prefill (the
-// client left): then nothing may be sent.
+// client left, or the request is on paired legs): then nothing may be sent.
 func (t *Table) DecodeOnly(id string) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -278,7 +278,9 @@ func (t *Table) DecodeOnly(id string) bool {
 	if e == nil {
 		return false
 	}
-	if e.state != Received && e.state != Prefilling {
+	// Paired legs have no prefill to fall back from: their decode leg is already out, and the
+	// room's hold must stay where LegsJoined or ClientGone finds it.
+	if e.state != Received && (e.state != Prefilling || e.paired) {
 		t.late("decode_only", id)
 		return false
 	}
