@@ -82,3 +82,21 @@ func TestDecodeOnlyOnPairedLegsIsLate(t *testing.T) {
 	assertDeltas(t, before, after, one(mReleases(ReleaseDecoded)))
 	f.assertGauges(t, after, Decoding, true, 0)
 }
+
+// TestPrefillRetryOnPairedLegsIsLate: the room, and so the hold, is on the prefiller the legs
+// went to, and the decode leg names it; a retry elsewhere is not a thing paired legs do. The
+// inspection view keeps showing where the KV is held.
+func TestPrefillRetryOnPairedLegsIsLate(t *testing.T) {
+	f := newFixture(t)
+	toLegs(t, f)
+	before := gather(t, f.reg)
+	if f.tb.PrefillRetry(reqID, "p2") {
+		t.Errorf("PrefillRetry = true, want false: the request is on paired legs")
+	}
+	after := gather(t, f.reg)
+	assertDeltas(t, before, after, late("prefill_retry"))
+	f.assertGauges(t, after, Prefilling, true, 1)
+	if r := snapshotRow(t, f); r.Prefill != "p1" || r.Decode != "d1" || !r.KVHeld {
+		t.Errorf("Snapshot = %s/%s kv_held %v, want p1/d1 kv_held true: the room is on p1", r.Prefill, r.Decode, r.KVHeld)
+	}
+}

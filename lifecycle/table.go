@@ -212,12 +212,14 @@ func (t *Table) StartPrefill(id, backend string) bool {
 	return true
 }
 
-// PrefillRetry records that the prefill moved to another backend.
+// PrefillRetry records that the prefill moved to another backend. It answers false for a
+// request no longer prefilling, or on paired legs.
 func (t *Table) PrefillRetry(id, backend string) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	e := t.lookup(id, "prefill_retry")
-	if e == nil || e.state != Prefilling {
+	// Paired legs never move: the room, and so the hold, is on the prefiller they went to.
+	if e == nil || e.state != Prefilling || e.paired {
 		if e != nil {
 			t.late("prefill_retry", id)
 		}
