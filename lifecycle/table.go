@@ -52,6 +52,9 @@ type entry struct {
 	// when the answer recorded none. It stays once StartDecode clears hold, so it also tells
 	// that the request had a hold.
 	deadline time.Time
+	// paired says the request went out on paired legs (StartLegs): the room's hold recorded
+	// then is the only hold it ever has, and only LegsJoined, ClientGone, Fail or End end it.
+	paired bool
 }
 
 // New returns an empty table that registers its metrics on reg.
@@ -166,6 +169,7 @@ func (t *Table) StartLegs(id, prefill, decode string) bool {
 		return false
 	}
 	e.prefill, e.decode = prefill, decode
+	e.paired = true
 	e.hold = t.newHold(id)
 	t.setState(e, Prefilling)
 	return true
@@ -208,12 +212,14 @@ func (t *Table) StartPrefill(id, backend string) bool {
 	return true
 }
 
-// PrefillRetry records that the prefill moved to another backend.
+// PrefillRetry records that the prefill moved to another backend. It answers false for a
+// request no longer prefilling, or on paired legs.
 func (t *Table) PrefillRetry(id, backend string) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	e := t.lookup(id, "prefill_retry")
-	if e == nil || e.state != Prefilling {
+	// Paired legs never move: the room, and so the hold, is on the prefiller they went to.
+	if e == nil || e.state != Prefilling || e.paired {
 		if e != nil {
 			t.late("prefill_retry", id)
 		}
@@ -227,7 +233,8 @@ func (t *Table) PrefillRetry(id, backend string) bool {
 // it now holds blocks for this request. In Prefilling that leads to KVHeld with a deadline
 // (or, without a hold, straight on to the decode). If the request was aborted meanwhile (race
 // R1: the abort reached the engine after its final step), the hold is recorded and the answer
-// is ReleaseKV with the hold to release: the engine will not free it before its timer.
+// is ReleaseKV with the hold to release: the engine will not free it before its timer. For a
+// request on paired legs (StartLegs) it is a counted no-op: LegsJoined is their answer.
 func (t *Table) Prefilled(id string, holdsKV bool) (Action, *Hold) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -236,6 +243,13 @@ func (t *Table) Prefilled(id string, holdsKV bool) (Action, *Hold) {
 		return None, nil
 	}
 	switch {
+	case e.paired:
+		// Paired legs have no prefill answer of this kind: their room's hold is already
+		// recorded. One would make a second hold (losing the room's), move the request on
+		// with the room's hold left in the table, or, once the legs joined and the client
+		// left, take a hold for KV the decoder already has.
+		t.late("prefill_done", id)
+		return None, nil
 	case e.state == Prefilling && holdsKV:
 		e.hold = t.newHold(id)
 		e.deadline = t.now().Add(t.holdTimeout)
@@ -258,7 +272,7 @@ func (t *Table) Prefilled(id string, holdsKV bool) (Action, *Hold) {
 // DecodeOnly records that the request goes to a decoder without a prefill (no prefiller
 // could serve it, or the engine cannot serve it disaggregated): the decoder computes the
 // prompt itself. It answers false when the request is no longer waiting for a prefill (the
-// client left): then nothing may be sent.
+// client left, or the request is on paired legs): then nothing may be sent.
 func (t *Table) DecodeOnly(id string) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -266,7 +280,9 @@ func (t *Table) DecodeOnly(id string) bool {
 	if e == nil {
 		return false
 	}
-	if e.state != Received && e.state != Prefilling {
+	// Paired legs have no prefill to fall back from: their decode leg is already out, and the
+	// room's hold must stay where LegsJoined or ClientGone finds it.
+	if e.state != Received && (e.state != Prefilling || e.paired) {
 		t.late("decode_only", id)
 		return false
 	}

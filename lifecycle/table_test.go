@@ -26,16 +26,19 @@ const (
 	evClientGone      = "client_gone"
 	evEnd             = "end"
 	evReleaseTwice    = "release_twice" // Release, twice, of the hold the caller owns
+	evLegsStart       = "legs_start"    // StartLegs: paired legs (SGLang) go out, the room holds KV
+	evLegsJoined      = "legs_joined"   // LegsJoined: the decoder has the room's KV
 )
 
 var allEvents = []string{
 	evBegin, evPrefillStart, evPrefillRetry, evPrefilledKV, evPrefilledNoKV, evDecodeOnly,
 	evDecodeStart, evDecodeStartLate, evFinish, evFail, evClientGone, evEnd, evReleaseTwice,
+	evLegsStart, evLegsJoined,
 }
 
 // outcome is everything a transition answered.
 type outcome struct {
-	ok       bool  // Begin without an error, StartPrefill, PrefillRetry, DecodeOnly, Finish, StartDecode's ok
+	ok       bool  // Begin without an error, StartPrefill, PrefillRetry, DecodeOnly, Finish, StartDecode's ok, StartLegs, LegsJoined
 	err      error // Begin's error
 	forward  bool  // StartDecode's forwardKV
 	act      Action
@@ -77,6 +80,10 @@ func fire(f *fixture, event string, owned *Hold) outcome {
 	case evReleaseTwice:
 		o.released[0] = owned.Release(ReleaseDrained)
 		o.released[1] = owned.Release(ReleaseDrained)
+	case evLegsStart:
+		o.ok = tb.StartLegs(reqID, "p2", "d2")
+	case evLegsJoined:
+		o.ok = tb.LegsJoined(reqID)
 	default:
 		panic("unknown event " + event)
 	}
@@ -137,6 +144,9 @@ func toDecoding(t *testing.T, f *fixture) *Hold {
 var rows = []row{
 	{name: "received", setup: func(t *testing.T, f *fixture) *Hold { begin(t, f); return nil }},
 	{name: "prefilling", setup: func(t *testing.T, f *fixture) *Hold { toPrefilling(t, f); return nil }},
+	// legs: paired legs (SGLang) went out together; the table holds the room's hold, with no
+	// deadline, until the decoder has the KV.
+	{name: "legs", held: 1, setup: func(t *testing.T, f *fixture) *Hold { toLegs(t, f); return nil }},
 	{name: "kv_held", held: 1, setup: func(t *testing.T, f *fixture) *Hold { toKVHeld(t, f); return nil }},
 	// decoding: the P/D path, the params forwarded; the caller owned the hold and released it
 	// as decoded.
@@ -239,6 +249,8 @@ var cells = []cell{
 	{"received", evClientGone, "aborts with nothing to cancel", expect{prev: Received, state: Aborted, delta: one(mAborts(Received))}},
 	{"received", evEnd, "forgets the request and clears its in-flight count", expect{gone: true}},
 	{"received", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Received}},
+	{"received", evLegsStart, "sends paired legs out: the room's hold is recorded at once", expect{ok: true, state: Prefilling, held: 1, check: wantBackends("p2", "d2")}},
+	{"received", evLegsJoined, "before any legs went out is refused and counted late", expect{state: Received, delta: late("legs_joined")}},
 
 	// prefilling
 	{"prefilling", evBegin, "again with the id in flight is refused as a duplicate", expect{state: Prefilling}},
@@ -266,6 +278,25 @@ var cells = []cell{
 	{"prefilling", evClientGone, "cancels the prefill call (R1)", expect{act: CancelPrefill, prev: Prefilling, state: Aborted, delta: one(mAborts(Prefilling))}},
 	{"prefilling", evEnd, "forgets the request and clears its in-flight count", expect{gone: true}},
 	{"prefilling", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Prefilling}},
+	{"prefilling", evLegsStart, "after the sequential prefill went out is refused and counted late", expect{state: Prefilling, delta: late("legs_start"), check: wantBackends("p1", "")}},
+	{"prefilling", evLegsJoined, "on the sequential path, with no room held, is refused and counted late", expect{state: Prefilling, delta: late("legs_joined")}},
+
+	// legs (paired legs out, the room's hold recorded by the table)
+	{"legs", evBegin, "again with the id in flight is refused as a duplicate and keeps the hold", expect{state: Prefilling, held: 1}},
+	{"legs", evPrefillStart, "is refused and counted late", expect{state: Prefilling, held: 1, delta: late("prefill_start")}},
+	{"legs", evPrefillRetry, "is refused and counted late: the room stays on its prefiller", expect{state: Prefilling, held: 1, delta: late("prefill_retry"), check: wantBackends("p1", "d1")}},
+	{"legs", evPrefilledKV, "never records a second hold", expect{state: Prefilling, held: 1, delta: late("prefill_done")}},
+	{"legs", evPrefilledNoKV, "is a counted no-op that keeps the room's hold", expect{state: Prefilling, held: 1, delta: late("prefill_done")}},
+	{"legs", evDecodeOnly, "is refused: the decode leg is out and the room's hold stays", expect{state: Prefilling, held: 1, delta: late("decode_only")}},
+	{"legs", evDecodeStart, "is refused: the decode leg is already out", expect{state: Prefilling, held: 1, delta: late("decode_start")}},
+	{"legs", evDecodeStartLate, "is refused, deadline or not: the room's hold has none", expect{state: Prefilling, held: 1, delta: late("decode_start")}},
+	{"legs", evFinish, "before the legs joined is refused and counted late", expect{state: Prefilling, held: 1, delta: late("finish")}},
+	{"legs", evFail, "ends the request and hands the room's hold over for a release", expect{act: ReleaseKV, hold: true, state: Failed, held: 1}},
+	{"legs", evClientGone, "cancels the legs and hands the room's hold over for a release", expect{act: CancelPrefill, hold: true, prev: Prefilling, state: Aborted, held: 1, delta: one(mAborts(Prefilling))}},
+	{"legs", evEnd, "releases the room's hold nobody took, as expired", expect{gone: true, delta: one(mReleases(ReleaseExpired))}},
+	{"legs", evReleaseTwice, "hands no hold out: the table owns the room's until a transition does", expect{state: Prefilling, held: 1}},
+	{"legs", evLegsStart, "again is refused and counted late: no second room", expect{state: Prefilling, held: 1, delta: late("legs_start"), check: wantBackends("p1", "d1")}},
+	{"legs", evLegsJoined, "moves to decoding and releases the room's hold as decoded", expect{ok: true, state: Decoding, delta: one(mReleases(ReleaseDecoded)), check: wantBackends("p1", "d1")}},
 
 	// kv_held
 	{"kv_held", evBegin, "again with the id in flight is refused as a duplicate and keeps the hold", expect{state: KVHeld, held: 1}},
@@ -282,6 +313,8 @@ var cells = []cell{
 	{"kv_held", evClientGone, "releases the held KV now (R2)", expect{act: ReleaseKV, hold: true, prev: KVHeld, state: Aborted, held: 1, delta: one(mAborts(KVHeld))}},
 	{"kv_held", evEnd, "releases the hold nobody took, as expired", expect{gone: true, delta: one(mReleases(ReleaseExpired))}},
 	{"kv_held", evReleaseTwice, "hands no hold out: the table owns it until a transition does", expect{state: KVHeld, held: 1}},
+	{"kv_held", evLegsStart, "is refused and counted late and keeps the hold", expect{state: KVHeld, held: 1, delta: late("legs_start")}},
+	{"kv_held", evLegsJoined, "on the sequential path is refused: the decode takes the params (StartDecode)", expect{state: KVHeld, held: 1, delta: late("legs_joined")}},
 
 	// decoding (P/D: the caller released its hold as decoded)
 	{"decoding", evBegin, "again with the id in flight is refused as a duplicate", expect{state: Decoding}},
@@ -297,6 +330,8 @@ var cells = []cell{
 	{"decoding", evClientGone, "cancels the decode call", expect{act: CancelDecode, prev: Decoding, state: Aborted, delta: one(mAborts(Decoding))}},
 	{"decoding", evEnd, "forgets the request and clears its in-flight count", expect{gone: true}},
 	{"decoding", evReleaseTwice, "the caller's hold was released as decoded: each release again is counted late", expect{state: Decoding, delta: map[string]float64{mLate("release"): 2}}},
+	{"decoding", evLegsStart, "is refused and counted late", expect{state: Decoding, delta: late("legs_start")}},
+	{"decoding", evLegsJoined, "is refused and counted late", expect{state: Decoding, delta: late("legs_joined")}},
 
 	// finished
 	{"finished", evBegin, "before End the id is still taken: refused as a duplicate", expect{state: Finished}},
@@ -312,6 +347,8 @@ var cells = []cell{
 	{"finished", evClientGone, "is a counted no-op (R5)", expect{prev: Finished, state: Finished, delta: late("client_gone")}},
 	{"finished", evEnd, "forgets the request", expect{gone: true}},
 	{"finished", evReleaseTwice, "the caller's hold was released as decoded: each release again is counted late", expect{state: Finished, delta: map[string]float64{mLate("release"): 2}}},
+	{"finished", evLegsStart, "is refused and counted late", expect{state: Finished, delta: late("legs_start")}},
+	{"finished", evLegsJoined, "is refused and counted late", expect{state: Finished, delta: late("legs_joined")}},
 
 	// aborted (while prefilling)
 	{"aborted", evBegin, "before End the id is still taken: refused as a duplicate", expect{state: Aborted}},
@@ -331,6 +368,8 @@ var cells = []cell{
 	{"aborted", evClientGone, "again is a counted no-op (R3)", expect{prev: Aborted, state: Aborted, delta: late("client_gone")}},
 	{"aborted", evEnd, "forgets the request", expect{gone: true}},
 	{"aborted", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{state: Aborted}},
+	{"aborted", evLegsStart, "is refused and counted late", expect{state: Aborted, delta: late("legs_start")}},
+	{"aborted", evLegsJoined, "is refused and counted late", expect{state: Aborted, delta: late("legs_joined")}},
 
 	// aborted_with_kv (the client left in kv_held; the caller still owns the hold)
 	{"aborted_with_kv", evBegin, "before End the id is still taken: refused as a duplicate", expect{state: Aborted, held: 1}},
@@ -360,6 +399,8 @@ var cells = []cell{
 				t.Errorf("Snapshot kv_held = true after the release")
 			}
 		}}},
+	{"aborted_with_kv", evLegsStart, "is refused and counted late and keeps the hold", expect{state: Aborted, held: 1, delta: late("legs_start")}},
+	{"aborted_with_kv", evLegsJoined, "is refused and counted late and keeps the hold", expect{state: Aborted, held: 1, delta: late("legs_joined")}},
 
 	// failed (the decoder failed after the caller released its hold as decoded)
 	{"failed", evBegin, "before End the id is still taken: refused as a duplicate", expect{state: Failed}},
@@ -375,6 +416,8 @@ var cells = []cell{
 	{"failed", evClientGone, "is a counted no-op (R5)", expect{prev: Failed, state: Failed, delta: late("client_gone")}},
 	{"failed", evEnd, "forgets the request", expect{gone: true}},
 	{"failed", evReleaseTwice, "the caller's hold was released as decoded: each release again is counted late", expect{state: Failed, delta: map[string]float64{mLate("release"): 2}}},
+	{"failed", evLegsStart, "is refused and counted late", expect{state: Failed, delta: late("legs_start")}},
+	{"failed", evLegsJoined, "is refused and counted late", expect{state: Failed, delta: late("legs_joined")}},
 
 	// unknown (already ended)
 	{"unknown", evBegin, "once its request ended the id begins a new request", expect{ok: true, state: Received}},
@@ -390,6 +433,8 @@ var cells = []cell{
 	{"unknown", evClientGone, "is a counted no-op that answers aborted", expect{prev: Aborted, gone: true, delta: late("client_gone")}},
 	{"unknown", evEnd, "is a no-op", expect{gone: true}},
 	{"unknown", evReleaseTwice, "has no hold: releasing nil is a harmless false", expect{gone: true}},
+	{"unknown", evLegsStart, "is refused and counted late: nothing may be sent", expect{gone: true, delta: late("legs_start")}},
+	{"unknown", evLegsJoined, "is refused and counted late", expect{gone: true, delta: late("legs_joined")}},
 }
 
 // TestTransitions drives a fresh table into each state and fires each event once, then checks
