@@ -79,7 +79,7 @@ func (x *exchange) gone() *apiError {
 		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
 		if hold != nil {
 			// Paired legs: the room is held until both are aborted, the decoder's first.
-			x.s.abortLegs(x.engineID, x.prefillB, x.decodeB, hold)
+			x.s.abortLegs(x.handOff(), x.prefillB, x.decodeB, hold)
 		} else if b := x.prefillB; b != nil && engineOf(b).CanAbort() {
 			// The engine may have finished its last step before the connection closed and
 			// now hold KV nobody will pull (race R1): its explicit abort frees that too.
@@ -112,7 +112,7 @@ func (x *exchange) fail() {
 // are aborted, the decoder's first, so that neither waits for a partner that never comes.
 func (x *exchange) failLegs() {
 	if act, hold := x.s.table.Fail(x.id); act == lifecycle.ReleaseKV {
-		x.s.abortLegs(x.engineID, x.prefillB, x.decodeB, hold)
+		x.s.abortLegs(x.handOff(), x.prefillB, x.decodeB, hold)
 	}
 }
 
@@ -121,11 +121,14 @@ func (x *exchange) failLegs() {
 // no transfer starts). Each abort is tried again within a bound; one that never succeeds is
 // counted (pdproxy_kv_release_failures_total{mode="abort"}) and logged: with NIXL nothing
 // else frees the room. Each is repeated a moment later, as in abortOnEngine, in case it
-// overtook its leg.
-func (s *Server) abortLegs(id string, p, d *router.Backend, hold *lifecycle.Hold) {
+// overtook its leg. It takes the request's custody and ends it once the hold is released.
+func (s *Server) abortLegs(c *custody, p, d *router.Backend, hold *lifecycle.Hold) {
+	c.giveBackLease(c.res)
+	id := c.engineID
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
+		defer c.end(s)
 		okD := s.abortRetrying(id, d)
 		okP := s.abortRetrying(id, p)
 		if okD && okP {

@@ -112,6 +112,7 @@ func (x *exchange) serveLegs() *apiError {
 			// The decoder would wait for a room nobody fills: it is aborted with the prefill.
 			x.own.res = router.Result{Canceled: true}
 			x.failLegs()
+			wd.cancel(errPrefillLegFailed)
 			ans = <-decoded
 			if ans.resp != nil {
 				ans.resp.Body.Close()
@@ -136,6 +137,8 @@ func (x *exchange) serveLegs() *apiError {
 	x.own.res = router.Result{Status: http.StatusOK}
 	return x.relay(ans.resp, wd)
 }
+
+var errPrefillLegFailed = errors.New("the prefill leg failed")
 
 // joinLegs records, once, that the decoder has the room's KV.
 func (x *exchange) joinLegs() {
