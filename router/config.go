@@ -82,7 +82,8 @@ const (
 // BackendConfig is one engine from config.
 type BackendConfig struct {
 	// Name labels the backend in metrics, logs and Hint.Exclude. Empty means the URL's
-	// host:port. Names are unique across the config.
+	// host:port, with the role in front ("decode-host:port") when unnamed backends of both
+	// roles share the address (one engine in both roles). Names are unique across the config.
 	Name string `yaml:"name"`
 	// URL is the engine's base URL, http(s)://host:port, required.
 	URL string `yaml:"url"`
@@ -233,12 +234,8 @@ func (c *Config) setDefaults() {
 		if b.MaxInflight == 0 {
 			b.MaxInflight = DefaultMaxInflight
 		}
-		if b.Name == "" {
-			if u, err := url.Parse(b.URL); err == nil && u.Host != "" {
-				b.Name = hostPort(u)
-			}
-		}
 	}
+	c.deriveNames()
 	if c.PrefillPolicy == "" {
 		c.PrefillPolicy = PolicyLeastInflight
 	}
@@ -279,6 +276,38 @@ func (c *Config) setDefaults() {
 	}
 	if c.Queue.Timeout == 0 {
 		c.Queue.Timeout = DefaultQueueTimeout
+	}
+}
+
+// deriveNames names the backends that have no name after their address, host:port. One
+// engine may serve in both roles (vLLM with kv_role kv_both, common in small deployments):
+// an address named by unnamed backends of both roles gets the role in front,
+// "prefill-host:port" and "decode-host:port", and only then, so that an address used once
+// keeps the name, and the metrics' backend label, it always had.
+func (c *Config) deriveNames() {
+	derived := make([]string, len(c.Backends))
+	roles := make(map[string]map[Role]bool)
+	for i, b := range c.Backends {
+		if b.Name != "" {
+			continue
+		}
+		if u, err := url.Parse(b.URL); err == nil && u.Host != "" {
+			derived[i] = hostPort(u)
+			if roles[derived[i]] == nil {
+				roles[derived[i]] = make(map[Role]bool)
+			}
+			roles[derived[i]][b.Role] = true
+		}
+	}
+	for i, name := range derived {
+		if name == "" {
+			continue
+		}
+		b := &c.Backends[i]
+		if len(roles[name]) > 1 {
+			name = string(b.Role) + "-" + name
+		}
+		b.Name = name
 	}
 }
 

@@ -64,6 +64,49 @@ func TestNameDerivedFromURL(t *testing.T) {
 	}
 }
 
+func TestOneEngineInBothRolesGetsANamePerRole(t *testing.T) {
+	tests := []struct {
+		name     string
+		backends []BackendConfig
+		want     []string
+	}{
+		{"the same url in both roles", []BackendConfig{
+			{URL: "http://127.0.0.1:8100", Role: RolePrefill},
+			{URL: "http://127.0.0.1:8100", Role: RoleDecode},
+		}, []string{"prefill-127.0.0.1:8100", "decode-127.0.0.1:8100"}},
+		{"the same address spelled two ways", []BackendConfig{
+			{URL: "http://engine", Role: RoleDecode},
+			{URL: "http://engine:80/", Role: RolePrefill},
+		}, []string{"decode-engine:80", "prefill-engine:80"}},
+		{"other addresses keep their plain names", []BackendConfig{
+			{URL: "http://10.0.0.1:8000", Role: RolePrefill},
+			{URL: "http://10.0.0.1:8000", Role: RoleDecode},
+			{URL: "http://10.0.0.2:8000", Role: RoleDecode},
+		}, []string{"prefill-10.0.0.1:8000", "decode-10.0.0.1:8000", "10.0.0.2:8000"}},
+		{"an explicit name leaves the other its plain name", []BackendConfig{
+			{Name: "both-p", URL: "http://10.0.0.1:8000", Role: RolePrefill},
+			{URL: "http://10.0.0.1:8000", Role: RoleDecode},
+		}, []string{"both-p", "10.0.0.1:8000"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := Config{Backends: tt.backends}
+			if err := cfg.Validate(); err != nil {
+				t.Fatal(err)
+			}
+			for i, want := range tt.want {
+				if got := cfg.Backends[i].Name; got != want {
+					t.Errorf("backends[%d].name = %q, want %q", i, got, want)
+				}
+			}
+			// Validating again (a reload of the same config) keeps the names.
+			if err := cfg.Validate(); err != nil {
+				t.Fatalf("second Validate: %v", err)
+			}
+		})
+	}
+}
+
 func TestValidateNamesTheBadField(t *testing.T) {
 	decoder := BackendConfig{URL: "http://d:1", Role: RoleDecode}
 	tests := []struct {
@@ -77,7 +120,9 @@ func TestValidateNamesTheBadField(t *testing.T) {
 		{"url with query", Config{Backends: []BackendConfig{{URL: "http://d:1/?a=b", Role: RoleDecode}}}, "backends[0].url:"},
 		{"unknown role", Config{Backends: []BackendConfig{decoder, {URL: "http://p:1", Role: "both"}}}, "backends[1].role:"},
 		{"missing role", Config{Backends: []BackendConfig{decoder, {URL: "http://p:1"}}}, "backends[1].role:"},
-		{"duplicate derived name", Config{Backends: []BackendConfig{decoder, {URL: "http://d:1", Role: RolePrefill}}}, "backends[1].name:"},
+		{"duplicate derived name in one role", Config{Backends: []BackendConfig{decoder, {URL: "http://d:1", Role: RoleDecode}}}, "backends[1].name:"},
+		{"duplicate derived name in both roles and twice in one", Config{Backends: []BackendConfig{decoder, {URL: "http://d:1", Role: RolePrefill}, {URL: "http://d:1/", Role: RoleDecode}}}, "backends[2].name: \"decode-d:1\" already names backends[0]"},
+		{"duplicate explicit name across roles", Config{Backends: []BackendConfig{{Name: "e", URL: "http://d:1", Role: RoleDecode}, {Name: "e", URL: "http://d:1", Role: RolePrefill}}}, "backends[1].name: \"e\" already names backends[0]"},
 		{"no decoder", Config{Backends: []BackendConfig{{URL: "http://p:1", Role: RolePrefill}}}, "backends: at least one backend with role \"decode\""},
 		{"no backends", Config{}, "backends: at least one"},
 		{"negative weight", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, Weight: -1}}}, "backends[0].weight:"},

@@ -11,7 +11,7 @@
 // Configuration, with the defaults applied by [Config.Validate]:
 //
 //	backends:
-//	  - name: decode-0          # default: the URL's host:port
+//	  - name: decode-0          # default: the URL's host:port (role-host:port for a URL in both roles)
 //	    url: http://10.0.0.2:8000
 //	    role: decode            # prefill | decode (required)
 //	    weight: 1
