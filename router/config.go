@@ -73,8 +73,8 @@ const (
 	DefaultHealthyThreshold    = 1
 	DefaultHealthPath          = "/health"
 	DefaultConsecutiveFailures = 3
-	DefaultBaseBackoff         = time.Second
-	DefaultMaxBackoff          = 30 * time.Second
+	DefaultBaseBackoff         = 5 * time.Second  // with active checks off; with them on, one interval
+	DefaultMaxBackoff          = 30 * time.Second // or base_backoff, if that is longer
 	DefaultQueueSize           = 1024
 	DefaultQueueTimeout        = 10 * time.Second
 )
@@ -130,7 +130,9 @@ type HealthConfig struct {
 	Interval time.Duration `yaml:"interval"`
 	// Timeout of one check. Zero means 2s.
 	Timeout time.Duration `yaml:"timeout"`
-	// UnhealthyThreshold consecutive failed checks mark a backend down. Zero means 2.
+	// UnhealthyThreshold consecutive failed checks mark a backend down. Zero means 2. A
+	// check (or a request) refused at connect marks it down at once, whatever this says:
+	// nothing listens at its address.
 	UnhealthyThreshold int `yaml:"unhealthy_threshold"`
 	// HealthyThreshold consecutive passed checks mark a down backend up. Zero means 1.
 	HealthyThreshold int `yaml:"healthy_threshold"`
@@ -174,14 +176,19 @@ func (h *HealthConfig) UnmarshalYAML(n *yaml.Node) error {
 }
 
 // EjectionConfig configures passive ejection: a backend that fails requests in a row is
-// taken out of rotation for a backoff that doubles on each ejection.
+// taken out of rotation for a backoff that doubles on each ejection, then takes one request
+// at a time (probation) until one succeeds.
 type EjectionConfig struct {
-	// ConsecutiveFailures connect errors or 5xx answers in a row eject a backend. Zero
-	// means 3; negative disables passive ejection.
+	// ConsecutiveFailures transport errors or 5xx answers in a row eject a backend. Zero
+	// means 3; negative disables passive ejection. A connection refused (or with no route)
+	// is not counted here: it marks the backend down at once (see HealthConfig), or, with
+	// active checks off, ejects it at once, even with passive ejection disabled.
 	ConsecutiveFailures int `yaml:"consecutive_failures"`
-	// BaseBackoff is the first ejection's length. Zero means 1s.
+	// BaseBackoff is the first ejection's length. Zero means one health.interval, or 5s
+	// with active checks off. It may not be shorter than health.interval: a backend back
+	// from ejection would take requests again before any check could look at it.
 	BaseBackoff time.Duration `yaml:"base_backoff"`
-	// MaxBackoff caps the doubling. Zero means 30s.
+	// MaxBackoff caps the doubling. Zero means 30s, or base_backoff if that is longer.
 	MaxBackoff time.Duration `yaml:"max_backoff"`
 }
 
@@ -267,9 +274,12 @@ func (c *Config) setDefaults() {
 	}
 	if e.BaseBackoff == 0 {
 		e.BaseBackoff = DefaultBaseBackoff
+		if h.Interval > 0 {
+			e.BaseBackoff = h.Interval
+		}
 	}
 	if e.MaxBackoff == 0 {
-		e.MaxBackoff = DefaultMaxBackoff
+		e.MaxBackoff = max(DefaultMaxBackoff, e.BaseBackoff)
 	}
 	if c.Queue.Size == 0 {
 		c.Queue.Size = DefaultQueueSize
@@ -416,6 +426,11 @@ func (c *Config) Validate() error {
 	e := c.Ejection
 	if e.BaseBackoff < 0 {
 		bad("ejection.base_backoff", "%v is negative", e.BaseBackoff)
+	} else if h.Interval > 0 && e.BaseBackoff < h.Interval {
+		// Refused rather than raised: a config whose value is silently replaced misleads
+		// whoever reads it.
+		bad("ejection.base_backoff", "%v is shorter than health.interval %v: an ejected backend would take requests again before a health check could look at it; set at least %v, or leave it unset (one interval)",
+			e.BaseBackoff, h.Interval, h.Interval)
 	}
 	if e.MaxBackoff < e.BaseBackoff {
 		bad("ejection.max_backoff", "%v is less than base_backoff %v", e.MaxBackoff, e.BaseBackoff)

@@ -32,7 +32,7 @@ func TestValidateFillsDefaults(t *testing.T) {
 		{"health.healthy_threshold", cfg.Health.HealthyThreshold, 1},
 		{"health.path", cfg.Health.Path, "/health"},
 		{"ejection.consecutive_failures", cfg.Ejection.ConsecutiveFailures, 3},
-		{"ejection.base_backoff", cfg.Ejection.BaseBackoff, time.Second},
+		{"ejection.base_backoff", cfg.Ejection.BaseBackoff, 5 * time.Second},
 		{"ejection.max_backoff", cfg.Ejection.MaxBackoff, 30 * time.Second},
 		{"queue.size", cfg.Queue.Size, 1024},
 		{"queue.timeout", cfg.Queue.Timeout, 10 * time.Second},
@@ -41,6 +41,32 @@ func TestValidateFillsDefaults(t *testing.T) {
 		if c.got != c.want {
 			t.Errorf("%s = %v, want %v", c.field, c.got, c.want)
 		}
+	}
+}
+
+func TestEjectionBackoffDefaultsFollowTheHealthInterval(t *testing.T) {
+	tests := []struct {
+		name      string
+		health    HealthConfig
+		ejection  EjectionConfig
+		base, max time.Duration
+	}{
+		{"one interval", HealthConfig{Interval: 2 * time.Second}, EjectionConfig{}, 2 * time.Second, 30 * time.Second},
+		{"an interval longer than the cap raises it", HealthConfig{Interval: time.Minute}, EjectionConfig{}, time.Minute, time.Minute},
+		{"5s with checks off", HealthConfig{Interval: -1}, EjectionConfig{}, 5 * time.Second, 30 * time.Second},
+		{"a set base of at least one interval stays", HealthConfig{Interval: time.Second}, EjectionConfig{BaseBackoff: 3 * time.Second}, 3 * time.Second, 30 * time.Second},
+		{"any set base with checks off stays", HealthConfig{Interval: -1}, EjectionConfig{BaseBackoff: 100 * time.Millisecond}, 100 * time.Millisecond, 30 * time.Second},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode}}, Health: tt.health, Ejection: tt.ejection}
+			if err := cfg.Validate(); err != nil {
+				t.Fatal(err)
+			}
+			if e := cfg.Ejection; e.BaseBackoff != tt.base || e.MaxBackoff != tt.max {
+				t.Errorf("base_backoff, max_backoff = %v, %v; want %v, %v", e.BaseBackoff, e.MaxBackoff, tt.base, tt.max)
+			}
+		})
 	}
 }
 
@@ -133,7 +159,9 @@ func TestValidateNamesTheBadField(t *testing.T) {
 		{"unknown decode policy", Config{Backends: []BackendConfig{decoder}, DecodePolicy: "fastest"}, "decode_policy: unknown policy"},
 		{"negative prefix_tokens", Config{Backends: []BackendConfig{decoder}, PrefixTokens: -1}, "prefix_tokens:"},
 		{"health path without slash", Config{Backends: []BackendConfig{decoder}, Health: HealthConfig{Path: "health"}}, "health.path:"},
-		{"max_backoff below base", Config{Backends: []BackendConfig{decoder}, Ejection: EjectionConfig{BaseBackoff: time.Minute}}, "ejection.max_backoff:"},
+		{"max_backoff below base", Config{Backends: []BackendConfig{decoder}, Ejection: EjectionConfig{BaseBackoff: time.Minute, MaxBackoff: 30 * time.Second}}, "ejection.max_backoff:"},
+		{"base_backoff shorter than the health interval", Config{Backends: []BackendConfig{decoder}, Ejection: EjectionConfig{BaseBackoff: time.Second}}, "ejection.base_backoff: 1s is shorter than health.interval 5s"},
+		{"base_backoff shorter than a set health interval", Config{Backends: []BackendConfig{decoder}, Health: HealthConfig{Interval: 10 * time.Second}, Ejection: EjectionConfig{BaseBackoff: 5 * time.Second}}, "set at least 10s"},
 		{"negative queue timeout", Config{Backends: []BackendConfig{decoder}, Queue: QueueConfig{Timeout: -1}}, "queue.timeout:"},
 	}
 	for _, tt := range tests {

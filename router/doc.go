@@ -29,13 +29,13 @@
 //	health:
 //	  interval: 5s              # 0 or negative disables active checks
 //	  timeout: 2s
-//	  unhealthy_threshold: 2
+//	  unhealthy_threshold: 2    # a check or call refused at connect marks it down at once
 //	  healthy_threshold: 1
 //	  path: /health
 //	ejection:
 //	  consecutive_failures: 3   # negative disables passive ejection
-//	  base_backoff: 1s
-//	  max_backoff: 30s
+//	  base_backoff: 5s          # one health.interval (at least that); 5s with checks off
+//	  max_backoff: 30s          # or base_backoff if longer
 //	queue:
 //	  size: 1024                # per role; negative disables waiting
 //	  timeout: 10s
