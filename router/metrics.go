@@ -46,7 +46,7 @@ func newMetrics(r *Router) *metrics {
 		inflight: prometheus.NewDesc(ns+"_backend_inflight_requests",
 			"Requests in flight on a backend (leases not yet released).", backendLabels, nil),
 		healthy: prometheus.NewDesc(ns+"_backend_healthy",
-			"1 when the backend passes active health checks and is not ejected, else 0.", backendLabels, nil),
+			"1 when the backend is neither down (failed health checks, a refused connection) nor ejected, else 0.", backendLabels, nil),
 		ejections: prometheus.NewDesc(ns+"_backend_ejections_total",
 			"Times passive health ejected the backend.", backendLabels, nil),
 		waiting: prometheus.NewDesc(ns+"_queue_waiting_requests",

@@ -283,8 +283,8 @@ type BackendStatus struct {
 	URL string `json:"url"`
 	// Role is prefill or decode.
 	Role Role `json:"role"`
-	// Healthy is true when the backend passes active checks and is not ejected, i.e.
-	// it may be picked when it has room.
+	// Healthy is true when the backend is neither down (failed checks, a refused
+	// connection) nor ejected, i.e. it may be picked when it has room.
 	Healthy bool `json:"healthy"`
 	// Ejected is true while passive health keeps the backend out.
 	Ejected bool `json:"ejected"`
