@@ -64,6 +64,13 @@ func startStackWith(t *testing.T, logger *zap.Logger, mutate ...func(*app.Config
 	for _, f := range mutate {
 		f(&cfg)
 	}
+	return startConfig(t, logger, cfg)
+}
+
+// startConfig starts pdproxy with cfg as given, e.g. as app.LoadConfig made it from flags,
+// and stops it when the test ends.
+func startConfig(t *testing.T, logger *zap.Logger, cfg app.Config) *stack {
+	t.Helper()
 	m, err := app.New(cfg, logger)
 	if err != nil {
 		t.Fatalf("new: %v", err)

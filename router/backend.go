@@ -65,7 +65,7 @@ type backendState struct {
 	// back-off ends, and draws a burst of requests into failure.
 	probation atomic.Bool
 
-	mu sync.Mutex // guards the streaks below
+	mu sync.Mutex // guards the streaks and reasons below
 	// failStreak counts passive failures in a row.
 	failStreak int
 	// backoffExp is the number of ejections since the last success: the next ejection
@@ -73,6 +73,9 @@ type backendState struct {
 	backoffExp int
 	// checkFails and checkPasses count active check results in a row.
 	checkFails, checkPasses int
+	// downReason says why up is false; ejectReason why the last ejection happened. They
+	// are read only while the state they explain holds, so neither is ever cleared.
+	downReason, ejectReason string
 }
 
 func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendState) *Backend {
@@ -266,9 +269,18 @@ func (b *Backend) full() bool {
 // closeIdle drops the backend's idle connections, e.g. once it is removed.
 func (b *Backend) closeIdle() { b.client.CloseIdleConnections() }
 
+// Reasons a backend is out, as /debug/backends shows them in down_reason.
+const (
+	reasonChecksFailed   = "health check failed"
+	reasonCheckRefused   = "health check: " // + the refusal, e.g. "health check: connection refused"
+	reasonEjectFailures  = "ejected: consecutive failures"
+	reasonEjectProbation = "ejected: failed on probation"
+	reasonEjectRefused   = "ejected: " // + the refusal, with active checks off
+)
+
 // observe feeds one request's result to passive health and reports whether it ejected
-// the backend. Failures seen while the backend is already ejected are from requests sent
-// before the ejection and must not extend it.
+// the backend. Failures seen while the backend is already ejected or down are from
+// requests sent before and must not extend it.
 func (b *Backend) observe(failed bool, now time.Time, e EjectionConfig) (ejectedFor time.Duration) {
 	s := b.st
 	s.mu.Lock()
@@ -281,13 +293,24 @@ func (b *Backend) observe(failed bool, now time.Time, e EjectionConfig) (ejected
 		}
 		return 0
 	}
-	if e.ConsecutiveFailures < 0 || b.ejected(now) {
+	if e.ConsecutiveFailures < 0 || b.ejected(now) || !s.up.Load() {
 		return 0
 	}
 	s.failStreak++
 	if s.failStreak < e.ConsecutiveFailures && !s.probation.Load() {
 		return 0
 	}
+	why := reasonEjectFailures
+	if s.probation.Load() {
+		why = reasonEjectProbation
+	}
+	return b.ejectLocked(now, e, why)
+}
+
+// ejectLocked takes the backend out for the next back-off and puts it on probation.
+// b.st.mu is held.
+func (b *Backend) ejectLocked(now time.Time, e EjectionConfig, why string) time.Duration {
+	s := b.st
 	s.probation.Store(true)
 	d := e.BaseBackoff
 	for i := 0; i < s.backoffExp && d < e.MaxBackoff; i++ {
@@ -298,11 +321,47 @@ func (b *Backend) observe(failed bool, now time.Time, e EjectionConfig) (ejected
 	s.backoffExp++
 	s.ejectedUntil.Store(now.Add(d).UnixNano())
 	s.ejections.Add(1)
+	s.ejectReason = why
 	return d
 }
 
-// check records one active check result and reports a state change (+1 up, -1 down).
-func (b *Backend) check(ok bool, h HealthConfig) int {
+// markDown takes the backend out until active checks pass healthy_threshold times in a row,
+// and reports whether it was up: only the first of many concurrent refusals changes it.
+func (b *Backend) markDown(why string) bool {
+	s := b.st
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return b.markDownLocked(why)
+}
+
+func (b *Backend) markDownLocked(why string) bool {
+	s := b.st
+	if !s.up.Load() {
+		return false
+	}
+	s.up.Store(false)
+	s.downReason = why
+	s.checkPasses, s.failStreak = 0, 0
+	return true
+}
+
+// ejectRefused is markDown for when no active check would ever bring the backend back: it
+// ejects it for the next back-off, on probation, whether or not passive ejection is on,
+// since a refused connection is proof enough. It reports the back-off, 0 when already out.
+func (b *Backend) ejectRefused(now time.Time, e EjectionConfig, refusal string) time.Duration {
+	s := b.st
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if b.ejected(now) {
+		return 0
+	}
+	return b.ejectLocked(now, e, reasonEjectRefused+refusal)
+}
+
+// check records one active check result and reports a state change (+1 up, -1 down) and,
+// for a change to down, why. A check refused at connect marks the backend down at once,
+// whatever unhealthy_threshold says: nothing listens there.
+func (b *Backend) check(ok bool, refusal string, h HealthConfig) (change int, why string) {
 	s := b.st
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -311,15 +370,35 @@ func (b *Backend) check(ok bool, h HealthConfig) int {
 		s.checkPasses++
 		if !s.up.Load() && s.checkPasses >= h.HealthyThreshold {
 			s.up.Store(true)
-			return 1
+			return 1, ""
 		}
-		return 0
+		return 0, ""
 	}
 	s.checkPasses = 0
 	s.checkFails++
-	if s.up.Load() && s.checkFails >= h.UnhealthyThreshold {
-		s.up.Store(false)
-		return -1
+	why = reasonChecksFailed
+	if refusal != "" {
+		why = reasonCheckRefused + refusal
+	} else if s.checkFails < h.UnhealthyThreshold {
+		return 0, ""
 	}
-	return 0
+	if b.markDownLocked(why) {
+		return -1, why
+	}
+	return 0, ""
+}
+
+// outReason says why the backend may not be picked at now: down, ejected, or "" when it
+// may be.
+func (b *Backend) outReason(now time.Time) string {
+	s := b.st
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case !s.up.Load():
+		return s.downReason
+	case b.ejected(now):
+		return s.ejectReason
+	}
+	return ""
 }

@@ -93,7 +93,11 @@ func TestInflightNeverLeaksUnderChaos(t *testing.T) {
 			}
 			bs := r.backends()
 			b := bs[rng.IntN(len(bs))]
-			b.check(rng.IntN(3) > 0, HealthConfig{UnhealthyThreshold: 1, HealthyThreshold: 1})
+			refusal := ""
+			if rng.IntN(4) == 0 {
+				refusal = "connection refused"
+			}
+			b.check(rng.IntN(3) > 0, refusal, HealthConfig{UnhealthyThreshold: 2, HealthyThreshold: 1})
 			r.prefill.kick()
 			r.decode.kick()
 			time.Sleep(500 * time.Microsecond)
@@ -118,7 +122,7 @@ func TestInflightNeverLeaksUnderChaos(t *testing.T) {
 
 	results := []Result{
 		{Status: 200}, {Status: 200}, {Status: 200}, {Status: 503}, {Status: 400},
-		{Err: errConnRefused}, {Canceled: true}, {},
+		{Err: errTransport}, {Err: refusedErr(t)}, {Canceled: true}, {},
 	}
 	for w := range 16 {
 		workers.Go(func() {

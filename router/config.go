@@ -73,8 +73,8 @@ const (
 	DefaultHealthyThreshold    = 1
 	DefaultHealthPath          = "/health"
 	DefaultConsecutiveFailures = 3
-	DefaultBaseBackoff         = time.Second
-	DefaultMaxBackoff          = 30 * time.Second
+	DefaultBaseBackoff         = 5 * time.Second  // with active checks off; with them on, one interval
+	DefaultMaxBackoff          = 30 * time.Second // or base_backoff, if that is longer
 	DefaultQueueSize           = 1024
 	DefaultQueueTimeout        = 10 * time.Second
 )
@@ -82,7 +82,8 @@ const (
 // BackendConfig is one engine from config.
 type BackendConfig struct {
 	// Name labels the backend in metrics, logs and Hint.Exclude. Empty means the URL's
-	// host:port. Names are unique across the config.
+	// host:port, with the role in front ("decode-host:port") when unnamed backends of both
+	// roles share the address (one engine in both roles). Names are unique across the config.
 	Name string `yaml:"name"`
 	// URL is the engine's base URL, http(s)://host:port, required.
 	URL string `yaml:"url"`
@@ -137,7 +138,9 @@ type HealthConfig struct {
 	Interval time.Duration `yaml:"interval"`
 	// Timeout of one check. Zero means 2s.
 	Timeout time.Duration `yaml:"timeout"`
-	// UnhealthyThreshold consecutive failed checks mark a backend down. Zero means 2.
+	// UnhealthyThreshold consecutive failed checks mark a backend down. Zero means 2. A
+	// check (or a request) refused at connect marks it down at once, whatever this says:
+	// nothing listens at its address.
 	UnhealthyThreshold int `yaml:"unhealthy_threshold"`
 	// HealthyThreshold consecutive passed checks mark a down backend up. Zero means 1.
 	HealthyThreshold int `yaml:"healthy_threshold"`
@@ -181,14 +184,19 @@ func (h *HealthConfig) UnmarshalYAML(n *yaml.Node) error {
 }
 
 // EjectionConfig configures passive ejection: a backend that fails requests in a row is
-// taken out of rotation for a backoff that doubles on each ejection.
+// taken out of rotation for a backoff that doubles on each ejection, then takes one request
+// at a time (probation) until one succeeds.
 type EjectionConfig struct {
-	// ConsecutiveFailures connect errors or 5xx answers in a row eject a backend. Zero
-	// means 3; negative disables passive ejection.
+	// ConsecutiveFailures transport errors or 5xx answers in a row eject a backend. Zero
+	// means 3; negative disables passive ejection. A connection refused (or with no route)
+	// is not counted here: it marks the backend down at once (see HealthConfig), or, with
+	// active checks off, ejects it at once, even with passive ejection disabled.
 	ConsecutiveFailures int `yaml:"consecutive_failures"`
-	// BaseBackoff is the first ejection's length. Zero means 1s.
+	// BaseBackoff is the first ejection's length. Zero means one health.interval, or 5s
+	// with active checks off. It may not be shorter than health.interval: a backend back
+	// from ejection would take requests again before any check could look at it.
 	BaseBackoff time.Duration `yaml:"base_backoff"`
-	// MaxBackoff caps the doubling. Zero means 30s.
+	// MaxBackoff caps the doubling. Zero means 30s, or base_backoff if that is longer.
 	MaxBackoff time.Duration `yaml:"max_backoff"`
 }
 
@@ -241,12 +249,8 @@ func (c *Config) setDefaults() {
 		if b.MaxInflight == 0 {
 			b.MaxInflight = DefaultMaxInflight
 		}
-		if b.Name == "" {
-			if u, err := url.Parse(b.URL); err == nil && u.Host != "" {
-				b.Name = hostPort(u)
-			}
-		}
 	}
+	c.deriveNames()
 	if c.PrefillPolicy == "" {
 		c.PrefillPolicy = PolicyLeastInflight
 	}
@@ -278,15 +282,50 @@ func (c *Config) setDefaults() {
 	}
 	if e.BaseBackoff == 0 {
 		e.BaseBackoff = DefaultBaseBackoff
+		if h.Interval > 0 {
+			e.BaseBackoff = h.Interval
+		}
 	}
 	if e.MaxBackoff == 0 {
-		e.MaxBackoff = DefaultMaxBackoff
+		e.MaxBackoff = max(DefaultMaxBackoff, e.BaseBackoff)
 	}
 	if c.Queue.Size == 0 {
 		c.Queue.Size = DefaultQueueSize
 	}
 	if c.Queue.Timeout == 0 {
 		c.Queue.Timeout = DefaultQueueTimeout
+	}
+}
+
+// deriveNames names the backends that have no name after their address, host:port. One
+// engine may serve in both roles (vLLM with kv_role kv_both, common in small deployments):
+// an address named by unnamed backends of both roles gets the role in front,
+// "prefill-host:port" and "decode-host:port", and only then, so that an address used once
+// keeps the name, and the metrics' backend label, it always had.
+func (c *Config) deriveNames() {
+	derived := make([]string, len(c.Backends))
+	roles := make(map[string]map[Role]bool)
+	for i, b := range c.Backends {
+		if b.Name != "" {
+			continue
+		}
+		if u, err := url.Parse(b.URL); err == nil && u.Host != "" {
+			derived[i] = hostPort(u)
+			if roles[derived[i]] == nil {
+				roles[derived[i]] = make(map[Role]bool)
+			}
+			roles[derived[i]][b.Role] = true
+		}
+	}
+	for i, name := range derived {
+		if name == "" {
+			continue
+		}
+		b := &c.Backends[i]
+		if len(roles[name]) > 1 {
+			name = string(b.Role) + "-" + name
+		}
+		b.Name = name
 	}
 }
 
@@ -401,6 +440,11 @@ func (c *Config) Validate() error {
 	e := c.Ejection
 	if e.BaseBackoff < 0 {
 		bad("ejection.base_backoff", "%v is negative", e.BaseBackoff)
+	} else if h.Interval > 0 && e.BaseBackoff < h.Interval {
+		// Refused rather than raised: a config whose value is silently replaced misleads
+		// whoever reads it.
+		bad("ejection.base_backoff", "%v is shorter than health.interval %v: an ejected backend would take requests again before a health check could look at it; set at least %v, or leave it unset (one interval)",
+			e.BaseBackoff, h.Interval, h.Interval)
 	}
 	if e.MaxBackoff < e.BaseBackoff {
 		bad("ejection.max_backoff", "%v is less than base_backoff %v", e.MaxBackoff, e.BaseBackoff)

@@ -32,7 +32,7 @@ func TestValidateFillsDefaults(t *testing.T) {
 		{"health.healthy_threshold", cfg.Health.HealthyThreshold, 1},
 		{"health.path", cfg.Health.Path, "/health"},
 		{"ejection.consecutive_failures", cfg.Ejection.ConsecutiveFailures, 3},
-		{"ejection.base_backoff", cfg.Ejection.BaseBackoff, time.Second},
+		{"ejection.base_backoff", cfg.Ejection.BaseBackoff, 5 * time.Second},
 		{"ejection.max_backoff", cfg.Ejection.MaxBackoff, 30 * time.Second},
 		{"queue.size", cfg.Queue.Size, 1024},
 		{"queue.timeout", cfg.Queue.Timeout, 10 * time.Second},
@@ -41,6 +41,32 @@ func TestValidateFillsDefaults(t *testing.T) {
 		if c.got != c.want {
 			t.Errorf("%s = %v, want %v", c.field, c.got, c.want)
 		}
+	}
+}
+
+func TestEjectionBackoffDefaultsFollowTheHealthInterval(t *testing.T) {
+	tests := []struct {
+		name      string
+		health    HealthConfig
+		ejection  EjectionConfig
+		base, max time.Duration
+	}{
+		{"one interval", HealthConfig{Interval: 2 * time.Second}, EjectionConfig{}, 2 * time.Second, 30 * time.Second},
+		{"an interval longer than the cap raises it", HealthConfig{Interval: time.Minute}, EjectionConfig{}, time.Minute, time.Minute},
+		{"5s with checks off", HealthConfig{Interval: -1}, EjectionConfig{}, 5 * time.Second, 30 * time.Second},
+		{"a set base of at least one interval stays", HealthConfig{Interval: time.Second}, EjectionConfig{BaseBackoff: 3 * time.Second}, 3 * time.Second, 30 * time.Second},
+		{"any set base with checks off stays", HealthConfig{Interval: -1}, EjectionConfig{BaseBackoff: 100 * time.Millisecond}, 100 * time.Millisecond, 30 * time.Second},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode}}, Health: tt.health, Ejection: tt.ejection}
+			if err := cfg.Validate(); err != nil {
+				t.Fatal(err)
+			}
+			if e := cfg.Ejection; e.BaseBackoff != tt.base || e.MaxBackoff != tt.max {
+				t.Errorf("base_backoff, max_backoff = %v, %v; want %v, %v", e.BaseBackoff, e.MaxBackoff, tt.base, tt.max)
+			}
+		})
 	}
 }
 
@@ -64,6 +90,49 @@ func TestNameDerivedFromURL(t *testing.T) {
 	}
 }
 
+func TestOneEngineInBothRolesGetsANamePerRole(t *testing.T) {
+	tests := []struct {
+		name     string
+		backends []BackendConfig
+		want     []string
+	}{
+		{"the same url in both roles", []BackendConfig{
+			{URL: "http://127.0.0.1:8100", Role: RolePrefill},
+			{URL: "http://127.0.0.1:8100", Role: RoleDecode},
+		}, []string{"prefill-127.0.0.1:8100", "decode-127.0.0.1:8100"}},
+		{"the same address spelled two ways", []BackendConfig{
+			{URL: "http://engine", Role: RoleDecode},
+			{URL: "http://engine:80/", Role: RolePrefill},
+		}, []string{"decode-engine:80", "prefill-engine:80"}},
+		{"other addresses keep their plain names", []BackendConfig{
+			{URL: "http://10.0.0.1:8000", Role: RolePrefill},
+			{URL: "http://10.0.0.1:8000", Role: RoleDecode},
+			{URL: "http://10.0.0.2:8000", Role: RoleDecode},
+		}, []string{"prefill-10.0.0.1:8000", "decode-10.0.0.1:8000", "10.0.0.2:8000"}},
+		{"an explicit name leaves the other its plain name", []BackendConfig{
+			{Name: "both-p", URL: "http://10.0.0.1:8000", Role: RolePrefill},
+			{URL: "http://10.0.0.1:8000", Role: RoleDecode},
+		}, []string{"both-p", "10.0.0.1:8000"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := Config{Backends: tt.backends}
+			if err := cfg.Validate(); err != nil {
+				t.Fatal(err)
+			}
+			for i, want := range tt.want {
+				if got := cfg.Backends[i].Name; got != want {
+					t.Errorf("backends[%d].name = %q, want %q", i, got, want)
+				}
+			}
+			// Validating again (a reload of the same config) keeps the names.
+			if err := cfg.Validate(); err != nil {
+				t.Fatalf("second Validate: %v", err)
+			}
+		})
+	}
+}
+
 func TestValidateNamesTheBadField(t *testing.T) {
 	decoder := BackendConfig{URL: "http://d:1", Role: RoleDecode}
 	tests := []struct {
@@ -77,7 +146,9 @@ func TestValidateNamesTheBadField(t *testing.T) {
 		{"url with query", Config{Backends: []BackendConfig{{URL: "http://d:1/?a=b", Role: RoleDecode}}}, "backends[0].url:"},
 		{"unknown role", Config{Backends: []BackendConfig{decoder, {URL: "http://p:1", Role: "both"}}}, "backends[1].role:"},
 		{"missing role", Config{Backends: []BackendConfig{decoder, {URL: "http://p:1"}}}, "backends[1].role:"},
-		{"duplicate derived name", Config{Backends: []BackendConfig{decoder, {URL: "http://d:1", Role: RolePrefill}}}, "backends[1].name:"},
+		{"duplicate derived name in one role", Config{Backends: []BackendConfig{decoder, {URL: "http://d:1", Role: RoleDecode}}}, "backends[1].name:"},
+		{"duplicate derived name in both roles and twice in one", Config{Backends: []BackendConfig{decoder, {URL: "http://d:1", Role: RolePrefill}, {URL: "http://d:1/", Role: RoleDecode}}}, "backends[2].name: \"decode-d:1\" already names backends[0]"},
+		{"duplicate explicit name across roles", Config{Backends: []BackendConfig{{Name: "e", URL: "http://d:1", Role: RoleDecode}, {Name: "e", URL: "http://d:1", Role: RolePrefill}}}, "backends[1].name: \"e\" already names backends[0]"},
 		{"no decoder", Config{Backends: []BackendConfig{{URL: "http://p:1", Role: RolePrefill}}}, "backends: at least one backend with role \"decode\""},
 		{"no backends", Config{}, "backends: at least one"},
 		{"negative weight", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, Weight: -1}}}, "backends[0].weight:"},
@@ -88,7 +159,9 @@ func TestValidateNamesTheBadField(t *testing.T) {
 		{"unknown decode policy", Config{Backends: []BackendConfig{decoder}, DecodePolicy: "fastest"}, "decode_policy: unknown policy"},
 		{"negative prefix_tokens", Config{Backends: []BackendConfig{decoder}, PrefixTokens: -1}, "prefix_tokens:"},
 		{"health path without slash", Config{Backends: []BackendConfig{decoder}, Health: HealthConfig{Path: "health"}}, "health.path:"},
-		{"max_backoff below base", Config{Backends: []BackendConfig{decoder}, Ejection: EjectionConfig{BaseBackoff: time.Minute}}, "ejection.max_backoff:"},
+		{"max_backoff below base", Config{Backends: []BackendConfig{decoder}, Ejection: EjectionConfig{BaseBackoff: time.Minute, MaxBackoff: 30 * time.Second}}, "ejection.max_backoff:"},
+		{"base_backoff shorter than the health interval", Config{Backends: []BackendConfig{decoder}, Ejection: EjectionConfig{BaseBackoff: time.Second}}, "ejection.base_backoff: 1s is shorter than health.interval 5s"},
+		{"base_backoff shorter than a set health interval", Config{Backends: []BackendConfig{decoder}, Health: HealthConfig{Interval: 10 * time.Second}, Ejection: EjectionConfig{BaseBackoff: 5 * time.Second}}, "set at least 10s"},
 		{"negative queue timeout", Config{Backends: []BackendConfig{decoder}, Queue: QueueConfig{Timeout: -1}}, "queue.timeout:"},
 	}
 	for _, tt := range tests {

@@ -11,7 +11,7 @@
 // Configuration, with the defaults applied by [Config.Validate]:
 //
 //	backends:
-//	  - name: decode-0          # default: the URL's host:port
+//	  - name: decode-0          # default: the URL's host:port (role-host:port for a URL in both roles)
 //	    url: http://10.0.0.2:8000
 //	    role: decode            # prefill | decode (required)
 //	    weight: 1
@@ -29,13 +29,13 @@
 //	health:
 //	  interval: 5s              # 0 or negative disables active checks
 //	  timeout: 2s
-//	  unhealthy_threshold: 2
+//	  unhealthy_threshold: 2    # a check or call refused at connect marks it down at once
 //	  healthy_threshold: 1
 //	  path: /health
 //	ejection:
 //	  consecutive_failures: 3   # negative disables passive ejection
-//	  base_backoff: 1s
-//	  max_backoff: 30s
+//	  base_backoff: 5s          # one health.interval (at least that); 5s with checks off
+//	  max_backoff: 30s          # or base_backoff if longer
 //	queue:
 //	  size: 1024                # per role; negative disables waiting
 //	  timeout: 10s

@@ -3,17 +3,37 @@ package router
 import (
 	"context"
 	"errors"
+	"fmt"
+	"net"
+	"net/http"
 	"syscall"
 	"testing"
 	"time"
 )
 
-var errConnRefused = &netOpError{syscall.ECONNREFUSED}
+// errTransport is a call that broke after its connection was made, which counts toward
+// ejection like a 5xx.
+var errTransport = &net.OpError{Op: "read", Net: "tcp", Err: syscall.ECONNRESET}
 
-type netOpError struct{ err error }
-
-func (e *netOpError) Error() string { return "dial tcp: " + e.err.Error() }
-func (e *netOpError) Unwrap() error { return e.err }
+// refusedErr is the error of a real call to an address where nothing listens, wrapped as
+// the proxy passes it on.
+func refusedErr(t *testing.T) error {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	c := &http.Client{Transport: &http.Transport{}}
+	defer c.CloseIdleConnections()
+	resp, err := c.Get("http://" + addr + "/v1/completions")
+	if err == nil {
+		resp.Body.Close()
+		t.Fatalf("a call to closed %s succeeded", addr)
+	}
+	return fmt.Errorf("call http://%s/v1/completions: %w", addr, err)
+}
 
 // send acquires the only decoder and releases it with res.
 func send(t *testing.T, r *Router, res Result) {
@@ -29,7 +49,7 @@ func TestPassiveHealthCountsOnlyBackendFaults(t *testing.T) {
 		wantEjected bool
 	}{
 		{"three 5xx in a row eject", []Result{fail5xx, fail5xx, fail5xx}, true},
-		{"three connect errors in a row eject", []Result{{Err: errConnRefused}, {Err: errConnRefused}, {Err: errConnRefused}}, true},
+		{"three transport errors in a row eject", []Result{{Err: errTransport}, {Err: errTransport}, {Err: errTransport}}, true},
 		{"a success resets the streak", []Result{fail5xx, fail5xx, {Status: 200}, fail5xx, fail5xx}, false},
 		{"client cancels count nothing", []Result{fail5xx, fail5xx, {Canceled: true, Err: context.Canceled}, {Canceled: true}}, false},
 		{"4xx is the client's fault, not the backend's", []Result{{Status: 400}, {Status: 404}, {Status: 429}}, false},
@@ -104,7 +124,7 @@ func TestFailuresDuringEjectionDoNotExtendIt(t *testing.T) {
 	if got := r.Backends()[0].Ejections; got != 1 {
 		t.Errorf("ejections = %d, want 1 for one outage", got)
 	}
-	clk.Advance(time.Second)
+	clk.Advance(DefaultBaseBackoff)
 	if !r.Ready() {
 		t.Error("late failures extended the ejection")
 	}
@@ -127,7 +147,7 @@ func TestEjectedBackendTrafficGoesElsewhere(t *testing.T) {
 	r, _, clk := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 0)})
 	for range 3 {
 		l := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}})
-		l.Release(Result{Err: errConnRefused})
+		l.Release(Result{Err: errTransport})
 	}
 	for range 5 {
 		l := mustAcquire(t, r, RoleDecode, Hint{})
@@ -136,7 +156,7 @@ func TestEjectedBackendTrafficGoesElsewhere(t *testing.T) {
 		}
 		l.Release(Result{Status: 200})
 	}
-	clk.Advance(time.Second)
+	clk.Advance(DefaultBaseBackoff)
 	seen := map[string]bool{}
 	for range 4 {
 		l := mustAcquire(t, r, RoleDecode, Hint{})

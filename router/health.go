@@ -2,10 +2,14 @@ package router
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"go.uber.org/zap"
@@ -52,16 +56,21 @@ func (r *Router) checkAll(ctx context.Context, h HealthConfig) {
 	var wg sync.WaitGroup
 	for _, b := range r.backends() {
 		wg.Go(func() {
-			ok := r.probe(ctx, b, h)
+			err := r.probe(ctx, b, h)
 			if ctx.Err() != nil {
 				return // shutting down: a failed probe says nothing about the backend
 			}
-			switch b.check(ok, h) {
+			ref, refused := refusalOf(err)
+			change, why := b.check(err == nil, ref.text, h)
+			switch change {
 			case 1:
 				r.logger.Info("backend up", zap.String("backend", b.Name), zap.String("role", string(b.Role)))
 			case -1:
-				r.logger.Warn("backend down", zap.String("backend", b.Name), zap.String("role", string(b.Role)),
-					zap.Int("failed_checks", h.UnhealthyThreshold))
+				label := "health_check"
+				if refused {
+					label = ref.label
+				}
+				r.wentDown(b, label, why, err)
 			}
 		})
 	}
@@ -71,24 +80,85 @@ func (r *Router) checkAll(ctx context.Context, h HealthConfig) {
 	r.decode.kick()
 }
 
-// probe is one GET {url}{path}; any 2xx passes.
-func (r *Router) probe(ctx context.Context, b *Backend, h HealthConfig) bool {
+// probe is one GET {url}{path}; any 2xx passes (nil), anything else is the error.
+func (r *Router) probe(ctx context.Context, b *Backend, h HealthConfig) error {
 	ctx, cancel := context.WithTimeout(ctx, h.Timeout)
 	defer cancel()
 	u := strings.TrimSuffix(b.URLString, "/") + h.Path
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
 	if err != nil {
-		return false
+		return err
 	}
 	resp, err := b.client.Do(req)
 	if err != nil {
 		if ce := r.logger.Check(zap.DebugLevel, "health check failed"); ce != nil {
 			ce.Write(zap.String("backend", b.Name), zap.Error(err))
 		}
-		return false
+		return err
 	}
 	// Drain a little so the connection can be reused, but never read a huge body.
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 4<<10))
 	resp.Body.Close()
-	return resp.StatusCode >= 200 && resp.StatusCode < 300
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return fmt.Errorf("health check answered %d", resp.StatusCode)
+	}
+	return nil
+}
+
+// refusal is a connect error that proves nothing listens at a backend's address.
+type refusal struct {
+	// label is the reason label of pdproxy_backend_down_total; text is for down_reason.
+	label, text string
+}
+
+// refusals are the dial errors that are proof: the peer's kernel (or a router on the way)
+// answered that nothing is there. A dial timeout, a DNS failure or the proxy's own limits
+// (EMFILE, EADDRNOTAVAIL) prove nothing about the backend, and stay with passive ejection.
+var refusals = []struct {
+	errno syscall.Errno
+	refusal
+}{
+	{syscall.ECONNREFUSED, refusal{"connection_refused", "connection refused"}},
+	{syscall.EHOSTUNREACH, refusal{"host_unreachable", "no route to host"}},
+	{syscall.ENETUNREACH, refusal{"network_unreachable", "network unreachable"}},
+}
+
+// refusalOf tells whether err, from a call or a check, is a refused dial.
+func refusalOf(err error) (refusal, bool) {
+	var op *net.OpError
+	if err == nil || !errors.As(err, &op) || op.Op != "dial" {
+		return refusal{}, false
+	}
+	for _, r := range refusals {
+		if errors.Is(err, r.errno) {
+			return r.refusal, true
+		}
+	}
+	return refusal{}, false
+}
+
+// refused takes b out after a call to it was refused at connect: down until the active
+// checks bring it back, or, with them off, ejected for the back-off (then on probation), so
+// that it is never stranded. Live requests no longer find out one by one that it is gone.
+func (r *Router) refused(b *Backend, ref refusal, err error) {
+	st := r.settings.Load()
+	if st.health.Interval > 0 {
+		if b.markDown(ref.text) {
+			r.wentDown(b, ref.label, ref.text, err)
+		}
+		return
+	}
+	if d := b.ejectRefused(r.now(), st.ejection, ref.text); d > 0 {
+		r.wentDown(b, ref.label, reasonEjectRefused+ref.text, err, zap.Duration("backoff", d))
+	}
+}
+
+// wentDown counts and logs, once per change, a backend taken out by a refusal or its checks.
+func (r *Router) wentDown(b *Backend, label, why string, err error, fields ...zap.Field) {
+	if !b.st.removed.Load() {
+		r.metrics.down.WithLabelValues(b.Name, string(b.Role), label).Inc()
+	}
+	fields = append([]zap.Field{zap.String("backend", b.Name), zap.String("role", string(b.Role)),
+		zap.String("reason", why), zap.Error(err)}, fields...)
+	r.logger.Warn("backend down", fields...)
 }

@@ -11,6 +11,7 @@ type metrics struct {
 	r *Router
 
 	requests      *prometheus.CounterVec
+	down          *prometheus.CounterVec
 	queueWait     *prometheus.HistogramVec
 	queueRejected *prometheus.CounterVec
 
@@ -29,6 +30,10 @@ func newMetrics(r *Router) *metrics {
 			Namespace: ns, Name: "backend_requests_total",
 			Help: "Requests sent to a backend by outcome: the HTTP status, \"error\" for connect or transport errors, \"canceled\" when the client went away.",
 		}, []string{"backend", "role", "code"}),
+		down: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "backend_down_total",
+			Help: "Times a backend was taken out until its health check passes (or, with checks off, for the ejection back-off), by reason: connection_refused, host_unreachable or network_unreachable (a call or a check refused at connect), health_check (unhealthy_threshold failed checks).",
+		}, []string{"backend", "role", "reason"}),
 		queueWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: ns, Name: "queue_wait_seconds",
 			Help:    "Time requests waited in the backpressure queue for a free backend, whatever the outcome.",
@@ -41,7 +46,7 @@ func newMetrics(r *Router) *metrics {
 		inflight: prometheus.NewDesc(ns+"_backend_inflight_requests",
 			"Requests in flight on a backend (leases not yet released).", backendLabels, nil),
 		healthy: prometheus.NewDesc(ns+"_backend_healthy",
-			"1 when the backend passes active health checks and is not ejected, else 0.", backendLabels, nil),
+			"1 when the backend is neither down (failed health checks, a refused connection) nor ejected, else 0.", backendLabels, nil),
 		ejections: prometheus.NewDesc(ns+"_backend_ejections_total",
 			"Times passive health ejected the backend.", backendLabels, nil),
 		waiting: prometheus.NewDesc(ns+"_queue_waiting_requests",
@@ -50,7 +55,7 @@ func newMetrics(r *Router) *metrics {
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.requests, m.queueWait, m.queueRejected, m} {
+	for _, c := range []prometheus.Collector{m.requests, m.down, m.queueWait, m.queueRejected, m} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}
@@ -61,6 +66,7 @@ func (m *metrics) register(reg prometheus.Registerer) error {
 // forget deletes a removed backend's series.
 func (m *metrics) forget(b *Backend) {
 	m.requests.DeletePartialMatch(prometheus.Labels{"backend": b.Name, "role": string(b.Role)})
+	m.down.DeletePartialMatch(prometheus.Labels{"backend": b.Name, "role": string(b.Role)})
 }
 
 // Describe implements prometheus.Collector for the scrape-time gauges.

@@ -17,7 +17,7 @@ func TestRequestsTotalCodes(t *testing.T) {
 	})
 	for _, res := range []Result{
 		{Status: 200}, {Status: 200}, {Status: 503}, {Status: 418},
-		{Err: errConnRefused}, {Canceled: true}, {Canceled: true, Status: 200}, {},
+		{Err: errTransport}, {Canceled: true}, {Canceled: true, Status: 200}, {},
 	} {
 		send(t, r, res)
 	}

@@ -286,11 +286,17 @@ type BackendStatus struct {
 	URL string `json:"url"`
 	// Role is prefill or decode.
 	Role Role `json:"role"`
-	// Healthy is true when the backend passes active checks and is not ejected, i.e.
-	// it may be picked when it has room.
+	// Healthy is true when the backend is neither down (failed checks, a refused
+	// connection) nor ejected, i.e. it may be picked when it has room.
 	Healthy bool `json:"healthy"`
 	// Ejected is true while passive health keeps the backend out.
 	Ejected bool `json:"ejected"`
+	// DownReason says why the backend is out, empty (and left out) while it may be picked:
+	// "connection refused" (a call found nothing listening; back when a health check
+	// passes), "health check: connection refused", "health check failed",
+	// "ejected: consecutive failures", "ejected: failed on probation", or
+	// "ejected: connection refused" (with active checks off).
+	DownReason string `json:"down_reason,omitempty"`
 	// Inflight is the number of leases counted on the backend now.
 	Inflight int64 `json:"inflight"`
 	// MaxInflight is the limit above which requests queue.
@@ -315,6 +321,7 @@ func (r *Router) Backends() []BackendStatus {
 			Role:        b.Role,
 			Healthy:     b.available(now),
 			Ejected:     b.ejected(now),
+			DownReason:  b.outReason(now),
 			Inflight:    b.Inflight(),
 			MaxInflight: b.MaxInflight,
 			Weight:      b.Weight,
@@ -615,7 +622,8 @@ func (l *Lease) Backend() *Backend {
 // Release ends the lease. Only the first call counts; later calls, from any goroutine,
 // do nothing, so a deferred Release may back up an explicit one. res feeds passive
 // health: a connect error or a 5xx counts a failure, a success resets the streak, a
-// client cancel or the zero Result counts nothing against the backend.
+// client cancel or the zero Result counts nothing against the backend. A connection refused
+// (or with no route) takes the backend out at once: see Router.refused.
 func (l *Lease) Release(res Result) {
 	if l == nil || !l.released.CompareAndSwap(false, true) {
 		return
@@ -623,7 +631,9 @@ func (l *Lease) Release(res Result) {
 	r := l.p.r
 	code, counted, failed := res.outcome()
 	if counted {
-		if d := l.b.observe(failed, r.now(), r.settings.Load().ejection); d > 0 {
+		if ref, ok := refusalOf(res.Err); ok {
+			r.refused(l.b, ref, res.Err)
+		} else if d := l.b.observe(failed, r.now(), r.settings.Load().ejection); d > 0 {
 			r.logger.Warn("backend ejected",
 				zap.String("backend", l.b.Name), zap.String("role", string(l.b.Role)),
 				zap.Duration("backoff", d), zap.Int64("ejections", l.b.Ejections()))
