@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -172,21 +173,29 @@ func TestModelsHealthReadyMetrics(t *testing.T) {
 	if code, _ := get("/ready"); code != 200 {
 		t.Errorf("/ready %d", code)
 	}
-	post(t, context.Background(), s.url+"/v1/completions", `{"model":"sim","prompt":"x","max_tokens":2}`).Body.Close()
-	_, metrics := get("/metrics")
-	for _, name := range []string{
-		`pdproxy_requests_total{code="200",route="/v1/completions"} 1`,
-		"pdproxy_request_duration_seconds_bucket",
-		"pdproxy_time_to_first_token_seconds_bucket",
-		"pdproxy_inflight_requests",
-	} {
-		if !strings.Contains(metrics, name) {
-			t.Errorf("/metrics lacks %s", name)
+	resp := post(t, context.Background(), s.url+"/v1/completions", `{"model":"sim","prompt":"x","max_tokens":2}`)
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	// The request is counted as its handler ends, which may be just after the client has the
+	// whole answer.
+	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+		_, metrics := get("/metrics")
+		for _, name := range []string{
+			`pdproxy_requests_total{code="200",route="/v1/completions"} 1`,
+			"pdproxy_request_duration_seconds_bucket",
+			"pdproxy_time_to_first_token_seconds_bucket",
+			"pdproxy_inflight_requests",
+		} {
+			if !strings.Contains(metrics, name) {
+				return false, "/metrics lacks " + name
+			}
 		}
-	}
-	if code, body := get("/debug/requests"); code != 200 || strings.TrimSpace(body) != "[]" {
-		t.Errorf("/debug/requests when idle: %d %s", code, body)
-	}
+		return true, ""
+	})
+	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+		code, body := get("/debug/requests")
+		return code == 200 && strings.TrimSpace(body) == "[]", fmt.Sprintf("/debug/requests when idle: %d %s", code, body)
+	})
 }
 
 func TestOpenAISDKAgainstTheProxy(t *testing.T) {
