@@ -182,6 +182,8 @@ type counters struct {
 	heartbeats     int
 	heartbeatsSent int
 	crashes        int
+	holds          int
+	remotePrefills int
 }
 
 // KVStats is a snapshot of the engine's KV pool and request counters, the
@@ -218,6 +220,14 @@ type KVStats struct {
 	// EngineCrashesTotal counts the engine's deaths: a decode asking for
 	// prompt logprobs (vLLM #50792) fails every request the engine has.
 	EngineCrashesTotal int `json:"engine_crashes_total"`
+	// HoldsTotal counts prefills that ended holding KV for a decoder, as a
+	// prefiller: one per engine request, so a fan-out's children count too.
+	HoldsTotal int `json:"holds_total"`
+	// RemotePrefillRequestsTotal counts HTTP requests that arrived carrying
+	// kv_transfer_params with do_remote_prefill true, as a decoder: one per
+	// HTTP request whose body parsed, whatever its answer (a rejection or an
+	// injected fault included).
+	RemotePrefillRequestsTotal int `json:"remote_prefill_requests_total"`
 }
 
 // New builds an engine; call Run to start its scheduler and serve Handler.
@@ -310,6 +320,13 @@ func (e *Engine) enqueue(ev event) error {
 	default:
 	}
 	return nil
+}
+
+// countRemotePrefill counts a decode request that arrived with kv_transfer_params.
+func (e *Engine) countRemotePrefill() {
+	e.mu.Lock()
+	e.counts.remotePrefills++
+	e.mu.Unlock()
 }
 
 func (e *Engine) submit(r *request) error { return e.enqueue(event{kind: evAdd, req: r}) }

@@ -102,6 +102,17 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 			writeError(w, err)
 			return
 		}
+		// The body is read before an injected failure is answered, so that
+		// remote_prefill_requests_total counts every decode that reached this
+		// engine, whatever it answered.
+		body, readErr := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
+		var wb *wireBody
+		if readErr == nil {
+			wb, err = decodeBody(body, chat)
+			if kv := wb.kvParams(); kv != nil && kv.DoRemotePrefill {
+				e.countRemotePrefill()
+			}
+		}
 		if f.failStatus != 0 {
 			if f.failStatus == http.StatusServiceUnavailable || f.failStatus == http.StatusTooManyRequests {
 				w.Header().Set("Retry-After", "1")
@@ -109,17 +120,15 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 			writeError(w, statusError(f.failStatus, "injected_fault", "injected failure (status %d)", f.failStatus))
 			return
 		}
-		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
-		if err != nil {
+		if readErr != nil {
 			var tooBig *http.MaxBytesError
-			if errors.As(err, &tooBig) {
+			if errors.As(readErr, &tooBig) {
 				writeError(w, statusError(http.StatusRequestEntityTooLarge, "body_too_large", "request body larger than %d bytes", maxBodyBytes))
 				return
 			}
-			writeError(w, badRequest("unreadable_body", "read request body: %v", err))
+			writeError(w, badRequest("unreadable_body", "read request body: %v", readErr))
 			return
 		}
-		wb, err := decodeBody(body, chat)
 		if err != nil {
 			// Malformed JSON or a wrong type: vLLM fails such a body before
 			// its handler, so no prefiller hears of it.

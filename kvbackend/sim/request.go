@@ -124,6 +124,14 @@ type wireBody struct {
 	prompts []int
 }
 
+// kvParams is the body's kv_transfer_params, nil for none or for no body.
+func (b *wireBody) kvParams() *kvTransferParams {
+	if b == nil {
+		return nil
+	}
+	return b.KVTransferParams
+}
+
 // decodeBody decodes body and checks its shape.
 //
 // Prompt tokens are counted without a tokenizer, deterministically:

@@ -278,6 +278,7 @@ func (e *Engine) emit(r *request, now time.Time) {
 		}
 		delete(e.live, r.rid)
 		e.held[r.rid] = r
+		e.counts.holds++
 		o.held = append([]int{}, r.blocks...)
 		o.leaseEnd = r.expiresAt
 		r.push(o)
@@ -341,17 +342,19 @@ func (e *Engine) Stats() KVStats {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	s := KVStats{
-		BlocksTotal:             e.pool.total(),
-		BlocksFree:              e.pool.available(),
-		HeldRequests:            len(e.held),
-		RequestsTotal:           e.counts.requests,
-		AbortedTotal:            e.counts.aborted,
-		ExpiredTotal:            e.counts.expired,
-		LateEventsTotal:         e.counts.lateEvents,
-		DoubleFreeAttemptsTotal: e.counts.doubleFrees,
-		HeartbeatsTotal:         e.counts.heartbeats,
-		HeartbeatsSentTotal:     e.counts.heartbeatsSent,
-		EngineCrashesTotal:      e.counts.crashes,
+		BlocksTotal:                e.pool.total(),
+		BlocksFree:                 e.pool.available(),
+		HeldRequests:               len(e.held),
+		RequestsTotal:              e.counts.requests,
+		AbortedTotal:               e.counts.aborted,
+		ExpiredTotal:               e.counts.expired,
+		LateEventsTotal:            e.counts.lateEvents,
+		DoubleFreeAttemptsTotal:    e.counts.doubleFrees,
+		HeartbeatsTotal:            e.counts.heartbeats,
+		HeartbeatsSentTotal:        e.counts.heartbeatsSent,
+		EngineCrashesTotal:         e.counts.crashes,
+		HoldsTotal:                 e.counts.holds,
+		RemotePrefillRequestsTotal: e.counts.remotePrefills,
 	}
 	for _, h := range e.held {
 		s.BlocksHeld += len(h.blocks)
