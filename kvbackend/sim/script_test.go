@@ -53,7 +53,11 @@ func (p *peerTransport) pull(ctx context.Context, kv *kvTransferParams) error {
 	return p.peer.checkHeld(kv.RemoteEngineID, kv.RemoteRequestID, kv.RemoteBlockIDs)
 }
 
-func (p *peerTransport) notify(_ context.Context, kv *kvTransferParams) error {
+func (p *peerTransport) claim(context.Context, *sglangLeg, string) (*claimResponse, error) {
+	return nil, errors.New("peerTransport: no SGLang bootstrap")
+}
+
+func (p *peerTransport) notify(_ context.Context, kv *kvTransferParams, _ string) error {
 	p.mu.Lock()
 	p.notified = append(p.notified, kv.RemoteRequestID)
 	p.mu.Unlock()
