@@ -45,7 +45,7 @@ type choiceResult struct {
 // write may panic(http.ErrAbortHandler) (the close-after fault), which
 // net/http recovers in the handler's goroutine only.
 func (p *responder) serveChoices(all []child) {
-	ctx, cancel := context.WithCancel(p.ctx)
+	ctx, cancel := context.WithCancel(p.work)
 	events := make(chan choiceEvent)
 	var wg sync.WaitGroup
 	// Deferred, so that a cut stream or a gone client still ends every
@@ -74,8 +74,8 @@ func (p *responder) serveChoices(all []child) {
 	for left := len(all); left > 0; {
 		var ev choiceEvent
 		select {
-		case <-p.ctx.Done():
-			p.end(p.ctx.Err())
+		case <-p.work.Done():
+			p.end(p.work.Err())
 			return
 		case ev = <-events:
 		}
@@ -117,7 +117,10 @@ func (p *responder) serveChoices(all []child) {
 		return
 	}
 	c := &completion{ID: p.id, Object: "text_completion", Created: p.created, Model: p.model,
-		Usage: p.usage(completionTokens), KVTransferParams: (*prefillKVParams)(nil)}
+		Usage: p.usage(completionTokens)}
+	if !p.e.sglang() {
+		c.KVTransferParams = (*prefillKVParams)(nil) // vLLM's null
+	}
 	if p.api.chat {
 		c.Object = "chat.completion"
 	}

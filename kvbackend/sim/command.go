@@ -35,8 +35,11 @@ func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: proxy sim [flags]\n\n"+
 			"Runs one simulated vLLM-like engine (OpenAI API, P/D kv_transfer_params,\n"+
-			"KV block pool with leases, heartbeats, notify and expiry). Per-request fault headers:\n"+
-			"X-Sim-Fail-Status, X-Sim-Stall, X-Sim-Close-After, X-Sim-Slow-Write.\n\nFlags:\n")
+			"KV block pool with leases, heartbeats, notify and expiry), or with --protocol sglang\n"+
+			"an SGLang prefiller or decoder (bootstrap rooms on a bootstrap server, GET /server_info,\n"+
+			"POST /abort_request by rid prefix). Per-request fault headers: X-Sim-Fail-Status,\n"+
+			"X-Sim-Stall, X-Sim-Close-After, X-Sim-Slow-Write, X-Sim-Transfer-Fail.\n"+
+			"GET /debug/kv shows the KV pool and counters.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -45,22 +48,38 @@ func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if fs.NArg() > 0 {
 		return fmt.Errorf("sim: unexpected arguments %q", fs.Args())
 	}
+	// The bootstrap server listens where the API does: decoders reach it at
+	// the prefiller's host.
+	host, _, err := net.SplitHostPort(*listen)
+	if err != nil {
+		return fmt.Errorf("sim: --listen %q: %w", *listen, err)
+	}
+	cfg.BootstrapHost = host
+	if host == "" {
+		cfg.BootstrapHost = "0.0.0.0"
+	}
 	logger := zap.New(zapcore.NewCore(
 		zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()),
 		zapcore.Lock(zapcore.AddSync(stderr)), zap.InfoLevel))
 	defer func() { _ = logger.Sync() }()
 
-	engine, err := New(cfg, logger)
-	if err != nil {
-		return err
+	if _, err := cfg.withDefaults(); err != nil {
+		return err // before listening on anything
 	}
 	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", *listen)
 	if err != nil {
 		return fmt.Errorf("sim: listen %s: %w", *listen, err)
 	}
+	// After the listener: an SGLang prefiller binds its bootstrap port in New,
+	// and only Run closes it.
+	engine, err := New(cfg, logger)
+	if err != nil {
+		ln.Close()
+		return err
+	}
 	srv := &http.Server{Handler: engine.Handler(), ReadHeaderTimeout: 10 * time.Second}
 	logger.Info("sim engine listening", zap.String("addr", ln.Addr().String()),
-		zap.String("engine_id", engine.ID()), zap.String("role", cfg.Role), zap.String("model", cfg.Model))
+		zap.String("engine_id", engine.ID()), zap.String("protocol", cfg.Protocol), zap.String("role", cfg.Role), zap.String("model", cfg.Model))
 
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return engine.Run(gctx) })

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"flag"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -45,6 +46,8 @@ func TestRunCommandHelpListsEveryFlagAndReturnsErrHelp(t *testing.T) {
 		"kv-hold-timeout", "kv-transfer-time", "prefill-per-token", "seed",
 		"fail-status", "stall", "close-after", "slow-write", "engine-id",
 		"kv-heartbeat-interval", "max-model-len", "nixl-handshake-delay",
+		"protocol", "bootstrap-port", "bootstrap-timeout", "waiting-timeout", "disconnect-delay",
+		"admin-api-key", "transfer-fail",
 	} {
 		if !strings.Contains(usage, "  -"+name+" ") && !strings.Contains(usage, "  -"+name+"\n") {
 			t.Errorf("usage does not document -%s:\n%s", name, usage)
@@ -60,6 +63,9 @@ func TestRunCommandRejectsBadFlags(t *testing.T) {
 		{"unknown flag", []string{"--nope"}},
 		{"unknown role", []string{"--role", "router"}},
 		{"stray argument", []string{"extra"}},
+		{"unknown protocol", []string{"--protocol", "trtllm"}},
+		{"sglang without a disaggregation role", []string{"--protocol", "sglang"}},
+		{"a bootstrap port out of range", []string{"--protocol", "sglang", "--role", "prefill", "--bootstrap-port", "70000"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -103,6 +109,54 @@ func TestRunCommandServesOnPortZeroAndStopsWhenCancelled(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), `"remote_port":`+addr[strings.LastIndex(addr, ":")+1:]) {
 		t.Errorf("prefill via RunCommand: %d %s", resp.StatusCode, body)
+	}
+	cancel()
+	if err := testutil.Recv(t, testutil.Timeout, done, "RunCommand's return"); err != nil {
+		t.Errorf("RunCommand after cancel = %v, want nil", err)
+	}
+}
+
+func TestRunCommandSGLangPrefillerReportsItsBootstrapPort(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var stderr syncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- RunCommand(ctx, []string{"--listen", "127.0.0.1:0", "--protocol", "sglang", "--role", "prefill", "--bootstrap-port", "0"}, io.Discard, &stderr)
+	}()
+	addr, boot := "", ""
+	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+		for _, line := range strings.Split(stderr.String(), "\n") {
+			var entry struct {
+				Msg  string `json:"msg"`
+				Addr string `json:"addr"`
+			}
+			if json.Unmarshal([]byte(line), &entry) != nil {
+				continue
+			}
+			switch entry.Msg {
+			case "sim engine listening":
+				addr = entry.Addr
+			case "bootstrap server listening":
+				boot = entry.Addr
+			}
+		}
+		return addr != "" && boot != "", "no listening log lines; stderr:\n" + stderr.String()
+	})
+	client := &http.Client{Transport: &http.Transport{}}
+	defer client.CloseIdleConnections()
+	resp, err := client.Get("http://" + addr + "/server_info")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var info struct {
+		Mode string `json:"disaggregation_mode"`
+		Port int    `json:"disaggregation_bootstrap_port"`
+	}
+	err = json.NewDecoder(resp.Body).Decode(&info)
+	resp.Body.Close()
+	if err != nil || info.Mode != "prefill" || boot != fmt.Sprintf("127.0.0.1:%d", info.Port) {
+		t.Errorf("/server_info = %+v (%v), want mode prefill and the bootstrap server's port (%s)", info, err, boot)
 	}
 	cancel()
 	if err := testutil.Recv(t, testutil.Timeout, done, "RunCommand's return"); err != nil {

@@ -12,9 +12,16 @@ import (
 // durations mean zero (no prefill time, no inter-token latency), which is
 // what benchmarks want.
 type Config struct {
-	// Role is "prefill", "decode" or "both" (default). It is informational:
-	// every role serves every request kind, as a vLLM server with a
-	// NixlConnector in kv_both mode does. It appears in the engine id and logs.
+	// Protocol is the prefill/decode protocol the engine speaks: "vllm"
+	// (default; kv_transfer_params, prefill then decode) or "sglang" (both
+	// legs at once, paired by a bootstrap room on the prefiller; see
+	// sglang.go). An "sglang" engine needs Role "prefill" or "decode".
+	Protocol string
+	// Role is "prefill", "decode" or "both" (default). With the vllm
+	// protocol it is informational: every role serves every request kind, as
+	// a vLLM server with a NixlConnector in kv_both mode does. With sglang it
+	// is the server's --disaggregation-mode: what a request carrying a
+	// bootstrap_room is. It appears in the engine id and logs.
 	Role string
 	// Model is the model name listed by /v1/models and used as the
 	// model_name metric label; default "sim".
@@ -79,6 +86,39 @@ type Config struct {
 	// SlowWrite sleeps before every write of a completion response
 	// (header X-Sim-Slow-Write overrides).
 	SlowWrite time.Duration
+	// TransferFail makes every KV transfer this engine takes part in fail:
+	// the decoder answers 500 kv_transfer_failed, and an SGLang prefiller
+	// frees the room and answers its leg 500 too (header X-Sim-Transfer-Fail
+	// overrides, on either leg).
+	TransferFail bool
+
+	// SGLang only (Protocol "sglang").
+
+	// BootstrapPort is the port of an SGLang prefiller's bootstrap server
+	// (--disaggregation-bootstrap-port), reported by GET /server_info as
+	// disaggregation_bootstrap_port. DefaultConfig sets SGLang's 8998; zero
+	// picks a free port. Decoders ignore it.
+	BootstrapPort int
+	// BootstrapHost is the address the bootstrap server listens on; empty
+	// means 127.0.0.1. `proxy sim` uses the host of --listen.
+	BootstrapHost string
+	// BootstrapTimeout, when positive, frees a room whose KV no decoder has
+	// asked for within this long of the prefill's arrival, and fails the
+	// prefill's leg with a 500 (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT).
+	// Zero, the default: the room is held until it is aborted, as with NIXL.
+	BootstrapTimeout time.Duration
+	// WaitingTimeout is how long an SGLang decoder waits for its room's KV
+	// before it fails the request with a 500 kv_transfer_timeout
+	// (SGLANG_DISAGGREGATION_WAITING_TIMEOUT). Zero means the default, 300s.
+	WaitingTimeout time.Duration
+	// DisconnectDelay is how long after a client disconnects an SGLang
+	// engine aborts the request: SGLang notices a closed stream about 2s
+	// later and a non-streaming request when it next polls. DefaultConfig
+	// sets 2s; zero aborts at once. (vLLM aborts at once, whatever this is.)
+	DisconnectDelay time.Duration
+	// AdminAPIKey, when set, makes POST /abort_request answer 401 unless it
+	// carries Authorization: Bearer <AdminAPIKey> (SGLang's --admin-api-key).
+	AdminAPIKey string
 }
 
 // Defaults, in one place so that DefaultConfig, BindFlags and New agree.
@@ -92,11 +132,20 @@ const (
 	defaultMaxRunning    = 256
 	defaultKVHoldTimeout = 30 * time.Second
 	defaultKVHeartbeat   = 5 * time.Second
+
+	// ProtocolVLLM and ProtocolSGLang are the values of Config.Protocol.
+	ProtocolVLLM   = "vllm"
+	ProtocolSGLang = "sglang"
+
+	defaultBootstrapPort   = 8998 // SGLang's --disaggregation-bootstrap-port
+	defaultWaitingTimeout  = 300 * time.Second
+	defaultDisconnectDelay = 2 * time.Second
 )
 
 // DefaultConfig returns the documented defaults, the flags' defaults too.
 func DefaultConfig() Config {
 	return Config{
+		Protocol:            ProtocolVLLM,
 		Role:                defaultRole,
 		Model:               defaultModel,
 		KVBlocks:            defaultKVBlocks,
@@ -106,13 +155,17 @@ func DefaultConfig() Config {
 		MaxRunning:          defaultMaxRunning,
 		KVHoldTimeout:       defaultKVHoldTimeout,
 		KVHeartbeatInterval: defaultKVHeartbeat,
+		BootstrapPort:       defaultBootstrapPort,
+		WaitingTimeout:      defaultWaitingTimeout,
+		DisconnectDelay:     defaultDisconnectDelay,
 	}
 }
 
 // BindFlags registers one flag per Config field on fs, with cfg's current
 // values as defaults, so `proxy sim --help` documents them all.
 func BindFlags(fs *flag.FlagSet, cfg *Config) {
-	fs.StringVar(&cfg.Role, "role", cfg.Role, `engine role: "prefill", "decode" or "both" (informational: every role serves every request kind)`)
+	fs.StringVar(&cfg.Protocol, "protocol", cfg.Protocol, `prefill/decode protocol: "vllm" (kv_transfer_params, prefill then decode) or "sglang" (both legs at once, paired by a bootstrap room; needs --role prefill or decode)`)
+	fs.StringVar(&cfg.Role, "role", cfg.Role, `engine role: "prefill", "decode" or "both" (vllm: informational, every role serves every request kind; sglang: the disaggregation mode)`)
 	fs.StringVar(&cfg.Model, "model", cfg.Model, "model name served and listed by /v1/models")
 	fs.StringVar(&cfg.EngineID, "engine-id", cfg.EngineID, "engine id sent as kv_transfer_params.remote_engine_id (empty: sim-<role>-<random>)")
 	fs.IntVar(&cfg.KVBlocks, "kv-blocks", cfg.KVBlocks, "number of KV cache blocks in the pool")
@@ -131,13 +184,28 @@ func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.DurationVar(&cfg.Stall, "stall", cfg.Stall, "fault: delay the first byte of every completion response (header X-Sim-Stall)")
 	fs.IntVar(&cfg.CloseAfter, "close-after", cfg.CloseAfter, "fault: close the connection after N SSE events or N body bytes (0: off; header X-Sim-Close-After)")
 	fs.DurationVar(&cfg.SlowWrite, "slow-write", cfg.SlowWrite, "fault: sleep before every response write (header X-Sim-Slow-Write)")
+	fs.BoolVar(&cfg.TransferFail, "transfer-fail", cfg.TransferFail, "fault: every KV transfer fails: the decoder answers 500, an sglang prefiller frees the room and answers 500 (header X-Sim-Transfer-Fail: true)")
+	fs.IntVar(&cfg.BootstrapPort, "bootstrap-port", cfg.BootstrapPort, "sglang prefiller: port of the bootstrap server, reported by GET /server_info (0: a free port)")
+	fs.DurationVar(&cfg.BootstrapTimeout, "bootstrap-timeout", cfg.BootstrapTimeout, "sglang prefiller: free a room no decoder asked for within this long of the prefill's arrival and fail its leg with a 500 (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT; 0: hold it until aborted, as with NIXL)")
+	fs.DurationVar(&cfg.WaitingTimeout, "waiting-timeout", cfg.WaitingTimeout, "sglang decoder: how long a request waits for its room's KV before failing with a 500 (SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
+	fs.DurationVar(&cfg.DisconnectDelay, "disconnect-delay", cfg.DisconnectDelay, "sglang: how long after its client disconnects a request is aborted (SGLang notices about 2s later; 0: at once)")
+	fs.StringVar(&cfg.AdminAPIKey, "admin-api-key", cfg.AdminAPIKey, "when set, POST /abort_request needs Authorization: Bearer <key> (401 otherwise), as SGLang's --admin-api-key")
 }
 
 // withDefaults fills zero fields and rejects values that cannot work.
 func (c Config) withDefaults() (Config, error) {
 	d := DefaultConfig()
+	if c.Protocol == "" {
+		c.Protocol = d.Protocol
+	}
 	if c.Role == "" {
 		c.Role = d.Role
+	}
+	if c.WaitingTimeout == 0 {
+		c.WaitingTimeout = d.WaitingTimeout
+	}
+	if c.BootstrapHost == "" {
+		c.BootstrapHost = "127.0.0.1"
 	}
 	if c.Model == "" {
 		c.Model = d.Model
@@ -162,6 +230,21 @@ func (c Config) withDefaults() (Config, error) {
 	case "prefill", "decode", "both":
 	default:
 		errs = append(errs, fmt.Errorf("role %q: want prefill, decode or both", c.Role))
+	}
+	switch c.Protocol {
+	case ProtocolVLLM:
+	case ProtocolSGLang:
+		if c.Role == "both" {
+			errs = append(errs, errors.New(`protocol sglang: role "both" has no disaggregation mode; want prefill or decode`))
+		}
+	default:
+		errs = append(errs, fmt.Errorf("protocol %q: want vllm or sglang", c.Protocol))
+	}
+	if c.BootstrapPort < 0 || c.BootstrapPort > 65535 {
+		errs = append(errs, fmt.Errorf("bootstrap port %d: not a port", c.BootstrapPort))
+	}
+	if c.BootstrapTimeout < 0 || c.WaitingTimeout < 0 || c.DisconnectDelay < 0 {
+		errs = append(errs, errors.New("bootstrap timeout, waiting timeout and disconnect delay must not be negative"))
 	}
 	if c.KVBlocks < 0 {
 		errs = append(errs, fmt.Errorf("kv blocks %d: must be positive", c.KVBlocks))

@@ -4,6 +4,12 @@
 // holding, pulling, notifying and expiring KV blocks, races included. The
 // proxy's tests, CI and `go run ./cmd/proxy` (its embedded default) use it.
 //
+// With Config.Protocol "sglang" the engine is an SGLang prefiller or decoder
+// instead: both legs of a request at once, paired by a bootstrap room on the
+// prefiller's bootstrap server, GET /server_info, and SGLang's
+// POST /abort_request (rid prefix, admin key). sglang.go describes it; the
+// rest of this comment is the vllm protocol, the default.
+//
 // # Requests
 //
 // POST /v1/completions and POST /v1/chat/completions take vLLM-shaped bodies
@@ -92,7 +98,10 @@
 //
 // # Other endpoints
 //
-// GET /health, GET /v1/models, GET /debug/kv (KVStats as JSON) and
+// GET /health, GET /v1/models, GET /server_info (and /get_server_info:
+// disaggregation_mode "null" for the vllm protocol), GET /debug/kv (KVStats
+// as JSON: the pool, requests, holds_total, remote_prefill_requests_total,
+// and the SGLang rooms_waiting and rooms_held) and
 // GET /metrics (the engine's own registry: vllm:num_requests_running,
 // vllm:num_requests_waiting, vllm:kv_cache_usage_perc with a model_name label,
 // plus pdproxy_sim_* counters).
@@ -107,4 +116,10 @@
 //	X-Sim-Close-After: N     cut the connection after N SSE events (streaming)
 //	                         or N body bytes (non-streaming); 0 = before any byte
 //	X-Sim-Slow-Write: 50ms   sleep before every write (abortable)
+//	X-Sim-Transfer-Fail: true  the request's KV transfer fails: the decoder
+//	                         answers 500 kv_transfer_failed (SGLang: the
+//	                         prefiller frees the room and answers 500 too)
+//
+// POST /abort_request needs Authorization: Bearer <AdminAPIKey> when
+// Config.AdminAPIKey is set (401 otherwise), whatever the protocol.
 package sim

@@ -62,6 +62,12 @@ type request struct {
 	crashes      bool              // the engine dies when it takes this request (vLLM #50792)
 	needBlocks   int
 	hash         uint64
+	// leg is an SGLang prefill or decode's bootstrap room (and, decode, the
+	// prefiller's bootstrap server); nil for every other request. A decode's
+	// remote is filled in once its room's KV is ready (sglang.go).
+	leg *sglangLeg
+	// transferFail: the KV transfer of this request fails (X-Sim-Transfer-Fail).
+	transferFail bool
 
 	// scheduler
 	state   reqState
@@ -71,7 +77,13 @@ type request struct {
 	// is done; the scheduler orders its pull at readyAt.
 	handshaking bool
 	generated   int
-	expiresAt   time.Time // held only: the lease's end, moved by heartbeats
+	expiresAt   time.Time // held only: the lease's end, moved by heartbeats; zero: none (an SGLang room)
+	arrived     time.Time // when the step accepted it
+	// room is an SGLang prefill's bootstrap room, in the engine's registry.
+	room *room
+	// legEnded: an SGLang prefill's leg was answered (aborted during its
+	// transfer) while its blocks stay held until the decoder's notification.
+	legEnded bool
 
 	// pulled is set by the decode's driver once its read is done, before it
 	// notifies the prefiller: from then on there is no lease to renew.
@@ -88,6 +100,10 @@ const (
 	outPull  outKind = iota // decode: blocks allocated, pull the KV now
 	outToken                // a token; finish != "" on the last one
 	outEnd                  // ended without a token: err says why
+	// outReleased: a hold ended (read, aborted, expired, failed): err says
+	// why, nil for a completed read. Only an SGLang prefill's handler, which
+	// answers once its room's transfer is done, waits for it.
+	outReleased
 )
 
 type output struct {
@@ -137,11 +153,21 @@ type event struct {
 	rid  string
 	rids []string // evHeartbeat
 	err  error
+	// outcome is how a decoder ended an SGLang transfer (evFinishedSending):
+	// "" read, outcomeFailed.
+	outcome string
+	// evAbortRID, SGLang: every request whose id starts with rid (all: every
+	// request); matched: the abort already ended a request waiting for its
+	// room, so finding nothing here is no late event.
+	prefix, all, matched bool
 }
 
 // errAborted ends a request that an explicit abort or the engine's shutdown
 // took away from its handler.
 var errAborted = errors.New("request aborted")
+
+// errStopped is what a request gets from an engine whose Run has ended.
+var errStopped = statusError(http.StatusServiceUnavailable, "engine_stopped", "engine is shutting down")
 
 // Engine is one simulated vLLM-like engine: a KV block pool, a FIFO queue,
 // a step loop and the HTTP endpoints in front of them.
@@ -171,6 +197,15 @@ type Engine struct {
 	handshakes map[kvPeer]time.Time
 	counts     counters
 	started    bool // Run was called
+
+	// SGLang (sglang.go). rooms: a prefiller's bootstrap rooms by id;
+	// prealloc: a decoder's requests waiting for their room's KV, with what
+	// ends their wait; inflight: the request ids the HTTP layer is serving,
+	// the only ones /abort_request acts on (SGLang's rid_to_state).
+	boot     *bootstrapServer // a prefiller's; nil otherwise
+	rooms    map[uint64]*room
+	prealloc map[*request]context.CancelCauseFunc
+	inflight map[string]int
 }
 
 type counters struct {
@@ -182,6 +217,8 @@ type counters struct {
 	heartbeats     int
 	heartbeatsSent int
 	crashes        int
+	holds          int
+	remotePrefills int
 }
 
 // KVStats is a snapshot of the engine's KV pool and request counters, the
@@ -218,6 +255,28 @@ type KVStats struct {
 	// EngineCrashesTotal counts the engine's deaths: a decode asking for
 	// prompt logprobs (vLLM #50792) fails every request the engine has.
 	EngineCrashesTotal int `json:"engine_crashes_total"`
+	// HoldsTotal counts prefills that ended holding KV for a decoder, as a
+	// prefiller: one per engine request, so a fan-out's children count too.
+	// An SGLang prefiller counts each room whose prefill ended holding KV.
+	HoldsTotal int `json:"holds_total"`
+	// RemotePrefillRequestsTotal counts HTTP requests that arrived carrying
+	// kv_transfer_params with do_remote_prefill true, as a decoder: one per
+	// HTTP request whose body parsed, whatever its answer (a rejection or an
+	// injected fault included). An SGLang decoder counts the requests that
+	// carry a bootstrap_room, one per HTTP request however many rooms.
+	RemotePrefillRequestsTotal int `json:"remote_prefill_requests_total"`
+	// RoomsWaiting counts, on an SGLang decoder, the rooms its requests wait
+	// for: asked of the prefiller's bootstrap server, KV not yet ready. A
+	// room leaves the count when its KV is ready (the request then queues
+	// for blocks and pulls) or its wait ends (abort, waiting timeout, client
+	// gone, prefill gone, shutdown).
+	RoomsWaiting int `json:"rooms_waiting"`
+	// RoomsHeld counts, on an SGLang prefiller, the rooms whose prefill
+	// ended holding KV and whose transfer has not started (no decoder pulled
+	// yet): the rooms an abort frees, and that NIXL holds until the process
+	// restarts when nobody aborts them. A room being transferred is still in
+	// HeldRequests and BlocksHeld until the decoder's notification.
+	RoomsHeld int `json:"rooms_held"`
 }
 
 // New builds an engine; call Run to start its scheduler and serve Handler.
@@ -236,6 +295,14 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 		id = "sim-" + cfg.Role + "-" + hex.EncodeToString(b[:])
 	}
 	client := newTransferClient()
+	var boot *bootstrapServer
+	if cfg.Protocol == ProtocolSGLang && cfg.Role == "prefill" {
+		// Bound here, not in Run, so that /server_info reports the port from
+		// the start; Run serves it and closes it.
+		if boot, err = listenBootstrap(cfg.BootstrapHost, cfg.BootstrapPort); err != nil {
+			return nil, err
+		}
+	}
 	e := &Engine{
 		cfg:    cfg,
 		log:    logger.With(zap.String("engine_id", id), zap.String("role", cfg.Role)),
@@ -248,6 +315,13 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 		held:   make(map[string]*request),
 
 		handshakes: make(map[kvPeer]time.Time),
+		boot:       boot,
+		rooms:      make(map[uint64]*room),
+		prealloc:   make(map[*request]context.CancelCauseFunc),
+		inflight:   make(map[string]int),
+	}
+	if boot != nil {
+		boot.srv.Handler = e.bootstrapHandler()
 	}
 	e.transport = &httpTransport{client: client, stopped: e.stopped}
 	e.registry = e.newRegistry()
@@ -295,21 +369,39 @@ func (e *Engine) newRequest(rid string, a *apiRequest) (*request, error) {
 // enqueue hands an event to the next step.
 func (e *Engine) enqueue(ev event) error {
 	e.mu.Lock()
+	err := e.enqueueLocked(ev)
+	e.mu.Unlock()
+	if err == nil {
+		e.wakeUp()
+	}
+	return err
+}
+
+// enqueueLocked is enqueue for a caller holding e.mu, which then calls wakeUp.
+func (e *Engine) enqueueLocked(ev event) error {
 	if e.closed && ev.kind == evAdd {
-		e.mu.Unlock()
-		return statusError(http.StatusServiceUnavailable, "engine_stopped", "engine is shutting down")
+		return errStopped
 	}
 	if ev.kind == evAdd {
 		e.seq++
 		ev.req.seq = e.seq
 	}
 	e.inbox = append(e.inbox, ev)
-	e.mu.Unlock()
+	return nil
+}
+
+func (e *Engine) wakeUp() {
 	select {
 	case e.wake <- struct{}{}:
 	default:
 	}
-	return nil
+}
+
+// countRemotePrefill counts a decode request that arrived with kv_transfer_params.
+func (e *Engine) countRemotePrefill() {
+	e.mu.Lock()
+	e.counts.remotePrefills++
+	e.mu.Unlock()
 }
 
 func (e *Engine) submit(r *request) error { return e.enqueue(event{kind: evAdd, req: r}) }
@@ -322,8 +414,12 @@ func (e *Engine) abortRequest(r *request) { _ = e.enqueue(event{kind: evAbort, r
 func (e *Engine) abortRID(rid string) { _ = e.enqueue(event{kind: evAbortRID, rid: rid}) }
 
 // finishedSending is the prefiller side of a decoder's notification.
-func (e *Engine) finishedSending(rid string) {
-	_ = e.enqueue(event{kind: evFinishedSending, rid: rid})
+func (e *Engine) finishedSending(rid string) { e.transferEnded(rid, "") }
+
+// transferEnded is finishedSending with the outcome a decoder reports for
+// an SGLang transfer: "" read, outcomeFailed.
+func (e *Engine) transferEnded(rid, outcome string) {
+	_ = e.enqueue(event{kind: evFinishedSending, rid: rid, outcome: outcome})
 }
 
 // finishedReceiving is the decoder side: the pull of r ended with err.
@@ -341,6 +437,12 @@ func (e *Engine) Run(ctx context.Context) error {
 	e.mu.Unlock()
 	if again {
 		return errors.New("sim: engine Run called twice")
+	}
+	if e.boot != nil {
+		// Deferred before shutdown, so it runs after it: the rooms are gone
+		// by then and every request waiting for one has its answer.
+		stop := e.boot.serve(e.log)
+		defer stop()
 	}
 	defer e.client.CloseIdleConnections()
 	defer e.shutdown()

@@ -61,10 +61,15 @@ func (e *Engine) newChildren(rid string, a *apiRequest) ([]child, error) {
 			}
 			one := *a
 			one.promptTokens = tokens
-			r, err := e.newRequest(childID(rid, i, k), &one)
+			name := childID(rid, i, k)
+			if a.sg != nil && a.sg.rids != nil && a.samples == 1 {
+				name = a.sg.rids[i] // SGLang names each prompt's request
+			}
+			r, err := e.newRequest(name, &one)
 			if err != nil {
 				return nil, err
 			}
+			r.leg = a.sg.leg(i)
 			out = append(out, child{req: r, index: i*a.n + k, shown: k < a.n})
 		}
 	}

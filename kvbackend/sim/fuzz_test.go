@@ -50,3 +50,48 @@ func FuzzParseRequest(f *testing.F) {
 		}
 	})
 }
+
+func FuzzParseSGLang(f *testing.F) {
+	seeds := []string{
+		`{"prompt":"x","rid":"r","bootstrap_room":7,"bootstrap_host":"127.0.0.1","bootstrap_port":8998}`,
+		`{"prompt":["a","b"],"rid":["r-0000","r-0001"],"bootstrap_room":[1,2],"bootstrap_host":["h","h"],"bootstrap_port":[1,2]}`,
+		`{"prompt":["a","b"],"bootstrap_room":1}`,
+		`{"prompt":"x","bootstrap_room":9223372036854775807}`,
+		`{"prompt":"x","bootstrap_room":9223372036854775808}`,
+		`{"prompt":"x","bootstrap_room":-1}`,
+		`{"prompt":"x","bootstrap_room":[1,1]}`,
+		`{"prompt":"x","rid":""}`,
+		`{"prompt":"x","rid":null,"bootstrap_room":null}`,
+		`{"prompt":"x","bootstrap_room":1,"bootstrap_port":70000,"bootstrap_host":"h"}`,
+		`{"prompt":"x","bootstrap_room":"1"}`,
+	}
+	for _, s := range seeds {
+		f.Add([]byte(s), "prefill")
+		f.Add([]byte(s), "decode")
+	}
+	f.Fuzz(func(t *testing.T, body []byte, role string) {
+		b, err := decodeBody(body, false)
+		if err != nil {
+			return
+		}
+		sg, err := parseSGLang(&b.wireRequest, len(b.prompts), role)
+		if err != nil {
+			if _, ok := err.(*apiError); !ok {
+				t.Fatalf("error %T %v is not an *apiError", err, err)
+			}
+			return
+		}
+		n := len(b.prompts)
+		if (sg.rids != nil && len(sg.rids) != n) || (sg.rooms != nil && len(sg.rooms) != n) {
+			t.Fatalf("fields %+v for %d prompts from %q", sg, n, body)
+		}
+		for i, r := range sg.rooms {
+			if r >= 1<<63 {
+				t.Fatalf("room %d accepted from %q", r, body)
+			}
+			if l := sg.leg(i); role == "decode" && (l.host == "" || l.port <= 0 || l.port > 65535) {
+				t.Fatalf("decode leg %+v without a bootstrap server from %q", l, body)
+			}
+		}
+	})
+}

@@ -66,8 +66,8 @@ func (e *Engine) heartbeatTargets() map[kvPeer][]string {
 	defer e.mu.Unlock()
 	var out map[kvPeer][]string
 	for _, r := range e.live {
-		if !r.readsKV() || r.pulled.Load() {
-			continue
+		if !r.readsKV() || r.pulled.Load() || r.leg != nil {
+			continue // SGLang has no lease to renew
 		}
 		if r.state != stateWaiting && r.state != statePulling {
 			continue
@@ -136,6 +136,9 @@ func (e *Engine) renewLeases(rids []string, now time.Time) {
 	until := now.Add(e.cfg.KVHoldTimeout)
 	for _, rid := range rids {
 		h, ok := e.held[rid]
+		if ok && h.room != nil {
+			continue // an SGLang room has no lease
+		}
 		if !ok {
 			e.late("kv heartbeat for a request no longer held ignored", rid, stateDone)
 			continue

@@ -28,6 +28,8 @@ func (e *Engine) Handler() http.Handler {
 	mux.HandleFunc("POST /kv/notify", e.handleNotify)
 	mux.HandleFunc("POST /kv/heartbeat", e.handleHeartbeat)
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	mux.HandleFunc("GET /server_info", e.handleServerInfo)
+	mux.HandleFunc("GET /get_server_info", e.handleServerInfo)
 	mux.HandleFunc("GET /v1/models", e.handleModels)
 	mux.HandleFunc("GET /debug/kv", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, e.Stats()) })
 	mux.Handle("GET /metrics", promhttp.HandlerFor(e.registry, promhttp.HandlerOpts{}))
@@ -40,6 +42,8 @@ type faults struct {
 	stall      time.Duration
 	closeAfter int // -1: never
 	slowWrite  time.Duration
+	// transferFail: the request's KV transfer fails.
+	transferFail bool
 }
 
 // Fault injection headers, read on completion requests.
@@ -48,10 +52,20 @@ const (
 	HeaderStall      = "X-Sim-Stall"
 	HeaderCloseAfter = "X-Sim-Close-After"
 	HeaderSlowWrite  = "X-Sim-Slow-Write"
+	// HeaderTransferFail: true makes the request's KV transfer fail, sent to
+	// a decoder or (SGLang) to either leg.
+	HeaderTransferFail = "X-Sim-Transfer-Fail"
 )
 
 func (e *Engine) faults(h http.Header) (faults, error) {
-	f := faults{failStatus: e.cfg.FailStatus, stall: e.cfg.Stall, closeAfter: -1, slowWrite: e.cfg.SlowWrite}
+	f := faults{failStatus: e.cfg.FailStatus, stall: e.cfg.Stall, closeAfter: -1, slowWrite: e.cfg.SlowWrite, transferFail: e.cfg.TransferFail}
+	if v := h.Get(HeaderTransferFail); v != "" {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			return f, badRequest("invalid_fault", "%s: %q is not a boolean", HeaderTransferFail, v)
+		}
+		f.transferFail = b
+	}
 	if e.cfg.CloseAfter > 0 {
 		f.closeAfter = e.cfg.CloseAfter
 	}
@@ -92,15 +106,30 @@ func newRequestID() string {
 
 func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		rid := r.Header.Get("X-Request-Id")
-		if rid == "" {
-			rid = newRequestID()
+		// vLLM names a request by X-Request-Id; SGLang by the body's rid.
+		var rid string
+		if !e.sglang() {
+			rid = r.Header.Get("X-Request-Id")
+			if rid == "" {
+				rid = newRequestID()
+			}
+			w.Header().Set("X-Request-Id", rid)
 		}
-		w.Header().Set("X-Request-Id", rid)
 		f, err := e.faults(r.Header)
 		if err != nil {
 			writeError(w, err)
 			return
+		}
+		// The body is read before an injected failure is answered, so that
+		// remote_prefill_requests_total counts every decode that reached this
+		// engine, whatever it answered.
+		body, readErr := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
+		var wb *wireBody
+		if readErr == nil {
+			wb, err = decodeBody(body, chat)
+			if e.readsRemotePrefill(wb) {
+				e.countRemotePrefill()
+			}
 		}
 		if f.failStatus != 0 {
 			if f.failStatus == http.StatusServiceUnavailable || f.failStatus == http.StatusTooManyRequests {
@@ -109,24 +138,28 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 			writeError(w, statusError(f.failStatus, "injected_fault", "injected failure (status %d)", f.failStatus))
 			return
 		}
-		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
-		if err != nil {
+		if readErr != nil {
 			var tooBig *http.MaxBytesError
-			if errors.As(err, &tooBig) {
+			if errors.As(readErr, &tooBig) {
 				writeError(w, statusError(http.StatusRequestEntityTooLarge, "body_too_large", "request body larger than %d bytes", maxBodyBytes))
 				return
 			}
-			writeError(w, badRequest("unreadable_body", "read request body: %v", err))
+			writeError(w, badRequest("unreadable_body", "read request body: %v", readErr))
 			return
 		}
-		wb, err := decodeBody(body, chat)
 		if err != nil {
 			// Malformed JSON or a wrong type: vLLM fails such a body before
 			// its handler, so no prefiller hears of it.
 			writeError(w, err)
 			return
 		}
+		if e.sglang() {
+			wb.KVTransferParams = nil // not SGLang's
+		}
 		a, err := wb.validate(chat)
+		if err == nil && e.sglang() {
+			rid, err = e.sglangRequest(wb, a)
+		}
 		var req *request
 		if err == nil {
 			req, err = e.newRequest(rid, a)
@@ -140,12 +173,26 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 			writeError(w, err)
 			return
 		}
+		req.leg = a.sg.leg(0)
+		req.transferFail = f.transferFail
+		for _, c := range children {
+			c.req.transferFail = f.transferFail
+		}
+		work, stop := e.lingering(r.Context())
+		defer stop()
+		if e.sglang() {
+			rids := []string{rid}
+			for _, c := range children {
+				rids = append(rids, c.req.rid)
+			}
+			defer e.track(rids)()
+		}
 		model := a.model
 		if model == "" {
 			model = e.cfg.Model
 		}
 		resp := &responder{
-			e: e, req: req, w: w, rc: http.NewResponseController(w), ctx: r.Context(),
+			e: e, req: req, w: w, rc: http.NewResponseController(w), ctx: r.Context(), work: work,
 			api: a, rid: rid, model: model, created: e.clock.Now().Unix(), f: f,
 			local: localAddr(r),
 		}
@@ -153,15 +200,30 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 		if chat {
 			resp.id = "chatcmpl-" + rid
 		}
-		if a.kind == kindAggregated && len(children) > 0 {
+		if a.kind != kindPrefill && len(children) > 0 {
+			// Without kv_transfer_params, or an SGLang decode of several prompts.
 			resp.serveChoices(append([]child{{req: req, index: 0, shown: true}}, children...))
 			return
 		}
-		fan := e.startChildren(r.Context(), children)
-		err = e.drive(r.Context(), req, resp.emit)
+		fan := e.startChildren(work, children)
+		err = e.drive(work, req, resp.emit)
 		resp.extra = fan.wait()
 		resp.end(err)
 	}
+}
+
+// readsRemotePrefill reports a body that asks this engine to decode a prompt prefilled
+// elsewhere: kv_transfer_params with do_remote_prefill (vLLM), or a bootstrap_room sent to
+// an SGLang decoder.
+func (e *Engine) readsRemotePrefill(wb *wireBody) bool {
+	if wb == nil {
+		return false
+	}
+	if e.sglang() {
+		return e.cfg.Role == "decode" && isSet(wb.BootstrapRoom)
+	}
+	kv := wb.KVTransferParams
+	return kv != nil && kv.DoRemotePrefill
 }
 
 func localAddr(r *http.Request) *net.TCPAddr {
@@ -174,11 +236,14 @@ func localAddr(r *http.Request) *net.TCPAddr {
 // responder writes one completion response, streaming or not, with the
 // request's fault injections applied to its writes.
 type responder struct {
-	e       *Engine
-	req     *request
-	w       http.ResponseWriter
-	rc      *http.ResponseController
-	ctx     context.Context
+	e   *Engine
+	req *request
+	w   http.ResponseWriter
+	rc  *http.ResponseController
+	ctx context.Context
+	// work is what the engine's requests run under: ctx, or (SGLang) ctx
+	// ending DisconnectDelay late.
+	work    context.Context
 	api     *apiRequest
 	f       faults
 	local   *net.TCPAddr
@@ -277,7 +342,7 @@ func (p *responder) emit(o output) error {
 		finish = &o.finish
 	}
 	c := p.chunk(choice{FinishReason: finish}, o.text)
-	if o.held != nil {
+	if o.held != nil && !p.e.sglang() {
 		c.KVTransferParams = p.kvParams(o)
 	}
 	if err := p.event(c); err != nil {
@@ -433,6 +498,9 @@ func (p *responder) writeWhole(aborted bool) {
 	if !aborted {
 		c.KVTransferParams = p.kvParams(p.last)
 	}
+	if p.e.sglang() {
+		c.KVTransferParams = nil // SGLang answers no such field
+	}
 	p.writeBody(c, p.req)
 }
 
@@ -480,11 +548,26 @@ func (p *responder) wholeChoice(index int, text, finish string) choice {
 	return ch
 }
 
+// handleAbort is POST /abort_request. vLLM has no such endpoint (its dev-mode
+// /abort_requests cannot free a hold): the vllm protocol's is the sim's own, exact
+// request id, answering {}. The sglang protocol's is SGLang's: rid matched by prefix,
+// abort_all, an empty 200 (sglang.go).
 func (e *Engine) handleAbort(w http.ResponseWriter, r *http.Request) {
-	var req struct {
-		RID string `json:"rid"`
+	if !e.adminAuthorized(r) {
+		writeError(w, statusError(http.StatusUnauthorized, "unauthorized", "abort_request needs the admin API key"))
+		return
 	}
-	if err := json.NewDecoder(io.LimitReader(r.Body, maxBodyBytes)).Decode(&req); err != nil || req.RID == "" {
+	var req struct {
+		RID      string `json:"rid"`
+		AbortAll bool   `json:"abort_all"`
+	}
+	err := json.NewDecoder(io.LimitReader(r.Body, maxBodyBytes)).Decode(&req)
+	if e.sglang() && err == nil {
+		e.abortSGLang(req.RID, req.AbortAll)
+		w.WriteHeader(http.StatusOK)
+		return
+	}
+	if err != nil || req.RID == "" {
 		writeError(w, badRequest("invalid_abort", `abort_request needs a JSON body {"rid":"<request id>"}`))
 		return
 	}

@@ -25,6 +25,10 @@ func (e *Engine) newRegistry() *prometheus.Registry {
 			func(s KVStats) float64 { return float64(s.BlocksTotal-s.BlocksFree) / float64(s.BlocksTotal) }),
 		gauge("pdproxy_sim_kv_blocks_held", "KV blocks held by finished prefills for a decoder's pull.",
 			func(s KVStats) float64 { return float64(s.BlocksHeld) }),
+		gauge("pdproxy_sim_rooms_waiting", "SGLang decoder: bootstrap rooms its requests wait for.",
+			func(s KVStats) float64 { return float64(s.RoomsWaiting) }),
+		gauge("pdproxy_sim_rooms_held", "SGLang prefiller: rooms holding KV whose transfer has not started.",
+			func(s KVStats) float64 { return float64(s.RoomsHeld) }),
 		counter("pdproxy_sim_kv_hold_expired_total", "Holds freed by the hold timeout.",
 			func(s KVStats) float64 { return float64(s.ExpiredTotal) }),
 		// vLLM's own name for the same count (PR #41383), so that a dashboard

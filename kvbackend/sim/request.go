@@ -72,6 +72,8 @@ type apiRequest struct {
 	// crashesDecoder: prompt logprobs asked of a decode, which kills a vLLM
 	// decoder's engine (vLLM #50792).
 	crashesDecoder bool
+	// sg is the rid and bootstrap fields of a body sent to an SGLang engine.
+	sg *sglangFields
 }
 
 // wireRequest mirrors the JSON fields the sim reads.
@@ -95,6 +97,11 @@ type wireRequest struct {
 	Echo             *bool             `json:"echo"`
 	Logprobs         json.RawMessage   `json:"logprobs"`
 	KVTransferParams *kvTransferParams `json:"kv_transfer_params"`
+	// SGLang's fields (sglang.go): a value, or an array with one per prompt.
+	RID           json.RawMessage `json:"rid"`
+	BootstrapHost json.RawMessage `json:"bootstrap_host"`
+	BootstrapPort json.RawMessage `json:"bootstrap_port"`
+	BootstrapRoom json.RawMessage `json:"bootstrap_room"`
 }
 
 type wireMessage struct {

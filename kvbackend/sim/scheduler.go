@@ -31,9 +31,14 @@ func (e *Engine) step(now time.Time) (next time.Time, ok bool) {
 func (e *Engine) apply(ev event, now time.Time) {
 	switch ev.kind {
 	case evAdd:
-		e.add(ev.req)
+		e.add(ev.req, now)
 	case evAbort:
 		r := ev.req
+		if r.state == stateHeld && r.room != nil {
+			// SGLang aborts a request whose client left, held room or not.
+			e.abortRoom(r)
+			return
+		}
 		if !r.isLive() {
 			// vLLM raised KeyError here when the abort raced the request's
 			// finish (races R1/R5). A finished request keeps its hold.
@@ -43,6 +48,10 @@ func (e *Engine) apply(ev event, now time.Time) {
 		e.endLive(r, output{kind: outEnd, err: errAborted})
 		e.counts.aborted++
 	case evAbortRID:
+		if ev.prefix {
+			e.abortPrefix(ev)
+			return
+		}
 		found := false
 		if r, ok := e.live[ev.rid]; ok {
 			e.endLive(r, output{kind: outEnd, err: errAborted})
@@ -50,7 +59,7 @@ func (e *Engine) apply(ev event, now time.Time) {
 			found = true
 		}
 		if h, ok := e.held[ev.rid]; ok {
-			e.freeHeld(h)
+			e.freeHeld(h, errAborted)
 			e.counts.aborted++
 			found = true
 		}
@@ -65,7 +74,7 @@ func (e *Engine) apply(ev event, now time.Time) {
 			e.late("finished_sending for a request no longer held ignored", ev.rid, stateDone)
 			return
 		}
-		e.freeHeld(h)
+		e.freeHeld(h, transferOutcome(ev.outcome))
 		if ce := e.log.Check(zap.DebugLevel, "kv read complete, blocks freed"); ce != nil {
 			ce.Write(zap.String("request_id", ev.rid), zap.Int("blocks", len(h.blocks)))
 		}
@@ -95,7 +104,7 @@ func (r *request) isLive() bool {
 	return false
 }
 
-func (e *Engine) add(r *request) {
+func (e *Engine) add(r *request, now time.Time) {
 	_, dupLive := e.live[r.rid]
 	_, dupHeld := e.held[r.rid]
 	// A decode may share its id with a prefill held on this same engine (P and
@@ -103,6 +112,12 @@ func (e *Engine) add(r *request) {
 	if dupLive || (dupHeld && r.kind != kindDecode) {
 		r.state = stateDone
 		r.push(output{kind: outEnd, err: badRequest("duplicate_request_id", "request id %q is already in use on this engine", r.rid)})
+		return
+	}
+	r.arrived = now
+	if r.kind == kindPrefill && r.leg != nil && !e.openRoom(r) {
+		r.state = stateDone
+		r.push(output{kind: outEnd, err: badRequest("duplicate_bootstrap_room", "bootstrap_room %d is already in use on this engine", r.leg.room)})
 		return
 	}
 	e.counts.requests++
@@ -134,7 +149,7 @@ func (e *Engine) crash(cause *request) {
 		e.endLive(r, dead)
 	}
 	for _, h := range e.held {
-		e.freeHeld(h)
+		e.freeHeld(h, errEngineDead)
 	}
 	cause.state = stateDone
 	cause.push(dead)
@@ -161,14 +176,26 @@ func (e *Engine) endLive(r *request, o output) {
 	e.release(r)
 	r.state = stateDone
 	delete(e.live, r.rid)
+	if r.room != nil {
+		e.closeRoom(r.room)
+	}
 	o.complete = r.generated
 	r.push(o)
 }
 
-func (e *Engine) freeHeld(h *request) {
+// freeHeld frees a hold; why is how it ended (nil: the decoder read it),
+// which an SGLang prefill answers its leg with.
+func (e *Engine) freeHeld(h *request, why error) {
 	e.release(h)
 	h.state = stateDone
 	delete(e.held, h.rid)
+	if h.room != nil {
+		e.closeRoom(h.room)
+	}
+	if !h.legEnded {
+		h.legEnded = true
+		h.push(output{kind: outReleased, err: why})
+	}
 }
 
 // expire frees the holds past their deadline. It scans only when the
@@ -179,14 +206,23 @@ func (e *Engine) expire(now time.Time) {
 	}
 	e.holdDue = time.Time{}
 	for rid, h := range e.held {
+		if h.expiresAt.IsZero() {
+			continue // an SGLang room asked for, or with no bootstrap timeout
+		}
 		if now.Before(h.expiresAt) {
 			if e.holdDue.IsZero() || h.expiresAt.Before(e.holdDue) {
 				e.holdDue = h.expiresAt
 			}
 			continue
 		}
-		e.freeHeld(h)
 		e.counts.expired++
+		if h.room != nil {
+			e.freeHeld(h, errBootstrapTimeout)
+			e.log.Warn("no decoder asked for the room's kv within the bootstrap timeout, blocks freed",
+				zap.String("request_id", rid), zap.Uint64("bootstrap_room", h.room.id), zap.Duration("bootstrap_timeout", e.cfg.BootstrapTimeout))
+			continue
+		}
+		e.freeHeld(h, errLeaseExpired)
 		e.log.Warn("kv lease expired before a decoder read it, blocks freed",
 			zap.String("request_id", rid), zap.Duration("kv_lease", e.cfg.KVHoldTimeout))
 	}
@@ -273,11 +309,15 @@ func (e *Engine) emit(r *request, now time.Time) {
 		// the decoder recomputed the prompt.
 		r.state = stateHeld
 		r.expiresAt = now.Add(e.cfg.KVHoldTimeout)
-		if e.holdDue.IsZero() || r.expiresAt.Before(e.holdDue) {
+		if r.room != nil {
+			r.expiresAt = e.roomHeld(r)
+		}
+		if !r.expiresAt.IsZero() && (e.holdDue.IsZero() || r.expiresAt.Before(e.holdDue)) {
 			e.holdDue = r.expiresAt
 		}
 		delete(e.live, r.rid)
 		e.held[r.rid] = r
+		e.counts.holds++
 		o.held = append([]int{}, r.blocks...)
 		o.leaseEnd = r.expiresAt
 		r.push(o)
@@ -316,7 +356,11 @@ func (e *Engine) shutdown() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.closed = true
-	stopped := statusError(http.StatusServiceUnavailable, "engine_stopped", "engine is shutting down")
+	stopped := errStopped
+	for r, cancel := range e.prealloc {
+		cancel(errStopped)
+		delete(e.prealloc, r)
+	}
 	for _, ev := range e.inbox {
 		if ev.kind == evAdd {
 			ev.req.state = stateDone
@@ -329,8 +373,11 @@ func (e *Engine) shutdown() {
 		e.counts.aborted++
 	}
 	for _, h := range e.held {
-		e.freeHeld(h)
+		e.freeHeld(h, stopped)
 		e.counts.aborted++
+	}
+	for _, rm := range e.rooms {
+		e.closeRoom(rm) // rooms only decoders asked for
 	}
 	e.waiting, e.running = nil, nil
 	e.holdDue = time.Time{}
@@ -341,21 +388,27 @@ func (e *Engine) Stats() KVStats {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	s := KVStats{
-		BlocksTotal:             e.pool.total(),
-		BlocksFree:              e.pool.available(),
-		HeldRequests:            len(e.held),
-		RequestsTotal:           e.counts.requests,
-		AbortedTotal:            e.counts.aborted,
-		ExpiredTotal:            e.counts.expired,
-		LateEventsTotal:         e.counts.lateEvents,
-		DoubleFreeAttemptsTotal: e.counts.doubleFrees,
-		HeartbeatsTotal:         e.counts.heartbeats,
-		HeartbeatsSentTotal:     e.counts.heartbeatsSent,
-		EngineCrashesTotal:      e.counts.crashes,
+		BlocksTotal:                e.pool.total(),
+		BlocksFree:                 e.pool.available(),
+		HeldRequests:               len(e.held),
+		RequestsTotal:              e.counts.requests,
+		AbortedTotal:               e.counts.aborted,
+		ExpiredTotal:               e.counts.expired,
+		LateEventsTotal:            e.counts.lateEvents,
+		DoubleFreeAttemptsTotal:    e.counts.doubleFrees,
+		HeartbeatsTotal:            e.counts.heartbeats,
+		HeartbeatsSentTotal:        e.counts.heartbeatsSent,
+		EngineCrashesTotal:         e.counts.crashes,
+		HoldsTotal:                 e.counts.holds,
+		RemotePrefillRequestsTotal: e.counts.remotePrefills,
 	}
 	for _, h := range e.held {
 		s.BlocksHeld += len(h.blocks)
+		if h.room != nil && !h.room.transferring {
+			s.RoomsHeld++
+		}
 	}
+	s.RoomsWaiting = len(e.prealloc)
 	for _, r := range e.live {
 		s.BlocksInUse += len(r.blocks)
 		if r.state == stateWaiting {

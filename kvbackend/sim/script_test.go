@@ -53,7 +53,11 @@ func (p *peerTransport) pull(ctx context.Context, kv *kvTransferParams) error {
 	return p.peer.checkHeld(kv.RemoteEngineID, kv.RemoteRequestID, kv.RemoteBlockIDs)
 }
 
-func (p *peerTransport) notify(_ context.Context, kv *kvTransferParams) error {
+func (p *peerTransport) claim(context.Context, *sglangLeg, string) (*claimResponse, error) {
+	return nil, errors.New("peerTransport: no SGLang bootstrap")
+}
+
+func (p *peerTransport) notify(_ context.Context, kv *kvTransferParams, _ string) error {
 	p.mu.Lock()
 	p.notified = append(p.notified, kv.RemoteRequestID)
 	p.mu.Unlock()
@@ -151,7 +155,10 @@ func checkStats(t *testing.T, name string, got KVStats, want KVStats) {
 		t.Errorf("%s: free %d + in use %d + held %d != total %d", name, got.BlocksFree, got.BlocksInUse, got.BlocksHeld, got.BlocksTotal)
 	}
 	want.BlocksTotal = got.BlocksTotal
+	// Counters of arrivals and holds have tests of their own (counters_test.go).
 	want.RequestsTotal = got.RequestsTotal
+	want.HoldsTotal = got.HoldsTotal
+	want.RemotePrefillRequestsTotal = got.RemotePrefillRequestsTotal
 	if got != want {
 		t.Errorf("%s: stats = %+v\nwant %+v", name, got, want)
 	}

@@ -162,11 +162,23 @@ type SimConfig struct {
 	// Engine is the kind the proxy takes the engine for. [sim] "vllm" makes the proxy treat
 	// it as vLLM, with no explicit abort, which is how tests show what happens on vLLM.
 	Engine string `yaml:"engine"`
-	// Stall, FailStatus, CloseAfter and SlowWrite are the engine's fault defaults.
-	Stall      time.Duration `yaml:"stall"`
-	FailStatus int           `yaml:"fail_status"`
-	CloseAfter int           `yaml:"close_after"`
-	SlowWrite  time.Duration `yaml:"slow_write"`
+	// Stall, FailStatus, CloseAfter, SlowWrite and TransferFail are the engine's fault
+	// defaults.
+	Stall        time.Duration `yaml:"stall"`
+	FailStatus   int           `yaml:"fail_status"`
+	CloseAfter   int           `yaml:"close_after"`
+	SlowWrite    time.Duration `yaml:"slow_write"`
+	TransferFail bool          `yaml:"transfer_fail"`
+	// Protocol is the engine's prefill/decode protocol: [vllm] or "sglang" (bootstrap
+	// rooms; role prefill or decode). An sglang sim is taken for an SGLang engine unless
+	// Engine says otherwise; its bootstrap server listens on a free port of its listen host.
+	Protocol string `yaml:"protocol"`
+	// BootstrapTimeout, WaitingTimeout, DisconnectDelay and AdminAPIKey are an sglang
+	// sim's; the proxy's backend for it gets the admin key.
+	BootstrapTimeout time.Duration `yaml:"bootstrap_timeout"` // [0: none]
+	WaitingTimeout   time.Duration `yaml:"waiting_timeout"`   // [300s]
+	DisconnectDelay  time.Duration `yaml:"disconnect_delay"`  // [2s; negative: 0]
+	AdminAPIKey      string        `yaml:"admin_api_key"`
 }
 
 // ParseConfig reads a YAML config. Unknown keys are rejected, with their line.

@@ -281,18 +281,37 @@ func (m *Main) startSim(ctx context.Context, g *errgroup.Group, i int, sc SimCon
 	setIf(&cfg.FailStatus, sc.FailStatus)
 	setIf(&cfg.CloseAfter, sc.CloseAfter)
 	setIf(&cfg.SlowWrite, sc.SlowWrite)
-	logger := m.logger.Named(fmt.Sprintf("sim-%s-%d", sc.Role, i))
-	eng, err := sim.New(cfg, logger)
-	if err != nil {
-		return nil, fmt.Errorf("config: sims[%d]: %w", i, err)
-	}
+	setIf(&cfg.TransferFail, sc.TransferFail)
+	setIf(&cfg.Protocol, sc.Protocol)
+	setIf(&cfg.BootstrapTimeout, sc.BootstrapTimeout)
+	setIf(&cfg.WaitingTimeout, sc.WaitingTimeout)
+	setIf(&cfg.DisconnectDelay, sc.DisconnectDelay)
+	setIf(&cfg.AdminAPIKey, sc.AdminAPIKey)
 	addr := sc.Listen
 	if addr == "" {
 		addr = "127.0.0.1:0"
 	}
+	// Several sims share a host: each bootstrap server takes a free port, on the host the
+	// engine listens on, which /server_info reports.
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return nil, fmt.Errorf("config: sims[%d].listen: %w", i, err)
+	}
+	if host == "" {
+		host = "0.0.0.0" // every interface, as the engine's listener
+	}
+	cfg.BootstrapPort, cfg.BootstrapHost = 0, host
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("sims[%d]: listen on %s: %w", i, addr, err)
+	}
+	// After the listener: New binds an sglang prefiller's bootstrap port, which only Run
+	// closes.
+	logger := m.logger.Named(fmt.Sprintf("sim-%s-%d", sc.Role, i))
+	eng, err := sim.New(cfg, logger)
+	if err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("config: sims[%d]: %w", i, err)
 	}
 	p := &simProcess{cfg: sc, engine: eng, ln: ln, srv: &http.Server{Handler: eng.Handler(), ReadHeaderTimeout: 10 * time.Second}}
 	m.sims = append(m.sims, p)
@@ -311,9 +330,14 @@ func (m *Main) startSim(ctx context.Context, g *errgroup.Group, i int, sc SimCon
 // negative duration in the config means zero for the simulator.
 func setIf[T comparable](dst *T, v T) {
 	var zero T
-	if v != zero {
-		*dst = v
+	if v == zero {
+		return
 	}
+	if d, ok := any(v).(time.Duration); ok && d < 0 {
+		*dst = zero
+		return
+	}
+	*dst = v
 }
 
 // simBackend is the router's entry for the i-th in-process engine: the same at startup and
@@ -321,15 +345,19 @@ func setIf[T comparable](dst *T, v T) {
 func simBackend(i int, p *simProcess) router.BackendConfig {
 	return router.BackendConfig{
 		Name: fmt.Sprintf("sim-%s-%d", p.cfg.Role, i), URL: p.URL(), Role: router.Role(p.cfg.Role),
-		Engine: engineKind(p.cfg.Engine), MaxInflight: p.cfg.MaxInflight, KVHoldTimeout: p.cfg.KVHoldTimeout,
+		Engine: engineKind(p.cfg), MaxInflight: p.cfg.MaxInflight, KVHoldTimeout: p.cfg.KVHoldTimeout,
+		AdminAPIKey: p.cfg.AdminAPIKey,
 	}
 }
 
-func engineKind(k string) string {
-	if k == "" {
-		return kvbackend.KindSim
+func engineKind(sc SimConfig) string {
+	switch {
+	case sc.Engine != "":
+		return sc.Engine
+	case sc.Protocol == sim.ProtocolSGLang:
+		return kvbackend.KindSGLang
 	}
-	return k
+	return kvbackend.KindSim
 }
 
 // CloseIdleConnections empties the keep-alive pools toward the engines, and the engines' own
