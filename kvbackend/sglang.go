@@ -75,7 +75,7 @@ func (sglang) LegBody(f *Fields, leg Leg) ([]byte, error) {
 	room := []byte(strconv.FormatUint(leg.Room, 10))
 	rid, _ := json.Marshal(leg.RID)
 	if leg.Prompts > 1 {
-		hosts, ports, rooms, rids := []any{}, []any{}, []any{}, []any{}
+		hosts, ports, rooms := []any{}, []any{}, []any{}
 		for i := range leg.Prompts {
 			hosts = append(hosts, leg.Host)
 			ports = append(ports, leg.Port)
@@ -84,8 +84,8 @@ func (sglang) LegBody(f *Fields, leg Leg) ([]byte, error) {
 				r -= 1 << 63
 			}
 			rooms = append(rooms, r)
-			rids = append(rids, fmt.Sprintf("%s-%04d", leg.RID, i))
 		}
+		rids := leg.RIDs()
 		host, _ = json.Marshal(hosts)
 		port, _ = json.Marshal(ports)
 		room, _ = json.Marshal(rooms)
@@ -93,6 +93,20 @@ func (sglang) LegBody(f *Fields, leg Leg) ([]byte, error) {
 	}
 	return f.rewrite(sglangDrop, set{"bootstrap_host", host}, set{"bootstrap_port", port},
 		set{"bootstrap_room", room}, set{"rid", rid}), nil
+}
+
+// RIDs are the ids the engines know the leg's requests by: the rid, or with several prompts
+// one per prompt, suffixed with its index in fixed width (so that they stay prefix-free). An
+// abort must name each: SGLang ignores an abort whose rid is not exactly one in flight.
+func (leg Leg) RIDs() []string {
+	if leg.Prompts <= 1 {
+		return []string{leg.RID}
+	}
+	rids := make([]string, leg.Prompts)
+	for i := range rids {
+		rids[i] = fmt.Sprintf("%s-%04d", leg.RID, i)
+	}
+	return rids
 }
 
 var sglangDrop = []string{"bootstrap_host", "bootstrap_port", "bootstrap_room", "rid", "kv_transfer_params"}

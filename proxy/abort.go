@@ -79,7 +79,7 @@ func (x *exchange) gone() *apiError {
 		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
 		if hold != nil {
 			// Paired legs: the room is held until both are aborted, the decoder's first.
-			x.s.abortLegs(x.handOff(), x.prefillB, x.decodeB, hold)
+			x.s.abortLegs(x.handOff(), x.legRIDs, x.prefillB, x.decodeB, hold)
 		} else if b := x.prefillB; b != nil && engineOf(b).CanAbort() {
 			// The engine may have finished its last step before the connection closed and
 			// now hold KV nobody will pull (race R1): its explicit abort frees that too.
@@ -92,7 +92,9 @@ func (x *exchange) gone() *apiError {
 		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
 		if _, paired := engineOf(x.decodeB).(kvbackend.Paired); paired {
 			// SGLang notices a closed stream only seconds later: its abort stops it now.
-			x.s.abortOnEngine(x.engineID, x.decodeB)
+			for _, rid := range x.legRIDs {
+				x.s.abortOnEngine(rid, x.decodeB)
+			}
 		}
 	}
 	if ce := x.s.logger.Check(zap.DebugLevel, "client gone"); ce != nil {
@@ -112,7 +114,7 @@ func (x *exchange) fail() {
 // are aborted, the decoder's first, so that neither waits for a partner that never comes.
 func (x *exchange) failLegs() {
 	if act, hold := x.s.table.Fail(x.id); act == lifecycle.ReleaseKV {
-		x.s.abortLegs(x.handOff(), x.prefillB, x.decodeB, hold)
+		x.s.abortLegs(x.handOff(), x.legRIDs, x.prefillB, x.decodeB, hold)
 	}
 }
 
@@ -122,28 +124,34 @@ func (x *exchange) failLegs() {
 // counted (pdproxy_kv_release_failures_total{mode="abort"}) and logged: with NIXL nothing
 // else frees the room. Each is repeated a moment later, as in abortOnEngine, in case it
 // overtook its leg. It takes the request's custody and ends it once the hold is released.
-func (s *Server) abortLegs(c *custody, p, d *router.Backend, hold *lifecycle.Hold) {
+func (s *Server) abortLegs(c *custody, rids []string, p, d *router.Backend, hold *lifecycle.Hold) {
 	c.giveBackLease(c.res)
-	id := c.engineID
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
 		defer c.end(s)
-		okD := s.abortRetrying(id, d)
-		okP := s.abortRetrying(id, p)
-		if okD && okP {
+		ok := true
+		for _, b := range []*router.Backend{d, p} {
+			for _, rid := range rids {
+				ok = s.abortRetrying(rid, b) && ok
+			}
+		}
+		if ok {
 			hold.Release(lifecycle.ReleaseAborted)
 		} else {
 			s.m.releaseFailure.WithLabelValues(ReleaseAbort).Inc()
 			s.logger.Error("could not abort a request's paired legs: the prefiller may hold its room until it restarts",
-				zap.String("engine_request_id", id), zap.String("prefill_backend", p.Name), zap.String("decode_backend", d.Name))
+				zap.String("engine_request_id", c.engineID), zap.String("prefill_backend", p.Name), zap.String("decode_backend", d.Name))
 			hold.Release(lifecycle.ReleaseExpired)
 		}
 		s.bg.Add(1)
 		time.AfterFunc(abortRepeatDelay, func() {
 			defer s.bg.Done()
-			s.abortCall(id, d, "repeated engine abort failed")
-			s.abortCall(id, p, "repeated engine abort failed")
+			for _, b := range []*router.Backend{d, p} {
+				for _, rid := range rids {
+					s.abortCall(rid, b, "repeated engine abort failed")
+				}
+			}
 		})
 	}()
 }

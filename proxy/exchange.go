@@ -55,6 +55,8 @@ type exchange struct {
 	// joined, for a request on paired legs, records that the decoder has the room's KV; the
 	// relay calls it at the decoder's first byte (joinLegs).
 	joined func()
+	// legRIDs are the ids a request on paired legs has on the engines, one per prompt.
+	legRIDs []string
 	// abortConn: the answer broke after its headers went out in a non-streaming response; the
 	// only honest end is to cut the connection.
 	abortConn bool

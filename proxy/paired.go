@@ -44,9 +44,9 @@ func (x *exchange) serveLegs() *apiError {
 		x.fail()
 		return fromBackend(&kvbackend.CallError{Err: err}, router.RolePrefill, "prefill_timeout")
 	}
-	body, err := eng.LegBody(x.req.fields, kvbackend.Leg{
-		Host: p.URL.Hostname(), Port: port, Room: kvbackend.NewRoom(), RID: x.engineID, Prompts: x.req.prompts,
-	})
+	leg := kvbackend.Leg{Host: p.URL.Hostname(), Port: port, Room: kvbackend.NewRoom(), RID: x.engineID, Prompts: x.req.prompts}
+	x.legRIDs = leg.RIDs()
+	body, err := eng.LegBody(x.req.fields, leg)
 	if err != nil {
 		lease.Release(router.Result{})
 		x.fail()
