@@ -128,22 +128,25 @@ func TestGiveUpStormOnTodaysVLLM(t *testing.T) {
 	t.Logf("prefiller held_requests 0 %s after the last client was done", time.Since(done).Round(time.Millisecond))
 	s.assertQuiet(5 * time.Second)
 
-	prefills := kv(t, prefiller).RequestsTotal
-	var decodes int
+	// Every prefill that ended holding KV had its params sent to one decoder, once: the
+	// client's decode, or a drain after the client left.
+	holds := kv(t, prefiller).HoldsTotal
+	var withParams int
 	for _, u := range s.m.SimURLs("decode") {
-		decodes += kv(t, u).RequestsTotal
+		withParams += kv(t, u).RemotePrefillRequestsTotal
 	}
 	reg := s.m.Registry
-	decodeOnly := testutil.Value(t, reg, "pdproxy_decode_only_total", nil)
-	fallbacks := testutil.Value(t, reg, "pdproxy_fallbacks_total", nil)
-	t.Logf("prefills %d, decodes %d (decode-only %v, fallbacks %v); holds by result: handed_over %v, released %v, left_to_engine %v; drains %v",
-		prefills, decodes, decodeOnly, fallbacks,
+	t.Logf("prefiller: %d prefills, %d ended holding KV; decoders: %d decodes with its params (decode-only requests %v); holds by result: handed_over %v, released %v, left_to_engine %v; drains %v",
+		kv(t, prefiller).RequestsTotal, holds, withParams, testutil.Value(t, reg, "pdproxy_decode_only_total", nil),
 		testutil.Value(t, reg, "pdproxy_kv_hold_handoffs_total", map[string]string{"result": "handed_over"}),
 		testutil.Value(t, reg, "pdproxy_kv_hold_handoffs_total", map[string]string{"result": "released"}),
 		testutil.Value(t, reg, "pdproxy_kv_hold_handoffs_total", map[string]string{"result": "left_to_engine"}),
 		testutil.Value(t, reg, "pdproxy_kv_releases_total", map[string]string{"reason": "drained"}))
-	if want := prefills + int(decodeOnly+fallbacks); decodes != want {
-		t.Errorf("decoders got %d calls; want one per prefill plus one per decode-only request: %d", decodes, want)
+	if withParams != holds {
+		t.Errorf("decoders got %d decodes with a prefiller's params for %d holds: want one each", withParams, holds)
+	}
+	if n := testutil.Value(t, reg, "pdproxy_kv_hold_handoffs_total", map[string]string{"result": "left_to_engine"}); n != 0 {
+		t.Errorf("%v holds left to the engine's lease", n)
 	}
 	for _, u := range s.m.SimURLs("decode") {
 		t.Logf("%s /debug/kv: %s", u, jsonString(kv(t, u)))
