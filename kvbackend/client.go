@@ -47,8 +47,11 @@ type Call struct {
 	BaseURL string // scheme://host:port, no trailing slash
 	Path    string // e.g. /v1/completions
 	ID      string // X-Request-Id, the same on the prefill and the decode call
-	Header  http.Header
-	Body    []byte
+	// ClientID, when set, is the client's own request id, sent as X-Client-Request-Id so that
+	// an engine's logs can be matched with the proxy's and the client's.
+	ClientID string
+	Header   http.Header
+	Body     []byte
 	// Engine reads a prefill's answer; nil means vLLM.
 	Engine Engine
 	// OnAck, when set, asks the backend to acknowledge the call (Expect: 100-continue) and is
@@ -72,6 +75,9 @@ func (c Call) request(ctx context.Context) (*http.Request, error) {
 	// for gzip and decompress behind our back.
 	req.Header.Set("Accept-Encoding", "identity")
 	req.Header.Set("X-Request-Id", c.ID)
+	if c.ClientID != "" {
+		req.Header.Set("X-Client-Request-Id", c.ClientID)
+	}
 	if c.OnAck != nil {
 		req.Header.Set("Expect", "100-continue")
 		req = req.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{Got100Continue: c.OnAck}))

@@ -299,7 +299,9 @@ func baseURL(b *router.Backend) string { return strings.TrimRight(b.URLString, "
 
 // call is the request's call to backend b on path, with the client's headers.
 func (x *exchange) call(b *router.Backend, path string, body []byte) kvbackend.Call {
-	return backendCall(b, path, x.engineID, x.hdr, body)
+	c := backendCall(b, path, x.engineID, x.hdr, body)
+	c.ClientID = x.id
+	return c
 }
 
 func backendCall(b *router.Backend, path, id string, hdr http.Header, body []byte) kvbackend.Call {

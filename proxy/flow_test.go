@@ -212,6 +212,9 @@ func TestRequestIDsForTheClientAndForTheEngines(t *testing.T) {
 				if len(pid) != 32 || pid == got {
 					t.Errorf("engine id %q, want 32 hex digits of its own (the client's id is %q)", pid, got)
 				}
+				if c := pre[len(pre)-1].Header.Get("X-Client-Request-Id"); c != got {
+					t.Errorf("X-Client-Request-Id %q on the prefill, want the answer's %q", c, got)
+				}
 				if tc.wantIt && got != tc.sent {
 					t.Errorf("X-Request-Id %q, want the client's %q", got, tc.sent)
 				}

@@ -12,6 +12,7 @@ var hopHeaders = map[string]bool{
 	"Connection": true, "Proxy-Connection": true, "Keep-Alive": true, "Proxy-Authenticate": true,
 	"Proxy-Authorization": true, "Te": true, "Trailer": true, "Transfer-Encoding": true, "Upgrade": true,
 	"Content-Length": true, "Content-Type": true, "Accept-Encoding": true, "Host": true, "X-Request-Id": true,
+	"X-Client-Request-Id": true,
 }
 
 // upstreamHeader is what of the client's headers goes to the backends. Headers that other P/D

@@ -95,7 +95,11 @@ func (b *backend) unwatch(id string) {
 }
 
 func (b *backend) probe(r *http.Request) *probe {
-	id := r.Header.Get("X-Request-Id")
+	// Through the proxy the engine id is the proxy's own; the client's id comes beside it.
+	id := r.Header.Get("X-Client-Request-Id")
+	if id == "" {
+		id = r.Header.Get("X-Request-Id")
+	}
 	if id == "" {
 		return nil
 	}
