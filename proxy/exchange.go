@@ -8,6 +8,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -143,7 +144,7 @@ func printable(s string) bool {
 }
 
 func (x *exchange) run(chat bool) *apiError {
-	body, e := readBody(x.w, x.r, x.s.cfg.MaxBodyBytes)
+	body, e := readBody(x.w, x.r, x.s.cfg.MaxBodyBytes, x.s.cfg.ReadBodyTimeout)
 	if e != nil {
 		return e
 	}
@@ -285,14 +286,29 @@ func backendCall(b *router.Backend, path, id string, hdr http.Header, body []byt
 	return kvbackend.Call{Client: b.Client(), BaseURL: baseURL(b), Path: path, ID: id, Header: hdr, Body: body, Engine: engineOf(b)}
 }
 
-// readBody reads the whole request body, bounded: a larger one is 413.
-func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, *apiError) {
+// readBody reads the whole request body, bounded in size and in time: a body announced or
+// found larger than the limit is 413 (announced, before a byte of it is read), one that does
+// not arrive within read_body_timeout (bodyDeadline) is 408.
+func readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration) ([]byte, *apiError) {
+	tooLarge := &apiError{status: http.StatusRequestEntityTooLarge, typ: "invalid_request_error", code: "request_too_large",
+		message: "request body is larger than the limit of " + formatBytes(limit)}
+	if r.ContentLength > limit {
+		return nil, tooLarge
+	}
+	// A body read to its end lifts the deadline: net/http's HTTP/1.1 server clears it for its
+	// read that watches the connection while the answer is made (or the client would be taken
+	// for gone at the deadline); on HTTP/2 it only ever ends the stream's body. After an error
+	// it stays: net/http reads what is left of a body before it answers, and must not wait on
+	// this one again.
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, limit))
 	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
-			return nil, &apiError{status: http.StatusRequestEntityTooLarge, typ: "invalid_request_error", code: "request_too_large",
-				message: "request body is larger than the limit of " + formatBytes(limit)}
+			return nil, tooLarge
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return nil, &apiError{status: http.StatusRequestTimeout, typ: "invalid_request_error", code: "request_timeout",
+				message: "the request body did not arrive within " + timeout.String(), cause: err}
 		}
 		return nil, &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "unreadable_body", message: "could not read the request body", cause: err}
 	}
