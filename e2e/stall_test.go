@@ -267,3 +267,44 @@ func TestConnectionsBeyondMaxConnectionsAreRefusedAndCounted(t *testing.T) {
 	completionOK(t, s.url)
 	s.assertQuiet(time.Second)
 }
+
+// TestClientThatStopsReadingHoldsItsDecodeAboutClientWriteTimeout streams 100 tokens a second,
+// as a decoder does, to a client that never reads. Its decode must stop about
+// client_write_timeout after the client stops taking it, not once the kernel buffers between
+// the proxy and the client are full, which at this pace takes minutes.
+func TestClientThatStopsReadingHoldsItsDecodeAboutClientWriteTimeout(t *testing.T) {
+	const writeTimeout = time.Second
+	s := startStack(t, func(c *app.Config) {
+		fastSims(c)
+		c.Sims[1].ITL = 10 * time.Millisecond
+		c.Proxy.ClientWriteTimeout = writeTimeout
+	})
+	d := s.m.SimURLs("decode")[0]
+	conn, err := net.Dial("tcp", s.m.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	// What the client's own kernel accepts and its application never reads is acknowledged,
+	// and no server can tell it from what was read: a client that keeps it small (as a
+	// small receive buffer does) is what the proxy's own bound can be measured against. A
+	// socket left to autotune may take megabytes of a slow stream of small events (Linux
+	// grows its buffer to tcp_rmem's maximum rather than close the window).
+	if err := conn.(*net.TCPConn).SetReadBuffer(8 << 10); err != nil {
+		t.Fatal(err)
+	}
+	body := `{"model":"sim","prompt":"everything","max_tokens":1000000,"ignore_eos":true,"stream":true}`
+	start := time.Now()
+	fmt.Fprintf(conn, "POST /v1/completions HTTP/1.1\r\nHost: pdproxy\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	// Without a bound of its own, the proxy's send buffer grows to 4 MiB (tcp_wmem), which at
+	// about 20 KB/s takes over three minutes to fill.
+	testutil.WaitFor(t, writeTimeout+5*time.Second, func() (bool, string) {
+		st := kv(t, d)
+		return st.AbortedTotal == 1 && st.RunningRequests == 0, "decoder: " + jsonString(st)
+	})
+	t.Logf("the decode of a client that never read stopped %.1fs after the request (client_write_timeout %s)", time.Since(start).Seconds(), writeTimeout)
+	if got := testutil.Value(t, s.m.Registry, "pdproxy_requests_total", map[string]string{"code": "499"}); got != 1 {
+		t.Errorf(`pdproxy_requests_total{code="499"} = %v, want 1: the proxy gave up on the client`, got)
+	}
+	s.assertQuiet(time.Second)
+}

@@ -12,7 +12,8 @@ import (
 // Listener wraps the proxy's listener: it holds at most max_connections client connections,
 // and closes any more as soon as it accepts them, with a reset, so that a flood of
 // connections that never finish a request cannot take every file descriptor of the process.
-// Every connection it hands out leaves the count when closed.
+// Every connection it hands out leaves the count when closed. It bounds what each client
+// socket keeps unsent (boundUnsent).
 func (s *Server) Listener(ln net.Listener) net.Listener {
 	return &clientListener{Listener: ln, s: s, max: int64(s.cfg.MaxConnections)}
 }
@@ -27,6 +28,11 @@ type clientListener struct {
 	// writes a line every refusalLogEvery rather than one per connection.
 	warned atomic.Int64
 }
+
+// clientUnsentLimit is how many bytes written to a client may wait in the kernel unsent
+// (boundUnsent): a few SSE events. What the client's own kernel took and its application
+// has not read is beyond any server's sight.
+const clientUnsentLimit = 16 << 10
 
 // refusalLogEvery spaces the warnings about refused connections.
 const refusalLogEvery = 10 * time.Second
@@ -43,6 +49,7 @@ func (l *clientListener) Accept() (net.Conn, error) {
 		}
 		l.open.Add(1)
 		l.s.m.connsOpen.Inc()
+		boundUnsent(c)
 		return &clientConn{Conn: c, l: l}, nil
 	}
 }
