@@ -23,11 +23,13 @@ import (
 // exchange is one client request on its way through the P/D flow. Only the handler's
 // goroutine touches it, except where a field says otherwise.
 type exchange struct {
-	s      *Server
-	w      http.ResponseWriter
-	r      *http.Request
-	ctx    context.Context // the request's context: done when the client leaves
-	cancel context.CancelFunc
+	s *Server
+	w http.ResponseWriter
+	r *http.Request
+	// ctx is the request's context: done when the client leaves, or when the proxy gives up
+	// on the request (its cause then says why: errShuttingDown, a failed write).
+	ctx    context.Context
+	cancel context.CancelCauseFunc
 	id     string // the client's X-Request-Id or one of ours: the table's key, in logs and in the answer
 	// engineID is the id the engines see for this request, new and random for each one: an
 	// engine's explicit abort (repeated a moment later) and SGLang's prefix match must never
@@ -48,6 +50,7 @@ type exchange struct {
 
 	goneAt   atomic.Int64 // UnixNano when ctx was seen done; written by an AfterFunc
 	wrote    bool         // a byte of the answer went to the client
+	tail     []byte       // the last two bytes of the answer the client got (see eventBreak)
 	ttft     time.Duration
 	prefillT time.Duration
 	decodeT  time.Duration
@@ -72,9 +75,12 @@ func (s *Server) generate(route string, chat bool) http.HandlerFunc {
 			}
 		}
 		s.finish(x, status, err)
-		if x.abortConn {
-			// The headers and part of a non-streaming body are out; ending the handler
-			// normally would pass a truncated JSON off as complete.
+		if x.abortConn || status == StatusClientClosed {
+			// Nothing honest can be sent: the client left, or stopped reading, or the
+			// headers and part of a non-streaming body are out. Returning would let net/http
+			// answer 200 of its own when nothing was written, end a stream cleanly, or pass a
+			// truncated JSON off as complete; cutting the connection (on HTTP/2, the stream)
+			// tells a client still there that it failed.
 			panic(http.ErrAbortHandler)
 		}
 	}
@@ -159,13 +165,13 @@ func (x *exchange) run(chat bool) *apiError {
 		x.hdr.Del("Authorization")
 	}
 
-	ctx, cancel := context.WithCancel(x.r.Context())
-	defer cancel()
+	ctx, cancel := context.WithCancelCause(x.r.Context())
+	defer cancel(nil)
 	x.ctx, x.cancel = ctx, cancel
 	stop := context.AfterFunc(ctx, func() { x.goneAt.Store(time.Now().UnixNano()) })
 	defer stop()
 
-	if err := x.s.table.Begin(x.id, x.route, cancel); err != nil {
+	if err := x.s.table.Begin(x.id, x.route, func() { cancel(errShuttingDown) }); err != nil {
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "duplicate_request_id",
 			param: "X-Request-Id", message: "a request with this X-Request-Id is already in flight"}
 	}
