@@ -2,7 +2,7 @@ package e2e
 
 // A client the proxy gives up on is told so: shutdown past its drain deadline answers a
 // request that has no byte yet with a 503, and ends a stream with an error event; a client
-// taken for gone gets no answer rather than an empty success.
+// that half-closes its connection after sending is still served.
 
 import (
 	"bufio"
@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -117,6 +118,82 @@ sims:
 	if !strings.Contains(p.log(), `"status":503`) {
 		t.Errorf("no request logged with status 503:\n%s", p.log())
 	}
+}
+
+// halfClosed sends a request on a raw connection and then closes the connection's sending
+// half, as a client that has said everything may (RFC 9112, section 9.6).
+func halfClosed(t *testing.T, addr, body string) net.Conn {
+	t.Helper()
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(conn, "POST /v1/completions HTTP/1.1\r\nHost: pdproxy\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	if err := conn.(*net.TCPConn).CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	return conn
+}
+
+func TestHalfClosedClientIsServed(t *testing.T) {
+	s := startStack(t, func(c *app.Config) {
+		fastSims(c)
+		// A prefill long enough that the request waits for it when the half-close arrives.
+		c.Sims[0].PrefillTime = 100 * time.Millisecond
+	})
+	t.Run("a whole JSON answer", func(t *testing.T) {
+		conn := halfClosed(t, s.m.Addr(), `{"model":"sim","prompt":"hi","max_tokens":5,"ignore_eos":true}`)
+		defer conn.Close()
+		readOK(t, readAnswer(t, conn, testutil.Timeout))
+	})
+	t.Run("a stream", func(t *testing.T) {
+		conn := halfClosed(t, s.m.Addr(), `{"model":"sim","prompt":"hi","max_tokens":5,"ignore_eos":true,"stream":true}`)
+		defer conn.Close()
+		readOK(t, readAnswer(t, conn, testutil.Timeout))
+	})
+	t.Run("HTTP/1.0, which knows no interim answer, is taken for gone: no answer at all", func(t *testing.T) {
+		conn, err := net.Dial("tcp", s.m.Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		body := `{"model":"sim","prompt":"hi","max_tokens":5}`
+		fmt.Fprintf(conn, "POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+		conn.(*net.TCPConn).CloseWrite()
+		conn.SetReadDeadline(time.Now().Add(testutil.Timeout))
+		if got, err := io.ReadAll(conn); len(got) != 0 {
+			t.Fatalf("an HTTP/1.0 client that half-closed read %q (%v), want nothing", got, err)
+		}
+	})
+	if got := testutil.Value(t, s.m.Registry, "pdproxy_requests_total", map[string]string{"code": "200"}); got != 2 {
+		t.Errorf(`pdproxy_requests_total{code="200"} = %v, want 2`, got)
+	}
+	s.assertQuiet(time.Second)
+}
+
+func TestClientThatClosesDuringThePrefillIsStillSeenGoneAtOnce(t *testing.T) {
+	// A client that closes its connection sends the same FIN as one that half-closes it; the
+	// proxy must still tell them apart before the prefill ends.
+	s := startStack(t, func(c *app.Config) {
+		fastSims(c)
+		c.Sims[0].PrefillTime = time.Minute
+	})
+	conn, err := net.Dial("tcp", s.m.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := `{"model":"sim","prompt":"hi","max_tokens":5}`
+	fmt.Fprintf(conn, "POST /v1/completions HTTP/1.1\r\nHost: pdproxy\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+		st := kv(t, s.m.SimURLs("prefill")[0])
+		return st.RunningRequests == 1, "prefiller: " + jsonString(st)
+	})
+	conn.Close()
+	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+		got := testutil.Value(t, s.m.Registry, "pdproxy_aborts_total", map[string]string{"stage": "prefilling"})
+		return got == 1, fmt.Sprintf("pdproxy_aborts_total{stage=prefilling} = %v", got)
+	})
+	s.assertQuiet(testutil.Timeout)
 }
 
 func TestHalfCloseOverTLSIsTakenForALeavingNeverASuccess(t *testing.T) {
