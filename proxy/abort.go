@@ -8,6 +8,7 @@ package proxy
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net/http/httptrace"
 	"sync/atomic"
@@ -99,6 +100,17 @@ func (x *exchange) gone() *apiError {
 	}
 	if ce := x.s.logger.Check(zap.DebugLevel, "client gone"); ce != nil {
 		ce.Write(zap.String("request_id", x.id), zap.Stringer("stage", stage), zap.Stringer("action", act))
+	}
+	return x.abandoned()
+}
+
+// abandoned is the answer to a request whose context ended, once its backend work was
+// aborted: nothing for a client that left (499), but a client the proxy gives up on itself
+// (shutdown past its drain deadline) is told so, never left to take an empty answer for a
+// success.
+func (x *exchange) abandoned() *apiError {
+	if errors.Is(context.Cause(x.ctx), errShuttingDown) {
+		return x.cut(errShutdownAnswer)
 	}
 	return errClientGone
 }

@@ -84,10 +84,10 @@ func BenchmarkRelay(b *testing.B) {
 	b.SetBytes(int64(16 * len(event)))
 	for b.Loop() {
 		clear(w.header)
-		ctx, cancel := context.WithCancel(context.Background())
+		ctx, cancel := context.WithCancelCause(context.Background())
 		x := &exchange{s: s, w: w, r: r, ctx: ctx, cancel: cancel, id: "bench", route: "/v1/completions",
 			start: time.Now(), req: &genRequest{stream: true}}
-		if err := s.table.Begin(x.id, x.route, cancel); err != nil {
+		if err := s.table.Begin(x.id, x.route, func() { cancel(nil) }); err != nil {
 			b.Fatal(err)
 		}
 		wd := newWatchdog(ctx, false, false, time.Minute, time.Minute)
@@ -97,7 +97,7 @@ func BenchmarkRelay(b *testing.B) {
 		}
 		wd.stop()
 		s.table.End(x.id)
-		cancel()
+		cancel(nil)
 	}
 	if w.written != int64(b.N)*int64(16*len(event)+len("data: [DONE]\n\n")) {
 		b.Fatalf("relayed %d bytes for %d answers", w.written, b.N)

@@ -45,6 +45,14 @@ func badRequest(param, msg string) *apiError {
 
 var errClientGone = &apiError{status: StatusClientClosed, typ: "client_closed_request", code: "client_closed_request", message: "client closed the request"}
 
+// errShuttingDown is the cause a request's context is cancelled with when shutdown passes its
+// drain deadline; errShutdownAnswer is what its client is told.
+var (
+	errShuttingDown   = errors.New("the proxy is shutting down")
+	errShutdownAnswer = &apiError{status: http.StatusServiceUnavailable, typ: "service_unavailable", code: "shutting_down", retryAfter: 1,
+		message: "the proxy is shutting down and gave up on this request; retry it", cause: errShuttingDown}
+)
+
 // errorBody is the OpenAI error shape.
 type errorBody struct {
 	Error struct {

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -22,11 +23,13 @@ import (
 // exchange is one client request on its way through the P/D flow. Only the handler's
 // goroutine touches it, except where a field says otherwise.
 type exchange struct {
-	s      *Server
-	w      http.ResponseWriter
-	r      *http.Request
-	ctx    context.Context // the request's context: done when the client leaves
-	cancel context.CancelFunc
+	s *Server
+	w http.ResponseWriter
+	r *http.Request
+	// ctx is the request's context: done when the client leaves, or when the proxy gives up
+	// on the request (its cause then says why: errShuttingDown, a failed write).
+	ctx    context.Context
+	cancel context.CancelCauseFunc
 	id     string // the client's X-Request-Id or one of ours: the table's key, in logs and in the answer
 	// engineID is the id the engines see for this request, new and random for each one: an
 	// engine's explicit abort (repeated a moment later) and SGLang's prefix match must never
@@ -47,6 +50,7 @@ type exchange struct {
 
 	goneAt   atomic.Int64 // UnixNano when ctx was seen done; written by an AfterFunc
 	wrote    bool         // a byte of the answer went to the client
+	tail     []byte       // the last two bytes of the answer the client got (see eventBreak)
 	ttft     time.Duration
 	prefillT time.Duration
 	decodeT  time.Duration
@@ -76,9 +80,12 @@ func (s *Server) generate(route string, chat bool) http.HandlerFunc {
 			}
 		}
 		s.finish(x, status, err)
-		if x.abortConn {
-			// The headers and part of a non-streaming body are out; ending the handler
-			// normally would pass a truncated JSON off as complete.
+		if x.abortConn || status == StatusClientClosed {
+			// Nothing honest can be sent: the client left, or stopped reading, or the
+			// headers and part of a non-streaming body are out. Returning would let net/http
+			// answer 200 of its own when nothing was written, end a stream cleanly, or pass a
+			// truncated JSON off as complete; cutting the connection (on HTTP/2, the stream)
+			// tells a client still there that it failed.
 			panic(http.ErrAbortHandler)
 		}
 	}
@@ -148,7 +155,7 @@ func printable(s string) bool {
 }
 
 func (x *exchange) run(chat bool) *apiError {
-	body, e := readBody(x.w, x.r, x.s.cfg.MaxBodyBytes)
+	body, e := readBody(x.w, x.r, x.s.cfg.MaxBodyBytes, x.s.cfg.ReadBodyTimeout)
 	if e != nil {
 		return e
 	}
@@ -163,13 +170,13 @@ func (x *exchange) run(chat bool) *apiError {
 		x.hdr.Del("Authorization")
 	}
 
-	ctx, cancel := context.WithCancel(x.r.Context())
-	defer cancel()
+	ctx, cancel := context.WithCancelCause(x.r.Context())
+	defer cancel(nil)
 	x.ctx, x.cancel = ctx, cancel
 	stop := context.AfterFunc(ctx, func() { x.goneAt.Store(time.Now().UnixNano()) })
 	defer stop()
 
-	if err := x.s.table.Begin(x.id, x.route, cancel); err != nil {
+	if err := x.s.table.Begin(x.id, x.route, func() { cancel(errShuttingDown) }); err != nil {
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "duplicate_request_id",
 			param: "X-Request-Id", message: "a request with this X-Request-Id is already in flight"}
 	}
@@ -308,14 +315,29 @@ func backendCall(b *router.Backend, path, id string, hdr http.Header, body []byt
 	return kvbackend.Call{Client: b.Client(), BaseURL: baseURL(b), Path: path, ID: id, Header: hdr, Body: body, Engine: engineOf(b)}
 }
 
-// readBody reads the whole request body, bounded: a larger one is 413.
-func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, *apiError) {
+// readBody reads the whole request body, bounded in size and in time: a body announced or
+// found larger than the limit is 413 (announced, before a byte of it is read), one that does
+// not arrive within read_body_timeout (bodyDeadline) is 408.
+func readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration) ([]byte, *apiError) {
+	tooLarge := &apiError{status: http.StatusRequestEntityTooLarge, typ: "invalid_request_error", code: "request_too_large",
+		message: "request body is larger than the limit of " + formatBytes(limit)}
+	if r.ContentLength > limit {
+		return nil, tooLarge
+	}
+	// A body read to its end lifts the deadline: net/http's HTTP/1.1 server clears it for its
+	// read that watches the connection while the answer is made (or the client would be taken
+	// for gone at the deadline); on HTTP/2 it only ever ends the stream's body. After an error
+	// it stays: net/http reads what is left of a body before it answers, and must not wait on
+	// this one again.
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, limit))
 	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
-			return nil, &apiError{status: http.StatusRequestEntityTooLarge, typ: "invalid_request_error", code: "request_too_large",
-				message: "request body is larger than the limit of " + formatBytes(limit)}
+			return nil, tooLarge
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return nil, &apiError{status: http.StatusRequestTimeout, typ: "invalid_request_error", code: "request_timeout",
+				message: "the request body did not arrive within " + timeout.String(), cause: err}
 		}
 		return nil, &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "unreadable_body", message: "could not read the request body", cause: err}
 	}

@@ -12,6 +12,8 @@ type metrics struct {
 	fallbacks      prometheus.Counter
 	decodeOnly     *prometheus.CounterVec
 	releaseFailure *prometheus.CounterVec
+	connsOpen      prometheus.Gauge
+	connsRefused   prometheus.Counter
 }
 
 // latencyBuckets span a sub-millisecond proxy hop to a multi-minute generation.
@@ -56,9 +58,18 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Namespace: "pdproxy", Name: "kv_release_failures_total",
 			Help: "KV releases that could not be done as configured and were left to the engine's timer, by attempted mode.",
 		}, []string{"mode"}),
+		connsOpen: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: "pdproxy", Name: "connections_open",
+			Help: "Client connections the proxy's listener holds now.",
+		}),
+		connsRefused: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "connections_refused_total",
+			Help: "Client connections closed as soon as they were accepted, because the listener held max_connections already.",
+		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.requests, m.duration, m.ttft, m.propagation, m.tokensAfter, m.retries, m.fallbacks, m.decodeOnly, m.releaseFailure)
+		reg.MustRegister(m.requests, m.duration, m.ttft, m.propagation, m.tokensAfter, m.retries, m.fallbacks, m.decodeOnly, m.releaseFailure,
+			m.connsOpen, m.connsRefused)
 	}
 	return m
 }

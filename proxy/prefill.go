@@ -65,14 +65,14 @@ func (x *exchange) prefill() *apiError {
 		}
 		params, err, gone := x.callPrefill(lease, b, body)
 		if gone {
-			return errClientGone
+			return x.abandoned()
 		}
 		if err == nil {
 			if act, hold := x.s.table.Prefilled(x.id, params != nil); act == lifecycle.ReleaseKV {
 				// The request was aborted while the prefill ran. Cannot happen while only
 				// this goroutine moves it; kept so that a hold is never dropped if that changes.
 				x.s.startRelease(release{mode: x.s.cfg.KVRelease, c: x.handOff(), hold: hold, req: x.req, prefill: b, params: params})
-				return errClientGone
+				return x.abandoned()
 			}
 			x.kvParams = params
 			if x.ctx.Err() != nil {

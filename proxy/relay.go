@@ -52,9 +52,6 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 	bufp := pool.Get().(*[]byte)
 	defer pool.Put(bufp)
 	buf := *bufp
-	// tail is the last two bytes the client got: where a broken stream stopped, mid-line or
-	// on an event boundary.
-	var tail []byte
 	for {
 		n, rerr := resp.Body.Read(buf)
 		if n > 0 {
@@ -82,11 +79,11 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 			if werr != nil {
 				// The client is gone, or too slow: what this read held was never delivered.
 				x.s.m.tokensAfter.Add(float64(countEvents(buf[:n])))
-				x.cancel()
+				x.cancel(werr)
 				return x.gone()
 			}
-			tail = append(tail, buf[max(0, n-2):n]...)
-			tail = tail[max(0, len(tail)-2):]
+			x.tail = append(x.tail, buf[max(0, n-2):n]...)
+			x.tail = x.tail[max(0, len(x.tail)-2):]
 		}
 		if rerr == io.EOF {
 			if !x.wrote {
@@ -97,14 +94,13 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 			return nil
 		}
 		if rerr != nil {
-			return x.brokenAnswer(rerr, wd, tail)
+			return x.brokenAnswer(rerr, wd)
 		}
 	}
 }
 
-// brokenAnswer ends an answer whose decoder failed or timed out after the call had begun;
-// tail is the last bytes of it the client got.
-func (x *exchange) brokenAnswer(rerr error, wd *watchdog, tail []byte) *apiError {
+// brokenAnswer ends an answer whose decoder failed or timed out after the call had begun.
+func (x *exchange) brokenAnswer(rerr error, wd *watchdog) *apiError {
 	if x.ctx.Err() != nil && !wd.timedOut() {
 		return x.gone()
 	}
@@ -115,23 +111,26 @@ func (x *exchange) brokenAnswer(rerr error, wd *watchdog, tail []byte) *apiError
 	} else {
 		x.own.res = router.Result{Err: rerr}
 	}
-	e := fromBackend(rerr, router.RoleDecode, "decode_timeout")
-	if !x.wrote {
-		return e
-	}
-	if x.req.stream {
-		// The status line went out long ago; the stream ends with an error event in the
-		// OpenAI shape, and no [DONE], so clients see it failed. A decoder that broke mid-event
-		// left a partial line: the error starts an event of its own, or the client would read
-		// it as the end of that line.
-		x.w.Write(eventBreak(tail))
+	return x.cut(fromBackend(rerr, router.RoleDecode, "decode_timeout"))
+}
+
+// cut ends an answer that fails with e while its client is still there: e is the answer when
+// nothing was sent yet. A stream whose status line went out long ago ends with an error event
+// in the OpenAI shape, and no [DONE], so clients see it failed. A decoder that broke
+// mid-event left a partial line: the error starts an event of its own, or the client would
+// read it as the end of that line. A whole JSON answer under way can only be cut.
+func (x *exchange) cut(e *apiError) *apiError {
+	switch {
+	case !x.wrote:
+	case x.req.stream:
+		x.w.Write(eventBreak(x.tail))
 		x.w.Write([]byte("data: "))
 		x.w.Write(e.body())
 		x.w.Write([]byte("\n\n"))
 		http.NewResponseController(x.w).Flush()
-		return e
+	default:
+		x.abortConn = true
 	}
-	x.abortConn = true
 	return e
 }
 

@@ -142,8 +142,8 @@ func FuzzRelay(f *testing.F) {
 		if _, _, ok := table.StartDecode(id, "d0"); !ok {
 			t.Fatal("StartDecode refused")
 		}
-		ctx, cancel := context.WithCancel(context.Background())
-		defer cancel()
+		ctx, cancel := context.WithCancelCause(context.Background())
+		defer cancel(nil)
 		rec := httptest.NewRecorder()
 		x := &exchange{s: srv, w: rec, ctx: ctx, cancel: cancel, id: id, route: "/v1/completions",
 			start: time.Now(), req: &genRequest{stream: stream}, own: &custody{id: id}}

@@ -50,6 +50,8 @@ const (
 	ReserveBeforePrefill        = "before_prefill"
 	ReserveAfterPrefill         = "after_prefill"
 	defaultMaxBodyBytes         = 10 << 20
+	defaultReadBodyTimeout      = 30 * time.Second
+	defaultMaxConnections       = 10000
 	defaultPhaseTimeout         = 5 * time.Minute
 	defaultAbortCallTimeout     = 2 * time.Second
 	defaultModelsCacheFreshness = 5 * time.Second
@@ -57,8 +59,18 @@ const (
 
 // Config tunes the HTTP front and the P/D flow. Zero values mean the defaults in brackets.
 type Config struct {
-	// MaxBodyBytes bounds a request body; larger gets 413. [10 MiB]
+	// MaxBodyBytes bounds a request body; larger gets 413, at once when the request
+	// announces its length. [10 MiB]
 	MaxBodyBytes int64 `yaml:"max_body_bytes"`
+	// ReadBodyTimeout bounds how long a client may take to send its request body, counted
+	// from the end of its headers: a body that stalls is answered 408 in the OpenAI shape
+	// and its connection (on HTTP/2, its stream) closed, so that it cannot hold a goroutine
+	// and a connection for as long as it likes. [30s]
+	ReadBodyTimeout time.Duration `yaml:"read_body_timeout"`
+	// MaxConnections bounds the client connections the proxy's listener holds at once: one
+	// more is closed as soon as it is accepted (a reset), and counted in
+	// pdproxy_connections_refused_total. [10000]; negative means no bound.
+	MaxConnections int `yaml:"max_connections"`
 	// AbortDuringPrefill: cancel (close the prefill connection at once) or finish_then_release
 	// (let the prefill finish, then release its KV: for engines with no explicit abort). [cancel]
 	AbortDuringPrefill string `yaml:"abort_during_prefill"`
@@ -114,6 +126,12 @@ type Config struct {
 func (c *Config) setDefaults() error {
 	if c.MaxBodyBytes <= 0 {
 		c.MaxBodyBytes = defaultMaxBodyBytes
+	}
+	if c.ReadBodyTimeout <= 0 {
+		c.ReadBodyTimeout = defaultReadBodyTimeout
+	}
+	if c.MaxConnections == 0 {
+		c.MaxConnections = defaultMaxConnections
 	}
 	if c.AbortDuringPrefill == "" {
 		c.AbortDuringPrefill = AbortPrefillCancel
@@ -263,10 +281,26 @@ func (s *Server) routes() http.Handler {
 	if s.gather != nil {
 		r.Method(http.MethodGet, "/metrics", promhttp.HandlerFor(s.gather, promhttp.HandlerOpts{}))
 	}
+	var h http.Handler = r
 	if s.keys != nil {
-		return s.requireKey(r, r)
+		h = s.requireKey(r, r)
 	}
-	return r
+	return s.bodyDeadline(h)
+}
+
+// bodyDeadline puts read_body_timeout on the body of every request that has one, whatever
+// its route: net/http reads what a handler left of a body before it answers (to keep the
+// connection), and that read must not wait on a stalled client either. The deadline ends
+// with the body (see readBody). On HTTP/2 it is the stream's: its body read fails, the
+// connection's other streams go on.
+func (s *Server) bodyDeadline(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.ContentLength != 0 {
+			// Not supported only by writers that are not net/http's (tests' recorders).
+			_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(s.cfg.ReadBodyTimeout))
+		}
+		next.ServeHTTP(w, r)
+	})
 }
 
 func (s *Server) handleReady(w http.ResponseWriter, _ *http.Request) {

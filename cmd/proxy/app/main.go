@@ -151,6 +151,7 @@ func (m *Main) Start(ctx context.Context) error {
 		return fail(fmt.Errorf("listen on %s: %w", m.cfg.Listen, err))
 	}
 	m.ln = ln
+	ln = m.Server.Listener(ln, tlsConf != nil)
 	// HTTP/2 without TLS (h2c, prior knowledge) next to HTTP/1.1: gRPC-style and HTTP/2-only
 	// clients reach the proxy on the same port, many streams over one connection. HTTP/2 over
 	// TLS is on too, for when the listener serves TLS.
