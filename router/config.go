@@ -85,8 +85,19 @@ type BackendConfig struct {
 	// host:port, with the role in front ("decode-host:port") when unnamed backends of both
 	// roles share the address (one engine in both roles). Names are unique across the config.
 	Name string `yaml:"name"`
-	// URL is the engine's base URL, http(s)://host:port, required.
+	// URL is the engine's base URL, http(s)://host:port, required. With Discover, its host
+	// is a DNS name that names a pool of engines on its port.
 	URL string `yaml:"url"`
+	// Discover "dns" makes the entry a pool: every A and AAAA record of the URL's host is one
+	// backend (a Kubernetes headless Service's pods), named "<name>/<address>:<port>", with
+	// every other key of the entry; the name is resolved again every Refresh, a new address
+	// is added and one gone is drained as a backend removed by a reload. A lookup that fails
+	// keeps the last good set; a name with no record empties the pool. Empty means the URL
+	// is one engine.
+	Discover string `yaml:"discover"`
+	// Refresh is how often a discover entry's name is resolved again. Zero means 5s; it may
+	// only be set with Discover.
+	Refresh time.Duration `yaml:"refresh"`
 	// Role is prefill or decode, required.
 	Role Role `yaml:"role"`
 	// Weight biases round_robin, prefix_affinity (virtual nodes) and least_inflight ties.
@@ -114,7 +125,8 @@ type BackendConfig struct {
 	// config apply. Empty means the system roots.
 	TLSCAFile string `yaml:"tls_ca_file"`
 	// TLSServerName is the name the engine's certificate must carry (and the SNI sent),
-	// when it differs from the URL's host, e.g. a URL by IP address. Empty means the host.
+	// when it differs from the URL's host, e.g. a URL by IP address. Empty means the host
+	// (with Discover, the DNS name: certificates name the Service, not the pod).
 	TLSServerName string `yaml:"tls_server_name"`
 	// BootstrapPort is the port of an SGLang prefiller's bootstrap server. Zero means the
 	// one the engine reports (GET /server_info). Other engines ignore it.
@@ -231,6 +243,8 @@ type Config struct {
 	// Engines resolves each backend's engine kind. Nil takes any kind as a bare name, with
 	// no default kind and no default kv_hold_timeout.
 	Engines EngineCatalog `yaml:"-"`
+	// Resolver looks up the names of discover entries. Nil means net.DefaultResolver.
+	Resolver Resolver `yaml:"-"`
 }
 
 // setDefaults fills zero fields. It leaves invalid values alone for Validate to name.
@@ -295,6 +309,7 @@ func (c *Config) setDefaults() {
 	if c.Queue.Timeout == 0 {
 		c.Queue.Timeout = DefaultQueueTimeout
 	}
+	c.setDiscoveryDefaults()
 }
 
 // deriveNames names the backends that have no name after their address, host:port. One
@@ -452,6 +467,7 @@ func (c *Config) Validate() error {
 	if c.Queue.Timeout < 0 {
 		bad("queue.timeout", "%v is negative", c.Queue.Timeout)
 	}
+	errs = append(errs, c.checkDiscovery()...)
 	return errors.Join(errs...)
 }
 

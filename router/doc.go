@@ -23,6 +23,11 @@
 //	    tls_ca_file: ""         # https only: PEM CAs to trust instead of the system roots
 //	    tls_server_name: ""     # https only: name to verify instead of the URL's host
 //	    tls_insecure_skip_verify: false  # https only: verify nothing (tests; logged)
+//	  - name: prefill           # a pool: one backend per A/AAAA record, "prefill/10.0.0.5:8100"
+//	    url: http://vllm-prefill.ns.svc.cluster.local:8100   # e.g. a headless Service
+//	    discover: dns           # empty: the url is one engine
+//	    refresh: 5s             # resolved again this often; a failed lookup keeps the last set
+//	    role: prefill           # every other key applies to each discovered backend
 //	prefill_policy: least_inflight  # least_inflight | round_robin | power_of_two | prefix_affinity
 //	decode_policy: least_inflight
 //	prefix_tokens: 256          # prefix_affinity hashes the first 4*prefix_tokens bytes

@@ -15,9 +15,10 @@ import (
 	"go.uber.org/zap"
 )
 
-// Run checks every backend's health every health.interval until ctx is done, then
-// returns nil. It owns the check goroutines and waits for them. Call it once. With
-// checks disabled it only waits, so a Reload that enables them takes effect.
+// Run checks every backend's health every health.interval, and resolves every discover
+// entry's name again every refresh, until ctx is done, then returns nil. It owns the check
+// and lookup goroutines and waits for them. Call it once. With checks disabled it only
+// waits, so a Reload that enables them takes effect.
 func (r *Router) Run(ctx context.Context) error {
 	defer func() {
 		// Health checks leave keep-alive connections behind; the requests' own
@@ -26,6 +27,9 @@ func (r *Router) Run(ctx context.Context) error {
 			b.closeIdle()
 		}
 	}()
+	var discovering sync.WaitGroup
+	defer discovering.Wait()
+	discovering.Go(func() { r.disc.run(ctx) })
 	timer := time.NewTimer(0) // the first round at once
 	defer timer.Stop()
 	for {

@@ -104,6 +104,8 @@ type Router struct {
 	reloaded chan struct{}
 	// reloadMu serializes New's first apply and Reloads.
 	reloadMu sync.Mutex
+	// disc resolves the discover entries; every config goes through it to apply.
+	disc *discovery
 }
 
 type settings struct {
@@ -130,12 +132,16 @@ func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) (*Router, er
 	r.prefill = &pool{role: RolePrefill, r: r}
 	r.decode = &pool{role: RoleDecode, r: r}
 	r.metrics = newMetrics(r)
+	r.disc = newDiscovery(r)
 	if reg != nil {
 		if err := r.metrics.register(reg); err != nil {
 			return nil, fmt.Errorf("register router metrics: %w", err)
 		}
+		if err := reg.Register(r.disc.errors); err != nil {
+			return nil, fmt.Errorf("register router metrics: %w", err)
+		}
 	}
-	if err := r.apply(cfg); err != nil {
+	if err := r.disc.install(cfg); err != nil {
 		return nil, err
 	}
 	return r, nil
@@ -227,14 +233,15 @@ func reason(err error) string {
 	return "canceled"
 }
 
-// Has reports whether any backend of role is configured, healthy or not.
+// Has reports whether any backend of role is configured, healthy or not: a discover entry
+// counts even while its name has no address.
 func (r *Router) Has(role Role) bool {
 	for _, b := range r.backends() {
 		if b.Role == role {
 			return true
 		}
 	}
-	return false
+	return r.disc.declares(role)
 }
 
 // Ready reports whether at least one decode backend is healthy and not ejected: the
@@ -267,12 +274,18 @@ func (r *Router) Available(role Role) []*Backend {
 
 // MinKVHoldTimeout is the smallest engine KV hold timeout among the backends of role,
 // or 0 when there are none: a proxy hold longer than it would forward KV params that the
-// engine may already have freed.
+// engine may already have freed. A discover entry counts for the backends it may add.
 func (r *Router) MinKVHoldTimeout(role Role) time.Duration {
 	var m time.Duration
+	holds := r.disc.holds(role)
 	for _, b := range r.backends() {
-		if b.Role == role && b.KVHoldTimeout > 0 && (m == 0 || b.KVHoldTimeout < m) {
-			m = b.KVHoldTimeout
+		if b.Role == role {
+			holds = append(holds, b.KVHoldTimeout)
+		}
+	}
+	for _, h := range holds {
+		if h > 0 && (m == 0 || h < m) {
+			m = h
 		}
 	}
 	return m
@@ -334,14 +347,16 @@ func (r *Router) Backends() []BackendStatus {
 
 // Reload switches to cfg without dropping requests in flight. A backend kept under the
 // same name, URL and role keeps its in-flight count and health; a removed backend is no
-// longer picked, its leases still release cleanly, and its metric series go away. An
-// invalid cfg returns the error and leaves the router as it was.
+// longer picked, its leases still release cleanly, and its metric series go away. A discover
+// entry kept under the same name, URL and role keeps the addresses it last resolved to; a new
+// one is resolved before Reload returns. An invalid cfg returns the error and leaves the
+// router as it was.
 func (r *Router) Reload(cfg Config) error {
 	cfg.Backends = slices.Clone(cfg.Backends)
 	if err := cfg.Validate(); err != nil {
 		return fmt.Errorf("router config: %w", err)
 	}
-	return r.apply(cfg)
+	return r.disc.install(cfg)
 }
 
 // apply installs a validated config.

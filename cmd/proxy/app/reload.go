@@ -48,6 +48,7 @@ func (m *Main) Reload(path string) error {
 
 	rcfg := cfg.Router
 	rcfg.Engines = engineCatalog{}
+	rcfg.Resolver = m.cfg.Router.Resolver // not in the file: what the proxy was started with
 	rcfg.Backends = slices.Clone(rcfg.Backends)
 	for i, p := range m.sims {
 		rcfg.Backends = append(rcfg.Backends, simBackend(i, p))
