@@ -36,6 +36,9 @@ func TestExampleConfigsParseAndValidate(t *testing.T) {
 			if err != nil {
 				t.Fatalf("does not parse: %v", err)
 			}
+			if err := c.Proxy.Validate(); err != nil {
+				t.Fatalf("does not validate: %v", err)
+			}
 			rc := c.Router
 			rc.Engines = kvCatalog{}
 			if len(rc.Backends) > 0 {

@@ -43,7 +43,9 @@ type exchange struct {
 	// own is the request's custody (its table entry, its decoder's lease, a hold on its way
 	// to the decoder) while the exchange has it; nil once it went to a release or to a
 	// prefill let finish in the background (abort.go).
-	own      *custody
+	own *custody
+	// named is the prefiller the request's header named in the sidecar mode; nil else.
+	named    *router.Backend
 	prefillB *router.Backend
 	decodeB  *router.Backend
 	kvParams json.RawMessage
@@ -155,6 +157,13 @@ func printable(s string) bool {
 }
 
 func (x *exchange) run(chat bool) *apiError {
+	if x.s.sidecar != nil {
+		// Before the body is read: a request naming a prefiller it may not is refused
+		// whatever it carries.
+		if e := x.namePrefiller(); e != nil {
+			return e
+		}
+	}
 	body, e := readBody(x.w, x.r, x.s.cfg.MaxBodyBytes, x.s.cfg.ReadBodyTimeout)
 	if e != nil {
 		return e
@@ -168,6 +177,10 @@ func (x *exchange) run(chat bool) *apiError {
 	if x.s.keys != nil {
 		// The client's key is for the proxy; a backend that wants one has its own api_key.
 		x.hdr.Del("Authorization")
+	}
+	if x.s.sidecar != nil {
+		// upstreamHeader drops x-prefiller-*; a header of another name is dropped here.
+		x.hdr.Del(x.s.sidecar.header)
 	}
 
 	ctx, cancel := context.WithCancelCause(x.r.Context())
@@ -216,7 +229,14 @@ func (x *exchange) serve() *apiError {
 		}
 	}
 	switch {
-	case !x.s.router.Has(router.RolePrefill):
+	case x.s.sidecar != nil && x.named == nil:
+		// llm-d's scheduler sends no prefiller when it chose no prefill: llm-d's sidecar
+		// then decodes the request alone, and so does this one.
+		if !x.s.table.DecodeOnly(x.id) {
+			return x.gone()
+		}
+		x.s.m.decodeOnly.WithLabelValues(reasonNoPrefiller).Inc()
+	case x.s.sidecar == nil && !x.s.router.Has(router.RolePrefill):
 	case x.req.decodeOnly != "":
 		// P/D cannot serve this request safely: a decoder computes the prompt itself.
 		if !x.s.table.DecodeOnly(x.id) {

@@ -322,6 +322,7 @@ func newFrontTable(t *testing.T, cfg Config, rt Router, reg *prometheus.Registry
 		if err := srv.Wait(ctx); err != nil {
 			t.Errorf("background work of the proxy still running at the end of the test: %v", err)
 		}
+		srv.CloseIdleConnections()
 	})
 	return h
 }

@@ -14,6 +14,8 @@ type metrics struct {
 	releaseFailure *prometheus.CounterVec
 	connsOpen      prometheus.Gauge
 	connsRefused   prometheus.Counter
+	// prefillerRefused counts requests refused for their prefiller header (sidecar mode).
+	prefillerRefused *prometheus.CounterVec
 }
 
 // latencyBuckets span a sub-millisecond proxy hop to a multi-minute generation.
@@ -52,7 +54,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}),
 		decodeOnly: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "pdproxy", Name: "decode_only_total",
-			Help: "Requests sent to a decoder without a prefill because P/D cannot serve them safely, by reason (n, prompt_array, prompt_logprobs).",
+			Help: "Requests sent to a decoder without a prefill because P/D cannot serve them safely, or, in the llm-d sidecar slot, because they named no prefiller, by reason (n, prompt_array, prompt_logprobs, no_prefiller_header).",
 		}, []string{"reason"}),
 		releaseFailure: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "pdproxy", Name: "kv_release_failures_total",
@@ -66,10 +68,14 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Namespace: "pdproxy", Name: "connections_refused_total",
 			Help: "Client connections closed as soon as they were accepted, because the listener held max_connections already.",
 		}),
+		prefillerRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "prefiller_header_refused_total",
+			Help: "Requests refused in the llm-d sidecar slot for the prefiller their header named, by reason: not_allowed (outside prefiller_allow, 403), malformed (not a host:port, 400).",
+		}, []string{"reason"}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.requests, m.duration, m.ttft, m.propagation, m.tokensAfter, m.retries, m.fallbacks, m.decodeOnly, m.releaseFailure,
-			m.connsOpen, m.connsRefused)
+			m.connsOpen, m.connsRefused, m.prefillerRefused)
 	}
 	return m
 }

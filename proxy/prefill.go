@@ -27,7 +27,7 @@ func (x *exchange) prefill() *apiError {
 	for attempt := 0; attempt <= x.s.cfg.PrefillRetries; attempt++ {
 		h := x.hint(tried)
 		h.Accept = sequential
-		lease, err := x.s.router.Acquire(x.ctx, router.RolePrefill, h)
+		lease, b, err := x.pickPrefiller(h)
 		if err != nil {
 			if x.ctx.Err() != nil {
 				return x.gone()
@@ -37,7 +37,6 @@ func (x *exchange) prefill() *apiError {
 			}
 			break
 		}
-		b := lease.Backend()
 		x.prefillB = b
 		tried = append(tried, b.Name)
 		if eng := engineOf(b); eng != bodyFor {

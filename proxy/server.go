@@ -121,6 +121,25 @@ type Config struct {
 	// AuthOpenPaths are the exact paths served without a key when keys are configured.
 	// [/health, /ready, /metrics]; an explicit empty list opens none.
 	AuthOpenPaths []string `yaml:"auth_open_paths"`
+	// PrefillerHeader turns on llm-d's sidecar slot: each request's prefiller is the
+	// host:port this header names (llm-d's scheduler sends x-prefiller-host-port), if
+	// PrefillerAllow covers it (else 403), and the decode goes to the config's one decode
+	// backend; a request without it is decoded there alone. The header is never forwarded.
+	// Empty, the default, means the mode is off and the header is ignored.
+	PrefillerHeader string `yaml:"prefiller_header"`
+	// PrefillerAllow lists the prefillers the header may name, required with PrefillerHeader:
+	// CIDRs (any port), IP:port, or host:port patterns where a * matches within one DNS
+	// label ("vllm-prefill-*.ns.svc:8000") and a port of * any port.
+	PrefillerAllow []string `yaml:"prefiller_allow"`
+}
+
+// Validate checks c as New would, without changing it.
+func (c Config) Validate() error {
+	if err := c.setDefaults(); err != nil {
+		return err
+	}
+	_, err := c.validateSidecar()
+	return err
 }
 
 func (c *Config) setDefaults() error {
@@ -214,6 +233,8 @@ type Server struct {
 	discover  singleflight.Group
 	// keys are the client API keys; nil means none are required.
 	keys *keyring
+	// sidecar is llm-d's sidecar slot (prefiller_header); nil when it is off.
+	sidecar *sidecar
 }
 
 // New builds a Server. reg receives the proxy's metrics; gather is served on /metrics (pass
@@ -229,12 +250,33 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 		return nil, err
 	}
 	s.keys = keys
+	allow, err := s.cfg.validateSidecar()
+	if err != nil {
+		return nil, err
+	}
+	eng, err := SidecarEngine(cfg, rt.Backends())
+	if err != nil {
+		return nil, err
+	}
+	if eng != nil {
+		s.sidecar = &sidecar{header: http.CanonicalHeaderKey(cfg.PrefillerHeader), allow: allow, engine: eng,
+			client: router.NewSharedClient(sidecarIdlePerHost, sidecarIdleTotal)}
+	}
 	s.handler = s.routes()
 	return s, nil
 }
 
 // Handler is the proxy's HTTP handler.
 func (s *Server) Handler() http.Handler { return s.handler }
+
+// CloseIdleConnections drops the idle keep-alive connections to the prefillers that requests'
+// headers named (the sidecar mode). They refill on demand; this is for shutdown, and for
+// tests that count goroutines.
+func (s *Server) CloseIdleConnections() {
+	if s.sidecar != nil {
+		s.sidecar.client.CloseIdleConnections()
+	}
+}
 
 // SetDraining makes /ready fail (shutdown has begun) while requests in flight go on.
 func (s *Server) SetDraining() { s.draining.Store(true) }

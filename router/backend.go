@@ -102,6 +102,34 @@ func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendSta
 	}
 }
 
+// NewDetached builds a backend outside the pools, for an engine a request names rather than
+// the config (llm-d's x-prefiller-host-port): Acquire never picks it, and it has no health
+// checks, in-flight limit, ejection or metric series. c.URL must be an http(s) URL with a
+// host; an empty c.Name becomes its host:port, a zero c.KVHoldTimeout eng's. Its calls go
+// through client, which many detached backends may share (NewSharedClient).
+func NewDetached(c BackendConfig, eng Engine, client *http.Client) (*Backend, error) {
+	if err := checkURL(c.URL); err != nil {
+		return nil, err
+	}
+	u, _ := url.Parse(c.URL) // checkURL parsed it
+	if c.Name == "" {
+		c.Name = hostPort(u)
+	}
+	if c.KVHoldTimeout == 0 && eng != nil {
+		c.KVHoldTimeout = eng.KVHoldTimeout()
+	}
+	return newBackend(c, eng, client, nil), nil
+}
+
+// NewSharedClient is a client for many detached backends at once, tuned as a pool
+// backend's: its transport keeps at most perHost idle connections to each host and total in
+// all, and closes one left idle for 90 s, so hosts that come and go cost nothing once idle.
+func NewSharedClient(perHost, total int) *http.Client {
+	c := newClient(clientOptions{maxInflight: perHost})
+	c.Transport.(*http.Transport).MaxIdleConns = total
+	return c
+}
+
 // clientOptions is what a backend's HTTP client is built from, resolved (the key read from
 // its variable, the CA file read), so that a reload can tell whether the client must change.
 type clientOptions struct {

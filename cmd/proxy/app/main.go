@@ -239,7 +239,17 @@ func (m *Main) build(rcfg router.Config) error {
 		return fmt.Errorf("config: %w", err)
 	}
 	m.holdTimeout = m.cfg.KVHoldTimeout
-	if min := rt.MinKVHoldTimeout(router.RolePrefill); min > 0 {
+	min := rt.MinKVHoldTimeout(router.RolePrefill)
+	// In llm-d's sidecar slot the prefillers come from a header, taken for the local
+	// decoder's engine: their hold is that engine's.
+	sidecarEngine, err := proxy.SidecarEngine(m.cfg.Proxy, rt.Backends())
+	if err != nil {
+		return fmt.Errorf("config: %w", err)
+	}
+	if sidecarEngine != nil {
+		min = sidecarEngine.KVHoldTimeout()
+	}
+	if min > 0 {
 		limit := maxHoldTimeout(min)
 		if m.holdTimeout == 0 {
 			m.holdTimeout = limit
@@ -365,6 +375,7 @@ func engineKind(sc SimConfig) string {
 // pools toward each other. They refill on demand; tests call it before counting goroutines.
 func (m *Main) CloseIdleConnections() {
 	m.Router.CloseIdleConnections()
+	m.Server.CloseIdleConnections()
 	for _, p := range m.sims {
 		p.engine.CloseIdleConnections()
 	}
@@ -445,6 +456,7 @@ func (m *Main) Shutdown(ctx context.Context) error {
 	// new, not idle, to an engine's server, whose Shutdown would wait for it until its own
 	// deadline: the clients let go of theirs first.
 	m.Router.CloseIdleConnections()
+	m.Server.CloseIdleConnections()
 	for _, p := range m.sims {
 		p.engine.CloseIdleConnections()
 	}
