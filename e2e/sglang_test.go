@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -268,9 +269,10 @@ func TestSGLangR1ClientLeavesWhileThePrefillerFinishesItsLastStep(t *testing.T) 
 			ds := kv(t, d)
 			return ds.RequestsTotal == 0 && ds.AbortedTotal == 0 && ds.LateEventsTotal >= 1, "decoder: " + jsonString(ds)
 		})
-		if got := handoffs(t, s, "released"); got != 1 {
-			t.Errorf("handoffs{released} = %v, want 1", got)
-		}
+		testutil.WaitFor(t, time.Second, func() (bool, string) {
+			got := handoffs(t, s, "released")
+			return got == 1, fmt.Sprintf("handoffs{released} = %v, want 1", got)
+		})
 		noDamage(t, p, d)
 		s.assertQuiet(time.Second)
 	})
@@ -387,38 +389,350 @@ func TestSGLangR3ClientLeavesWhileTheDecoderPullsOrDecodes(t *testing.T) {
 
 func TestSGLangR5AbortOfAFinishedRequestIsANoOp(t *testing.T) {
 	// The decoder writes slowly: the client leaves on the last token, and the proxy's abort
-	// reaches a request the engine finished while it still writes [DONE].
+	// reaches a request the engine finished while it still waits to write [DONE].
 	s := startStack(t, sglangSims)
 	p, d := s.m.SimURLs("prefill")[0], s.m.SimURLs("decode")[0]
 	const n = 4
 	var wg sync.WaitGroup
+	lastToken := make(chan error, n)
 	for i := range n {
 		wg.Go(func() {
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			resp := post(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"p","max_tokens":2,"ignore_eos":true,"stream":true}`,
-				"X-Request-Id", fmt.Sprintf("r5-%d", i), sim.HeaderSlowWrite, "150ms")
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, s.url+"/v1/completions",
+				strings.NewReader(`{"model":"sim","prompt":"p","max_tokens":1,"ignore_eos":true,"stream":true}`))
+			req.Header.Set("X-Request-Id", fmt.Sprintf("r5-%d", i))
+			req.Header.Set(sim.HeaderSlowWrite, "400ms")
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				lastToken <- err
+				return
+			}
+			defer resp.Body.Close()
 			br := bufio.NewReader(resp.Body)
 			for {
 				line, err := br.ReadString('\n')
-				if err != nil || strings.Contains(line, `"finish_reason":"length"`) {
-					break
+				if err != nil {
+					lastToken <- fmt.Errorf("stream ended before its last token: %w", err)
+					return
+				}
+				if strings.Contains(line, `"finish_reason":"length"`) {
+					lastToken <- nil
+					return // and the client leaves
 				}
 			}
-			cancel()
-			resp.Body.Close()
 		})
 	}
 	wg.Wait()
+	for range n {
+		if err := <-lastToken; err != nil {
+			t.Fatal(err)
+		}
+	}
+	testutil.WaitFor(t, time.Second, func() (bool, string) {
+		got := testutil.Value(t, s.m.Registry, "pdproxy_aborts_total", map[string]string{"stage": "decoding"})
+		return got == n, fmt.Sprintf("aborts{stage=decoding} = %v, want %d", got, n)
+	})
+	// Each abort (and its repeat) found the request finished: counted, nothing freed twice.
 	testutil.WaitFor(t, time.Second, func() (bool, string) {
 		ds := kv(t, d)
 		return ds.LateEventsTotal >= n && ds.AbortedTotal == 0, "decoder: " + jsonString(ds)
 	})
-	if got := testutil.Value(t, s.m.Registry, "pdproxy_aborts_total", map[string]string{"stage": "decoding"}); got != n {
-		t.Errorf("aborts{stage=decoding} = %v, want %d", got, n)
-	}
 	testutil.WaitFor(t, time.Second, enginesIdle(t, p, d))
 	noDamage(t, p, d)
 	stillServes(t, s)
 	s.assertQuiet(time.Second)
+}
+
+// bootstrapPortOf asks an SGLang prefiller for its bootstrap server's port.
+func bootstrapPortOf(t *testing.T, url string) int {
+	t.Helper()
+	resp, err := http.Get(url + "/server_info")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var info struct {
+		Port int `json:"disaggregation_bootstrap_port"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&info); err != nil || info.Port == 0 {
+		t.Fatalf("%s/server_info: port %d, %v", url, info.Port, err)
+	}
+	return info.Port
+}
+
+// deadURL is the URL of a port nothing listens on any more.
+func deadURL(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln.Close()
+	return "http://" + ln.Addr().String()
+}
+
+// sendAndRead sends a request and returns its status once its answer is read whole.
+func sendAndRead(t *testing.T, url, body string, hdr ...string) (int, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp := post(t, ctx, url, body, hdr...)
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	return resp.StatusCode, string(b)
+}
+
+// heldEngine is a backend that takes each leg and answers it only when told: with a status,
+// or by dying (the connection cut without an answer, and every one after it, as an engine
+// killed after it took the leg). Other calls (health, /abort_request) get a 200 while it lives.
+type heldEngine struct {
+	url     string
+	legs    chan struct{}
+	answers chan int
+	dead    atomic.Bool
+}
+
+func newHeldEngine(t *testing.T) *heldEngine {
+	h := &heldEngine{legs: make(chan struct{}, 8), answers: make(chan int, 8)}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if h.dead.Load() {
+			panic(http.ErrAbortHandler) // cuts the connection
+		}
+		io.Copy(io.Discard, r.Body)
+		if !strings.HasSuffix(r.URL.Path, "/completions") {
+			return
+		}
+		h.legs <- struct{}{}
+		select {
+		case status := <-h.answers:
+			if status == 0 {
+				h.dead.Store(true)
+				panic(http.ErrAbortHandler)
+			}
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(status)
+			io.WriteString(w, `{"error":{"message":"injected","type":"internal_error","code":"injected"}}`)
+		case <-r.Context().Done():
+		}
+	}))
+	t.Cleanup(func() {
+		srv.CloseClientConnections()
+		srv.Close()
+	})
+	h.url = srv.URL
+	return h
+}
+
+// answer answers the leg it holds with status; 0 kills the engine instead.
+func (h *heldEngine) answer(status int) { h.answers <- status }
+
+func TestSGLangLostPrefillLegGetsTheWaitingDecoderAborted(t *testing.T) {
+	// The decoder waits for its room up to SGLang's waiting timeout (300s) unless the proxy
+	// aborts it when the prefill leg fails. The held prefiller's bootstrap server is a real
+	// prefiller's, where the decoder waits for a room that no prefill will ever fill.
+	body := `{"model":"sim","messages":[{"role":"user","content":"` + prompt(100) + `"}],"max_tokens":5,"stream":true}`
+	for _, tc := range []struct {
+		name   string
+		status int
+	}{
+		{"the prefiller answers 500", http.StatusInternalServerError},
+		{"the prefiller dies", 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			boot := sglangEngine(t, "prefill", nil)
+			hp := newHeldEngine(t)
+			s := startStack(t, sglangSims, func(c *app.Config) {
+				c.Sims = c.Sims[1:]
+				c.Router.Backends = []router.BackendConfig{{Name: "held-prefiller", URL: hp.url, Role: router.RolePrefill,
+					Engine: "sglang", BootstrapPort: bootstrapPortOf(t, boot)}}
+				c.Router.Health.Interval = -1
+			})
+			d := s.m.SimURLs("decode")[0]
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			done := inBackground(t, ctx, s.url+"/v1/chat/completions", body)
+			testutil.Recv(t, 2*time.Second, hp.legs, "the prefill leg")
+			testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
+				ds := kv(t, d)
+				return ds.RoomsWaiting == 1, "decoder: " + jsonString(ds)
+			})
+			hp.answer(tc.status)
+			if code := testutil.Recv(t, 2*time.Second, done, "the answer"); code != http.StatusBadGateway {
+				t.Fatalf("answered %d, want 502", code)
+			}
+			testutil.WaitFor(t, time.Second, func() (bool, string) {
+				ds := kv(t, d)
+				return ds.AbortedTotal == 1 && sglangIdle(ds), "decoder: " + jsonString(ds)
+			})
+			testutil.WaitFor(t, time.Second, enginesIdle(t, boot))
+			s.assertQuiet(3 * time.Second) // a dead prefiller's abort is tried for a second
+		})
+	}
+
+	t.Run("the transfer fails: both legs answer 500, nothing stays held", func(t *testing.T) {
+		s := startStack(t, sglangSims)
+		p, d := s.m.SimURLs("prefill")[0], s.m.SimURLs("decode")[0]
+		if code, b := sendAndRead(t, s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(100)+`","max_tokens":5}`, sim.HeaderTransferFail, "true"); code != http.StatusBadGateway {
+			t.Fatalf("answered %d %s, want 502", code, b)
+		}
+		testutil.WaitFor(t, time.Second, enginesIdle(t, p, d))
+		noDamage(t, p, d)
+		s.assertQuiet(time.Second)
+	})
+}
+
+func TestSGLangLostDecodeLegGetsThePrefillersRoomAborted(t *testing.T) {
+	// With NIXL a prefiller holds a room nobody claims until it restarts: only the proxy's
+	// abort of the prefill leg frees it.
+	hd := newHeldEngine(t)
+	s := startStack(t, sglangSims, func(c *app.Config) {
+		c.Sims = c.Sims[:1]
+		c.Router.Backends = []router.BackendConfig{{Name: "held-decoder", URL: hd.url, Role: router.RoleDecode, Engine: "sglang"}}
+		c.Router.Health.Interval = -1
+	})
+	p := s.m.SimURLs("prefill")[0]
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	done := inBackground(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(100)+`","max_tokens":5,"stream":true}`)
+	testutil.Recv(t, 2*time.Second, hd.legs, "the decode leg")
+	testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
+		ps := kv(t, p)
+		return ps.RoomsHeld == 1, "prefiller: " + jsonString(ps)
+	})
+	hd.answer(http.StatusServiceUnavailable)
+	if code := testutil.Recv(t, 2*time.Second, done, "the answer"); code != http.StatusBadGateway {
+		t.Fatalf("answered %d, want 502", code)
+	}
+	testutil.WaitFor(t, time.Second, func() (bool, string) {
+		ps := kv(t, p)
+		return ps.AbortedTotal == 1 && sglangIdle(ps), "prefiller: " + jsonString(ps)
+	})
+	testutil.WaitFor(t, time.Second, func() (bool, string) {
+		got := handoffs(t, s, "released")
+		return got == 1, fmt.Sprintf("handoffs{released} = %v, want 1", got)
+	})
+	s.assertQuiet(time.Second)
+}
+
+func TestSGLangClientIDsThatArePrefixesOfEachOtherNeverAbortEachOther(t *testing.T) {
+	// SGLang aborts every request whose rid starts with the one named: the engines know a
+	// request by the proxy's own fixed-length id, never by the client's X-Request-Id.
+	for _, tc := range []struct {
+		name string
+		at   func(p, d sim.KVStats) bool // when "a" is given up on, both in flight
+	}{
+		{"given up on while both wait for their rooms", func(p, d sim.KVStats) bool { return p.RunningRequests == 2 && d.RoomsWaiting == 2 }},
+		{"given up on while both decode", func(p, d sim.KVStats) bool { return d.RunningRequests == 2 }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := startStack(t, sglangSims, func(c *app.Config) {
+				c.Sims[0].PrefillTime = 300 * time.Millisecond
+				c.Sims[1].ITL = 2 * time.Millisecond
+			})
+			p, d := s.m.SimURLs("prefill")[0], s.m.SimURLs("decode")[0]
+			const tokens = 150
+			body := fmt.Sprintf(`{"model":"sim","prompt":"%s","max_tokens":%d,"ignore_eos":true,"stream":true}`, prompt(50), tokens)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			a := inBackground(t, ctx, s.url+"/v1/completions", body, "X-Request-Id", "a")
+			type answer struct {
+				code   int
+				tokens int
+				done   bool
+			}
+			ab := make(chan answer, 1)
+			go func() {
+				req, _ := http.NewRequest(http.MethodPost, s.url+"/v1/completions", strings.NewReader(body))
+				req.Header.Set("X-Request-Id", "ab")
+				resp, err := http.DefaultClient.Do(req)
+				if err != nil {
+					ab <- answer{}
+					return
+				}
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				n, _, done := tokensOf(t, b, true)
+				ab <- answer{resp.StatusCode, n, done}
+			}()
+			testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
+				ps, ds := kv(t, p), kv(t, d)
+				return tc.at(ps, ds), "prefiller " + jsonString(ps) + ", decoder " + jsonString(ds)
+			})
+			cancel()
+			<-a
+			got := testutil.Recv(t, 5*time.Second, ab, "the answer of ab")
+			if got.code != http.StatusOK || got.tokens != tokens || !got.done {
+				t.Errorf("ab answered %d with %d tokens (done %v), want 200 with %d", got.code, got.tokens, got.done, tokens)
+			}
+			testutil.WaitFor(t, time.Second, enginesIdle(t, p, d))
+			if ps, ds := kv(t, p), kv(t, d); ps.AbortedTotal+ds.AbortedTotal == 0 {
+				t.Errorf("prefiller %s, decoder %s: a was never aborted", jsonString(ps), jsonString(ds))
+			}
+			s.assertQuiet(time.Second)
+		})
+	}
+}
+
+func TestSGLangAbortsCarryTheAdminKey(t *testing.T) {
+	// The sims refuse /abort_request without their admin key (401): legs freed within a
+	// second, long before the sims' own disconnect detection, prove that the proxy sent it.
+	const key = "sglang-admin-key"
+	keyed := func(c *app.Config) {
+		for i := range c.Sims {
+			c.Sims[i].AdminAPIKey = key
+		}
+	}
+	t.Run("the sims refuse an abort without it", func(t *testing.T) {
+		s := startStack(t, sglangSims, keyed)
+		for _, u := range s.allSimURLs() {
+			resp, err := http.Post(u+"/abort_request", "application/json", strings.NewReader(`{"rid":"x"}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusUnauthorized {
+				t.Errorf("%s/abort_request without the key: %d, want 401", u, resp.StatusCode)
+			}
+		}
+	})
+
+	t.Run("a client leaving while the prefill computes gets both legs aborted", func(t *testing.T) {
+		s := startStack(t, sglangSims, keyed, func(c *app.Config) { c.Sims[0].PrefillTime = 10 * time.Second })
+		p, d := s.m.SimURLs("prefill")[0], s.m.SimURLs("decode")[0]
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		done := inBackground(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"hello","max_tokens":5}`, "X-Request-Id", "keyed")
+		testutil.WaitFor(t, 2*time.Second, legsOf(t, s, "keyed", p, d, func(ps, ds sim.KVStats) bool {
+			return ps.RunningRequests == 1 && ds.RoomsWaiting == 1
+		}))
+		cancel()
+		<-done
+		testutil.WaitFor(t, time.Second, func() (bool, string) {
+			ps, ds := kv(t, p), kv(t, d)
+			return ps.AbortedTotal == 1 && ds.AbortedTotal == 1 && sglangIdle(ps) && sglangIdle(ds),
+				"prefiller " + jsonString(ps) + ", decoder " + jsonString(ds)
+		})
+		if got := testutil.Value(t, s.m.Registry, "pdproxy_kv_release_failures_total", nil); got != 0 {
+			t.Errorf("release failures = %v", got)
+		}
+		s.assertQuiet(time.Second)
+	})
+
+	t.Run("a client leaving mid-stream gets its decode aborted", func(t *testing.T) {
+		s := startStack(t, sglangSims, keyed, func(c *app.Config) { c.Sims[1].ITL = 5 * time.Millisecond })
+		p, d := s.m.SimURLs("prefill")[0], s.m.SimURLs("decode")[0]
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		resp := post(t, ctx, s.url+"/v1/completions", longStream)
+		readDataLines(t, bufio.NewReader(resp.Body), 3)
+		cancel()
+		resp.Body.Close()
+		testutil.WaitFor(t, time.Second, func() (bool, string) {
+			ds := kv(t, d)
+			return ds.AbortedTotal == 1 && sglangIdle(ds), "decoder: " + jsonString(ds)
+		})
+		testutil.WaitFor(t, time.Second, enginesIdle(t, p, d))
+		s.assertQuiet(time.Second)
+	})
 }
