@@ -615,6 +615,56 @@ func TestSGLangLostDecodeLegGetsThePrefillersRoomAborted(t *testing.T) {
 	s.assertQuiet(time.Second)
 }
 
+func TestSGLangDeadDecoderDoesNotHoldUpThePrefillersAbort(t *testing.T) {
+	// A decoder that is gone cannot claim the room, so nothing stops the prefiller's abort:
+	// the room is freed at once, and counted released, not as a failed release.
+	for _, tc := range []struct {
+		name string
+		// dead is the decoder's URL, and kill makes it fail once the prefiller p holds
+		// the room (if the leg gets that far).
+		dead func(t *testing.T) (url string, kill func(p string))
+	}{
+		{"the decoder dies after taking the leg", func(t *testing.T) (string, func(string)) {
+			hd := newHeldEngine(t)
+			return hd.url, func(p string) {
+				testutil.Recv(t, 2*time.Second, hd.legs, "the decode leg")
+				testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
+					ps := kv(t, p)
+					return ps.RoomsHeld == 1, "prefiller: " + jsonString(ps)
+				})
+				hd.answer(0)
+			}
+		}},
+		{"the decoder cannot be reached", func(t *testing.T) (string, func(string)) { return deadURL(t), func(string) {} }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			url, kill := tc.dead(t)
+			s := startStack(t, sglangSims, func(c *app.Config) {
+				c.Sims = c.Sims[:1]
+				c.Router.Backends = []router.BackendConfig{{Name: "dead-decoder", URL: url, Role: router.RoleDecode, Engine: "sglang"}}
+				c.Router.Health.Interval = -1
+			})
+			p := s.m.SimURLs("prefill")[0]
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			done := inBackground(t, ctx, s.url+"/v1/completions", `{"model":"sim","prompt":"`+prompt(100)+`","max_tokens":5,"stream":true}`)
+			kill(p)
+			if code := testutil.Recv(t, 2*time.Second, done, "the answer"); code != http.StatusBadGateway {
+				t.Fatalf("answered %d, want 502", code)
+			}
+			testutil.WaitFor(t, time.Second, func() (bool, string) {
+				ps := kv(t, p)
+				return sglangIdle(ps), "prefiller: " + jsonString(ps)
+			})
+			testutil.WaitFor(t, time.Second, func() (bool, string) {
+				r, f := handoffs(t, s, "released"), testutil.Value(t, s.m.Registry, "pdproxy_kv_release_failures_total", nil)
+				return r == 1 && f == 0, fmt.Sprintf("handoffs{released} = %v, want 1; release failures %v, want 0", r, f)
+			})
+			s.assertQuiet(3 * time.Second)
+		})
+	}
+}
+
 func TestSGLangClientIDsThatArePrefixesOfEachOtherNeverAbortEachOther(t *testing.T) {
 	// SGLang aborts every request whose rid starts with the one named: the engines know a
 	// request by the proxy's own fixed-length id, never by the client's X-Request-Id.
