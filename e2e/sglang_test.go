@@ -691,9 +691,9 @@ func TestSGLangClientIDsThatArePrefixesOfEachOtherNeverAbortEachOther(t *testing
 			defer cancel()
 			a := inBackground(t, ctx, s.url+"/v1/completions", body, "X-Request-Id", "a")
 			type answer struct {
-				code   int
-				tokens int
-				done   bool
+				code int
+				body []byte
+				err  error
 			}
 			ab := make(chan answer, 1)
 			go func() {
@@ -701,13 +701,12 @@ func TestSGLangClientIDsThatArePrefixesOfEachOtherNeverAbortEachOther(t *testing
 				req.Header.Set("X-Request-Id", "ab")
 				resp, err := http.DefaultClient.Do(req)
 				if err != nil {
-					ab <- answer{}
+					ab <- answer{err: err}
 					return
 				}
-				b, _ := io.ReadAll(resp.Body)
+				b, err := io.ReadAll(resp.Body)
 				resp.Body.Close()
-				n, _, done := tokensOf(t, b, true)
-				ab <- answer{resp.StatusCode, n, done}
+				ab <- answer{resp.StatusCode, b, err}
 			}()
 			testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
 				ps, ds := kv(t, p), kv(t, d)
@@ -716,8 +715,11 @@ func TestSGLangClientIDsThatArePrefixesOfEachOtherNeverAbortEachOther(t *testing
 			cancel()
 			<-a
 			got := testutil.Recv(t, 5*time.Second, ab, "the answer of ab")
-			if got.code != http.StatusOK || got.tokens != tokens || !got.done {
-				t.Errorf("ab answered %d with %d tokens (done %v), want 200 with %d", got.code, got.tokens, got.done, tokens)
+			if got.err != nil || got.code != http.StatusOK {
+				t.Fatalf("ab answered %d %q: %v", got.code, got.body, got.err)
+			}
+			if n, _, done := tokensOf(t, got.body, true); n != tokens || !done {
+				t.Errorf("ab answered %d tokens (ended: %v), want all %d", n, done, tokens)
 			}
 			testutil.WaitFor(t, time.Second, enginesIdle(t, p, d))
 			if ps, ds := kv(t, p), kv(t, d); ps.AbortedTotal+ds.AbortedTotal == 0 {
