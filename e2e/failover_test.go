@@ -260,8 +260,10 @@ func TestDecoderKilledUnderLoadFailsOverToTheSurvivor(t *testing.T) {
 			failed++
 		}
 	}
-	if failed == 0 {
-		t.Error("no request failed, though some were on the decoder when it died")
+	// Only a request the victim had already started can fail: one it never got is retried on
+	// the survivor. How many it had started at the kill is up to timing, none included.
+	if int64(failed) > onVictim {
+		t.Errorf("%d requests failed, but only %d were on the decoder when it died", failed, onVictim)
 	}
 	for _, o := range after {
 		if o.kind != "ok" {

@@ -130,53 +130,75 @@ func (x *exchange) failLegs() {
 	}
 }
 
-// abortLegs frees a room that paired legs hold: the decoder is aborted first, then the
-// prefiller (aborting a prefiller in mid-transfer may leak; with the decoder gone first,
-// no transfer starts). Each abort is tried again within a bound; one that never succeeds is
-// counted (pdproxy_kv_release_failures_total{mode="abort"}) and logged: with NIXL nothing
-// else frees the room. Each is repeated a moment later, as in abortOnEngine, in case it
-// overtook its leg. It takes the request's custody and ends it once the hold is released.
+// abortLegs frees a room that paired legs hold. The decoder is aborted first, then the
+// prefiller, without waiting for the decoder's abort to succeed (aborting a prefiller in
+// mid-transfer may leak; with the decoder told first no transfer starts, and a decoder that
+// cannot be reached cannot claim the room either). A failed abort is tried again within a
+// bound; one that never succeeds is counted (pdproxy_kv_release_failures_total{mode="abort"})
+// and logged: with NIXL nothing else frees a prefiller's room, and a decoder keeps the blocks
+// it reserved for the transfer until its waiting timeout. The hold (the prefiller's room) is
+// released as aborted once the prefiller's abort succeeded. Both are repeated a moment later,
+// as in abortOnEngine, in case an abort overtook its leg. abortLegs takes the request's
+// custody and ends it once the hold is released.
 func (s *Server) abortLegs(c *custody, rids []string, p, d *router.Backend, hold *lifecycle.Hold) {
 	c.giveBackLease(c.res)
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
 		defer c.end(s)
-		ok := true
-		for _, b := range []*router.Backend{d, p} {
+		legs := []*router.Backend{d, p}
+		pending := map[*router.Backend][]string{}
+		for _, b := range legs {
 			for _, rid := range rids {
-				ok = s.abortRetrying(rid, b) && ok
+				if !s.abortCall(rid, b, "engine abort failed") {
+					pending[b] = append(pending[b], rid)
+				}
 			}
-		}
-		if ok {
-			hold.Release(lifecycle.ReleaseAborted)
-		} else {
-			s.m.releaseFailure.WithLabelValues(ReleaseAbort).Inc()
-			s.logger.Error("could not abort a request's paired legs: the prefiller may hold its room until it restarts",
-				zap.String("engine_request_id", c.engineID), zap.String("prefill_backend", p.Name), zap.String("decode_backend", d.Name))
-			hold.Release(lifecycle.ReleaseExpired)
 		}
 		s.bg.Add(1)
 		time.AfterFunc(abortRepeatDelay, func() {
 			defer s.bg.Done()
-			for _, b := range []*router.Backend{d, p} {
+			for _, b := range legs {
 				for _, rid := range rids {
 					s.abortCall(rid, b, "repeated engine abort failed")
 				}
 			}
 		})
-	}()
-}
-
-// abortRetrying sends an explicit abort, again after a failure, abortRetries times at most.
-func (s *Server) abortRetrying(id string, b *router.Backend) bool {
-	for i := range abortRetries {
-		if s.abortCall(id, b, "engine abort failed") {
-			return true
+		for i := 1; ; i++ {
+			if _, held := pending[p]; !held {
+				hold.Release(lifecycle.ReleaseAborted) // the room is free; a no-op the second time
+			}
+			if len(pending) == 0 || i == abortRetries {
+				break
+			}
+			time.Sleep(abortRetryBackoff << (i - 1))
+			for _, b := range legs {
+				var still []string
+				for _, rid := range pending[b] {
+					if !s.abortCall(rid, b, "engine abort failed") {
+						still = append(still, rid)
+					}
+				}
+				if len(still) == 0 {
+					delete(pending, b)
+				} else {
+					pending[b] = still
+				}
+			}
 		}
-		time.Sleep(abortRetryBackoff << i)
-	}
-	return false
+		for _, b := range legs {
+			if _, failed := pending[b]; !failed {
+				continue
+			}
+			s.m.releaseFailure.WithLabelValues(ReleaseAbort).Inc()
+			msg := "could not abort a request's decode leg: the decoder keeps what it reserved for the room until its waiting timeout"
+			if b == p {
+				msg = "could not abort a request's prefill leg: the prefiller may hold its room until it restarts"
+				hold.Release(lifecycle.ReleaseExpired)
+			}
+			s.logger.Error(msg, zap.String("engine_request_id", c.engineID), zap.String("backend", b.Name))
+		}
+	}()
 }
 
 // abortRetries and abortRetryBackoff bound the tries of an abort that frees KV: 3 tries

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"io"
 	"net/http"
-	"sync"
 	"time"
 
 	"github.com/pdproxy/pdproxy/kvbackend"
@@ -57,15 +56,19 @@ func (x *exchange) serveLegs() *apiError {
 		return x.gone()
 	}
 
-	// The prefill leg: its answer only says whether the room was served.
-	pctx, pcancel := context.WithTimeoutCause(x.ctx, x.s.cfg.PrefillTimeout, errPhaseTimeout)
-	defer pcancel()
+	// The prefill leg: its answer only says whether the room was served. It comes about when
+	// the decoder's answer begins, and may come after the client has the whole of it, so the
+	// leg may outlive the handler (tracked as the server's background work, bounded by
+	// prefill_timeout): it is cut only when the request fails or the client leaves.
+	pctx, pcancel := context.WithTimeoutCause(context.WithoutCancel(x.ctx), x.s.cfg.PrefillTimeout, errPhaseTimeout)
 	prefilled := make(chan error, 1)
-	var legs sync.WaitGroup
-	legs.Add(1)
+	pcall := x.call(p, x.route, body)
+	clientCtx := x.ctx
+	x.s.bg.Add(1)
 	go func() {
-		defer legs.Done()
-		resp, err := x.call(p, x.route, body).Do(pctx)
+		defer x.s.bg.Done()
+		defer pcancel()
+		resp, err := pcall.Do(pctx)
 		if err == nil {
 			_, err = io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()
@@ -73,13 +76,14 @@ func (x *exchange) serveLegs() *apiError {
 		if err != nil && context.Cause(pctx) == errPhaseTimeout {
 			err = errors.Join(errPhaseTimeout, err)
 		}
-		lease.Release(resultOf(err, x.ctx))
+		lease.Release(resultOf(err, clientCtx))
 		prefilled <- err
 	}()
-	// However the request ends, the prefill leg is over before the handler returns.
+	served := false
 	defer func() {
-		pcancel()
-		legs.Wait()
+		if !served {
+			pcancel()
+		}
 		x.prefillT = time.Since(start)
 	}()
 
@@ -135,7 +139,9 @@ func (x *exchange) serveLegs() *apiError {
 	}
 	defer ans.resp.Body.Close()
 	x.own.res = router.Result{Status: http.StatusOK}
-	return x.relay(ans.resp, wd)
+	e := x.relay(ans.resp, wd)
+	served = e == nil
+	return e
 }
 
 var errPrefillLegFailed = errors.New("the prefill leg failed")

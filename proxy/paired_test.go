@@ -52,6 +52,7 @@ func TestSGLangLegsGoOutTogetherAndTheDecoderAnswers(t *testing.T) {
 			if resp.StatusCode != http.StatusOK || string(body) != decodeJSONCompletion {
 				t.Fatalf("answer %d %s, want the decoder's", resp.StatusCode, body)
 			}
+			h.waitQuiet() // the prefill leg may end after the client has the answer
 			pf, df := p.only(t, "prefiller").fields(t), d.only(t, "decoder").fields(t)
 			u, _ := url.Parse(p.URL())
 			wantPort := "8998"
@@ -200,8 +201,8 @@ func TestSGLangAbortsThatNeverSucceedAreCounted(t *testing.T) {
 		resp.Body.Close()
 		t.Fatalf("answered %d, want the client's timeout", resp.StatusCode)
 	}
-	eventually(t, "the failed release to be counted", func() bool {
-		return h.value("pdproxy_kv_release_failures_total", map[string]string{"mode": "abort"}) == 1
+	eventually(t, "the failed aborts to be counted, one per leg", func() bool {
+		return h.value("pdproxy_kv_release_failures_total", map[string]string{"mode": "abort"}) == 2
 	})
 	h.waitQuiet()
 	if n := h.value("pdproxy_kv_hold_handoffs_total", map[string]string{"result": "left_to_engine"}); n != 1 {
