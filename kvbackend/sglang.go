@@ -49,6 +49,12 @@ var SGLang Paired = sglang{}
 
 func (sglang) Kind() string { return KindSGLang }
 
+// LoadMetrics names the gauges on SGLang's /metrics (served with --enable-metrics) that the
+// router's least_loaded policy reads (router.LoadReporter).
+func (sglang) LoadMetrics() (waiting, running, kvUsage string) {
+	return "sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"
+}
+
 // KVHoldTimeout is zero: with NIXL a prefiller holds a room nobody claims until it restarts,
 // so only the proxy's aborts free it. The proxy forwards no params, so it keeps no deadline.
 func (sglang) KVHoldTimeout() time.Duration { return 0 }

@@ -64,6 +64,8 @@ type backendState struct {
 	// a dead backend with nothing in flight is every policy's first pick the moment its
 	// back-off ends, and draws a burst of requests into failure.
 	probation atomic.Bool
+	// load is what least_loaded scraped of the engine.
+	load loadState
 
 	mu sync.Mutex // guards the streaks and reasons below
 	// failStreak counts passive failures in a row.

@@ -27,6 +27,7 @@ const (
 	PolicyRoundRobin     = "round_robin"
 	PolicyPowerOfTwo     = "power_of_two"
 	PolicyPrefixAffinity = "prefix_affinity"
+	PolicyLeastLoaded    = "least_loaded"
 )
 
 // Engine is an engine kind as the router sees it: a value it hands back on every Backend for
@@ -240,6 +241,10 @@ type Config struct {
 	Ejection EjectionConfig `yaml:"ejection"`
 	// Queue configures backpressure.
 	Queue QueueConfig `yaml:"queue"`
+	// ScrapeInterval is how often least_loaded reads each engine's /metrics (and how long one
+	// read may take); three intervals without a good read and it scores the engine by
+	// in-flight requests. Zero means 1s; at least 10ms. Unused by the other policies.
+	ScrapeInterval time.Duration `yaml:"scrape_interval"`
 	// Engines resolves each backend's engine kind. Nil takes any kind as a bare name, with
 	// no default kind and no default kv_hold_timeout.
 	Engines EngineCatalog `yaml:"-"`
@@ -310,6 +315,9 @@ func (c *Config) setDefaults() {
 		c.Queue.Timeout = DefaultQueueTimeout
 	}
 	c.setDiscoveryDefaults()
+	if c.ScrapeInterval == 0 {
+		c.ScrapeInterval = DefaultScrapeInterval
+	}
 }
 
 // deriveNames names the backends that have no name after their address, host:port. One
@@ -468,6 +476,9 @@ func (c *Config) Validate() error {
 		bad("queue.timeout", "%v is negative", c.Queue.Timeout)
 	}
 	errs = append(errs, c.checkDiscovery()...)
+	if c.ScrapeInterval < minScrapeInterval {
+		bad("scrape_interval", "%v is shorter than %v", c.ScrapeInterval, minScrapeInterval)
+	}
 	return errors.Join(errs...)
 }
 

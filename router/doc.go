@@ -6,7 +6,8 @@
 // The proxy asks for a backend with [Router.Acquire] and gets a [Lease]; the lease counts
 // one in-flight request on the backend until [Lease.Release], which also feeds passive
 // health. The router never calls back into the proxy and sends no request itself except
-// its health checks, which [Router.Run] owns.
+// its health checks and, for least_loaded, its scrapes of the engines' /metrics, which
+// [Router.Run] owns.
 //
 // Configuration, with the defaults applied by [Config.Validate]:
 //
@@ -28,9 +29,10 @@
 //	    discover: dns           # empty: the url is one engine
 //	    refresh: 5s             # resolved again this often; a failed lookup keeps the last set
 //	    role: prefill           # every other key applies to each discovered backend
-//	prefill_policy: least_inflight  # least_inflight | round_robin | power_of_two | prefix_affinity
+//	prefill_policy: least_inflight  # least_inflight | round_robin | power_of_two | prefix_affinity | least_loaded
 //	decode_policy: least_inflight
 //	prefix_tokens: 256          # prefix_affinity hashes the first 4*prefix_tokens bytes
+//	scrape_interval: 1s         # least_loaded reads each engine's /metrics this often (load.go)
 //	health:
 //	  interval: 5s              # 0 or negative disables active checks
 //	  timeout: 2s

@@ -15,13 +15,14 @@ import (
 	"go.uber.org/zap"
 )
 
-// Run checks every backend's health every health.interval, and resolves every discover
-// entry's name again every refresh, until ctx is done, then returns nil. It owns the check
-// and lookup goroutines and waits for them. Call it once. With checks disabled it only
+// Run checks every backend's health every health.interval, resolves every discover entry's
+// name again every refresh, and scrapes the engines' load for least_loaded every
+// scrape_interval (load.go), until ctx is done, then returns nil. It owns the check, lookup
+// and scrape goroutines and waits for them. Call it once. With checks disabled it only
 // waits, so a Reload that enables them takes effect.
 func (r *Router) Run(ctx context.Context) error {
 	defer func() {
-		// Health checks leave keep-alive connections behind; the requests' own
+		// Health checks and scrapes leave keep-alive connections behind; the requests' own
 		// connections are dropped by their callers' transports when idle.
 		for _, b := range r.backends() {
 			b.closeIdle()
@@ -30,6 +31,9 @@ func (r *Router) Run(ctx context.Context) error {
 	var discovering sync.WaitGroup
 	defer discovering.Wait()
 	discovering.Go(func() { r.disc.run(ctx) })
+	var scraper sync.WaitGroup
+	scraper.Go(func() { r.scrapeLoop(ctx) })
+	defer scraper.Wait()
 	timer := time.NewTimer(0) // the first round at once
 	defer timer.Stop()
 	for {

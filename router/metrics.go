@@ -55,7 +55,7 @@ func newMetrics(r *Router) *metrics {
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.requests, m.down, m.queueWait, m.queueRejected, m} {
+	for _, c := range []prometheus.Collector{m.requests, m.down, m.queueWait, m.queueRejected, m, newLoadCollector(m.r)} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}

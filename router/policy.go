@@ -36,7 +36,7 @@ var (
 )
 
 func policyNames() []string {
-	return []string{PolicyLeastInflight, PolicyRoundRobin, PolicyPowerOfTwo, PolicyPrefixAffinity}
+	return []string{PolicyLeastInflight, PolicyRoundRobin, PolicyPowerOfTwo, PolicyPrefixAffinity, PolicyLeastLoaded}
 }
 
 func knownPolicy(name string) bool { return slices.Contains(policyNames(), name) }
@@ -52,6 +52,8 @@ func NewPolicy(name string, prefixTokens int) (Policy, bool) {
 		return &PowerOfTwo{}, true
 	case PolicyPrefixAffinity:
 		return NewPrefixAffinity(prefixTokens), true
+	case PolicyLeastLoaded:
+		return &LeastLoaded{}, true
 	}
 	return nil, false
 }

@@ -109,8 +109,9 @@ type Router struct {
 }
 
 type settings struct {
-	health   HealthConfig
-	ejection EjectionConfig
+	health         HealthConfig
+	ejection       EjectionConfig
+	scrapeInterval time.Duration
 }
 
 // New validates cfg (filling its defaults) and builds a router. It starts nothing: Run
@@ -320,6 +321,9 @@ type BackendStatus struct {
 	Ejections int64 `json:"ejections"`
 	// Engine is the engine kind.
 	Engine string `json:"engine"`
+	// Load is the engine's load as least_loaded last scraped it; absent until least_loaded
+	// first scraped the backend.
+	Load *LoadStatus `json:"load,omitempty"`
 }
 
 // Backends reports every current backend in config order.
@@ -340,6 +344,7 @@ func (r *Router) Backends() []BackendStatus {
 			Weight:      b.Weight,
 			Ejections:   b.Ejections(),
 			Engine:      b.Engine.Kind(),
+			Load:        b.loadStatus(now),
 		})
 	}
 	return out
@@ -361,8 +366,8 @@ func (r *Router) Reload(cfg Config) error {
 
 // apply installs a validated config.
 func (r *Router) apply(cfg Config) error {
-	pre, ok1 := NewPolicy(cfg.PrefillPolicy, cfg.PrefixTokens)
-	dec, ok2 := NewPolicy(cfg.DecodePolicy, cfg.PrefixTokens)
+	pre, ok1 := r.newPolicy(cfg.PrefillPolicy, cfg.PrefixTokens)
+	dec, ok2 := r.newPolicy(cfg.DecodePolicy, cfg.PrefixTokens)
 	if !ok1 || !ok2 { // Validate checked; keep apply honest anyway
 		return fmt.Errorf("router config: unknown policy")
 	}
@@ -419,7 +424,7 @@ func (r *Router) apply(cfg Config) error {
 			b.st.up.Store(true)
 		}
 	}
-	r.settings.Store(&settings{health: cfg.Health, ejection: cfg.Ejection})
+	r.settings.Store(&settings{health: cfg.Health, ejection: cfg.Ejection, scrapeInterval: cfg.ScrapeInterval})
 
 	// Lock both pools (always prefill first) so that a Release sees a backend either
 	// current or removed, never half way, and its counter series is not re-created

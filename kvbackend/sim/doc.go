@@ -102,9 +102,15 @@
 // disaggregation_mode "null" for the vllm protocol), GET /debug/kv (KVStats
 // as JSON: the pool, requests, holds_total, remote_prefill_requests_total,
 // and the SGLang rooms_waiting and rooms_held) and
-// GET /metrics (the engine's own registry: vllm:num_requests_running,
-// vllm:num_requests_waiting, vllm:kv_cache_usage_perc with a model_name label,
-// plus pdproxy_sim_* counters).
+// GET /metrics (the engine's own registry, one consistent snapshot per
+// scrape, with a model_name label: vllm:num_requests_running (requests
+// holding a running slot: prefilling, pulling or decoding),
+// vllm:num_requests_waiting (submitted, waiting for blocks or a slot) and
+// vllm:kv_cache_usage_perc (blocks not free, held ones included, over the
+// pool); with the sglang protocol the same under SGLang's names,
+// sglang:num_running_reqs, sglang:num_queue_reqs and sglang:token_usage, plus
+// sglang:num_decode_prealloc_queue_reqs (decodes waiting for their room); and
+// pdproxy_sim_* counters).
 //
 // # Fault injection
 //

@@ -230,9 +230,16 @@ type KVStats struct {
 	// BlocksHeld are held by finished prefills for a decoder's pull.
 	BlocksHeld int `json:"blocks_held"`
 	// BlocksInUse belong to waiting-for-pull, prefilling or decoding requests.
-	BlocksInUse     int `json:"blocks_in_use"`
-	HeldRequests    int `json:"held_requests"`
+	BlocksInUse  int `json:"blocks_in_use"`
+	HeldRequests int `json:"held_requests"`
+	// RunningRequests hold a running slot and KV blocks: prefilling, pulling
+	// KV (or waiting for the NIXL handshake before the pull) or decoding.
+	// /metrics reports it as vllm:num_requests_running (sglang:num_running_reqs).
 	RunningRequests int `json:"running_requests"`
+	// WaitingRequests are submitted and wait for KV blocks or a running
+	// slot, those not yet seen by a scheduler step included; /metrics reports
+	// it as vllm:num_requests_waiting (sglang:num_queue_reqs). An SGLang
+	// decode waiting for its room is in RoomsWaiting instead.
 	WaitingRequests int `json:"waiting_requests"`
 	// RequestsTotal counts requests the scheduler accepted.
 	RequestsTotal int `json:"requests_total"`

@@ -417,5 +417,12 @@ func (e *Engine) Stats() KVStats {
 			s.RunningRequests++
 		}
 	}
+	for _, ev := range e.inbox {
+		if ev.kind == evAdd {
+			// Submitted, not yet admitted by a step: queued as far as anyone
+			// asking the engine can tell.
+			s.WaitingRequests++
+		}
+	}
 	return s
 }

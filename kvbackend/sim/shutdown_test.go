@@ -19,7 +19,8 @@ func TestRunReturnsNilAfterAbortingEverythingWhenCancelled(t *testing.T) {
 	e.stepNow()
 	pending := e.request(t, "pending", kindAggregated, 1, 1, nil)
 	_ = e.submit(pending) // never stepped before the shutdown
-	if s := e.Stats(); s.HeldRequests != 1 || s.RunningRequests != 1 || s.WaitingRequests != 1 {
+	// Waiting: the one queued for blocks and the one no step has seen yet.
+	if s := e.Stats(); s.HeldRequests != 1 || s.RunningRequests != 1 || s.WaitingRequests != 2 {
 		t.Fatalf("before shutdown %+v", s)
 	}
 

@@ -1,0 +1,426 @@
+package router
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+	"go.uber.org/zap"
+)
+
+// Routing on the load the engines report (least_loaded). Every proxy replica scrapes the
+// same engines, so all replicas see the same load, their own requests and everyone else's,
+// without talking to each other (DESIGN.md, "Scale"). Between two scrapes a replica adds
+// what it alone knows: the change in its own in-flight count on the engine since the scrape.
+
+// Load scraping parameters.
+const (
+	// DefaultScrapeInterval is how often least_loaded scrapes each engine's /metrics.
+	DefaultScrapeInterval = time.Second
+	// minScrapeInterval keeps a typo ("1ms") from turning the proxy into a load generator
+	// against the engines' metrics endpoints.
+	minScrapeInterval = 10 * time.Millisecond
+	// staleScrapes intervals after the last good scrape, its figures are stale: least_loaded
+	// scores the backend by this replica's in-flight count alone. Three tolerate a slow or
+	// lost scrape or two without flapping between the two ways of scoring.
+	staleScrapes = 3
+	// kvFullUsage is the KV usage (0 to 1) from which a prefiller is avoided: its pool is
+	// mostly KV held for decoders, which its waiting and running counts do not show, and a
+	// new prefill there would wait for blocks to be freed.
+	kvFullUsage = 0.9
+	// maxScrapeBytes bounds a /metrics body: vLLM's, histograms and all, is well under 1 MiB.
+	maxScrapeBytes = 8 << 20
+	// metricsPath is where vLLM and SGLang serve their metrics, on the API port.
+	metricsPath = "/metrics"
+)
+
+// LoadReporter is implemented by an Engine whose /metrics report its load under names it
+// knows. Without it the router tries the vLLM names, then SGLang's.
+type LoadReporter interface {
+	// LoadMetrics names the gauges of requests waiting (queued, not yet running), requests
+	// running, and the KV cache usage as a fraction from 0 to 1 ("" if none).
+	LoadMetrics() (waiting, running, kvUsage string)
+}
+
+// loadNames are the gauges of one engine family.
+type loadNames struct{ waiting, running, usage string }
+
+// loadFamilies are the families tried for an engine that is no LoadReporter.
+var loadFamilies = []loadNames{
+	{"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"},
+	{"sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"},
+}
+
+func loadNamesOf(e Engine) []loadNames {
+	if lr, ok := e.(LoadReporter); ok {
+		w, r, u := lr.LoadMetrics()
+		return []loadNames{{w, r, u}}
+	}
+	return loadFamilies
+}
+
+// engineLoad is one good scrape of an engine.
+type engineLoad struct {
+	// waiting and running are the engine's gauges, summed over their series (one per data
+	// parallel rank or model).
+	waiting, running int64
+	// usage is the KV cache usage, averaged over its series; negative when not reported.
+	usage float64
+	// inflight is this replica's in-flight count on the backend when the scrape was sent.
+	inflight int64
+	// at is when the answer came; staleAt is at plus staleScrapes intervals (router clock).
+	at, staleAt time.Time
+}
+
+// loadState is a backend's scraped load and its counters. It lives in backendState, so that
+// a reload keeping the backend keeps them.
+type loadState struct {
+	last atomic.Pointer[engineLoad]
+	// stale counts picks that scored the backend by in-flight alone; errors failed scrapes.
+	stale, errors atomic.Int64
+	// failing is set by a failed scrape and cleared by a good one: the change is logged once.
+	failing atomic.Bool
+}
+
+// loadScore is b's load as least_loaded weighs it at now: the engine's waiting plus running
+// requests at the last scrape, plus the change in this replica's in-flight count on it since
+// (leases started minus leases ended), and never less than that in-flight count. fresh is
+// false when there is no scrape newer than staleScrapes intervals: the score is then the
+// in-flight count alone. full is true for a prefiller whose fresh scrape shows its KV pool
+// at least kvFullUsage used.
+func (b *Backend) loadScore(now time.Time) (score int64, full, fresh bool) {
+	n := b.Inflight()
+	l := b.st.load.last.Load()
+	if l == nil || !now.Before(l.staleAt) {
+		return n, false, false
+	}
+	score = max(l.waiting+l.running+n-l.inflight, n)
+	return score, b.Role == RolePrefill && l.usage >= kvFullUsage, true
+}
+
+// LeastLoaded picks the backend whose engine reports the least work (waiting plus running
+// requests, from its /metrics, scraped every scrape_interval by Router.Run), corrected by this
+// replica's own requests since the scrape. A prefiller whose KV pool is at least 90% used is
+// avoided while another is not. A backend without a scrape newer than three intervals is
+// scored by its in-flight count, as least_inflight would, and counted in
+// pdproxy_backend_scrape_stale_total. Ties go to the higher weight, then rotate.
+type LeastLoaded struct {
+	next atomic.Uint64
+	// now is the clock staleness is judged by; nil means time.Now. The router sets its own.
+	now func() time.Time
+}
+
+var _ Policy = (*LeastLoaded)(nil)
+
+// scored is a candidate's score for one pick.
+type scored struct {
+	score int64
+	full  bool
+}
+
+// Select implements Policy.
+func (p *LeastLoaded) Select(cands []*Backend, _ Hint) *Backend {
+	if len(cands) == 0 {
+		return nil
+	}
+	now := time.Now()
+	if p.now != nil {
+		now = p.now()
+	}
+	// Score each candidate once: the scores move under us (other pools' releases, a scrape),
+	// and a stale one must be counted once per pick. Pools up to 16 score on the stack.
+	var buf [16]scored
+	scores := buf[:0]
+	for _, b := range cands {
+		s, full, fresh := b.loadScore(now)
+		if !fresh {
+			b.st.load.stale.Add(1)
+		}
+		scores = append(scores, scored{s, full})
+	}
+	better := func(i, j int) bool { // is candidate i better than j?
+		a, b := scores[i], scores[j]
+		if a.full != b.full {
+			return !a.full
+		}
+		if a.score != b.score {
+			return a.score < b.score
+		}
+		return cands[i].Weight > cands[j].Weight
+	}
+	best, ties := 0, 1
+	for i := 1; i < len(cands); i++ {
+		switch {
+		case better(i, best):
+			best, ties = i, 1
+		case !better(best, i):
+			ties++
+		}
+	}
+	k := int((p.next.Add(1) - 1) % uint64(ties))
+	for i := range cands {
+		if !better(best, i) && !better(i, best) {
+			if k == 0 {
+				return cands[i]
+			}
+			k--
+		}
+	}
+	return cands[best]
+}
+
+// newPolicy is NewPolicy with least_loaded on the router's clock.
+func (r *Router) newPolicy(name string, prefixTokens int) (Policy, bool) {
+	p, ok := NewPolicy(name, prefixTokens)
+	if ll, isLL := p.(*LeastLoaded); isLL {
+		ll.now = func() time.Time { return r.now() }
+	}
+	return p, ok
+}
+
+// scrapeLoop scrapes the engines of every pool that picks with least_loaded, every
+// scrape_interval, until ctx is done. Each round scrapes all of them at once, so that one slow
+// engine does not delay the others' figures, and waits for them all.
+func (r *Router) scrapeLoop(ctx context.Context) {
+	timer := time.NewTimer(0) // the first round at once: least_loaded is blind until then
+	defer timer.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-timer.C:
+		}
+		interval := r.settings.Load().scrapeInterval
+		r.scrapeAll(ctx, interval)
+		timer.Reset(interval)
+	}
+}
+
+// scrapeAll scrapes, once, every backend that may be picked in a pool using least_loaded. A
+// backend out of rotation is not scraped: nothing picks it, and a down engine would only
+// count errors. One back in rotation is scored by in-flight until its next round.
+func (r *Router) scrapeAll(ctx context.Context, interval time.Duration) {
+	now := r.now()
+	var wg sync.WaitGroup
+	for _, p := range []*pool{r.prefill, r.decode} {
+		p.mu.Lock()
+		_, on := p.policy.(*LeastLoaded)
+		backends := p.backends // replaced, never modified, by a reload
+		p.mu.Unlock()
+		if !on {
+			continue
+		}
+		for _, b := range backends {
+			if b.available(now) {
+				wg.Go(func() { r.scrape(ctx, b, interval) })
+			}
+		}
+	}
+	wg.Wait()
+}
+
+// scrape reads b's load once and records it, or counts and logs the failure. The last good
+// scrape stays in use until it is stale.
+func (r *Router) scrape(ctx context.Context, b *Backend, interval time.Duration) {
+	inflight := b.Inflight()
+	l, err := fetchLoad(ctx, b, interval)
+	if ctx.Err() != nil {
+		return // shutting down: a failed scrape says nothing about the engine
+	}
+	st := &b.st.load
+	if err != nil {
+		st.errors.Add(1)
+		if st.failing.CompareAndSwap(false, true) {
+			r.logger.Warn("backend load scrape failed; least_loaded scores it by in-flight requests once its last scrape is stale",
+				zap.String("backend", b.Name), zap.String("role", string(b.Role)), zap.Error(err))
+		} else if ce := r.logger.Check(zap.DebugLevel, "backend load scrape failed"); ce != nil {
+			ce.Write(zap.String("backend", b.Name), zap.Error(err))
+		}
+		return
+	}
+	if st.failing.CompareAndSwap(true, false) {
+		r.logger.Info("backend load scrape recovered", zap.String("backend", b.Name), zap.String("role", string(b.Role)))
+	}
+	now := r.now()
+	l.inflight, l.at, l.staleAt = inflight, now, now.Add(staleScrapes*interval)
+	st.last.Store(l)
+}
+
+// fetchLoad is one GET {url}/metrics with the backend's own client (its key, its CA), bounded
+// by one interval: a later answer would be overtaken by the next round anyway.
+func fetchLoad(ctx context.Context, b *Backend, timeout time.Duration) (*engineLoad, error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	u := strings.TrimSuffix(b.URLString, "/") + metricsPath
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	if err != nil {
+		return nil, err
+	}
+	// The classic text format: OpenMetrics or protobuf would need other parsers.
+	req.Header.Set("Accept", string(expfmt.NewFormat(expfmt.TypeTextPlain)))
+	resp, err := b.client.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("scrape %s: %w", u, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 4<<10))
+		return nil, fmt.Errorf("scrape %s: answered %d", u, resp.StatusCode)
+	}
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxScrapeBytes+1))
+	if err != nil {
+		return nil, fmt.Errorf("scrape %s: %w", u, err)
+	}
+	if len(body) > maxScrapeBytes {
+		return nil, fmt.Errorf("scrape %s: body over %d bytes", u, maxScrapeBytes)
+	}
+	l, err := parseLoad(body, loadNamesOf(b.Engine))
+	if err != nil {
+		return nil, fmt.Errorf("scrape %s: %w", u, err)
+	}
+	return l, nil
+}
+
+var errNoLoadGauges = errors.New("no load gauges")
+
+// parseLoad reads an engine's load from a /metrics body in the Prometheus text format: the
+// first family of names whose waiting and running gauges are both there. Values that cannot
+// be counts (negative, NaN, infinite) are an error rather than a score.
+func parseLoad(body []byte, names []loadNames) (*engineLoad, error) {
+	parser := expfmt.NewTextParser(model.UTF8Validation) // vLLM's names have colons
+	fams, err := parser.TextToMetricFamilies(bytes.NewReader(body))
+	if err != nil {
+		return nil, fmt.Errorf("parse metrics: %w", err)
+	}
+	var tried []string
+	for _, n := range names {
+		waiting, okW := sumOf(fams[n.waiting])
+		running, okR := sumOf(fams[n.running])
+		if !okW || !okR {
+			tried = append(tried, n.waiting+" and "+n.running)
+			continue
+		}
+		l := &engineLoad{usage: -1}
+		if l.waiting, err = count(n.waiting, waiting); err != nil {
+			return nil, err
+		}
+		if l.running, err = count(n.running, running); err != nil {
+			return nil, err
+		}
+		if usage, ok := sumOf(fams[n.usage]); ok {
+			usage /= float64(len(fams[n.usage].GetMetric()))
+			if math.IsNaN(usage) || math.IsInf(usage, 0) || usage < 0 {
+				return nil, fmt.Errorf("%s is %v", n.usage, usage)
+			}
+			l.usage = usage
+		}
+		return l, nil
+	}
+	return nil, fmt.Errorf("%w: want %s", errNoLoadGauges, strings.Join(tried, ", or "))
+}
+
+// sumOf adds up a family's series; ok is false when it has none.
+func sumOf(f *dto.MetricFamily) (sum float64, ok bool) {
+	for _, m := range f.GetMetric() {
+		switch {
+		case m.Gauge != nil:
+			sum += m.Gauge.GetValue()
+		case m.Untyped != nil:
+			sum += m.Untyped.GetValue()
+		case m.Counter != nil:
+			sum += m.Counter.GetValue()
+		default:
+			continue
+		}
+		ok = true
+	}
+	return sum, ok
+}
+
+// count turns a gauge of requests into a count, refusing what cannot be one.
+func count(name string, v float64) (int64, error) {
+	if math.IsNaN(v) || v < 0 || v > math.MaxInt32 {
+		return 0, fmt.Errorf("%s is %v", name, v)
+	}
+	return int64(math.Round(v)), nil
+}
+
+// LoadStatus is a backend's load as least_loaded sees it, in GET /debug/backends.
+type LoadStatus struct {
+	// Waiting and Running are the engine's gauges at the last good scrape.
+	Waiting int64 `json:"waiting"`
+	Running int64 `json:"running"`
+	// KVUsage is the engine's KV cache usage, 0 to 1, at the last good scrape; absent when
+	// the engine does not report it.
+	KVUsage *float64 `json:"kv_usage,omitempty"`
+	// AgeSeconds is how long ago the last good scrape answered.
+	AgeSeconds float64 `json:"age_seconds"`
+	// Stale is true when the scrape is too old to be used: the backend is scored by its
+	// in-flight count.
+	Stale bool `json:"stale"`
+	// Score is what least_loaded compares now (lower is picked first).
+	Score int64 `json:"score"`
+	// KVFull is true for a prefiller avoided because its KV pool is nearly full.
+	KVFull bool `json:"kv_full,omitempty"`
+}
+
+// loadStatus is b's LoadStatus at now, nil before its first good scrape.
+func (b *Backend) loadStatus(now time.Time) *LoadStatus {
+	l := b.st.load.last.Load()
+	if l == nil {
+		return nil
+	}
+	score, full, fresh := b.loadScore(now)
+	s := &LoadStatus{Waiting: l.waiting, Running: l.running, AgeSeconds: now.Sub(l.at).Seconds(),
+		Stale: !fresh, Score: score, KVFull: full}
+	if l.usage >= 0 {
+		u := l.usage
+		s.KVUsage = &u
+	}
+	return s
+}
+
+// loadCollector exports the scrape counters, read from the backends' atomics at scrape time
+// like the other per-backend series, so a removed backend's series go with it.
+type loadCollector struct {
+	r             *Router
+	stale, errors *prometheus.Desc
+}
+
+func newLoadCollector(r *Router) *loadCollector {
+	labels := []string{"backend", "role"}
+	return &loadCollector{
+		r: r,
+		stale: prometheus.NewDesc("pdproxy_backend_scrape_stale_total",
+			"Picks by least_loaded that scored the backend by this replica's in-flight requests alone, because its last good /metrics scrape was older than 3 scrape_interval (or there was none yet).", labels, nil),
+		errors: prometheus.NewDesc("pdproxy_backend_scrape_errors_total",
+			"Failed scrapes of the backend's /metrics for least_loaded: no answer within scrape_interval, a status other than 200, a body that is not the Prometheus text format, or without the engine's waiting and running gauges.", labels, nil),
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (c *loadCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.stale
+	ch <- c.errors
+}
+
+// Collect implements prometheus.Collector.
+func (c *loadCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, b := range c.r.backends() {
+		role := string(b.Role)
+		ch <- prometheus.MustNewConstMetric(c.stale, prometheus.CounterValue, float64(b.st.load.stale.Load()), b.Name, role)
+		ch <- prometheus.MustNewConstMetric(c.errors, prometheus.CounterValue, float64(b.st.load.errors.Load()), b.Name, role)
+	}
+}
