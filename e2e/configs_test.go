@@ -6,19 +6,7 @@ import (
 	"testing"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
-	"github.com/pdproxy/pdproxy/kvbackend"
-	"github.com/pdproxy/pdproxy/router"
 )
-
-// kvCatalog is kvbackend's engines for a router config, as cmd/proxy gives them.
-type kvCatalog struct{}
-
-func (kvCatalog) Engine(kind string) (router.Engine, bool) {
-	e, ok := kvbackend.Lookup(kind)
-	return e, ok
-}
-
-func (kvCatalog) Kinds() []string { return kvbackend.Kinds() }
 
 // TestExampleConfigsParseAndValidate: every file in configs/ is one a user can start from.
 func TestExampleConfigsParseAndValidate(t *testing.T) {
@@ -40,7 +28,7 @@ func TestExampleConfigsParseAndValidate(t *testing.T) {
 				t.Fatalf("does not validate: %v", err)
 			}
 			rc := c.Router
-			rc.Engines = kvCatalog{}
+			rc.Engines = app.EngineCatalog{}
 			if len(rc.Backends) > 0 {
 				if err := rc.Validate(); err != nil {
 					t.Fatalf("does not validate: %v", err)

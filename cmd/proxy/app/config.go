@@ -259,13 +259,15 @@ func LoadConfig(args []string, stderr io.Writer) (Config, error) {
 	return src.load()
 }
 
-// engineCatalog gives the router kvbackend's engine kinds, as the opaque values it hands back
-// on every backend.
-type engineCatalog struct{}
+// EngineCatalog gives the router kvbackend's engine kinds, as the opaque values it hands back
+// on every backend (router.Config.Engines).
+type EngineCatalog struct{}
 
-func (engineCatalog) Engine(kind string) (router.Engine, bool) {
+// Engine returns kvbackend's engine of kind.
+func (EngineCatalog) Engine(kind string) (router.Engine, bool) {
 	e, ok := kvbackend.Lookup(kind)
 	return e, ok
 }
 
-func (engineCatalog) Kinds() []string { return kvbackend.Kinds() }
+// Kinds lists kvbackend's engine kinds.
+func (EngineCatalog) Kinds() []string { return kvbackend.Kinds() }

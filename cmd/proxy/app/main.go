@@ -233,7 +233,7 @@ func countRole(bs []router.BackendConfig, role router.Role) int {
 // build makes the router, table and server, and checks that the proxy's hold deadline is
 // no longer than any prefiller's own (race R4 otherwise).
 func (m *Main) build(rcfg router.Config) error {
-	rcfg.Engines = engineCatalog{}
+	rcfg.Engines = EngineCatalog{}
 	rt, err := router.New(rcfg, m.logger.Named("router"), m.Registry)
 	if err != nil {
 		return fmt.Errorf("config: %w", err)

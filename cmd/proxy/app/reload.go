@@ -47,7 +47,7 @@ func (m *Main) Reload(path string) error {
 	cfg.setDefaults()
 
 	rcfg := cfg.Router
-	rcfg.Engines = engineCatalog{}
+	rcfg.Engines = EngineCatalog{}
 	rcfg.Resolver = m.cfg.Router.Resolver // not in the file: what the proxy was started with
 	rcfg.Backends = slices.Clone(rcfg.Backends)
 	for i, p := range m.sims {
