@@ -254,11 +254,11 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 	if err != nil {
 		return nil, err
 	}
-	eng, err := SidecarEngine(cfg, rt.Backends())
-	if err != nil {
-		return nil, err
-	}
-	if eng != nil {
+	if cfg.PrefillerHeader != "" {
+		eng, err := SidecarEngine(cfg, rt.Backends())
+		if err != nil {
+			return nil, err
+		}
 		s.sidecar = &sidecar{header: http.CanonicalHeaderKey(cfg.PrefillerHeader), allow: allow, engine: eng,
 			client: router.NewSharedClient(sidecarIdlePerHost, sidecarIdleTotal)}
 	}
