@@ -192,10 +192,12 @@ func TestChaosSoak(t *testing.T) {
 		t.Errorf("background releases still running: %v", err)
 	}
 	wcancel()
-	client.CloseIdleConnections()
-	http.DefaultClient.CloseIdleConnections()
-	s.m.CloseIdleConnections()
 	testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
+		// Health checks and the simulated decoders' heartbeats go on meanwhile, each leaving
+		// a keep-alive connection behind: empty the pools on every look.
+		client.CloseIdleConnections()
+		http.DefaultClient.CloseIdleConnections()
+		s.m.CloseIdleConnections()
 		n := runtime.NumGoroutine()
 		if n <= baseline+2 {
 			return true, ""
