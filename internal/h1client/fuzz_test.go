@@ -27,8 +27,12 @@ func FuzzParseHead(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
-		mine, merr := readAll(bufio.NewReaderSize(bytes.NewReader(data), 64), true)
-		theirs, terr := readAll(bufio.NewReader(bytes.NewReader(data)), false)
+		mine, merr := readAll(bufio.NewReaderSize(bytes.NewReader(data), 64), true, false)
+		next, nerr := readAll(bufio.NewReaderSize(bytes.NewReader(data), 64), true, true)
+		if (merr == nil) != (nerr == nil) || merr == nil && (mine.status != next.status || !bytes.Equal(mine.body, next.body)) {
+			t.Errorf("Read: %d %q %v; Next: %d %q %v", mine.status, mine.body, merr, next.status, next.body, nerr)
+		}
+		theirs, terr := readAll(bufio.NewReader(bytes.NewReader(data)), false, false)
 		if merr != nil || terr != nil {
 			return
 		}
@@ -43,7 +47,8 @@ type parsed struct {
 	body   []byte
 }
 
-func readAll(br *bufio.Reader, lean bool) (parsed, error) {
+// readAll reads a response with h1client (lean; with its Next when next) or net/http.
+func readAll(br *bufio.Reader, lean, next bool) (parsed, error) {
 	var resp *http.Response
 	var err error
 	if lean {
@@ -67,8 +72,22 @@ func readAll(br *bufio.Reader, lean bool) (parsed, error) {
 	if err != nil {
 		return parsed{}, err
 	}
-	// Small reads, so that chunk boundaries fall everywhere.
 	var out bytes.Buffer
+	if next {
+		b := resp.Body.(*body)
+		for {
+			p, _, err := b.Next()
+			out.Write(p)
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				return parsed{}, err
+			}
+		}
+		return parsed{resp.StatusCode, out.Bytes()}, nil
+	}
+	// Small reads, so that chunk boundaries fall everywhere.
 	buf := make([]byte, 7)
 	for {
 		n, err := resp.Body.Read(buf)

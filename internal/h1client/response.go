@@ -174,6 +174,10 @@ func frame(resp *http.Response, method string, br *bufio.Reader) error {
 			resp.ContentLength = 0
 		}
 	case len(te) > 0:
+		if resp.ProtoMinor == 0 {
+			// RFC 9112 section 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing.
+			return errors.New("HTTP/1.0 response with Transfer-Encoding")
+		}
 		if len(te) != 1 || !equalFold(te[0], "chunked") {
 			return fmt.Errorf("unsupported Transfer-Encoding %q", te)
 		}
@@ -482,4 +486,75 @@ func (b *body) Close() error {
 		b.close()
 	}
 	return nil
+}
+
+// Next returns the body's next bytes straight from the connection's read buffer, without a
+// copy and without a buffer of the caller's: a stream then holds no relay buffer of its own
+// while it waits for the next token. The bytes are valid until the next call. more tells
+// that the following call will not wait (its bytes, or the body's end, have arrived), so a
+// relay can write them before it flushes. At the end Next returns io.EOF.
+func (b *body) Next() (p []byte, more bool, err error) {
+	if b.err != nil {
+		return nil, false, b.err
+	}
+	if b.done {
+		return nil, false, io.EOF
+	}
+	p, more, err = b.next()
+	if err == io.EOF {
+		b.done = true
+		b.finish()
+	} else if err != nil {
+		if b.ctx != nil && b.ctx.Err() != nil {
+			err = b.ctx.Err()
+		}
+		b.err = err
+		b.close()
+	}
+	return p, more, err
+}
+
+func (b *body) next() ([]byte, bool, error) {
+	if !b.chunked && b.n == 0 {
+		return nil, false, io.EOF
+	}
+	if b.chunked && b.n == 0 {
+		last, err := b.chunkHead()
+		if err != nil {
+			return nil, false, err
+		}
+		if last {
+			return nil, false, io.EOF
+		}
+	}
+	if b.br.Buffered() == 0 {
+		if _, err := b.br.Peek(1); err != nil {
+			if err == io.EOF && b.n >= 0 {
+				err = io.ErrUnexpectedEOF
+			}
+			return nil, false, err
+		}
+	}
+	k := b.br.Buffered()
+	if b.n >= 0 && int64(k) > b.n {
+		k = int(b.n)
+	}
+	p, _ := b.br.Peek(k)
+	b.br.Discard(k)
+	if b.n < 0 {
+		return p, b.br.Buffered() > 0, nil
+	}
+	b.n -= int64(k)
+	if !b.chunked {
+		if b.n == 0 {
+			// The end is here: the caller learns it from the next call, with the bytes in hand.
+			return p, true, nil
+		}
+		return p, b.br.Buffered() > 0, nil
+	}
+	if b.n > 0 {
+		return p, b.br.Buffered() > 0, nil
+	}
+	b.crlf = true
+	return p, b.nextBuffered(), nil
 }

@@ -310,3 +310,32 @@ func TestConcurrentCalls(t *testing.T) {
 		t.Errorf("%d connections for 8 workers", n)
 	}
 }
+
+func TestNextHandsOutTheBodyAndFreesTheConnection(t *testing.T) {
+	srv, conns := server(t, sse(300))
+	_, c := client(t, Options{})
+	for range 3 {
+		resp := post(t, c, context.Background(), srv.URL, "{}")
+		next := resp.Body.(interface {
+			Next() ([]byte, bool, error)
+		})
+		var got bytes.Buffer
+		for {
+			p, _, err := next.Next()
+			got.Write(p)
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		resp.Body.Close()
+		if got.String() != want(300) {
+			t.Fatalf("body of %d bytes, want %d", got.Len(), len(want(300)))
+		}
+	}
+	if n := conns.Load(); n != 1 {
+		t.Errorf("3 calls took %d connections, want 1", n)
+	}
+}
