@@ -163,8 +163,11 @@ func frame(resp *http.Response, method string, br *bufio.Reader) error {
 	b.reuse = !resp.Close
 	te, cl := resp.Header["Transfer-Encoding"], resp.Header["Content-Length"]
 	switch {
-	case method == http.MethodHead || resp.StatusCode == http.StatusNoContent || resp.StatusCode == http.StatusNotModified:
+	case method == http.MethodHead || resp.StatusCode/100 == 1 || resp.StatusCode == http.StatusNoContent || resp.StatusCode == http.StatusNotModified:
 		b.done = true
+		if resp.StatusCode == http.StatusSwitchingProtocols {
+			b.reuse = false // the connection speaks another protocol now
+		}
 		if len(cl) > 0 {
 			if n, err := strconv.ParseInt(cl[0], 10, 64); err == nil && n >= 0 {
 				resp.ContentLength = n
@@ -556,5 +559,68 @@ func (b *body) next() ([]byte, bool, error) {
 		return p, b.br.Buffered() > 0, nil
 	}
 	b.crlf = true
+	return b.coalesce(p)
+}
+
+// coalesce appends to p, in place, the data of the chunks that follow it complete in the
+// read buffer, closing the gaps their heads leave: a burst of SSE events comes out as one
+// slice, for one write to the client, and the chunk heads are all that is decoded. p ends a
+// chunk and sits in the buffer just before the bytes still buffered. It stops before the
+// last chunk, which the next call reads as the end.
+func (b *body) coalesce(p []byte) ([]byte, bool, error) {
+	rest, _ := b.br.Peek(b.br.Buffered())
+	used := 0
+	for {
+		size, head, ok := chunkHeadIn(rest[used:])
+		if !ok || size == 0 {
+			break
+		}
+		data := rest[used+head:]
+		k := min(int64(len(data)), size)
+		// p and rest are one array: the chunk's data moves down over its head.
+		p = append(p, data[:k]...)
+		used += head + int(k)
+		if k < size {
+			b.crlf = false
+			b.n = size - k
+			break
+		}
+	}
+	b.br.Discard(used)
+	if b.n > 0 {
+		return p, b.br.Buffered() > 0, nil
+	}
 	return p, b.nextBuffered(), nil
+}
+
+// chunkHeadIn parses the CRLF ending a chunk and the next chunk's size line at the start of
+// buf: the size and the bytes they take, or ok false when they are not all there or are not
+// plainly well formed (chunkHead then reads them, and names the error).
+func chunkHeadIn(buf []byte) (size int64, n int, ok bool) {
+	if len(buf) < 2 || buf[0] != '\r' || buf[1] != '\n' {
+		return 0, 0, false
+	}
+	i := bytes.IndexByte(buf[2:], '\n')
+	if i < 1 || buf[2+i-1] != '\r' {
+		return 0, 0, false
+	}
+	line := buf[2 : 2+i-1]
+	if len(line) == 0 || len(line) > 15 {
+		return 0, 0, false
+	}
+	for _, c := range line {
+		var d byte
+		switch {
+		case '0' <= c && c <= '9':
+			d = c - '0'
+		case 'a' <= c && c <= 'f':
+			d = c - 'a' + 10
+		case 'A' <= c && c <= 'F':
+			d = c - 'A' + 10
+		default:
+			return 0, 0, false // extensions, spaces: left to chunkHead
+		}
+		size = size<<4 | int64(d)
+	}
+	return size, 2 + i + 1, true
 }
