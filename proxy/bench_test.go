@@ -14,6 +14,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/lifecycle"
+	"github.com/pdproxy/pdproxy/router"
 )
 
 // Bodies as clients send them: a completion, and a chat with a system prompt and a few turns.
@@ -66,7 +67,13 @@ func BenchmarkRewrite(b *testing.B) {
 // the decoder written and flushed on its own, with the watchdog and the lifecycle table as a
 // request uses them.
 func BenchmarkRelay(b *testing.B) {
-	s, err := New(Config{}, nil, lifecycle.New(lifecycle.Config{}, zap.NewNop(), prometheus.NewRegistry()), zap.NewNop(), prometheus.NewRegistry(), nil)
+	// A router with one decoder that is never called: New asks it for its backends.
+	rt, err := router.New(router.Config{Backends: []router.BackendConfig{{Name: "d0", URL: "http://127.0.0.1:9", Role: router.RoleDecode}},
+		Engines: engineCatalog{}, Health: router.HealthConfig{Interval: -1}}, zap.NewNop(), prometheus.NewRegistry())
+	if err != nil {
+		b.Fatal(err)
+	}
+	s, err := New(Config{}, rt, lifecycle.New(lifecycle.Config{}, zap.NewNop(), prometheus.NewRegistry()), zap.NewNop(), prometheus.NewRegistry(), nil)
 	if err != nil {
 		b.Fatal(err)
 	}

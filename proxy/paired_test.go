@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/url"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -45,8 +46,22 @@ func sglangLeg(serve engineHandler) engineHandler {
 func TestSGLangLegsGoOutTogetherAndTheDecoderAnswers(t *testing.T) {
 	for _, discover := range []bool{false, true} {
 		t.Run("discover "+strconv.FormatBool(discover), func(t *testing.T) {
-			p := newEngine(t, sglangLeg(answer(http.StatusOK, "application/json", `{"id":"p","choices":[{"text":"x"}]}`)))
-			d := newEngine(t, sglangLeg(vllmDecode))
+			// As with SGLang, the decoder answers only once the prefiller has the room's
+			// request: a decoder that answered before would let the proxy end the request,
+			// and cancel the prefill leg, before it arrived.
+			prefilled := make(chan struct{})
+			var once sync.Once
+			serveP := answer(http.StatusOK, "application/json", `{"id":"p","choices":[{"text":"x"}]}`)
+			p := newEngine(t, sglangLeg(func(w http.ResponseWriter, r *http.Request, body []byte) {
+				once.Do(func() { close(prefilled) })
+				serveP(w, r, body)
+			}))
+			var d *engine
+			d = newEngine(t, sglangLeg(func(w http.ResponseWriter, r *http.Request, body []byte) {
+				if d.wait(r, prefilled) {
+					vllmDecode(w, r, body)
+				}
+			}))
 			h := newHarness(t, Config{}, sglangBackends(p, d, discover))
 			resp, body := h.post("/v1/completions", `{"model":"m","prompt":"hi","max_tokens":5}`)
 			if resp.StatusCode != http.StatusOK || string(body) != decodeJSONCompletion {

@@ -22,8 +22,23 @@ var (
 	wholeBufPool  = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
 )
 
-// relay copies the decoder's answer to the client as it arrives, flushing every read, so a
-// stream reaches the client chunk by chunk with nothing added in between.
+// nextReader is a body that hands out its bytes from its own read buffer (h1client's): the
+// relay then needs no buffer of its own, and learns whether more is already there.
+type nextReader interface {
+	Next() (p []byte, more bool, err error)
+}
+
+// nextOf is body's Next, or nil for a body without one.
+func nextOf(body io.Reader) func() ([]byte, bool, error) {
+	if nr, ok := body.(nextReader); ok {
+		return nr.Next
+	}
+	return nil
+}
+
+// relay copies the decoder's answer to the client as it arrives, flushing as soon as nothing
+// more of it has arrived, so a stream reaches the client chunk by chunk with nothing added in
+// between, and chunks the decoder sent together go out in one write.
 func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 	h := x.w.Header()
 	ct := resp.Header.Get("Content-Type")
@@ -45,19 +60,26 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 		h["Date"] = d
 	}
 	rc := http.NewResponseController(x.w)
-	pool := &wholeBufPool
-	if x.req.stream {
-		pool = &streamBufPool
+	next := nextOf(resp.Body)
+	if next == nil {
+		pool := &wholeBufPool
+		if x.req.stream {
+			pool = &streamBufPool
+		}
+		bufp := pool.Get().(*[]byte)
+		defer pool.Put(bufp)
+		buf := *bufp
+		next = func() ([]byte, bool, error) {
+			n, err := resp.Body.Read(buf)
+			return buf[:n], false, err
+		}
 	}
-	bufp := pool.Get().(*[]byte)
-	defer pool.Put(bufp)
-	buf := *bufp
 	for {
-		n, rerr := resp.Body.Read(buf)
-		if n > 0 {
+		data, more, rerr := next()
+		if n := len(data); n > 0 {
 			wd.onBytes()
 			if x.ctx.Err() != nil {
-				x.s.m.tokensAfter.Add(float64(countEvents(buf[:n])))
+				x.s.m.tokensAfter.Add(float64(countEvents(data)))
 				return x.gone()
 			}
 			if !x.wrote {
@@ -72,17 +94,18 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 				// A client that stops reading must not pin a decoder and its memory forever.
 				_ = rc.SetWriteDeadline(time.Now().Add(x.s.cfg.ClientWriteTimeout))
 			}
-			_, werr := x.w.Write(buf[:n])
-			if werr == nil {
+			_, werr := x.w.Write(data)
+			if werr == nil && !more {
+				// What the decoder sent in one burst goes out in one write and one flush.
 				werr = rc.Flush()
 			}
 			if werr != nil {
 				// The client is gone, or too slow: what this read held was never delivered.
-				x.s.m.tokensAfter.Add(float64(countEvents(buf[:n])))
+				x.s.m.tokensAfter.Add(float64(countEvents(data)))
 				x.cancel(werr)
 				return x.gone()
 			}
-			x.tail = append(x.tail, buf[max(0, n-2):n]...)
+			x.tail = append(x.tail, data[max(0, n-2):n]...)
 			x.tail = x.tail[max(0, len(x.tail)-2):]
 		}
 		if rerr == io.EOF {

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap/zaptest"
 
+	"github.com/pdproxy/pdproxy/internal/h1client"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
@@ -278,14 +279,26 @@ func TestAvailableLeavesOutABackendThatAReloadRemoved(t *testing.T) {
 }
 
 func TestClientTransportIsTunedPerBackend(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: []BackendConfig{{Name: "d0", URL: "http://d0:1", Role: RoleDecode, MaxInflight: 32}}})
-	c := backendByName(t, r, "d0").Client()
-	if c.Timeout != 0 {
-		t.Errorf("client Timeout = %v; streams need none", c.Timeout)
-	}
-	tr := c.Transport.(*http.Transport)
-	if tr.MaxIdleConnsPerHost != 32 || tr.MaxConnsPerHost != 0 || tr.ForceAttemptHTTP2 {
-		t.Errorf("transport = idle/host %d, conns/host %d, h2 %v", tr.MaxIdleConnsPerHost, tr.MaxConnsPerHost, tr.ForceAttemptHTTP2)
+	for _, tc := range []struct{ client string }{{EngineClientStdlib}, {EngineClientLean}} {
+		t.Run(tc.client, func(t *testing.T) {
+			r, _, _ := newTestRouter(t, Config{EngineClient: tc.client, Backends: []BackendConfig{{Name: "d0", URL: "http://d0:1", Role: RoleDecode, MaxInflight: 32}}})
+			c := backendByName(t, r, "d0").Client()
+			if c.Timeout != 0 {
+				t.Errorf("client Timeout = %v; streams need none", c.Timeout)
+			}
+			switch tr := c.Transport.(type) {
+			case *http.Transport:
+				if tc.client != EngineClientStdlib || tr.MaxIdleConnsPerHost != 32 || tr.MaxConnsPerHost != 0 || tr.ForceAttemptHTTP2 {
+					t.Errorf("%s: transport = idle/host %d, conns/host %d, h2 %v", tc.client, tr.MaxIdleConnsPerHost, tr.MaxConnsPerHost, tr.ForceAttemptHTTP2)
+				}
+			case *h1client.Transport:
+				if o := tr.Options(); tc.client != EngineClientLean || o.MaxIdlePerHost != 32 || o.IdleTimeout != 90*time.Second || o.DialTimeout != 3*time.Second {
+					t.Errorf("%s: lean transport options %+v", tc.client, o)
+				}
+			default:
+				t.Errorf("%s: transport %T", tc.client, tr)
+			}
+		})
 	}
 }
 

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/pdproxy/pdproxy/internal/h1client"
 )
 
 // Backend is one engine. Its exported fields come from config and are read-only; the
@@ -141,6 +143,8 @@ type clientOptions struct {
 	caPEM       string
 	serverName  string
 	skipVerify  bool
+	// engineClient is Config.EngineClient; empty means EngineClientStdlib.
+	engineClient string
 }
 
 // resolveClientOptions reads what c names outside the config: the API key's environment
@@ -212,16 +216,36 @@ func newClient(o clientOptions) *http.Client {
 		// as past 4 KiB it would anyway), and saves 2 KiB of every open stream.
 		WriteBufferSize: 2 << 10,
 	}
+	if o.engineClient == EngineClientLean {
+		// The proxy's own HTTP/1.1 client: the same pool size, timeouts and TLS, without
+		// net/http's per-connection goroutines (see h1client).
+		lt := h1client.New(h1client.Options{
+			DialTimeout:         dialer.Timeout,
+			KeepAlive:           dialer.KeepAlive,
+			IdleTimeout:         tr.IdleConnTimeout,
+			MaxIdlePerHost:      max(o.maxInflight, 1),
+			TLS:                 tlsConf,
+			TLSHandshakeTimeout: tr.TLSHandshakeTimeout,
+		})
+		var rt http.RoundTripper = lt
+		if o.apiKey != "" {
+			rt = lt.WithAuthorization("Bearer " + o.apiKey)
+		}
+		return &http.Client{Transport: rt, CheckRedirect: noRedirect}
+	}
 	var rt http.RoundTripper = tr
 	if o.apiKey != "" {
 		rt = &bearerTransport{value: "Bearer " + o.apiKey, base: tr}
 	}
 	return &http.Client{
-		Transport: rt,
-		// Redirects from an engine would be a misconfiguration; surface them.
-		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
+		Transport:     rt,
+		CheckRedirect: noRedirect,
 	}
 }
+
+// noRedirect hands a redirect back as the answer: one from an engine would be a
+// misconfiguration; surface it.
+func noRedirect(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 
 // bearerTransport sends a backend's own API key on every call to it. Whatever
 // Authorization the request carried (a client's key) is replaced: the engine's key is
@@ -260,6 +284,10 @@ func (b *Backend) withAdmin(o clientOptions) {
 		return
 	}
 	base := b.client.Transport
+	if lt, ok := base.(*h1client.Transport); ok {
+		b.admin = &http.Client{Transport: lt.WithAuthorization("Bearer " + o.adminKey), CheckRedirect: b.client.CheckRedirect}
+		return
+	}
 	if bt, ok := base.(*bearerTransport); ok {
 		base = bt.base
 	}

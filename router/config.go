@@ -250,7 +250,19 @@ type Config struct {
 	Engines EngineCatalog `yaml:"-"`
 	// Resolver looks up the names of discover entries. Nil means net.DefaultResolver.
 	Resolver Resolver `yaml:"-"`
+	// EngineClient is the HTTP client the proxy calls engines with: EngineClientLean, its
+	// own HTTP/1.1 client, or EngineClientStdlib, net/http's transport. Empty means
+	// DefaultEngineClient.
+	EngineClient string `yaml:"engine_client"`
 }
+
+// The engine clients of Config.EngineClient.
+const (
+	EngineClientLean   = "lean"
+	EngineClientStdlib = "stdlib"
+	// DefaultEngineClient is the engine client of an empty engine_client.
+	DefaultEngineClient = EngineClientLean
+)
 
 // setDefaults fills zero fields. It leaves invalid values alone for Validate to name.
 func (c *Config) setDefaults() {
@@ -270,6 +282,9 @@ func (c *Config) setDefaults() {
 		}
 	}
 	c.deriveNames()
+	if c.EngineClient == "" {
+		c.EngineClient = DefaultEngineClient
+	}
 	if c.PrefillPolicy == "" {
 		c.PrefillPolicy = PolicyLeastInflight
 	}
@@ -372,6 +387,9 @@ func (c *Config) Validate() error {
 	var errs []error
 	bad := func(field, format string, args ...any) {
 		errs = append(errs, fmt.Errorf("%s: %s", field, fmt.Sprintf(format, args...)))
+	}
+	if c.EngineClient != EngineClientLean && c.EngineClient != EngineClientStdlib {
+		bad("engine_client", "%q is not %q or %q", c.EngineClient, EngineClientLean, EngineClientStdlib)
 	}
 	names := make(map[string]int, len(c.Backends))
 	decoders := 0

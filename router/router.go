@@ -379,6 +379,7 @@ func (r *Router) apply(cfg Config) error {
 		if opts[i], err = resolveClientOptions(bc); err != nil {
 			errs = append(errs, fmt.Errorf("backends[%d].%w", i, err))
 		}
+		opts[i].engineClient = cfg.EngineClient
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("router config: %w", err)

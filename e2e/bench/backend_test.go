@@ -20,6 +20,8 @@ const (
 	hdrInterval = "X-Bench-Interval"
 	// hdrPrefillStall makes a prefill wait until the client leaves (or slowStreamLimit).
 	hdrPrefillStall = "X-Bench-Prefill-Stall"
+	// hdrChunks makes a fast stream write this many chunks instead of chunksPerStream.
+	hdrChunks = "X-Bench-Chunks"
 	// chunksPerStream is how many SSE chunks a fast stream writes, each flushed on its own.
 	chunksPerStream = 16
 	// slowStreamLimit bounds a slow stream or a stalled prefill, so that a harness that lost
@@ -168,7 +170,11 @@ func (b *backend) stream(w http.ResponseWriter, r *http.Request) {
 	rc := http.NewResponseController(w)
 	interval, _ := time.ParseDuration(r.Header.Get(hdrInterval))
 	if interval <= 0 {
-		for i := 1; i < chunksPerStream; i++ {
+		n := chunksPerStream
+		if v, err := strconv.Atoi(r.Header.Get(hdrChunks)); err == nil && v > 0 {
+			n = v
+		}
+		for i := 1; i < n; i++ {
 			w.Write(tokenEvent)
 			if rc.Flush() != nil {
 				return

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/router"
 )
 
 // params sizes a harness run. The tiny one runs with every `go test` (under -race in CI) and
@@ -86,17 +87,27 @@ type harness struct {
 	body       []byte
 	profileDir string
 	rep        *report
+	// proxies by mode ("aggregated", "pd"): the proxy on its default engine client, and the
+	// same on engine_client stdlib, the before of issue 15 measured in the same run.
+	proxy, stdlib map[string]*proxyProc
+	// nginx is in front of the decoder, for the aggregated figures; nil when not installed.
+	nginx *nginxProc
 }
 
 // TestHarness measures the proxy against direct calls to the same backend, scenario by
 // scenario, and prints the figures. PDPROXY_BENCH=full is the real run (a few minutes);
-// PDPROXY_BENCH_ONLY=throughput,latency,abort,scale picks scenarios; PDPROXY_BENCH_PROFILE=DIR
-// saves the proxy's CPU and allocation profiles at max throughput there, its CPU profile at
-// the fixed rate, and its heap and goroutine profiles with every slow stream open;
-// PDPROXY_BENCH_OUT=FILE also writes the report to FILE; PDPROXY_BENCH_PROXY_ENV="GOGC=400 ..."
-// sets environment variables for the proxy process alone. Nothing here asserts a speed:
-// only that every request streamed to its end, that every abort reached the backend, and
-// that each scenario produced its figures.
+// PDPROXY_BENCH_ONLY=throughput,long,latency,abort,scale picks scenarios;
+// PDPROXY_BENCH_PROFILE=DIR saves the proxy's CPU and allocation profiles at max throughput
+// there, its CPU profile at the fixed rate, and its heap and goroutine profiles with every
+// slow stream open; PDPROXY_BENCH_OUT=FILE also writes the report to FILE;
+// PDPROXY_BENCH_PROXY_ENV="GOGC=400 ..." sets environment variables for the proxy processes
+// alone; PDPROXY_BENCH_ENGINE_CLIENT=stdlib|lean picks the proxy's engine client (default: the
+// router's), and a second proxy on engine_client stdlib runs beside it in throughput, long and
+// latency unless PDPROXY_BENCH_STDLIB=0. nginx, when installed (PDPROXY_BENCH_NGINX names
+// another binary), runs in front of the decoder as the reference of the aggregated figures;
+// without it the report says so and the rest runs. Nothing here asserts a speed: only that
+// every request streamed to its end, that every abort reached the backend, and that each
+// scenario produced its figures.
 func TestHarness(t *testing.T) {
 	p := harnessParams(t)
 	// A slow stream costs the proxy two descriptors (client and backend connection) and this
@@ -111,45 +122,98 @@ func TestHarness(t *testing.T) {
 	h := &harness{
 		t: t, p: p, prefill: startBackend(t), decode: startBackend(t), body: streamBody(1),
 		profileDir: os.Getenv("PDPROXY_BENCH_PROFILE"), rep: &report{params: p},
+		proxy: map[string]*proxyProc{}, stdlib: map[string]*proxyProc{},
 	}
 	only := os.Getenv("PDPROXY_BENCH_ONLY")
-	run := func(name string, f func(*testing.T)) {
-		if only != "" && !slices.Contains(strings.Split(only, ","), name) {
-			return
-		}
-		t.Run(name, f)
+	selected := func(name string) bool {
+		return only == "" || slices.Contains(strings.Split(only, ","), name)
 	}
-	var agg, pd *proxyProc
-	if only == "" || strings.Contains(only, "throughput") || strings.Contains(only, "latency") || strings.Contains(only, "abort") {
-		agg = startProxy(t, childConfig{Decode: []string{h.decode.URL()}})
-		pd = startProxy(t, childConfig{Prefill: []string{h.prefill.URL()}, Decode: []string{h.decode.URL()}})
+	run := func(name string, f func(*testing.T)) {
+		if selected(name) {
+			t.Run(name, f)
+		}
+	}
+	if selected("throughput") || selected("long") || selected("latency") || selected("abort") {
+		ec := os.Getenv("PDPROXY_BENCH_ENGINE_CLIENT")
+		h.proxy["aggregated"] = startProxy(t, childConfig{Decode: []string{h.decode.URL()}, EngineClient: ec})
+		h.proxy["pd"] = startProxy(t, childConfig{Prefill: []string{h.prefill.URL()}, Decode: []string{h.decode.URL()}, EngineClient: ec})
+	}
+	if (selected("throughput") || selected("long") || selected("latency")) && os.Getenv("PDPROXY_BENCH_STDLIB") != "0" {
+		h.stdlib["aggregated"] = startProxy(t, childConfig{Decode: []string{h.decode.URL()}, EngineClient: router.EngineClientStdlib})
+		h.stdlib["pd"] = startProxy(t, childConfig{Prefill: []string{h.prefill.URL()}, Decode: []string{h.decode.URL()}, EngineClient: router.EngineClientStdlib})
+	}
+	if selected("throughput") || selected("long") || selected("latency") {
+		var note string
+		h.nginx, note = startNginx(t, strings.TrimPrefix(h.decode.URL(), "http://"))
+		if note != "" {
+			t.Log(note)
+			h.rep.add(row{"nginx", "", "", note, "", ""})
+		}
 	}
 	run("throughput", func(t *testing.T) {
-		h.throughput(t, "aggregated", agg)
-		h.throughput(t, "pd", pd)
+		h.throughput(t, "aggregated", chunksPerStream)
+		h.throughput(t, "pd", chunksPerStream)
 	})
+	run("long", func(t *testing.T) { h.throughput(t, "aggregated", longStream) })
 	run("latency", func(t *testing.T) {
-		h.latency(t, "aggregated", agg)
-		h.latency(t, "pd", pd)
+		h.latency(t, "aggregated")
+		h.latency(t, "pd")
 	})
-	run("abort", func(t *testing.T) { h.abort(t, pd) })
+	run("abort", func(t *testing.T) { h.abort(t, h.proxy["pd"]) })
 	run("scale", h.scale)
 	h.rep.write(t)
 }
 
-// targets of one mode: the direct call(s) and the proxied one.
+// longStream is the chunks of a long stream (figure 7).
+const longStream = 256
+
+// contender is a path to the decoder that is measured against the direct one: the proxy, the
+// proxy on engine_client stdlib, nginx.
+type contender struct {
+	name string
+	url  string
+	cpu  func() (float64, error) // its process's CPU seconds so far
+}
+
+// contenders of a mode, the proxy first.
+func (h *harness) contenders(mode string) []contender {
+	var cs []contender
+	for _, pc := range []struct {
+		name string
+		proc *proxyProc
+	}{{"proxy", h.proxy[mode]}, {"proxy (engine_client stdlib)", h.stdlib[mode]}} {
+		if pc.proc == nil {
+			continue
+		}
+		proc := pc.proc
+		cs = append(cs, contender{pc.name, proc.url, func() (float64, error) {
+			s, err := proc.sample()
+			return s.cpuSeconds, err
+		}})
+	}
+	if mode == "aggregated" && h.nginx != nil {
+		cs = append(cs, contender{"nginx", h.nginx.url, h.nginx.cpuSeconds})
+	}
+	return cs
+}
+
+// targets of one mode: the direct call(s) and the contenders.
 type modeTargets struct {
 	direct     attackSpec // aggregated: the backend; pd: the decoder alone (decode-only)
 	directPair attackSpec // pd only: the prefill then the decode, made by the client
-	proxy      attackSpec
+	via        []attackSpec
 }
 
-func (h *harness) targets(mode string, proc *proxyProc, conns int) (modeTargets, func()) {
+func (h *harness) targets(mode string, cs []contender, conns int, header http.Header) (modeTargets, func()) {
 	var mt modeTargets
-	dc, pc := newClient(conns), newClient(conns)
-	mt.direct = attackSpec{client: dc, url: h.decode.URL() + "/v1/completions", body: h.body}
-	mt.proxy = attackSpec{client: pc, url: proc.url + "/v1/completions", body: h.body}
-	closers := []func(){dc.CloseIdleConnections, pc.CloseIdleConnections}
+	dc := newClient(conns)
+	mt.direct = attackSpec{client: dc, url: h.decode.URL() + "/v1/completions", body: h.body, header: header}
+	closers := []func(){dc.CloseIdleConnections}
+	for _, c := range cs {
+		cc := newClient(conns)
+		mt.via = append(mt.via, attackSpec{client: cc, url: c.url + "/v1/completions", body: h.body, header: header})
+		closers = append(closers, cc.CloseIdleConnections)
+	}
 	if mode == "pd" {
 		base := newClient(conns)
 		pair, err := newPDDirect(base.Transport, h.prefill.URL(), h.body)
@@ -157,7 +221,7 @@ func (h *harness) targets(mode string, proc *proxyProc, conns int) (modeTargets,
 			h.t.Fatal(err)
 		}
 		pairClient := &http.Client{Timeout: time.Minute, Transport: pair}
-		mt.directPair = attackSpec{client: pairClient, url: h.decode.URL() + "/v1/completions", body: h.body}
+		mt.directPair = attackSpec{client: pairClient, url: h.decode.URL() + "/v1/completions", body: h.body, header: header}
 		closers = append(closers, pairClient.CloseIdleConnections)
 	}
 	return mt, func() {
@@ -176,23 +240,30 @@ func checkStreams(t *testing.T, what string, r loadResult) {
 	}
 }
 
-// throughput is figures 1 and 2 (and the CPU of figure 6): closed-loop attacks with a fixed
-// number of workers, direct and proxied rounds alternating so that drift on a shared machine
-// falls on both.
-func (h *harness) throughput(t *testing.T, mode string, proc *proxyProc) {
+// throughput is figures 1 and 2 (and the CPU of figure 6), or with chunks = longStream figure
+// 7: closed-loop attacks with a fixed number of workers, the direct path and every contender
+// once a round, the order rotating round by round so that drift on a shared machine falls on
+// all of them.
+func (h *harness) throughput(t *testing.T, mode string, chunks int) {
 	p := h.p
-	var direct, pair, proxied []float64
-	var cpu float64
-	var proxiedOK int
-	if h.profileDir != "" {
-		h.profile(t, mode, proc)
+	cs := h.contenders(mode)
+	var header http.Header
+	if chunks != chunksPerStream {
+		header = http.Header{hdrChunks: {strconv.Itoa(chunks)}}
+	}
+	var direct, pair []float64
+	rates := make([][]float64, len(cs))
+	cpu := make([]float64, len(cs))
+	oks := make([]int, len(cs))
+	if h.profileDir != "" && chunks == chunksPerStream {
+		h.profile(t, mode, cs[0])
 	}
 	for round := 0; round < p.rounds; round++ {
-		mt, closeAll := h.targets(mode, proc, int(p.concurrency))
-		for _, s := range []*attackSpec{&mt.direct, &mt.directPair, &mt.proxy} {
+		mt, closeAll := h.targets(mode, cs, int(p.concurrency), header)
+		for _, s := range append([]*attackSpec{&mt.direct, &mt.directPair}, pointers(mt.via)...) {
 			s.workers, s.dur = p.concurrency, p.roundDur
 		}
-		runDirect := func() {
+		steps := []func(){func() {
 			r := attack(mt.direct)
 			checkStreams(t, mode+" direct", r)
 			direct = append(direct, r.rate())
@@ -201,58 +272,96 @@ func (h *harness) throughput(t *testing.T, mode string, proc *proxyProc) {
 				checkStreams(t, mode+" direct pair", r)
 				pair = append(pair, r.rate())
 			}
+		}}
+		for i := range cs {
+			steps = append(steps, func() {
+				before, err := cs[i].cpu()
+				if err != nil {
+					t.Fatal(err)
+				}
+				r := attack(mt.via[i])
+				after, err := cs[i].cpu()
+				if err != nil {
+					t.Fatal(err)
+				}
+				checkStreams(t, mode+" via "+cs[i].name, r)
+				rates[i] = append(rates[i], r.rate())
+				cpu[i] += after - before
+				oks[i] += r.ok
+			})
 		}
-		runProxy := func() {
-			before, err := proc.sample()
-			if err != nil {
-				t.Fatal(err)
-			}
-			r := attack(mt.proxy)
-			after, err := proc.sample()
-			if err != nil {
-				t.Fatal(err)
-			}
-			checkStreams(t, mode+" via proxy", r)
-			proxied = append(proxied, r.rate())
-			cpu += after.cpuSeconds - before.cpuSeconds
-			proxiedOK += r.ok
-		}
-		if round%2 == 0 {
-			runDirect()
-			runProxy()
-		} else {
-			runProxy()
-			runDirect()
+		for j := range steps {
+			steps[(j+round)%len(steps)]()
 		}
 		closeAll()
 	}
-	// The ratio is the median of the rounds' own ratios: a burst of load from elsewhere on a
+	// A ratio is the median of the rounds' own ratios: a burst of load from elsewhere on a
 	// shared machine then spoils a round, not the figure.
-	d, x, ratio := median(direct), median(proxied), median(quotients(proxied, direct))
-	fig, target, goal := "1. aggregated streaming, max throughput (req/s)", "proxy/direct >= 0.80", 0.80
-	if mode == "pd" {
-		fig, target, goal = "2. P/D streaming, max throughput (req/s)", "proxy/direct decode-only >= 0.45", 0.45
+	d := median(direct)
+	for i, c := range cs {
+		x, ratio := median(rates[i]), median(quotients(rates[i], direct))
+		var fig, target, met string
+		switch {
+		case chunks != chunksPerStream:
+			fig = fmt.Sprintf("7. aggregated %d-chunk streams, max throughput (req/s), via %s", chunks, c.name)
+		case mode == "pd":
+			fig = "2. P/D streaming, max throughput (req/s), via " + c.name
+		default:
+			fig = "1. aggregated streaming, max throughput (req/s), via " + c.name
+		}
+		if i == 0 && chunks == chunksPerStream {
+			target, met = "proxy/direct >= 0.65", h.rep.met(ratio >= 0.65)
+			if mode == "pd" {
+				target, met = "proxy/direct decode-only >= 0.45", h.rep.met(ratio >= 0.45)
+			}
+		}
+		h.rep.add(row{fig, fmt.Sprintf("%.0f", d), fmt.Sprintf("%.0f", x), fmt.Sprintf("ratio %.2f (rounds %s)", ratio, spread(quotients(rates[i], direct))), target, met})
+		if mode == "pd" && i == 0 {
+			h.rep.add(row{"2b. P/D, against the client making both calls itself", fmt.Sprintf("%.0f", median(pair)), fmt.Sprintf("%.0f", x),
+				fmt.Sprintf("ratio %.2f (rounds %s)", median(quotients(rates[i], pair)), spread(quotients(rates[i], pair))), "(no target)", ""})
+		}
+		if d <= 0 || x <= 0 {
+			t.Errorf("%s throughput via %s: direct %.0f, %.0f req/s: no figure", mode, c.name, d, x)
+		}
 	}
-	h.rep.add(row{fig, fmt.Sprintf("%.0f", d), fmt.Sprintf("%.0f", x), fmt.Sprintf("ratio %.2f (rounds %s)", ratio, spread(quotients(proxied, direct))), target, h.rep.met(ratio >= goal)})
-	if mode == "pd" {
-		h.rep.add(row{"2b. P/D, against the client making both calls itself", fmt.Sprintf("%.0f", median(pair)), fmt.Sprintf("%.0f", x),
-			fmt.Sprintf("ratio %.2f (rounds %s)", median(quotients(proxied, pair)), spread(quotients(proxied, pair))), "(no target)", ""})
+	if n := len(cs); n > 1 && cs[n-1].name == "nginx" {
+		r := quotients(rates[0], rates[n-1])
+		fig, target, met := "1. aggregated max throughput, proxy / nginx", "proxy/nginx >= 0.80", h.rep.met(median(r) >= 0.80)
+		if chunks != chunksPerStream {
+			fig, target, met = fmt.Sprintf("7. aggregated %d-chunk streams, proxy / nginx", chunks), "(no target)", ""
+		}
+		h.rep.add(row{fig, "", "", fmt.Sprintf("ratio %.2f (rounds %s)", median(r), spread(r)), target, met})
 	}
-	if proxiedOK > 0 {
-		h.rep.add(row{"6. proxy CPU per 1,000 requests at max throughput, " + mode, "", fmt.Sprintf("%.3f s", cpu/float64(proxiedOK)*1000), fmt.Sprintf("%.2f of %d cores busy", cpu/(float64(p.rounds)*p.roundDur.Seconds()), runtime.NumCPU()), "(no target)", ""})
+	for i, c := range cs {
+		if oks[i] == 0 {
+			continue
+		}
+		busy := fmt.Sprintf("%.2f of %d cores busy", cpu[i]/(float64(p.rounds)*p.roundDur.Seconds()), runtime.NumCPU())
+		if chunks != chunksPerStream {
+			h.rep.add(row{fmt.Sprintf("7. CPU per 1,000 chunks relayed, %d-chunk streams at max throughput, %s", chunks, c.name), "",
+				fmt.Sprintf("%.1f ms", cpu[i]/float64(oks[i]*chunks)*1e6), busy, "(no target)", ""})
+			continue
+		}
+		h.rep.add(row{"6. CPU per 1,000 requests at max throughput, " + mode + ", " + c.name, "", fmt.Sprintf("%.3f s", cpu[i]/float64(oks[i])*1000), busy, "(no target)", ""})
 	}
-	if d <= 0 || x <= 0 {
-		t.Errorf("%s throughput: direct %.0f, proxy %.0f req/s: no figure", mode, d, x)
+}
+
+func pointers(specs []attackSpec) []*attackSpec {
+	var ps []*attackSpec
+	for i := range specs {
+		ps = append(ps, &specs[i])
 	}
+	return ps
 }
 
 // profile takes the proxy's CPU profile over a max-throughput attack of its own (not counted
 // in any figure), then its allocation profile, into the profile directory.
-func (h *harness) profile(t *testing.T, mode string, proc *proxyProc) {
+func (h *harness) profile(t *testing.T, mode string, c contender) {
 	const secs = 10
-	mt, closeAll := h.targets(mode, proc, int(h.p.concurrency))
+	proc := h.proxy[mode]
+	mt, closeAll := h.targets(mode, []contender{c}, int(h.p.concurrency), nil)
 	defer closeAll()
-	mt.proxy.workers, mt.proxy.dur = h.p.concurrency, (secs+1)*time.Second
+	mt.via[0].workers, mt.via[0].dur = h.p.concurrency, (secs+1)*time.Second
 	var prof sync.WaitGroup
 	prof.Go(func() {
 		time.Sleep(500 * time.Millisecond) // past the warm-up
@@ -261,7 +370,7 @@ func (h *harness) profile(t *testing.T, mode string, proc *proxyProc) {
 			t.Errorf("cpu profile: %v", err)
 		}
 	})
-	checkStreams(t, mode+" via proxy, profiled", attack(mt.proxy))
+	checkStreams(t, mode+" via proxy, profiled", attack(mt.via[0]))
 	prof.Wait()
 	if err := proc.profile("allocs", filepath.Join(h.profileDir, "allocs-"+mode+".pprof")); err != nil {
 		t.Errorf("allocs profile: %v", err)
@@ -269,13 +378,14 @@ func (h *harness) profile(t *testing.T, mode string, proc *proxyProc) {
 }
 
 // latency is figure 3 (and the CPU of figure 6 at a fixed rate): the same open-loop rate
-// direct and through the proxy. For P/D the direct path is the client making the prefill and
-// the decode call itself, so the difference is what the proxy adds.
-func (h *harness) latency(t *testing.T, mode string, proc *proxyProc) {
+// direct and through each contender. For P/D the direct path is the client making the
+// prefill and the decode call itself, so the difference is what the proxy adds.
+func (h *harness) latency(t *testing.T, mode string) {
 	p := h.p
-	mt, closeAll := h.targets(mode, proc, 256)
+	cs := h.contenders(mode)
+	mt, closeAll := h.targets(mode, cs, 256, nil)
 	defer closeAll()
-	for _, s := range []*attackSpec{&mt.direct, &mt.directPair, &mt.proxy} {
+	for _, s := range append([]*attackSpec{&mt.direct, &mt.directPair}, pointers(mt.via)...) {
 		s.rate, s.workers, s.dur = p.rate, 16, p.rateDur
 	}
 	base := mt.direct
@@ -284,42 +394,50 @@ func (h *harness) latency(t *testing.T, mode string, proc *proxyProc) {
 	}
 	d := attack(base)
 	checkStreams(t, mode+" direct", d)
-	before, err := proc.sample()
-	if err != nil {
-		t.Fatal(err)
+	if len(d.latencies) == 0 {
+		t.Fatalf("%s latency: no direct samples", mode)
 	}
-	var prof sync.WaitGroup
-	if secs := int(p.rateDur.Seconds()) - 1; h.profileDir != "" && secs > 0 {
-		prof.Go(func() {
-			file := filepath.Join(h.profileDir, "cpu-"+mode+"-rate.pprof")
-			if err := proc.profile(fmt.Sprintf("profile?seconds=%d", secs), file); err != nil {
-				t.Errorf("cpu profile: %v", err)
+	for i, c := range cs {
+		before, err := c.cpu()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var prof sync.WaitGroup
+		if secs := int(p.rateDur.Seconds()) - 1; i == 0 && h.profileDir != "" && secs > 0 {
+			prof.Go(func() {
+				file := filepath.Join(h.profileDir, "cpu-"+mode+"-rate.pprof")
+				if err := h.proxy[mode].profile(fmt.Sprintf("profile?seconds=%d", secs), file); err != nil {
+					t.Errorf("cpu profile: %v", err)
+				}
+			})
+		}
+		x := attack(mt.via[i])
+		prof.Wait()
+		after, err := c.cpu()
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkStreams(t, mode+" via "+c.name, x)
+		if len(x.latencies) == 0 {
+			t.Fatalf("%s latency via %s: no samples", mode, c.name)
+		}
+		added50, added99 := x.quantile(0.50)-d.quantile(0.50), x.quantile(0.99)-d.quantile(0.99)
+		fig, target, met := "3. aggregated latency at "+strconv.Itoa(p.rate)+" req/s, via "+c.name, "(no target)", ""
+		if mode == "pd" {
+			fig = "3. P/D latency at " + strconv.Itoa(p.rate) + " req/s (direct: the client's own prefill+decode), via " + c.name
+			if i == 0 {
+				target = "added p50 <= 0.5 ms, p99 <= 2 ms"
+				met = h.rep.met(added50 <= 500*time.Microsecond && added99 <= 2*time.Millisecond)
 			}
-		})
-	}
-	x := attack(mt.proxy)
-	prof.Wait()
-	after, err := proc.sample()
-	if err != nil {
-		t.Fatal(err)
-	}
-	checkStreams(t, mode+" via proxy", x)
-	if len(d.latencies) == 0 || len(x.latencies) == 0 {
-		t.Fatalf("%s latency: no samples", mode)
-	}
-	added50, added99 := x.quantile(0.50)-d.quantile(0.50), x.quantile(0.99)-d.quantile(0.99)
-	fig, target, met := "3. aggregated latency at "+strconv.Itoa(p.rate)+" req/s", "(no target)", ""
-	if mode == "pd" {
-		fig, target = "3. P/D latency at "+strconv.Itoa(p.rate)+" req/s (direct: the client's own prefill+decode)", "added p50 <= 0.3 ms, p99 <= 2 ms"
-		met = h.rep.met(added50 <= 300*time.Microsecond && added99 <= 2*time.Millisecond)
-	}
-	h.rep.add(row{fig,
-		fmt.Sprintf("p50 %s p99 %s", ms(d.quantile(0.50)), ms(d.quantile(0.99))),
-		fmt.Sprintf("p50 %s p99 %s", ms(x.quantile(0.50)), ms(x.quantile(0.99))),
-		fmt.Sprintf("added p50 %s p99 %s (%d/%d samples)", ms(added50), ms(added99), len(d.latencies), len(x.latencies)),
-		target, met})
-	if x.ok > 0 {
-		h.rep.add(row{"6. proxy CPU per 1,000 requests at " + strconv.Itoa(p.rate) + " req/s, " + mode, "", fmt.Sprintf("%.3f s", (after.cpuSeconds-before.cpuSeconds)/float64(x.ok)*1000), "", "(no target)", ""})
+		}
+		h.rep.add(row{fig,
+			fmt.Sprintf("p50 %s p99 %s", ms(d.quantile(0.50)), ms(d.quantile(0.99))),
+			fmt.Sprintf("p50 %s p99 %s", ms(x.quantile(0.50)), ms(x.quantile(0.99))),
+			fmt.Sprintf("added p50 %s p99 %s (%d/%d samples)", ms(added50), ms(added99), len(d.latencies), len(x.latencies)),
+			target, met})
+		if x.ok > 0 {
+			h.rep.add(row{"6. CPU per 1,000 requests at " + strconv.Itoa(p.rate) + " req/s, " + mode + ", " + c.name, "", fmt.Sprintf("%.3f s", (after-before)/float64(x.ok)*1000), "", "(no target)", ""})
+		}
 	}
 }
 
@@ -605,7 +723,7 @@ func (h *harness) scale(t *testing.T) {
 	h.rep.add(row{fmt.Sprintf("5. %d concurrent slow streams%s (a chunk every %s): proxy memory per stream", int(n), p.streamsCap, p.interval), "",
 		fmt.Sprintf("RSS %.1f KiB, heap %.1f KiB, stacks %.1f KiB, %.2f goroutines", perStream/1024, (full.heapInuse-base.heapInuse)/n/1024, (full.stackInuse-base.stackInuse)/n/1024, (full.goroutines-base.goroutines)/n),
 		fmt.Sprintf("RSS %.0f MiB with them, %.0f MiB before; opened in %s", full.rss/(1<<20), base.rss/(1<<20), openTime.Round(time.Millisecond)),
-		"<= 64 KiB per stream", h.rep.met(perStream <= 64*1024)})
+		"<= 48 KiB per stream", h.rep.met(perStream <= 48*1024)})
 	h.rep.add(row{fmt.Sprintf("5. /health while they are all open and stream (%s)", p.hold), "",
 		fmt.Sprintf("p50 %s p99 %s max %s", ms(q(health, 0.5)), ms(q(health, 0.99)), ms(health[len(health)-1])),
 		fmt.Sprintf("%d calls; proxy CPU meanwhile %.2f cores", len(health), (full.cpuSeconds-holdStart.cpuSeconds)/p.hold.Seconds()),

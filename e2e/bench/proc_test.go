@@ -29,6 +29,8 @@ type childConfig struct {
 	Decode      []string `json:"decode"`
 	MaxInflight int      `json:"max_inflight"` // per backend; 0 means the router's default
 	NoFile      uint64   `json:"nofile"`       // RLIMIT_NOFILE to raise to; 0 leaves it
+	// EngineClient is the router's engine_client; empty means its default.
+	EngineClient string `json:"engine_client"`
 }
 
 // runChild is the proxy process: app.Main as cmd/proxy runs it, with an admin listener for
@@ -47,6 +49,7 @@ func runChild() int {
 		}
 	}
 	cfg := app.Config{Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", LogFormat: "json", ShutdownTimeout: 5 * time.Second}
+	cfg.Router.EngineClient = cc.EngineClient
 	for _, u := range cc.Prefill {
 		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: u, Role: router.RolePrefill, Engine: kvbackend.KindVLLM, MaxInflight: cc.MaxInflight})
 	}

@@ -1,0 +1,301 @@
+package h1client
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptrace"
+	"net/url"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// Options tunes a Transport. Every zero value means the default named on the field.
+type Options struct {
+	// DialTimeout bounds a TCP connect; zero means 3 s.
+	DialTimeout time.Duration
+	// KeepAlive is the TCP keep-alive period; zero means 30 s.
+	KeepAlive time.Duration
+	// IdleTimeout closes a connection left idle this long; zero means 90 s.
+	IdleTimeout time.Duration
+	// MaxIdlePerHost is how many idle connections are kept per host; zero means 2.
+	MaxIdlePerHost int
+	// TLS is the client config for https backends; nil means tls.Config{} (system roots). An
+	// empty ServerName is the URL's host.
+	TLS *tls.Config
+	// TLSHandshakeTimeout bounds a TLS handshake; zero means 5 s.
+	TLSHandshakeTimeout time.Duration
+}
+
+// Transport is an http.RoundTripper for HTTP/1.1 backends. It is safe for concurrent use.
+type Transport struct {
+	// auth, when set, replaces the request's Authorization header: a backend's own key.
+	auth  string
+	pools *pools
+}
+
+var _ http.RoundTripper = (*Transport)(nil)
+
+// New returns a Transport with its own connection pool.
+func New(o Options) *Transport {
+	if o.DialTimeout == 0 {
+		o.DialTimeout = 3 * time.Second
+	}
+	if o.KeepAlive == 0 {
+		o.KeepAlive = 30 * time.Second
+	}
+	if o.IdleTimeout == 0 {
+		o.IdleTimeout = 90 * time.Second
+	}
+	if o.MaxIdlePerHost == 0 {
+		o.MaxIdlePerHost = 2
+	}
+	if o.TLSHandshakeTimeout == 0 {
+		o.TLSHandshakeTimeout = 5 * time.Second
+	}
+	if o.TLS == nil {
+		o.TLS = &tls.Config{}
+	}
+	return &Transport{pools: &pools{opts: o, dialer: &net.Dialer{Timeout: o.DialTimeout, KeepAlive: o.KeepAlive}, m: make(map[string]*hostPool)}}
+}
+
+// WithAuthorization returns a Transport that sends value as every request's Authorization
+// header (whatever the request carried), over the same connections as t.
+func (t *Transport) WithAuthorization(value string) *Transport {
+	return &Transport{auth: value, pools: t.pools}
+}
+
+// CloseIdleConnections closes the idle connections of every host; busy ones are left alone.
+func (t *Transport) CloseIdleConnections() { t.pools.closeIdle() }
+
+// Options returns what t was built with, defaults filled in.
+func (t *Transport) Options() Options { return t.pools.opts }
+
+// errTooLarge is a response head that does not fit the limits below.
+var errTooLarge = errors.New("response head too large")
+
+// RoundTrip sends req and reads the response head on the caller's goroutine. The body reads
+// from the connection itself; closing it before its end closes the connection.
+func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	ctx := req.Context()
+	buf, err := t.writeRequest(req)
+	if err != nil {
+		return nil, err
+	}
+	defer putBuf(buf)
+	trace := httptrace.ContextClientTrace(ctx)
+	key := req.URL.Scheme + "://" + canonicalAddr(req.URL)
+	for attempt := 0; ; attempt++ {
+		c, reused, err := t.pools.get(ctx, req.URL, key)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			return nil, err
+		}
+		stop := context.AfterFunc(ctx, func() { c.nc.Close() })
+		n, werr := c.nc.Write(*buf)
+		if werr != nil {
+			stop()
+			c.nc.Close()
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			if reused && n == 0 && attempt == 0 {
+				// The server closed the idle connection as it was taken: nothing of the
+				// request went out, so a fresh connection may carry it.
+				continue
+			}
+			if trace != nil && trace.WroteRequest != nil {
+				trace.WroteRequest(httptrace.WroteRequestInfo{Err: werr})
+			}
+			return nil, fmt.Errorf("write request: %w", werr)
+		}
+		if trace != nil && trace.WroteRequest != nil {
+			trace.WroteRequest(httptrace.WroteRequestInfo{})
+		}
+		resp, err := c.readResponse(req, trace)
+		if err != nil {
+			stop()
+			c.nc.Close()
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			return nil, err
+		}
+		b := resp.Body.(*body)
+		b.c, b.stop, b.ctx = c, stop, ctx
+		if b.done {
+			// No body at all: the connection is free now.
+			b.finish()
+		}
+		return resp, nil
+	}
+}
+
+// writeRequest encodes req, body included, into one pooled buffer, and closes its body.
+func (t *Transport) writeRequest(req *http.Request) (*[]byte, error) {
+	if req.Body != nil {
+		defer req.Body.Close()
+	}
+	if req.URL == nil || req.URL.Host == "" || (req.URL.Scheme != "http" && req.URL.Scheme != "https") {
+		return nil, fmt.Errorf("h1client: unsupported URL %v", req.URL)
+	}
+	bufp := getBuf()
+	b := (*bufp)[:0]
+	method := req.Method
+	if method == "" {
+		method = http.MethodGet
+	}
+	b = append(b, method...)
+	b = append(b, ' ')
+	b = append(b, req.URL.RequestURI()...)
+	b = append(b, " HTTP/1.1\r\nHost: "...)
+	host := req.Host
+	if host == "" {
+		host = req.URL.Host
+	}
+	b = append(b, host...)
+	b = append(b, "\r\n"...)
+	for k, vs := range req.Header {
+		switch k {
+		case "Host", "Content-Length", "Transfer-Encoding", "Connection", "Keep-Alive", "Te", "Upgrade", "Proxy-Connection", "Trailer":
+			continue // set here, or hop-by-hop
+		case "Authorization":
+			if t.auth != "" {
+				continue
+			}
+		}
+		for _, v := range vs {
+			if !validHeaderValue(v) || !validHeaderKey(k) {
+				putBuf(bufp)
+				return nil, fmt.Errorf("h1client: invalid header %q", k)
+			}
+			b = append(b, k...)
+			b = append(b, ": "...)
+			b = append(b, v...)
+			b = append(b, "\r\n"...)
+		}
+	}
+	if t.auth != "" {
+		b = append(b, "Authorization: "...)
+		b = append(b, t.auth...)
+		b = append(b, "\r\n"...)
+	}
+	if _, ok := req.Header["User-Agent"]; !ok {
+		b = append(b, "User-Agent: pdproxy\r\n"...)
+	}
+	if req.Body != nil && req.Body != http.NoBody {
+		// The body follows the head in the same buffer, so that one write carries both.
+		bodyp := getBuf()
+		defer putBuf(bodyp)
+		body := *bodyp
+		if req.ContentLength > 0 {
+			body = growTo(body, int(req.ContentLength))
+		}
+		for {
+			if len(body) == cap(body) {
+				body = growTo(body, 2*cap(body)+512)
+			}
+			n, err := req.Body.Read(body[len(body):cap(body)])
+			body = body[:len(body)+n]
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				*bufp = b
+				putBuf(bufp)
+				return nil, fmt.Errorf("read request body: %w", err)
+			}
+		}
+		*bodyp = body
+		b = append(b, "Content-Length: "...)
+		b = strconv.AppendInt(b, int64(len(body)), 10)
+		b = append(b, "\r\n\r\n"...)
+		b = append(b, body...)
+	} else {
+		if method != http.MethodGet && method != http.MethodHead {
+			b = append(b, "Content-Length: 0\r\n"...)
+		}
+		b = append(b, "\r\n"...)
+	}
+	*bufp = b
+	return bufp, nil
+}
+
+// growTo returns b with room for n bytes, its contents kept.
+func growTo(b []byte, n int) []byte {
+	if cap(b) >= n {
+		return b
+	}
+	nb := make([]byte, len(b), n)
+	copy(nb, b)
+	return nb
+}
+
+// Request buffers: a request is written once and the buffer is free again; a buffer grown
+// past maxPooledBuf for a long prompt is let go.
+var bufPool = sync.Pool{New: func() any { b := make([]byte, 0, 4<<10); return &b }}
+
+const maxPooledBuf = 64 << 10
+
+func getBuf() *[]byte { return bufPool.Get().(*[]byte) }
+
+func putBuf(b *[]byte) {
+	if cap(*b) <= maxPooledBuf {
+		*b = (*b)[:0]
+		bufPool.Put(b)
+	}
+}
+
+func validHeaderKey(k string) bool {
+	if k == "" {
+		return false
+	}
+	for i := 0; i < len(k); i++ {
+		if !isTokenByte(k[i]) {
+			return false
+		}
+	}
+	return true
+}
+
+func validHeaderValue(v string) bool {
+	for i := 0; i < len(v); i++ {
+		if c := v[i]; c == '\r' || c == '\n' || c == 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// canonicalAddr is the URL's host:port, with the scheme's port when it names none.
+func canonicalAddr(u *url.URL) string {
+	port := u.Port()
+	if port == "" {
+		port = "80"
+		if u.Scheme == "https" {
+			port = "443"
+		}
+	}
+	return net.JoinHostPort(u.Hostname(), port)
+}
+
+// conn is one pooled connection to a backend.
+type conn struct {
+	nc        net.Conn
+	br        *bufio.Reader
+	key       string
+	p         *pools
+	idleTimer *time.Timer
+}
+
+// readerSize is a connection's read buffer: an SSE event is a few hundred bytes, and a stream
+// keeps its buffer for as long as it lasts.
+const readerSize = 4 << 10
