@@ -81,7 +81,20 @@ func TestChaosSoak(t *testing.T) {
 		return zapcore.NewTee(c, core)
 	}))
 	s := startStackWith(t, logger, twoPTwoD)
-	baseline := runtime.NumGoroutine()
+	// The baseline is taken as the end count is: once the long-lived loops (health checks,
+	// discovery, load scrapes, the sims' heartbeats) have started, with the keep-alive pools
+	// empty, and steady for three looks in a row.
+	var baseline int
+	for steady, last, looks := 0, -1, 0; steady < 3 && looks < 100; looks++ {
+		time.Sleep(50 * time.Millisecond)
+		http.DefaultClient.CloseIdleConnections()
+		s.m.CloseIdleConnections()
+		if baseline = runtime.NumGoroutine(); baseline == last {
+			steady++
+		} else {
+			steady, last = 0, baseline
+		}
+	}
 
 	ctx, cancel := context.WithTimeout(context.Background(), dur+30*time.Second)
 	defer cancel()
