@@ -12,13 +12,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"os"
-	"sort"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -809,13 +805,7 @@ func byLabel(t *testing.T, s *stack, name, label string) string {
 // gone client only after 30s; and no request the client waited for failed.
 // PDPROXY_SGLANG_STORM=N sets the number of requests (200 by default).
 func TestSGLangGiveUpStorm(t *testing.T) {
-	n := 200
-	if v := os.Getenv("PDPROXY_SGLANG_STORM"); v != "" {
-		var err error
-		if n, err = strconv.Atoi(v); err != nil {
-			t.Fatalf("PDPROXY_SGLANG_STORM=%q: %v", v, err)
-		}
-	}
+	n := stormSize(t, "PDPROXY_SGLANG_STORM")
 	s := startStack(t, func(c *app.Config) {
 		p := app.SimConfig{Role: "prefill", Protocol: sim.ProtocolSGLang, DisconnectDelay: sglangDisconnectDelay,
 			PrefillTime: 5 * time.Millisecond, PrefillPerToken: 10 * time.Microsecond, KVBlocks: 8192}
@@ -823,9 +813,7 @@ func TestSGLangGiveUpStorm(t *testing.T) {
 			ITL: 2 * time.Millisecond, KVTransferTime: 100 * time.Microsecond, KVBlocks: 8192}
 		c.Sims = []app.SimConfig{p, p, d, d}
 	})
-	kinds := []struct {
-		name, route, body string
-	}{
+	kinds := []stormKind{
 		{"completion", "/v1/completions", `{"model":"sim","prompt":"%s","max_tokens":%d,"ignore_eos":true}`},
 		{"completion stream", "/v1/completions", `{"model":"sim","prompt":"%s","max_tokens":%d,"ignore_eos":true,"stream":true}`},
 		{"chat", "/v1/chat/completions", `{"model":"sim","messages":[{"role":"user","content":"%s"}],"max_tokens":%d,"ignore_eos":true}`},
@@ -837,64 +825,14 @@ func TestSGLangGiveUpStorm(t *testing.T) {
 		{"batch", "/v1/completions", `{"model":"sim","prompt":["%s","second","third"],"max_tokens":%d,"ignore_eos":true}`},
 		{"batch stream", "/v1/completions", `{"model":"sim","prompt":["%s","second"],"max_tokens":%d,"ignore_eos":true,"stream":true}`},
 	}
-	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 32}}
-	defer client.CloseIdleConnections()
-	var (
-		mu       sync.Mutex
-		outcomes = map[string]int{}
-		wg       sync.WaitGroup
-		next     = make(chan int)
-	)
-	for w := range 16 {
-		wg.Go(func() {
-			rng := rand.New(rand.NewPCG(uint64(w), 12))
-			for i := range next {
-				k := kinds[i%len(kinds)]
-				body := fmt.Sprintf(k.body, prompt(rng.IntN(400)+1), rng.IntN(40)+1)
-				// A request takes tens of milliseconds here: clients leave at every stage,
-				// and some never do.
-				ctx, cancel := context.WithTimeout(context.Background(), time.Duration(rng.IntN(300))*time.Millisecond)
-				req, _ := http.NewRequestWithContext(ctx, http.MethodPost, s.url+k.route, strings.NewReader(body))
-				outcome := "gave up before the answer"
-				resp, err := client.Do(req)
-				if err != nil && ctx.Err() == nil {
-					outcome = "error: " + err.Error()
-				}
-				if err == nil {
-					_, err = io.Copy(io.Discard, resp.Body)
-					resp.Body.Close()
-					switch {
-					case err != nil && ctx.Err() != nil:
-						outcome = "gave up mid-answer"
-					case err != nil:
-						outcome = "error mid-answer: " + err.Error()
-					default:
-						outcome = strconv.Itoa(resp.StatusCode)
-					}
-				}
-				cancel()
-				mu.Lock()
-				outcomes[k.name+": "+outcome]++
-				mu.Unlock()
-			}
-		})
-	}
-	for i := range n {
-		next <- i
-	}
-	close(next)
-	wg.Wait()
-	done := time.Now()
+	outcomes, done := giveUpStorm(t, s.url, kinds, n, 12)
 
-	var lines []string
 	for k, v := range outcomes {
-		lines = append(lines, fmt.Sprintf("%s %d", k, v))
 		if !strings.HasSuffix(k, ": 200") && !strings.Contains(k, "gave up") {
 			t.Errorf("a request the client waited for failed: %s %d", k, v)
 		}
 	}
-	sort.Strings(lines)
-	t.Logf("%d requests:\n  %s", n, strings.Join(lines, "\n  "))
+	logOutcomes(t, n, outcomes)
 
 	sims := s.allSimURLs()
 	testutil.WaitFor(t, time.Second, enginesIdle(t, sims...))
