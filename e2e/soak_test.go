@@ -83,18 +83,16 @@ func TestChaosSoak(t *testing.T) {
 	s := startStackWith(t, logger, twoPTwoD)
 	// The baseline is taken as the end count is: once the long-lived loops (health checks,
 	// discovery, load scrapes, the sims' heartbeats) have started, with the keep-alive pools
-	// empty, and steady for three looks in a row.
-	var baseline int
-	for steady, last, looks := 0, -1, 0; steady < 3 && looks < 100; looks++ {
-		time.Sleep(50 * time.Millisecond)
+	// empty, and the count steady for 150 ms.
+	baseline, steadySince := -1, time.Now()
+	testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
 		http.DefaultClient.CloseIdleConnections()
 		s.m.CloseIdleConnections()
-		if baseline = runtime.NumGoroutine(); baseline == last {
-			steady++
-		} else {
-			steady, last = 0, baseline
+		if n := runtime.NumGoroutine(); n != baseline {
+			baseline, steadySince = n, time.Now()
 		}
-	}
+		return time.Since(steadySince) >= 150*time.Millisecond, fmt.Sprintf("goroutines still changing: %d", baseline)
+	})
 
 	ctx, cancel := context.WithTimeout(context.Background(), dur+30*time.Second)
 	defer cancel()
