@@ -20,7 +20,7 @@ func (x *exchange) prefill() *apiError {
 	defer func() { x.prefillT = time.Since(start) }()
 	var (
 		body    []byte
-		bodyFor kvbackend.Engine // the engine body was built for
+		bodyFor kvbackend.Sequential // the engine body was built for
 		tried   []string
 		lastErr error
 	)
@@ -38,11 +38,15 @@ func (x *exchange) prefill() *apiError {
 			break
 		}
 		x.prefillB = b
-		tried = append(tried, b.Name)
-		if eng := engineOf(b); eng != bodyFor {
-			if body, err = eng.PrefillBody(x.req.fields, x.req.chat); err != nil {
+		if eng, _ := engineOf(b).(kvbackend.Sequential); eng != bodyFor {
+			if eng == nil {
+				err = errors.New("the prefiller's engine does not serve a prefill on its own")
+			} else {
+				body, err = eng.PrefillBody(x.req.fields, x.req.chat)
+			}
+			if err != nil {
 				lease.Release(router.Result{Canceled: true})
-				x.fail()
+				x.fail(router.Result{})
 				return &apiError{status: http.StatusInternalServerError, typ: "internal_error", code: "internal", message: "could not build the prefill request", cause: err}
 			}
 			bodyFor = eng
@@ -63,6 +67,11 @@ func (x *exchange) prefill() *apiError {
 			return x.gone()
 		}
 		params, err, gone := x.callPrefill(lease, b, body)
+		if !unprocessedAlive(err) {
+			// A prefiller that provably dropped the call on a kept-open connection is alive
+			// and may take it again; any other failure sends the retry elsewhere.
+			tried = append(tried, b.Name)
+		}
 		if gone {
 			return x.abandoned()
 		}
@@ -99,11 +108,18 @@ func (x *exchange) prefill() *apiError {
 		x.s.m.fallbacks.Inc()
 		return nil
 	}
-	x.fail()
+	x.fail(router.Result{})
 	if rerr := lastErr; rerr != nil && (errors.Is(rerr, router.ErrNoBackend) || errors.Is(rerr, router.ErrQueueFull) || errors.Is(rerr, router.ErrQueueTimeout)) {
 		return fromRouter(rerr, router.RolePrefill)
 	}
 	return fromBackend(lastErr, router.RolePrefill, "prefill_timeout")
+}
+
+// unprocessedAlive reports whether err is a call the backend provably never took although it
+// was reached: it reset a kept-open connection with the call unread.
+func unprocessedAlive(err error) bool {
+	var ce *kvbackend.CallError
+	return errors.As(err, &ce) && ce.Unprocessed && !ce.Connect
 }
 
 // mayHoldKV reports whether a failed prefill call may have left KV held on the prefiller: the
@@ -114,7 +130,7 @@ func mayHoldKV(err error) bool {
 		return false
 	}
 	var ce *kvbackend.CallError
-	return !errors.As(err, &ce) || !ce.Connect
+	return !errors.As(err, &ce) || !ce.Unprocessed
 }
 
 type prefillAnswer struct {
