@@ -159,6 +159,11 @@ func (x *exchange) decodeFailed(err error, wd *watchdog) *apiError {
 	if wd.timedOut() {
 		err = errors.Join(context.Cause(wd.ctx), err)
 		res = router.Result{Status: http.StatusGatewayTimeout}
+		if x.paired && x.joined != nil {
+			// A paired decoder starts only once the prefiller filled the room: silent
+			// before that, it waits on the prefiller, and is not blamed for it.
+			res = router.Result{Canceled: true}
+		}
 	}
 	x.fail(res)
 	return x.cut(fromBackend(err, router.RoleDecode, "decode_timeout"))
