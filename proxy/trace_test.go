@@ -201,6 +201,9 @@ func TestTraceOfAClientThatLeftSaysAtWhichStage(t *testing.T) {
 				want[spanDecode] = 1
 			}
 			tree := waitTrace(t, rcv, traceID, want)
+			for _, sp := range rcv.Trace(traceID) {
+				t.Logf("span %s id %s parent %s service %s attrs %v", sp.Name, sp.SpanID, sp.ParentID, sp.Service, sp.Attrs)
+			}
 			srv := tree.one(t, "POST /v1/completions")
 			if got := srv.Attrs["pdproxy.client_left_stage"]; got != stage.String() {
 				t.Errorf("client_left_stage %q, want %q", got, stage)
