@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -248,6 +249,33 @@ func (x *exchange) recoverRequest(e **apiError) {
 		x.fail(router.Result{})
 	}()
 	*e = x.cut(errPanic)
+}
+
+// errEnginePanic is an engine call that panicked (an engine adapter's bug, or its
+// transport's), made an error so that the call's owner releases what it holds as for any
+// failed call.
+var errEnginePanic = errors.New("an engine call panicked")
+
+// guard runs an engine call for request id, turning a panic in it into errEnginePanic,
+// counted in pdproxy_panics_total and logged. Calls in background goroutines need it: a panic
+// there would end the process.
+func (s *Server) guard(id string, call func() error) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			s.m.panics.Inc()
+			s.logger.Error("panic in an engine call", zap.String("request_id", id), zap.Any("panic", v), zap.StackSkip("stack", 2))
+			err = fmt.Errorf("%w: %v", errEnginePanic, v)
+		}
+	}()
+	return call()
+}
+
+// buildFailed is the answer to a request whose engine body could not be built.
+func buildFailed(err error, what string) *apiError {
+	if errors.Is(err, errEnginePanic) {
+		return errPanic
+	}
+	return &apiError{status: http.StatusInternalServerError, typ: "internal_error", code: "internal", message: "could not build the " + what + " request", cause: err}
 }
 
 // recoverAnswer is the handler's last safety net, for a panic outside a request's serving
