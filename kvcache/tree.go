@@ -1,0 +1,289 @@
+package kvcache
+
+import (
+	"slices"
+	"strings"
+	"sync"
+)
+
+// Memory accounting of the tree. The figures are what a node and a mark cost on amd64,
+// rounded up, so that many short texts are bounded as surely as a few long ones.
+const (
+	// nodeOverhead is a node's fixed cost: its struct, its edge's header, its slot in the
+	// parent's children.
+	nodeOverhead = 96
+	// markOverhead is one engine's name header in a node's marks.
+	markOverhead = 16
+)
+
+// DefaultMaxTreeBytes bounds a tree when its owner gives no bound: 64 MiB of text and nodes,
+// about 16M tokens, enough for the recent conversations of a large pool.
+const DefaultMaxTreeBytes = 64 << 20
+
+// evictTo is the share of the bound an eviction brings the tree down to, so that a full
+// tree does not evict on every insert.
+const evictToNum, evictToDen = 9, 10
+
+// Tree is the approximate view of a pool's prefix caches: a radix tree of the text routed
+// to each engine. A node holds the engines that were sent text through it; as an engine
+// that was sent a text was sent each of its prefixes, an engine on a node is on every node
+// above it. Memory is bounded: above the bound, the least recently routed leaves go first.
+// Its methods are safe for concurrent use.
+type Tree struct {
+	mu       sync.Mutex
+	root     node
+	maxBytes int
+	bytes    int
+	nodes    int
+	tick     uint64
+}
+
+type node struct {
+	edge     string
+	parent   *node
+	children []*node
+	// engines were sent text through this node; few, as a pool is.
+	engines []string
+	// last is the tick of the latest insert through this node: leaves are evicted by it.
+	last uint64
+}
+
+func (n *node) cost() int { return nodeOverhead + len(n.edge) + markOverhead*len(n.engines) }
+
+func (n *node) child(c byte) *node {
+	for _, ch := range n.children {
+		if ch.edge[0] == c {
+			return ch
+		}
+	}
+	return nil
+}
+
+// NewTree returns an empty tree that holds at most maxBytes of text and nodes (zero or
+// negative means DefaultMaxTreeBytes).
+func NewTree(maxBytes int) *Tree {
+	if maxBytes <= 0 {
+		maxBytes = DefaultMaxTreeBytes
+	}
+	return &Tree{maxBytes: maxBytes}
+}
+
+// Insert records that text was routed to engine. A text longer than half the bound is
+// recorded up to there, so that one huge prompt cannot flush everything else.
+func (t *Tree) Insert(text, engine string) {
+	if text == "" || engine == "" {
+		return
+	}
+	if limit := t.maxBytes / 2; len(text) > limit {
+		text = text[:limit]
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.tick++
+	n, rest := &t.root, text
+	for len(rest) > 0 {
+		c := n.child(rest[0])
+		if c == nil {
+			// Cloned: the text is usually a slice of a whole request body, which the tree
+			// must not keep alive.
+			leaf := &node{edge: strings.Clone(rest), parent: n, engines: []string{engine}, last: t.tick}
+			n.children = append(n.children, leaf)
+			t.bytes += leaf.cost()
+			t.nodes++
+			break
+		}
+		k := commonPrefix(c.edge, rest)
+		if k < len(c.edge) {
+			c = t.split(c, k)
+		}
+		if !slices.Contains(c.engines, engine) {
+			c.engines = append(c.engines, engine)
+			t.bytes += markOverhead
+		}
+		c.last = t.tick
+		n, rest = c, rest[k:]
+	}
+	if t.bytes > t.maxBytes {
+		t.evictLocked(t.maxBytes / evictToDen * evictToNum)
+	}
+}
+
+// split cuts c's edge after k bytes and returns the new node above it, which holds the
+// first k bytes and c's engines.
+func (t *Tree) split(c *node, k int) *node {
+	mid := &node{edge: c.edge[:k], parent: c.parent, children: []*node{c}, engines: slices.Clone(c.engines), last: c.last}
+	for i, ch := range c.parent.children {
+		if ch == c {
+			c.parent.children[i] = mid
+			break
+		}
+	}
+	c.edge, c.parent = c.edge[k:], mid
+	t.bytes += nodeOverhead + markOverhead*len(mid.engines)
+	t.nodes++
+	return mid
+}
+
+func commonPrefix(a, b string) int {
+	n := min(len(a), len(b))
+	for i := range n {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return n
+}
+
+// Match sets matched[i] to how many leading bytes of text were routed to engines[i] (0 for
+// an engine that was sent none of it). matched must be as long as engines.
+func (t *Tree) Match(text string, engines []string, matched []int) {
+	clear(matched)
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	n, rest, depth := &t.root, text, 0
+	for len(rest) > 0 {
+		c := n.child(rest[0])
+		if c == nil {
+			return
+		}
+		k := commonPrefix(c.edge, rest)
+		depth += k
+		// Engines deeper down were on every node above too: the deepest mark wins.
+		for _, e := range c.engines {
+			for i, want := range engines {
+				if want == e {
+					matched[i] = depth
+				}
+			}
+		}
+		if k < len(c.edge) {
+			return
+		}
+		n, rest = c, rest[k:]
+	}
+}
+
+// evictLocked removes the least recently routed leaves until the tree holds at most target
+// bytes. Removing leaves makes their parents leaves, so it collects again until done.
+func (t *Tree) evictLocked(target int) {
+	var leaves []*node
+	for t.bytes > target {
+		leaves = t.leavesLocked(leaves[:0])
+		if len(leaves) == 0 {
+			return
+		}
+		slices.SortFunc(leaves, func(a, b *node) int {
+			switch {
+			case a.last < b.last:
+				return -1
+			case a.last > b.last:
+				return 1
+			}
+			return 0
+		})
+		for _, l := range leaves {
+			if t.bytes <= target {
+				return
+			}
+			t.removeLocked(l)
+		}
+	}
+}
+
+func (t *Tree) leavesLocked(out []*node) []*node {
+	var walk func(n *node)
+	walk = func(n *node) {
+		for _, c := range n.children {
+			if len(c.children) == 0 {
+				out = append(out, c)
+			} else {
+				walk(c)
+			}
+		}
+	}
+	walk(&t.root)
+	return out
+}
+
+// removeLocked takes n and everything below it out of the tree.
+func (t *Tree) removeLocked(n *node) {
+	var drop func(n *node)
+	drop = func(n *node) {
+		for _, c := range n.children {
+			drop(c)
+		}
+		t.bytes -= n.cost()
+		t.nodes--
+	}
+	drop(n)
+	p := n.parent
+	if i := slices.Index(p.children, n); i >= 0 {
+		p.children = slices.Delete(p.children, i, i+1)
+	}
+	n.parent = nil
+}
+
+// Retain forgets every engine for which keep is false, e.g. the backends a reload removed.
+func (t *Tree) Retain(keep func(engine string) bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var walk func(n *node)
+	walk = func(n *node) {
+		for i := 0; i < len(n.children); {
+			c := n.children[i]
+			before := len(c.engines)
+			c.engines = slices.DeleteFunc(c.engines, func(e string) bool { return !keep(e) })
+			t.bytes -= markOverhead * (before - len(c.engines))
+			if len(c.engines) == 0 {
+				// Nobody on c means nobody below it either.
+				t.removeLocked(c)
+				continue
+			}
+			walk(c)
+			i++
+		}
+	}
+	walk(&t.root)
+}
+
+// Forget forgets engine, e.g. one that went down and may come back with an empty cache.
+func (t *Tree) Forget(engine string) {
+	t.Retain(func(e string) bool { return e != engine })
+}
+
+// TreeStats is a tree's size.
+type TreeStats struct {
+	// Bytes is the accounted size: text plus a fixed cost per node and per engine mark.
+	Bytes int `json:"bytes"`
+	// MaxBytes is the bound above which leaves are evicted.
+	MaxBytes int `json:"max_bytes"`
+	// Nodes is the number of nodes below the root.
+	Nodes int `json:"nodes"`
+}
+
+// Stats returns the tree's size now.
+func (t *Tree) Stats() TreeStats {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return TreeStats{Bytes: t.bytes, MaxBytes: t.maxBytes, Nodes: t.nodes}
+}
+
+// EngineBytes returns how many leading bytes of text the tree holds for engine, summed
+// over the texts routed to it that are still in the tree: what /debug/backends shows of the
+// approximate view.
+func (t *Tree) EngineBytes(engine string) int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	total := 0
+	var walk func(n *node)
+	walk = func(n *node) {
+		for _, c := range n.children {
+			if slices.Contains(c.engines, engine) {
+				total += len(c.edge)
+				walk(c)
+			}
+		}
+	}
+	walk(&t.root)
+	return total
+}
