@@ -52,7 +52,9 @@ type Event struct {
 	Parent    uint64
 	HasParent bool
 	// Tokens are the token ids of the stored blocks, BlockSize per block.
-	Tokens    []uint32
+	Tokens []uint32
+	// BlockSize is the engine's block size; 0 when the event does not give it, for the
+	// index's own to apply.
 	BlockSize int
 	// Medium is where the blocks live ("GPU", "CPU", ...); empty when not given.
 	Medium string
@@ -65,7 +67,7 @@ type Batch struct {
 	Rank int
 	// Unknown counts events skipped for a tag this decoder does not know; Malformed counts
 	// events skipped for fields that cannot be what they claim (token ids that do not fill
-	// the blocks, a block size of 0).
+	// the blocks, a block size out of range).
 	Unknown, Malformed int
 }
 
@@ -471,13 +473,19 @@ func (r *reader) events(b *Batch) error {
 	return nil
 }
 
-// valid checks what the decoder cannot: stored token ids fill the stored blocks exactly.
+// valid checks what the decoder can of the stored blocks: their token ids fill them
+// exactly, at the given block size or, without one, at some size.
 func (e *Event) valid() bool {
 	if e.Kind != BlockStored {
 		return true
 	}
-	return e.BlockSize > 0 && e.BlockSize <= maxBlockSize && len(e.Hashes) > 0 &&
-		len(e.Tokens) == len(e.Hashes)*e.BlockSize
+	if len(e.Hashes) == 0 || e.BlockSize > maxBlockSize {
+		return false
+	}
+	if e.BlockSize == 0 {
+		return len(e.Tokens) > 0 && len(e.Tokens)%len(e.Hashes) == 0
+	}
+	return len(e.Tokens) == len(e.Hashes)*e.BlockSize
 }
 
 func kindOf(tag string) Kind {

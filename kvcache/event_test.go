@@ -46,7 +46,7 @@ func TestDecodeBatch(t *testing.T) {
 			payload: payload(t, []any{"BlockMoved", []any{1, 2, map[string]any{"x": 1}}}, cleared()),
 			want:    Batch{Unknown: 1, Events: []Event{{Kind: AllBlocksCleared}}}},
 		{name: "token ids that do not fill the blocks are malformed, the rest applies",
-			payload: payload(t, stored([]uint64{1, 2}, nil, tokensN(0, 20), 16), stored([]uint64{1}, nil, tokensN(0, 16), 0), cleared()),
+			payload: payload(t, stored([]uint64{1, 2}, nil, tokensN(0, 20), 16), stored([]uint64{1, 2, 3}, nil, tokensN(0, 20), 0), cleared()),
 			want:    Batch{Malformed: 2, Events: []Event{{Kind: AllBlocksCleared}}}},
 		{name: "a batch without a rank is rank 0",
 			payload: mustMarshal(t, []any{1.0, []any{}}),
@@ -149,10 +149,10 @@ func FuzzDecodeMessage(f *testing.F) {
 		if len(m.Batch.Events) > maxEvents {
 			t.Fatalf("%d events, over the limit", len(m.Batch.Events))
 		}
-		idx := NewIndex(1000)
+		idx := NewIndex(1000, 0)
 		for i := range m.Batch.Events {
 			ev := &m.Batch.Events[i]
-			if ev.Kind == BlockStored && len(ev.Tokens) != len(ev.Hashes)*ev.BlockSize {
+			if ev.Kind == BlockStored && ev.BlockSize > 0 && len(ev.Tokens) != len(ev.Hashes)*ev.BlockSize {
 				t.Fatalf("a stored event with %d tokens for %d blocks of %d passed", len(ev.Tokens), len(ev.Hashes), ev.BlockSize)
 			}
 			idx.Apply("e", ev) // must not panic whatever passed

@@ -175,7 +175,7 @@ type harness struct {
 func startEvents(t *testing.T, cfg EventsConfig, eps ...Endpoint) *harness {
 	t.Helper()
 	reg := prometheus.NewRegistry()
-	idx := NewIndex(0)
+	idx := NewIndex(0, 0)
 	cfg.Redial = 20 * time.Millisecond
 	ev, err := NewEvents(cfg, idx, zaptest.NewLogger(t), reg)
 	if err != nil {

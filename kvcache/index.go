@@ -20,7 +20,13 @@ const (
 	ReasonUnknownParent = "unknown_parent"
 	// ReasonIndexFull: the engine already has the most blocks the index keeps per engine.
 	ReasonIndexFull = "index_full"
+	// ReasonMalformed: the stored token ids do not fill the blocks.
+	ReasonMalformed = "malformed"
 )
+
+// DefaultBlockSize is the block size of events that give none when the index's owner gives
+// none: vLLM's default.
+const DefaultBlockSize = 16
 
 // Index is the precise view: which engine holds which block, from the engines' KV events.
 // A block's key is the index's own chained hash of its tokens (the key of the block before
@@ -29,6 +35,7 @@ const (
 // Its methods are safe for concurrent use.
 type Index struct {
 	maxBlocks int
+	blockSize int
 
 	mu      sync.RWMutex
 	engines map[string]*engineBlocks
@@ -48,13 +55,17 @@ type engineBlocks struct {
 	last time.Time
 }
 
-// NewIndex returns an empty index that keeps at most maxBlocks blocks per engine (zero or
-// negative means DefaultMaxBlocks).
-func NewIndex(maxBlocks int) *Index {
+// NewIndex returns an empty index that keeps at most maxBlocks blocks per engine, taking
+// blockSize for the block size of events that give none (zero or negative: DefaultMaxBlocks
+// and DefaultBlockSize).
+func NewIndex(maxBlocks, blockSize int) *Index {
 	if maxBlocks <= 0 {
 		maxBlocks = DefaultMaxBlocks
 	}
-	return &Index{maxBlocks: maxBlocks, engines: make(map[string]*engineBlocks)}
+	if blockSize <= 0 {
+		blockSize = DefaultBlockSize
+	}
+	return &Index{maxBlocks: maxBlocks, blockSize: blockSize, engines: make(map[string]*engineBlocks)}
 }
 
 func (x *Index) engineLocked(engine string) *engineBlocks {
@@ -116,7 +127,8 @@ func mediumSalt(medium string) uint64 {
 }
 
 // Apply applies one event of engine's. It returns "" when applied, or the reason it was
-// not (ReasonUnknownParent, ReasonIndexFull). AllBlocksCleared forgets the engine.
+// not (ReasonUnknownParent, ReasonIndexFull, ReasonMalformed). AllBlocksCleared forgets the
+// engine.
 func (x *Index) Apply(engine string, ev *Event) string {
 	x.mu.Lock()
 	defer x.mu.Unlock()
@@ -140,9 +152,16 @@ func (x *Index) Apply(engine string, ev *Event) string {
 			}
 		}
 	case BlockStored:
+		bs := ev.BlockSize
+		if bs == 0 {
+			bs = x.blockSize
+		}
+		if len(ev.Tokens) != len(ev.Hashes)*bs {
+			return ReasonMalformed
+		}
 		e := x.engineLocked(engine)
 		salt := mediumSalt(ev.Medium)
-		parent := rootKey(ev.BlockSize)
+		parent := rootKey(bs)
 		if ev.HasParent {
 			p, ok := e.byHash[ev.Parent^salt]
 			if !ok {
@@ -158,10 +177,10 @@ func (x *Index) Apply(engine string, ev *Event) string {
 		if len(e.byHash)+len(ev.Hashes) > x.maxBlocks {
 			return ReasonIndexFull
 		}
-		e.blockSize = ev.BlockSize
+		e.blockSize = bs
 		d := xxhash.New()
 		for i, h := range ev.Hashes {
-			parent = chainKey(d, parent, ev.Tokens[i*ev.BlockSize:(i+1)*ev.BlockSize])
+			parent = chainKey(d, parent, ev.Tokens[i*bs:(i+1)*bs])
 			if _, dup := e.byHash[h^salt]; dup {
 				continue // stored again without a removal: still one block
 			}

@@ -55,13 +55,16 @@ func TestIndex(t *testing.T) {
 		{name: "a different prompt matches nothing",
 			steps: []step{{engine: "a", ev: storedEvent(ha, nil, prompt, bs)}},
 			query: tokensN(1, 12), want: map[string]int{"a": 0}},
+		{name: "an event without a block size takes the index's",
+			steps: []step{{engine: "a", ev: storedEvent(ha[:2], nil, prompt[:8], 0)}, {engine: "b", ev: storedEvent(hb[:1], nil, prompt[:5], 0), reason: ReasonMalformed}},
+			query: prompt, want: map[string]int{"a": 8, "b": 0}},
 		{name: "a query shorter than a block matches nothing",
 			steps: []step{{engine: "a", ev: storedEvent(ha, nil, prompt, bs)}},
 			query: prompt[:3], want: map[string]int{"a": 0}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			x := NewIndex(0)
+			x := NewIndex(0, bs)
 			for i, s := range tt.steps {
 				if got := x.Apply(s.engine, s.ev); got != s.reason {
 					t.Fatalf("step %d: Apply = %q, want %q", i, got, s.reason)
@@ -77,7 +80,7 @@ func TestIndex(t *testing.T) {
 }
 
 func TestIndexBoundsBlocksPerEngine(t *testing.T) {
-	x := NewIndex(4)
+	x := NewIndex(4, 0)
 	if got := x.Apply("a", storedEvent(engineHashes(1, 3), nil, tokensN(0, 3), 1)); got != "" {
 		t.Fatalf("first store: %q", got)
 	}
@@ -90,7 +93,7 @@ func TestIndexBoundsBlocksPerEngine(t *testing.T) {
 }
 
 func TestIndexRemovalOfTheLastCopyForgetsTheKey(t *testing.T) {
-	x := NewIndex(0)
+	x := NewIndex(0, 0)
 	h := engineHashes(1, 2)
 	x.Apply("a", storedEvent(h, nil, tokensN(0, 8), 4))
 	x.Apply("a", &Event{Kind: BlockRemoved, Hashes: h})
@@ -103,7 +106,7 @@ func TestIndexRemovalOfTheLastCopyForgetsTheKey(t *testing.T) {
 }
 
 func BenchmarkIndexMatch(b *testing.B) {
-	x := NewIndex(0)
+	x := NewIndex(0, 0)
 	const bs = 16
 	prompt := tokensN(0, 4096)
 	for i := range 8 {
