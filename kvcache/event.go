@@ -58,6 +58,10 @@ type Event struct {
 	BlockSize int
 	// Medium is where the blocks live ("GPU", "CPU", ...); empty when not given.
 	Medium string
+	// Keyed is set when the engine hashed the blocks with more than their tokens (a LoRA
+	// adapter, extra keys: a cache_salt, multimodal inputs): the same token ids under other
+	// keys are other KV, which a request's tokens alone cannot tell apart.
+	Keyed bool
 }
 
 // Batch is one message's payload.
@@ -339,6 +343,40 @@ func foldHash(p []byte) uint64 {
 	return xxhash.Sum64(p)
 }
 
+// present skips one value and reports whether it was anything but nil.
+func (r *reader) present() (bool, error) {
+	c, err := r.d.PeekCode()
+	if err != nil {
+		return false, err
+	}
+	if c == msgpcode.Nil {
+		_, err = r.br.ReadByte()
+		return false, err
+	}
+	return true, r.skip(1)
+}
+
+// anyPresent reads extra_keys, nil or an array with an entry per block, each nil or the
+// block's keys, and reports whether any block has keys.
+func (r *reader) anyPresent() (bool, error) {
+	kind, n, err := r.head(maxHashes)
+	if err != nil || kind == null {
+		return false, err
+	}
+	if kind != array {
+		return false, errors.New("extra_keys is not an array")
+	}
+	found := false
+	for range n {
+		set, err := r.present()
+		if err != nil {
+			return false, err
+		}
+		found = found || set
+	}
+	return found, nil
+}
+
 func (r *reader) hashes() ([]uint64, error) {
 	kind, n, err := r.head(maxHashes)
 	if err != nil {
@@ -502,7 +540,7 @@ func kindOf(tag string) Kind {
 
 // The positional fields of the array form, after the tag, by msgspec's field order.
 var (
-	storedFields  = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"}
+	storedFields  = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys"}
 	removedFields = []string{"block_hashes", "medium"}
 )
 
@@ -584,6 +622,14 @@ func (r *reader) eventField(e *Event, name string) error {
 		e.BlockSize = int(v)
 	case "medium":
 		e.Medium, err = r.str()
+	case "lora_id", "lora_name":
+		var set bool
+		set, err = r.present()
+		e.Keyed = e.Keyed || set
+	case "extra_keys":
+		var set bool
+		set, err = r.anyPresent()
+		e.Keyed = e.Keyed || set
 	default:
 		err = r.skip(1)
 	}

@@ -48,6 +48,20 @@ func TestDecodeBatch(t *testing.T) {
 		{name: "token ids that do not fill the blocks are malformed, the rest applies",
 			payload: payload(t, stored([]uint64{1, 2}, nil, tokensN(0, 20), 16), stored([]uint64{1, 2, 3}, nil, tokensN(0, 20), 0), cleared()),
 			want:    Batch{Malformed: 2, Events: []Event{{Kind: AllBlocksCleared}}}},
+		{name: "blocks of a LoRA adapter or with extra keys are marked keyed",
+			payload: payload(t,
+				[]any{"BlockStored", []uint64{1}, nil, tokensN(0, 4), 4, 3, "GPU", nil},
+				[]any{"BlockStored", []uint64{2}, nil, tokensN(0, 4), 4, nil, "GPU", "my-adapter"},
+				[]any{"BlockStored", []uint64{3}, nil, tokensN(0, 4), 4, nil, "GPU", nil, []any{[]any{"salt"}}},
+				[]any{"BlockStored", []uint64{4}, nil, tokensN(0, 4), 4, nil, "GPU", nil, []any{nil}},
+				map[string]any{"type": "BlockStored", "block_hashes": []uint64{5}, "token_ids": tokensN(0, 4), "block_size": 4, "lora_name": "a"}),
+			want: Batch{Events: []Event{
+				{Kind: BlockStored, Hashes: []uint64{1}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU", Keyed: true},
+				{Kind: BlockStored, Hashes: []uint64{2}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU", Keyed: true},
+				{Kind: BlockStored, Hashes: []uint64{3}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU", Keyed: true},
+				{Kind: BlockStored, Hashes: []uint64{4}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU"},
+				{Kind: BlockStored, Hashes: []uint64{5}, Tokens: tokensN(0, 4), BlockSize: 4, Keyed: true},
+			}}},
 		{name: "a batch without a rank is rank 0",
 			payload: mustMarshal(t, []any{1.0, []any{}}),
 			want:    Batch{Events: []Event{}}},
@@ -72,7 +86,7 @@ func equalBatch(a, b Batch) bool {
 	for i := range a.Events {
 		x, y := a.Events[i], b.Events[i]
 		if x.Kind != y.Kind || x.Parent != y.Parent || x.HasParent != y.HasParent || x.BlockSize != y.BlockSize ||
-			x.Medium != y.Medium || len(x.Hashes) != len(y.Hashes) || len(x.Tokens) != len(y.Tokens) {
+			x.Medium != y.Medium || x.Keyed != y.Keyed || len(x.Hashes) != len(y.Hashes) || len(x.Tokens) != len(y.Tokens) {
 			return false
 		}
 		for j := range x.Hashes {

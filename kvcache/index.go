@@ -9,9 +9,10 @@ import (
 )
 
 // DefaultMaxBlocks bounds how many blocks the index keeps per engine when its owner gives
-// no bound: well above what one engine's GPU holds (an 80 GB card holds a few hundred
-// thousand 16-token blocks of a 8B model), and what a hostile publisher can make it keep.
-const DefaultMaxBlocks = 1 << 21
+// no bound: 16M tokens in 16-token blocks, far above what one engine's GPU holds (an 80 GB
+// card holds about 30 thousand blocks of an 8B model's KV), offloaded copies included; and
+// what a hostile publisher can make it keep, about 100 MB.
+const DefaultMaxBlocks = 1 << 20
 
 // Reasons an event is not applied, as the metrics' reason label has them.
 const (
@@ -22,6 +23,10 @@ const (
 	ReasonIndexFull = "index_full"
 	// ReasonMalformed: the stored token ids do not fill the blocks.
 	ReasonMalformed = "malformed"
+	// ReasonExtraKeys: the engine hashed the blocks with more than their tokens (a LoRA, a
+	// cache_salt, multimodal inputs); indexed by tokens alone they would draw requests whose
+	// tokens match but whose KV differs.
+	ReasonExtraKeys = "extra_keys"
 )
 
 // DefaultBlockSize is the block size of events that give none when the index's owner gives
@@ -127,8 +132,8 @@ func mediumSalt(medium string) uint64 {
 }
 
 // Apply applies one event of engine's. It returns "" when applied, or the reason it was
-// not (ReasonUnknownParent, ReasonIndexFull, ReasonMalformed). AllBlocksCleared forgets the
-// engine.
+// not (ReasonUnknownParent, ReasonIndexFull, ReasonMalformed, ReasonExtraKeys).
+// AllBlocksCleared forgets the engine.
 func (x *Index) Apply(engine string, ev *Event) string {
 	x.mu.Lock()
 	defer x.mu.Unlock()
@@ -158,6 +163,9 @@ func (x *Index) Apply(engine string, ev *Event) string {
 		}
 		if len(ev.Tokens) != len(ev.Hashes)*bs {
 			return ReasonMalformed
+		}
+		if ev.Keyed {
+			return ReasonExtraKeys
 		}
 		e := x.engineLocked(engine)
 		salt := mediumSalt(ev.Medium)

@@ -29,7 +29,7 @@ func newMetrics(index *Index) *metrics {
 		}, []string{"backend", "type"}),
 		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "kv_events_dropped_total",
-			Help: "KV event messages or events not applied, by reason: frames (not [topic, 8-byte sequence, payload]), decode (a payload that is no batch of events), unknown_topic (a topic naming no backend), unknown_tag, malformed (token ids that do not fill the blocks), unknown_parent (blocks continuing a block the index does not know), index_full.",
+			Help: "KV event messages or events not applied, by reason: frames (not [topic, 8-byte sequence, payload]), decode (a payload that is no batch of events), unknown_topic (a topic naming no backend), unknown_tag, malformed (token ids that do not fill the blocks), unknown_parent (blocks continuing a block the index does not know), extra_keys (blocks hashed with a LoRA, a cache_salt or multimodal inputs, which tokens alone cannot match), index_full.",
 		}, []string{"backend", "reason"}),
 		resets: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "kv_index_resets_total",

@@ -282,7 +282,7 @@ type KVEventsConfig struct {
 	// ReplayTimeout bounds one replay after a gap. Zero means 1s.
 	ReplayTimeout time.Duration `yaml:"replay_timeout"`
 	// MaxBlocksPerBackend bounds the blocks the index keeps of each engine: events past it
-	// are dropped and counted (index_full). Zero means 2Mi, far above a GPU's. Read at start.
+	// are dropped and counted (index_full). Zero means 1Mi, far above a GPU's. Read at start.
 	MaxBlocksPerBackend int `yaml:"max_blocks_per_backend"`
 }
 

@@ -43,7 +43,7 @@
 //	  listen: ""                # tcp://*:5557: a SUB engines dial, topic kv@<url host:port>@<model>; read at start
 //	  stale_after: 60s          # an engine silent longer is scored by the routed text
 //	  replay_timeout: 1s
-//	  max_blocks_per_backend: 2097152
+//	  max_blocks_per_backend: 1048576
 //	tokenizer: engine           # precise_cache_aware tokenizes with an engine's POST /tokenize
 //	tokenize_timeout: 1s
 //	block_size: 16              # for events that give none; read at start
