@@ -104,6 +104,9 @@ func NewEvents(cfg EventsConfig, index *Index, logger *zap.Logger, reg prometheu
 			return nil, fmt.Errorf("kv_events.listen: %w", err)
 		}
 	}
+	if err := registerTransport(); err != nil {
+		return nil, fmt.Errorf("kv events: register the bounded tcp transport: %w", err)
+	}
 	e := &Events{
 		cfg: cfg, index: index, logger: logger, metrics: newMetrics(index), now: time.Now,
 		endpoints: make(map[string]Endpoint), byHost: make(map[string]string),
@@ -261,7 +264,7 @@ func (e *Events) dial(ctx context.Context, ep Endpoint) {
 		sub := zmq4.NewSub(ctx, e.zlog, zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(e.cfg.Redial))
 		err := sub.SetOption(zmq4.OptionSubscribe, "")
 		if err == nil {
-			err = sub.Dial(ep.Dial)
+			err = sub.Dial(bounded(ep.Dial))
 		}
 		if err == nil {
 			failing = false
@@ -287,7 +290,7 @@ func (e *Events) listen(ctx context.Context) {
 		sub := zmq4.NewSub(ctx, e.zlog)
 		err := sub.SetOption(zmq4.OptionSubscribe, "")
 		if err == nil {
-			err = sub.Listen(e.cfg.Listen)
+			err = sub.Listen(bounded(e.cfg.Listen))
 		}
 		if err != nil {
 			sub.Close()
@@ -435,7 +438,7 @@ func (e *Events) replay(ctx context.Context, endpoint string, from, until uint64
 	d := zmq4.NewDealer(ctx, e.zlog, zmq4.WithDialerMaxRetries(0), zmq4.WithTimeout(e.cfg.ReplayTimeout),
 		zmq4.WithDialerTimeout(e.cfg.ReplayTimeout))
 	defer d.Close()
-	if err := d.Dial(endpoint); err != nil {
+	if err := d.Dial(bounded(endpoint)); err != nil {
 		return nil, err
 	}
 	var start [8]byte

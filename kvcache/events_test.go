@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"io"
+	"net"
 	"sync"
 	"testing"
 	"time"
@@ -434,4 +436,76 @@ func TestEventsListening(t *testing.T) {
 			t.Errorf("index holds %d engines, want the 2 backends", got)
 		}
 	})
+}
+
+func TestEventsListeningSurvivesAPeerAnnouncingAHugeFrame(t *testing.T) {
+	h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"}, Endpoint{Engine: "a", HostPort: "10.0.0.1:8000"})
+	select {
+	case <-h.ev.Bound():
+	case <-time.After(waitTimeout):
+		t.Fatal("the listening socket never bound")
+	}
+	for _, header := range [][]byte{
+		{0x06, 0, 0, 1, 0, 0, 0, 0, 0}, // a command frame of 2^40 bytes: the handshake
+		{0x06, 0x7f, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff},
+	} {
+		c, err := net.Dial("tcp", h.ev.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		// ZMTP 3.0's greeting with the NULL mechanism, then the hostile frame header.
+		greeting := make([]byte, 64)
+		greeting[0], greeting[9], greeting[10], greeting[11] = 0xff, 0x7f, 3, 0
+		copy(greeting[12:], "NULL")
+		if _, err := c.Write(append(greeting, header...)); err != nil {
+			t.Fatal(err)
+		}
+		_ = c.SetReadDeadline(time.Now().Add(waitTimeout))
+		if _, err := io.Copy(io.Discard, c); err != nil {
+			t.Errorf("the proxy did not close the connection of a peer announcing a huge frame: %v", err)
+		}
+		c.Close()
+	}
+	p := newPubEngine(t, "tcp://"+h.ev.Addr().String(), "kv@10.0.0.1:8000@m")
+	h.connect(p, "a")
+	p.publish(payload(t, stored(engineHashes(1, 1), nil, tokensN(0, bs), bs)))
+	h.waitMatched("a", tokensN(0, bs), bs)
+}
+
+func TestBoundedConnFollowsFraming(t *testing.T) {
+	frame := func(flags byte, body []byte) []byte {
+		if len(body) > 255 {
+			var b [8]byte
+			binary.BigEndian.PutUint64(b[:], uint64(len(body)))
+			return append(append([]byte{flags | flagLong}, b[:]...), body...)
+		}
+		return append([]byte{flags, byte(len(body))}, body...)
+	}
+	stream := append(make([]byte, zmtpGreeting), frame(0x04, []byte("\x05READY"))...)
+	stream = append(stream, frame(0x01, []byte("topic"))...)
+	stream = append(stream, frame(0x00, make([]byte, 1000))...)
+	tests := []struct {
+		name    string
+		stream  []byte
+		chunk   int
+		wantErr bool
+	}{
+		{name: "frames within the bound pass, read whole", stream: stream, chunk: len(stream)},
+		{name: "frames within the bound pass, read a byte at a time", stream: stream, chunk: 1},
+		{name: "a long frame over the bound is refused", stream: append(append([]byte(nil), stream...), 0x02, 0, 0, 0, 0, 0x10, 0, 0, 0), chunk: 7, wantErr: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := &boundedConn{greeting: zmtpGreeting}
+			var err error
+			for b := tt.stream; len(b) > 0 && err == nil; {
+				k := min(tt.chunk, len(b))
+				err = c.follow(b[:k])
+				b = b[k:]
+			}
+			if (err != nil) != tt.wantErr {
+				t.Errorf("follow error = %v, want error %v", err, tt.wantErr)
+			}
+		})
+	}
 }
