@@ -165,3 +165,16 @@ func tokenize(ctx context.Context, b *Backend, req TokenizeRequest) ([]uint32, e
 	}
 	return out.Tokens, nil
 }
+
+// CachedTokens returns how many of tokens' leading tokens the backend called name holds in
+// its prefix cache as its KV events tell, in whole blocks: what conditional disaggregation
+// weighs against the prompt's length. ok is false when the proxy has no events of the
+// backend newer than kv_events.stale_after, so nothing can be said.
+func (r *Router) CachedTokens(name string, tokens []uint32) (n int, ok bool) {
+	v := r.index.Match(kvcache.NewMatcher(tokens), name)
+	stale := r.staleAfter.Load()
+	if v.Last.IsZero() || stale == nil || r.now().Sub(v.Last) >= *stale {
+		return 0, false
+	}
+	return v.Matched, true
+}

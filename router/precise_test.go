@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -19,6 +20,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/kvcache"
 )
 
 // kvPublisher is an engine's KV event publisher as vLLM runs it: a PUB socket sending
@@ -531,5 +533,42 @@ func TestWantsTokensOnlyForPrecise(t *testing.T) {
 	})
 	if !r.WantsTokens(RolePrefill) || r.WantsTokens(RoleDecode) {
 		t.Errorf("WantsTokens(prefill) = %v, (decode) = %v; want true, false", r.WantsTokens(RolePrefill), r.WantsTokens(RoleDecode))
+	}
+}
+
+func TestCachedTokensSaysWhatADecoderHolds(t *testing.T) {
+	r := startPrecise(t, listenCfg())
+	d0 := newKVPublisher(t, r.listenAddr(t), "kv@10.0.0.1:8000@model")
+	r.connect(t, d0, "d0")
+	prompt := promptTokens(0, 3*kvBlock+5)
+	d0.publish(blockStored(hashesOf(1, 2), nil, prompt[:2*kvBlock]))
+	r.waitBlocks(t, "d0", 2)
+	if n, ok := r.CachedTokens("d0", prompt); !ok || n != 2*kvBlock {
+		t.Errorf("CachedTokens(d0) = %d, %v; want %d, true", n, ok, 2*kvBlock)
+	}
+	if n, ok := r.CachedTokens("d1", prompt); ok {
+		t.Errorf("CachedTokens(d1), never heard from, = %d, true; want false", n)
+	}
+}
+
+func BenchmarkPreciseCacheAwareSelect(b *testing.B) {
+	const engines = 8
+	index := kvcache.NewIndex(0, kvBlock)
+	bs := testBackends(make([]int64, engines)...)
+	prompt := promptTokens(0, 4096)
+	for i, be := range bs {
+		// Each engine holds the first 64 blocks, one of them the whole prompt.
+		n := 64
+		if i == 0 {
+			n = len(prompt) / kvBlock
+		}
+		index.Apply(be.Name, &kvcache.Event{Kind: kvcache.BlockStored, Hashes: hashesOf(uint64(i), n), Tokens: prompt[:n*kvBlock], BlockSize: kvBlock})
+		index.Touch(be.Name, time.Now())
+	}
+	p := NewCacheAware(CacheAwareConfig{}, index, time.Hour)
+	text := strings.Repeat("x", 16<<10)
+	b.ReportAllocs()
+	for b.Loop() {
+		p.Select(bs, Hint{Tokens: prompt, Text: text})
 	}
 }

@@ -122,6 +122,8 @@ type Router struct {
 	index   *kvcache.Index
 	events  *kvcache.Events
 	kvStart kvStart
+	// staleAfter is kv_events.stale_after in force.
+	staleAfter atomic.Pointer[time.Duration]
 }
 
 // kvStart is the KV event settings read once, at New.
@@ -470,6 +472,8 @@ func (r *Router) apply(cfg Config) error {
 			b.st.up.Store(true)
 		}
 	}
+	stale := cfg.KVEvents.StaleAfter
+	r.staleAfter.Store(&stale)
 	r.settings.Store(&settings{health: cfg.Health, ejection: cfg.Ejection, scrapeInterval: cfg.ScrapeInterval,
 		tokenizeTimeout: cfg.TokenizeTimeout})
 
