@@ -390,7 +390,11 @@ func (e *Events) handle(ctx context.Context, ep Endpoint, frames [][]byte) {
 	e.mu.Unlock()
 
 	switch {
-	case !seen || m.Seq == last+1:
+	case !seen:
+		if m.Seq > 0 && ep.Replay != "" {
+			e.catchUp(ctx, ep, m.Seq)
+		}
+	case m.Seq == last+1:
 	case m.Seq <= last:
 		// The engine restarted (its sequence starts again at 0, or 1 for some simulators):
 		// nothing it held survived.
@@ -412,7 +416,7 @@ func (e *Events) fill(ctx context.Context, ep Endpoint, from, until uint64) {
 		e.reset(ep.Engine, "gap")
 		return
 	}
-	batches, err := e.replay(ctx, ep.Replay, from, until)
+	batches, err := e.replay(ctx, ep.Replay, from, until, false)
 	if err != nil {
 		e.metrics.replays.WithLabelValues(ep.Engine, "failed").Inc()
 		e.logger.Warn("kv events: replay failed; the engine's cache is forgotten until new events",
@@ -426,13 +430,37 @@ func (e *Events) fill(ctx context.Context, ep Endpoint, from, until uint64) {
 	}
 }
 
+// catchUp asks the replay endpoint for what the engine published before the first message
+// seen: the blocks it stored while the proxy was not listening (a proxy restarted or scaled
+// out) are in the engine's replay buffer. Whatever part of it comes back helps; a failure
+// only leaves the engine as little known as it was.
+func (e *Events) catchUp(ctx context.Context, ep Endpoint, until uint64) {
+	from := uint64(0)
+	if until > maxReplay {
+		from = until - maxReplay
+	}
+	batches, err := e.replay(ctx, ep.Replay, from, until, true)
+	if err != nil {
+		e.metrics.replays.WithLabelValues(ep.Engine, "failed").Inc()
+		if ce := e.logger.Check(zap.DebugLevel, "kv events: catching up by replay failed"); ce != nil {
+			ce.Write(zap.String("backend", ep.Engine), zap.Error(err))
+		}
+		return
+	}
+	e.metrics.replays.WithLabelValues(ep.Engine, "ok").Inc()
+	for i := range batches {
+		e.apply(ep.Engine, &batches[i])
+	}
+}
+
 // endSeq is the replay's end marker's sequence: -1 as 8 bytes.
 const endSeq = ^uint64(0)
 
 // replay asks a replay endpoint for the batches from..until-1: a DEALER sends [empty, start
 // sequence] to the engine's ROUTER, which answers [empty, sequence, payload] per batch it
-// still has from there, then [empty, -1, empty].
-func (e *Events) replay(ctx context.Context, endpoint string, from, until uint64) ([]Batch, error) {
+// still has from there, then [empty, -1, empty]. With partial, the answer may start later
+// and end earlier (the engine's buffer no longer has the oldest), but has no hole.
+func (e *Events) replay(ctx context.Context, endpoint string, from, until uint64, partial bool) ([]Batch, error) {
 	ctx, cancel := context.WithTimeout(ctx, e.cfg.ReplayTimeout)
 	defer cancel()
 	d := zmq4.NewDealer(ctx, e.zlog, zmq4.WithDialerMaxRetries(0), zmq4.WithTimeout(e.cfg.ReplayTimeout),
@@ -462,12 +490,18 @@ func (e *Events) replay(ctx context.Context, endpoint string, from, until uint64
 		}
 		seq := binary.BigEndian.Uint64(frames[0])
 		switch {
+		case seq == endSeq && partial:
+			return out, nil
 		case seq == endSeq:
 			return nil, fmt.Errorf("replay ended at %d, before %d: the engine no longer has the rest", next, until)
 		case seq < next:
 			continue
+		case seq >= until && partial:
+			return out, nil
+		case seq > next && partial && len(out) == 0:
+			next = seq // the buffer starts later than asked
 		case seq > next:
-			return nil, fmt.Errorf("replay starts at %d, not %d: the engine no longer has the rest", seq, next)
+			return nil, fmt.Errorf("replay jumps to %d, not %d: the engine no longer has the rest", seq, next)
 		}
 		b, err := DecodeBatch(frames[1])
 		if err != nil {

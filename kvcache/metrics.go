@@ -37,7 +37,7 @@ func newMetrics(index *Index) *metrics {
 		}, []string{"backend", "reason"}),
 		replays: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "kv_events_replays_total",
-			Help: "Replays asked of an engine's replay endpoint after a sequence gap, by result: ok (every missed batch came back), failed (no answer in time, or the engine no longer had them: the engine is forgotten).",
+			Help: "Replays asked of an engine's replay endpoint, after a sequence gap or to catch up on what the engine published before the proxy's first message from it, by result: ok (after a gap: every missed batch came back), failed (no answer in time, or after a gap the engine no longer had them: the engine is forgotten).",
 		}, []string{"backend", "result"}),
 		blocks: prometheus.NewDesc(ns+"_kv_index_blocks",
 			"Blocks the index holds for an engine, as its KV events told them.", []string{"backend"}, nil),

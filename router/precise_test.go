@@ -399,8 +399,8 @@ func TestPreciseCacheAwareDialedEngineWithReplay(t *testing.T) {
 	pub.lose(blockStored(h[1:3], h[0], prompt[kvBlock:3*kvBlock]))
 	pub.publish(blockStored(h[3:], h[2], prompt[3*kvBlock:]))
 	r.waitBlocks(t, "d0", 4)
-	if n := testutil.Value(t, r.reg, "pdproxy_kv_events_replays_total", map[string]string{"backend": "d0", "result": "ok"}); n != 1 {
-		t.Errorf("replays ok = %v, want 1", n)
+	if n := testutil.Value(t, r.reg, "pdproxy_kv_events_replays_total", map[string]string{"backend": "d0", "result": "ok"}); n < 1 {
+		t.Errorf("replays ok = %v, want at least the gap's", n)
 	}
 	if got := r.pick(t, Hint{Tokens: prompt}, map[string]int{"d0": 3}); got != "d0" {
 		t.Errorf("picked %s, want d0, which holds the whole prompt once the gap was replayed", got)
