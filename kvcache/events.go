@@ -69,9 +69,11 @@ type Events struct {
 
 	mu        sync.Mutex
 	endpoints map[string]Endpoint // by engine
-	byHost    map[string]string   // HostPort -> engine
-	streams   map[streamKey]*stream
-	wake      chan struct{}
+	// byHost names the engines at each HostPort: more than one when an engine serves in
+	// both roles, as two backends.
+	byHost  map[string][]string
+	streams map[streamKey]*stream
+	wake    chan struct{}
 
 	addr  atomic.Pointer[net.Addr]
 	bound chan struct{}
@@ -109,7 +111,7 @@ func NewEvents(cfg EventsConfig, index *Index, logger *zap.Logger, reg prometheu
 	}
 	e := &Events{
 		cfg: cfg, index: index, logger: logger, metrics: newMetrics(index), now: time.Now,
-		endpoints: make(map[string]Endpoint), byHost: make(map[string]string),
+		endpoints: make(map[string]Endpoint), byHost: make(map[string][]string),
 		streams: make(map[streamKey]*stream), wake: make(chan struct{}, 1), bound: make(chan struct{}),
 	}
 	// zmq4 logs its connection troubles itself; they go to ours, at debug.
@@ -151,11 +153,11 @@ func CheckEndpoint(ep string, bind bool) error {
 func (e *Events) SetEndpoints(eps []Endpoint) {
 	e.mu.Lock()
 	next := make(map[string]Endpoint, len(eps))
-	e.byHost = make(map[string]string, len(eps))
+	e.byHost = make(map[string][]string, len(eps))
 	for _, ep := range eps {
 		next[ep.Engine] = ep
 		if ep.HostPort != "" {
-			e.byHost[ep.HostPort] = ep.Engine
+			e.byHost[ep.HostPort] = append(e.byHost[ep.HostPort], ep.Engine)
 		}
 	}
 	var gone []string
@@ -269,7 +271,7 @@ func (e *Events) dial(ctx context.Context, ep Endpoint) {
 		if err == nil {
 			failing = false
 			e.logger.Info("kv events: subscribed", zap.String("backend", ep.Engine), zap.String("endpoint", ep.Dial))
-			e.receive(ctx, sub, func([][]byte) (Endpoint, bool) { return ep, true }, true)
+			e.receive(ctx, sub, func([][]byte) []Endpoint { return []Endpoint{ep} }, true)
 		} else if !failing && ctx.Err() == nil {
 			e.logger.Warn("kv events: dial failed; dialing again", zap.String("backend", ep.Engine),
 				zap.String("endpoint", ep.Dial), zap.Duration("every", e.cfg.Redial), zap.Error(err))
@@ -313,30 +315,30 @@ func (e *Events) listen(ctx context.Context) {
 	}
 }
 
-// byTopic names the engine of a message on the listening socket by its topic,
-// "kv@<host:port>@<model>".
-func (e *Events) byTopic(frames [][]byte) (Endpoint, bool) {
+// byTopic names the engines of a message on the listening socket by its topic,
+// "kv@<host:port>@<model>": none if the topic names no backend.
+func (e *Events) byTopic(frames [][]byte) []Endpoint {
 	if len(frames) == 0 {
-		return Endpoint{}, false
+		return nil
 	}
 	rest, ok := strings.CutPrefix(string(frames[0]), "kv@")
 	if !ok {
-		return Endpoint{}, false
+		return nil
 	}
 	hostPort, _, _ := strings.Cut(rest, "@")
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	name, ok := e.byHost[hostPort]
-	if !ok {
-		return Endpoint{}, false
+	var out []Endpoint
+	for _, name := range e.byHost[hostPort] {
+		out = append(out, e.endpoints[name])
 	}
-	return e.endpoints[name], true
+	return out
 }
 
 // receive handles sub's messages until ctx is done. A receive error is a connection that
 // dropped (zmq4 reports it once): a listening socket carries on with the others, a dialed one
 // returns (once, when once is set) for its owner to dial again.
-func (e *Events) receive(ctx context.Context, sub zmq4.Socket, who func([][]byte) (Endpoint, bool), once bool) {
+func (e *Events) receive(ctx context.Context, sub zmq4.Socket, who func([][]byte) []Endpoint, once bool) {
 	for {
 		msg, err := sub.Recv()
 		if ctx.Err() != nil {
@@ -351,12 +353,14 @@ func (e *Events) receive(ctx context.Context, sub zmq4.Socket, who func([][]byte
 			}
 			continue
 		}
-		ep, ok := who(msg.Frames)
-		if !ok {
+		eps := who(msg.Frames)
+		if len(eps) == 0 {
 			e.metrics.dropped.WithLabelValues(unknownBackend, "unknown_topic").Inc()
 			continue
 		}
-		e.handle(ctx, ep, msg.Frames)
+		for _, ep := range eps {
+			e.handle(ctx, ep, msg.Frames)
+		}
 	}
 }
 

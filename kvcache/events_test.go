@@ -196,6 +196,17 @@ func startEvents(t *testing.T, cfg EventsConfig, eps ...Endpoint) *harness {
 	return h
 }
 
+// listenAddr waits for the listening socket and returns its endpoint.
+func (h *harness) listenAddr() string {
+	h.t.Helper()
+	select {
+	case <-h.ev.Bound():
+	case <-time.After(waitTimeout):
+		h.t.Fatal("the listening socket never bound")
+	}
+	return "tcp://" + h.ev.Addr().String()
+}
+
 func (h *harness) stop() {
 	h.cancel()
 	select {
@@ -419,12 +430,7 @@ func TestEventsListening(t *testing.T) {
 	prompt := tokensN(0, 16)
 	h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"},
 		Endpoint{Engine: "a", HostPort: "10.0.0.1:8000"}, Endpoint{Engine: "b", HostPort: "10.0.0.2:8000"})
-	select {
-	case <-h.ev.Bound():
-	case <-time.After(waitTimeout):
-		t.Fatal("the listening socket never bound")
-	}
-	listen := "tcp://" + h.ev.Addr().String()
+	listen := h.listenAddr()
 	a := newPubEngine(t, listen, "kv@10.0.0.1:8000@model")
 	b := newPubEngine(t, listen, "kv@10.0.0.2:8000@model")
 	stranger := newPubEngine(t, listen, "kv@10.9.9.9:8000@model")
@@ -436,6 +442,15 @@ func TestEventsListening(t *testing.T) {
 		b.publish(payload(t, stored(engineHashes(2, 2), nil, prompt[:8], bs)))
 		h.waitMatched("a", prompt, 16)
 		h.waitMatched("b", prompt, 8)
+	})
+	t.Run("an engine serving in both roles feeds both its backends", func(t *testing.T) {
+		h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"},
+			Endpoint{Engine: "prefill-10.0.0.5:8000", HostPort: "10.0.0.5:8000"}, Endpoint{Engine: "decode-10.0.0.5:8000", HostPort: "10.0.0.5:8000"})
+		p := newPubEngine(t, h.listenAddr(), "kv@10.0.0.5:8000@model")
+		h.connect(p, "decode-10.0.0.5:8000")
+		p.publish(payload(t, stored(engineHashes(1, 4), nil, prompt, bs)))
+		h.waitMatched("prefill-10.0.0.5:8000", prompt, 16)
+		h.waitMatched("decode-10.0.0.5:8000", prompt, 16)
 	})
 	t.Run("a topic naming no backend is dropped and counted", func(t *testing.T) {
 		waitFor(t, func() (bool, string) {
@@ -451,11 +466,7 @@ func TestEventsListening(t *testing.T) {
 
 func TestEventsListeningSurvivesAPeerAnnouncingAHugeFrame(t *testing.T) {
 	h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"}, Endpoint{Engine: "a", HostPort: "10.0.0.1:8000"})
-	select {
-	case <-h.ev.Bound():
-	case <-time.After(waitTimeout):
-		t.Fatal("the listening socket never bound")
-	}
+	h.listenAddr()
 	for _, header := range [][]byte{
 		{0x06, 0, 0, 1, 0, 0, 0, 0, 0}, // a command frame of 2^40 bytes: the handshake
 		{0x06, 0x7f, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff},
