@@ -36,6 +36,9 @@ type Tree struct {
 	bytes    int
 	nodes    int
 	tick     uint64
+	// text is how many bytes of text each engine has on the tree, kept as nodes change so
+	// that showing it never walks the tree.
+	text map[string]int
 }
 
 type node struct {
@@ -65,7 +68,7 @@ func NewTree(maxBytes int) *Tree {
 	if maxBytes <= 0 {
 		maxBytes = DefaultMaxTreeBytes
 	}
-	return &Tree{maxBytes: maxBytes}
+	return &Tree{maxBytes: maxBytes, text: make(map[string]int)}
 }
 
 // Insert records that text was routed to engine. A text longer than half the bound is
@@ -90,6 +93,7 @@ func (t *Tree) Insert(text, engine string) {
 			n.children = append(n.children, leaf)
 			t.bytes += leaf.cost()
 			t.nodes++
+			t.text[engine] += len(leaf.edge)
 			break
 		}
 		k := commonPrefix(c.edge, rest)
@@ -99,6 +103,7 @@ func (t *Tree) Insert(text, engine string) {
 		if !slices.Contains(c.engines, engine) {
 			c.engines = append(c.engines, engine)
 			t.bytes += markOverhead
+			t.text[engine] += len(c.edge)
 		}
 		c.last = t.tick
 		n, rest = c, rest[k:]
@@ -219,6 +224,9 @@ func (t *Tree) removeLocked(n *node) {
 		}
 		t.bytes -= n.cost()
 		t.nodes--
+		for _, e := range n.engines {
+			t.untext(e, len(n.edge))
+		}
 	}
 	drop(n)
 	p := n.parent
@@ -236,9 +244,14 @@ func (t *Tree) Retain(keep func(engine string) bool) {
 	walk = func(n *node) {
 		for i := 0; i < len(n.children); {
 			c := n.children[i]
-			before := len(c.engines)
-			c.engines = slices.DeleteFunc(c.engines, func(e string) bool { return !keep(e) })
-			t.bytes -= markOverhead * (before - len(c.engines))
+			c.engines = slices.DeleteFunc(c.engines, func(e string) bool {
+				if keep(e) {
+					return false
+				}
+				t.bytes -= markOverhead
+				t.untext(e, len(c.edge))
+				return true
+			})
 			if len(c.engines) == 0 {
 				// Nobody on c means nobody below it either.
 				t.removeLocked(c)
@@ -249,6 +262,12 @@ func (t *Tree) Retain(keep func(engine string) bool) {
 		}
 	}
 	walk(&t.root)
+}
+
+func (t *Tree) untext(engine string, n int) {
+	if t.text[engine] -= n; t.text[engine] <= 0 {
+		delete(t.text, engine)
+	}
 }
 
 // Forget forgets engine, e.g. one that went down and may come back with an empty cache.
@@ -273,22 +292,10 @@ func (t *Tree) Stats() TreeStats {
 	return TreeStats{Bytes: t.bytes, MaxBytes: t.maxBytes, Nodes: t.nodes}
 }
 
-// EngineBytes returns how many leading bytes of text the tree holds for engine, summed
-// over the texts routed to it that are still in the tree: what /debug/backends shows of the
-// approximate view.
+// EngineBytes returns how many bytes of text routed to engine the tree holds: what
+// /debug/backends shows of the approximate view.
 func (t *Tree) EngineBytes(engine string) int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	total := 0
-	var walk func(n *node)
-	walk = func(n *node) {
-		for _, c := range n.children {
-			if slices.Contains(c.engines, engine) {
-				total += len(c.edge)
-				walk(c)
-			}
-		}
-	}
-	walk(&t.root)
-	return total
+	return t.text[engine]
 }

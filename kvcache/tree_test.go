@@ -108,3 +108,25 @@ func TestTreeForgetAndRetain(t *testing.T) {
 		t.Errorf("a tree with every engine forgotten holds %+v, want nothing", s)
 	}
 }
+
+func TestTreeEngineBytesFollowsInsertsSplitsAndEvictions(t *testing.T) {
+	tr := NewTree(4 << 10)
+	tr.Insert("abcdef", "a")
+	tr.Insert("abcxyz", "b")
+	tr.Insert("abcdefgh", "a")
+	if got := tr.EngineBytes("a"); got != len("abcdefgh") {
+		t.Errorf("a holds %d bytes, want %d", got, len("abcdefgh"))
+	}
+	if got := tr.EngineBytes("b"); got != len("abcxyz") {
+		t.Errorf("b holds %d bytes, want %d", got, len("abcxyz"))
+	}
+	for i := range 200 {
+		tr.Insert(fmt.Sprintf("%03d %s", i, strings.Repeat("z", 50)), "c")
+	}
+	if got := tr.EngineBytes("a"); got != 0 {
+		t.Errorf("after a flood of newer texts a still holds %d bytes, want its texts evicted", got)
+	}
+	if got, s := tr.EngineBytes("c"), tr.Stats(); got <= 0 || got > s.Bytes {
+		t.Errorf("c holds %d bytes of a tree of %d", got, s.Bytes)
+	}
+}
