@@ -27,8 +27,10 @@ const evictToNum, evictToDen = 9, 10
 // Tree is the approximate view of a pool's prefix caches: a radix tree of the text routed
 // to each engine. A node holds the engines that were sent text through it; as an engine
 // that was sent a text was sent each of its prefixes, an engine on a node is on every node
-// above it. Memory is bounded: above the bound, the least recently routed leaves go first.
-// Its methods are safe for concurrent use.
+// above it. Memory is bounded: above the bound, the least recently routed leaves go first,
+// taken from a list kept in routing order, so that an eviction costs what it removes and
+// never a walk of the tree under the lock every pick of the pool waits for. Its methods are
+// safe for concurrent use.
 type Tree struct {
 	mu       sync.Mutex
 	root     node
@@ -39,6 +41,9 @@ type Tree struct {
 	// text is how many bytes of text each engine has on the tree, kept as nodes change so
 	// that showing it never walks the tree.
 	text map[string]int
+	// leaves are the nodes without children, least recently routed first: a ring through
+	// this sentinel.
+	leaves node
 }
 
 type node struct {
@@ -47,8 +52,10 @@ type node struct {
 	children []*node
 	// engines were sent text through this node; few, as a pool is.
 	engines []string
-	// last is the tick of the latest insert through this node: leaves are evicted by it.
+	// last is the tick of the latest insert through this node.
 	last uint64
+	// prev and next link a leaf into Tree.leaves; nil while the node is not a leaf.
+	prev, next *node
 }
 
 func (n *node) cost() int { return nodeOverhead + len(n.edge) + markOverhead*len(n.engines) }
@@ -68,7 +75,25 @@ func NewTree(maxBytes int) *Tree {
 	if maxBytes <= 0 {
 		maxBytes = DefaultMaxTreeBytes
 	}
-	return &Tree{maxBytes: maxBytes, text: make(map[string]int)}
+	t := &Tree{maxBytes: maxBytes, text: make(map[string]int)}
+	t.leaves.prev, t.leaves.next = &t.leaves, &t.leaves
+	return t
+}
+
+// link puts n among the leaves after at: &t.leaves for the least recent end, t.leaves.prev
+// for the most recent.
+func (t *Tree) link(n, at *node) {
+	n.prev, n.next = at, at.next
+	at.next.prev = n
+	at.next = n
+}
+
+func (t *Tree) unlink(n *node) {
+	if n.prev == nil {
+		return
+	}
+	n.prev.next, n.next.prev = n.next, n.prev
+	n.prev, n.next = nil, nil
 }
 
 // Insert records that text was routed to engine. A text longer than half the bound is
@@ -90,10 +115,13 @@ func (t *Tree) Insert(text, engine string) {
 			// Cloned: the text is usually a slice of a whole request body, which the tree
 			// must not keep alive.
 			leaf := &node{edge: strings.Clone(rest), parent: n, engines: []string{engine}, last: t.tick}
+			t.unlink(n) // no longer a leaf, if it was one
 			n.children = append(n.children, leaf)
+			t.link(leaf, t.leaves.prev)
 			t.bytes += leaf.cost()
 			t.nodes++
 			t.text[engine] += len(leaf.edge)
+			n = leaf
 			break
 		}
 		k := commonPrefix(c.edge, rest)
@@ -107,6 +135,10 @@ func (t *Tree) Insert(text, engine string) {
 		}
 		c.last = t.tick
 		n, rest = c, rest[k:]
+	}
+	if n.prev != nil { // the text ended on a leaf: it is the most recent now
+		t.unlink(n)
+		t.link(n, t.leaves.prev)
 	}
 	if t.bytes > t.maxBytes {
 		t.evictLocked(t.maxBytes / evictToDen * evictToNum)
@@ -174,45 +206,12 @@ func (t *Tree) Match(text string, engines []string, matched []int) {
 }
 
 // evictLocked removes the least recently routed leaves until the tree holds at most target
-// bytes. Removing leaves makes their parents leaves, so it collects again until done.
+// bytes. A parent left without children becomes a leaf as old as the one just removed, the
+// latest routed through it in the common case that nothing ended on the parent itself.
 func (t *Tree) evictLocked(target int) {
-	var leaves []*node
-	for t.bytes > target {
-		leaves = t.leavesLocked(leaves[:0])
-		if len(leaves) == 0 {
-			return
-		}
-		slices.SortFunc(leaves, func(a, b *node) int {
-			switch {
-			case a.last < b.last:
-				return -1
-			case a.last > b.last:
-				return 1
-			}
-			return 0
-		})
-		for _, l := range leaves {
-			if t.bytes <= target {
-				return
-			}
-			t.removeLocked(l)
-		}
+	for t.bytes > target && t.leaves.next != &t.leaves {
+		t.removeLocked(t.leaves.next)
 	}
-}
-
-func (t *Tree) leavesLocked(out []*node) []*node {
-	var walk func(n *node)
-	walk = func(n *node) {
-		for _, c := range n.children {
-			if len(c.children) == 0 {
-				out = append(out, c)
-			} else {
-				walk(c)
-			}
-		}
-	}
-	walk(&t.root)
-	return out
 }
 
 // removeLocked takes n and everything below it out of the tree.
@@ -222,6 +221,7 @@ func (t *Tree) removeLocked(n *node) {
 		for _, c := range n.children {
 			drop(c)
 		}
+		t.unlink(n)
 		t.bytes -= n.cost()
 		t.nodes--
 		for _, e := range n.engines {
@@ -234,6 +234,9 @@ func (t *Tree) removeLocked(n *node) {
 		p.children = slices.Delete(p.children, i, i+1)
 	}
 	n.parent = nil
+	if p != &t.root && len(p.children) == 0 {
+		t.link(p, &t.leaves)
+	}
 }
 
 // Retain forgets every engine for which keep is false, e.g. the backends a reload removed.

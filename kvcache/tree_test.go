@@ -2,6 +2,9 @@ package kvcache
 
 import (
 	"fmt"
+	"maps"
+	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -128,5 +131,102 @@ func TestTreeEngineBytesFollowsInsertsSplitsAndEvictions(t *testing.T) {
 	}
 	if got, s := tr.EngineBytes("c"), tr.Stats(); got <= 0 || got > s.Bytes {
 		t.Errorf("c holds %d bytes of a tree of %d", got, s.Bytes)
+	}
+}
+
+func TestTreeKeepsATextRoutedAgainWhileOlderOnesGo(t *testing.T) {
+	tr := NewTree(16 << 10)
+	keep := "a session that keeps coming back: " + strings.Repeat("k", 200)
+	for i := range 2000 {
+		if i%10 == 0 {
+			tr.Insert(keep, "a")
+		}
+		tr.Insert(fmt.Sprintf("one-off %04d %s", i, strings.Repeat("o", 100)), "b")
+	}
+	got := make([]int, 1)
+	tr.Match(keep, []string{"a"}, got)
+	if got[0] != len(keep) {
+		t.Errorf("the text routed again matched %d of %d bytes: it was evicted before older ones", got[0], len(keep))
+	}
+	tr.Match("one-off 0000 o", []string{"b"}, got)
+	if got[0] == len("one-off 0000 o") {
+		t.Error("the oldest one-off text is still there")
+	}
+	if s := tr.Stats(); s.Bytes > s.MaxBytes {
+		t.Errorf("tree holds %d bytes, over its bound %d", s.Bytes, s.MaxBytes)
+	}
+}
+
+// check recounts what the tree keeps count of, and its list of leaves.
+func (t *Tree) check() error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	bytes, nodes, leaves := 0, 0, map[*node]bool{}
+	text := map[string]int{}
+	var walk func(n *node) error
+	walk = func(n *node) error {
+		for _, c := range n.children {
+			if c.parent != n {
+				return fmt.Errorf("node %q has the wrong parent", c.edge)
+			}
+			for _, e := range c.engines {
+				if n != &t.root && !slices.Contains(n.engines, e) {
+					return fmt.Errorf("engine %s on %q but not on its parent %q", e, c.edge, n.edge)
+				}
+				text[e] += len(c.edge)
+			}
+			bytes += c.cost()
+			nodes++
+			if len(c.children) == 0 {
+				leaves[c] = true
+			}
+			if err := walk(c); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	if err := walk(&t.root); err != nil {
+		return err
+	}
+	listed := 0
+	for n := t.leaves.next; n != &t.leaves; n = n.next {
+		if !leaves[n] {
+			return fmt.Errorf("%q is listed as a leaf and is not one", n.edge)
+		}
+		listed++
+	}
+	switch {
+	case bytes != t.bytes || nodes != t.nodes:
+		return fmt.Errorf("counted %d bytes, %d nodes; recounted %d, %d", t.bytes, t.nodes, bytes, nodes)
+	case listed != len(leaves):
+		return fmt.Errorf("%d leaves listed of %d", listed, len(leaves))
+	case !maps.Equal(text, t.text):
+		return fmt.Errorf("text per engine counted %v, recounted %v", t.text, text)
+	}
+	return nil
+}
+
+func TestTreeKeepsItsCountsRightThroughAnyMixOfOperations(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	words := []string{"system ", "user ", "hello ", "world ", "again ", "x", "yy", "zzz"}
+	tr := NewTree(2 << 10)
+	for i := range 5000 {
+		var b strings.Builder
+		for range rng.IntN(12) {
+			b.WriteString(words[rng.IntN(len(words))])
+		}
+		engine := fmt.Sprint("e", rng.IntN(4))
+		switch rng.IntN(20) {
+		case 0:
+			tr.Forget(engine)
+		case 1:
+			tr.Retain(func(e string) bool { return e != engine })
+		default:
+			tr.Insert(b.String(), engine)
+		}
+		if err := tr.check(); err != nil {
+			t.Fatalf("after operation %d: %v", i, err)
+		}
 	}
 }
