@@ -11,6 +11,10 @@ import (
 	"net/http"
 	"net/http/httptrace"
 	"sync"
+	"sync/atomic"
+	"syscall"
+
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // maxPrefillResponse bounds how much of a prefiller's answer is read: it is one token plus
@@ -23,7 +27,13 @@ type StatusError struct {
 	Status      int
 	ContentType string
 	Body        []byte
+	// Truncated: the body was longer than maxErrorBody, and Body holds only its start.
+	Truncated bool
 }
+
+// maxErrorBody bounds how much of an error answer is kept: an engine's error is a short JSON
+// object, and one past this size is passed to nobody whole.
+const maxErrorBody = 64 << 10
 
 func (e *StatusError) Error() string {
 	// The body stays out of the message: errors end up in log lines, and an engine's error
@@ -32,10 +42,16 @@ func (e *StatusError) Error() string {
 }
 
 // CallError is a failure to get an answer from a backend at all. Connect tells whether the
-// connection was never made, so the backend provably never saw the request (safe to retry).
+// connection was never made; Unprocessed whether the backend provably never took the request
+// (it was never made, the request never went out whole, or the backend reset the connection
+// with the request unread), so that another try cannot do the work twice. A backend that
+// closed the connection cleanly after the request went out may have read all of it: neither
+// is set then, and the request must not be sent again (Go's own transport retries a POST only
+// when nothing of it was written).
 type CallError struct {
-	Connect bool
-	Err     error
+	Connect     bool
+	Unprocessed bool
+	Err         error
 }
 
 func (e *CallError) Error() string { return e.Err.Error() }
@@ -75,31 +91,71 @@ func (c Call) request(ctx context.Context) (*http.Request, error) {
 	// for gzip and decompress behind our back.
 	req.Header.Set("Accept-Encoding", "identity")
 	req.Header.Set("X-Request-Id", c.ID)
+	// The call's span (the proxy's, when it traces) goes on to the engine, whose own spans
+	// then join the trace; a call without one passes on the client's traceparent, if any.
+	traceContext.Inject(ctx, propagation.HeaderCarrier(req.Header))
 	if c.ClientID != "" {
 		req.Header.Set("X-Client-Request-Id", c.ClientID)
-	}
-	if c.OnAck != nil {
-		req.Header.Set("Expect", "100-continue")
-		req = req.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{Got100Continue: c.OnAck}))
 	}
 	return req, nil
 }
 
+// callTrace records what a call's transport reports of it: whether the request went out
+// whole, and whether the backend acknowledged it ("100 Continue", passed on to onAck).
+type callTrace struct {
+	wrote, acked atomic.Bool
+}
+
+func (t *callTrace) trace(onAck func()) *httptrace.ClientTrace {
+	return &httptrace.ClientTrace{
+		WroteRequest: func(i httptrace.WroteRequestInfo) { t.wrote.Store(i.Err == nil) },
+		Got100Continue: func() {
+			t.acked.Store(true)
+			if onAck != nil {
+				onAck()
+			}
+		},
+	}
+}
+
 // Do sends the call and returns the response of a 200, whose body the caller must close.
-// Any other status comes back as a *StatusError, a transport failure as a *CallError.
+// Any other status comes back as a *StatusError, a transport failure as a *CallError. A call
+// the backend provably never took on a connection it had kept open (the keep-alive race: it
+// closed the connection as the request went out) goes out once more on another connection,
+// as Go's transport does with a request of which nothing was written.
 func (c Call) Do(ctx context.Context) (*http.Response, error) {
-	req, err := c.request(ctx)
+	resp, err := c.do(ctx)
+	var ce *CallError
+	if errors.As(err, &ce) && ce.Unprocessed && !ce.Connect && ctx.Err() == nil {
+		resp, err = c.do(ctx)
+	}
+	return resp, err
+}
+
+func (c Call) do(ctx context.Context) (*http.Response, error) {
+	var tr callTrace
+	req, err := c.request(httptrace.WithClientTrace(ctx, tr.trace(c.OnAck)))
 	if err != nil {
 		return nil, err
 	}
+	if c.OnAck != nil {
+		req.Header.Set("Expect", "100-continue")
+	}
 	resp, err := c.Client.Do(req)
 	if err != nil {
-		return nil, &CallError{Connect: isConnectError(err), Err: fmt.Errorf("call %s%s: %w", c.BaseURL, c.Path, err)}
+		connect := isConnectError(err)
+		unread := tr.wrote.Load() && !tr.acked.Load() && isResetUnread(err)
+		return nil, &CallError{Connect: connect, Unprocessed: connect || !tr.wrote.Load() || unread,
+			Err: fmt.Errorf("call %s%s: %w", c.BaseURL, c.Path, err)}
 	}
 	if resp.StatusCode != http.StatusOK {
-		body, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody+1))
 		resp.Body.Close()
-		return nil, &StatusError{Status: resp.StatusCode, ContentType: resp.Header.Get("Content-Type"), Body: body}
+		se := &StatusError{Status: resp.StatusCode, ContentType: resp.Header.Get("Content-Type"), Body: body}
+		if len(body) > maxErrorBody {
+			se.Body, se.Truncated = body[:maxErrorBody], true
+		}
+		return nil, se
 	}
 	return resp, nil
 }
@@ -125,8 +181,8 @@ func (c Call) Prefill(ctx context.Context) (json.RawMessage, error) {
 	if _, err := buf.ReadFrom(io.LimitReader(resp.Body, maxPrefillResponse)); err != nil {
 		return nil, &CallError{Err: fmt.Errorf("read prefill answer from %s: %w", c.BaseURL, err)}
 	}
-	if c.Engine != nil {
-		return c.Engine.ParsePrefill(buf.Bytes())
+	if e, ok := c.Engine.(Sequential); ok {
+		return e.ParsePrefill(buf.Bytes())
 	}
 	return ParsePrefillResponse(buf.Bytes())
 }
@@ -137,9 +193,6 @@ func (c Call) Prefill(ctx context.Context) (json.RawMessage, error) {
 var prefillBufPool = sync.Pool{New: func() any { return new(bytes.Buffer) }}
 
 const maxPooledPrefillBuf = 64 << 10
-
-// ErrNoAbort is Engine.Abort's answer for an engine without an explicit abort.
-var ErrNoAbort = errors.New("the engine has no explicit abort")
 
 // abortRequest is SGLang's explicit abort, POST /abort_request {"rid": id, "abort_all": false}:
 // it aborts a request or frees the KV held for it; an unknown id is a no-op on the engine,
@@ -155,6 +208,7 @@ func abortRequest(ctx context.Context, client *http.Client, baseURL, id string) 
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", id)
+	traceContext.Inject(ctx, propagation.HeaderCarrier(req.Header))
 	resp, err := client.Do(req)
 	if err != nil {
 		return fmt.Errorf("abort %s on %s: %w", id, baseURL, err)
@@ -165,6 +219,18 @@ func abortRequest(ctx context.Context, client *http.Client, baseURL, id string) 
 		return fmt.Errorf("abort %s on %s: status %d", id, baseURL, resp.StatusCode)
 	}
 	return nil
+}
+
+// traceContext writes W3C traceparent and tracestate: only a context with a span has any.
+var traceContext propagation.TraceContext
+
+// isResetUnread reports whether err is a connection reset before any answer: a server that
+// closes a connection while data it has not read waits in it resets it rather than closing it
+// cleanly (RFC 1122 4.2.2.13; Linux does so), so the request was not read whole, and an engine
+// acts on a request only once it has read all of its JSON body. This is the keep-alive race:
+// an idle connection the engine closed just as the request went out on it.
+func isResetUnread(err error) bool {
+	return errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
 }
 
 // isConnectError reports whether err happened while dialing, before the request could reach

@@ -173,7 +173,7 @@ func TestCallErrors(t *testing.T) {
 func TestAbort(t *testing.T) {
 	t.Run("posts the request id to /abort_request", func(t *testing.T) {
 		srv, client, got := fakeEngine(t, func(http.ResponseWriter, *http.Request) {})
-		if err := Sim.Abort(testCtx(t), client, srv.URL, "req-9"); err != nil {
+		if err := Sim.(Aborter).Abort(testCtx(t), client, srv.URL, "req-9"); err != nil {
 			t.Fatalf("Abort: %v", err)
 		}
 		r := got()[0]
@@ -185,34 +185,32 @@ func TestAbort(t *testing.T) {
 	})
 	t.Run("a refusal is an error", func(t *testing.T) {
 		srv, client, _ := fakeEngine(t, func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusNotFound) })
-		if err := Sim.Abort(testCtx(t), client, srv.URL, "req-9"); err == nil || !strings.Contains(err.Error(), "404") {
+		if err := Sim.(Aborter).Abort(testCtx(t), client, srv.URL, "req-9"); err == nil || !strings.Contains(err.Error(), "404") {
 			t.Errorf("error %v, want one naming the 404", err)
 		}
 	})
 }
 
 func TestEngineKinds(t *testing.T) {
-	for kind, want := range map[string]bool{KindVLLM: false, KindSim: true, "": false} {
+	type caps struct{ sequential, paired, aborter bool }
+	for kind, want := range map[string]caps{
+		KindVLLM: {sequential: true}, KindVLLMLegacy: {sequential: true}, KindSim: {sequential: true, aborter: true},
+		KindSGLang: {paired: true, aborter: true}, "": {sequential: true},
+	} {
 		e, ok := Lookup(kind)
 		if !ok {
 			t.Fatalf("Lookup(%q) found no engine", kind)
 		}
-		if e.CanAbort() != want {
-			t.Errorf("Lookup(%q).CanAbort() = %v, want %v", kind, !want, want)
+		_, seq := e.(Sequential)
+		_, paired := e.(Paired)
+		_, aborter := e.(Aborter)
+		if got := (caps{seq, paired, aborter}); got != want {
+			t.Errorf("Lookup(%q) has capabilities %+v, want %+v", kind, got, want)
 		}
 	}
 	if _, ok := Lookup("tgi"); ok {
 		t.Error("Lookup(\"tgi\") found an engine")
 	}
-	t.Run("an engine without an abort says so", func(t *testing.T) {
-		srv, client, got := fakeEngine(t, func(http.ResponseWriter, *http.Request) {})
-		if err := VLLM.Abort(testCtx(t), client, srv.URL, "req-9"); !errors.Is(err, ErrNoAbort) {
-			t.Errorf("VLLM.Abort = %v, want ErrNoAbort", err)
-		}
-		if n := len(got()); n != 0 {
-			t.Errorf("the engine got %d calls, want none", n)
-		}
-	})
 }
 
 func TestPrefillParamsOutliveTheNextCall(t *testing.T) {

@@ -8,16 +8,28 @@ import (
 	"time"
 )
 
-// Engine is what pdproxy knows of one kind of inference engine in P/D mode: how the prefill,
-// decode and drain calls are built and read, whether it has an explicit abort, how long its
+// Engine is what every kind of inference engine has in P/D mode: a name, how long its
 // prefillers hold KV on their own, and what a decoder's refusal means for the KV it was sent.
-// The proxy asks these questions of a backend's engine and never of a kind's name.
+// What an engine can do beyond that is a capability it has or lacks, asked by type assertion
+// (as net/http asks an http.ResponseWriter for http.Flusher): Sequential (a prefill, then a
+// decode carrying the prefiller's params), Paired (both legs at once, paired by a bootstrap
+// room) and Aborter (an explicit abort that also frees a KV hold). The proxy asks these
+// questions of a backend's engine and never of a kind's name.
 type Engine interface {
 	// Kind is the engine's name in config ("vllm", "sim").
 	Kind() string
 	// KVHoldTimeout is how long a prefiller of this kind keeps a prefilled request's KV for a
-	// decoder before freeing it on its own (its lease, or its timer).
+	// decoder before freeing it on its own (its lease, or its timer); zero when it never does.
 	KVHoldTimeout() time.Duration
+	// RejectionFreesKV reports whether a decoder that refused a decode carrying params with
+	// this status has told the prefiller to free them, so that nobody else may send them.
+	RejectionFreesKV(status int) bool
+}
+
+// Sequential is an engine that serves a request as a prefill, then a decode that carries the
+// prefiller's kv_transfer_params (vLLM's NixlConnector).
+type Sequential interface {
+	Engine
 	// PrefillBody is the client's body rewritten for the prefiller.
 	PrefillBody(f *Fields, chat bool) ([]byte, error)
 	// DecodeBody is the client's body for the decoder, with the prefiller's params (nil: the
@@ -28,14 +40,14 @@ type Engine interface {
 	// ParsePrefill reads a prefiller's answer: the params it holds KV under, nil when it
 	// holds nothing.
 	ParsePrefill(body []byte) (json.RawMessage, error)
-	// CanAbort reports whether Abort exists: an explicit abort call that also frees a KV hold.
-	CanAbort() bool
+}
+
+// Aborter is an engine with an explicit abort call, which also frees a KV hold.
+type Aborter interface {
+	Engine
 	// Abort asks the engine to abort request id, or free the KV it holds for it. An unknown
-	// id is a no-op on the engine. Engines without one (CanAbort false) return ErrNoAbort.
+	// id is a no-op on the engine.
 	Abort(ctx context.Context, client *http.Client, baseURL, id string) error
-	// RejectionFreesKV reports whether a decoder that refused a decode carrying params with
-	// this status has told the prefiller to free them, so that nobody else may send them.
-	RejectionFreesKV(status int) bool
 }
 
 // Engine kinds, as named in config.
@@ -65,12 +77,12 @@ const (
 
 var (
 	// VLLM is the vLLM NixlConnector engine.
-	VLLM Engine = vllm{kind: KindVLLM, hold: vllmLease}
+	VLLM Sequential = vllm{kind: KindVLLM, hold: vllmLease}
 	// VLLMLegacy is vLLM from before the KV lease.
-	VLLMLegacy Engine = legacy{vllm{kind: KindVLLMLegacy, hold: vllmLegacyHold}}
+	VLLMLegacy Sequential = legacy{vllm{kind: KindVLLMLegacy, hold: vllmLegacyHold}}
 	// Sim is the simulated engine: today's vLLM, plus an explicit abort
 	// (POST /abort_request) that also frees a hold.
-	Sim Engine = sim{vllm{kind: KindSim, hold: vllmLease}}
+	Sim Sequential = sim{vllm{kind: KindSim, hold: vllmLease}}
 )
 
 func (e vllm) Kind() string                 { return e.kind }
@@ -85,10 +97,6 @@ func (vllm) DrainBody(f *Fields, chat bool, params json.RawMessage) ([]byte, err
 	return DrainBody(f, chat, params)
 }
 func (vllm) ParsePrefill(body []byte) (json.RawMessage, error) { return ParsePrefillResponse(body) }
-func (vllm) CanAbort() bool                                    { return false }
-func (vllm) Abort(context.Context, *http.Client, string, string) error {
-	return ErrNoAbort
-}
 
 // RejectionFreesKV: a vLLM decoder whose serving layer refuses a request that carries params
 // tells the prefiller to free them (vLLM #41269); so does one that aborts it before it was
@@ -111,7 +119,6 @@ func (legacy) RejectionFreesKV(int) bool { return false }
 // sim is the simulated engine: vLLM, plus SGLang's explicit abort.
 type sim struct{ vllm }
 
-func (sim) CanAbort() bool { return true }
 func (sim) Abort(ctx context.Context, client *http.Client, baseURL, id string) error {
 	return abortRequest(ctx, client, baseURL, id)
 }
@@ -136,8 +143,10 @@ func Kinds() []string { return slices.Clone(kinds) }
 
 var kinds = []string{KindVLLM, KindVLLMLegacy, KindSim, KindSGLang}
 
+// Interface guards.
 var (
-	_ Engine = vllm{}
-	_ Engine = legacy{}
-	_ Engine = sim{}
+	_ Sequential = vllm{}
+	_ Sequential = legacy{}
+	_ Sequential = sim{}
+	_ Aborter    = sim{}
 )

@@ -3,7 +3,6 @@ package kvbackend
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -59,14 +58,9 @@ func (sglang) LoadMetrics() (waiting, running, kvUsage string) {
 // so only the proxy's aborts free it. The proxy forwards no params, so it keeps no deadline.
 func (sglang) KVHoldTimeout() time.Duration { return 0 }
 
-var errPaired = errors.New("sglang runs a request as two paired legs, not as prefill then decode")
-
-func (sglang) PrefillBody(*Fields, bool) ([]byte, error)                { return nil, errPaired }
-func (sglang) DecodeBody(*Fields, json.RawMessage) ([]byte, error)      { return nil, errPaired }
-func (sglang) DrainBody(*Fields, bool, json.RawMessage) ([]byte, error) { return nil, errPaired }
-func (sglang) ParsePrefill([]byte) (json.RawMessage, error)             { return nil, errPaired }
-func (sglang) CanAbort() bool                                           { return true }
-func (sglang) RejectionFreesKV(int) bool                                { return false }
+// RejectionFreesKV is false: SGLang's legs carry no params, and a refused leg is answered by
+// aborting both.
+func (sglang) RejectionFreesKV(int) bool { return false }
 func (sglang) Abort(ctx context.Context, c *http.Client, baseURL, id string) error {
 	return abortRequest(ctx, c, baseURL, id)
 }
@@ -170,4 +164,8 @@ func bootstrapPortFrom(ctx context.Context, client *http.Client, url string) (in
 // defaultBootstrapPort is SGLang's --disaggregation-bootstrap-port default.
 const defaultBootstrapPort = 8998
 
-var _ Paired = sglang{}
+// Interface guards.
+var (
+	_ Paired  = sglang{}
+	_ Aborter = sglang{}
+)

@@ -103,7 +103,7 @@ func TestSGLangBootstrapPortDiscovery(t *testing.T) {
 
 func TestSGLangAbortIsPrefixSafeAndExplicit(t *testing.T) {
 	srv, client, got := fakeEngine(t, func(http.ResponseWriter, *http.Request) {})
-	if err := SGLang.Abort(testCtx(t), client, srv.URL, "0123456789abcdef0123456789abcdef"); err != nil {
+	if err := SGLang.(Aborter).Abort(testCtx(t), client, srv.URL, "0123456789abcdef0123456789abcdef"); err != nil {
 		t.Fatal(err)
 	}
 	r := got()[0]

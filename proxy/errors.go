@@ -1,10 +1,13 @@
 package proxy
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"net/http"
 	"strconv"
+	"strings"
+	"unicode/utf8"
 
 	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/router"
@@ -124,7 +127,7 @@ func fromBackend(err error, role router.Role, timeoutCode string) *apiError {
 	var se *kvbackend.StatusError
 	if errors.As(err, &se) {
 		if se.Status >= 400 && se.Status < 500 {
-			return &apiError{status: se.Status, raw: se.Body, rawType: se.ContentType, cause: err}
+			return clientFault(se, role, err)
 		}
 		return &apiError{status: http.StatusBadGateway, typ: "bad_gateway", code: "backend_error",
 			message: string(role) + " backend answered with status " + strconv.Itoa(se.Status), cause: err}
@@ -142,3 +145,30 @@ func fromBackend(err error, role router.Role, timeoutCode string) *apiError {
 }
 
 var errPhaseTimeout = errors.New("phase timeout")
+
+// clientFault is a backend's 4xx answer on its way to the client: as it came when it is a
+// whole JSON object (the engine's own OpenAI-shape error), else in the OpenAI shape with the
+// backend's status: a body cut at the size bound, or an empty or non-JSON one, would leave
+// the client a body it cannot parse under a JSON content type. A short plain-text reason is
+// kept in the message.
+func clientFault(se *kvbackend.StatusError, role router.Role, err error) *apiError {
+	body := bytes.TrimSpace(se.Body)
+	jsonType := se.ContentType == "" || strings.HasPrefix(strings.ToLower(strings.TrimSpace(se.ContentType)), "application/json")
+	if !se.Truncated && jsonType && len(body) > 0 && body[0] == '{' && json.Valid(body) {
+		return &apiError{status: se.Status, raw: se.Body, rawType: "application/json", cause: err}
+	}
+	msg := string(role) + " backend refused the request with status " + strconv.Itoa(se.Status)
+	if strings.HasPrefix(strings.ToLower(se.ContentType), "text/plain") && !se.Truncated && len(body) > 0 && len(body) <= 512 && utf8.Valid(body) {
+		msg += ": " + string(body)
+	}
+	typ := "invalid_request_error"
+	switch se.Status {
+	case http.StatusUnauthorized, http.StatusForbidden:
+		typ = "authentication_error"
+	case http.StatusNotFound:
+		typ = "not_found_error"
+	case http.StatusTooManyRequests:
+		typ = "rate_limit_exceeded"
+	}
+	return &apiError{status: se.Status, typ: typ, code: "backend_refused", message: msg, cause: err}
+}

@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
 	"github.com/pdproxy/pdproxy/kvbackend"
@@ -40,10 +41,12 @@ type exchange struct {
 	req      *genRequest
 	hdr      http.Header // headers passed on to backends
 
-	// own is the request's custody (its table entry, its decoder's lease, a hold on its way
-	// to the decoder) while the exchange has it; nil once it went to a release or to a
-	// prefill let finish in the background (abort.go).
+	// own is the request's custody (its table entry, its decoder's lease, a hold no decoder
+	// acknowledged) while the exchange has it; nil once it went to a release, to the legs'
+	// abort, or to a prefill let finish in the background (abort.go).
 	own *custody
+	// paired: the request runs on paired legs (SGLang), which fail by aborting the legs.
+	paired bool
 	// named is the prefiller the request's header named in the sidecar mode; nil else.
 	named    *router.Backend
 	prefillB *router.Backend
@@ -52,7 +55,7 @@ type exchange struct {
 
 	goneAt   atomic.Int64 // UnixNano when ctx was seen done; written by an AfterFunc
 	wrote    bool         // a byte of the answer went to the client
-	tail     []byte       // the last two bytes of the answer the client got (see eventBreak)
+	tail     []byte       // the last bytes of the answer the client got (tailSize; see eventBreak, streamDone)
 	ttft     time.Duration
 	prefillT time.Duration
 	decodeT  time.Duration
@@ -61,6 +64,16 @@ type exchange struct {
 	// joined, for a request on paired legs, records that the decoder has the room's KV; the
 	// relay calls it at the decoder's first byte (joinLegs).
 	joined func()
+	// legsStart is when a request's paired legs went out.
+	legsStart time.Time
+	finished  bool // counted and logged (finish)
+	// span is the request's trace span; nil when tracing is off.
+	span trace.Span
+	// heldAt is when the prefiller began to hold the request's KV (its answer, or the legs'
+	// start), for the spans that release it.
+	heldAt time.Time
+	// afterGone counts the stream chunks read after the client left.
+	afterGone int
 	// legRIDs are the ids a request on paired legs has on the engines, one per prompt.
 	legRIDs []string
 	// abortConn: the answer broke after its headers went out in a non-streaming response; the
@@ -73,6 +86,7 @@ func (s *Server) generate(route string, chat bool) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		x := &exchange{s: s, w: w, r: r, route: route, start: time.Now(), id: requestID(r), engineID: newID()}
 		w.Header().Set("X-Request-Id", x.id)
+		defer x.recoverAnswer()
 		err := x.run(chat)
 		status := http.StatusOK
 		if err != nil {
@@ -94,6 +108,8 @@ func (s *Server) generate(route string, chat bool) http.HandlerFunc {
 }
 
 func (s *Server) finish(x *exchange, status int, err *apiError) {
+	x.finished = true
+	x.endRequest(status, err)
 	elapsed := time.Since(x.start)
 	code := strconv.Itoa(status)
 	s.m.requests.WithLabelValues(x.route, code).Inc()
@@ -156,7 +172,7 @@ func printable(s string) bool {
 	return true
 }
 
-func (x *exchange) run(chat bool) *apiError {
+func (x *exchange) run(chat bool) (e *apiError) {
 	if x.s.sidecar != nil {
 		// Before the body is read: a request naming a prefiller it may not is refused
 		// whatever it carries.
@@ -185,7 +201,7 @@ func (x *exchange) run(chat bool) *apiError {
 
 	ctx, cancel := context.WithCancelCause(x.r.Context())
 	defer cancel(nil)
-	x.ctx, x.cancel = ctx, cancel
+	x.ctx, x.cancel = x.startRequest(ctx), cancel
 	stop := context.AfterFunc(ctx, func() { x.goneAt.Store(time.Now().UnixNano()) })
 	defer stop()
 
@@ -193,13 +209,69 @@ func (x *exchange) run(chat bool) *apiError {
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "duplicate_request_id",
 			param: "X-Request-Id", message: "a request with this X-Request-Id is already in flight"}
 	}
-	x.own = &custody{id: x.id, engineID: x.engineID}
+	x.own = &custody{id: x.id, engineID: x.engineID, span: x.traceParent()}
 	defer func() {
 		if c := x.handOff(); c != nil {
 			c.end(x.s)
 		}
 	}()
+	// Runs before the custody's end above: a panic fails the request the way its mode fails.
+	defer x.recoverRequest(&e)
 	return x.serve()
+}
+
+// errPanic is what a client is told when serving its request panicked.
+var errPanic = &apiError{status: http.StatusBadGateway, typ: "internal_error", code: "internal",
+	message: "the proxy failed while serving this request; it was aborted on its engines"}
+
+// recoverRequest is the safety net of a request in flight: a panic while serving it still
+// finishes it. It is failed the way its mode fails (what it holds is released, its legs
+// aborted), counted in pdproxy_panics_total, logged with its id, and its client is told (a
+// 502 when nothing was sent yet; an error event in a stream; a cut connection for a JSON
+// answer under way). The panic never reaches net/http, which would drop the connection and
+// leave the request uncounted.
+func (x *exchange) recoverRequest(e **apiError) {
+	v := recover()
+	if v == nil {
+		return
+	}
+	x.s.m.panics.Inc()
+	x.s.logger.Error("panic serving a request", zap.String("request_id", x.id), zap.String("engine_request_id", x.engineID),
+		zap.Any("panic", v), zap.StackSkip("stack", 1))
+	func() {
+		defer func() {
+			if v := recover(); v != nil {
+				x.s.m.panics.Inc()
+				x.s.logger.Error("panic failing a request after a panic: its table entry ends as it is", zap.String("request_id", x.id), zap.Any("panic", v))
+			}
+		}()
+		x.fail(router.Result{})
+	}()
+	*e = x.cut(errPanic)
+}
+
+// recoverAnswer is the handler's last safety net, for a panic outside a request's serving
+// (reading, parsing, answering): counted, logged, and a 502 when nothing was sent. The
+// handler's own cut of a connection (http.ErrAbortHandler) passes.
+func (x *exchange) recoverAnswer() {
+	v := recover()
+	if v == nil {
+		return
+	}
+	if v == http.ErrAbortHandler {
+		panic(v)
+	}
+	x.s.m.panics.Inc()
+	x.s.logger.Error("panic answering a request", zap.String("request_id", x.id), zap.Any("panic", v), zap.StackSkip("stack", 1))
+	if !x.finished {
+		x.s.finish(x, errPanic.status, errPanic)
+	}
+	if !x.wrote {
+		writeError(x.w, errPanic)
+		return
+	}
+	// Part of the answer went out: only cutting the connection tells the client it failed.
+	panic(http.ErrAbortHandler)
 }
 
 func (x *exchange) hint(exclude []string) router.Hint {
@@ -267,7 +339,7 @@ func (x *exchange) reserveDecoder(accept func(router.Engine) bool) *apiError {
 		if x.ctx.Err() != nil {
 			return x.gone()
 		}
-		x.fail()
+		x.fail(router.Result{})
 		return fromRouter(err, router.RoleDecode)
 	}
 	x.own.lease, x.decodeB = lease, lease.Backend()
@@ -299,12 +371,12 @@ func resultOf(err error, clientCtx context.Context) router.Result {
 }
 
 // retriable reports whether a call provably never started on its backend, so that another
-// may take it: the connection was never made, or, with refusals, the backend refused it with
+// may take it: the backend never took it (kvbackend.CallError.Unprocessed), or, with refusals, the backend refused it with
 // 502, 503 or 504. A decode that carried KV params is retried only on the first ground: a
 // decoder that refused one may have told the prefiller already.
 func retriable(err error, refusals bool) bool {
 	var ce *kvbackend.CallError
-	if errors.As(err, &ce) && ce.Connect {
+	if errors.As(err, &ce) && ce.Unprocessed {
 		return true
 	}
 	var se *kvbackend.StatusError
@@ -318,6 +390,9 @@ func retryReason(err error) string {
 	var se *kvbackend.StatusError
 	if errors.As(err, &se) {
 		return strconv.Itoa(se.Status)
+	}
+	if unprocessedAlive(err) {
+		return "connection_reset"
 	}
 	return "connect_error"
 }

@@ -16,6 +16,7 @@ type metrics struct {
 	connsRefused   prometheus.Counter
 	// prefillerRefused counts requests refused for their prefiller header (sidecar mode).
 	prefillerRefused *prometheus.CounterVec
+	panics           prometheus.Counter
 }
 
 // latencyBuckets span a sub-millisecond proxy hop to a multi-minute generation.
@@ -72,10 +73,14 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Namespace: "pdproxy", Name: "prefiller_header_refused_total",
 			Help: "Requests refused in the llm-d sidecar slot for the prefiller their header named, by reason: not_allowed (outside prefiller_allow, 403), malformed (not a host:port, 400).",
 		}, []string{"reason"}),
+		panics: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "panics_total",
+			Help: "Panics recovered while serving a request; the request was still finished (its KV released, its client answered).",
+		}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.requests, m.duration, m.ttft, m.propagation, m.tokensAfter, m.retries, m.fallbacks, m.decodeOnly, m.releaseFailure,
-			m.connsOpen, m.connsRefused, m.prefillerRefused)
+			m.connsOpen, m.connsRefused, m.prefillerRefused, m.panics)
 	}
 	return m
 }

@@ -18,7 +18,6 @@ import (
 // (its first byte, or the prefiller's answer, which comes once the transfer is done): until
 // then every way out aborts the legs (abort.go), the decoder's first.
 func (x *exchange) serveLegs() *apiError {
-	start := time.Now()
 	d := x.decodeB
 	eng := engineOf(d).(kvbackend.Paired)
 	h := x.hint(nil)
@@ -29,7 +28,7 @@ func (x *exchange) serveLegs() *apiError {
 			return x.gone()
 		}
 		// A decoder in disaggregated mode cannot serve alone: no decode-only fallback.
-		x.fail()
+		x.fail(router.Result{Canceled: true})
 		return fromRouter(err, router.RolePrefill)
 	}
 	p := lease.Backend()
@@ -40,7 +39,7 @@ func (x *exchange) serveLegs() *apiError {
 		if x.ctx.Err() != nil {
 			return x.gone()
 		}
-		x.fail()
+		x.fail(router.Result{Canceled: true})
 		return fromBackend(&kvbackend.CallError{Err: err}, router.RolePrefill, "prefill_timeout")
 	}
 	leg := kvbackend.Leg{Host: p.URL.Hostname(), Port: port, Room: kvbackend.NewRoom(), RID: x.engineID, Prompts: x.req.prompts}
@@ -48,13 +47,20 @@ func (x *exchange) serveLegs() *apiError {
 	body, err := eng.LegBody(x.req.fields, leg)
 	if err != nil {
 		lease.Release(router.Result{})
-		x.fail()
+		x.fail(router.Result{})
 		return &apiError{status: http.StatusInternalServerError, typ: "internal_error", code: "internal", message: "could not build the request", cause: err}
 	}
 	if !x.s.table.StartLegs(x.id, p.Name, d.Name) {
 		lease.Release(router.Result{Canceled: true})
 		return x.gone()
 	}
+	x.paired, x.legsStart, x.heldAt = true, time.Now(), time.Now()
+	defer func() {
+		if x.prefillT == 0 {
+			x.prefillT = time.Since(x.legsStart)
+		}
+		x.decodeT = time.Since(x.legsStart)
+	}()
 
 	// The prefill leg: its answer only says whether the room was served. It comes about when
 	// the decoder's answer begins, and may come after the client has the whole of it, so the
@@ -64,11 +70,12 @@ func (x *exchange) serveLegs() *apiError {
 	prefilled := make(chan error, 1)
 	pcall := x.call(p, x.route, body)
 	clientCtx := x.ctx
+	pspan := x.callSpan(spanPrefillLeg, p)
 	x.s.bg.Add(1)
 	go func() {
 		defer x.s.bg.Done()
 		defer pcancel()
-		resp, err := pcall.Do(pctx)
+		resp, err := pcall.Do(withSpan(pctx, pspan))
 		if err == nil {
 			_, err = io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()
@@ -76,7 +83,13 @@ func (x *exchange) serveLegs() *apiError {
 		if err != nil && context.Cause(pctx) == errPhaseTimeout {
 			err = errors.Join(errPhaseTimeout, err)
 		}
-		lease.Release(resultOf(err, clientCtx))
+		endSpan(pspan, err)
+		res := resultOf(err, clientCtx)
+		if err != nil && pctx.Err() != nil && context.Cause(pctx) != errPhaseTimeout {
+			// The proxy cut the leg itself (the decode failed): not the prefiller's fault.
+			res = router.Result{Canceled: true}
+		}
+		lease.Release(res)
 		prefilled <- err
 	}()
 	served := false
@@ -84,7 +97,6 @@ func (x *exchange) serveLegs() *apiError {
 		if !served {
 			pcancel()
 		}
-		x.prefillT = time.Since(start)
 	}()
 
 	// The decode leg.
@@ -96,8 +108,12 @@ func (x *exchange) serveLegs() *apiError {
 		err  error
 	}
 	decoded := make(chan answer, 1)
+	dcall := x.call(d, x.route, body)
+	dspan := x.callSpan(spanDecodeLeg, d)
+	var derr error
+	defer func() { endSpan(dspan, derr) }()
 	go func() {
-		resp, err := x.call(d, x.route, body).Do(wd.ctx)
+		resp, err := dcall.Do(withSpan(wd.ctx, dspan))
 		decoded <- answer{resp, err}
 	}()
 	var ans answer
@@ -113,9 +129,9 @@ func (x *exchange) serveLegs() *apiError {
 			if x.ctx.Err() != nil {
 				continue // the decode leg ends on the same cancel
 			}
-			// The decoder would wait for a room nobody fills: it is aborted with the prefill.
-			x.own.res = router.Result{Canceled: true}
-			x.failLegs()
+			// The decoder would wait for a room nobody fills: it is aborted with the prefill,
+			// and not blamed for it.
+			x.fail(router.Result{Canceled: true})
 			wd.cancel(errPrefillLegFailed)
 			ans = <-decoded
 			if ans.resp != nil {
@@ -127,30 +143,27 @@ func (x *exchange) serveLegs() *apiError {
 		}
 	}
 	if ans.err != nil {
-		x.own.res = resultOf(ans.err, x.ctx)
-		if x.ctx.Err() != nil && !wd.timedOut() {
-			return x.gone()
-		}
-		x.failLegs()
-		if cause := context.Cause(wd.ctx); wd.timedOut() {
-			ans.err = errors.Join(cause, ans.err)
-		}
-		return fromBackend(ans.err, router.RoleDecode, "decode_timeout")
+		derr = ans.err
+		return x.decodeFailed(ans.err, wd)
 	}
 	defer ans.resp.Body.Close()
 	x.own.res = router.Result{Status: http.StatusOK}
 	e := x.relay(ans.resp, wd)
 	served = e == nil
+	if e != nil {
+		derr = e
+	}
 	return e
 }
 
 var errPrefillLegFailed = errors.New("the prefill leg failed")
 
-// joinLegs records, once, that the decoder has the room's KV.
+// joinLegs records, once, that the decoder has the room's KV: the prefill is done.
 func (x *exchange) joinLegs() {
 	if x.joined != nil {
 		x.joined()
 		x.joined = nil
+		x.prefillT = time.Since(x.legsStart)
 	}
 }
 

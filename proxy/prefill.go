@@ -20,7 +20,7 @@ func (x *exchange) prefill() *apiError {
 	defer func() { x.prefillT = time.Since(start) }()
 	var (
 		body    []byte
-		bodyFor kvbackend.Engine // the engine body was built for
+		bodyFor kvbackend.Sequential // the engine body was built for
 		tried   []string
 		lastErr error
 	)
@@ -38,11 +38,15 @@ func (x *exchange) prefill() *apiError {
 			break
 		}
 		x.prefillB = b
-		tried = append(tried, b.Name)
-		if eng := engineOf(b); eng != bodyFor {
-			if body, err = eng.PrefillBody(x.req.fields, x.req.chat); err != nil {
+		if eng, _ := engineOf(b).(kvbackend.Sequential); eng != bodyFor {
+			if eng == nil {
+				err = errors.New("the prefiller's engine does not serve a prefill on its own")
+			} else {
+				body, err = eng.PrefillBody(x.req.fields, x.req.chat)
+			}
+			if err != nil {
 				lease.Release(router.Result{Canceled: true})
-				x.fail()
+				x.fail(router.Result{})
 				return &apiError{status: http.StatusInternalServerError, typ: "internal_error", code: "internal", message: "could not build the prefill request", cause: err}
 			}
 			bodyFor = eng
@@ -63,6 +67,11 @@ func (x *exchange) prefill() *apiError {
 			return x.gone()
 		}
 		params, err, gone := x.callPrefill(lease, b, body)
+		if !unprocessedAlive(err) {
+			// A prefiller that provably dropped the call on a kept-open connection is alive
+			// and may take it again; any other failure sends the retry elsewhere.
+			tried = append(tried, b.Name)
+		}
 		if gone {
 			return x.abandoned()
 		}
@@ -74,6 +83,9 @@ func (x *exchange) prefill() *apiError {
 				return x.abandoned()
 			}
 			x.kvParams = params
+			if params != nil {
+				x.heldAt = time.Now()
+			}
 			if x.ctx.Err() != nil {
 				return x.gone()
 			}
@@ -82,7 +94,7 @@ func (x *exchange) prefill() *apiError {
 		if x.ctx.Err() != nil {
 			return x.gone()
 		}
-		x.s.abortBrokenPrefill(x.engineID, b, err)
+		x.s.abortBrokenPrefill(x.traceParent(), x.engineID, b, err)
 		lastErr = err
 		if !retriable(err, true) {
 			break
@@ -99,11 +111,18 @@ func (x *exchange) prefill() *apiError {
 		x.s.m.fallbacks.Inc()
 		return nil
 	}
-	x.fail()
+	x.fail(router.Result{})
 	if rerr := lastErr; rerr != nil && (errors.Is(rerr, router.ErrNoBackend) || errors.Is(rerr, router.ErrQueueFull) || errors.Is(rerr, router.ErrQueueTimeout)) {
 		return fromRouter(rerr, router.RolePrefill)
 	}
 	return fromBackend(lastErr, router.RolePrefill, "prefill_timeout")
+}
+
+// unprocessedAlive reports whether err is a call the backend provably never took although it
+// was reached: it reset a kept-open connection with the call unread.
+func unprocessedAlive(err error) bool {
+	var ce *kvbackend.CallError
+	return errors.As(err, &ce) && ce.Unprocessed && !ce.Connect
 }
 
 // mayHoldKV reports whether a failed prefill call may have left KV held on the prefiller: the
@@ -114,7 +133,7 @@ func mayHoldKV(err error) bool {
 		return false
 	}
 	var ce *kvbackend.CallError
-	return !errors.As(err, &ce) || !ce.Connect
+	return !errors.As(err, &ce) || !ce.Unprocessed
 }
 
 type prefillAnswer struct {
@@ -131,14 +150,16 @@ type prefillAnswer struct {
 func (x *exchange) callPrefill(lease *router.Lease, b *router.Backend, body []byte) (params json.RawMessage, err error, gone bool) {
 	call := x.call(b, x.route, body)
 	timeout := x.s.cfg.PrefillTimeout
+	span := x.callSpan(spanPrefill, b)
 	if x.s.cfg.AbortDuringPrefill == AbortPrefillCancel {
-		ctx, cancel := context.WithTimeoutCause(x.ctx, timeout, errPhaseTimeout)
+		ctx, cancel := context.WithTimeoutCause(withSpan(x.ctx, span), timeout, errPhaseTimeout)
 		defer cancel()
 		params, err := call.Prefill(ctx)
 		lease.Release(resultOf(err, x.ctx))
 		if err != nil && context.Cause(ctx) == errPhaseTimeout {
 			err = errors.Join(errPhaseTimeout, err)
 		}
+		endSpan(span, err)
 		return params, err, false
 	}
 
@@ -149,13 +170,14 @@ func (x *exchange) callPrefill(lease *router.Lease, b *router.Backend, body []by
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
-		ctx, cancel := context.WithTimeoutCause(context.WithoutCancel(x.ctx), timeout, errPhaseTimeout)
+		ctx, cancel := context.WithTimeoutCause(withSpan(context.WithoutCancel(x.ctx), span), timeout, errPhaseTimeout)
 		defer cancel()
 		params, err := call.Prefill(ctx)
 		lease.Release(resultOf(err, nil))
 		if err != nil && context.Cause(ctx) == errPhaseTimeout {
 			err = errors.Join(errPhaseTimeout, err)
 		}
+		endSpan(span, err)
 		if taken.CompareAndSwap(false, true) {
 			answer <- prefillAnswer{params, err}
 			return

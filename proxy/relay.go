@@ -2,14 +2,11 @@ package proxy
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"io"
 	"net/http"
 	"sync"
 	"time"
-
-	"github.com/pdproxy/pdproxy/router"
 )
 
 // The relay's read buffers. A read returns whatever the decoder has sent so far, and that
@@ -79,7 +76,7 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 		if n := len(data); n > 0 {
 			wd.onBytes()
 			if x.ctx.Err() != nil {
-				x.s.m.tokensAfter.Add(float64(countEvents(data)))
+				x.countAfterGone(data)
 				return x.gone()
 			}
 			if !x.wrote {
@@ -90,10 +87,8 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 				x.ttft = time.Since(x.start)
 			}
 			x.chunks++
-			if x.s.cfg.ClientWriteTimeout > 0 {
-				// A client that stops reading must not pin a decoder and its memory forever.
-				_ = rc.SetWriteDeadline(time.Now().Add(x.s.cfg.ClientWriteTimeout))
-			}
+			// A client that stops reading must not pin a decoder and its memory forever.
+			x.writeDeadline(rc)
 			_, werr := x.w.Write(data)
 			if werr == nil && !more {
 				// What the decoder sent in one burst goes out in one write and one flush.
@@ -101,40 +96,74 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 			}
 			if werr != nil {
 				// The client is gone, or too slow: what this read held was never delivered.
-				x.s.m.tokensAfter.Add(float64(countEvents(data)))
+				x.countAfterGone(data)
 				x.cancel(werr)
 				return x.gone()
 			}
-			x.tail = append(x.tail, data[max(0, n-2):n]...)
-			x.tail = x.tail[max(0, len(x.tail)-2):]
+			x.tail = append(x.tail, data[max(0, n-tailSize):n]...)
+			x.tail = x.tail[max(0, len(x.tail)-tailSize):]
 		}
 		if rerr == io.EOF {
-			if !x.wrote {
-				x.w.WriteHeader(http.StatusOK)
-				x.wrote = true
+			// A decoder that ends its answer before any byte of it (a 200 closed at once), or
+			// a stream before its [DONE], failed: the client must not take it for complete.
+			switch {
+			case !x.wrote:
+				rerr = errEmptyAnswer
+			case x.req.stream && !streamDone(x.tail):
+				rerr = errStreamUnfinished
+			default:
+				// The deadline set for the last write may have passed while the decoder was
+				// silent: the response's end (HTTP/1.1's last chunk) must still go out.
+				x.writeDeadline(rc)
+				x.s.table.Finish(x.id)
+				return nil
 			}
-			x.s.table.Finish(x.id)
-			return nil
 		}
 		if rerr != nil {
-			return x.brokenAnswer(rerr, wd)
+			return x.decodeFailed(rerr, wd)
 		}
 	}
 }
 
-// brokenAnswer ends an answer whose decoder failed or timed out after the call had begun.
-func (x *exchange) brokenAnswer(rerr error, wd *watchdog) *apiError {
-	if x.ctx.Err() != nil && !wd.timedOut() {
-		return x.gone()
+// countAfterGone counts the stream chunks in data, read after the client left.
+func (x *exchange) countAfterGone(data []byte) {
+	n := countEvents(data)
+	x.afterGone += n
+	x.s.m.tokensAfter.Add(float64(n))
+}
+
+// errEmptyAnswer and errStreamUnfinished are answers a decoder ended too early.
+var (
+	errEmptyAnswer      = errors.New("the decoder answered 200 and closed without a body")
+	errStreamUnfinished = errors.New("the decoder's stream ended before its [DONE]")
+)
+
+// tailSize is how many of the answer's last bytes the relay keeps: enough for the line end
+// before "data: [DONE]", and the blank line after it.
+const tailSize = 24
+
+// streamDone reports whether a stream's last bytes are its [DONE] event: a line "data:
+// [DONE]" (the space is optional in SSE) that starts a line and ends the event with a blank
+// line.
+func streamDone(tail []byte) bool {
+	t := bytes.TrimRight(tail, "\r\n")
+	ends := tail[len(t):]
+	if bytes.Count(ends, []byte("\n"))+bytes.Count(ends, []byte("\r"))-bytes.Count(ends, []byte("\r\n")) < 2 {
+		return false
 	}
-	x.fail()
-	if wd.timedOut() {
-		rerr = errors.Join(context.Cause(wd.ctx), rerr)
-		x.own.res = router.Result{Status: http.StatusGatewayTimeout}
-	} else {
-		x.own.res = router.Result{Err: rerr}
+	for _, done := range [][]byte{[]byte("data: [DONE]"), []byte("data:[DONE]")} {
+		if i := len(t) - len(done); i >= 0 && bytes.Equal(t[i:], done) {
+			return i == 0 || t[i-1] == '\n' || t[i-1] == '\r'
+		}
 	}
-	return x.cut(fromBackend(rerr, router.RoleDecode, "decode_timeout"))
+	return false
+}
+
+// writeDeadline gives the next write to the client client_write_timeout from now.
+func (x *exchange) writeDeadline(rc *http.ResponseController) {
+	if x.s.cfg.ClientWriteTimeout > 0 {
+		_ = rc.SetWriteDeadline(time.Now().Add(x.s.cfg.ClientWriteTimeout))
+	}
 }
 
 // cut ends an answer that fails with e while its client is still there: e is the answer when
@@ -146,11 +175,15 @@ func (x *exchange) cut(e *apiError) *apiError {
 	switch {
 	case !x.wrote:
 	case x.req.stream:
+		rc := http.NewResponseController(x.w)
+		// The deadline of the last chunk may have passed during the decoder's silence: the
+		// error event gets a write deadline of its own.
+		x.writeDeadline(rc)
 		x.w.Write(eventBreak(x.tail))
 		x.w.Write([]byte("data: "))
 		x.w.Write(e.body())
 		x.w.Write([]byte("\n\n"))
-		http.NewResponseController(x.w).Flush()
+		rc.Flush()
 	default:
 		x.abortConn = true
 	}

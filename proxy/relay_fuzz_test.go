@@ -101,7 +101,9 @@ var errDecoderCut = errors.New("decoder connection cut")
 // never panic and must pass every byte to the client unchanged, in order. When the decoder
 // breaks mid-answer, a stream ends with an error event in the OpenAI shape that a client's
 // SSE parser reads as an event of its own, whatever partial line the decoder left; a
-// non-streaming answer is left truncated for the handler to cut the connection.
+// non-streaming answer is left truncated for the handler to cut the connection. An answer
+// that ends cleanly is broken all the same when it is empty, or a stream whose last event is
+// not its [DONE] (streamDone, tested on its own in TestStreamDone).
 func FuzzRelay(f *testing.F) {
 	for _, seed := range []struct {
 		data   string
@@ -154,6 +156,9 @@ func FuzzRelay(f *testing.F) {
 			end = errDecoderCut
 		}
 		in := append([]byte(nil), data...)
+		if !broken && (len(data) == 0 || stream && !streamDone(data[max(0, len(data)-tailSize):])) {
+			broken = true
+		}
 		resp := &http.Response{StatusCode: http.StatusOK, Header: http.Header{}, Body: io.NopCloser(&chopReader{data: in, cuts: cuts, end: end})}
 		e := x.relay(resp, wd)
 		got := rec.Body.Bytes()

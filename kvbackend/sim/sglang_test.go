@@ -716,7 +716,7 @@ func TestSGLangAbortNeedsTheAdminKeyWhenOneIsSet(t *testing.T) {
 	}
 	// The proxy's own call, with the key its backend config gives it.
 	client := &http.Client{Transport: &bearer{key: "sekret", next: ts.client.Transport}}
-	if err := kvbackend.SGLang.Abort(context.Background(), client, ts.srv.URL, "y"); err != nil {
+	if err := kvbackend.SGLang.(kvbackend.Aborter).Abort(context.Background(), client, ts.srv.URL, "y"); err != nil {
 		t.Errorf("the proxy's abort with the admin key: %v", err)
 	}
 }

@@ -1,0 +1,480 @@
+// Package faultengine is an inference engine for tests that misbehaves on purpose, byte by
+// byte: a raw TCP server that reads HTTP/1.1 requests and answers each as a script says,
+// down to a status line followed by a reset, a stream that goes silent, or a connection
+// closed with the request unread. It speaks enough of vLLM's (prefill then decode, with
+// kv_transfer_params) and SGLang's (paired legs, /server_info, /abort_request) protocols that
+// a proxy in front of it runs its real flow, and records what each request carried, so that a
+// test can check what reached which engine.
+package faultengine
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Fault is how an engine misbehaves on the requests a script gives it to.
+type Fault string
+
+// The faults. Each names what the engine does instead of its normal answer.
+const (
+	None Fault = ""
+	// Status500, Status503: an error answer in the OpenAI shape, from a front that neither
+	// acknowledges nor reads the request.
+	Status500 Fault = "status_500"
+	Status503 Fault = "status_503"
+	// Status400: the engine's handler refuses the request as bad, in vLLM's error shape.
+	Status400 Fault = "status_400"
+	// Status400Huge: a 400 whose JSON body is 100 KiB.
+	Status400Huge Fault = "status_400_huge"
+	// Status422Empty: a 422 with no body and no content type.
+	Status422Empty Fault = "status_422_empty"
+	// CloseAfterRead: reads the whole request, then closes the connection without a byte.
+	CloseAfterRead Fault = "close_after_read"
+	// Silent: reads the request and never answers.
+	Silent Fault = "silent"
+	// HeadersThenClose, HeadersThenReset, HeadersThenSilence: the 200's head, then the
+	// connection closes, is reset, or goes silent.
+	HeadersThenClose   Fault = "headers_then_close"
+	HeadersThenReset   Fault = "headers_then_reset"
+	HeadersThenSilence Fault = "headers_then_silence"
+	// MidClose, MidReset, MidSilence: part of the answer, then the same.
+	MidClose   Fault = "mid_close"
+	MidReset   Fault = "mid_reset"
+	MidSilence Fault = "mid_silence"
+	// EmptyClose: a 200 with neither length nor chunking, closed at once.
+	EmptyClose Fault = "empty_close"
+	// NoDone: a stream that ends cleanly without its [DONE] (a JSON answer is whole).
+	NoDone Fault = "no_done"
+	// BigHeaders: a normal answer under 150 header lines, one of them 5 KiB long.
+	BigHeaders Fault = "big_headers"
+	// KeepAliveReset: answers normally, then resets the kept-open connection as the next
+	// request arrives, before reading it (the keep-alive race); that request is not read.
+	KeepAliveReset Fault = "keepalive_reset"
+	// BadParams: a prefill answer whose kv_transfer_params is not an object.
+	BadParams Fault = "bad_params"
+	// LateEnd: a whole answer whose end (HTTP/1.1's last chunk) comes LateEndDelay after
+	// the rest.
+	LateEnd Fault = "late_end"
+)
+
+// LateEndDelay is how long LateEnd holds back an answer's end.
+const LateEndDelay = 300 * time.Millisecond
+
+// Faults lists every fault, for tables.
+func Faults() []Fault {
+	return []Fault{Status500, Status503, Status400, Status400Huge, Status422Empty, CloseAfterRead, Silent,
+		HeadersThenClose, HeadersThenReset, HeadersThenSilence, MidClose, MidReset, MidSilence, EmptyClose, NoDone,
+		BigHeaders, KeepAliveReset, BadParams, LateEnd}
+}
+
+// Protocol is what the engine speaks.
+type Protocol string
+
+// Protocols.
+const (
+	VLLM   Protocol = "vllm"
+	SGLang Protocol = "sglang"
+)
+
+// Config is one engine.
+type Config struct {
+	Protocol Protocol
+	// Prefill: the engine is a prefiller (vLLM: it answers with kv_transfer_params; SGLang:
+	// it serves /server_info and its leg's answer is dropped).
+	Prefill bool
+	// Fault applies to generation requests (completions, chat); None for a healthy engine.
+	Fault Fault
+	// Chunks is how many token events a stream has (default 4).
+	Chunks int
+	// Rooms pairs SGLang legs: the prefiller marks its room transferred as it answers, and a
+	// decoder starts its answer only then, as SGLang's decoder waits for the room's KV.
+	Rooms *Rooms
+}
+
+// Rooms are SGLang bootstrap rooms shared by a prefiller and a decoder.
+type Rooms struct {
+	mu sync.Mutex
+	m  map[string]chan struct{}
+}
+
+// NewRooms returns an empty set of rooms.
+func NewRooms() *Rooms { return &Rooms{m: map[string]chan struct{}{}} }
+
+func (r *Rooms) ch(room string) chan struct{} {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	c, ok := r.m[room]
+	if !ok {
+		c = make(chan struct{})
+		r.m[room] = c
+	}
+	return c
+}
+
+func (r *Rooms) transferred(room string) {
+	c := r.ch(room)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	select {
+	case <-c:
+	default:
+		close(c)
+	}
+}
+
+// Request is a request the engine read whole.
+type Request struct {
+	Path   string
+	Header http.Header
+	Body   []byte
+	At     time.Time
+}
+
+// Field returns the raw JSON of a top-level body field, nil when absent.
+func (r Request) Field(name string) json.RawMessage { return rawField(r.Body, name) }
+
+// Engine is a running fault engine.
+type Engine struct {
+	cfg  Config
+	ln   net.Listener
+	wg   sync.WaitGroup
+	stop chan struct{}
+
+	mu     sync.Mutex
+	conns  map[net.Conn]struct{}
+	reqs   []Request
+	faulty chan struct{} // closed when the first faulty generation request arrives
+	once   sync.Once
+}
+
+// Start runs an engine on a loopback port.
+func Start(cfg Config) (*Engine, error) {
+	if cfg.Chunks == 0 {
+		cfg.Chunks = 4
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, fmt.Errorf("listen: %w", err)
+	}
+	e := &Engine{cfg: cfg, ln: ln, stop: make(chan struct{}), conns: map[net.Conn]struct{}{}, faulty: make(chan struct{})}
+	e.wg.Add(1)
+	go e.accept()
+	return e, nil
+}
+
+// URL is the engine's base URL.
+func (e *Engine) URL() string { return "http://" + e.ln.Addr().String() }
+
+// Faulted is closed once a generation request met the engine's fault.
+func (e *Engine) Faulted() <-chan struct{} { return e.faulty }
+
+// Requests are the requests the engine read whole, in order.
+func (e *Engine) Requests() []Request {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]Request(nil), e.reqs...)
+}
+
+// Close stops the engine and cuts its connections, silent ones too.
+func (e *Engine) Close() {
+	close(e.stop)
+	e.ln.Close()
+	e.mu.Lock()
+	for c := range e.conns {
+		c.Close()
+	}
+	e.mu.Unlock()
+	e.wg.Wait()
+}
+
+func (e *Engine) accept() {
+	defer e.wg.Done()
+	for {
+		c, err := e.ln.Accept()
+		if err != nil {
+			return
+		}
+		e.mu.Lock()
+		e.conns[c] = struct{}{}
+		e.mu.Unlock()
+		e.wg.Add(1)
+		go func() {
+			defer e.wg.Done()
+			defer func() {
+				e.mu.Lock()
+				delete(e.conns, c)
+				e.mu.Unlock()
+				c.Close()
+			}()
+			e.serve(c)
+		}()
+	}
+}
+
+// serve answers the requests of one connection until it closes or a fault ends it.
+func (e *Engine) serve(c net.Conn) {
+	br := bufio.NewReader(c)
+	for n := 0; ; n++ {
+		if n > 0 && e.cfg.Fault == KeepAliveReset {
+			// The next request arrives; the engine resets the connection before reading it.
+			if _, err := br.Peek(1); err != nil {
+				return
+			}
+			reset(c)
+			e.fault()
+			return
+		}
+		req, err := http.ReadRequest(br)
+		if err != nil {
+			return
+		}
+		// An engine that refuses a generation request unread (its front, before the
+		// handler) neither acknowledges nor reads it; any other handler acknowledges the
+		// body as it starts to read it, as Go's server and uvicorn do.
+		unread := e.cfg.Fault == Status500 || e.cfg.Fault == Status503
+		if !isGeneration(req.URL.Path) {
+			unread = false
+		}
+		if strings.EqualFold(req.Header.Get("Expect"), "100-continue") && !unread {
+			if !writeRaw(c, "HTTP/1.1 100 Continue\r\n\r\n") {
+				return
+			}
+		}
+		body, err := io.ReadAll(req.Body)
+		if err != nil {
+			return
+		}
+		if !unread {
+			e.mu.Lock()
+			e.reqs = append(e.reqs, Request{Path: req.URL.Path, Header: req.Header, Body: body, At: time.Now()})
+			e.mu.Unlock()
+		}
+		if !e.answer(c, req, body) {
+			return
+		}
+	}
+}
+
+func (e *Engine) fault() { e.once.Do(func() { close(e.faulty) }) }
+
+func isGeneration(path string) bool {
+	return strings.HasSuffix(path, "/completions")
+}
+
+// reset closes c with a reset rather than a clean close.
+func reset(c net.Conn) {
+	if tc, ok := c.(*net.TCPConn); ok {
+		tc.SetLinger(0)
+	}
+	c.Close()
+}
+
+// hang waits until the engine stops or the peer closes c.
+func (e *Engine) hang(c net.Conn) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		io.Copy(io.Discard, c)
+	}()
+	select {
+	case <-e.stop:
+	case <-done:
+	}
+}
+
+// answer writes the answer to req; false ends the connection.
+func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
+	switch req.URL.Path {
+	case "/server_info", "/get_server_info":
+		return writeJSON(c, 200, `{"disaggregation_mode":"prefill","disaggregation_bootstrap_port":8998}`)
+	case "/abort_request":
+		return writeRaw(c, "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+	case "/health", "/v1/models", "/metrics":
+		return writeJSON(c, 200, `{"object":"list","data":[{"id":"m","object":"model"}]}`)
+	}
+	chat := strings.HasSuffix(req.URL.Path, "/chat/completions")
+	var f struct {
+		Stream bool `json:"stream"`
+	}
+	json.Unmarshal(body, &f)
+	prefill := e.cfg.Prefill
+	fault := e.cfg.Fault
+	if fault == KeepAliveReset {
+		fault = None // its fault is on the connection, before the next request
+	}
+	if fault != None && fault != BigHeaders && fault != LateEnd {
+		e.fault()
+	}
+	id := req.Header.Get("X-Request-Id")
+	var payload []string
+	contentType := "application/json"
+	switch {
+	case prefill && e.cfg.Protocol == VLLM:
+		params := fmt.Sprintf(`{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2,3]],"remote_engine_id":"fault","remote_request_id":%q,"remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}`, id)
+		if fault == BadParams {
+			params = `"not an object"`
+		}
+		payload = []string{fmt.Sprintf(`{"id":"cmpl-p","object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":"length"}],"kv_transfer_params":%s}`, params)}
+		f.Stream = false
+	case f.Stream:
+		contentType = "text/event-stream"
+		for i := range e.cfg.Chunks {
+			if chat {
+				payload = append(payload, fmt.Sprintf("data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t%d\"}}]}\n\n", i))
+			} else {
+				payload = append(payload, fmt.Sprintf("data: {\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\"t%d\"}]}\n\n", i))
+			}
+		}
+		payload = append(payload, "data: [DONE]\n\n")
+	case chat:
+		payload = []string{`{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hello"},"finish_reason":"stop"}]}`}
+	default:
+		payload = []string{`{"id":"c","object":"text_completion","choices":[{"index":0,"text":"hello","finish_reason":"stop"}]}`}
+	}
+
+	if e.cfg.Protocol == SGLang && e.cfg.Rooms != nil {
+		room := string(rawField(body, "bootstrap_room"))
+		switch {
+		case prefill && sendsHead(fault):
+			e.cfg.Rooms.transferred(room)
+		case !prefill && !e.waitRoom(c, e.cfg.Rooms.ch(room)):
+			return false
+		}
+	}
+	head := "HTTP/1.1 200 OK\r\nContent-Type: " + contentType + "\r\nTransfer-Encoding: chunked\r\n"
+	switch fault {
+	case Status500, Status503, Status400:
+		code := map[Fault]int{Status500: 500, Status503: 503, Status400: 400}[fault]
+		return writeJSON(c, code, `{"error":{"message":"engine says no","type":"BadRequestError","code":`+strconv.Itoa(code)+`}}`)
+	case Status400Huge:
+		return writeJSON(c, 400, `{"error":{"message":"`+strings.Repeat("x", 100<<10)+`","type":"BadRequestError","code":400}}`)
+	case Status422Empty:
+		return writeRaw(c, "HTTP/1.1 422 Unprocessable Entity\r\nContent-Length: 0\r\n\r\n")
+	case CloseAfterRead:
+		return false
+	case Silent:
+		e.hang(c)
+		return false
+	case EmptyClose:
+		writeRaw(c, "HTTP/1.1 200 OK\r\nContent-Type: "+contentType+"\r\n\r\n")
+		return false
+	case BigHeaders:
+		var b strings.Builder
+		b.WriteString("HTTP/1.1 200 OK\r\nContent-Type: " + contentType + "\r\nTransfer-Encoding: chunked\r\n")
+		for i := range 150 {
+			fmt.Fprintf(&b, "X-Engine-Note-%d: %d\r\n", i, i)
+		}
+		b.WriteString("X-Engine-Big: " + strings.Repeat("b", 5<<10) + "\r\n")
+		head = b.String()
+	}
+	if !writeRaw(c, head+"\r\n") {
+		return false
+	}
+	switch fault {
+	case HeadersThenClose:
+		return false
+	case HeadersThenReset:
+		reset(c)
+		return false
+	case HeadersThenSilence:
+		e.hang(c)
+		return false
+	}
+	full := strings.Join(payload, "")
+	var parts []string
+	switch {
+	case len(payload) > 1:
+		parts = payload
+	default:
+		// A JSON answer goes out in two chunks, so that a fault can fall between them.
+		parts = []string{full[:len(full)/2], full[len(full)/2:]}
+	}
+	for i, p := range parts {
+		if i == len(parts)-1 && (fault == MidClose || fault == MidReset || fault == MidSilence) {
+			break
+		}
+		if i == len(parts)-1 && fault == NoDone && f.Stream {
+			break // the [DONE] never comes, yet the stream ends cleanly
+		}
+		if !writeRaw(c, fmt.Sprintf("%x\r\n%s\r\n", len(p), p)) {
+			return false
+		}
+		// Each part its own write, as an engine producing tokens sends them.
+		time.Sleep(time.Millisecond)
+	}
+	switch fault {
+	case MidClose:
+		return false
+	case MidReset:
+		reset(c)
+		return false
+	case MidSilence:
+		e.hang(c)
+		return false
+	case LateEnd:
+		e.fault()
+		select {
+		case <-time.After(LateEndDelay):
+		case <-e.stop:
+			return false
+		}
+	}
+	return writeRaw(c, "0\r\n\r\n")
+}
+
+// sendsHead reports whether an engine with fault answers 200: an SGLang prefiller then did
+// its transfer.
+func sendsHead(f Fault) bool {
+	switch f {
+	case Status500, Status503, Status400, Status400Huge, Status422Empty, CloseAfterRead, Silent:
+		return false
+	}
+	return true
+}
+
+// waitRoom waits for room's KV, or for the peer to close c (false) or the engine to stop.
+func (e *Engine) waitRoom(c net.Conn, room chan struct{}) bool {
+	closed := make(chan struct{})
+	go func() {
+		defer close(closed)
+		var b [1]byte
+		c.Read(b[:]) // nothing comes on an idle keep-alive connection but its end
+	}()
+	select {
+	case <-room:
+		c.SetReadDeadline(time.Now())
+		<-closed
+		c.SetReadDeadline(time.Time{})
+		return true
+	case <-closed:
+		return false
+	case <-e.stop:
+		return false
+	}
+}
+
+func rawField(body []byte, name string) json.RawMessage {
+	var m map[string]json.RawMessage
+	if json.Unmarshal(body, &m) != nil {
+		return nil
+	}
+	return m[name]
+}
+
+func writeRaw(c net.Conn, s string) bool {
+	_, err := io.WriteString(c, s)
+	return err == nil
+}
+
+func writeJSON(c net.Conn, status int, body string) bool {
+	return writeRaw(c, fmt.Sprintf("HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s",
+		status, http.StatusText(status), len(body), body))
+}
