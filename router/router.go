@@ -169,7 +169,7 @@ func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) (*Router, er
 	r.kvStart = kvStartOf(cfg)
 	r.index = kvcache.NewIndex(cfg.KVEvents.MaxBlocksPerBackend, cfg.BlockSize)
 	ev, err := kvcache.NewEvents(kvcache.EventsConfig{Listen: cfg.KVEvents.Listen, ReplayTimeout: cfg.KVEvents.ReplayTimeout},
-		r.index, logger, reg)
+		r.index, logger.Named("kv_events"), reg)
 	if err != nil {
 		return nil, err
 	}
