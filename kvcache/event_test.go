@@ -177,3 +177,30 @@ func FuzzDecodeMessage(f *testing.F) {
 		}
 	})
 }
+
+// BenchmarkDecodeAndApply measures one typical message: a request's 64 new blocks (1024
+// tokens) stored and 64 older ones removed, decoded and applied to the index.
+func BenchmarkDecodeAndApply(b *testing.B) {
+	idx := NewIndex(0, 16)
+	frames := make([][][]byte, 0, 1024)
+	for i := range 1024 {
+		h := engineHashes(uint64(i), 64)
+		frames = append(frames, [][]byte{[]byte("kv@10.0.0.1:8000@m"), seqBytes(uint64(i)),
+			payload(b, stored(h, nil, tokensN(i*1024, 1024), 16), removed(engineHashes(uint64(i+1000), 64)...))})
+	}
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		m, err := DecodeMessage(frames[i%len(frames)])
+		if err != nil {
+			b.Fatal(err)
+		}
+		for j := range m.Batch.Events {
+			idx.Apply("e", &m.Batch.Events[j])
+		}
+		if i%len(frames) == len(frames)-1 {
+			idx.Forget("e")
+		}
+		i++
+	}
+}
