@@ -4,6 +4,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"time"
 )
 
 // Memory accounting of the tree. The figures are what a node and a mark cost on amd64,
@@ -50,15 +51,31 @@ type node struct {
 	edge     string
 	parent   *node
 	children []*node
-	// engines were sent text through this node; few, as a pool is.
-	engines []string
+	// marks are the engines that were sent text through this node, with when last; few, as
+	// a pool is. A parent's mark of an engine is never older than its child's.
+	marks []mark
 	// last is the tick of the latest insert through this node.
 	last uint64
 	// prev and next link a leaf into Tree.leaves; nil while the node is not a leaf.
 	prev, next *node
 }
 
-func (n *node) cost() int { return nodeOverhead + len(n.edge) + markOverhead*len(n.engines) }
+// mark is an engine on a node and when text was last routed to it through the node.
+type mark struct {
+	engine string
+	at     int64 // unix nanoseconds
+}
+
+func (n *node) cost() int { return nodeOverhead + len(n.edge) + markOverhead*len(n.marks) }
+
+func (n *node) markOf(engine string) *mark {
+	for i := range n.marks {
+		if n.marks[i].engine == engine {
+			return &n.marks[i]
+		}
+	}
+	return nil
+}
 
 func (n *node) child(c byte) *node {
 	for _, ch := range n.children {
@@ -96,15 +113,19 @@ func (t *Tree) unlink(n *node) {
 	n.prev, n.next = nil, nil
 }
 
-// Insert records that text was routed to engine. A text longer than half the bound is
+// Insert records that text was routed to engine now. A text longer than half the bound is
 // recorded up to there, so that one huge prompt cannot flush everything else.
-func (t *Tree) Insert(text, engine string) {
+func (t *Tree) Insert(text, engine string) { t.InsertAt(text, engine, time.Now()) }
+
+// InsertAt is Insert at a given time, which MatchSince compares with.
+func (t *Tree) InsertAt(text, engine string, when time.Time) {
 	if text == "" || engine == "" {
 		return
 	}
 	if limit := t.maxBytes / 2; len(text) > limit {
 		text = text[:limit]
 	}
+	at := when.UnixNano()
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.tick++
@@ -114,7 +135,7 @@ func (t *Tree) Insert(text, engine string) {
 		if c == nil {
 			// Cloned: the text is usually a slice of a whole request body, which the tree
 			// must not keep alive.
-			leaf := &node{edge: strings.Clone(rest), parent: n, engines: []string{engine}, last: t.tick}
+			leaf := &node{edge: strings.Clone(rest), parent: n, marks: []mark{{engine, at}}, last: t.tick}
 			t.unlink(n) // no longer a leaf, if it was one
 			n.children = append(n.children, leaf)
 			t.link(leaf, t.leaves.prev)
@@ -128,8 +149,10 @@ func (t *Tree) Insert(text, engine string) {
 		if k < len(c.edge) {
 			c = t.split(c, k)
 		}
-		if !slices.Contains(c.engines, engine) {
-			c.engines = append(c.engines, engine)
+		if m := c.markOf(engine); m != nil {
+			m.at = at
+		} else {
+			c.marks = append(c.marks, mark{engine, at})
 			t.bytes += markOverhead
 			t.text[engine] += len(c.edge)
 		}
@@ -146,9 +169,9 @@ func (t *Tree) Insert(text, engine string) {
 }
 
 // split cuts c's edge after k bytes and returns the new node above it, which holds the
-// first k bytes and c's engines.
+// first k bytes and c's marks.
 func (t *Tree) split(c *node, k int) *node {
-	mid := &node{edge: c.edge[:k], parent: c.parent, children: []*node{c}, engines: slices.Clone(c.engines), last: c.last}
+	mid := &node{edge: c.edge[:k], parent: c.parent, children: []*node{c}, marks: slices.Clone(c.marks), last: c.last}
 	for i, ch := range c.parent.children {
 		if ch == c {
 			c.parent.children[i] = mid
@@ -156,7 +179,7 @@ func (t *Tree) split(c *node, k int) *node {
 		}
 	}
 	c.edge, c.parent = c.edge[k:], mid
-	t.bytes += nodeOverhead + markOverhead*len(mid.engines)
+	t.bytes += nodeOverhead + markOverhead*len(mid.marks)
 	t.nodes++
 	return mid
 }
@@ -179,6 +202,13 @@ func commonPrefix(a, b string) int {
 // Match sets matched[i] to how many leading bytes of text were routed to engines[i] (0 for
 // an engine that was sent none of it). matched must be as long as engines.
 func (t *Tree) Match(text string, engines []string, matched []int) {
+	t.MatchSince(text, engines, nil, matched)
+}
+
+// MatchSince is Match counting, for engines[i], only text routed to it at since[i] or later
+// (a nil since counts all): for an engine whose own KV events tell what it holds, the text
+// routed to it that its events may not have told yet.
+func (t *Tree) MatchSince(text string, engines []string, since []time.Time, matched []int) {
 	clear(matched)
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -191,9 +221,9 @@ func (t *Tree) Match(text string, engines []string, matched []int) {
 		k := commonPrefix(c.edge, rest)
 		depth += k
 		// Engines deeper down were on every node above too: the deepest mark wins.
-		for _, e := range c.engines {
+		for _, m := range c.marks {
 			for i, want := range engines {
-				if want == e {
+				if want == m.engine && (since == nil || m.at >= since[i].UnixNano()) {
 					matched[i] = depth
 				}
 			}
@@ -224,8 +254,8 @@ func (t *Tree) removeLocked(n *node) {
 		t.unlink(n)
 		t.bytes -= n.cost()
 		t.nodes--
-		for _, e := range n.engines {
-			t.untext(e, len(n.edge))
+		for _, m := range n.marks {
+			t.untext(m.engine, len(n.edge))
 		}
 	}
 	drop(n)
@@ -247,15 +277,15 @@ func (t *Tree) Retain(keep func(engine string) bool) {
 	walk = func(n *node) {
 		for i := 0; i < len(n.children); {
 			c := n.children[i]
-			c.engines = slices.DeleteFunc(c.engines, func(e string) bool {
-				if keep(e) {
+			c.marks = slices.DeleteFunc(c.marks, func(m mark) bool {
+				if keep(m.engine) {
 					return false
 				}
 				t.bytes -= markOverhead
-				t.untext(e, len(c.edge))
+				t.untext(m.engine, len(c.edge))
 				return true
 			})
-			if len(c.engines) == 0 {
+			if len(c.marks) == 0 {
 				// Nobody on c means nobody below it either.
 				t.removeLocked(c)
 				continue

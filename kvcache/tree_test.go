@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"maps"
 	"math/rand/v2"
-	"slices"
 	"strings"
 	"testing"
 )
@@ -169,11 +168,17 @@ func (t *Tree) check() error {
 			if c.parent != n {
 				return fmt.Errorf("node %q has the wrong parent", c.edge)
 			}
-			for _, e := range c.engines {
-				if n != &t.root && !slices.Contains(n.engines, e) {
-					return fmt.Errorf("engine %s on %q but not on its parent %q", e, c.edge, n.edge)
+			for _, m := range c.marks {
+				if n != &t.root {
+					pm := n.markOf(m.engine)
+					if pm == nil {
+						return fmt.Errorf("engine %s on %q but not on its parent %q", m.engine, c.edge, n.edge)
+					}
+					if pm.at < m.at {
+						return fmt.Errorf("engine %s on %q is newer than on its parent %q", m.engine, c.edge, n.edge)
+					}
 				}
-				text[e] += len(c.edge)
+				text[m.engine] += len(c.edge)
 			}
 			bytes += c.cost()
 			nodes++

@@ -15,8 +15,10 @@ import (
 //     routed text (kvcache.Tree) says the engine was sent before: an approximation that
 //     needs nothing from the engines;
 //   - precise_cache_aware scores by the share of Hint.Tokens whose blocks the engine holds
-//     as its KV events tell (kvcache.Index). An engine whose events are stale (none for
-//     kv_events.stale_after), or a request without tokens, is scored as cache_aware would.
+//     as its KV events tell (kvcache.Index), or of the text routed to it since just before
+//     its latest event (blocks being computed, not yet told), if larger. An engine whose
+//     events are stale (none for kv_events.stale_after), or a request without tokens, is
+//     scored as cache_aware would.
 //
 // The best score wins if it reaches cache_threshold; below it, and whenever the pool is out of
 // balance (the most loaded candidate more than balance_abs_threshold requests in flight above
@@ -127,18 +129,28 @@ func (p *CacheAware) unbalanced(cands []*Backend) bool {
 	return hi-lo > int64(p.cfg.BalanceAbsThreshold) && float64(hi) > p.cfg.BalanceRelThreshold*float64(lo)
 }
 
-// score appends each candidate's predicted share of h's prompt to out.
+// pendingGrace is how long text routed to an engine counts for it besides its KV events: the
+// blocks of a prompt are published once computed, so for a moment (its prefill) the engine
+// holds what its events have not told yet. Without it, a burst sharing a new prefix would
+// see it nowhere until the first prefill ends, and spread every request of it.
+const pendingGrace = 2 * time.Second
+
+// score appends each candidate's predicted share of h's prompt to out: for an engine whose
+// KV events are fresh, the larger of the share of h.Tokens they say it holds and the share
+// of h.Text routed to it since pendingGrace before its latest event; for another, the share
+// of h.Text ever routed to it (that the tree still holds).
 func (p *CacheAware) score(cands []*Backend, h Hint, out []float64) []float64 {
 	var textBuf [candidatesOnStack]int
 	var nameBuf [candidatesOnStack]string
+	var sinceBuf [candidatesOnStack]time.Time
 	var matcher *kvcache.Matcher
 	if p.index != nil && len(h.Tokens) > 0 {
 		matcher = kvcache.NewMatcher(h.Tokens)
 	}
-	now := time.Time{}
-	approx := false
+	names, matched, since := nameBuf[:0], textBuf[:0], sinceBuf[:0]
+	var now time.Time
 	for _, b := range cands {
-		share := -1.0
+		share, from := 0.0, time.Time{}
 		if matcher != nil {
 			if now.IsZero() {
 				now = p.clock()
@@ -146,31 +158,20 @@ func (p *CacheAware) score(cands []*Backend, h Hint, out []float64) []float64 {
 			v := p.index.Match(matcher, b.Name)
 			if !v.Last.IsZero() && now.Sub(v.Last) < p.staleAfter {
 				share = float64(v.Matched) / float64(len(h.Tokens))
+				from = v.Last.Add(-pendingGrace)
 			}
-		}
-		if share < 0 {
-			approx = true
 		}
 		out = append(out, share)
-	}
-	if !approx {
-		return out
-	}
-	names, matched := nameBuf[:0], textBuf[:0]
-	for _, b := range cands {
 		names = append(names, b.Name)
 		matched = append(matched, 0)
+		since = append(since, from)
 	}
-	if h.Text != "" {
-		p.tree.Match(h.Text, names, matched)
+	if h.Text == "" {
+		return out
 	}
+	p.tree.MatchSince(h.Text, names, since, matched)
 	for i := range out {
-		if out[i] < 0 {
-			out[i] = 0
-			if h.Text != "" {
-				out[i] = float64(matched[i]) / float64(len(h.Text))
-			}
-		}
+		out[i] = max(out[i], float64(matched[i])/float64(len(h.Text)))
 	}
 	return out
 }

@@ -4,8 +4,10 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/kvcache"
 )
 
 func TestCacheAwareSelect(t *testing.T) {
@@ -104,6 +106,36 @@ func BenchmarkCacheAwareSelect(b *testing.B) {
 			for b.Loop() {
 				p.Select(bs, Hint{Text: texts[i%len(texts)]})
 				i++
+			}
+		})
+	}
+}
+
+func TestPreciseCountsTheTextRoutedSinceJustBeforeAnEnginesLatestEvent(t *testing.T) {
+	t0 := time.Unix(1_700_000_000, 0)
+	text := `[{"role":"system","content":"a new system prompt nobody's events have told yet"}`
+	tokens := make([]uint32, 64)
+	tests := []struct {
+		name     string
+		routedAt time.Time
+		want     string
+	}{
+		{name: "text routed after the engine's latest event counts: its blocks are being computed", routedAt: t0.Add(time.Second), want: "b1"},
+		{name: "text routed just before it counts: its blocks may not be told yet", routedAt: t0.Add(-time.Second), want: "b1"},
+		{name: "text routed long before does not: the events tell what is left of it", routedAt: t0.Add(-time.Minute), want: "b0"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			index := kvcache.NewIndex(0, 16)
+			bs := testBackends(0, 3, 1)
+			for _, b := range bs {
+				index.Touch(b.Name, t0) // every publisher alive, none holding the prompt
+			}
+			p := NewCacheAware(CacheAwareConfig{}, index, time.Hour)
+			p.now = func() time.Time { return t0.Add(2 * time.Second) }
+			p.tree.InsertAt(text, "b1", tt.routedAt)
+			if got := p.Select(bs, Hint{Text: text + `,{"role":"user","content":"hi"}]`, Tokens: tokens}).Name; got != tt.want {
+				t.Errorf("picked %s, want %s", got, tt.want)
 			}
 		})
 	}
