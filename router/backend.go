@@ -39,6 +39,9 @@ type Backend struct {
 	// BootstrapPort is the configured bootstrap port (SGLang); zero means ask the engine.
 	BootstrapPort int
 
+	// kvEvents and kvReplay are the engine's KV event endpoints, from config.
+	kvEvents, kvReplay string
+
 	client *http.Client
 	// admin is the client for the engine's admin calls: client, with the admin key.
 	admin *http.Client
@@ -101,6 +104,8 @@ func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendSta
 		Weight:        c.Weight,
 		MaxInflight:   c.MaxInflight,
 		BootstrapPort: c.BootstrapPort,
+		kvEvents:      c.KVEventsEndpoint,
+		kvReplay:      c.KVEventsReplayEndpoint,
 		client:        client,
 		st:            st,
 	}
