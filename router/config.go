@@ -167,6 +167,13 @@ type BackendConfig struct {
 	// replay_endpoint), asked for the events missed after a gap in the sequence. Empty means
 	// none: after a gap the engine's blocks are forgotten until its next events.
 	KVEventsReplayEndpoint string `yaml:"kv_events_replay_endpoint"`
+	// KVEventsPort and KVEventsReplayPort are the same endpoints by port, on the engine's
+	// own address (tcp://<engine host>:<port>): what a discover entry takes, since each
+	// engine it finds publishes on its own address, and what lets every proxy replica
+	// dial every engine and so see all its events. Zero means none; an endpoint given
+	// above wins.
+	KVEventsPort       int `yaml:"kv_events_port"`
+	KVEventsReplayPort int `yaml:"kv_events_replay_port"`
 }
 
 // HealthConfig configures active health checks.
@@ -502,6 +509,17 @@ func (c *Config) checkCache() []error {
 	sources := kv.Listen != ""
 	for i, b := range c.Backends {
 		f := fmt.Sprintf("backends[%d]", i)
+		for _, pf := range []struct {
+			name string
+			port int
+		}{{"kv_events_port", b.KVEventsPort}, {"kv_events_replay_port", b.KVEventsReplayPort}} {
+			if pf.port < 0 || pf.port > 65535 {
+				bad(f+"."+pf.name, "%d is not a port", pf.port)
+			}
+		}
+		if b.KVEventsPort > 0 {
+			sources = true
+		}
 		if b.KVEventsEndpoint != "" {
 			sources = true
 			if err := kvcache.CheckEndpoint(b.KVEventsEndpoint, false); err != nil {
@@ -509,14 +527,14 @@ func (c *Config) checkCache() []error {
 			}
 			if b.Discover != "" {
 				// Every discovered engine would dial the same address.
-				bad(f+".kv_events_endpoint", "set on a discover entry: its engines have one address each; use kv_events.listen, which they dial")
+				bad(f+".kv_events_endpoint", "set on a discover entry: its engines have one address each; use kv_events_port (each engine's own address), or kv_events.listen, which they dial")
 			}
 		}
 		if b.KVEventsReplayEndpoint != "" {
 			if err := kvcache.CheckEndpoint(b.KVEventsReplayEndpoint, false); err != nil {
 				bad(f+".kv_events_replay_endpoint", "%v", err)
 			}
-			if b.KVEventsEndpoint == "" && kv.Listen == "" {
+			if b.KVEventsEndpoint == "" && b.KVEventsPort == 0 && kv.Listen == "" {
 				bad(f+".kv_events_replay_endpoint", "set, but the engine's events are read from nowhere: set kv_events_endpoint or kv_events.listen")
 			}
 		}
