@@ -25,7 +25,35 @@ func (e *Engine) step(now time.Time) (next time.Time, ok bool) {
 	e.expire(now)
 	e.schedule(now)
 	e.advance(now)
+	e.publishEvents(now)
 	return e.nextDue()
+}
+
+// publishEvents hands the cache's changes of this step to the publisher as
+// one batch, as vLLM publishes one batch per engine step.
+func (e *Engine) publishEvents(now time.Time) {
+	evs := e.pool.takeEvents()
+	if len(evs) > 0 && e.kv != nil {
+		e.kv.publish(now, evs)
+	}
+}
+
+// cachePrompt puts r's computed (or pulled) full prompt blocks in the
+// prefix cache.
+func (e *Engine) cachePrompt(r *request) {
+	if r.blockHashes != nil {
+		e.pool.store(r.blocks, r.blockHashes, r.tokens, e.cfg.BlockSize)
+	}
+}
+
+// lookupHashes are the block hashes a request looks up in the prefix cache:
+// its full blocks short of the last token, which vLLM always computes to get
+// the logits of the first output token.
+func (r *request) lookupHashes(blockSize int) []uint64 {
+	if r.blockHashes == nil {
+		return nil
+	}
+	return r.blockHashes[:min(len(r.blockHashes), (r.promptTokens-1)/blockSize)]
 }
 
 func (e *Engine) apply(ev event, now time.Time) {
@@ -91,6 +119,14 @@ func (e *Engine) apply(ev event, now time.Time) {
 				"kv transfer from the prefiller failed: %v", ev.err)})
 			return
 		}
+		// The pulled blocks join this engine's own cache, with those it had.
+		e.cachePrompt(r)
+		if !r.readsKV() && e.cfg.PrefillPerToken > 0 {
+			// Nothing to pull: the decoder computes the prompt itself.
+			r.state = statePrefilling
+			r.readyAt = now.Add(time.Duration(r.promptTokens-r.cachedTokens) * e.cfg.PrefillPerToken)
+			return
+		}
 		r.state = stateDecoding
 		r.readyAt = now
 	}
@@ -153,6 +189,7 @@ func (e *Engine) crash(cause *request) {
 	}
 	cause.state = stateDone
 	cause.push(dead)
+	e.pool.clear()
 }
 
 // late counts and logs an event that found nothing to act on.
@@ -238,15 +275,25 @@ func (e *Engine) schedule(now time.Time) {
 		if len(e.running) >= e.cfg.MaxRunning {
 			break
 		}
-		blocks, ok := e.pool.alloc(r.needBlocks, r.seq)
+		blocks, hit, ok := e.pool.alloc(r.needBlocks, r.seq, r.lookupHashes(e.cfg.BlockSize))
 		if !ok {
 			break
 		}
 		admitted++
 		r.blocks = blocks
+		if r.blockHashes != nil {
+			r.cachedTokens = hit * e.cfg.BlockSize
+			e.counts.prefixQueries += r.promptTokens
+			e.counts.prefixHits += r.cachedTokens
+		}
 		e.running = append(e.running, r)
 		if r.kind == kindDecode {
 			r.state = statePulling
+			if r.readsKV() {
+				// The blocks this engine's cache holds are not pulled; the
+				// remote blocks line up with the prompt's, one per block.
+				r.pullFrom = min(r.cachedTokens/e.cfg.BlockSize, len(r.remote.RemoteBlockIDs))
+			}
 			if r.readsKV() {
 				// The worker handshakes with a new prefiller when it first
 				// needs to read from it, and that takes seconds (vLLM
@@ -258,11 +305,11 @@ func (e *Engine) schedule(now time.Time) {
 					continue
 				}
 			}
-			r.push(output{kind: outPull})
+			r.push(output{kind: outPull, pullFrom: r.pullFrom})
 			continue
 		}
 		r.state = statePrefilling
-		r.readyAt = now.Add(e.cfg.PrefillTime + time.Duration(r.promptTokens)*e.cfg.PrefillPerToken)
+		r.readyAt = now.Add(e.cfg.PrefillTime + time.Duration(r.promptTokens-r.cachedTokens)*e.cfg.PrefillPerToken)
 	}
 	e.waiting = e.waiting[admitted:]
 }
@@ -273,11 +320,14 @@ func (e *Engine) advance(now time.Time) {
 	for _, r := range e.running {
 		if r.handshaking && r.state == statePulling && !now.Before(r.readyAt) {
 			r.handshaking = false
-			r.push(output{kind: outPull})
+			r.push(output{kind: outPull, pullFrom: r.pullFrom})
 			continue
 		}
 		if (r.state != statePrefilling && r.state != stateDecoding) || now.Before(r.readyAt) {
 			continue
+		}
+		if r.state == statePrefilling && r.kind != kindDecode {
+			e.cachePrompt(r) // a decode's blocks joined the cache at its pull's end
 		}
 		r.state = stateDecoding
 		e.emit(r, now)
@@ -288,7 +338,7 @@ func (e *Engine) advance(now time.Time) {
 func (e *Engine) emit(r *request, now time.Time) {
 	i := r.generated
 	r.generated++
-	o := output{kind: outToken, index: i, complete: r.generated}
+	o := output{kind: outToken, index: i, complete: r.generated, cached: r.cachedTokens}
 	eos := !r.ignoreEOS && i >= r.minTokens && tokenIsEOS(r.hash, i)
 	switch {
 	case eos:
@@ -381,6 +431,7 @@ func (e *Engine) shutdown() {
 	}
 	e.waiting, e.running = nil, nil
 	e.holdDue = time.Time{}
+	e.publishEvents(e.clock.Now())
 }
 
 // Stats returns a snapshot of the KV pool and counters (GET /debug/kv).
@@ -390,6 +441,9 @@ func (e *Engine) Stats() KVStats {
 	s := KVStats{
 		BlocksTotal:                e.pool.total(),
 		BlocksFree:                 e.pool.available(),
+		CachedBlocks:               e.pool.cachedBlocks(),
+		PrefixCacheQueriesTotal:    e.counts.prefixQueries,
+		PrefixCacheHitsTotal:       e.counts.prefixHits,
 		HeldRequests:               len(e.held),
 		RequestsTotal:              e.counts.requests,
 		AbortedTotal:               e.counts.aborted,
@@ -402,15 +456,22 @@ func (e *Engine) Stats() KVStats {
 		HoldsTotal:                 e.counts.holds,
 		RemotePrefillRequestsTotal: e.counts.remotePrefills,
 	}
+	// Blocks are shared where prompts share a cached prefix: each counts
+	// once, as held if a hold references it, so that free + in use + held
+	// is the pool.
+	held := make(map[int]struct{})
 	for _, h := range e.held {
-		s.BlocksHeld += len(h.blocks)
+		for _, id := range h.blocks {
+			held[id] = struct{}{}
+		}
 		if h.room != nil && !h.room.transferring {
 			s.RoomsHeld++
 		}
 	}
+	s.BlocksHeld = len(held)
+	s.BlocksInUse = s.BlocksTotal - s.BlocksFree - s.BlocksHeld
 	s.RoomsWaiting = len(e.prealloc)
 	for _, r := range e.live {
-		s.BlocksInUse += len(r.blocks)
 		if r.state == stateWaiting {
 			s.WaitingRequests++
 		} else {
