@@ -28,12 +28,12 @@ type blockPool struct {
 	doubleFree int        // frees of blocks not referenced by the freeing request
 
 	caching bool
-	hashOf  []uint64          // a cached block's hash
-	cached  []bool            // block id is in byHash
-	byHash  map[uint64]int    // the cache: block hash -> block id
-	lru     *list.List        // cached blocks nobody references, least recently used first
-	lruElem []*list.Element   // block id's element in lru, nil when referenced or uncached
-	events  []kvEvent         // what changed in the cache since the last take
+	hashOf  []uint64        // a cached block's hash
+	cached  []bool          // block id is in byHash
+	byHash  map[uint64]int  // the cache: block hash -> block id
+	lru     *list.List      // cached blocks nobody references, least recently used first
+	lruElem []*list.Element // block id's element in lru, nil when referenced or uncached
+	events  []kvEvent       // what changed in the cache since the last take
 }
 
 func newBlockPool(n int, caching bool) *blockPool {

@@ -75,14 +75,14 @@ type request struct {
 	transferFail bool
 
 	// scheduler
-	state   reqState
-	blocks  []int
+	state  reqState
+	blocks []int
 	// cachedTokens is how much of the prompt the prefix cache held when the
 	// request was admitted; pullFrom is the first of a decode's remote
 	// blocks it pulls, those before it being in its own cache.
 	cachedTokens int
 	pullFrom     int
-	readyAt time.Time // prefill end, next token, or (handshaking) the handshake's end
+	readyAt      time.Time // prefill end, next token, or (handshaking) the handshake's end
 	// handshaking: a decode admitted before its prefiller's NIXL handshake
 	// is done; the scheduler orders its pull at readyAt.
 	handshaking bool
@@ -211,8 +211,8 @@ type Engine struct {
 	handshakes map[kvPeer]time.Time
 	counts     counters
 	// kv publishes the prefix cache's events; nil without an endpoint.
-	kv *kvPublisher
-	started    bool // Run was called
+	kv      *kvPublisher
+	started bool // Run was called
 
 	// SGLang (sglang.go). rooms: a prefiller's bootstrap rooms by id;
 	// prealloc: a decoder's requests waiting for their room's KV, with what
@@ -263,7 +263,7 @@ type KVStats struct {
 	// KVBlocksPulledTotal counts the blocks this engine pulled from
 	// prefillers as a decoder: those its own cache lacked.
 	KVBlocksPulledTotal int `json:"kv_blocks_pulled_total"`
-	HeldRequests int `json:"held_requests"`
+	HeldRequests        int `json:"held_requests"`
 	// RunningRequests hold a running slot and KV blocks: prefilling, pulling
 	// KV (or waiting for the NIXL handshake before the pull) or decoding.
 	// /metrics reports it as vllm:num_requests_running (sglang:num_running_reqs).
@@ -405,7 +405,6 @@ func (e *Engine) KVEventsReplayAddr() string {
 	}
 	return e.kv.replayAddr()
 }
-
 
 // newRequest turns a parsed API request into an engine request.
 func (e *Engine) newRequest(rid string, a *apiRequest) (*request, error) {

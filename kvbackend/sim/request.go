@@ -13,10 +13,10 @@ import (
 // Limits on what a request may ask for, so that a fuzzed or hostile body
 // cannot make the sim allocate without bound.
 const (
-	maxBodyBytes       = 16 << 20
-	maxTokensLimit     = 1 << 20
-	maxChoices         = 128 // n and best_of, and prompts in one request
-	defaultMaxTokens   = 16
+	maxBodyBytes     = 16 << 20
+	maxTokensLimit   = 1 << 20
+	maxChoices       = 128 // n and best_of, and prompts in one request
+	defaultMaxTokens = 16
 )
 
 // kvTransferParams is vLLM's NixlConnector kv_transfer_params object, both

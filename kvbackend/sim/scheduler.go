@@ -444,6 +444,7 @@ func (e *Engine) Stats() KVStats {
 		CachedBlocks:               e.pool.cachedBlocks(),
 		PrefixCacheQueriesTotal:    e.counts.prefixQueries,
 		PrefixCacheHitsTotal:       e.counts.prefixHits,
+		KVBlocksPulledTotal:        e.counts.pulledBlocks,
 		HeldRequests:               len(e.held),
 		RequestsTotal:              e.counts.requests,
 		AbortedTotal:               e.counts.aborted,
