@@ -4,7 +4,9 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -319,6 +321,11 @@ func (c Config) withDefaults() (Config, error) {
 	if c.DataParallelRank < 0 {
 		errs = append(errs, fmt.Errorf("data parallel rank %d: must not be negative", c.DataParallelRank))
 	}
+	for _, ep := range []string{c.KVEventsEndpoint, c.KVEventsReplayEndpoint} {
+		if err := checkEndpoint(ep); ep != "" && err != nil {
+			errs = append(errs, err)
+		}
+	}
 	if c.KVEventsReplayEndpoint != "" && c.KVEventsEndpoint == "" {
 		errs = append(errs, errors.New("kv events replay endpoint needs a kv events endpoint"))
 	}
@@ -350,3 +357,21 @@ func (b invertedBool) Set(s string) error {
 }
 
 func (b invertedBool) IsBoolFlag() bool { return true }
+
+// checkEndpoint rejects a ZMQ endpoint that cannot be bound or dialled:
+// tcp://host:port (host * binds every interface), ipc://path or inproc://name.
+func checkEndpoint(ep string) error {
+	scheme, addr, ok := strings.Cut(ep, "://")
+	switch {
+	case !ok || addr == "":
+	case scheme == "ipc" || scheme == "inproc":
+		return nil
+	case scheme == "tcp":
+		if _, port, err := net.SplitHostPort(addr); err == nil {
+			if _, err := strconv.ParseUint(port, 10, 16); err == nil || port == "*" {
+				return nil
+			}
+		}
+	}
+	return fmt.Errorf("kv events endpoint %q: want tcp://host:port, ipc://path or inproc://name", ep)
+}

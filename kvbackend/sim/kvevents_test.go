@@ -464,3 +464,48 @@ func FuzzKVEventBatch(f *testing.F) {
 		}
 	})
 }
+
+func TestKVEventEndpointsBindOnAWildcardAndMoveByTheDataParallelRank(t *testing.T) {
+	tests := []struct {
+		ep    string
+		rank  int
+		binds bool
+		want  string
+	}{
+		{"tcp://*:5557", 0, true, "tcp://*:5557"},
+		{"tcp://*:5557", 2, true, "tcp://*:5559"},
+		{"tcp://10.0.0.7:5557", 1, false, "tcp://10.0.0.7:5558"},
+		{"tcp://[::]:5557", 1, true, "tcp://[::]:5558"},
+		{"ipc:///tmp/kv", 3, true, "ipc:///tmp/kv"},
+	}
+	for _, tt := range tests {
+		t.Run(fmt.Sprintf("%s rank %d", tt.ep, tt.rank), func(t *testing.T) {
+			got, err := offsetPort(tt.ep, tt.rank)
+			if err != nil || got != tt.want || bindsEndpoint(tt.ep) != tt.binds {
+				t.Errorf("offsetPort = %q, %v; binds %v; want %q, binds %v", got, err, bindsEndpoint(tt.ep), tt.want, tt.binds)
+			}
+		})
+	}
+}
+
+func TestKVEventSettingsThatCannotWorkAreRejected(t *testing.T) {
+	tests := []struct {
+		name string
+		cfg  func(*Config)
+	}{
+		{"an unknown format", func(c *Config) { c.KVEventsEndpoint, c.KVEventsFormat = "tcp://*:0", "json" }},
+		{"a replay endpoint without an endpoint", func(c *Config) { c.KVEventsReplayEndpoint = "tcp://*:0" }},
+		{"a negative data parallel rank", func(c *Config) { c.DataParallelRank = -1 }},
+		{"an endpoint that is not one", func(c *Config) { c.KVEventsEndpoint = "nowhere" }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := fastConfig()
+			tt.cfg(&cfg)
+			if e, err := New(cfg, nil); err == nil {
+				e.kv.close()
+				t.Errorf("New accepted %+v", cfg)
+			}
+		})
+	}
+}

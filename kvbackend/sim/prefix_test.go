@@ -244,3 +244,27 @@ func TestCachedBlocksNobodyReferencesAreFreeAndEvictedOldestFirst(t *testing.T) 
 		t.Errorf("a after c: usage %+v, want a's blocks (the least recently used) evicted, at least in part", u)
 	}
 }
+
+func TestAnSGLangDecoderHoldingThePromptPullsOnlyItsLastBlockAndBothEnginesCache(t *testing.T) {
+	prompt := strings.Repeat("abcd", 200) // 200 tokens: 13 blocks, 12 full
+	body := `{"model":"m","prompt":"` + prompt + `","max_tokens":2,"ignore_eos":true}`
+	pr := startPair(t, sglangConfig("prefill"), sglangConfig("decode"))
+	for i, wantPulled := range []int{13, 13 + 1} {
+		leg := pr.leg(t, body, "sg-cache-"+itoa(i), uint64(7000+i), 1)
+		pLeg := pr.p.send(context.Background(), "/v1/completions", leg, nil)
+		dLeg := pr.d.send(context.Background(), "/v1/completions", leg, nil)
+		d, p := recvAnswer(t, dLeg, "the decoder's answer"), recvAnswer(t, pLeg, "the prefiller's answer")
+		if d.status != http.StatusOK || p.status != http.StatusOK {
+			t.Fatalf("round %d: decoder %d %s\nprefiller %d %s", i, d.status, d.body, p.status, p.body)
+		}
+		ds := pr.d.waitKV(t, "the decoder ends", sglangDone)
+		ps := pr.p.waitKV(t, "the prefiller frees the room", sglangDone)
+		if ds.KVBlocksPulledTotal != wantPulled || ds.CachedBlocks != 12 || ps.CachedBlocks != 12 {
+			t.Errorf("round %d: decoder pulled %d blocks in all, caches %d; prefiller caches %d; want %d pulled, 12 cached on each",
+				i, ds.KVBlocksPulledTotal, ds.CachedBlocks, ps.CachedBlocks, wantPulled)
+		}
+		if want := 192 * i; ps.PrefixCacheHitsTotal != want || ds.PrefixCacheHitsTotal != want {
+			t.Errorf("round %d: hits prefiller %d, decoder %d, want %d each", i, ps.PrefixCacheHitsTotal, ds.PrefixCacheHitsTotal, want)
+		}
+	}
+}
