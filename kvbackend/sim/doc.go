@@ -35,7 +35,10 @@
 // (or pulled), a request reuses every leading cached block (short of its
 // last token) and computes only the rest, PrefillTime + PrefillPerToken per
 // uncached token; cached blocks nobody references count as free and are
-// evicted least recently used first. A decoder given kv_transfer_params
+// evicted least recently used first. Only prompt blocks are cached: vLLM
+// caches generated tokens' blocks too, but the sim's output words do not
+// tokenize back to the ids it generated, so a next turn could not hit them.
+// A decoder given kv_transfer_params
 // pulls only the remote blocks its own cache lacks, KVTransferTime each,
 // and caches what it pulled. Answers carry
 // usage.prompt_tokens_details.cached_tokens; /debug/kv cached_blocks,

@@ -119,14 +119,15 @@ func (e *Engine) apply(ev event, now time.Time) {
 				"kv transfer from the prefiller failed: %v", ev.err)})
 			return
 		}
-		// The pulled blocks join this engine's own cache, with those it had.
-		e.cachePrompt(r)
 		if !r.readsKV() && e.cfg.PrefillPerToken > 0 {
-			// Nothing to pull: the decoder computes the prompt itself.
+			// Nothing to pull: the decoder computes the prompt's uncached
+			// tokens itself, and caches them when done (advance).
 			r.state = statePrefilling
 			r.readyAt = now.Add(time.Duration(r.promptTokens-r.cachedTokens) * e.cfg.PrefillPerToken)
 			return
 		}
+		// The pulled blocks join this engine's own cache, with those it had.
+		e.cachePrompt(r)
 		r.state = stateDecoding
 		r.readyAt = now
 	}
@@ -293,8 +294,6 @@ func (e *Engine) schedule(now time.Time) {
 				// The blocks this engine's cache holds are not pulled; the
 				// remote blocks line up with the prompt's, one per block.
 				r.pullFrom = min(r.cachedTokens/e.cfg.BlockSize, len(r.remote.RemoteBlockIDs))
-			}
-			if r.readsKV() {
 				// The worker handshakes with a new prefiller when it first
 				// needs to read from it, and that takes seconds (vLLM
 				// #46240): the request waits for it, blocks allocated, as
@@ -326,8 +325,8 @@ func (e *Engine) advance(now time.Time) {
 		if (r.state != statePrefilling && r.state != stateDecoding) || now.Before(r.readyAt) {
 			continue
 		}
-		if r.state == statePrefilling && r.kind != kindDecode {
-			e.cachePrompt(r) // a decode's blocks joined the cache at its pull's end
+		if r.state == statePrefilling {
+			e.cachePrompt(r) // its prompt is computed
 		}
 		r.state = stateDecoding
 		e.emit(r, now)
