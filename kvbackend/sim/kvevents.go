@@ -198,8 +198,14 @@ func newKVPublisher(cfg Config, log *zap.Logger) (*kvPublisher, error) {
 	}
 	// Sockets live until Run closes them, not for one call: their context
 	// is not a request's.
-	p.pub = zmq4.NewPub(context.Background(), zmq4.WithDialerMaxRetries(-1), zmq4.WithDialerRetry(100*time.Millisecond),
-		zmq4.WithAutomaticReconnect(true))
+	opts := []zmq4.Option{zmq4.WithDialerMaxRetries(-1), zmq4.WithDialerRetry(100 * time.Millisecond)}
+	if !bindsEndpoint(ep) {
+		// A connecting publisher redials a consumer that went away. Not a bound one:
+		// zmq4 would "reconnect" it by dialling its own listening endpoint whenever a
+		// subscriber leaves.
+		opts = append(opts, zmq4.WithAutomaticReconnect(true))
+	}
+	p.pub = zmq4.NewPub(context.Background(), opts...)
 	if bindsEndpoint(ep) {
 		if err := p.pub.Listen(ep); err != nil {
 			p.pub.Close()
