@@ -1,7 +1,10 @@
 package sim
 
 import (
+	"context"
 	"errors"
+	"net/http"
+	"strings"
 	"testing"
 )
 
@@ -113,6 +116,35 @@ func TestDuplicateRequestIDs(t *testing.T) {
 			}
 			if s := e.Stats(); s.BlocksFree+s.BlocksInUse+s.BlocksHeld != s.BlocksTotal || s.DoubleFreeAttemptsTotal != 0 {
 				t.Errorf("stats %+v", s)
+			}
+		})
+	}
+}
+
+func TestAWaitingRequestIsAdmittedWhenTheLastRunningOneEndsWithNothingElseArriving(t *testing.T) {
+	tests := []struct {
+		name       string
+		blocks     int
+		maxRunning int
+	}{
+		{"it waited for blocks", 8, 8},
+		{"it waited for a running slot", 64, 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := fastConfig()
+			cfg.KVBlocks, cfg.MaxRunning = tt.blocks, tt.maxRunning
+			cfg.DisablePrefixCache = true // two prompts of 5 blocks that share none
+			ts := startServer(t, cfg)
+			body := `{"prompt":"` + strings.Repeat("abcd", 70) + `","max_tokens":3,"ignore_eos":true}` // 70 tokens: 5 blocks
+			first := ts.send(context.Background(), "/v1/completions", body, nil)
+			ts.waitKV(t, "the first runs", func(s KVStats) bool { return s.RunningRequests == 1 })
+			second := ts.send(context.Background(), "/v1/completions", body, nil)
+			ts.waitKV(t, "the second waits", func(s KVStats) bool { return s.WaitingRequests == 1 })
+			for i, ch := range []<-chan answer{first, second} {
+				if a := recvAnswer(t, ch, "an answer"); a.status != http.StatusOK {
+					t.Errorf("request %d: status %d: %s", i, a.status, a.body)
+				}
 			}
 		})
 	}

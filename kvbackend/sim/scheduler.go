@@ -10,8 +10,9 @@ import (
 
 // step is one scheduler iteration, vLLM style: apply the events that arrived
 // since the last step (adds, aborts, finished-sending and finished-receiving
-// notifications) in arrival order, expire holds, admit waiting requests, then
-// advance every running request by at most one token. It returns the earliest
+// notifications) in arrival order, expire holds, admit waiting requests,
+// advance every running request by at most one token, then admit again into
+// what the requests that ended freed. It returns the earliest
 // time more work is due, ok=false if nothing is scheduled (only events can
 // bring work then).
 func (e *Engine) step(now time.Time) (next time.Time, ok bool) {
@@ -25,6 +26,9 @@ func (e *Engine) step(now time.Time) (next time.Time, ok bool) {
 	e.expire(now)
 	e.schedule(now)
 	e.advance(now)
+	// The requests that ended in advance freed blocks and running slots: the waiting ones
+	// are admitted now, or they would wait for the next event, which may never come.
+	e.schedule(now)
 	e.publishEvents(now)
 	return e.nextDue()
 }
