@@ -84,8 +84,9 @@ type Config struct {
 	// KVEventsReplayEndpoint, when set, binds a ROUTER socket answering
 	// replay requests (tcp://*:5558).
 	KVEventsReplayEndpoint string
-	// KVEventsTopic is the topic frame of every event message; default
-	// "kv-events". llm-d's consumers expect kv@<pod ip:port>@<model>.
+	// KVEventsTopic is the topic frame of every event message; empty, as
+	// vLLM's default, matches every subscriber. llm-d's consumers expect
+	// kv@<pod ip:port>@<model>.
 	KVEventsTopic string
 	// KVEventsFormat is how events are encoded: "array" (default; vLLM's
 	// msgspec array_like, tag first) or "map" (vLLM PR #42892, a "type" key).
@@ -165,7 +166,6 @@ const (
 	defaultBootstrapPort   = 8998 // SGLang's --disaggregation-bootstrap-port
 	defaultWaitingTimeout  = 300 * time.Second
 	defaultDisconnectDelay = 2 * time.Second
-	defaultKVEventsTopic   = "kv-events"
 )
 
 // DefaultConfig returns the documented defaults, the flags' defaults too.
@@ -184,7 +184,6 @@ func DefaultConfig() Config {
 		BootstrapPort:       defaultBootstrapPort,
 		WaitingTimeout:      defaultWaitingTimeout,
 		DisconnectDelay:     defaultDisconnectDelay,
-		KVEventsTopic:       defaultKVEventsTopic,
 		KVEventsFormat:      KVEventsFormatArray,
 	}
 }
@@ -210,7 +209,7 @@ func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.Var(invertedBool{&cfg.DisablePrefixCache}, "prefix-cache", "prefix caching: reuse the cached leading full blocks of a prompt, keep freed blocks cached until evicted (LRU); --prefix-cache=false computes every prompt whole")
 	fs.StringVar(&cfg.KVEventsEndpoint, "kv-events-endpoint", cfg.KVEventsEndpoint, "publish KV events (BlockStored, BlockRemoved, AllBlocksCleared) in vLLM's ZMQ format on this endpoint: bound when it holds *, e.g. tcp://*:5557, connected otherwise, e.g. tcp://127.0.0.1:5557 (empty: no events)")
 	fs.StringVar(&cfg.KVEventsReplayEndpoint, "kv-events-replay-endpoint", cfg.KVEventsReplayEndpoint, "bind a ZMQ ROUTER here that replays buffered KV event batches from a start sequence number, e.g. tcp://*:5558 (empty: none)")
-	fs.StringVar(&cfg.KVEventsTopic, "kv-events-topic", cfg.KVEventsTopic, "topic frame of the KV event messages (llm-d expects kv@<ip:port>@<model>)")
+	fs.StringVar(&cfg.KVEventsTopic, "kv-events-topic", cfg.KVEventsTopic, "topic frame of the KV event messages (empty, vLLM's default, reaches every subscriber; llm-d expects kv@<ip:port>@<model>)")
 	fs.StringVar(&cfg.KVEventsFormat, "kv-events-format", cfg.KVEventsFormat, "KV event encoding: array (vLLM's array_like structs, tag first) or map (a \"type\" key, vLLM PR #42892)")
 	fs.IntVar(&cfg.DataParallelRank, "data-parallel-rank", cfg.DataParallelRank, "data parallel rank in the KV event batches; the KV event endpoints' ports are offset by it")
 	fs.Int64Var(&cfg.Seed, "seed", cfg.Seed, "seed of the deterministic token source (tokens also depend on the request id)")
@@ -258,9 +257,6 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.Clock == nil {
 		c.Clock = realClock{}
-	}
-	if c.KVEventsTopic == "" {
-		c.KVEventsTopic = d.KVEventsTopic
 	}
 	if c.KVEventsFormat == "" {
 		c.KVEventsFormat = d.KVEventsFormat
