@@ -318,14 +318,16 @@ func TestAConsumerOfVLLMsFormatReadsEveryKVEventAndReplays(t *testing.T) {
 		name, format string
 		connect      bool // the sim connects to the consumer's bound SUB socket
 		crash        bool // the run ends in an engine crash (AllBlocksCleared)
+		topic        string
 	}{
-		{"array events, the sim binds", KVEventsFormatArray, false, false},
-		{"map events, the sim binds", KVEventsFormatMap, false, true},
-		{"array events, the sim connects to the consumer", KVEventsFormatArray, true, false},
+		{"array events, the sim binds", KVEventsFormatArray, false, false, "kv@127.0.0.1:8000@sim"},
+		{"map events, the sim binds", KVEventsFormatMap, false, true, "kv@127.0.0.1:8000@sim"},
+		{"array events, the sim connects to the consumer", KVEventsFormatArray, true, false, "kv@127.0.0.1:8000@sim"},
+		{"the default empty topic", KVEventsFormatArray, false, false, ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			const topic = "kv@127.0.0.1:8000@sim"
+			topic := tt.topic
 			cfg := fastConfig()
 			cfg.KVBlocks = 16 // a small pool: six prompts of 4 blocks evict each other
 			cfg.KVEventsTopic, cfg.KVEventsFormat = topic, tt.format
