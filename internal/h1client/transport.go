@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"crypto/tls"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -31,6 +30,10 @@ type Options struct {
 	TLS *tls.Config
 	// TLSHandshakeTimeout bounds a TLS handshake; zero means 5 s.
 	TLSHandshakeTimeout time.Duration
+	// MaxResponseHeaderBytes bounds a response's head: its status line and header lines,
+	// those of interim (1xx) answers included. Zero means DefaultMaxResponseHeaderBytes,
+	// net/http's default, so that the heads one engine client takes the other takes too.
+	MaxResponseHeaderBytes int64
 }
 
 // Transport is an http.RoundTripper for HTTP/1.1 backends. It is safe for concurrent use.
@@ -62,6 +65,9 @@ func New(o Options) *Transport {
 	if o.TLS == nil {
 		o.TLS = &tls.Config{}
 	}
+	if o.MaxResponseHeaderBytes == 0 {
+		o.MaxResponseHeaderBytes = DefaultMaxResponseHeaderBytes
+	}
 	return &Transport{pools: &pools{opts: o, dialer: &net.Dialer{Timeout: o.DialTimeout, KeepAlive: o.KeepAlive}, m: make(map[string]*hostPool)}}
 }
 
@@ -76,9 +82,6 @@ func (t *Transport) CloseIdleConnections() { t.pools.closeIdle() }
 
 // Options returns what t was built with, defaults filled in.
 func (t *Transport) Options() Options { return t.pools.opts }
-
-// errTooLarge is a response head that does not fit the limits below.
-var errTooLarge = errors.New("response head too large")
 
 // RoundTrip sends req and reads the response head on the caller's goroutine. The body reads
 // from the connection itself; closing it before its end closes the connection.
@@ -129,6 +132,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			}
 			return nil, err
 		}
+		resp.Request = req
 		b := resp.Body.(*body)
 		b.c, b.stop, b.ctx = c, stop, ctx
 		if b.done {
