@@ -3,6 +3,7 @@ package kvbackend
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -32,7 +33,8 @@ func (e *StatusError) Error() string {
 }
 
 // CallError is a failure to get an answer from a backend at all. Connect tells whether the
-// connection was never made, so the backend provably never saw the request (safe to retry).
+// request provably never reached the backend (the connection or its TLS handshake failed, or
+// nothing of the request was written), so that it is safe to send elsewhere.
 type CallError struct {
 	Connect bool
 	Err     error
@@ -167,9 +169,21 @@ func abortRequest(ctx context.Context, client *http.Client, baseURL, id string) 
 	return nil
 }
 
-// isConnectError reports whether err happened while dialing, before the request could reach
-// the backend: only then is a retry on another backend provably safe.
+// isConnectError reports whether err happened before the request could reach the backend:
+// only then is a retry on another backend provably safe. That is a failed dial (the dialer's
+// *net.OpError, from either engine client), a certificate the TLS handshake refused, or a
+// failure the engine client itself knows left the request unsent (h1client's Unsent: a failed
+// handshake, nothing written to a new connection). A connection lost after the request went
+// out is not one, whatever the client: the engine may have begun the work.
 func isConnectError(err error) bool {
 	var op *net.OpError
-	return errors.As(err, &op) && op.Op == "dial"
+	if errors.As(err, &op) && op.Op == "dial" {
+		return true
+	}
+	var cv *tls.CertificateVerificationError
+	if errors.As(err, &cv) {
+		return true
+	}
+	var u interface{ Unsent() bool }
+	return errors.As(err, &u) && u.Unsent()
 }
