@@ -23,8 +23,9 @@ import (
 //     net/http ignores the field and frames by Content-Length or the close);
 //   - whitespace in a field name, as in "Content-Length : 5" (RFC 9112 section 5.1; net/http
 //     keeps such a field under its raw name, so it frames the body as if it were absent);
-//   - a version other than HTTP/1.x, and a status code below 100 or with a sign ("+20"): the
-//     connection speaks HTTP/1.1, and Go's own server panics writing a code below 100;
+//   - a version other than HTTP/1.x ("HTTP/0.9", "HTTP/2.0" in text), which says the peer does
+//     not frame as HTTP/1.1 does, and a status code below 100 or signed ("+20", "-00"), which
+//     RFC 9110 section 15 does not define and net/http takes as a final answer;
 //   - 101 Switching Protocols: this client never asks to upgrade, and it cannot hand the
 //     connection over (net/http gives a writable body to a 101 with Upgrade).
 
@@ -91,7 +92,7 @@ func readResponse(br *bufio.Reader, method string, limit int64, trace *httptrace
 		}
 		if resp.StatusCode < 200 {
 			// net/http frames an interim answer too, and refuses it on the same grounds.
-			if _, err := frame(resp, method, br); err != nil {
+			if err := frame(resp, method, br); err != nil {
 				return nil, err
 			}
 			if resp.StatusCode == http.StatusContinue && trace != nil && trace.Got100Continue != nil {
@@ -99,7 +100,7 @@ func readResponse(br *bufio.Reader, method string, limit int64, trace *httptrace
 			}
 			continue
 		}
-		if _, err := frame(resp, method, br); err != nil {
+		if err := frame(resp, method, br); err != nil {
 			return nil, err
 		}
 		return resp, nil
@@ -318,19 +319,19 @@ func isTokenByte(c byte) bool {
 // gives resp its Body. It leaves resp's header as net/http does: Transfer-Encoding gone into
 // resp.TransferEncoding, one Content-Length, Trailer gone into resp.Trailer's keys, and
 // Connection gone when it says close on HTTP/1.1.
-func frame(resp *http.Response, method string, br *bufio.Reader) (*body, error) {
+func frame(resp *http.Response, method string, br *bufio.Reader) error {
 	h := resp.Header
 	chunked := false
 	if te, ok := h["Transfer-Encoding"]; ok {
 		delete(h, "Transfer-Encoding")
 		if resp.ProtoMinor == 0 {
-			return nil, errTE10
+			return errTE10
 		}
 		if len(te) != 1 {
-			return nil, fmt.Errorf("too many transfer encodings %q", te)
+			return fmt.Errorf("too many transfer encodings %q", te)
 		}
 		if !equalFold(te[0], "chunked") {
-			return nil, fmt.Errorf("unsupported Transfer-Encoding %q", te[0])
+			return fmt.Errorf("unsupported Transfer-Encoding %q", te[0])
 		}
 		chunked = true
 		resp.TransferEncoding = []string{"chunked"}
@@ -339,7 +340,7 @@ func frame(resp *http.Response, method string, br *bufio.Reader) (*body, error) 
 	if len(cl) > 1 {
 		for _, v := range cl[1:] {
 			if v != cl[0] {
-				return nil, fmt.Errorf("conflicting Content-Length %q", cl)
+				return fmt.Errorf("conflicting Content-Length %q", cl)
 			}
 		}
 		cl = cl[:1]
@@ -349,7 +350,7 @@ func frame(resp *http.Response, method string, br *bufio.Reader) (*body, error) 
 	if len(cl) > 0 {
 		n, err := strconv.ParseUint(cl[0], 10, 63)
 		if err != nil {
-			return nil, fmt.Errorf("malformed Content-Length %q", cl[0])
+			return fmt.Errorf("malformed Content-Length %q", cl[0])
 		}
 		declared = int64(n)
 	}
@@ -360,7 +361,7 @@ func frame(resp *http.Response, method string, br *bufio.Reader) (*body, error) 
 	case !hasBody:
 	case chunked:
 		if len(cl) > 0 {
-			return nil, errBothFramings
+			return errBothFramings
 		}
 		length = -1
 	default:
@@ -380,7 +381,7 @@ func frame(resp *http.Response, method string, br *bufio.Reader) (*body, error) 
 				}
 				switch k = http.CanonicalHeaderKey(k); k {
 				case "Transfer-Encoding", "Trailer", "Content-Length":
-					return nil, fmt.Errorf("bad trailer key %q", k)
+					return fmt.Errorf("bad trailer key %q", k)
 				}
 				resp.Trailer[k] = nil
 			}
@@ -404,7 +405,7 @@ func frame(resp *http.Response, method string, br *bufio.Reader) (*body, error) 
 	}
 	b.reuse = !resp.Close
 	resp.Body = b
-	return b, nil
+	return nil
 }
 
 func hasToken(vs []string, token string) bool {
