@@ -283,3 +283,35 @@ func TestAFailedTLSHandshakeIsUnsent(t *testing.T) {
 		t.Errorf("error %v, want an UnsentError", err)
 	}
 }
+
+func TestAnswersWithoutABodyLeaveTheConnectionReusable(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		method string
+		h      http.HandlerFunc
+	}{
+		{"a HEAD with a Content-Length", http.MethodHead, func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Content-Length", "100")
+		}},
+		{"a 204", http.MethodPost, func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusNoContent) }},
+		{"a 304", http.MethodGet, func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusNotModified) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv, conns := server(t, tc.h)
+			_, c := client(t, Options{})
+			for range 3 {
+				req, _ := http.NewRequest(tc.method, srv.URL, nil)
+				resp, err := c.Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := readBody(t, resp, false); got != "" {
+					t.Errorf("body %q", got)
+				}
+			}
+			if n := conns.Load(); n != 1 {
+				t.Errorf("3 calls took %d connections, want 1", n)
+			}
+		})
+	}
+}
