@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -29,17 +30,29 @@ import (
 )
 
 // routingContender is one way of routing the P/D fleet: a policy for both pools, conditional
-// disaggregation or not, and how many proxy replicas share the engines.
+// disaggregation or not, and how many proxy replicas share the engines; or, with direct, no
+// proxy at all.
 type routingContender struct {
 	policy    string
 	threshold int // pd_uncached_token_threshold; 0 always disaggregates
 	replicas  int
+	// balanceAbs, when set, is cache_aware.balance_abs_threshold.
+	balanceAbs int
+	// direct sends each group's requests straight to decoder group mod 4, decode-only: the
+	// reference of what routing by prefix can reach on these decoders.
+	direct bool
 }
 
 func (c routingContender) name() string {
+	if c.direct {
+		return "reference: group-affine, group mod 4 straight to the decoders, decode-only"
+	}
 	s := c.policy
 	if c.replicas > 1 {
 		s = fmt.Sprintf("%s, %d replicas", s, c.replicas)
+	}
+	if c.balanceAbs != 0 {
+		s = fmt.Sprintf("%s, balance_abs_threshold %d", s, c.balanceAbs)
 	}
 	if c.threshold > 0 {
 		return fmt.Sprintf("%s, pd_uncached_token_threshold %d", s, c.threshold)
@@ -47,15 +60,21 @@ func (c routingContender) name() string {
 	return s + ", always P/D"
 }
 
-// routingContenders are every policy with and without conditional disaggregation, then two
-// proxy replicas on precise_cache_aware.
+// routingContenders are every policy with and without conditional disaggregation, two proxy
+// replicas on precise_cache_aware, two settings of precise_cache_aware that the figures
+// point at (a tighter balance, a higher threshold), and the group-affine reference.
 func routingContenders(threshold int) []routingContender {
 	var cs []routingContender
 	for _, p := range []string{router.PolicyRoundRobin, router.PolicyLeastInflight, router.PolicyPrefixAffinity,
 		router.PolicyLeastLoaded, router.PolicyCacheAware, router.PolicyPreciseCacheAware} {
-		cs = append(cs, routingContender{p, 0, 1}, routingContender{p, threshold, 1})
+		cs = append(cs, routingContender{policy: p, replicas: 1}, routingContender{policy: p, threshold: threshold, replicas: 1})
 	}
-	return append(cs, routingContender{router.PolicyPreciseCacheAware, 0, 2}, routingContender{router.PolicyPreciseCacheAware, threshold, 2})
+	precise := router.PolicyPreciseCacheAware
+	return append(cs,
+		routingContender{policy: precise, replicas: 2}, routingContender{policy: precise, threshold: threshold, replicas: 2},
+		routingContender{policy: precise, threshold: threshold, replicas: 1, balanceAbs: 1},
+		routingContender{policy: precise, threshold: 4 * threshold, replicas: 1},
+		routingContender{direct: true})
 }
 
 // routingParams sizes TestRoutingContenders: the tiny run (every `go test`) shows that each
@@ -169,8 +188,12 @@ func TestRoutingContenders(t *testing.T) {
 			return median(xs)
 		}
 		saved := med(func(r routingRun) float64 { return 1 - float64(r.computed)/float64(oq) })
-		fmt.Fprintf(&b, "| %s | %.3f | %.3f | %.3f (%.2f) | %.0f | %.0f | %.2f ms | %.2f ms | %.2f ms | %s | %s | %.0f |\n", c.name(),
-			med(func(r routingRun) float64 { return ratio(r.prefillHits, r.prefillQueries) }),
+		prefillRatio := fmt.Sprintf("%.3f", med(func(r routingRun) float64 { return ratio(r.prefillHits, r.prefillQueries) }))
+		if c.direct {
+			prefillRatio = "none"
+		}
+		fmt.Fprintf(&b, "| %s | %s | %.3f | %.3f (%.2f) | %.0f | %.0f | %.2f ms | %.2f ms | %.2f ms | %s | %s | %.0f |\n", c.name(),
+			prefillRatio,
 			med(func(r routingRun) float64 { return ratio(r.decodeHits, r.decodeQueries) }),
 			saved, saved/ratio(oh, oq),
 			med(func(r routingRun) float64 { return float64(r.computed) }),
@@ -216,6 +239,9 @@ func spreadOf(rs []routingRun, per func(routingRun) []int) string {
 	var hi, lo, rat []float64
 	for _, r := range rs {
 		n := per(r)
+		if len(n) == 0 {
+			return "none"
+		}
 		a, z := slices.Max(n), slices.Min(n)
 		hi, lo = append(hi, float64(a)), append(lo, float64(z))
 		if z == 0 {
@@ -234,7 +260,10 @@ func spreadOf(rs []routingRun, per func(routingRun) []int) string {
 // runContender starts fresh engines and c's proxies in front of them, sends the workload
 // and returns what the engines and proxies counted.
 func runContender(t *testing.T, w *chatWorkload, c routingContender, cfg sim.Config, rate int) routingRun {
-	prefill := startSims(t, 2, cfg)
+	var prefill []*simEngine
+	if !c.direct {
+		prefill = startSims(t, 2, cfg)
+	}
 	decode := startSims(t, 4, cfg)
 	var proxies []*app.Main
 	var urls []string
@@ -244,7 +273,11 @@ func runContender(t *testing.T, w *chatWorkload, c routingContender, cfg sim.Con
 		urls = append(urls, m.URL())
 	}
 	var next atomic.Uint64
-	ttft := runStreamed(t, w, rate, func() string { return urls[(next.Add(1)-1)%uint64(len(urls))] })
+	target := func(turnRef) string { return urls[(next.Add(1)-1)%uint64(len(urls))] }
+	if c.direct {
+		target = func(r turnRef) string { return decode[r.group%len(decode)].srv.URL }
+	}
+	ttft := runStreamed(t, w, rate, target)
 
 	run := routingRun{requests: w.groups * w.users * w.turns, ttft: ttft}
 	for _, s := range prefill {
@@ -270,6 +303,9 @@ func runContender(t *testing.T, w *chatWorkload, c routingContender, cfg sim.Con
 		cached, all := decodeOnly(t, m.Registry)
 		run.decodeOnlyCached += cached
 		run.decodeOnlyOthers += all - cached
+	}
+	if c.direct {
+		return run
 	}
 	// Each request decoded once, and prefilled once unless it went decode-only.
 	if n := sum(run.decodePerEngine); n != run.requests {
@@ -341,6 +377,7 @@ func startRoutingProxy(t testing.TB, c routingContender, prefillers, decoders []
 	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
 	cfg.Router.PrefillPolicy, cfg.Router.DecodePolicy = c.policy, c.policy
 	cfg.Proxy.PDUncachedTokenThreshold = c.threshold
+	cfg.Router.CacheAware.BalanceAbsThreshold = c.balanceAbs
 	add := func(s *simEngine, role router.Role) {
 		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: s.srv.URL, Role: role, Engine: kvbackend.KindVLLM,
 			KVEventsEndpoint: kvDial(t, s.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, s.e.KVEventsReplayAddr())})
@@ -373,7 +410,7 @@ func startRoutingProxy(t testing.TB, c routingContender, prefillers, decoders []
 // per second (an open loop: a slow answer does not slow the sending), streamed, to the URL
 // target gives, and returns the TTFTs, sorted: from sending to the first byte of the body.
 // Any answer but a 200 streamed to its [DONE] fails the test.
-func runStreamed(t *testing.T, w *chatWorkload, rate int, target func() string) []time.Duration {
+func runStreamed(t *testing.T, w *chatWorkload, rate int, target func(turnRef) string) []time.Duration {
 	t.Helper()
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: w.groups * w.users}, Timeout: time.Minute}
 	defer client.CloseIdleConnections()
@@ -387,7 +424,7 @@ func runStreamed(t *testing.T, w *chatWorkload, rate int, target func() string) 
 		start := time.Now()
 		for i, r := range wave {
 			time.Sleep(time.Until(start.Add(time.Duration(i) * gap)))
-			url := target()
+			url := target(r)
 			wg.Go(func() {
 				d, err := streamTurn(client, url, w.streamBody(r))
 				if err != nil {
@@ -429,4 +466,106 @@ func streamTurn(client *http.Client, url string, body []byte) (time.Duration, er
 		return 0, fmt.Errorf("the stream ended before [DONE]: %.300s", rest)
 	}
 	return d, nil
+}
+
+// BenchmarkRoutingCost is what picking a decoder costs a request, by policy, on 4 simulated
+// decoders whose caches hold the workload (their KV events read by the router):
+// precise_cache_aware's Router.Tokens (a POST /tokenize to the least loaded engine, on
+// loopback) and its Acquire (the pick: index and tree scored), cache_aware's Acquire (the
+// tree alone), least_inflight's. p50 and p99 of one request's routing (tokenize and pick),
+// of the tokenizing and of the pick (Acquire and Release) are reported in µs, besides the
+// mean (ns/op); run with -bench RoutingCost -run '^$'.
+func BenchmarkRoutingCost(b *testing.B) {
+	w := newChatWorkload(defaultShape)
+	type turn struct {
+		hint     router.Hint
+		messages []byte
+	}
+	var turns []turn
+	for _, wave := range w.order {
+		for _, r := range wave {
+			var req struct {
+				Messages json.RawMessage `json:"messages"`
+			}
+			if err := json.Unmarshal(w.body(r), &req); err != nil {
+				b.Fatal(err)
+			}
+			turns = append(turns, turn{router.Hint{Prefix: w.systems[r.group], Text: string(req.Messages)}, req.Messages})
+		}
+	}
+	cfg := sim.DefaultConfig()
+	cfg.PrefillTime, cfg.ITL, cfg.KVHeartbeatInterval, cfg.KVBlocks = 0, 0, 0, 1<<14
+	cfg.KVEventsEndpoint, cfg.KVEventsReplayEndpoint = "tcp://*:0", "tcp://*:0"
+	for _, policy := range []string{router.PolicyPreciseCacheAware, router.PolicyCacheAware, router.PolicyLeastInflight} {
+		b.Run(policy, func(b *testing.B) {
+			decoders := startSims(b, 4, cfg)
+			rcfg := router.Config{DecodePolicy: policy, Health: router.HealthConfig{Interval: -1}}
+			for i, d := range decoders {
+				rcfg.Backends = append(rcfg.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.srv.URL, Role: router.RoleDecode,
+					KVEventsEndpoint: kvDial(b, d.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(b, d.e.KVEventsReplayAddr())})
+			}
+			r, err := router.New(rcfg, zap.NewNop(), nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- r.Run(ctx) }()
+			defer func() {
+				cancel()
+				if err := <-done; err != nil {
+					b.Errorf("router Run: %v", err)
+				}
+			}()
+			// The engines' caches hold every group (each on its group mod 4 engine), and the
+			// router knows it from their events.
+			runWorkload(b, w, 8, func(t turnRef) string { return decoders[t.group%len(decoders)].srv.URL })
+			deadline := time.Now().Add(10 * time.Second)
+			for i := range decoders {
+				for len(r.CachedBlocks(fmt.Sprintf("d%d", i), 1)) == 0 {
+					if time.Now().After(deadline) {
+						b.Fatalf("the router has no KV events of d%d", i)
+					}
+					time.Sleep(10 * time.Millisecond)
+				}
+			}
+			precise := r.WantsTokens(router.RoleDecode)
+			var total, tok, pick []time.Duration
+			i := 0
+			for b.Loop() {
+				tu := turns[i%len(turns)]
+				i++
+				t0 := time.Now()
+				h := tu.hint
+				if precise {
+					toks, err := r.Tokens(ctx, router.TokenizeRequest{Model: "sim", Messages: tu.messages})
+					if err != nil {
+						b.Fatal(err)
+					}
+					h.Tokens = toks
+					tok = append(tok, time.Since(t0))
+				}
+				t1 := time.Now()
+				l, err := r.Acquire(ctx, router.RoleDecode, h)
+				if err != nil {
+					b.Fatal(err)
+				}
+				l.Release(router.Result{})
+				t2 := time.Now()
+				total, pick = append(total, t2.Sub(t0)), append(pick, t2.Sub(t1))
+			}
+			slices.Sort(total)
+			slices.Sort(pick)
+			b.ReportMetric(float64(q(total, 0.5))/1e3, "p50-µs")
+			b.ReportMetric(float64(q(total, 0.99))/1e3, "p99-µs")
+			b.ReportMetric(float64(q(pick, 0.5))/1e3, "pick-p50-µs")
+			b.ReportMetric(float64(q(pick, 0.99))/1e3, "pick-p99-µs")
+			if precise {
+				slices.Sort(tok)
+				b.ReportMetric(float64(q(tok, 0.5))/1e3, "tokenize-p50-µs")
+				b.ReportMetric(float64(q(tok, 0.99))/1e3, "tokenize-p99-µs")
+			}
+			r.CloseIdleConnections()
+		})
+	}
 }
