@@ -173,7 +173,7 @@ func TestRoutingContenders(t *testing.T) {
 		p.name, time.Now().UTC().Format(time.RFC3339), runtime.NumCPU(), runtime.Version(), w.groups, w.users, w.turns, w.groups*w.users*w.turns, p.shape.seed, p.rate,
 		poolBlocks, blockSize, w.systemBlocks(blockSize), cfg.PrefillTime, cfg.PrefillPerToken, cfg.KVTransferTime,
 		ratio(oh, oq), oh, oq, p.rounds)
-	fmt.Fprintf(&b, "| contender | hit ratio prefillers | hit ratio decoders | tokens not computed (of oracle) | prefill tokens computed | KV blocks pulled | TTFT p50 | TTFT p99 | TTFT mean | requests per prefiller max/min | per decoder max/min | decode-only (cached) |\n")
+	fmt.Fprintf(&b, "| contender | hit ratio prefillers | hit ratio decoders | tokens not computed (rounds' range), of the oracle | prefill tokens computed | KV blocks pulled | TTFT p50 | TTFT p99 | TTFT mean | requests per prefiller max/min | per decoder max/min | decode-only (cached) |\n")
 	fmt.Fprintf(&b, "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for i, c := range contenders {
 		rs := runs[i]
@@ -187,20 +187,34 @@ func TestRoutingContenders(t *testing.T) {
 			}
 			return median(xs)
 		}
-		saved := med(func(r routingRun) float64 { return 1 - float64(r.computed)/float64(oq) })
+		// span is the rounds' lowest and highest, where there is more than one round.
+		span := func(format string, f func(routingRun) float64) string {
+			if len(rs) < 2 {
+				return ""
+			}
+			lo, hi := f(rs[0]), f(rs[0])
+			for _, r := range rs[1:] {
+				lo, hi = min(lo, f(r)), max(hi, f(r))
+			}
+			return fmt.Sprintf(" ("+format+"–"+format+")", lo, hi)
+		}
+		savedOf := func(r routingRun) float64 { return 1 - float64(r.computed)/float64(oq) }
+		p99 := func(r routingRun) float64 { return msf(q(r.ttft, 0.99)) }
+		avg := func(r routingRun) float64 { return msf(mean(r.ttft)) }
+		saved := med(savedOf)
 		prefillRatio := fmt.Sprintf("%.3f", med(func(r routingRun) float64 { return ratio(r.prefillHits, r.prefillQueries) }))
 		if c.direct {
 			prefillRatio = "none"
 		}
-		fmt.Fprintf(&b, "| %s | %s | %.3f | %.3f (%.2f) | %.0f | %.0f | %.2f ms | %.2f ms | %.2f ms | %s | %s | %.0f |\n", c.name(),
+		fmt.Fprintf(&b, "| %s | %s | %.3f | %.3f%s of oracle %.2f | %.0f | %.0f | %.2f ms | %.2f ms%s | %.2f ms%s | %s | %s | %.0f |\n", c.name(),
 			prefillRatio,
 			med(func(r routingRun) float64 { return ratio(r.decodeHits, r.decodeQueries) }),
-			saved, saved/ratio(oh, oq),
+			saved, span("%.3f", savedOf), saved/ratio(oh, oq),
 			med(func(r routingRun) float64 { return float64(r.computed) }),
 			med(func(r routingRun) float64 { return float64(r.pulled) }),
 			med(func(r routingRun) float64 { return msf(q(r.ttft, 0.5)) }),
-			med(func(r routingRun) float64 { return msf(q(r.ttft, 0.99)) }),
-			med(func(r routingRun) float64 { return msf(mean(r.ttft)) }),
+			med(p99), span("%.1f", p99),
+			med(avg), span("%.1f", avg),
 			spreadOf(rs, func(r routingRun) []int { return r.prefillPerEngine }),
 			spreadOf(rs, func(r routingRun) []int { return r.decodePerEngine }),
 			med(func(r routingRun) float64 { return float64(r.decodeOnlyCached) }))
