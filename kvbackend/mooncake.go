@@ -80,8 +80,13 @@ func (mooncake) Legs(f *Fields, leg Leg) (LegCalls, error) {
 	if err != nil {
 		return LegCalls{}, err
 	}
-	calls := LegCalls{Decode: f.rewrite(decodeDrop, set{"kv_transfer_params", dec})}
-	if chat := f.has("messages"); chat {
+	chat := f.has("messages")
+	drain, err := DrainBody(f, chat, dec)
+	if err != nil {
+		return LegCalls{}, err
+	}
+	calls := LegCalls{Decode: f.rewrite(decodeDrop, set{"kv_transfer_params", dec}), Drain: drain}
+	if chat {
 		calls.Prefill = f.rewrite(prefillDropChat, set{"kv_transfer_params", pre}, set{"stream", rawFalse},
 			set{"max_tokens", rawOne}, set{"max_completion_tokens", rawOne})
 	} else {

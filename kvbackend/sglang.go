@@ -61,6 +61,10 @@ type Leg struct {
 type LegCalls struct {
 	Prefill, Decode             []byte
 	PrefillHeader, DecodeHeader http.Header
+	// Drain, where the engine has no explicit abort, is a one-token decode leg whose only
+	// purpose is to make a decoder pull KV a prefiller holds for legs that were aborted
+	// after the prefill ended; nil where an abort frees it.
+	Drain []byte
 }
 
 // NewRoom is a random bootstrap room in [0, 2^63-1], as SGLang's own router draws them.

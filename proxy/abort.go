@@ -95,7 +95,7 @@ func (x *exchange) gone() *apiError {
 		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
 		if hold != nil {
 			// Paired legs: the room is held until both are aborted, the decoder's first.
-			x.s.abortLegs(x.handOff(), x.legRIDs, x.prefillB, x.decodeB, hold, x.cutLegs)
+			x.s.abortLegs(x.handOff(), x.legRIDs, x.prefillB, x.decodeB, hold, x.cutLegs, x.legDrain, x.req)
 		} else if b := x.prefillB; b != nil && canAbort(b) {
 			// The engine may have finished its last step before the connection closed and
 			// now hold KV nobody will pull (race R1): its explicit abort frees that too.
@@ -142,7 +142,7 @@ func (x *exchange) fail(res router.Result) {
 	act, hold := x.s.table.Fail(x.id)
 	switch {
 	case x.paired && act == lifecycle.ReleaseKV:
-		x.s.abortLegs(c, x.legRIDs, x.prefillB, x.decodeB, hold, x.cutLegs)
+		x.s.abortLegs(c, x.legRIDs, x.prefillB, x.decodeB, hold, x.cutLegs, x.legDrain, x.req)
 	case x.paired:
 		x.s.abortDecodeLeg(c.span, x.legRIDs, x.decodeB)
 		c.end(x.s)
@@ -205,17 +205,32 @@ func canAbort(b *router.Backend) bool {
 //
 // Engines without an explicit abort (vLLM's MooncakeConnector) are aborted by closing the
 // legs' connections, the decoder's first (cut): a prefill cut before it ended holds nothing;
-// one that had ended holds the KV until its engine's timer, as nothing else frees it.
-func (s *Server) abortLegs(c *custody, rids []string, p, d *router.Backend, hold *lifecycle.Hold, cut func() bool) {
+// one that had ended holds the KV until its engine's timer, unless a drain leg (drain, one
+// token, the output discarded) makes the decoder pull it.
+func (s *Server) abortLegs(c *custody, rids []string, p, d *router.Backend, hold *lifecycle.Hold, cut func() bool, drain []byte, req *genRequest) {
 	c.giveBackLease(c.res)
 	if !canAbort(d) || !canAbort(p) {
 		prefilled := cut != nil && cut()
-		if prefilled {
-			hold.Release(lifecycle.ReleaseExpired)
-		} else {
+		switch {
+		case !prefilled:
 			hold.Release(lifecycle.ReleaseAborted)
+			c.end(s)
+		case drain == nil || req == nil:
+			hold.Release(lifecycle.ReleaseExpired)
+			c.end(s)
+		default:
+			s.bg.Add(1)
+			go func() {
+				defer s.bg.Done()
+				defer c.end(s)
+				if s.drainLeg(c, d, req, drain) {
+					hold.Release(lifecycle.ReleaseDrained)
+					return
+				}
+				s.m.releaseFailure.WithLabelValues(ReleaseDrain).Inc()
+				hold.Release(lifecycle.ReleaseExpired)
+			}()
 		}
-		c.end(s)
 		return
 	}
 	s.bg.Add(1)
@@ -579,6 +594,36 @@ func (s *Server) abortHold(r release) bool {
 		return false
 	}
 	r.hold.Release(lifecycle.ReleaseAborted)
+	return true
+}
+
+// drainLegTimeout bounds a drain leg: the prefill it drains had ended, so a decoder pulls at
+// once; one that does not answer by then leaves the KV to the prefiller's timer.
+const drainLegTimeout = 30 * time.Second
+
+// drainLeg sends decoder d a paired request's drain leg, on its own deadline (the client is
+// gone), and reports whether the decoder answered it: it pulled the held KV.
+func (s *Server) drainLeg(c *custody, d *router.Backend, req *genRequest, body []byte) bool {
+	span := s.bgSpan(c.span, spanDrain, d, attrEngineRequestID.String(c.engineID))
+	ctx, cancel := context.WithTimeout(withSpan(context.Background(), span), drainLegTimeout)
+	defer cancel()
+	path := "/v1/completions"
+	if req.chat {
+		path = "/v1/chat/completions"
+	}
+	err := s.guard(c.id, func() error {
+		resp, err := backendCall(d, path, c.engineID, nil, body).Do(ctx)
+		if err == nil {
+			_, err = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+		return err
+	})
+	endSpan(span, err)
+	if err != nil {
+		s.logger.Warn("kv drain of aborted legs failed", zap.String("request_id", c.id), zap.String("backend", d.Name), zap.Error(err))
+		return false
+	}
 	return true
 }
 

@@ -58,6 +58,7 @@ func (x *exchange) serveLegs() *apiError {
 	}
 	x.legRIDs = leg.RIDs()
 	var calls kvbackend.LegCalls
+	defer func() { x.legDrain = calls.Drain }()
 	err = x.s.guard(x.id, func() (err error) {
 		calls, err = eng.Legs(x.req.fields, leg)
 		return err
