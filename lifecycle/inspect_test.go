@@ -304,6 +304,9 @@ func TestNames(t *testing.T) {
 			t.Errorf("name %q, want %q", tc.got, tc.want)
 		}
 	}
+	if b, err := json.Marshal(map[string]any{"stage": KVHeld, "action": CancelDecode}); err != nil || string(b) != `{"action":"cancel_decode","stage":"kv_held"}` {
+		t.Errorf("json of a state and an action = %s, %v; want them by name", b, err)
+	}
 	for s := Received; s < numStates; s++ {
 		if s.Terminal() != (s >= Finished) {
 			t.Errorf("%v.Terminal() = %v", s, s.Terminal())

@@ -66,6 +66,9 @@ func (a Action) String() string {
 	return fmt.Sprintf("action(%d)", uint8(a))
 }
 
+// MarshalText lets an Action appear by name in JSON (the live view's recent aborts).
+func (a Action) MarshalText() ([]byte, error) { return []byte(a.String()), nil }
+
 // ReleaseReason says why a KV hold ended; it is the reason label of pdproxy_kv_releases_total.
 type ReleaseReason string
 
