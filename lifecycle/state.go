@@ -38,6 +38,15 @@ func (s State) String() string {
 // MarshalText lets a State appear by name in JSON.
 func (s State) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
 
+// States lists every state, in the order of a request's life, the terminal ones last.
+func States() []State {
+	out := make([]State, numStates)
+	for i := range out {
+		out[i] = State(i)
+	}
+	return out
+}
+
 // Terminal reports whether no further transition can leave s.
 func (s State) Terminal() bool { return s >= Finished }
 

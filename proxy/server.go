@@ -235,6 +235,8 @@ type Server struct {
 	keys *keyring
 	// sidecar is llm-d's sidecar slot (prefiller_header); nil when it is off.
 	sidecar *sidecar
+	// aborts are the last clients that left, for the live view.
+	aborts *abortRing
 }
 
 // New builds a Server. reg receives the proxy's metrics; gather is served on /metrics (pass
@@ -243,7 +245,8 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, router: rt, table: table, logger: logger, m: newMetrics(reg), gather: gather}
+	s := &Server{cfg: cfg, router: rt, table: table, logger: logger, m: newMetrics(reg), gather: gather,
+		aborts: newAbortRing(recentAbortsKept)}
 	s.models.fresh = defaultModelsCacheFreshness
 	keys, err := loadKeyring(cfg)
 	if err != nil {
@@ -320,6 +323,8 @@ func (s *Server) routes() http.Handler {
 	r.Get("/ready", s.handleReady)
 	r.Get("/debug/requests", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, s.table.Snapshot()) })
 	r.Get("/debug/backends", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, s.router.Backends()) })
+	r.Get("/debug/ui", s.handleLiveView)
+	r.Get("/debug/ui/state", s.handleLiveState)
 	if s.gather != nil {
 		r.Method(http.MethodGet, "/metrics", promhttp.HandlerFor(s.gather, promhttp.HandlerOpts{}))
 	}
