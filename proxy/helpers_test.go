@@ -18,6 +18,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
@@ -273,6 +275,12 @@ func newHarness(t *testing.T, cfg Config, rcfg router.Config) *harness {
 // newHarnessTable is newHarness with a request table built from lcfg (e.g. its clock).
 func newHarnessTable(t *testing.T, cfg Config, rcfg router.Config, lcfg lifecycle.Config) *harness {
 	t.Helper()
+	return newHarnessLogged(t, cfg, rcfg, lcfg, nil)
+}
+
+// newHarnessLogged is newHarnessTable with the proxy's logs going to logged too.
+func newHarnessLogged(t *testing.T, cfg Config, rcfg router.Config, lcfg lifecycle.Config, logged zapcore.Core) *harness {
+	t.Helper()
 	if rcfg.Health.Interval == 0 {
 		rcfg.Health.Interval = -1
 	}
@@ -292,7 +300,7 @@ func newHarnessTable(t *testing.T, cfg Config, rcfg router.Config, lcfg lifecycl
 	}()
 	// Run closes the backends' idle connections as it returns, so none outlives the test.
 	t.Cleanup(func() { cancel(); <-done })
-	h := newFrontTable(t, cfg, rt, reg, lcfg)
+	h := newFrontTable(t, cfg, rt, reg, lcfg, logged)
 	h.rt = rt
 	return h
 }
@@ -300,12 +308,17 @@ func newHarnessTable(t *testing.T, cfg Config, rcfg router.Config, lcfg lifecycl
 // newFront serves a proxy with cfg over rt.
 func newFront(t *testing.T, cfg Config, rt Router, reg *prometheus.Registry) *harness {
 	t.Helper()
-	return newFrontTable(t, cfg, rt, reg, lifecycle.Config{})
+	return newFrontTable(t, cfg, rt, reg, lifecycle.Config{}, nil)
 }
 
-func newFrontTable(t *testing.T, cfg Config, rt Router, reg *prometheus.Registry, lcfg lifecycle.Config) *harness {
+// newFrontTable is newFront with a table built from lcfg, and the proxy's logs going to
+// logged too when it is not nil.
+func newFrontTable(t *testing.T, cfg Config, rt Router, reg *prometheus.Registry, lcfg lifecycle.Config, logged zapcore.Core) *harness {
 	t.Helper()
 	logger := zaptest.NewLogger(t)
+	if logged != nil {
+		logger = zap.New(zapcore.NewTee(logger.Core(), logged))
+	}
 	table := lifecycle.New(lcfg, logger, reg)
 	srv, err := New(cfg, rt, table, logger, reg, reg)
 	if err != nil {

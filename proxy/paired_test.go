@@ -12,7 +12,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 // sglangBackends are one SGLang prefiller and one decoder; the prefiller's bootstrap port is
@@ -225,5 +228,40 @@ func TestSGLangAbortsThatNeverSucceedAreCounted(t *testing.T) {
 	}
 	if n := len(d.callsTo("/abort_request")); n < abortRetries {
 		t.Errorf("the decoder got %d aborts, want at least %d tries", n, abortRetries)
+	}
+}
+
+func TestSGLangLogLineSplitsPrefillAndDecodeTime(t *testing.T) {
+	// The prefiller answers at once; the decoder takes its time over the tokens: the log line
+	// puts that time in decode_duration, and only the wait for the legs to join in
+	// prefill_duration.
+	const perChunk = 60 * time.Millisecond
+	p := newEngine(t, sglangLeg(answer(http.StatusOK, "application/json", `{"id":"p","choices":[{"text":"x"}]}`)))
+	d := newEngine(t, sglangLeg(func(w http.ResponseWriter, r *http.Request, body []byte) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for _, c := range sseChunks(false) {
+			io.WriteString(w, c)
+			w.(http.Flusher).Flush()
+			time.Sleep(perChunk)
+		}
+	}))
+	core, logs := observer.New(zap.InfoLevel)
+	h := newHarnessLogged(t, Config{}, sglangBackends(p, d, false), lifecycle.Config{}, core)
+	resp, _ := h.post("/v1/completions", `{"model":"m","prompt":"hi","max_tokens":5,"stream":true}`)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	h.waitQuiet()
+	lines := logs.FilterMessage("request").All()
+	if len(lines) != 1 {
+		t.Fatalf("%d request log lines, want 1", len(lines))
+	}
+	f := lines[0].ContextMap()
+	prefill, decode, total := f["prefill_duration"].(time.Duration), f["decode_duration"].(time.Duration), f["duration"].(time.Duration)
+	if decode < 2*perChunk || decode > total {
+		t.Errorf("decode_duration %v, want the decoder's %v or more, within the request's %v", decode, 2*perChunk, total)
+	}
+	if prefill <= 0 || prefill >= decode {
+		t.Errorf("prefill_duration %v, want the wait for the legs to join, shorter than decode_duration %v", prefill, decode)
 	}
 }

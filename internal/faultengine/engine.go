@@ -60,13 +60,19 @@ const (
 	KeepAliveReset Fault = "keepalive_reset"
 	// BadParams: a prefill answer whose kv_transfer_params is not an object.
 	BadParams Fault = "bad_params"
+	// LateEnd: a whole answer whose end (HTTP/1.1's last chunk) comes LateEndDelay after
+	// the rest.
+	LateEnd Fault = "late_end"
 )
+
+// LateEndDelay is how long LateEnd holds back an answer's end.
+const LateEndDelay = 300 * time.Millisecond
 
 // Faults lists every fault, for tables.
 func Faults() []Fault {
 	return []Fault{Status500, Status503, Status400, Status400Huge, Status422Empty, CloseAfterRead, Silent,
 		HeadersThenClose, HeadersThenReset, HeadersThenSilence, MidClose, MidReset, MidSilence, EmptyClose, NoDone,
-		BigHeaders, KeepAliveReset, BadParams}
+		BigHeaders, KeepAliveReset, BadParams, LateEnd}
 }
 
 // Protocol is what the engine speaks.
@@ -304,7 +310,7 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 	if fault == KeepAliveReset {
 		fault = None // its fault is on the connection, before the next request
 	}
-	if fault != None && fault != BigHeaders {
+	if fault != None && fault != BigHeaders && fault != LateEnd {
 		e.fault()
 	}
 	id := req.Header.Get("X-Request-Id")
@@ -413,6 +419,13 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 	case MidSilence:
 		e.hang(c)
 		return false
+	case LateEnd:
+		e.fault()
+		select {
+		case <-time.After(LateEndDelay):
+		case <-e.stop:
+			return false
+		}
 	}
 	return writeRaw(c, "0\r\n\r\n")
 }
