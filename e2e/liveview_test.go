@@ -232,16 +232,19 @@ func TestLiveViewShowsAHoldAndTwoAbortsAsTheyHappen(t *testing.T) {
 
 // TestLiveViewDuringAGiveUpStorm takes the live view's picture while 16 clients send
 // requests of several kinds and leave at random moments, against the default sims with room
-// for 8 streams on the decoder, reserved after the prefill: requests in every stage, some
-// waiting with their KV held, holds coming and going, the last aborts filling up. The page
-// must keep up: it shows requests in flight and the aborts piling up while the storm runs,
-// and nothing once it is over. The screenshot is the one in docs/liveview.png.
+// for 8 streams on the decoder, reserved after the prefill, and least_loaded picking: requests
+// in every stage, some waiting with their KV held, holds coming and going, the last aborts
+// filling up, the engines' reported load. The page must keep up: it shows requests in flight,
+// holds, the aborts piling up and an engine reporting requests running while the storm runs,
+// and nothing in flight once it is over. The screenshot is the one in docs/liveview.png.
 // PDPROXY_STORM=N sets the number of requests (200 by default).
 func TestLiveViewDuringAGiveUpStorm(t *testing.T) {
 	n := stormSize(t, "PDPROXY_STORM")
 	s := startStack(t, func(c *app.Config) {
 		c.Proxy.DecoderReservation = proxy.ReserveAfterPrefill
 		c.Sims[1].MaxInflight = 8
+		// least_loaded scrapes the engines' /metrics: the page shows the load they report.
+		c.Router.PrefillPolicy, c.Router.DecodePolicy = "least_loaded", "least_loaded"
 	})
 	dir := screenshotDir(t)
 	b := openBrowser(t, s.url+"/debug/ui")
@@ -267,7 +270,10 @@ func TestLiveViewDuringAGiveUpStorm(t *testing.T) {
 	b.waitFor("the storm on the page", `(() => {
 		const inflight = document.querySelectorAll('#requests tbody tr').length, aborts = document.querySelectorAll('#aborts tbody tr').length,
 			holds = document.querySelectorAll('#holds tbody tr').length;
-		return inflight >= 4 && holds >= 1 && aborts >= 20 ? "" : inflight + " in flight, " + holds + " holds, " + aborts + " aborts shown";
+		const scraped = [...document.querySelectorAll('#backends tbody tr td:nth-child(9)')].every((td) => td.textContent.endsWith(" ago")) &&
+			[...document.querySelectorAll('#backends tbody tr td:nth-child(7)')].some((td) => Number(td.textContent) > 0);
+		return inflight >= 4 && holds >= 1 && aborts >= 20 && scraped ? "" :
+			inflight + " in flight, " + holds + " holds, " + aborts + " aborts shown, engines' load " + (scraped ? "shown" : "not shown");
 	})()`)
 	b.screenshot(filepath.Join(dir, "liveview-storm.png"))
 	<-done
