@@ -13,6 +13,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"syscall"
+
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // maxPrefillResponse bounds how much of a prefiller's answer is read: it is one token plus
@@ -89,6 +91,9 @@ func (c Call) request(ctx context.Context) (*http.Request, error) {
 	// for gzip and decompress behind our back.
 	req.Header.Set("Accept-Encoding", "identity")
 	req.Header.Set("X-Request-Id", c.ID)
+	// The call's span (the proxy's, when it traces) goes on to the engine, whose own spans
+	// then join the trace; a call without one passes on the client's traceparent, if any.
+	traceContext.Inject(ctx, propagation.HeaderCarrier(req.Header))
 	if c.ClientID != "" {
 		req.Header.Set("X-Client-Request-Id", c.ClientID)
 	}
@@ -203,6 +208,7 @@ func abortRequest(ctx context.Context, client *http.Client, baseURL, id string) 
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", id)
+	traceContext.Inject(ctx, propagation.HeaderCarrier(req.Header))
 	resp, err := client.Do(req)
 	if err != nil {
 		return fmt.Errorf("abort %s on %s: %w", id, baseURL, err)
@@ -214,6 +220,9 @@ func abortRequest(ctx context.Context, client *http.Client, baseURL, id string) 
 	}
 	return nil
 }
+
+// traceContext writes W3C traceparent and tracestate: only a context with a span has any.
+var traceContext propagation.TraceContext
 
 // isResetUnread reports whether err is a connection reset before any answer: a server that
 // closes a connection while data it has not read waits in it resets it rather than closing it

@@ -17,6 +17,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
 	"github.com/pdproxy/pdproxy/kvbackend"
@@ -40,6 +41,8 @@ type custody struct {
 	// unsent is a hold StartDecode handed over that no decoder acknowledged; nil else. Ending
 	// the custody releases it.
 	unsent *unsentHold
+	// span is the request's trace span, the parent of its releases' and aborts' spans.
+	span trace.SpanContext
 }
 
 // handOff takes the custody away from the exchange, for a new owner.
@@ -79,6 +82,9 @@ func (c *custody) end(s *Server) {
 // gone handles the client leaving: one transition of the table says what to abort.
 func (x *exchange) gone() *apiError {
 	act, hold, stage := x.s.table.ClientGone(x.id)
+	if x.span != nil {
+		x.span.SetAttributes(attrClientLeftStage.String(stage.String()))
+	}
 	seen := time.Now()
 	if at := x.goneAt.Load(); at != 0 {
 		seen = time.Unix(0, at)
@@ -94,15 +100,15 @@ func (x *exchange) gone() *apiError {
 		} else if b := x.prefillB; b != nil && canAbort(b) {
 			// The engine may have finished its last step before the connection closed and
 			// now hold KV nobody will pull (race R1): its explicit abort frees that too.
-			x.s.abortOnEngine(x.engineID, b)
+			x.s.abortOnEngine(x.traceParent(), x.engineID, b)
 		}
 	case lifecycle.ReleaseKV:
 		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
-		x.s.startRelease(release{mode: x.s.cfg.KVRelease, c: x.handOff(), hold: hold, req: x.req, prefill: x.prefillB, params: x.kvParams})
+		x.s.startRelease(release{mode: x.s.cfg.KVRelease, c: x.handOff(), hold: hold, req: x.req, prefill: x.prefillB, params: x.kvParams, heldAt: x.heldAt})
 	case lifecycle.CancelDecode:
 		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
 		if x.paired {
-			x.s.abortDecodeLeg(x.legRIDs, x.decodeB)
+			x.s.abortDecodeLeg(x.traceParent(), x.legRIDs, x.decodeB)
 		}
 	}
 	if ce := x.s.logger.Check(zap.DebugLevel, "client gone"); ce != nil {
@@ -139,10 +145,10 @@ func (x *exchange) fail(res router.Result) {
 	case x.paired && act == lifecycle.ReleaseKV:
 		x.s.abortLegs(c, x.legRIDs, x.prefillB, x.decodeB, hold)
 	case x.paired:
-		x.s.abortDecodeLeg(x.legRIDs, x.decodeB)
+		x.s.abortDecodeLeg(c.span, x.legRIDs, x.decodeB)
 		c.end(x.s)
 	case act == lifecycle.ReleaseKV:
-		x.s.startRelease(release{mode: x.s.cfg.KVRelease, c: c, hold: hold, req: x.req, prefill: x.prefillB, params: x.kvParams})
+		x.s.startRelease(release{mode: x.s.cfg.KVRelease, c: c, hold: hold, req: x.req, prefill: x.prefillB, params: x.kvParams, heldAt: x.heldAt})
 	default:
 		c.end(x.s)
 	}
@@ -172,12 +178,12 @@ func (x *exchange) decodeFailed(err error, wd *watchdog) *apiError {
 
 // abortDecodeLeg aborts a paired request's decoder leg: its engine's explicit abort for each of
 // its rids.
-func (s *Server) abortDecodeLeg(rids []string, d *router.Backend) {
+func (s *Server) abortDecodeLeg(parent trace.SpanContext, rids []string, d *router.Backend) {
 	if d == nil || !canAbort(d) {
 		return
 	}
 	for _, rid := range rids {
-		s.abortOnEngine(rid, d)
+		s.abortOnEngine(parent, rid, d)
 	}
 }
 
@@ -207,7 +213,7 @@ func (s *Server) abortLegs(c *custody, rids []string, p, d *router.Backend, hold
 		pending := map[*router.Backend][]string{}
 		for _, b := range legs {
 			for _, rid := range rids {
-				if !s.abortCall(rid, b, "engine abort failed") {
+				if !s.abortCall(c.span, rid, b, "engine abort failed") {
 					pending[b] = append(pending[b], rid)
 				}
 			}
@@ -217,7 +223,7 @@ func (s *Server) abortLegs(c *custody, rids []string, p, d *router.Backend, hold
 			defer s.bg.Done()
 			for _, b := range legs {
 				for _, rid := range rids {
-					s.abortCall(rid, b, "repeated engine abort failed")
+					s.abortCall(c.span, rid, b, "repeated engine abort failed")
 				}
 			}
 		})
@@ -232,7 +238,7 @@ func (s *Server) abortLegs(c *custody, rids []string, p, d *router.Backend, hold
 			for _, b := range legs {
 				var still []string
 				for _, rid := range pending[b] {
-					if !s.abortCall(rid, b, "engine abort failed") {
+					if !s.abortCall(c.span, rid, b, "engine abort failed") {
 						still = append(still, rid)
 					}
 				}
@@ -274,6 +280,8 @@ type unsentHold struct {
 	params  json.RawMessage
 	// avoid names a decoder that could not be reached with the hold: a drain goes elsewhere.
 	avoid string
+	// heldAt is when the prefiller began to hold it.
+	heldAt time.Time
 	// taken: the decode went out whole and its decoder neither acknowledged nor refused it, so
 	// it may have read the params (a decoder that reads a request and then closes, or a
 	// timeout while it pulls). No decoder may get them again: only the prefiller's explicit
@@ -303,7 +311,7 @@ func (s *Server) releaseUnsent(c *custody) {
 	if u.avoid != "" {
 		exclude = []string{u.avoid}
 	}
-	s.startRelease(release{mode: mode, c: c, hold: u.hold, req: u.req, prefill: u.prefill, params: u.params, exclude: exclude})
+	s.startRelease(release{mode: mode, c: c, hold: u.hold, req: u.req, prefill: u.prefill, params: u.params, exclude: exclude, heldAt: u.heldAt})
 }
 
 // handoff is a hold on its way to a decoder with the decode. It is open until the decoder
@@ -334,7 +342,7 @@ func (x *exchange) handOver(hold *lifecycle.Hold) *handoff {
 	if hold == nil {
 		return nil
 	}
-	return &handoff{held: unsentHold{hold: hold, req: x.req, prefill: x.prefillB, params: x.kvParams}}
+	return &handoff{held: unsentHold{hold: hold, req: x.req, prefill: x.prefillB, params: x.kvParams, heldAt: x.heldAt}}
 }
 
 // ack records the decoder's acknowledgement: the hold is the decoder's.
@@ -378,7 +386,7 @@ func (h *handoff) refused(err error) bool {
 // params: its engine tells the prefiller where RejectionFreesKV says so (vLLM #41269). Where
 // not, the hold, which went to the decoder, is freed by the prefiller's explicit abort, or
 // its lease: it may never go to a second decoder.
-func (s *Server) refusedAfterHandoff(engineID string, p, d *router.Backend, err error) {
+func (s *Server) refusedAfterHandoff(parent trace.SpanContext, engineID string, p, d *router.Backend, err error) {
 	var se *kvbackend.StatusError
 	errors.As(err, &se)
 	status := se.Status
@@ -386,7 +394,7 @@ func (s *Server) refusedAfterHandoff(engineID string, p, d *router.Backend, err 
 		return
 	}
 	if canAbort(p) {
-		s.abortOnEngine(engineID, p)
+		s.abortOnEngine(parent, engineID, p)
 		return
 	}
 	s.logger.Warn("a decoder refused a decode it had the kv params of, and its engine does not tell the prefiller: the blocks stay held until the prefiller's lease ends",
@@ -396,18 +404,18 @@ func (s *Server) refusedAfterHandoff(engineID string, p, d *router.Backend, err 
 // abortStaleHold frees a hold whose deadline passed before the decode went out (race R4):
 // its params are never forwarded, and an engine with an explicit abort can free it at once
 // rather than at its own timer.
-func (s *Server) abortStaleHold(id string, p *router.Backend) {
+func (s *Server) abortStaleHold(parent trace.SpanContext, id string, p *router.Backend) {
 	if p != nil && canAbort(p) {
-		s.abortOnEngine(id, p)
+		s.abortOnEngine(parent, id, p)
 	}
 }
 
 // abortBrokenPrefill aborts a prefill whose call failed after the prefiller took it (its
 // answer broke or timed out): it may hold KV whose params never arrived, which the engine's
 // explicit abort frees.
-func (s *Server) abortBrokenPrefill(id string, p *router.Backend, err error) {
+func (s *Server) abortBrokenPrefill(parent trace.SpanContext, id string, p *router.Backend, err error) {
 	if mayHoldKV(err) && canAbort(p) {
-		s.abortOnEngine(id, p)
+		s.abortOnEngine(parent, id, p)
 	}
 }
 
@@ -416,13 +424,13 @@ func (s *Server) abortBrokenPrefill(id string, p *router.Backend, err error) {
 func (s *Server) prefillAnswerAfterClientLeft(c *custody, req *genRequest, p *router.Backend, params json.RawMessage, err error) {
 	if err != nil || params == nil {
 		if err != nil {
-			s.abortBrokenPrefill(c.engineID, p, err)
+			s.abortBrokenPrefill(c.span, c.engineID, p, err)
 		}
 		c.end(s)
 		return
 	}
 	if act, hold := s.table.Prefilled(c.id, true); act == lifecycle.ReleaseKV {
-		s.startRelease(release{mode: s.cfg.KVRelease, c: c, hold: hold, req: req, prefill: p, params: params})
+		s.startRelease(release{mode: s.cfg.KVRelease, c: c, hold: hold, req: req, prefill: p, params: params, heldAt: time.Now()})
 		return
 	}
 	c.end(s)
@@ -430,11 +438,11 @@ func (s *Server) prefillAnswerAfterClientLeft(c *custody, req *genRequest, p *ro
 
 // abortOnEngine sends an engine's explicit abort in the background, on its own short
 // deadline: the client's context is already done.
-func (s *Server) abortOnEngine(id string, b *router.Backend) {
+func (s *Server) abortOnEngine(parent trace.SpanContext, id string, b *router.Backend) {
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
-		if !s.abortCall(id, b, "engine abort failed") {
+		if !s.abortCall(parent, id, b, "engine abort failed") {
 			return
 		}
 		// The abort travels on its own connection and can overtake the request it aborts
@@ -444,21 +452,24 @@ func (s *Server) abortOnEngine(id string, b *router.Backend) {
 		s.bg.Add(1)
 		time.AfterFunc(abortRepeatDelay, func() {
 			defer s.bg.Done()
-			s.abortCall(id, b, "repeated engine abort failed")
+			s.abortCall(parent, id, b, "repeated engine abort failed")
 		})
 	}()
 }
 
 // abortCall sends one explicit abort on its own short deadline (the client's context is done
 // by then) and logs a failure with msg.
-func (s *Server) abortCall(id string, b *router.Backend, msg string) bool {
-	ctx, cancel := context.WithTimeout(context.Background(), defaultAbortCallTimeout)
-	defer cancel()
+func (s *Server) abortCall(parent trace.SpanContext, id string, b *router.Backend, msg string) bool {
 	eng, ok := engineOf(b).(kvbackend.Aborter)
 	if !ok {
 		return false
 	}
-	if err := eng.Abort(ctx, b.AdminClient(), baseURL(b), id); err != nil {
+	span := s.bgSpan(parent, spanAbort, b, attrEngineRequestID.String(id))
+	ctx, cancel := context.WithTimeout(withSpan(context.Background(), span), defaultAbortCallTimeout)
+	defer cancel()
+	err := eng.Abort(ctx, b.AdminClient(), baseURL(b), id)
+	endSpan(span, err)
+	if err != nil {
 		s.logger.Warn(msg, zap.String("engine_request_id", id), zap.String("backend", b.Name), zap.Error(err))
 		return false
 	}
@@ -483,13 +494,26 @@ type release struct {
 	params  json.RawMessage
 	// exclude names decoders a drain must not go to.
 	exclude []string
+	// heldAt is when the prefiller began to hold the KV.
+	heldAt time.Time
+	// span is the release's span, the parent of its drain's or abort's.
+	span trace.SpanContext
 }
 
 // startRelease runs r, in the background unless there is nothing to send: the client is gone
 // and nothing waits for it.
 func (s *Server) startRelease(r release) {
+	span := s.bgSpan(r.c.span, spanRelease, r.prefill, attrReleaseMode.String(r.mode))
+	r.span = r.c.span
+	if span != nil {
+		r.span = span.SpanContext()
+		if !r.heldAt.IsZero() {
+			span.SetAttributes(attrKVHeldSeconds.Float64(time.Since(r.heldAt).Seconds()))
+		}
+	}
 	if r.mode == ReleaseWait || r.prefill == nil {
 		r.hold.Release(lifecycle.ReleaseExpired)
+		endRelease(span, lifecycle.ReleaseExpired)
 		r.c.res = router.Result{Canceled: true}
 		r.c.end(s)
 		return
@@ -497,6 +521,8 @@ func (s *Server) startRelease(r release) {
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
+		reason := lifecycle.ReleaseExpired
+		defer func() { endRelease(span, reason) }()
 		// The entry ends only once the hold is released: an End before would release it as
 		// expired while the drain or abort is still on its way.
 		defer r.c.end(s)
@@ -505,6 +531,7 @@ func (s *Server) startRelease(r release) {
 		if r.mode == ReleaseAbort && canAbort {
 			r.c.giveBackLease(r.c.res)
 			if s.abortHold(r) {
+				reason = lifecycle.ReleaseAborted
 				return
 			}
 			s.m.releaseFailure.WithLabelValues(ReleaseAbort).Inc()
@@ -513,10 +540,12 @@ func (s *Server) startRelease(r release) {
 		}
 		if s.drain(r) {
 			r.hold.Release(lifecycle.ReleaseDrained)
+			reason = lifecycle.ReleaseDrained
 			return
 		}
 		s.m.releaseFailure.WithLabelValues(ReleaseDrain).Inc()
 		if canAbort && s.abortHold(r) {
+			reason = lifecycle.ReleaseAborted
 			return
 		}
 		// Left to the engine's own timer; the proxy never forwards these params again.
@@ -524,8 +553,16 @@ func (s *Server) startRelease(r release) {
 	}()
 }
 
+// endRelease ends a release's span with how the hold ended.
+func endRelease(span trace.Span, reason lifecycle.ReleaseReason) {
+	if span != nil {
+		span.SetAttributes(attrReleaseReason.String(string(reason)))
+		span.End()
+	}
+}
+
 func (s *Server) abortHold(r release) bool {
-	if !s.abortCall(r.c.engineID, r.prefill, "kv release by abort failed") {
+	if !s.abortCall(r.span, r.c.engineID, r.prefill, "kv release by abort failed") {
 		return false
 	}
 	r.hold.Release(lifecycle.ReleaseAborted)
@@ -565,7 +602,12 @@ func (s *Server) drain(r release) bool {
 		lease.Release(router.Result{})
 		return false
 	}
-	body, err := eng.DrainBody(r.req.fields, r.req.chat, r.params)
+	span := s.bgSpan(r.span, spanDrain, b, attrEngineRequestID.String(r.c.engineID))
+	var err error
+	defer func() { endSpan(span, err) }()
+	ctx = withSpan(ctx, span)
+	var body []byte
+	body, err = eng.DrainBody(r.req.fields, r.req.chat, r.params)
 	if err != nil {
 		lease.Release(router.Result{})
 		return false

@@ -25,7 +25,7 @@ func (x *exchange) decode() *apiError {
 	if !forward {
 		params = nil
 		if x.kvParams != nil {
-			x.s.abortStaleHold(x.engineID, x.prefillB)
+			x.s.abortStaleHold(x.traceParent(), x.engineID, x.prefillB)
 		}
 	}
 	ho := x.handOver(hold)
@@ -42,6 +42,8 @@ func (x *exchange) decode() *apiError {
 	wd := newWatchdog(x.ctx, deferCancel, hold != nil, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
 	defer wd.stop()
 
+	span := x.callSpan(spanDecode, b, attrKVParams.Bool(params != nil))
+	defer func() { endSpan(span, err) }()
 	call := x.call(b, x.route, body)
 	if ho != nil {
 		call.OnAck = func() {
@@ -49,7 +51,7 @@ func (x *exchange) decode() *apiError {
 			wd.onAck()
 		}
 	}
-	resp, err := call.Do(wd.ctx)
+	resp, err := call.Do(withSpan(wd.ctx, span))
 	tried := []string{b.Name}
 	for attempt := 0; err != nil && retriable(err, false) && x.ctx.Err() == nil && attempt < x.s.cfg.DecodeRetries; attempt++ {
 		// The decoder provably never took the call: another one may.
@@ -67,7 +69,10 @@ func (x *exchange) decode() *apiError {
 			break
 		}
 		call.Client, call.BaseURL, call.Engine = b.Client(), baseURL(b), engineOf(b)
-		resp, err = call.Do(wd.ctx)
+		if span != nil {
+			span.SetAttributes(attrBackend.String(b.Name))
+		}
+		resp, err = call.Do(withSpan(wd.ctx, span))
 	}
 	if err == nil {
 		// Answered without a "100 Continue" first: the headers are the acknowledgement.
@@ -78,14 +83,18 @@ func (x *exchange) decode() *apiError {
 	// allows; one acknowledged is the decoder's, even when the answer is a refusal.
 	x.own.unsent = ho.withdraw(err, b)
 	if ho.refused(err) {
-		x.s.refusedAfterHandoff(x.engineID, x.prefillB, b, err)
+		x.s.refusedAfterHandoff(x.traceParent(), x.engineID, x.prefillB, b, err)
 	}
 	if err != nil {
 		return x.decodeFailed(err, wd)
 	}
 	defer resp.Body.Close()
 	x.own.res = router.Result{Status: http.StatusOK}
-	return x.relay(resp, wd)
+	if e := x.relay(resp, wd); e != nil {
+		err = e
+		return e
+	}
+	return nil
 }
 
 // decodeBody is the decode's body for decoder b: its engine's, or for an engine without

@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
 	"github.com/pdproxy/pdproxy/kvbackend"
@@ -66,6 +67,13 @@ type exchange struct {
 	// legsStart is when a request's paired legs went out.
 	legsStart time.Time
 	finished  bool // counted and logged (finish)
+	// span is the request's trace span; nil when tracing is off.
+	span trace.Span
+	// heldAt is when the prefiller began to hold the request's KV (its answer, or the legs'
+	// start), for the spans that release it.
+	heldAt time.Time
+	// afterGone counts the stream chunks read after the client left.
+	afterGone int
 	// legRIDs are the ids a request on paired legs has on the engines, one per prompt.
 	legRIDs []string
 	// abortConn: the answer broke after its headers went out in a non-streaming response; the
@@ -101,6 +109,7 @@ func (s *Server) generate(route string, chat bool) http.HandlerFunc {
 
 func (s *Server) finish(x *exchange, status int, err *apiError) {
 	x.finished = true
+	x.endRequest(status, err)
 	elapsed := time.Since(x.start)
 	code := strconv.Itoa(status)
 	s.m.requests.WithLabelValues(x.route, code).Inc()
@@ -192,7 +201,7 @@ func (x *exchange) run(chat bool) (e *apiError) {
 
 	ctx, cancel := context.WithCancelCause(x.r.Context())
 	defer cancel(nil)
-	x.ctx, x.cancel = ctx, cancel
+	x.ctx, x.cancel = x.startRequest(ctx), cancel
 	stop := context.AfterFunc(ctx, func() { x.goneAt.Store(time.Now().UnixNano()) })
 	defer stop()
 
@@ -200,7 +209,7 @@ func (x *exchange) run(chat bool) (e *apiError) {
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "duplicate_request_id",
 			param: "X-Request-Id", message: "a request with this X-Request-Id is already in flight"}
 	}
-	x.own = &custody{id: x.id, engineID: x.engineID}
+	x.own = &custody{id: x.id, engineID: x.engineID, span: x.traceParent()}
 	defer func() {
 		if c := x.handOff(); c != nil {
 			c.end(x.s)

@@ -279,7 +279,7 @@ func newHarnessTable(t *testing.T, cfg Config, rcfg router.Config, lcfg lifecycl
 }
 
 // newHarnessLogged is newHarnessTable with the proxy's logs going to logged too.
-func newHarnessLogged(t *testing.T, cfg Config, rcfg router.Config, lcfg lifecycle.Config, logged zapcore.Core) *harness {
+func newHarnessLogged(t *testing.T, cfg Config, rcfg router.Config, lcfg lifecycle.Config, logged zapcore.Core, opts ...Option) *harness {
 	t.Helper()
 	if rcfg.Health.Interval == 0 {
 		rcfg.Health.Interval = -1
@@ -300,7 +300,7 @@ func newHarnessLogged(t *testing.T, cfg Config, rcfg router.Config, lcfg lifecyc
 	}()
 	// Run closes the backends' idle connections as it returns, so none outlives the test.
 	t.Cleanup(func() { cancel(); <-done })
-	h := newFrontTable(t, cfg, rt, reg, lcfg, logged)
+	h := newFrontTable(t, cfg, rt, reg, lcfg, logged, opts...)
 	h.rt = rt
 	return h
 }
@@ -313,14 +313,14 @@ func newFront(t *testing.T, cfg Config, rt Router, reg *prometheus.Registry) *ha
 
 // newFrontTable is newFront with a table built from lcfg, and the proxy's logs going to
 // logged too when it is not nil.
-func newFrontTable(t *testing.T, cfg Config, rt Router, reg *prometheus.Registry, lcfg lifecycle.Config, logged zapcore.Core) *harness {
+func newFrontTable(t *testing.T, cfg Config, rt Router, reg *prometheus.Registry, lcfg lifecycle.Config, logged zapcore.Core, opts ...Option) *harness {
 	t.Helper()
 	logger := zaptest.NewLogger(t)
 	if logged != nil {
 		logger = zap.New(zapcore.NewTee(logger.Core(), logged))
 	}
 	table := lifecycle.New(lcfg, logger, reg)
-	srv, err := New(cfg, rt, table, logger, reg, reg)
+	srv, err := New(cfg, rt, table, logger, reg, reg, opts...)
 	if err != nil {
 		t.Fatalf("proxy.New: %v", err)
 	}

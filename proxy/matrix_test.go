@@ -30,7 +30,10 @@ import (
 // (each fault sees both); PDPROXY_MATRIX=full crosses all of them.
 
 type matrixCell struct {
-	proto  faultengine.Protocol
+	proto faultengine.Protocol
+	// kind is the engine kind the proxy is told: vllm (sequential, no explicit abort), sim
+	// (sequential, with SGLang's explicit abort), or sglang (paired legs).
+	kind   string
 	leg    string // "prefill" or "decode"
 	fault  faultengine.Fault
 	stream bool
@@ -51,13 +54,17 @@ func (c matrixCell) name() string {
 	if c.leave {
 		client = "leaves"
 	}
-	return fmt.Sprintf("%s/%s/%s/%s/%s/client_%s", c.proto, c.leg, c.fault, mode, route, client)
+	return fmt.Sprintf("%s/%s/%s/%s/%s/client_%s", c.kind, c.leg, c.fault, mode, route, client)
 }
 
 // matrixCells is the matrix, whole or with stream and route paired.
 func matrixCells(full bool) []matrixCell {
 	var cells []matrixCell
-	for _, proto := range []faultengine.Protocol{faultengine.VLLM, faultengine.SGLang} {
+	for _, kind := range []string{"vllm", "sim", "sglang"} {
+		proto := faultengine.VLLM
+		if kind == "sglang" {
+			proto = faultengine.SGLang
+		}
 		for _, leg := range []string{"prefill", "decode"} {
 			for _, fault := range faultengine.Faults() {
 				if fault == faultengine.BadParams && (leg != "prefill" || proto != faultengine.VLLM) {
@@ -69,7 +76,7 @@ func matrixCells(full bool) []matrixCell {
 							if !full && stream == chat {
 								continue
 							}
-							cells = append(cells, matrixCell{proto, leg, fault, stream, chat, leave})
+							cells = append(cells, matrixCell{proto, kind, leg, fault, stream, chat, leave})
 						}
 					}
 				}
@@ -179,6 +186,9 @@ func runCell(t *testing.T, c matrixCell) {
 		d1 := start(false, faultengine.None)
 		engines["d1"] = d1
 		backends = append(backends, decoder("d1", d1.URL()))
+		for i := range backends {
+			backends[i].Engine = c.kind
+		}
 	} else {
 		for i := range backends {
 			backends[i].Engine = "sglang"

@@ -54,7 +54,7 @@ func (x *exchange) serveLegs() *apiError {
 		lease.Release(router.Result{Canceled: true})
 		return x.gone()
 	}
-	x.paired, x.legsStart = true, time.Now()
+	x.paired, x.legsStart, x.heldAt = true, time.Now(), time.Now()
 	defer func() {
 		if x.prefillT == 0 {
 			x.prefillT = time.Since(x.legsStart)
@@ -70,11 +70,12 @@ func (x *exchange) serveLegs() *apiError {
 	prefilled := make(chan error, 1)
 	pcall := x.call(p, x.route, body)
 	clientCtx := x.ctx
+	pspan := x.callSpan(spanPrefillLeg, p)
 	x.s.bg.Add(1)
 	go func() {
 		defer x.s.bg.Done()
 		defer pcancel()
-		resp, err := pcall.Do(pctx)
+		resp, err := pcall.Do(withSpan(pctx, pspan))
 		if err == nil {
 			_, err = io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()
@@ -82,7 +83,13 @@ func (x *exchange) serveLegs() *apiError {
 		if err != nil && context.Cause(pctx) == errPhaseTimeout {
 			err = errors.Join(errPhaseTimeout, err)
 		}
-		lease.Release(resultOf(err, clientCtx))
+		endSpan(pspan, err)
+		res := resultOf(err, clientCtx)
+		if err != nil && pctx.Err() != nil && context.Cause(pctx) != errPhaseTimeout {
+			// The proxy cut the leg itself (the decode failed): not the prefiller's fault.
+			res = router.Result{Canceled: true}
+		}
+		lease.Release(res)
 		prefilled <- err
 	}()
 	served := false
@@ -102,8 +109,11 @@ func (x *exchange) serveLegs() *apiError {
 	}
 	decoded := make(chan answer, 1)
 	dcall := x.call(d, x.route, body)
+	dspan := x.callSpan(spanDecodeLeg, d)
+	var derr error
+	defer func() { endSpan(dspan, derr) }()
 	go func() {
-		resp, err := dcall.Do(wd.ctx)
+		resp, err := dcall.Do(withSpan(wd.ctx, dspan))
 		decoded <- answer{resp, err}
 	}()
 	var ans answer
@@ -133,12 +143,16 @@ func (x *exchange) serveLegs() *apiError {
 		}
 	}
 	if ans.err != nil {
+		derr = ans.err
 		return x.decodeFailed(ans.err, wd)
 	}
 	defer ans.resp.Body.Close()
 	x.own.res = router.Result{Status: http.StatusOK}
 	e := x.relay(ans.resp, wd)
 	served = e == nil
+	if e != nil {
+		derr = e
+	}
 	return e
 }
 

@@ -83,6 +83,9 @@ func (x *exchange) prefill() *apiError {
 				return x.abandoned()
 			}
 			x.kvParams = params
+			if params != nil {
+				x.heldAt = time.Now()
+			}
 			if x.ctx.Err() != nil {
 				return x.gone()
 			}
@@ -91,7 +94,7 @@ func (x *exchange) prefill() *apiError {
 		if x.ctx.Err() != nil {
 			return x.gone()
 		}
-		x.s.abortBrokenPrefill(x.engineID, b, err)
+		x.s.abortBrokenPrefill(x.traceParent(), x.engineID, b, err)
 		lastErr = err
 		if !retriable(err, true) {
 			break
@@ -147,14 +150,16 @@ type prefillAnswer struct {
 func (x *exchange) callPrefill(lease *router.Lease, b *router.Backend, body []byte) (params json.RawMessage, err error, gone bool) {
 	call := x.call(b, x.route, body)
 	timeout := x.s.cfg.PrefillTimeout
+	span := x.callSpan(spanPrefill, b)
 	if x.s.cfg.AbortDuringPrefill == AbortPrefillCancel {
-		ctx, cancel := context.WithTimeoutCause(x.ctx, timeout, errPhaseTimeout)
+		ctx, cancel := context.WithTimeoutCause(withSpan(x.ctx, span), timeout, errPhaseTimeout)
 		defer cancel()
 		params, err := call.Prefill(ctx)
 		lease.Release(resultOf(err, x.ctx))
 		if err != nil && context.Cause(ctx) == errPhaseTimeout {
 			err = errors.Join(errPhaseTimeout, err)
 		}
+		endSpan(span, err)
 		return params, err, false
 	}
 
@@ -165,13 +170,14 @@ func (x *exchange) callPrefill(lease *router.Lease, b *router.Backend, body []by
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
-		ctx, cancel := context.WithTimeoutCause(context.WithoutCancel(x.ctx), timeout, errPhaseTimeout)
+		ctx, cancel := context.WithTimeoutCause(withSpan(context.WithoutCancel(x.ctx), span), timeout, errPhaseTimeout)
 		defer cancel()
 		params, err := call.Prefill(ctx)
 		lease.Release(resultOf(err, nil))
 		if err != nil && context.Cause(ctx) == errPhaseTimeout {
 			err = errors.Join(errPhaseTimeout, err)
 		}
+		endSpan(span, err)
 		if taken.CompareAndSwap(false, true) {
 			answer <- prefillAnswer{params, err}
 			return

@@ -76,7 +76,7 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 		if n := len(data); n > 0 {
 			wd.onBytes()
 			if x.ctx.Err() != nil {
-				x.s.m.tokensAfter.Add(float64(countEvents(data)))
+				x.countAfterGone(data)
 				return x.gone()
 			}
 			if !x.wrote {
@@ -96,7 +96,7 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 			}
 			if werr != nil {
 				// The client is gone, or too slow: what this read held was never delivered.
-				x.s.m.tokensAfter.Add(float64(countEvents(data)))
+				x.countAfterGone(data)
 				x.cancel(werr)
 				return x.gone()
 			}
@@ -123,6 +123,13 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 			return x.decodeFailed(rerr, wd)
 		}
 	}
+}
+
+// countAfterGone counts the stream chunks in data, read after the client left.
+func (x *exchange) countAfterGone(data []byte) {
+	n := countEvents(data)
+	x.afterGone += n
+	x.s.m.tokensAfter.Add(float64(n))
 }
 
 // errEmptyAnswer and errStreamUnfinished are answers a decoder ended too early.

@@ -235,18 +235,23 @@ type Server struct {
 	keys *keyring
 	// sidecar is llm-d's sidecar slot (prefiller_header); nil when it is off.
 	sidecar *sidecar
+	// tr traces requests (WithTracerProvider); nil when tracing is off.
+	tr *tracer
 	// aborts are the last clients that left, for the live view.
 	aborts *abortRing
 }
 
 // New builds a Server. reg receives the proxy's metrics; gather is served on /metrics (pass
 // the same registry, as a prometheus.Gatherer).
-func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg prometheus.Registerer, gather prometheus.Gatherer) (*Server, error) {
+func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg prometheus.Registerer, gather prometheus.Gatherer, opts ...Option) (*Server, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
 	s := &Server{cfg: cfg, router: rt, table: table, logger: logger, m: newMetrics(reg), gather: gather,
 		aborts: newAbortRing(recentAbortsKept)}
+	for _, o := range opts {
+		o(s)
+	}
 	s.models.fresh = defaultModelsCacheFreshness
 	keys, err := loadKeyring(cfg)
 	if err != nil {

@@ -56,6 +56,8 @@ type Config struct {
 	Proxy proxy.Config `yaml:",inline"`
 	// Router is the backend pools.
 	Router router.Config `yaml:",inline"`
+	// Tracing sends the requests' traces to an OTLP collector; off by default.
+	Tracing TracingConfig `yaml:"tracing"`
 	// Sims are simulated engines started in-process on loopback and added to the pools: the
 	// embedded default runs one prefiller and one decoder.
 	Sims []SimConfig `yaml:"sims"`

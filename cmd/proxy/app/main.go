@@ -6,11 +6,13 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os"
 	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"golang.org/x/sync/errgroup"
@@ -46,6 +48,8 @@ type Main struct {
 	// holdTimeout is the proxy's forwarding deadline for KV params in force: kv_hold_timeout,
 	// or its default derived from the prefillers at start. A reload does not change it.
 	holdTimeout time.Duration
+	// tracer exports the requests' traces; nil when tracing is off.
+	tracer *sdktrace.TracerProvider
 }
 
 // discoverBootstrapPorts asks the paired prefillers (SGLang) for their bootstrap ports. One
@@ -131,7 +135,7 @@ func (m *Main) Start(ctx context.Context) error {
 		}
 		rcfg.Backends = append(rcfg.Backends, simBackend(i, p))
 	}
-	if err := m.build(rcfg); err != nil {
+	if err := m.build(ctx, rcfg); err != nil {
 		return fail(err)
 	}
 	m.discoverBootstrapPorts(ctx)
@@ -232,7 +236,7 @@ func countRole(bs []router.BackendConfig, role router.Role) int {
 
 // build makes the router, table and server, and checks that the proxy's hold deadline is
 // no longer than any prefiller's own (race R4 otherwise).
-func (m *Main) build(rcfg router.Config) error {
+func (m *Main) build(ctx context.Context, rcfg router.Config) error {
 	rcfg.Engines = EngineCatalog{}
 	rt, err := router.New(rcfg, m.logger.Named("router"), m.Registry)
 	if err != nil {
@@ -263,8 +267,21 @@ func (m *Main) build(rcfg router.Config) error {
 	}
 	m.Router = rt
 	m.Table = lifecycle.New(lifecycle.Config{KVHoldTimeout: m.holdTimeout}, m.logger.Named("lifecycle"), m.Registry)
-	srv, err := proxy.New(m.cfg.Proxy, rt, m.Table, m.logger.Named("proxy"), m.Registry, m.Registry)
+	// The exporters and the SDK read the OTEL_* variables themselves, so this does too.
+	tp, err := newTracerProvider(ctx, m.cfg.Tracing, os.Getenv)
 	if err != nil {
+		return fmt.Errorf("config: %w", err)
+	}
+	var opts []proxy.Option
+	if tp != nil {
+		m.tracer = tp
+		opts = append(opts, proxy.WithTracerProvider(tp))
+	}
+	srv, err := proxy.New(m.cfg.Proxy, rt, m.Table, m.logger.Named("proxy"), m.Registry, m.Registry, opts...)
+	if err != nil {
+		if tp != nil {
+			tp.Shutdown(context.WithoutCancel(ctx))
+		}
 		return fmt.Errorf("config: %w", err)
 	}
 	m.Server = srv
@@ -462,6 +479,14 @@ func (m *Main) Shutdown(ctx context.Context) error {
 	}
 	m.stopSims()
 	m.stopAdmin()
+	if m.tracer != nil {
+		// The last requests' spans go out before the process ends.
+		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		if err := m.tracer.Shutdown(tctx); err != nil {
+			m.logger.Warn("traces not all exported at shutdown", zap.Error(err))
+		}
+		cancel()
+	}
 	m.cancel()
 	return m.group.Wait()
 }

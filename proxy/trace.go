@@ -1,0 +1,162 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// Option is an optional part of a Server, given to New.
+type Option func(*Server)
+
+// WithTracerProvider traces every request: a server span that continues the client's
+// traceparent and tracestate, with child spans for each engine call (the prefill, the decode,
+// SGLang's two legs), a drain, an engine abort and a KV release; every engine call carries the
+// trace on, so that an engine started with OpenTelemetry joins it. Without it nothing is
+// traced, and tracing costs a nil check per step.
+func WithTracerProvider(tp trace.TracerProvider) Option {
+	return func(s *Server) {
+		if tp != nil {
+			s.tr = &tracer{t: tp.Tracer("github.com/pdproxy/pdproxy/proxy"),
+				prop: propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})}
+		}
+	}
+}
+
+// tracer is the proxy's side of tracing; nil when tracing is off.
+type tracer struct {
+	t    trace.Tracer
+	prop propagation.TextMapPropagator
+}
+
+// Span names and attribute keys, a contract with the dashboards and queries built on them.
+const (
+	spanPrefill    = "pdproxy.prefill"
+	spanDecode     = "pdproxy.decode"
+	spanPrefillLeg = "pdproxy.prefill_leg"
+	spanDecodeLeg  = "pdproxy.decode_leg"
+	spanDrain      = "pdproxy.kv_drain"
+	spanAbort      = "pdproxy.engine_abort"
+	spanRelease    = "pdproxy.kv_release"
+
+	attrRequestID       = attribute.Key("pdproxy.request_id")
+	attrClientRequestID = attribute.Key("pdproxy.client_request_id")
+	attrEngineRequestID = attribute.Key("pdproxy.engine_request_id")
+	attrBackend         = attribute.Key("pdproxy.backend")
+	attrEngine          = attribute.Key("pdproxy.engine")
+	attrStream          = attribute.Key("pdproxy.stream")
+	attrClientLeftStage = attribute.Key("pdproxy.client_left_stage")
+	attrTokensAfter     = attribute.Key("pdproxy.tokens_after_disconnect")
+	attrKVParams        = attribute.Key("pdproxy.kv_params_forwarded")
+	attrKVHeldSeconds   = attribute.Key("pdproxy.kv_held_seconds")
+	attrReleaseMode     = attribute.Key("pdproxy.release_mode")
+	attrReleaseReason   = attribute.Key("pdproxy.release_reason")
+	attrDecodeOnly      = attribute.Key("pdproxy.decode_only")
+	attrStatus          = attribute.Key("http.response.status_code")
+)
+
+// startRequest starts the request's server span, continuing the client's trace, and returns
+// the context the request's calls run under.
+func (x *exchange) startRequest(ctx context.Context) context.Context {
+	tr := x.s.tr
+	if tr == nil {
+		return ctx
+	}
+	ctx = tr.prop.Extract(ctx, propagation.HeaderCarrier(x.r.Header))
+	attrs := []attribute.KeyValue{attrRequestID.String(x.id), attrEngineRequestID.String(x.engineID),
+		attribute.String("http.request.method", x.r.Method), attribute.String("http.route", x.route)}
+	if id := x.r.Header.Get("X-Request-Id"); id != "" {
+		attrs = append(attrs, attrClientRequestID.String(id))
+	}
+	ctx, x.span = tr.t.Start(ctx, x.r.Method+" "+x.route, trace.WithSpanKind(trace.SpanKindServer), trace.WithAttributes(attrs...))
+	return ctx
+}
+
+// endRequest ends the request's span with the status the client got.
+func (x *exchange) endRequest(status int, e *apiError) {
+	if x.span == nil {
+		return
+	}
+	x.span.SetAttributes(attrStatus.Int(status))
+	if x.req != nil {
+		x.span.SetAttributes(attrStream.Bool(x.req.stream))
+	}
+	if x.fallback || x.req != nil && x.req.decodeOnly != "" {
+		x.span.SetAttributes(attrDecodeOnly.Bool(true))
+	}
+	if x.afterGone > 0 {
+		x.span.SetAttributes(attrTokensAfter.Int(x.afterGone))
+	}
+	if e != nil && status >= 500 && status != StatusClientClosed {
+		x.span.SetStatus(codes.Error, e.message)
+	}
+	x.span.End()
+}
+
+// traceParent is the request's span, for the spans of work that outlives the request's
+// context (releases, aborts): the zero value when tracing is off.
+func (x *exchange) traceParent() trace.SpanContext {
+	if x.span == nil {
+		return trace.SpanContext{}
+	}
+	return x.span.SpanContext()
+}
+
+// callSpan starts the span of a call to backend b under the request's span; nil when tracing
+// is off. withSpan puts it in the call's context, so that the call carries it to the engine.
+func (x *exchange) callSpan(name string, b *router.Backend, attrs ...attribute.KeyValue) trace.Span {
+	if x.s.tr == nil {
+		return nil
+	}
+	_, span := x.s.tr.t.Start(trace.ContextWithSpan(context.Background(), x.span), name,
+		trace.WithSpanKind(trace.SpanKindClient), trace.WithAttributes(backendAttrs(b, attrs)...))
+	return span
+}
+
+// bgSpan starts the span of background work for the request whose span is parent; nil when
+// tracing is off.
+func (s *Server) bgSpan(parent trace.SpanContext, name string, b *router.Backend, attrs ...attribute.KeyValue) trace.Span {
+	if s.tr == nil {
+		return nil
+	}
+	ctx := trace.ContextWithRemoteSpanContext(context.Background(), parent)
+	_, span := s.tr.t.Start(ctx, name, trace.WithSpanKind(trace.SpanKindClient), trace.WithAttributes(backendAttrs(b, attrs)...))
+	return span
+}
+
+func backendAttrs(b *router.Backend, attrs []attribute.KeyValue) []attribute.KeyValue {
+	if b != nil {
+		attrs = append(attrs, attrBackend.String(b.Name), attrEngine.String(engineOf(b).Kind()))
+	}
+	return attrs
+}
+
+// withSpan is ctx carrying span, for a call that goes out under it.
+func withSpan(ctx context.Context, span trace.Span) context.Context {
+	if span == nil {
+		return ctx
+	}
+	return trace.ContextWithSpan(ctx, span)
+}
+
+// endSpan ends span with the outcome of its work.
+func endSpan(span trace.Span, err error) {
+	if span == nil {
+		return
+	}
+	var ae *apiError
+	if errors.As(err, &ae) && ae.status == StatusClientClosed {
+		err = nil // the client left: the call did what it was asked, and was cut
+	}
+	if err != nil && !errors.Is(err, context.Canceled) {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+	}
+	span.End()
+}
