@@ -467,7 +467,7 @@ func (s *Server) abortCall(parent trace.SpanContext, id string, b *router.Backen
 	span := s.bgSpan(parent, spanAbort, b, attrEngineRequestID.String(id))
 	ctx, cancel := context.WithTimeout(withSpan(context.Background(), span), defaultAbortCallTimeout)
 	defer cancel()
-	err := eng.Abort(ctx, b.AdminClient(), baseURL(b), id)
+	err := s.guard(id, func() error { return eng.Abort(ctx, b.AdminClient(), baseURL(b), id) })
 	endSpan(span, err)
 	if err != nil {
 		s.logger.Warn(msg, zap.String("engine_request_id", id), zap.String("backend", b.Name), zap.Error(err))
@@ -607,7 +607,10 @@ func (s *Server) drain(r release) bool {
 	defer func() { endSpan(span, err) }()
 	ctx = withSpan(ctx, span)
 	var body []byte
-	body, err = eng.DrainBody(r.req.fields, r.req.chat, r.params)
+	err = s.guard(r.c.id, func() (err error) {
+		body, err = eng.DrainBody(r.req.fields, r.req.chat, r.params)
+		return err
+	})
 	if err != nil {
 		lease.Release(router.Result{})
 		return false
@@ -621,11 +624,14 @@ func (s *Server) drain(r release) bool {
 		WroteRequest: func(i httptrace.WroteRequestInfo) { delivered.Store(i.Err == nil) },
 	})
 	call := backendCall(b, path, r.c.engineID, nil, body)
-	resp, err := call.Do(traced)
-	if err == nil {
-		_, err = io.Copy(io.Discard, resp.Body)
-		resp.Body.Close()
-	}
+	err = s.guard(r.c.id, func() error {
+		resp, err := call.Do(traced)
+		if err == nil {
+			_, err = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+		return err
+	})
 	if err != nil && ctx.Err() != nil && delivered.Load() {
 		lease.Release(router.Result{Canceled: true})
 		return true

@@ -17,24 +17,28 @@ func (x *exchange) decode() *apiError {
 	start := time.Now()
 	defer func() { x.decodeT = time.Since(start) }()
 	b := x.decodeB
+	// The body is built while the table still has the hold: if building it fails (or
+	// panics), failing the request releases the hold as in kv_held.
+	params := x.kvParams
+	body, err := x.decodeBody(b, params)
+	if err != nil {
+		x.fail(router.Result{})
+		return buildFailed(err, "decode")
+	}
 	forward, hold, ok := x.s.table.StartDecode(x.id, b.Name)
 	if !ok {
 		return x.gone()
 	}
-	params := x.kvParams
-	if !forward {
+	if !forward && params != nil {
+		// Past the hold's deadline (race R4): the params are never forwarded.
 		params = nil
-		if x.kvParams != nil {
-			x.s.abortStaleHold(x.traceParent(), x.engineID, x.prefillB)
+		x.s.abortStaleHold(x.traceParent(), x.engineID, x.prefillB)
+		if body, err = x.decodeBody(b, nil); err != nil {
+			x.fail(router.Result{})
+			return buildFailed(err, "decode")
 		}
 	}
 	ho := x.handOver(hold)
-	body, err := decodeBody(b, x.req.fields, params)
-	if err != nil {
-		x.own.unsent = ho.withdraw(nil, b)
-		x.fail(router.Result{})
-		return &apiError{status: http.StatusInternalServerError, typ: "internal_error", code: "internal", message: "could not build the decode request", cause: err}
-	}
 	// With abort_during_kv_pull after_first_token, a decode that is pulling KV is not cancelled
 	// the moment the client leaves, but at its first byte (or its first-byte timeout): engines
 	// that crash on an abort during the pull (race R3) never see one.
@@ -51,7 +55,14 @@ func (x *exchange) decode() *apiError {
 			wd.onAck()
 		}
 	}
-	resp, err := call.Do(withSpan(wd.ctx, span))
+	var resp *http.Response
+	do := func() error {
+		return x.s.guard(x.id, func() (err error) {
+			resp, err = call.Do(withSpan(wd.ctx, span))
+			return err
+		})
+	}
+	err = do()
 	tried := []string{b.Name}
 	for attempt := 0; err != nil && retriable(err, false) && x.ctx.Err() == nil && attempt < x.s.cfg.DecodeRetries; attempt++ {
 		// The decoder provably never took the call: another one may.
@@ -65,14 +76,14 @@ func (x *exchange) decode() *apiError {
 		x.own.lease, x.decodeB, b = lease, lease.Backend(), lease.Backend()
 		tried = append(tried, b.Name)
 		x.s.m.retries.WithLabelValues(string(router.RoleDecode), retryReason(err)).Inc()
-		if call.Body, err = decodeBody(b, x.req.fields, params); err != nil {
+		if call.Body, err = x.decodeBody(b, params); err != nil {
 			break
 		}
 		call.Client, call.BaseURL, call.Engine = b.Client(), baseURL(b), engineOf(b)
 		if span != nil {
 			span.SetAttributes(attrBackend.String(b.Name))
 		}
-		resp, err = call.Do(withSpan(wd.ctx, span))
+		err = do()
 	}
 	if err == nil {
 		// Answered without a "100 Continue" first: the headers are the acknowledgement.
@@ -99,9 +110,14 @@ func (x *exchange) decode() *apiError {
 
 // decodeBody is the decode's body for decoder b: its engine's, or for an engine without
 // sequential P/D the client's body as it came (params is then nil: no prefiller made any).
-func decodeBody(b *router.Backend, f *kvbackend.Fields, params json.RawMessage) ([]byte, error) {
-	if eng, ok := engineOf(b).(kvbackend.Sequential); ok {
-		return eng.DecodeBody(f, params)
-	}
-	return kvbackend.DecodeBody(f, params)
+func (x *exchange) decodeBody(b *router.Backend, params json.RawMessage) (body []byte, err error) {
+	err = x.s.guard(x.id, func() (err error) {
+		if eng, ok := engineOf(b).(kvbackend.Sequential); ok {
+			body, err = eng.DecodeBody(x.req.fields, params)
+		} else {
+			body, err = kvbackend.DecodeBody(x.req.fields, params)
+		}
+		return err
+	})
+	return body, err
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -74,6 +75,9 @@ type exchange struct {
 	heldAt time.Time
 	// afterGone counts the stream chunks read after the client left.
 	afterGone int
+	// tokens are the prompt's token ids, for the cache-aware policies and conditional
+	// disaggregation (tokenize); nil when nothing asked for them or tokenizing failed.
+	tokens []uint32
 	// legRIDs are the ids a request on paired legs has on the engines, one per prompt.
 	legRIDs []string
 	// abortConn: the answer broke after its headers went out in a non-streaming response; the
@@ -250,6 +254,33 @@ func (x *exchange) recoverRequest(e **apiError) {
 	*e = x.cut(errPanic)
 }
 
+// errEnginePanic is an engine call that panicked (an engine adapter's bug, or its
+// transport's), made an error so that the call's owner releases what it holds as for any
+// failed call.
+var errEnginePanic = errors.New("an engine call panicked")
+
+// guard runs an engine call for request id, turning a panic in it into errEnginePanic,
+// counted in pdproxy_panics_total and logged. Calls in background goroutines need it: a panic
+// there would end the process.
+func (s *Server) guard(id string, call func() error) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			s.m.panics.Inc()
+			s.logger.Error("panic in an engine call", zap.String("request_id", id), zap.Any("panic", v), zap.StackSkip("stack", 2))
+			err = fmt.Errorf("%w: %v", errEnginePanic, v)
+		}
+	}()
+	return call()
+}
+
+// buildFailed is the answer to a request whose engine body could not be built.
+func buildFailed(err error, what string) *apiError {
+	if errors.Is(err, errEnginePanic) {
+		return errPanic
+	}
+	return &apiError{status: http.StatusInternalServerError, typ: "internal_error", code: "internal", message: "could not build the " + what + " request", cause: err}
+}
+
 // recoverAnswer is the handler's last safety net, for a panic outside a request's serving
 // (reading, parsing, answering): counted, logged, and a 502 when nothing was sent. The
 // handler's own cut of a connection (http.ErrAbortHandler) passes.
@@ -275,7 +306,65 @@ func (x *exchange) recoverAnswer() {
 }
 
 func (x *exchange) hint(exclude []string) router.Hint {
-	return router.Hint{RequestID: x.id, Prefix: x.req.prefix, Exclude: exclude}
+	return router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.req.text, Tokens: x.tokens, Exclude: exclude}
+}
+
+// cacheRouter is what a router that routes on the engines' prefix caches offers: whether a
+// role's policy wants the request's tokens, a tokenizer (an engine's /tokenize), and how many
+// of a prompt's leading tokens a backend holds. Checked by type assertion: a router without
+// it routes on the text alone.
+type cacheRouter interface {
+	WantsTokens(role router.Role) bool
+	Tokens(ctx context.Context, req router.TokenizeRequest) ([]uint32, error)
+	CachedTokens(backend string, tokens []uint32) (int, bool)
+}
+
+// tokenize gets the request's token ids once, before any backend is picked, when a policy
+// scores engines by them (precise_cache_aware) or conditional disaggregation weighs them: a
+// prompt of token ids is its own; anything else is asked of an engine. A request whose
+// tokenizing fails is routed on its text.
+func (x *exchange) tokenize() {
+	cr, ok := x.s.router.(cacheRouter)
+	if !ok || x.tokens != nil {
+		return
+	}
+	if !cr.WantsTokens(router.RolePrefill) && !cr.WantsTokens(router.RoleDecode) && x.s.cfg.PDUncachedTokenThreshold <= 0 {
+		return
+	}
+	if x.req.tokens != nil {
+		x.tokens = x.req.tokens
+		return
+	}
+	if x.req.text == "" || x.req.prompts > 1 {
+		return
+	}
+	req := router.TokenizeRequest{Model: x.req.model}
+	if x.req.chat {
+		req.Messages = x.req.messages
+	} else {
+		req.Prompt = x.req.text
+	}
+	toks, err := cr.Tokens(x.ctx, req)
+	if err != nil {
+		if ce := x.s.logger.Check(zap.DebugLevel, "tokenize failed: routing on the text"); ce != nil {
+			ce.Write(zap.String("request_id", x.id), zap.Error(err))
+		}
+		return
+	}
+	x.tokens = toks
+}
+
+// cachedOnDecoder reports whether the reserved decoder already holds all but fewer than
+// pd_uncached_token_threshold of the prompt's tokens, as its KV events tell: a remote
+// prefill would only ship KV the decoder has, so the request goes decode-only.
+func (x *exchange) cachedOnDecoder() bool {
+	th := x.s.cfg.PDUncachedTokenThreshold
+	cr, ok := x.s.router.(cacheRouter)
+	if th <= 0 || !ok || len(x.tokens) == 0 || x.decodeB == nil {
+		return false
+	}
+	n, fresh := cr.CachedTokens(x.decodeB.Name, x.tokens)
+	return fresh && len(x.tokens)-n < th
 }
 
 // sequential accepts the engines that serve a request as a prefill, then a decode (vLLM),
@@ -288,6 +377,10 @@ func pairedWith(d router.Engine) func(router.Engine) bool {
 }
 
 func (x *exchange) serve() *apiError {
+	x.tokenize()
+	if x.ctx.Err() != nil {
+		return x.gone()
+	}
 	before := x.s.cfg.DecoderReservation != ReserveAfterPrefill
 	if before {
 		// The decoder is reserved first, so that a prefilled request never waits for one and
@@ -315,6 +408,12 @@ func (x *exchange) serve() *apiError {
 			return x.gone()
 		}
 		x.s.m.decodeOnly.WithLabelValues(x.req.decodeOnly).Inc()
+	case before && x.cachedOnDecoder():
+		// Conditional disaggregation: the decoder computes the few uncached tokens itself.
+		if !x.s.table.DecodeOnly(x.id) {
+			return x.gone()
+		}
+		x.s.m.decodeOnly.WithLabelValues(decodeOnlyCached).Inc()
 	default:
 		if e := x.prefill(); e != nil {
 			return e

@@ -55,7 +55,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}),
 		decodeOnly: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "pdproxy", Name: "decode_only_total",
-			Help: "Requests sent to a decoder without a prefill because P/D cannot serve them safely, or, in the llm-d sidecar slot, because they named no prefiller, by reason (n, prompt_array, prompt_logprobs, no_prefiller_header).",
+			Help: "Requests sent to a decoder without a prefill because P/D cannot serve them safely, or, in the llm-d sidecar slot, because they named no prefiller, by reason (n, prompt_array, prompt_logprobs, no_prefiller_header), or because the decoder already held all but a few of the prompt's tokens (cached: conditional disaggregation).",
 		}, []string{"reason"}),
 		releaseFailure: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "pdproxy", Name: "kv_release_failures_total",

@@ -44,11 +44,15 @@ func (x *exchange) serveLegs() *apiError {
 	}
 	leg := kvbackend.Leg{Host: p.URL.Hostname(), Port: port, Room: kvbackend.NewRoom(), RID: x.engineID, Prompts: x.req.prompts}
 	x.legRIDs = leg.RIDs()
-	body, err := eng.LegBody(x.req.fields, leg)
+	var body []byte
+	err = x.s.guard(x.id, func() (err error) {
+		body, err = eng.LegBody(x.req.fields, leg)
+		return err
+	})
 	if err != nil {
 		lease.Release(router.Result{})
 		x.fail(router.Result{})
-		return &apiError{status: http.StatusInternalServerError, typ: "internal_error", code: "internal", message: "could not build the request", cause: err}
+		return buildFailed(err, "legs'")
 	}
 	if !x.s.table.StartLegs(x.id, p.Name, d.Name) {
 		lease.Release(router.Result{Canceled: true})
@@ -75,11 +79,14 @@ func (x *exchange) serveLegs() *apiError {
 	go func() {
 		defer x.s.bg.Done()
 		defer pcancel()
-		resp, err := pcall.Do(withSpan(pctx, pspan))
-		if err == nil {
-			_, err = io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-		}
+		err := x.s.guard(x.id, func() error {
+			resp, err := pcall.Do(withSpan(pctx, pspan))
+			if err == nil {
+				_, err = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+			return err
+		})
 		if err != nil && context.Cause(pctx) == errPhaseTimeout {
 			err = errors.Join(errPhaseTimeout, err)
 		}
@@ -113,7 +120,11 @@ func (x *exchange) serveLegs() *apiError {
 	var derr error
 	defer func() { endSpan(dspan, derr) }()
 	go func() {
-		resp, err := dcall.Do(withSpan(wd.ctx, dspan))
+		var resp *http.Response
+		err := x.s.guard(x.id, func() (err error) {
+			resp, err = dcall.Do(withSpan(wd.ctx, dspan))
+			return err
+		})
 		decoded <- answer{resp, err}
 	}()
 	var ans answer

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"net/http"
 	"sync/atomic"
 	"time"
 
@@ -42,12 +41,15 @@ func (x *exchange) prefill() *apiError {
 			if eng == nil {
 				err = errors.New("the prefiller's engine does not serve a prefill on its own")
 			} else {
-				body, err = eng.PrefillBody(x.req.fields, x.req.chat)
+				err = x.s.guard(x.id, func() (err error) {
+					body, err = eng.PrefillBody(x.req.fields, x.req.chat)
+					return err
+				})
 			}
 			if err != nil {
 				lease.Release(router.Result{Canceled: true})
 				x.fail(router.Result{})
-				return &apiError{status: http.StatusInternalServerError, typ: "internal_error", code: "internal", message: "could not build the prefill request", cause: err}
+				return buildFailed(err, "prefill")
 			}
 			bodyFor = eng
 		}
@@ -154,7 +156,11 @@ func (x *exchange) callPrefill(lease *router.Lease, b *router.Backend, body []by
 	if x.s.cfg.AbortDuringPrefill == AbortPrefillCancel {
 		ctx, cancel := context.WithTimeoutCause(withSpan(x.ctx, span), timeout, errPhaseTimeout)
 		defer cancel()
-		params, err := call.Prefill(ctx)
+		var params json.RawMessage
+		err := x.s.guard(x.id, func() (err error) {
+			params, err = call.Prefill(ctx)
+			return err
+		})
 		lease.Release(resultOf(err, x.ctx))
 		if err != nil && context.Cause(ctx) == errPhaseTimeout {
 			err = errors.Join(errPhaseTimeout, err)
@@ -172,7 +178,11 @@ func (x *exchange) callPrefill(lease *router.Lease, b *router.Backend, body []by
 		defer s.bg.Done()
 		ctx, cancel := context.WithTimeoutCause(withSpan(context.WithoutCancel(x.ctx), span), timeout, errPhaseTimeout)
 		defer cancel()
-		params, err := call.Prefill(ctx)
+		var params json.RawMessage
+		err := s.guard(x.id, func() (err error) {
+			params, err = call.Prefill(ctx)
+			return err
+		})
 		lease.Release(resultOf(err, nil))
 		if err != nil && context.Cause(ctx) == errPhaseTimeout {
 			err = errors.Join(errPhaseTimeout, err)

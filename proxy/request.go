@@ -24,6 +24,13 @@ type genRequest struct {
 	stream bool
 	// prefix is the start of the prompt, for prefix-affinity routing.
 	prefix string
+	// text is the whole prompt as it repeats across a session's turns, for cache-aware
+	// routing: a completion's prompt, or a chat's messages array as the client sent it.
+	text string
+	// messages is a chat's messages array as the client sent it, to tokenize.
+	messages json.RawMessage
+	// tokens is a completion prompt the client sent as token ids; nil else.
+	tokens []uint32
 	// decodeOnly, when set, is why the request must not be prefilled on another engine (the
 	// pdproxy_decode_only_total reason): P/D cannot serve it safely, so a decoder computes the
 	// prompt itself.
@@ -43,6 +50,9 @@ const (
 	// decodeOnlyPromptLogprobs: prompt_logprobs, or echo with logprobs, crash a decoder that
 	// is handed KV params (vLLM #50792).
 	decodeOnlyPromptLogprobs = "prompt_logprobs"
+	// decodeOnlyCached: the chosen decoder already holds all but fewer than
+	// pd_uncached_token_threshold of the prompt's tokens (conditional disaggregation).
+	decodeOnlyCached = "cached"
 )
 
 // parseRequest validates a body as an OpenAI completions (chat false) or chat completions
@@ -170,7 +180,7 @@ func parsePrompt(fields *kvbackend.Fields, req *genRequest) *apiError {
 	}
 	var s string
 	if raw[0] == '"' && decodeString(raw, &s) == nil {
-		req.prefix, req.prompts = s, 1
+		req.prefix, req.text, req.prompts = s, s, 1
 		return nil
 	}
 	// The other shapes OpenAI allows: an array of strings, of token ids (one prompt), or of
@@ -201,10 +211,20 @@ func parsePrompt(fields *kvbackend.Fields, req *genRequest) *apiError {
 			return badRequest("prompt", "prompt must not mix token ids with strings or arrays")
 		}
 		req.prompts = 1
+		req.tokens = make([]uint32, 0, len(many))
+		for _, p := range many {
+			v, _ := plainInt(p)
+			if v > math.MaxUint32 {
+				req.tokens = nil // no vocabulary is that large: route on the text
+				break
+			}
+			req.tokens = append(req.tokens, uint32(v))
+		}
 	}
 	if req.prefix == "" {
 		req.prefix = string(raw)
 	}
+	req.text = req.prefix
 	return nil
 }
 
@@ -240,6 +260,9 @@ func parseMessages(fields *kvbackend.Fields, req *genRequest) *apiError {
 	if len(msgs) == 0 {
 		return badRequest("messages", "messages must not be empty")
 	}
+	// The array as it came grows at its end turn after turn, as the rendered conversation
+	// does: what a cache-aware policy matches, and what the engine's /tokenize renders.
+	req.text, req.messages = string(raw), raw
 	for i, m := range msgs {
 		if m == nil {
 			return badRequest(fmt.Sprintf("messages[%d]", i), fmt.Sprintf("messages[%d] must be an object", i))

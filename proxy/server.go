@@ -85,6 +85,12 @@ type Config struct {
 	// KV is never held while waiting for one) or after_prefill (the prefiller never waits
 	// for a decoder, but a prefilled request may wait in kv_held). [before_prefill]
 	DecoderReservation string `yaml:"decoder_reservation"`
+	// PDUncachedTokenThreshold turns on conditional disaggregation: a request whose reserved
+	// decoder already holds all but fewer than this many of its prompt's tokens (as the
+	// decoder's KV events tell; precise_cache_aware's index) is served decode-only, counted in
+	// pdproxy_decode_only_total{reason="cached"}. It needs decoder_reservation before_prefill
+	// and a decoder whose KV events the proxy reads. [0: always disaggregate]
+	PDUncachedTokenThreshold int `yaml:"pd_uncached_token_threshold"`
 	// PrefillTimeout bounds the prefill call. [5m]
 	PrefillTimeout time.Duration `yaml:"prefill_timeout"`
 	// DecodeFirstByteTimeout bounds the wait for a decode's first byte. [5m]

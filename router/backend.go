@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -38,6 +39,9 @@ type Backend struct {
 
 	// BootstrapPort is the configured bootstrap port (SGLang); zero means ask the engine.
 	BootstrapPort int
+
+	// kvEvents and kvReplay are the engine's KV event endpoints, from config.
+	kvEvents, kvReplay string
 
 	client *http.Client
 	// admin is the client for the engine's admin calls: client, with the admin key.
@@ -91,6 +95,13 @@ func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendSta
 	if client == nil {
 		client = newClient(clientOptions{maxInflight: c.MaxInflight})
 	}
+	kvEvents, kvReplay := c.KVEventsEndpoint, c.KVEventsReplayEndpoint
+	if kvEvents == "" && c.KVEventsPort > 0 && u != nil {
+		kvEvents = "tcp://" + net.JoinHostPort(u.Hostname(), strconv.Itoa(c.KVEventsPort))
+	}
+	if kvReplay == "" && c.KVEventsReplayPort > 0 && u != nil {
+		kvReplay = "tcp://" + net.JoinHostPort(u.Hostname(), strconv.Itoa(c.KVEventsReplayPort))
+	}
 	return &Backend{
 		Name:          c.Name,
 		URL:           u,
@@ -101,6 +112,8 @@ func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendSta
 		Weight:        c.Weight,
 		MaxInflight:   c.MaxInflight,
 		BootstrapPort: c.BootstrapPort,
+		kvEvents:      kvEvents,
+		kvReplay:      kvReplay,
 		client:        client,
 		st:            st,
 	}

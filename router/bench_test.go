@@ -17,6 +17,8 @@ func BenchmarkAcquireRelease(b *testing.B) {
 				Backends:     backendsCfg(RoleDecode, "d", 8, 1<<20),
 				DecodePolicy: policy,
 				Health:       HealthConfig{Interval: -1},
+				// precise_cache_aware insists on a source of events; nothing runs it here.
+				KVEvents: KVEventsConfig{Listen: "tcp://127.0.0.1:0"},
 			}, zap.NewNop(), nil)
 			if err != nil {
 				b.Fatal(err)
@@ -27,7 +29,7 @@ func BenchmarkAcquireRelease(b *testing.B) {
 				i := 0
 				for pb.Next() {
 					i++
-					l, err := r.Acquire(ctx, RoleDecode, Hint{Prefix: fmt.Sprint("prompt ", i%64)})
+					l, err := r.Acquire(ctx, RoleDecode, Hint{Prefix: fmt.Sprint("prompt ", i%64), Text: fmt.Sprint("prompt ", i%64)})
 					if err != nil {
 						b.Error(err)
 						return

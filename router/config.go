@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"gopkg.in/yaml.v3"
+
+	"github.com/pdproxy/pdproxy/kvcache"
 )
 
 // Role is what a backend does in disaggregated serving.
@@ -28,6 +30,11 @@ const (
 	PolicyPowerOfTwo     = "power_of_two"
 	PolicyPrefixAffinity = "prefix_affinity"
 	PolicyLeastLoaded    = "least_loaded"
+	// PolicyCacheAware routes by the text routed to each engine before (see CacheAware).
+	PolicyCacheAware = "cache_aware"
+	// PolicyPreciseCacheAware routes by the blocks each engine's KV events say it holds,
+	// falling back to cache_aware's view (see CacheAware).
+	PolicyPreciseCacheAware = "precise_cache_aware"
 )
 
 // Engine is an engine kind as the router sees it: a value it hands back on every Backend for
@@ -78,7 +85,17 @@ const (
 	DefaultMaxBackoff          = 30 * time.Second // or base_backoff, if that is longer
 	DefaultQueueSize           = 1024
 	DefaultQueueTimeout        = 10 * time.Second
+	DefaultCacheThreshold      = 0.3
+	DefaultBalanceAbsThreshold = 64
+	DefaultBalanceRelThreshold = 1.5
+	DefaultBlockSize           = 16
+	DefaultKVEventsStaleAfter  = 60 * time.Second
+	DefaultTokenizeTimeout     = time.Second
 )
+
+// TokenizerEngine is the one value of Config.Tokenizer: requests are tokenized by an
+// engine's POST /tokenize.
+const TokenizerEngine = "engine"
 
 // BackendConfig is one engine from config.
 type BackendConfig struct {
@@ -141,6 +158,22 @@ type BackendConfig struct {
 	// but anyone on the path can pose as the engine and read every prompt. For tests only;
 	// it is logged as a warning whenever the backend's client is built. [false]
 	TLSInsecureSkipVerify bool `yaml:"tls_insecure_skip_verify"`
+	// KVEventsEndpoint is the engine's KV events publisher to dial, "tcp://host:5557": the
+	// endpoint of vLLM's --kv-events-config (which binds "tcp://*:5557" by default), with
+	// the engine's address. Empty means the engine dials kv_events.listen, or publishes
+	// nothing the proxy reads.
+	KVEventsEndpoint string `yaml:"kv_events_endpoint"`
+	// KVEventsReplayEndpoint is the engine's replay endpoint, "tcp://host:5558" (vLLM's
+	// replay_endpoint), asked for the events missed after a gap in the sequence. Empty means
+	// none: after a gap the engine's blocks are forgotten until its next events.
+	KVEventsReplayEndpoint string `yaml:"kv_events_replay_endpoint"`
+	// KVEventsPort and KVEventsReplayPort are the same endpoints by port, on the engine's
+	// own address (tcp://<engine host>:<port>): what a discover entry takes, since each
+	// engine it finds publishes on its own address, and what lets every proxy replica
+	// dial every engine and so see all its events. Zero means none; an endpoint given
+	// above wins.
+	KVEventsPort       int `yaml:"kv_events_port"`
+	KVEventsReplayPort int `yaml:"kv_events_replay_port"`
 }
 
 // HealthConfig configures active health checks.
@@ -222,6 +255,44 @@ type QueueConfig struct {
 	Timeout time.Duration `yaml:"timeout"`
 }
 
+// CacheAwareConfig tunes cache_aware and precise_cache_aware.
+type CacheAwareConfig struct {
+	// CacheThreshold is the share of a request's prompt (0 to 1) the best engine must hold
+	// for the request to go there; below it the request goes to the least loaded. Zero
+	// means 0.3 (SGLang's router's default); negative means any match, even none, counts.
+	CacheThreshold float64 `yaml:"cache_threshold"`
+	// BalanceAbsThreshold and BalanceRelThreshold say when a pool is out of balance: its
+	// most loaded candidate has more than abs requests in flight above the least loaded,
+	// and more than rel times as many. Then requests go to the least loaded whatever the
+	// caches hold, so that a burst sharing one hot prefix spreads. Zero means 64 and 1.5;
+	// a negative abs means any difference counts; rel may not be below 1.
+	BalanceAbsThreshold int     `yaml:"balance_abs_threshold"`
+	BalanceRelThreshold float64 `yaml:"balance_rel_threshold"`
+	// MaxTreeBytes bounds the approximate view of each pool (the text routed to each
+	// engine, plus a fixed cost per node); the least recently routed texts go first. Zero
+	// means 64 MiB.
+	MaxTreeBytes int `yaml:"max_tree_bytes"`
+}
+
+// KVEventsConfig configures how the proxy reads the engines' KV events, for
+// precise_cache_aware.
+type KVEventsConfig struct {
+	// Listen is a ZMQ endpoint where the proxy binds a SUB socket that engines dial,
+	// "tcp://*:5557": each engine publishes with the topic "kv@<host:port>@<model>", where
+	// host:port is its backend URL's. Empty means none; engines are then dialed at their
+	// kv_events_endpoint. Read at start: a reload may not change it.
+	Listen string `yaml:"listen"`
+	// StaleAfter is how long after an engine's last event its blocks still count: an
+	// engine silent for longer is scored by cache_aware's view (the text routed to it),
+	// which also covers an engine that stopped publishing. Zero means 60s.
+	StaleAfter time.Duration `yaml:"stale_after"`
+	// ReplayTimeout bounds one replay after a gap. Zero means 1s.
+	ReplayTimeout time.Duration `yaml:"replay_timeout"`
+	// MaxBlocksPerBackend bounds the blocks the index keeps of each engine: events past it
+	// are dropped and counted (index_full). Zero means 1Mi, far above a GPU's. Read at start.
+	MaxBlocksPerBackend int `yaml:"max_blocks_per_backend"`
+}
+
 // Config is the router's part of the proxy config.
 type Config struct {
 	// Backends lists the engines; at least one decode backend is required.
@@ -254,6 +325,20 @@ type Config struct {
 	// own HTTP/1.1 client, or EngineClientStdlib, net/http's transport. Empty means
 	// DefaultEngineClient.
 	EngineClient string `yaml:"engine_client"`
+	// CacheAware tunes cache_aware and precise_cache_aware.
+	CacheAware CacheAwareConfig `yaml:"cache_aware"`
+	// KVEvents configures the KV event subscribers of precise_cache_aware.
+	KVEvents KVEventsConfig `yaml:"kv_events"`
+	// Tokenizer is how precise_cache_aware gets a request's tokens: "engine", an engine's
+	// POST /tokenize (Router.Tokens). Empty means engine when a pool uses
+	// precise_cache_aware.
+	Tokenizer string `yaml:"tokenizer"`
+	// TokenizeTimeout bounds one /tokenize call; a request whose tokens do not come in time
+	// is scored by its text. Zero means 1s.
+	TokenizeTimeout time.Duration `yaml:"tokenize_timeout"`
+	// BlockSize is the engines' KV block size in tokens (vLLM's --block-size), for events
+	// that do not give theirs; an event's own block_size wins. Zero means 16. Read at start.
+	BlockSize int `yaml:"block_size"`
 }
 
 // The engine clients of Config.EngineClient.
@@ -333,6 +418,131 @@ func (c *Config) setDefaults() {
 	if c.ScrapeInterval == 0 {
 		c.ScrapeInterval = DefaultScrapeInterval
 	}
+	c.setCacheDefaults()
+}
+
+// precise reports whether a pool picks by the engines' KV events.
+func (c *Config) precise() bool {
+	return c.PrefillPolicy == PolicyPreciseCacheAware || c.DecodePolicy == PolicyPreciseCacheAware
+}
+
+func (c *Config) setCacheDefaults() {
+	ca := &c.CacheAware
+	if ca.CacheThreshold == 0 {
+		ca.CacheThreshold = DefaultCacheThreshold
+	}
+	if ca.BalanceAbsThreshold == 0 {
+		ca.BalanceAbsThreshold = DefaultBalanceAbsThreshold
+	}
+	if ca.BalanceRelThreshold == 0 {
+		ca.BalanceRelThreshold = DefaultBalanceRelThreshold
+	}
+	if ca.MaxTreeBytes == 0 {
+		ca.MaxTreeBytes = kvcache.DefaultMaxTreeBytes
+	}
+	kv := &c.KVEvents
+	if kv.StaleAfter == 0 {
+		kv.StaleAfter = DefaultKVEventsStaleAfter
+	}
+	if kv.ReplayTimeout == 0 {
+		kv.ReplayTimeout = kvcache.DefaultReplayTimeout
+	}
+	if kv.MaxBlocksPerBackend == 0 {
+		kv.MaxBlocksPerBackend = kvcache.DefaultMaxBlocks
+	}
+	if c.Tokenizer == "" && c.precise() {
+		c.Tokenizer = TokenizerEngine
+	}
+	if c.TokenizeTimeout == 0 {
+		c.TokenizeTimeout = DefaultTokenizeTimeout
+	}
+	if c.BlockSize == 0 {
+		c.BlockSize = DefaultBlockSize
+	}
+}
+
+// checkCache names what is wrong with the cache-aware settings, as Validate does.
+func (c *Config) checkCache() []error {
+	var errs []error
+	bad := func(field, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%s: %s", field, fmt.Sprintf(format, args...)))
+	}
+	ca := c.CacheAware
+	if ca.CacheThreshold > 1 {
+		bad("cache_aware.cache_threshold", "%v is above 1: no request could ever match that much", ca.CacheThreshold)
+	}
+	if ca.BalanceRelThreshold < 1 {
+		bad("cache_aware.balance_rel_threshold", "%v is below 1: the most loaded is never less loaded than the least", ca.BalanceRelThreshold)
+	}
+	if ca.MaxTreeBytes < 0 {
+		bad("cache_aware.max_tree_bytes", "%d is negative", ca.MaxTreeBytes)
+	}
+	kv := c.KVEvents
+	if kv.Listen != "" {
+		if err := kvcache.CheckEndpoint(kv.Listen, true); err != nil {
+			bad("kv_events.listen", "%v", err)
+		}
+	}
+	if kv.StaleAfter < 0 {
+		bad("kv_events.stale_after", "%v is negative", kv.StaleAfter)
+	}
+	if kv.ReplayTimeout < 0 {
+		bad("kv_events.replay_timeout", "%v is negative", kv.ReplayTimeout)
+	}
+	if kv.MaxBlocksPerBackend < 0 {
+		bad("kv_events.max_blocks_per_backend", "%d is negative", kv.MaxBlocksPerBackend)
+	}
+	switch c.Tokenizer {
+	case "", TokenizerEngine:
+	default:
+		bad("tokenizer", "%q is not %q", c.Tokenizer, TokenizerEngine)
+	}
+	if c.precise() && c.Tokenizer != TokenizerEngine {
+		bad("tokenizer", "precise_cache_aware needs the request's tokens: set tokenizer: %s", TokenizerEngine)
+	}
+	if c.TokenizeTimeout < 0 {
+		bad("tokenize_timeout", "%v is negative", c.TokenizeTimeout)
+	}
+	if c.BlockSize < 0 {
+		bad("block_size", "%d is negative", c.BlockSize)
+	}
+	sources := kv.Listen != ""
+	for i, b := range c.Backends {
+		f := fmt.Sprintf("backends[%d]", i)
+		for _, pf := range []struct {
+			name string
+			port int
+		}{{"kv_events_port", b.KVEventsPort}, {"kv_events_replay_port", b.KVEventsReplayPort}} {
+			if pf.port < 0 || pf.port > 65535 {
+				bad(f+"."+pf.name, "%d is not a port", pf.port)
+			}
+		}
+		if b.KVEventsPort > 0 {
+			sources = true
+		}
+		if b.KVEventsEndpoint != "" {
+			sources = true
+			if err := kvcache.CheckEndpoint(b.KVEventsEndpoint, false); err != nil {
+				bad(f+".kv_events_endpoint", "%v", err)
+			}
+			if b.Discover != "" {
+				// Every discovered engine would dial the same address.
+				bad(f+".kv_events_endpoint", "set on a discover entry: its engines have one address each; use kv_events_port (each engine's own address), or kv_events.listen, which they dial")
+			}
+		}
+		if b.KVEventsReplayEndpoint != "" {
+			if err := kvcache.CheckEndpoint(b.KVEventsReplayEndpoint, false); err != nil {
+				bad(f+".kv_events_replay_endpoint", "%v", err)
+			}
+			if b.KVEventsEndpoint == "" && b.KVEventsPort == 0 && kv.Listen == "" {
+				bad(f+".kv_events_replay_endpoint", "set, but the engine's events are read from nowhere: set kv_events_endpoint or kv_events.listen")
+			}
+		}
+	}
+	if c.precise() && !sources {
+		bad("kv_events", "precise_cache_aware reads the engines' KV events, and none are configured: set kv_events.listen, or kv_events_endpoint on the backends (or use cache_aware)")
+	}
+	return errs
 }
 
 // deriveNames names the backends that have no name after their address, host:port. One
@@ -494,6 +704,7 @@ func (c *Config) Validate() error {
 		bad("queue.timeout", "%v is negative", c.Queue.Timeout)
 	}
 	errs = append(errs, c.checkDiscovery()...)
+	errs = append(errs, c.checkCache()...)
 	if c.ScrapeInterval < minScrapeInterval {
 		bad("scrape_interval", "%v is shorter than %v", c.ScrapeInterval, minScrapeInterval)
 	}

@@ -24,14 +24,29 @@
 //	    tls_ca_file: ""         # https only: PEM CAs to trust instead of the system roots
 //	    tls_server_name: ""     # https only: name to verify instead of the URL's host
 //	    tls_insecure_skip_verify: false  # https only: verify nothing (tests; logged)
+//	    kv_events_endpoint: ""  # the engine's KV events PUB to dial, tcp://10.0.0.2:5557
+//	    kv_events_replay_endpoint: ""    # its replay ROUTER, tcp://10.0.0.2:5558: a gap is replayed
 //	  - name: prefill           # a pool: one backend per A/AAAA record, "prefill/10.0.0.5:8100"
 //	    url: http://vllm-prefill.ns.svc.cluster.local:8100   # e.g. a headless Service
 //	    discover: dns           # empty: the url is one engine
 //	    refresh: 5s             # resolved again this often; a failed lookup keeps the last set
 //	    role: prefill           # every other key applies to each discovered backend
-//	prefill_policy: least_inflight  # least_inflight | round_robin | power_of_two | prefix_affinity | least_loaded
+//	prefill_policy: least_inflight  # least_inflight | round_robin | power_of_two | prefix_affinity | least_loaded | cache_aware | precise_cache_aware
 //	decode_policy: least_inflight
 //	prefix_tokens: 256          # prefix_affinity hashes the first 4*prefix_tokens bytes
+//	cache_aware:                # cache_aware and precise_cache_aware (cacheaware.go)
+//	  cache_threshold: 0.3      # share of the prompt the best engine must hold, else the least in flight
+//	  balance_abs_threshold: 64 # out of balance: most minus least in flight above this,
+//	  balance_rel_threshold: 1.5  # and most above this times the least: the least in flight wins
+//	  max_tree_bytes: 67108864  # bound of each pool's tree of routed text
+//	kv_events:                  # precise_cache_aware's source (kvevents.go)
+//	  listen: ""                # tcp://*:5557: a SUB engines dial, topic kv@<url host:port>@<model>; read at start
+//	  stale_after: 60s          # an engine silent longer is scored by the routed text
+//	  replay_timeout: 1s
+//	  max_blocks_per_backend: 1048576
+//	tokenizer: engine           # precise_cache_aware tokenizes with an engine's POST /tokenize
+//	tokenize_timeout: 1s
+//	block_size: 16              # for events that give none; read at start
 //	scrape_interval: 1s         # least_loaded reads each engine's /metrics this often (load.go)
 //	health:
 //	  interval: 5s              # 0 or negative disables active checks

@@ -33,6 +33,7 @@ func (r *Router) Run(ctx context.Context) error {
 	discovering.Go(func() { r.disc.run(ctx) })
 	var scraper sync.WaitGroup
 	scraper.Go(func() { r.scrapeLoop(ctx) })
+	scraper.Go(func() { r.runEvents(ctx) })
 	defer scraper.Wait()
 	timer := time.NewTimer(0) // the first round at once
 	defer timer.Stop()
@@ -169,4 +170,5 @@ func (r *Router) wentDown(b *Backend, label, why string, err error, fields ...za
 	fields = append([]zap.Field{zap.String("backend", b.Name), zap.String("role", string(b.Role)),
 		zap.String("reason", why), zap.Error(err)}, fields...)
 	r.logger.Warn("backend down", fields...)
+	r.forgetCache(b)
 }

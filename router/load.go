@@ -17,6 +17,8 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
+
+	"github.com/pdproxy/pdproxy/kvcache"
 	"go.uber.org/zap"
 )
 
@@ -181,11 +183,22 @@ func (p *LeastLoaded) Select(cands []*Backend, _ Hint) *Backend {
 	return cands[best]
 }
 
-// newPolicy is NewPolicy with least_loaded on the router's clock.
-func (r *Router) newPolicy(name string, prefixTokens int) (Policy, bool) {
-	p, ok := NewPolicy(name, prefixTokens)
-	if ll, isLL := p.(*LeastLoaded); isLL {
-		ll.now = func() time.Time { return r.now() }
+// newPolicy is NewPolicy for role's pool with the router's clock, and, for the cache-aware
+// policies, cfg's settings, the router's index and its metrics.
+func (r *Router) newPolicy(name string, cfg Config, role Role) (Policy, bool) {
+	p, ok := NewPolicy(name, cfg.PrefixTokens)
+	switch pol := p.(type) {
+	case *LeastLoaded:
+		pol.now = func() time.Time { return r.now() }
+	case *CacheAware:
+		var index *kvcache.Index
+		if name == PolicyPreciseCacheAware {
+			index = r.index
+		}
+		pol = NewCacheAware(cfg.CacheAware, index, cfg.KVEvents.StaleAfter)
+		pol.now = func() time.Time { return r.now() }
+		pol.ratio = r.metrics.matchRatio.WithLabelValues(string(role), name)
+		p = pol
 	}
 	return p, ok
 }

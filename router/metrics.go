@@ -14,6 +14,7 @@ type metrics struct {
 	down          *prometheus.CounterVec
 	queueWait     *prometheus.HistogramVec
 	queueRejected *prometheus.CounterVec
+	matchRatio    *prometheus.HistogramVec
 
 	inflight  *prometheus.Desc
 	healthy   *prometheus.Desc
@@ -43,6 +44,11 @@ func newMetrics(r *Router) *metrics {
 			Namespace: ns, Name: "queue_rejected_total",
 			Help: "Requests that got no backend after queueing or could not queue, by reason: full, timeout, canceled, no_backend.",
 		}, []string{"role", "reason"}),
+		matchRatio: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: ns, Name: "prefix_cache_match_ratio",
+			Help:    "Share of the prompt (0 to 1) that the engine picked by cache_aware or precise_cache_aware was predicted to hold in its prefix cache, for picks scored by it (not those made because the pool was out of balance).",
+			Buckets: []float64{0, .1, .2, .3, .4, .5, .6, .7, .8, .9, .95, 1},
+		}, []string{"role", "policy"}),
 		inflight: prometheus.NewDesc(ns+"_backend_inflight_requests",
 			"Requests in flight on a backend (leases not yet released).", backendLabels, nil),
 		healthy: prometheus.NewDesc(ns+"_backend_healthy",
@@ -55,7 +61,7 @@ func newMetrics(r *Router) *metrics {
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.requests, m.down, m.queueWait, m.queueRejected, m, newLoadCollector(m.r)} {
+	for _, c := range []prometheus.Collector{m.requests, m.down, m.queueWait, m.queueRejected, m.matchRatio, m, newLoadCollector(m.r)} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}

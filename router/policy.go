@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+
+	"github.com/pdproxy/pdproxy/kvcache"
 )
 
 // Policy picks one backend among candidates. The router passes only candidates it may
@@ -36,12 +38,16 @@ var (
 )
 
 func policyNames() []string {
-	return []string{PolicyLeastInflight, PolicyRoundRobin, PolicyPowerOfTwo, PolicyPrefixAffinity, PolicyLeastLoaded}
+	return []string{PolicyLeastInflight, PolicyRoundRobin, PolicyPowerOfTwo, PolicyPrefixAffinity, PolicyLeastLoaded,
+		PolicyCacheAware, PolicyPreciseCacheAware}
 }
 
 func knownPolicy(name string) bool { return slices.Contains(policyNames(), name) }
 
-// NewPolicy returns the policy called name; prefixTokens is used by prefix_affinity.
+// NewPolicy returns the policy called name; prefixTokens is used by prefix_affinity. The
+// cache-aware policies come with their defaults and, for precise_cache_aware, an index of
+// its own that nothing fills: the router builds its own with its settings and event
+// subscribers.
 func NewPolicy(name string, prefixTokens int) (Policy, bool) {
 	switch name {
 	case PolicyLeastInflight, "":
@@ -54,6 +60,10 @@ func NewPolicy(name string, prefixTokens int) (Policy, bool) {
 		return NewPrefixAffinity(prefixTokens), true
 	case PolicyLeastLoaded:
 		return &LeastLoaded{}, true
+	case PolicyCacheAware:
+		return NewCacheAware(CacheAwareConfig{}, nil, 0), true
+	case PolicyPreciseCacheAware:
+		return NewCacheAware(CacheAwareConfig{}, kvcache.NewIndex(0, 0), 0), true
 	}
 	return nil, false
 }

@@ -13,6 +13,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
+
+	"github.com/pdproxy/pdproxy/kvcache"
 )
 
 // Errors returned by Acquire. The proxy maps them to HTTP answers.
@@ -31,6 +33,14 @@ type Hint struct {
 	RequestID string
 	// Prefix is the start of the prompt, for prefix_affinity; empty means no affinity.
 	Prefix string
+	// Text is the whole prompt as it repeats across a session's turns, for cache_aware: a
+	// completion's prompt, or a chat's messages array as the client sent it (its JSON
+	// grows at the end turn after turn, as the rendered conversation does). Empty means
+	// the cache-aware policies pick the least in flight and record nothing.
+	Text string
+	// Tokens are the prompt's token ids as the engines tokenize it (Router.Tokens), for
+	// precise_cache_aware; nil means it scores the request by Text alone.
+	Tokens []uint32
 	// Exclude names backends not to pick, e.g. the ones a retry already tried.
 	Exclude []string
 	// Accept, when set, restricts the pick to backends whose engine it accepts: one request
@@ -106,12 +116,34 @@ type Router struct {
 	reloadMu sync.Mutex
 	// disc resolves the discover entries; every config goes through it to apply.
 	disc *discovery
+	// index is what the engines' KV events say each holds, fed by events; shared by the
+	// pools (backend names are unique across them). kvStart is the part of the config
+	// they were built with, which a reload may not change.
+	index   *kvcache.Index
+	events  *kvcache.Events
+	kvStart kvStart
+	// staleAfter is kv_events.stale_after in force.
+	staleAfter atomic.Pointer[time.Duration]
+}
+
+// kvStart is the KV event settings read once, at New.
+type kvStart struct {
+	listen               string
+	blockSize, maxBlocks int
+	replayTimeout        time.Duration
+}
+
+func kvStartOf(cfg Config) kvStart {
+	kv := cfg.KVEvents
+	return kvStart{listen: kv.Listen, blockSize: cfg.BlockSize, maxBlocks: kv.MaxBlocksPerBackend,
+		replayTimeout: kv.ReplayTimeout}
 }
 
 type settings struct {
-	health         HealthConfig
-	ejection       EjectionConfig
-	scrapeInterval time.Duration
+	health          HealthConfig
+	ejection        EjectionConfig
+	scrapeInterval  time.Duration
+	tokenizeTimeout time.Duration
 }
 
 // New validates cfg (filling its defaults) and builds a router. It starts nothing: Run
@@ -134,6 +166,14 @@ func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) (*Router, er
 	r.decode = &pool{role: RoleDecode, r: r}
 	r.metrics = newMetrics(r)
 	r.disc = newDiscovery(r)
+	r.kvStart = kvStartOf(cfg)
+	r.index = kvcache.NewIndex(cfg.KVEvents.MaxBlocksPerBackend, cfg.BlockSize)
+	ev, err := kvcache.NewEvents(kvcache.EventsConfig{Listen: cfg.KVEvents.Listen, ReplayTimeout: cfg.KVEvents.ReplayTimeout},
+		r.index, logger.Named("kv_events"), reg)
+	if err != nil {
+		return nil, err
+	}
+	r.events = ev
 	if reg != nil {
 		if err := r.metrics.register(reg); err != nil {
 			return nil, fmt.Errorf("register router metrics: %w", err)
@@ -324,6 +364,9 @@ type BackendStatus struct {
 	// Load is the engine's load as least_loaded last scraped it; absent until least_loaded
 	// first scraped the backend.
 	Load *LoadStatus `json:"load,omitempty"`
+	// PrefixCache is what the proxy believes the engine's prefix cache holds; absent unless
+	// its pool's policy is cache_aware or precise_cache_aware.
+	PrefixCache *PrefixCacheStatus `json:"prefix_cache,omitempty"`
 }
 
 // Backends reports every current backend in config order.
@@ -345,6 +388,7 @@ func (r *Router) Backends() []BackendStatus {
 			Ejections:   b.Ejections(),
 			Engine:      b.Engine.Kind(),
 			Load:        b.loadStatus(now),
+			PrefixCache: r.prefixCacheStatus(b, now),
 		})
 	}
 	return out
@@ -366,8 +410,11 @@ func (r *Router) Reload(cfg Config) error {
 
 // apply installs a validated config.
 func (r *Router) apply(cfg Config) error {
-	pre, ok1 := r.newPolicy(cfg.PrefillPolicy, cfg.PrefixTokens)
-	dec, ok2 := r.newPolicy(cfg.DecodePolicy, cfg.PrefixTokens)
+	if r.kvStart != kvStartOf(cfg) {
+		return fmt.Errorf("router config: kv_events.listen, kv_events.max_blocks_per_backend, kv_events.replay_timeout and block_size are read at start; restart the proxy to change them")
+	}
+	pre, ok1 := r.newPolicy(cfg.PrefillPolicy, cfg, RolePrefill)
+	dec, ok2 := r.newPolicy(cfg.DecodePolicy, cfg, RoleDecode)
 	if !ok1 || !ok2 { // Validate checked; keep apply honest anyway
 		return fmt.Errorf("router config: unknown policy")
 	}
@@ -425,7 +472,10 @@ func (r *Router) apply(cfg Config) error {
 			b.st.up.Store(true)
 		}
 	}
-	r.settings.Store(&settings{health: cfg.Health, ejection: cfg.Ejection, scrapeInterval: cfg.ScrapeInterval})
+	stale := cfg.KVEvents.StaleAfter
+	r.staleAfter.Store(&stale)
+	r.settings.Store(&settings{health: cfg.Health, ejection: cfg.Ejection, scrapeInterval: cfg.ScrapeInterval,
+		tokenizeTimeout: cfg.TokenizeTimeout})
 
 	// Lock both pools (always prefill first) so that a Release sees a backend either
 	// current or removed, never half way, and its counter series is not re-created
@@ -444,8 +494,9 @@ func (r *Router) apply(cfg Config) error {
 		if p.role == RolePrefill {
 			policyName, pol = cfg.PrefillPolicy, pre
 		}
-		if p.policy == nil || p.policyName != policyName || p.prefixTokens != cfg.PrefixTokens {
-			p.policy, p.policyName, p.prefixTokens = pol, policyName, cfg.PrefixTokens
+		cache := cacheSettings{cfg.CacheAware, cfg.KVEvents.StaleAfter}
+		if p.policy == nil || p.policyName != policyName || p.prefixTokens != cfg.PrefixTokens || p.cache != cache {
+			p.policy, p.policyName, p.prefixTokens, p.cache = pol, policyName, cfg.PrefixTokens, cache
 		}
 		if w, ok := p.policy.(poolWatcher); ok {
 			w.SetPool(mine)
@@ -467,6 +518,8 @@ func (r *Router) apply(cfg Config) error {
 	r.decode.mu.Unlock()
 	r.prefill.mu.Unlock()
 
+	// After the pools, so that a removed backend is no candidate when its blocks go.
+	r.events.SetEndpoints(kvEndpoints(all))
 	for _, c := range replaced {
 		// Calls in flight on the old client keep their connections; idle ones would linger.
 		c.CloseIdleConnections()
@@ -505,10 +558,17 @@ type pool struct {
 	policy       Policy
 	policyName   string
 	prefixTokens int
+	cache        cacheSettings
 	queueSize    int
 	queueTimeout time.Duration
 	waiters      list.List // of *waiter, oldest first
 	scratch      []*Backend
+}
+
+// cacheSettings are what a cache-aware policy is built with: a change rebuilds it.
+type cacheSettings struct {
+	CacheAwareConfig
+	staleAfter time.Duration
 }
 
 type waiter struct {

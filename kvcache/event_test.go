@@ -1,0 +1,206 @@
+package kvcache
+
+import (
+	"bytes"
+	"errors"
+	"testing"
+
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+func TestDecodeBatch(t *testing.T) {
+	toks := tokensN(100, 32)
+	hashBytes := bytes.Repeat([]byte{0xab}, 32)
+	tests := []struct {
+		name    string
+		payload []byte
+		want    Batch
+	}{
+		{name: "array events with the tag first, as vLLM and SGLang send them",
+			payload: payload(t, stored([]uint64{1, 2}, nil, toks, 16), removed(1), cleared()),
+			want: Batch{Events: []Event{
+				{Kind: BlockStored, Hashes: []uint64{1, 2}, Tokens: toks, BlockSize: 16, Medium: "GPU"},
+				{Kind: BlockRemoved, Hashes: []uint64{1}, Medium: "GPU"},
+				{Kind: AllBlocksCleared},
+			}}},
+		{name: "an older BlockStored without medium and lora_name, and a parent",
+			payload: payload(t, []any{"BlockStored", []uint64{7}, uint64(6), tokensN(0, 16), 16, nil}),
+			want:    Batch{Events: []Event{{Kind: BlockStored, Hashes: []uint64{7}, Parent: 6, HasParent: true, Tokens: tokensN(0, 16), BlockSize: 16}}}},
+		{name: "map events with a type key, and a map batch",
+			payload: mustMarshal(t, map[string]any{"ts": 1.0, "data_parallel_rank": 2, "events": []any{
+				map[string]any{"type": "BlockStored", "block_hashes": []uint64{9}, "parent_block_hash": nil,
+					"token_ids": tokensN(0, 16), "block_size": 16, "lora_name": nil, "extra_keys": []any{nil}, "group_idx": 0},
+				map[string]any{"block_hashes": []uint64{9}, "type": "BlockRemoved"},
+			}}),
+			want: Batch{Rank: 2, Events: []Event{
+				{Kind: BlockStored, Hashes: []uint64{9}, Tokens: tokensN(0, 16), BlockSize: 16},
+				{Kind: BlockRemoved, Hashes: []uint64{9}},
+			}}},
+		{name: "hashes as bytes fold to 64 bits: 8 bytes as the integer, longer ones hashed",
+			payload: payload(t, removed(), []any{"BlockRemoved", []any{[]byte{0, 0, 0, 0, 0, 0, 1, 2}, hashBytes}, nil}),
+			want:    Batch{Events: []Event{{Kind: BlockRemoved, Hashes: []uint64{}, Medium: "GPU"}, {Kind: BlockRemoved, Hashes: []uint64{0x0102, foldHash(hashBytes)}}}}},
+		{name: "negative integer hashes keep their 64 bits",
+			payload: payload(t, []any{"BlockRemoved", []any{int64(-2)}}),
+			want:    Batch{Events: []Event{{Kind: BlockRemoved, Hashes: []uint64{^uint64(1)}}}}},
+		{name: "an unknown tag is skipped and counted, the rest applies",
+			payload: payload(t, []any{"BlockMoved", []any{1, 2, map[string]any{"x": 1}}}, cleared()),
+			want:    Batch{Unknown: 1, Events: []Event{{Kind: AllBlocksCleared}}}},
+		{name: "token ids that do not fill the blocks are malformed, the rest applies",
+			payload: payload(t, stored([]uint64{1, 2}, nil, tokensN(0, 20), 16), stored([]uint64{1, 2, 3}, nil, tokensN(0, 20), 0), cleared()),
+			want:    Batch{Malformed: 2, Events: []Event{{Kind: AllBlocksCleared}}}},
+		{name: "blocks of a LoRA adapter or with extra keys are marked keyed",
+			payload: payload(t,
+				[]any{"BlockStored", []uint64{1}, nil, tokensN(0, 4), 4, 3, "GPU", nil},
+				[]any{"BlockStored", []uint64{2}, nil, tokensN(0, 4), 4, nil, "GPU", "my-adapter"},
+				[]any{"BlockStored", []uint64{3}, nil, tokensN(0, 4), 4, nil, "GPU", nil, []any{[]any{"salt"}}},
+				[]any{"BlockStored", []uint64{4}, nil, tokensN(0, 4), 4, nil, "GPU", nil, []any{nil}},
+				map[string]any{"type": "BlockStored", "block_hashes": []uint64{5}, "token_ids": tokensN(0, 4), "block_size": 4, "lora_name": "a"}),
+			want: Batch{Events: []Event{
+				{Kind: BlockStored, Hashes: []uint64{1}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU", Keyed: true},
+				{Kind: BlockStored, Hashes: []uint64{2}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU", Keyed: true},
+				{Kind: BlockStored, Hashes: []uint64{3}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU", Keyed: true},
+				{Kind: BlockStored, Hashes: []uint64{4}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU"},
+				{Kind: BlockStored, Hashes: []uint64{5}, Tokens: tokensN(0, 4), BlockSize: 4, Keyed: true},
+			}}},
+		{name: "a batch without a rank is rank 0",
+			payload: mustMarshal(t, []any{1.0, []any{}}),
+			want:    Batch{Events: []Event{}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := DecodeBatch(tt.payload)
+			if err != nil {
+				t.Fatalf("DecodeBatch: %v", err)
+			}
+			if !equalBatch(got, tt.want) {
+				t.Errorf("got %+v\nwant %+v", got, tt.want)
+			}
+		})
+	}
+}
+
+func equalBatch(a, b Batch) bool {
+	if a.Rank != b.Rank || a.Unknown != b.Unknown || a.Malformed != b.Malformed || len(a.Events) != len(b.Events) {
+		return false
+	}
+	for i := range a.Events {
+		x, y := a.Events[i], b.Events[i]
+		if x.Kind != y.Kind || x.Parent != y.Parent || x.HasParent != y.HasParent || x.BlockSize != y.BlockSize ||
+			x.Medium != y.Medium || x.Keyed != y.Keyed || len(x.Hashes) != len(y.Hashes) || len(x.Tokens) != len(y.Tokens) {
+			return false
+		}
+		for j := range x.Hashes {
+			if x.Hashes[j] != y.Hashes[j] {
+				return false
+			}
+		}
+		for j := range x.Tokens {
+			if x.Tokens[j] != y.Tokens[j] {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+func TestDecodeMessageDropsWhatIsNoBatch(t *testing.T) {
+	good := payload(t, cleared())
+	deep := bytes.Repeat([]byte{0x91}, 10000) // [[[[...
+	tests := []struct {
+		name   string
+		frames [][]byte
+		reason string
+	}{
+		{name: "two frames", frames: [][]byte{[]byte("t"), seqBytes(1)}, reason: ReasonFrames},
+		{name: "a sequence of 4 bytes", frames: [][]byte{[]byte("t"), {0, 0, 0, 1}, good}, reason: ReasonFrames},
+		{name: "an empty payload", frames: [][]byte{nil, seqBytes(1), nil}, reason: ReasonDecode},
+		{name: "a payload that is a string", frames: [][]byte{nil, seqBytes(1), mustMarshal(t, "hello")}, reason: ReasonDecode},
+		{name: "events that are a number", frames: [][]byte{nil, seqBytes(1), mustMarshal(t, []any{1.0, 5})}, reason: ReasonDecode},
+		{name: "an array claiming 2^32-1 events in a few bytes", frames: [][]byte{nil, seqBytes(1), {0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff}}, reason: ReasonDecode},
+		{name: "block hashes claiming a million entries", frames: [][]byte{nil, seqBytes(1), append(mustMarshal(t, []any{1.0})[:0:0], 0x92, 0x01, 0x91, 0x93, 0xab, 'B', 'l', 'o', 'c', 'k', 'R', 'e', 'm', 'o', 'v', 'e', 'd', 0xdd, 0x00, 0x10, 0x00, 0x00)}, reason: ReasonDecode},
+		{name: "values nested ten thousand deep", frames: [][]byte{nil, seqBytes(1), append([]byte{0x92, 0x01, 0x91, 0x92, 0xa1, 'X'}, deep...)}, reason: ReasonDecode},
+		{name: "a token id that is a string", frames: [][]byte{nil, seqBytes(1), payload(t, []any{"BlockStored", []uint64{1}, nil, []any{"a"}, 1, nil})}, reason: ReasonDecode},
+		{name: "a negative token id", frames: [][]byte{nil, seqBytes(1), payload(t, []any{"BlockStored", []uint64{1}, nil, []any{-1}, 1, nil})}, reason: ReasonDecode},
+		{name: "a hash that is a float", frames: [][]byte{nil, seqBytes(1), payload(t, []any{"BlockRemoved", []any{1.5}})}, reason: ReasonDecode},
+		{name: "trailing bytes", frames: [][]byte{nil, seqBytes(1), append(good, 0x01)}, reason: ReasonDecode},
+		{name: "a string claiming more bytes than there are", frames: [][]byte{nil, seqBytes(1), {0x92, 0x01, 0x91, 0x91, 0xdb, 0xff, 0xff, 0xff, 0xff, 'a'}}, reason: ReasonDecode},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := DecodeMessage(tt.frames)
+			var de *DecodeError
+			if !errors.As(err, &de) || de.Reason != tt.reason {
+				t.Fatalf("DecodeMessage error = %v, want a DecodeError with reason %q", err, tt.reason)
+			}
+		})
+	}
+}
+
+func TestDecodeMessageReadsTopicAndSequence(t *testing.T) {
+	m, err := DecodeMessage([][]byte{[]byte("kv@10.0.0.1:8000@m"), seqBytes(1 << 40), payload(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Topic != "kv@10.0.0.1:8000@m" || m.Seq != 1<<40 {
+		t.Errorf("got topic %q seq %d", m.Topic, m.Seq)
+	}
+}
+
+func FuzzDecodeMessage(f *testing.F) {
+	f.Add(payload(f, stored([]uint64{1, 2}, nil, tokensN(0, 32), 16), removed(1), cleared()))
+	f.Add(payload(f, []any{"BlockStored", []any{[]byte("abcdefghij")}, []byte("x"), tokensN(0, 4), 4, 1, nil, "lora"}))
+	f.Add(mustMarshal(f, map[string]any{"ts": 1, "events": []any{map[string]any{"type": "BlockRemoved", "block_hashes": []int{1}}}}))
+	f.Add([]byte{0x92, 0x01, 0xdd, 0xff, 0xff, 0xff, 0xff})
+	f.Fuzz(func(t *testing.T, p []byte) {
+		m, err := DecodeMessage([][]byte{[]byte("topic"), seqBytes(1), p})
+		if err != nil {
+			var de *DecodeError
+			if !errors.As(err, &de) {
+				t.Fatalf("error %v is no DecodeError", err)
+			}
+			return
+		}
+		if len(m.Batch.Events) > maxEvents {
+			t.Fatalf("%d events, over the limit", len(m.Batch.Events))
+		}
+		idx := NewIndex(1000, 0)
+		for i := range m.Batch.Events {
+			ev := &m.Batch.Events[i]
+			if ev.Kind == BlockStored && ev.BlockSize > 0 && len(ev.Tokens) != len(ev.Hashes)*ev.BlockSize {
+				t.Fatalf("a stored event with %d tokens for %d blocks of %d passed", len(ev.Tokens), len(ev.Hashes), ev.BlockSize)
+			}
+			idx.Apply("e", ev) // must not panic whatever passed
+		}
+		// Whatever decodes must encode back to something that decodes the same.
+		if _, err := msgpack.Marshal(m.Batch.Events); err != nil {
+			t.Fatal(err)
+		}
+	})
+}
+
+// BenchmarkDecodeAndApply measures one typical message: a request's 64 new blocks (1024
+// tokens) stored and 64 older ones removed, decoded and applied to the index.
+func BenchmarkDecodeAndApply(b *testing.B) {
+	idx := NewIndex(0, 16)
+	frames := make([][][]byte, 0, 1024)
+	for i := range 1024 {
+		h := engineHashes(uint64(i), 64)
+		frames = append(frames, [][]byte{[]byte("kv@10.0.0.1:8000@m"), seqBytes(uint64(i)),
+			payload(b, stored(h, nil, tokensN(i*1024, 1024), 16), removed(engineHashes(uint64(i+1000), 64)...))})
+	}
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		m, err := DecodeMessage(frames[i%len(frames)])
+		if err != nil {
+			b.Fatal(err)
+		}
+		for j := range m.Batch.Events {
+			idx.Apply("e", &m.Batch.Events[j])
+		}
+		if i%len(frames) == len(frames)-1 {
+			idx.Forget("e")
+		}
+		i++
+	}
+}

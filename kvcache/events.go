@@ -1,0 +1,560 @@
+package kvcache
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// Defaults of EventsConfig.
+const (
+	DefaultReplayTimeout = time.Second
+	DefaultRedial        = time.Second
+	// maxReplay is the most batches a gap is replayed for: vLLM's replay buffer keeps
+	// 10000, and a jump further than that cannot be filled anyway.
+	maxReplay = 10000
+)
+
+// EventsConfig configures the KV event subscribers.
+type EventsConfig struct {
+	// Listen is a ZMQ endpoint, "tcp://*:5557", where a SUB socket binds for engines to dial
+	// (vLLM's publisher with a non-wildcard endpoint, llm-d-style): each message's topic
+	// "kv@<host:port>@<model>" names its engine by the host:port of the backend's URL.
+	// Empty means none.
+	Listen string
+	// ReplayTimeout bounds one replay after a sequence gap. Zero means 1s.
+	ReplayTimeout time.Duration
+	// Redial is how long a subscriber waits before dialing (or binding) again. Zero means 1s.
+	Redial time.Duration
+}
+
+// Endpoint is one engine's KV events as the router knows them.
+type Endpoint struct {
+	// Engine is the backend's name: the index's and the metrics' name for it.
+	Engine string
+	// HostPort is the host:port of the backend's URL, which a topic on the listening socket
+	// names.
+	HostPort string
+	// Dial is the engine's PUB endpoint, "tcp://host:5557", to dial; empty means the engine
+	// dials Listen, if anything.
+	Dial string
+	// Replay is the engine's replay (ROUTER) endpoint; empty means none: a gap forgets the
+	// engine.
+	Replay string
+}
+
+// Events subscribes to the engines' KV events and applies them to an Index: one SUB socket
+// bound at Listen for the engines that dial in, one dialed per Endpoint.Dial. It checks each
+// engine's sequence: a gap is replayed from the engine's replay endpoint or, failing that,
+// forgets the engine; a sequence going back (a restarted engine) forgets it too. Nothing it
+// receives can stop it: what cannot be decoded or attributed is dropped and counted. Run owns
+// its goroutines.
+type Events struct {
+	cfg     EventsConfig
+	index   *Index
+	logger  *zap.Logger
+	zlog    zmq4.Option
+	metrics *metrics
+	now     func() time.Time
+
+	mu        sync.Mutex
+	endpoints map[string]Endpoint // by engine
+	// byHost names the engines at each HostPort: more than one when an engine serves in
+	// both roles, as two backends.
+	byHost  map[string][]string
+	streams map[streamKey]*stream
+	wake    chan struct{}
+
+	addr  atomic.Pointer[net.Addr]
+	bound chan struct{}
+	once  sync.Once
+}
+
+// streamKey is one publisher: an engine's data parallel ranks publish apart, each with its
+// own sequence.
+type streamKey struct {
+	engine string
+	rank   int
+}
+
+type stream struct{ last uint64 }
+
+// NewEvents returns subscribers for index; nothing runs until Run. A nil logger logs nothing;
+// a nil reg registers no metrics.
+func NewEvents(cfg EventsConfig, index *Index, logger *zap.Logger, reg prometheus.Registerer) (*Events, error) {
+	if logger == nil {
+		logger = zap.NewNop()
+	}
+	if cfg.ReplayTimeout <= 0 {
+		cfg.ReplayTimeout = DefaultReplayTimeout
+	}
+	if cfg.Redial <= 0 {
+		cfg.Redial = DefaultRedial
+	}
+	if cfg.Listen != "" {
+		if err := CheckEndpoint(cfg.Listen, true); err != nil {
+			return nil, fmt.Errorf("kv_events.listen: %w", err)
+		}
+	}
+	if err := registerTransport(); err != nil {
+		return nil, fmt.Errorf("kv events: register the bounded tcp transport: %w", err)
+	}
+	e := &Events{
+		cfg: cfg, index: index, logger: logger, metrics: newMetrics(index), now: time.Now,
+		endpoints: make(map[string]Endpoint), byHost: make(map[string][]string),
+		streams: make(map[streamKey]*stream), wake: make(chan struct{}, 1), bound: make(chan struct{}),
+	}
+	// zmq4 logs its connection troubles itself; they go to ours, at debug.
+	std, err := zap.NewStdLogAt(logger.Named("zmq"), zap.DebugLevel)
+	if err != nil {
+		return nil, err
+	}
+	e.zlog = zmq4.WithLogger(std)
+	if reg != nil {
+		if err := e.metrics.register(reg); err != nil {
+			return nil, fmt.Errorf("register kv event metrics: %w", err)
+		}
+	}
+	return e, nil
+}
+
+// CheckEndpoint says what is wrong with a ZMQ endpoint, "tcp://host:port"; bind allows "*"
+// for the host (every address) and port 0 (a free one).
+func CheckEndpoint(ep string, bind bool) error {
+	rest, ok := strings.CutPrefix(ep, "tcp://")
+	if !ok {
+		return fmt.Errorf("%q is not tcp://host:port", ep)
+	}
+	host, port, err := net.SplitHostPort(rest)
+	if err != nil {
+		return fmt.Errorf("%q is not tcp://host:port: %w", ep, err)
+	}
+	if !bind && (host == "" || host == "*" || port == "0" || port == "*") {
+		return fmt.Errorf("%q: a dialed endpoint names a host and a port", ep)
+	}
+	if port == "" {
+		return fmt.Errorf("%q has no port", ep)
+	}
+	return nil
+}
+
+// SetEndpoints replaces the engines subscribed to. An engine no longer there is forgotten
+// by the index, and its series go; a changed dial endpoint is dialed anew by Run.
+func (e *Events) SetEndpoints(eps []Endpoint) {
+	e.mu.Lock()
+	next := make(map[string]Endpoint, len(eps))
+	e.byHost = make(map[string][]string, len(eps))
+	for _, ep := range eps {
+		next[ep.Engine] = ep
+		if ep.HostPort != "" {
+			e.byHost[ep.HostPort] = append(e.byHost[ep.HostPort], ep.Engine)
+		}
+	}
+	var gone []string
+	for name := range e.endpoints {
+		if _, ok := next[name]; !ok {
+			gone = append(gone, name)
+		}
+	}
+	e.endpoints = next
+	for k := range e.streams {
+		if _, ok := next[k.engine]; !ok {
+			delete(e.streams, k)
+		}
+	}
+	e.mu.Unlock()
+	for _, name := range gone {
+		e.index.Forget(name)
+		e.metrics.forget(name)
+	}
+	select {
+	case e.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Addr is the listening socket's address once bound, nil before (or without Listen).
+func (e *Events) Addr() net.Addr {
+	if p := e.addr.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// Bound is closed once the listening socket is bound (never, without Listen).
+func (e *Events) Bound() <-chan struct{} { return e.bound }
+
+// dialer is one running subscriber of a dialed endpoint.
+type dialer struct {
+	ep     Endpoint
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// Run subscribes until ctx is done, then stops every subscriber and returns nil.
+func (e *Events) Run(ctx context.Context) error {
+	var wg sync.WaitGroup
+	if e.cfg.Listen != "" {
+		wg.Go(func() { e.listen(ctx) })
+	}
+	running := make(map[string]*dialer)
+	defer func() {
+		for _, d := range running {
+			d.cancel()
+		}
+		wg.Wait()
+	}()
+	for {
+		e.reconcile(ctx, &wg, running)
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-e.wake:
+		}
+	}
+}
+
+// reconcile starts a dialer for every endpoint to dial and stops those of endpoints gone or
+// changed, waiting for them so that an engine's messages are never handled twice at once.
+func (e *Events) reconcile(ctx context.Context, wg *sync.WaitGroup, running map[string]*dialer) {
+	e.mu.Lock()
+	want := make(map[string]Endpoint)
+	for name, ep := range e.endpoints {
+		if ep.Dial != "" {
+			want[name] = ep
+		}
+	}
+	e.mu.Unlock()
+	for name, d := range running {
+		if ep, ok := want[name]; !ok || ep != d.ep {
+			d.cancel()
+			<-d.done
+			delete(running, name)
+		}
+	}
+	for name, ep := range want {
+		if _, ok := running[name]; ok {
+			continue
+		}
+		dctx, cancel := context.WithCancel(ctx)
+		d := &dialer{ep: ep, cancel: cancel, done: make(chan struct{})}
+		running[name] = d
+		wg.Go(func() {
+			defer close(d.done)
+			e.dial(dctx, ep)
+		})
+	}
+}
+
+// dial subscribes to one engine's PUB until ctx is done, dialing again every Redial while
+// the engine is not there. The socket has one connection, so a receive error means the engine
+// went away (a restart): a fresh socket dials again. This loop redials rather than zmq4's
+// automatic reconnection, whose dials run in goroutines that Close does not wait for.
+func (e *Events) dial(ctx context.Context, ep Endpoint) {
+	failing := false
+	for {
+		sub := zmq4.NewSub(ctx, e.zlog, zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(e.cfg.Redial))
+		err := sub.SetOption(zmq4.OptionSubscribe, "")
+		if err == nil {
+			err = sub.Dial(bounded(ep.Dial))
+		}
+		if err == nil {
+			failing = false
+			e.logger.Info("kv events: subscribed", zap.String("backend", ep.Engine), zap.String("endpoint", ep.Dial))
+			e.receive(ctx, sub, func([][]byte) []Endpoint { return []Endpoint{ep} }, true)
+		} else if !failing && ctx.Err() == nil {
+			e.logger.Warn("kv events: dial failed; dialing again", zap.String("backend", ep.Engine),
+				zap.String("endpoint", ep.Dial), zap.Duration("every", e.cfg.Redial), zap.Error(err))
+			failing = true
+		}
+		sub.Close()
+		if !sleep(ctx, e.cfg.Redial) {
+			return
+		}
+	}
+}
+
+// listen binds the SUB socket that engines dial, again every Redial until it binds, and
+// receives until ctx is done.
+func (e *Events) listen(ctx context.Context) {
+	failing := false
+	for ctx.Err() == nil {
+		sub := zmq4.NewSub(ctx, e.zlog)
+		err := sub.SetOption(zmq4.OptionSubscribe, "")
+		if err == nil {
+			err = sub.Listen(bounded(e.cfg.Listen))
+		}
+		if err != nil {
+			sub.Close()
+			if !failing {
+				// The proxy serves on: precise routing falls back to the approximate view.
+				e.logger.Error("kv events: cannot listen; retrying", zap.String("listen", e.cfg.Listen), zap.Error(err))
+				failing = true
+			}
+			if !sleep(ctx, e.cfg.Redial) {
+				return
+			}
+			continue
+		}
+		addr := sub.Addr()
+		e.addr.Store(&addr)
+		e.once.Do(func() { close(e.bound) })
+		e.logger.Info("kv events: listening", zap.String("addr", addr.String()))
+		e.receive(ctx, sub, e.byTopic, false)
+		sub.Close()
+	}
+}
+
+// byTopic names the engines of a message on the listening socket by its topic,
+// "kv@<host:port>@<model>": none if the topic names no backend.
+func (e *Events) byTopic(frames [][]byte) []Endpoint {
+	if len(frames) == 0 {
+		return nil
+	}
+	rest, ok := strings.CutPrefix(string(frames[0]), "kv@")
+	if !ok {
+		return nil
+	}
+	hostPort, _, _ := strings.Cut(rest, "@")
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var out []Endpoint
+	for _, name := range e.byHost[hostPort] {
+		out = append(out, e.endpoints[name])
+	}
+	return out
+}
+
+// receive handles sub's messages until ctx is done. A receive error is a connection that
+// dropped (zmq4 reports it once): a listening socket carries on with the others, a dialed one
+// returns (once, when once is set) for its owner to dial again.
+func (e *Events) receive(ctx context.Context, sub zmq4.Socket, who func([][]byte) []Endpoint, once bool) {
+	for {
+		msg, err := sub.Recv()
+		if ctx.Err() != nil {
+			return
+		}
+		if err != nil {
+			if ce := e.logger.Check(zap.DebugLevel, "kv events: a publisher's connection ended"); ce != nil {
+				ce.Write(zap.Error(err))
+			}
+			if once {
+				return
+			}
+			continue
+		}
+		eps := who(msg.Frames)
+		if len(eps) == 0 {
+			e.metrics.dropped.WithLabelValues(unknownBackend, "unknown_topic").Inc()
+			continue
+		}
+		for _, ep := range eps {
+			e.handle(ctx, ep, msg.Frames)
+		}
+	}
+}
+
+// handle applies one message of ep's engine, in sequence.
+func (e *Events) handle(ctx context.Context, ep Endpoint, frames [][]byte) {
+	m, err := DecodeMessage(frames)
+	if err != nil {
+		reason := ReasonDecode
+		var de *DecodeError
+		if errors.As(err, &de) {
+			reason = de.Reason
+		}
+		e.metrics.dropped.WithLabelValues(ep.Engine, reason).Inc()
+		if ce := e.logger.Check(zap.DebugLevel, "kv events: message dropped"); ce != nil {
+			ce.Write(zap.String("backend", ep.Engine), zap.Error(err))
+		}
+		return
+	}
+	key := streamKey{ep.Engine, m.Batch.Rank}
+	e.mu.Lock()
+	if _, ok := e.endpoints[ep.Engine]; !ok {
+		e.mu.Unlock()
+		return // removed while the message was on its way
+	}
+	st, seen := e.streams[key]
+	if !seen {
+		st = &stream{}
+		e.streams[key] = st
+	}
+	last := st.last
+	e.mu.Unlock()
+
+	switch {
+	case !seen:
+		if m.Seq > 0 && ep.Replay != "" {
+			e.catchUp(ctx, ep, m.Seq)
+		}
+	case m.Seq == last+1:
+	case m.Seq <= last:
+		// The engine restarted (its sequence starts again at 0, or 1 for some simulators):
+		// nothing it held survived.
+		e.reset(ep.Engine, "sequence_reset")
+	default:
+		e.fill(ctx, ep, last+1, m.Seq)
+	}
+	e.apply(ep.Engine, &m.Batch)
+	e.mu.Lock()
+	st.last = m.Seq
+	e.mu.Unlock()
+	e.index.Touch(ep.Engine, e.now())
+}
+
+// fill recovers the batches from..until-1 that were lost, by replay where the engine has a
+// replay endpoint; if that is impossible, the engine is forgotten rather than half known.
+func (e *Events) fill(ctx context.Context, ep Endpoint, from, until uint64) {
+	if ep.Replay == "" || until-from > maxReplay {
+		e.reset(ep.Engine, "gap")
+		return
+	}
+	batches, err := e.replay(ctx, ep.Replay, from, until, false)
+	if err != nil {
+		e.metrics.replays.WithLabelValues(ep.Engine, "failed").Inc()
+		e.logger.Warn("kv events: replay failed; the engine's cache is forgotten until new events",
+			zap.String("backend", ep.Engine), zap.Uint64("from", from), zap.Uint64("until", until), zap.Error(err))
+		e.reset(ep.Engine, "gap")
+		return
+	}
+	e.metrics.replays.WithLabelValues(ep.Engine, "ok").Inc()
+	for i := range batches {
+		e.apply(ep.Engine, &batches[i])
+	}
+}
+
+// catchUp asks the replay endpoint for what the engine published before the first message
+// seen: the blocks it stored while the proxy was not listening (a proxy restarted or scaled
+// out) are in the engine's replay buffer. Whatever part of it comes back helps; a failure
+// only leaves the engine as little known as it was.
+func (e *Events) catchUp(ctx context.Context, ep Endpoint, until uint64) {
+	from := uint64(0)
+	if until > maxReplay {
+		from = until - maxReplay
+	}
+	batches, err := e.replay(ctx, ep.Replay, from, until, true)
+	if err != nil {
+		e.metrics.replays.WithLabelValues(ep.Engine, "failed").Inc()
+		if ce := e.logger.Check(zap.DebugLevel, "kv events: catching up by replay failed"); ce != nil {
+			ce.Write(zap.String("backend", ep.Engine), zap.Error(err))
+		}
+		return
+	}
+	e.metrics.replays.WithLabelValues(ep.Engine, "ok").Inc()
+	for i := range batches {
+		e.apply(ep.Engine, &batches[i])
+	}
+}
+
+// endSeq is the replay's end marker's sequence: -1 as 8 bytes.
+const endSeq = ^uint64(0)
+
+// replay asks a replay endpoint for the batches from..until-1: a DEALER sends [empty, start
+// sequence] to the engine's ROUTER, which answers [empty, sequence, payload] per batch it
+// still has from there, then [empty, -1, empty]. With partial, the answer may start later
+// and end earlier (the engine's buffer no longer has the oldest), but has no hole.
+func (e *Events) replay(ctx context.Context, endpoint string, from, until uint64, partial bool) ([]Batch, error) {
+	ctx, cancel := context.WithTimeout(ctx, e.cfg.ReplayTimeout)
+	defer cancel()
+	d := zmq4.NewDealer(ctx, e.zlog, zmq4.WithDialerMaxRetries(0), zmq4.WithTimeout(e.cfg.ReplayTimeout),
+		zmq4.WithDialerTimeout(e.cfg.ReplayTimeout))
+	defer d.Close()
+	if err := d.Dial(bounded(endpoint)); err != nil {
+		return nil, err
+	}
+	var start [8]byte
+	binary.BigEndian.PutUint64(start[:], from)
+	if err := d.SendMulti(zmq4.NewMsgFrom([]byte{}, start[:])); err != nil {
+		return nil, fmt.Errorf("send replay request: %w", err)
+	}
+	var out []Batch
+	next := from
+	for next < until {
+		msg, err := d.Recv()
+		if err != nil {
+			return nil, fmt.Errorf("receive replay: %w", err)
+		}
+		frames := msg.Frames
+		if len(frames) == 3 && len(frames[0]) == 0 {
+			frames = frames[1:]
+		}
+		if len(frames) != 2 || len(frames[0]) != 8 {
+			return nil, fmt.Errorf("replay answer of %d frames", len(msg.Frames))
+		}
+		seq := binary.BigEndian.Uint64(frames[0])
+		switch {
+		case seq == endSeq && partial:
+			return out, nil
+		case seq == endSeq:
+			return nil, fmt.Errorf("replay ended at %d, before %d: the engine no longer has the rest", next, until)
+		case seq < next:
+			continue
+		case seq >= until && partial:
+			return out, nil
+		case seq > next && partial && len(out) == 0:
+			next = seq // the buffer starts later than asked
+		case seq > next:
+			return nil, fmt.Errorf("replay jumps to %d, not %d: the engine no longer has the rest", seq, next)
+		}
+		b, err := DecodeBatch(frames[1])
+		if err != nil {
+			return nil, fmt.Errorf("replayed batch %d: %w", seq, err)
+		}
+		out = append(out, b)
+		next++
+	}
+	// The batches after until-1 arrived on the SUB socket; the rest of the answer is left
+	// with the dealer, closed now.
+	return out, nil
+}
+
+// reset forgets the engine, for why.
+func (e *Events) reset(engine, why string) {
+	e.index.Forget(engine)
+	e.metrics.resets.WithLabelValues(engine, why).Inc()
+	if ce := e.logger.Check(zap.InfoLevel, "kv events: engine's cache forgotten"); ce != nil {
+		ce.Write(zap.String("backend", engine), zap.String("reason", why))
+	}
+}
+
+func (e *Events) apply(engine string, b *Batch) {
+	for i := range b.Events {
+		ev := &b.Events[i]
+		e.metrics.events.WithLabelValues(engine, ev.Kind.String()).Inc()
+		if why := e.index.Apply(engine, ev); why != "" {
+			e.metrics.dropped.WithLabelValues(engine, why).Inc()
+		}
+		if ev.Kind == AllBlocksCleared {
+			e.metrics.resets.WithLabelValues(engine, "cleared").Inc()
+		}
+	}
+	if b.Unknown > 0 {
+		e.metrics.dropped.WithLabelValues(engine, "unknown_tag").Add(float64(b.Unknown))
+	}
+	if b.Malformed > 0 {
+		e.metrics.dropped.WithLabelValues(engine, "malformed").Add(float64(b.Malformed))
+	}
+}
+
+// sleep waits d or until ctx is done; it reports whether d passed.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}

@@ -1,0 +1,538 @@
+package kvcache
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/zap/zaptest"
+)
+
+const waitTimeout = 10 * time.Second
+
+// waitFor polls cond until it holds, failing the test with its last reason after waitTimeout.
+func waitFor(t *testing.T, cond func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	pause := 500 * time.Microsecond
+	for {
+		ok, why := cond()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("not within %s: %s", waitTimeout, why)
+		}
+		time.Sleep(pause)
+		pause = min(2*pause, 5*time.Millisecond)
+	}
+}
+
+// pubEngine is an engine's KV event publisher as vLLM runs it: a PUB socket sending
+// [topic, sequence, payload], and a ROUTER answering replays from what it sent.
+type pubEngine struct {
+	t     *testing.T
+	pub   zmq4.Socket
+	topic string
+
+	mu   sync.Mutex
+	seq  uint64
+	sent map[uint64][]byte
+}
+
+// newPubEngine binds a PUB on a free loopback port (the engine's default, "tcp://*:5557"),
+// or, with dial set, dials it (an engine pointed at the proxy's kv_events.listen).
+func newPubEngine(t *testing.T, dial, topic string) *pubEngine {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &pubEngine{t: t, pub: zmq4.NewPub(ctx), topic: topic, sent: make(map[uint64][]byte)}
+	var err error
+	if dial != "" {
+		err = p.pub.Dial(dial)
+	} else {
+		err = p.pub.Listen("tcp://127.0.0.1:0")
+	}
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.pub.Close(); cancel() })
+	return p
+}
+
+// newPubEngineAt binds a PUB at endpoint, as an engine restarted with the same config does.
+func newPubEngineAt(t *testing.T, endpoint string) *pubEngine {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &pubEngine{t: t, pub: zmq4.NewPub(ctx), sent: make(map[uint64][]byte)}
+	if err := p.pub.Listen(endpoint); err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.pub.Close(); cancel() })
+	return p
+}
+
+func (p *pubEngine) endpoint() string { return "tcp://" + p.pub.Addr().String() }
+
+// publish sends the payload under the next sequence.
+func (p *pubEngine) publish(payload []byte) uint64 {
+	p.mu.Lock()
+	seq := p.seq
+	p.seq++
+	p.mu.Unlock()
+	p.send(seq, payload)
+	return seq
+}
+
+// lose records the payload under the next sequence for replay, without sending it: the
+// subscriber missed it.
+func (p *pubEngine) lose(payload []byte) {
+	p.mu.Lock()
+	p.sent[p.seq] = payload
+	p.seq++
+	p.mu.Unlock()
+}
+
+func (p *pubEngine) send(seq uint64, payload []byte) {
+	p.t.Helper()
+	p.mu.Lock()
+	p.sent[seq] = payload
+	p.mu.Unlock()
+	if err := p.pub.SendMulti(zmq4.NewMsgFrom([]byte(p.topic), seqBytes(seq), payload)); err != nil {
+		p.t.Fatal(err)
+	}
+}
+
+// sendRaw sends frames as they are.
+func (p *pubEngine) sendRaw(frames ...[]byte) {
+	p.t.Helper()
+	if err := p.pub.SendMulti(zmq4.NewMsgFrom(frames...)); err != nil {
+		p.t.Fatal(err)
+	}
+}
+
+// serveReplay answers replay requests on a ROUTER, as vLLM's publisher does, until the test
+// ends; it returns the endpoint.
+func (p *pubEngine) serveReplay() string {
+	t := p.t
+	ctx, cancel := context.WithCancel(context.Background())
+	r := zmq4.NewRouter(ctx)
+	if err := r.Listen("tcp://127.0.0.1:0"); err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			msg, err := r.Recv()
+			if err != nil {
+				if ctx.Err() != nil {
+					return
+				}
+				continue
+			}
+			if len(msg.Frames) != 3 {
+				continue
+			}
+			id, start := msg.Frames[0], binary.BigEndian.Uint64(msg.Frames[2])
+			p.mu.Lock()
+			end := p.seq
+			var replies [][][]byte
+			for s := start; s < end; s++ {
+				if pl, ok := p.sent[s]; ok {
+					replies = append(replies, [][]byte{id, {}, seqBytes(s), pl})
+				}
+			}
+			p.mu.Unlock()
+			replies = append(replies, [][]byte{id, {}, seqBytes(endSeq), {}})
+			for _, f := range replies {
+				_ = r.SendMulti(zmq4.NewMsgFrom(f...))
+			}
+		}
+	}()
+	t.Cleanup(func() { cancel(); r.Close(); <-done })
+	return "tcp://" + r.Addr().String()
+}
+
+// harness runs Events until the test ends.
+type harness struct {
+	t      *testing.T
+	ev     *Events
+	index  *Index
+	reg    *prometheus.Registry
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+func startEvents(t *testing.T, cfg EventsConfig, eps ...Endpoint) *harness {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	idx := NewIndex(0, 0)
+	cfg.Redial = 20 * time.Millisecond
+	ev, err := NewEvents(cfg, idx, zaptest.NewLogger(t), reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev.SetEndpoints(eps)
+	ctx, cancel := context.WithCancel(context.Background())
+	h := &harness{t: t, ev: ev, index: idx, reg: reg, cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(h.done)
+		if err := ev.Run(ctx); err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+	t.Cleanup(h.stop)
+	return h
+}
+
+// listenAddr waits for the listening socket and returns its endpoint.
+func (h *harness) listenAddr() string {
+	h.t.Helper()
+	select {
+	case <-h.ev.Bound():
+	case <-time.After(waitTimeout):
+		h.t.Fatal("the listening socket never bound")
+	}
+	return "tcp://" + h.ev.Addr().String()
+}
+
+func (h *harness) stop() {
+	h.cancel()
+	select {
+	case <-h.done:
+	case <-time.After(waitTimeout):
+		h.t.Fatal("Events.Run did not return after its context was canceled")
+	}
+}
+
+// connect publishes empty batches until the engine's subscriber has one: a PUB drops what
+// it sends before the SUB's subscription reaches it.
+func (h *harness) connect(p *pubEngine, engine string) {
+	h.t.Helper()
+	waitFor(h.t, func() (bool, string) {
+		if s, ok := h.index.Stats(engine); ok && !s.Last.IsZero() {
+			return true, ""
+		}
+		p.publish(payload(h.t))
+		return false, fmt.Sprintf("no message of %s reached the index", engine)
+	})
+}
+
+func (h *harness) matched(engine string, tokens []uint32) int {
+	return h.index.Match(NewMatcher(tokens), engine).Matched
+}
+
+// waitMatched waits until engine matches want tokens of the prompt.
+func (h *harness) waitMatched(engine string, tokens []uint32, want int) {
+	h.t.Helper()
+	waitFor(h.t, func() (bool, string) {
+		got := h.matched(engine, tokens)
+		return got == want, fmt.Sprintf("engine %s matches %d tokens, want %d", engine, got, want)
+	})
+}
+
+func (h *harness) counter(name string, labels ...string) float64 {
+	var c prometheus.Collector
+	switch name {
+	case "dropped":
+		c = h.ev.metrics.dropped.WithLabelValues(labels...)
+	case "resets":
+		c = h.ev.metrics.resets.WithLabelValues(labels...)
+	case "events":
+		c = h.ev.metrics.events.WithLabelValues(labels...)
+	case "replays":
+		c = h.ev.metrics.replays.WithLabelValues(labels...)
+	}
+	return testutil.ToFloat64(c)
+}
+
+func (h *harness) waitCounter(want float64, name string, labels ...string) {
+	h.t.Helper()
+	waitFor(h.t, func() (bool, string) {
+		got := h.counter(name, labels...)
+		return got == want, fmt.Sprintf("%s%v = %v, want %v", name, labels, got, want)
+	})
+}
+
+const bs = 4
+
+func TestEventsDialedEngine(t *testing.T) {
+	prompt := tokensN(0, 16)
+	hashes := engineHashes(1, 4)
+
+	t.Run("stored blocks become a match and a BlockRemoved takes it back", func(t *testing.T) {
+		p := newPubEngine(t, "", "")
+		h := startEvents(t, EventsConfig{}, Endpoint{Engine: "a", Dial: p.endpoint()})
+		h.connect(p, "a")
+		p.publish(payload(t, stored(hashes, nil, prompt, bs)))
+		h.waitMatched("a", prompt, 16)
+		p.publish(payload(t, removed(hashes[2:]...)))
+		h.waitMatched("a", prompt, 8)
+		if got := h.counter("events", "a", "block_removed"); got != 1 {
+			t.Errorf("block_removed events counted %v, want 1", got)
+		}
+		if n := testutil.CollectAndCount(h.reg, "pdproxy_kv_index_blocks"); n != 1 {
+			t.Errorf("pdproxy_kv_index_blocks has %d series, want 1", n)
+		}
+	})
+
+	t.Run("a restarted engine, its sequence back at 0, is forgotten", func(t *testing.T) {
+		p := newPubEngine(t, "", "")
+		h := startEvents(t, EventsConfig{}, Endpoint{Engine: "a", Dial: p.endpoint()})
+		h.connect(p, "a")
+		p.publish(payload(t, stored(hashes, nil, prompt, bs)))
+		h.waitMatched("a", prompt, 16)
+		p.send(0, payload(t))
+		h.waitMatched("a", prompt, 0)
+		h.waitCounter(1, "resets", "a", "sequence_reset")
+	})
+
+	t.Run("an engine restarted on the same port is dialed again and its old blocks forgotten", func(t *testing.T) {
+		p := newPubEngine(t, "", "")
+		ep := p.endpoint()
+		h := startEvents(t, EventsConfig{}, Endpoint{Engine: "a", Dial: ep})
+		h.connect(p, "a")
+		// A long-running engine: its sequence is far above where a restarted one starts,
+		// so the restart cannot pass for the next message (the jump here is a gap, which
+		// forgets what came before and applies the batch).
+		p.mu.Lock()
+		p.seq = 1000
+		p.mu.Unlock()
+		p.publish(payload(t, stored(hashes, nil, prompt, bs)))
+		h.waitMatched("a", prompt, 16)
+		p.pub.Close()
+		restarted := newPubEngineAt(t, ep)
+		// Its sequence starts at 0 again, below the last one seen, once the SUB is back.
+		waitFor(t, func() (bool, string) {
+			restarted.publish(payload(t))
+			got := h.matched("a", prompt)
+			return got == 0, fmt.Sprintf("engine matches %d tokens after its restart, want 0", got)
+		})
+		restarted.publish(payload(t, stored(hashes[:1], nil, prompt[:4], bs)))
+		h.waitMatched("a", prompt, 4)
+	})
+
+	t.Run("AllBlocksCleared forgets the engine", func(t *testing.T) {
+		p := newPubEngine(t, "", "")
+		h := startEvents(t, EventsConfig{}, Endpoint{Engine: "a", Dial: p.endpoint()})
+		h.connect(p, "a")
+		p.publish(payload(t, stored(hashes, nil, prompt, bs)))
+		h.waitMatched("a", prompt, 16)
+		p.publish(payload(t, cleared()))
+		h.waitMatched("a", prompt, 0)
+		h.waitCounter(1, "resets", "a", "cleared")
+	})
+
+	t.Run("a gap is filled by a replay", func(t *testing.T) {
+		p := newPubEngine(t, "", "")
+		h := startEvents(t, EventsConfig{}, Endpoint{Engine: "a", Dial: p.endpoint(), Replay: p.serveReplay()})
+		h.connect(p, "a")
+		before := h.counter("replays", "a", "ok") // catching up on what connecting missed
+		p.publish(payload(t, stored(hashes[:1], nil, prompt[:4], bs)))
+		p.lose(payload(t, stored(hashes[1:2], hashes[0], prompt[4:8], bs)))
+		p.lose(payload(t, stored(hashes[2:3], hashes[1], prompt[8:12], bs)))
+		p.publish(payload(t, stored(hashes[3:], hashes[2], prompt[12:], bs)))
+		h.waitMatched("a", prompt, 16)
+		h.waitCounter(before+1, "replays", "a", "ok")
+	})
+
+	t.Run("a subscriber joining late catches up by replay on the blocks stored before", func(t *testing.T) {
+		p := newPubEngine(t, "", "")
+		p.lose(payload(t, stored(hashes[:2], nil, prompt[:8], bs)))
+		p.lose(payload(t, stored(hashes[2:], hashes[1], prompt[8:], bs)))
+		h := startEvents(t, EventsConfig{}, Endpoint{Engine: "a", Dial: p.endpoint(), Replay: p.serveReplay()})
+		h.connect(p, "a")
+		h.waitMatched("a", prompt, 16)
+	})
+
+	t.Run("a gap without a replay endpoint forgets the engine", func(t *testing.T) {
+		p := newPubEngine(t, "", "")
+		h := startEvents(t, EventsConfig{}, Endpoint{Engine: "a", Dial: p.endpoint()})
+		h.connect(p, "a")
+		p.publish(payload(t, stored(hashes[:2], nil, prompt[:8], bs)))
+		h.waitMatched("a", prompt, 8)
+		p.lose(payload(t, stored(hashes[2:3], hashes[1], prompt[8:12], bs)))
+		p.publish(payload(t, stored(hashes[3:], hashes[2], prompt[12:], bs)))
+		h.waitCounter(1, "resets", "a", "gap")
+		h.waitCounter(1, "dropped", "a", ReasonUnknownParent)
+		if got := h.matched("a", prompt); got != 0 {
+			t.Errorf("after an unfilled gap the engine matches %d tokens, want 0", got)
+		}
+	})
+
+	t.Run("a replay endpoint that does not answer forgets the engine and subscribing goes on", func(t *testing.T) {
+		p := newPubEngine(t, "", "")
+		h := startEvents(t, EventsConfig{ReplayTimeout: 100 * time.Millisecond},
+			Endpoint{Engine: "a", Dial: p.endpoint(), Replay: "tcp://127.0.0.1:1"})
+		h.connect(p, "a")
+		before := h.counter("replays", "a", "failed") // catching up on what connecting missed
+		p.publish(payload(t, stored(hashes[:2], nil, prompt[:8], bs)))
+		h.waitMatched("a", prompt, 8)
+		p.lose(payload(t))
+		p.publish(payload(t))
+		h.waitCounter(before+1, "replays", "a", "failed")
+		h.waitMatched("a", prompt, 0)
+		p.publish(payload(t, stored(hashes, nil, prompt, bs)))
+		h.waitMatched("a", prompt, 16)
+	})
+
+	t.Run("malformed messages are dropped and counted and the next good one applies", func(t *testing.T) {
+		p := newPubEngine(t, "", "")
+		h := startEvents(t, EventsConfig{}, Endpoint{Engine: "a", Dial: p.endpoint()})
+		h.connect(p, "a")
+		p.sendRaw([]byte("t"), seqBytes(100))
+		p.sendRaw([]byte("t"), []byte{1}, payload(t))
+		p.publish([]byte{0x92, 0x01, 0xdd, 0xff, 0xff, 0xff, 0xff})
+		p.publish(payload(t, []any{"BlockTeleported", 1}, stored(hashes, nil, prompt[:5], bs)))
+		p.publish(payload(t, stored(hashes, nil, prompt, bs)))
+		h.waitMatched("a", prompt, 16)
+		for reason, want := range map[string]float64{ReasonFrames: 2, ReasonDecode: 1, "unknown_tag": 1, "malformed": 1} {
+			if got := h.counter("dropped", "a", reason); got != want {
+				t.Errorf("dropped{reason=%q} = %v, want %v", reason, got, want)
+			}
+		}
+	})
+
+	t.Run("with the publisher gone the index keeps what it knew and stops cleanly", func(t *testing.T) {
+		p := newPubEngine(t, "", "")
+		h := startEvents(t, EventsConfig{}, Endpoint{Engine: "a", Dial: p.endpoint()})
+		h.connect(p, "a")
+		p.publish(payload(t, stored(hashes, nil, prompt, bs)))
+		h.waitMatched("a", prompt, 16)
+		p.pub.Close()
+		if got := h.matched("a", prompt); got != 16 {
+			t.Errorf("after the publisher went the engine matches %d, want 16", got)
+		}
+		h.stop()
+	})
+
+	t.Run("a removed backend leaves the index and its subscriber stops", func(t *testing.T) {
+		p := newPubEngine(t, "", "")
+		h := startEvents(t, EventsConfig{}, Endpoint{Engine: "a", Dial: p.endpoint()})
+		h.connect(p, "a")
+		p.publish(payload(t, stored(hashes, nil, prompt, bs)))
+		h.waitMatched("a", prompt, 16)
+		h.ev.SetEndpoints(nil)
+		h.waitMatched("a", prompt, 0)
+		if _, ok := h.index.Stats("a"); ok {
+			t.Error("the removed engine is still in the index")
+		}
+	})
+}
+
+func TestEventsListening(t *testing.T) {
+	prompt := tokensN(0, 16)
+	h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"},
+		Endpoint{Engine: "a", HostPort: "10.0.0.1:8000"}, Endpoint{Engine: "b", HostPort: "10.0.0.2:8000"})
+	listen := h.listenAddr()
+	a := newPubEngine(t, listen, "kv@10.0.0.1:8000@model")
+	b := newPubEngine(t, listen, "kv@10.0.0.2:8000@model")
+	stranger := newPubEngine(t, listen, "kv@10.9.9.9:8000@model")
+	h.connect(a, "a")
+	h.connect(b, "b")
+
+	t.Run("each topic's blocks go to its backend", func(t *testing.T) {
+		a.publish(payload(t, stored(engineHashes(1, 4), nil, prompt, bs)))
+		b.publish(payload(t, stored(engineHashes(2, 2), nil, prompt[:8], bs)))
+		h.waitMatched("a", prompt, 16)
+		h.waitMatched("b", prompt, 8)
+	})
+	t.Run("an engine serving in both roles feeds both its backends", func(t *testing.T) {
+		h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"},
+			Endpoint{Engine: "prefill-10.0.0.5:8000", HostPort: "10.0.0.5:8000"}, Endpoint{Engine: "decode-10.0.0.5:8000", HostPort: "10.0.0.5:8000"})
+		p := newPubEngine(t, h.listenAddr(), "kv@10.0.0.5:8000@model")
+		h.connect(p, "decode-10.0.0.5:8000")
+		p.publish(payload(t, stored(engineHashes(1, 4), nil, prompt, bs)))
+		h.waitMatched("prefill-10.0.0.5:8000", prompt, 16)
+		h.waitMatched("decode-10.0.0.5:8000", prompt, 16)
+	})
+	t.Run("a topic naming no backend is dropped and counted", func(t *testing.T) {
+		waitFor(t, func() (bool, string) {
+			stranger.publish(payload(t, stored(engineHashes(3, 4), nil, prompt, bs)))
+			n := h.counter("dropped", unknownBackend, "unknown_topic")
+			return n > 0, "no unknown_topic drop counted"
+		})
+		if got := len(h.index.Engines()); got != 2 {
+			t.Errorf("index holds %d engines, want the 2 backends", got)
+		}
+	})
+}
+
+func TestEventsListeningSurvivesAPeerAnnouncingAHugeFrame(t *testing.T) {
+	h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"}, Endpoint{Engine: "a", HostPort: "10.0.0.1:8000"})
+	h.listenAddr()
+	for _, header := range [][]byte{
+		{0x06, 0, 0, 1, 0, 0, 0, 0, 0}, // a command frame of 2^40 bytes: the handshake
+		{0x06, 0x7f, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff},
+	} {
+		c, err := net.Dial("tcp", h.ev.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		// ZMTP 3.0's greeting with the NULL mechanism, then the hostile frame header.
+		greeting := make([]byte, 64)
+		greeting[0], greeting[9], greeting[10], greeting[11] = 0xff, 0x7f, 3, 0
+		copy(greeting[12:], "NULL")
+		if _, err := c.Write(append(greeting, header...)); err != nil {
+			t.Fatal(err)
+		}
+		_ = c.SetReadDeadline(time.Now().Add(waitTimeout))
+		if _, err := io.Copy(io.Discard, c); err != nil {
+			t.Errorf("the proxy did not close the connection of a peer announcing a huge frame: %v", err)
+		}
+		c.Close()
+	}
+	p := newPubEngine(t, "tcp://"+h.ev.Addr().String(), "kv@10.0.0.1:8000@m")
+	h.connect(p, "a")
+	p.publish(payload(t, stored(engineHashes(1, 1), nil, tokensN(0, bs), bs)))
+	h.waitMatched("a", tokensN(0, bs), bs)
+}
+
+func TestBoundedConnFollowsFraming(t *testing.T) {
+	frame := func(flags byte, body []byte) []byte {
+		if len(body) > 255 {
+			var b [8]byte
+			binary.BigEndian.PutUint64(b[:], uint64(len(body)))
+			return append(append([]byte{flags | flagLong}, b[:]...), body...)
+		}
+		return append([]byte{flags, byte(len(body))}, body...)
+	}
+	stream := append(make([]byte, zmtpGreeting), frame(0x04, []byte("\x05READY"))...)
+	stream = append(stream, frame(0x01, []byte("topic"))...)
+	stream = append(stream, frame(0x00, make([]byte, 1000))...)
+	tests := []struct {
+		name    string
+		stream  []byte
+		chunk   int
+		wantErr bool
+	}{
+		{name: "frames within the bound pass, read whole", stream: stream, chunk: len(stream)},
+		{name: "frames within the bound pass, read a byte at a time", stream: stream, chunk: 1},
+		{name: "a long frame over the bound is refused", stream: append(append([]byte(nil), stream...), 0x02, 0, 0, 0, 0, 0x10, 0, 0, 0), chunk: 7, wantErr: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := &boundedConn{greeting: zmtpGreeting}
+			var err error
+			for b := tt.stream; len(b) > 0 && err == nil; {
+				k := min(tt.chunk, len(b))
+				err = c.follow(b[:k])
+				b = b[k:]
+			}
+			if (err != nil) != tt.wantErr {
+				t.Errorf("follow error = %v, want error %v", err, tt.wantErr)
+			}
+		})
+	}
+}

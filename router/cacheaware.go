@@ -1,0 +1,237 @@
+package router
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pdproxy/pdproxy/kvcache"
+)
+
+// CacheAware sends a request where its prompt's prefix is cached, unless that would unbalance
+// the pool. It is two policies:
+//
+//   - cache_aware scores each candidate by the share of Hint.Text that the pool's tree of
+//     routed text (kvcache.Tree) says the engine was sent before: an approximation that
+//     needs nothing from the engines;
+//   - precise_cache_aware scores by the share of Hint.Tokens whose blocks the engine holds
+//     as its KV events tell (kvcache.Index), or of the text routed to it since just before
+//     its latest event (blocks being computed, not yet told), if larger. An engine whose
+//     events are stale (none for kv_events.stale_after), or a request without tokens, is
+//     scored as cache_aware would.
+//
+// The best score wins if it reaches cache_threshold; below it, and whenever the pool is out of
+// balance (the most loaded candidate more than balance_abs_threshold requests in flight above
+// the least and more than balance_rel_threshold times as many), the least in flight wins: a
+// burst sharing one prefix fills its engine until the pool is out of balance, then spreads,
+// and the engines it spreads to hold the prefix from then on. Ties go to the fewer in flight.
+// Every pick's text is recorded in the tree for the engine picked.
+type CacheAware struct {
+	cfg      CacheAwareConfig
+	tree     *kvcache.Tree
+	fallback LeastInflight
+
+	// index is the precise view; nil for cache_aware.
+	index      *kvcache.Index
+	staleAfter time.Duration
+	// now is the clock staleness is judged by; nil means time.Now.
+	now func() time.Time
+	// ratio observes the picked engine's predicted share; nil observes nothing.
+	ratio prometheus.Observer
+}
+
+// Interface guards.
+var (
+	_ Policy      = (*CacheAware)(nil)
+	_ poolWatcher = (*CacheAware)(nil)
+	_ forgetter   = (*CacheAware)(nil)
+)
+
+// forgetter is implemented by policies that keep state per engine, to drop it when an engine
+// goes down: it may come back with an empty cache.
+type forgetter interface {
+	Forget(backend string)
+}
+
+// NewCacheAware returns a cache_aware policy; with index set, precise_cache_aware, which
+// counts an engine's blocks while its last event is more recent than staleAfter. cfg's zero
+// fields take their defaults.
+func NewCacheAware(cfg CacheAwareConfig, index *kvcache.Index, staleAfter time.Duration) *CacheAware {
+	c := Config{CacheAware: cfg}
+	c.setCacheDefaults()
+	if staleAfter <= 0 {
+		staleAfter = DefaultKVEventsStaleAfter
+	}
+	return &CacheAware{cfg: c.CacheAware, tree: kvcache.NewTree(c.CacheAware.MaxTreeBytes), index: index, staleAfter: staleAfter}
+}
+
+// SetPool forgets the engines no longer in the pool.
+func (p *CacheAware) SetPool(all []*Backend) {
+	names := make(map[string]bool, len(all))
+	for _, b := range all {
+		names[b.Name] = true
+	}
+	p.tree.Retain(func(e string) bool { return names[e] })
+}
+
+// Forget drops what the approximate view holds of backend. The precise view is the router's,
+// shared by the pools.
+func (p *CacheAware) Forget(backend string) { p.tree.Forget(backend) }
+
+// candidatesOnStack is how many candidates Select scores without allocating.
+const candidatesOnStack = 16
+
+// Select implements Policy.
+func (p *CacheAware) Select(cands []*Backend, h Hint) *Backend {
+	if len(cands) == 0 {
+		return nil
+	}
+	if h.Text == "" && len(h.Tokens) == 0 {
+		return p.fallback.Select(cands, h)
+	}
+	if p.unbalanced(cands) {
+		b := p.fallback.Select(cands, h)
+		p.picked(b, h, -1)
+		return b
+	}
+	var shareBuf [candidatesOnStack]float64
+	shares := p.score(cands, h, shareBuf[:0])
+	best := 0
+	for i := 1; i < len(cands); i++ {
+		if shares[i] > shares[best] || shares[i] == shares[best] && cands[i].Inflight() < cands[best].Inflight() {
+			best = i
+		}
+	}
+	if shares[best] > 0 && shares[best] >= p.cfg.CacheThreshold || p.cfg.CacheThreshold < 0 {
+		b := cands[best]
+		p.picked(b, h, shares[best])
+		return b
+	}
+	b := p.fallback.Select(cands, h)
+	share := 0.0
+	for i, c := range cands {
+		if c == b {
+			share = shares[i]
+		}
+	}
+	p.picked(b, h, share)
+	return b
+}
+
+// unbalanced is SGLang's router's test: both the absolute and the relative gap between the
+// most and the least loaded candidate are over their thresholds.
+func (p *CacheAware) unbalanced(cands []*Backend) bool {
+	lo, hi := cands[0].Inflight(), cands[0].Inflight()
+	for _, b := range cands[1:] {
+		n := b.Inflight()
+		lo, hi = min(lo, n), max(hi, n)
+	}
+	return hi-lo > int64(p.cfg.BalanceAbsThreshold) && float64(hi) > p.cfg.BalanceRelThreshold*float64(lo)
+}
+
+// pendingGrace is how long text routed to an engine counts for it besides its KV events: the
+// blocks of a prompt are published once computed, so for a moment (its prefill) the engine
+// holds what its events have not told yet. Without it, a burst sharing a new prefix would
+// see it nowhere until the first prefill ends, and spread every request of it.
+const pendingGrace = 2 * time.Second
+
+// score appends each candidate's predicted share of h's prompt to out: for an engine whose
+// KV events are fresh, the larger of the share of h.Tokens they say it holds and the share
+// of h.Text routed to it since pendingGrace before its latest event; for another, the share
+// of h.Text ever routed to it (that the tree still holds).
+func (p *CacheAware) score(cands []*Backend, h Hint, out []float64) []float64 {
+	var textBuf [candidatesOnStack]int
+	var nameBuf [candidatesOnStack]string
+	var sinceBuf [candidatesOnStack]time.Time
+	var matcher *kvcache.Matcher
+	if p.index != nil && len(h.Tokens) > 0 {
+		matcher = kvcache.NewMatcher(h.Tokens)
+	}
+	names, matched, since := nameBuf[:0], textBuf[:0], sinceBuf[:0]
+	var now time.Time
+	for _, b := range cands {
+		share, from := 0.0, time.Time{}
+		if matcher != nil {
+			if now.IsZero() {
+				now = p.clock()
+			}
+			v := p.index.Match(matcher, b.Name)
+			if !v.Last.IsZero() && now.Sub(v.Last) < p.staleAfter {
+				share = float64(v.Matched) / float64(len(h.Tokens))
+				from = v.Last.Add(-pendingGrace)
+			}
+		}
+		out = append(out, share)
+		names = append(names, b.Name)
+		matched = append(matched, 0)
+		since = append(since, from)
+	}
+	if h.Text == "" {
+		return out
+	}
+	p.tree.MatchSince(h.Text, names, since, matched)
+	for i := range out {
+		out[i] = max(out[i], float64(matched[i])/float64(len(h.Text)))
+	}
+	return out
+}
+
+func (p *CacheAware) clock() time.Time {
+	if p.now != nil {
+		return p.now()
+	}
+	return time.Now()
+}
+
+// picked records the pick's text for b and observes its share (negative: not scored, as
+// when the pool was out of balance).
+func (p *CacheAware) picked(b *Backend, h Hint, share float64) {
+	if b == nil {
+		return
+	}
+	p.tree.Insert(h.Text, b.Name)
+	if p.ratio != nil && share >= 0 {
+		p.ratio.Observe(share)
+	}
+}
+
+// PrefixCacheStatus is what the proxy believes a backend's prefix cache holds, in GET
+// /debug/backends: shown for the backends of a pool whose policy is cache_aware or
+// precise_cache_aware.
+type PrefixCacheStatus struct {
+	// TreeBytes is how many bytes of text routed to the backend the approximate view holds.
+	TreeBytes int `json:"tree_bytes"`
+	// Blocks is how many KV blocks the backend holds as its KV events told; absent when the
+	// proxy has none of its events.
+	Blocks *int `json:"blocks,omitempty"`
+	// BlockSize is the block size of the backend's latest stored blocks.
+	BlockSize int `json:"block_size,omitempty"`
+	// LastEventAgeSeconds is how long ago the backend's latest KV event came.
+	LastEventAgeSeconds *float64 `json:"last_event_age_seconds,omitempty"`
+	// Stale is true when the backend's events are too old to count (kv_events.stale_after):
+	// it is scored by the approximate view.
+	Stale bool `json:"stale,omitempty"`
+}
+
+// prefixCacheStatus is b's PrefixCacheStatus under policy p at now.
+func (p *CacheAware) prefixCacheStatus(b *Backend, now time.Time) *PrefixCacheStatus {
+	s := &PrefixCacheStatus{TreeBytes: p.tree.EngineBytes(b.Name)}
+	if p.index == nil {
+		return s
+	}
+	st, ok := p.index.Stats(b.Name)
+	if !ok {
+		s.Stale = true
+		return s
+	}
+	s.Blocks, s.BlockSize = &st.Blocks, st.BlockSize
+	if !st.Last.IsZero() {
+		age := now.Sub(st.Last)
+		secs := age.Seconds()
+		s.LastEventAgeSeconds = &secs
+		s.Stale = age >= p.staleAfter
+	} else {
+		s.Stale = true
+	}
+	return s
+}
