@@ -68,7 +68,9 @@ func startSharedPool(t *testing.T) *sharedPool {
 		})
 	}
 	for i := range externalHolds {
-		body := `{"model":"sim","prompt":"` + strings.Repeat("abcd", 64) + `","max_tokens":1,"kv_transfer_params":{"do_remote_decode":true}}`
+		// A prompt of its own (64 tokens, 4 blocks): identical prompts would share their
+		// cached blocks and hold 4 in all.
+		body := `{"model":"sim","prompt":"` + fmt.Sprintf("%04d", i) + strings.Repeat("abcd", 63) + `","max_tokens":1,"kv_transfer_params":{"do_remote_decode":true}}`
 		req, _ := http.NewRequest(http.MethodPost, sp.engines["p0"].URL+"/v1/completions", strings.NewReader(body))
 		req.Header.Set("X-Request-Id", fmt.Sprintf("ext-hold-%d", i))
 		resp, err := sp.external.Do(req)

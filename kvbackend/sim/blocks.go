@@ -1,17 +1,47 @@
 package sim
 
-// blockPool is the KV block allocator. Every allocated block records its
-// owner, so that a second free of the same block (the bug behind vLLM's
-// finished_sending crash, race R3) is detected and counted instead of pushing
-// the block twice onto the free list and handing it to two requests later.
+import (
+	"container/list"
+	"crypto/sha256"
+	"encoding/binary"
+	"slices"
+)
+
+// blockPool is the KV block allocator and, over the same blocks, the prefix
+// cache, as vLLM V1's block pool is.
+//
+// Every allocated block records the requests referencing it, so that a
+// second free of the same block by the same request (the bug behind vLLM's
+// finished_sending crash, race R3) is detected and counted instead of
+// handing the block to two requests later. A block is referenced by several
+// requests when their prompts share a cached prefix.
+//
+// A block whose tokens are a full block of a prompt that was computed (or
+// pulled) is cached under its block hash, which chains the parent block's
+// hash with the block's tokens. A cached block nobody references stays in
+// the cache, in LRU order, until a new allocation needs it: it counts as
+// free. Released blocks join the LRU list tail first, as vLLM frees them, so
+// that a prompt's last blocks go before its first ones.
 type blockPool struct {
-	owner      []uint64 // owner[id] is the request seq holding block id; 0 = free
-	free       []int    // stack of free block ids
-	doubleFree int      // frees of blocks not owned by the freeing request
+	refs       [][]uint64 // refs[id]: the seqs of the requests referencing block id
+	free       []int      // stack of blocks that hold nothing
+	doubleFree int        // frees of blocks not referenced by the freeing request
+
+	caching bool
+	hashOf  []uint64        // a cached block's hash
+	cached  []bool          // block id is in byHash
+	byHash  map[uint64]int  // the cache: block hash -> block id
+	lru     *list.List      // cached blocks nobody references, least recently used first
+	lruElem []*list.Element // block id's element in lru, nil when referenced or uncached
+	events  []kvEvent       // what changed in the cache since the last take
 }
 
-func newBlockPool(n int) *blockPool {
-	p := &blockPool{owner: make([]uint64, n), free: make([]int, n)}
+func newBlockPool(n int, caching bool) *blockPool {
+	p := &blockPool{
+		refs: make([][]uint64, n), free: make([]int, n), caching: caching,
+		hashOf: make([]uint64, n), cached: make([]bool, n), byHash: make(map[uint64]int),
+		lru: list.New(), lruElem: make([]*list.Element, n),
+	}
 	// Hand out low ids first: the ids in kv_transfer_params read naturally.
 	for i := range n {
 		p.free[i] = n - 1 - i
@@ -19,35 +49,192 @@ func newBlockPool(n int) *blockPool {
 	return p
 }
 
-func (p *blockPool) total() int     { return len(p.owner) }
-func (p *blockPool) available() int { return len(p.free) }
+func (p *blockPool) total() int { return len(p.refs) }
 
-// alloc takes n blocks for owner, or none if fewer than n are free.
-func (p *blockPool) alloc(n int, owner uint64) ([]int, bool) {
-	if n > len(p.free) {
-		return nil, false
+// available is the blocks an allocation may take: those holding nothing and
+// the cached ones nobody references.
+func (p *blockPool) available() int { return len(p.free) + p.lru.Len() }
+
+// cachedBlocks is the blocks in the prefix cache, referenced or not.
+func (p *blockPool) cachedBlocks() int { return len(p.byHash) }
+
+// hits is how many leading blocks of hashes are cached.
+func (p *blockPool) hits(hashes []uint64) int {
+	if !p.caching {
+		return 0
 	}
-	ids := make([]int, n)
-	for i := range ids {
-		id := p.free[len(p.free)-1]
-		p.free = p.free[:len(p.free)-1]
-		p.owner[id] = owner
-		ids[i] = id
+	for i, h := range hashes {
+		if _, ok := p.byHash[h]; !ok {
+			return i
+		}
 	}
-	return ids, true
+	return len(hashes)
 }
 
-// release frees the blocks that owner holds among ids; any other id is a
-// double free (or a free of someone else's block) and only counted.
+// alloc takes n blocks for owner, the first ones from the cache where the
+// leading blocks of lookup are cached, or none if the pool cannot give n.
+// hit is how many came from the cache.
+func (p *blockPool) alloc(n int, owner uint64, lookup []uint64) (ids []int, hit int, ok bool) {
+	hit = min(p.hits(lookup), n)
+	reusable := 0 // hit blocks nobody references: they are not free for the rest
+	for _, h := range lookup[:hit] {
+		if p.lruElem[p.byHash[h]] != nil {
+			reusable++
+		}
+	}
+	if n-hit > p.available()-reusable {
+		return nil, 0, false
+	}
+	ids = make([]int, 0, n)
+	for _, h := range lookup[:hit] {
+		id := p.byHash[h]
+		p.unlink(id)
+		p.refs[id] = append(p.refs[id], owner)
+		ids = append(ids, id)
+	}
+	for len(ids) < n {
+		var id int
+		if len(p.free) > 0 {
+			id = p.free[len(p.free)-1]
+			p.free = p.free[:len(p.free)-1]
+		} else {
+			id = p.evict()
+		}
+		p.refs[id] = append(p.refs[id], owner)
+		ids = append(ids, id)
+	}
+	return ids, hit, true
+}
+
+// evict takes the least recently used unreferenced cached block out of the
+// cache and returns it.
+func (p *blockPool) evict() int {
+	id := p.lru.Remove(p.lru.Front()).(int)
+	p.lruElem[id] = nil
+	h := p.hashOf[id]
+	delete(p.byHash, h)
+	p.cached[id] = false
+	p.addEvent(kvEvent{kind: eventBlockRemoved, hashes: []uint64{h}})
+	return id
+}
+
+func (p *blockPool) unlink(id int) {
+	if e := p.lruElem[id]; e != nil {
+		p.lru.Remove(e)
+		p.lruElem[id] = nil
+	}
+}
+
+// release drops owner's references to ids; an id owner does not reference
+// is a double free (or a free of someone else's block) and only counted. A
+// block nobody references any more joins the LRU list if cached, the free
+// stack otherwise.
 func (p *blockPool) release(ids []int, owner uint64) (doubleFrees int) {
-	for _, id := range ids {
-		if id < 0 || id >= len(p.owner) || p.owner[id] != owner || owner == 0 {
+	for i := len(ids) - 1; i >= 0; i-- {
+		id := ids[i]
+		if id < 0 || id >= len(p.refs) || owner == 0 {
 			doubleFrees++
 			continue
 		}
-		p.owner[id] = 0
-		p.free = append(p.free, id)
+		k := slices.Index(p.refs[id], owner)
+		if k < 0 {
+			doubleFrees++
+			continue
+		}
+		p.refs[id] = slices.Delete(p.refs[id], k, k+1)
+		if len(p.refs[id]) > 0 {
+			continue
+		}
+		if p.cached[id] {
+			p.lruElem[id] = p.lru.PushBack(id)
+		} else {
+			p.free = append(p.free, id)
+		}
 	}
 	p.doubleFree += doubleFrees
 	return doubleFrees
+}
+
+// store caches the full blocks of a computed (or pulled) prompt: block i of
+// ids holds tokens[i*size:(i+1)*size] and hashes[i] is its hash. A block
+// already cached, or whose hash another block caches (two requests computed
+// the same prefix at once), stays as it is.
+func (p *blockPool) store(ids []int, hashes []uint64, tokens []uint32, size int) {
+	if !p.caching {
+		return
+	}
+	var run *kvEvent
+	for i, h := range hashes {
+		if i >= len(ids) {
+			break
+		}
+		id := ids[i]
+		if p.cached[id] {
+			run = nil
+			continue
+		}
+		if _, dup := p.byHash[h]; dup {
+			run = nil
+			continue
+		}
+		p.cached[id], p.hashOf[id], p.byHash[h] = true, h, id
+		if run == nil {
+			p.addEvent(kvEvent{kind: eventBlockStored, blockSize: size})
+			run = &p.events[len(p.events)-1]
+			if i > 0 {
+				parent := hashes[i-1]
+				run.parent = &parent
+			}
+		}
+		run.hashes = append(run.hashes, h)
+		run.tokens = append(run.tokens, tokens[i*size:(i+1)*size]...)
+	}
+}
+
+// clear empties the cache of every block nobody references (all of them,
+// once an engine crashed and ended every request).
+func (p *blockPool) clear() {
+	if len(p.byHash) == 0 {
+		return
+	}
+	for e := p.lru.Front(); e != nil; e = p.lru.Front() {
+		id := p.lru.Remove(e).(int)
+		p.lruElem[id] = nil
+		delete(p.byHash, p.hashOf[id])
+		p.cached[id] = false
+		p.free = append(p.free, id)
+	}
+	p.addEvent(kvEvent{kind: eventAllBlocksCleared})
+}
+
+func (p *blockPool) addEvent(ev kvEvent) {
+	p.events = append(p.events, ev)
+}
+
+// takeEvents returns the cache's changes since the last call.
+func (p *blockPool) takeEvents() []kvEvent {
+	ev := p.events
+	p.events = nil
+	return ev
+}
+
+// blockHashes chains the hashes of the full blocks of tokens: block i's is
+// the last 8 bytes of sha256(hash of block i-1, its tokens), as vLLM's
+// sha256 block hash, whose published form is those 8 bytes as a uint64. The
+// first block's parent is 0.
+func blockHashes(tokens []uint32, size int) []uint64 {
+	n := len(tokens) / size
+	out := make([]uint64, n)
+	buf := make([]byte, 8+4*size)
+	var parent uint64
+	for i := range n {
+		binary.BigEndian.PutUint64(buf, parent)
+		for j, t := range tokens[i*size : (i+1)*size] {
+			binary.BigEndian.PutUint32(buf[8+4*j:], t)
+		}
+		sum := sha256.Sum256(buf)
+		parent = binary.BigEndian.Uint64(sum[24:])
+		out[i] = parent
+	}
+	return out
 }

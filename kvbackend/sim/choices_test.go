@@ -41,8 +41,9 @@ func choiceCases() []choiceCase {
 			[]string{id(0, 0), id(1, 0)}, 2, 4, 41},
 		{"two token-id prompts with n=2 are numbered prompt-major", "/v1/completions", `{"prompt":[[1,2,3],[4,5,6,7,8,9,10,11,12,13,14,15,16,17]],"n":2}`,
 			[]string{id(0, 0), id(0, 1), id(1, 0), id(1, 1)}, 4, 4, 17},
+		// The chat template adds 10 tokens: 4 blocks.
 		{"chat n=2", "/v1/chat/completions", `{"messages":[{"role":"user","content":"` + long + `"}],"n":2}`,
-			[]string{id(0, 0), id(0, 1)}, 2, 6, 40},
+			[]string{id(0, 0), id(0, 1)}, 2, 8, 50},
 	}
 }
 
@@ -54,7 +55,7 @@ func withOptions(body, extra string) string {
 func TestRequestWithoutKVParamsAnswersEveryChoiceInOneJSONAnswer(t *testing.T) {
 	for _, tt := range choiceCases() {
 		t.Run(tt.name, func(t *testing.T) {
-			ts := startServer(t, fastConfig())
+			ts := startServer(t, noCacheConfig())
 			resp := ts.post(t, context.Background(), tt.path, withOptions(tt.body, ""), map[string]string{"X-Request-Id": "multi"})
 			raw := readAll(t, resp)
 			var ans struct {
@@ -100,12 +101,23 @@ func TestRequestWithoutKVParamsAnswersEveryChoiceInOneJSONAnswer(t *testing.T) {
 	}
 }
 
+// noCacheConfig is fastConfig without prefix caching: these tests count
+// each choice's blocks as its own, where with caching the choices of one
+// prompt share its full blocks.
+func noCacheConfig() Config {
+	cfg := fastConfig()
+	noPrefixCache(&cfg)
+	return cfg
+}
+
+func noPrefixCache(cfg *Config) { cfg.DisablePrefixCache = true }
+
 // steppedServer is an engine whose tokens come only when the test advances
 // its clock an hour: the first at admission, the next one per advance.
 func steppedServer(t *testing.T) (*testServer, *fakeClock) {
 	t.Helper()
 	clock := newFakeClock()
-	cfg := fastConfig()
+	cfg := noCacheConfig()
 	cfg.Clock, cfg.PrefillTime, cfg.ITL = clock, 0, time.Hour
 	return startServer(t, cfg), clock
 }
@@ -263,19 +275,20 @@ func TestClientGoneAbortsEveryChoiceAndFreesEveryBlock(t *testing.T) {
 		name, path, body string
 		hdr              map[string]string
 		children         int
+		blocks           int // each child's
 		// firstLine: the client reads one line of the stream before leaving
 		firstLine bool
 	}{
 		{"completions stream of two prompts with n=2", "/v1/completions",
-			`{"prompt":["` + long + `","` + long + `"],"n":2,"stream":true}`, nil, 4, true},
+			`{"prompt":["` + long + `","` + long + `"],"n":2,"stream":true}`, nil, 4, 3, true},
 		{"chat stream with n=3", "/v1/chat/completions",
-			`{"messages":[{"role":"user","content":"` + long + `"}],"n":3,"stream":true}`, nil, 3, true},
+			`{"messages":[{"role":"user","content":"` + long + `"}],"n":3,"stream":true}`, nil, 3, 4, true}, // the template's tokens: 4 blocks
 		{"completions stream with best_of", "/v1/completions",
-			`{"prompt":"` + long + `","n":1,"best_of":3,"stream":true}`, nil, 3, true},
+			`{"prompt":"` + long + `","n":1,"best_of":3,"stream":true}`, nil, 3, 3, true},
 		{"whole answer with n=3, client gone before it", "/v1/completions",
-			`{"prompt":"` + long + `","n":3}`, nil, 3, false},
+			`{"prompt":"` + long + `","n":3}`, nil, 3, 3, false},
 		{"stream cut by the engine after 2 events (X-Sim-Close-After)", "/v1/completions",
-			`{"prompt":"` + long + `","n":3,"stream":true}`, map[string]string{HeaderCloseAfter: "2"}, 3, false},
+			`{"prompt":"` + long + `","n":3,"stream":true}`, map[string]string{HeaderCloseAfter: "2"}, 3, 3, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -301,8 +314,8 @@ func TestClientGoneAbortsEveryChoiceAndFreesEveryBlock(t *testing.T) {
 			}()
 			if tt.hdr == nil {
 				s := ts.waitKV(t, "every child running", func(s KVStats) bool { return s.RunningRequests == tt.children })
-				if s.BlocksInUse != 3*tt.children {
-					t.Errorf("/debug/kv = %+v, want %d blocks in use", s, 3*tt.children)
+				if s.BlocksInUse != tt.blocks*tt.children {
+					t.Errorf("/debug/kv = %+v, want %d blocks in use", s, tt.blocks*tt.children)
 				}
 				cancel()
 			} // else the engine cuts the stream once every child has its first token

@@ -39,6 +39,8 @@ func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			"an SGLang prefiller or decoder (bootstrap rooms on a bootstrap server, GET /server_info,\n"+
 			"POST /abort_request by rid prefix). Per-request fault headers: X-Sim-Fail-Status,\n"+
 			"X-Sim-Stall, X-Sim-Close-After, X-Sim-Slow-Write, X-Sim-Transfer-Fail.\n"+
+			"Prefix caching (--prefix-cache), POST /tokenize, and KV events in vLLM's ZMQ format\n"+
+			"(--kv-events-endpoint, --kv-events-replay-endpoint, --kv-events-topic, --kv-events-format).\n"+
 			"GET /debug/kv shows the KV pool and counters.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}
@@ -79,7 +81,8 @@ func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	}
 	srv := &http.Server{Handler: engine.Handler(), ReadHeaderTimeout: 10 * time.Second}
 	logger.Info("sim engine listening", zap.String("addr", ln.Addr().String()),
-		zap.String("engine_id", engine.ID()), zap.String("protocol", cfg.Protocol), zap.String("role", cfg.Role), zap.String("model", cfg.Model))
+		zap.String("engine_id", engine.ID()), zap.String("protocol", cfg.Protocol), zap.String("role", cfg.Role), zap.String("model", cfg.Model),
+		zap.String("kv_events_endpoint", engine.KVEventsAddr()), zap.String("kv_events_replay_endpoint", engine.KVEventsReplayAddr()))
 
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return engine.Run(gctx) })

@@ -48,6 +48,7 @@ func TestRunCommandHelpListsEveryFlagAndReturnsErrHelp(t *testing.T) {
 		"kv-heartbeat-interval", "max-model-len", "nixl-handshake-delay",
 		"protocol", "bootstrap-port", "bootstrap-timeout", "waiting-timeout", "disconnect-delay",
 		"admin-api-key", "transfer-fail",
+		"prefix-cache", "kv-events-endpoint", "kv-events-replay-endpoint", "kv-events-topic", "kv-events-format", "data-parallel-rank",
 	} {
 		if !strings.Contains(usage, "  -"+name+" ") && !strings.Contains(usage, "  -"+name+"\n") {
 			t.Errorf("usage does not document -%s:\n%s", name, usage)
@@ -66,6 +67,9 @@ func TestRunCommandRejectsBadFlags(t *testing.T) {
 		{"unknown protocol", []string{"--protocol", "trtllm"}},
 		{"sglang without a disaggregation role", []string{"--protocol", "sglang"}},
 		{"a bootstrap port out of range", []string{"--protocol", "sglang", "--role", "prefill", "--bootstrap-port", "70000"}},
+		{"an unknown kv events format", []string{"--kv-events-endpoint", "tcp://*:0", "--kv-events-format", "json"}},
+		{"a kv events endpoint that is not one", []string{"--kv-events-endpoint", "localhost:5557"}},
+		{"a prefix-cache value that is not a boolean", []string{"--prefix-cache=maybe"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -161,5 +165,66 @@ func TestRunCommandSGLangPrefillerReportsItsBootstrapPort(t *testing.T) {
 	cancel()
 	if err := testutil.Recv(t, testutil.Timeout, done, "RunCommand's return"); err != nil {
 		t.Errorf("RunCommand after cancel = %v, want nil", err)
+	}
+}
+
+func TestRunCommandPublishesKVEventsAndHonoursPrefixCacheFalse(t *testing.T) {
+	tests := []struct {
+		name       string
+		args       []string
+		wantCached int
+	}{
+		{"prefix caching on, events bound on a wildcard", []string{"--kv-events-endpoint", "tcp://*:0", "--kv-events-replay-endpoint", "tcp://*:0", "--kv-events-format", "map"}, 32},
+		{"--prefix-cache=false", []string{"--prefix-cache=false"}, -1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			var stderr syncBuffer
+			done := make(chan error, 1)
+			go func() {
+				done <- RunCommand(ctx, append([]string{"--listen", "127.0.0.1:0", "--itl", "1ms", "--prefill-time", "1ms"}, tt.args...), io.Discard, &stderr)
+			}()
+			var entry struct {
+				Msg    string `json:"msg"`
+				Addr   string `json:"addr"`
+				Events string `json:"kv_events_endpoint"`
+			}
+			testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+				for _, line := range strings.Split(stderr.String(), "\n") {
+					if json.Unmarshal([]byte(line), &entry) == nil && entry.Msg == "sim engine listening" {
+						return true, ""
+					}
+				}
+				return false, "no listening log line; stderr:\n" + stderr.String()
+			})
+			if strings.Contains(strings.Join(tt.args, " "), "kv-events") && !strings.HasPrefix(entry.Events, "tcp://") {
+				t.Errorf("logged kv_events_endpoint %q, want the bound tcp address", entry.Events)
+			}
+			client := &http.Client{Transport: &http.Transport{}}
+			defer client.CloseIdleConnections()
+			var cached int
+			for range 2 {
+				resp, err := client.Post("http://"+entry.Addr+"/v1/completions", "application/json",
+					strings.NewReader(`{"prompt":"`+strings.Repeat("abcd", 40)+`","max_tokens":1}`))
+				if err != nil {
+					t.Fatal(err)
+				}
+				var ans struct {
+					Usage usage `json:"usage"`
+				}
+				_ = json.NewDecoder(resp.Body).Decode(&ans)
+				resp.Body.Close()
+				cached = cachedTokens(ans.Usage)
+			}
+			if cached != tt.wantCached {
+				t.Errorf("second answer's cached tokens %d, want %d (-1: no prompt_tokens_details)", cached, tt.wantCached)
+			}
+			cancel()
+			if err := testutil.Recv(t, testutil.Timeout, done, "RunCommand's return"); err != nil {
+				t.Errorf("RunCommand after cancel = %v, want nil", err)
+			}
+		})
 	}
 }

@@ -4,6 +4,9 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
+	"strconv"
+	"strings"
 	"time"
 )
 
@@ -35,7 +38,9 @@ type Config struct {
 	BlockSize int
 	// PrefillTime is the fixed cost of a prefill; DefaultConfig sets 20ms.
 	PrefillTime time.Duration
-	// PrefillPerToken is added to PrefillTime per prompt token; default 0.
+	// PrefillPerToken is added to PrefillTime per prompt token the prefill
+	// computes, those the prefix cache holds excluded; default 0. A decode
+	// with nothing to pull computes its prompt's uncached tokens at this cost.
 	PrefillPerToken time.Duration
 	// ITL is the inter-token latency of a decoding request; DefaultConfig
 	// sets 10ms. Zero means one token per request per scheduler step, as fast
@@ -66,8 +71,29 @@ type Config struct {
 	// heartbeats, wait for it; later ones do not. It starts when a decode
 	// for that prefiller is scheduled or first heartbeated. Default 0.
 	NIXLHandshakeDelay time.Duration
-	// KVTransferTime is the decoder's cost per pulled block; default 0.
+	// KVTransferTime is the decoder's cost per pulled block; default 0. A
+	// decoder pulls only the blocks its own prefix cache does not hold.
 	KVTransferTime time.Duration
+	// DisablePrefixCache turns the prefix cache off (flag --prefix-cache=false):
+	// every prefill computes its whole prompt and nothing is cached.
+	DisablePrefixCache bool
+	// KVEventsEndpoint, when set, publishes KV events in vLLM's format on a
+	// ZMQ PUB socket (kvevents.go): bound when it holds a "*"
+	// (tcp://*:5557), connected otherwise (tcp://host:port).
+	KVEventsEndpoint string
+	// KVEventsReplayEndpoint, when set, binds a ROUTER socket answering
+	// replay requests (tcp://*:5558).
+	KVEventsReplayEndpoint string
+	// KVEventsTopic is the topic frame of every event message; empty, as
+	// vLLM's default, matches every subscriber. llm-d's consumers expect
+	// kv@<pod ip:port>@<model>.
+	KVEventsTopic string
+	// KVEventsFormat is how events are encoded: "array" (default; vLLM's
+	// msgspec array_like, tag first) or "map" (vLLM PR #42892, a "type" key).
+	KVEventsFormat string
+	// DataParallelRank is the rank the event batches carry; rank r publishes
+	// on the endpoints' ports + r, as vLLM's data parallel ranks do.
+	DataParallelRank int
 	// Seed feeds the deterministic token source (with the request id).
 	Seed int64
 	// Clock drives the scheduler, holds and fault delays; nil means the real clock.
@@ -158,6 +184,7 @@ func DefaultConfig() Config {
 		BootstrapPort:       defaultBootstrapPort,
 		WaitingTimeout:      defaultWaitingTimeout,
 		DisconnectDelay:     defaultDisconnectDelay,
+		KVEventsFormat:      KVEventsFormatArray,
 	}
 }
 
@@ -171,14 +198,20 @@ func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.IntVar(&cfg.KVBlocks, "kv-blocks", cfg.KVBlocks, "number of KV cache blocks in the pool")
 	fs.IntVar(&cfg.BlockSize, "block-size", cfg.BlockSize, "tokens per KV block")
 	fs.DurationVar(&cfg.PrefillTime, "prefill-time", cfg.PrefillTime, "fixed time a prefill takes")
-	fs.DurationVar(&cfg.PrefillPerToken, "prefill-per-token", cfg.PrefillPerToken, "extra prefill time per prompt token")
+	fs.DurationVar(&cfg.PrefillPerToken, "prefill-per-token", cfg.PrefillPerToken, "extra prefill time per prompt token not in the prefix cache (a decode with nothing to pull computes its uncached tokens at this cost too)")
 	fs.DurationVar(&cfg.ITL, "itl", cfg.ITL, "inter-token latency while decoding (0: one token per scheduler step)")
 	fs.IntVar(&cfg.MaxRunning, "max-running", cfg.MaxRunning, "requests computing at once; the rest wait in a FIFO queue")
 	fs.DurationVar(&cfg.KVHoldTimeout, "kv-hold-timeout", cfg.KVHoldTimeout, "KV lease: how long a prefiller holds a finished prefill's KV blocks for a decoder's pull before freeing them; each decoder heartbeat renews it to now+lease (vLLM kv_lease_duration; older vLLM held a fixed 480s)")
 	fs.DurationVar(&cfg.KVHeartbeatInterval, "kv-heartbeat-interval", cfg.KVHeartbeatInterval, "how often a decoder renews the KV lease of each do_remote_prefill request it has queued or pulling (POST /kv/heartbeat to the prefiller; 0: no heartbeats)")
 	fs.IntVar(&cfg.MaxModelLen, "max-model-len", cfg.MaxModelLen, "reject prompts longer than this many tokens with a 400, as vLLM's --max-model-len (0: no limit but the pool's size)")
 	fs.DurationVar(&cfg.NIXLHandshakeDelay, "nixl-handshake-delay", cfg.NIXLHandshakeDelay, "how long a decoder's first NIXL handshake with each prefiller takes: its first pull and heartbeats to it wait (0: none)")
-	fs.DurationVar(&cfg.KVTransferTime, "kv-transfer-time", cfg.KVTransferTime, "decoder's pull cost per KV block")
+	fs.DurationVar(&cfg.KVTransferTime, "kv-transfer-time", cfg.KVTransferTime, "decoder's pull cost per KV block it pulls (blocks in its own prefix cache are not pulled)")
+	fs.Var(invertedBool{&cfg.DisablePrefixCache}, "prefix-cache", "prefix caching: reuse the cached leading full blocks of a prompt, keep freed blocks cached until evicted (LRU); --prefix-cache=false computes every prompt whole")
+	fs.StringVar(&cfg.KVEventsEndpoint, "kv-events-endpoint", cfg.KVEventsEndpoint, "publish KV events (BlockStored, BlockRemoved, AllBlocksCleared) in vLLM's ZMQ format on this endpoint: bound when it holds *, e.g. tcp://*:5557, connected otherwise, e.g. tcp://127.0.0.1:5557 (empty: no events)")
+	fs.StringVar(&cfg.KVEventsReplayEndpoint, "kv-events-replay-endpoint", cfg.KVEventsReplayEndpoint, "bind a ZMQ ROUTER here that replays buffered KV event batches from a start sequence number, e.g. tcp://*:5558 (empty: none)")
+	fs.StringVar(&cfg.KVEventsTopic, "kv-events-topic", cfg.KVEventsTopic, "topic frame of the KV event messages (empty, vLLM's default, reaches every subscriber; llm-d expects kv@<ip:port>@<model>)")
+	fs.StringVar(&cfg.KVEventsFormat, "kv-events-format", cfg.KVEventsFormat, "KV event encoding: array (vLLM's array_like structs, tag first) or map (a \"type\" key, vLLM PR #42892)")
+	fs.IntVar(&cfg.DataParallelRank, "data-parallel-rank", cfg.DataParallelRank, "data parallel rank in the KV event batches; the KV event endpoints' ports are offset by it")
 	fs.Int64Var(&cfg.Seed, "seed", cfg.Seed, "seed of the deterministic token source (tokens also depend on the request id)")
 	fs.IntVar(&cfg.FailStatus, "fail-status", cfg.FailStatus, "fault: answer every completion request with this HTTP status (0: off; header X-Sim-Fail-Status)")
 	fs.DurationVar(&cfg.Stall, "stall", cfg.Stall, "fault: delay the first byte of every completion response (header X-Sim-Stall)")
@@ -224,6 +257,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.Clock == nil {
 		c.Clock = realClock{}
+	}
+	if c.KVEventsFormat == "" {
+		c.KVEventsFormat = d.KVEventsFormat
 	}
 	var errs []error
 	switch c.Role {
@@ -273,8 +309,65 @@ func (c Config) withDefaults() (Config, error) {
 	if c.CloseAfter < 0 || c.Stall < 0 || c.SlowWrite < 0 {
 		errs = append(errs, errors.New("fault settings must not be negative"))
 	}
+	switch c.KVEventsFormat {
+	case KVEventsFormatArray, KVEventsFormatMap:
+	default:
+		errs = append(errs, fmt.Errorf("kv events format %q: want array or map", c.KVEventsFormat))
+	}
+	if c.DataParallelRank < 0 {
+		errs = append(errs, fmt.Errorf("data parallel rank %d: must not be negative", c.DataParallelRank))
+	}
+	for _, ep := range []string{c.KVEventsEndpoint, c.KVEventsReplayEndpoint} {
+		if err := checkEndpoint(ep); ep != "" && err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if c.KVEventsReplayEndpoint != "" && c.KVEventsEndpoint == "" {
+		errs = append(errs, errors.New("kv events replay endpoint needs a kv events endpoint"))
+	}
 	if len(errs) > 0 {
 		return c, fmt.Errorf("sim config: %w", errors.Join(errs...))
 	}
 	return c, nil
+}
+
+// invertedBool is a boolean flag that sets the negation of its value, so
+// that --prefix-cache=false sets Config.DisablePrefixCache, whose zero value
+// keeps a Config built by hand caching.
+type invertedBool struct{ p *bool }
+
+func (b invertedBool) String() string {
+	if b.p == nil {
+		return "true"
+	}
+	return strconv.FormatBool(!*b.p)
+}
+
+func (b invertedBool) Set(s string) error {
+	v, err := strconv.ParseBool(s)
+	if err != nil {
+		return err
+	}
+	*b.p = !v
+	return nil
+}
+
+func (b invertedBool) IsBoolFlag() bool { return true }
+
+// checkEndpoint rejects a ZMQ endpoint that cannot be bound or dialled:
+// tcp://host:port (host * binds every interface), ipc://path or inproc://name.
+func checkEndpoint(ep string) error {
+	scheme, addr, ok := strings.Cut(ep, "://")
+	switch {
+	case !ok || addr == "":
+	case scheme == "ipc" || scheme == "inproc":
+		return nil
+	case scheme == "tcp":
+		if _, port, err := net.SplitHostPort(addr); err == nil {
+			if _, err := strconv.ParseUint(port, 10, 16); err == nil || port == "*" {
+				return nil
+			}
+		}
+	}
+	return fmt.Errorf("kv events endpoint %q: want tcp://host:port, ipc://path or inproc://name", ep)
 }

@@ -21,10 +21,33 @@
 // Any model name is accepted and echoed (none: Config.Model), so that tests
 // do not depend on it; /v1/models lists Config.Model.
 //
-// Prompt tokens are counted without a tokenizer: ceil(bytes/4) for a string
-// prompt (at least 1), one per id for a token-id prompt, and for chat the sum
-// of ceil(bytes/4) over the message contents (at least 1). A prompt needing
+// Prompts are tokenized by the sim's own tokenizer (tokenizer.go): real,
+// deterministic ids, stable under extension at word ends; chat rendered
+// through one fixed ChatML template. A prompt given as token ids is used as
+// it is. POST /tokenize answers vLLM's {"count","max_model_len","tokens"}
+// for {"prompt"} or {"messages","add_generation_prompt"}. A prompt needing
 // more blocks than the pool has, or longer than MaxModelLen, is a 400.
+//
+// # Prefix caching and KV events
+//
+// The block pool is also a prefix cache, as vLLM V1's (blocks.go): a
+// prompt's full blocks are cached under chained block hashes once computed
+// (or pulled), a request reuses every leading cached block (short of its
+// last token) and computes only the rest, PrefillTime + PrefillPerToken per
+// uncached token; cached blocks nobody references count as free and are
+// evicted least recently used first. Only prompt blocks are cached: vLLM
+// caches generated tokens' blocks too, but the sim's output words do not
+// tokenize back to the ids it generated, so a next turn could not hit them.
+// A decoder given kv_transfer_params
+// pulls only the remote blocks its own cache lacks, KVTransferTime each,
+// and caches what it pulled. Answers carry
+// usage.prompt_tokens_details.cached_tokens; /debug/kv cached_blocks,
+// prefix_cache_queries_total, prefix_cache_hits_total and
+// kv_blocks_pulled_total; /metrics vllm:prefix_cache_queries_total and
+// vllm:prefix_cache_hits_total. DisablePrefixCache turns it off. With
+// KVEventsEndpoint set, BlockStored, BlockRemoved and AllBlocksCleared are
+// published over ZMQ in vLLM's wire format, with an optional replay socket
+// (kvevents.go). The SGLang protocol shares all of it.
 //
 // A body is rejected in two stages, as vLLM does. Malformed JSON, wrong
 // field types and missing prompts fail first, before vLLM's handler. Bad
@@ -43,7 +66,7 @@
 //
 // A body with kv_transfer_params.do_remote_decode=true is a prefill: it takes
 // ceil(prompt_tokens/block_size) blocks, waits PrefillTime (+PrefillPerToken
-// per prompt token), emits one token, holds its blocks whether it ended
+// per uncached prompt token), emits one token, holds its blocks whether it ended
 // length-capped or on EOS (FINISHED_STOPPED, as vLLM does since 2026), and
 // answers a top-level kv_transfer_params object (do_remote_prefill,
 // remote_block_ids, remote_engine_id, remote_request_id, remote_host and

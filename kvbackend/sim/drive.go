@@ -70,7 +70,7 @@ func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error)
 					e.finishedReceiving(r, nil)
 					continue
 				}
-				err := e.pullKV(ctx, r)
+				err := e.pullKV(ctx, r, o.pullFrom)
 				gone = errors.Is(err, errKVNotHeld)
 				// Once its read began, an SGLang decode that does not finish it
 				// tells the prefiller, which may have seen the pull: a room in
@@ -130,11 +130,14 @@ func (r *request) readsKV() bool {
 	return r.kind == kindDecode && len(r.remote.RemoteBlockIDs) > 0
 }
 
-// pullKV reads the prefiller's blocks: the transfer time, then the pull call
+// pullKV reads the prefiller's blocks from the from'th on (those before
+// are in this engine's prefix cache): the transfer time, then the pull call
 // that verifies the blocks are still held at the end of the read. (The
 // scheduler has waited for the handshake before ordering the pull.)
-func (e *Engine) pullKV(ctx context.Context, r *request) error {
-	cost := time.Duration(len(r.remote.RemoteBlockIDs)) * e.cfg.KVTransferTime
+func (e *Engine) pullKV(ctx context.Context, r *request, from int) error {
+	p := *r.remote
+	p.RemoteBlockIDs = p.RemoteBlockIDs[from:]
+	cost := time.Duration(len(p.RemoteBlockIDs)) * e.cfg.KVTransferTime
 	if err := sleep(ctx, e.clock, cost); err != nil {
 		return err
 	}
@@ -142,10 +145,13 @@ func (e *Engine) pullKV(ctx context.Context, r *request) error {
 		e.log.Warn("kv pull failed: injected fault", zap.String("request_id", r.rid), zap.String("prefiller", r.remote.RemoteEngineID))
 		return errInjectedTransfer
 	}
-	if err := e.transport.pull(ctx, r.remote); err != nil {
+	if err := e.transport.pull(ctx, &p); err != nil {
 		e.log.Warn("kv pull failed", zap.String("request_id", r.rid), zap.String("prefiller", r.remote.RemoteEngineID), zap.Error(err))
 		return err
 	}
+	e.mu.Lock()
+	e.counts.pulledBlocks += len(p.RemoteBlockIDs)
+	e.mu.Unlock()
 	return nil
 }
 

@@ -62,6 +62,11 @@ type request struct {
 	crashes      bool              // the engine dies when it takes this request (vLLM #50792)
 	needBlocks   int
 	hash         uint64
+	// tokens are the prompt's token ids and blockHashes the chained hashes
+	// of its full blocks; both nil when the prompt's tokens are unknown (a
+	// request built by a test from a count) or the prefix cache is off.
+	tokens      []uint32
+	blockHashes []uint64
 	// leg is an SGLang prefill or decode's bootstrap room (and, decode, the
 	// prefiller's bootstrap server); nil for every other request. A decode's
 	// remote is filled in once its room's KV is ready (sglang.go).
@@ -70,9 +75,14 @@ type request struct {
 	transferFail bool
 
 	// scheduler
-	state   reqState
-	blocks  []int
-	readyAt time.Time // prefill end, next token, or (handshaking) the handshake's end
+	state  reqState
+	blocks []int
+	// cachedTokens is how much of the prompt the prefix cache held when the
+	// request was admitted; pullFrom is the first of a decode's remote
+	// blocks it pulls, those before it being in its own cache.
+	cachedTokens int
+	pullFrom     int
+	readyAt      time.Time // prefill end, next token, or (handshaking) the handshake's end
 	// handshaking: a decode admitted before its prefiller's NIXL handshake
 	// is done; the scheduler orders its pull at readyAt.
 	handshaking bool
@@ -116,6 +126,10 @@ type output struct {
 	err      error     // outEnd: an *apiError, or errAborted
 	crashed  bool      // outEnd: the engine died under the request, and tells nobody
 	complete int       // tokens generated when this output was made
+	cached   int       // outToken: prompt tokens the prefix cache held
+	// pullFrom is, on outPull, the first remote block to pull: the decoder's
+	// own cache holds the blocks before it.
+	pullFrom int
 }
 
 func (r *request) push(o output) {
@@ -196,7 +210,9 @@ type Engine struct {
 	// was) done; an absent peer has not been asked for yet.
 	handshakes map[kvPeer]time.Time
 	counts     counters
-	started    bool // Run was called
+	// kv publishes the prefix cache's events; nil without an endpoint.
+	kv      *kvPublisher
+	started bool // Run was called
 
 	// SGLang (sglang.go). rooms: a prefiller's bootstrap rooms by id;
 	// prealloc: a decoder's requests waiting for their room's KV, with what
@@ -219,6 +235,9 @@ type counters struct {
 	crashes        int
 	holds          int
 	remotePrefills int
+	prefixQueries  int // prompt tokens looked up in the prefix cache
+	prefixHits     int // of those, tokens the cache held
+	pulledBlocks   int // blocks a decoder pulled from prefillers
 }
 
 // KVStats is a snapshot of the engine's KV pool and request counters, the
@@ -229,9 +248,22 @@ type KVStats struct {
 	BlocksFree  int `json:"blocks_free"`
 	// BlocksHeld are held by finished prefills for a decoder's pull.
 	BlocksHeld int `json:"blocks_held"`
-	// BlocksInUse belong to waiting-for-pull, prefilling or decoding requests.
-	BlocksInUse  int `json:"blocks_in_use"`
-	HeldRequests int `json:"held_requests"`
+	// BlocksInUse belong to waiting-for-pull, prefilling or decoding
+	// requests. A block shared by several requests (a cached prefix) counts
+	// once; a cached block nobody references counts as free.
+	BlocksInUse int `json:"blocks_in_use"`
+	// CachedBlocks are in the prefix cache: referenced by requests or not.
+	CachedBlocks int `json:"cached_blocks"`
+	// PrefixCacheQueriesTotal counts prompt tokens looked up in the prefix
+	// cache (one lookup per admitted request), and PrefixCacheHitsTotal the
+	// tokens of those found cached, as vllm:prefix_cache_queries_total and
+	// vllm:prefix_cache_hits_total.
+	PrefixCacheQueriesTotal int `json:"prefix_cache_queries_total"`
+	PrefixCacheHitsTotal    int `json:"prefix_cache_hits_total"`
+	// KVBlocksPulledTotal counts the blocks this engine pulled from
+	// prefillers as a decoder: those its own cache lacked.
+	KVBlocksPulledTotal int `json:"kv_blocks_pulled_total"`
+	HeldRequests        int `json:"held_requests"`
 	// RunningRequests hold a running slot and KV blocks: prefilling, pulling
 	// KV (or waiting for the NIXL handshake before the pull) or decoding.
 	// /metrics reports it as vllm:num_requests_running (sglang:num_running_reqs).
@@ -301,12 +333,23 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 		_, _ = rand.Read(b[:]) // never fails (crypto/rand panics instead)
 		id = "sim-" + cfg.Role + "-" + hex.EncodeToString(b[:])
 	}
+	var kv *kvPublisher
+	if cfg.KVEventsEndpoint != "" {
+		// Bound here, as the bootstrap server, so that the address is known
+		// before Run; Run serves and closes it.
+		if kv, err = newKVPublisher(cfg, logger.With(zap.String("engine_id", id))); err != nil {
+			return nil, err
+		}
+	}
 	client := newTransferClient()
 	var boot *bootstrapServer
 	if cfg.Protocol == ProtocolSGLang && cfg.Role == "prefill" {
 		// Bound here, not in Run, so that /server_info reports the port from
 		// the start; Run serves it and closes it.
 		if boot, err = listenBootstrap(cfg.BootstrapHost, cfg.BootstrapPort); err != nil {
+			if kv != nil {
+				kv.close()
+			}
 			return nil, err
 		}
 	}
@@ -317,7 +360,8 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 		clock:  cfg.Clock,
 		client: client,
 		wake:   make(chan struct{}, 1),
-		pool:   newBlockPool(cfg.KVBlocks),
+		pool:   newBlockPool(cfg.KVBlocks, !cfg.DisablePrefixCache),
+		kv:     kv,
 		live:   make(map[string]*request),
 		held:   make(map[string]*request),
 
@@ -344,6 +388,24 @@ func (e *Engine) stopped() bool {
 // ID is the engine id this engine puts in kv_transfer_params.
 func (e *Engine) ID() string { return e.id }
 
+// KVEventsAddr is where the engine publishes KV events: the bound address
+// (tcp://host:port, the port picked when the endpoint's was 0), or the
+// endpoint it connects to; "" without KV events.
+func (e *Engine) KVEventsAddr() string {
+	if e.kv == nil {
+		return ""
+	}
+	return e.kv.addr()
+}
+
+// KVEventsReplayAddr is the bound address of the replay socket, or "".
+func (e *Engine) KVEventsReplayAddr() string {
+	if e.kv == nil {
+		return ""
+	}
+	return e.kv.replayAddr()
+}
+
 // newRequest turns a parsed API request into an engine request.
 func (e *Engine) newRequest(rid string, a *apiRequest) (*request, error) {
 	if e.cfg.MaxModelLen > 0 && a.promptTokens > e.cfg.MaxModelLen {
@@ -365,6 +427,10 @@ func (e *Engine) newRequest(rid string, a *apiRequest) (*request, error) {
 		needBlocks:   need,
 		hash:         ridHash(e.cfg.Seed, rid),
 		ready:        make(chan struct{}, 1),
+	}
+	if len(a.tokens) > 0 && len(a.tokens[0]) == a.promptTokens && !e.cfg.DisablePrefixCache {
+		r.tokens = a.tokens[0]
+		r.blockHashes = blockHashes(r.tokens, e.cfg.BlockSize)
 	}
 	if r.remote != nil && r.remote.RemoteRequestID == "" {
 		// Older vLLM versions name the prefiller's request by the shared X-Request-Id.
@@ -452,6 +518,15 @@ func (e *Engine) Run(ctx context.Context) error {
 		defer stop()
 	}
 	defer e.client.CloseIdleConnections()
+	if e.kv != nil {
+		// Deferred before shutdown, so it runs after it: the loop stops
+		// once the engine's last events are queued, and sends them.
+		kctx, stop := context.WithCancel(context.WithoutCancel(ctx))
+		var wg sync.WaitGroup
+		wg.Go(func() { e.kv.run(kctx) })
+		defer wg.Wait()
+		defer stop()
+	}
 	defer e.shutdown()
 	if e.cfg.KVHeartbeatInterval > 0 {
 		// Deferred after shutdown, so they run before it: the loop stops and

@@ -61,6 +61,9 @@ func (e *Engine) newChildren(rid string, a *apiRequest) ([]child, error) {
 			}
 			one := *a
 			one.promptTokens = tokens
+			if i < len(a.tokens) {
+				one.tokens = a.tokens[i : i+1]
+			}
 			name := childID(rid, i, k)
 			if a.sg != nil && a.sg.rids != nil && a.samples == 1 {
 				name = a.sg.rids[i] // SGLang names each prompt's request

@@ -21,6 +21,7 @@ func TestPrefillThenDecodeOverHTTPStreamsAndFreesAllBlocks(t *testing.T) {
 		prefill   string
 		decode    func(kv string) string
 		wantUsage bool
+		tokens    int // the prompt's, chat template included
 	}{
 		{
 			name:    "completions stream",
@@ -29,6 +30,7 @@ func TestPrefillThenDecodeOverHTTPStreamsAndFreesAllBlocks(t *testing.T) {
 			decode: func(kv string) string {
 				return `{"model":"sim","prompt":"` + prompt + `","max_tokens":8,"ignore_eos":true,"stream":true,"kv_transfer_params":` + kv + `}`
 			},
+			tokens: 40,
 		},
 		{
 			name:    "chat stream with usage",
@@ -38,6 +40,7 @@ func TestPrefillThenDecodeOverHTTPStreamsAndFreesAllBlocks(t *testing.T) {
 				return `{"messages":[{"role":"user","content":"` + prompt + `"}],"max_completion_tokens":8,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true},"kv_transfer_params":` + kv + `}`
 			},
 			wantUsage: true,
+			tokens:    50,
 		},
 	}
 	for _, tt := range tests {
@@ -70,11 +73,12 @@ func TestPrefillThenDecodeOverHTTPStreamsAndFreesAllBlocks(t *testing.T) {
 			if strconv.Itoa(kv.RemotePort) != u.Port() || kv.RemoteHost != "127.0.0.1" || kv.RemoteRequestID != rid || kv.RemoteEngineID != p.e.ID() {
 				t.Errorf("prefill kv_transfer_params = %+v, want P's address %s, request %s, engine %s", kv, u.Host, rid, p.e.ID())
 			}
-			if len(kv.RemoteBlockIDs) != 3 || pr.Usage.PromptTokens != 40 || pr.Usage.CompletionTokens != 1 {
-				t.Errorf("prefill holds %d blocks with usage %+v, want 3 blocks, 40 prompt tokens, 1 completion token", len(kv.RemoteBlockIDs), pr.Usage)
+			blocks := (tt.tokens + 15) / 16
+			if len(kv.RemoteBlockIDs) != blocks || pr.Usage.PromptTokens != tt.tokens || pr.Usage.CompletionTokens != 1 {
+				t.Errorf("prefill holds %d blocks with usage %+v, want %d blocks, %d prompt tokens, 1 completion token", len(kv.RemoteBlockIDs), pr.Usage, blocks, tt.tokens)
 			}
-			if s := p.kv(t); s.BlocksHeld != 3 || s.HeldRequests != 1 {
-				t.Errorf("after prefill P /debug/kv = %+v, want 3 blocks held by 1 request", s)
+			if s := p.kv(t); s.BlocksHeld != blocks || s.HeldRequests != 1 {
+				t.Errorf("after prefill P /debug/kv = %+v, want %d blocks held by 1 request", s, blocks)
 			}
 
 			resp = d.post(t, context.Background(), tt.path, tt.decode(string(pr.KV)), hdr)
@@ -89,7 +93,7 @@ func TestPrefillThenDecodeOverHTTPStreamsAndFreesAllBlocks(t *testing.T) {
 			}
 			if tt.wantUsage {
 				last := events[len(events)-2]
-				if !strings.Contains(last, `"usage":{"prompt_tokens":40,"completion_tokens":8,"total_tokens":48}`) || !strings.Contains(last, `"choices":[]`) {
+				if !strings.Contains(last, `"usage":{"prompt_tokens":50,"completion_tokens":8,"total_tokens":58,"prompt_tokens_details":{"cached_tokens":0}}`) || !strings.Contains(last, `"choices":[]`) {
 					t.Errorf("usage chunk = %s", last)
 				}
 				if !strings.Contains(events[0], `"role":"assistant"`) {
@@ -110,10 +114,13 @@ func TestPrefillThenDecodeOverHTTPStreamsAndFreesAllBlocks(t *testing.T) {
 func TestPlainRequestIsServedAggregated(t *testing.T) {
 	ts := startServer(t, fastConfig())
 	tests := []struct {
-		name, path, body, want string
+		name, path, body, want, usage string
 	}{
-		{"completions non-streaming", "/v1/completions", `{"prompt":"hi","max_tokens":5,"ignore_eos":true}`, `"text":"%s"`},
-		{"chat non-streaming", "/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":5,"ignore_eos":true}`, `"message":{"role":"assistant","content":"%s"}`},
+		{"completions non-streaming", "/v1/completions", `{"prompt":"hi","max_tokens":5,"ignore_eos":true}`, `"text":"%s"`,
+			`"usage":{"prompt_tokens":1,"completion_tokens":5,"total_tokens":6,"prompt_tokens_details":{"cached_tokens":0}}`},
+		// The chat template: <|im_start|> user \n hi <|im_end|> \n <|im_start|> assi stan t \n.
+		{"chat non-streaming", "/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":5,"ignore_eos":true}`, `"message":{"role":"assistant","content":"%s"}`,
+			`"usage":{"prompt_tokens":11,"completion_tokens":5,"total_tokens":16,"prompt_tokens_details":{"cached_tokens":0}}`},
 	}
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -126,7 +133,7 @@ func TestPlainRequestIsServedAggregated(t *testing.T) {
 			for _, want := range []string{
 				fmt.Sprintf(tt.want, expectedText(0, rid, 5)),
 				`"finish_reason":"length"`,
-				`"usage":{"prompt_tokens":1,"completion_tokens":5,"total_tokens":6}`,
+				tt.usage,
 				`"kv_transfer_params":null`,
 				rid + `"`,
 			} {

@@ -31,6 +31,7 @@ func (e *Engine) Handler() http.Handler {
 	mux.HandleFunc("GET /server_info", e.handleServerInfo)
 	mux.HandleFunc("GET /get_server_info", e.handleServerInfo)
 	mux.HandleFunc("GET /v1/models", e.handleModels)
+	mux.HandleFunc("POST /tokenize", e.handleTokenize)
 	mux.HandleFunc("GET /debug/kv", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, e.Stats()) })
 	mux.Handle("GET /metrics", promhttp.HandlerFor(e.registry, promhttp.HandlerOpts{}))
 	return mux
@@ -256,6 +257,7 @@ type responder struct {
 	events  int  // stream: SSE events written
 	text    strings.Builder
 	last    output        // the last token, once finished
+	cached  int           // prompt tokens the prefix cache held (of the first request)
 	extra   []childResult // a prefill's fan-out: the other choices (fanout.go)
 }
 
@@ -264,6 +266,12 @@ type usage struct {
 	PromptTokens     int `json:"prompt_tokens"`
 	CompletionTokens int `json:"completion_tokens"`
 	TotalTokens      int `json:"total_tokens"`
+	// PromptTokensDetails says how much of the prompt the prefix cache held.
+	PromptTokensDetails *promptTokensDetails `json:"prompt_tokens_details,omitempty"`
+}
+
+type promptTokensDetails struct {
+	CachedTokens int `json:"cached_tokens"`
 }
 
 type message struct {
@@ -299,7 +307,11 @@ func (p *responder) usage(completionTokens int) *usage {
 	for _, n := range p.api.prompts {
 		prompt += n
 	}
-	return &usage{PromptTokens: prompt, CompletionTokens: completionTokens, TotalTokens: prompt + completionTokens}
+	u := &usage{PromptTokens: prompt, CompletionTokens: completionTokens, TotalTokens: prompt + completionTokens}
+	if !p.e.cfg.DisablePrefixCache {
+		u.PromptTokensDetails = &promptTokensDetails{CachedTokens: p.cached}
+	}
+	return u
 }
 
 // kvParams is the top-level kv_transfer_params of a prefill that ended in a
@@ -327,6 +339,7 @@ func (p *responder) kvParams(o output) *prefillKVParams {
 }
 
 func (p *responder) emit(o output) error {
+	p.cached = o.cached
 	if !p.api.stream {
 		p.text.WriteString(o.text)
 		p.last = o
@@ -573,6 +586,43 @@ func (e *Engine) handleAbort(w http.ResponseWriter, r *http.Request) {
 	}
 	e.abortRID(req.RID)
 	writeJSON(w, http.StatusOK, struct{}{})
+}
+
+// handleTokenize is vLLM's POST /tokenize: {"model","prompt"} or
+// {"model","messages","add_generation_prompt"} (default true), answered
+// with the tokens the engine counts and caches for that prompt.
+func (e *Engine) handleTokenize(w http.ResponseWriter, r *http.Request) {
+	var req struct {
+		Prompt              json.RawMessage `json:"prompt"`
+		Messages            []wireMessage   `json:"messages"`
+		AddGenerationPrompt *bool           `json:"add_generation_prompt"`
+	}
+	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxBodyBytes)).Decode(&req); err != nil {
+		writeError(w, badRequest("invalid_json", "request body is not a valid JSON object: %v", err))
+		return
+	}
+	var (
+		tokens []uint32
+		err    error
+	)
+	if req.Messages != nil {
+		tokens, err = chatPrompt(req.Messages, req.AddGenerationPrompt == nil || *req.AddGenerationPrompt)
+	} else {
+		var s string
+		if err = json.Unmarshal(req.Prompt, &s); err != nil {
+			err = badRequest("invalid_prompt", "prompt must be a string, or send messages")
+		}
+		tokens = promptTokens(s)
+	}
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, struct {
+		Count       int      `json:"count"`
+		MaxModelLen int      `json:"max_model_len"`
+		Tokens      []uint32 `json:"tokens"`
+	}{len(tokens), e.maxModelLen(), tokens})
 }
 
 func (e *Engine) handleModels(w http.ResponseWriter, _ *http.Request) {

@@ -22,6 +22,8 @@ import (
 //
 //	POST /kv/pull   {"engine_id":"..","request_id":"..","block_ids":[..]}
 //	  200 {"blocks":N}                 the blocks are held for that request: read done
+//	                                   (block_ids: those the decoder's own prefix
+//	                                   cache lacks, possibly none)
 //	  410 {"error":{..,"code":"kv_not_held"}}  no such hold (expired, aborted, freed)
 //	POST /kv/notify {"engine_id":"..","request_id":"..","outcome":".."}
 //	  200 {}                           queued as finished_sending for the next step;
@@ -33,7 +35,7 @@ import (
 // A call naming another engine_id is a 404 (unknown_engine): the prefiller
 // restarted under a new id and holds nothing of the old one.
 //
-// The decoder spends KVTransferTime per block before its pull, so a hold
+// The decoder spends KVTransferTime per block it pulls before its pull, so a hold
 // that expires during the transfer fails the pull: race R4 surfaces as a
 // failed decode, never as a 200 with stale output.
 
@@ -173,8 +175,15 @@ func (e *Engine) checkHeld(engineID, rid string, blocks []int) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	h, ok := e.held[rid]
-	if !ok || !slices.Equal(h.blocks, blocks) {
+	if !ok {
 		return fmt.Errorf("request %q: %w", rid, errKVNotHeld)
+	}
+	// A decoder reads the blocks its own prefix cache lacks: any of the
+	// hold's, none of anyone else's.
+	for _, id := range blocks {
+		if !slices.Contains(h.blocks, id) {
+			return fmt.Errorf("request %q: block %d: %w", rid, id, errKVNotHeld)
+		}
 	}
 	if h.transferFail {
 		return errInjectedTransfer

@@ -168,9 +168,18 @@ type pdPair struct {
 
 func startPDPair(t *testing.T, mutateD func(*Config)) *pdPair {
 	t.Helper()
+	return startPDPairWith(t, nil, mutateD)
+}
+
+// startPDPairWith is startPDPair with both engines' configs changed by mutate first.
+func startPDPairWith(t *testing.T, mutate, mutateD func(*Config)) *pdPair {
+	t.Helper()
 	clock := newFakeClock()
 	pc := fastConfig()
 	pc.Clock, pc.PrefillTime, pc.ITL = clock, 0, 0
+	if mutate != nil {
+		mutate(&pc)
+	}
 	dc := pc
 	dc.ITL = time.Hour
 	if mutateD != nil {

@@ -50,6 +50,14 @@ func kvUsage(s KVStats) float64 {
 	return float64(s.BlocksTotal-s.BlocksFree) / float64(s.BlocksTotal)
 }
 
+// hitRate is the prefix cache's hits over its queries, 0 before any.
+func hitRate(s KVStats) float64 {
+	if s.PrefixCacheQueriesTotal == 0 {
+		return 0
+	}
+	return float64(s.PrefixCacheHitsTotal) / float64(s.PrefixCacheQueriesTotal)
+}
+
 func (e *Engine) metricList() []metric {
 	labels := prometheus.Labels{"model_name": e.cfg.Model}
 	var out []metric
@@ -75,7 +83,22 @@ func (e *Engine) metricList() []metric {
 		// or a proxy test written against vLLM reads the sim unchanged.
 		counter("vllm:nixl_num_kv_expired_reqs_total", "Requests whose KV lease expired before a decoder read them.",
 			func(s KVStats) float64 { return float64(s.ExpiredTotal) })
+		counter("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+			func(s KVStats) float64 { return float64(s.PrefixCacheQueriesTotal) })
+		counter("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+			func(s KVStats) float64 { return float64(s.PrefixCacheHitsTotal) })
 	}
+	if e.cfg.Protocol == ProtocolSGLang {
+		gauge("sglang:cache_hit_rate", "Prefix cache hit rate: prompt tokens found cached over those looked up, 0 to 1.", hitRate)
+	}
+	counter("pdproxy_sim_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+		func(s KVStats) float64 { return float64(s.PrefixCacheQueriesTotal) })
+	counter("pdproxy_sim_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+		func(s KVStats) float64 { return float64(s.PrefixCacheHitsTotal) })
+	gauge("pdproxy_sim_kv_cached_blocks", "KV blocks in the prefix cache, referenced by requests or not.",
+		func(s KVStats) float64 { return float64(s.CachedBlocks) })
+	counter("pdproxy_sim_kv_blocks_pulled_total", "KV blocks a decoder pulled from prefillers (those its own cache lacked).",
+		func(s KVStats) float64 { return float64(s.KVBlocksPulledTotal) })
 	gauge("pdproxy_sim_kv_blocks_held", "KV blocks held by finished prefills for a decoder's pull.",
 		func(s KVStats) float64 { return float64(s.BlocksHeld) })
 	gauge("pdproxy_sim_rooms_waiting", "SGLang decoder: bootstrap rooms its requests wait for.",

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 
@@ -11,29 +12,39 @@ import (
 )
 
 // checkPool verifies the pool against the scheduler's view: every block is
-// free, or owned by exactly the live or held request that lists it.
+// free (holding nothing, or cached and unreferenced), or referenced by
+// exactly the live and held requests that list it.
 func checkPool(e *Engine) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	owned := 0
-	for _, o := range e.pool.owner {
-		if o != 0 {
-			owned++
+	refs := 0
+	for _, r := range e.pool.refs {
+		refs += len(r)
+	}
+	referenced := 0
+	for _, r := range e.pool.refs {
+		if len(r) > 0 {
+			referenced++
 		}
 	}
 	listed := 0
 	for _, group := range []map[string]*request{e.live, e.held} {
 		for _, r := range group {
 			for _, id := range r.blocks {
-				if e.pool.owner[id] != r.seq {
-					return fmt.Errorf("request %s lists block %d owned by %d", r.rid, id, e.pool.owner[id])
+				if !slices.Contains(e.pool.refs[id], r.seq) {
+					return fmt.Errorf("request %s lists block %d referenced by %v", r.rid, id, e.pool.refs[id])
 				}
 			}
 			listed += len(r.blocks)
 		}
 	}
-	if owned != listed || owned+e.pool.available() != e.pool.total() {
-		return fmt.Errorf("owned %d, listed %d, free %d, total %d", owned, listed, e.pool.available(), e.pool.total())
+	if refs != listed || referenced+e.pool.available() != e.pool.total() {
+		return fmt.Errorf("references %d, listed %d, referenced %d, free %d, total %d", refs, listed, referenced, e.pool.available(), e.pool.total())
+	}
+	for h, id := range e.pool.byHash {
+		if !e.pool.cached[id] || e.pool.hashOf[id] != h {
+			return fmt.Errorf("cache maps %x to block %d, which caches %x (cached %v)", h, id, e.pool.hashOf[id], e.pool.cached[id])
+		}
 	}
 	return nil
 }
@@ -54,6 +65,13 @@ func TestRandomInterleavingsKeepThePoolWholeAndFreeEverythingAtTheEnd(t *testing
 			t.Fatal(err)
 		}
 		var reqs []*request
+		bases := make([][]uint32, 3)
+		for i := range bases {
+			bases[i] = make([]uint32, 150)
+			for j := range bases[i] {
+				bases[i][j] = uint32(rng.IntN(4)) // few tokens: texts share prefixes too
+			}
+		}
 		rid := func() string { return fmt.Sprintf("r%d", rng.IntN(12)) } // collisions on purpose
 		pick := func() *request {
 			if len(reqs) == 0 {
@@ -79,7 +97,10 @@ func TestRandomInterleavingsKeepThePoolWholeAndFreeEverythingAtTheEnd(t *testing
 				if kind == kindDecode {
 					kv = &kvTransferParams{DoRemotePrefill: true, RemoteBlockIDs: []int{1}, RemoteHost: "127.0.0.1", RemotePort: 1}
 				}
-				r, err := e.newRequest(rid(), &apiRequest{promptTokens: 1 + rng.IntN(150), maxTokens: 1 + rng.IntN(4), ignoreEOS: rng.IntN(2) == 0, kind: kind, kv: kv})
+				// Prompts are prefixes of a few texts, so that they share
+				// cached blocks, evict each other and hit.
+				toks := bases[rng.IntN(len(bases))][:1+rng.IntN(150)]
+				r, err := e.newRequest(rid(), &apiRequest{promptTokens: len(toks), tokens: [][]uint32{toks}, maxTokens: 1 + rng.IntN(4), ignoreEOS: rng.IntN(2) == 0, kind: kind, kv: kv})
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -1,8 +1,12 @@
 package sim
 
 import (
+	"context"
 	"errors"
+	"net/http"
+	"strings"
 	"testing"
+	"time"
 )
 
 func TestSchedulerAdmitsInFIFOOrderWithinPoolAndRunningLimits(t *testing.T) {
@@ -113,6 +117,42 @@ func TestDuplicateRequestIDs(t *testing.T) {
 			}
 			if s := e.Stats(); s.BlocksFree+s.BlocksInUse+s.BlocksHeld != s.BlocksTotal || s.DoubleFreeAttemptsTotal != 0 {
 				t.Errorf("stats %+v", s)
+			}
+		})
+	}
+}
+
+func TestAWaitingRequestIsAdmittedWhenTheLastRunningOneEndsWithNothingElseArriving(t *testing.T) {
+	tests := []struct {
+		name       string
+		blocks     int
+		maxRunning int
+	}{
+		{"it waited for blocks", 8, 8},
+		{"it waited for a running slot", 64, 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			// A fake clock: the first request's second (last) token comes only when the
+			// test moves the clock, after the second request is queued behind it.
+			clock := newFakeClock()
+			cfg := fastConfig()
+			cfg.Clock, cfg.PrefillTime, cfg.ITL = clock, 0, time.Hour
+			cfg.KVBlocks, cfg.MaxRunning = tt.blocks, tt.maxRunning
+			cfg.DisablePrefixCache = true // two prompts of 5 blocks that share none
+			ts := startServer(t, cfg)
+			body := `{"prompt":"` + strings.Repeat("abcd", 70) + `","max_tokens":2,"ignore_eos":true}` // 70 tokens: 5 blocks
+			first := ts.send(context.Background(), "/v1/completions", body, nil)
+			ts.waitKV(t, "the first runs", func(s KVStats) bool { return s.RunningRequests == 1 })
+			second := ts.send(context.Background(), "/v1/completions", body, nil)
+			ts.waitKV(t, "the second waits", func(s KVStats) bool { return s.WaitingRequests == 1 })
+			clock.Advance(time.Hour) // the first ends; nothing else arrives
+			ts.waitKV(t, "the second is admitted", func(s KVStats) bool { return s.RunningRequests == 1 && s.WaitingRequests == 0 })
+			clock.Advance(time.Hour)
+			for i, ch := range []<-chan answer{first, second} {
+				if a := recvAnswer(t, ch, "an answer"); a.status != http.StatusOK {
+					t.Errorf("request %d: status %d: %s", i, a.status, a.body)
+				}
 			}
 		})
 	}

@@ -7,16 +7,16 @@ import (
 	"hash/fnv"
 	"net/http"
 	"strconv"
+	"strings"
 )
 
 // Limits on what a request may ask for, so that a fuzzed or hostile body
 // cannot make the sim allocate without bound.
 const (
-	maxBodyBytes       = 16 << 20
-	maxTokensLimit     = 1 << 20
-	maxChoices         = 128 // n and best_of, and prompts in one request
-	defaultMaxTokens   = 16
-	bytesPerTokenGuess = 4
+	maxBodyBytes     = 16 << 20
+	maxTokensLimit   = 1 << 20
+	maxChoices       = 128 // n and best_of, and prompts in one request
+	defaultMaxTokens = 16
 )
 
 // kvTransferParams is vLLM's NixlConnector kv_transfer_params object, both
@@ -64,8 +64,9 @@ type apiRequest struct {
 	kv           *kvTransferParams // decode only: where to pull from
 
 	// prompts holds every prompt's token count (promptTokens is the first);
-	// never more than one on a decode.
+	// never more than one on a decode. tokens holds each prompt's token ids.
 	prompts []int
+	tokens  [][]uint32
 	// samples is how many requests run per prompt, max(n, best_of), and n
 	// how many choices per prompt the answer has; both 1 on a decode.
 	samples, n int
@@ -81,6 +82,7 @@ type wireRequest struct {
 	Model               *string         `json:"model"`
 	Prompt              json.RawMessage `json:"prompt"`
 	Messages            []wireMessage   `json:"messages"`
+	AddGenerationPrompt *bool           `json:"add_generation_prompt"`
 	MaxTokens           *int            `json:"max_tokens"`
 	MaxCompletionTokens *int            `json:"max_completion_tokens"`
 	MinTokens           *int            `json:"min_tokens"`
@@ -127,16 +129,16 @@ func parseRequest(body []byte, chat bool) (*apiRequest, error) {
 // the serving layer, which does (vLLM #41269).
 type wireBody struct {
 	wireRequest
-	// prompts holds each prompt's token count; a chat has one prompt.
+	// prompts holds each prompt's token count and tokens its token ids; a
+	// chat has one prompt.
 	prompts []int
+	tokens  [][]uint32
 }
 
-// decodeBody decodes body and checks its shape.
-//
-// Prompt tokens are counted without a tokenizer, deterministically:
-// a string prompt counts ceil(len(bytes)/4) tokens, at least 1; a prompt given
-// as token ids counts one per id; a chat counts ceil(len(bytes)/4) per message
-// content (text parts concatenated), summed, at least 1 in all.
+// decodeBody decodes body and checks its shape. Prompts are tokenized by
+// the sim's tokenizer (tokenizer.go): a string prompt, each string of a
+// list, or a chat rendered through the template (add_generation_prompt,
+// default true); a prompt given as token ids is taken as it is.
 func decodeBody(body []byte, chat bool) (*wireBody, error) {
 	var b wireBody
 	dec := json.NewDecoder(bytes.NewReader(body))
@@ -147,17 +149,20 @@ func decodeBody(body []byte, chat bool) (*wireBody, error) {
 		return nil, badRequest("invalid_json", "request body has trailing data after the JSON object")
 	}
 	if chat {
-		n, err := countChatTokens(b.Messages)
+		t, err := chatPrompt(b.Messages, b.AddGenerationPrompt == nil || *b.AddGenerationPrompt)
 		if err != nil {
 			return nil, err
 		}
-		b.prompts = []int{n}
-		return &b, nil
+		b.tokens = [][]uint32{t}
+	} else {
+		var err error
+		if b.tokens, err = completionPrompts(b.Prompt); err != nil {
+			return nil, err
+		}
 	}
-	var err error
-	b.prompts, err = countPromptTokens(b.Prompt)
-	if err != nil {
-		return nil, err
+	b.prompts = make([]int, len(b.tokens))
+	for i, t := range b.tokens {
+		b.prompts[i] = len(t)
 	}
 	return &b, nil
 }
@@ -166,7 +171,7 @@ func decodeBody(body []byte, chat bool) (*wireBody, error) {
 // does (SamplingParams and the prompt's length).
 func (b *wireBody) validate(chat bool) (*apiRequest, error) {
 	w := &b.wireRequest
-	req := &apiRequest{chat: chat, maxTokens: defaultMaxTokens, promptTokens: b.prompts[0], prompts: b.prompts, n: 1, samples: 1}
+	req := &apiRequest{chat: chat, maxTokens: defaultMaxTokens, promptTokens: b.prompts[0], prompts: b.prompts, tokens: b.tokens, n: 1, samples: 1}
 	if w.Model != nil {
 		req.model = *w.Model
 	}
@@ -270,88 +275,87 @@ func (p *kvTransferParams) heldFor(rid string) *kvTransferParams {
 	return &c
 }
 
-// countPromptTokens counts each prompt of a completions request: a string,
-// a list of strings, a list of token ids or a list of such lists.
-func countPromptTokens(raw json.RawMessage) ([]int, error) {
+// completionPrompts tokenizes each prompt of a completions request: a
+// string, a list of strings, a list of token ids or a list of such lists.
+func completionPrompts(raw json.RawMessage) ([][]uint32, error) {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
 		return nil, badRequest("missing_prompt", "prompt is required")
 	}
 	var s string
 	if json.Unmarshal(raw, &s) == nil {
-		return []int{textTokens(len(s))}, nil
+		return [][]uint32{promptTokens(s)}, nil
 	}
 	var ss []string
 	if json.Unmarshal(raw, &ss) == nil && len(ss) > 0 {
-		out := make([]int, len(ss))
+		out := make([][]uint32, len(ss))
 		for i, p := range ss {
-			out[i] = textTokens(len(p))
+			out[i] = promptTokens(p)
 		}
 		return out, nil
 	}
-	var ids []int
+	var ids []uint32
 	if json.Unmarshal(raw, &ids) == nil && len(ids) > 0 {
-		return []int{len(ids)}, nil
+		return [][]uint32{ids}, nil
 	}
-	var batches [][]int
+	var batches [][]uint32
 	if json.Unmarshal(raw, &batches) == nil && len(batches) > 0 {
-		out := make([]int, len(batches))
 		for i, b := range batches {
 			if len(b) == 0 {
 				return nil, badRequest("invalid_prompt", "prompt[%d]: empty token list", i)
 			}
-			out[i] = len(b)
 		}
-		return out, nil
+		return batches, nil
 	}
 	return nil, badRequest("invalid_prompt", "prompt must be a string, a list of strings, a list of token ids or a list of token id lists, not empty")
 }
 
-func countChatTokens(msgs []wireMessage) (int, error) {
+// chatPrompt renders and tokenizes a chat's messages: at least one token.
+func chatPrompt(msgs []wireMessage, addGenerationPrompt bool) ([]uint32, error) {
 	if len(msgs) == 0 {
-		return 0, badRequest("missing_messages", "messages is required and must not be empty")
+		return nil, badRequest("missing_messages", "messages is required and must not be empty")
 	}
-	total := 0
+	cm := make([]chatMessage, len(msgs))
 	for i, m := range msgs {
 		if m.Role == "" {
-			return 0, badRequest("invalid_messages", "messages[%d]: role is required", i)
+			return nil, badRequest("invalid_messages", "messages[%d]: role is required", i)
 		}
-		n, err := contentBytes(m.Content)
+		text, err := contentText(m.Content)
 		if err != nil {
-			return 0, badRequest("invalid_messages", "messages[%d].content: %v", i, err)
+			return nil, badRequest("invalid_messages", "messages[%d].content: %v", i, err)
 		}
-		total += (n + bytesPerTokenGuess - 1) / bytesPerTokenGuess
+		cm[i] = chatMessage{role: m.Role, content: text}
 	}
-	return max(total, 1), nil
+	t := chatTokens(cm, addGenerationPrompt)
+	if len(t) == 0 {
+		t = append(t, tokenBOS)
+	}
+	return t, nil
 }
 
-// contentBytes measures a message content: a string, null, or a list of parts
-// of which the text ones count.
-func contentBytes(raw json.RawMessage) (int, error) {
+// contentText is a message content's text: a string, null, or a list of
+// parts whose text ones are joined.
+func contentText(raw json.RawMessage) (string, error) {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
-		return 0, nil
+		return "", nil
 	}
 	var s string
 	if json.Unmarshal(raw, &s) == nil {
-		return len(s), nil
+		return s, nil
 	}
 	var parts []struct {
 		Type string `json:"type"`
 		Text string `json:"text"`
 	}
 	if err := json.Unmarshal(raw, &parts); err != nil {
-		return 0, fmt.Errorf("want a string or a list of content parts")
+		return "", fmt.Errorf("want a string or a list of content parts")
 	}
-	n := 0
+	var b strings.Builder
 	for _, p := range parts {
-		n += len(p.Text)
+		b.WriteString(p.Text)
 	}
-	return n, nil
-}
-
-func textTokens(bytes int) int {
-	return max((bytes+bytesPerTokenGuess-1)/bytesPerTokenGuess, 1)
+	return b.String(), nil
 }
 
 // Token source. Token i of a request is the word " tok<k>", k in [0,50000),

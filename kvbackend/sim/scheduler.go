@@ -10,8 +10,9 @@ import (
 
 // step is one scheduler iteration, vLLM style: apply the events that arrived
 // since the last step (adds, aborts, finished-sending and finished-receiving
-// notifications) in arrival order, expire holds, admit waiting requests, then
-// advance every running request by at most one token. It returns the earliest
+// notifications) in arrival order, expire holds, admit waiting requests,
+// advance every running request by at most one token, then admit again into
+// what the requests that ended freed. It returns the earliest
 // time more work is due, ok=false if nothing is scheduled (only events can
 // bring work then).
 func (e *Engine) step(now time.Time) (next time.Time, ok bool) {
@@ -25,7 +26,38 @@ func (e *Engine) step(now time.Time) (next time.Time, ok bool) {
 	e.expire(now)
 	e.schedule(now)
 	e.advance(now)
+	// The requests that ended in advance freed blocks and running slots: the waiting ones
+	// are admitted now, or they would wait for the next event, which may never come.
+	e.schedule(now)
+	e.publishEvents(now)
 	return e.nextDue()
+}
+
+// publishEvents hands the cache's changes of this step to the publisher as
+// one batch, as vLLM publishes one batch per engine step.
+func (e *Engine) publishEvents(now time.Time) {
+	evs := e.pool.takeEvents()
+	if len(evs) > 0 && e.kv != nil {
+		e.kv.publish(now, evs)
+	}
+}
+
+// cachePrompt puts r's computed (or pulled) full prompt blocks in the
+// prefix cache.
+func (e *Engine) cachePrompt(r *request) {
+	if r.blockHashes != nil {
+		e.pool.store(r.blocks, r.blockHashes, r.tokens, e.cfg.BlockSize)
+	}
+}
+
+// lookupHashes are the block hashes a request looks up in the prefix cache:
+// its full blocks short of the last token, which vLLM always computes to get
+// the logits of the first output token.
+func (r *request) lookupHashes(blockSize int) []uint64 {
+	if r.blockHashes == nil {
+		return nil
+	}
+	return r.blockHashes[:min(len(r.blockHashes), (r.promptTokens-1)/blockSize)]
 }
 
 func (e *Engine) apply(ev event, now time.Time) {
@@ -91,6 +123,15 @@ func (e *Engine) apply(ev event, now time.Time) {
 				"kv transfer from the prefiller failed: %v", ev.err)})
 			return
 		}
+		if !r.readsKV() && e.cfg.PrefillPerToken > 0 {
+			// Nothing to pull: the decoder computes the prompt's uncached
+			// tokens itself, and caches them when done (advance).
+			r.state = statePrefilling
+			r.readyAt = now.Add(time.Duration(r.promptTokens-r.cachedTokens) * e.cfg.PrefillPerToken)
+			return
+		}
+		// The pulled blocks join this engine's own cache, with those it had.
+		e.cachePrompt(r)
 		r.state = stateDecoding
 		r.readyAt = now
 	}
@@ -153,6 +194,7 @@ func (e *Engine) crash(cause *request) {
 	}
 	cause.state = stateDone
 	cause.push(dead)
+	e.pool.clear()
 }
 
 // late counts and logs an event that found nothing to act on.
@@ -238,16 +280,24 @@ func (e *Engine) schedule(now time.Time) {
 		if len(e.running) >= e.cfg.MaxRunning {
 			break
 		}
-		blocks, ok := e.pool.alloc(r.needBlocks, r.seq)
+		blocks, hit, ok := e.pool.alloc(r.needBlocks, r.seq, r.lookupHashes(e.cfg.BlockSize))
 		if !ok {
 			break
 		}
 		admitted++
 		r.blocks = blocks
+		if r.blockHashes != nil {
+			r.cachedTokens = hit * e.cfg.BlockSize
+			e.counts.prefixQueries += r.promptTokens
+			e.counts.prefixHits += r.cachedTokens
+		}
 		e.running = append(e.running, r)
 		if r.kind == kindDecode {
 			r.state = statePulling
 			if r.readsKV() {
+				// The blocks this engine's cache holds are not pulled; the
+				// remote blocks line up with the prompt's, one per block.
+				r.pullFrom = min(r.cachedTokens/e.cfg.BlockSize, len(r.remote.RemoteBlockIDs))
 				// The worker handshakes with a new prefiller when it first
 				// needs to read from it, and that takes seconds (vLLM
 				// #46240): the request waits for it, blocks allocated, as
@@ -258,11 +308,11 @@ func (e *Engine) schedule(now time.Time) {
 					continue
 				}
 			}
-			r.push(output{kind: outPull})
+			r.push(output{kind: outPull, pullFrom: r.pullFrom})
 			continue
 		}
 		r.state = statePrefilling
-		r.readyAt = now.Add(e.cfg.PrefillTime + time.Duration(r.promptTokens)*e.cfg.PrefillPerToken)
+		r.readyAt = now.Add(e.cfg.PrefillTime + time.Duration(r.promptTokens-r.cachedTokens)*e.cfg.PrefillPerToken)
 	}
 	e.waiting = e.waiting[admitted:]
 }
@@ -273,11 +323,14 @@ func (e *Engine) advance(now time.Time) {
 	for _, r := range e.running {
 		if r.handshaking && r.state == statePulling && !now.Before(r.readyAt) {
 			r.handshaking = false
-			r.push(output{kind: outPull})
+			r.push(output{kind: outPull, pullFrom: r.pullFrom})
 			continue
 		}
 		if (r.state != statePrefilling && r.state != stateDecoding) || now.Before(r.readyAt) {
 			continue
+		}
+		if r.state == statePrefilling {
+			e.cachePrompt(r) // its prompt is computed
 		}
 		r.state = stateDecoding
 		e.emit(r, now)
@@ -288,7 +341,7 @@ func (e *Engine) advance(now time.Time) {
 func (e *Engine) emit(r *request, now time.Time) {
 	i := r.generated
 	r.generated++
-	o := output{kind: outToken, index: i, complete: r.generated}
+	o := output{kind: outToken, index: i, complete: r.generated, cached: r.cachedTokens}
 	eos := !r.ignoreEOS && i >= r.minTokens && tokenIsEOS(r.hash, i)
 	switch {
 	case eos:
@@ -381,6 +434,7 @@ func (e *Engine) shutdown() {
 	}
 	e.waiting, e.running = nil, nil
 	e.holdDue = time.Time{}
+	e.publishEvents(e.clock.Now())
 }
 
 // Stats returns a snapshot of the KV pool and counters (GET /debug/kv).
@@ -390,6 +444,10 @@ func (e *Engine) Stats() KVStats {
 	s := KVStats{
 		BlocksTotal:                e.pool.total(),
 		BlocksFree:                 e.pool.available(),
+		CachedBlocks:               e.pool.cachedBlocks(),
+		PrefixCacheQueriesTotal:    e.counts.prefixQueries,
+		PrefixCacheHitsTotal:       e.counts.prefixHits,
+		KVBlocksPulledTotal:        e.counts.pulledBlocks,
 		HeldRequests:               len(e.held),
 		RequestsTotal:              e.counts.requests,
 		AbortedTotal:               e.counts.aborted,
@@ -402,15 +460,22 @@ func (e *Engine) Stats() KVStats {
 		HoldsTotal:                 e.counts.holds,
 		RemotePrefillRequestsTotal: e.counts.remotePrefills,
 	}
+	// Blocks are shared where prompts share a cached prefix: each counts
+	// once, as held if a hold references it, so that free + in use + held
+	// is the pool.
+	held := make(map[int]struct{})
 	for _, h := range e.held {
-		s.BlocksHeld += len(h.blocks)
+		for _, id := range h.blocks {
+			held[id] = struct{}{}
+		}
 		if h.room != nil && !h.room.transferring {
 			s.RoomsHeld++
 		}
 	}
+	s.BlocksHeld = len(held)
+	s.BlocksInUse = s.BlocksTotal - s.BlocksFree - s.BlocksHeld
 	s.RoomsWaiting = len(e.prealloc)
 	for _, r := range e.live {
-		s.BlocksInUse += len(r.blocks)
 		if r.state == stateWaiting {
 			s.WaitingRequests++
 		} else {

@@ -155,7 +155,9 @@ func checkStats(t *testing.T, name string, got KVStats, want KVStats) {
 		t.Errorf("%s: free %d + in use %d + held %d != total %d", name, got.BlocksFree, got.BlocksInUse, got.BlocksHeld, got.BlocksTotal)
 	}
 	want.BlocksTotal = got.BlocksTotal
-	// Counters of arrivals and holds have tests of their own (counters_test.go).
+	// Counters of arrivals, holds and pulled blocks have tests of their own
+	// (counters_test.go, prefix_test.go).
+	want.KVBlocksPulledTotal = got.KVBlocksPulledTotal
 	want.RequestsTotal = got.RequestsTotal
 	want.HoldsTotal = got.HoldsTotal
 	want.RemotePrefillRequestsTotal = got.RemotePrefillRequestsTotal
