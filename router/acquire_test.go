@@ -292,7 +292,7 @@ func TestClientTransportIsTunedPerBackend(t *testing.T) {
 					t.Errorf("%s: transport = idle/host %d, conns/host %d, h2 %v", tc.client, tr.MaxIdleConnsPerHost, tr.MaxConnsPerHost, tr.ForceAttemptHTTP2)
 				}
 			case *h1client.Transport:
-				if o := tr.Options(); tc.client != EngineClientLean || o.MaxIdlePerHost != 32 || o.IdleTimeout != 90*time.Second || o.DialTimeout != 3*time.Second {
+				if o := tr.Options(); tc.client != EngineClientLean || o.MaxIdlePerHost != 32 || o.IdleTimeout != 90*time.Second || o.DialTimeout != 3*time.Second || o.MaxResponseHeaderBytes != h1client.DefaultMaxResponseHeaderBytes {
 					t.Errorf("%s: lean transport options %+v", tc.client, o)
 				}
 			default:

@@ -239,6 +239,9 @@ func newClient(o clientOptions) *http.Client {
 			MaxIdlePerHost:      max(o.maxInflight, 1),
 			TLS:                 tlsConf,
 			TLSHandshakeTimeout: tr.TLSHandshakeTimeout,
+			// The head limit net/http's transport applies (its default, 10 MiB): an engine's
+			// answer that one client takes the other takes too.
+			MaxResponseHeaderBytes: tr.MaxResponseHeaderBytes,
 		})
 		var rt http.RoundTripper = lt
 		if o.apiKey != "" {
