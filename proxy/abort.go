@@ -96,7 +96,7 @@ func (x *exchange) gone() *apiError {
 		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
 		if hold != nil {
 			// Paired legs: the room is held until both are aborted, the decoder's first.
-			x.s.abortLegs(x.handOff(), x.legRIDs, x.prefillB, x.decodeB, hold)
+			x.s.abortLegs(x.handOff(), x.legRIDs, x.prefillB, x.decodeB, hold, x.cutLegs)
 		} else if b := x.prefillB; b != nil && canAbort(b) {
 			// The engine may have finished its last step before the connection closed and
 			// now hold KV nobody will pull (race R1): its explicit abort frees that too.
@@ -143,7 +143,7 @@ func (x *exchange) fail(res router.Result) {
 	act, hold := x.s.table.Fail(x.id)
 	switch {
 	case x.paired && act == lifecycle.ReleaseKV:
-		x.s.abortLegs(c, x.legRIDs, x.prefillB, x.decodeB, hold)
+		x.s.abortLegs(c, x.legRIDs, x.prefillB, x.decodeB, hold, x.cutLegs)
 	case x.paired:
 		x.s.abortDecodeLeg(c.span, x.legRIDs, x.decodeB)
 		c.end(x.s)
@@ -203,8 +203,22 @@ func canAbort(b *router.Backend) bool {
 // released as aborted once the prefiller's abort succeeded. Both are repeated a moment later,
 // as in abortOnEngine, in case an abort overtook its leg. abortLegs takes the request's
 // custody and ends it once the hold is released.
-func (s *Server) abortLegs(c *custody, rids []string, p, d *router.Backend, hold *lifecycle.Hold) {
+//
+// Engines without an explicit abort (vLLM's MooncakeConnector) are aborted by closing the
+// legs' connections, the decoder's first (cut): a prefill cut before it ended holds nothing;
+// one that had ended holds the KV until its engine's timer, as nothing else frees it.
+func (s *Server) abortLegs(c *custody, rids []string, p, d *router.Backend, hold *lifecycle.Hold, cut func() bool) {
 	c.giveBackLease(c.res)
+	if !canAbort(d) || !canAbort(p) {
+		prefilled := cut != nil && cut()
+		if prefilled {
+			hold.Release(lifecycle.ReleaseExpired)
+		} else {
+			hold.Release(lifecycle.ReleaseAborted)
+		}
+		c.end(s)
+		return
+	}
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
@@ -623,7 +637,7 @@ func (s *Server) drain(r release) bool {
 	traced := httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
 		WroteRequest: func(i httptrace.WroteRequestInfo) { delivered.Store(i.Err == nil) },
 	})
-	call := backendCall(b, path, r.c.engineID, nil, body)
+	call := withHeader(backendCall(b, path, r.c.engineID, nil, body), nil, lease)
 	err = s.guard(r.c.id, func() error {
 		resp, err := call.Do(traced)
 		if err == nil {

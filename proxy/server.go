@@ -233,9 +233,9 @@ type Server struct {
 	bg sync.WaitGroup
 
 	models modelCache
-	// bootstrap caches paired prefillers' bootstrap ports by URL; discover makes concurrent
-	// first requests share one discovery.
-	bootstrap sync.Map
+	// bootstraps caches what paired prefillers' bootstrap servers said, by URL; discover
+	// makes concurrent first requests share one discovery.
+	bootstraps sync.Map
 	discover  singleflight.Group
 	// keys are the client API keys; nil means none are required.
 	keys *keyring

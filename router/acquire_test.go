@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"reflect"
 	"slices"
 	"testing"
 	"time"
@@ -218,7 +219,7 @@ func TestBackendsReportsStatus(t *testing.T) {
 		t.Fatalf("Backends() = %+v", got)
 	}
 	for i := range want {
-		if got[i] != want[i] {
+		if !reflect.DeepEqual(got[i], want[i]) {
 			t.Errorf("Backends()[%d] = %+v, want %+v", i, got[i], want[i])
 		}
 	}
