@@ -89,6 +89,7 @@ func (x *exchange) gone() *apiError {
 	if at := x.goneAt.Load(); at != 0 {
 		seen = time.Unix(0, at)
 	}
+	x.s.aborts.add(x.abortRecord(stage, act, seen))
 	switch act {
 	case lifecycle.CancelPrefill:
 		// The call's context is already cancelled, which closed the prefiller's connection.
