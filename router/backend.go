@@ -57,8 +57,9 @@ type Backend struct {
 type backendState struct {
 	inflight atomic.Int64
 	// ranks counts the leases in flight on each data-parallel rank; nil for an engine of
-	// one rank. A lease keeps a pointer to its own rank's counter.
-	ranks []atomic.Int64
+	// one rank. A lease keeps a pointer to its own rank's counter; a reload that changes the
+	// size swaps in new counters.
+	ranks atomic.Pointer[[]atomic.Int64]
 	// up is the active health verdict; backends start up so the proxy serves before
 	// the first check round completes.
 	up atomic.Bool
@@ -95,12 +96,15 @@ func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendSta
 		st = &backendState{}
 		st.up.Store(true)
 	}
-	if n := c.DataParallelSize; n > 1 && len(st.ranks) != n {
-		// A reload that changes the size starts the ranks' counts afresh; leases in flight
-		// keep counting on the counters they took.
-		st.ranks = make([]atomic.Int64, n)
-	} else if n <= 1 {
-		st.ranks = nil
+	if n := c.DataParallelSize; n > 1 {
+		if cur := st.ranks.Load(); cur == nil || len(*cur) != n {
+			// A reload that changes the size starts the ranks' counts afresh; leases in
+			// flight keep counting on the counters they took.
+			ranks := make([]atomic.Int64, n)
+			st.ranks.Store(&ranks)
+		}
+	} else {
+		st.ranks.Store(nil)
 	}
 	if client == nil {
 		client = newClient(clientOptions{maxInflight: c.MaxInflight})

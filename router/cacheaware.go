@@ -107,14 +107,18 @@ func (p *CacheAware) Select(cands []*Backend, h Hint) *Backend {
 		p.picked(b, h, shares[best])
 		return b
 	}
-	b := p.fallback.Select(cands, h)
-	share := 0.0
-	for i, c := range cands {
-		if c == b {
-			share = shares[i]
+	// No engine holds enough of it: the one holding the least text, as SGLang's router picks
+	// the smallest tree, so that new prefixes spread over the pool instead of piling, at low
+	// load, onto whichever engine the in-flight counts tie on; ties go to the fewest in flight.
+	pick, least := 0, p.tree.EngineBytes(cands[0].Name)
+	for i := 1; i < len(cands); i++ {
+		n := p.tree.EngineBytes(cands[i].Name)
+		if n < least || n == least && cands[i].Inflight() < cands[pick].Inflight() {
+			pick, least = i, n
 		}
 	}
-	p.picked(b, h, share)
+	b := cands[pick]
+	p.picked(b, h, shares[pick])
 	return b
 }
 

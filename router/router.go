@@ -379,12 +379,14 @@ type RankStatus struct {
 }
 
 func (b *Backend) rankStatus() []RankStatus {
-	if len(b.st.ranks) < 2 {
+	rp := b.st.ranks.Load()
+	if rp == nil || len(*rp) < 2 {
 		return nil
 	}
-	out := make([]RankStatus, len(b.st.ranks))
-	for i := range b.st.ranks {
-		out[i] = RankStatus{Rank: i, Inflight: b.st.ranks[i].Load()}
+	ranks := *rp
+	out := make([]RankStatus, len(ranks))
+	for i := range ranks {
+		out[i] = RankStatus{Rank: i, Inflight: ranks[i].Load()}
 	}
 	return out
 }
@@ -632,7 +634,8 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool) {
 func (p *pool) leaseLocked(b *Backend) *Lease {
 	b.st.inflight.Add(1)
 	l := &Lease{b: b, p: p, rank: -1}
-	if ranks := b.st.ranks; len(ranks) > 1 {
+	if rp := b.st.ranks.Load(); rp != nil && len(*rp) > 1 {
+		ranks := *rp
 		// The rank with the fewest in flight; ties go to the lowest.
 		best := 0
 		for i := range ranks {
