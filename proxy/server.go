@@ -236,7 +236,7 @@ type Server struct {
 	// bootstraps caches what paired prefillers' bootstrap servers said, by URL; discover
 	// makes concurrent first requests share one discovery.
 	bootstraps sync.Map
-	discover  singleflight.Group
+	discover   singleflight.Group
 	// keys are the client API keys; nil means none are required.
 	keys *keyring
 	// sidecar is llm-d's sidecar slot (prefiller_header); nil when it is off.
