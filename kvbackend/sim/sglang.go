@@ -573,6 +573,9 @@ func (b *bootstrapServer) serve(log *zap.Logger) (stop func()) {
 }
 
 func (e *Engine) bootstrapHandler() http.Handler {
+	if e.mooncake() {
+		return e.mooncakeBootstrapHandler()
+	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /bootstrap/claim", e.handleClaim)
 	mux.HandleFunc("POST /kv/pull", e.handlePull)
