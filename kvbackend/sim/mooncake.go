@@ -366,4 +366,3 @@ func (t *httpTransport) claimTransfer(ctx context.Context, leg *mooncakeLeg) (*c
 	}
 	return &out, nil
 }
-
