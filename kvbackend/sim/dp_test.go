@@ -111,3 +111,31 @@ func completionKV(t *testing.T, body string) map[string]any {
 	}
 	return c.KV
 }
+
+// An SGLang room belongs to rank room % size, as SGLang's decoder picks its prefiller's
+// rank: its prefill leg is served there, and elsewhere refused with a 400 naming the rank.
+func TestDataParallelSGLangRoomIsServedOnRankRoomModSize(t *testing.T) {
+	pcfg := sglangConfig("prefill")
+	pcfg.DataParallelSize = 2
+	pr := startPair(t, pcfg, sglangConfig("decode"))
+	prompt := strings.Repeat("abcd ", 40)
+	body := pr.leg(t, `{"prompt":"`+prompt+`","max_tokens":4,"ignore_eos":true}`, "sg-dp", 7, 1)
+
+	wrong := recvAnswer(t, pr.p.send(context.Background(), "/v1/completions", body, map[string]string{HeaderDataParallelRank: "0"}), "prefill leg on rank 0")
+	if wrong.status != http.StatusBadRequest || !strings.Contains(wrong.body, "rank 1") {
+		t.Fatalf("room 7 on rank 0 answered %d %s, want a 400 naming rank 1", wrong.status, wrong.body)
+	}
+	pLeg := pr.p.send(context.Background(), "/v1/completions", body, map[string]string{HeaderDataParallelRank: "1"})
+	dLeg := pr.d.send(context.Background(), "/v1/completions", body, nil)
+	d, p := recvAnswer(t, dLeg, "decode leg"), recvAnswer(t, pLeg, "prefill leg")
+	if p.status != http.StatusOK {
+		t.Fatalf("prefill leg answered %d %s", p.status, p.body)
+	}
+	if got, want := decodedText(t, d, false), expectedText(0, "sg-dp", 4); got != want {
+		t.Errorf("decode text = %q, want %q", got, want)
+	}
+	s := pr.p.waitKV(t, "the prefiller frees the room", sglangDone)
+	if s.Ranks[1].HoldsTotal != 1 || s.Ranks[0].HoldsTotal != 0 {
+		t.Errorf("prefiller /debug/kv = %+v, want the room held on rank 1", s)
+	}
+}
