@@ -153,6 +153,12 @@ type Config struct {
 	// later and a non-streaming request when it next polls. DefaultConfig
 	// sets 2s; zero aborts at once. (vLLM aborts at once, whatever this is.)
 	DisconnectDelay time.Duration
+	// KVLoadFailurePolicy is what a Mooncake decoder does when the prefiller
+	// cannot give its transfer's KV (unknown past WaitingTimeout, expired,
+	// aborted, pulled already): "fail" (default, vLLM's
+	// kv_load_failure_policy default) answers a 500 kv_transfer_failed,
+	// "recompute" computes the prompt itself and answers 200.
+	KVLoadFailurePolicy string
 	// AdminAPIKey, when set, makes POST /abort_request answer 401 unless it
 	// carries Authorization: Bearer <AdminAPIKey> (SGLang's --admin-api-key).
 	AdminAPIKey string
@@ -179,6 +185,11 @@ const (
 	// prefiller's hold of KV no decoder pulled.
 	defaultMooncakeHold = 480 * time.Second
 
+	// KVLoadFailureFail and KVLoadFailureRecompute are the values of
+	// Config.KVLoadFailurePolicy.
+	KVLoadFailureFail      = "fail"
+	KVLoadFailureRecompute = "recompute"
+
 	defaultBootstrapPort   = 8998 // SGLang's --disaggregation-bootstrap-port
 	defaultWaitingTimeout  = 300 * time.Second
 	defaultDisconnectDelay = 2 * time.Second
@@ -201,6 +212,7 @@ func DefaultConfig() Config {
 		WaitingTimeout:      defaultWaitingTimeout,
 		DisconnectDelay:     defaultDisconnectDelay,
 		KVEventsFormat:      KVEventsFormatArray,
+		KVLoadFailurePolicy: KVLoadFailureFail,
 	}
 }
 
@@ -239,6 +251,7 @@ func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.DurationVar(&cfg.BootstrapTimeout, "bootstrap-timeout", cfg.BootstrapTimeout, "sglang prefiller: free a room no decoder asked for within this long of the prefill's arrival and fail its leg with a 500 (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT; 0: hold it until aborted, as with NIXL)")
 	fs.DurationVar(&cfg.WaitingTimeout, "waiting-timeout", cfg.WaitingTimeout, "sglang decoder: how long a request waits for its room's KV before failing with a 500 (SGLANG_DISAGGREGATION_WAITING_TIMEOUT); mooncake decoder: how long it waits for its transfer's prefill before computing the prompt itself")
 	fs.DurationVar(&cfg.DisconnectDelay, "disconnect-delay", cfg.DisconnectDelay, "sglang: how long after its client disconnects a request is aborted (SGLang notices about 2s later; 0: at once)")
+	fs.StringVar(&cfg.KVLoadFailurePolicy, "kv-load-failure-policy", cfg.KVLoadFailurePolicy, `mooncake decoder, when the prefiller cannot give the transfer's KV (unknown past --waiting-timeout, expired, aborted, pulled already): "fail" answers a 500 kv_transfer_failed (vLLM's default kv_load_failure_policy), "recompute" computes the prompt itself`)
 	fs.StringVar(&cfg.AdminAPIKey, "admin-api-key", cfg.AdminAPIKey, "when set, POST /abort_request needs Authorization: Bearer <key> (401 otherwise), as SGLang's --admin-api-key")
 }
 
@@ -274,6 +287,9 @@ func (c Config) withDefaults() (Config, error) {
 		if c.Protocol == ProtocolMooncake {
 			c.KVHoldTimeout = defaultMooncakeHold
 		}
+	}
+	if c.KVLoadFailurePolicy == "" {
+		c.KVLoadFailurePolicy = d.KVLoadFailurePolicy
 	}
 	if c.DataParallelSize == 0 {
 		c.DataParallelSize = 1
@@ -336,6 +352,9 @@ func (c Config) withDefaults() (Config, error) {
 	case KVEventsFormatArray, KVEventsFormatMap:
 	default:
 		errs = append(errs, fmt.Errorf("kv events format %q: want array or map", c.KVEventsFormat))
+	}
+	if c.KVLoadFailurePolicy != KVLoadFailureFail && c.KVLoadFailurePolicy != KVLoadFailureRecompute {
+		errs = append(errs, fmt.Errorf("kv load failure policy %q: want fail or recompute", c.KVLoadFailurePolicy))
 	}
 	if c.DataParallelSize < 0 || c.DataParallelSize > 64 {
 		errs = append(errs, fmt.Errorf("data parallel size %d: want 1 to 64", c.DataParallelSize))

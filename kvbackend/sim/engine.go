@@ -260,7 +260,7 @@ type counters struct {
 	prefixQueries  int // prompt tokens looked up in the prefix cache
 	prefixHits     int // of those, tokens the cache held
 	pulledBlocks   int // blocks a decoder pulled from prefillers
-	pullFallbacks  int // Mooncake decodes that computed their prompt, the transfer unavailable
+	loadFailures   int // Mooncake decodes whose transfer the prefiller could not give
 }
 
 // KVStats is a snapshot of the engine's KV pool and request counters, the
@@ -342,11 +342,12 @@ type KVStats struct {
 	// TransfersWaiting counts, on a Mooncake decoder, the decodes waiting
 	// for their transfer's prefill on the prefiller (mooncake.go).
 	TransfersWaiting int `json:"transfers_waiting"`
-	// KVPullFallbacksTotal counts, on a Mooncake decoder, the decodes whose
+	// KVLoadFailuresTotal counts, on a Mooncake decoder, the decodes whose
 	// transfer the prefiller did not have (unknown, expired, aborted, pulled
-	// already) or that waited past WaitingTimeout: each computed its prompt
-	// itself, as vLLM recomputes a failed KV load.
-	KVPullFallbacksTotal int `json:"kv_pull_fallbacks_total"`
+	// already) or that waited past WaitingTimeout: each failed with a 500
+	// kv_transfer_failed or, with KVLoadFailurePolicy "recompute", computed
+	// its prompt itself.
+	KVLoadFailuresTotal int `json:"kv_load_failures_total"`
 	// Ranks are the data parallel ranks' own numbers, one per rank (one
 	// without data parallelism); the fields above are their sums.
 	Ranks []RankStats `json:"ranks"`

@@ -37,10 +37,13 @@ import (
 // (TransfersWaiting; up to WaitingTimeout), then queues for its own blocks, pulls those
 // its prefix cache lacks (KVTransferTime each), notifies and decodes as a vLLM decode. A
 // decode whose transfer the prefiller cannot give (unknown past the waiting timeout,
-// expired, aborted, pulled already, another engine id, bootstrap server unreachable)
-// computes the prompt itself: logged, KVPullFallbacksTotal. vLLM does the same with its
-// default kv_load_failure_policy "recompute"; a failed load is then invisible to the
-// client. A decode leg cut while it waits withdraws its ask: the prefiller's hold stays
+// expired, aborted, pulled already, another engine id, bootstrap server unreachable) is
+// logged and counted (KVLoadFailuresTotal) and then, as vLLM's kv_load_failure_policy
+// says (Config.KVLoadFailurePolicy), fails with a 500 kv_transfer_failed ("fail", vLLM's
+// default: config/kv_transfer.py) or computes the prompt itself ("recompute"; the client
+// then sees a normal, slower answer). A prefiller remembers a transfer that ended for
+// KVHoldTimeout, so a claim for it fails at once; one it never heard of waits the
+// WaitingTimeout, the prefill leg being possibly still on its way. A decode leg cut while it waits withdraws its ask: the prefiller's hold stays
 // until its timeout, as vLLM's does. Once a decode has the transfer it is a vLLM decode:
 // ending before its pull still notifies the prefiller, and a pull of blocks no longer held
 // fails with a 500 kv_transfer_failed.
@@ -280,10 +283,21 @@ func (e *Engine) awaitTransfer(ctx context.Context, r *request) error {
 		r.remote = &kvTransferParams{DoRemotePrefill: true, RemoteBlockIDs: ans.BlockIDs, RemoteEngineID: ans.EngineID,
 			RemoteRequestID: ans.RequestID, RemoteHost: r.mc.host, RemotePort: r.mc.port, TPSize: 1}
 	} else {
-		e.counts.pullFallbacks++
-		e.log.Warn("mooncake transfer not available, decoder computes the prompt itself",
+		e.counts.loadFailures++
+		recompute := e.cfg.KVLoadFailurePolicy == KVLoadFailureRecompute
+		e.log.Warn("mooncake transfer not available from the prefiller",
 			zap.String("request_id", r.rid), zap.String("transfer_id", r.mc.transferID),
-			zap.String("bootstrap", net.JoinHostPort(r.mc.host, strconv.Itoa(r.mc.port))), zap.Error(err))
+			zap.String("bootstrap", net.JoinHostPort(r.mc.host, strconv.Itoa(r.mc.port))),
+			zap.Bool("recompute", recompute), zap.Error(err))
+		if !recompute {
+			e.mu.Unlock()
+			if errors.Is(err, errWaitingTimeout) {
+				return statusError(http.StatusInternalServerError, "kv_transfer_failed",
+					"no prefill for transfer_id %q came within the waiting timeout (%s)", r.mc.transferID, e.cfg.WaitingTimeout)
+			}
+			return statusError(http.StatusInternalServerError, "kv_transfer_failed",
+				"the prefiller has no KV for transfer_id %q (unknown, expired, aborted or pulled already)", r.mc.transferID)
+		}
 	}
 	err = e.enqueueLocked(event{kind: evAdd, req: r})
 	e.mu.Unlock()

@@ -136,7 +136,7 @@ func TestMooncakePairServesCompletionsAndChatAndThePrefillerEndsHoldingNothing(t
 				t.Errorf("prefiller /debug/kv = %+v, want one hold, freed by the pull", ps)
 			}
 			ds := pr.d.waitKV(t, "decoder done", allFree)
-			if ds.KVBlocksPulledTotal == 0 || ds.KVPullFallbacksTotal != 0 || ds.RemotePrefillRequestsTotal != 1 {
+			if ds.KVBlocksPulledTotal == 0 || ds.KVLoadFailuresTotal != 0 || ds.RemotePrefillRequestsTotal != 1 {
 				t.Errorf("decoder /debug/kv = %+v, want blocks pulled, no fallback", ds)
 			}
 		})
@@ -158,7 +158,7 @@ func TestMooncakeDecodeArrivingBeforeItsPrefillWaitsThenPulls(t *testing.T) {
 		t.Errorf("decode text = %q, want %q", got, want)
 	}
 	pr.p.waitKV(t, "prefiller frees its hold after the pull", allFree)
-	if ds := pr.d.waitKV(t, "decoder done", allFree); ds.KVBlocksPulledTotal == 0 || ds.KVPullFallbacksTotal != 0 || ds.TransfersWaiting != 0 {
+	if ds := pr.d.waitKV(t, "decoder done", allFree); ds.KVBlocksPulledTotal == 0 || ds.KVLoadFailuresTotal != 0 || ds.TransfersWaiting != 0 {
 		t.Errorf("decoder /debug/kv = %+v, want blocks pulled after the wait", ds)
 	}
 }
@@ -221,14 +221,7 @@ func TestMooncakeHolds(t *testing.T) {
 			if s.Ranks[0].ExpiredTotal != 1 {
 				t.Errorf("prefiller /debug/kv = %+v, want rank 0 to count the expiry", s)
 			}
-			// A decode for the expired transfer computes the prompt itself.
-			a := recvAnswer(t, pr.d.send(context.Background(), "/v1/completions", pr.decodeLeg(t, body, "xfer-h", 0), map[string]string{"X-Request-Id": "late"}), "late decode")
-			if got, want := decodedText(t, a, false), expectedText(0, "late", 2); got != want {
-				t.Errorf("late decode text = %q, want %q", got, want)
-			}
-			if ds := pr.d.waitKV(t, "decoder done", allFree); ds.KVPullFallbacksTotal != 1 || ds.KVBlocksPulledTotal != 0 {
-				t.Errorf("decoder /debug/kv = %+v, want one fallback and nothing pulled", ds)
-			}
+			pr.checkUnavailable(t, body, "xfer-h")
 		})
 	}
 }
@@ -249,14 +242,8 @@ func TestMooncakePrefillLegCutBeforeItsPrefillHoldsNothing(t *testing.T) {
 	if s.HoldsTotal != 0 || s.BlocksHeld != 0 {
 		t.Errorf("prefiller /debug/kv = %+v, want nothing held", s)
 	}
-	// Its decode learns at once that there is nothing to pull, and computes the prompt.
-	a := recvAnswer(t, pr.d.send(context.Background(), "/v1/completions", pr.decodeLeg(t, body, "xfer-cut", 0), map[string]string{"X-Request-Id": "r"}), "decode")
-	if got, want := decodedText(t, a, false), expectedText(0, "r", 2); got != want {
-		t.Errorf("decode text = %q, want %q", got, want)
-	}
-	if ds := pr.d.waitKV(t, "decoder done", allFree); ds.KVPullFallbacksTotal != 1 {
-		t.Errorf("decoder /debug/kv = %+v, want one fallback", ds)
-	}
+	// Its decode learns at once that there is nothing to pull.
+	pr.checkUnavailable(t, body, "xfer-cut")
 }
 
 func TestMooncakeQueryAnswersPerRankAndTheHeaderPicksTheRank(t *testing.T) {
@@ -286,7 +273,7 @@ func TestMooncakeQueryAnswersPerRankAndTheHeaderPicksTheRank(t *testing.T) {
 	if s.HoldsTotal != 1 || s.Ranks[1].HoldsTotal != 1 || s.Ranks[0].HoldsTotal != 0 || s.Ranks[1].RequestsTotal != 1 || s.Ranks[0].RequestsTotal != 0 {
 		t.Errorf("prefiller /debug/kv = %+v, want the one prefill on rank 1", s)
 	}
-	if ds := pr.d.waitKV(t, "decoder done", allFree); ds.KVBlocksPulledTotal == 0 || ds.KVPullFallbacksTotal != 0 {
+	if ds := pr.d.waitKV(t, "decoder done", allFree); ds.KVBlocksPulledTotal == 0 || ds.KVLoadFailuresTotal != 0 {
 		t.Errorf("decoder /debug/kv = %+v, want blocks pulled from rank 1", ds)
 	}
 }
@@ -314,4 +301,49 @@ func TestMooncakeRefusesLegsItCannotServe(t *testing.T) {
 			}
 		})
 	}
+}
+
+// checkUnavailable sends a decode for a transfer the prefiller no longer has to the pair's
+// decoder, which fails it (kv_load_failure_policy "fail", vLLM's default), and to a
+// decoder that recomputes it.
+func (pr *mcPair) checkUnavailable(t *testing.T, body, xfer string) {
+	t.Helper()
+	rcfg := mooncakeConfig("decode")
+	rcfg.KVLoadFailurePolicy = KVLoadFailureRecompute
+	for _, tc := range []struct {
+		policy string
+		d      *testServer
+	}{
+		{KVLoadFailureFail, pr.d},
+		{KVLoadFailureRecompute, startSGLang(t, rcfg)},
+	} {
+		a := recvAnswer(t, tc.d.send(context.Background(), "/v1/completions", pr.decodeLeg(t, body, xfer, 0), map[string]string{"X-Request-Id": "late"}), "late decode")
+		if tc.policy == KVLoadFailureFail {
+			errorAnswer(t, a, http.StatusInternalServerError, "kv_transfer_failed", "decode for a transfer the prefiller no longer has")
+		} else if got, want := decodedText(t, a, false), expectedText(0, "late", 2); got != want {
+			t.Errorf("recomputed decode text = %q, want %q", got, want)
+		}
+		if ds := tc.d.waitKV(t, "decoder done", allFree); ds.KVLoadFailuresTotal != 1 || ds.KVBlocksPulledTotal != 0 {
+			t.Errorf("%s decoder /debug/kv = %+v, want one load failure and nothing pulled", tc.policy, ds)
+		}
+	}
+}
+
+func TestMooncakeDecodeWhosePrefillNeverComesFailsAtTheWaitingTimeout(t *testing.T) {
+	clock := newFakeClock()
+	dcfg := mooncakeConfig("decode")
+	dcfg.Clock, dcfg.WaitingTimeout = clock, time.Minute
+	pr := startMooncake(t, mooncakeConfig("prefill"), dcfg)
+	da := pr.d.send(context.Background(), "/v1/completions", pr.decodeLeg(t, `{"prompt":"hi there","max_tokens":2}`, "xfer-never", 0), nil)
+	pr.d.waitKV(t, "the decode waits for its transfer", mcWaiting)
+	clock.Advance(time.Minute)
+	a := recvAnswer(t, da, "decode leg")
+	errorAnswer(t, a, http.StatusInternalServerError, "kv_transfer_failed", "decode past the waiting timeout")
+	if !strings.Contains(a.body, "waiting timeout") {
+		t.Errorf("answer %s does not say the waiting timeout passed", a.body)
+	}
+	if s := pr.d.waitKV(t, "decoder done", func(s KVStats) bool { return allFree(s) && s.TransfersWaiting == 0 }); s.KVLoadFailuresTotal != 1 {
+		t.Errorf("decoder /debug/kv = %+v, want one load failure", s)
+	}
+	testutil.Eventually(t, testutil.Timeout, func() bool { return transferWaiters(pr.p.e, "xfer-never") == 0 }, "the prefiller to see the claim withdrawn")
 }

@@ -475,7 +475,7 @@ func (e *Engine) rankStats() KVStats {
 		HeartbeatsSentTotal:        e.counts.heartbeatsSent,
 		EngineCrashesTotal:         e.counts.crashes,
 		HoldsTotal:                 e.counts.holds,
-		KVPullFallbacksTotal:       e.counts.pullFallbacks,
+		KVLoadFailuresTotal:        e.counts.loadFailures,
 		RemotePrefillRequestsTotal: e.counts.remotePrefills,
 	}
 	// Blocks are shared where prompts share a cached prefix: each counts
