@@ -93,7 +93,8 @@ func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	srv := &http.Server{Handler: engine.Handler(), ReadHeaderTimeout: 10 * time.Second}
 	logger.Info("sim engine listening", zap.String("addr", ln.Addr().String()),
 		zap.String("engine_id", engine.ID()), zap.String("protocol", cfg.Protocol), zap.String("role", cfg.Role), zap.String("model", cfg.Model),
-		zap.String("kv_events_endpoint", engine.KVEventsAddr()), zap.String("kv_events_replay_endpoint", engine.KVEventsReplayAddr()))
+		zap.String("kv_events_endpoint", engine.KVEventsAddr()), zap.Strings("kv_events_endpoints", engine.KVEventsAddrs()), zap.Int("data_parallel_size", cfg.DataParallelSize),
+		zap.String("kv_events_replay_endpoint", engine.KVEventsReplayAddr()))
 
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return engine.Run(gctx) })

@@ -3,9 +3,11 @@ package sim
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestDataParallelHeaderPicksTheRank(t *testing.T) {
@@ -137,5 +139,40 @@ func TestDataParallelSGLangRoomIsServedOnRankRoomModSize(t *testing.T) {
 	s := pr.p.waitKV(t, "the prefiller frees the room", sglangDone)
 	if s.Ranks[1].HoldsTotal != 1 || s.Ranks[0].HoldsTotal != 0 {
 		t.Errorf("prefiller /debug/kv = %+v, want the room held on rank 1", s)
+	}
+}
+
+func TestDataParallelRanksPublishTheirOwnKVEvents(t *testing.T) {
+	cfg := fastConfig()
+	cfg.DataParallelSize = 2
+	cfg.KVEventsEndpoint = "tcp://*:0"
+	ts := startServer(t, cfg)
+	addrs := ts.e.KVEventsAddrs()
+	if len(addrs) != 2 || addrs[0] == addrs[1] {
+		t.Fatalf("KVEventsAddrs = %q, want one endpoint per rank", addrs)
+	}
+	for rank, addr := range addrs {
+		sub, _ := newSubscriber(t, "", false, strings.Replace(addr, "0.0.0.0", "127.0.0.1", 1))
+		// A SUB socket misses what is published before its subscription arrives: send
+		// prompts until one batch comes.
+		var got wireBatch
+		for i := 0; got.Events == nil; i++ {
+			if i == 200 {
+				t.Fatalf("rank %d published nothing on %s", rank, addr)
+			}
+			body := fmt.Sprintf(`{"prompt":"%s","max_tokens":1}`, strings.Repeat(fmt.Sprintf("r%d-%d ", rank, i), 40))
+			a := recvAnswer(t, ts.send(context.Background(), "/v1/completions", body, map[string]string{HeaderDataParallelRank: fmt.Sprint(rank)}), "completion")
+			if a.status != http.StatusOK {
+				t.Fatalf("completion on rank %d answered %d %s", rank, a.status, a.body)
+			}
+			select {
+			case m := <-sub.msgs:
+				got = decodeMsg(t, m, "")
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+		if got.Rank != int64(rank) {
+			t.Errorf("rank %d's batch carries rank %d", rank, got.Rank)
+		}
 	}
 }

@@ -476,6 +476,15 @@ func (e *Engine) KVEventsAddr() string {
 	return e.kv.addr()
 }
 
+// KVEventsAddrs is KVEventsAddr of each data parallel rank, rank 0 first.
+func (e *Engine) KVEventsAddrs() []string {
+	out := make([]string, len(e.ranks))
+	for i, r := range e.ranks {
+		out[i] = r.KVEventsAddr()
+	}
+	return out
+}
+
 // KVEventsReplayAddr is the bound address of the replay socket, or "".
 func (e *Engine) KVEventsReplayAddr() string {
 	if e.kv == nil {
