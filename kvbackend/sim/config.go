@@ -213,6 +213,7 @@ func DefaultConfig() Config {
 		DisconnectDelay:     defaultDisconnectDelay,
 		KVEventsFormat:      KVEventsFormatArray,
 		KVLoadFailurePolicy: KVLoadFailureFail,
+		DataParallelSize:    1,
 	}
 }
 
@@ -240,7 +241,7 @@ func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.StringVar(&cfg.KVEventsTopic, "kv-events-topic", cfg.KVEventsTopic, "topic frame of the KV event messages (empty, vLLM's default, reaches every subscriber; llm-d expects kv@<ip:port>@<model>)")
 	fs.StringVar(&cfg.KVEventsFormat, "kv-events-format", cfg.KVEventsFormat, "KV event encoding: array (vLLM's array_like structs, tag first) or map (a \"type\" key, vLLM PR #42892)")
 	fs.IntVar(&cfg.DataParallelRank, "data-parallel-rank", cfg.DataParallelRank, "data parallel rank in the KV event batches; the KV event endpoints' ports are offset by it (with --data-parallel-size N, rank r publishes rank data-parallel-rank+r)")
-	fs.IntVar(&cfg.DataParallelSize, "data-parallel-size", cfg.DataParallelSize, "data parallel ranks behind this server, each its own scheduler, KV pool and engine id, chosen per request by the X-data-parallel-rank header (absent: 0; out of range: 400); /debug/kv sums them and lists them under ranks (0: 1)")
+	fs.IntVar(&cfg.DataParallelSize, "data-parallel-size", cfg.DataParallelSize, "data parallel ranks behind this server, each its own scheduler, KV pool and engine id, chosen per request by the X-data-parallel-rank header (absent: 0; out of range: 400); /debug/kv sums them and lists them under ranks")
 	fs.Int64Var(&cfg.Seed, "seed", cfg.Seed, "seed of the deterministic token source (tokens also depend on the request id)")
 	fs.IntVar(&cfg.FailStatus, "fail-status", cfg.FailStatus, "fault: answer every completion request with this HTTP status (0: off; header X-Sim-Fail-Status)")
 	fs.DurationVar(&cfg.Stall, "stall", cfg.Stall, "fault: delay the first byte of every completion response (header X-Sim-Stall)")
