@@ -347,3 +347,24 @@ func TestMooncakeDecodeWhosePrefillNeverComesFailsAtTheWaitingTimeout(t *testing
 	}
 	testutil.Eventually(t, testutil.Timeout, func() bool { return transferWaiters(pr.p.e, "xfer-never") == 0 }, "the prefiller to see the claim withdrawn")
 }
+
+func TestMooncakeDecoderPullsOnlyTheBlocksItsPrefixCacheLacks(t *testing.T) {
+	pr := startMooncake(t, mooncakeConfig("prefill"), mooncakeConfig("decode"))
+	body := `{"prompt":"` + strings.Repeat("alpha beta gamma delta ", 12) + `","max_tokens":2,"ignore_eos":true}`
+	pulled := make([]int, 2)
+	for i, xfer := range []string{"xfer-first", "xfer-second"} {
+		pa := pr.p.send(context.Background(), "/v1/completions", prefillLeg(t, body, xfer), nil)
+		da := pr.d.send(context.Background(), "/v1/completions", pr.decodeLeg(t, body, xfer, 0), map[string]string{"X-Request-Id": xfer})
+		if a := recvAnswer(t, pa, "prefill leg"); a.status != http.StatusOK {
+			t.Fatalf("prefill leg answered %d %s", a.status, a.body)
+		}
+		if got, want := decodedText(t, recvAnswer(t, da, "decode leg"), false), expectedText(0, xfer, 2); got != want {
+			t.Errorf("decode text = %q, want %q", got, want)
+		}
+		pr.p.waitKV(t, "prefiller frees its hold after the pull", allFree)
+		pulled[i] = pr.d.waitKV(t, "decoder done", allFree).KVBlocksPulledTotal
+	}
+	if first, second := pulled[0], pulled[1]-pulled[0]; first < 2 || second >= first || second < 1 {
+		t.Errorf("blocks pulled: %d the first time, %d the second; want the second to pull only what the decoder's cache lacks", first, second)
+	}
+}
