@@ -57,6 +57,10 @@ type Config struct {
 	// decoder heartbeat renewing it to now+KVHoldTimeout (vLLM's
 	// kv_lease_duration, PR #41383). Zero means the default, 30s. Older vLLM
 	// had a fixed 480s hold (VLLM_NIXL_ABORT_REQUEST_TIMEOUT) and no heartbeats.
+	// With Protocol "mooncake" it is the fixed hold of a prefill no decoder
+	// pulled (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT): zero means 480s, and so
+	// does `proxy sim --protocol mooncake` without --kv-hold-timeout, but
+	// DefaultConfig's 30s stays 30s.
 	KVHoldTimeout time.Duration
 	// KVHeartbeatInterval is how often a decoder renews the leases of the
 	// do_remote_prefill requests it has queued or pulling, with one
