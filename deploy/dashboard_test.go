@@ -24,7 +24,7 @@ import (
 
 const dashboardFile = "grafana/pdproxy.json"
 
-// dashboardMetrics are the series the issue asks the dashboard to show; each must be in some
+// dashboardMetrics are the series an operator needs on the dashboard; each must be in some
 // panel's query.
 var dashboardMetrics = []string{
 	"pdproxy_requests_total",                  // requests and errors by route and code

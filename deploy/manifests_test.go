@@ -195,7 +195,7 @@ func TestManifestsDecodeStrictlyIntoKubernetesTypes(t *testing.T) {
 			}
 		})
 	}
-	// What the issue asks deploy/ to carry.
+	// What deploy/ must carry for a replicated, autoscaled proxy.
 	for typ, min := range map[string]int{
 		"*v1.Deployment": 2, "*v1.Service": 1, "*v1.PodDisruptionBudget": 1, "*v2.HorizontalPodAutoscaler": 1, "*v1.ConfigMap": 2,
 	} {

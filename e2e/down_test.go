@@ -130,8 +130,8 @@ func TestAKilledDecoderIsMarkedDownByOneRefusedCallAndBackByItsHealthCheck(t *te
 		t.Errorf("pdproxy_backend_down_total{backend=victim,reason=connection_refused} = %v, want 1", got)
 	}
 
-	// From then on no request goes to it, across several health intervals (and what the
-	// ejection back-off used to be, 1s): its calls stop counting, every request succeeds.
+	// From then on no request goes to it, across several health intervals and over a second:
+	// its calls stop counting, every request succeeds.
 	// Calls picked just before the mark may still end; let them.
 	testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
 		n, _ := finishedSince(down)

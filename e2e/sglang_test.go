@@ -1,6 +1,6 @@
 package e2e
 
-// End-to-end tests of pdproxy in front of SGLang engines (issue 12): the simulator's SGLang
+// End-to-end tests of pdproxy in front of SGLang engines: the simulator's SGLang
 // protocol (kvbackend/sim/sglang.go) on loopback, both legs of a request at once, paired by a
 // bootstrap room on the prefiller. The sims notice a client that left only after a long
 // disconnect delay, so whatever is freed promptly here was freed by the proxy's explicit

@@ -1,6 +1,6 @@
 package e2e
 
-// Regression tests for issue 11, in front of engines the proxy takes for vLLM (no explicit
+// Tests in front of engines the proxy takes for vLLM (no explicit
 // abort: only a decoder's pull or notify frees a prefiller's hold, else its lease): a bad
 // request or a refused decode never pins KV, a cut non-streaming decode is decoded once, a
 // repeated explicit abort never reaches a later request with the same X-Request-Id, and only
@@ -62,8 +62,9 @@ func asVLLM(c *app.Config) {
 }
 
 func TestVLLMBadRequestsAreRefusedBeforeAnyEngineHoldsKV(t *testing.T) {
-	// Each of these used to pass the proxy, be prefilled (rewritten to one token), and leave
-	// its hold pinned when the decoder refused the decode: on vLLM nobody frees it then.
+	// Each of these is a request vLLM's decoder refuses. Let through, it would be prefilled
+	// (rewritten to one token) and leave its hold pinned when the decoder refused the decode:
+	// on vLLM nobody frees it then.
 	s := startStack(t, fastSims, asVLLM)
 	long := prompt(1000)
 	for _, tc := range []struct {

@@ -3,6 +3,7 @@ package kvbackend
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -42,12 +43,13 @@ func (e *StatusError) Error() string {
 }
 
 // CallError is a failure to get an answer from a backend at all. Connect tells whether the
-// connection was never made; Unprocessed whether the backend provably never took the request
-// (it was never made, the request never went out whole, or the backend reset the connection
-// with the request unread), so that another try cannot do the work twice. A backend that
-// closed the connection cleanly after the request went out may have read all of it: neither
-// is set then, and the request must not be sent again (Go's own transport retries a POST only
-// when nothing of it was written).
+// request provably never reached the backend (the connection or its TLS handshake failed, or
+// nothing of the request was written); Unprocessed whether the backend provably never took
+// it (that, or the request never went out whole, or the backend reset the connection with the
+// request unread), so that another try cannot do the work twice. A backend that closed the
+// connection cleanly after the request went out may have read all of it: neither is set
+// then, and the request must not be sent again (Go's own transport retries a POST only when
+// nothing of it was written).
 type CallError struct {
 	Connect     bool
 	Unprocessed bool
@@ -233,9 +235,21 @@ func isResetUnread(err error) bool {
 	return errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
 }
 
-// isConnectError reports whether err happened while dialing, before the request could reach
-// the backend: only then is a retry on another backend provably safe.
+// isConnectError reports whether err happened before the request could reach the backend:
+// only then is a retry on another backend provably safe. That is a failed dial (the dialer's
+// *net.OpError, from either engine client), a certificate the TLS handshake refused, or a
+// failure the engine client itself knows left the request unsent (h1client's Unsent: a failed
+// handshake, nothing written to a new connection). A connection lost after the request went
+// out is not one, whatever the client: the engine may have begun the work.
 func isConnectError(err error) bool {
 	var op *net.OpError
-	return errors.As(err, &op) && op.Op == "dial"
+	if errors.As(err, &op) && op.Op == "dial" {
+		return true
+	}
+	var cv *tls.CertificateVerificationError
+	if errors.As(err, &cv) {
+		return true
+	}
+	var u interface{ Unsent() bool }
+	return errors.As(err, &u) && u.Unsent()
 }

@@ -134,6 +134,8 @@ func Lookup(kind string) (Engine, bool) {
 		return Sim, true
 	case KindSGLang:
 		return SGLang, true
+	case KindMooncake:
+		return Mooncake, true
 	}
 	return nil, false
 }
@@ -141,7 +143,7 @@ func Lookup(kind string) (Engine, bool) {
 // Kinds lists the engine kinds Lookup knows, for error messages.
 func Kinds() []string { return slices.Clone(kinds) }
 
-var kinds = []string{KindVLLM, KindVLLMLegacy, KindSim, KindSGLang}
+var kinds = []string{KindVLLM, KindVLLMLegacy, KindSim, KindSGLang, KindMooncake}
 
 // Interface guards.
 var (

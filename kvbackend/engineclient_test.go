@@ -3,6 +3,7 @@ package kvbackend
 import (
 	"errors"
 	"io"
+	"log"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -67,6 +68,45 @@ func TestCallMapsErrorsTheSameOnEitherEngineClient(t *testing.T) {
 				var ce *CallError
 				if !errors.As(err, &ce) || !ce.Connect {
 					t.Errorf("error %#v, want Connect", err)
+				}
+			})
+			t.Run("a refused certificate is a CallError with Connect", func(t *testing.T) {
+				srv := httptest.NewUnstartedServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+				srv.Config.ErrorLog = log.New(io.Discard, "", 0) // the handshake error it logs is this test's point
+				srv.StartTLS()
+				t.Cleanup(srv.Close)
+				_, err := Call{Client: client, BaseURL: srv.URL, Path: "/", ID: "x"}.Do(testCtx(t))
+				var ce *CallError
+				if !errors.As(err, &ce) || !ce.Connect {
+					t.Errorf("error %#v, want Connect", err)
+				}
+			})
+			t.Run("a POST the server drops on a reused connection is a CallError without Connect", func(t *testing.T) {
+				var calls atomic.Int64
+				url := serve(func(w http.ResponseWriter, r *http.Request) {
+					io.ReadAll(r.Body)
+					if calls.Add(1) == 2 {
+						// Read, then gone without a byte of answer: the engine may have begun it.
+						nc, _, _ := w.(http.Hijacker).Hijack()
+						nc.Close()
+						return
+					}
+					io.WriteString(w, "{}")
+				})
+				call := Call{Client: client, BaseURL: url, Path: "/v1/completions", ID: "x", Body: []byte(`{}`)}
+				resp, err := call.Do(testCtx(t))
+				if err != nil {
+					t.Fatal(err)
+				}
+				io.ReadAll(resp.Body)
+				resp.Body.Close()
+				_, err = call.Do(testCtx(t))
+				var ce *CallError
+				if !errors.As(err, &ce) || ce.Connect {
+					t.Errorf("error %#v, want a CallError without Connect", err)
+				}
+				if n := calls.Load(); n != 2 {
+					t.Errorf("the engine got %d calls, want 2 (the dropped one not sent again)", n)
 				}
 			})
 			t.Run("a connection cut mid-answer is a CallError without Connect", func(t *testing.T) {

@@ -13,6 +13,7 @@ func TestEveryEngineNamesTheLoadGaugesOfItsMetrics(t *testing.T) {
 		KindVLLMLegacy: {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"},
 		KindSim:        {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"},
 		KindSGLang:     {"sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"},
+		KindMooncake:   {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"},
 	}
 	for _, kind := range Kinds() {
 		t.Run(kind, func(t *testing.T) {

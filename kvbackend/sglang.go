@@ -15,26 +15,56 @@ import (
 const KindSGLang = "sglang"
 
 // Paired is an engine whose prefill and decode legs go out together and find each other
-// through a bootstrap room on the prefiller (SGLang): the decoder claims the room and pulls
-// the KV; the prefiller holds it until then. The proxy runs such a request as two legs at
-// once, relays the decoder's answer, and reads and drops the prefiller's.
+// through the prefiller's bootstrap server (SGLang's rooms, vLLM's MooncakeConnector's
+// transfer ids): the decoder pulls the KV; the prefiller holds it until then. The proxy runs
+// such a request as two legs at once, relays the decoder's answer, and reads and drops the
+// prefiller's.
 type Paired interface {
 	Engine
-	// LegBody is the client's body for both legs, with the bootstrap fields and the rid.
-	LegBody(f *Fields, leg Leg) ([]byte, error)
-	// BootstrapPort asks a prefiller for the port of its bootstrap server.
-	BootstrapPort(ctx context.Context, client *http.Client, baseURL string) (int, error)
+	// Legs are the two legs' bodies (and headers), built from the client's body.
+	Legs(f *Fields, leg Leg) (LegCalls, error)
+	// Bootstrap asks a prefiller what pairing needs: the port of its bootstrap server
+	// (bootstrapPort, when configured, is taken as it is), and the engine id of each of its
+	// data-parallel ranks where the protocol names them.
+	Bootstrap(ctx context.Context, client *http.Client, baseURL string, bootstrapPort int) (Bootstrap, error)
+	// AnswersAfterTransfer reports whether the prefiller answers its leg only once the
+	// decoder has the KV (SGLang), so that its answer ends the hold; else (Mooncake) it
+	// answers when the prefill is done, and holds the KV until the decoder pulls it.
+	AnswersAfterTransfer() bool
 }
 
-// Leg is what pairs a request's two legs: the prefiller's bootstrap server, a room, and the
-// request's id on both engines. Prompts is how many prompts the body holds (a batch gets one
-// room and one rid per prompt).
+// Bootstrap is what a prefiller's bootstrap server told the proxy.
+type Bootstrap struct {
+	Port int
+	// EngineIDs are the engine ids by data-parallel rank (Mooncake); nil when the protocol
+	// has none (SGLang).
+	EngineIDs map[int]string
+}
+
+// Leg is what pairs a request's two legs: the prefiller's bootstrap server, a room (SGLang)
+// or a transfer id and the prefiller's engine id and rank (Mooncake), and the request's id on
+// both engines. Prompts is how many prompts the body holds (a batch gets one room and one
+// rid per prompt).
 type Leg struct {
-	Host    string
-	Port    int
-	Room    uint64
-	RID     string
-	Prompts int
+	Host       string
+	Port       int
+	Room       uint64
+	RID        string
+	Prompts    int
+	TransferID string
+	EngineID   string
+	// Rank is the prefiller's data-parallel rank that serves the prefill leg; -1: none named.
+	Rank int
+}
+
+// LegCalls are the bodies of a request's two legs, and headers a leg must carry.
+type LegCalls struct {
+	Prefill, Decode             []byte
+	PrefillHeader, DecodeHeader http.Header
+	// Drain, where the engine has no explicit abort, is a one-token decode leg whose only
+	// purpose is to make a decoder pull KV a prefiller holds for legs that were aborted
+	// after the prefill ended; nil where an abort frees it.
+	Drain []byte
 }
 
 // NewRoom is a random bootstrap room in [0, 2^63-1], as SGLang's own router draws them.
@@ -58,6 +88,9 @@ func (sglang) LoadMetrics() (waiting, running, kvUsage string) {
 // so only the proxy's aborts free it. The proxy forwards no params, so it keeps no deadline.
 func (sglang) KVHoldTimeout() time.Duration { return 0 }
 
+// AnswersAfterTransfer is true: SGLang's prefiller answers once the room's KV went out.
+func (sglang) AnswersAfterTransfer() bool { return true }
+
 // RejectionFreesKV is false: SGLang's legs carry no params, and a refused leg is answered by
 // aborting both.
 func (sglang) RejectionFreesKV(int) bool { return false }
@@ -69,7 +102,12 @@ func (sglang) Abort(ctx context.Context, c *http.Client, baseURL, id string) err
 // for several prompts each is an array with one entry per prompt, the rids suffixed with the
 // prompt's index in fixed width so that they stay prefix-free. The rest is the client's, byte
 // for byte; a client's own bootstrap fields or rid never pass.
-func (sglang) LegBody(f *Fields, leg Leg) ([]byte, error) {
+func (sglang) Legs(f *Fields, leg Leg) (LegCalls, error) {
+	b := legBody(f, leg)
+	return LegCalls{Prefill: b, Decode: b}, nil
+}
+
+func legBody(f *Fields, leg Leg) []byte {
 	host, _ := json.Marshal(leg.Host)
 	port := []byte(strconv.Itoa(leg.Port))
 	room := []byte(strconv.FormatUint(leg.Room, 10))
@@ -92,7 +130,7 @@ func (sglang) LegBody(f *Fields, leg Leg) ([]byte, error) {
 		rid, _ = json.Marshal(rids)
 	}
 	return f.rewrite(sglangDrop, set{"bootstrap_host", host}, set{"bootstrap_port", port},
-		set{"bootstrap_room", room}, set{"rid", rid}), nil
+		set{"bootstrap_room", room}, set{"rid", rid})
 }
 
 // RIDs are the ids the engines know the leg's requests by: the rid, or with several prompts
@@ -111,9 +149,17 @@ func (leg Leg) RIDs() []string {
 
 var sglangDrop = []string{"bootstrap_host", "bootstrap_port", "bootstrap_room", "rid", "kv_transfer_params"}
 
-// BootstrapPort reads disaggregation_bootstrap_port from GET /server_info, or from
-// /get_server_info on servers older than its rename.
-func (sglang) BootstrapPort(ctx context.Context, client *http.Client, baseURL string) (int, error) {
+// Bootstrap is the configured port, or disaggregation_bootstrap_port from GET /server_info
+// (/get_server_info on servers older than its rename).
+func (sglang) Bootstrap(ctx context.Context, client *http.Client, baseURL string, bootstrapPort int) (Bootstrap, error) {
+	if bootstrapPort > 0 {
+		return Bootstrap{Port: bootstrapPort}, nil
+	}
+	port, err := sglangBootstrapPort(ctx, client, baseURL)
+	return Bootstrap{Port: port}, err
+}
+
+func sglangBootstrapPort(ctx context.Context, client *http.Client, baseURL string) (int, error) {
 	var last error
 	for _, path := range []string{"/server_info", "/get_server_info"} {
 		port, err := bootstrapPortFrom(ctx, client, baseURL+path)

@@ -1,6 +1,7 @@
 package kvbackend
 
 import (
+	"bytes"
 	"encoding/json"
 	"io"
 	"net/http"
@@ -34,7 +35,11 @@ func TestSGLangLegBody(t *testing.T) {
 			}
 			l := leg
 			l.Prompts = tc.prompts
-			out, err := SGLang.LegBody(f, l)
+			calls, err := SGLang.Legs(f, l)
+			out := calls.Prefill
+			if !bytes.Equal(calls.Decode, out) {
+				t.Errorf("the legs differ: %s and %s", out, calls.Decode)
+			}
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -87,7 +92,8 @@ func TestSGLangBootstrapPortDiscovery(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			srv, client, _ := fakeEngine(t, tc.h)
-			port, err := SGLang.BootstrapPort(testCtx(t), client, srv.URL)
+			bs, err := SGLang.Bootstrap(testCtx(t), client, srv.URL, 0)
+			port := bs.Port
 			if tc.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 					t.Fatalf("BootstrapPort = %d, %v; want an error saying %q", port, err, tc.wantErr)

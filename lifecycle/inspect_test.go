@@ -3,6 +3,7 @@ package lifecycle
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"reflect"
 	"testing"
 	"time"
@@ -28,6 +29,8 @@ func TestSnapshot(t *testing.T) {
 		}
 	}
 	tick := func() { clk.Advance(time.Second) }
+	secs := func(v float64) *float64 { return &v }
+	left := func(since float64) *float64 { return secs(testHoldTimeout.Seconds() - since) }
 
 	begin("a", "/v1/completions")
 	tick()
@@ -68,11 +71,15 @@ func TestSnapshot(t *testing.T) {
 	want := []Info{
 		{ID: "a", Route: "/v1/completions", State: Received, AgeSeconds: 8},
 		{ID: "b", Route: "/v1/chat/completions", State: Prefilling, AgeSeconds: 7, Prefill: "p1"},
-		{ID: "c", Route: "/v1/chat/completions", State: KVHeld, AgeSeconds: 6, Prefill: "p2", KVHeld: true},
+		// A hold shows how long the prefiller has had it and how long its params may still
+		// be forwarded.
+		{ID: "c", Route: "/v1/chat/completions", State: KVHeld, AgeSeconds: 6, Prefill: "p2", KVHeld: true,
+			KVHoldAgeSeconds: secs(6), KVHoldDeadlineInSeconds: left(6)},
 		{ID: "d", Route: "/v1/chat/completions", State: Decoding, AgeSeconds: 5, Prefill: "p1", Decode: "d1"},
 		{ID: "e", Route: "/v1/completions", State: Decoding, AgeSeconds: 4, Decode: "d2"},
 		// The client left in kv_held and the release is still under way: the KV is still held.
-		{ID: "f", Route: "/v1/completions", State: Aborted, AgeSeconds: 3, Prefill: "p1", KVHeld: true},
+		{ID: "f", Route: "/v1/completions", State: Aborted, AgeSeconds: 3, Prefill: "p1", KVHeld: true,
+			KVHoldAgeSeconds: secs(3), KVHoldDeadlineInSeconds: left(3)},
 		// Ended requests stay listed until End; forgotten ones (h) are not.
 		{ID: "g", Route: "/v1/completions", State: Finished, AgeSeconds: 2, Decode: "d1"},
 	}
@@ -85,9 +92,10 @@ func TestSnapshot(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		const want = `[{"id":"a","route":"/v1/completions","state":"received","age_seconds":8,"kv_held":false},` +
+		want := `[{"id":"a","route":"/v1/completions","state":"received","age_seconds":8,"kv_held":false},` +
 			`{"id":"b","route":"/v1/chat/completions","state":"prefilling","age_seconds":7,"prefill":"p1","kv_held":false},` +
-			`{"id":"c","route":"/v1/chat/completions","state":"kv_held","age_seconds":6,"prefill":"p2","kv_held":true}]`
+			`{"id":"c","route":"/v1/chat/completions","state":"kv_held","age_seconds":6,"prefill":"p2","kv_held":true,` +
+			fmt.Sprintf(`"kv_hold_age_seconds":6,"kv_hold_deadline_in_seconds":%v}]`, testHoldTimeout.Seconds()-6)
 		if string(got) != want {
 			t.Errorf("json:\n\t%s\nwant\n\t%s", got, want)
 		}
@@ -296,9 +304,78 @@ func TestNames(t *testing.T) {
 			t.Errorf("name %q, want %q", tc.got, tc.want)
 		}
 	}
+	if b, err := json.Marshal(map[string]any{"stage": KVHeld, "action": CancelDecode}); err != nil || string(b) != `{"action":"cancel_decode","stage":"kv_held"}` {
+		t.Errorf("json of a state and an action = %s, %v; want them by name", b, err)
+	}
 	for s := Received; s < numStates; s++ {
 		if s.Terminal() != (s >= Finished) {
 			t.Errorf("%v.Terminal() = %v", s, s.Terminal())
 		}
+	}
+}
+
+// TestSnapshotShowsHowLongEachHoldHasLeft checks the hold timing the live view shows per
+// prefiller: the age of each hold and the time left before its params stop being forwarded.
+func TestSnapshotShowsHowLongEachHoldHasLeft(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		hold         func(tb *Table, id string)
+		wait         time.Duration
+		wantHeld     bool
+		wantDeadline bool
+		wantLeft     float64
+	}{
+		{name: "a prefill's hold counts down from the hold timeout", wait: 10 * time.Second,
+			hold: func(tb *Table, id string) {
+				tb.StartPrefill(id, "p1")
+				tb.Prefilled(id, true)
+			},
+			wantHeld: true, wantDeadline: true, wantLeft: (testHoldTimeout - 10*time.Second).Seconds()},
+		{name: "a hold past its deadline shows a negative time left", wait: testHoldTimeout + 5*time.Second,
+			hold: func(tb *Table, id string) {
+				tb.StartPrefill(id, "p1")
+				tb.Prefilled(id, true)
+			},
+			wantHeld: true, wantDeadline: true, wantLeft: -5},
+		{name: "paired legs' room has an age and no forwarding deadline", wait: 2 * time.Second,
+			hold:     func(tb *Table, id string) { tb.StartLegs(id, "p1", "d1") },
+			wantHeld: true},
+		{name: "a prefill that answered without params shows no hold", wait: time.Second,
+			hold: func(tb *Table, id string) {
+				tb.StartPrefill(id, "p1")
+				tb.Prefilled(id, false)
+			}},
+		{name: "a hold handed to the decode leaves the view", wait: time.Second,
+			hold: func(tb *Table, id string) {
+				tb.StartPrefill(id, "p1")
+				tb.Prefilled(id, true)
+				tb.StartDecode(id, "d1")
+			}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			if err := f.tb.Begin("r", "/v1/completions", nil); err != nil {
+				t.Fatal(err)
+			}
+			tc.hold(f.tb, "r")
+			f.clk.Advance(tc.wait)
+			got := f.tb.Snapshot()
+			if len(got) != 1 {
+				t.Fatalf("Snapshot() = %+v, want one request", got)
+			}
+			in := got[0]
+			if in.KVHeld != tc.wantHeld || (in.KVHoldAgeSeconds != nil) != tc.wantHeld {
+				t.Fatalf("kv_held %v, kv_hold_age_seconds %v; want held %v", in.KVHeld, in.KVHoldAgeSeconds, tc.wantHeld)
+			}
+			if tc.wantHeld && *in.KVHoldAgeSeconds != tc.wait.Seconds() {
+				t.Errorf("kv_hold_age_seconds = %v, want %v", *in.KVHoldAgeSeconds, tc.wait.Seconds())
+			}
+			if (in.KVHoldDeadlineInSeconds != nil) != tc.wantDeadline {
+				t.Fatalf("kv_hold_deadline_in_seconds = %v, want present %v", in.KVHoldDeadlineInSeconds, tc.wantDeadline)
+			}
+			if tc.wantDeadline && *in.KVHoldDeadlineInSeconds != tc.wantLeft {
+				t.Errorf("kv_hold_deadline_in_seconds = %v, want %v", *in.KVHoldDeadlineInSeconds, tc.wantLeft)
+			}
+		})
 	}
 }

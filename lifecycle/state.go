@@ -38,6 +38,15 @@ func (s State) String() string {
 // MarshalText lets a State appear by name in JSON.
 func (s State) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
 
+// States lists every state, in the order of a request's life, the terminal ones last.
+func States() []State {
+	out := make([]State, numStates)
+	for i := range out {
+		out[i] = State(i)
+	}
+	return out
+}
+
 // Terminal reports whether no further transition can leave s.
 func (s State) Terminal() bool { return s >= Finished }
 
@@ -65,6 +74,9 @@ func (a Action) String() string {
 	}
 	return fmt.Sprintf("action(%d)", uint8(a))
 }
+
+// MarshalText lets an Action appear by name in JSON (the live view's recent aborts).
+func (a Action) MarshalText() ([]byte, error) { return []byte(a.String()), nil }
 
 // ReleaseReason says why a KV hold ended; it is the reason label of pdproxy_kv_releases_total.
 type ReleaseReason string

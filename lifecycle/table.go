@@ -82,8 +82,10 @@ func (t *Table) KVHoldTimeout() time.Duration { return t.holdTimeout }
 
 // Hold is one KV hold on a prefiller. Release ends it; only the first call counts.
 type Hold struct {
-	t        *Table
-	id       string
+	t  *Table
+	id string
+	// since is when the hold was recorded: the prefiller's answer, or the paired legs' start.
+	since    time.Time
 	released atomic.Bool
 }
 
@@ -412,6 +414,14 @@ type Info struct {
 	Prefill    string  `json:"prefill,omitempty"`
 	Decode     string  `json:"decode,omitempty"`
 	KVHeld     bool    `json:"kv_held"`
+	// KVHoldAgeSeconds is how long the prefiller has held the request's KV, from the
+	// prefill's answer (or, on paired legs, from when they went out); absent unless KVHeld.
+	KVHoldAgeSeconds *float64 `json:"kv_hold_age_seconds,omitempty"`
+	// KVHoldDeadlineInSeconds is the time left until the hold's params may no longer be
+	// forwarded to a decoder (the table's kv_hold_timeout after the prefill's answer),
+	// negative once it passed; absent unless KVHeld, and on paired legs, whose params never
+	// pass through the proxy.
+	KVHoldDeadlineInSeconds *float64 `json:"kv_hold_deadline_in_seconds,omitempty"`
 }
 
 // Snapshot lists the requests in flight, oldest first.
@@ -420,12 +430,21 @@ func (t *Table) Snapshot() []Info {
 	t.mu.Lock()
 	out := make([]Info, 0, len(t.reqs))
 	for _, e := range t.reqs {
-		out = append(out, Info{
+		in := Info{
 			ID: e.id, Route: e.route, State: e.state,
 			AgeSeconds: now.Sub(e.started).Seconds(),
 			Prefill:    e.prefill, Decode: e.decode,
 			KVHeld: e.hold != nil && !e.hold.Released(),
-		})
+		}
+		if in.KVHeld {
+			age := now.Sub(e.hold.since).Seconds()
+			in.KVHoldAgeSeconds = &age
+			if !e.deadline.IsZero() {
+				left := e.deadline.Sub(now).Seconds()
+				in.KVHoldDeadlineInSeconds = &left
+			}
+		}
+		out = append(out, in)
 	}
 	t.mu.Unlock()
 	sort.Slice(out, func(i, j int) bool { return out[i].AgeSeconds > out[j].AgeSeconds })
@@ -480,7 +499,7 @@ func (t *Table) lookup(id, event string) *entry {
 func (t *Table) newHold(id string) *Hold {
 	t.holds.Add(1)
 	t.m.held.Inc()
-	return &Hold{t: t, id: id}
+	return &Hold{t: t, id: id, since: t.now()}
 }
 
 // setState moves e to s and keeps the per-state in-flight gauge right. Callers hold t.mu.

@@ -89,13 +89,14 @@ func (x *exchange) gone() *apiError {
 	if at := x.goneAt.Load(); at != 0 {
 		seen = time.Unix(0, at)
 	}
+	x.s.aborts.add(x.abortRecord(stage, act, seen))
 	switch act {
 	case lifecycle.CancelPrefill:
 		// The call's context is already cancelled, which closed the prefiller's connection.
 		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
 		if hold != nil {
 			// Paired legs: the room is held until both are aborted, the decoder's first.
-			x.s.abortLegs(x.handOff(), x.legRIDs, x.prefillB, x.decodeB, hold)
+			x.s.abortLegs(x.handOff(), x.legRIDs, x.prefillB, x.decodeB, hold, x.cutLegs, x.legDrain, x.req)
 		} else if b := x.prefillB; b != nil && canAbort(b) {
 			// The engine may have finished its last step before the connection closed and
 			// now hold KV nobody will pull (race R1): its explicit abort frees that too.
@@ -142,7 +143,7 @@ func (x *exchange) fail(res router.Result) {
 	act, hold := x.s.table.Fail(x.id)
 	switch {
 	case x.paired && act == lifecycle.ReleaseKV:
-		x.s.abortLegs(c, x.legRIDs, x.prefillB, x.decodeB, hold)
+		x.s.abortLegs(c, x.legRIDs, x.prefillB, x.decodeB, hold, x.cutLegs, x.legDrain, x.req)
 	case x.paired:
 		x.s.abortDecodeLeg(c.span, x.legRIDs, x.decodeB)
 		c.end(x.s)
@@ -202,8 +203,37 @@ func canAbort(b *router.Backend) bool {
 // released as aborted once the prefiller's abort succeeded. Both are repeated a moment later,
 // as in abortOnEngine, in case an abort overtook its leg. abortLegs takes the request's
 // custody and ends it once the hold is released.
-func (s *Server) abortLegs(c *custody, rids []string, p, d *router.Backend, hold *lifecycle.Hold) {
+//
+// Engines without an explicit abort (vLLM's MooncakeConnector) are aborted by closing the
+// legs' connections, the decoder's first (cut): a prefill cut before it ended holds nothing;
+// one that had ended holds the KV until its engine's timer, unless a drain leg (drain, one
+// token, the output discarded) makes the decoder pull it.
+func (s *Server) abortLegs(c *custody, rids []string, p, d *router.Backend, hold *lifecycle.Hold, cut func() bool, drain []byte, req *genRequest) {
 	c.giveBackLease(c.res)
+	if !canAbort(d) || !canAbort(p) {
+		prefilled := cut != nil && cut()
+		switch {
+		case !prefilled:
+			hold.Release(lifecycle.ReleaseAborted)
+			c.end(s)
+		case drain == nil || req == nil:
+			hold.Release(lifecycle.ReleaseExpired)
+			c.end(s)
+		default:
+			s.bg.Add(1)
+			go func() {
+				defer s.bg.Done()
+				defer c.end(s)
+				if s.drainLeg(c, d, req, drain) {
+					hold.Release(lifecycle.ReleaseDrained)
+					return
+				}
+				s.m.releaseFailure.WithLabelValues(ReleaseDrain).Inc()
+				hold.Release(lifecycle.ReleaseExpired)
+			}()
+		}
+		return
+	}
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
@@ -568,6 +598,36 @@ func (s *Server) abortHold(r release) bool {
 	return true
 }
 
+// drainLegTimeout bounds a drain leg: the prefill it drains had ended, so a decoder pulls at
+// once; one that does not answer by then leaves the KV to the prefiller's timer.
+const drainLegTimeout = 30 * time.Second
+
+// drainLeg sends decoder d a paired request's drain leg, on its own deadline (the client is
+// gone), and reports whether the decoder answered it: it pulled the held KV.
+func (s *Server) drainLeg(c *custody, d *router.Backend, req *genRequest, body []byte) bool {
+	span := s.bgSpan(c.span, spanDrain, d, attrEngineRequestID.String(c.engineID))
+	ctx, cancel := context.WithTimeout(withSpan(context.Background(), span), drainLegTimeout)
+	defer cancel()
+	path := "/v1/completions"
+	if req.chat {
+		path = "/v1/chat/completions"
+	}
+	err := s.guard(c.id, func() error {
+		resp, err := backendCall(d, path, c.engineID, nil, body).Do(ctx)
+		if err == nil {
+			_, err = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+		return err
+	})
+	endSpan(span, err)
+	if err != nil {
+		s.logger.Warn("kv drain of aborted legs failed", zap.String("request_id", c.id), zap.String("backend", d.Name), zap.Error(err))
+		return false
+	}
+	return true
+}
+
 // drain sends a decoder a one-token decode with the held params, so that it pulls the blocks
 // and the prefiller frees them: the decoder reserved for the request when the custody still
 // has it, else any but r.exclude. It runs on its own deadline: the client that asked is gone.
@@ -622,7 +682,7 @@ func (s *Server) drain(r release) bool {
 	traced := httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
 		WroteRequest: func(i httptrace.WroteRequestInfo) { delivered.Store(i.Err == nil) },
 	})
-	call := backendCall(b, path, r.c.engineID, nil, body)
+	call := withHeader(backendCall(b, path, r.c.engineID, nil, body), nil, lease)
 	err = s.guard(r.c.id, func() error {
 		resp, err := call.Do(traced)
 		if err == nil {

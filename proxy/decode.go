@@ -48,7 +48,7 @@ func (x *exchange) decode() *apiError {
 
 	span := x.callSpan(spanDecode, b, attrKVParams.Bool(params != nil))
 	defer func() { endSpan(span, err) }()
-	call := x.call(b, x.route, body)
+	call := withHeader(x.call(b, x.route, body), nil, x.own.lease)
 	if ho != nil {
 		call.OnAck = func() {
 			ho.ack()
@@ -79,7 +79,8 @@ func (x *exchange) decode() *apiError {
 		if call.Body, err = x.decodeBody(b, params); err != nil {
 			break
 		}
-		call.Client, call.BaseURL, call.Engine = b.Client(), baseURL(b), engineOf(b)
+		call.Client, call.BaseURL, call.Engine, call.Header = b.Client(), baseURL(b), engineOf(b), x.hdr
+		call = withHeader(call, nil, lease)
 		if span != nil {
 			span.SetAttributes(attrBackend.String(b.Name))
 		}

@@ -80,6 +80,12 @@ type exchange struct {
 	tokens []uint32
 	// legRIDs are the ids a request on paired legs has on the engines, one per prompt.
 	legRIDs []string
+	// cutLegs, for a request on paired legs, cuts both legs' calls, the decoder's first, and
+	// reports whether the prefill leg had been answered (the prefiller may hold the KV).
+	cutLegs func() bool
+	// legDrain is a paired engine's drain leg (kvbackend.LegCalls.Drain); nil where an
+	// explicit abort frees a hold.
+	legDrain []byte
 	// abortConn: the answer broke after its headers went out in a non-streaming response; the
 	// only honest end is to cut the connection.
 	abortConn bool

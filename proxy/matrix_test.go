@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -60,10 +62,13 @@ func (c matrixCell) name() string {
 // matrixCells is the matrix, whole or with stream and route paired.
 func matrixCells(full bool) []matrixCell {
 	var cells []matrixCell
-	for _, kind := range []string{"vllm", "sim", "sglang"} {
+	for _, kind := range []string{"vllm", "sim", "sglang", "mooncake"} {
 		proto := faultengine.VLLM
-		if kind == "sglang" {
+		switch kind {
+		case "sglang":
 			proto = faultengine.SGLang
+		case "mooncake":
+			proto = faultengine.Mooncake
 		}
 		for _, leg := range []string{"prefill", "decode"} {
 			for _, fault := range faultengine.Faults() {
@@ -191,9 +196,14 @@ func runCell(t *testing.T, c matrixCell) {
 		}
 	} else {
 		for i := range backends {
-			backends[i].Engine = "sglang"
+			backends[i].Engine = c.kind
 		}
 		backends[0].BootstrapPort = 8998
+		if c.proto == faultengine.Mooncake {
+			// Its bootstrap server's /query is served on the engine's own port.
+			u, _ := url.Parse(p.URL())
+			backends[0].BootstrapPort, _ = strconv.Atoi(u.Port())
+		}
 	}
 	cfg := Config{
 		PrefillTimeout:         400 * time.Millisecond,
@@ -249,9 +259,10 @@ func runCell(t *testing.T, c matrixCell) {
 	if n := h.value("pdproxy_panics_total", nil); n != 0 {
 		t.Errorf("%v panics", n)
 	}
-	if c.proto == faultengine.VLLM {
+	switch c.proto {
+	case faultengine.VLLM:
 		paramsAtOneDecoder(t, engines["d0"], engines["d1"])
-	} else {
+	case faultengine.SGLang:
 		legsAbortedDecoderFirst(t, c, p, d0, got)
 	}
 	// Only the faulty engine is blamed for a failure.

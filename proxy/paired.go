@@ -3,8 +3,11 @@ package proxy
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
+	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/pdproxy/pdproxy/kvbackend"
@@ -33,7 +36,10 @@ func (x *exchange) serveLegs() *apiError {
 	}
 	p := lease.Backend()
 	x.prefillB = p
-	port, err := x.s.bootstrapPort(x.ctx, p)
+	bs, err := x.s.bootstrap(x.ctx, p)
+	if err == nil && len(bs.EngineIDs) > 0 {
+		err = pickPrefillRank(&bs, lease)
+	}
 	if err != nil {
 		lease.Release(resultOf(err, x.ctx))
 		if x.ctx.Err() != nil {
@@ -42,11 +48,19 @@ func (x *exchange) serveLegs() *apiError {
 		x.fail(router.Result{Canceled: true})
 		return fromBackend(&kvbackend.CallError{Err: err}, router.RolePrefill, "prefill_timeout")
 	}
-	leg := kvbackend.Leg{Host: p.URL.Hostname(), Port: port, Room: kvbackend.NewRoom(), RID: x.engineID, Prompts: x.req.prompts}
+	leg := kvbackend.Leg{Host: p.URL.Hostname(), Port: bs.Port, Room: kvbackend.NewRoom(), RID: x.engineID, Prompts: x.req.prompts,
+		TransferID: "xfer-" + x.engineID, Rank: -1}
+	if len(bs.EngineIDs) > 0 {
+		leg.Rank = bs.Ranks()[0]
+		leg.EngineID = bs.EngineIDs[leg.Rank]
+	} else if r, ok := lease.Rank(); ok {
+		leg.Rank = r
+	}
 	x.legRIDs = leg.RIDs()
-	var body []byte
+	var calls kvbackend.LegCalls
+	defer func() { x.legDrain = calls.Drain }()
 	err = x.s.guard(x.id, func() (err error) {
-		body, err = eng.LegBody(x.req.fields, leg)
+		calls, err = eng.Legs(x.req.fields, leg)
 		return err
 	})
 	if err != nil {
@@ -72,9 +86,10 @@ func (x *exchange) serveLegs() *apiError {
 	// prefill_timeout): it is cut only when the request fails or the client leaves.
 	pctx, pcancel := context.WithTimeoutCause(context.WithoutCancel(x.ctx), x.s.cfg.PrefillTimeout, errPhaseTimeout)
 	prefilled := make(chan error, 1)
-	pcall := x.call(p, x.route, body)
+	pcall := withHeader(x.call(p, x.route, calls.Prefill), calls.PrefillHeader, nil)
 	clientCtx := x.ctx
 	pspan := x.callSpan(spanPrefillLeg, p)
+	var prefillDone atomic.Bool // the prefill leg was answered: the prefiller may hold the KV
 	x.s.bg.Add(1)
 	go func() {
 		defer x.s.bg.Done()
@@ -97,6 +112,7 @@ func (x *exchange) serveLegs() *apiError {
 			res = router.Result{Canceled: true}
 		}
 		lease.Release(res)
+		prefillDone.Store(err == nil)
 		prefilled <- err
 	}()
 	served := false
@@ -110,12 +126,17 @@ func (x *exchange) serveLegs() *apiError {
 	wd := newWatchdog(x.ctx, false, false, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
 	defer wd.stop()
 	x.joined = func() { x.s.table.LegsJoined(x.id) }
+	x.cutLegs = func() bool {
+		wd.cancel(errLegsAborted)
+		pcancel()
+		return prefillDone.Load()
+	}
 	type answer struct {
 		resp *http.Response
 		err  error
 	}
 	decoded := make(chan answer, 1)
-	dcall := x.call(d, x.route, body)
+	dcall := withHeader(x.call(d, x.route, calls.Decode), calls.DecodeHeader, x.own.lease)
 	dspan := x.callSpan(spanDecodeLeg, d)
 	var derr error
 	defer func() { endSpan(dspan, derr) }()
@@ -133,8 +154,10 @@ func (x *exchange) serveLegs() *apiError {
 		case err := <-prefilled:
 			prefilled = nil // the leg is done; a nil channel is never ready again
 			if err == nil {
-				// The prefiller answers once the room's KV went to the decoder.
-				x.joinLegs()
+				if eng.AnswersAfterTransfer() {
+					// The prefiller answers once the room's KV went to the decoder.
+					x.joinLegs()
+				}
 				continue
 			}
 			if x.ctx.Err() != nil {
@@ -167,7 +190,10 @@ func (x *exchange) serveLegs() *apiError {
 	return e
 }
 
-var errPrefillLegFailed = errors.New("the prefill leg failed")
+var (
+	errPrefillLegFailed = errors.New("the prefill leg failed")
+	errLegsAborted      = errors.New("the legs were aborted")
+)
 
 // joinLegs records, once, that the decoder has the room's KV: the prefill is done.
 func (x *exchange) joinLegs() {
@@ -178,50 +204,84 @@ func (x *exchange) joinLegs() {
 	}
 }
 
-// bootstrapPort is the port of p's bootstrap server: configured, or asked of the engine once
-// (DiscoverBootstrapPorts asks again at start and on reload).
-func (s *Server) bootstrapPort(ctx context.Context, p *router.Backend) (int, error) {
-	if p.BootstrapPort > 0 {
-		return p.BootstrapPort, nil
+// pickPrefillRank keeps, of a Mooncake prefiller's ranks, the one the prefill leg goes to:
+// the lease's, when the backend declares its data-parallel ranks, else its first.
+func pickPrefillRank(bs *kvbackend.Bootstrap, lease *router.Lease) error {
+	rank := bs.Ranks()[0]
+	if r, ok := lease.Rank(); ok {
+		rank = r
 	}
-	if port, ok := s.bootstrap.Load(p.URLString); ok {
-		return port.(int), nil
+	id, ok := bs.EngineIDs[rank]
+	if !ok {
+		return fmt.Errorf("the prefiller's bootstrap server names no rank %d (it names %v): its data_parallel_size is wrong", rank, bs.Ranks())
+	}
+	bs.EngineIDs = map[int]string{rank: id}
+	return nil
+}
+
+// withHeader is call with h's headers added, and, when lease took a data-parallel rank, the
+// header naming it.
+func withHeader(call kvbackend.Call, h http.Header, lease *router.Lease) kvbackend.Call {
+	rank, ranked := lease.Rank()
+	if len(h) == 0 && !ranked {
+		return call
+	}
+	hdr := call.Header.Clone()
+	if hdr == nil {
+		hdr = http.Header{}
+	}
+	for k, v := range h {
+		hdr[k] = v
+	}
+	if ranked {
+		hdr.Set(kvbackend.DataParallelRankHeader, strconv.Itoa(rank))
+	}
+	call.Header = hdr
+	return call
+}
+
+// bootstrap is what p's bootstrap server says (its port; Mooncake's engine ids by rank),
+// asked of the engine once (DiscoverBootstrapPorts asks again at start and on reload).
+func (s *Server) bootstrap(ctx context.Context, p *router.Backend) (kvbackend.Bootstrap, error) {
+	if bs, ok := s.bootstraps.Load(p.URLString); ok {
+		return bs.(kvbackend.Bootstrap), nil
 	}
 	v, err, _ := s.discover.Do(p.URLString, func() (any, error) {
 		// Shared by every request waiting on it, so detached from this one's client.
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), defaultAbortCallTimeout)
 		defer cancel()
-		return s.discoverBootstrapPort(ctx, p)
+		return s.discoverBootstrap(ctx, p)
 	})
 	if err != nil {
-		return 0, err
+		return kvbackend.Bootstrap{}, err
 	}
-	return v.(int), nil
+	return v.(kvbackend.Bootstrap), nil
 }
 
-func (s *Server) discoverBootstrapPort(ctx context.Context, p *router.Backend) (int, error) {
+func (s *Server) discoverBootstrap(ctx context.Context, p *router.Backend) (kvbackend.Bootstrap, error) {
 	eng, ok := engineOf(p).(kvbackend.Paired)
 	if !ok {
-		return 0, errors.New("not a paired engine")
+		return kvbackend.Bootstrap{}, errors.New("not a paired engine")
 	}
-	port, err := eng.BootstrapPort(ctx, p.Client(), baseURL(p))
+	bs, err := eng.Bootstrap(ctx, p.Client(), baseURL(p), p.BootstrapPort)
 	if err != nil {
-		return 0, err
+		return kvbackend.Bootstrap{}, err
 	}
-	s.bootstrap.Store(p.URLString, port)
-	return port, nil
+	s.bootstraps.Store(p.URLString, bs)
+	return bs, nil
 }
 
-// DiscoverBootstrapPorts asks every paired prefiller without a configured bootstrap_port for
-// its port (SGLang: GET /server_info), at start and after a reload. One that does not answer
-// is asked again by its first request.
+// DiscoverBootstrapPorts asks every paired prefiller what its bootstrap server says (SGLang:
+// its port, from GET /server_info, unless bootstrap_port is configured; Mooncake: its ranks'
+// engine ids, from GET /query), at start and after a reload. One that does not answer is
+// asked again by its first request.
 func (s *Server) DiscoverBootstrapPorts(ctx context.Context) error {
 	var errs []error
 	for _, p := range s.router.Available(router.RolePrefill) {
-		if _, ok := engineOf(p).(kvbackend.Paired); !ok || p.BootstrapPort > 0 {
+		if _, ok := engineOf(p).(kvbackend.Paired); !ok {
 			continue
 		}
-		if _, err := s.discoverBootstrapPort(ctx, p); err != nil {
+		if _, err := s.discoverBootstrap(ctx, p); err != nil {
 			errs = append(errs, err)
 		}
 	}

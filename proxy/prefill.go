@@ -150,7 +150,7 @@ type prefillAnswer struct {
 // its KV is released as soon as the prefiller answers (gone is then true: the client's leaving
 // has been handled).
 func (x *exchange) callPrefill(lease *router.Lease, b *router.Backend, body []byte) (params json.RawMessage, err error, gone bool) {
-	call := x.call(b, x.route, body)
+	call := withHeader(x.call(b, x.route, body), nil, lease)
 	timeout := x.s.cfg.PrefillTimeout
 	span := x.callSpan(spanPrefill, b)
 	if x.s.cfg.AbortDuringPrefill == AbortPrefillCancel {

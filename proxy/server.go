@@ -233,9 +233,9 @@ type Server struct {
 	bg sync.WaitGroup
 
 	models modelCache
-	// bootstrap caches paired prefillers' bootstrap ports by URL; discover makes concurrent
-	// first requests share one discovery.
-	bootstrap sync.Map
+	// bootstraps caches what paired prefillers' bootstrap servers said, by URL; discover
+	// makes concurrent first requests share one discovery.
+	bootstraps sync.Map
 	discover  singleflight.Group
 	// keys are the client API keys; nil means none are required.
 	keys *keyring
@@ -243,6 +243,8 @@ type Server struct {
 	sidecar *sidecar
 	// tr traces requests (WithTracerProvider); nil when tracing is off.
 	tr *tracer
+	// aborts are the last clients that left, for the live view.
+	aborts *abortRing
 }
 
 // New builds a Server. reg receives the proxy's metrics; gather is served on /metrics (pass
@@ -251,7 +253,8 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, router: rt, table: table, logger: logger, m: newMetrics(reg), gather: gather}
+	s := &Server{cfg: cfg, router: rt, table: table, logger: logger, m: newMetrics(reg), gather: gather,
+		aborts: newAbortRing(recentAbortsKept)}
 	for _, o := range opts {
 		o(s)
 	}
@@ -331,6 +334,8 @@ func (s *Server) routes() http.Handler {
 	r.Get("/ready", s.handleReady)
 	r.Get("/debug/requests", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, s.table.Snapshot()) })
 	r.Get("/debug/backends", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, s.router.Backends()) })
+	r.Get("/debug/ui", s.handleLiveView)
+	r.Get("/debug/ui/state", s.handleLiveState)
 	if s.gather != nil {
 		r.Method(http.MethodGet, "/metrics", promhttp.HandlerFor(s.gather, promhttp.HandlerOpts{}))
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"reflect"
 	"slices"
 	"testing"
 	"time"
@@ -218,7 +219,7 @@ func TestBackendsReportsStatus(t *testing.T) {
 		t.Fatalf("Backends() = %+v", got)
 	}
 	for i := range want {
-		if got[i] != want[i] {
+		if !reflect.DeepEqual(got[i], want[i]) {
 			t.Errorf("Backends()[%d] = %+v, want %+v", i, got[i], want[i])
 		}
 	}
@@ -292,7 +293,7 @@ func TestClientTransportIsTunedPerBackend(t *testing.T) {
 					t.Errorf("%s: transport = idle/host %d, conns/host %d, h2 %v", tc.client, tr.MaxIdleConnsPerHost, tr.MaxConnsPerHost, tr.ForceAttemptHTTP2)
 				}
 			case *h1client.Transport:
-				if o := tr.Options(); tc.client != EngineClientLean || o.MaxIdlePerHost != 32 || o.IdleTimeout != 90*time.Second || o.DialTimeout != 3*time.Second {
+				if o := tr.Options(); tc.client != EngineClientLean || o.MaxIdlePerHost != 32 || o.IdleTimeout != 90*time.Second || o.DialTimeout != 3*time.Second || o.MaxResponseHeaderBytes != h1client.DefaultMaxResponseHeaderBytes {
 					t.Errorf("%s: lean transport options %+v", tc.client, o)
 				}
 			default:

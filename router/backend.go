@@ -56,6 +56,9 @@ type Backend struct {
 // backendState is the live state of a backend.
 type backendState struct {
 	inflight atomic.Int64
+	// ranks counts the leases in flight on each data-parallel rank; nil for an engine of
+	// one rank. A lease keeps a pointer to its own rank's counter.
+	ranks []atomic.Int64
 	// up is the active health verdict; backends start up so the proxy serves before
 	// the first check round completes.
 	up atomic.Bool
@@ -91,6 +94,13 @@ func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendSta
 	if st == nil {
 		st = &backendState{}
 		st.up.Store(true)
+	}
+	if n := c.DataParallelSize; n > 1 && len(st.ranks) != n {
+		// A reload that changes the size starts the ranks' counts afresh; leases in flight
+		// keep counting on the counters they took.
+		st.ranks = make([]atomic.Int64, n)
+	} else if n <= 1 {
+		st.ranks = nil
 	}
 	if client == nil {
 		client = newClient(clientOptions{maxInflight: c.MaxInflight})
@@ -239,6 +249,9 @@ func newClient(o clientOptions) *http.Client {
 			MaxIdlePerHost:      max(o.maxInflight, 1),
 			TLS:                 tlsConf,
 			TLSHandshakeTimeout: tr.TLSHandshakeTimeout,
+			// The head limit net/http's transport applies (its default, 10 MiB): an engine's
+			// answer that one client takes the other takes too.
+			MaxResponseHeaderBytes: tr.MaxResponseHeaderBytes,
 		})
 		var rt http.RoundTripper = lt
 		if o.apiKey != "" {

@@ -23,6 +23,9 @@ const (
 	RoleDecode Role = "decode"
 )
 
+// maxDataParallelSize bounds data_parallel_size: vLLM's largest deployments run far fewer.
+const maxDataParallelSize = 1024
+
 // Policy names accepted by Config.PrefillPolicy and Config.DecodePolicy.
 const (
 	PolicyLeastInflight  = "least_inflight"
@@ -124,6 +127,12 @@ type BackendConfig struct {
 	// MaxInflight is how many requests the router sends at once before queueing. Zero
 	// means 256.
 	MaxInflight int `yaml:"max_inflight"`
+	// DataParallelSize is how many data-parallel ranks the engine serves behind its one
+	// API server (vLLM's --data-parallel-size): each lease then takes the rank with the
+	// fewest of the backend's requests in flight, which the proxy names in the
+	// X-data-parallel-rank header of the calls that need it. 0 or 1 means one rank, and no
+	// header.
+	DataParallelSize int `yaml:"data_parallel_size"`
 	// Engine is the engine kind, one of Config.Engines' kinds; empty means its default
 	// (vllm, with cmd/proxy's catalog).
 	Engine string `yaml:"engine"`
@@ -629,6 +638,9 @@ func (c *Config) Validate() error {
 		}
 		if b.MaxInflight < 0 {
 			bad(f+".max_inflight", "%d is negative", b.MaxInflight)
+		}
+		if b.DataParallelSize < 0 || b.DataParallelSize > maxDataParallelSize {
+			bad(f+".data_parallel_size", "%d is not between 0 and %d", b.DataParallelSize, maxDataParallelSize)
 		}
 		if _, ok := engineOf(c.Engines, b.Engine); !ok {
 			bad(f+".engine", "unknown engine %q (want one of %s)", b.Engine, strings.Join(c.Engines.Kinds(), ", "))

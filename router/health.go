@@ -148,7 +148,7 @@ func refusalOf(err error) (refusal, bool) {
 
 // refused takes b out after a call to it was refused at connect: down until the active
 // checks bring it back, or, with them off, ejected for the back-off (then on probation), so
-// that it is never stranded. Live requests no longer find out one by one that it is gone.
+// that it is never stranded, and so that live requests do not each find out that it is gone.
 func (r *Router) refused(b *Backend, ref refusal, err error) {
 	st := r.settings.Load()
 	if st.health.Interval > 0 {

@@ -367,6 +367,26 @@ type BackendStatus struct {
 	// PrefixCache is what the proxy believes the engine's prefix cache holds; absent unless
 	// its pool's policy is cache_aware or precise_cache_aware.
 	PrefixCache *PrefixCacheStatus `json:"prefix_cache,omitempty"`
+	// Ranks are the engine's data-parallel ranks with their in-flight counts; absent for
+	// an engine of one rank.
+	Ranks []RankStatus `json:"ranks,omitempty"`
+}
+
+// RankStatus is one data-parallel rank of a backend.
+type RankStatus struct {
+	Rank     int   `json:"rank"`
+	Inflight int64 `json:"inflight"`
+}
+
+func (b *Backend) rankStatus() []RankStatus {
+	if len(b.st.ranks) < 2 {
+		return nil
+	}
+	out := make([]RankStatus, len(b.st.ranks))
+	for i := range b.st.ranks {
+		out[i] = RankStatus{Rank: i, Inflight: b.st.ranks[i].Load()}
+	}
+	return out
 }
 
 // Backends reports every current backend in config order.
@@ -389,6 +409,7 @@ func (r *Router) Backends() []BackendStatus {
 			Engine:      b.Engine.Kind(),
 			Load:        b.loadStatus(now),
 			PrefixCache: r.prefixCacheStatus(b, now),
+			Ranks:       b.rankStatus(),
 		})
 	}
 	return out
@@ -610,7 +631,19 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool) {
 
 func (p *pool) leaseLocked(b *Backend) *Lease {
 	b.st.inflight.Add(1)
-	return &Lease{b: b, p: p}
+	l := &Lease{b: b, p: p, rank: -1}
+	if ranks := b.st.ranks; len(ranks) > 1 {
+		// The rank with the fewest in flight; ties go to the lowest.
+		best := 0
+		for i := range ranks {
+			if ranks[i].Load() < ranks[best].Load() {
+				best = i
+			}
+		}
+		ranks[best].Add(1)
+		l.rank, l.rankCount = best, &ranks[best]
+	}
+	return l
 }
 
 // dispatchLocked hands free slots to waiters, oldest first. A waiter that excludes the
@@ -690,6 +723,19 @@ type Lease struct {
 	b        *Backend
 	p        *pool
 	released atomic.Bool
+	// rank is the data-parallel rank the lease took, -1 for an engine of one rank;
+	// rankCount its counter.
+	rank      int
+	rankCount *atomic.Int64
+}
+
+// Rank is the data-parallel rank the lease took on its backend; ok is false for an engine
+// of one rank, whose calls name none.
+func (l *Lease) Rank() (rank int, ok bool) {
+	if l == nil || l.rank < 0 {
+		return 0, false
+	}
+	return l.rank, true
 }
 
 // Backend is the backend the lease counts on.
@@ -708,6 +754,9 @@ func (l *Lease) Backend() *Backend {
 func (l *Lease) Release(res Result) {
 	if l == nil || !l.released.CompareAndSwap(false, true) {
 		return
+	}
+	if l.rankCount != nil {
+		l.rankCount.Add(-1)
 	}
 	r := l.p.r
 	code, counted, failed := res.outcome()

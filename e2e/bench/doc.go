@@ -3,6 +3,6 @@
 // Go benchmarks (bench_test.go, in-process) and a vegeta-driven harness (harness_test.go,
 // with the proxy in a process of its own so that its CPU and memory can be read apart). A
 // tiny version of the harness runs with every `go test`, so that it cannot rot;
-// PDPROXY_BENCH=full runs the real one. BENCHMARKS.md at the repository root holds the
+// PDPROXY_BENCH=full runs the real one. docs/benchmarks.md holds the
 // figures and the commands that produced them.
 package bench

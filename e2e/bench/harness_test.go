@@ -88,7 +88,7 @@ type harness struct {
 	profileDir string
 	rep        *report
 	// proxies by mode ("aggregated", "pd"): the proxy on its default engine client, and the
-	// same on engine_client stdlib, the before of issue 15 measured in the same run.
+	// same on engine_client stdlib (Go's net/http client), so that both are measured in one run.
 	proxy, stdlib map[string]*proxyProc
 	// nginx is in front of the decoder, for the aggregated figures; nil when not installed.
 	nginx *nginxProc

@@ -13,7 +13,7 @@ import (
 	"time"
 )
 
-// nginxProc is an nginx in front of the decoder, the reference the issue measures the proxy
+// nginxProc is an nginx in front of the decoder, the reference the proxy is measured
 // against: a reverse proxy in C with keep-alive upstream connections and no buffering, as
 // one puts in front of an SSE engine. The harness runs it when the nginx binary is installed
 // (apt-get install nginx-light), and says so in the report when it is not; CI does not

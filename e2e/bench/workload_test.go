@@ -93,7 +93,12 @@ func (w *chatWorkload) messages(r turnRef) []sim.ChatMessage {
 }
 
 // body is the chat completion request of one turn: a short answer, not streamed.
-func (w *chatWorkload) body(r turnRef) []byte {
+func (w *chatWorkload) body(r turnRef) []byte { return w.request(r, false) }
+
+// streamBody is the same request, streamed.
+func (w *chatWorkload) streamBody(r turnRef) []byte { return w.request(r, true) }
+
+func (w *chatWorkload) request(r turnRef, stream bool) []byte {
 	type msg struct {
 		Role    string `json:"role"`
 		Content string `json:"content"`
@@ -102,7 +107,7 @@ func (w *chatWorkload) body(r turnRef) []byte {
 	for _, m := range w.messages(r) {
 		ms = append(ms, msg{m.Role, m.Content})
 	}
-	b, _ := json.Marshal(map[string]any{"model": "sim", "messages": ms, "max_tokens": 4, "ignore_eos": true})
+	b, _ := json.Marshal(map[string]any{"model": "sim", "messages": ms, "max_tokens": 4, "ignore_eos": true, "stream": stream})
 	return b
 }
 

@@ -82,6 +82,9 @@ type Protocol string
 const (
 	VLLM   Protocol = "vllm"
 	SGLang Protocol = "sglang"
+	// Mooncake is vLLM's MooncakeConnector: legs at once under a transfer id, the
+	// prefiller's bootstrap /query served on the engine's own port.
+	Mooncake Protocol = "mooncake"
 )
 
 // Config is one engine.
@@ -295,6 +298,8 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 	switch req.URL.Path {
 	case "/server_info", "/get_server_info":
 		return writeJSON(c, 200, `{"disaggregation_mode":"prefill","disaggregation_bootstrap_port":8998}`)
+	case "/query":
+		return writeJSON(c, 200, `{"0":{"engine_id":"fault-prefill-0"}}`)
 	case "/abort_request":
 		return writeRaw(c, "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
 	case "/health", "/v1/models", "/metrics":
@@ -340,8 +345,11 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 		payload = []string{`{"id":"c","object":"text_completion","choices":[{"index":0,"text":"hello","finish_reason":"stop"}]}`}
 	}
 
-	if e.cfg.Protocol == SGLang && e.cfg.Rooms != nil {
+	if (e.cfg.Protocol == SGLang || e.cfg.Protocol == Mooncake) && e.cfg.Rooms != nil {
 		room := string(rawField(body, "bootstrap_room"))
+		if e.cfg.Protocol == Mooncake {
+			room = string(rawField(rawField(body, "kv_transfer_params"), "transfer_id"))
+		}
 		switch {
 		case prefill && sendsHead(fault):
 			e.cfg.Rooms.transferred(room)

@@ -6,4 +6,7 @@
 // A request goes out in one write; connections are pooled per host and reused only after a
 // body was read to its end and the server did not ask to close; an abort is the request's
 // context closing its connection (one context.AfterFunc), which is how an engine learns of it.
+// A response is read as net/http's transport reads it, limits included, so that a backend
+// gets the same answer from either engine client; response.go lists the few places where it
+// is stricter, and FuzzParseHead holds it to both.
 package h1client

@@ -118,7 +118,8 @@ func (p *pools) closeIdle() {
 }
 
 // dial connects to u's host, with TLS for https. A failed TCP connect comes back as the
-// dialer's *net.OpError (Op "dial"): the backend provably never saw the request.
+// dialer's *net.OpError (Op "dial"), a failed handshake as an UnsentError: either way the
+// backend provably never saw the request.
 func (p *pools) dial(ctx context.Context, u *url.URL, key string) (*conn, error) {
 	addr := canonicalAddr(u)
 	nc, err := p.dialer.DialContext(ctx, "tcp", addr)
@@ -138,7 +139,8 @@ func (p *pools) dial(ctx context.Context, u *url.URL, key string) (*conn, error)
 		cancel()
 		if err != nil {
 			nc.Close()
-			return nil, fmt.Errorf("tls handshake with %s: %w", addr, err)
+			// No byte of the request went out.
+			return nil, &UnsentError{Err: fmt.Errorf("tls handshake with %s: %w", addr, err)}
 		}
 		nc = tc
 	}

@@ -3,7 +3,6 @@ package h1client
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -11,101 +10,230 @@ import (
 	"net/http/httptrace"
 	"net/textproto"
 	"strconv"
-	"sync/atomic"
+	"strings"
 )
 
-// Limits of a response head: an engine's is a few hundred bytes.
+// The response parser accepts what net/http's transport accepts (http.ReadResponse, then its
+// transport's framing) and refuses what it refuses, so that engine_client lean and stdlib
+// answer a backend alike. It is stricter in a few places only, each where the input is how
+// responses are smuggled or split, or cannot be framed at all (FuzzParseHead holds the list):
+//   - Transfer-Encoding and Content-Length on one body (RFC 9112 section 6.3 says it "ought
+//     to be handled as an error"; net/http drops the Content-Length and reads chunks);
+//   - Transfer-Encoding in an HTTP/1.0 response (RFC 9112 section 6.1: the framing is faulty;
+//     net/http ignores the field and frames by Content-Length or the close);
+//   - whitespace in a field name, as in "Content-Length : 5" (RFC 9112 section 5.1; net/http
+//     keeps such a field under its raw name, so it frames the body as if it were absent);
+//   - a version other than HTTP/1.x ("HTTP/0.9", "HTTP/2.0" in text), which says the peer does
+//     not frame as HTTP/1.1 does, and a status code below 100 or signed ("+20", "-00"), which
+//     RFC 9110 section 15 does not define and net/http takes as a final answer;
+//   - 101 Switching Protocols: this client never asks to upgrade, and it cannot hand the
+//     connection over (net/http gives a writable body to a 101 with Upgrade).
+
+// DefaultMaxResponseHeaderBytes is Options.MaxResponseHeaderBytes when zero: net/http's
+// transport's default (its MaxResponseHeaderBytes).
+const DefaultMaxResponseHeaderBytes = 10 << 20
+
+// Limits net/http's chunked reader sets, kept so that a chunked body framed by one client is
+// framed by the other.
 const (
-	maxHeaderLines = 100
-	maxInterim     = 10 // 1xx answers before the final one
+	// maxChunkLine bounds a chunk-size line, its CRLF included.
+	maxChunkLine = 4 << 10
+	// maxChunkOverhead bounds the bytes of chunk heads beyond 16 per chunk plus twice its
+	// data: tiny chunks with long extensions are a way to make a reader spin.
+	maxChunkOverhead = 16 << 10
+)
+
+// HeadTooLargeError is a response whose head (status line and header lines, interim 1xx
+// answers included) is over the limit, Options.MaxResponseHeaderBytes.
+type HeadTooLargeError struct{ Limit int64 }
+
+func (e *HeadTooLargeError) Error() string {
+	return fmt.Sprintf("response head over the limit of %d bytes", e.Limit)
+}
+
+var (
+	errLineTooLong = errors.New("chunk size line over 4096 bytes")
+	errTrailerEOF  = errors.New("unexpected EOF reading trailer")
+)
+
+// The refusals of what net/http accepts, listed at the top of the file; FuzzParseHead lets
+// them through, and no other.
+var (
+	errBothFramings = errors.New("response has both Transfer-Encoding and Content-Length")
+	errTE10         = errors.New("HTTP/1.0 response with Transfer-Encoding")
+	errKeySpace     = errors.New("whitespace in a header field name")
+	errVersion      = errors.New("not an HTTP/1.x response")
+	errStatusCode   = errors.New("status code below 100 or signed")
+	errSwitch       = errors.New("101 Switching Protocols to a request that asked for no upgrade")
 )
 
 // readResponse reads the response to req from c, past any 1xx: a 100 Continue is the
 // trace's Got100Continue, the backend's acknowledgement that its handler took the request.
 func (c *conn) readResponse(req *http.Request, trace *httptrace.ClientTrace) (*http.Response, error) {
-	for i := 0; ; i++ {
-		resp, err := parseHead(c.br)
+	return readResponse(c.br, req.Method, c.p.opts.MaxResponseHeaderBytes, trace)
+}
+
+// readResponse reads a response head from br and frames its body (resp.Body is a *body).
+// limit bounds the heads read, interim answers included, as net/http's transport bounds them
+// when no trace takes the 1xx answers (Got1xxResponse, which this client does not offer).
+func readResponse(br *bufio.Reader, method string, limit int64, trace *httptrace.ClientTrace) (*http.Response, error) {
+	left := limit
+	for {
+		resp, err := parseHead(br, &left)
 		if err != nil {
+			var tl *HeadTooLargeError
+			if errors.As(err, &tl) {
+				tl.Limit = limit
+			}
 			return nil, fmt.Errorf("read response head: %w", err)
 		}
-		if resp.StatusCode >= 100 && resp.StatusCode < 200 && resp.StatusCode != http.StatusSwitchingProtocols {
-			if i >= maxInterim {
-				return nil, fmt.Errorf("read response head: %d interim answers", i+1)
+		if resp.StatusCode == http.StatusSwitchingProtocols {
+			return nil, fmt.Errorf("read response head: %w", errSwitch)
+		}
+		if resp.StatusCode < 200 {
+			// net/http frames an interim answer too, and refuses it on the same grounds.
+			if err := frame(resp, method, br); err != nil {
+				return nil, err
 			}
 			if resp.StatusCode == http.StatusContinue && trace != nil && trace.Got100Continue != nil {
 				trace.Got100Continue()
 			}
 			continue
 		}
-		resp.Request = req
-		if err := frame(resp, req.Method, c.br); err != nil {
+		if err := frame(resp, method, br); err != nil {
 			return nil, err
 		}
 		return resp, nil
 	}
 }
 
-// parseHead reads a status line and headers. It is the part of the client a backend's bytes
-// reach first, hence FuzzParseHead.
-func parseHead(br *bufio.Reader) (*http.Response, error) {
-	line, err := readLine(br)
+// parseHead reads a status line and header fields, drawing their bytes from *left. It is the
+// part of the client a backend's bytes reach first, hence FuzzParseHead.
+func parseHead(br *bufio.Reader, left *int64) (*http.Response, error) {
+	line, err := readLine(br, left)
 	if err != nil {
-		if err == io.EOF {
-			err = io.ErrUnexpectedEOF
+		return nil, unexpected(err)
+	}
+	// HTTP-version SP status-code [SP reason-phrase]; like net/http, more spaces before the
+	// code, and any HTTP/1 minor version (RFC 9112 section 2.3: read as HTTP/1.1).
+	if len(line) < 9 || string(line[:5]) != "HTTP/" || !isDigit(line[5]) || line[6] != '.' || !isDigit(line[7]) || line[8] != ' ' {
+		return nil, fmt.Errorf("malformed status line %q", truncate(line))
+	}
+	if line[5] != '1' {
+		return nil, fmt.Errorf("%w %q", errVersion, truncate(line))
+	}
+	resp := &http.Response{ProtoMajor: 1, ProtoMinor: int(line[7] - '0')}
+	switch resp.ProtoMinor {
+	case 1:
+		resp.Proto = "HTTP/1.1"
+	case 0:
+		resp.Proto = "HTTP/1.0"
+	default:
+		resp.Proto = string(line[:8])
+	}
+	status := bytes.TrimLeft(line[9:], " ")
+	code, _, _ := bytes.Cut(status, []byte(" "))
+	if len(code) != 3 || code[0] < '1' || code[0] > '9' || !isDigit(code[1]) || !isDigit(code[2]) {
+		if n, err := strconv.Atoi(string(code)); len(code) == 3 && err == nil && n >= 0 {
+			return nil, fmt.Errorf("%w in %q", errStatusCode, truncate(line)) // net/http takes it
 		}
-		return nil, err
-	}
-	resp := &http.Response{Header: make(http.Header, 6)}
-	// HTTP/1.x SP 3DIGIT [SP reason]
-	if len(line) < 12 || !bytes.HasPrefix(line, []byte("HTTP/1.")) || line[8] != ' ' || (line[7] != '0' && line[7] != '1') {
-		return nil, fmt.Errorf("malformed status line %q", truncate(line))
-	}
-	resp.Proto, resp.ProtoMajor, resp.ProtoMinor = "HTTP/1.1", 1, 1
-	if line[7] == '0' {
-		resp.Proto, resp.ProtoMinor = "HTTP/1.0", 0
-	}
-	code := line[9:12]
-	if code[0] < '1' || code[0] > '5' || code[1] < '0' || code[1] > '9' || code[2] < '0' || code[2] > '9' || (len(line) > 12 && line[12] != ' ') {
-		return nil, fmt.Errorf("malformed status line %q", truncate(line))
+		return nil, fmt.Errorf("malformed status code in %q", truncate(line))
 	}
 	resp.StatusCode = int(code[0]-'0')*100 + int(code[1]-'0')*10 + int(code[2]-'0')
-	resp.Status = string(line[9:])
-	for n := 0; ; n++ {
-		line, err := readLine(br)
+	resp.Status = string(status)
+	if resp.Header, err = readHeader(br, left); err != nil {
+		return nil, err
+	}
+	// RFC 9111 section 5.4, as net/http has it: Pragma: no-cache is Cache-Control: no-cache.
+	if p := resp.Header["Pragma"]; len(p) > 0 && p[0] == "no-cache" {
+		if _, ok := resp.Header["Cache-Control"]; !ok {
+			resp.Header["Cache-Control"] = []string{"no-cache"}
+		}
+	}
+	return resp, nil
+}
+
+// readHeader reads header fields up to the empty line that ends them, as textproto's
+// ReadMIMEHeader does: a line starting with a space or tab continues the one before (obs-fold,
+// RFC 9112 section 5.2, which a client must turn into spaces), values are trimmed, and a
+// value's bytes are VCHAR, obs-text, space and tab. Unlike it, a field name must be a token.
+func readHeader(br *bufio.Reader, left *int64) (http.Header, error) {
+	h := make(http.Header, 6)
+	if p, err := br.Peek(1); err == nil && (p[0] == ' ' || p[0] == '\t') {
+		return nil, errors.New("malformed header: the first line is a continuation")
+	}
+	for {
+		line, err := readLine(br, left)
 		if err != nil {
-			if err == io.EOF {
-				err = io.ErrUnexpectedEOF
-			}
-			return nil, err
+			return nil, unexpected(err)
 		}
 		if len(line) == 0 {
-			return resp, nil
-		}
-		if n >= maxHeaderLines {
-			return nil, errTooLarge
+			return h, nil
 		}
 		i := bytes.IndexByte(line, ':')
-		if i <= 0 {
+		if i < 0 {
 			return nil, fmt.Errorf("malformed header line %q", truncate(line))
 		}
-		key := line[:i]
-		for _, b := range key {
+		rawKey := line[:i]
+		if len(rawKey) == 0 {
+			return nil, fmt.Errorf("malformed header line %q", truncate(line))
+		}
+		for _, b := range rawKey {
+			if b == ' ' {
+				return nil, fmt.Errorf("%w: %q", errKeySpace, truncate(rawKey))
+			}
 			if !isTokenByte(b) {
-				return nil, fmt.Errorf("malformed header key %q", truncate(key))
+				return nil, fmt.Errorf("malformed header key %q", truncate(rawKey))
 			}
 		}
-		v := bytes.Trim(line[i+1:], " \t")
-		for _, b := range v {
-			if b < ' ' && b != '\t' || b == 0x7f {
-				return nil, fmt.Errorf("malformed header value of %q", truncate(key))
-			}
-		}
-		k, ok := commonKeys[string(key)]
+		k, ok := commonKeys[string(rawKey)]
 		if !ok {
-			k = textproto.CanonicalMIMEHeaderKey(string(key))
+			k = textproto.CanonicalMIMEHeaderKey(string(rawKey))
 		}
-		resp.Header[k] = append(resp.Header[k], string(v))
+		v := trimOWS(line[i+1:])
+		if !validValue(v) {
+			return nil, fmt.Errorf("malformed header value of %q", k)
+		}
+		value := string(v) // line is the reader's buffer, which the Peek below may refill
+		for {
+			if p, err := br.Peek(1); err != nil || p[0] != ' ' && p[0] != '\t' {
+				break
+			}
+			for {
+				p, err := br.Peek(1)
+				if err != nil || p[0] != ' ' && p[0] != '\t' {
+					break
+				}
+				br.Discard(1)
+				*left--
+			}
+			if *left < 0 {
+				return nil, &HeadTooLargeError{}
+			}
+			cont, err := readLine(br, left)
+			if err != nil {
+				return nil, unexpected(err)
+			}
+			cont = trimOWS(cont)
+			if !validValue(cont) {
+				return nil, fmt.Errorf("malformed header value of %q", k)
+			}
+			value += " " + string(cont)
+		}
+		if len(value) > 0 && (value[0] == ' ' || value[0] == '\t') {
+			value = strings.TrimLeft(value, " \t") // an empty first line, folded
+		}
+		h[k] = append(h[k], value)
 	}
+}
+
+func validValue(v []byte) bool {
+	for _, b := range v {
+		if b < ' ' && b != '\t' || b == 0x7f {
+			return false
+		}
+	}
+	return true
 }
 
 // commonKeys spares the canonicalising of the header names engines send.
@@ -118,18 +246,48 @@ var commonKeys = func() map[string]string {
 	return m
 }()
 
-// readLine reads one line, without its CRLF (or LF), that fits the reader's buffer.
-func readLine(br *bufio.Reader) ([]byte, error) {
-	line, err := br.ReadSlice('\n')
-	if err == bufio.ErrBufferFull {
-		return nil, errTooLarge
+// readLine reads one line, without its CRLF (or bare LF, which RFC 9112 section 2.2 lets a
+// recipient take in a head), drawing its bytes from *left. A line cut off by the end of input
+// is an error: in a head, no line can be the last thing a server sends.
+func readLine(br *bufio.Reader, left *int64) ([]byte, error) {
+	line, err := readSlice(br, *left)
+	if err == errOverLimit {
+		return nil, &HeadTooLargeError{}
 	}
 	if err != nil {
 		return nil, err
 	}
+	*left -= int64(len(line))
 	line = line[:len(line)-1]
 	if n := len(line); n > 0 && line[n-1] == '\r' {
 		line = line[:n-1]
+	}
+	return line, nil
+}
+
+// errOverLimit is readSlice's line over its limit.
+var errOverLimit = errors.New("line over the limit")
+
+// readSlice reads through the next LF, and fails when that is more than limit bytes. A line
+// longer than the reader's buffer is gathered into a new slice; a shorter one is the buffer's.
+func readSlice(br *bufio.Reader, limit int64) ([]byte, error) {
+	line, err := br.ReadSlice('\n')
+	if err == bufio.ErrBufferFull {
+		long := append([]byte(nil), line...)
+		for err == bufio.ErrBufferFull {
+			if int64(len(long)) > limit {
+				return nil, errOverLimit
+			}
+			line, err = br.ReadSlice('\n')
+			long = append(long, line...)
+		}
+		line = long
+	}
+	if err != nil {
+		return nil, err
+	}
+	if int64(len(line)) > limit {
+		return nil, errOverLimit
 	}
 	return line, nil
 }
@@ -140,6 +298,8 @@ func truncate(b []byte) []byte {
 	}
 	return b
 }
+
+func isDigit(c byte) bool { return '0' <= c && c <= '9' }
 
 func isTokenByte(c byte) bool {
 	// RFC 9110 tchar.
@@ -154,61 +314,97 @@ func isTokenByte(c byte) bool {
 	return false
 }
 
-// frame decides how resp's body ends (RFC 9112 section 6.3) and gives it its Body.
+// frame decides how resp's body ends (RFC 9112 section 6.3, in net/http's readTransfer's
+// order: the checks of Transfer-Encoding and Content-Length hold whatever the status), and
+// gives resp its Body. It leaves resp's header as net/http does: Transfer-Encoding gone into
+// resp.TransferEncoding, one Content-Length, Trailer gone into resp.Trailer's keys, and
+// Connection gone when it says close on HTTP/1.1.
 func frame(resp *http.Response, method string, br *bufio.Reader) error {
-	b := &body{br: br, n: -1}
-	resp.Body = b
-	resp.ContentLength = -1
-	resp.Close = resp.ProtoMinor == 0 && !hasToken(resp.Header["Connection"], "keep-alive") || hasToken(resp.Header["Connection"], "close")
-	b.reuse = !resp.Close
-	te, cl := resp.Header["Transfer-Encoding"], resp.Header["Content-Length"]
-	switch {
-	case method == http.MethodHead || resp.StatusCode/100 == 1 || resp.StatusCode == http.StatusNoContent || resp.StatusCode == http.StatusNotModified:
-		b.done = true
-		if resp.StatusCode == http.StatusSwitchingProtocols {
-			b.reuse = false // the connection speaks another protocol now
-		}
-		if len(cl) > 0 {
-			if n, err := strconv.ParseInt(cl[0], 10, 64); err == nil && n >= 0 {
-				resp.ContentLength = n
-			}
-		}
-		if method != http.MethodHead {
-			resp.ContentLength = 0
-		}
-	case len(te) > 0:
+	h := resp.Header
+	chunked := false
+	if te, ok := h["Transfer-Encoding"]; ok {
+		delete(h, "Transfer-Encoding")
 		if resp.ProtoMinor == 0 {
-			// RFC 9112 section 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing.
-			return errors.New("HTTP/1.0 response with Transfer-Encoding")
+			return errTE10
 		}
-		if len(te) != 1 || !equalFold(te[0], "chunked") {
-			return fmt.Errorf("unsupported Transfer-Encoding %q", te)
+		if len(te) != 1 {
+			return fmt.Errorf("too many transfer encodings %q", te)
 		}
-		if len(cl) > 0 {
-			// Both framings at once is how responses are smuggled (RFC 9112 section 6.3).
-			return errors.New("response has both Transfer-Encoding and Content-Length")
+		if !equalFold(te[0], "chunked") {
+			return fmt.Errorf("unsupported Transfer-Encoding %q", te[0])
 		}
-		b.chunked = true
-		b.n = 0
+		chunked = true
 		resp.TransferEncoding = []string{"chunked"}
-		resp.Header.Del("Transfer-Encoding")
-	case len(cl) > 0:
-		n, err := strconv.ParseInt(cl[0], 10, 64)
-		if err != nil || n < 0 || cl[0][0] == '+' {
-			return fmt.Errorf("malformed Content-Length %q", cl[0])
-		}
+	}
+	cl := h["Content-Length"]
+	if len(cl) > 1 {
 		for _, v := range cl[1:] {
 			if v != cl[0] {
 				return fmt.Errorf("conflicting Content-Length %q", cl)
 			}
 		}
-		resp.ContentLength, b.n = n, n
-		b.done = n == 0
+		cl = cl[:1]
+		h["Content-Length"] = cl
+	}
+	declared := int64(-1)
+	if len(cl) > 0 {
+		n, err := strconv.ParseUint(cl[0], 10, 63)
+		if err != nil {
+			return fmt.Errorf("malformed Content-Length %q", cl[0])
+		}
+		declared = int64(n)
+	}
+	bodyAllowed := resp.StatusCode >= 200 && resp.StatusCode != http.StatusNoContent && resp.StatusCode != http.StatusNotModified
+	hasBody := bodyAllowed && method != http.MethodHead
+	length := int64(0) // of what follows the head
+	switch {
+	case !hasBody:
+	case chunked:
+		if len(cl) > 0 {
+			return errBothFramings
+		}
+		length = -1
 	default:
+		length = declared
+	}
+	resp.ContentLength = length
+	if method == http.MethodHead {
+		resp.ContentLength = declared
+	}
+	if tr, ok := h["Trailer"]; ok && chunked {
+		delete(h, "Trailer")
+		resp.Trailer = make(http.Header)
+		for _, v := range tr {
+			for _, k := range strings.Split(v, ",") {
+				if k = textproto.TrimString(k); k == "" {
+					continue
+				}
+				switch k = http.CanonicalHeaderKey(k); k {
+				case "Transfer-Encoding", "Trailer", "Content-Length":
+					return fmt.Errorf("bad trailer key %q", k)
+				}
+				resp.Trailer[k] = nil
+			}
+		}
+	}
+	hasClose := hasToken(h["Connection"], "close")
+	resp.Close = hasClose || resp.ProtoMinor == 0 && !hasToken(h["Connection"], "keep-alive")
+	if hasClose && resp.ProtoMinor > 0 {
+		delete(h, "Connection")
+	}
+	b := &body{br: br, n: length}
+	switch {
+	case hasBody && chunked:
+		b.chunked, b.n = true, 0
+		b.trailer = &resp.Trailer
+	case length == 0:
+		b.done = true
+	case length < 0:
 		// Until the server closes: the connection cannot be reused.
-		b.reuse = false
 		resp.Close = true
 	}
+	b.reuse = !resp.Close
+	resp.Body = b
 	return nil
 }
 
@@ -216,8 +412,8 @@ func hasToken(vs []string, token string) bool {
 	for _, v := range vs {
 		for len(v) > 0 {
 			var t string
-			t, v, _ = cut(v, ',')
-			if equalFold(trimOWS(t), token) {
+			t, v, _ = strings.Cut(v, ",")
+			if equalFold(strings.Trim(t, " \t"), token) {
 				return true
 			}
 		}
@@ -225,23 +421,14 @@ func hasToken(vs []string, token string) bool {
 	return false
 }
 
-func cut(s string, sep byte) (before, after string, found bool) {
-	for i := 0; i < len(s); i++ {
-		if s[i] == sep {
-			return s[:i], s[i+1:], true
-		}
+func trimOWS(b []byte) []byte {
+	for len(b) > 0 && (b[0] == ' ' || b[0] == '\t') {
+		b = b[1:]
 	}
-	return s, "", false
-}
-
-func trimOWS(s string) string {
-	for len(s) > 0 && (s[0] == ' ' || s[0] == '\t') {
-		s = s[1:]
+	for len(b) > 0 && (b[len(b)-1] == ' ' || b[len(b)-1] == '\t') {
+		b = b[:len(b)-1]
 	}
-	for len(s) > 0 && (s[len(s)-1] == ' ' || s[len(s)-1] == '\t') {
-		s = s[:len(s)-1]
-	}
-	return s
+	return b
 }
 
 func equalFold(a, b string) bool {
@@ -263,364 +450,9 @@ func equalFold(a, b string) bool {
 	return true
 }
 
-// body is a response body read straight off its connection. A chunked body is decoded only
-// as far as framing needs: one Read returns the data of every chunk already buffered, so a
-// burst of SSE events reaches the relay in one read, and never waits for more than the first.
-type body struct {
-	br      *bufio.Reader
-	chunked bool
-	// n is what is left of a Content-Length body, or of the current chunk; -1 means until
-	// the connection closes.
-	n int64
-	// crlf is set when a chunk's data has been read and its CRLF has not.
-	crlf  bool
-	done  bool // the body was read to its end
-	reuse bool // the connection may carry another request once done
-	err   error
-	c     *conn
-	ctx   context.Context
-	stop  func() bool
-	ended atomic.Bool // the connection was handed back or closed
-}
-
-func (b *body) Read(p []byte) (int, error) {
-	if b.err != nil {
-		return 0, b.err
-	}
-	if b.done {
-		return 0, io.EOF
-	}
-	if len(p) == 0 {
-		return 0, nil
-	}
-	n, err := b.read(p)
-	if err == io.EOF {
-		b.done = true
-		b.finish()
-	} else if err != nil {
-		if b.ctx != nil && b.ctx.Err() != nil {
-			err = b.ctx.Err()
-		}
-		b.err = err
-		b.close()
-	}
-	return n, err
-}
-
-func (b *body) read(p []byte) (int, error) {
-	if !b.chunked {
-		if b.n < 0 {
-			return b.br.Read(p)
-		}
-		if int64(len(p)) > b.n {
-			p = p[:b.n]
-		}
-		n, err := b.br.Read(p)
-		b.n -= int64(n)
-		if b.n == 0 {
-			return n, io.EOF
-		}
-		if err == io.EOF {
-			err = io.ErrUnexpectedEOF
-		}
-		return n, err
-	}
-	total := 0
-	for total < len(p) {
-		if b.n == 0 {
-			if total > 0 && !b.nextBuffered() {
-				break // the next chunk's head has not arrived: never wait with data in hand
-			}
-			last, err := b.chunkHead()
-			if err != nil {
-				return total, err
-			}
-			if last {
-				return total, io.EOF
-			}
-		}
-		want := int64(len(p) - total)
-		if want > b.n {
-			want = b.n
-		}
-		if total > 0 {
-			if bf := int64(b.br.Buffered()); bf == 0 {
-				break
-			} else if want > bf {
-				want = bf
-			}
-		}
-		n, err := b.br.Read(p[total : total+int(want)])
-		total += n
-		b.n -= int64(n)
-		if b.n == 0 {
-			b.crlf = true
-		}
-		if err != nil {
-			if err == io.EOF {
-				err = io.ErrUnexpectedEOF
-			}
-			return total, err
-		}
-	}
-	return total, nil
-}
-
-// nextBuffered tells whether the next chunk's head (and, for the last chunk, the end of
-// the body) is in the buffer already, so that reading it cannot block.
-func (b *body) nextBuffered() bool {
-	buf, _ := b.br.Peek(b.br.Buffered())
-	if b.crlf {
-		if len(buf) < 2 {
-			return false
-		}
-		buf = buf[2:]
-	}
-	i := bytes.IndexByte(buf, '\n')
-	if i < 0 {
-		return false
-	}
-	if size := bytes.TrimLeft(buf[:i], "0"); len(size) == 0 || size[0] == ';' || size[0] == '\r' {
-		// The last chunk: its trailer section must be here too (an empty one, usually).
-		return bytes.Contains(buf[i:], []byte("\n\r\n")) || bytes.Contains(buf[i:], []byte("\n\n"))
-	}
-	return true
-}
-
-// chunkHead reads the CRLF ending the previous chunk, if due, and the next chunk's size
-// line; for the last chunk it reads the trailers too, and reports it.
-func (b *body) chunkHead() (last bool, err error) {
-	if b.crlf {
-		line, err := readLine(b.br)
-		if err != nil {
-			return false, unexpected(err)
-		}
-		if len(line) != 0 {
-			return false, errors.New("malformed chunked encoding: data after a chunk")
-		}
-		b.crlf = false
-	}
-	line, err := readLine(b.br)
-	if err != nil {
-		return false, unexpected(err)
-	}
-	if i := bytes.IndexByte(line, ';'); i >= 0 {
-		line = line[:i] // chunk extensions mean nothing here
-	}
-	line = bytes.TrimRight(line, " \t")
-	if len(line) == 0 || len(line) > 16 {
-		return false, errors.New("malformed chunk size")
-	}
-	var n int64
-	for _, c := range line {
-		var d byte
-		switch {
-		case '0' <= c && c <= '9':
-			d = c - '0'
-		case 'a' <= c && c <= 'f':
-			d = c - 'a' + 10
-		case 'A' <= c && c <= 'F':
-			d = c - 'A' + 10
-		default:
-			return false, errors.New("malformed chunk size")
-		}
-		n = n<<4 | int64(d)
-	}
-	if n < 0 {
-		return false, errors.New("malformed chunk size")
-	}
-	if n > 0 {
-		b.n = n
-		return false, nil
-	}
-	for i := 0; ; i++ {
-		line, err := readLine(b.br)
-		if err != nil {
-			return false, unexpected(err)
-		}
-		if len(line) == 0 {
-			return true, nil
-		}
-		if i >= maxHeaderLines {
-			return false, errTooLarge
-		}
-	}
-}
-
 func unexpected(err error) error {
 	if err == io.EOF {
 		return io.ErrUnexpectedEOF
 	}
 	return err
-}
-
-// finish hands the connection back once the body is done: to the pool when the server
-// keeps it open and nothing else arrived on it, closed otherwise.
-func (b *body) finish() {
-	if b.c == nil || b.ended.Swap(true) {
-		return
-	}
-	// stop is false when the context closed the connection already.
-	if b.stop() && b.reuse && b.br.Buffered() == 0 {
-		b.c.p.put(b.c)
-		return
-	}
-	b.c.nc.Close()
-}
-
-// close drops the connection: the body was not read to its end.
-func (b *body) close() {
-	if b.c == nil || b.ended.Swap(true) {
-		return
-	}
-	b.stop()
-	b.c.nc.Close()
-}
-
-// Close ends the body; a body not read to its end closes its connection, since what is left
-// of it would be read as the next answer.
-func (b *body) Close() error {
-	if b.done {
-		b.finish()
-	} else {
-		if b.err == nil {
-			b.err = errors.New("read on closed body")
-		}
-		b.close()
-	}
-	return nil
-}
-
-// Next returns the body's next bytes straight from the connection's read buffer, without a
-// copy and without a buffer of the caller's: a stream then holds no relay buffer of its own
-// while it waits for the next token. The bytes are valid until the next call. more tells
-// that the following call will not wait (its bytes, or the body's end, have arrived), so a
-// relay can write them before it flushes. At the end Next returns io.EOF.
-func (b *body) Next() (p []byte, more bool, err error) {
-	if b.err != nil {
-		return nil, false, b.err
-	}
-	if b.done {
-		return nil, false, io.EOF
-	}
-	p, more, err = b.next()
-	if err == io.EOF {
-		b.done = true
-		b.finish()
-	} else if err != nil {
-		if b.ctx != nil && b.ctx.Err() != nil {
-			err = b.ctx.Err()
-		}
-		b.err = err
-		b.close()
-	}
-	return p, more, err
-}
-
-func (b *body) next() ([]byte, bool, error) {
-	if !b.chunked && b.n == 0 {
-		return nil, false, io.EOF
-	}
-	if b.chunked && b.n == 0 {
-		last, err := b.chunkHead()
-		if err != nil {
-			return nil, false, err
-		}
-		if last {
-			return nil, false, io.EOF
-		}
-	}
-	if b.br.Buffered() == 0 {
-		if _, err := b.br.Peek(1); err != nil {
-			if err == io.EOF && b.n >= 0 {
-				err = io.ErrUnexpectedEOF
-			}
-			return nil, false, err
-		}
-	}
-	k := b.br.Buffered()
-	if b.n >= 0 && int64(k) > b.n {
-		k = int(b.n)
-	}
-	p, _ := b.br.Peek(k)
-	b.br.Discard(k)
-	if b.n < 0 {
-		return p, b.br.Buffered() > 0, nil
-	}
-	b.n -= int64(k)
-	if !b.chunked {
-		if b.n == 0 {
-			// The end is here: the caller learns it from the next call, with the bytes in hand.
-			return p, true, nil
-		}
-		return p, b.br.Buffered() > 0, nil
-	}
-	if b.n > 0 {
-		return p, b.br.Buffered() > 0, nil
-	}
-	b.crlf = true
-	return b.coalesce(p)
-}
-
-// coalesce appends to p, in place, the data of the chunks that follow it complete in the
-// read buffer, closing the gaps their heads leave: a burst of SSE events comes out as one
-// slice, for one write to the client, and the chunk heads are all that is decoded. p ends a
-// chunk and sits in the buffer just before the bytes still buffered. It stops before the
-// last chunk, which the next call reads as the end.
-func (b *body) coalesce(p []byte) ([]byte, bool, error) {
-	rest, _ := b.br.Peek(b.br.Buffered())
-	used := 0
-	for {
-		size, head, ok := chunkHeadIn(rest[used:])
-		if !ok || size == 0 {
-			break
-		}
-		data := rest[used+head:]
-		k := min(int64(len(data)), size)
-		// p and rest are one array: the chunk's data moves down over its head.
-		p = append(p, data[:k]...)
-		used += head + int(k)
-		if k < size {
-			b.crlf = false
-			b.n = size - k
-			break
-		}
-	}
-	b.br.Discard(used)
-	if b.n > 0 {
-		return p, b.br.Buffered() > 0, nil
-	}
-	return p, b.nextBuffered(), nil
-}
-
-// chunkHeadIn parses the CRLF ending a chunk and the next chunk's size line at the start of
-// buf: the size and the bytes they take, or ok false when they are not all there or are not
-// plainly well formed (chunkHead then reads them, and names the error).
-func chunkHeadIn(buf []byte) (size int64, n int, ok bool) {
-	if len(buf) < 2 || buf[0] != '\r' || buf[1] != '\n' {
-		return 0, 0, false
-	}
-	i := bytes.IndexByte(buf[2:], '\n')
-	if i < 1 || buf[2+i-1] != '\r' {
-		return 0, 0, false
-	}
-	line := buf[2 : 2+i-1]
-	if len(line) == 0 || len(line) > 15 {
-		return 0, 0, false
-	}
-	for _, c := range line {
-		var d byte
-		switch {
-		case '0' <= c && c <= '9':
-			d = c - '0'
-		case 'a' <= c && c <= 'f':
-			d = c - 'a' + 10
-		case 'A' <= c && c <= 'F':
-			d = c - 'A' + 10
-		default:
-			return 0, 0, false // extensions, spaces: left to chunkHead
-		}
-		size = size<<4 | int64(d)
-	}
-	return size, 2 + i + 1, true
 }

@@ -31,6 +31,10 @@ type Options struct {
 	TLS *tls.Config
 	// TLSHandshakeTimeout bounds a TLS handshake; zero means 5 s.
 	TLSHandshakeTimeout time.Duration
+	// MaxResponseHeaderBytes bounds a response's head: its status line and header lines,
+	// those of interim (1xx) answers included. Zero means DefaultMaxResponseHeaderBytes,
+	// net/http's default, so that the heads one engine client takes the other takes too.
+	MaxResponseHeaderBytes int64
 }
 
 // Transport is an http.RoundTripper for HTTP/1.1 backends. It is safe for concurrent use.
@@ -62,6 +66,9 @@ func New(o Options) *Transport {
 	if o.TLS == nil {
 		o.TLS = &tls.Config{}
 	}
+	if o.MaxResponseHeaderBytes == 0 {
+		o.MaxResponseHeaderBytes = DefaultMaxResponseHeaderBytes
+	}
 	return &Transport{pools: &pools{opts: o, dialer: &net.Dialer{Timeout: o.DialTimeout, KeepAlive: o.KeepAlive}, m: make(map[string]*hostPool)}}
 }
 
@@ -77,8 +84,27 @@ func (t *Transport) CloseIdleConnections() { t.pools.closeIdle() }
 // Options returns what t was built with, defaults filled in.
 func (t *Transport) Options() Options { return t.pools.opts }
 
-// errTooLarge is a response head that does not fit the limits below.
-var errTooLarge = errors.New("response head too large")
+// UnsentError is a failure that provably left the server without any of the request: the TLS
+// handshake failed, or not one byte of it could be written to a new connection. Whatever the
+// request was, another backend may take it. A failed TCP connect is the dialer's own
+// *net.OpError (Op "dial"), which says as much already, as it does from net/http's transport.
+type UnsentError struct{ Err error }
+
+func (e *UnsentError) Error() string { return e.Err.Error() }
+func (e *UnsentError) Unwrap() error { return e.Err }
+
+// Unsent reports that the request never reached the server, so that a caller can tell with
+// errors.As against interface{ Unsent() bool }, without importing this package.
+func (e *UnsentError) Unsent() bool { return true }
+
+// ErrClosedBeforeAnswer is a connection the server closed, or reset, after the request was
+// written and before a byte of the answer came. It is not an UnsentError: the server may have
+// read the request and begun it (then crashed, or was restarted), and on the wire that looks
+// the same as an idle timeout that closed a pooled connection while the request was on its
+// way. net/http's transport sends again only a request it knows to be idempotent (its
+// shouldRetryRequest), and so does RoundTrip; a POST to an engine that may have started
+// generating comes back with this error, for the caller to judge.
+var ErrClosedBeforeAnswer = errors.New("h1client: connection closed before any answer")
 
 // RoundTrip sends req and reads the response head on the caller's goroutine. The body reads
 // from the connection itself; closing it before its end closes the connection.
@@ -91,7 +117,10 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	defer putBuf(buf)
 	trace := httptrace.ContextClientTrace(ctx)
 	key := req.URL.Scheme + "://" + canonicalAddr(req.URL)
-	for attempt := 0; ; attempt++ {
+	// A request is sent again only on a new connection after a pooled one failed, and only when
+	// the server cannot have acted on it (see the two cases below): every retry takes one idle
+	// connection out of the pool, and a new one is never retried.
+	for {
 		c, reused, err := t.pools.get(ctx, req.URL, key)
 		if err != nil {
 			if ctx.Err() != nil {
@@ -100,6 +129,8 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			return nil, err
 		}
 		stop := context.AfterFunc(ctx, func() { c.nc.Close() })
+		// On TLS, n counts only the records written whole: a record cut short cannot be
+		// decrypted, so n == 0 means the server got nothing it could read.
 		n, werr := c.nc.Write(*buf)
 		if werr != nil {
 			stop()
@@ -107,18 +138,34 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			if ctx.Err() != nil {
 				return nil, ctx.Err()
 			}
-			if reused && n == 0 && attempt == 0 {
-				// The server closed the idle connection as it was taken: nothing of the
-				// request went out, so a fresh connection may carry it.
+			if n == 0 && reused {
+				// The server closed the idle connection as it was taken. The whole request
+				// is in buf, so a new connection can carry it.
 				continue
 			}
 			if trace != nil && trace.WroteRequest != nil {
 				trace.WroteRequest(httptrace.WroteRequestInfo{Err: werr})
 			}
+			if n == 0 {
+				return nil, &UnsentError{Err: fmt.Errorf("write request: %w", werr)}
+			}
 			return nil, fmt.Errorf("write request: %w", werr)
 		}
 		if trace != nil && trace.WroteRequest != nil {
 			trace.WroteRequest(httptrace.WroteRequestInfo{})
+		}
+		if _, err := c.br.Peek(1); err != nil {
+			stop()
+			c.nc.Close()
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			if reused && replayable(req) {
+				// Most likely the keep-alive race: the server timed the idle connection
+				// out as the request went. An idempotent request may go again.
+				continue
+			}
+			return nil, fmt.Errorf("%w: %w", ErrClosedBeforeAnswer, err)
 		}
 		resp, err := c.readResponse(req, trace)
 		if err != nil {
@@ -129,6 +176,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			}
 			return nil, err
 		}
+		resp.Request = req
 		b := resp.Body.(*body)
 		b.c, b.stop, b.ctx = c, stop, ctx
 		if b.done {
@@ -137,6 +185,19 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		return resp, nil
 	}
+}
+
+// replayable reports whether req may be sent twice, as net/http's transport judges it: an
+// idempotent method (RFC 9110 section 9.2.2), or a request that names itself idempotent with
+// an Idempotency-Key.
+func replayable(req *http.Request) bool {
+	switch req.Method {
+	case "", http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
+		return true
+	}
+	_, key := req.Header["Idempotency-Key"]
+	_, xkey := req.Header["X-Idempotency-Key"]
+	return key || xkey
 }
 
 // writeRequest encodes req, body included, into one pooled buffer, and closes its body.

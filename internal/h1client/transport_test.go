@@ -232,24 +232,6 @@ func TestConnectionsNotReusedWhenTheyCannotBe(t *testing.T) {
 	}
 }
 
-func TestAnIdleConnectionTheServerClosedIsNotUsed(t *testing.T) {
-	srv, conns := server(t, sse(1))
-	_, c := client(t, Options{})
-	resp := post(t, c, context.Background(), srv.URL, "{}")
-	io.ReadAll(resp.Body)
-	resp.Body.Close()
-	srv.CloseClientConnections()
-	time.Sleep(50 * time.Millisecond)
-	resp = post(t, c, context.Background(), srv.URL, "{}")
-	if b, _ := io.ReadAll(resp.Body); string(b) != want(1) {
-		t.Errorf("body %q", b)
-	}
-	resp.Body.Close()
-	if n := conns.Load(); n != 2 {
-		t.Errorf("%d connections, want 2", n)
-	}
-}
-
 func TestIdleConnectionsCloseAfterTheIdleTimeout(t *testing.T) {
 	closed := make(chan struct{}, 1)
 	srv := httptest.NewUnstartedServer(sse(1))

@@ -260,6 +260,7 @@ type counters struct {
 	prefixQueries  int // prompt tokens looked up in the prefix cache
 	prefixHits     int // of those, tokens the cache held
 	pulledBlocks   int // blocks a decoder pulled from prefillers
+	computed       int // prompt tokens computed here: uncached, not pulled
 	loadFailures   int // Mooncake decodes whose transfer the prefiller could not give
 }
 
@@ -286,7 +287,13 @@ type KVStats struct {
 	// KVBlocksPulledTotal counts the blocks this engine pulled from
 	// prefillers as a decoder: those its own cache lacked.
 	KVBlocksPulledTotal int `json:"kv_blocks_pulled_total"`
-	HeldRequests        int `json:"held_requests"`
+	// PromptTokensComputedTotal counts the prompt tokens this engine computed
+	// itself: those its prefix cache lacked, in a prefill or an aggregated
+	// request (or a decode whose prefiller sent no KV), never those a decoder
+	// pulled. Across a P/D fleet it is the prefill work the routing left. It
+	// counts with the prefix-cache counters: not with --prefix-cache=false.
+	PromptTokensComputedTotal int `json:"prompt_tokens_computed_total"`
+	HeldRequests              int `json:"held_requests"`
 	// RunningRequests hold a running slot and KV blocks: prefilling, pulling
 	// KV (or waiting for the NIXL handshake before the pull) or decoding.
 	// /metrics reports it as vllm:num_requests_running (sglang:num_running_reqs).

@@ -57,15 +57,15 @@ func TestAPromptSentTwiceIsAPrefixCacheHitTheSecondTime(t *testing.T) {
 				t.Fatalf("first answer usage %+v, want %d prompt tokens, 0 cached", u, tt.tokens)
 			}
 			s := ts.waitKV(t, "the first request ends", allFree)
-			if s.CachedBlocks != tt.tokens/16 || s.PrefixCacheQueriesTotal != tt.tokens || s.PrefixCacheHitsTotal != 0 {
-				t.Errorf("after the first request /debug/kv = %+v, want %d cached blocks, %d queried, 0 hits", s, tt.tokens/16, tt.tokens)
+			if s.CachedBlocks != tt.tokens/16 || s.PrefixCacheQueriesTotal != tt.tokens || s.PrefixCacheHitsTotal != 0 || s.PromptTokensComputedTotal != tt.tokens {
+				t.Errorf("after the first request /debug/kv = %+v, want %d cached blocks, %d queried and computed, 0 hits", s, tt.tokens/16, tt.tokens)
 			}
 			if u := answerUsage(t, ts, tt.path, tt.body, nil); cachedTokens(u) != tt.wantCached {
 				t.Errorf("second answer usage %+v, want %d cached tokens", u, tt.wantCached)
 			}
 			s = ts.waitKV(t, "the second request ends", allFree)
-			if s.PrefixCacheQueriesTotal != 2*tt.tokens || s.PrefixCacheHitsTotal != tt.wantCached {
-				t.Errorf("after the second request /debug/kv = %+v, want %d queried, %d hits", s, 2*tt.tokens, tt.wantCached)
+			if s.PrefixCacheQueriesTotal != 2*tt.tokens || s.PrefixCacheHitsTotal != tt.wantCached || s.PromptTokensComputedTotal != 2*tt.tokens-tt.wantCached {
+				t.Errorf("after the second request /debug/kv = %+v, want %d queried, %d hits, %d computed", s, 2*tt.tokens, tt.wantCached, 2*tt.tokens-tt.wantCached)
 			}
 			metrics := string(ts.get(t, "/metrics"))
 			want := "pdproxy_sim_prefix_cache_hits_total{model_name=\"sim\"} " + itoa(tt.wantCached)

@@ -301,6 +301,9 @@ func (e *Engine) schedule(now time.Time) {
 			r.cachedTokens = hit * e.cfg.BlockSize
 			e.counts.prefixQueries += r.promptTokens
 			e.counts.prefixHits += r.cachedTokens
+			if !r.readsKV() {
+				e.counts.computed += r.promptTokens - r.cachedTokens
+			}
 		}
 		e.running = append(e.running, r)
 		if r.kind == kindDecode {
@@ -465,6 +468,7 @@ func (e *Engine) rankStats() KVStats {
 		PrefixCacheQueriesTotal:    e.counts.prefixQueries,
 		PrefixCacheHitsTotal:       e.counts.prefixHits,
 		KVBlocksPulledTotal:        e.counts.pulledBlocks,
+		PromptTokensComputedTotal:  e.counts.computed,
 		HeldRequests:               len(e.held),
 		RequestsTotal:              e.counts.requests,
 		AbortedTotal:               e.counts.aborted,

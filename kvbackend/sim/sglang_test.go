@@ -61,26 +61,26 @@ type sgPair struct {
 func startPair(t *testing.T, pcfg, dcfg Config) *sgPair {
 	t.Helper()
 	pr := &sgPair{p: startSGLang(t, pcfg), d: startSGLang(t, dcfg)}
-	port, err := kvbackend.SGLang.BootstrapPort(context.Background(), pr.p.client, pr.p.srv.URL)
+	bs, err := kvbackend.SGLang.Bootstrap(context.Background(), pr.p.client, pr.p.srv.URL, 0)
 	if err != nil {
 		t.Fatalf("bootstrap port: %v", err)
 	}
-	pr.port = port
+	pr.port = bs.Port
 	return pr
 }
 
-// leg is body as the proxy sends it to both legs (kvbackend.SGLang.LegBody).
+// leg is body as the proxy sends it to both legs (kvbackend.SGLang.Legs).
 func (pr *sgPair) leg(t *testing.T, body, rid string, room uint64, prompts int) string {
 	t.Helper()
 	f, err := kvbackend.ParseFields([]byte(body))
 	if err != nil {
 		t.Fatalf("parse %s: %v", body, err)
 	}
-	b, err := kvbackend.SGLang.LegBody(f, kvbackend.Leg{Host: "127.0.0.1", Port: pr.port, Room: room, RID: rid, Prompts: prompts})
+	calls, err := kvbackend.SGLang.Legs(f, kvbackend.Leg{Host: "127.0.0.1", Port: pr.port, Room: room, RID: rid, Prompts: prompts, Rank: -1})
 	if err != nil {
 		t.Fatalf("leg body: %v", err)
 	}
-	return string(b)
+	return string(calls.Decode)
 }
 
 // answer is an HTTP answer read whole by a goroutine.
@@ -226,7 +226,7 @@ func TestSGLangServerInfoReportsTheModeAndTheBootstrapPort(t *testing.T) {
 			}
 		})
 	}
-	if _, err := kvbackend.SGLang.BootstrapPort(context.Background(), pr.d.client, pr.d.srv.URL); err == nil {
+	if _, err := kvbackend.SGLang.Bootstrap(context.Background(), pr.d.client, pr.d.srv.URL, 0); err == nil {
 		t.Error("the proxy took a decoder for a prefiller")
 	}
 }
