@@ -173,10 +173,10 @@ func transferWaiters(e *Engine, id string) int {
 	return 0
 }
 
-// heldStill checks that a prefiller holds one prefill's blocks.
-func heldStill(t *testing.T, ts *testServer, what string) {
+// heldStill checks that a prefiller's rank holds one prefill's blocks.
+func heldStill(t *testing.T, ts *testServer, rank int, what string) {
 	t.Helper()
-	if s := ts.kv(t); s.HeldRequests != 1 || s.BlocksHeld == 0 || s.Ranks[0].HeldRequests != 1 || s.Ranks[0].BlocksHeld == 0 {
+	if s := ts.kv(t); s.HeldRequests != 1 || s.BlocksHeld == 0 || s.Ranks[rank].HeldRequests != 1 || s.Ranks[rank].BlocksHeld == 0 {
 		t.Fatalf("%s: /debug/kv = %+v, want one request holding blocks", what, s)
 	}
 }
@@ -213,9 +213,9 @@ func TestMooncakeHolds(t *testing.T) {
 			if a := recvAnswer(t, pa, "prefill leg"); a.status != http.StatusOK {
 				t.Fatalf("prefill leg answered %d %s, want 200 at once", a.status, a.body)
 			}
-			heldStill(t, pr.p, "after the prefill")
+			heldStill(t, pr.p, 0, "after the prefill")
 			clock.Advance(hold - time.Second)
-			heldStill(t, pr.p, "just before the hold timeout")
+			heldStill(t, pr.p, 0, "just before the hold timeout")
 			clock.Advance(time.Second)
 			s := pr.p.waitKV(t, "the hold ends with its timeout", func(s KVStats) bool { return allFree(s) && s.ExpiredTotal == 1 })
 			if s.Ranks[0].ExpiredTotal != 1 {
