@@ -37,7 +37,9 @@ func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			"Runs one simulated vLLM-like engine (OpenAI API, P/D kv_transfer_params,\n"+
 			"KV block pool with leases, heartbeats, notify and expiry), or with --protocol sglang\n"+
 			"an SGLang prefiller or decoder (bootstrap rooms on a bootstrap server, GET /server_info,\n"+
-			"POST /abort_request by rid prefix). Per-request fault headers: X-Sim-Fail-Status,\n"+
+			"POST /abort_request by rid prefix), or with --protocol mooncake a vLLM MooncakeConnector\n"+
+			"prefiller or decoder (legs paired by transfer_id, GET /query on the bootstrap server).\n"+
+			"--data-parallel-size N serves N ranks chosen by X-data-parallel-rank. Per-request fault headers: X-Sim-Fail-Status,\n"+
 			"X-Sim-Stall, X-Sim-Close-After, X-Sim-Slow-Write, X-Sim-Transfer-Fail.\n"+
 			"Prefix caching (--prefix-cache), POST /tokenize, and KV events in vLLM's ZMQ format\n"+
 			"(--kv-events-endpoint, --kv-events-replay-endpoint, --kv-events-topic, --kv-events-format).\n"+
@@ -46,6 +48,15 @@ func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	}
 	if err := fs.Parse(args); err != nil {
 		return err // flag.ErrHelp included: the caller exits 0 on it
+	}
+	if cfg.Protocol == ProtocolMooncake {
+		// Mooncake's hold is a fixed 480s, not the NIXL lease the flag's
+		// default is, unless the flag says otherwise.
+		given := false
+		fs.Visit(func(f *flag.Flag) { given = given || f.Name == "kv-hold-timeout" })
+		if !given {
+			cfg.KVHoldTimeout = defaultMooncakeHold
+		}
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("sim: unexpected arguments %q", fs.Args())
@@ -82,7 +93,8 @@ func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	srv := &http.Server{Handler: engine.Handler(), ReadHeaderTimeout: 10 * time.Second}
 	logger.Info("sim engine listening", zap.String("addr", ln.Addr().String()),
 		zap.String("engine_id", engine.ID()), zap.String("protocol", cfg.Protocol), zap.String("role", cfg.Role), zap.String("model", cfg.Model),
-		zap.String("kv_events_endpoint", engine.KVEventsAddr()), zap.String("kv_events_replay_endpoint", engine.KVEventsReplayAddr()))
+		zap.String("kv_events_endpoint", engine.KVEventsAddr()), zap.Strings("kv_events_endpoints", engine.KVEventsAddrs()), zap.Int("data_parallel_size", cfg.DataParallelSize),
+		zap.String("kv_events_replay_endpoint", engine.KVEventsReplayAddr()))
 
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return engine.Run(gctx) })

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
 )
@@ -49,6 +50,7 @@ func TestRunCommandHelpListsEveryFlagAndReturnsErrHelp(t *testing.T) {
 		"protocol", "bootstrap-port", "bootstrap-timeout", "waiting-timeout", "disconnect-delay",
 		"admin-api-key", "transfer-fail",
 		"prefix-cache", "kv-events-endpoint", "kv-events-replay-endpoint", "kv-events-topic", "kv-events-format", "data-parallel-rank",
+		"data-parallel-size", "kv-load-failure-policy",
 	} {
 		if !strings.Contains(usage, "  -"+name+" ") && !strings.Contains(usage, "  -"+name+"\n") {
 			t.Errorf("usage does not document -%s:\n%s", name, usage)
@@ -220,6 +222,80 @@ func TestRunCommandPublishesKVEventsAndHonoursPrefixCacheFalse(t *testing.T) {
 			}
 			if cached != tt.wantCached {
 				t.Errorf("second answer's cached tokens %d, want %d (-1: no prompt_tokens_details)", cached, tt.wantCached)
+			}
+			cancel()
+			if err := testutil.Recv(t, testutil.Timeout, done, "RunCommand's return"); err != nil {
+				t.Errorf("RunCommand after cancel = %v, want nil", err)
+			}
+		})
+	}
+}
+
+func TestRunCommandMooncakePrefillerHoldsFor480sUnlessTold(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		flags []string
+		want  float64 // seconds from now to remote_blocks_expiry_time
+	}{
+		{"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT by default", nil, 480},
+		{"--kv-hold-timeout when given", []string{"--kv-hold-timeout", "7s"}, 7},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			var stderr syncBuffer
+			done := make(chan error, 1)
+			args := append([]string{"--listen", "127.0.0.1:0", "--protocol", "mooncake", "--role", "prefill", "--bootstrap-port", "0",
+				"--prefill-time", "0s", "--data-parallel-size", "2"}, tc.flags...)
+			go func() { done <- RunCommand(ctx, args, io.Discard, &stderr) }()
+			addr, boot := "", ""
+			testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+				for _, line := range strings.Split(stderr.String(), "\n") {
+					var entry struct {
+						Msg  string `json:"msg"`
+						Addr string `json:"addr"`
+					}
+					if json.Unmarshal([]byte(line), &entry) != nil {
+						continue
+					}
+					switch entry.Msg {
+					case "sim engine listening":
+						addr = entry.Addr
+					case "bootstrap server listening":
+						boot = entry.Addr
+					}
+				}
+				return addr != "" && boot != "", "no listening log lines; stderr:\n" + stderr.String()
+			})
+			client := &http.Client{Transport: &http.Transport{}}
+			defer client.CloseIdleConnections()
+			resp, err := client.Get("http://" + boot + "/query")
+			if err != nil {
+				t.Fatal(err)
+			}
+			var q map[string]struct {
+				EngineID string `json:"engine_id"`
+			}
+			err = json.NewDecoder(resp.Body).Decode(&q)
+			resp.Body.Close()
+			if err != nil || len(q) != 2 || q["0"].EngineID == "" || q["1"].EngineID == "" {
+				t.Fatalf("/query = %+v (%v), want two ranks with engine ids", q, err)
+			}
+			body := `{"prompt":"hello there","max_tokens":1,"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":"xfer-c"}}`
+			resp, err = client.Post("http://"+addr+"/v1/completions", "application/json", strings.NewReader(body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var c struct {
+				KV struct {
+					Expiry float64 `json:"remote_blocks_expiry_time"`
+				} `json:"kv_transfer_params"`
+			}
+			err = json.NewDecoder(resp.Body).Decode(&c)
+			resp.Body.Close()
+			left := c.KV.Expiry - float64(time.Now().UnixNano())/1e9
+			if err != nil || resp.StatusCode != http.StatusOK || left > tc.want || left < tc.want-5 {
+				t.Errorf("prefill answered %d, hold ends in %.1fs (%v); want %.0fs", resp.StatusCode, left, err, tc.want)
 			}
 			cancel()
 			if err := testutil.Recv(t, testutil.Timeout, done, "RunCommand's return"); err != nil {

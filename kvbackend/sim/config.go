@@ -18,7 +18,9 @@ type Config struct {
 	// Protocol is the prefill/decode protocol the engine speaks: "vllm"
 	// (default; kv_transfer_params, prefill then decode) or "sglang" (both
 	// legs at once, paired by a bootstrap room on the prefiller; see
-	// sglang.go). An "sglang" engine needs Role "prefill" or "decode".
+	// sglang.go) or "mooncake" (vLLM's MooncakeConnector: both legs at once,
+	// paired by a transfer_id; see mooncake.go). An "sglang" or "mooncake"
+	// engine needs Role "prefill" or "decode".
 	Protocol string
 	// Role is "prefill", "decode" or "both" (default). With the vllm
 	// protocol it is informational: every role serves every request kind, as
@@ -55,6 +57,10 @@ type Config struct {
 	// decoder heartbeat renewing it to now+KVHoldTimeout (vLLM's
 	// kv_lease_duration, PR #41383). Zero means the default, 30s. Older vLLM
 	// had a fixed 480s hold (VLLM_NIXL_ABORT_REQUEST_TIMEOUT) and no heartbeats.
+	// With Protocol "mooncake" it is the fixed hold of a prefill no decoder
+	// pulled (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT): zero means 480s, and so
+	// does `proxy sim --protocol mooncake` without --kv-hold-timeout, but
+	// DefaultConfig's 30s stays 30s.
 	KVHoldTimeout time.Duration
 	// KVHeartbeatInterval is how often a decoder renews the leases of the
 	// do_remote_prefill requests it has queued or pulling, with one
@@ -94,6 +100,12 @@ type Config struct {
 	// DataParallelRank is the rank the event batches carry; rank r publishes
 	// on the endpoints' ports + r, as vLLM's data parallel ranks do.
 	DataParallelRank int
+	// DataParallelSize is the number of data parallel ranks behind the one
+	// server, each with its own scheduler, KV pool and engine id (rank 0's
+	// is EngineID), chosen per request by the X-data-parallel-rank header
+	// (absent: rank 0; out of range: a 400). Rank r's KV events carry rank
+	// DataParallelRank+r, on the endpoints' ports + that. Zero means 1.
+	DataParallelSize int
 	// Seed feeds the deterministic token source (with the request id).
 	Seed int64
 	// Clock drives the scheduler, holds and fault delays; nil means the real clock.
@@ -118,12 +130,13 @@ type Config struct {
 	// overrides, on either leg).
 	TransferFail bool
 
-	// SGLang only (Protocol "sglang").
+	// SGLang and Mooncake (Protocol "sglang", "mooncake").
 
-	// BootstrapPort is the port of an SGLang prefiller's bootstrap server
-	// (--disaggregation-bootstrap-port), reported by GET /server_info as
-	// disaggregation_bootstrap_port. DefaultConfig sets SGLang's 8998; zero
-	// picks a free port. Decoders ignore it.
+	// BootstrapPort is the port of an SGLang or Mooncake prefiller's
+	// bootstrap server (SGLang's --disaggregation-bootstrap-port, vLLM's
+	// mooncake bootstrap port), reported by GET /server_info as
+	// disaggregation_bootstrap_port. DefaultConfig sets 8998, both engines'
+	// default; zero picks a free port. Decoders ignore it.
 	BootstrapPort int
 	// BootstrapHost is the address the bootstrap server listens on; empty
 	// means 127.0.0.1. `proxy sim` uses the host of --listen.
@@ -135,13 +148,21 @@ type Config struct {
 	BootstrapTimeout time.Duration
 	// WaitingTimeout is how long an SGLang decoder waits for its room's KV
 	// before it fails the request with a 500 kv_transfer_timeout
-	// (SGLANG_DISAGGREGATION_WAITING_TIMEOUT). Zero means the default, 300s.
+	// (SGLANG_DISAGGREGATION_WAITING_TIMEOUT), and how long a Mooncake
+	// decoder waits for its transfer's prefill before it computes the
+	// prompt itself. Zero means the default, 300s.
 	WaitingTimeout time.Duration
 	// DisconnectDelay is how long after a client disconnects an SGLang
 	// engine aborts the request: SGLang notices a closed stream about 2s
 	// later and a non-streaming request when it next polls. DefaultConfig
 	// sets 2s; zero aborts at once. (vLLM aborts at once, whatever this is.)
 	DisconnectDelay time.Duration
+	// KVLoadFailurePolicy is what a Mooncake decoder does when the prefiller
+	// cannot give its transfer's KV (unknown past WaitingTimeout, expired,
+	// aborted, pulled already): "fail" (default, vLLM's
+	// kv_load_failure_policy default) answers a 500 kv_transfer_failed,
+	// "recompute" computes the prompt itself and answers 200.
+	KVLoadFailurePolicy string
 	// AdminAPIKey, when set, makes POST /abort_request answer 401 unless it
 	// carries Authorization: Bearer <AdminAPIKey> (SGLang's --admin-api-key).
 	AdminAPIKey string
@@ -160,8 +181,18 @@ const (
 	defaultKVHeartbeat   = 5 * time.Second
 
 	// ProtocolVLLM and ProtocolSGLang are the values of Config.Protocol.
-	ProtocolVLLM   = "vllm"
-	ProtocolSGLang = "sglang"
+	ProtocolVLLM     = "vllm"
+	ProtocolSGLang   = "sglang"
+	ProtocolMooncake = "mooncake"
+
+	// defaultMooncakeHold is VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT: a Mooncake
+	// prefiller's hold of KV no decoder pulled.
+	defaultMooncakeHold = 480 * time.Second
+
+	// KVLoadFailureFail and KVLoadFailureRecompute are the values of
+	// Config.KVLoadFailurePolicy.
+	KVLoadFailureFail      = "fail"
+	KVLoadFailureRecompute = "recompute"
 
 	defaultBootstrapPort   = 8998 // SGLang's --disaggregation-bootstrap-port
 	defaultWaitingTimeout  = 300 * time.Second
@@ -185,6 +216,8 @@ func DefaultConfig() Config {
 		WaitingTimeout:      defaultWaitingTimeout,
 		DisconnectDelay:     defaultDisconnectDelay,
 		KVEventsFormat:      KVEventsFormatArray,
+		KVLoadFailurePolicy: KVLoadFailureFail,
+		DataParallelSize:    1,
 	}
 }
 
@@ -201,7 +234,7 @@ func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.DurationVar(&cfg.PrefillPerToken, "prefill-per-token", cfg.PrefillPerToken, "extra prefill time per prompt token not in the prefix cache (a decode with nothing to pull computes its uncached tokens at this cost too)")
 	fs.DurationVar(&cfg.ITL, "itl", cfg.ITL, "inter-token latency while decoding (0: one token per scheduler step)")
 	fs.IntVar(&cfg.MaxRunning, "max-running", cfg.MaxRunning, "requests computing at once; the rest wait in a FIFO queue")
-	fs.DurationVar(&cfg.KVHoldTimeout, "kv-hold-timeout", cfg.KVHoldTimeout, "KV lease: how long a prefiller holds a finished prefill's KV blocks for a decoder's pull before freeing them; each decoder heartbeat renews it to now+lease (vLLM kv_lease_duration; older vLLM held a fixed 480s)")
+	fs.DurationVar(&cfg.KVHoldTimeout, "kv-hold-timeout", cfg.KVHoldTimeout, "KV lease: how long a prefiller holds a finished prefill's KV blocks for a decoder's pull before freeing them; each decoder heartbeat renews it to now+lease (vLLM kv_lease_duration; older vLLM held a fixed 480s). --protocol mooncake: the fixed hold, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, 480s unless this flag is given")
 	fs.DurationVar(&cfg.KVHeartbeatInterval, "kv-heartbeat-interval", cfg.KVHeartbeatInterval, "how often a decoder renews the KV lease of each do_remote_prefill request it has queued or pulling (POST /kv/heartbeat to the prefiller; 0: no heartbeats)")
 	fs.IntVar(&cfg.MaxModelLen, "max-model-len", cfg.MaxModelLen, "reject prompts longer than this many tokens with a 400, as vLLM's --max-model-len (0: no limit but the pool's size)")
 	fs.DurationVar(&cfg.NIXLHandshakeDelay, "nixl-handshake-delay", cfg.NIXLHandshakeDelay, "how long a decoder's first NIXL handshake with each prefiller takes: its first pull and heartbeats to it wait (0: none)")
@@ -211,17 +244,19 @@ func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.StringVar(&cfg.KVEventsReplayEndpoint, "kv-events-replay-endpoint", cfg.KVEventsReplayEndpoint, "bind a ZMQ ROUTER here that replays buffered KV event batches from a start sequence number, e.g. tcp://*:5558 (empty: none)")
 	fs.StringVar(&cfg.KVEventsTopic, "kv-events-topic", cfg.KVEventsTopic, "topic frame of the KV event messages (empty, vLLM's default, reaches every subscriber; llm-d expects kv@<ip:port>@<model>)")
 	fs.StringVar(&cfg.KVEventsFormat, "kv-events-format", cfg.KVEventsFormat, "KV event encoding: array (vLLM's array_like structs, tag first) or map (a \"type\" key, vLLM PR #42892)")
-	fs.IntVar(&cfg.DataParallelRank, "data-parallel-rank", cfg.DataParallelRank, "data parallel rank in the KV event batches; the KV event endpoints' ports are offset by it")
+	fs.IntVar(&cfg.DataParallelRank, "data-parallel-rank", cfg.DataParallelRank, "data parallel rank in the KV event batches; the KV event endpoints' ports are offset by it (with --data-parallel-size N, rank r publishes rank data-parallel-rank+r)")
+	fs.IntVar(&cfg.DataParallelSize, "data-parallel-size", cfg.DataParallelSize, "data parallel ranks behind this server, each its own scheduler, KV pool and engine id, chosen per request by the X-data-parallel-rank header (absent: 0; out of range: 400); /debug/kv sums them and lists them under ranks")
 	fs.Int64Var(&cfg.Seed, "seed", cfg.Seed, "seed of the deterministic token source (tokens also depend on the request id)")
 	fs.IntVar(&cfg.FailStatus, "fail-status", cfg.FailStatus, "fault: answer every completion request with this HTTP status (0: off; header X-Sim-Fail-Status)")
 	fs.DurationVar(&cfg.Stall, "stall", cfg.Stall, "fault: delay the first byte of every completion response (header X-Sim-Stall)")
 	fs.IntVar(&cfg.CloseAfter, "close-after", cfg.CloseAfter, "fault: close the connection after N SSE events or N body bytes (0: off; header X-Sim-Close-After)")
 	fs.DurationVar(&cfg.SlowWrite, "slow-write", cfg.SlowWrite, "fault: sleep before every response write (header X-Sim-Slow-Write)")
 	fs.BoolVar(&cfg.TransferFail, "transfer-fail", cfg.TransferFail, "fault: every KV transfer fails: the decoder answers 500, an sglang prefiller frees the room and answers 500 (header X-Sim-Transfer-Fail: true)")
-	fs.IntVar(&cfg.BootstrapPort, "bootstrap-port", cfg.BootstrapPort, "sglang prefiller: port of the bootstrap server, reported by GET /server_info (0: a free port)")
+	fs.IntVar(&cfg.BootstrapPort, "bootstrap-port", cfg.BootstrapPort, "sglang or mooncake prefiller: port of the bootstrap server, reported by GET /server_info (mooncake: GET /query lists each rank's engine id; 0: a free port)")
 	fs.DurationVar(&cfg.BootstrapTimeout, "bootstrap-timeout", cfg.BootstrapTimeout, "sglang prefiller: free a room no decoder asked for within this long of the prefill's arrival and fail its leg with a 500 (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT; 0: hold it until aborted, as with NIXL)")
-	fs.DurationVar(&cfg.WaitingTimeout, "waiting-timeout", cfg.WaitingTimeout, "sglang decoder: how long a request waits for its room's KV before failing with a 500 (SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
+	fs.DurationVar(&cfg.WaitingTimeout, "waiting-timeout", cfg.WaitingTimeout, "sglang decoder: how long a request waits for its room's KV before failing with a 500 (SGLANG_DISAGGREGATION_WAITING_TIMEOUT); mooncake decoder: how long it waits for its transfer's prefill before computing the prompt itself")
 	fs.DurationVar(&cfg.DisconnectDelay, "disconnect-delay", cfg.DisconnectDelay, "sglang: how long after its client disconnects a request is aborted (SGLang notices about 2s later; 0: at once)")
+	fs.StringVar(&cfg.KVLoadFailurePolicy, "kv-load-failure-policy", cfg.KVLoadFailurePolicy, `mooncake decoder, when the prefiller cannot give the transfer's KV (unknown past --waiting-timeout, expired, aborted, pulled already): "fail" answers a 500 kv_transfer_failed (vLLM's default kv_load_failure_policy), "recompute" computes the prompt itself`)
 	fs.StringVar(&cfg.AdminAPIKey, "admin-api-key", cfg.AdminAPIKey, "when set, POST /abort_request needs Authorization: Bearer <key> (401 otherwise), as SGLang's --admin-api-key")
 }
 
@@ -254,6 +289,15 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.KVHoldTimeout == 0 {
 		c.KVHoldTimeout = d.KVHoldTimeout
+		if c.Protocol == ProtocolMooncake {
+			c.KVHoldTimeout = defaultMooncakeHold
+		}
+	}
+	if c.KVLoadFailurePolicy == "" {
+		c.KVLoadFailurePolicy = d.KVLoadFailurePolicy
+	}
+	if c.DataParallelSize == 0 {
+		c.DataParallelSize = 1
 	}
 	if c.Clock == nil {
 		c.Clock = realClock{}
@@ -269,12 +313,12 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	switch c.Protocol {
 	case ProtocolVLLM:
-	case ProtocolSGLang:
+	case ProtocolSGLang, ProtocolMooncake:
 		if c.Role == "both" {
-			errs = append(errs, errors.New(`protocol sglang: role "both" has no disaggregation mode; want prefill or decode`))
+			errs = append(errs, fmt.Errorf(`protocol %s: role "both" has no disaggregation mode; want prefill or decode`, c.Protocol))
 		}
 	default:
-		errs = append(errs, fmt.Errorf("protocol %q: want vllm or sglang", c.Protocol))
+		errs = append(errs, fmt.Errorf("protocol %q: want vllm, sglang or mooncake", c.Protocol))
 	}
 	if c.BootstrapPort < 0 || c.BootstrapPort > 65535 {
 		errs = append(errs, fmt.Errorf("bootstrap port %d: not a port", c.BootstrapPort))
@@ -313,6 +357,12 @@ func (c Config) withDefaults() (Config, error) {
 	case KVEventsFormatArray, KVEventsFormatMap:
 	default:
 		errs = append(errs, fmt.Errorf("kv events format %q: want array or map", c.KVEventsFormat))
+	}
+	if c.KVLoadFailurePolicy != KVLoadFailureFail && c.KVLoadFailurePolicy != KVLoadFailureRecompute {
+		errs = append(errs, fmt.Errorf("kv load failure policy %q: want fail or recompute", c.KVLoadFailurePolicy))
+	}
+	if c.DataParallelSize < 0 || c.DataParallelSize > 64 {
+		errs = append(errs, fmt.Errorf("data parallel size %d: want 1 to 64", c.DataParallelSize))
 	}
 	if c.DataParallelRank < 0 {
 		errs = append(errs, fmt.Errorf("data parallel rank %d: must not be negative", c.DataParallelRank))

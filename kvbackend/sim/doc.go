@@ -7,8 +7,46 @@
 // With Config.Protocol "sglang" the engine is an SGLang prefiller or decoder
 // instead: both legs of a request at once, paired by a bootstrap room on the
 // prefiller's bootstrap server, GET /server_info, and SGLang's
-// POST /abort_request (rid prefix, admin key). sglang.go describes it; the
-// rest of this comment is the vllm protocol, the default.
+// POST /abort_request (rid prefix, admin key). sglang.go describes it.
+//
+// With Config.Protocol "mooncake" (--protocol mooncake) the engine is a vLLM
+// prefiller or decoder with the MooncakeConnector (mooncake.go): both legs
+// at once, paired by kv_transfer_params.transfer_id; the prefiller's
+// bootstrap server (--bootstrap-port) answers GET /query with each data
+// parallel rank's engine id ({"0": {"engine_id","host","port","dp_rank",
+// "tp_size"}}), holds a finished prefill until a decoder pulled it or
+// KVHoldTimeout passes (--kv-hold-timeout; 480s, vLLM's
+// VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, for `proxy sim --protocol mooncake`
+// unless given), and answers the prefill leg as soon as the prefill is done.
+// A decoder waits for its transfer's prefill up to WaitingTimeout
+// (--waiting-timeout; /debug/kv transfers_waiting), pulls what its prefix
+// cache lacks (--kv-transfer-time per block), and when the prefiller cannot
+// give the KV fails with a 500 kv_transfer_failed or recomputes
+// (--kv-load-failure-policy fail|recompute; kv_load_failures_total). No
+// heartbeats, no /abort_request: an abort is a closed connection. Older
+// vLLM's bootstrap_server_host/bootstrap_server_port params are a 400.
+//
+// # Data parallel ranks
+//
+// With DataParallelSize N > 1 (--data-parallel-size) one server fronts N
+// ranks (dp.go), each its own scheduler, KV pool and engine id (rank r > 0:
+// EngineID + "-dp<r>" when EngineID is set), whatever the protocol. The
+// header X-data-parallel-rank picks the rank of a completion (and of
+// /abort_request); absent it is rank 0, out of range a 400
+// invalid_data_parallel_rank. A vLLM prefill's kv_transfer_params name its
+// rank's engine id, and the pull, notify and heartbeat calls, which name it
+// too, reach that rank on the same port; a decode goes to the decoder's rank
+// 0 unless it carries the header. An SGLang room belongs to rank room % N (as
+// SGLang's decoder picks the prefiller's rank), its prefill leg elsewhere is
+// a 400. Rank r publishes its KV events with rank DataParallelRank + r on
+// the endpoints' ports + that. GET /debug/kv keeps its sums over the ranks
+// and adds ranks: [{rank, engine_id, requests_total, blocks_total,
+// blocks_free, blocks_held, blocks_in_use, held_requests, running_requests,
+// waiting_requests, holds_total, expired_total, kv_blocks_pulled_total,
+// transfers_waiting}] (one entry without data parallelism); GET /metrics
+// reports the sums.
+//
+// The rest of this comment is the vllm protocol, the default.
 //
 // # Requests
 //

@@ -27,8 +27,11 @@ import (
 // the engine answered with, errAborted, ctx's error or emit's.
 func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error) error {
 	submit := e.submit
-	if r.kind == kindDecode && r.leg != nil {
+	switch {
+	case r.kind == kindDecode && r.leg != nil:
 		submit = func(r *request) error { return e.awaitRoom(ctx, r) }
+	case r.kind == kindDecode && r.mc != nil:
+		submit = func(r *request) error { return e.awaitTransfer(ctx, r) }
 	}
 	if err := submit(r); err != nil {
 		return err

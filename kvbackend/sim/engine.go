@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"net/http"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -73,6 +74,12 @@ type request struct {
 	leg *sglangLeg
 	// transferFail: the KV transfer of this request fails (X-Sim-Transfer-Fail).
 	transferFail bool
+	// mc is a Mooncake decode's prefill, whose KV it claims first; its
+	// remote is filled in once the prefiller has given it (mooncake.go).
+	// xferID is a Mooncake prefill's transfer_id, xfer its registry entry.
+	mc     *mooncakeLeg
+	xferID string
+	xfer   *transfer
 
 	// scheduler
 	state  reqState
@@ -222,6 +229,21 @@ type Engine struct {
 	rooms    map[uint64]*room
 	prealloc map[*request]context.CancelCauseFunc
 	inflight map[string]int
+
+	// Mooncake (mooncake.go). transfers: a prefiller's transfers by
+	// transfer_id, from the first prefill or claim that names one until its
+	// prefill ends without KV or its hold ends; xferGone: the transfer ids
+	// that ended so, until their hold timeout has passed, so that a late
+	// claim is answered at once instead of waiting for a prefill that will
+	// never come.
+	transfers map[string]*transfer
+	xferGone  map[string]time.Time
+
+	// rank is this engine's data parallel rank; ranks are every rank of the
+	// server, ranks[0] the engine New returned (dp.go). Only rank 0's ranks
+	// is set.
+	rank  int
+	ranks []*Engine
 }
 
 type counters struct {
@@ -239,6 +261,7 @@ type counters struct {
 	prefixHits     int // of those, tokens the cache held
 	pulledBlocks   int // blocks a decoder pulled from prefillers
 	computed       int // prompt tokens computed here: uncached, not pulled
+	loadFailures   int // Mooncake decodes whose transfer the prefiller could not give
 }
 
 // KVStats is a snapshot of the engine's KV pool and request counters, the
@@ -323,9 +346,23 @@ type KVStats struct {
 	// restarts when nobody aborts them. A room being transferred is still in
 	// HeldRequests and BlocksHeld until the decoder's notification.
 	RoomsHeld int `json:"rooms_held"`
+	// TransfersWaiting counts, on a Mooncake decoder, the decodes waiting
+	// for their transfer's prefill on the prefiller (mooncake.go).
+	TransfersWaiting int `json:"transfers_waiting"`
+	// KVLoadFailuresTotal counts, on a Mooncake decoder, the decodes whose
+	// transfer the prefiller did not have (unknown, expired, aborted, pulled
+	// already) or that waited past WaitingTimeout: each failed with a 500
+	// kv_transfer_failed or, with KVLoadFailurePolicy "recompute", computed
+	// its prompt itself.
+	KVLoadFailuresTotal int `json:"kv_load_failures_total"`
+	// Ranks are the data parallel ranks' own numbers, one per rank (one
+	// without data parallelism); the fields above are their sums.
+	Ranks []RankStats `json:"ranks"`
 }
 
 // New builds an engine; call Run to start its scheduler and serve Handler.
+// With DataParallelSize N > 1 it is rank 0 of N ranks behind one Handler
+// (dp.go).
 func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 	cfg, err := cfg.withDefaults()
 	if err != nil {
@@ -334,23 +371,64 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 	if logger == nil {
 		logger = zap.NewNop()
 	}
+	e, err := newRank(cfg, logger, 0)
+	if err != nil {
+		return nil, err
+	}
+	e.ranks = []*Engine{e}
+	for r := 1; r < cfg.DataParallelSize; r++ {
+		rc := cfg
+		rc.DataParallelRank = cfg.DataParallelRank + r
+		if cfg.EngineID != "" {
+			rc.EngineID = cfg.EngineID + "-dp" + strconv.Itoa(r)
+		}
+		re, err := newRank(rc, logger, r)
+		if err != nil {
+			e.closeUnstarted()
+			return nil, err
+		}
+		e.ranks = append(e.ranks, re)
+	}
+	return e, nil
+}
+
+// closeUnstarted releases the sockets New bound for engines whose Run never ran.
+func (e *Engine) closeUnstarted() {
+	for _, r := range e.ranks {
+		if r.kv != nil {
+			r.kv.close()
+		}
+	}
+	if e.boot != nil {
+		_ = e.boot.ln.Close()
+	}
+}
+
+// newRank builds data parallel rank r of an engine; rank 0 owns the
+// bootstrap server, which serves every rank.
+func newRank(cfg Config, logger *zap.Logger, rank int) (*Engine, error) {
+	var err error
 	id := cfg.EngineID
 	if id == "" {
 		var b [6]byte
 		_, _ = rand.Read(b[:]) // never fails (crypto/rand panics instead)
 		id = "sim-" + cfg.Role + "-" + hex.EncodeToString(b[:])
 	}
+	logger = logger.With(zap.String("engine_id", id))
+	if cfg.DataParallelSize > 1 {
+		logger = logger.With(zap.Int("dp_rank", rank))
+	}
 	var kv *kvPublisher
 	if cfg.KVEventsEndpoint != "" {
 		// Bound here, as the bootstrap server, so that the address is known
 		// before Run; Run serves and closes it.
-		if kv, err = newKVPublisher(cfg, logger.With(zap.String("engine_id", id))); err != nil {
+		if kv, err = newKVPublisher(cfg, logger); err != nil {
 			return nil, err
 		}
 	}
 	client := newTransferClient()
 	var boot *bootstrapServer
-	if cfg.Protocol == ProtocolSGLang && cfg.Role == "prefill" {
+	if rank == 0 && (cfg.Protocol == ProtocolSGLang || cfg.Protocol == ProtocolMooncake) && cfg.Role == "prefill" {
 		// Bound here, not in Run, so that /server_info reports the port from
 		// the start; Run serves it and closes it.
 		if boot, err = listenBootstrap(cfg.BootstrapHost, cfg.BootstrapPort); err != nil {
@@ -362,8 +440,9 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 	}
 	e := &Engine{
 		cfg:    cfg,
-		log:    logger.With(zap.String("engine_id", id), zap.String("role", cfg.Role)),
+		log:    logger.With(zap.String("role", cfg.Role)),
 		id:     id,
+		rank:   rank,
 		clock:  cfg.Clock,
 		client: client,
 		wake:   make(chan struct{}, 1),
@@ -377,9 +456,8 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 		rooms:      make(map[uint64]*room),
 		prealloc:   make(map[*request]context.CancelCauseFunc),
 		inflight:   make(map[string]int),
-	}
-	if boot != nil {
-		boot.srv.Handler = e.bootstrapHandler()
+		transfers:  make(map[string]*transfer),
+		xferGone:   make(map[string]time.Time),
 	}
 	e.transport = &httpTransport{client: client, stopped: e.stopped}
 	e.registry = e.newRegistry()
@@ -403,6 +481,15 @@ func (e *Engine) KVEventsAddr() string {
 		return ""
 	}
 	return e.kv.addr()
+}
+
+// KVEventsAddrs is KVEventsAddr of each data parallel rank, rank 0 first.
+func (e *Engine) KVEventsAddrs() []string {
+	out := make([]string, len(e.ranks))
+	for i, r := range e.ranks {
+		out[i] = r.KVEventsAddr()
+	}
+	return out
 }
 
 // KVEventsReplayAddr is the bound address of the replay socket, or "".
@@ -439,6 +526,11 @@ func (e *Engine) newRequest(rid string, a *apiRequest) (*request, error) {
 		r.tokens = a.tokens[0]
 		r.blockHashes = blockHashes(r.tokens, e.cfg.BlockSize)
 	}
+	if a.mc != nil {
+		// Nothing to pull until the prefiller has given the transfer.
+		r.mc, r.remote = a.mc, &kvTransferParams{DoRemotePrefill: true}
+	}
+	r.xferID = a.xferID
 	if r.remote != nil && r.remote.RemoteRequestID == "" {
 		// Older vLLM versions name the prefiller's request by the shared X-Request-Id.
 		r.remote.RemoteRequestID = rid
@@ -521,8 +613,24 @@ func (e *Engine) Run(ctx context.Context) error {
 	if e.boot != nil {
 		// Deferred before shutdown, so it runs after it: the rooms are gone
 		// by then and every request waiting for one has its answer.
+		e.boot.srv.Handler = e.bootstrapHandler()
 		stop := e.boot.serve(e.log)
 		defer stop()
+	}
+	if len(e.ranks) > 1 {
+		// The other ranks stop with ctx; the bootstrap server, which serves
+		// their pulls too, closes after them.
+		var wg sync.WaitGroup
+		errs := make([]error, len(e.ranks))
+		for i, r := range e.ranks[1:] {
+			wg.Go(func() { errs[i+1] = r.Run(ctx) })
+		}
+		defer func() {
+			wg.Wait()
+			if err := errors.Join(errs...); err != nil {
+				e.log.Error("data parallel rank stopped", zap.Error(err))
+			}
+		}()
 	}
 	defer e.client.CloseIdleConnections()
 	if e.kv != nil {
@@ -576,4 +684,8 @@ func (e *Engine) Run(ctx context.Context) error {
 
 // CloseIdleConnections drops the idle keep-alive connections of the engine's pull/notify
 // client (a decoder keeps some open to its prefillers); they are redialled on demand.
-func (e *Engine) CloseIdleConnections() { e.client.CloseIdleConnections() }
+func (e *Engine) CloseIdleConnections() {
+	for _, r := range e.ranks {
+		r.client.CloseIdleConnections()
+	}
+}

@@ -1,6 +1,9 @@
 package sim
 
-import "testing"
+import (
+	"encoding/json"
+	"testing"
+)
 
 func FuzzParseRequest(f *testing.F) {
 	seeds := []string{
@@ -91,6 +94,45 @@ func FuzzParseSGLang(f *testing.F) {
 			}
 			if l := sg.leg(i); role == "decode" && (l.host == "" || l.port <= 0 || l.port > 65535) {
 				t.Fatalf("decode leg %+v without a bootstrap server from %q", l, body)
+			}
+		}
+	})
+}
+
+func FuzzMooncakeParams(f *testing.F) {
+	for _, s := range []string{
+		`{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":"xfer-1"}`,
+		`{"do_remote_prefill":true,"do_remote_decode":false,"remote_bootstrap_addr":"http://10.0.0.1:8998","remote_engine_id":"e","remote_dp_rank":1,"transfer_id":"xfer-1"}`,
+		`{"do_remote_prefill":true,"bootstrap_server_host":"h","bootstrap_server_port":8998}`,
+		`{"do_remote_prefill":true,"remote_bootstrap_addr":"http://[::1]:0","transfer_id":"x"}`,
+		`{"do_remote_prefill":true,"remote_bootstrap_addr":"p:1","transfer_id":"x"}`,
+		`null`, `{}`, `{"do_remote_prefill":true,"do_remote_decode":true,"transfer_id":"x"}`,
+	} {
+		f.Add([]byte(s), "decode")
+		f.Add([]byte(s), "prefill")
+	}
+	f.Fuzz(func(t *testing.T, raw []byte, role string) {
+		var kv *kvTransferParams
+		if json.Unmarshal(raw, &kv) != nil {
+			return
+		}
+		e := &Engine{cfg: Config{Protocol: ProtocolMooncake, Role: role}}
+		a := &apiRequest{prompts: []int{3}, samples: 1, n: 1, maxTokens: 5}
+		err := e.mooncakeRequest(kv, a)
+		if err != nil {
+			if _, ok := err.(*apiError); !ok {
+				t.Fatalf("error %T %v is not an *apiError", err, err)
+			}
+			return
+		}
+		switch a.kind {
+		case kindPrefill:
+			if role != "prefill" || a.xferID == "" || a.maxTokens != 1 {
+				t.Fatalf("accepted prefill %+v on a %s engine from %s", a, role, raw)
+			}
+		case kindDecode:
+			if role != "decode" || a.mc == nil || a.mc.host == "" || a.mc.port <= 0 || a.mc.port > 65535 || a.mc.transferID == "" {
+				t.Fatalf("accepted decode %+v on a %s engine from %s", a.mc, role, raw)
 			}
 		}
 	})

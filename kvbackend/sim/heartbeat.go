@@ -66,8 +66,8 @@ func (e *Engine) heartbeatTargets() map[kvPeer][]string {
 	defer e.mu.Unlock()
 	var out map[kvPeer][]string
 	for _, r := range e.live {
-		if !r.readsKV() || r.pulled.Load() || r.leg != nil {
-			continue // SGLang has no lease to renew
+		if !r.readsKV() || r.pulled.Load() || r.leg != nil || r.mc != nil {
+			continue // SGLang and Mooncake have no lease to renew
 		}
 		if r.state != stateWaiting && r.state != statePulling {
 			continue

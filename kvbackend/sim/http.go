@@ -21,12 +21,12 @@ import (
 // completion requests to make progress.
 func (e *Engine) Handler() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/completions", e.handleCompletion(false))
-	mux.HandleFunc("POST /v1/chat/completions", e.handleCompletion(true))
-	mux.HandleFunc("POST /abort_request", e.handleAbort)
-	mux.HandleFunc("POST /kv/pull", e.handlePull)
-	mux.HandleFunc("POST /kv/notify", e.handleNotify)
-	mux.HandleFunc("POST /kv/heartbeat", e.handleHeartbeat)
+	mux.HandleFunc("POST /v1/completions", e.byRank(func(r *Engine) http.HandlerFunc { return r.handleCompletion(false) }))
+	mux.HandleFunc("POST /v1/chat/completions", e.byRank(func(r *Engine) http.HandlerFunc { return r.handleCompletion(true) }))
+	mux.HandleFunc("POST /abort_request", e.byRank(func(r *Engine) http.HandlerFunc { return r.handleAbort }))
+	mux.HandleFunc("POST /kv/pull", e.byEngineID(func(r *Engine) http.HandlerFunc { return r.handlePull }))
+	mux.HandleFunc("POST /kv/notify", e.byEngineID(func(r *Engine) http.HandlerFunc { return r.handleNotify }))
+	mux.HandleFunc("POST /kv/heartbeat", e.byEngineID(func(r *Engine) http.HandlerFunc { return r.handleHeartbeat }))
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	mux.HandleFunc("GET /server_info", e.handleServerInfo)
 	mux.HandleFunc("GET /get_server_info", e.handleServerInfo)
@@ -154,12 +154,20 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 			writeError(w, err)
 			return
 		}
+		var mc *kvTransferParams
 		if e.sglang() {
 			wb.KVTransferParams = nil // not SGLang's
+		}
+		if e.mooncake() {
+			// Mooncake's legs are not the NixlConnector's: mooncakeRequest reads them.
+			mc, wb.KVTransferParams = wb.KVTransferParams, nil
 		}
 		a, err := wb.validate(chat)
 		if err == nil && e.sglang() {
 			rid, err = e.sglangRequest(wb, a)
+		}
+		if err == nil && e.mooncake() {
+			err = e.mooncakeRequest(mc, a)
 		}
 		var req *request
 		if err == nil {

@@ -143,6 +143,9 @@ func offsetPort(ep string, rank int) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("kv events endpoint %q: port: %w", ep, err)
 	}
+	if port == 0 {
+		return ep, nil // every rank binds a free port of its own
+	}
 	return ep[:i+1] + strconv.Itoa(port+rank), nil
 }
 

@@ -476,6 +476,7 @@ func TestKVEventEndpointsBindOnAWildcardAndMoveByTheDataParallelRank(t *testing.
 	}{
 		{"tcp://*:5557", 0, true, "tcp://*:5557"},
 		{"tcp://*:5557", 2, true, "tcp://*:5559"},
+		{"tcp://*:0", 2, true, "tcp://*:0"},
 		{"tcp://10.0.0.7:5557", 1, false, "tcp://10.0.0.7:5558"},
 		{"tcp://[::]:5557", 1, true, "tcp://[::]:5558"},
 		{"ipc:///tmp/kv", 3, true, "ipc:///tmp/kv"},

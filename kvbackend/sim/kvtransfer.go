@@ -59,6 +59,9 @@ type kvTransport interface {
 	// claim asks an SGLang prefiller's bootstrap server for the KV of a
 	// room, waiting until the room's prefill holds it (sglang.go).
 	claim(ctx context.Context, leg *sglangLeg, rid string) (*claimResponse, error)
+	// claimTransfer asks a Mooncake prefiller's bootstrap server for the KV
+	// of a transfer, waiting until its prefill holds it (mooncake.go).
+	claimTransfer(ctx context.Context, leg *mooncakeLeg) (*claimResponse, error)
 }
 
 type pullRequest struct {

@@ -31,6 +31,14 @@ type kvTransferParams struct {
 	RemoteHost      string `json:"remote_host"`
 	RemotePort      int    `json:"remote_port"`
 	TPSize          int    `json:"tp_size"`
+	// vLLM's MooncakeConnector's (mooncake.go); omitted when empty, so that
+	// the NixlConnector's answers do not carry them.
+	TransferID          string `json:"transfer_id,omitempty"`
+	RemoteBootstrapAddr string `json:"remote_bootstrap_addr,omitempty"`
+	RemoteDPRank        *int   `json:"remote_dp_rank,omitempty"`
+	// Older vLLM's MooncakeConnector's, refused with a 400.
+	BootstrapServerHost string `json:"bootstrap_server_host,omitempty"`
+	BootstrapServerPort int    `json:"bootstrap_server_port,omitempty"`
 }
 
 // prefillKVParams is the kv_transfer_params a prefiller answers with: the
@@ -75,6 +83,9 @@ type apiRequest struct {
 	crashesDecoder bool
 	// sg is the rid and bootstrap fields of a body sent to an SGLang engine.
 	sg *sglangFields
+	// mc is a Mooncake decode's prefill, xferID a Mooncake prefill's transfer_id.
+	mc     *mooncakeLeg
+	xferID string
 }
 
 // wireRequest mirrors the JSON fields the sim reads.

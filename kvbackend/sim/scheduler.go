@@ -161,6 +161,11 @@ func (e *Engine) add(r *request, now time.Time) {
 		r.push(output{kind: outEnd, err: badRequest("duplicate_bootstrap_room", "bootstrap_room %d is already in use on this engine", r.leg.room)})
 		return
 	}
+	if r.kind == kindPrefill && r.xferID != "" && !e.openTransfer(r) {
+		r.state = stateDone
+		r.push(output{kind: outEnd, err: badRequest("duplicate_transfer_id", "transfer_id %q is already in use on this engine", r.xferID)})
+		return
+	}
 	e.counts.requests++
 	if r.crashes {
 		e.crash(r)
@@ -221,6 +226,9 @@ func (e *Engine) endLive(r *request, o output) {
 	if r.room != nil {
 		e.closeRoom(r.room)
 	}
+	if r.xfer != nil {
+		e.closeTransfer(r.xfer)
+	}
 	o.complete = r.generated
 	r.push(o)
 }
@@ -233,6 +241,9 @@ func (e *Engine) freeHeld(h *request, why error) {
 	delete(e.held, h.rid)
 	if h.room != nil {
 		e.closeRoom(h.room)
+	}
+	if h.xfer != nil {
+		e.closeTransfer(h.xfer)
 	}
 	if !h.legEnded {
 		h.legEnded = true
@@ -368,6 +379,9 @@ func (e *Engine) emit(r *request, now time.Time) {
 		if r.room != nil {
 			r.expiresAt = e.roomHeld(r)
 		}
+		if r.xfer != nil {
+			r.xfer.signal() // wakes the decoders waiting in a claim
+		}
 		if !r.expiresAt.IsZero() && (e.holdDue.IsZero() || r.expiresAt.Before(e.holdDue)) {
 			e.holdDue = r.expiresAt
 		}
@@ -435,13 +449,16 @@ func (e *Engine) shutdown() {
 	for _, rm := range e.rooms {
 		e.closeRoom(rm) // rooms only decoders asked for
 	}
+	for _, t := range e.transfers {
+		e.closeTransfer(t) // transfers only decoders asked for
+	}
 	e.waiting, e.running = nil, nil
 	e.holdDue = time.Time{}
 	e.publishEvents(e.clock.Now())
 }
 
-// Stats returns a snapshot of the KV pool and counters (GET /debug/kv).
-func (e *Engine) Stats() KVStats {
+// rankStats is this rank's part of Stats, without Ranks.
+func (e *Engine) rankStats() KVStats {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	s := KVStats{
@@ -462,6 +479,7 @@ func (e *Engine) Stats() KVStats {
 		HeartbeatsSentTotal:        e.counts.heartbeatsSent,
 		EngineCrashesTotal:         e.counts.crashes,
 		HoldsTotal:                 e.counts.holds,
+		KVLoadFailuresTotal:        e.counts.loadFailures,
 		RemotePrefillRequestsTotal: e.counts.remotePrefills,
 	}
 	// Blocks are shared where prompts share a cached prefix: each counts
@@ -478,7 +496,11 @@ func (e *Engine) Stats() KVStats {
 	}
 	s.BlocksHeld = len(held)
 	s.BlocksInUse = s.BlocksTotal - s.BlocksFree - s.BlocksHeld
-	s.RoomsWaiting = len(e.prealloc)
+	if e.cfg.Protocol == ProtocolMooncake {
+		s.TransfersWaiting = len(e.prealloc)
+	} else {
+		s.RoomsWaiting = len(e.prealloc)
+	}
 	for _, r := range e.live {
 		if r.state == stateWaiting {
 			s.WaitingRequests++

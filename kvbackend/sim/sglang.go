@@ -190,6 +190,14 @@ func (e *Engine) sglangRequest(wb *wireBody, a *apiRequest) (string, error) {
 	if a.samples != 1 {
 		return "", badRequest("invalid_n", "n=%d, best_of=%d: the sim serves one sample per prompt with bootstrap_room", a.n, a.samples)
 	}
+	if n := uint64(e.cfg.DataParallelSize); n > 1 && e.cfg.Role == "prefill" {
+		for _, room := range f.rooms {
+			if room%n != uint64(e.rank) {
+				return "", badRequest("invalid_bootstrap_room", "bootstrap_room %d belongs to data parallel rank %d (room %% %d), not rank %d: send it with %s: %d",
+					room, room%n, n, e.rank, HeaderDataParallelRank, room%n)
+			}
+		}
+	}
 	if e.cfg.Role == "prefill" {
 		// The prefill leg computes the prompt and its first token, whatever
 		// max_tokens says: the proxy sends both legs the client's body.
@@ -573,10 +581,13 @@ func (b *bootstrapServer) serve(log *zap.Logger) (stop func()) {
 }
 
 func (e *Engine) bootstrapHandler() http.Handler {
+	if e.mooncake() {
+		return e.mooncakeBootstrapHandler()
+	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /bootstrap/claim", e.handleClaim)
-	mux.HandleFunc("POST /kv/pull", e.handlePull)
-	mux.HandleFunc("POST /kv/notify", e.handleNotify)
+	mux.HandleFunc("POST /kv/pull", e.byEngineID(func(r *Engine) http.HandlerFunc { return r.handlePull }))
+	mux.HandleFunc("POST /kv/notify", e.byEngineID(func(r *Engine) http.HandlerFunc { return r.handleNotify }))
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	return mux
 }
@@ -587,7 +598,9 @@ func (e *Engine) handleClaim(w http.ResponseWriter, r *http.Request) {
 		writeError(w, badRequest("invalid_claim", `claim needs a JSON body {"room":<bootstrap room>,"rid":".."}`))
 		return
 	}
-	ans, err := e.claimRoom(r.Context(), req.Room)
+	// With data parallel ranks a room belongs to rank room % size, as SGLang's decoder
+	// picks its prefiller's rank (bootstrap_room % prefill dp size).
+	ans, err := e.ranks[req.Room%uint64(len(e.ranks))].claimRoom(r.Context(), req.Room)
 	switch {
 	case err == nil:
 		writeJSON(w, http.StatusOK, ans)
