@@ -206,8 +206,9 @@ func canAbort(b *router.Backend) bool {
 //
 // Engines without an explicit abort (vLLM's MooncakeConnector) are aborted by closing the
 // legs' connections, the decoder's first (cut): a prefill cut before it ended holds nothing;
-// one that had ended holds the KV until its engine's timer, unless a drain leg (drain, one
-// token, the output discarded) makes the decoder pull it.
+// one that was answered holds the KV until its engine's timer, unless a drain leg (drain, one
+// token, the output discarded) makes the decoder pull it. A prefill that ended in the moment
+// its connection closed holds its KV for the timer too (race R1: nothing else frees it).
 func (s *Server) abortLegs(c *custody, rids []string, p, d *router.Backend, hold *lifecycle.Hold, cut func() bool, drain []byte, req *genRequest) {
 	c.giveBackLease(c.res)
 	if !canAbort(d) || !canAbort(p) {

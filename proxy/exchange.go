@@ -81,7 +81,7 @@ type exchange struct {
 	// legRIDs are the ids a request on paired legs has on the engines, one per prompt.
 	legRIDs []string
 	// cutLegs, for a request on paired legs, cuts both legs' calls, the decoder's first, and
-	// reports whether the prefill leg had been answered (the prefiller may hold the KV).
+	// reports whether the prefill leg had been answered (the prefiller holds the KV).
 	cutLegs func() bool
 	// legDrain is a paired engine's drain leg (kvbackend.LegCalls.Drain); nil where an
 	// explicit abort frees a hold.

@@ -58,7 +58,6 @@ func (x *exchange) serveLegs() *apiError {
 	}
 	x.legRIDs = leg.RIDs()
 	var calls kvbackend.LegCalls
-	defer func() { x.legDrain = calls.Drain }()
 	err = x.s.guard(x.id, func() (err error) {
 		calls, err = eng.Legs(x.req.fields, leg)
 		return err
@@ -68,6 +67,7 @@ func (x *exchange) serveLegs() *apiError {
 		x.fail(router.Result{})
 		return buildFailed(err, "legs'")
 	}
+	x.legDrain = calls.Drain
 	if !x.s.table.StartLegs(x.id, p.Name, d.Name) {
 		lease.Release(router.Result{Canceled: true})
 		return x.gone()
@@ -89,10 +89,14 @@ func (x *exchange) serveLegs() *apiError {
 	pcall := withHeader(x.call(p, x.route, calls.Prefill), calls.PrefillHeader, nil)
 	clientCtx := x.ctx
 	pspan := x.callSpan(spanPrefillLeg, p)
-	var prefillDone atomic.Bool // the prefill leg was answered: the prefiller may hold the KV
+	// prefillEnded is closed when the prefill leg's call is over; prefillOK records that it
+	// was answered: the prefill ended, and the prefiller holds the KV.
+	prefillEnded := make(chan struct{})
+	var prefillOK atomic.Bool
 	x.s.bg.Add(1)
 	go func() {
 		defer x.s.bg.Done()
+		defer close(prefillEnded)
 		defer pcancel()
 		err := x.s.guard(x.id, func() error {
 			resp, err := pcall.Do(withSpan(pctx, pspan))
@@ -112,7 +116,7 @@ func (x *exchange) serveLegs() *apiError {
 			res = router.Result{Canceled: true}
 		}
 		lease.Release(res)
-		prefillDone.Store(err == nil)
+		prefillOK.Store(err == nil)
 		prefilled <- err
 	}()
 	served := false
@@ -129,7 +133,9 @@ func (x *exchange) serveLegs() *apiError {
 	x.cutLegs = func() bool {
 		wd.cancel(errLegsAborted)
 		pcancel()
-		return prefillDone.Load()
+		// Its answer may be on its way as the connection closes: the leg's end says.
+		<-prefillEnded
+		return prefillOK.Load()
 	}
 	type answer struct {
 		resp *http.Response

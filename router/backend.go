@@ -59,7 +59,8 @@ type backendState struct {
 	// ranks counts the leases in flight on each data-parallel rank; nil for an engine of
 	// one rank. A lease keeps a pointer to its own rank's counter; a reload that changes the
 	// size swaps in new counters.
-	ranks atomic.Pointer[[]atomic.Int64]
+	ranks    atomic.Pointer[[]atomic.Int64]
+	rankNext atomic.Uint64
 	// up is the active health verdict; backends start up so the proxy serves before
 	// the first check round completes.
 	up atomic.Bool

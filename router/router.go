@@ -636,10 +636,13 @@ func (p *pool) leaseLocked(b *Backend) *Lease {
 	l := &Lease{b: b, p: p, rank: -1}
 	if rp := b.st.ranks.Load(); rp != nil && len(*rp) > 1 {
 		ranks := *rp
-		// The rank with the fewest in flight; ties go to the lowest.
-		best := 0
-		for i := range ranks {
-			if ranks[i].Load() < ranks[best].Load() {
+		// The rank with the fewest in flight; ties rotate, so that an idle engine's ranks
+		// share the work too.
+		n := len(ranks)
+		start := int(b.st.rankNext.Add(1) % uint64(n))
+		best := start
+		for k := 1; k < n; k++ {
+			if i := (start + k) % n; ranks[i].Load() < ranks[best].Load() {
 				best = i
 			}
 		}
