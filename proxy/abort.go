@@ -143,7 +143,9 @@ func (x *exchange) fail(res router.Result) {
 	act, hold := x.s.table.Fail(x.id)
 	switch {
 	case x.paired && act == lifecycle.ReleaseKV:
-		x.s.abortLegs(c, x.legRIDs, x.prefillB, x.decodeB, hold, x.cutLegs, x.legDrain, x.req)
+		// No drain: the request failed because one of its engines did, and a drain would go
+		// to its decoder, which may be that one.
+		x.s.abortLegs(c, x.legRIDs, x.prefillB, x.decodeB, hold, x.cutLegs, nil, x.req)
 	case x.paired:
 		x.s.abortDecodeLeg(c.span, x.legRIDs, x.decodeB)
 		c.end(x.s)
@@ -607,7 +609,11 @@ const drainLegTimeout = 30 * time.Second
 // gone), and reports whether the decoder answered it: it pulled the held KV.
 func (s *Server) drainLeg(c *custody, d *router.Backend, req *genRequest, body []byte) bool {
 	span := s.bgSpan(c.span, spanDrain, d, attrEngineRequestID.String(c.engineID))
-	ctx, cancel := context.WithTimeout(withSpan(context.Background(), span), drainLegTimeout)
+	timeout := drainLegTimeout
+	if t := s.cfg.DecodeFirstByteTimeout; t > 0 && t < timeout {
+		timeout = t // a drain waits for a pull and one token: no longer than a decode's first byte
+	}
+	ctx, cancel := context.WithTimeout(withSpan(context.Background(), span), timeout)
 	defer cancel()
 	path := "/v1/completions"
 	if req.chat {
