@@ -14,6 +14,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/zap/zaptest"
+
+	projtestutil "github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 const waitTimeout = 10 * time.Second
@@ -21,19 +23,7 @@ const waitTimeout = 10 * time.Second
 // waitFor polls cond until it holds, failing the test with its last reason after waitTimeout.
 func waitFor(t *testing.T, cond func() (bool, string)) {
 	t.Helper()
-	deadline := time.Now().Add(waitTimeout)
-	pause := 500 * time.Microsecond
-	for {
-		ok, why := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("not within %s: %s", waitTimeout, why)
-		}
-		time.Sleep(pause)
-		pause = min(2*pause, 5*time.Millisecond)
-	}
+	projtestutil.WaitFor(t, waitTimeout, cond)
 }
 
 // pubEngine is an engine's KV event publisher as vLLM runs it: a PUB socket sending

@@ -50,6 +50,28 @@ func BenchmarkPDStream(b *testing.B) {
 	b.Run("proxy", func(b *testing.B) { benchStreams(b, m.URL(), nil, direct) })
 }
 
+// startMain starts pdproxy in this process with cfg, its logs discarded, and shuts it down
+// when the test ends.
+func startMain(tb testing.TB, cfg app.Config) *app.Main {
+	tb.Helper()
+	logger := zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()), zapcore.AddSync(io.Discard), zap.InfoLevel))
+	m, err := app.New(cfg, logger)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if err := m.Start(context.Background()); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		if err := m.Shutdown(ctx); err != nil {
+			tb.Errorf("shutdown: %v", err)
+		}
+	})
+	return m
+}
+
 // startInProcess runs app.Main in this process on a free port, in front of the given
 // backends, logging requests as a deployment does (JSON, info) into nothing.
 func startInProcess(b *testing.B, prefill, decode *backend) *app.Main {
@@ -59,22 +81,7 @@ func startInProcess(b *testing.B, prefill, decode *backend) *app.Main {
 		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: prefill.URL(), Role: router.RolePrefill, Engine: kvbackend.KindVLLM})
 	}
 	cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: decode.URL(), Role: router.RoleDecode, Engine: kvbackend.KindVLLM})
-	logger := zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()), zapcore.AddSync(io.Discard), zap.InfoLevel))
-	m, err := app.New(cfg, logger)
-	if err != nil {
-		b.Fatal(err)
-	}
-	if err := m.Start(context.Background()); err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		defer cancel()
-		if err := m.Shutdown(ctx); err != nil {
-			b.Errorf("shutdown: %v", err)
-		}
-	})
-	return m
+	return startMain(b, cfg)
 }
 
 // benchStreams streams completions to url from parallel clients (rt, when not nil, is the

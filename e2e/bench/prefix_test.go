@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/kvbackend"
@@ -112,22 +111,7 @@ func startPolicyProxy(t testing.TB, policy string, prefillers, decoders []*simEn
 	for _, d := range decoders {
 		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: d.srv.URL, Role: router.RoleDecode, Engine: kvbackend.KindVLLM})
 	}
-	logger := zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()), zapcore.AddSync(io.Discard), zap.InfoLevel))
-	m, err := app.New(cfg, logger)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		defer cancel()
-		if err := m.Shutdown(ctx); err != nil {
-			t.Errorf("shutdown: %v", err)
-		}
-	})
-	return m
+	return startMain(t, cfg)
 }
 
 // TestPrefixCacheRouting measures the prefix-cache hit ratio the proxy's routing policies

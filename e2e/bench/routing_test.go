@@ -21,9 +21,9 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/router"
@@ -402,22 +402,7 @@ func startRoutingProxy(t testing.TB, c routingContender, prefillers, decoders []
 	for _, d := range decoders {
 		add(d, router.RoleDecode)
 	}
-	logger := zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()), zapcore.AddSync(io.Discard), zap.InfoLevel))
-	m, err := app.New(cfg, logger)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		defer cancel()
-		if err := m.Shutdown(ctx); err != nil {
-			t.Errorf("shutdown: %v", err)
-		}
-	})
-	return m
+	return startMain(t, cfg)
 }
 
 // runStreamed sends the workload's waves one after the other, each wave's requests at rate
@@ -534,15 +519,14 @@ func BenchmarkRoutingCost(b *testing.B) {
 			// The engines' caches hold every group (each on its group mod 4 engine), and the
 			// router knows it from their events.
 			runWorkload(b, w, 8, func(t turnRef) string { return decoders[t.group%len(decoders)].srv.URL })
-			deadline := time.Now().Add(10 * time.Second)
-			for i := range decoders {
-				for len(r.CachedBlocks(fmt.Sprintf("d%d", i), 1)) == 0 {
-					if time.Now().After(deadline) {
-						b.Fatalf("the router has no KV events of d%d", i)
+			testutil.WaitFor(b, 10*time.Second, func() (bool, string) {
+				for i := range decoders {
+					if len(r.CachedBlocks(fmt.Sprintf("d%d", i), 1)) == 0 {
+						return false, fmt.Sprintf("the router has no KV events of d%d", i)
 					}
-					time.Sleep(10 * time.Millisecond)
 				}
-			}
+				return true, ""
+			})
 			precise := r.WantsTokens(router.RoleDecode)
 			var total, tok, pick []time.Duration
 			i := 0
