@@ -150,6 +150,13 @@ func (f *Fields) All() iter.Seq2[string, json.RawMessage] {
 	}
 }
 
+// With is the object with member key set to the raw JSON value v, in place of any member of
+// that name: a body with one field changed (a model alias resolved), its other bytes as they
+// came.
+func (f *Fields) With(key string, v json.RawMessage) (*Fields, error) {
+	return ParseFields(f.rewrite([]string{key}, set{key, v}))
+}
+
 // Len is the number of members, duplicates included.
 func (f *Fields) Len() int { return len(f.members) }
 

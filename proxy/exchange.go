@@ -86,6 +86,10 @@ type exchange struct {
 	// legDrain is a paired engine's drain leg (kvbackend.LegCalls.Drain); nil where an
 	// explicit abort frees a hold.
 	legDrain []byte
+	// clientModel is the model the client named when it was an alias (req.model is then the
+	// served one), empty else; rename puts it back into the answer.
+	clientModel string
+	rename      *renamer
 	// abortConn: the answer broke after its headers went out in a non-streaming response; the
 	// only honest end is to cut the connection.
 	abortConn bool
@@ -122,10 +126,11 @@ func (s *Server) finish(x *exchange, status int, err *apiError) {
 	x.endRequest(status, err)
 	elapsed := time.Since(x.start)
 	code := strconv.Itoa(status)
-	s.m.requests.WithLabelValues(x.route, code).Inc()
-	s.m.duration.WithLabelValues(x.route).Observe(elapsed.Seconds())
+	model := s.modelLabel(x.model())
+	s.m.requests.WithLabelValues(x.route, code, model).Inc()
+	s.m.duration.WithLabelValues(x.route, model).Observe(elapsed.Seconds())
 	if x.ttft > 0 {
-		s.m.ttft.WithLabelValues(x.route).Observe(x.ttft.Seconds())
+		s.m.ttft.WithLabelValues(x.route, model).Observe(x.ttft.Seconds())
 	}
 	level := zap.InfoLevel
 	if status >= 500 && status != StatusClientClosed {
@@ -141,7 +146,10 @@ func (s *Server) finish(x *exchange, status int, err *apiError) {
 		zap.Duration("decode_duration", x.decodeT), zap.Duration("ttft", x.ttft),
 	}
 	if x.req != nil {
-		fields = append(fields, zap.Bool("stream", x.req.stream))
+		fields = append(fields, zap.Bool("stream", x.req.stream), zap.String("model", x.req.model))
+		if x.clientModel != "" {
+			fields = append(fields, zap.String("model_alias", x.clientModel))
+		}
 	}
 	if x.prefillB != nil {
 		fields = append(fields, zap.String("prefill_backend", x.prefillB.Name))
@@ -156,6 +164,17 @@ func (s *Server) finish(x *exchange, status int, err *apiError) {
 		fields = append(fields, zap.String("error", err.Error()))
 	}
 	ce.Write(fields...)
+}
+
+// model is the model the client named, once its request was parsed.
+func (x *exchange) model() string {
+	switch {
+	case x.clientModel != "":
+		return x.clientModel
+	case x.req != nil:
+		return x.req.model
+	}
+	return ""
 }
 
 // requestID is the client's X-Request-Id when it sent a usable one, else a new random id.
@@ -199,6 +218,9 @@ func (x *exchange) run(chat bool) (e *apiError) {
 		return e
 	}
 	x.req = req
+	if e := x.resolveModel(); e != nil {
+		return e
+	}
 	x.hdr = upstreamHeader(x.r.Header)
 	if x.s.keys != nil {
 		// The client's key is for the proxy; a backend that wants one has its own api_key.
@@ -312,7 +334,7 @@ func (x *exchange) recoverAnswer() {
 }
 
 func (x *exchange) hint(exclude []string) router.Hint {
-	return router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.req.text, Tokens: x.tokens, Exclude: exclude}
+	return router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.req.text, Tokens: x.tokens, Model: x.req.model, Exclude: exclude}
 }
 
 // cacheRouter is what a router that routes on the engines' prefix caches offers: whether a

@@ -556,6 +556,7 @@ func (stubRouter) Available(router.Role) []*router.Backend { return nil }
 func (stubRouter) Has(router.Role) bool                    { return false }
 func (stubRouter) Ready() bool                             { return false }
 func (stubRouter) Backends() []router.BackendStatus        { return nil }
+func (stubRouter) Models(router.Role) ([]string, bool)     { return nil, false }
 
 // engineCatalog gives the router kvbackend's engines, as cmd/proxy does.
 type engineCatalog struct{}

@@ -26,16 +26,16 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "pdproxy", Name: "requests_total",
-			Help: "Requests answered, by route pattern and HTTP status (499: the client left).",
-		}, []string{"route", "code"}),
+			Help: "Requests answered, by route pattern, HTTP status (499: the client left) and the model the client named (an alias, a served model, or other).",
+		}, []string{"route", "code", "model"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "pdproxy", Name: "request_duration_seconds",
 			Help: "Time from a request's arrival to its last byte.", Buckets: latencyBuckets,
-		}, []string{"route"}),
+		}, []string{"route", "model"}),
 		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "pdproxy", Name: "time_to_first_token_seconds",
 			Help: "Time from a request's arrival to the first byte of its answer sent to the client.", Buckets: latencyBuckets,
-		}, []string{"route"}),
+		}, []string{"route", "model"}),
 		propagation: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "pdproxy", Name: "abort_propagation_seconds",
 			Help:    "From the client's disconnect being seen to the backend call cancelled or the KV release sent, by stage.",

@@ -1,11 +1,18 @@
 package proxy
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
+	"slices"
+	"strings"
+	"sync"
 	"time"
+
+	"gopkg.in/yaml.v3"
 
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -95,5 +102,251 @@ func (s *Server) fetchModels(ctx context.Context) ([]byte, error) {
 	if !answered {
 		return nil, errNoModels
 	}
+	// Aliases are models to a client: listed once each, sorted, after the served ones.
+	names := make([]string, 0, len(s.aliases))
+	for name := range s.aliases {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	for _, name := range names {
+		if seen[name] {
+			continue
+		}
+		m, err := json.Marshal(struct {
+			ID      string `json:"id"`
+			Object  string `json:"object"`
+			Created int64  `json:"created"`
+			OwnedBy string `json:"owned_by"`
+		}{name, "model", time.Now().Unix(), "pdproxy"})
+		if err == nil {
+			out.Data = append(out.Data, m)
+		}
+	}
 	return json.Marshal(out)
+}
+
+// Alias is what a client-facing model name stands for: one served model, or several split
+// by weight (a canary). In YAML it is a model name, or a list of {model, weight}.
+type Alias []AliasTarget
+
+// AliasTarget is one served model an alias sends requests to.
+type AliasTarget struct {
+	// Model is the served model's name, as the engines list it.
+	Model string `yaml:"model"`
+	// Weight is the target's share of the alias's requests, relative to the others'. Absent
+	// means 1; 0 sends it nothing (a canary turned off).
+	Weight *int `yaml:"weight"`
+}
+
+// UnmarshalYAML takes a model name for an alias of one target.
+func (a *Alias) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind == yaml.ScalarNode {
+		var m string
+		if err := n.Decode(&m); err != nil {
+			return err
+		}
+		*a = Alias{{Model: m}}
+		return nil
+	}
+	var ts []AliasTarget
+	if err := n.Decode(&ts); err != nil {
+		return fmt.Errorf("a model alias is a model name or a list of {model, weight}: %w", err)
+	}
+	*a = ts
+	return nil
+}
+
+func (t AliasTarget) weight() int {
+	if t.Weight == nil {
+		return 1
+	}
+	return *t.Weight
+}
+
+// validateAliases checks model_aliases: every alias names served models (not other aliases),
+// with weights that send it something.
+func validateAliases(aliases map[string]Alias) error {
+	for name, a := range aliases {
+		f := fmt.Sprintf("model_aliases.%s", name)
+		if strings.TrimSpace(name) == "" {
+			return fmt.Errorf("model_aliases: an alias has an empty name")
+		}
+		if len(a) == 0 {
+			return fmt.Errorf("%s: names no model", f)
+		}
+		total := 0
+		for i, t := range a {
+			switch {
+			case strings.TrimSpace(t.Model) == "":
+				return fmt.Errorf("%s[%d].model: empty", f, i)
+			case t.weight() < 0:
+				return fmt.Errorf("%s[%d].weight: %d is negative", f, i, t.weight())
+			}
+			if _, chained := aliases[t.Model]; chained && t.Model != name {
+				return fmt.Errorf("%s[%d].model: %q is itself an alias; name a served model", f, i, t.Model)
+			}
+			total += t.weight()
+		}
+		if total == 0 {
+			return fmt.Errorf("%s: every weight is 0, so the alias would serve nothing", f)
+		}
+	}
+	return nil
+}
+
+// aliasPicker splits one alias's requests across its targets by smooth weighted round robin
+// (nginx's): over every run of total-weight requests each target gets exactly its weight,
+// interleaved rather than in blocks, so a canary's share holds over a few hundred requests
+// and not only on average.
+type aliasPicker struct {
+	mu      sync.Mutex
+	targets []AliasTarget
+	current []int
+	total   int
+}
+
+func newAliasPicker(a Alias) *aliasPicker {
+	p := &aliasPicker{targets: a, current: make([]int, len(a))}
+	for _, t := range a {
+		p.total += t.weight()
+	}
+	return p
+}
+
+func (p *aliasPicker) pick() string {
+	if len(p.targets) == 1 {
+		return p.targets[0].Model
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	best := -1
+	for i, t := range p.targets {
+		if t.weight() == 0 {
+			continue
+		}
+		p.current[i] += t.weight()
+		if best < 0 || p.current[i] > p.current[best] {
+			best = i
+		}
+	}
+	p.current[best] -= p.total
+	return p.targets[best].Model
+}
+
+// errModelNotFound is a request for a model that no decoder serves and no alias names.
+func errModelNotFound(model string) *apiError {
+	return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found", param: "model",
+		message: fmt.Sprintf("The model %q does not exist or is not served here; GET /v1/models lists those that are.", model)}
+}
+
+// resolveModel turns the model a client named into the one the engines serve: an alias's
+// pick, else the name itself. A model that no decoder serves is a 404, when every decoder's
+// models are known (configured, or listed by its engine); while some are not, the request
+// goes on and the engine answers for itself.
+func (s *Server) resolveModel(name string) (served string, e *apiError) {
+	served = name
+	if p := s.aliases[name]; p != nil {
+		served = p.pick()
+	}
+	if models, complete := s.router.Models(router.RoleDecode); complete && !slices.Contains(models, served) {
+		return "", errModelNotFound(name)
+	}
+	return served, nil
+}
+
+// resolveModel resolves the request's model (resolveModel): an alias's body is rewritten to
+// the served model, and the answer renamed back.
+func (x *exchange) resolveModel() *apiError {
+	served, e := x.s.resolveModel(x.req.model)
+	if e != nil {
+		return e
+	}
+	if served == x.req.model {
+		return nil
+	}
+	v, _ := json.Marshal(served)
+	f, err := x.req.fields.With("model", v)
+	if err != nil {
+		return buildFailed(err, "engine")
+	}
+	x.clientModel, x.req.model, x.req.fields = x.req.model, served, f
+	x.rename = newRenamer(served, x.clientModel)
+	return nil
+}
+
+// modelLabel is the model label of a request's metrics: the name the client used when it is
+// an alias or a model a decoder serves, else "other", so that clients naming random models
+// cannot grow the label set.
+func (s *Server) modelLabel(name string) string {
+	if name == "" {
+		return ""
+	}
+	if _, ok := s.aliases[name]; ok {
+		return name
+	}
+	if models, _ := s.router.Models(router.RoleDecode); slices.Contains(models, name) {
+		return name
+	}
+	return "other"
+}
+
+// renamer puts the client's model name back into an answer an engine wrote with the served
+// one: every `"model":"<served>"` member becomes `"model":"<client>"`. The pattern has
+// unescaped quotes, so it never matches inside a JSON string (generated text). Bytes that may
+// begin a match split across two reads are held back until the next read shows; an SSE event
+// ends in a blank line, so a stream is never held up by it.
+type renamer struct {
+	old, new []byte
+	held     []byte
+}
+
+func newRenamer(served, client string) *renamer {
+	enc := func(m string) []byte {
+		b, _ := json.Marshal(m)
+		return append([]byte(`"model":`), b...)
+	}
+	return &renamer{old: enc(served), new: enc(client)}
+}
+
+// rewrite returns p renamed, with what was held before it; nil r passes p as it is.
+func (r *renamer) rewrite(p []byte) []byte {
+	if r == nil {
+		return p
+	}
+	if len(r.held) == 0 && !bytes.Contains(p, r.old) && r.overlap(p) == 0 {
+		return p
+	}
+	data := append(r.held, p...)
+	out := make([]byte, 0, len(data)+len(r.new))
+	for {
+		i := bytes.Index(data, r.old)
+		if i < 0 {
+			break
+		}
+		out = append(out, data[:i]...)
+		out = append(out, r.new...)
+		data = data[i+len(r.old):]
+	}
+	k := r.overlap(data)
+	out = append(out, data[:len(data)-k]...)
+	r.held = append([]byte(nil), data[len(data)-k:]...)
+	return out
+}
+
+// overlap is the length of the longest end of p that begins the pattern.
+func (r *renamer) overlap(p []byte) int {
+	k := min(len(p), len(r.old)-1)
+	for ; k > 0 && !bytes.HasPrefix(r.old, p[len(p)-k:]); k-- {
+	}
+	return k
+}
+
+// flush returns what is held at the answer's end.
+func (r *renamer) flush() []byte {
+	if r == nil {
+		return nil
+	}
+	h := r.held
+	r.held = nil
+	return h
 }

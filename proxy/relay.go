@@ -73,6 +73,12 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 	}
 	for {
 		data, more, rerr := next()
+		if x.rename != nil {
+			data = x.rename.rewrite(data)
+			if rerr != nil {
+				data = append(data, x.rename.flush()...)
+			}
+		}
 		if n := len(data); n > 0 {
 			wd.onBytes()
 			if x.ctx.Err() != nil {

@@ -34,6 +34,7 @@ type Router interface {
 	Has(role router.Role) bool
 	Ready() bool
 	Backends() []router.BackendStatus
+	Models(role router.Role) (models []string, complete bool)
 }
 
 var _ Router = (*router.Router)(nil)
@@ -137,6 +138,13 @@ type Config struct {
 	// CIDRs (any port), IP:port, or host:port patterns where a * matches within one DNS
 	// label ("vllm-prefill-*.ns.svc:8000") and a port of * any port.
 	PrefillerAllow []string `yaml:"prefiller_allow"`
+	// ModelAliases map a model name clients use to the served model it stands for
+	// ("chat: llama-3-70b"), or to several split by weight ("canary: [{model: v1, weight:
+	// 90}, {model: v2, weight: 10}]"). The body's model is rewritten before it is sent and
+	// the client's name put back in the answer; /v1/models lists every alias. An alias
+	// shadows a served model of the same name, and may not name another alias. Empty means
+	// none.
+	ModelAliases map[string]Alias `yaml:"model_aliases"`
 }
 
 // Validate checks c as New would, without changing it.
@@ -144,8 +152,10 @@ func (c Config) Validate() error {
 	if err := c.setDefaults(); err != nil {
 		return err
 	}
-	_, err := c.validateSidecar()
-	return err
+	if _, err := c.validateSidecar(); err != nil {
+		return err
+	}
+	return validateAliases(c.ModelAliases)
 }
 
 func (c *Config) setDefaults() error {
@@ -245,6 +255,8 @@ type Server struct {
 	tr *tracer
 	// aborts are the last clients that left, for the live view.
 	aborts *abortRing
+	// aliases pick each model alias's served model.
+	aliases map[string]*aliasPicker
 }
 
 // New builds a Server. reg receives the proxy's metrics; gather is served on /metrics (pass
@@ -267,6 +279,13 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 	allow, err := s.cfg.validateSidecar()
 	if err != nil {
 		return nil, err
+	}
+	if err := validateAliases(cfg.ModelAliases); err != nil {
+		return nil, err
+	}
+	s.aliases = make(map[string]*aliasPicker, len(cfg.ModelAliases))
+	for name, a := range cfg.ModelAliases {
+		s.aliases[name] = newAliasPicker(a)
 	}
 	if cfg.PrefillerHeader != "" {
 		eng, err := SidecarEngine(cfg, rt.Backends())

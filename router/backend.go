@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -39,6 +40,9 @@ type Backend struct {
 
 	// BootstrapPort is the configured bootstrap port (SGLang); zero means ask the engine.
 	BootstrapPort int
+
+	// models are the configured models; nil means the engine's list (backendState.models).
+	models []string
 
 	// kvEvents and kvReplay are the engine's KV event endpoints, from config.
 	kvEvents, kvReplay string
@@ -77,6 +81,8 @@ type backendState struct {
 	probation atomic.Bool
 	// load is what least_loaded scraped of the engine.
 	load loadState
+	// models is what the engine's /v1/models listed at its last answer; nil until then.
+	models atomic.Pointer[[]string]
 
 	mu sync.Mutex // guards the streaks and reasons below
 	// failStreak counts passive failures in a row.
@@ -127,6 +133,7 @@ func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendSta
 		Weight:        c.Weight,
 		MaxInflight:   c.MaxInflight,
 		BootstrapPort: c.BootstrapPort,
+		models:        slices.Clone(c.Models),
 		kvEvents:      kvEvents,
 		kvReplay:      kvReplay,
 		client:        client,
@@ -327,6 +334,28 @@ func (b *Backend) withAdmin(o clientOptions) {
 		return
 	}
 	b.admin = &http.Client{Transport: &bearerTransport{value: "Bearer " + o.adminKey, base: tr}, CheckRedirect: b.client.CheckRedirect}
+}
+
+// Models are the models the backend serves: its configured ones, else what its engine's
+// /v1/models listed last; nil while that is unknown.
+func (b *Backend) Models() []string {
+	if b.models != nil {
+		return b.models
+	}
+	if p := b.st.models.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// Serves reports whether a request for model may go to the backend: the model is among
+// its models, or those are not known yet. An empty model is any model.
+func (b *Backend) Serves(model string) bool {
+	if model == "" {
+		return true
+	}
+	ms := b.Models()
+	return ms == nil || slices.Contains(ms, model)
 }
 
 // Inflight is the number of leases currently counted on the backend.

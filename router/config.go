@@ -158,6 +158,11 @@ type BackendConfig struct {
 	// BootstrapPort is the port of an SGLang prefiller's bootstrap server. Zero means the
 	// one the engine reports (GET /server_info). Other engines ignore it.
 	BootstrapPort int `yaml:"bootstrap_port"`
+	// Models are the model names the engine serves (its served names and LoRA adapters),
+	// which requests naming another model never reach. Empty means what the engine's GET
+	// /v1/models lists, asked after each health check that passes; until it first answers,
+	// the backend may take a request for any model.
+	Models []string `yaml:"models"`
 	// AdminAPIKey is the engine's admin key (SGLang's --admin-api-key), sent on its admin
 	// calls (the explicit abort) in place of api_key. AdminAPIKeyEnv names a variable that
 	// holds it instead. Empty means api_key, if any.
@@ -650,6 +655,11 @@ func (c *Config) Validate() error {
 		}
 		if b.AdminAPIKey != "" && b.AdminAPIKeyEnv != "" {
 			bad(f+".admin_api_key_env", "set together with admin_api_key; set one")
+		}
+		for j, m := range b.Models {
+			if strings.TrimSpace(m) == "" {
+				bad(fmt.Sprintf("%s.models[%d]", f, j), "empty model name")
+			}
 		}
 		if b.BootstrapPort < 0 || b.BootstrapPort > 65535 {
 			bad(f+".bootstrap_port", "%d is not a port", b.BootstrapPort)

@@ -2,11 +2,13 @@ package router
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -69,6 +71,9 @@ func (r *Router) checkAll(ctx context.Context, h HealthConfig) {
 			if ctx.Err() != nil {
 				return // shutting down: a failed probe says nothing about the backend
 			}
+			if err == nil && b.models == nil {
+				r.listModels(ctx, b, h)
+			}
 			ref, refused := refusalOf(err)
 			change, why := b.check(err == nil, ref.text, h)
 			switch change {
@@ -112,6 +117,44 @@ func (r *Router) probe(ctx context.Context, b *Backend, h HealthConfig) error {
 		return fmt.Errorf("health check answered %d", resp.StatusCode)
 	}
 	return nil
+}
+
+// listModels asks a healthy engine which models it serves (GET /v1/models: its served
+// names and LoRA adapters) and keeps the answer. An engine that does not answer keeps what it
+// said last: a list is not forgotten because one call failed.
+func (r *Router) listModels(ctx context.Context, b *Backend, h HealthConfig) {
+	ctx, cancel := context.WithTimeout(ctx, h.Timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimSuffix(b.URLString, "/")+"/v1/models", nil)
+	if err != nil {
+		return
+	}
+	resp, err := b.client.Do(req)
+	if err != nil {
+		return
+	}
+	defer resp.Body.Close()
+	var list struct {
+		Data []struct {
+			ID string `json:"id"`
+		} `json:"data"`
+	}
+	if resp.StatusCode != http.StatusOK || json.NewDecoder(io.LimitReader(resp.Body, 4<<20)).Decode(&list) != nil {
+		if ce := r.logger.Check(zap.DebugLevel, "model list not read"); ce != nil {
+			ce.Write(zap.String("backend", b.Name), zap.Int("status", resp.StatusCode))
+		}
+		return
+	}
+	models := make([]string, 0, len(list.Data))
+	for _, m := range list.Data {
+		if m.ID != "" && !slices.Contains(models, m.ID) {
+			models = append(models, m.ID)
+		}
+	}
+	if old := b.st.models.Load(); old == nil || !slices.Equal(*old, models) {
+		r.logger.Info("backend models", zap.String("backend", b.Name), zap.Strings("models", models))
+	}
+	b.st.models.Store(&models)
 }
 
 // refusal is a connect error that proves nothing listens at a backend's address.

@@ -2,6 +2,7 @@ package router
 
 import (
 	"context"
+	"encoding/json"
 	"net/http"
 	"net/http/httptest"
 	"sync/atomic"
@@ -19,12 +20,33 @@ type engine struct {
 	failing atomic.Bool
 	hanging atomic.Bool
 	checks  atomic.Int64
-	path    atomic.Value // last path requested
+	path    atomic.Value // last path requested, /v1/models aside
+	// models is what GET /v1/models lists (a []string); unset, it answers 404.
+	models atomic.Value
 }
 
 func newEngine(t *testing.T) *engine {
 	e := &engine{}
 	e.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		if req.URL.Path == "/v1/models" {
+			// Asked after each passed check; not a check itself.
+			ms, ok := e.models.Load().([]string)
+			if !ok {
+				http.NotFound(w, req)
+				return
+			}
+			type model struct {
+				ID string `json:"id"`
+			}
+			list := struct {
+				Data []model `json:"data"`
+			}{}
+			for _, m := range ms {
+				list.Data = append(list.Data, model{m})
+			}
+			json.NewEncoder(w).Encode(list)
+			return
+		}
 		e.checks.Add(1)
 		e.path.Store(req.URL.Path)
 		if e.hanging.Load() {
@@ -149,6 +171,8 @@ func TestActiveHealthUsesConfiguredPath(t *testing.T) {
 	runRouter(t, r)
 	testutil.Eventually(t, testutil.Timeout, func() bool { return e.checks.Load() > 0 }, "a check")
 	if got := e.path.Load(); got != "/v1/ready" {
+		// The only other path asked is /v1/models, after a passed check, which the engine
+		// does not record.
 		t.Errorf("checked %v, want /v1/ready", got)
 	}
 }

@@ -41,6 +41,10 @@ type Hint struct {
 	// Tokens are the prompt's token ids as the engines tokenize it (Router.Tokens), for
 	// precise_cache_aware; nil means it scores the request by Text alone.
 	Tokens []uint32
+	// Model is the model the request names, as the engines serve it (an alias resolved):
+	// only backends that serve it (Backend.Serves) are picked, and a request for a model
+	// no backend serves waits for none. Empty means any backend.
+	Model string
 	// Exclude names backends not to pick, e.g. the ones a retry already tried.
 	Exclude []string
 	// Accept, when set, restricts the pick to backends whose engine it accepts: one request
@@ -313,6 +317,43 @@ func (r *Router) Available(role Role) []*Backend {
 	return out
 }
 
+// Models returns every model a backend of role serves, sorted, each once, and whether that
+// is all of them: false while a backend's models are unknown (its engine has not answered
+// /v1/models yet), when a model absent from the list may still be served. A discover
+// entry's configured models count even before its name resolves.
+func (r *Router) Models(role Role) (models []string, complete bool) {
+	complete = true
+	seen := map[string]bool{}
+	for _, t := range r.disc.entryTemplates() {
+		if t.Role != role {
+			continue
+		}
+		for _, m := range t.Models {
+			if !seen[m] {
+				seen[m] = true
+				models = append(models, m)
+			}
+		}
+	}
+	for _, b := range r.backends() {
+		if b.Role != role || b.st.removed.Load() {
+			continue
+		}
+		ms := b.Models()
+		if ms == nil {
+			complete = false
+		}
+		for _, m := range ms {
+			if !seen[m] {
+				seen[m] = true
+				models = append(models, m)
+			}
+		}
+	}
+	slices.Sort(models)
+	return models, complete
+}
+
 // MinKVHoldTimeout is the smallest engine KV hold timeout among the backends of role,
 // or 0 when there are none: a proxy hold longer than it would forward KV params that the
 // engine may already have freed. A discover entry counts for the backends it may add.
@@ -367,6 +408,9 @@ type BackendStatus struct {
 	// PrefixCache is what the proxy believes the engine's prefix cache holds; absent unless
 	// its pool's policy is cache_aware or precise_cache_aware.
 	PrefixCache *PrefixCacheStatus `json:"prefix_cache,omitempty"`
+	// Models are the models the backend serves (configured, or listed by the engine);
+	// absent while unknown.
+	Models []string `json:"models,omitempty"`
 	// Ranks are the engine's data-parallel ranks with their in-flight counts; absent for
 	// an engine of one rank.
 	Ranks []RankStatus `json:"ranks,omitempty"`
@@ -412,6 +456,7 @@ func (r *Router) Backends() []BackendStatus {
 			Load:        b.loadStatus(now),
 			PrefixCache: r.prefixCacheStatus(b, now),
 			Ranks:       b.rankStatus(),
+			Models:      b.Models(),
 		})
 	}
 	return out
@@ -611,7 +656,7 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool) {
 	now := p.r.now()
 	cands := p.scratch[:0]
 	for _, b := range p.backends {
-		if !b.available(now) || slices.Contains(h.Exclude, b.Name) || h.Accept != nil && !h.Accept(b.Engine) {
+		if !b.available(now) || slices.Contains(h.Exclude, b.Name) || !b.Serves(h.Model) || h.Accept != nil && !h.Accept(b.Engine) {
 			continue
 		}
 		avail = true
@@ -670,8 +715,10 @@ func (p *pool) dispatchLocked() {
 			p.waiters.Remove(e)
 			w.elem = nil
 			w.ch <- waitResult{err: ErrNoBackend}
-		case len(w.h.Exclude) == 0:
-			return // everything is full; nobody behind can be served either
+		case len(w.h.Exclude) == 0 && w.h.Model == "":
+			// Everything is full; nobody behind can be served either. A waiter restricted
+			// to some backends (by exclusion or model) says nothing about the others.
+			return
 		}
 		e = next
 	}
