@@ -85,13 +85,8 @@ func (mooncake) Legs(f *Fields, leg Leg) (LegCalls, error) {
 	if err != nil {
 		return LegCalls{}, err
 	}
-	calls := LegCalls{Decode: f.rewrite(decodeDrop, set{"kv_transfer_params", dec}), Drain: drain}
-	if chat {
-		calls.Prefill = f.rewrite(prefillDropChat, set{"kv_transfer_params", pre}, set{"stream", rawFalse},
-			set{"max_tokens", rawOne}, set{"max_completion_tokens", rawOne})
-	} else {
-		calls.Prefill = f.rewrite(prefillDrop, set{"kv_transfer_params", pre}, set{"stream", rawFalse}, set{"max_tokens", rawOne})
-	}
+	calls := LegCalls{Decode: f.rewrite(decodeDrop, set{"kv_transfer_params", dec}), Drain: drain,
+		Prefill: oneToken(f, chat, prefillDrop, prefillDropChat, prefillDropResponses, pre)}
 	if leg.Rank >= 0 {
 		calls.PrefillHeader = http.Header{}
 		calls.PrefillHeader.Set(dpRankHeader, strconv.Itoa(leg.Rank))

@@ -26,17 +26,36 @@ var (
 	drainDrop     = []string{"stream_options", "min_tokens", "min_completion_tokens", "n", "best_of", "logprobs", "top_logprobs", "kv_transfer_params", "stream", "max_tokens"}
 	drainDropChat = append(drainDrop[:len(drainDrop):len(drainDrop)], "max_completion_tokens")
 	decodeDrop    = []string{"kv_transfer_params"}
+	// A Responses API prefill or drain bounds its output with max_output_tokens, and must
+	// leave no state on the prefiller: store false, no background run.
+	prefillDropResponses = []string{"stream_options", "kv_transfer_params", "stream", "max_output_tokens", "store", "background"}
+	drainDropResponses   = append(prefillDropResponses[:len(prefillDropResponses):len(prefillDropResponses)], "top_logprobs", "include")
 )
+
+// responses reports whether f is a Responses API body (POST /v1/responses): it has input and
+// neither a completion's prompt nor a chat's messages.
+func responses(f *Fields) bool { return f.has("input") && !f.has("prompt", "messages") }
+
+// oneToken is the rewrite that bounds a prefill or a drain to one token, not streamed, on the
+// route f is for, keeping the client's other members (less drop).
+func oneToken(f *Fields, chat bool, drop, dropChat, dropResponses []string, params []byte) []byte {
+	switch {
+	case responses(f):
+		return f.rewrite(dropResponses, set{"kv_transfer_params", params}, set{"stream", rawFalse},
+			set{"max_output_tokens", rawOne}, set{"store", rawFalse})
+	case chat:
+		return f.rewrite(dropChat, set{"kv_transfer_params", params}, set{"stream", rawFalse},
+			set{"max_tokens", rawOne}, set{"max_completion_tokens", rawOne})
+	}
+	return f.rewrite(drop, set{"kv_transfer_params", params}, set{"stream", rawFalse}, set{"max_tokens", rawOne})
+}
 
 // PrefillBody rewrites a client's body for the prefiller: the KV is to be kept for a remote
 // decode, one token, no stream, and no minimum token counts (they would fight max_tokens 1).
-// Every other member is the client's, byte for byte.
+// Every other member is the client's, byte for byte. A Responses API body (input, no prompt
+// or messages) is bounded by max_output_tokens instead, and stores nothing on the prefiller.
 func PrefillBody(f *Fields, chat bool) ([]byte, error) {
-	if chat {
-		return f.rewrite(prefillDropChat, set{"kv_transfer_params", prefillParams}, set{"stream", rawFalse},
-			set{"max_tokens", rawOne}, set{"max_completion_tokens", rawOne}), nil
-	}
-	return f.rewrite(prefillDrop, set{"kv_transfer_params", prefillParams}, set{"stream", rawFalse}, set{"max_tokens", rawOne}), nil
+	return oneToken(f, chat, prefillDrop, prefillDropChat, prefillDropResponses, prefillParams), nil
 }
 
 // DecodeBody is the client's body as it came, plus the prefiller's kv_transfer_params passed
@@ -77,11 +96,7 @@ func DrainBody(f *Fields, chat bool, params json.RawMessage) ([]byte, error) {
 	} else if !json.Valid(params) {
 		return nil, ErrBadKVParams
 	}
-	if chat {
-		return f.rewrite(drainDropChat, set{"kv_transfer_params", params}, set{"stream", rawFalse},
-			set{"max_tokens", rawOne}, set{"max_completion_tokens", rawOne}), nil
-	}
-	return f.rewrite(drainDrop, set{"kv_transfer_params", params}, set{"stream", rawFalse}, set{"max_tokens", rawOne}), nil
+	return oneToken(f, chat, drainDrop, drainDropChat, drainDropResponses, params), nil
 }
 
 // ErrBadKVParams means a prefiller answered with kv_transfer_params that are neither null nor

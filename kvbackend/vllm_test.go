@@ -71,6 +71,8 @@ func TestPrefillBody(t *testing.T) {
 			map[string]string{"stream": "false", "max_tokens": "1", "max_completion_tokens": "1"}},
 		{"a request without the fields still gets them", `{"model":"m","prompt":"p"}`, false,
 			map[string]string{"stream": "false", "max_tokens": "1"}},
+		{"responses: max_output_tokens is 1, and the prefiller stores nothing", `{"model":"m","input":"hi","instructions":"be brief","max_output_tokens":50,"stream":true,"store":true,"background":false,"priority":3}`, false,
+			map[string]string{"stream": "false", "max_output_tokens": "1", "store": "false"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			in := parseFields(t, tc.body)
@@ -94,8 +96,11 @@ func TestPrefillBody(t *testing.T) {
 					t.Errorf("%s is still there; it must be left out of a prefill", k)
 				}
 			}
+			if _, ok := got["background"]; ok {
+				t.Error("background is still there; a prefill runs in the foreground")
+			}
 			for k, v := range in.All() {
-				if _, set := tc.set[k]; set || k == "kv_transfer_params" || k == "stream_options" || k == "min_tokens" || k == "min_completion_tokens" {
+				if _, set := tc.set[k]; set || k == "kv_transfer_params" || k == "stream_options" || k == "min_tokens" || k == "min_completion_tokens" || k == "background" {
 					continue
 				}
 				if !sameJSON(t, got[k], v) {

@@ -615,12 +615,8 @@ func (s *Server) drainLeg(c *custody, d *router.Backend, req *genRequest, body [
 	}
 	ctx, cancel := context.WithTimeout(withSpan(context.Background(), span), timeout)
 	defer cancel()
-	path := "/v1/completions"
-	if req.chat {
-		path = "/v1/chat/completions"
-	}
 	err := s.guard(c.id, func() error {
-		resp, err := backendCall(d, path, c.engineID, nil, body).Do(ctx)
+		resp, err := backendCall(d, req.route, c.engineID, nil, body).Do(ctx)
 		if err == nil {
 			_, err = io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()
@@ -681,10 +677,7 @@ func (s *Server) drain(r release) bool {
 		lease.Release(router.Result{})
 		return false
 	}
-	path := "/v1/completions"
-	if r.req.chat {
-		path = "/v1/chat/completions"
-	}
+	path := r.req.route
 	var delivered atomic.Bool
 	traced := httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
 		WroteRequest: func(i httptrace.WroteRequestInfo) { delivered.Store(i.Err == nil) },

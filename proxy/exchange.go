@@ -90,18 +90,23 @@ type exchange struct {
 	// served one), empty else; rename puts it back into the answer.
 	clientModel string
 	rename      *renamer
+	// ended, for a Responses stream, records that its last event went by; endScan is the
+	// end of the stream so far, for an event split across reads (sawEnd).
+	ended   bool
+	endScan []byte
 	// abortConn: the answer broke after its headers went out in a non-streaming response; the
 	// only honest end is to cut the connection.
 	abortConn bool
 }
 
-// generate serves /v1/completions (chat false) and /v1/chat/completions.
-func (s *Server) generate(route string, chat bool) http.HandlerFunc {
+// generate serves a generation route (/v1/completions, /v1/chat/completions, /v1/responses),
+// whose bodies parse reads.
+func (s *Server) generate(route string, parse func([]byte) (*genRequest, *apiError)) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		x := &exchange{s: s, w: w, r: r, route: route, start: time.Now(), id: requestID(r), engineID: newID()}
 		w.Header().Set("X-Request-Id", x.id)
 		defer x.recoverAnswer()
-		err := x.run(chat)
+		err := x.run(parse)
 		status := http.StatusOK
 		if err != nil {
 			status = err.status
@@ -201,7 +206,7 @@ func printable(s string) bool {
 	return true
 }
 
-func (x *exchange) run(chat bool) (e *apiError) {
+func (x *exchange) run(parse func([]byte) (*genRequest, *apiError)) (e *apiError) {
 	if x.s.sidecar != nil {
 		// Before the body is read: a request naming a prefiller it may not is refused
 		// whatever it carries.
@@ -213,11 +218,15 @@ func (x *exchange) run(chat bool) (e *apiError) {
 	if e != nil {
 		return e
 	}
-	req, e := parseRequest(body, chat)
+	req, e := parse(body)
 	if e != nil {
 		return e
 	}
+	req.route = x.route
 	x.req = req
+	if e := x.refuseState(); e != nil {
+		return e
+	}
 	if e := x.resolveModel(); e != nil {
 		return e
 	}
@@ -363,7 +372,8 @@ func (x *exchange) tokenize() {
 		x.tokens = x.req.tokens
 		return
 	}
-	if x.req.text == "" || x.req.prompts > 1 {
+	if x.req.text == "" || x.req.prompts > 1 || x.req.responses {
+		// A Responses input renders through the engine's own conversion: the text routes it.
 		return
 	}
 	req := router.TokenizeRequest{Model: x.req.model}

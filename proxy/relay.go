@@ -108,6 +108,9 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 			}
 			x.tail = append(x.tail, data[max(0, n-tailSize):n]...)
 			x.tail = x.tail[max(0, len(x.tail)-tailSize):]
+			if x.req.responses && !x.ended {
+				x.ended, x.endScan = sawEnd(x.endScan, data)
+			}
 		}
 		if rerr == io.EOF {
 			// A decoder that ends its answer before any byte of it (a 200 closed at once), or
@@ -115,7 +118,7 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 			switch {
 			case !x.wrote:
 				rerr = errEmptyAnswer
-			case x.req.stream && !streamDone(x.tail):
+			case x.req.stream && !x.streamComplete():
 				rerr = errStreamUnfinished
 			default:
 				// The deadline set for the last write may have passed while the decoder was
@@ -165,6 +168,16 @@ func streamDone(tail []byte) bool {
 	return false
 }
 
+// streamComplete reports whether the stream relayed so far ended as its API ends one: a
+// completion or chat stream with its [DONE], a Responses stream with its last event
+// (response.completed, .incomplete or .failed) and the blank line after it.
+func (x *exchange) streamComplete() bool {
+	if x.req.responses {
+		return x.ended && (bytes.HasSuffix(x.tail, []byte("\n\n")) || bytes.HasSuffix(x.tail, []byte("\r\n\r\n")))
+	}
+	return streamDone(x.tail)
+}
+
 // writeDeadline gives the next write to the client client_write_timeout from now.
 func (x *exchange) writeDeadline(rc *http.ResponseController) {
 	if x.s.cfg.ClientWriteTimeout > 0 {
@@ -186,9 +199,13 @@ func (x *exchange) cut(e *apiError) *apiError {
 		// error event gets a write deadline of its own.
 		x.writeDeadline(rc)
 		x.w.Write(eventBreak(x.tail))
-		x.w.Write([]byte("data: "))
-		x.w.Write(e.body())
-		x.w.Write([]byte("\n\n"))
+		if x.req.responses {
+			x.w.Write(responsesErrorEvent(e))
+		} else {
+			x.w.Write([]byte("data: "))
+			x.w.Write(e.body())
+			x.w.Write([]byte("\n\n"))
+		}
 		rc.Flush()
 	default:
 		x.abortConn = true

@@ -18,10 +18,16 @@ const maxTokensLimit = 1 << 24
 // genRequest is a completion or chat request, parsed once: its raw top-level fields (passed on
 // untouched) and the few values the proxy itself needs.
 type genRequest struct {
-	chat   bool
-	fields *kvbackend.Fields
-	model  string
-	stream bool
+	// route is the path the request came on, and goes to the engines on.
+	route string
+	chat  bool
+	// responses: a Responses API request (POST /v1/responses); state names a member that
+	// needs state on one engine (previous_response_id, background, store), empty if none.
+	responses bool
+	state     string
+	fields    *kvbackend.Fields
+	model     string
+	stream    bool
 	// prefix is the start of the prompt, for prefix-affinity routing.
 	prefix string
 	// text is the whole prompt as it repeats across a session's turns, for cache-aware
@@ -55,33 +61,19 @@ const (
 	decodeOnlyCached = "cached"
 )
 
+// completionsRequest and chatRequest parse the bodies of their routes.
+func completionsRequest(body []byte) (*genRequest, *apiError) { return parseRequest(body, false) }
+func chatRequest(body []byte) (*genRequest, *apiError)        { return parseRequest(body, true) }
+
 // parseRequest validates a body as an OpenAI completions (chat false) or chat completions
 // request. Errors name the field.
 func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
-	if len(bytes.TrimSpace(body)) == 0 {
-		return nil, badRequest("", "request body is empty; expected a JSON object")
-	}
-	if !utf8.Valid(body) {
-		return nil, badRequest("", "request body is not valid UTF-8")
-	}
-	fields, err := kvbackend.ParseFields(body)
-	if errors.Is(err, kvbackend.ErrNullBody) {
-		return nil, badRequest("", "request body must be a JSON object, not null")
-	}
-	if err != nil {
-		return nil, badRequest("", "request body is not a valid JSON object: "+jsonProblem(err))
-	}
-	req := &genRequest{chat: chat, fields: fields}
-
-	if e := stringField(fields, "model", true, &req.model); e != nil {
+	req, e := parseGeneration(body)
+	if e != nil {
 		return nil, e
 	}
-	if req.model == "" {
-		return nil, badRequest("model", "model must not be empty")
-	}
-	if e := boolField(fields, "stream", &req.stream); e != nil {
-		return nil, e
-	}
+	req.chat = chat
+	fields := req.fields
 	if raw, ok := fields.Field("stream_options"); ok && !isNull(raw) {
 		var so rawObject
 		if err := json.Unmarshal(raw, &so); err != nil {
@@ -149,6 +141,35 @@ func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
 		req.decodeOnly = decodeOnlyPromptArray
 	case promptLogprobs || echo && logprobs:
 		req.decodeOnly = decodeOnlyPromptLogprobs
+	}
+	return req, nil
+}
+
+// parseGeneration reads what every generation body has: a JSON object with a model, and
+// whether it streams.
+func parseGeneration(body []byte) (*genRequest, *apiError) {
+	if len(bytes.TrimSpace(body)) == 0 {
+		return nil, badRequest("", "request body is empty; expected a JSON object")
+	}
+	if !utf8.Valid(body) {
+		return nil, badRequest("", "request body is not valid UTF-8")
+	}
+	fields, err := kvbackend.ParseFields(body)
+	if errors.Is(err, kvbackend.ErrNullBody) {
+		return nil, badRequest("", "request body must be a JSON object, not null")
+	}
+	if err != nil {
+		return nil, badRequest("", "request body is not a valid JSON object: "+jsonProblem(err))
+	}
+	req := &genRequest{fields: fields}
+	if e := stringField(fields, "model", true, &req.model); e != nil {
+		return nil, e
+	}
+	if req.model == "" {
+		return nil, badRequest("model", "model must not be empty")
+	}
+	if e := boolField(fields, "stream", &req.stream); e != nil {
+		return nil, e
 	}
 	return req, nil
 }

@@ -344,8 +344,9 @@ func (s *Server) routes() http.Handler {
 		w.Header().Set("Allow", strings.Join(allow, ", "))
 		writeError(w, &apiError{status: http.StatusMethodNotAllowed, typ: "invalid_request_error", code: "method_not_allowed", message: "method not allowed on this route"})
 	})
-	r.Post("/v1/completions", s.generate("/v1/completions", false))
-	r.Post("/v1/chat/completions", s.generate("/v1/chat/completions", true))
+	r.Post("/v1/completions", s.generate("/v1/completions", completionsRequest))
+	r.Post("/v1/chat/completions", s.generate("/v1/chat/completions", chatRequest))
+	r.Post("/v1/responses", s.generate("/v1/responses", parseResponses))
 	r.Get("/v1/models", s.handleModels)
 	r.Get("/health", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})

@@ -1,0 +1,159 @@
+package proxy
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net/http"
+
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// The OpenAI Responses API (POST /v1/responses), as vLLM serves it: one input (a string, or
+// a list of items), instructions, max_output_tokens, and a stream of typed events
+// ("event: response.output_text.delta") that ends with response.completed rather than
+// [DONE]. It is served by the P/D flow of chat: the prefill bounded by max_output_tokens 1
+// and storing nothing (kvbackend), the decode carrying the prefiller's params, every abort,
+// hold and release rule the same.
+
+// parseResponses validates a Responses API body.
+func parseResponses(body []byte) (*genRequest, *apiError) {
+	req, e := parseGeneration(body)
+	if e != nil {
+		return nil, e
+	}
+	req.responses = true
+	f := req.fields
+	raw, ok := f.Field("input")
+	if !ok || isNull(raw) {
+		return nil, badRequest("input", "input is required")
+	}
+	var instructions string
+	if e := stringField(f, "instructions", false, &instructions); e != nil {
+		return nil, e
+	}
+	var s string
+	switch {
+	case raw[0] == '"' && decodeString(raw, &s) == nil:
+		req.prefix = s
+	default:
+		var items []json.RawMessage
+		if json.Unmarshal(raw, &items) != nil || len(items) == 0 {
+			return nil, badRequest("input", "input must be a string or a non-empty array of input items")
+		}
+		for i, it := range items {
+			if it[0] != '{' {
+				return nil, badRequest(fmt.Sprintf("input[%d]", i), fmt.Sprintf("input[%d] must be an object", i))
+			}
+		}
+		req.prefix = string(items[0])
+	}
+	if instructions != "" {
+		req.prefix = instructions
+	}
+	// What repeats across a conversation's turns, for cache-aware routing: the instructions,
+	// then the input as it grows.
+	req.text = instructions + string(raw)
+	req.prompts = 1
+	if _, _, e := countField(f, "max_output_tokens", 1); e != nil {
+		return nil, e
+	}
+	if _, _, e := countField(f, "top_logprobs", 0); e != nil {
+		return nil, e
+	}
+	for _, name := range []string{"temperature", "top_p", "repetition_penalty"} {
+		if e := numberField(f, name); e != nil {
+			return nil, e
+		}
+	}
+	if _, _, e := countField(f, "top_k", -1); e != nil {
+		return nil, e
+	}
+	var prev string
+	if e := stringField(f, "previous_response_id", false, &prev); e != nil {
+		return nil, e
+	}
+	var background, store bool
+	if e := boolField(f, "background", &background); e != nil {
+		return nil, e
+	}
+	if e := boolField(f, "store", &store); e != nil {
+		return nil, e
+	}
+	switch {
+	case prev != "":
+		req.state = "previous_response_id"
+	case background:
+		req.state = "background"
+	case store:
+		req.state = "store"
+	}
+	if _, ok := f.Field("previous_response"); ok {
+		// vLLM's stateless multi-turn: the client sends the earlier response whole, which
+		// both engines can read. Nothing to refuse.
+		req.state = ""
+	}
+	return req, nil
+}
+
+// refuseState refuses, under P/D, a Responses request that needs state on one engine: an
+// earlier response the engine stored (previous_response_id), a run it keeps after answering
+// (background), or a response it is to store for later (store: true). Disaggregated serving
+// puts a request on two engines and the next one on two others, so that state would be on an
+// engine the next request may never reach. Without prefillers, the request goes to one
+// engine and passes.
+func (x *exchange) refuseState() *apiError {
+	if x.req.state == "" || (x.s.sidecar == nil && !x.s.router.Has(router.RolePrefill)) {
+		return nil
+	}
+	how := map[string]string{
+		"previous_response_id": "send the conversation so far in input, or the earlier response whole in previous_response",
+		"background":           "send it in the foreground (stream it to keep the connection busy)",
+		"store":                "send store: false (or leave it out) and keep the response on the client",
+	}[x.req.state]
+	return &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "unsupported_parameter", param: x.req.state,
+		message: fmt.Sprintf("%s needs state kept on one engine, which disaggregated prefill/decode serving cannot promise; %s", x.req.state, how)}
+}
+
+// responsesEnds are the event lines that end a Responses stream: it has no [DONE].
+var responsesEnds = [][]byte{
+	[]byte("event: response.completed"), []byte("event: response.incomplete"), []byte("event: response.failed"),
+	[]byte("event:response.completed"), []byte("event:response.incomplete"), []byte("event:response.failed"),
+}
+
+// endCarry is how many of a stream's last bytes the scan for its end keeps from one read to
+// the next, so that an end split across reads is seen: the longest end line, less one.
+const endCarry = 26
+
+// sawEnd notes whether data, read after carry (the stream's bytes before it), holds the event
+// that ends a Responses stream; carry is returned updated.
+func sawEnd(carry, data []byte) (bool, []byte) {
+	buf := append(carry, data...)
+	found := false
+	for _, end := range responsesEnds {
+		if bytes.Contains(buf, end) {
+			found = true
+			break
+		}
+	}
+	return found, append([]byte(nil), buf[max(0, len(buf)-endCarry):]...)
+}
+
+// responsesErrorEvent is the event that ends a Responses stream that failed: the API's error
+// event ({"type":"error","code","message","param"}), with the OpenAI error object too, which
+// the SDKs read as the stream's failure.
+func responsesErrorEvent(e *apiError) []byte {
+	var inner struct {
+		Error json.RawMessage `json:"error"`
+	}
+	json.Unmarshal(e.body(), &inner)
+	ev, _ := json.Marshal(struct {
+		Type    string          `json:"type"`
+		Code    string          `json:"code"`
+		Message string          `json:"message"`
+		Param   *string         `json:"param"`
+		Error   json.RawMessage `json:"error"`
+	}{"error", e.code, e.message, nil, inner.Error})
+	out := append([]byte("event: error\ndata: "), ev...)
+	return append(out, "\n\n"...)
+}
