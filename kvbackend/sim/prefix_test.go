@@ -247,7 +247,7 @@ func TestCachedBlocksNobodyReferencesAreFreeAndEvictedOldestFirst(t *testing.T) 
 
 func TestAnSGLangDecoderHoldingThePromptPullsOnlyItsLastBlockAndBothEnginesCache(t *testing.T) {
 	prompt := strings.Repeat("abcd", 200) // 200 tokens: 13 blocks, 12 full
-	body := `{"model":"m","prompt":"` + prompt + `","max_tokens":2,"ignore_eos":true}`
+	body := `{"model":"sim","prompt":"` + prompt + `","max_tokens":2,"ignore_eos":true}`
 	pr := startPair(t, sglangConfig("prefill"), sglangConfig("decode"))
 	for i, wantPulled := range []int{13, 13 + 1} {
 		leg := pr.leg(t, body, "sg-cache-"+itoa(i), uint64(7000+i), 1)
