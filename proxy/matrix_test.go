@@ -39,15 +39,12 @@ type matrixCell struct {
 	leg    string // "prefill" or "decode"
 	fault  faultengine.Fault
 	stream bool
-	chat   bool
+	route  string // completions, chat or responses
 	leave  bool
 }
 
 func (c matrixCell) name() string {
-	route := "completions"
-	if c.chat {
-		route = "chat"
-	}
+	route := c.route
 	mode := "json"
 	if c.stream {
 		mode = "stream"
@@ -77,11 +74,17 @@ func matrixCells(full bool) []matrixCell {
 				}
 				for _, leave := range []bool{false, true} {
 					for _, stream := range []bool{false, true} {
-						for _, chat := range []bool{false, true} {
-							if !full && stream == chat {
+						for _, route := range []string{"completions", "chat", "responses"} {
+							// CI pairs stream and route: completions streamed, chat and
+							// responses not, responses streamed too (its end and its error
+							// event are its own).
+							if !full && (route == "completions") != stream && route != "responses" {
 								continue
 							}
-							cells = append(cells, matrixCell{proto, kind, leg, fault, stream, chat, leave})
+							if !full && route == "responses" && !stream {
+								continue
+							}
+							cells = append(cells, matrixCell{proto, kind, leg, fault, stream, route, leave})
 						}
 					}
 				}
@@ -217,9 +220,13 @@ func runCell(t *testing.T, c matrixCell) {
 
 	path := "/v1/completions"
 	body := `{"model":"m","prompt":"hello there","max_tokens":8`
-	if c.chat {
+	switch c.route {
+	case "chat":
 		path = "/v1/chat/completions"
 		body = `{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":8`
+	case "responses":
+		path = "/v1/responses"
+		body = `{"model":"m","input":[{"role":"user","content":"hello there"}],"max_output_tokens":8`
 	}
 	if c.stream {
 		body += `,"stream":true`
@@ -383,6 +390,9 @@ func (r matrixResult) whole(c matrixCell) bool {
 	if r.err != nil || r.status != 200 {
 		return false
 	}
+	if c.route == "responses" {
+		return wholeResponse(r.body, c.stream)
+	}
 	if !c.stream {
 		var v struct {
 			Choices []json.RawMessage `json:"choices"`
@@ -395,6 +405,41 @@ func (r matrixResult) whole(c matrixCell) bool {
 	}
 	for _, ev := range events[:4] {
 		if !json.Valid([]byte(ev)) || strings.Contains(ev, `"error"`) {
+			return false
+		}
+	}
+	return true
+}
+
+// wholeResponse reports whether body is the fault engine's whole Responses answer: a
+// response object, or its stream from response.created through 4 deltas to response.completed.
+func wholeResponse(body []byte, stream bool) bool {
+	type event struct {
+		Type   string `json:"type"`
+		Object string `json:"object"`
+		Status string `json:"status"`
+	}
+	if !stream {
+		var v event
+		return json.Unmarshal(body, &v) == nil && v.Object == "response" && v.Status == "completed"
+	}
+	events := sseDispatched(body)
+	if len(events) != 6 {
+		return false
+	}
+	for i, ev := range events {
+		var v event
+		if json.Unmarshal([]byte(ev), &v) != nil || strings.Contains(ev, `"error"`) {
+			return false
+		}
+		want := "response.output_text.delta"
+		switch i {
+		case 0:
+			want = "response.created"
+		case 5:
+			want = "response.completed"
+		}
+		if v.Type != want {
 			return false
 		}
 	}

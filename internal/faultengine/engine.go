@@ -306,6 +306,7 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 		return writeJSON(c, 200, `{"object":"list","data":[{"id":"m","object":"model"}]}`)
 	}
 	chat := strings.HasSuffix(req.URL.Path, "/chat/completions")
+	responses := req.URL.Path == "/v1/responses"
 	var f struct {
 		Stream bool `json:"stream"`
 	}
@@ -329,6 +330,17 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 		}
 		payload = []string{fmt.Sprintf(`{"id":"cmpl-p","object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":"length"}],"kv_transfer_params":%s}`, params)}
 		f.Stream = false
+	case f.Stream && responses:
+		// The Responses API's typed events, ending with response.completed (it has no
+		// [DONE]: the last event is what NoDone leaves out).
+		contentType = "text/event-stream"
+		payload = append(payload, "event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_c\",\"object\":\"response\",\"status\":\"in_progress\",\"output\":[]}}\n\n")
+		for i := range e.cfg.Chunks {
+			payload = append(payload, fmt.Sprintf("event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"sequence_number\":%d,\"item_id\":\"msg_c\",\"output_index\":0,\"content_index\":0,\"delta\":\"t%d\"}\n\n", i+1, i))
+		}
+		payload = append(payload, fmt.Sprintf("event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_number\":%d,\"response\":{\"id\":\"resp_c\",\"object\":\"response\",\"status\":\"completed\",\"output\":[]}}\n\n", e.cfg.Chunks+1))
+	case responses:
+		payload = []string{`{"id":"resp_c","object":"response","status":"completed","output":[{"type":"message","id":"msg_c","role":"assistant","status":"completed","content":[{"type":"output_text","text":"hello","annotations":[]}]}]}`}
 	case f.Stream:
 		contentType = "text/event-stream"
 		for i := range e.cfg.Chunks {
