@@ -126,13 +126,13 @@ func TestMooncakePoolsServeTheSDK(t *testing.T) {
 }
 
 // TestMooncakeGiveUpStormLeavesEveryEngineIdle: clients that give up at random moments, on a
-// 2P2D pool with two ranks each. Within a second of the last, no engine runs or waits for
-// anything and the proxy holds nothing; what prefillers still hold is KV whose decode leg had
-// claimed its transfer when it was cut, which only the engine's own timer frees (vLLM's
-// MooncakeConnector has no abort, and a second decode leg for the transfer is refused): the
-// engines here hold for 3 s, and must then be empty.
+// 2P2D pool with two ranks each. Within a second of the last, no engine runs, waits for or
+// holds anything and the proxy holds nothing. The engines' own hold is a minute, so none of
+// it is their timer: a decode leg cut after its decoder claimed the transfer tells the
+// prefiller (vLLM's decoder does, for a request aborted before its pull), and one cut before
+// leaves the prefill to the proxy's drain leg.
 func TestMooncakeGiveUpStormLeavesEveryEngineIdle(t *testing.T) {
-	const hold = 3 * time.Second
+	const hold = time.Minute
 	s, engines := mooncakePool(t, 2, 2, 2, hold)
 	const n = 60
 	rng := rand.New(rand.NewPCG(7, 8))
@@ -166,10 +166,5 @@ func TestMooncakeGiveUpStormLeavesEveryEngineIdle(t *testing.T) {
 		}
 		return true, ""
 	})
-	held := 0
-	for _, e := range engines {
-		held += e.Stats().HeldRequests
-	}
-	t.Logf("%d of %d requests' KV still held on the prefillers a second after the storm, for their timer", held, n)
-	testutil.WaitFor(t, hold+2*time.Second, func() (bool, string) { return idle(engines) })
+	testutil.WaitFor(t, time.Second, func() (bool, string) { return idle(engines) })
 }

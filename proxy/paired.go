@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptrace"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -93,13 +94,17 @@ func (x *exchange) serveLegs() *apiError {
 	// was answered: the prefill ended, and the prefiller holds the KV.
 	prefillEnded := make(chan struct{})
 	var prefillOK atomic.Bool
+	// prefillSent records that the prefill leg went out whole: cut with no answer, it may
+	// have finished on the prefiller all the same (race R1).
+	var prefillSent atomic.Bool
+	sentTrace := &httptrace.ClientTrace{WroteRequest: func(i httptrace.WroteRequestInfo) { prefillSent.Store(i.Err == nil) }}
 	x.s.bg.Add(1)
 	go func() {
 		defer x.s.bg.Done()
 		defer close(prefillEnded)
 		defer pcancel()
 		err := x.s.guard(x.id, func() error {
-			resp, err := pcall.Do(withSpan(pctx, pspan))
+			resp, err := pcall.Do(httptrace.WithClientTrace(withSpan(pctx, pspan), sentTrace))
 			if err == nil {
 				_, err = io.Copy(io.Discard, resp.Body)
 				resp.Body.Close()
@@ -135,7 +140,14 @@ func (x *exchange) serveLegs() *apiError {
 		pcancel()
 		// Its answer may be on its way as the connection closes: the leg's end says.
 		<-prefillEnded
-		return prefillOK.Load()
+		if prefillOK.Load() {
+			return true
+		}
+		// A prefill cut once it was sent may have finished as the cut came: an engine with
+		// no abort (Mooncake) then holds its KV for its timer, 480 s, unless a drain leg
+		// pulls it. A drain for a prefill that was aborted fails at once (the prefiller
+		// knows the transfer ended), so where there is one, the proxy sends it.
+		return calls.Drain != nil && prefillSent.Load()
 	}
 	type answer struct {
 		resp *http.Response

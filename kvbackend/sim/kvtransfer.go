@@ -62,6 +62,9 @@ type kvTransport interface {
 	// claimTransfer asks a Mooncake prefiller's bootstrap server for the KV
 	// of a transfer, waiting until its prefill holds it (mooncake.go).
 	claimTransfer(ctx context.Context, leg *mooncakeLeg) (*claimResponse, error)
+	// releaseTransfer tells a Mooncake prefiller that the decode of a transfer ended
+	// without its KV, so that the prefiller frees it (mooncake.go).
+	releaseTransfer(ctx context.Context, leg *mooncakeLeg) error
 }
 
 type pullRequest struct {

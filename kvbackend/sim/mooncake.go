@@ -43,8 +43,12 @@ import (
 // default: config/kv_transfer.py) or computes the prompt itself ("recompute"; the client
 // then sees a normal, slower answer). A prefiller remembers a transfer that ended for
 // KVHoldTimeout, so a claim for it fails at once; one it never heard of waits the
-// WaitingTimeout, the prefill leg being possibly still on its way. A decode leg cut while it waits withdraws its ask: the prefiller's hold stays
-// until its timeout, as vLLM's does. Once a decode has the transfer it is a vLLM decode:
+// WaitingTimeout, the prefill leg being possibly still on its way. A decode leg cut before
+// it pulled tells the prefiller (POST /mooncake/release), which frees the transfer's blocks
+// at once, or as soon as its prefill holds them: vLLM's decoder, for a request aborted
+// before its pull was scheduled, sends the prefiller the request with no blocks to read,
+// and the prefiller frees it when its prefill is done. A release for a transfer the
+// prefiller has not heard of is a no-op: that prefill holds until its timeout. Once a decode has the transfer it is a vLLM decode:
 // ending before its pull still notifies the prefiller, and a pull of blocks no longer held
 // fails with a 500 kv_transfer_failed.
 //
@@ -55,6 +59,8 @@ import (
 //	  200 {"engine_id":"..","request_id":"..","block_ids":[..]}
 //	  409  another decoder has it already
 //	  410  its prefill ended without KV, or its hold ended (expired, pulled)
+//	POST /mooncake/release {"transfer_id":"..","engine_id":"..","dp_rank":R}
+//	  the decode ended without the KV: 200, and the blocks are freed
 //	POST /kv/pull, POST /kv/notify   as in kvtransfer.go, to the rank of engine_id
 //
 // Older vLLM's decode params, bootstrap_server_host and bootstrap_server_port without a
@@ -133,7 +139,9 @@ type transfer struct {
 	// signalled: ready is closed; closed: the prefill ended without KV or its hold ended.
 	signalled, closed bool
 	claimed           bool // a decoder was given the KV
-	waiters           int  // decoders waiting in a claim
+	// released: the decode ended without the KV; its prefill frees it once held.
+	released bool
+	waiters  int // decoders waiting in a claim
 }
 
 func (t *transfer) signal() {
@@ -236,6 +244,60 @@ func (e *Engine) claimTransfer(ctx context.Context, id string) (*claimResponse, 
 	}
 }
 
+// handleMooncakeRelease is a decoder's word that the decode of a transfer ended without its
+// KV: {"transfer_id","engine_id","dp_rank"} as a claim. A transfer this engine never heard
+// of is a no-op (vLLM's prefiller logs "not found"): its prefill, if it comes, holds until
+// a decoder pulls it or its timeout.
+func (e *Engine) handleMooncakeRelease(w http.ResponseWriter, r *http.Request) {
+	var req mooncakeClaim
+	if err := json.NewDecoder(io.LimitReader(r.Body, maxBodyBytes)).Decode(&req); err != nil || req.TransferID == "" ||
+		req.DPRank < 0 || req.DPRank >= len(e.ranks) {
+		writeError(w, badRequest("invalid_release", `release needs a JSON body {"transfer_id":"..","engine_id":"..","dp_rank":<rank>}`))
+		return
+	}
+	e.ranks[req.DPRank].releaseTransfer(req.TransferID)
+	writeJSON(w, http.StatusOK, struct{}{})
+}
+
+// releaseTransfer frees a transfer's KV for a decode that ended without it: now when its
+// prefill holds it, when it does otherwise.
+func (e *Engine) releaseTransfer(id string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	t := e.transfers[id]
+	if t == nil || t.prefill == nil || t.closed {
+		return
+	}
+	t.released = true
+	if t.prefill.state == stateHeld {
+		// Claimed or not: a transfer has one decode leg, and its client left. A claim
+		// whose answer the decoder lost as it gave up stands here too; and a drain leg
+		// that claimed it only wanted it freed.
+		e.freeReleasedLocked(t)
+	}
+}
+
+// freeReleasedLocked ends a released transfer whose prefill holds its KV, as a decoder's
+// notify would. e.mu is held.
+func (e *Engine) freeReleasedLocked(t *transfer) {
+	t.claimed = true // nobody pulls it now
+	if e.enqueueLocked(event{kind: evFinishedSending, rid: t.prefill.rid}) == nil {
+		e.wakeUp()
+	}
+}
+
+// unclaim takes back a transfer's claim whose decoder never got the answer.
+func (e *Engine) unclaim(id string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if t := e.transfers[id]; t != nil && t.claimed {
+		t.claimed = false
+		if t.released && t.prefill != nil && t.prefill.state == stateHeld {
+			e.freeReleasedLocked(t)
+		}
+	}
+}
+
 // awaitTransfer is a Mooncake decode's wait for its prefill: it asks the prefiller's
 // bootstrap server for the transfer's KV, then submits r to the scheduler, which
 // allocates its blocks and orders the pull. When the prefiller cannot give the KV, r is
@@ -270,8 +332,16 @@ func (e *Engine) awaitTransfer(ctx context.Context, r *request) error {
 		e.mu.Lock()
 		delete(e.prealloc, r)
 		e.mu.Unlock()
-		// The client is gone: the ask is withdrawn, the prefiller's hold stays until its
-		// timeout.
+		// The client left before this decoder pulled the KV. Like vLLM's decoder with a
+		// request aborted before its pull was scheduled (it sends the prefiller the request
+		// with no blocks to read), it tells the prefiller, which frees the transfer's blocks
+		// now, or as soon as its prefill holds them.
+		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), notifyTimeout)
+		if rerr := e.transport.releaseTransfer(rctx, r.mc); rerr != nil {
+			e.log.Warn("mooncake release failed: the prefiller frees at its timeout",
+				zap.String("request_id", r.rid), zap.String("transfer_id", r.mc.transferID), zap.Error(rerr))
+		}
+		rcancel()
 		return ctx.Err()
 	}
 	if errors.Is(err, errStopped) {
@@ -320,6 +390,7 @@ func (e *Engine) mooncakeBootstrapHandler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /query", e.handleQuery)
 	mux.HandleFunc("POST /mooncake/claim", e.handleMooncakeClaim)
+	mux.HandleFunc("POST /mooncake/release", e.handleMooncakeRelease)
 	mux.HandleFunc("POST /kv/pull", e.byEngineID(func(r *Engine) http.HandlerFunc { return r.handlePull }))
 	mux.HandleFunc("POST /kv/notify", e.byEngineID(func(r *Engine) http.HandlerFunc { return r.handleNotify }))
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
@@ -360,6 +431,11 @@ func (e *Engine) handleMooncakeClaim(w http.ResponseWriter, r *http.Request) {
 	switch {
 	case err == nil:
 		writeJSON(w, http.StatusOK, ans)
+		if r.Context().Err() != nil {
+			// The decoder went away as it was handed the transfer: the claim is taken
+			// back, so that another decode leg (the proxy's drain) can pull and free it.
+			rk.unclaim(req.TransferID)
+		}
 	case errors.Is(err, errKVNotHeld):
 		writeError(w, statusError(http.StatusGone, "kv_not_held", "%v", err))
 	case errors.Is(err, errRoomClaimed):
@@ -372,6 +448,12 @@ func (e *Engine) handleMooncakeClaim(w http.ResponseWriter, r *http.Request) {
 }
 
 // claimTransfer asks a Mooncake prefiller's bootstrap server for a transfer's KV.
+func (t *httpTransport) releaseTransfer(ctx context.Context, leg *mooncakeLeg) error {
+	body := mooncakeClaim{TransferID: leg.transferID, EngineID: leg.engineID, DPRank: leg.dpRank}
+	var out struct{}
+	return t.call(ctx, leg.host, leg.port, "/mooncake/release", body, &out)
+}
+
 func (t *httpTransport) claimTransfer(ctx context.Context, leg *mooncakeLeg) (*claimResponse, error) {
 	var out claimResponse
 	body := mooncakeClaim{TransferID: leg.transferID, EngineID: leg.engineID, DPRank: leg.dpRank}

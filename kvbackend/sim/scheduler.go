@@ -397,6 +397,9 @@ func (e *Engine) emit(r *request, now time.Time) {
 		}
 		if r.xfer != nil {
 			r.xfer.signal() // wakes the decoders waiting in a claim
+			if r.xfer.released && !r.xfer.claimed {
+				e.freeReleasedLocked(r.xfer) // its decode ended while it prefilled
+			}
 		}
 		if !r.expiresAt.IsZero() && (e.holdDue.IsZero() || r.expiresAt.Before(e.holdDue)) {
 			e.holdDue = r.expiresAt

@@ -62,6 +62,10 @@ func (p *peerTransport) claimTransfer(context.Context, *mooncakeLeg) (*claimResp
 	return nil, errors.New("script: no mooncake bootstrap server")
 }
 
+func (p *peerTransport) releaseTransfer(context.Context, *mooncakeLeg) error {
+	return errors.New("script: no mooncake bootstrap server")
+}
+
 func (p *peerTransport) notify(_ context.Context, kv *kvTransferParams, _ string) error {
 	p.mu.Lock()
 	p.notified = append(p.notified, kv.RemoteRequestID)
