@@ -43,6 +43,9 @@ func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			"X-Sim-Stall, X-Sim-Close-After, X-Sim-Slow-Write, X-Sim-Transfer-Fail.\n"+
 			"Prefix caching (--prefix-cache), POST /tokenize, and KV events in vLLM's ZMQ format\n"+
 			"(--kv-events-endpoint, --kv-events-replay-endpoint, --kv-events-topic, --kv-events-format).\n"+
+			"POST /v1/responses (the Responses API), /v1/embeddings, /pooling, /v1/score, /v1/rerank, /detokenize and\n"+
+			"/v1/audio/transcriptions in vLLM's shapes; --model a,b and --lora-modules serve several models,\n"+
+			"--scheduling-policy priority orders the queue by the body's priority.\n"+
 			"GET /debug/kv shows the KV pool and counters.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"strings"
 	"testing"
@@ -32,28 +33,39 @@ func TestDecoderRejectingAParsedBodyNotifiesThePrefiller_PR41269(t *testing.T) {
 		code string
 		// freed: the prefiller heard of the rejection and freed its hold
 		freed bool
+		// status is the answer's, 400 when zero; vLLM's 404s carry a numeric code.
+		status int
 	}{
 		{"max_tokens 0", func(kv string) string {
 			return `{"prompt":"` + prompt + `","max_tokens":0,"kv_transfer_params":` + kv + `}`
-		}, "invalid_max_tokens", true},
+		}, "invalid_max_tokens", true, 0},
 		{"max_tokens negative", func(kv string) string {
 			return `{"prompt":"` + prompt + `","max_tokens":-5,"kv_transfer_params":` + kv + `}`
-		}, "invalid_max_tokens", true},
+		}, "invalid_max_tokens", true, 0},
 		{"prompt longer than --max-model-len", func(kv string) string {
 			return `{"prompt":"` + prompt + `","max_tokens":4,"kv_transfer_params":` + kv + `}`
-		}, "prompt_too_long", true},
+		}, "prompt_too_long", true, 0},
 		{"chat prompt longer than --max-model-len", func(kv string) string {
 			return `{"messages":[{"role":"user","content":"` + prompt + `"}],"max_tokens":4,"kv_transfer_params":` + kv + `}`
-		}, "prompt_too_long", true},
+		}, "prompt_too_long", true, 0},
+		{"responses prompt longer than --max-model-len", func(kv string) string {
+			return `{"input":"` + prompt + `","max_output_tokens":4,"kv_transfer_params":` + kv + `}`
+		}, "prompt_too_long", true, 0},
+		{"responses previous_response_id the decoder never stored", func(kv string) string {
+			return `{"input":"` + prompt + `","previous_response_id":"resp_elsewhere","kv_transfer_params":` + kv + `}`
+		}, "", true, http.StatusNotFound},
+		{"a model the decoder does not serve", func(kv string) string {
+			return `{"model":"other","prompt":"` + prompt + `","max_tokens":4,"kv_transfer_params":` + kv + `}`
+		}, "", true, http.StatusNotFound},
 		{"malformed JSON fails before the handler", func(kv string) string {
 			return `{"prompt":"` + prompt + `","max_tokens":4,"kv_transfer_params":` + kv + `,}`
-		}, "invalid_json", false},
+		}, "invalid_json", false, 0},
 		{"max_tokens of the wrong JSON type fails before the handler", func(kv string) string {
 			return `{"prompt":"` + prompt + `","max_tokens":"4","kv_transfer_params":` + kv + `}`
-		}, "invalid_json", false},
+		}, "invalid_json", false, 0},
 		{"prompt of the wrong JSON type fails before the handler", func(kv string) string {
 			return `{"prompt":{"text":"x"},"max_tokens":4,"kv_transfer_params":` + kv + `}`
-		}, "invalid_prompt", false},
+		}, "invalid_prompt", false, 0},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -63,15 +75,26 @@ func TestDecoderRejectingAParsedBodyNotifiesThePrefiller_PR41269(t *testing.T) {
 			d := startServer(t, dc)
 			kv := p.prefill(t, "rejected", prompt)
 			path := "/v1/completions"
-			if strings.HasPrefix(tt.name, "chat") {
+			switch {
+			case strings.HasPrefix(tt.name, "chat"):
 				path = "/v1/chat/completions"
+			case strings.HasPrefix(tt.name, "responses"):
+				path = "/v1/responses"
 			}
 			resp := d.post(t, context.Background(), path, tt.body(kv), map[string]string{"X-Request-Id": "rejected"})
 			body := readAll(t, resp)
-			if resp.StatusCode != http.StatusBadRequest {
-				t.Fatalf("decode: status %d, body %s; want 400", resp.StatusCode, body)
+			want := http.StatusBadRequest
+			if tt.status != 0 {
+				want = tt.status
 			}
-			if e := decodeError(t, body); e.Code != tt.code {
+			if resp.StatusCode != want {
+				t.Fatalf("decode: status %d, body %s; want %d", resp.StatusCode, body, want)
+			}
+			if tt.code == "" {
+				if !strings.Contains(string(body), fmt.Sprintf(`"code":%d`, want)) {
+					t.Errorf("body %s lacks vLLM's numeric code %d", body, want)
+				}
+			} else if e := decodeError(t, body); e.Code != tt.code {
 				t.Errorf("error code %q, want %q", e.Code, tt.code)
 			}
 			// The notify is sent before the 400: a barrier behind it on P

@@ -272,7 +272,6 @@ type responsePart struct {
 	Type        string     `json:"type"`
 	Text        string     `json:"text"`
 	Annotations []struct{} `json:"annotations"`
-	Logprobs    []struct{} `json:"logprobs,omitempty"`
 }
 
 type responseUsage struct {
