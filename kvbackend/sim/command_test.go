@@ -50,7 +50,7 @@ func TestRunCommandHelpListsEveryFlagAndReturnsErrHelp(t *testing.T) {
 		"protocol", "bootstrap-port", "bootstrap-timeout", "waiting-timeout", "disconnect-delay",
 		"admin-api-key", "transfer-fail",
 		"prefix-cache", "kv-events-endpoint", "kv-events-replay-endpoint", "kv-events-topic", "kv-events-format", "data-parallel-rank",
-		"data-parallel-size", "kv-load-failure-policy",
+		"data-parallel-size", "kv-load-failure-policy", "lora-modules", "embedding-dim", "scheduling-policy",
 	} {
 		if !strings.Contains(usage, "  -"+name+" ") && !strings.Contains(usage, "  -"+name+"\n") {
 			t.Errorf("usage does not document -%s:\n%s", name, usage)
@@ -72,6 +72,10 @@ func TestRunCommandRejectsBadFlags(t *testing.T) {
 		{"an unknown kv events format", []string{"--kv-events-endpoint", "tcp://*:0", "--kv-events-format", "json"}},
 		{"a kv events endpoint that is not one", []string{"--kv-events-endpoint", "localhost:5557"}},
 		{"a prefix-cache value that is not a boolean", []string{"--prefix-cache=maybe"}},
+		{"a model list naming no model", []string{"--model", " , "}},
+		{"a lora module without a path", []string{"--lora-modules", "sql-lora"}},
+		{"an unknown scheduling policy", []string{"--scheduling-policy", "lifo"}},
+		{"a negative embedding dim", []string{"--embedding-dim", "-1"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

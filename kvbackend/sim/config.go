@@ -28,9 +28,23 @@ type Config struct {
 	// is the server's --disaggregation-mode: what a request carrying a
 	// bootstrap_room is. It appears in the engine id and logs.
 	Role string
-	// Model is the model name listed by /v1/models and used as the
-	// model_name metric label; default "sim".
+	// Model is the served model names, comma-separated as vLLM's
+	// --served-model-name may list several: /v1/models lists them all, a
+	// request naming none gets the first, which is also the model_name metric
+	// label, and a request naming another gets vLLM's 404 (models.go);
+	// default "sim".
 	Model string
+	// LoRAModules is vLLM's --lora-modules, name=path,name=path: adapters
+	// served as models, listed by /v1/models with the first model as their
+	// parent. Empty: none.
+	LoRAModules string
+	// EmbeddingDim is the size of the vectors POST /v1/embeddings and
+	// POST /pooling answer (pooling.go); default 16.
+	EmbeddingDim int
+	// SchedulingPolicy is vLLM's --scheduling-policy: "fcfs" (default)
+	// refuses a request with a nonzero priority with vLLM's 400, "priority"
+	// orders the waiting queue by (priority, arrival), lower first.
+	SchedulingPolicy string
 	// EngineID names this engine in kv_transfer_params.remote_engine_id;
 	// empty means "sim-<role>-<random hex>".
 	EngineID string
@@ -179,6 +193,11 @@ const (
 	defaultMaxRunning    = 256
 	defaultKVHoldTimeout = 30 * time.Second
 	defaultKVHeartbeat   = 5 * time.Second
+	defaultEmbeddingDim  = 16
+
+	// SchedulingFCFS and SchedulingPriority are the values of Config.SchedulingPolicy.
+	SchedulingFCFS     = "fcfs"
+	SchedulingPriority = "priority"
 
 	// ProtocolVLLM and ProtocolSGLang are the values of Config.Protocol.
 	ProtocolVLLM     = "vllm"
@@ -218,6 +237,8 @@ func DefaultConfig() Config {
 		KVEventsFormat:      KVEventsFormatArray,
 		KVLoadFailurePolicy: KVLoadFailureFail,
 		DataParallelSize:    1,
+		EmbeddingDim:        defaultEmbeddingDim,
+		SchedulingPolicy:    SchedulingFCFS,
 	}
 }
 
@@ -226,7 +247,10 @@ func DefaultConfig() Config {
 func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.StringVar(&cfg.Protocol, "protocol", cfg.Protocol, `prefill/decode protocol: "vllm" (kv_transfer_params, prefill then decode) or "sglang" (both legs at once, paired by a bootstrap room; needs --role prefill or decode)`)
 	fs.StringVar(&cfg.Role, "role", cfg.Role, `engine role: "prefill", "decode" or "both" (vllm: informational, every role serves every request kind; sglang: the disaggregation mode)`)
-	fs.StringVar(&cfg.Model, "model", cfg.Model, "model name served and listed by /v1/models")
+	fs.StringVar(&cfg.Model, "model", cfg.Model, "served model names, comma-separated (vLLM's --served-model-name): the first is the default, a request naming another model gets a 404")
+	fs.StringVar(&cfg.LoRAModules, "lora-modules", cfg.LoRAModules, "LoRA adapters served as models, name=path,name=path (vLLM's --lora-modules), listed by /v1/models with the first model as parent")
+	fs.IntVar(&cfg.EmbeddingDim, "embedding-dim", cfg.EmbeddingDim, "size of the vectors /v1/embeddings and /pooling answer")
+	fs.StringVar(&cfg.SchedulingPolicy, "scheduling-policy", cfg.SchedulingPolicy, `"fcfs" (a request with a nonzero priority is a 400, as vLLM's) or "priority" (waiting requests ordered by priority, lower first, then arrival)`)
 	fs.StringVar(&cfg.EngineID, "engine-id", cfg.EngineID, "engine id sent as kv_transfer_params.remote_engine_id (empty: sim-<role>-<random>)")
 	fs.IntVar(&cfg.KVBlocks, "kv-blocks", cfg.KVBlocks, "number of KV cache blocks in the pool")
 	fs.IntVar(&cfg.BlockSize, "block-size", cfg.BlockSize, "tokens per KV block")
@@ -281,6 +305,12 @@ func (c Config) withDefaults() (Config, error) {
 	if c.KVBlocks == 0 {
 		c.KVBlocks = d.KVBlocks
 	}
+	if c.EmbeddingDim == 0 {
+		c.EmbeddingDim = d.EmbeddingDim
+	}
+	if c.SchedulingPolicy == "" {
+		c.SchedulingPolicy = d.SchedulingPolicy
+	}
 	if c.BlockSize == 0 {
 		c.BlockSize = d.BlockSize
 	}
@@ -306,6 +336,18 @@ func (c Config) withDefaults() (Config, error) {
 		c.KVEventsFormat = d.KVEventsFormat
 	}
 	var errs []error
+	if len(splitModels(c.Model)) == 0 {
+		errs = append(errs, fmt.Errorf("model %q: names no model", c.Model))
+	}
+	if _, err := parseLoRAModules(c.LoRAModules); err != nil {
+		errs = append(errs, err)
+	}
+	if c.EmbeddingDim < 0 || c.EmbeddingDim > maxEmbeddingDim {
+		errs = append(errs, fmt.Errorf("embedding dim %d: want 1 to %d", c.EmbeddingDim, maxEmbeddingDim))
+	}
+	if c.SchedulingPolicy != SchedulingFCFS && c.SchedulingPolicy != SchedulingPriority {
+		errs = append(errs, fmt.Errorf("scheduling policy %q: want fcfs or priority", c.SchedulingPolicy))
+	}
 	switch c.Role {
 	case "prefill", "decode", "both":
 	default:

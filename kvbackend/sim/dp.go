@@ -106,6 +106,12 @@ func (e *Engine) Stats() KVStats {
 	for _, r := range e.ranks {
 		s := r.rankStats()
 		addStats(&sum, s)
+		if sum.Priorities == nil {
+			sum.Priorities = make(map[string]int)
+		}
+		for p, n := range s.Priorities {
+			sum.Priorities[p] += n
+		}
 		sum.Ranks = append(sum.Ranks, RankStats{
 			Rank: r.rank, EngineID: r.id, RequestsTotal: s.RequestsTotal,
 			BlocksTotal: s.BlocksTotal, BlocksFree: s.BlocksFree, BlocksHeld: s.BlocksHeld, BlocksInUse: s.BlocksInUse,

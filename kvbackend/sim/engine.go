@@ -59,6 +59,7 @@ type request struct {
 	maxTokens    int
 	minTokens    int
 	ignoreEOS    bool
+	priority     int               // vLLM's: lower is scheduled first under the priority policy
 	remote       *kvTransferParams // decode only
 	crashes      bool              // the engine dies when it takes this request (vLLM #50792)
 	needBlocks   int
@@ -244,6 +245,15 @@ type Engine struct {
 	// is set.
 	rank  int
 	ranks []*Engine
+
+	// models are the served model names, the default first, and loras the
+	// adapters (models.go); store keeps finished Responses API answers,
+	// one for every rank (responses.go); vocab the text of token ids the
+	// engine tokenized, for /detokenize (pooling.go).
+	models []string
+	loras  []loraModule
+	store  *responseStore
+	vocab  *vocabulary
 }
 
 type counters struct {
@@ -262,6 +272,11 @@ type counters struct {
 	pulledBlocks   int // blocks a decoder pulled from prefillers
 	computed       int // prompt tokens computed here: uncached, not pulled
 	loadFailures   int // Mooncake decodes whose transfer the prefiller could not give
+	pooling        int // pooling requests (pooling.go) that passed validation
+	poolingAborted int // of those, ended by their client leaving
+	// priorities counts requests by their priority: the scheduler's, and
+	// the pooling requests'.
+	priorities map[int]int
 }
 
 // KVStats is a snapshot of the engine's KV pool and request counters, the
@@ -355,6 +370,19 @@ type KVStats struct {
 	// kv_transfer_failed or, with KVLoadFailurePolicy "recompute", computed
 	// its prompt itself.
 	KVLoadFailuresTotal int `json:"kv_load_failures_total"`
+	// PoolingRequestsTotal counts the pooling-style requests this server
+	// took (POST /v1/embeddings, /pooling, /v1/score, /score, /v1/rerank,
+	// /rerank, /v2/rerank, /detokenize, /v1/audio/transcriptions; pooling.go)
+	// once their body and model were valid, and PoolingAbortedTotal those
+	// of them whose client left before the answer, which stopped them:
+	// /metrics pdproxy_sim_pooling_requests_total and
+	// pdproxy_sim_pooling_aborted_total.
+	PoolingRequestsTotal int `json:"pooling_requests_total"`
+	PoolingAbortedTotal  int `json:"pooling_aborted_total"`
+	// Priorities counts the requests seen by the body's priority (vLLM's,
+	// lower first; 0 when absent), keyed by the priority in decimal:
+	// generation requests the scheduler accepted and pooling requests.
+	Priorities map[string]int `json:"priorities"`
 	// Ranks are the data parallel ranks' own numbers, one per rank (one
 	// without data parallelism); the fields above are their sums.
 	Ranks []RankStats `json:"ranks"`
@@ -376,6 +404,7 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 		return nil, err
 	}
 	e.ranks = []*Engine{e}
+	store, vocab := newResponseStore(maxStoredResponses), newVocabulary()
 	for r := 1; r < cfg.DataParallelSize; r++ {
 		rc := cfg
 		rc.DataParallelRank = cfg.DataParallelRank + r
@@ -388,6 +417,9 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 			return nil, err
 		}
 		e.ranks = append(e.ranks, re)
+	}
+	for _, r := range e.ranks {
+		r.store, r.vocab = store, vocab
 	}
 	return e, nil
 }
@@ -459,6 +491,9 @@ func newRank(cfg Config, logger *zap.Logger, rank int) (*Engine, error) {
 		transfers:  make(map[string]*transfer),
 		xferGone:   make(map[string]time.Time),
 	}
+	e.models = splitModels(cfg.Model)
+	e.loras, _ = parseLoRAModules(cfg.LoRAModules) // checked by withDefaults
+	e.counts.priorities = make(map[int]int)
 	e.transport = &httpTransport{client: client, stopped: e.stopped}
 	e.registry = e.newRegistry()
 	return e, nil
@@ -516,6 +551,7 @@ func (e *Engine) newRequest(rid string, a *apiRequest) (*request, error) {
 		maxTokens:    a.maxTokens,
 		minTokens:    a.minTokens,
 		ignoreEOS:    a.ignoreEOS,
+		priority:     a.priority,
 		remote:       a.kv,
 		crashes:      a.crashesDecoder,
 		needBlocks:   need,

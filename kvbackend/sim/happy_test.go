@@ -42,6 +42,15 @@ func TestPrefillThenDecodeOverHTTPStreamsAndFreesAllBlocks(t *testing.T) {
 			wantUsage: true,
 			tokens:    50,
 		},
+		{
+			name:    "responses stream",
+			path:    "/v1/responses",
+			prefill: `{"model":"sim","input":"` + prompt + `","max_output_tokens":1,"stream":false,` + prefillKV + `}`,
+			decode: func(kv string) string {
+				return `{"model":"sim","input":[{"type":"message","role":"user","content":[{"type":"input_text","text":"` + prompt + `"}]}],"max_output_tokens":8,"ignore_eos":true,"stream":true,"kv_transfer_params":` + kv + `}`
+			},
+			tokens: 50, // a chat's: the same template
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -59,8 +68,7 @@ func TestPrefillThenDecodeOverHTTPStreamsAndFreesAllBlocks(t *testing.T) {
 				t.Errorf("prefill echoed X-Request-Id %q, want %q", got, rid)
 			}
 			var pr struct {
-				KV    json.RawMessage `json:"kv_transfer_params"`
-				Usage usage           `json:"usage"`
+				KV json.RawMessage `json:"kv_transfer_params"`
 			}
 			if err := json.Unmarshal(body, &pr); err != nil {
 				t.Fatalf("prefill body %s: %v", body, err)
@@ -74,8 +82,8 @@ func TestPrefillThenDecodeOverHTTPStreamsAndFreesAllBlocks(t *testing.T) {
 				t.Errorf("prefill kv_transfer_params = %+v, want P's address %s, request %s, engine %s", kv, u.Host, rid, p.e.ID())
 			}
 			blocks := (tt.tokens + 15) / 16
-			if len(kv.RemoteBlockIDs) != blocks || pr.Usage.PromptTokens != tt.tokens || pr.Usage.CompletionTokens != 1 {
-				t.Errorf("prefill holds %d blocks with usage %+v, want %d blocks, %d prompt tokens, 1 completion token", len(kv.RemoteBlockIDs), pr.Usage, blocks, tt.tokens)
+			if prompt, completion := usageTokens(t, body); len(kv.RemoteBlockIDs) != blocks || prompt != tt.tokens || completion != 1 {
+				t.Errorf("prefill holds %d blocks with usage %d+%d, want %d blocks, %d prompt tokens, 1 completion token", len(kv.RemoteBlockIDs), prompt, completion, blocks, tt.tokens)
 			}
 			if s := p.kv(t); s.BlocksHeld != blocks || s.HeldRequests != 1 {
 				t.Errorf("after prefill P /debug/kv = %+v, want %d blocks held by 1 request", s, blocks)

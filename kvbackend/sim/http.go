@@ -21,8 +21,10 @@ import (
 // completion requests to make progress.
 func (e *Engine) Handler() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/completions", e.byRank(func(r *Engine) http.HandlerFunc { return r.handleCompletion(false) }))
-	mux.HandleFunc("POST /v1/chat/completions", e.byRank(func(r *Engine) http.HandlerFunc { return r.handleCompletion(true) }))
+	mux.HandleFunc("POST /v1/completions", e.byRank(func(r *Engine) http.HandlerFunc { return r.handleCompletion(apiCompletions) }))
+	mux.HandleFunc("POST /v1/chat/completions", e.byRank(func(r *Engine) http.HandlerFunc { return r.handleCompletion(apiChat) }))
+	mux.HandleFunc("POST /v1/responses", e.byRank(func(r *Engine) http.HandlerFunc { return r.handleCompletion(apiResponses) }))
+	mux.HandleFunc("GET /v1/responses/{id}", e.handleGetResponse)
 	mux.HandleFunc("POST /abort_request", e.byRank(func(r *Engine) http.HandlerFunc { return r.handleAbort }))
 	mux.HandleFunc("POST /kv/pull", e.byEngineID(func(r *Engine) http.HandlerFunc { return r.handlePull }))
 	mux.HandleFunc("POST /kv/notify", e.byEngineID(func(r *Engine) http.HandlerFunc { return r.handleNotify }))
@@ -32,6 +34,16 @@ func (e *Engine) Handler() http.Handler {
 	mux.HandleFunc("GET /get_server_info", e.handleServerInfo)
 	mux.HandleFunc("GET /v1/models", e.handleModels)
 	mux.HandleFunc("POST /tokenize", e.handleTokenize)
+	mux.HandleFunc("POST /detokenize", e.pooling("detok", parseDetokenize))
+	mux.HandleFunc("POST /v1/embeddings", e.pooling("embd", parseEmbeddings))
+	mux.HandleFunc("POST /pooling", e.pooling("pool", parsePooling))
+	for _, path := range []string{"/v1/score", "/score"} {
+		mux.HandleFunc("POST "+path, e.pooling("score", parseScore))
+	}
+	for _, path := range []string{"/v1/rerank", "/rerank", "/v2/rerank"} {
+		mux.HandleFunc("POST "+path, e.pooling("rerank", parseRerank))
+	}
+	mux.HandleFunc("POST /v1/audio/transcriptions", e.pooling("trsc", parseTranscription))
 	mux.HandleFunc("GET /debug/kv", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, e.Stats()) })
 	mux.Handle("GET /metrics", promhttp.HandlerFor(e.registry, promhttp.HandlerOpts{}))
 	return mux
@@ -105,7 +117,25 @@ func newRequestID() string {
 	return "sim-" + hex.EncodeToString(b[:])
 }
 
-func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
+// apiKind is the API a generation request came in on.
+type apiKind uint8
+
+const (
+	apiCompletions apiKind = iota // POST /v1/completions
+	apiChat                       // POST /v1/chat/completions
+	apiResponses                  // POST /v1/responses (responses.go)
+)
+
+// decodeFor is decodeBody for each API.
+func decodeFor(kind apiKind, body []byte) (*wireBody, error) {
+	if kind == apiResponses {
+		return decodeResponses(body)
+	}
+	return decodeBody(body, kind == apiChat)
+}
+
+func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
+	chat := kind == apiChat
 	return func(w http.ResponseWriter, r *http.Request) {
 		// vLLM names a request by X-Request-Id; SGLang by the body's rid.
 		var rid string
@@ -127,7 +157,7 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 		body, readErr := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
 		var wb *wireBody
 		if readErr == nil {
-			wb, err = decodeBody(body, chat)
+			wb, err = decodeFor(kind, body)
 			if e.readsRemotePrefill(wb) {
 				e.countRemotePrefill()
 			}
@@ -162,7 +192,19 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 			// Mooncake's legs are not the NixlConnector's: mooncakeRequest reads them.
 			mc, wb.KVTransferParams = wb.KVTransferParams, nil
 		}
-		a, err := wb.validate(chat)
+		var a *apiRequest
+		if wb.resp != nil {
+			err = wb.render(e.store)
+		}
+		if err == nil {
+			a, err = wb.validate(chat)
+		}
+		if err == nil {
+			a.model, err = e.resolveModel(a.model)
+		}
+		if err == nil {
+			err = e.checkPriority(a.priority)
+		}
 		if err == nil && e.sglang() {
 			rid, err = e.sglangRequest(wb, a)
 		}
@@ -196,18 +238,18 @@ func (e *Engine) handleCompletion(chat bool) http.HandlerFunc {
 			}
 			defer e.track(rids)()
 		}
-		model := a.model
-		if model == "" {
-			model = e.cfg.Model
-		}
 		resp := &responder{
 			e: e, req: req, w: w, rc: http.NewResponseController(w), ctx: r.Context(), work: work,
-			api: a, rid: rid, model: model, created: e.clock.Now().Unix(), f: f,
+			api: a, rid: rid, model: a.model, created: e.clock.Now().Unix(), f: f,
 			local: localAddr(r),
 		}
-		resp.id = "cmpl-" + rid
-		if chat {
+		switch kind {
+		case apiChat:
 			resp.id = "chatcmpl-" + rid
+		case apiResponses:
+			resp.id = "resp_" + rid
+		default:
+			resp.id = "cmpl-" + rid
 		}
 		if a.kind != kindPrefill && len(children) > 0 {
 			// Without kv_transfer_params, or an SGLang decode of several prompts.
@@ -263,6 +305,7 @@ type responder struct {
 
 	started bool // stream: headers sent
 	events  int  // stream: SSE events written
+	seq     int  // Responses API stream: the next event's sequence_number
 	text    strings.Builder
 	last    output        // the last token, once finished
 	cached  int           // prompt tokens the prefix cache held (of the first request)
@@ -353,6 +396,9 @@ func (p *responder) emit(o output) error {
 		p.last = o
 		return nil
 	}
+	if p.api.resp != nil {
+		return p.respEmit(o)
+	}
 	if !p.started {
 		if err := p.begin(1); err != nil {
 			return err
@@ -386,6 +432,9 @@ func (p *responder) begin(choices int) error {
 	h.Set("Cache-Control", "no-cache")
 	p.w.WriteHeader(http.StatusOK)
 	p.started = true
+	if p.api.resp != nil {
+		return p.respBegin()
+	}
 	if !p.api.chat {
 		return nil
 	}
@@ -484,6 +533,10 @@ func (p *responder) end(err error) {
 		return
 	}
 	// Headers are gone: report in the stream, as vLLM does.
+	if p.api.resp != nil {
+		p.respError(ae)
+		return
+	}
 	if p.event(map[string]*apiError{"error": ae}) == nil {
 		_ = p.write([]byte("data: [DONE]\n\n"))
 	}
@@ -494,6 +547,14 @@ func (p *responder) writeWhole(aborted bool) {
 	finish := p.last.finish
 	if aborted {
 		finish = "abort"
+	}
+	if p.api.resp != nil {
+		if !p.api.stream {
+			p.respWhole(aborted)
+		} else if p.started || p.begin(1) == nil {
+			_ = p.respFinish(finish, p.last.complete, aborted)
+		}
+		return
 	}
 	if p.api.stream {
 		if !p.started && p.begin(1) != nil {
@@ -528,7 +589,7 @@ func (p *responder) writeWhole(aborted bool) {
 // writeBody writes a whole (non-streaming) answer, applying the stall,
 // slow-write and close-after faults. reqs are the engine requests that made
 // it: a client that leaves before the answer aborts them.
-func (p *responder) writeBody(c *completion, reqs ...*request) {
+func (p *responder) writeBody(c any, reqs ...*request) {
 	body, err := json.Marshal(c)
 	if err != nil {
 		p.e.log.Error("encode response", zap.String("request_id", p.rid), zap.Error(err))
@@ -615,12 +676,19 @@ func (e *Engine) handleTokenize(w http.ResponseWriter, r *http.Request) {
 	)
 	if req.Messages != nil {
 		tokens, err = chatPrompt(req.Messages, req.AddGenerationPrompt == nil || *req.AddGenerationPrompt)
+		learn := []string{"\n", "assistant"}
+		for _, m := range req.Messages {
+			text, _ := contentText(m.Content)
+			learn = append(learn, m.Role, text)
+		}
+		e.vocab.learn(learn...)
 	} else {
 		var s string
 		if err = json.Unmarshal(req.Prompt, &s); err != nil {
 			err = badRequest("invalid_prompt", "prompt must be a string, or send messages")
 		}
 		tokens = promptTokens(s)
+		e.vocab.learn(s)
 	}
 	if err != nil {
 		writeError(w, err)
@@ -631,24 +699,6 @@ func (e *Engine) handleTokenize(w http.ResponseWriter, r *http.Request) {
 		MaxModelLen int      `json:"max_model_len"`
 		Tokens      []uint32 `json:"tokens"`
 	}{len(tokens), e.maxModelLen(), tokens})
-}
-
-func (e *Engine) handleModels(w http.ResponseWriter, _ *http.Request) {
-	type model struct {
-		ID          string `json:"id"`
-		Object      string `json:"object"`
-		Created     int64  `json:"created"`
-		OwnedBy     string `json:"owned_by"`
-		Root        string `json:"root"`
-		MaxModelLen int    `json:"max_model_len"`
-	}
-	writeJSON(w, http.StatusOK, struct {
-		Object string  `json:"object"`
-		Data   []model `json:"data"`
-	}{Object: "list", Data: []model{{
-		ID: e.cfg.Model, Object: "model", Created: e.clock.Now().Unix(), OwnedBy: "pdproxy-sim",
-		Root: e.cfg.Model, MaxModelLen: e.maxModelLen(),
-	}}})
 }
 
 // maxModelLen is the longest prompt this engine takes: MaxModelLen, or

@@ -73,9 +73,11 @@ func TestClientDisconnectMidStreamAbortsAndFreesBlocks(t *testing.T) {
 	tests := []struct {
 		name string
 		pd   bool
+		path string
 	}{
-		{name: "aggregated stream"},
-		{name: "decode stream after the pull", pd: true},
+		{name: "aggregated stream", path: "/v1/completions"},
+		{name: "decode stream after the pull", pd: true, path: "/v1/completions"},
+		{name: "responses decode stream after the pull", pd: true, path: "/v1/responses"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -88,11 +90,21 @@ func TestClientDisconnectMidStreamAbortsAndFreesBlocks(t *testing.T) {
 			}
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			resp := d.post(t, ctx, "/v1/completions", `{"prompt":"`+prompt+`","max_tokens":100000,"ignore_eos":true,"stream":true`+kv+`}`,
-				map[string]string{"X-Request-Id": rid})
-			line, err := bufio.NewReader(resp.Body).ReadString('\n')
-			if err != nil || !strings.Contains(line, `"text":" tok`) {
-				t.Fatalf("first stream line %q, %v", line, err)
+			body := `{"prompt":"` + prompt + `","max_tokens":100000,"ignore_eos":true,"stream":true` + kv + `}`
+			if tt.path == "/v1/responses" {
+				// "x"*200 again, so that the 4 pulled blocks are this prompt's.
+				body = `{"input":[{"role":"user","content":"` + prompt[:190] + `"}],"max_output_tokens":100000,"ignore_eos":true,"stream":true` + kv + `}`
+			}
+			resp := d.post(t, ctx, tt.path, body, map[string]string{"X-Request-Id": rid})
+			br := bufio.NewReader(resp.Body)
+			for {
+				line, err := br.ReadString('\n')
+				if err != nil {
+					t.Fatalf("stream ended before a token: %v", err)
+				}
+				if strings.Contains(line, `" tok`) {
+					break
+				}
 			}
 			if s := d.kv(t); s.BlocksInUse != 4 || s.RunningRequests != 1 {
 				t.Errorf("while streaming D /debug/kv = %+v, want 4 blocks in use by 1 request", s)

@@ -132,14 +132,16 @@ func readAll(t *testing.T, resp *http.Response) []byte {
 	return b
 }
 
-// sseEvents splits an SSE body into its data payloads.
+// sseEvents splits an SSE body into its data payloads; the event lines of
+// a Responses API stream are skipped (its events carry their type).
 func sseEvents(t *testing.T, body []byte) []string {
 	t.Helper()
 	var out []string
 	sc := bufio.NewScanner(bytes.NewReader(body))
+	sc.Buffer(nil, 1<<20)
 	for sc.Scan() {
 		line := sc.Text()
-		if line == "" {
+		if line == "" || strings.HasPrefix(line, "event: ") {
 			continue
 		}
 		data, ok := strings.CutPrefix(line, "data: ")
@@ -151,10 +153,14 @@ func sseEvents(t *testing.T, body []byte) []string {
 	return out
 }
 
-// streamText joins the token texts of a completions or chat stream and
-// returns the finish reason; it fails the test on an error event.
+// streamText joins the token texts of a completions, chat or Responses API
+// stream and returns the finish reason; it fails the test on an error
+// event, and on a stream that does not end as its API's do.
 func streamText(t *testing.T, events []string) (text, finish string) {
 	t.Helper()
+	if len(events) > 0 && strings.Contains(events[0], `"type":"response.created"`) {
+		return responsesStreamText(t, events)
+	}
 	if len(events) == 0 || events[len(events)-1] != "[DONE]" {
 		t.Fatalf("stream does not end with [DONE]: %q", events)
 	}
@@ -198,4 +204,102 @@ func expectedText(seed int64, rid string, n int) string {
 		b.WriteString(tokenText(h, i))
 	}
 	return b.String()
+}
+
+// responsesStreamText is streamText of a Responses API stream: the deltas'
+// text, and "length" when the response ended incomplete for its
+// max_output_tokens, "stop" when it completed. It fails the test unless
+// the last event is response.completed or response.incomplete carrying the
+// same text, and on a [DONE], which the Responses API never sends.
+func responsesStreamText(t *testing.T, events []string) (text, finish string) {
+	t.Helper()
+	for i, ev := range events {
+		var e struct {
+			Type     string `json:"type"`
+			Delta    string `json:"delta"`
+			Response *struct {
+				Status            string `json:"status"`
+				IncompleteDetails *struct {
+					Reason string `json:"reason"`
+				} `json:"incomplete_details"`
+				Output []struct {
+					Content []struct {
+						Text string `json:"text"`
+					} `json:"content"`
+				} `json:"output"`
+			} `json:"response"`
+		}
+		if err := json.Unmarshal([]byte(ev), &e); err != nil {
+			t.Fatalf("event %d %q: %v", i, ev, err)
+		}
+		switch e.Type {
+		case "error":
+			t.Fatalf("stream error event: %q", ev)
+		case "response.output_text.delta":
+			text += e.Delta
+		case "response.completed", "response.incomplete":
+			if i != len(events)-1 {
+				t.Fatalf("%s is event %d of %d: %q", e.Type, i, len(events), events)
+			}
+			if len(e.Response.Output) != 1 || len(e.Response.Output[0].Content) != 1 || e.Response.Output[0].Content[0].Text != text {
+				t.Errorf("%s carries %s, want the streamed text %q", e.Type, ev, text)
+			}
+			finish = "stop"
+			if d := e.Response.IncompleteDetails; d != nil && d.Reason == "max_output_tokens" {
+				finish = "length"
+			}
+			return text, finish
+		}
+	}
+	t.Fatalf("Responses API stream does not end with response.completed or response.incomplete: %q", events)
+	return "", ""
+}
+
+// answerText is the text of a whole answer, of any API.
+func answerText(t *testing.T, body []byte) string {
+	t.Helper()
+	var c struct {
+		Choices []struct {
+			Text    *string `json:"text"`
+			Message *struct {
+				Content string `json:"content"`
+			} `json:"message"`
+		} `json:"choices"`
+		Output []struct {
+			Content []struct {
+				Text string `json:"text"`
+			} `json:"content"`
+		} `json:"output"`
+	}
+	if err := json.Unmarshal(body, &c); err != nil {
+		t.Fatalf("answer %s: %v", body, err)
+	}
+	switch {
+	case len(c.Output) == 1 && len(c.Output[0].Content) == 1:
+		return c.Output[0].Content[0].Text
+	case len(c.Choices) == 1 && c.Choices[0].Text != nil:
+		return *c.Choices[0].Text
+	case len(c.Choices) == 1 && c.Choices[0].Message != nil:
+		return c.Choices[0].Message.Content
+	}
+	t.Fatalf("answer %s has no one text", body)
+	return ""
+}
+
+// usageTokens is a whole answer's prompt and completion tokens, of any API
+// (the Responses API names them input and output tokens).
+func usageTokens(t *testing.T, body []byte) (prompt, completion int) {
+	t.Helper()
+	var u struct {
+		Usage struct {
+			PromptTokens     int `json:"prompt_tokens"`
+			CompletionTokens int `json:"completion_tokens"`
+			InputTokens      int `json:"input_tokens"`
+			OutputTokens     int `json:"output_tokens"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal(body, &u); err != nil {
+		t.Fatalf("answer %s: %v", body, err)
+	}
+	return u.Usage.PromptTokens + u.Usage.InputTokens, u.Usage.CompletionTokens + u.Usage.OutputTokens
 }

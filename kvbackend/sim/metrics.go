@@ -59,7 +59,7 @@ func hitRate(s KVStats) float64 {
 }
 
 func (e *Engine) metricList() []metric {
-	labels := prometheus.Labels{"model_name": e.cfg.Model}
+	labels := prometheus.Labels{"model_name": e.defaultModel()}
 	var out []metric
 	add := func(kind prometheus.ValueType, name, help string, f func(KVStats) float64) {
 		out = append(out, metric{prometheus.NewDesc(name, help, nil, labels), kind, f})
@@ -113,6 +113,10 @@ func (e *Engine) metricList() []metric {
 		func(s KVStats) float64 { return float64(s.LateEventsTotal) })
 	counter("pdproxy_sim_engine_crashes_total", "Engine deaths: every request failed (vLLM #50792).",
 		func(s KVStats) float64 { return float64(s.EngineCrashesTotal) })
+	counter("pdproxy_sim_pooling_requests_total", "Pooling-style requests taken (embeddings, pooling, score, rerank, detokenize, transcriptions).",
+		func(s KVStats) float64 { return float64(s.PoolingRequestsTotal) })
+	counter("pdproxy_sim_pooling_aborted_total", "Pooling-style requests stopped because their client left before the answer.",
+		func(s KVStats) float64 { return float64(s.PoolingAbortedTotal) })
 	counter("pdproxy_sim_double_free_attempts_total", "Attempts to free KV blocks twice; must stay 0.",
 		func(s KVStats) float64 { return float64(s.DoubleFreeAttemptsTotal) })
 	return out

@@ -65,8 +65,11 @@ func withKV(t *testing.T, body string, kv map[string]any, extra map[string]any) 
 
 // prefillLeg and decodeLeg are body as vLLM's mooncake proxy sends it to each side.
 func prefillLeg(t *testing.T, body, xfer string) string {
-	return withKV(t, body, map[string]any{"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": xfer},
-		map[string]any{"max_tokens": 1, "stream": false})
+	extra := map[string]any{"max_tokens": 1, "stream": false}
+	if strings.Contains(body, `"input"`) {
+		extra = map[string]any{"max_output_tokens": 1, "stream": false} // the Responses API's
+	}
+	return withKV(t, body, map[string]any{"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": xfer}, extra)
 }
 
 func (pr *mcPair) decodeLeg(t *testing.T, body, xfer string, rank int) string {
@@ -86,21 +89,7 @@ func decodedText(t *testing.T, a answer, stream bool) string {
 		text, _ := streamText(t, sseEvents(t, []byte(a.body)))
 		return text
 	}
-	var c struct {
-		Choices []struct {
-			Text    *string `json:"text"`
-			Message *struct {
-				Content string `json:"content"`
-			} `json:"message"`
-		} `json:"choices"`
-	}
-	if err := json.Unmarshal([]byte(a.body), &c); err != nil || len(c.Choices) != 1 {
-		t.Fatalf("decode answer %s: %v", a.body, err)
-	}
-	if c.Choices[0].Text != nil {
-		return *c.Choices[0].Text
-	}
-	return c.Choices[0].Message.Content
+	return answerText(t, []byte(a.body))
 }
 
 func mcWaiting(s KVStats) bool { return s.TransfersWaiting == 1 }
@@ -115,12 +104,17 @@ func TestMooncakePairServesCompletionsAndChatAndThePrefillerEndsHoldingNothing(t
 		{"completions streamed", "/v1/completions", true},
 		{"chat", "/v1/chat/completions", false},
 		{"chat streamed", "/v1/chat/completions", true},
+		{"responses", "/v1/responses", false},
+		{"responses streamed", "/v1/responses", true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pr := startMooncake(t, mooncakeConfig("prefill"), mooncakeConfig("decode"))
 			body := fmt.Sprintf(`{"prompt":%q,"max_tokens":5,"ignore_eos":true,"stream":%t}`, prompt, tc.stream)
-			if strings.Contains(tc.path, "chat") {
+			switch tc.path {
+			case "/v1/chat/completions":
 				body = fmt.Sprintf(`{"messages":[{"role":"user","content":%q}],"max_tokens":5,"ignore_eos":true,"stream":%t}`, prompt, tc.stream)
+			case "/v1/responses":
+				body = fmt.Sprintf(`{"input":%q,"max_output_tokens":5,"ignore_eos":true,"stream":%t}`, prompt, tc.stream)
 			}
 			hdr := map[string]string{"X-Request-Id": "req-1", HeaderDataParallelRank: "0"}
 			pa := pr.p.send(context.Background(), tc.path, prefillLeg(t, body, "xfer-1"), hdr)

@@ -9,7 +9,8 @@ import (
 	"time"
 )
 
-// answerUsage posts a non-streaming body and returns its usage.
+// answerUsage posts a non-streaming body and returns its usage (a
+// Responses API answer's in completions' names).
 func answerUsage(t *testing.T, ts *testServer, path, body string, hdr map[string]string) usage {
 	t.Helper()
 	resp := ts.post(t, context.Background(), path, body, hdr)
@@ -19,6 +20,23 @@ func answerUsage(t *testing.T, ts *testServer, path, body string, hdr map[string
 	}
 	if resp.StatusCode != http.StatusOK || json.Unmarshal(b, &ans) != nil {
 		t.Fatalf("%s: status %d: %s", path, resp.StatusCode, b)
+	}
+	if path == "/v1/responses" {
+		var r struct {
+			Usage *struct {
+				InputTokens        int `json:"input_tokens"`
+				OutputTokens       int `json:"output_tokens"`
+				InputTokensDetails struct {
+					CachedTokens int `json:"cached_tokens"`
+				} `json:"input_tokens_details"`
+			} `json:"usage"`
+		}
+		if json.Unmarshal(b, &r) != nil || r.Usage == nil {
+			t.Fatalf("%s: no usage in %s", path, b)
+		}
+		u := r.Usage
+		return usage{PromptTokens: u.InputTokens, CompletionTokens: u.OutputTokens, TotalTokens: u.InputTokens + u.OutputTokens,
+			PromptTokensDetails: &promptTokensDetails{CachedTokens: u.InputTokensDetails.CachedTokens}}
 	}
 	return ans.Usage
 }
@@ -41,6 +59,7 @@ func TestAPromptSentTwiceIsAPrefixCacheHitTheSecondTime(t *testing.T) {
 	}{
 		{"completions", nil, "/v1/completions", `{"prompt":"` + prompt + `","max_tokens":1}`, 200, 192},
 		{"chat", nil, "/v1/chat/completions", `{"messages":[{"role":"user","content":"` + prompt + `"}],"max_tokens":1}`, 210, 208},
+		{"responses, as the chat", nil, "/v1/responses", `{"input":"` + prompt + `","max_output_tokens":1}`, 210, 208},
 		{"sglang, aggregated", func(c *Config) { c.Protocol, c.Role = ProtocolSGLang, "decode" }, "/v1/completions",
 			`{"prompt":"` + prompt + `","max_tokens":1}`, 200, 192},
 		{"a prompt of exactly 12 blocks recomputes its last block", nil, "/v1/completions",
@@ -247,7 +266,7 @@ func TestCachedBlocksNobodyReferencesAreFreeAndEvictedOldestFirst(t *testing.T) 
 
 func TestAnSGLangDecoderHoldingThePromptPullsOnlyItsLastBlockAndBothEnginesCache(t *testing.T) {
 	prompt := strings.Repeat("abcd", 200) // 200 tokens: 13 blocks, 12 full
-	body := `{"model":"m","prompt":"` + prompt + `","max_tokens":2,"ignore_eos":true}`
+	body := `{"model":"sim","prompt":"` + prompt + `","max_tokens":2,"ignore_eos":true}`
 	pr := startPair(t, sglangConfig("prefill"), sglangConfig("decode"))
 	for i, wantPulled := range []int{13, 13 + 1} {
 		leg := pr.leg(t, body, "sg-cache-"+itoa(i), uint64(7000+i), 1)

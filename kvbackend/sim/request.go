@@ -68,8 +68,11 @@ type apiRequest struct {
 	ignoreEOS    bool
 	stream       bool
 	includeUsage bool
+	priority     int
 	kind         reqKind
-	kv           *kvTransferParams // decode only: where to pull from
+	// resp is a Responses API request's own part (responses.go); nil otherwise.
+	resp *responsesMeta
+	kv   *kvTransferParams // decode only: where to pull from
 
 	// prompts holds every prompt's token count (promptTokens is the first);
 	// never more than one on a decode. tokens holds each prompt's token ids.
@@ -110,6 +113,8 @@ type wireRequest struct {
 	Echo             *bool             `json:"echo"`
 	Logprobs         json.RawMessage   `json:"logprobs"`
 	KVTransferParams *kvTransferParams `json:"kv_transfer_params"`
+	// Priority is vLLM's: lower runs first under --scheduling-policy priority.
+	Priority *int `json:"priority"`
 	// SGLang's fields (sglang.go): a value, or an array with one per prompt.
 	RID           json.RawMessage `json:"rid"`
 	BootstrapHost json.RawMessage `json:"bootstrap_host"`
@@ -144,6 +149,8 @@ type wireBody struct {
 	// chat has one prompt.
 	prompts []int
 	tokens  [][]uint32
+	// resp is a Responses API body's own part (responses.go); nil otherwise.
+	resp *responsesMeta
 }
 
 // decodeBody decodes body and checks its shape. Prompts are tokenized by
@@ -220,6 +227,10 @@ func (b *wireBody) validate(chat bool) (*apiRequest, error) {
 	if w.IgnoreEOS != nil {
 		req.ignoreEOS = *w.IgnoreEOS
 	}
+	if w.Priority != nil {
+		req.priority = *w.Priority
+	}
+	req.resp = b.resp
 	if w.Stream != nil {
 		req.stream = *w.Stream
 	}
@@ -404,6 +415,10 @@ type apiError struct {
 	Message string `json:"message"`
 	Type    string `json:"type"`
 	Code    string `json:"code"`
+	// Param names the field at fault, when known.
+	Param string `json:"param,omitempty"`
+	// numeric: one of vLLM's own errors, written in its shape (models.go).
+	numeric bool
 }
 
 func (e *apiError) Error() string { return e.Message }

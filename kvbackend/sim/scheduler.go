@@ -1,8 +1,10 @@
 package sim
 
 import (
+	"cmp"
 	"net/http"
 	"slices"
+	"strconv"
 	"time"
 
 	"go.uber.org/zap"
@@ -167,13 +169,27 @@ func (e *Engine) add(r *request, now time.Time) {
 		return
 	}
 	e.counts.requests++
+	e.counts.priorities[r.priority]++
 	if r.crashes {
 		e.crash(r)
 		return
 	}
 	r.state = stateWaiting
 	e.live[r.rid] = r
-	e.waiting = append(e.waiting, r)
+	if e.cfg.SchedulingPolicy != SchedulingPriority {
+		e.waiting = append(e.waiting, r)
+		return
+	}
+	// vLLM's priority policy: the waiting queue in (priority, arrival)
+	// order, lower first. (vLLM also preempts running requests for a more
+	// urgent one; the sim does not.)
+	i, _ := slices.BinarySearchFunc(e.waiting, r, func(w, r *request) int {
+		if w.priority != r.priority {
+			return cmp.Compare(w.priority, r.priority)
+		}
+		return cmp.Compare(w.seq, r.seq)
+	})
+	e.waiting = slices.Insert(e.waiting, i, r)
 }
 
 // errEngineDead is what every request of a crashed engine gets.
@@ -481,6 +497,12 @@ func (e *Engine) rankStats() KVStats {
 		HoldsTotal:                 e.counts.holds,
 		KVLoadFailuresTotal:        e.counts.loadFailures,
 		RemotePrefillRequestsTotal: e.counts.remotePrefills,
+		PoolingRequestsTotal:       e.counts.pooling,
+		PoolingAbortedTotal:        e.counts.poolingAborted,
+		Priorities:                 make(map[string]int, len(e.counts.priorities)),
+	}
+	for p, n := range e.counts.priorities {
+		s.Priorities[strconv.Itoa(p)] = n
 	}
 	// Blocks are shared where prompts share a cached prefix: each counts
 	// once, as held if a hold references it, so that free + in use + held

@@ -166,6 +166,8 @@ func checkStats(t *testing.T, name string, got KVStats, want KVStats) {
 	want.RequestsTotal = got.RequestsTotal
 	want.HoldsTotal = got.HoldsTotal
 	want.RemotePrefillRequestsTotal = got.RemotePrefillRequestsTotal
+	// Priorities count arrivals too (priority_test.go).
+	want.Priorities = got.Priorities
 	// Ranks repeat the sums per rank (dp_test.go tests them).
 	want.Ranks = got.Ranks
 	if !reflect.DeepEqual(got, want) {

@@ -619,8 +619,8 @@ func (e *Engine) handleClaim(w http.ResponseWriter, r *http.Request) {
 // server arguments a router reads.
 func (e *Engine) handleServerInfo(w http.ResponseWriter, _ *http.Request) {
 	info := map[string]any{
-		"model_path":                      e.cfg.Model,
-		"served_model_name":               e.cfg.Model,
+		"model_path":                      e.defaultModel(),
+		"served_model_name":               e.defaultModel(),
 		"disaggregation_mode":             "null",
 		"disaggregation_transfer_backend": "nixl",
 	}

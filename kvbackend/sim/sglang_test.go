@@ -242,11 +242,13 @@ func TestSGLangRequestOverTheBootstrapRoomIsServedByTheDecoderAndFreesBothEngine
 		stream  bool
 	}{
 		{"completions, the prefill leg first", "/v1/completions",
-			`{"model":"m","prompt":"` + prompt + `","max_tokens":8,"ignore_eos":true}`, 1, "prefill first", false},
+			`{"model":"sim","prompt":"` + prompt + `","max_tokens":8,"ignore_eos":true}`, 1, "prefill first", false},
 		{"completions streamed, the decode leg first", "/v1/completions",
-			`{"model":"m","prompt":"` + prompt + `","max_tokens":8,"ignore_eos":true,"stream":true}`, 1, "decode first", true},
+			`{"model":"sim","prompt":"` + prompt + `","max_tokens":8,"ignore_eos":true,"stream":true}`, 1, "decode first", true},
 		{"chat streamed with usage, both legs together", "/v1/chat/completions",
 			`{"messages":[{"role":"user","content":"` + prompt + `"}],"max_tokens":8,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, 1, "together", true},
+		{"responses streamed, both legs together", "/v1/responses",
+			`{"model":"sim","input":"` + prompt + `","max_output_tokens":8,"ignore_eos":true,"stream":true}`, 1, "together", true},
 		{"two prompts, two rooms", "/v1/completions",
 			`{"prompt":["` + prompt + `","` + prompt + `"],"max_tokens":8,"ignore_eos":true}`, 2, "together", false},
 	}

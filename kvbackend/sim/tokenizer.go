@@ -41,6 +41,15 @@ const (
 
 // tokenizeText appends the tokens of s to dst.
 func tokenizeText(dst []uint32, s string) []uint32 {
+	forEachPiece(s, func(p string) { dst = append(dst, pieceID(p)) })
+	return dst
+}
+
+// forEachPiece calls f with each piece of s, in order: s cut into words,
+// each whitespace then non-whitespace, and each word into pieces of at most
+// maxPieceBytes bytes, never inside a rune (an invalid byte counts as a
+// rune of one byte).
+func forEachPiece(s string, f func(piece string)) {
 	for i := 0; i < len(s); {
 		// One word: whitespace, then non-whitespace.
 		j := i
@@ -58,28 +67,20 @@ func tokenizeText(dst []uint32, s string) []uint32 {
 			}
 			j += n
 		}
-		dst = appendPieces(dst, s[i:j])
+		for word := s[i:j]; len(word) > 0; {
+			end := 0
+			for end < len(word) {
+				_, n := utf8.DecodeRuneInString(word[end:])
+				if end > 0 && end+n > maxPieceBytes {
+					break
+				}
+				end += n
+			}
+			f(word[:end])
+			word = word[end:]
+		}
 		i = j
 	}
-	return dst
-}
-
-// appendPieces cuts one word into pieces of at most maxPieceBytes bytes,
-// never inside a rune (an invalid byte counts as a rune of one byte).
-func appendPieces(dst []uint32, word string) []uint32 {
-	for len(word) > 0 {
-		end := 0
-		for end < len(word) {
-			_, n := utf8.DecodeRuneInString(word[end:])
-			if end > 0 && end+n > maxPieceBytes {
-				break
-			}
-			end += n
-		}
-		dst = append(dst, pieceID(word[:end]))
-		word = word[end:]
-	}
-	return dst
 }
 
 func pieceID(piece string) uint32 {

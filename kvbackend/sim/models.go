@@ -1,0 +1,135 @@
+package sim
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+)
+
+// Served models, as a vLLM server started with --served-model-name a,b and
+// --lora-modules name=path serves them: Config.Model lists the names
+// (comma-separated; the first is the default, what a request without a model
+// gets and the model_name label of /metrics), Config.LoRAModules the
+// adapters, which /v1/models lists with the first model as their parent. A
+// generation or pooling request naming anything else gets vLLM's 404
+// (OpenAIServing._check_model): {"error":{"message":"The model `X` does not
+// exist.","type":"NotFoundError","param":"model","code":404}}.
+
+// loraModule is one --lora-modules entry.
+type loraModule struct{ name, path string }
+
+// splitModels is Config.Model's names, blanks dropped.
+func splitModels(s string) []string {
+	var out []string
+	for _, m := range strings.Split(s, ",") {
+		if m = strings.TrimSpace(m); m != "" {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// parseLoRAModules reads name=path,name=path (vLLM's --lora-modules, its
+// name=path form).
+func parseLoRAModules(s string) ([]loraModule, error) {
+	var out []loraModule
+	for _, kv := range strings.Split(s, ",") {
+		kv = strings.TrimSpace(kv)
+		if kv == "" {
+			continue
+		}
+		name, path, ok := strings.Cut(kv, "=")
+		name, path = strings.TrimSpace(name), strings.TrimSpace(path)
+		if !ok || name == "" || path == "" {
+			return nil, fmt.Errorf("lora module %q: want name=path", kv)
+		}
+		out = append(out, loraModule{name, path})
+	}
+	return out, nil
+}
+
+// defaultModel is the first served model name.
+func (e *Engine) defaultModel() string { return e.models[0] }
+
+// resolveModel is the model a request names: the default when it names
+// none, as vLLM does, and vLLM's 404 when this engine serves no such model
+// or adapter.
+func (e *Engine) resolveModel(name string) (string, error) {
+	if name == "" {
+		return e.defaultModel(), nil
+	}
+	for _, m := range e.models {
+		if m == name {
+			return name, nil
+		}
+	}
+	for _, l := range e.loras {
+		if l.name == name {
+			return name, nil
+		}
+	}
+	return "", modelNotFound(name)
+}
+
+func modelNotFound(name string) *apiError {
+	return &apiError{Status: http.StatusNotFound, Type: "NotFoundError", Param: "model", numeric: true,
+		Message: fmt.Sprintf("The model `%s` does not exist.", name)}
+}
+
+// MarshalJSON writes vLLM's own errors (numeric: the status as the code, a
+// param) in vLLM's ErrorInfo shape, and the sim's others with their string code.
+func (e *apiError) MarshalJSON() ([]byte, error) {
+	if !e.numeric {
+		type plain apiError
+		return json.Marshal((*plain)(e))
+	}
+	return json.Marshal(struct {
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Param   *string `json:"param"`
+		Code    int     `json:"code"`
+	}{e.Message, e.Type, nullable(e.Param), e.Status})
+}
+
+func nullable(s string) *string {
+	if s == "" {
+		return nil
+	}
+	return &s
+}
+
+func (e *Engine) handleModels(w http.ResponseWriter, _ *http.Request) {
+	type model struct {
+		ID          string  `json:"id"`
+		Object      string  `json:"object"`
+		Created     int64   `json:"created"`
+		OwnedBy     string  `json:"owned_by"`
+		Root        string  `json:"root"`
+		Parent      *string `json:"parent"`
+		MaxModelLen int     `json:"max_model_len"`
+	}
+	now := e.clock.Now().Unix()
+	var data []model
+	for _, m := range e.models {
+		data = append(data, model{ID: m, Object: "model", Created: now, OwnedBy: "pdproxy-sim", Root: m, MaxModelLen: e.maxModelLen()})
+	}
+	for _, l := range e.loras {
+		parent := e.defaultModel()
+		data = append(data, model{ID: l.name, Object: "model", Created: now, OwnedBy: "pdproxy-sim", Root: l.path, Parent: &parent, MaxModelLen: e.maxModelLen()})
+	}
+	writeJSON(w, http.StatusOK, struct {
+		Object string  `json:"object"`
+		Data   []model `json:"data"`
+	}{Object: "list", Data: data})
+}
+
+// checkPriority refuses a nonzero priority without the priority policy,
+// with the message vLLM's engine raises (a ValueError: its 400).
+func (e *Engine) checkPriority(priority int) error {
+	if priority != 0 && e.cfg.SchedulingPolicy != SchedulingPriority {
+		return &apiError{Status: http.StatusBadRequest, Type: "BadRequestError", numeric: true,
+			Message: fmt.Sprintf("Got priority %d but Priority scheduling is not enabled.", priority)}
+	}
+	return nil
+}
