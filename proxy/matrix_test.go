@@ -41,11 +41,17 @@ type matrixCell struct {
 	stream bool
 	chat   bool
 	leave  bool
+	// pass: the request is an embedding, which one decoder answers without P/D (leg is then
+	// "decode", stream and chat false).
+	pass bool
 }
 
 func (c matrixCell) name() string {
 	route := "completions"
-	if c.chat {
+	switch {
+	case c.pass:
+		route = "embeddings"
+	case c.chat:
 		route = "chat"
 	}
 	mode := "json"
@@ -81,11 +87,20 @@ func matrixCells(full bool) []matrixCell {
 							if !full && stream == chat {
 								continue
 							}
-							cells = append(cells, matrixCell{proto, kind, leg, fault, stream, chat, leave})
+							cells = append(cells, matrixCell{proto, kind, leg, fault, stream, chat, leave, false})
 						}
 					}
 				}
 			}
+		}
+	}
+	// A passthrough route meets every fault of a single call.
+	for _, fault := range faultengine.Faults() {
+		if fault == faultengine.BadParams {
+			continue
+		}
+		for _, leave := range []bool{false, true} {
+			cells = append(cells, matrixCell{proto: faultengine.VLLM, kind: "vllm", leg: "decode", fault: fault, leave: leave, pass: true})
 		}
 	}
 	return cells
@@ -225,6 +240,9 @@ func runCell(t *testing.T, c matrixCell) {
 		body += `,"stream":true`
 	}
 	body += "}"
+	if c.pass {
+		path, body = "/v1/embeddings", `{"model":"m","input":"hello there"}`
+	}
 
 	if c.fault == faultengine.KeepAliveReset {
 		// The connection the fault resets must be one kept open from an earlier request.
@@ -382,6 +400,14 @@ func openAIError(b []byte) bool {
 func (r matrixResult) whole(c matrixCell) bool {
 	if r.err != nil || r.status != 200 {
 		return false
+	}
+	if c.pass {
+		var v struct {
+			Data []struct {
+				Embedding []float64 `json:"embedding"`
+			} `json:"data"`
+		}
+		return json.Unmarshal(r.body, &v) == nil && len(v.Data) == 1 && len(v.Data[0].Embedding) == 3
 	}
 	if !c.stream {
 		var v struct {
