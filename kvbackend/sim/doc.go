@@ -56,8 +56,22 @@
 // answer like vLLM, streaming (SSE, ending with "data: [DONE]") or not. The
 // request id is the X-Request-Id header (generated when absent), echoed in
 // the response header; response ids are "cmpl-<rid>" / "chatcmpl-<rid>".
-// Any model name is accepted and echoed (none: Config.Model), so that tests
-// do not depend on it; /v1/models lists Config.Model.
+// Config.Model lists the served model names (--model a,b; the first is the
+// default, what a request naming none gets) and Config.LoRAModules adapters
+// (--lora-modules name=path), all listed by /v1/models, the adapters with the
+// first model as parent; a request naming another model gets vLLM's 404
+// (models.go). A body's priority (lower first) orders the waiting queue with
+// Config.SchedulingPolicy "priority" and is vLLM's 400 otherwise, unless 0;
+// /debug/kv priorities counts requests per priority.
+//
+// POST /v1/responses is the Responses API on the same path (responses.go):
+// rendered as a chat, P/D as a chat on every protocol, streamed as the
+// Responses API's typed events without [DONE], stored for
+// GET /v1/responses/{id} and previous_response_id. vLLM's pooling-style
+// routes (/v1/embeddings, /pooling, /v1/score, /score, /v1/rerank, /rerank,
+// /v2/rerank, /detokenize, /v1/audio/transcriptions) answer deterministic
+// values in vLLM's shapes, cost simulated time and stop when their client
+// leaves (pooling.go).
 //
 // Prompts are tokenized by the sim's own tokenizer (tokenizer.go): real,
 // deterministic ids, stable under extension at word ends; chat rendered

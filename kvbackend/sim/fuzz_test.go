@@ -137,3 +137,70 @@ func FuzzMooncakeParams(f *testing.F) {
 		}
 	})
 }
+
+func FuzzParseResponses(f *testing.F) {
+	for _, s := range []string{
+		`{"model":"sim","input":"hello","max_output_tokens":4}`,
+		`{"input":[{"type":"message","role":"user","content":[{"type":"input_text","text":"hi"}]}],"instructions":"be brief","stream":true}`,
+		`{"input":[{"role":"user","content":"a"},{"role":"assistant","content":"b"}],"previous_response_id":"resp_x"}`,
+		`{"input":"x","max_output_tokens":1,"stream":false,` + prefillKV + `}`,
+		`{"input":"x","background":true,"store":true,"priority":-3}`,
+		`{"input":[{"type":"function_call"}]}`, `{"input":[]}`, `{"input":5}`, `{}`, `null`, ``, `{"input":"a"} trailing`,
+	} {
+		f.Add([]byte(s))
+	}
+	store := newResponseStore(2)
+	store.put("resp_x", storedResponse{obj: &responseObject{}, history: []wireMessage{textMessage("user", "earlier")}})
+	f.Fuzz(func(t *testing.T, body []byte) {
+		b, err := decodeResponses(body)
+		if err == nil {
+			err = b.render(store)
+		}
+		var req *apiRequest
+		if err == nil {
+			req, err = b.validate(false)
+		}
+		if err != nil {
+			if _, ok := err.(*apiError); !ok {
+				t.Fatalf("error %T %v is not an *apiError", err, err)
+			}
+			return
+		}
+		if req.resp == nil || req.promptTokens < 1 || req.maxTokens < 1 || len(req.prompts) != 1 || req.samples != 1 {
+			t.Fatalf("accepted %+v from %q", req, body)
+		}
+	})
+}
+
+func FuzzPoolingBodies(f *testing.F) {
+	parsers := []poolParser{parseEmbeddings, parsePooling, parseScore, parseRerank, parseDetokenize}
+	for _, s := range []string{
+		`{"input":"hello"}`, `{"input":["a","b"],"encoding_format":"base64","dimensions":4}`, `{"input":[[1,2],[3]]}`,
+		`{"text_1":"a","text_2":["b","c"]}`, `{"text_1":["a","b"],"text_2":["c"]}`,
+		`{"query":"q","documents":["a",{"text":"b"}],"top_n":1}`, `{"tokens":[1,2,3,70000]}`,
+		`{}`, `null`, ``, `{"input":"a"} trailing`,
+	} {
+		for i := range parsers {
+			f.Add([]byte(s), uint8(i))
+		}
+	}
+	e, err := New(fastConfig(), nil)
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Fuzz(func(t *testing.T, body []byte, which uint8) {
+		job, err := parsers[int(which)%len(parsers)](e, nil, body)
+		if err != nil {
+			if _, ok := err.(*apiError); !ok {
+				t.Fatalf("error %T %v is not an *apiError", err, err)
+			}
+			return
+		}
+		if job.tokens < 0 {
+			t.Fatalf("negative cost from %q", body)
+		}
+		if _, err := json.Marshal(job.answer("id", "sim")); err != nil {
+			t.Fatalf("answer of %q does not encode: %v", body, err)
+		}
+	})
+}
