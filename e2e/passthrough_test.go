@@ -23,7 +23,9 @@ func TestEmbeddingsAndTranscriptionsThroughTheSDK(t *testing.T) {
 	client := openai.NewClient(option.WithBaseURL(s.url+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
 	ctx := context.Background()
 	decoders := s.m.SimURLs("decode") // v1's, then v2's
-	pooled := func() (v1, v2 int) { return kv(t, decoders[0]).PoolingRequestsTotal, kv(t, decoders[1]).PoolingRequestsTotal }
+	pooled := func() (v1, v2 int) {
+		return kv(t, decoders[0]).PoolingRequestsTotal, kv(t, decoders[1]).PoolingRequestsTotal
+	}
 
 	t.Run("embeddings of an alias come from its model's engine, under the client's name", func(t *testing.T) {
 		v1, v2 := pooled()
