@@ -327,3 +327,68 @@ func TestPassthroughEngineFailures(t *testing.T) {
 		})
 	}
 }
+
+// FuzzMultipartModel: whatever the body, reading its model never panics, and a body it
+// accepts is rewritten to name another model with every other part as it came.
+func FuzzMultipartModel(f *testing.F) {
+	body, ctype, _ := transcriptionBody(&testing.T{}, "whisper")
+	_, params, _ := mime.ParseMediaType(ctype)
+	f.Add(body, params["boundary"])
+	f.Add([]byte("--XX\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n--XX--\r\n"), "XX")
+	f.Add([]byte("--XX\r\nContent-Disposition: form-data; name=\"model\"\r\nContent-Transfer-Encoding: quoted-printable\r\n\r\nm=3D\r\n--XX--"), "XX")
+	f.Fuzz(func(t *testing.T, body []byte, boundary string) {
+		ctype := mime.FormatMediaType("multipart/form-data", map[string]string{"boundary": boundary})
+		if ctype == "" {
+			return
+		}
+		model, e := multipartModel(body, ctype)
+		if e != nil {
+			if e.status != http.StatusBadRequest {
+				t.Fatalf("status %d for a bad body", e.status)
+			}
+			return
+		}
+		out, outType, err := multipartWithModel(body, ctype, "served")
+		if err != nil {
+			t.Fatalf("a body whose model %q was read could not be rewritten: %v", model, err)
+		}
+		if got, e := multipartModel(out, outType); e != nil || got != "served" {
+			t.Fatalf("rewritten body names %q (%v)", got, e)
+		}
+		in, re := rawParts(t, body, ctype), rawParts(t, out, outType)
+		if len(in) != len(re) {
+			t.Fatalf("%d parts became %d", len(in), len(re))
+		}
+		for i := range in {
+			if in[i].name != "model" && (in[i].name != re[i].name || !bytes.Equal(in[i].data, re[i].data)) {
+				t.Fatalf("part %d (%q) changed: %q became %q", i, in[i].name, in[i].data, re[i].data)
+			}
+		}
+	})
+}
+
+type rawPart struct {
+	name string
+	data []byte
+}
+
+func rawParts(t *testing.T, body []byte, ctype string) []rawPart {
+	t.Helper()
+	_, params, _ := mime.ParseMediaType(ctype)
+	mr := multipart.NewReader(bytes.NewReader(body), params["boundary"])
+	var out []rawPart
+	for {
+		p, err := mr.NextRawPart()
+		if err == io.EOF {
+			return out
+		}
+		if err != nil {
+			t.Fatalf("read parts: %v", err)
+		}
+		b, err := io.ReadAll(p)
+		if err != nil {
+			t.Fatalf("read part: %v", err)
+		}
+		out = append(out, rawPart{p.FormName(), b})
+	}
+}
