@@ -392,3 +392,21 @@ func rawParts(t *testing.T, body []byte, ctype string) []rawPart {
 		out = append(out, rawPart{p.FormName(), b})
 	}
 }
+
+func TestPassthroughRetriesAnEngineThatNeverTookTheCall(t *testing.T) {
+	good := newEngine(t, passAnswer)
+	down := decoder("d0", closedURL(t))
+	down.Weight = 2 // least_inflight's ties go to the heavier: the dead engine is tried first
+	h := newHarness(t, Config{}, router.Config{Backends: []router.BackendConfig{down, decoder("d1", good.URL())}})
+	resp, body := h.post("/v1/embeddings", `{"model":"m","input":"x"}`)
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+	if n := len(good.callsTo("/v1/embeddings")); n != 1 {
+		t.Errorf("the live engine got %d calls, want 1", n)
+	}
+	if n := h.value("pdproxy_retries_total", map[string]string{"role": "decode"}); n != 1 {
+		t.Errorf("pdproxy_retries_total{role=decode} = %v, want 1", n)
+	}
+	h.waitQuiet()
+}
