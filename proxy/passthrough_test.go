@@ -14,8 +14,8 @@ import (
 	"github.com/pdproxy/pdproxy/router"
 )
 
-// twoModels is a harness whose decoders serve one model each: d0 "m", d1 "n".
-func twoModels(t *testing.T, cfg Config, d0, d1 *engine) *harness {
+// twoModelHarness is a harness whose decoders serve one model each: d0 "m", d1 "n".
+func twoModelHarness(t *testing.T, cfg Config, d0, d1 *engine) *harness {
 	t.Helper()
 	a, b := decoder("d0", d0.URL()), decoder("d1", d1.URL())
 	a.Models, b.Models = []string{"m"}, []string{"n"}
@@ -31,13 +31,13 @@ func passAnswer(w http.ResponseWriter, r *http.Request, body []byte) {
 	h.Set("Connection", "X-Hop")
 	h.Set("X-Hop", "no")
 	model := "none"
-	if f := rawField(body, "model"); f != nil {
+	if f := passField(body, "model"); f != nil {
 		model = strings.Trim(string(f), `"`)
 	}
 	io.WriteString(w, `{"object":"list","model":"`+model+`","path":"`+r.URL.Path+`","data":[{"index":0,"embedding":[0.5,-1.25]}]}`)
 }
 
-func rawField(body []byte, name string) []byte {
+func passField(body []byte, name string) []byte {
 	i := bytes.Index(body, []byte(`"`+name+`":`))
 	if i < 0 {
 		return nil
@@ -49,7 +49,7 @@ func rawField(body []byte, name string) []byte {
 
 func TestPassthroughRoutesReachAnEngineServingTheModel(t *testing.T) {
 	d0, d1 := newEngine(t, passAnswer), newEngine(t, passAnswer)
-	h := twoModels(t, Config{}, d0, d1)
+	h := twoModelHarness(t, Config{}, d0, d1)
 	for _, p := range passthroughRoutes {
 		if p.body == passMultipart {
 			continue // TestTranscriptionPassesThroughWithItsFileIntact
@@ -87,7 +87,7 @@ func TestPassthroughRoutesReachAnEngineServingTheModel(t *testing.T) {
 
 func TestTokenizeWithoutModelGoesToAnyDecoder(t *testing.T) {
 	d0, d1 := newEngine(t, passAnswer), newEngine(t, passAnswer)
-	h := twoModels(t, Config{}, d0, d1)
+	h := twoModelHarness(t, Config{}, d0, d1)
 	for _, path := range []string{"/tokenize", "/detokenize"} {
 		resp, got := h.post(path, `{"prompt":"hello"}`)
 		if resp.StatusCode != 200 || !strings.Contains(string(got), `"model":none`) && !strings.Contains(string(got), `"model":"none"`) {
@@ -104,7 +104,7 @@ func TestTokenizeWithoutModelGoesToAnyDecoder(t *testing.T) {
 
 func TestPassthroughAliasRewrittenInAndOut(t *testing.T) {
 	d0, d1 := newEngine(t, passAnswer), newEngine(t, passAnswer)
-	h := twoModels(t, Config{ModelAliases: map[string]Alias{"embedder": {{Model: "n"}}}}, d0, d1)
+	h := twoModelHarness(t, Config{ModelAliases: map[string]Alias{"embedder": {{Model: "n"}}}}, d0, d1)
 	resp, got := h.post("/v1/embeddings", `{"input":"x","model":"embedder","dimensions":2}`)
 	if resp.StatusCode != 200 {
 		t.Fatalf("status %d: %s", resp.StatusCode, got)
@@ -127,7 +127,7 @@ func TestPassthroughAliasRewrittenInAndOut(t *testing.T) {
 
 func TestPassthroughRefusals(t *testing.T) {
 	d0, d1 := newEngine(t, passAnswer), newEngine(t, passAnswer)
-	h := twoModels(t, Config{MaxBodyBytes: 1 << 10}, d0, d1)
+	h := twoModelHarness(t, Config{MaxBodyBytes: 1 << 10}, d0, d1)
 	cases := []struct {
 		name, path, ctype, body string
 		status                  int
@@ -189,8 +189,8 @@ func transcriptionBody(t *testing.T, model string) (body []byte, ctype string, f
 	return b.Bytes(), mw.FormDataContentType(), file
 }
 
-// parts reads a multipart body the engine got into its fields.
-func parts(t *testing.T, r received) map[string][]byte {
+// formParts reads a multipart body the engine got into its fields.
+func formParts(t *testing.T, r received) map[string][]byte {
 	t.Helper()
 	_, params, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	if err != nil {
@@ -216,7 +216,7 @@ func TestTranscriptionPassesThroughWithItsFileIntact(t *testing.T) {
 		io.WriteString(w, `{"text":"hello","model":"n"}`)
 	}
 	d0, d1 := newEngine(t, transcribe), newEngine(t, transcribe)
-	h := twoModels(t, Config{ModelAliases: map[string]Alias{"whisper": {{Model: "n"}}}}, d0, d1)
+	h := twoModelHarness(t, Config{ModelAliases: map[string]Alias{"whisper": {{Model: "n"}}}}, d0, d1)
 	for _, c := range []struct{ name, model, wantModel string }{
 		{"a served model: the bytes as they came", "n", "n"},
 		{"an alias: the model field rewritten", "whisper", "whisper"},
@@ -236,7 +236,7 @@ func TestTranscriptionPassesThroughWithItsFileIntact(t *testing.T) {
 			if c.model == "n" && (!bytes.Equal(r.Body, body) || r.Header.Get("Content-Type") != ctype) {
 				t.Errorf("a body with nothing to rewrite was changed")
 			}
-			f := parts(t, r)
+			f := formParts(t, r)
 			if !bytes.Equal(f["file"], file) {
 				t.Errorf("the file's bytes changed on the way (%d bytes, want %d)", len(f["file"]), len(file))
 			}
