@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/router"
@@ -193,6 +194,9 @@ func renamable(ct string) bool {
 func parseObject(body []byte) (*kvbackend.Fields, *apiError) {
 	if len(bytes.TrimSpace(body)) == 0 {
 		return nil, badRequest("", "request body is empty; expected a JSON object")
+	}
+	if !utf8.Valid(body) {
+		return nil, badRequest("", "request body is not valid UTF-8")
 	}
 	f, err := kvbackend.ParseFields(body)
 	if errors.Is(err, kvbackend.ErrNullBody) {

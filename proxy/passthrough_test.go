@@ -90,7 +90,7 @@ func TestTokenizeWithoutModelGoesToAnyDecoder(t *testing.T) {
 	h := twoModelHarness(t, Config{}, d0, d1)
 	for _, path := range []string{"/tokenize", "/detokenize"} {
 		resp, got := h.post(path, `{"prompt":"hello"}`)
-		if resp.StatusCode != 200 || !strings.Contains(string(got), `"model":none`) && !strings.Contains(string(got), `"model":"none"`) {
+		if resp.StatusCode != 200 || !strings.Contains(string(got), `"model":"none"`) {
 			t.Errorf("%s without a model: status %d: %s", path, resp.StatusCode, got)
 		}
 	}
