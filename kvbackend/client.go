@@ -70,6 +70,9 @@ type Call struct {
 	ClientID string
 	Header   http.Header
 	Body     []byte
+	// ContentType is the body's media type, e.g. a multipart/form-data one with its
+	// boundary; empty means application/json.
+	ContentType string
 	// Engine reads a prefill's answer; nil means vLLM.
 	Engine Engine
 	// OnAck, when set, asks the backend to acknowledge the call (Expect: 100-continue) and is
@@ -88,7 +91,11 @@ func (c Call) request(ctx context.Context) (*http.Request, error) {
 	for k, v := range c.Header {
 		req.Header[k] = v
 	}
-	req.Header.Set("Content-Type", "application/json")
+	ct := c.ContentType
+	if ct == "" {
+		ct = "application/json"
+	}
+	req.Header.Set("Content-Type", ct)
 	// identity keeps an SSE stream relayable byte for byte; the transport would otherwise ask
 	// for gzip and decompress behind our back.
 	req.Header.Set("Accept-Encoding", "identity")

@@ -157,6 +157,10 @@ func (f *Fields) With(key string, v json.RawMessage) (*Fields, error) {
 	return ParseFields(f.rewrite([]string{key}, set{key, v}))
 }
 
+// Bytes is the object's JSON text, as it came or as a rewrite left it. The caller must not
+// modify it.
+func (f *Fields) Bytes() []byte { return f.raw }
+
 // Len is the number of members, duplicates included.
 func (f *Fields) Len() int { return len(f.members) }
 

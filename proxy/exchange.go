@@ -102,11 +102,18 @@ type exchange struct {
 // generate serves a generation route (/v1/completions, /v1/chat/completions, /v1/responses),
 // whose bodies parse reads.
 func (s *Server) generate(route string, parse func([]byte) (*genRequest, *apiError)) http.HandlerFunc {
+	return s.exchangeHandler(route, func(x *exchange) *apiError { return x.run(parse) })
+}
+
+// exchangeHandler serves route with run, as one exchange: its id, its answer when run fails
+// before a byte went out, its metrics and log line (finish), and the cut of a connection
+// nothing honest can be sent on.
+func (s *Server) exchangeHandler(route string, run func(x *exchange) *apiError) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		x := &exchange{s: s, w: w, r: r, route: route, start: time.Now(), id: requestID(r), engineID: newID()}
 		w.Header().Set("X-Request-Id", x.id)
 		defer x.recoverAnswer()
-		err := x.run(parse)
+		err := run(x)
 		status := http.StatusOK
 		if err != nil {
 			status = err.status
@@ -206,7 +213,7 @@ func printable(s string) bool {
 	return true
 }
 
-func (x *exchange) run(parse func([]byte) (*genRequest, *apiError)) (e *apiError) {
+func (x *exchange) run(parse func([]byte) (*genRequest, *apiError)) *apiError {
 	if x.s.sidecar != nil {
 		// Before the body is read: a request naming a prefiller it may not is refused
 		// whatever it carries.
@@ -230,16 +237,28 @@ func (x *exchange) run(parse func([]byte) (*genRequest, *apiError)) (e *apiError
 	if e := x.resolveModel(); e != nil {
 		return e
 	}
-	x.hdr = upstreamHeader(x.r.Header)
-	if x.s.keys != nil {
-		// The client's key is for the proxy; a backend that wants one has its own api_key.
-		x.hdr.Del("Authorization")
-	}
-	if x.s.sidecar != nil {
-		// upstreamHeader drops x-prefiller-*; a header of another name is dropped here.
-		x.hdr.Del(x.s.sidecar.header)
-	}
+	x.hdr = x.s.engineHeader(x.r.Header)
+	return x.track(x.serve)
+}
 
+// engineHeader is what of a client's headers goes to the engines.
+func (s *Server) engineHeader(in http.Header) http.Header {
+	hdr := upstreamHeader(in)
+	if s.keys != nil {
+		// The client's key is for the proxy; a backend that wants one has its own api_key.
+		hdr.Del("Authorization")
+	}
+	if s.sidecar != nil {
+		// upstreamHeader drops x-prefiller-*; a header of another name is dropped here.
+		hdr.Del(s.sidecar.header)
+	}
+	return hdr
+}
+
+// track serves a parsed request with serve while the table has it: the request's context
+// (ended when its client leaves), its table entry, its custody, ended however serve ends,
+// and the safety net for a panic.
+func (x *exchange) track(serve func() *apiError) (e *apiError) {
 	ctx, cancel := context.WithCancelCause(x.r.Context())
 	defer cancel(nil)
 	x.ctx, x.cancel = x.startRequest(ctx), cancel
@@ -258,7 +277,7 @@ func (x *exchange) run(parse func([]byte) (*genRequest, *apiError)) (e *apiError
 	}()
 	// Runs before the custody's end above: a panic fails the request the way its mode fails.
 	defer x.recoverRequest(&e)
-	return x.serve()
+	return serve()
 }
 
 // errPanic is what a client is told when serving its request panicked.

@@ -41,6 +41,9 @@ type matrixCell struct {
 	stream bool
 	route  string // completions, chat or responses
 	leave  bool
+	// pass: the request is an embedding, which one decoder answers without P/D (leg is then
+	// "decode", stream and chat false).
+	pass bool
 }
 
 func (c matrixCell) name() string {
@@ -84,11 +87,20 @@ func matrixCells(full bool) []matrixCell {
 							if !full && route == "responses" && !stream {
 								continue
 							}
-							cells = append(cells, matrixCell{proto, kind, leg, fault, stream, route, leave})
+							cells = append(cells, matrixCell{proto, kind, leg, fault, stream, route, leave, false})
 						}
 					}
 				}
 			}
+		}
+	}
+	// A passthrough route meets every fault of a single call.
+	for _, fault := range faultengine.Faults() {
+		if fault == faultengine.BadParams {
+			continue
+		}
+		for _, leave := range []bool{false, true} {
+			cells = append(cells, matrixCell{proto: faultengine.VLLM, kind: "vllm", leg: "decode", fault: fault, leave: leave, route: "embeddings", pass: true})
 		}
 	}
 	return cells
@@ -232,6 +244,9 @@ func runCell(t *testing.T, c matrixCell) {
 		body += `,"stream":true`
 	}
 	body += "}"
+	if c.pass {
+		path, body = "/v1/embeddings", `{"model":"m","input":"hello there"}`
+	}
 
 	if c.fault == faultengine.KeepAliveReset {
 		// The connection the fault resets must be one kept open from an earlier request.
@@ -392,6 +407,14 @@ func (r matrixResult) whole(c matrixCell) bool {
 	}
 	if c.route == "responses" {
 		return wholeResponse(r.body, c.stream)
+	}
+	if c.pass {
+		var v struct {
+			Data []struct {
+				Embedding []float64 `json:"embedding"`
+			} `json:"data"`
+		}
+		return json.Unmarshal(r.body, &v) == nil && len(v.Data) == 1 && len(v.Data[0].Embedding) == 3
 	}
 	if !c.stream {
 		var v struct {

@@ -347,6 +347,10 @@ func (s *Server) routes() http.Handler {
 	r.Post("/v1/completions", s.generate("/v1/completions", completionsRequest))
 	r.Post("/v1/chat/completions", s.generate("/v1/chat/completions", chatRequest))
 	r.Post("/v1/responses", s.generate("/v1/responses", parseResponses))
+	// The non-generation routes: one engine each, no P/D (passthrough.go).
+	for _, p := range passthroughRoutes {
+		r.Post(p.path, s.passthrough(p))
+	}
 	r.Get("/v1/models", s.handleModels)
 	r.Get("/health", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})

@@ -93,7 +93,8 @@ type Config struct {
 	// Prefill: the engine is a prefiller (vLLM: it answers with kv_transfer_params; SGLang:
 	// it serves /server_info and its leg's answer is dropped).
 	Prefill bool
-	// Fault applies to generation requests (completions, chat); None for a healthy engine.
+	// Fault applies to generation requests (completions, chat) and embeddings; None for a
+	// healthy engine.
 	Fault Fault
 	// Chunks is how many token events a stream has (default 4).
 	Chunks int
@@ -268,8 +269,10 @@ func (e *Engine) serve(c net.Conn) {
 
 func (e *Engine) fault() { e.once.Do(func() { close(e.faulty) }) }
 
+// isGeneration reports whether path is one a model answers: a completion, or an embedding
+// (a route the proxy passes to one engine without P/D).
 func isGeneration(path string) bool {
-	return strings.HasSuffix(path, "/completions")
+	return strings.HasSuffix(path, "/completions") || path == "/v1/embeddings"
 }
 
 // reset closes c with a reset rather than a clean close.
@@ -351,6 +354,9 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 			}
 		}
 		payload = append(payload, "data: [DONE]\n\n")
+	case req.URL.Path == "/v1/embeddings":
+		payload = []string{`{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.125,-0.5,1]}],"model":"m","usage":{"prompt_tokens":2,"total_tokens":2}}`}
+		f.Stream = false
 	case chat:
 		payload = []string{`{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hello"},"finish_reason":"stop"}]}`}
 	default:

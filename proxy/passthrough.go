@@ -1,0 +1,307 @@
+package proxy
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"io"
+	"mime"
+	"mime/multipart"
+	"net/http"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// passBody is what a passthrough route's body is.
+type passBody int
+
+const (
+	// passJSON: a JSON object naming its model.
+	passJSON passBody = iota
+	// passJSONAnyModel: a JSON object that may omit its model (vLLM's tokenizer routes):
+	// any decoder serves it then.
+	passJSONAnyModel
+	// passMultipart: multipart/form-data with a model form field (audio transcriptions).
+	passMultipart
+)
+
+// passRoute is a route that one engine serving the request's model answers, without P/D:
+// the pooling and tokenizer routes, and transcriptions.
+type passRoute struct {
+	path string
+	body passBody
+}
+
+// passthroughRoutes are vLLM's non-generation routes. They are served by one decoder each
+// (llm-d's P/D sidecar sends every route but generation straight to its decoder too).
+var passthroughRoutes = []passRoute{
+	{"/v1/embeddings", passJSON},
+	{"/tokenize", passJSONAnyModel},
+	{"/detokenize", passJSONAnyModel},
+	{"/v1/score", passJSON},
+	{"/score", passJSON},
+	{"/v1/rerank", passJSON},
+	{"/rerank", passJSON},
+	{"/v2/rerank", passJSON},
+	{"/pooling", passJSON},
+	{"/classify", passJSON},
+	{"/v1/audio/transcriptions", passMultipart},
+}
+
+// passthrough serves a passthrough route as an exchange: the same body bounds, model
+// resolution, table entry, metrics, log line and disconnect handling as generation.
+func (s *Server) passthrough(p passRoute) http.HandlerFunc {
+	return s.exchangeHandler(p.path, func(x *exchange) *apiError { return x.runPass(p) })
+}
+
+func (x *exchange) runPass(p passRoute) *apiError {
+	body, e := readBody(x.w, x.r, x.s.cfg.MaxBodyBytes, x.s.cfg.ReadBodyTimeout)
+	if e != nil {
+		return e
+	}
+	var (
+		model, ctype string
+		fields       *kvbackend.Fields
+	)
+	if p.body == passMultipart {
+		ctype = x.r.Header.Get("Content-Type")
+		if model, e = multipartModel(body, ctype); e != nil {
+			return e
+		}
+	} else {
+		if fields, e = parseObject(body); e != nil {
+			return e
+		}
+		if e := stringField(fields, "model", p.body == passJSON, &model); e != nil {
+			return e
+		}
+		if model == "" && p.body == passJSON {
+			return badRequest("model", "model must not be empty")
+		}
+	}
+	x.req = &genRequest{model: model, fields: fields}
+	if model != "" {
+		served, e := x.s.resolveModel(model)
+		if e != nil {
+			return e
+		}
+		if served != model {
+			var err error
+			if p.body == passMultipart {
+				body, ctype, err = multipartWithModel(body, ctype, served)
+			} else {
+				v, _ := json.Marshal(served)
+				if fields, err = fields.With("model", v); err == nil {
+					body = fields.Bytes()
+				}
+			}
+			if err != nil {
+				return buildFailed(err, "engine")
+			}
+			x.clientModel, x.req.model, x.req.fields = model, served, fields
+			x.rename = newRenamer(served, model)
+		}
+	}
+	x.hdr = x.s.engineHeader(x.r.Header)
+	return x.track(func() *apiError { return x.servePass(body, ctype) })
+}
+
+// servePass sends the request to one decoder serving its model and relays the answer as it
+// comes. The call carries the client's context: a client that leaves closes the engine's
+// connection at once. decode_first_byte_timeout and decode_idle_timeout bound the answer.
+func (x *exchange) servePass(body []byte, ctype string) *apiError {
+	if e := x.reserveDecoder(nil); e != nil {
+		return e
+	}
+	start := time.Now()
+	defer func() { x.decodeT = time.Since(start) }()
+	b := x.decodeB
+	if _, _, ok := x.s.table.StartDecode(x.id, b.Name); !ok {
+		return x.gone()
+	}
+	wd := newWatchdog(x.ctx, false, false, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
+	defer wd.stop()
+	span := x.callSpan(spanDecode, b)
+	var err error
+	defer func() { endSpan(span, err) }()
+	call := x.call(b, x.route, body)
+	call.ContentType = ctype
+	call = withHeader(call, nil, x.own.lease)
+	var resp *http.Response
+	do := func() error {
+		return x.s.guard(x.id, func() (err error) {
+			resp, err = call.Do(withSpan(wd.ctx, span))
+			return err
+		})
+	}
+	err = do()
+	tried := []string{b.Name}
+	for attempt := 0; err != nil && retriable(err, false) && x.ctx.Err() == nil && attempt < x.s.cfg.DecodeRetries; attempt++ {
+		// The engine provably never took the call: another one may.
+		lease, aerr := x.s.router.Acquire(x.ctx, router.RoleDecode, x.hint(tried))
+		if aerr != nil {
+			break
+		}
+		x.own.giveBackLease(resultOf(err, x.ctx))
+		x.own.lease, x.decodeB, b = lease, lease.Backend(), lease.Backend()
+		tried = append(tried, b.Name)
+		x.s.m.retries.WithLabelValues(string(router.RoleDecode), retryReason(err)).Inc()
+		if _, _, ok := x.s.table.StartDecode(x.id, b.Name); !ok {
+			return x.gone()
+		}
+		call.Client, call.BaseURL, call.Engine, call.Header = b.Client(), baseURL(b), engineOf(b), x.hdr
+		call = withHeader(call, nil, lease)
+		if span != nil {
+			span.SetAttributes(attrBackend.String(b.Name))
+		}
+		err = do()
+	}
+	if err != nil {
+		return x.decodeFailed(err, wd)
+	}
+	defer resp.Body.Close()
+	x.own.res = router.Result{Status: http.StatusOK}
+	h := x.w.Header()
+	for k, v := range upstreamHeader(resp.Header) {
+		h[k] = v
+	}
+	if !renamable(resp.Header.Get("Content-Type")) {
+		// Only a JSON answer (or a stream of JSON events) names its model; a transcript in
+		// plain text or subtitles is the engine's words, never rewritten.
+		x.rename = nil
+	}
+	if e := x.relay(resp, wd); e != nil {
+		err = e
+		return e
+	}
+	return nil
+}
+
+// renamable reports whether an answer of media type ct is JSON, or SSE events of JSON.
+func renamable(ct string) bool {
+	mt, _, err := mime.ParseMediaType(ct)
+	if err != nil {
+		return ct == ""
+	}
+	return mt == "application/json" || mt == "text/event-stream" || strings.HasSuffix(mt, "+json")
+}
+
+// parseObject validates a body as one JSON object.
+func parseObject(body []byte) (*kvbackend.Fields, *apiError) {
+	if len(bytes.TrimSpace(body)) == 0 {
+		return nil, badRequest("", "request body is empty; expected a JSON object")
+	}
+	if !utf8.Valid(body) {
+		return nil, badRequest("", "request body is not valid UTF-8")
+	}
+	f, err := kvbackend.ParseFields(body)
+	if errors.Is(err, kvbackend.ErrNullBody) {
+		return nil, badRequest("", "request body must be a JSON object, not null")
+	}
+	if err != nil {
+		return nil, badRequest("", "request body is not a valid JSON object: "+jsonProblem(err))
+	}
+	return f, nil
+}
+
+// multipartBoundary is the boundary of a multipart/form-data content type.
+func multipartBoundary(ctype string) (string, *apiError) {
+	mt, params, err := mime.ParseMediaType(ctype)
+	if err != nil || mt != "multipart/form-data" || params["boundary"] == "" {
+		return "", &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "invalid_content_type",
+			message: "this route takes a multipart/form-data body with a boundary"}
+	}
+	return params["boundary"], nil
+}
+
+// maxModelField bounds the model form field: a model name, not a file.
+const maxModelField = 4 << 10
+
+// multipartModel checks a multipart/form-data body part by part and returns its model form
+// field, which is required.
+func multipartModel(body []byte, ctype string) (string, *apiError) {
+	boundary, e := multipartBoundary(ctype)
+	if e != nil {
+		return "", e
+	}
+	malformed := func(err error) *apiError {
+		return &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "invalid_value",
+			message: "the multipart/form-data body is malformed", cause: err}
+	}
+	mr := multipart.NewReader(bytes.NewReader(body), boundary)
+	model, found := "", false
+	for {
+		// Raw parts: a part's bytes are checked as they are, never decoded.
+		part, err := mr.NextRawPart()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return "", malformed(err)
+		}
+		if part.FormName() != "model" {
+			if _, err := io.Copy(io.Discard, part); err != nil {
+				return "", malformed(err)
+			}
+			continue
+		}
+		v, err := io.ReadAll(io.LimitReader(part, maxModelField+1))
+		if err != nil {
+			return "", malformed(err)
+		}
+		if len(v) > maxModelField {
+			return "", badRequest("model", "model is too long")
+		}
+		model, found = strings.TrimSpace(string(v)), true
+	}
+	switch {
+	case !found:
+		return "", badRequest("model", "model is required")
+	case model == "":
+		return "", badRequest("model", "model must not be empty")
+	}
+	return model, nil
+}
+
+// multipartWithModel is a multipart/form-data body with its model form field set to model,
+// and its content type: every other part's headers and bytes as they came (a file's bytes
+// untouched), under a boundary of its own.
+func multipartWithModel(body []byte, ctype, model string) ([]byte, string, error) {
+	boundary, e := multipartBoundary(ctype)
+	if e != nil {
+		return nil, "", e
+	}
+	mr := multipart.NewReader(bytes.NewReader(body), boundary)
+	var out bytes.Buffer
+	out.Grow(len(body) + len(model) + 64)
+	mw := multipart.NewWriter(&out)
+	for {
+		part, err := mr.NextRawPart()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, "", err
+		}
+		pw, err := mw.CreatePart(part.Header)
+		if err != nil {
+			return nil, "", err
+		}
+		if part.FormName() == "model" {
+			_, err = io.WriteString(pw, model)
+		} else {
+			_, err = io.Copy(pw, part)
+		}
+		if err != nil {
+			return nil, "", err
+		}
+	}
+	if err := mw.Close(); err != nil {
+		return nil, "", err
+	}
+	return out.Bytes(), mw.FormDataContentType(), nil
+}
