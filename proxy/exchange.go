@@ -41,6 +41,8 @@ type exchange struct {
 	start    time.Time
 	req      *genRequest
 	hdr      http.Header // headers passed on to backends
+	// class is the request's priority class; nil when no class is configured.
+	class *PriorityClass
 
 	// own is the request's custody (its table entry, its decoder's lease, a hold no decoder
 	// acknowledged) while the exchange has it; nil once it went to a release, to the legs'
@@ -198,8 +200,17 @@ func (x *exchange) run(chat bool) (e *apiError) {
 	if e != nil {
 		return e
 	}
+	if x.class, e = x.s.classes.classify(x.r, req); e != nil {
+		return e
+	}
+	if a := admissionOf(x.r.Context()); a != nil && x.class != nil {
+		a.class = x.class.Name
+	}
 	x.req = req
 	x.hdr = upstreamHeader(x.r.Header)
+	if x.s.classes != nil && x.s.classes.header != "" {
+		x.hdr.Del(x.s.classes.header) // the proxy's own
+	}
 	if x.s.keys != nil {
 		// The client's key is for the proxy; a backend that wants one has its own api_key.
 		x.hdr.Del("Authorization")
@@ -312,7 +323,11 @@ func (x *exchange) recoverAnswer() {
 }
 
 func (x *exchange) hint(exclude []string) router.Hint {
-	return router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.req.text, Tokens: x.tokens, Exclude: exclude}
+	h := router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.req.text, Tokens: x.tokens, Exclude: exclude}
+	if x.class != nil {
+		h.Class, h.Slack = x.class.Name, x.class.MaxQueueWait
+	}
+	return h
 }
 
 // cacheRouter is what a router that routes on the engines' prefix caches offers: whether a

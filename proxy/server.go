@@ -137,6 +137,12 @@ type Config struct {
 	// CIDRs (any port), IP:port, or host:port patterns where a * matches within one DNS
 	// label ("vllm-prefill-*.ns.svc:8000") and a port of * any port.
 	PrefillerAllow []string `yaml:"prefiller_allow"`
+	// Limits are each client's limits (limits.go): concurrency and rate per API key, and
+	// per tenant behind one. [none]
+	Limits LimitsConfig `yaml:"limits"`
+	// Priority maps requests to priority classes that order the wait queue when every
+	// engine is full (priority.go). [none: first come, first served]
+	Priority PriorityConfig `yaml:"priority"`
 }
 
 // Validate checks c as New would, without changing it.
@@ -194,6 +200,12 @@ func (c *Config) setDefaults() error {
 	if c.DecoderReservation == "" {
 		c.DecoderReservation = ReserveBeforePrefill
 	}
+	if err := c.Limits.setDefaults(); err != nil {
+		return err
+	}
+	if err := c.Priority.setDefaults(); err != nil {
+		return err
+	}
 	switch c.DecoderReservation {
 	case ReserveBeforePrefill, ReserveAfterPrefill:
 	default:
@@ -245,6 +257,11 @@ type Server struct {
 	tr *tracer
 	// aborts are the last clients that left, for the live view.
 	aborts *abortRing
+	// lim admits requests by their client's limits and counts them per key and class; nil
+	// when neither limits nor priority classes are configured.
+	lim *limiter
+	// classes are the priority classes; nil when none are configured.
+	classes *classes
 }
 
 // New builds a Server. reg receives the proxy's metrics; gather is served on /metrics (pass
@@ -264,6 +281,14 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 		return nil, err
 	}
 	s.keys = keys
+	if cfg.Limits.on() || len(cfg.Priority.Classes) > 0 {
+		nkeys := 0
+		if keys != nil {
+			nkeys = len(keys.digests)
+		}
+		s.lim = newLimiter(cfg.Limits, nkeys)
+	}
+	s.classes = newClasses(cfg.Priority)
 	allow, err := s.cfg.validateSidecar()
 	if err != nil {
 		return nil, err
@@ -325,8 +350,13 @@ func (s *Server) routes() http.Handler {
 		w.Header().Set("Allow", strings.Join(allow, ", "))
 		writeError(w, &apiError{status: http.StatusMethodNotAllowed, typ: "invalid_request_error", code: "method_not_allowed", message: "method not allowed on this route"})
 	})
-	r.Post("/v1/completions", s.generate("/v1/completions", false))
-	r.Post("/v1/chat/completions", s.generate("/v1/chat/completions", true))
+	// The model routes: each client's limits apply to them, not to probes, metrics and
+	// inspection.
+	r.Group(func(r chi.Router) {
+		r.Use(s.limit)
+		r.Post("/v1/completions", s.generate("/v1/completions", false))
+		r.Post("/v1/chat/completions", s.generate("/v1/chat/completions", true))
+	})
 	r.Get("/v1/models", s.handleModels)
 	r.Get("/health", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
