@@ -198,7 +198,8 @@ func (l *limiter) admit(r *http.Request, now time.Time) (*admission, *apiError) 
 	}
 	if lim.RequestsPerSecond > 0 {
 		if s.tokens < 1 {
-			wait := int(math.Ceil((1 - s.tokens) / lim.RequestsPerSecond))
+			// Less a hair, so that float rounding does not make a whole second of 8.000000001.
+			wait := int(math.Ceil((1-s.tokens)/lim.RequestsPerSecond - 1e-9))
 			return a, refusal(limitRate, max(wait, 1), fmt.Sprintf("rate limit reached for this API key: %g requests per second, burst %d; retry later", lim.RequestsPerSecond, lim.Burst))
 		}
 		s.tokens--
