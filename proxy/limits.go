@@ -149,7 +149,7 @@ type admission struct {
 
 type admissionKey struct{}
 
-// admissionOf is the request's admission, nil when limits are off.
+// admissionOf is the request's admission; nil when neither limits nor classes are configured.
 func admissionOf(ctx context.Context) *admission {
 	a, _ := ctx.Value(admissionKey{}).(*admission)
 	return a
@@ -350,7 +350,8 @@ func (s *Server) limit(next http.Handler) http.Handler {
 			w.Header().Set("X-Request-Id", id)
 			writeError(w, e)
 			if ce := s.logger.Check(zap.InfoLevel, "request refused by its limits"); ce != nil {
-				ce.Write(zap.String("request_id", id), zap.String("route", route), zap.String("reason", e.limit))
+				ce.Write(zap.String("request_id", id), zap.String("route", route), zap.String("reason", e.limit),
+					zap.String("key", a.key), zap.String("tenant", a.tenant))
 			}
 			return
 		}

@@ -27,7 +27,8 @@ var (
 	ErrQueueTimeout = errors.New("router: timed out waiting for a free backend")
 )
 
-// Hint carries what a policy may use about a request. It never reaches a metric label.
+// Hint carries what a policy and the wait queue may use about a request. Only Class, a
+// name from the proxy's config, reaches a metric label.
 type Hint struct {
 	// RequestID identifies the request in logs.
 	RequestID string
