@@ -30,6 +30,8 @@ type apiError struct {
 	// raw, when set, is a backend's own error answer, passed to the client as it came.
 	raw     []byte
 	rawType string
+	// limit, for a refusal by a client's limits, is its reason (limits.go).
+	limit string
 	// bearerChallenge adds "WWW-Authenticate: Bearer", which a 401 must carry (RFC 9110
 	// section 15.5.2).
 	bearerChallenge bool

@@ -41,6 +41,8 @@ type exchange struct {
 	start    time.Time
 	req      *genRequest
 	hdr      http.Header // headers passed on to backends
+	// class is the request's priority class; nil when no class is configured.
+	class *PriorityClass
 
 	// own is the request's custody (its table entry, its decoder's lease, a hold no decoder
 	// acknowledged) while the exchange has it; nil once it went to a release, to the legs'
@@ -230,6 +232,12 @@ func (x *exchange) run(parse func([]byte) (*genRequest, *apiError)) *apiError {
 		return e
 	}
 	req.route = x.route
+	if x.class, e = x.s.classes.classify(x.r, req); e != nil {
+		return e
+	}
+	if a := admissionOf(x.r.Context()); a != nil && x.class != nil {
+		a.class = x.class.Name
+	}
 	x.req = req
 	if e := x.refuseState(); e != nil {
 		return e
@@ -251,6 +259,9 @@ func (s *Server) engineHeader(in http.Header) http.Header {
 	if s.sidecar != nil {
 		// upstreamHeader drops x-prefiller-*; a header of another name is dropped here.
 		hdr.Del(s.sidecar.header)
+	}
+	if s.classes != nil && s.classes.header != "" {
+		hdr.Del(s.classes.header) // the proxy's own
 	}
 	return hdr
 }
@@ -362,7 +373,11 @@ func (x *exchange) recoverAnswer() {
 }
 
 func (x *exchange) hint(exclude []string) router.Hint {
-	return router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.req.text, Tokens: x.tokens, Model: x.req.model, Exclude: exclude}
+	h := router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.req.text, Tokens: x.tokens, Model: x.req.model, Exclude: exclude}
+	if x.class != nil {
+		h.Class, h.Slack = x.class.Name, x.class.MaxQueueWait
+	}
+	return h
 }
 
 // cacheRouter is what a router that routes on the engines' prefix caches offers: whether a

@@ -17,6 +17,9 @@ type metrics struct {
 	// prefillerRefused counts requests refused for their prefiller header (sidecar mode).
 	prefillerRefused *prometheus.CounterVec
 	panics           prometheus.Counter
+	// limitRejected and keyRequests count per client identity (limits.go).
+	limitRejected *prometheus.CounterVec
+	keyRequests   *prometheus.CounterVec
 }
 
 // latencyBuckets span a sub-millisecond proxy hop to a multi-minute generation.
@@ -77,10 +80,18 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Namespace: "pdproxy", Name: "panics_total",
 			Help: "Panics recovered while serving a request; the request was still finished (its KV released, its client answered).",
 		}),
+		limitRejected: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "limit_rejected_total",
+			Help: "Requests refused with 429 by their client's limits before any engine was asked, by key (key- or ip- and 8 hex digits of its SHA-256; the first 64, or every configured key, then other), tenant (the tenant header's first 64 values, then other; empty without one) and reason: concurrency, rate, capacity (too many identities with requests in flight).",
+		}, []string{"key", "tenant", "reason"}),
+		keyRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "key_requests_total",
+			Help: "Requests let in by their client's limits, counted when they end, by key and tenant (as in pdproxy_limit_rejected_total) and priority class (none: no class, or refused before its class was known).",
+		}, []string{"key", "tenant", "class"}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.requests, m.duration, m.ttft, m.propagation, m.tokensAfter, m.retries, m.fallbacks, m.decodeOnly, m.releaseFailure,
-			m.connsOpen, m.connsRefused, m.prefillerRefused, m.panics)
+			m.connsOpen, m.connsRefused, m.prefillerRefused, m.panics, m.limitRejected, m.keyRequests)
 	}
 	return m
 }

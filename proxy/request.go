@@ -190,7 +190,7 @@ var countFields = []struct {
 // before one holds KV for it.
 var (
 	numberFields = []string{"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty"}
-	intFields    = []string{"top_k", "seed"}
+	intFields    = []string{"top_k", "seed", "priority"}
 	boolFields   = []string{"echo", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "add_generation_prompt"}
 )
 

@@ -145,6 +145,12 @@ type Config struct {
 	// shadows a served model of the same name, and may not name another alias. Empty means
 	// none.
 	ModelAliases map[string]Alias `yaml:"model_aliases"`
+	// Limits are each client's limits (limits.go): concurrency and rate per API key, and
+	// per tenant behind one. [none]
+	Limits LimitsConfig `yaml:"limits"`
+	// Priority maps requests to priority classes that order the wait queue when every
+	// engine is full (priority.go). [none: first come, first served]
+	Priority PriorityConfig `yaml:"priority"`
 }
 
 // Validate checks c as New would, without changing it.
@@ -204,6 +210,12 @@ func (c *Config) setDefaults() error {
 	if c.DecoderReservation == "" {
 		c.DecoderReservation = ReserveBeforePrefill
 	}
+	if err := c.Limits.setDefaults(); err != nil {
+		return err
+	}
+	if err := c.Priority.setDefaults(); err != nil {
+		return err
+	}
 	switch c.DecoderReservation {
 	case ReserveBeforePrefill, ReserveAfterPrefill:
 	default:
@@ -257,6 +269,11 @@ type Server struct {
 	aborts *abortRing
 	// aliases pick each model alias's served model.
 	aliases map[string]*aliasPicker
+	// lim admits requests by their client's limits and counts them per key and class; nil
+	// when neither limits nor priority classes are configured.
+	lim *limiter
+	// classes are the priority classes; nil when none are configured.
+	classes *classes
 }
 
 // New builds a Server. reg receives the proxy's metrics; gather is served on /metrics (pass
@@ -276,6 +293,14 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 		return nil, err
 	}
 	s.keys = keys
+	if cfg.Limits.on() || len(cfg.Priority.Classes) > 0 {
+		nkeys := 0
+		if keys != nil {
+			nkeys = len(keys.digests)
+		}
+		s.lim = newLimiter(cfg.Limits, nkeys)
+	}
+	s.classes = newClasses(cfg.Priority)
 	allow, err := s.cfg.validateSidecar()
 	if err != nil {
 		return nil, err
@@ -344,13 +369,18 @@ func (s *Server) routes() http.Handler {
 		w.Header().Set("Allow", strings.Join(allow, ", "))
 		writeError(w, &apiError{status: http.StatusMethodNotAllowed, typ: "invalid_request_error", code: "method_not_allowed", message: "method not allowed on this route"})
 	})
-	r.Post("/v1/completions", s.generate("/v1/completions", completionsRequest))
-	r.Post("/v1/chat/completions", s.generate("/v1/chat/completions", chatRequest))
-	r.Post("/v1/responses", s.generate("/v1/responses", parseResponses))
-	// The non-generation routes: one engine each, no P/D (passthrough.go).
-	for _, p := range passthroughRoutes {
-		r.Post(p.path, s.passthrough(p))
-	}
+	// The model routes: each client's limits apply to them, not to probes, metrics and
+	// inspection.
+	r.Group(func(r chi.Router) {
+		r.Use(s.limit)
+		r.Post("/v1/completions", s.generate("/v1/completions", completionsRequest))
+		r.Post("/v1/chat/completions", s.generate("/v1/chat/completions", chatRequest))
+		r.Post("/v1/responses", s.generate("/v1/responses", parseResponses))
+		// The non-generation routes: one engine each, no P/D (passthrough.go).
+		for _, p := range passthroughRoutes {
+			r.Post(p.path, s.passthrough(p))
+		}
+	})
 	r.Get("/v1/models", s.handleModels)
 	r.Get("/health", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})

@@ -37,9 +37,9 @@ func newMetrics(r *Router) *metrics {
 		}, []string{"backend", "role", "reason"}),
 		queueWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: ns, Name: "queue_wait_seconds",
-			Help:    "Time requests waited in the backpressure queue for a free backend, whatever the outcome.",
+			Help:    "Time requests waited in the backpressure queue for a free backend, whatever the outcome, by role and priority class (none: no class configured).",
 			Buckets: []float64{.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30},
-		}, []string{"role"}),
+		}, []string{"role", "class"}),
 		queueRejected: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "queue_rejected_total",
 			Help: "Requests that got no backend after queueing or could not queue, by reason: full, timeout, canceled, no_backend.",

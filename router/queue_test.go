@@ -3,6 +3,7 @@ package router
 import (
 	"context"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
@@ -182,5 +183,104 @@ func TestQueueWaiterServedByBackendAddedOnReload(t *testing.T) {
 	}
 	a.lease.Release(Result{})
 	busy.Release(Result{})
+	assertAllIdle(t, r)
+}
+
+// serveInTurn releases busy and then each lease the waiters get, one at a time on the one
+// backend, and returns the waiters' names in the order they were served.
+func serveInTurn(t *testing.T, busy *Lease, waiters map[string]<-chan acquired) []string {
+	t.Helper()
+	var order []string
+	held := busy
+	for len(order) < len(waiters) {
+		held.Release(Result{Status: 200})
+		held = nil
+		// Exactly one waiter gets the freed slot; find which.
+		testutil.Eventually(t, testutil.Timeout, func() bool {
+			for name, ch := range waiters {
+				if slices.Contains(order, name) {
+					continue
+				}
+				select {
+				case a := <-ch:
+					if a.err != nil {
+						t.Fatalf("waiter %s: %v", name, a.err)
+					}
+					order = append(order, name)
+					held = a.lease
+					return true
+				default:
+				}
+			}
+			return false
+		}, "a waiter to be served")
+	}
+	held.Release(Result{Status: 200})
+	return order
+}
+
+func TestQueueServesTheEarliestDeadlineFirst(t *testing.T) {
+	r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
+	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	batch := Hint{Class: "batch", Slack: time.Hour}
+	waiters := map[string]<-chan acquired{}
+	for _, name := range []string{"b1", "b2", "b3"} {
+		batch.RequestID = name
+		waiters[name] = acquireAsync(t, r, context.Background(), batch)
+	}
+	waiters["i1"] = acquireAsync(t, r, context.Background(), Hint{RequestID: "i1", Class: "interactive"})
+	batch.RequestID = "b4"
+	waiters["b4"] = acquireAsync(t, r, context.Background(), batch)
+	waiters["i2"] = acquireAsync(t, r, context.Background(), Hint{RequestID: "i2", Class: "interactive"})
+
+	order := serveInTurn(t, busy, waiters)
+	if want := []string{"i1", "i2", "b1", "b2", "b3", "b4"}; !slices.Equal(order, want) {
+		t.Errorf("served %v, want %v: interactive first, each class in arrival order", order, want)
+	}
+	assertAllIdle(t, r)
+	for class, n := range map[string]float64{"batch": 4, "interactive": 2} {
+		if got, _ := testutil.Lookup(t, reg, "pdproxy_queue_wait_seconds", map[string]string{"role": "decode", "class": class}); got != n {
+			t.Errorf("queue_wait_seconds{class=%q} count = %v, want %v", class, got, n)
+		}
+	}
+}
+
+func TestQueueBatchWaiterPastItsSlackIsNotOvertaken(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
+	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	const slack = 20 * time.Millisecond
+	waiters := map[string]<-chan acquired{}
+	queuedAt := time.Now()
+	waiters["batch"] = acquireAsync(t, r, context.Background(), Hint{RequestID: "batch", Class: "batch", Slack: slack})
+	// Arriving after the batch waiter's deadline, interactive requests queue behind it.
+	time.Sleep(time.Until(queuedAt.Add(3 * slack)))
+	waiters["i1"] = acquireAsync(t, r, context.Background(), Hint{RequestID: "i1", Class: "interactive"})
+	waiters["i2"] = acquireAsync(t, r, context.Background(), Hint{RequestID: "i2", Class: "interactive"})
+
+	order := serveInTurn(t, busy, waiters)
+	if want := []string{"batch", "i1", "i2"}; !slices.Equal(order, want) {
+		t.Errorf("served %v, want %v: a waiter past its deadline goes first", order, want)
+	}
+	assertAllIdle(t, r)
+}
+
+func TestQueueExcludingWaiterOfAnEarlierDeadlineDoesNotBlockLaterOnes(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 1)})
+	l0 := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}})
+	l1 := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d0"}})
+	batch := acquireAsync(t, r, context.Background(), Hint{Class: "batch", Slack: time.Hour})
+	picky := acquireAsync(t, r, context.Background(), Hint{Class: "interactive", Exclude: []string{"d0"}})
+	l0.Release(Result{Status: 200}) // frees d0, which the interactive waiter refuses
+	a := testutil.Recv(t, testutil.Timeout, batch, "the batch waiter to be served")
+	if a.err != nil || a.lease.Backend().Name != "d0" {
+		t.Fatalf("batch waiter got %+v, want d0", a)
+	}
+	l1.Release(Result{Status: 200})
+	p := testutil.Recv(t, testutil.Timeout, picky, "the picky waiter to be served")
+	if p.err != nil || p.lease.Backend().Name != "d1" {
+		t.Fatalf("picky waiter got %+v, want d1", p)
+	}
+	a.lease.Release(Result{})
+	p.lease.Release(Result{})
 	assertAllIdle(t, r)
 }

@@ -27,7 +27,8 @@ var (
 	ErrQueueTimeout = errors.New("router: timed out waiting for a free backend")
 )
 
-// Hint carries what a policy may use about a request. It never reaches a metric label.
+// Hint carries what a policy and the wait queue may use about a request. Only Class, a
+// name from the proxy's config, reaches a metric label.
 type Hint struct {
 	// RequestID identifies the request in logs.
 	RequestID string
@@ -54,6 +55,16 @@ type Hint struct {
 	// proxy's own release traffic (a one-token drain that makes a decoder pull and free a
 	// prefiller's KV): that must never queue behind the load whose memory it frees.
 	Overcommit bool
+	// Class names the request's priority class, from the proxy's config (a closed set): the
+	// class label of pdproxy_queue_wait_seconds. Empty shows as "none".
+	Class string
+	// Slack is how long the request may wait in the queue before nothing that arrives later
+	// is served ahead of it: the queue serves the earliest deadline first, a waiter's
+	// deadline being its arrival plus its Slack. Zero, the default for every request, makes
+	// the queue first come, first served; a batch class with a Slack of seconds lets
+	// interactive requests (Slack 0) overtake it for that long, and no longer, so none
+	// starves.
+	Slack time.Duration
 }
 
 // Result is what happened to the request sent under a lease. Its zero value means the
@@ -210,7 +221,8 @@ func (r *Router) backends() []*Backend {
 }
 
 // Acquire picks a backend of role and counts one in-flight request on it. While every
-// eligible backend is at max_inflight it waits in a bounded FIFO queue. Errors:
+// eligible backend is at max_inflight it waits in a bounded queue that serves the earliest
+// deadline first (arrival plus h.Slack; first come, first served among equal Slacks). Errors:
 // ErrNoBackend (no healthy backend of the role), ErrQueueFull, ErrQueueTimeout, or
 // ctx.Err() as soon as ctx is done. The caller must Release the lease.
 func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error) {
@@ -242,15 +254,16 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 		r.metrics.queueRejected.WithLabelValues(string(role), "full").Inc()
 		return nil, ErrQueueFull
 	}
-	w := &waiter{h: h, ch: make(chan waitResult, 1)}
-	w.elem = p.waiters.PushBack(w)
+	start := time.Now()
+	w := &waiter{h: h, ch: make(chan waitResult, 1), deadline: start.Add(max(h.Slack, 0))}
+	p.enqueueLocked(w)
 	timeout, depth := p.queueTimeout, p.waiters.Len()
 	p.mu.Unlock()
 	if ce := r.logger.Check(zap.DebugLevel, "request queued for a backend"); ce != nil {
-		ce.Write(zap.String("request_id", h.RequestID), zap.String("role", string(role)), zap.Int("queue_depth", depth))
+		ce.Write(zap.String("request_id", h.RequestID), zap.String("role", string(role)), zap.Int("queue_depth", depth),
+			zap.String("class", h.Class))
 	}
 
-	start := time.Now()
 	timer := time.NewTimer(timeout)
 	defer timer.Stop()
 	var res waitResult
@@ -261,7 +274,11 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 	case <-timer.C:
 		res = p.leave(w, ErrQueueTimeout)
 	}
-	r.metrics.queueWait.WithLabelValues(string(role)).Observe(time.Since(start).Seconds())
+	class := h.Class
+	if class == "" {
+		class = "none"
+	}
+	r.metrics.queueWait.WithLabelValues(string(role), class).Observe(time.Since(start).Seconds())
 	if res.err != nil {
 		r.metrics.queueRejected.WithLabelValues(string(role), reason(res.err)).Inc()
 	}
@@ -629,7 +646,7 @@ type pool struct {
 	cache        cacheSettings
 	queueSize    int
 	queueTimeout time.Duration
-	waiters      list.List // of *waiter, oldest first
+	waiters      list.List // of *waiter, earliest deadline first
 	scratch      []*Backend
 }
 
@@ -643,6 +660,22 @@ type waiter struct {
 	h    Hint
 	ch   chan waitResult // buffered 1: the dispatcher never blocks
 	elem *list.Element
+	// deadline is when the waiter arrived plus its Hint's Slack: the queue's order.
+	deadline time.Time
+}
+
+// enqueueLocked puts w after every waiter whose deadline is not later than its own: the
+// earliest deadline first, and first come, first served among equal deadlines. A waiter is
+// overtaken only by those that arrive before its deadline, so no class starves. The scan
+// starts at the back, where a waiter of the most common class usually belongs.
+func (p *pool) enqueueLocked(w *waiter) {
+	for e := p.waiters.Back(); e != nil; e = e.Prev() {
+		if !e.Value.(*waiter).deadline.After(w.deadline) {
+			w.elem = p.waiters.InsertAfter(w, e)
+			return
+		}
+	}
+	w.elem = p.waiters.PushFront(w)
 }
 
 type waitResult struct {
@@ -697,7 +730,7 @@ func (p *pool) leaseLocked(b *Backend) *Lease {
 	return l
 }
 
-// dispatchLocked hands free slots to waiters, oldest first. A waiter that excludes the
+// dispatchLocked hands free slots to waiters in queue order (earliest deadline first). A waiter that excludes the
 // free backends does not block the ones behind it.
 func (p *pool) dispatchLocked() {
 	for e := p.waiters.Front(); e != nil; {

@@ -68,3 +68,39 @@ func TestParseConfigRejectsUnknownCacheAwareKeys(t *testing.T) {
 		})
 	}
 }
+
+func TestParseConfigReadsTheLimitsAndPriorityKeys(t *testing.T) {
+	const doc = `
+limits:
+  per_key: {max_concurrent: 4, requests_per_second: 2.5, burst: 10}
+  tenant_header: X-Tenant
+  max_identities: 500
+priority:
+  header: X-Priority
+  classes:
+    - {name: interactive, priority: 0, max_queue_wait: 0s}
+    - {name: batch, priority: 10, max_queue_wait: 5s, set_priority: true}
+  default_class: interactive
+`
+	c, err := ParseConfig([]byte(doc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Proxy.Validate(); err != nil {
+		t.Fatalf("Validate: %v", err)
+	}
+	l := c.Proxy.Limits
+	if l.PerKey.MaxConcurrent != 4 || l.PerKey.RequestsPerSecond != 2.5 || l.PerKey.Burst != 10 || l.TenantHeader != "X-Tenant" || l.MaxIdentities != 500 {
+		t.Errorf("limits = %+v", l)
+	}
+	p := c.Proxy.Priority
+	if p.Header != "X-Priority" || p.DefaultClass != "interactive" || len(p.Classes) != 2 {
+		t.Fatalf("priority = %+v", p)
+	}
+	if b := p.Classes[1]; b.Name != "batch" || b.Priority != 10 || b.MaxQueueWait != 5*time.Second || !b.SetPriority {
+		t.Errorf("priority.classes[1] = %+v", b)
+	}
+	if _, err := ParseConfig([]byte("limits:\n  per_key:\n    max_concurent: 4\n")); err == nil || !strings.Contains(err.Error(), "max_concurent") {
+		t.Errorf("a misspelt limits key: %v", err)
+	}
+}
