@@ -100,7 +100,7 @@ func TestBadInputIsRefusedWithAnOpenAIErrorAndReachesNoEngine(t *testing.T) {
 		{name: "negative min_tokens", body: strings.NewReader(`{"model":"sim","prompt":"hi","min_tokens":-5}`), status: 400, param: "min_tokens"},
 		{name: "a body over the limit", body: strings.NewReader(overLimit), status: 413, code: "request_too_large"},
 		{name: "a chunked body over the limit", body: unsized{strings.NewReader(overLimit)}, status: 413, code: "request_too_large"},
-		{name: "an unknown route", path: "/v1/embeddings", body: strings.NewReader(`{"model":"sim","input":"hi"}`), status: 404, code: "not_found"},
+		{name: "an unknown route", path: "/v1/images/generations", body: strings.NewReader(`{"model":"sim","prompt":"hi"}`), status: 404, code: "not_found"},
 		{name: "a path outside the API", method: http.MethodGet, path: "/v2/models", status: 404, code: "not_found"},
 		{name: "GET on completions", method: http.MethodGet, status: 405, code: "method_not_allowed", allow: "POST"},
 		{name: "PUT on chat completions", method: http.MethodPut, path: chat, body: strings.NewReader(`{}`), status: 405, code: "method_not_allowed", allow: "POST"},

@@ -25,6 +25,9 @@ func TestInteractiveWaitStaysBoundedBehindABatchBurst(t *testing.T) {
 		c.Sims[1].PrefillTime = 2 * time.Millisecond
 		c.Sims[1].ITL = 4 * time.Millisecond
 		c.Sims[1].MaxInflight = 1
+		// The batch class writes its priority into the body: the engines schedule by it,
+		// and would refuse it otherwise, as vLLM does.
+		c.Sims[0].SchedulingPolicy, c.Sims[1].SchedulingPolicy = "priority", "priority"
 		c.Proxy.Priority = proxy.PriorityConfig{Header: "X-Priority", Classes: []proxy.PriorityClass{
 			{Name: "interactive", Priority: 0},
 			{Name: "batch", Priority: 10, MaxQueueWait: time.Minute, SetPriority: true},

@@ -149,6 +149,9 @@ func TestChatStreamCarriesDeltaContentAndUsage(t *testing.T) {
 
 func TestModelsHealthReadyMetrics(t *testing.T) {
 	s := startStack(t, fastSims)
+	// The model label names a model once the engines have listed theirs (their first health
+	// check); before, it is "other".
+	waitForModels(t, s)
 	get := func(path string) (int, string) {
 		resp, err := http.Get(s.url + path)
 		if err != nil {
@@ -181,7 +184,7 @@ func TestModelsHealthReadyMetrics(t *testing.T) {
 	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
 		_, metrics := get("/metrics")
 		for _, name := range []string{
-			`pdproxy_requests_total{code="200",route="/v1/completions"} 1`,
+			`pdproxy_requests_total{code="200",model="sim",route="/v1/completions"} 1`,
 			"pdproxy_request_duration_seconds_bucket",
 			"pdproxy_time_to_first_token_seconds_bucket",
 			"pdproxy_inflight_requests",

@@ -344,7 +344,7 @@ func (s *Server) limit(next http.Handler) http.Handler {
 		a, e := s.lim.admit(r, time.Now())
 		if e != nil {
 			route := chi.RouteContext(r.Context()).RoutePattern()
-			s.m.requests.WithLabelValues(route, strconv.Itoa(e.status)).Inc()
+			s.m.requests.WithLabelValues(route, strconv.Itoa(e.status), "").Inc()
 			s.m.limitRejected.WithLabelValues(a.key, a.tenant, e.limit).Inc()
 			id := requestID(r)
 			w.Header().Set("X-Request-Id", id)

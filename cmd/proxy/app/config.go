@@ -181,6 +181,12 @@ type SimConfig struct {
 	WaitingTimeout   time.Duration `yaml:"waiting_timeout"`   // [300s]
 	DisconnectDelay  time.Duration `yaml:"disconnect_delay"`  // [2s; negative: 0]
 	AdminAPIKey      string        `yaml:"admin_api_key"`
+	// SchedulingPolicy (fcfs or priority: the body's priority orders the queue, as vLLM's
+	// --scheduling-policy), LoRAModules ("name=path,...": adapters listed as models) and
+	// EmbeddingDim (the size of /v1/embeddings vectors) are the sim's flags of those names.
+	SchedulingPolicy string `yaml:"scheduling_policy"`
+	LoRAModules      string `yaml:"lora_modules"`
+	EmbeddingDim     int    `yaml:"embedding_dim"`
 }
 
 // ParseConfig reads a YAML config. Unknown keys are rejected, with their line.

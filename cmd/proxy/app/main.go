@@ -315,6 +315,9 @@ func (m *Main) startSim(ctx context.Context, g *errgroup.Group, i int, sc SimCon
 	setIf(&cfg.WaitingTimeout, sc.WaitingTimeout)
 	setIf(&cfg.DisconnectDelay, sc.DisconnectDelay)
 	setIf(&cfg.AdminAPIKey, sc.AdminAPIKey)
+	setIf(&cfg.SchedulingPolicy, sc.SchedulingPolicy)
+	setIf(&cfg.LoRAModules, sc.LoRAModules)
+	setIf(&cfg.EmbeddingDim, sc.EmbeddingDim)
 	addr := sc.Listen
 	if addr == "" {
 		addr = "127.0.0.1:0"
