@@ -109,7 +109,9 @@ func TestThePriorityPolicyAdmitsTheLowestPriorityFirstAndCountsEachPriority(t *t
 
 	order := make(chan string, 3)
 	for i, p := range []int{7, 5, 0} {
-		ans := ts.send(context.Background(), "/v1/completions", fmt.Sprintf(`{"prompt":"p%d","max_tokens":1,"priority":%d}`, p, p), nil)
+		// Several tokens each: with one running slot, one ends a few steps before the next,
+		// so the order the answers arrive in is the order they ran in.
+		ans := ts.send(context.Background(), "/v1/completions", fmt.Sprintf(`{"prompt":"p%d","max_tokens":20,"ignore_eos":true,"priority":%d}`, p, p), nil)
 		go func() {
 			<-ans
 			order <- fmt.Sprint(p)
