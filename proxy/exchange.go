@@ -92,6 +92,8 @@ type exchange struct {
 	// served one), empty else; rename puts it back into the answer.
 	clientModel string
 	rename      *renamer
+	// label is the request's model label, set when its model was resolved.
+	label string
 	// ended, for a Responses stream, records that its last event went by; endScan is the
 	// end of the stream so far, for an event split across reads (sawEnd).
 	ended   bool
@@ -140,7 +142,10 @@ func (s *Server) finish(x *exchange, status int, err *apiError) {
 	x.endRequest(status, err)
 	elapsed := time.Since(x.start)
 	code := strconv.Itoa(status)
-	model := s.modelLabel(x.model())
+	model := x.label
+	if model == "" {
+		model = s.modelLabel(x.model()) // refused before its model was resolved
+	}
 	s.m.requests.WithLabelValues(x.route, code, model).Inc()
 	s.m.duration.WithLabelValues(x.route, model).Observe(elapsed.Seconds())
 	if x.ttft > 0 {

@@ -127,10 +127,12 @@ type limiter struct {
 
 	// names bounds the key and tenant label values (labelsKept, or every configured key).
 	names labelSet
+	// now is the buckets' clock: time.Now; tests move their own.
+	now func() time.Time
 }
 
 func newLimiter(cfg LimitsConfig, keys int) *limiter {
-	l := &limiter{cfg: cfg, shares: make(map[identity]*share)}
+	l := &limiter{cfg: cfg, shares: make(map[identity]*share), now: time.Now}
 	if cfg.TenantHeader != "" {
 		l.tenantHeader = http.CanonicalHeaderKey(cfg.TenantHeader)
 	}
@@ -341,7 +343,7 @@ func (s *Server) limit(next http.Handler) http.Handler {
 		return next
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		a, e := s.lim.admit(r, time.Now())
+		a, e := s.lim.admit(r, s.lim.now())
 		if e != nil {
 			route := chi.RouteContext(r.Context()).RoutePattern()
 			s.m.requests.WithLabelValues(route, strconv.Itoa(e.status), "").Inc()
@@ -356,7 +358,7 @@ func (s *Server) limit(next http.Handler) http.Handler {
 			return
 		}
 		defer func() {
-			s.lim.release(a, time.Now())
+			s.lim.release(a, s.lim.now())
 			class := a.class
 			if class == "" {
 				class = "none"

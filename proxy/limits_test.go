@@ -86,12 +86,17 @@ func TestOverTheRateLimitIsRefusedBeforeAnyEngineIsAsked(t *testing.T) {
 func TestTheTokenBucketRefills(t *testing.T) {
 	d := newEngine(t, vllmDecode)
 	h := aggregated(t, Config{Limits: LimitsConfig{PerKey: KeyLimits{RequestsPerSecond: 1, Burst: 1}}}, d)
+	clk := testutil.NewClock(time.Now())
+	h.srv.lim.now = clk.Now
 	if resp, body := h.do(http.MethodPost, "/v1/completions", plainCompletion, nil); resp.StatusCode != http.StatusOK {
 		t.Fatalf("first request: %d %s", resp.StatusCode, body)
 	}
 	resp, body := h.do(http.MethodPost, "/v1/completions", plainCompletion, nil)
 	assertRefused(t, resp, body, 1)
-	time.Sleep(time.Second) // what Retry-After said
+	clk.Advance(999 * time.Millisecond)
+	resp, body = h.do(http.MethodPost, "/v1/completions", plainCompletion, nil)
+	assertRefused(t, resp, body, 1)    // not quite refilled
+	clk.Advance(10 * time.Millisecond) // past what Retry-After said
 	if resp, body := h.do(http.MethodPost, "/v1/completions", plainCompletion, nil); resp.StatusCode != http.StatusOK {
 		t.Fatalf("after Retry-After: %d %s", resp.StatusCode, body)
 	}

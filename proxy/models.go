@@ -242,22 +242,27 @@ func errModelNotFound(model string) *apiError {
 // resolveModel turns the model a client named into the one the engines serve: an alias's
 // pick, else the name itself. A model that no decoder serves is a 404, when every decoder's
 // models are known (configured, or listed by its engine); while some are not, the request
-// goes on and the engine answers for itself.
-func (s *Server) resolveModel(name string) (served string, e *apiError) {
-	served = name
+// goes on and the engine answers for itself. label is the request's model label
+// (modelLabel), from the same look at the models.
+func (s *Server) resolveModel(name string) (served, label string, e *apiError) {
+	served, label = name, "other"
+	models, complete := s.router.Models(router.RoleDecode)
 	if p := s.aliases[name]; p != nil {
-		served = p.pick()
+		served, label = p.pick(), name
+	} else if slices.Contains(models, name) {
+		label = name
 	}
-	if models, complete := s.router.Models(router.RoleDecode); complete && !slices.Contains(models, served) {
-		return "", errModelNotFound(name)
+	if complete && !slices.Contains(models, served) {
+		return "", label, errModelNotFound(name)
 	}
-	return served, nil
+	return served, label, nil
 }
 
 // resolveModel resolves the request's model (resolveModel): an alias's body is rewritten to
 // the served model, and the answer renamed back.
 func (x *exchange) resolveModel() *apiError {
-	served, e := x.s.resolveModel(x.req.model)
+	served, label, e := x.s.resolveModel(x.req.model)
+	x.label = label
 	if e != nil {
 		return e
 	}
@@ -276,7 +281,7 @@ func (x *exchange) resolveModel() *apiError {
 
 // modelLabel is the model label of a request's metrics: the name the client used when it is
 // an alias or a model a decoder serves, else "other", so that clients naming random models
-// cannot grow the label set.
+// cannot grow the label set. A request whose model was resolved has it already (x.label).
 func (s *Server) modelLabel(name string) string {
 	if name == "" {
 		return ""

@@ -85,7 +85,8 @@ func (x *exchange) runPass(p passRoute) *apiError {
 	}
 	x.req = &genRequest{model: model, fields: fields}
 	if model != "" {
-		served, e := x.s.resolveModel(model)
+		served, label, e := x.s.resolveModel(model)
+		x.label = label
 		if e != nil {
 			return e
 		}

@@ -246,14 +246,14 @@ func TestQueueServesTheEarliestDeadlineFirst(t *testing.T) {
 }
 
 func TestQueueBatchWaiterPastItsSlackIsNotOvertaken(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
+	r, _, clk := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
 	busy := mustAcquire(t, r, RoleDecode, Hint{})
 	const slack = 20 * time.Millisecond
 	waiters := map[string]<-chan acquired{}
-	queuedAt := time.Now()
 	waiters["batch"] = acquireAsync(t, r, context.Background(), Hint{RequestID: "batch", Class: "batch", Slack: slack})
+	testutil.Eventually(t, testutil.Timeout, func() bool { r.decode.mu.Lock(); defer r.decode.mu.Unlock(); return r.decode.waiters.Len() == 1 }, "batch queued")
 	// Arriving after the batch waiter's deadline, interactive requests queue behind it.
-	time.Sleep(time.Until(queuedAt.Add(3 * slack)))
+	clk.Advance(3 * slack)
 	waiters["i1"] = acquireAsync(t, r, context.Background(), Hint{RequestID: "i1", Class: "interactive"})
 	waiters["i2"] = acquireAsync(t, r, context.Background(), Hint{RequestID: "i2", Class: "interactive"})
 

@@ -255,7 +255,8 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 		return nil, ErrQueueFull
 	}
 	start := time.Now()
-	w := &waiter{h: h, ch: make(chan waitResult, 1), deadline: start.Add(max(h.Slack, 0))}
+	// The deadline is on the router's clock, which tests move.
+	w := &waiter{h: h, ch: make(chan waitResult, 1), deadline: r.now().Add(max(h.Slack, 0))}
 	p.enqueueLocked(w)
 	timeout, depth := p.queueTimeout, p.waiters.Len()
 	p.mu.Unlock()
