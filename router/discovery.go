@@ -256,6 +256,7 @@ func (d *discovery) install(cfg Config) error {
 	}
 	d.declared, d.resolver, d.entries = cfg, res, entries
 	d.templates.Store(&templates)
+	d.r.forgetModels()
 	select {
 	case d.wake <- struct{}{}:
 	default:

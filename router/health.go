@@ -153,8 +153,9 @@ func (r *Router) listModels(ctx context.Context, b *Backend, h HealthConfig) {
 	}
 	if old := b.st.models.Load(); old == nil || !slices.Equal(*old, models) {
 		r.logger.Info("backend models", zap.String("backend", b.Name), zap.Strings("models", models))
+		b.st.models.Store(&models)
+		r.forgetModels()
 	}
-	b.st.models.Store(&models)
 }
 
 // refusal is a connect error that proves nothing listens at a backend's address.
