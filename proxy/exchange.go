@@ -94,10 +94,8 @@ type exchange struct {
 	rename      *renamer
 	// label is the request's model label, set when its model was resolved.
 	label string
-	// ended, for a Responses stream, records that its last event went by; endScan is the
-	// end of the stream so far, for an event split across reads (sawEnd).
-	ended   bool
-	endScan []byte
+	// ended, for a Responses stream, records that its last event went by (sawEnd).
+	ended bool
 	// abortConn: the answer broke after its headers went out in a non-streaming response; the
 	// only honest end is to cut the connection.
 	abortConn bool

@@ -106,11 +106,11 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 				x.cancel(werr)
 				return x.gone()
 			}
+			if x.req.responses && !x.ended {
+				x.ended = sawEnd(x.tail, data)
+			}
 			x.tail = append(x.tail, data[max(0, n-tailSize):n]...)
 			x.tail = x.tail[max(0, len(x.tail)-tailSize):]
-			if x.req.responses && !x.ended {
-				x.ended, x.endScan = sawEnd(x.endScan, data)
-			}
 		}
 		if rerr == io.EOF {
 			// A decoder that ends its answer before any byte of it (a 200 closed at once), or
@@ -148,8 +148,9 @@ var (
 )
 
 // tailSize is how many of the answer's last bytes the relay keeps: enough for the line end
-// before "data: [DONE]", and the blank line after it.
-const tailSize = 24
+// before "data: [DONE]", and the blank line after it; and for the longest line that ends a
+// Responses stream ("event: response.incomplete"), split across two reads.
+const tailSize = 32
 
 // streamDone reports whether a stream's last bytes are its [DONE] event: a line "data:
 // [DONE]" (the space is optional in SSE) that starts a line and ends the event with a blank

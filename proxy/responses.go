@@ -121,22 +121,17 @@ var responsesEnds = [][]byte{
 	[]byte("event:response.completed"), []byte("event:response.incomplete"), []byte("event:response.failed"),
 }
 
-// endCarry is how many of a stream's last bytes the scan for its end keeps from one read to
-// the next, so that an end split across reads is seen: the longest end line, less one.
-const endCarry = 26
-
-// sawEnd notes whether data, read after carry (the stream's bytes before it), holds the event
-// that ends a Responses stream; carry is returned updated.
-func sawEnd(carry, data []byte) (bool, []byte) {
-	buf := append(carry, data...)
-	found := false
+// sawEnd reports whether data, read after tail (the relay's last bytes of the stream before
+// it), holds the event that ends a Responses stream. An end line split across the two reads
+// is looked for where they meet, so that no read is copied whole.
+func sawEnd(tail, data []byte) bool {
+	edge := append(tail[:len(tail):len(tail)], data[:min(len(data), tailSize)]...)
 	for _, end := range responsesEnds {
-		if bytes.Contains(buf, end) {
-			found = true
-			break
+		if bytes.Contains(data, end) || bytes.Contains(edge, end) {
+			return true
 		}
 	}
-	return found, append([]byte(nil), buf[max(0, len(buf)-endCarry):]...)
+	return false
 }
 
 // responsesErrorEvent is the event that ends a Responses stream that failed: the API's error
