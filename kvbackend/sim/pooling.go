@@ -267,16 +267,19 @@ func parseEmbeddings(e *Engine, _ *http.Request, body []byte) (*poolJob, error) 
 				data[i].Embedding = base64.StdEncoding.EncodeToString(buf)
 			}
 		}
-		return struct {
-			ID      string    `json:"id"`
-			Object  string    `json:"object"`
-			Created int64     `json:"created"`
-			Model   string    `json:"model"`
-			Data    []item    `json:"data"`
-			Usage   poolUsage `json:"usage"`
-		}{id, "list", e.clock.Now().Unix(), model, data, usageOf(n)}
+		return poolList[item]{id, "list", e.clock.Now().Unix(), model, data, usageOf(n)}
 	}
 	return j, nil
+}
+
+// poolList is the list answer of embeddings, pooling and score, around their items.
+type poolList[T any] struct {
+	ID      string    `json:"id"`
+	Object  string    `json:"object"`
+	Created int64     `json:"created"`
+	Model   string    `json:"model"`
+	Data    []T       `json:"data"`
+	Usage   poolUsage `json:"usage"`
 }
 
 func parsePooling(e *Engine, _ *http.Request, body []byte) (*poolJob, error) {
@@ -302,14 +305,7 @@ func parsePooling(e *Engine, _ *http.Request, body []byte) (*poolJob, error) {
 		for i, t := range in {
 			data[i] = item{Index: i, Object: "pooling", Data: embed(t, e.cfg.EmbeddingDim)}
 		}
-		return struct {
-			ID      string    `json:"id"`
-			Object  string    `json:"object"`
-			Created int64     `json:"created"`
-			Model   string    `json:"model"`
-			Data    []item    `json:"data"`
-			Usage   poolUsage `json:"usage"`
-		}{id, "list", e.clock.Now().Unix(), model, data, usageOf(n)}
+		return poolList[item]{id, "list", e.clock.Now().Unix(), model, data, usageOf(n)}
 	}
 	return j, nil
 }
@@ -368,14 +364,7 @@ func parseScore(e *Engine, _ *http.Request, body []byte) (*poolJob, error) {
 		for i, p := range pairs {
 			data[i] = item{Index: i, Object: "score", Score: e.similarity(p[0], p[1])}
 		}
-		return struct {
-			ID      string    `json:"id"`
-			Object  string    `json:"object"`
-			Created int64     `json:"created"`
-			Model   string    `json:"model"`
-			Data    []item    `json:"data"`
-			Usage   poolUsage `json:"usage"`
-		}{id, "list", e.clock.Now().Unix(), model, data, usageOf(n)}
+		return poolList[item]{id, "list", e.clock.Now().Unix(), model, data, usageOf(n)}
 	}
 	return j, nil
 }
