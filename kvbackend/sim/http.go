@@ -170,12 +170,7 @@ func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
 			return
 		}
 		if readErr != nil {
-			var tooBig *http.MaxBytesError
-			if errors.As(readErr, &tooBig) {
-				writeError(w, statusError(http.StatusRequestEntityTooLarge, "body_too_large", "request body larger than %d bytes", maxBodyBytes))
-				return
-			}
-			writeError(w, badRequest("unreadable_body", "read request body: %v", readErr))
+			writeError(w, bodyReadError(readErr))
 			return
 		}
 		if err != nil {
@@ -725,4 +720,14 @@ func writeError(w http.ResponseWriter, err error) {
 		ae = statusError(http.StatusInternalServerError, "internal_error", "internal error")
 	}
 	writeJSON(w, ae.Status, map[string]*apiError{"error": ae})
+}
+
+// bodyReadError is the answer to a request body that could not be read: a 413 past
+// maxBodyBytes, else a 400.
+func bodyReadError(err error) error {
+	var tooBig *http.MaxBytesError
+	if errors.As(err, &tooBig) {
+		return statusError(http.StatusRequestEntityTooLarge, "body_too_large", "request body larger than %d bytes", maxBodyBytes)
+	}
+	return badRequest("unreadable_body", "read request body: %v", err)
 }

@@ -5,7 +5,6 @@ import (
 	"encoding/base64"
 	"encoding/binary"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"hash/fnv"
 	"io"
@@ -85,12 +84,7 @@ func (e *Engine) pooling(prefix string, parse poolParser) http.HandlerFunc {
 			return
 		}
 		if err != nil {
-			var tooBig *http.MaxBytesError
-			if errors.As(err, &tooBig) {
-				writeError(w, statusError(http.StatusRequestEntityTooLarge, "body_too_large", "request body larger than %d bytes", maxBodyBytes))
-				return
-			}
-			writeError(w, badRequest("unreadable_body", "read request body: %v", err))
+			writeError(w, bodyReadError(err))
 			return
 		}
 		job, err := parse(e, r, body)
