@@ -147,7 +147,9 @@ func (s *Server) requireKey(mux *chi.Mux, next http.Handler) http.Handler {
 		}
 		id := requestID(r)
 		w.Header().Set("X-Request-Id", id)
-		writeError(w, &apiError{status: http.StatusUnauthorized, typ: "authentication_error", code: "invalid_api_key", message: msg, bearerChallenge: true})
+		e := newError(errInvalidAPIKey, msg)
+		e.bearerChallenge = true
+		writeError(w, e)
 		if ce := s.logger.Check(zap.InfoLevel, "request refused: no valid api key"); ce != nil {
 			ce.Write(zap.String("request_id", id), zap.String("route", route), zap.Bool("key_sent", sent))
 		}

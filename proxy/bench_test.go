@@ -92,14 +92,14 @@ func BenchmarkRelay(b *testing.B) {
 	for b.Loop() {
 		clear(w.header)
 		ctx, cancel := context.WithCancelCause(context.Background())
-		x := &exchange{s: s, w: w, r: r, ctx: ctx, cancel: cancel, id: "bench", route: "/v1/completions",
-			start: time.Now(), req: &genRequest{stream: true}}
+		x := &exchange{s: s, w: w, r: r, ctx: ctx, cancel: cancel, id: "bench", route: "/v1/completions", req: &genRequest{stream: true}}
+		x.times.start = time.Now()
 		if err := s.table.Begin(x.id, x.route, func() { cancel(nil) }); err != nil {
 			b.Fatal(err)
 		}
 		wd := newWatchdog(ctx, false, false, time.Minute, time.Minute)
 		resp := &http.Response{StatusCode: http.StatusOK, Header: backendHeader, Body: &chunkReader{chunks: chunks}}
-		if e := x.relay(resp, wd); e != nil {
+		if e := x.relay(&custody{id: x.id}, resp, wd); e != nil {
 			b.Fatal(e)
 		}
 		wd.stop()

@@ -5,37 +5,37 @@ import (
 	"net/http"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/router"
 )
 
-// decode sends the decode call and relays its answer to the client. A hold StartDecode hands
-// over goes to the decoder through a handoff (abort.go): it is the decoder's once the decoder
-// acknowledges the decode, and until then the proxy's, which releases it if the decode ends
-// first.
-func (x *exchange) decode() *apiError {
+// decode sends the decode call and relays its answer to the client; it takes the custody. A
+// hold StartDecode hands over goes to the decoder through a handoff (handoff.go): it is the
+// decoder's once the decoder acknowledges the decode, and until then the proxy's, which
+// releases it if the decode ends first.
+func (x *exchange) decode(c *custody) *apiError {
 	start := time.Now()
-	defer func() { x.decodeT = time.Since(start) }()
-	b := x.decodeB
+	defer func() { x.times.decode = time.Since(start) }()
+	b := x.legs.decode
 	// The body is built while the table still has the hold: if building it fails (or
 	// panics), failing the request releases the hold as in kv_held.
-	params := x.kvParams
+	params := x.legs.params
 	body, err := x.decodeBody(b, params)
 	if err != nil {
-		x.fail(router.Result{})
-		return buildFailed(err, "decode")
+		return x.failWith(c, router.Result{}, buildFailed(err, "decode"))
 	}
 	forward, hold, ok := x.s.table.StartDecode(x.id, b.Name)
 	if !ok {
-		return x.gone()
+		return x.gone(c)
 	}
 	if !forward && params != nil {
 		// Past the hold's deadline (race R4): the params are never forwarded.
 		params = nil
-		x.s.abortStaleHold(x.traceParent(), x.engineID, x.prefillB)
+		x.s.abortStaleHold(x.traceParent(), x.engineID, x.legs.prefill)
 		if body, err = x.decodeBody(b, nil); err != nil {
-			x.fail(router.Result{})
-			return buildFailed(err, "decode")
+			return x.failWith(c, router.Result{}, buildFailed(err, "decode"))
 		}
 	}
 	ho := x.handOver(hold)
@@ -48,44 +48,18 @@ func (x *exchange) decode() *apiError {
 
 	span := x.callSpan(spanDecode, b, attrKVParams.Bool(params != nil))
 	defer func() { endSpan(span, err) }()
-	call := withHeader(x.call(b, x.route, body), nil, x.own.lease)
+	call := x.call(b, x.route, body)
 	if ho != nil {
 		call.OnAck = func() {
 			ho.ack()
 			wd.onAck()
 		}
 	}
-	var resp *http.Response
-	do := func() error {
-		return x.s.guard(x.id, func() (err error) {
-			resp, err = call.Do(withSpan(wd.ctx, span))
-			return err
-		})
-	}
-	err = do()
-	tried := []string{b.Name}
-	for attempt := 0; err != nil && retriable(err, false) && x.ctx.Err() == nil && attempt < x.s.cfg.DecodeRetries; attempt++ {
-		// The decoder provably never took the call: another one may.
-		h := x.hint(tried)
-		h.Accept = sequential
-		lease, aerr := x.s.router.Acquire(x.ctx, router.RoleDecode, h)
-		if aerr != nil {
-			break
-		}
-		x.own.giveBackLease(resultOf(err, x.ctx))
-		x.own.lease, x.decodeB, b = lease, lease.Backend(), lease.Backend()
-		tried = append(tried, b.Name)
-		x.s.m.retries.WithLabelValues(string(router.RoleDecode), retryReason(err)).Inc()
-		if call.Body, err = x.decodeBody(b, params); err != nil {
-			break
-		}
-		call.Client, call.BaseURL, call.Engine, call.Header = b.Client(), baseURL(b), engineOf(b), x.hdr
-		call = withHeader(call, nil, lease)
-		if span != nil {
-			span.SetAttributes(attrBackend.String(b.Name))
-		}
-		err = do()
-	}
+	resp, err := x.send(c, call, wd, span, sequential, func(b *router.Backend, call *kvbackend.Call) (err error) {
+		call.Body, err = x.decodeBody(b, params)
+		return err
+	})
+	b = x.legs.decode
 	if err == nil {
 		// Answered without a "100 Continue" first: the headers are the acknowledgement.
 		ho.ack()
@@ -93,19 +67,70 @@ func (x *exchange) decode() *apiError {
 	}
 	// A hold no decoder acknowledged stays the proxy's, to release as the decode's outcome
 	// allows; one acknowledged is the decoder's, even when the answer is a refusal.
-	x.own.unsent = ho.withdraw(err, b)
+	c.unsent = ho.withdraw(err, b)
 	if ho.refused(err) {
-		x.s.refusedAfterHandoff(x.traceParent(), x.engineID, x.prefillB, b, err)
+		x.s.refusedAfterHandoff(x.traceParent(), x.engineID, x.legs.prefill, b, err)
 	}
 	if err != nil {
-		return x.decodeFailed(err, wd)
+		return x.decodeFailed(c, err, wd)
 	}
-	defer resp.Body.Close()
-	x.own.res = router.Result{Status: http.StatusOK}
-	if e := x.relay(resp, wd); e != nil {
+	if e := x.relayAnswer(c, resp, wd); e != nil {
 		err = e
 		return e
 	}
+	return nil
+}
+
+// send makes call to the request's decoder and, while a decoder provably never took it and
+// the client is there, to another one accept takes (nil: any), up to decode_retries times:
+// retarget readies the call for each new decoder (its body). The custody's lease and the
+// request's decoder follow the call; the one it last went to keeps them.
+func (x *exchange) send(c *custody, call kvbackend.Call, wd *watchdog, span trace.Span, accept func(router.Engine) bool,
+	retarget func(b *router.Backend, call *kvbackend.Call) error) (*http.Response, error) {
+	call = withHeader(call, nil, c.lease)
+	var resp *http.Response
+	do := func() error {
+		return x.s.guard(x.id, func() (err error) {
+			resp, err = call.Do(withSpan(wd.ctx, span))
+			return err
+		})
+	}
+	err := do()
+	tried := []string{x.legs.decode.Name}
+	for attempt := 0; err != nil && retriable(err, false) && x.ctx.Err() == nil && attempt < x.s.cfg.DecodeRetries; attempt++ {
+		h := x.hint(tried)
+		h.Accept = accept
+		lease, aerr := x.s.router.Acquire(x.ctx, router.RoleDecode, h)
+		if aerr != nil {
+			break
+		}
+		c.giveBackLease(resultOf(err, x.ctx))
+		b := lease.Backend()
+		c.lease, x.legs.decode = lease, b
+		tried = append(tried, b.Name)
+		x.s.m.retries.WithLabelValues(string(router.RoleDecode), retryReason(err)).Inc()
+		call.Client, call.BaseURL, call.Engine, call.Header = b.Client(), baseURL(b), engineOf(b), x.hdr
+		if err = retarget(b, &call); err != nil {
+			break
+		}
+		call = withHeader(call, nil, lease)
+		if span != nil {
+			span.SetAttributes(attrBackend.String(b.Name))
+		}
+		err = do()
+	}
+	return resp, err
+}
+
+// relayAnswer relays a decoder's answer to the client, and ends the custody, which it takes,
+// however the relay ends.
+func (x *exchange) relayAnswer(c *custody, resp *http.Response, wd *watchdog) *apiError {
+	defer resp.Body.Close()
+	c.res = router.Result{Status: http.StatusOK}
+	if e := x.relay(c, resp, wd); e != nil {
+		return e
+	}
+	c.end(x.s)
 	return nil
 }
 

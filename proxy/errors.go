@@ -17,12 +17,95 @@ import (
 // was complete (nginx's 499). The client never sees it.
 const StatusClientClosed = 499
 
+// errKind is what went wrong, as the proxy's code names it; wireCodes says once how each kind is
+// spelled on the wire (status, OpenAI error type and code). Call sites name a kind and say
+// what happened; they never spell a status or a type.
+type errKind int
+
+const (
+	errInvalidValue        errKind = iota // a field of the request is wrong (badRequest)
+	errUnsupportedParam                   // a field the proxy cannot serve as asked
+	errInvalidContentType                 // a body of the wrong media type
+	errUnreadableBody                     // the body could not be read
+	errInvalidPrefiller                   // a sidecar prefiller header that names no host:port
+	errInvalidAPIKey                      // no client key, or a wrong one
+	errPrefillerNotAllowed                // a sidecar prefiller the allowlist does not cover
+	errNoRoute                            // no such route
+	errModelNotFound                      // a model no engine serves
+	errMethodNotAllowed                   // a route that takes another method
+	errBodyTimeout                        // the body did not arrive in time
+	errDuplicateID                        // an X-Request-Id already in flight
+	errTooLarge                           // a body over the limit
+	errRateLimited                        // a client over its limits
+	errQueueFull                          // every backend busy and the wait queue full
+	errClientClosed                       // the client left
+	errInternal                           // the proxy could not build what it sends
+	errPanicked                           // serving the request panicked
+	errBackendStatus                      // a backend answered with a 5xx
+	errBackendUnreachable                 // a backend could not be reached, or broke
+	errBadKVParams                        // a prefiller's kv_transfer_params are unusable
+	errBackendRefused                     // a backend's 4xx that is not a whole JSON error
+	errNoBackend                          // no healthy backend
+	errQueueTimeout                       // every backend stayed busy for the queue timeout
+	errShutdown                           // the proxy is shutting down
+	errPrefillTimeout                     // a prefill did not answer in time
+	errDecodeTimeout                      // a decode did not answer in time, or went silent
+)
+
+// wire is how an error kind is spelled to a client.
+type wire struct {
+	status int
+	typ    string
+	code   string
+}
+
+// wireCodes maps every error kind to the wire. A 429 has one type, whoever refuses: OpenAI's
+// "requests".
+var wireCodes = map[errKind]wire{
+	errInvalidValue:        {http.StatusBadRequest, "invalid_request_error", "invalid_value"},
+	errUnsupportedParam:    {http.StatusBadRequest, "invalid_request_error", "unsupported_parameter"},
+	errInvalidContentType:  {http.StatusBadRequest, "invalid_request_error", "invalid_content_type"},
+	errUnreadableBody:      {http.StatusBadRequest, "invalid_request_error", "unreadable_body"},
+	errInvalidPrefiller:    {http.StatusBadRequest, "invalid_request_error", "invalid_prefiller"},
+	errInvalidAPIKey:       {http.StatusUnauthorized, "authentication_error", "invalid_api_key"},
+	errPrefillerNotAllowed: {http.StatusForbidden, "permission_error", "prefiller_not_allowed"},
+	errNoRoute:             {http.StatusNotFound, "invalid_request_error", "not_found"},
+	errModelNotFound:       {http.StatusNotFound, "invalid_request_error", "model_not_found"},
+	errMethodNotAllowed:    {http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed"},
+	errBodyTimeout:         {http.StatusRequestTimeout, "invalid_request_error", "request_timeout"},
+	errDuplicateID:         {http.StatusConflict, "invalid_request_error", "duplicate_request_id"},
+	errTooLarge:            {http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large"},
+	errRateLimited:         {http.StatusTooManyRequests, "requests", "rate_limit_exceeded"},
+	errQueueFull:           {http.StatusTooManyRequests, "requests", "queue_full"},
+	errClientClosed:        {StatusClientClosed, "client_closed_request", "client_closed_request"},
+	errInternal:            {http.StatusInternalServerError, "internal_error", "internal"},
+	errPanicked:            {http.StatusBadGateway, "internal_error", "internal"},
+	errBackendStatus:       {http.StatusBadGateway, "bad_gateway", "backend_error"},
+	errBackendUnreachable:  {http.StatusBadGateway, "bad_gateway", "backend_unreachable"},
+	errBadKVParams:         {http.StatusBadGateway, "bad_gateway", "bad_kv_transfer_params"},
+	errBackendRefused:      {http.StatusBadRequest, "invalid_request_error", "backend_refused"},
+	errNoBackend:           {http.StatusServiceUnavailable, "service_unavailable", "no_backend"},
+	errQueueTimeout:        {http.StatusServiceUnavailable, "service_unavailable", "queue_timeout"},
+	errShutdown:            {http.StatusServiceUnavailable, "service_unavailable", "shutting_down"},
+	errPrefillTimeout:      {http.StatusGatewayTimeout, "timeout", "prefill_timeout"},
+	errDecodeTimeout:       {http.StatusGatewayTimeout, "timeout", "decode_timeout"},
+}
+
+// refusedTypes are the types of a backend's refusal by its status (errBackendRefused takes
+// the backend's status); invalid_request_error for any other.
+var refusedTypes = map[int]string{
+	http.StatusUnauthorized:    "authentication_error",
+	http.StatusForbidden:       "authentication_error",
+	http.StatusNotFound:        "not_found_error",
+	http.StatusTooManyRequests: "requests",
+}
+
 // apiError is an error on its way to the client in the OpenAI shape. message is what the
 // client reads; cause is for the log only.
 type apiError struct {
+	kind errKind
+	// status is the answer's status: the kind's, or a backend's own for a refusal passed on.
 	status     int
-	typ        string
-	code       string
 	param      string
 	message    string
 	retryAfter int
@@ -37,6 +120,29 @@ type apiError struct {
 	bearerChallenge bool
 }
 
+// newError is an error of kind telling the client message.
+func newError(kind errKind, message string) *apiError {
+	return &apiError{kind: kind, status: wireCodes[kind].status, message: message}
+}
+
+// with returns e with a param, a cause and a Retry-After (seconds) where they are set.
+func (e *apiError) with(param string, cause error, retryAfter int) *apiError {
+	e.param, e.cause, e.retryAfter = param, cause, retryAfter
+	return e
+}
+
+// wire is how e is spelled to the client: its kind's, with a refused status's own type.
+func (e *apiError) wire() wire {
+	w := wireCodes[e.kind]
+	w.status = e.status
+	if e.kind == errBackendRefused {
+		if t, ok := refusedTypes[e.status]; ok {
+			w.typ = t
+		}
+	}
+	return w
+}
+
 func (e *apiError) Error() string {
 	if e.cause != nil {
 		return e.message + ": " + e.cause.Error()
@@ -45,17 +151,16 @@ func (e *apiError) Error() string {
 }
 
 func badRequest(param, msg string) *apiError {
-	return &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "invalid_value", param: param, message: msg}
+	return newError(errInvalidValue, msg).with(param, nil, 0)
 }
 
-var errClientGone = &apiError{status: StatusClientClosed, typ: "client_closed_request", code: "client_closed_request", message: "client closed the request"}
+var errClientGone = newError(errClientClosed, "client closed the request")
 
 // errShuttingDown is the cause a request's context is cancelled with when shutdown passes its
 // drain deadline; errShutdownAnswer is what its client is told.
 var (
 	errShuttingDown   = errors.New("the proxy is shutting down")
-	errShutdownAnswer = &apiError{status: http.StatusServiceUnavailable, typ: "service_unavailable", code: "shutting_down", retryAfter: 1,
-		message: "the proxy is shutting down and gave up on this request; retry it", cause: errShuttingDown}
+	errShutdownAnswer = newError(errShutdown, "the proxy is shutting down and gave up on this request; retry it").with("", errShuttingDown, 1)
 )
 
 // errorBody is the OpenAI error shape.
@@ -70,9 +175,10 @@ type errorBody struct {
 
 func (e *apiError) body() []byte {
 	var b errorBody
+	w := e.wire()
 	b.Error.Message = e.message
-	b.Error.Type = e.typ
-	b.Error.Code = e.code
+	b.Error.Type = w.typ
+	b.Error.Code = w.code
 	if e.param != "" {
 		p := e.param
 		b.Error.Param = &p
@@ -112,38 +218,32 @@ func writeError(w http.ResponseWriter, e *apiError) {
 func fromRouter(err error, role router.Role) *apiError {
 	switch {
 	case errors.Is(err, router.ErrQueueFull):
-		return &apiError{status: http.StatusTooManyRequests, typ: "rate_limit_exceeded", code: "queue_full", retryAfter: 1,
-			message: "every " + string(role) + " backend is busy and the wait queue is full; retry later", cause: err}
+		return newError(errQueueFull, "every "+string(role)+" backend is busy and the wait queue is full; retry later").with("", err, 1)
 	case errors.Is(err, router.ErrQueueTimeout):
-		return &apiError{status: http.StatusServiceUnavailable, typ: "service_unavailable", code: "queue_timeout", retryAfter: 1,
-			message: "every " + string(role) + " backend stayed busy for the whole queue timeout; retry later", cause: err}
+		return newError(errQueueTimeout, "every "+string(role)+" backend stayed busy for the whole queue timeout; retry later").with("", err, 1)
 	default:
-		return &apiError{status: http.StatusServiceUnavailable, typ: "service_unavailable", code: "no_backend", retryAfter: 1,
-			message: "no healthy " + string(role) + " backend is available", cause: err}
+		return newError(errNoBackend, "no healthy "+string(role)+" backend is available").with("", err, 1)
 	}
 }
 
 // fromBackend maps a failed backend call to an answer: a backend's 4xx goes to the client as
-// it came (it is about the client's request); anything else is the proxy's 502 or 504.
-func fromBackend(err error, role router.Role, timeoutCode string) *apiError {
+// it came (it is about the client's request); anything else is the proxy's 502, or a 504 of
+// kind timeout.
+func fromBackend(err error, role router.Role, timeout errKind) *apiError {
 	var se *kvbackend.StatusError
 	if errors.As(err, &se) {
 		if se.Status >= 400 && se.Status < 500 {
 			return clientFault(se, role, err)
 		}
-		return &apiError{status: http.StatusBadGateway, typ: "bad_gateway", code: "backend_error",
-			message: string(role) + " backend answered with status " + strconv.Itoa(se.Status), cause: err}
+		return newError(errBackendStatus, string(role)+" backend answered with status "+strconv.Itoa(se.Status)).with("", err, 0)
 	}
 	if errors.Is(err, errPhaseTimeout) {
-		return &apiError{status: http.StatusGatewayTimeout, typ: "timeout", code: timeoutCode,
-			message: string(role) + " backend did not answer in time (" + timeoutCode + ")", cause: err}
+		return newError(timeout, string(role)+" backend did not answer in time ("+wireCodes[timeout].code+")").with("", err, 0)
 	}
 	if errors.Is(err, kvbackend.ErrBadKVParams) {
-		return &apiError{status: http.StatusBadGateway, typ: "bad_gateway", code: "bad_kv_transfer_params",
-			message: "prefill backend answered with invalid kv_transfer_params", cause: err}
+		return newError(errBadKVParams, "prefill backend answered with invalid kv_transfer_params").with("", err, 0)
 	}
-	return &apiError{status: http.StatusBadGateway, typ: "bad_gateway", code: "backend_unreachable",
-		message: string(role) + " backend could not be reached or failed", cause: err}
+	return newError(errBackendUnreachable, string(role)+" backend could not be reached or failed").with("", err, 0)
 }
 
 var errPhaseTimeout = errors.New("phase timeout")
@@ -157,20 +257,13 @@ func clientFault(se *kvbackend.StatusError, role router.Role, err error) *apiErr
 	body := bytes.TrimSpace(se.Body)
 	jsonType := se.ContentType == "" || strings.HasPrefix(strings.ToLower(strings.TrimSpace(se.ContentType)), "application/json")
 	if !se.Truncated && jsonType && len(body) > 0 && body[0] == '{' && json.Valid(body) {
-		return &apiError{status: se.Status, raw: se.Body, rawType: "application/json", cause: err}
+		return &apiError{kind: errBackendRefused, status: se.Status, raw: se.Body, rawType: "application/json", cause: err}
 	}
 	msg := string(role) + " backend refused the request with status " + strconv.Itoa(se.Status)
 	if strings.HasPrefix(strings.ToLower(se.ContentType), "text/plain") && !se.Truncated && len(body) > 0 && len(body) <= 512 && utf8.Valid(body) {
 		msg += ": " + string(body)
 	}
-	typ := "invalid_request_error"
-	switch se.Status {
-	case http.StatusUnauthorized, http.StatusForbidden:
-		typ = "authentication_error"
-	case http.StatusNotFound:
-		typ = "not_found_error"
-	case http.StatusTooManyRequests:
-		typ = "rate_limit_exceeded"
-	}
-	return &apiError{status: se.Status, typ: typ, code: "backend_refused", message: msg, cause: err}
+	e := newError(errBackendRefused, msg).with("", err, 0)
+	e.status = se.Status
+	return e
 }

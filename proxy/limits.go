@@ -276,8 +276,9 @@ func (l *limiter) identities() int {
 }
 
 func refusal(reason string, retryAfter int, msg string) *apiError {
-	return &apiError{status: http.StatusTooManyRequests, typ: "requests", code: "rate_limit_exceeded", retryAfter: retryAfter,
-		message: msg, cause: fmt.Errorf("limit: %s", reason), limit: reason}
+	e := newError(errRateLimited, msg).with("", fmt.Errorf("limit: %s", reason), retryAfter)
+	e.limit = reason
+	return e
 }
 
 // clientIdentity is the raw identity of r's client (its bearer token, else its IP) and the

@@ -27,8 +27,7 @@ type modelList struct {
 func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
 	body, err := s.modelList(r.Context())
 	if err != nil {
-		writeError(w, &apiError{status: http.StatusServiceUnavailable, typ: "service_unavailable", code: "no_backend", retryAfter: 1,
-			message: "no decode backend answered /v1/models", cause: err})
+		writeError(w, newError(errNoBackend, "no decode backend answered /v1/models").with("", err, 1))
 		return
 	}
 	w.Header().Set("Content-Type", "application/json")
@@ -233,10 +232,9 @@ func (p *aliasPicker) pick() string {
 	return p.targets[best].Model
 }
 
-// errModelNotFound is a request for a model that no decoder serves and no alias names.
-func errModelNotFound(model string) *apiError {
-	return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found", param: "model",
-		message: fmt.Sprintf("The model %q does not exist or is not served here; GET /v1/models lists those that are.", model)}
+// modelNotFound is a request for a model that no decoder serves and no alias names.
+func modelNotFound(model string) *apiError {
+	return newError(errModelNotFound, fmt.Sprintf("The model %q does not exist or is not served here; GET /v1/models lists those that are.", model)).with("model", nil, 0)
 }
 
 // resolveModel turns the model a client named into the one the engines serve: an alias's
@@ -253,7 +251,7 @@ func (s *Server) resolveModel(name string) (served, label string, e *apiError) {
 		label = name
 	}
 	if complete && !slices.Contains(models, served) {
-		return "", label, errModelNotFound(name)
+		return "", label, modelNotFound(name)
 	}
 	return served, label, nil
 }
@@ -262,7 +260,7 @@ func (s *Server) resolveModel(name string) (served, label string, e *apiError) {
 // the served model, and the answer renamed back.
 func (x *exchange) resolveModel() *apiError {
 	served, label, e := x.s.resolveModel(x.req.model)
-	x.label = label
+	x.names.label = label
 	if e != nil {
 		return e
 	}
@@ -274,8 +272,8 @@ func (x *exchange) resolveModel() *apiError {
 	if err != nil {
 		return buildFailed(err, "engine")
 	}
-	x.clientModel, x.req.model, x.req.fields = x.req.model, served, f
-	x.rename = newRenamer(served, x.clientModel)
+	x.names.client, x.req.model, x.req.fields = x.req.model, served, f
+	x.names.rename = newRenamer(served, x.names.client)
 	return nil
 }
 

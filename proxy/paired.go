@@ -7,7 +7,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptrace"
-	"strconv"
 	"sync/atomic"
 	"time"
 
@@ -21,33 +20,27 @@ import (
 // The prefiller holds the request's KV in the room from the start until the decoder has it
 // (its first byte, or the prefiller's answer, which comes once the transfer is done): until
 // then every way out aborts the legs (abort.go), the decoder's first.
-func (x *exchange) serveLegs() *apiError {
-	d := x.decodeB
+//
+// It takes the custody.
+func (x *exchange) serveLegs(c *custody) *apiError {
+	d := x.legs.decode
 	eng := engineOf(d).(kvbackend.Paired)
 	h := x.hint(nil)
 	h.Accept = pairedWith(d.Engine)
 	lease, err := x.s.router.Acquire(x.ctx, router.RolePrefill, h)
 	if err != nil {
-		if x.ctx.Err() != nil {
-			return x.gone()
-		}
 		// A decoder in disaggregated mode cannot serve alone: no decode-only fallback.
-		x.fail(router.Result{Canceled: true})
-		return fromRouter(err, router.RolePrefill)
+		return x.failWith(c, router.Result{Canceled: true}, fromRouter(err, router.RolePrefill))
 	}
 	p := lease.Backend()
-	x.prefillB = p
+	x.legs.prefill = p
 	bs, err := x.s.bootstrap(x.ctx, p)
 	if err == nil && len(bs.EngineIDs) > 0 {
 		err = pickPrefillRank(&bs, lease)
 	}
 	if err != nil {
 		lease.Release(resultOf(err, x.ctx))
-		if x.ctx.Err() != nil {
-			return x.gone()
-		}
-		x.fail(router.Result{Canceled: true})
-		return fromBackend(&kvbackend.CallError{Err: err}, router.RolePrefill, "prefill_timeout")
+		return x.failWith(c, router.Result{Canceled: true}, fromBackend(&kvbackend.CallError{Err: err}, router.RolePrefill, errPrefillTimeout))
 	}
 	leg := kvbackend.Leg{Host: p.URL.Hostname(), Port: bs.Port, Room: kvbackend.NewRoom(), RID: x.engineID, Prompts: x.req.prompts,
 		TransferID: "xfer-" + x.engineID, Rank: -1}
@@ -57,7 +50,6 @@ func (x *exchange) serveLegs() *apiError {
 	} else if r, ok := lease.Rank(); ok {
 		leg.Rank = r
 	}
-	x.legRIDs = leg.RIDs()
 	var calls kvbackend.LegCalls
 	err = x.s.guard(x.id, func() (err error) {
 		calls, err = eng.Legs(x.req.fields, leg)
@@ -65,20 +57,19 @@ func (x *exchange) serveLegs() *apiError {
 	})
 	if err != nil {
 		lease.Release(router.Result{})
-		x.fail(router.Result{})
-		return buildFailed(err, "legs'")
+		return x.failWith(c, router.Result{}, buildFailed(err, "legs'"))
 	}
-	x.legDrain = calls.Drain
 	if !x.s.table.StartLegs(x.id, p.Name, d.Name) {
 		lease.Release(router.Result{Canceled: true})
-		return x.gone()
+		return x.gone(c)
 	}
-	x.paired, x.legsStart, x.heldAt = true, time.Now(), time.Now()
+	pl := &pairedLegs{rids: leg.RIDs(), drain: calls.Drain, start: time.Now()}
+	x.legs.paired, x.legs.heldAt = pl, pl.start
 	defer func() {
-		if x.prefillT == 0 {
-			x.prefillT = time.Since(x.legsStart)
+		if x.times.prefill == 0 {
+			x.times.prefill = time.Since(pl.start)
 		}
-		x.decodeT = time.Since(x.legsStart)
+		x.times.decode = time.Since(pl.start)
 	}()
 
 	// The prefill leg: its answer only says whether the room was served. It comes about when
@@ -134,8 +125,7 @@ func (x *exchange) serveLegs() *apiError {
 	// The decode leg.
 	wd := newWatchdog(x.ctx, false, false, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
 	defer wd.stop()
-	x.joined = func() { x.s.table.LegsJoined(x.id) }
-	x.cutLegs = func() bool {
+	pl.cut = func() bool {
 		wd.cancel(errLegsAborted)
 		pcancel()
 		// Its answer may be on its way as the connection closes: the leg's end says.
@@ -154,7 +144,7 @@ func (x *exchange) serveLegs() *apiError {
 		err  error
 	}
 	decoded := make(chan answer, 1)
-	dcall := withHeader(x.call(d, x.route, calls.Decode), calls.DecodeHeader, x.own.lease)
+	dcall := withHeader(x.call(d, x.route, calls.Decode), calls.DecodeHeader, c.lease)
 	dspan := x.callSpan(spanDecodeLeg, d)
 	var derr error
 	defer func() { endSpan(dspan, derr) }()
@@ -183,24 +173,22 @@ func (x *exchange) serveLegs() *apiError {
 			}
 			// The decoder would wait for a room nobody fills: it is aborted with the prefill,
 			// and not blamed for it.
-			x.fail(router.Result{Canceled: true})
+			x.fail(c, router.Result{Canceled: true})
 			wd.cancel(errPrefillLegFailed)
 			ans = <-decoded
 			if ans.resp != nil {
 				ans.resp.Body.Close()
 			}
-			return fromBackend(err, router.RolePrefill, "prefill_timeout")
+			return fromBackend(err, router.RolePrefill, errPrefillTimeout)
 		case ans = <-decoded:
 			waiting = false
 		}
 	}
 	if ans.err != nil {
 		derr = ans.err
-		return x.decodeFailed(ans.err, wd)
+		return x.decodeFailed(c, ans.err, wd)
 	}
-	defer ans.resp.Body.Close()
-	x.own.res = router.Result{Status: http.StatusOK}
-	e := x.relay(ans.resp, wd)
+	e := x.relayAnswer(c, ans.resp, wd)
 	served = e == nil
 	if e != nil {
 		derr = e
@@ -213,12 +201,29 @@ var (
 	errLegsAborted      = errors.New("the legs were aborted")
 )
 
-// joinLegs records, once, that the decoder has the room's KV: the prefill is done.
+// pairedLegs is the state of a request's paired legs, from the moment they went out.
+type pairedLegs struct {
+	// rids are the ids the request has on the engines, one per prompt.
+	rids []string
+	// cut cuts both legs' calls, the decoder's first, and reports whether the prefill leg had
+	// been answered (the prefiller holds the KV); nil until the legs are under way.
+	cut func() bool
+	// drain is the engine's drain leg (kvbackend.LegCalls.Drain); nil where an explicit abort
+	// frees a hold.
+	drain []byte
+	// start is when the legs went out.
+	start time.Time
+	// joined records that the decoder has the room's KV (joinLegs).
+	joined bool
+}
+
+// joinLegs records, once, that a paired request's decoder has the room's KV: the prefill is
+// done. Sequential requests have nothing to join.
 func (x *exchange) joinLegs() {
-	if x.joined != nil {
-		x.joined()
-		x.joined = nil
-		x.prefillT = time.Since(x.legsStart)
+	if pl := x.legs.paired; pl != nil && !pl.joined {
+		pl.joined = true
+		x.s.table.LegsJoined(x.id)
+		x.times.prefill = time.Since(pl.start)
 	}
 }
 
@@ -235,27 +240,6 @@ func pickPrefillRank(bs *kvbackend.Bootstrap, lease *router.Lease) error {
 	}
 	bs.EngineIDs = map[int]string{rank: id}
 	return nil
-}
-
-// withHeader is call with h's headers added, and, when lease took a data-parallel rank, the
-// header naming it.
-func withHeader(call kvbackend.Call, h http.Header, lease *router.Lease) kvbackend.Call {
-	rank, ranked := lease.Rank()
-	if len(h) == 0 && !ranked {
-		return call
-	}
-	hdr := call.Header.Clone()
-	if hdr == nil {
-		hdr = http.Header{}
-	}
-	for k, v := range h {
-		hdr[k] = v
-	}
-	if ranked {
-		hdr.Set(kvbackend.DataParallelRankHeader, strconv.Itoa(rank))
-	}
-	call.Header = hdr
-	return call
 }
 
 // bootstrap is what p's bootstrap server says (its port; Mooncake's engine ids by rank),

@@ -86,7 +86,7 @@ func (x *exchange) runPass(p passRoute) *apiError {
 	x.req = &genRequest{model: model, fields: fields}
 	if model != "" {
 		served, label, e := x.s.resolveModel(model)
-		x.label = label
+		x.names.label = label
 		if e != nil {
 			return e
 		}
@@ -103,26 +103,27 @@ func (x *exchange) runPass(p passRoute) *apiError {
 			if err != nil {
 				return buildFailed(err, "engine")
 			}
-			x.clientModel, x.req.model, x.req.fields = model, served, fields
-			x.rename = newRenamer(served, model)
+			x.names.client, x.req.model, x.req.fields = model, served, fields
+			x.names.rename = newRenamer(served, model)
 		}
 	}
 	x.hdr = x.s.engineHeader(x.r.Header)
-	return x.track(func() *apiError { return x.servePass(body, ctype) })
+	return x.track(func(c *custody) *apiError { return x.servePass(c, body, ctype) })
 }
 
 // servePass sends the request to one decoder serving its model and relays the answer as it
-// comes. The call carries the client's context: a client that leaves closes the engine's
-// connection at once. decode_first_byte_timeout and decode_idle_timeout bound the answer.
-func (x *exchange) servePass(body []byte, ctype string) *apiError {
-	if e := x.reserveDecoder(nil); e != nil {
+// comes; it takes the custody. The call carries the client's context: a client that leaves
+// closes the engine's connection at once. decode_first_byte_timeout and decode_idle_timeout
+// bound the answer.
+func (x *exchange) servePass(c *custody, body []byte, ctype string) *apiError {
+	if e := x.reserveDecoder(c, nil); e != nil {
 		return e
 	}
 	start := time.Now()
-	defer func() { x.decodeT = time.Since(start) }()
-	b := x.decodeB
+	defer func() { x.times.decode = time.Since(start) }()
+	b := x.legs.decode
 	if _, _, ok := x.s.table.StartDecode(x.id, b.Name); !ok {
-		return x.gone()
+		return x.gone(c)
 	}
 	wd := newWatchdog(x.ctx, false, false, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
 	defer wd.stop()
@@ -131,41 +132,15 @@ func (x *exchange) servePass(body []byte, ctype string) *apiError {
 	defer func() { endSpan(span, err) }()
 	call := x.call(b, x.route, body)
 	call.ContentType = ctype
-	call = withHeader(call, nil, x.own.lease)
-	var resp *http.Response
-	do := func() error {
-		return x.s.guard(x.id, func() (err error) {
-			resp, err = call.Do(withSpan(wd.ctx, span))
-			return err
-		})
-	}
-	err = do()
-	tried := []string{b.Name}
-	for attempt := 0; err != nil && retriable(err, false) && x.ctx.Err() == nil && attempt < x.s.cfg.DecodeRetries; attempt++ {
-		// The engine provably never took the call: another one may.
-		lease, aerr := x.s.router.Acquire(x.ctx, router.RoleDecode, x.hint(tried))
-		if aerr != nil {
-			break
-		}
-		x.own.giveBackLease(resultOf(err, x.ctx))
-		x.own.lease, x.decodeB, b = lease, lease.Backend(), lease.Backend()
-		tried = append(tried, b.Name)
-		x.s.m.retries.WithLabelValues(string(router.RoleDecode), retryReason(err)).Inc()
+	resp, err := x.send(c, call, wd, span, nil, func(b *router.Backend, _ *kvbackend.Call) error {
 		if _, _, ok := x.s.table.StartDecode(x.id, b.Name); !ok {
-			return x.gone()
+			return errNotInTable
 		}
-		call.Client, call.BaseURL, call.Engine, call.Header = b.Client(), baseURL(b), engineOf(b), x.hdr
-		call = withHeader(call, nil, lease)
-		if span != nil {
-			span.SetAttributes(attrBackend.String(b.Name))
-		}
-		err = do()
-	}
+		return nil
+	})
 	if err != nil {
-		return x.decodeFailed(err, wd)
+		return x.decodeFailed(c, err, wd)
 	}
-	defer resp.Body.Close()
-	x.own.res = router.Result{Status: http.StatusOK}
 	h := x.w.Header()
 	for k, v := range upstreamHeader(resp.Header) {
 		h[k] = v
@@ -173,14 +148,18 @@ func (x *exchange) servePass(body []byte, ctype string) *apiError {
 	if !renamable(resp.Header.Get("Content-Type")) {
 		// Only a JSON answer (or a stream of JSON events) names its model; a transcript in
 		// plain text or subtitles is the engine's words, never rewritten.
-		x.rename = nil
+		x.names.rename = nil
 	}
-	if e := x.relay(resp, wd); e != nil {
+	if e := x.relayAnswer(c, resp, wd); e != nil {
 		err = e
 		return e
 	}
 	return nil
 }
+
+// errNotInTable is a call the table no longer lets go out: the request was aborted (its
+// client left, or shutdown gave up on it) as it moved to another engine.
+var errNotInTable = errors.New("the request left the table")
 
 // renamable reports whether an answer of media type ct is JSON, or SSE events of JSON.
 func renamable(ct string) bool {
@@ -213,8 +192,7 @@ func parseObject(body []byte) (*kvbackend.Fields, *apiError) {
 func multipartBoundary(ctype string) (string, *apiError) {
 	mt, params, err := mime.ParseMediaType(ctype)
 	if err != nil || mt != "multipart/form-data" || params["boundary"] == "" {
-		return "", &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "invalid_content_type",
-			message: "this route takes a multipart/form-data body with a boundary"}
+		return "", newError(errInvalidContentType, "this route takes a multipart/form-data body with a boundary")
 	}
 	return params["boundary"], nil
 }
@@ -230,8 +208,7 @@ func multipartModel(body []byte, ctype string) (string, *apiError) {
 		return "", e
 	}
 	malformed := func(err error) *apiError {
-		return &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "invalid_value",
-			message: "the multipart/form-data body is malformed", cause: err}
+		return newError(errInvalidValue, "the multipart/form-data body is malformed").with("", err, 0)
 	}
 	mr := multipart.NewReader(bytes.NewReader(body), boundary)
 	model, found := "", false

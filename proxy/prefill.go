@@ -14,9 +14,10 @@ import (
 
 // prefill runs the prefill call, on another prefiller when one provably never started it,
 // and falls back to a decode-only request when no prefiller can serve and that is allowed.
-func (x *exchange) prefill() *apiError {
+// On failure it takes the custody.
+func (x *exchange) prefill(c *custody) *apiError {
 	start := time.Now()
-	defer func() { x.prefillT = time.Since(start) }()
+	defer func() { x.times.prefill = time.Since(start) }()
 	var (
 		body    []byte
 		bodyFor kvbackend.Sequential // the engine body was built for
@@ -29,14 +30,14 @@ func (x *exchange) prefill() *apiError {
 		lease, b, err := x.pickPrefiller(h)
 		if err != nil {
 			if x.ctx.Err() != nil {
-				return x.gone()
+				return x.gone(c)
 			}
 			if lastErr == nil {
 				lastErr = err
 			}
 			break
 		}
-		x.prefillB = b
+		x.legs.prefill = b
 		if eng, _ := engineOf(b).(kvbackend.Sequential); eng != bodyFor {
 			if eng == nil {
 				err = errors.New("the prefiller's engine does not serve a prefill on its own")
@@ -48,8 +49,7 @@ func (x *exchange) prefill() *apiError {
 			}
 			if err != nil {
 				lease.Release(router.Result{Canceled: true})
-				x.fail(router.Result{})
-				return buildFailed(err, "prefill")
+				return x.failWith(c, router.Result{}, buildFailed(err, "prefill"))
 			}
 			bodyFor = eng
 		}
@@ -66,9 +66,9 @@ func (x *exchange) prefill() *apiError {
 		}
 		if !started {
 			lease.Release(router.Result{Canceled: true})
-			return x.gone()
+			return x.gone(c)
 		}
-		params, err, gone := x.callPrefill(lease, b, body)
+		params, err, gone := x.callPrefill(c, lease, b, body)
 		if !unprocessedAlive(err) {
 			// A prefiller that provably dropped the call on a kept-open connection is alive
 			// and may take it again; any other failure sends the retry elsewhere.
@@ -78,23 +78,23 @@ func (x *exchange) prefill() *apiError {
 			return x.abandoned()
 		}
 		if err == nil {
+			x.legs.params = params
+			if params != nil {
+				x.legs.heldAt = time.Now()
+			}
 			if act, hold := x.s.table.Prefilled(x.id, params != nil); act == lifecycle.ReleaseKV {
 				// The request was aborted while the prefill ran. Cannot happen while only
 				// this goroutine moves it; kept so that a hold is never dropped if that changes.
-				x.s.startRelease(release{mode: x.s.cfg.KVRelease, c: x.handOff(), hold: hold, req: x.req, prefill: b, params: params})
+				x.s.startRelease(x.s.cfg.KVRelease, c, x.held(hold))
 				return x.abandoned()
 			}
-			x.kvParams = params
-			if params != nil {
-				x.heldAt = time.Now()
-			}
 			if x.ctx.Err() != nil {
-				return x.gone()
+				return x.gone(c)
 			}
 			return nil
 		}
 		if x.ctx.Err() != nil {
-			return x.gone()
+			return x.gone(c)
 		}
 		x.s.abortBrokenPrefill(x.traceParent(), x.engineID, b, err)
 		lastErr = err
@@ -107,35 +107,16 @@ func (x *exchange) prefill() *apiError {
 	if !clientFault && *x.s.cfg.DecodeOnlyFallback {
 		// Nobody prefilled: move on without KV, the decoder computes the prompt itself.
 		if !x.s.table.DecodeOnly(x.id) {
-			return x.gone()
+			return x.gone(c)
 		}
-		x.fallback = true
+		x.legs.fallback = true
 		x.s.m.fallbacks.Inc()
 		return nil
 	}
-	x.fail(router.Result{})
 	if rerr := lastErr; rerr != nil && (errors.Is(rerr, router.ErrNoBackend) || errors.Is(rerr, router.ErrQueueFull) || errors.Is(rerr, router.ErrQueueTimeout)) {
-		return fromRouter(rerr, router.RolePrefill)
+		return x.failWith(c, router.Result{}, fromRouter(rerr, router.RolePrefill))
 	}
-	return fromBackend(lastErr, router.RolePrefill, "prefill_timeout")
-}
-
-// unprocessedAlive reports whether err is a call the backend provably never took although it
-// was reached: it reset a kept-open connection with the call unread.
-func unprocessedAlive(err error) bool {
-	var ce *kvbackend.CallError
-	return errors.As(err, &ce) && ce.Unprocessed && !ce.Connect
-}
-
-// mayHoldKV reports whether a failed prefill call may have left KV held on the prefiller: the
-// request reached it (no connect error) and it did not answer with an error status.
-func mayHoldKV(err error) bool {
-	var se *kvbackend.StatusError
-	if errors.As(err, &se) {
-		return false
-	}
-	var ce *kvbackend.CallError
-	return !errors.As(err, &ce) || !ce.Unprocessed
+	return x.failWith(c, router.Result{}, fromBackend(lastErr, router.RolePrefill, errPrefillTimeout))
 }
 
 type prefillAnswer struct {
@@ -148,8 +129,8 @@ type prefillAnswer struct {
 // finish_then_release it runs on a context detached from the client on purpose: if the
 // client leaves, the call goes on in the background and takes the request's custody, so that
 // its KV is released as soon as the prefiller answers (gone is then true: the client's leaving
-// has been handled).
-func (x *exchange) callPrefill(lease *router.Lease, b *router.Backend, body []byte) (params json.RawMessage, err error, gone bool) {
+// has been handled, and the custody went with the call).
+func (x *exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backend, body []byte) (params json.RawMessage, err error, gone bool) {
 	call := withHeader(x.call(b, x.route, body), nil, lease)
 	timeout := x.s.cfg.PrefillTimeout
 	span := x.callSpan(spanPrefill, b)
@@ -193,7 +174,9 @@ func (x *exchange) callPrefill(lease *router.Lease, b *router.Backend, body []by
 			return
 		}
 		// The handler gave up on the client and hands over the request's custody.
-		s.prefillAnswerAfterClientLeft(<-adopt, req, b, params, err)
+		if c := <-adopt; c != nil {
+			s.prefillAnswerAfterClientLeft(c, req, b, params, err)
+		}
 	}()
 	select {
 	case res := <-answer:
@@ -202,10 +185,11 @@ func (x *exchange) callPrefill(lease *router.Lease, b *router.Backend, body []by
 		if taken.CompareAndSwap(false, true) {
 			// The table learns first that the client left, so that the answer, whenever it
 			// comes, is taken for a hold nobody will decode.
-			x.gone()
-			c := x.handOff()
-			// The decoder reserved for the request is of no use to it any more.
-			c.giveBackLease(router.Result{Canceled: true})
+			if c = x.leave(c); c != nil {
+				// The decoder reserved for the request is of no use to it any more.
+				c.giveBackLease(router.Result{Canceled: true})
+				c.pass()
+			}
 			adopt <- c
 			return nil, nil, true
 		}

@@ -141,7 +141,7 @@ func (c *classes) classify(r *http.Request, req *genRequest) (*PriorityClass, *a
 	if cl.SetPriority && !sent {
 		fields, err := withMember(req.fields, "priority", strconv.Itoa(cl.Priority))
 		if err != nil {
-			return nil, &apiError{status: http.StatusInternalServerError, typ: "internal_error", code: "internal", message: "internal error", cause: err}
+			return nil, newError(errInternal, "internal error").with("", err, 0)
 		}
 		req.fields = fields
 	}

@@ -82,7 +82,7 @@ func (r *abortRing) list() []AbortRecord {
 func (x *exchange) abortRecord(stage lifecycle.State, act lifecycle.Action, seen time.Time) AbortRecord {
 	return AbortRecord{
 		ID: x.id, EngineRequestID: x.engineID, Route: x.route, Stage: stage, Action: act,
-		Prefill: backendName(x.prefillB), Decode: backendName(x.decodeB),
+		Prefill: backendName(x.legs.prefill), Decode: backendName(x.legs.decode),
 		At: seen, PropagationSeconds: time.Since(seen).Seconds(),
 	}
 }

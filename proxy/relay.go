@@ -36,7 +36,8 @@ func nextOf(body io.Reader) func() ([]byte, bool, error) {
 // relay copies the decoder's answer to the client as it arrives, flushing as soon as nothing
 // more of it has arrived, so a stream reaches the client chunk by chunk with nothing added in
 // between, and chunks the decoder sent together go out in one write.
-func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
+// It takes the custody when it fails; on success the caller still has it.
+func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiError {
 	h := x.w.Header()
 	ct := resp.Header.Get("Content-Type")
 	if ct == "" {
@@ -73,26 +74,26 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 	}
 	for {
 		data, more, rerr := next()
-		if x.rename != nil {
-			data = x.rename.rewrite(data)
+		if rn := x.names.rename; rn != nil {
+			data = rn.rewrite(data)
 			if rerr != nil {
-				data = append(data, x.rename.flush()...)
+				data = append(data, rn.flush()...)
 			}
 		}
 		if n := len(data); n > 0 {
 			wd.onBytes()
 			if x.ctx.Err() != nil {
 				x.countAfterGone(data)
-				return x.gone()
+				return x.gone(c)
 			}
-			if !x.wrote {
+			if !x.out.wrote {
 				// A decoder generates only once it has the KV: paired legs have joined.
 				x.joinLegs()
 				x.w.WriteHeader(http.StatusOK)
-				x.wrote = true
-				x.ttft = time.Since(x.start)
+				x.out.wrote = true
+				x.times.ttft = time.Since(x.times.start)
 			}
-			x.chunks++
+			x.out.chunks++
 			// A client that stops reading must not pin a decoder and its memory forever.
 			x.writeDeadline(rc)
 			_, werr := x.w.Write(data)
@@ -104,19 +105,19 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 				// The client is gone, or too slow: what this read held was never delivered.
 				x.countAfterGone(data)
 				x.cancel(werr)
-				return x.gone()
+				return x.gone(c)
 			}
-			if x.req.responses && !x.ended {
-				x.ended = sawEnd(x.tail, data)
+			if x.req.responses && !x.out.ended {
+				x.out.ended = sawEnd(x.out.tail, data)
 			}
-			x.tail = append(x.tail, data[max(0, n-tailSize):n]...)
-			x.tail = x.tail[max(0, len(x.tail)-tailSize):]
+			x.out.tail = append(x.out.tail, data[max(0, n-tailSize):n]...)
+			x.out.tail = x.out.tail[max(0, len(x.out.tail)-tailSize):]
 		}
 		if rerr == io.EOF {
 			// A decoder that ends its answer before any byte of it (a 200 closed at once), or
 			// a stream before its [DONE], failed: the client must not take it for complete.
 			switch {
-			case !x.wrote:
+			case !x.out.wrote:
 				rerr = errEmptyAnswer
 			case x.req.stream && !x.streamComplete():
 				rerr = errStreamUnfinished
@@ -129,7 +130,7 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 			}
 		}
 		if rerr != nil {
-			return x.decodeFailed(rerr, wd)
+			return x.decodeFailed(c, rerr, wd)
 		}
 	}
 }
@@ -137,7 +138,7 @@ func (x *exchange) relay(resp *http.Response, wd *watchdog) *apiError {
 // countAfterGone counts the stream chunks in data, read after the client left.
 func (x *exchange) countAfterGone(data []byte) {
 	n := countEvents(data)
-	x.afterGone += n
+	x.out.afterGone += n
 	x.s.m.tokensAfter.Add(float64(n))
 }
 
@@ -174,9 +175,9 @@ func streamDone(tail []byte) bool {
 // (response.completed, .incomplete or .failed) and the blank line after it.
 func (x *exchange) streamComplete() bool {
 	if x.req.responses {
-		return x.ended && (bytes.HasSuffix(x.tail, []byte("\n\n")) || bytes.HasSuffix(x.tail, []byte("\r\n\r\n")))
+		return x.out.ended && (bytes.HasSuffix(x.out.tail, []byte("\n\n")) || bytes.HasSuffix(x.out.tail, []byte("\r\n\r\n")))
 	}
-	return streamDone(x.tail)
+	return streamDone(x.out.tail)
 }
 
 // writeDeadline gives the next write to the client client_write_timeout from now.
@@ -193,13 +194,13 @@ func (x *exchange) writeDeadline(rc *http.ResponseController) {
 // read it as the end of that line. A whole JSON answer under way can only be cut.
 func (x *exchange) cut(e *apiError) *apiError {
 	switch {
-	case !x.wrote:
+	case !x.out.wrote:
 	case x.req.stream:
 		rc := http.NewResponseController(x.w)
 		// The deadline of the last chunk may have passed during the decoder's silence: the
 		// error event gets a write deadline of its own.
 		x.writeDeadline(rc)
-		x.w.Write(eventBreak(x.tail))
+		x.w.Write(eventBreak(x.out.tail))
 		if x.req.responses {
 			x.w.Write(responsesErrorEvent(e))
 		} else {
@@ -209,7 +210,7 @@ func (x *exchange) cut(e *apiError) *apiError {
 		}
 		rc.Flush()
 	default:
-		x.abortConn = true
+		x.out.abortConn = true
 	}
 	return e
 }

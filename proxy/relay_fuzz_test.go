@@ -147,8 +147,8 @@ func FuzzRelay(f *testing.F) {
 		ctx, cancel := context.WithCancelCause(context.Background())
 		defer cancel(nil)
 		rec := httptest.NewRecorder()
-		x := &exchange{s: srv, w: rec, ctx: ctx, cancel: cancel, id: id, route: "/v1/completions",
-			start: time.Now(), req: &genRequest{stream: stream}, own: &custody{id: id}}
+		x := &exchange{s: srv, w: rec, ctx: ctx, cancel: cancel, id: id, route: "/v1/completions", req: &genRequest{stream: stream}}
+		x.times.start = time.Now()
 		wd := newWatchdog(ctx, false, false, time.Hour, time.Hour)
 		defer wd.stop()
 		end := io.EOF
@@ -160,7 +160,7 @@ func FuzzRelay(f *testing.F) {
 			broken = true
 		}
 		resp := &http.Response{StatusCode: http.StatusOK, Header: http.Header{}, Body: io.NopCloser(&chopReader{data: in, cuts: cuts, end: end})}
-		e := x.relay(resp, wd)
+		e := x.relay(&custody{id: id}, resp, wd)
 		got := rec.Body.Bytes()
 
 		if !broken {
@@ -177,7 +177,7 @@ func FuzzRelay(f *testing.F) {
 		}
 		if len(data) == 0 {
 			// Nothing went out: the handler answers with the error itself.
-			if x.wrote || len(got) != 0 {
+			if x.out.wrote || len(got) != 0 {
 				t.Fatalf("wrote %s before any byte came from the decoder", clip(got))
 			}
 			return
@@ -186,8 +186,8 @@ func FuzzRelay(f *testing.F) {
 			t.Fatalf("relayed %s, which does not start with the decoder's bytes %s", clip(got), clip(data))
 		}
 		if !stream {
-			if !x.abortConn || len(got) != len(data) {
-				t.Fatalf("a broken non-streaming answer: abortConn %v, relayed %s; want the connection cut after %s", x.abortConn, clip(got), clip(data))
+			if !x.out.abortConn || len(got) != len(data) {
+				t.Fatalf("a broken non-streaming answer: abortConn %v, relayed %s; want the connection cut after %s", x.out.abortConn, clip(got), clip(data))
 			}
 			return
 		}

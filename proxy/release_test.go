@@ -241,8 +241,9 @@ func TestPrefilledRequestFindingNoDecoderHasItsKVDrained(t *testing.T) {
 	eventually(t, "the first request to occupy the decoder", func() bool { return len(d.generations()) == 1 })
 
 	resp, body := h.post("/v1/completions", `{"model":"m","prompt":"second"}`)
-	if _, _, code, _ := checkOpenAIError(t, resp, body, http.StatusTooManyRequests); code != "queue_full" {
-		t.Errorf("code %q, want queue_full", code)
+	// Every 429 speaks one vocabulary, the client limits' too: OpenAI's type "requests".
+	if _, typ, code, _ := checkOpenAIError(t, resp, body, http.StatusTooManyRequests); code != "queue_full" || typ != "requests" {
+		t.Errorf("type %q code %q, want requests, queue_full", typ, code)
 	}
 	eventually(t, "the second request's KV to be drained", func() bool {
 		return h.value("pdproxy_kv_releases_total", map[string]string{"reason": "drained"}) == 1

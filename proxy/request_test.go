@@ -41,7 +41,7 @@ func FuzzParseRequest(f *testing.F) {
 			if req != nil {
 				t.Fatalf("parseRequest returned both a request and an error")
 			}
-			if e.status != http.StatusBadRequest || e.message == "" || e.typ != "invalid_request_error" {
+			if e.status != http.StatusBadRequest || e.message == "" || e.wire().typ != "invalid_request_error" {
 				t.Fatalf("refusal %+v, want a 400 invalid_request_error with a message", e)
 			}
 			return

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
-	"net/http"
 
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -111,8 +110,7 @@ func (x *exchange) refuseState() *apiError {
 		"background":           "send it in the foreground (stream it to keep the connection busy)",
 		"store":                "send store: false (or leave it out) and keep the response on the client",
 	}[x.req.state]
-	return &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "unsupported_parameter", param: x.req.state,
-		message: fmt.Sprintf("%s needs state kept on one engine, which disaggregated prefill/decode serving cannot promise; %s", x.req.state, how)}
+	return newError(errUnsupportedParam, fmt.Sprintf("%s needs state kept on one engine, which disaggregated prefill/decode serving cannot promise; %s", x.req.state, how)).with(x.req.state, nil, 0)
 }
 
 // responsesEnds are the event lines that end a Responses stream: it has no [DONE].
@@ -148,7 +146,7 @@ func responsesErrorEvent(e *apiError) []byte {
 		Message string          `json:"message"`
 		Param   *string         `json:"param"`
 		Error   json.RawMessage `json:"error"`
-	}{"error", e.code, e.message, nil, inner.Error})
+	}{"error", e.wire().code, e.message, nil, inner.Error})
 	out := append([]byte("event: error\ndata: "), ev...)
 	return append(out, "\n\n"...)
 }

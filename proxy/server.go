@@ -355,7 +355,7 @@ func (s *Server) Wait(ctx context.Context) error {
 func (s *Server) routes() http.Handler {
 	r := chi.NewRouter()
 	r.NotFound(func(w http.ResponseWriter, _ *http.Request) {
-		writeError(w, &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "not_found", message: "no such route"})
+		writeError(w, newError(errNoRoute, "no such route"))
 	})
 	r.MethodNotAllowed(func(w http.ResponseWriter, req *http.Request) {
 		// A 405 must say which methods the route takes (RFC 9110, section 15.5.6); chi sets
@@ -367,7 +367,7 @@ func (s *Server) routes() http.Handler {
 			}
 		}
 		w.Header().Set("Allow", strings.Join(allow, ", "))
-		writeError(w, &apiError{status: http.StatusMethodNotAllowed, typ: "invalid_request_error", code: "method_not_allowed", message: "method not allowed on this route"})
+		writeError(w, newError(errMethodNotAllowed, "method not allowed on this route"))
 	})
 	// The model routes: each client's limits apply to them, not to probes, metrics and
 	// inspection.
@@ -418,9 +418,9 @@ func (s *Server) bodyDeadline(next http.Handler) http.Handler {
 func (s *Server) handleReady(w http.ResponseWriter, _ *http.Request) {
 	switch {
 	case s.draining.Load():
-		writeError(w, &apiError{status: http.StatusServiceUnavailable, typ: "service_unavailable", code: "shutting_down", message: "the proxy is shutting down"})
+		writeError(w, newError(errShutdown, "the proxy is shutting down"))
 	case !s.router.Ready():
-		writeError(w, &apiError{status: http.StatusServiceUnavailable, typ: "service_unavailable", code: "no_backend", message: "no healthy decode backend"})
+		writeError(w, newError(errNoBackend, "no healthy decode backend"))
 	default:
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ready"})
 	}

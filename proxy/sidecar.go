@@ -126,23 +126,21 @@ func (x *exchange) namePrefiller() *apiError {
 	p, named, err := parsePrefillerHeader(values)
 	if err != nil {
 		x.refusePrefiller(refusedMalformed, values, err)
-		return &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "invalid_prefiller", param: sc.header,
-			message: sc.header + " must name a prefiller as host:port: " + err.Error(), cause: err}
+		return newError(errInvalidPrefiller, sc.header+" must name a prefiller as host:port: "+err.Error()).with(sc.header, err, 0)
 	}
 	if !named {
 		return nil
 	}
 	if !sc.allow.allows(p) {
 		x.refusePrefiller(refusedNotAllowed, values, nil)
-		return &apiError{status: http.StatusForbidden, typ: "permission_error", code: "prefiller_not_allowed", param: sc.header,
-			message: "the prefiller " + sc.header + " names is not one this proxy may call (prefiller_allow)"}
+		return newError(errPrefillerNotAllowed, "the prefiller "+sc.header+" names is not one this proxy may call (prefiller_allow)").with(sc.header, nil, 0)
 	}
 	b, err := router.NewDetached(router.BackendConfig{URL: "http://" + p.hostPort(), Role: router.RolePrefill}, sc.engine, sc.client)
 	if err != nil {
 		// parsePrefillerHeader let through only what makes a URL.
-		return &apiError{status: http.StatusInternalServerError, typ: "internal_error", code: "internal", message: "could not address the prefiller", cause: err}
+		return newError(errInternal, "could not address the prefiller").with("", err, 0)
 	}
-	x.named = b
+	x.legs.named = b
 	return nil
 }
 
@@ -167,7 +165,7 @@ func (x *exchange) pickPrefiller(h router.Hint) (*router.Lease, *router.Backend,
 		if len(h.Exclude) > 0 {
 			return nil, nil, router.ErrNoBackend
 		}
-		return nil, x.named, nil
+		return nil, x.legs.named, nil
 	}
 	lease, err := x.s.router.Acquire(x.ctx, router.RolePrefill, h)
 	return lease, lease.Backend(), err

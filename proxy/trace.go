@@ -87,11 +87,11 @@ func (x *exchange) endRequest(status int, e *apiError) {
 	if x.req != nil {
 		x.span.SetAttributes(attrStream.Bool(x.req.stream))
 	}
-	if x.fallback || x.req != nil && x.req.decodeOnly != "" {
+	if x.legs.fallback || x.req != nil && x.req.decodeOnly != "" {
 		x.span.SetAttributes(attrDecodeOnly.Bool(true))
 	}
-	if x.afterGone > 0 {
-		x.span.SetAttributes(attrTokensAfter.Int(x.afterGone))
+	if x.out.afterGone > 0 {
+		x.span.SetAttributes(attrTokensAfter.Int(x.out.afterGone))
 	}
 	if e != nil && status >= 500 && status != StatusClientClosed {
 		x.span.SetStatus(codes.Error, e.message)

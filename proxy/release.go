@@ -1,19 +1,18 @@
 package proxy
 
-// Every abort and every KV release of the proxy is in this file: what happens when a client
-// leaves at each stage, when a request fails with KV held, when a decode never reached its
-// decoder, when a prefill answers after its client left, and how a hold nobody will decode
-// is freed (a drain, the engine's explicit abort, or its own timer).
+// Every abort and every KV release of the proxy starts in this file: what happens when a
+// client leaves at each stage, when a request fails with KV held, when a decode never reached
+// its decoder, when a prefill answers after its client left, and how a hold nobody will
+// decode is freed (a drain, the engine's explicit abort, or its own timer). Each takes the
+// request's custody and ends it, or gives it on to the background work that does.
 
 import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptrace"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -25,96 +24,55 @@ import (
 	"github.com/pdproxy/pdproxy/router"
 )
 
-// custody is what a request holds while the proxy serves it: its entry in the table, the
-// lease on the decoder reserved for it, and, once a decode its decoder never acknowledged has
-// returned, the KV hold that decode carried. It has one owner at a time: the exchange while it
-// serves, then whoever the exchange hands it to (a release, the legs' abort, a prefill let
-// finish after the client left). Handing it on is taking it (handOff): the exchange has none
-// afterwards. The owner ends it exactly once, with end or by running a release.
-type custody struct {
-	id       string // the request's key in the table
-	engineID string // what the engines know it by
-	// lease is the decoder reserved for the request; nil before that, and once given back.
-	lease *router.Lease
-	// res is what the lease is given back with: the decode's outcome, for passive health.
-	res router.Result
-	// unsent is a hold StartDecode handed over that no decoder acknowledged; nil else. Ending
-	// the custody releases it.
-	unsent *unsentHold
-	// span is the request's trace span, the parent of its releases' and aborts' spans.
-	span trace.SpanContext
-}
-
-// handOff takes the custody away from the exchange, for a new owner.
-func (x *exchange) handOff() *custody {
-	c := x.own
-	x.own = nil
-	return c
-}
-
-// setResult records the decode's outcome for the decoder's lease, while the exchange has the
-// custody.
-func (x *exchange) setResult(res router.Result) {
-	if x.own != nil {
-		x.own.res = res
+// gone handles the client leaving (leave), and ends what of the request was left to it.
+func (x *exchange) gone(c *custody) *apiError {
+	if c = x.leave(c); c != nil {
+		c.end(x.s)
 	}
+	return x.abandoned()
 }
 
-// giveBackLease ends the decoder's lease, if the custody still has one.
-func (c *custody) giveBackLease(res router.Result) {
-	if c.lease != nil {
-		c.lease.Release(res)
-		c.lease = nil
-	}
-}
-
-// end ends the request: a hold no decoder acknowledged is released first (releaseUnsent, which
-// ends the custody once it is), then its lease is given back and its table entry goes.
-func (c *custody) end(s *Server) {
-	if c.unsent != nil {
-		s.releaseUnsent(c)
-		return
-	}
-	c.giveBackLease(c.res)
-	s.table.End(c.id)
-}
-
-// gone handles the client leaving: one transition of the table says what to abort.
-func (x *exchange) gone() *apiError {
+// leave handles the client leaving: one transition of the table says what to abort. It takes
+// the custody where that gives it a hold to release, and returns it otherwise.
+func (x *exchange) leave(c *custody) *custody {
 	act, hold, stage := x.s.table.ClientGone(x.id)
 	if x.span != nil {
 		x.span.SetAttributes(attrClientLeftStage.String(stage.String()))
 	}
 	seen := time.Now()
-	if at := x.goneAt.Load(); at != 0 {
+	if at := x.times.goneAt.Load(); at != 0 {
 		seen = time.Unix(0, at)
 	}
 	x.s.aborts.add(x.abortRecord(stage, act, seen))
-	switch act {
-	case lifecycle.CancelPrefill:
-		// The call's context is already cancelled, which closed the prefiller's connection.
+	if act != lifecycle.None {
 		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
-		if hold != nil {
-			// Paired legs: the room is held until both are aborted, the decoder's first.
-			x.s.abortLegs(x.handOff(), x.legRIDs, x.prefillB, x.decodeB, hold, x.cutLegs, x.legDrain, x.req)
-		} else if b := x.prefillB; b != nil && canAbort(b) {
-			// The engine may have finished its last step before the connection closed and
-			// now hold KV nobody will pull (race R1): its explicit abort frees that too.
-			x.s.abortOnEngine(x.traceParent(), x.engineID, b)
-		}
-	case lifecycle.ReleaseKV:
-		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
-		x.s.startRelease(release{mode: x.s.cfg.KVRelease, c: x.handOff(), hold: hold, req: x.req, prefill: x.prefillB, params: x.kvParams, heldAt: x.heldAt})
-	case lifecycle.CancelDecode:
-		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
-		if x.paired {
-			x.s.abortDecodeLeg(x.traceParent(), x.legRIDs, x.decodeB)
-		}
 	}
 	if ce := x.s.logger.Check(zap.DebugLevel, "client gone"); ce != nil {
 		ce.Write(zap.String("request_id", x.id), zap.Stringer("stage", stage), zap.Stringer("action", act))
 	}
-	return x.abandoned()
+	p, pl := x.legs.prefill, x.legs.paired
+	switch act {
+	case lifecycle.CancelPrefill:
+		// The call's context is already cancelled, which closed the prefiller's connection.
+		if hold != nil {
+			// Paired legs: the room is held until both are aborted, the decoder's first.
+			x.s.abortLegs(c, pl, p, x.legs.decode, hold, pl.drain, x.req)
+			return nil
+		}
+		if p != nil && canAbort(p) {
+			// The engine may have finished its last step before the connection closed and
+			// now hold KV nobody will pull (race R1): its explicit abort frees that too.
+			x.s.abortOnEngine(x.traceParent(), x.engineID, p)
+		}
+	case lifecycle.ReleaseKV:
+		x.s.startRelease(x.s.cfg.KVRelease, c, x.held(hold))
+		return nil
+	case lifecycle.CancelDecode:
+		if pl != nil {
+			x.s.abortDecodeLeg(x.traceParent(), pl.rids, x.legs.decode)
+		}
+	}
+	return c
 }
 
 // abandoned is the answer to a request whose context ended, once its backend work was
@@ -128,29 +86,37 @@ func (x *exchange) abandoned() *apiError {
 	return errClientGone
 }
 
+// failWith is how a step of the flow fails with e: a client that left is handled as gone;
+// else the request fails (fail, the decoder's lease given back with res) and the client is
+// told e in the way its answer so far allows (cut). It takes the custody.
+func (x *exchange) failWith(c *custody, res router.Result, e *apiError) *apiError {
+	if x.ctx.Err() != nil {
+		return x.gone(c)
+	}
+	x.fail(c, res)
+	return x.cut(e)
+}
+
 // fail ends the request as failed, the one way its mode fails, and takes its custody; res is
 // what the decoder's lease is given back with. Sequential P/D (and aggregated serving, which
 // holds nothing): KV the prefiller still holds for the request is released. Paired legs: while
 // the room is held, both legs are aborted, the decoder's first, so that neither waits for a
 // partner that never comes; once they joined, the decoder's leg, which SGLang would otherwise
 // notice only seconds after its connection closed.
-func (x *exchange) fail(res router.Result) {
-	c := x.handOff()
-	if c == nil {
-		return
-	}
+func (x *exchange) fail(c *custody, res router.Result) {
 	c.res = res
 	act, hold := x.s.table.Fail(x.id)
+	pl := x.legs.paired
 	switch {
-	case x.paired && act == lifecycle.ReleaseKV:
+	case pl != nil && act == lifecycle.ReleaseKV:
 		// No drain: the request failed because one of its engines did, and a drain would go
 		// to its decoder, which may be that one.
-		x.s.abortLegs(c, x.legRIDs, x.prefillB, x.decodeB, hold, x.cutLegs, nil, x.req)
-	case x.paired:
-		x.s.abortDecodeLeg(c.span, x.legRIDs, x.decodeB)
+		x.s.abortLegs(c, pl, x.legs.prefill, x.legs.decode, hold, nil, x.req)
+	case pl != nil:
+		x.s.abortDecodeLeg(c.span, pl.rids, x.legs.decode)
 		c.end(x.s)
 	case act == lifecycle.ReleaseKV:
-		x.s.startRelease(release{mode: x.s.cfg.KVRelease, c: c, hold: hold, req: x.req, prefill: x.prefillB, params: x.kvParams, heldAt: x.heldAt})
+		x.s.startRelease(x.s.cfg.KVRelease, c, x.held(hold))
 	default:
 		c.end(x.s)
 	}
@@ -158,24 +124,25 @@ func (x *exchange) fail(res router.Result) {
 
 // decodeFailed is how a decode ends that failed or timed out, in either mode, before its
 // answer or in the middle of it: a client that left is handled as gone; else the request fails
-// (fail) and the client is told, in the way its answer so far allows (cut).
-func (x *exchange) decodeFailed(err error, wd *watchdog) *apiError {
+// (fail) and the client is told, in the way its answer so far allows (cut). It takes the
+// custody.
+func (x *exchange) decodeFailed(c *custody, err error, wd *watchdog) *apiError {
 	res := resultOf(err, x.ctx)
 	if x.ctx.Err() != nil && !wd.timedOut() {
-		x.setResult(res)
-		return x.gone()
+		c.res = res
+		return x.gone(c)
 	}
 	if wd.timedOut() {
 		err = errors.Join(context.Cause(wd.ctx), err)
 		res = router.Result{Status: http.StatusGatewayTimeout}
-		if x.paired && x.joined != nil {
+		if pl := x.legs.paired; pl != nil && !pl.joined {
 			// A paired decoder starts only once the prefiller filled the room: silent
 			// before that, it waits on the prefiller, and is not blamed for it.
 			res = router.Result{Canceled: true}
 		}
 	}
-	x.fail(res)
-	return x.cut(fromBackend(err, router.RoleDecode, "decode_timeout"))
+	x.fail(c, res)
+	return x.cut(fromBackend(err, router.RoleDecode, errDecodeTimeout))
 }
 
 // abortDecodeLeg aborts a paired request's decoder leg: its engine's explicit abort for each of
@@ -187,12 +154,6 @@ func (s *Server) abortDecodeLeg(parent trace.SpanContext, rids []string, d *rout
 	for _, rid := range rids {
 		s.abortOnEngine(parent, rid, d)
 	}
-}
-
-// canAbort reports whether b's engine has an explicit abort.
-func canAbort(b *router.Backend) bool {
-	_, ok := engineOf(b).(kvbackend.Aborter)
-	return ok
 }
 
 // abortLegs frees a room that paired legs hold. The decoder is aborted first, then the
@@ -211,10 +172,12 @@ func canAbort(b *router.Backend) bool {
 // one that was answered holds the KV until its engine's timer, unless a drain leg (drain, one
 // token, the output discarded) makes the decoder pull it. A prefill that ended in the moment
 // its connection closed holds its KV for the timer too (race R1: nothing else frees it).
-func (s *Server) abortLegs(c *custody, rids []string, p, d *router.Backend, hold *lifecycle.Hold, cut func() bool, drain []byte, req *genRequest) {
+func (s *Server) abortLegs(c *custody, pl *pairedLegs, p, d *router.Backend, hold *lifecycle.Hold, drain []byte, req *genRequest) {
+	c.pass()
 	c.giveBackLease(c.res)
+	rids := pl.rids
 	if !canAbort(d) || !canAbort(p) {
-		prefilled := cut != nil && cut()
+		prefilled := pl.cut != nil && pl.cut()
 		switch {
 		case !prefilled:
 			hold.Release(lifecycle.ReleaseAborted)
@@ -303,24 +266,6 @@ const (
 	abortRetryBackoff = 150 * time.Millisecond
 )
 
-// unsentHold is a hold StartDecode handed over that no decoder acknowledged, with what its
-// release needs.
-type unsentHold struct {
-	hold    *lifecycle.Hold
-	req     *genRequest
-	prefill *router.Backend
-	params  json.RawMessage
-	// avoid names a decoder that could not be reached with the hold: a drain goes elsewhere.
-	avoid string
-	// heldAt is when the prefiller began to hold it.
-	heldAt time.Time
-	// taken: the decode went out whole and its decoder neither acknowledged nor refused it, so
-	// it may have read the params (a decoder that reads a request and then closes, or a
-	// timeout while it pulls). No decoder may get them again: only the prefiller's explicit
-	// abort, or its own lease, frees the blocks.
-	taken bool
-}
-
 // releaseUnsent releases the custody's unsent hold, then ends the custody: the engine's
 // explicit abort where it has one (it is exact, and a no-op if the decoder did pull the
 // blocks), else kv_release, except that a hold a decoder may have taken is left to the
@@ -339,98 +284,11 @@ func (s *Server) releaseUnsent(c *custody) {
 	case u.taken:
 		mode = ReleaseWait
 	}
-	var exclude []string
 	if u.avoid != "" {
-		exclude = []string{u.avoid}
-	}
-	s.startRelease(release{mode: mode, c: c, hold: u.hold, req: u.req, prefill: u.prefill, params: u.params, exclude: exclude, heldAt: u.heldAt})
-}
-
-// handoff is a hold on its way to a decoder with the decode. It is open until the decoder
-// acknowledges the decode ("100 Continue", which its server sends as the handler begins to
-// read the body, or its answer's headers): the hold is then the decoder's, which pulls the
-// blocks or tells the prefiller when it aborts or refuses the request. Or the proxy withdraws
-// it first, when the decode returned without an acknowledgement: the hold is then the proxy's
-// to release. A written request is no proof of delivery: a server still finishing the previous
-// response on a reused connection drops a request whose connection closes before it reads it.
-// So a decode cut short before it was acknowledged leaves the release to the proxy; one
-// acknowledged is never sent to a second decoder, even when the answer, which for a whole
-// JSON answer comes only at its end, never does. A client that leaves while the decode is on
-// its way does not cut it before the acknowledgement (see watchdog): the decoder may have read
-// it already. The acknowledgement arrives on the transport's goroutine, hence an atomic.
-type handoff struct {
-	state atomic.Int32
-	held  unsentHold
-}
-
-const (
-	handoffOpen int32 = iota
-	handoffAcked
-	handoffWithdrawn
-)
-
-// handOver starts the handoff of hold (nil: the decode carries none, and so is the handoff).
-func (x *exchange) handOver(hold *lifecycle.Hold) *handoff {
-	if hold == nil {
-		return nil
-	}
-	return &handoff{held: unsentHold{hold: hold, req: x.req, prefill: x.prefillB, params: x.kvParams, heldAt: x.heldAt}}
-}
-
-// ack records the decoder's acknowledgement: the hold is the decoder's.
-func (h *handoff) ack() {
-	if h != nil && h.state.CompareAndSwap(handoffOpen, handoffAcked) {
-		h.held.hold.Release(lifecycle.ReleaseDecoded)
-	}
-}
-
-// withdraw ends a handoff the decoder d did not acknowledge, once the decode returned with
-// err (nil: it was never sent): the hold, for the custody, with what its release may do. It is
-// nil when the decoder acknowledged: the hold is the decoder's.
-func (h *handoff) withdraw(err error, d *router.Backend) *unsentHold {
-	if h == nil || !h.state.CompareAndSwap(handoffOpen, handoffWithdrawn) {
-		return nil
-	}
-	u := h.held
-	var se *kvbackend.StatusError
-	var ce *kvbackend.CallError
-	switch {
-	case err == nil, errors.As(err, &se):
-		// Never sent, or refused by a decoder that answered without reading it: alive, and
-		// free to take the drain.
-	case errors.As(err, &ce) && ce.Unprocessed:
-		if ce.Connect {
-			u.avoid = d.Name
-		}
-	default:
-		u.taken = true
-	}
-	return &u
-}
-
-// refused reports whether a decoder refused, with err, a decode it had acknowledged.
-func (h *handoff) refused(err error) bool {
-	var se *kvbackend.StatusError
-	return h != nil && h.state.Load() == handoffAcked && errors.As(err, &se)
-}
-
-// refusedAfterHandoff handles a decoder that refused a decode it had acknowledged, with its
-// params: its engine tells the prefiller where RejectionFreesKV says so (vLLM #41269). Where
-// not, the hold, which went to the decoder, is freed by the prefiller's explicit abort, or
-// its lease: it may never go to a second decoder.
-func (s *Server) refusedAfterHandoff(parent trace.SpanContext, engineID string, p, d *router.Backend, err error) {
-	var se *kvbackend.StatusError
-	errors.As(err, &se)
-	status := se.Status
-	if engineOf(d).RejectionFreesKV(status) || p == nil {
+		s.startRelease(mode, c, u.heldKV, u.avoid)
 		return
 	}
-	if canAbort(p) {
-		s.abortOnEngine(parent, engineID, p)
-		return
-	}
-	s.logger.Warn("a decoder refused a decode it had the kv params of, and its engine does not tell the prefiller: the blocks stay held until the prefiller's lease ends",
-		zap.String("engine_request_id", engineID), zap.String("decoder", d.Name), zap.Int("status", status))
+	s.startRelease(mode, c, u.heldKV)
 }
 
 // abortStaleHold frees a hold whose deadline passed before the decode went out (race R4):
@@ -462,81 +320,35 @@ func (s *Server) prefillAnswerAfterClientLeft(c *custody, req *genRequest, p *ro
 		return
 	}
 	if act, hold := s.table.Prefilled(c.id, true); act == lifecycle.ReleaseKV {
-		s.startRelease(release{mode: s.cfg.KVRelease, c: c, hold: hold, req: req, prefill: p, params: params, heldAt: time.Now()})
+		s.startRelease(s.cfg.KVRelease, c, heldKV{hold: hold, req: req, prefill: p, params: params, heldAt: time.Now()})
 		return
 	}
 	c.end(s)
 }
 
-// abortOnEngine sends an engine's explicit abort in the background, on its own short
-// deadline: the client's context is already done.
-func (s *Server) abortOnEngine(parent trace.SpanContext, id string, b *router.Backend) {
-	s.bg.Add(1)
-	go func() {
-		defer s.bg.Done()
-		if !s.abortCall(parent, id, b, "engine abort failed") {
-			return
-		}
-		// The abort travels on its own connection and can overtake the request it aborts
-		// (the engine has not read it yet, so it ignores an unknown id, then finishes the
-		// request and holds its KV). A second abort a moment later closes that gap; for an
-		// engine that already forgot the request it is a no-op.
-		s.bg.Add(1)
-		time.AfterFunc(abortRepeatDelay, func() {
-			defer s.bg.Done()
-			s.abortCall(parent, id, b, "repeated engine abort failed")
-		})
-	}()
-}
-
-// abortCall sends one explicit abort on its own short deadline (the client's context is done
-// by then) and logs a failure with msg.
-func (s *Server) abortCall(parent trace.SpanContext, id string, b *router.Backend, msg string) bool {
-	eng, ok := engineOf(b).(kvbackend.Aborter)
-	if !ok {
-		return false
-	}
-	span := s.bgSpan(parent, spanAbort, b, attrEngineRequestID.String(id))
-	ctx, cancel := context.WithTimeout(withSpan(context.Background(), span), defaultAbortCallTimeout)
-	defer cancel()
-	err := s.guard(id, func() error { return eng.Abort(ctx, b.AdminClient(), baseURL(b), id) })
-	endSpan(span, err)
-	if err != nil {
-		s.logger.Warn(msg, zap.String("engine_request_id", id), zap.String("backend", b.Name), zap.Error(err))
-		return false
-	}
-	return true
-}
-
-// abortRepeatDelay is when an explicit abort is sent again (see abortOnEngine).
-const abortRepeatDelay = 250 * time.Millisecond
-
 // release is a KV hold that no decoder will get, and what to free it with. The one path that
-// took the hold (from the table, or from a decode its decoder never acknowledged) makes it,
-// with the request's custody; running it releases the hold exactly once and ends the custody.
+// took the hold (from the table, or from a decode its decoder never acknowledged) starts it
+// (startRelease), with the request's custody; running it releases the hold exactly once and
+// ends the custody.
 type release struct {
+	heldKV
 	// mode is kv_release's: drain, abort (the engine's explicit abort; a drain where it has
 	// none) or wait (the engine's own timer).
 	mode string
 	c    *custody
-	hold *lifecycle.Hold
-	req  *genRequest
-	// prefill holds the blocks; nil when unknown, and then only its timer frees them.
-	prefill *router.Backend
-	params  json.RawMessage
 	// exclude names decoders a drain must not go to.
 	exclude []string
-	// heldAt is when the prefiller began to hold the KV.
-	heldAt time.Time
 	// span is the release's span, the parent of its drain's or abort's.
 	span trace.SpanContext
 }
 
-// startRelease runs r, in the background unless there is nothing to send: the client is gone
-// and nothing waits for it.
-func (s *Server) startRelease(r release) {
-	span := s.bgSpan(r.c.span, spanRelease, r.prefill, attrReleaseMode.String(r.mode))
-	r.span = r.c.span
+// startRelease releases kv with mode and ends the custody c, which it takes: in the
+// background unless there is nothing to send (the client is gone and nothing waits for it).
+// A drain goes to none of the decoders exclude names.
+func (s *Server) startRelease(mode string, c *custody, kv heldKV, exclude ...string) {
+	c.pass()
+	r := release{heldKV: kv, mode: mode, c: c, exclude: exclude, span: c.span}
+	span := s.bgSpan(c.span, spanRelease, r.prefill, attrReleaseMode.String(r.mode))
 	if span != nil {
 		r.span = span.SpanContext()
 		if !r.heldAt.IsZero() {
@@ -648,8 +460,7 @@ func (s *Server) drain(r release) bool {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	lease := r.c.lease
-	r.c.lease = nil
+	lease := r.c.takeLease()
 	if lease == nil {
 		var err error
 		lease, err = s.router.Acquire(ctx, router.RoleDecode, router.Hint{RequestID: r.c.id, Overcommit: true, Exclude: r.exclude, Accept: sequential})
@@ -703,102 +514,4 @@ func (s *Server) drain(r release) bool {
 		return false
 	}
 	return true
-}
-
-var (
-	errFirstByteTimeout = fmt.Errorf("%w: no first byte from the decoder", errPhaseTimeout)
-	errIdleTimeout      = fmt.Errorf("%w: the decoder went silent", errPhaseTimeout)
-)
-
-// ackGrace bounds how long a decode whose client left waits for the decoder's acknowledgement
-// before it is cut: a healthy server acknowledges as soon as its handler reads the body.
-const ackGrace = time.Second
-
-// watchdog bounds a decode's phases (first byte, silence between chunks) and defers the
-// client's cancel, when asked: to the decode's first byte (abort_during_kv_pull
-// after_first_token), and, for a decode that carries a hold, to the decoder's acknowledgement
-// (or ackGrace), so that the proxy learns whether the decoder has the params before it cuts
-// the call.
-type watchdog struct {
-	ctx        context.Context
-	cancel     context.CancelCauseFunc
-	timer      *time.Timer
-	idle       time.Duration
-	toByte     bool // defer the client's cancel to the first byte
-	toAck      bool // defer the client's cancel to the acknowledgement
-	sawByte    atomic.Bool
-	acked      atomic.Bool
-	clientGone atomic.Bool
-	timeout    atomic.Bool
-	graceOnce  sync.Once
-	grace      *time.Timer
-	stopAfter  func() bool
-}
-
-func newWatchdog(client context.Context, toByte, toAck bool, firstByte, idle time.Duration) *watchdog {
-	base := client
-	if toByte || toAck {
-		// Detached from the client on purpose: clientLeft cancels it when the wait is over.
-		base = context.WithoutCancel(client)
-	}
-	ctx, cancel := context.WithCancelCause(base)
-	wd := &watchdog{ctx: ctx, cancel: cancel, idle: idle, toByte: toByte, toAck: toAck}
-	wd.timer = time.AfterFunc(firstByte, func() {
-		wd.timeout.Store(true)
-		if wd.sawByte.Load() {
-			cancel(errIdleTimeout)
-		} else {
-			cancel(errFirstByteTimeout)
-		}
-	})
-	if toByte || toAck {
-		wd.stopAfter = context.AfterFunc(client, func() {
-			wd.clientGone.Store(true)
-			wd.cancelIfDone()
-		})
-	}
-	return wd
-}
-
-// cancelIfDone cancels the call for a client that left, once nothing it waits for is pending.
-func (wd *watchdog) cancelIfDone() {
-	if !wd.clientGone.Load() || wd.toByte && !wd.sawByte.Load() {
-		return
-	}
-	if wd.toAck && !wd.acked.Load() {
-		wd.graceOnce.Do(func() {
-			wd.grace = time.AfterFunc(ackGrace, func() { wd.cancel(context.Canceled) })
-		})
-		return
-	}
-	wd.cancel(context.Canceled)
-}
-
-// onAck records the decoder's acknowledgement of the decode.
-func (wd *watchdog) onAck() {
-	if !wd.acked.Swap(true) {
-		wd.cancelIfDone()
-	}
-}
-
-func (wd *watchdog) onBytes() {
-	if !wd.sawByte.Swap(true) {
-		wd.acked.Store(true)
-		wd.cancelIfDone()
-	}
-	wd.timer.Reset(wd.idle)
-}
-
-func (wd *watchdog) timedOut() bool { return wd.timeout.Load() }
-
-func (wd *watchdog) stop() {
-	wd.timer.Stop()
-	if wd.stopAfter != nil {
-		wd.stopAfter()
-	}
-	wd.graceOnce.Do(func() {}) // no grace timer starts after this
-	if wd.grace != nil {
-		wd.grace.Stop()
-	}
-	wd.cancel(context.Canceled)
 }

@@ -1,0 +1,73 @@
+package proxy
+
+import (
+	"errors"
+	"net/http"
+
+	"go.uber.org/zap"
+
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// errPanic is what a client is told when serving its request panicked.
+var errPanic = newError(errPanicked, "the proxy failed while serving this request; it was aborted on its engines")
+
+// recoverRequest is the safety net of a request in flight: a panic while serving it still
+// finishes it. It is failed the way its mode fails (what it holds is released, its legs
+// aborted), counted in pdproxy_panics_total, logged with its id, and its client is told (a
+// 502 when nothing was sent yet; an error event in a stream; a cut connection for a JSON
+// answer under way). The panic never reaches net/http, which would drop the connection and
+// leave the request uncounted.
+func (x *exchange) recoverRequest(c *custody, e **apiError) {
+	v := recover()
+	if v == nil {
+		return
+	}
+	x.s.m.panics.Inc()
+	x.s.logger.Error("panic serving a request", zap.String("request_id", x.id), zap.String("engine_request_id", x.engineID),
+		zap.Any("panic", v), zap.StackSkip("stack", 1))
+	func() {
+		defer func() {
+			if v := recover(); v != nil {
+				x.s.m.panics.Inc()
+				x.s.logger.Error("panic failing a request after a panic: its table entry ends as it is", zap.String("request_id", x.id), zap.Any("panic", v))
+			}
+		}()
+		if !c.passed.Load() {
+			x.fail(c, router.Result{})
+		}
+	}()
+	*e = x.cut(errPanic)
+}
+
+// buildFailed is the answer to a request whose engine body could not be built.
+func buildFailed(err error, what string) *apiError {
+	if errors.Is(err, errEnginePanic) {
+		return errPanic
+	}
+	return newError(errInternal, "could not build the "+what+" request").with("", err, 0)
+}
+
+// recoverAnswer is the handler's last safety net, for a panic outside a request's serving
+// (reading, parsing, answering): counted, logged, and a 502 when nothing was sent. The
+// handler's own cut of a connection (http.ErrAbortHandler) passes.
+func (x *exchange) recoverAnswer() {
+	v := recover()
+	if v == nil {
+		return
+	}
+	if v == http.ErrAbortHandler {
+		panic(v)
+	}
+	x.s.m.panics.Inc()
+	x.s.logger.Error("panic answering a request", zap.String("request_id", x.id), zap.Any("panic", v), zap.StackSkip("stack", 1))
+	if !x.out.finished {
+		x.s.finish(x, errPanic.status, errPanic)
+	}
+	if !x.out.wrote {
+		writeError(x.w, errPanic)
+		return
+	}
+	// Part of the answer went out: only cutting the connection tells the client it failed.
+	panic(http.ErrAbortHandler)
+}

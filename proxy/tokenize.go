@@ -1,0 +1,68 @@
+package proxy
+
+import (
+	"context"
+
+	"go.uber.org/zap"
+
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// cacheRouter is what a router that routes on the engines' prefix caches offers: whether a
+// role's policy wants the request's tokens, a tokenizer (an engine's /tokenize), and how many
+// of a prompt's leading tokens a backend holds. Checked by type assertion: a router without
+// it routes on the text alone.
+type cacheRouter interface {
+	WantsTokens(role router.Role) bool
+	Tokens(ctx context.Context, req router.TokenizeRequest) ([]uint32, error)
+	CachedTokens(backend string, tokens []uint32) (int, bool)
+}
+
+// tokenize gets the request's token ids once, before any backend is picked, when a policy
+// scores engines by them (precise_cache_aware) or conditional disaggregation weighs them: a
+// prompt of token ids is its own; anything else is asked of an engine. A request whose
+// tokenizing fails is routed on its text.
+func (x *exchange) tokenize() {
+	cr, ok := x.s.router.(cacheRouter)
+	if !ok || x.legs.tokens != nil {
+		return
+	}
+	if !cr.WantsTokens(router.RolePrefill) && !cr.WantsTokens(router.RoleDecode) && x.s.cfg.PDUncachedTokenThreshold <= 0 {
+		return
+	}
+	if x.req.tokens != nil {
+		x.legs.tokens = x.req.tokens
+		return
+	}
+	if x.req.text == "" || x.req.prompts > 1 || x.req.responses {
+		// A Responses input renders through the engine's own conversion: the text routes it.
+		return
+	}
+	req := router.TokenizeRequest{Model: x.req.model}
+	if x.req.chat {
+		req.Messages = x.req.messages
+	} else {
+		req.Prompt = x.req.text
+	}
+	toks, err := cr.Tokens(x.ctx, req)
+	if err != nil {
+		if ce := x.s.logger.Check(zap.DebugLevel, "tokenize failed: routing on the text"); ce != nil {
+			ce.Write(zap.String("request_id", x.id), zap.Error(err))
+		}
+		return
+	}
+	x.legs.tokens = toks
+}
+
+// cachedOnDecoder reports whether the reserved decoder already holds all but fewer than
+// pd_uncached_token_threshold of the prompt's tokens, as its KV events tell: a remote
+// prefill would only ship KV the decoder has, so the request goes decode-only.
+func (x *exchange) cachedOnDecoder() bool {
+	th := x.s.cfg.PDUncachedTokenThreshold
+	cr, ok := x.s.router.(cacheRouter)
+	if th <= 0 || !ok || len(x.legs.tokens) == 0 || x.legs.decode == nil {
+		return false
+	}
+	n, fresh := cr.CachedTokens(x.legs.decode.Name, x.legs.tokens)
+	return fresh && len(x.legs.tokens)-n < th
+}
