@@ -1,6 +1,6 @@
 package e2e
 
-// Regression tests for the races of shared/PROTOCOL.md (R1 to R5), with simulated engines on
+// Regression tests for the races R1 to R5 (docs/engines.md#the-races), with simulated engines on
 // loopback. Each fails on a proxy without the guard it names.
 
 import (

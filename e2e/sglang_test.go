@@ -234,7 +234,7 @@ func stillServes(t *testing.T, s *stack) {
 	}
 }
 
-// The races of shared/PROTOCOL.md in their SGLang form. The proxy holds a request's room from
+// The races R1-R5 (docs/engines.md#the-races) in their SGLang form. The proxy holds a request's room from
 // the moment its legs go out until the decoder has the KV (its first byte, or the
 // prefiller's answer, which comes once the transfer is done): a client leaving before that
 // gets both legs aborted, the decoder's first; after it, the decoder's.

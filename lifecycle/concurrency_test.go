@@ -386,8 +386,8 @@ func (w *world) chaosTarget(rng *rand.Rand, fire func(r *rec)) {
 }
 
 // TestConcurrentRequests drives thousands of requests through random paths from many
-// goroutines while others fire duplicate and late events, then checks the invariants of
-// DESIGN.md: one terminal state per request, every KV hold released exactly once, every gauge
+// goroutines while others fire duplicate and late events, then checks the table's invariants:
+// one terminal state per request, every KV hold released exactly once, every gauge
 // back to zero, nothing left in the table.
 func TestConcurrentRequests(t *testing.T) {
 	seed := *seedFlag

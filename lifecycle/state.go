@@ -10,7 +10,7 @@ import "fmt"
 // State is where a request is in its life. The zero value is Received.
 type State uint8
 
-// The states of shared/DESIGN.md, but for expired: a hold whose deadline passes is never
+// The states of a request. None is expired: a hold whose deadline passes is never
 // forwarded (StartDecode), and the request goes on to a decoder that computes the prompt
 // itself, so no request ends as expired; the hold's release reason says it. Finished, Aborted
 // and Failed are terminal.

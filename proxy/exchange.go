@@ -343,7 +343,7 @@ func (x *exchange) serve(c *custody) *apiError {
 		}
 	}
 	if !before {
-		// Waiting for a decoder now happens in kv_held: a client leaving meanwhile gets its KV
+		// Waiting for a decoder happens here, in kv_held: a client leaving meanwhile gets its KV
 		// released, and the hold deadline keeps running. (Paired engines need their decoder
 		// with the prefill, so this mode leaves them out.)
 		if e := x.reserveDecoder(c, sequential); e != nil {

@@ -11,7 +11,7 @@ import (
 	"github.com/pdproxy/pdproxy/router"
 )
 
-// The kv_transfer_params a prefiller must get (PROTOCOL.md, vLLM NixlConnector).
+// The kv_transfer_params a prefiller must get (vLLM NixlConnector, docs/engines.md#how-a-request-flows).
 var wantPrefillKV = map[string]any{
 	"do_remote_decode": true, "do_remote_prefill": false,
 	"remote_engine_id": nil, "remote_block_ids": nil, "remote_host": nil, "remote_port": nil,

@@ -21,7 +21,7 @@ import (
 // The failure matrix: every way an engine misbehaves (faultengine's faults, down to the byte
 // and the moment), on either leg, of either engine protocol, streamed or not, on completions
 // and chat, with a client that waits for its answer or leaves when the fault strikes. Every
-// cell must end as shared/DESIGN.md says: the client gets an answer it can parse (an
+// cell must end so: the client gets an answer it can parse (an
 // OpenAI-shape error before the first byte, an error event and no [DONE] once a stream began,
 // a cut connection for a JSON answer under way) or a whole, correct answer where the fault
 // can be served around; nothing panics; nothing is left in the table, in flight or held; a
