@@ -20,20 +20,6 @@ const (
 // maxDataParallelSize bounds data_parallel_size: vLLM's largest deployments run far fewer.
 const maxDataParallelSize = 1024
 
-// Policy names accepted by Config.PrefillPolicy and Config.DecodePolicy.
-const (
-	PolicyLeastInflight  = "least_inflight"
-	PolicyRoundRobin     = "round_robin"
-	PolicyPowerOfTwo     = "power_of_two"
-	PolicyPrefixAffinity = "prefix_affinity"
-	PolicyLeastLoaded    = "least_loaded"
-	// PolicyCacheAware routes by the text routed to each engine before (see CacheAware).
-	PolicyCacheAware = "cache_aware"
-	// PolicyPreciseCacheAware routes by the blocks each engine's KV events say it holds,
-	// falling back to cache_aware's view (see CacheAware).
-	PolicyPreciseCacheAware = "precise_cache_aware"
-)
-
 // Defaults applied by Config.Validate to zero fields.
 const (
 	DefaultWeight              = 1

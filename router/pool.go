@@ -12,10 +12,12 @@ type pool struct {
 	role Role
 	r    *Router
 
-	mu           sync.Mutex
-	backends     []*Backend
-	policy       Policy
-	policyName   string
+	mu         sync.Mutex
+	backends   []*Backend
+	policy     Policy
+	policyName string
+	// caps are what policy needs of the router, from its registry entry.
+	caps         policyCaps
 	prefixTokens int
 	cache        cacheSettings
 	queueSize    int

@@ -29,8 +29,8 @@ func (r *Router) apply(cfg Config) error {
 	if r.kvStart != kvStartOf(cfg) {
 		return fmt.Errorf("router config: kv_events.listen, kv_events.max_blocks_per_backend, kv_events.replay_timeout and block_size are read at start; restart the proxy to change them")
 	}
-	pre, ok1 := r.newPolicy(cfg.PrefillPolicy, cfg, RolePrefill)
-	dec, ok2 := r.newPolicy(cfg.DecodePolicy, cfg, RoleDecode)
+	pre, preCaps, ok1 := r.newPolicy(cfg.PrefillPolicy, cfg, RolePrefill)
+	dec, decCaps, ok2 := r.newPolicy(cfg.DecodePolicy, cfg, RoleDecode)
 	if !ok1 || !ok2 { // Validate checked; keep apply honest anyway
 		return fmt.Errorf("router config: unknown policy")
 	}
@@ -105,14 +105,13 @@ func (r *Router) apply(cfg Config) error {
 				mine = append(mine, b)
 			}
 		}
-		policyName := cfg.DecodePolicy
-		pol := dec
+		policyName, pol, caps := cfg.DecodePolicy, dec, decCaps
 		if p.role == RolePrefill {
-			policyName, pol = cfg.PrefillPolicy, pre
+			policyName, pol, caps = cfg.PrefillPolicy, pre, preCaps
 		}
 		cache := cacheSettings{cfg.CacheAware, cfg.KVEvents.StaleAfter}
 		if p.policy == nil || p.policyName != policyName || p.prefixTokens != cfg.PrefixTokens || p.cache != cache {
-			p.policy, p.policyName, p.prefixTokens, p.cache = pol, policyName, cfg.PrefixTokens, cache
+			p.policy, p.policyName, p.caps, p.prefixTokens, p.cache = pol, policyName, caps, cfg.PrefixTokens, cache
 		}
 		if w, ok := p.policy.(poolWatcher); ok {
 			w.SetPool(mine)

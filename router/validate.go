@@ -80,11 +80,9 @@ func (c *Config) setDefaults() {
 		c.ScrapeInterval = DefaultScrapeInterval
 	}
 	c.setCacheDefaults()
-}
-
-// precise reports whether a pool picks by the engines' KV events.
-func (c *Config) precise() bool {
-	return c.PrefillPolicy == PolicyPreciseCacheAware || c.DecodePolicy == PolicyPreciseCacheAware
+	if _, wants := c.policyWith(wantsTokens); c.Tokenizer == "" && wants {
+		c.Tokenizer = TokenizerEngine
+	}
 }
 
 func (c *Config) setCacheDefaults() {
@@ -110,9 +108,6 @@ func (c *Config) setCacheDefaults() {
 	}
 	if kv.MaxBlocksPerBackend == 0 {
 		kv.MaxBlocksPerBackend = kvcache.DefaultMaxBlocks
-	}
-	if c.Tokenizer == "" && c.precise() {
-		c.Tokenizer = TokenizerEngine
 	}
 	if c.TokenizeTimeout == 0 {
 		c.TokenizeTimeout = DefaultTokenizeTimeout
@@ -158,8 +153,8 @@ func (c *Config) checkCache() []error {
 	default:
 		bad("tokenizer", "%q is not %q", c.Tokenizer, TokenizerEngine)
 	}
-	if c.precise() && c.Tokenizer != TokenizerEngine {
-		bad("tokenizer", "precise_cache_aware needs the request's tokens: set tokenizer: %s", TokenizerEngine)
+	if name, wants := c.policyWith(wantsTokens); wants && c.Tokenizer != TokenizerEngine {
+		bad("tokenizer", "%s needs the request's tokens: set tokenizer: %s", name, TokenizerEngine)
 	}
 	if c.TokenizeTimeout < 0 {
 		bad("tokenize_timeout", "%v is negative", c.TokenizeTimeout)
@@ -200,8 +195,8 @@ func (c *Config) checkCache() []error {
 			}
 		}
 	}
-	if c.precise() && !sources {
-		bad("kv_events", "precise_cache_aware reads the engines' KV events, and none are configured: set kv_events.listen, or kv_events_endpoint on the backends (or use cache_aware)")
+	if name, needs := c.policyWith(needsKVEvents); needs && !sources {
+		bad("kv_events", "%s reads the engines' KV events, and none are configured: set kv_events.listen, or kv_events_endpoint on the backends (or use cache_aware)", name)
 	}
 	return errs
 }
