@@ -23,8 +23,9 @@ import (
 
 // Routing on the load the engines report (least_loaded). Every proxy replica scrapes the
 // same engines, so all replicas see the same load, their own requests and everyone else's,
-// without talking to each other (DESIGN.md, "Scale"). Between two scrapes a replica adds
-// what it alone knows: the change in its own in-flight count on the engine since the scrape.
+// without talking to each other: what an engine reports needs no state shared between
+// replicas. Between two scrapes a replica adds what it alone knows: the change in its own
+// in-flight count on the engine since the scrape.
 
 // Load scraping parameters.
 const (

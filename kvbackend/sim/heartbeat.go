@@ -8,7 +8,7 @@ import (
 	"go.uber.org/zap"
 )
 
-// KV lease heartbeats, vLLM PR #41383 (docs/design/kv_cache_lease.md): a
+// KV lease heartbeats, vLLM PR #41383 (its docs/design/kv_cache_lease.md): a
 // prefiller holds a finished prefill's blocks under a short lease
 // (KVHoldTimeout), and a decoder renews the lease of every do_remote_prefill
 // request it has, queued or pulling, so that a decoder that is merely busy
