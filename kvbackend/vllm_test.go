@@ -16,9 +16,9 @@ const kvParams = `{"remote_port":5600,"do_remote_prefill":true,"do_remote_decode
 	`"remote_host":"10.0.0.7","tp_size":1,"x_future":{"lease_s":30.50,"epoch":123456789012345678901,` +
 	`"note":"caf\u00e9 <&>","list":[{"b":1,"a":2}]}}`
 
-// wantPrefillKV is what a prefiller must be asked for: vLLM's NixlConnector holds the KV for a
-// remote decode, and the remote_* fields stay null for it to fill
-// (docs/engines.md#how-a-request-flows).
+// wantPrefillKV is the kv_transfer_params a prefiller must be asked for, as vLLM's
+// NixlConnector expects of a prefill: do_remote_decode set (it keeps the KV for a decoder),
+// do_remote_prefill unset, and every remote_* field null.
 var wantPrefillKV = map[string]any{
 	"do_remote_decode": true, "do_remote_prefill": false,
 	"remote_engine_id": nil, "remote_block_ids": nil, "remote_host": nil, "remote_port": nil,

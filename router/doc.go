@@ -6,8 +6,10 @@
 // The proxy asks for a backend with [Router.Acquire] and gets a [Lease]; the lease counts
 // one in-flight request on the backend until [Lease.Release], which also feeds passive
 // health. The router never calls back into the proxy and sends no request itself except
-// its health checks and, for least_loaded, its scrapes of the engines' /metrics, which
-// [Router.Run] owns.
+// its health checks (each one that passes followed, for a backend whose models are not
+// configured, by GET /v1/models) and, for least_loaded, its scrapes of the engines'
+// /metrics, which [Router.Run] owns, as it owns the KV event subscribers of
+// precise_cache_aware.
 //
 // Configuration, with the defaults applied by [Config.Validate]:
 //

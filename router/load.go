@@ -18,14 +18,14 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
-	"github.com/pdproxy/pdproxy/kvcache"
 	"go.uber.org/zap"
 )
 
 // Routing on the load the engines report (least_loaded). Every proxy replica scrapes the
 // same engines, so all replicas see the same load, their own requests and everyone else's,
-// without talking to each other (DESIGN.md, "Scale"). Between two scrapes a replica adds
-// what it alone knows: the change in its own in-flight count on the engine since the scrape.
+// without talking to each other: what an engine reports needs no state shared between
+// replicas. Between two scrapes a replica adds what it alone knows: the change in its own
+// in-flight count on the engine since the scrape.
 
 // Load scraping parameters.
 const (
@@ -183,26 +183,6 @@ func (p *LeastLoaded) Select(cands []*Backend, _ Hint) *Backend {
 	return cands[best]
 }
 
-// newPolicy is NewPolicy for role's pool with the router's clock, and, for the cache-aware
-// policies, cfg's settings, the router's index and its metrics.
-func (r *Router) newPolicy(name string, cfg Config, role Role) (Policy, bool) {
-	p, ok := NewPolicy(name, cfg.PrefixTokens)
-	switch pol := p.(type) {
-	case *LeastLoaded:
-		pol.now = func() time.Time { return r.now() }
-	case *CacheAware:
-		var index *kvcache.Index
-		if name == PolicyPreciseCacheAware {
-			index = r.index
-		}
-		pol = NewCacheAware(cfg.CacheAware, index, cfg.KVEvents.StaleAfter)
-		pol.now = func() time.Time { return r.now() }
-		pol.ratio = r.metrics.matchRatio.WithLabelValues(string(role), name)
-		p = pol
-	}
-	return p, ok
-}
-
 // scrapeLoop scrapes the engines of every pool that picks with least_loaded, every
 // scrape_interval, until ctx is done. Each round scrapes all of them at once, so that one slow
 // engine does not delay the others' figures, and waits for them all.
@@ -229,7 +209,7 @@ func (r *Router) scrapeAll(ctx context.Context, interval time.Duration) {
 	var wg sync.WaitGroup
 	for _, p := range []*pool{r.prefill, r.decode} {
 		p.mu.Lock()
-		_, on := p.policy.(*LeastLoaded)
+		on := p.caps.scrapesLoad
 		backends := p.backends // replaced, never modified, by a reload
 		p.mu.Unlock()
 		if !on {

@@ -3,13 +3,10 @@ package router
 import (
 	"hash/fnv"
 	"math/rand/v2"
-	"slices"
 	"sort"
 	"strconv"
 	"sync"
 	"sync/atomic"
-
-	"github.com/pdproxy/pdproxy/kvcache"
 )
 
 // Policy picks one backend among candidates. The router passes only candidates it may
@@ -36,37 +33,6 @@ var (
 	_ Policy      = (*PrefixAffinity)(nil)
 	_ poolWatcher = (*PrefixAffinity)(nil)
 )
-
-func policyNames() []string {
-	return []string{PolicyLeastInflight, PolicyRoundRobin, PolicyPowerOfTwo, PolicyPrefixAffinity, PolicyLeastLoaded,
-		PolicyCacheAware, PolicyPreciseCacheAware}
-}
-
-func knownPolicy(name string) bool { return slices.Contains(policyNames(), name) }
-
-// NewPolicy returns the policy called name; prefixTokens is used by prefix_affinity. The
-// cache-aware policies come with their defaults and, for precise_cache_aware, an index of
-// its own that nothing fills: the router builds its own with its settings and event
-// subscribers.
-func NewPolicy(name string, prefixTokens int) (Policy, bool) {
-	switch name {
-	case PolicyLeastInflight, "":
-		return &LeastInflight{}, true
-	case PolicyRoundRobin:
-		return &RoundRobin{}, true
-	case PolicyPowerOfTwo:
-		return &PowerOfTwo{}, true
-	case PolicyPrefixAffinity:
-		return NewPrefixAffinity(prefixTokens), true
-	case PolicyLeastLoaded:
-		return &LeastLoaded{}, true
-	case PolicyCacheAware:
-		return NewCacheAware(CacheAwareConfig{}, nil, 0), true
-	case PolicyPreciseCacheAware:
-		return NewCacheAware(CacheAwareConfig{}, kvcache.NewIndex(0, 0), 0), true
-	}
-	return nil, false
-}
 
 // LeastInflight picks the backend with the fewest in-flight requests. Ties go to the
 // higher weight, then rotate, so that an idle pool spreads load instead of piling onto

@@ -1,0 +1,148 @@
+package router
+
+import (
+	"fmt"
+	"sync/atomic"
+
+	"go.uber.org/zap"
+)
+
+// Result is what happened to the request sent under a lease. Its zero value means the
+// lease was never used (e.g. a decoder reserved for a prefill that then failed): it
+// counts nothing for the backend, neither a request nor a health signal.
+type Result struct {
+	// Status is the HTTP status the backend answered, 0 if none.
+	Status int
+	// Err is a connect or transport error talking to the backend.
+	Err error
+	// Canceled means the client went away; it takes precedence over Err and Status and
+	// is never held against the backend.
+	Canceled bool
+}
+
+// outcome turns a result into its metric code and whether it counts for passive health.
+func (res Result) outcome() (code string, counted, failed bool) {
+	switch {
+	case res.Canceled:
+		return "canceled", false, false
+	case res.Err != nil:
+		return "error", true, true
+	case res.Status != 0:
+		return fmtStatus(res.Status), true, res.Status >= 500
+	}
+	return "", false, false
+}
+
+// fmtStatus avoids strconv allocations for the common codes on the release path.
+func fmtStatus(s int) string {
+	switch s {
+	case 200:
+		return "200"
+	case 400:
+		return "400"
+	case 429:
+		return "429"
+	case 500:
+		return "500"
+	case 502:
+		return "502"
+	case 503:
+		return "503"
+	}
+	return fmt.Sprint(s)
+}
+
+// Lease is one in-flight request counted on a backend, from Acquire until Release.
+type Lease struct {
+	b        *Backend
+	p        *pool
+	released atomic.Bool
+	// rank is the data-parallel rank the lease took, -1 for an engine of one rank;
+	// rankCount its counter.
+	rank      int
+	rankCount *atomic.Int64
+}
+
+// Rank is the data-parallel rank the lease took on its backend; ok is false for an engine
+// of one rank, whose calls name none.
+func (l *Lease) Rank() (rank int, ok bool) {
+	if l == nil || l.rank < 0 {
+		return 0, false
+	}
+	return l.rank, true
+}
+
+// Backend is the backend the lease counts on.
+func (l *Lease) Backend() *Backend {
+	if l == nil {
+		return nil
+	}
+	return l.b
+}
+
+// Release ends the lease. Only the first call counts; later calls, from any goroutine,
+// do nothing, so a deferred Release may back up an explicit one. res feeds passive
+// health: a connect error or a 5xx counts a failure, a success resets the streak, a
+// client cancel or the zero Result counts nothing against the backend. A connection refused
+// (or with no route) takes the backend out at once: see Router.refused.
+func (l *Lease) Release(res Result) {
+	if l == nil || !l.released.CompareAndSwap(false, true) {
+		return
+	}
+	if l.rankCount != nil {
+		l.rankCount.Add(-1)
+	}
+	r := l.p.r
+	code, counted, failed := res.outcome()
+	if counted {
+		if ref, ok := refusalOf(res.Err); ok {
+			r.refused(l.b, ref, res.Err)
+		} else if d := l.b.observe(failed, r.now(), r.settings.Load().ejection); d > 0 {
+			r.logger.Warn("backend ejected",
+				zap.String("backend", l.b.Name), zap.String("role", string(l.b.Role)),
+				zap.Duration("backoff", d), zap.Int64("ejections", l.b.Ejections()))
+		}
+	}
+	l.p.release(l.b, code)
+}
+
+func (p *pool) leaseLocked(b *Backend) *Lease {
+	b.st.inflight.Add(1)
+	l := &Lease{b: b, p: p, rank: -1}
+	if rp := b.st.ranks.Load(); rp != nil && len(*rp) > 1 {
+		ranks := *rp
+		// The rank with the fewest in flight; ties rotate, so that an idle engine's ranks
+		// share the work too.
+		n := len(ranks)
+		start := int(b.st.rankNext.Add(1) % uint64(n))
+		best := start
+		for k := 1; k < n; k++ {
+			if i := (start + k) % n; ranks[i].Load() < ranks[best].Load() {
+				best = i
+			}
+		}
+		ranks[best].Add(1)
+		l.rank, l.rankCount = best, &ranks[best]
+	}
+	return l
+}
+
+// release ends one lease on b.
+func (p *pool) release(b *Backend, code string) {
+	p.mu.Lock()
+	removed := b.st.removed.Load()
+	if code != "" && !removed {
+		p.r.metrics.requests.WithLabelValues(b.Name, string(b.Role), code).Inc()
+	}
+	left := b.st.inflight.Add(-1)
+	p.dispatchLocked()
+	p.mu.Unlock()
+	if left < 0 {
+		// Cannot happen: a lease decrements once after incrementing once. Say so
+		// loudly rather than hide a broken invariant.
+		p.r.logger.Error("backend in-flight count went negative", zap.String("backend", b.Name), zap.Int64("inflight", left))
+	}
+	if removed && left == 0 {
+		b.closeIdle()
+	}
+}

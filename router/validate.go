@@ -1,0 +1,396 @@
+package router
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"strings"
+
+	"github.com/pdproxy/pdproxy/kvcache"
+)
+
+// setDefaults fills zero fields. It leaves invalid values alone for Validate to name.
+func (c *Config) setDefaults() {
+	for i := range c.Backends {
+		b := &c.Backends[i]
+		if e, ok := engineOf(c.Engines, b.Engine); ok {
+			b.Engine = e.Kind()
+			if b.KVHoldTimeout == 0 {
+				b.KVHoldTimeout = e.KVHoldTimeout()
+			}
+		}
+		if b.Weight == 0 {
+			b.Weight = DefaultWeight
+		}
+		if b.MaxInflight == 0 {
+			b.MaxInflight = DefaultMaxInflight
+		}
+	}
+	c.deriveNames()
+	if c.EngineClient == "" {
+		c.EngineClient = DefaultEngineClient
+	}
+	if c.PrefillPolicy == "" {
+		c.PrefillPolicy = PolicyLeastInflight
+	}
+	if c.DecodePolicy == "" {
+		c.DecodePolicy = PolicyLeastInflight
+	}
+	if c.PrefixTokens == 0 {
+		c.PrefixTokens = DefaultPrefixTokens
+	}
+	h := &c.Health
+	if h.Interval == 0 {
+		h.Interval = DefaultHealthInterval
+	}
+	if h.Timeout == 0 {
+		h.Timeout = DefaultHealthTimeout
+	}
+	if h.UnhealthyThreshold == 0 {
+		h.UnhealthyThreshold = DefaultUnhealthyThreshold
+	}
+	if h.HealthyThreshold == 0 {
+		h.HealthyThreshold = DefaultHealthyThreshold
+	}
+	if h.Path == "" {
+		h.Path = DefaultHealthPath
+	}
+	e := &c.Ejection
+	if e.ConsecutiveFailures == 0 {
+		e.ConsecutiveFailures = DefaultConsecutiveFailures
+	}
+	if e.BaseBackoff == 0 {
+		e.BaseBackoff = DefaultBaseBackoff
+		if h.Interval > 0 {
+			e.BaseBackoff = h.Interval
+		}
+	}
+	if e.MaxBackoff == 0 {
+		e.MaxBackoff = max(DefaultMaxBackoff, e.BaseBackoff)
+	}
+	if c.Queue.Size == 0 {
+		c.Queue.Size = DefaultQueueSize
+	}
+	if c.Queue.Timeout == 0 {
+		c.Queue.Timeout = DefaultQueueTimeout
+	}
+	c.setDiscoveryDefaults()
+	if c.ScrapeInterval == 0 {
+		c.ScrapeInterval = DefaultScrapeInterval
+	}
+	c.setCacheDefaults()
+	if _, wants := c.policyWith(wantsTokens); c.Tokenizer == "" && wants {
+		c.Tokenizer = TokenizerEngine
+	}
+}
+
+func (c *Config) setCacheDefaults() {
+	ca := &c.CacheAware
+	if ca.CacheThreshold == 0 {
+		ca.CacheThreshold = DefaultCacheThreshold
+	}
+	if ca.BalanceAbsThreshold == 0 {
+		ca.BalanceAbsThreshold = DefaultBalanceAbsThreshold
+	}
+	if ca.BalanceRelThreshold == 0 {
+		ca.BalanceRelThreshold = DefaultBalanceRelThreshold
+	}
+	if ca.MaxTreeBytes == 0 {
+		ca.MaxTreeBytes = kvcache.DefaultMaxTreeBytes
+	}
+	kv := &c.KVEvents
+	if kv.StaleAfter == 0 {
+		kv.StaleAfter = DefaultKVEventsStaleAfter
+	}
+	if kv.ReplayTimeout == 0 {
+		kv.ReplayTimeout = kvcache.DefaultReplayTimeout
+	}
+	if kv.MaxBlocksPerBackend == 0 {
+		kv.MaxBlocksPerBackend = kvcache.DefaultMaxBlocks
+	}
+	if c.TokenizeTimeout == 0 {
+		c.TokenizeTimeout = DefaultTokenizeTimeout
+	}
+	if c.BlockSize == 0 {
+		c.BlockSize = DefaultBlockSize
+	}
+}
+
+// checkCache names what is wrong with the cache-aware settings, as Validate does.
+func (c *Config) checkCache() []error {
+	var errs []error
+	bad := func(field, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%s: %s", field, fmt.Sprintf(format, args...)))
+	}
+	ca := c.CacheAware
+	if ca.CacheThreshold > 1 {
+		bad("cache_aware.cache_threshold", "%v is above 1: no request could ever match that much", ca.CacheThreshold)
+	}
+	if ca.BalanceRelThreshold < 1 {
+		bad("cache_aware.balance_rel_threshold", "%v is below 1: the most loaded is never less loaded than the least", ca.BalanceRelThreshold)
+	}
+	if ca.MaxTreeBytes < 0 {
+		bad("cache_aware.max_tree_bytes", "%d is negative", ca.MaxTreeBytes)
+	}
+	kv := c.KVEvents
+	if kv.Listen != "" {
+		if err := kvcache.CheckEndpoint(kv.Listen, true); err != nil {
+			bad("kv_events.listen", "%v", err)
+		}
+	}
+	if kv.StaleAfter < 0 {
+		bad("kv_events.stale_after", "%v is negative", kv.StaleAfter)
+	}
+	if kv.ReplayTimeout < 0 {
+		bad("kv_events.replay_timeout", "%v is negative", kv.ReplayTimeout)
+	}
+	if kv.MaxBlocksPerBackend < 0 {
+		bad("kv_events.max_blocks_per_backend", "%d is negative", kv.MaxBlocksPerBackend)
+	}
+	switch c.Tokenizer {
+	case "", TokenizerEngine:
+	default:
+		bad("tokenizer", "%q is not %q", c.Tokenizer, TokenizerEngine)
+	}
+	if name, wants := c.policyWith(wantsTokens); wants && c.Tokenizer != TokenizerEngine {
+		bad("tokenizer", "%s needs the request's tokens: set tokenizer: %s", name, TokenizerEngine)
+	}
+	if c.TokenizeTimeout < 0 {
+		bad("tokenize_timeout", "%v is negative", c.TokenizeTimeout)
+	}
+	if c.BlockSize < 0 {
+		bad("block_size", "%d is negative", c.BlockSize)
+	}
+	sources := kv.Listen != ""
+	for i, b := range c.Backends {
+		f := fmt.Sprintf("backends[%d]", i)
+		for _, pf := range []struct {
+			name string
+			port int
+		}{{"kv_events_port", b.KVEventsPort}, {"kv_events_replay_port", b.KVEventsReplayPort}} {
+			if pf.port < 0 || pf.port > 65535 {
+				bad(f+"."+pf.name, "%d is not a port", pf.port)
+			}
+		}
+		if b.KVEventsPort > 0 {
+			sources = true
+		}
+		if b.KVEventsEndpoint != "" {
+			sources = true
+			if err := kvcache.CheckEndpoint(b.KVEventsEndpoint, false); err != nil {
+				bad(f+".kv_events_endpoint", "%v", err)
+			}
+			if b.Discover != "" {
+				// Every discovered engine would dial the same address.
+				bad(f+".kv_events_endpoint", "set on a discover entry: its engines have one address each; use kv_events_port (each engine's own address), or kv_events.listen, which they dial")
+			}
+		}
+		if b.KVEventsReplayEndpoint != "" {
+			if err := kvcache.CheckEndpoint(b.KVEventsReplayEndpoint, false); err != nil {
+				bad(f+".kv_events_replay_endpoint", "%v", err)
+			}
+			if b.KVEventsEndpoint == "" && b.KVEventsPort == 0 && kv.Listen == "" {
+				bad(f+".kv_events_replay_endpoint", "set, but the engine's events are read from nowhere: set kv_events_endpoint or kv_events.listen")
+			}
+		}
+	}
+	if name, needs := c.policyWith(needsKVEvents); needs && !sources {
+		bad("kv_events", "%s reads the engines' KV events, and none are configured: set kv_events.listen, or kv_events_endpoint on the backends (or use cache_aware)", name)
+	}
+	return errs
+}
+
+// deriveNames names the backends that have no name after their address, host:port. One
+// engine may serve in both roles (vLLM with kv_role kv_both, common in small deployments):
+// an address named by unnamed backends of both roles gets the role in front,
+// "prefill-host:port" and "decode-host:port", and only then, so that an address used once
+// keeps the name, and the metrics' backend label, it always had.
+func (c *Config) deriveNames() {
+	derived := make([]string, len(c.Backends))
+	roles := make(map[string]map[Role]bool)
+	for i, b := range c.Backends {
+		if b.Name != "" {
+			continue
+		}
+		if u, err := url.Parse(b.URL); err == nil && u.Host != "" {
+			derived[i] = hostPort(u)
+			if roles[derived[i]] == nil {
+				roles[derived[i]] = make(map[Role]bool)
+			}
+			roles[derived[i]][b.Role] = true
+		}
+	}
+	for i, name := range derived {
+		if name == "" {
+			continue
+		}
+		b := &c.Backends[i]
+		if len(roles[name]) > 1 {
+			name = string(b.Role) + "-" + name
+		}
+		b.Name = name
+	}
+}
+
+// hostPort names a backend after its address, adding the scheme's port when the URL
+// has none so that "http://a" and "http://a:80" get the same name.
+func hostPort(u *url.URL) string {
+	if u.Port() != "" {
+		return u.Host
+	}
+	port := "80"
+	if u.Scheme == "https" {
+		port = "443"
+	}
+	return net.JoinHostPort(u.Hostname(), port)
+}
+
+// Validate fills the defaults of zero fields in place, then checks the config. The
+// error names every bad field, e.g. "backends[1].url: ...".
+func (c *Config) Validate() error {
+	c.setDefaults()
+	var errs []error
+	bad := func(field, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%s: %s", field, fmt.Sprintf(format, args...)))
+	}
+	if c.EngineClient != EngineClientLean && c.EngineClient != EngineClientStdlib {
+		bad("engine_client", "%q is not %q or %q", c.EngineClient, EngineClientLean, EngineClientStdlib)
+	}
+	names := make(map[string]int, len(c.Backends))
+	decoders := 0
+	for i, b := range c.Backends {
+		f := fmt.Sprintf("backends[%d]", i)
+		if err := checkURL(b.URL); err != nil {
+			bad(f+".url", "%v", err)
+		}
+		switch b.Role {
+		case RolePrefill:
+		case RoleDecode:
+			decoders++
+		default:
+			bad(f+".role", "%q is not %q or %q", b.Role, RolePrefill, RoleDecode)
+		}
+		if b.Name == "" {
+			if b.URL != "" {
+				bad(f+".name", "empty and not derivable from the url")
+			}
+		} else if j, dup := names[b.Name]; dup {
+			bad(f+".name", "%q already names backends[%d]; set distinct names", b.Name, j)
+		} else {
+			names[b.Name] = i
+		}
+		if b.Weight < 0 {
+			bad(f+".weight", "%d is negative", b.Weight)
+		}
+		if b.MaxInflight < 0 {
+			bad(f+".max_inflight", "%d is negative", b.MaxInflight)
+		}
+		if b.DataParallelSize < 0 || b.DataParallelSize > maxDataParallelSize {
+			bad(f+".data_parallel_size", "%d is not between 0 and %d", b.DataParallelSize, maxDataParallelSize)
+		}
+		if _, ok := engineOf(c.Engines, b.Engine); !ok {
+			bad(f+".engine", "unknown engine %q (want one of %s)", b.Engine, strings.Join(c.Engines.Kinds(), ", "))
+		}
+		if b.KVHoldTimeout < 0 {
+			bad(f+".kv_hold_timeout", "%v is negative", b.KVHoldTimeout)
+		}
+		if b.AdminAPIKey != "" && b.AdminAPIKeyEnv != "" {
+			bad(f+".admin_api_key_env", "set together with admin_api_key; set one")
+		}
+		for j, m := range b.Models {
+			if strings.TrimSpace(m) == "" {
+				bad(fmt.Sprintf("%s.models[%d]", f, j), "empty model name")
+			}
+		}
+		if b.BootstrapPort < 0 || b.BootstrapPort > 65535 {
+			bad(f+".bootstrap_port", "%d is not a port", b.BootstrapPort)
+		}
+		if b.APIKey != "" && b.APIKeyEnv != "" {
+			bad(f+".api_key_env", "set together with api_key; set one")
+		}
+		if u, err := url.Parse(b.URL); err == nil && u.Scheme != "https" {
+			// TLS settings on a plain-HTTP URL would be silently ignored: the operator
+			// believes the link is protected while prompts cross it in clear text.
+			for _, o := range []struct {
+				field string
+				set   bool
+			}{{"tls_ca_file", b.TLSCAFile != ""}, {"tls_server_name", b.TLSServerName != ""}, {"tls_insecure_skip_verify", b.TLSInsecureSkipVerify}} {
+				if o.set {
+					bad(f+"."+o.field, "set, but the url %q is not https", b.URL)
+				}
+			}
+		}
+		if b.TLSInsecureSkipVerify && b.TLSCAFile != "" {
+			bad(f+".tls_insecure_skip_verify", "contradicts tls_ca_file: a CA is pointless when nothing is verified")
+		}
+	}
+	if decoders == 0 {
+		bad("backends", "at least one backend with role %q is required", RoleDecode)
+	}
+	for _, p := range []struct{ field, name string }{
+		{"prefill_policy", c.PrefillPolicy},
+		{"decode_policy", c.DecodePolicy},
+	} {
+		if !knownPolicy(p.name) {
+			bad(p.field, "unknown policy %q (want %s)", p.name, strings.Join(policyNames(), ", "))
+		}
+	}
+	if c.PrefixTokens < 0 {
+		bad("prefix_tokens", "%d is negative", c.PrefixTokens)
+	}
+	h := c.Health
+	if h.Timeout < 0 {
+		bad("health.timeout", "%v is negative", h.Timeout)
+	}
+	if h.UnhealthyThreshold < 0 {
+		bad("health.unhealthy_threshold", "%d is negative", h.UnhealthyThreshold)
+	}
+	if h.HealthyThreshold < 0 {
+		bad("health.healthy_threshold", "%d is negative", h.HealthyThreshold)
+	}
+	if !strings.HasPrefix(h.Path, "/") {
+		bad("health.path", "%q does not start with /", h.Path)
+	}
+	e := c.Ejection
+	if e.BaseBackoff < 0 {
+		bad("ejection.base_backoff", "%v is negative", e.BaseBackoff)
+	} else if h.Interval > 0 && e.BaseBackoff < h.Interval {
+		// Refused rather than raised: a config whose value is silently replaced misleads
+		// whoever reads it.
+		bad("ejection.base_backoff", "%v is shorter than health.interval %v: an ejected backend would take requests again before a health check could look at it; set at least %v, or leave it unset (one interval)",
+			e.BaseBackoff, h.Interval, h.Interval)
+	}
+	if e.MaxBackoff < e.BaseBackoff {
+		bad("ejection.max_backoff", "%v is less than base_backoff %v", e.MaxBackoff, e.BaseBackoff)
+	}
+	if c.Queue.Timeout < 0 {
+		bad("queue.timeout", "%v is negative", c.Queue.Timeout)
+	}
+	errs = append(errs, c.checkDiscovery()...)
+	errs = append(errs, c.checkCache()...)
+	if c.ScrapeInterval < minScrapeInterval {
+		bad("scrape_interval", "%v is shorter than %v", c.ScrapeInterval, minScrapeInterval)
+	}
+	return errors.Join(errs...)
+}
+
+func checkURL(raw string) error {
+	if raw == "" {
+		return errors.New("required")
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		return err
+	}
+	if u.Scheme != "http" && u.Scheme != "https" {
+		return fmt.Errorf("%q: scheme must be http or https", raw)
+	}
+	if u.Hostname() == "" {
+		return fmt.Errorf("%q: no host", raw)
+	}
+	if u.RawQuery != "" || u.Fragment != "" || u.User != nil {
+		return fmt.Errorf("%q: no user info, query or fragment allowed", raw)
+	}
+	return nil
+}
