@@ -115,23 +115,45 @@ func (x *exchange) refuseState() *apiError {
 		message: fmt.Sprintf("%s needs state kept on one engine, which disaggregated prefill/decode serving cannot promise; %s", x.req.state, how)}
 }
 
-// responsesEnds are the event lines that end a Responses stream: it has no [DONE].
-var responsesEnds = [][]byte{
-	[]byte("event: response.completed"), []byte("event: response.incomplete"), []byte("event: response.failed"),
-	[]byte("event:response.completed"), []byte("event:response.incomplete"), []byte("event:response.failed"),
-}
+// responsesEnds are the event names that end a Responses stream: it has no [DONE].
+var responsesEnds = [][]byte{[]byte("response.completed"), []byte("response.incomplete"), []byte("response.failed")}
 
 // sawEnd reports whether data, read after tail (the relay's last bytes of the stream before
-// it), holds the event that ends a Responses stream. An end line split across the two reads
-// is looked for where they meet, so that no read is copied whole.
+// it), holds the event that ends a Responses stream: an SSE field line "event:" naming it,
+// which starts a line and ends there. The same words inside a data line (generated text,
+// JSON-escaped, so never on a line of their own) are no end. A line split across the two
+// reads is looked for where they meet, so that no read is copied whole; the line and the
+// line ends around it fit in tailSize.
 func sawEnd(tail, data []byte) bool {
 	edge := append(tail[:len(tail):len(tail)], data[:min(len(data), tailSize)]...)
-	for _, end := range responsesEnds {
-		if bytes.Contains(data, end) || bytes.Contains(edge, end) {
-			return true
+	// The edge begins the stream when the tail is shorter than the relay keeps; data's own
+	// first line is looked at in the edge, where the byte before it is.
+	return endLine(data, false) || endLine(edge, len(tail) < tailSize)
+}
+
+// endLine reports whether p holds a line "event: <end>" (the space is optional in SSE) with
+// its line end; atStart says whether p begins a line.
+func endLine(p []byte, atStart bool) bool {
+	for off := 0; ; {
+		i := bytes.Index(p[off:], []byte("event:"))
+		if i < 0 {
+			return false
+		}
+		i += off
+		off = i + 1
+		if i == 0 && !atStart || i > 0 && p[i-1] != '\n' && p[i-1] != '\r' {
+			continue
+		}
+		v := p[i+len("event:"):]
+		if len(v) > 0 && v[0] == ' ' {
+			v = v[1:]
+		}
+		for _, end := range responsesEnds {
+			if len(v) > len(end) && bytes.HasPrefix(v, end) && (v[len(end)] == '\n' || v[len(end)] == '\r') {
+				return true
+			}
 		}
 	}
-	return false
 }
 
 // responsesErrorEvent is the event that ends a Responses stream that failed: the API's error
