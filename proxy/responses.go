@@ -73,6 +73,10 @@ func parseResponses(body []byte) (*genRequest, *apiError) {
 	if e := stringField(f, "previous_response_id", false, &prev); e != nil {
 		return nil, e
 	}
+	if raw, ok := f.Field("previous_response_id"); ok && !isNull(raw) && prev == "" {
+		// An engine would look the empty id up and answer 404, on whichever engine it is.
+		return nil, badRequest("previous_response_id", "previous_response_id is empty: name an earlier response, or leave it out")
+	}
 	var background, store bool
 	if e := boolField(f, "background", &background); e != nil {
 		return nil, e
@@ -80,18 +84,19 @@ func parseResponses(body []byte) (*genRequest, *apiError) {
 	if e := boolField(f, "store", &store); e != nil {
 		return nil, e
 	}
+	// vLLM's stateless multi-turn: previous_response carries the earlier response whole,
+	// which both engines can read, so previous_response_id needs nothing stored. It keeps
+	// nothing after the answer: a run in the background, or a response stored for later,
+	// still needs an engine that keeps it.
+	raw, whole := f.Field("previous_response")
+	whole = whole && !isNull(raw)
 	switch {
-	case prev != "":
+	case prev != "" && !whole:
 		req.state = "previous_response_id"
 	case background:
 		req.state = "background"
 	case store:
 		req.state = "store"
-	}
-	if _, ok := f.Field("previous_response"); ok {
-		// vLLM's stateless multi-turn: the client sends the earlier response whole, which
-		// both engines can read. Nothing to refuse.
-		req.state = ""
 	}
 	return req, nil
 }
