@@ -376,7 +376,9 @@ func TestPriorityReachesBothLegs(t *testing.T) {
 		{"a body naming a class's priority is of that class", `{"model":"m","prompt":"hi","priority":10}`, "", "10", "batch"},
 		{"a class that sets its priority fills it in", `{"model":"m","prompt":"hi"}`, "batch", "10", "batch"},
 		{"a null priority is filled in as none", `{"model":"m","prompt":"hi","priority":null}`, "batch", "10", "batch"},
-		{"the client's own priority is kept over its class's", `{"model":"m","prompt":"hi","priority":3}`, "batch", "3", "batch"},
+		{"a body priority that would run ahead of its class's becomes the class's", `{"model":"m","prompt":"hi","priority":-5}`, "batch", "10", "batch"},
+		{"a body priority below its class's is kept", `{"model":"m","prompt":"hi","priority":20}`, "batch", "20", "batch"},
+		{"a class that does not set one leaves the body's as it came", `{"model":"m","prompt":"hi","priority":-5}`, "interactive", "-5", "interactive"},
 		{"a class that does not set one leaves none", `{"model":"m","prompt":"hi"}`, "interactive", "", "interactive"},
 	}
 	for _, tt := range tests {
@@ -393,8 +395,8 @@ func TestPriorityReachesBothLegs(t *testing.T) {
 			for who, e := range map[string]*engine{"prefiller": p, "decoder": d} {
 				got := e.only(t, who)
 				f := got.fields(t)
-				if prio := string(f["priority"]); prio != tt.want {
-					t.Errorf("%s got priority %q, want %q: %s", who, prio, tt.want, got.Body)
+				if prio := string(f["priority"]); prio != tt.want || strings.Count(string(got.Body), `"priority"`) > 1 {
+					t.Errorf("%s got priority %q, want %q once: %s", who, prio, tt.want, got.Body)
 				}
 				if got.Header.Get("X-Priority") != "" {
 					t.Errorf("%s got the proxy's X-Priority header", who)

@@ -294,21 +294,56 @@ func (s *Server) modelLabel(name string) string {
 }
 
 // renamer puts the client's model name back into an answer an engine wrote with the served
-// one: every `"model":"<served>"` member becomes `"model":"<client>"`. The pattern has
-// unescaped quotes, so it never matches inside a JSON string (generated text). Bytes that may
-// begin a match split across two reads are held back until the next read shows; an SSE event
-// ends in a blank line, so a stream is never held up by it.
+// one: every `"model":"<served>"` member becomes `"model":"<client>"`. The patterns have
+// unescaped quotes, so they never match inside a JSON string (generated text). Bytes that
+// may begin a match split across two reads are held back until the next read shows; an SSE
+// event ends in a blank line, so a stream is never held up by it.
 type renamer struct {
-	old, new []byte
-	held     []byte
+	// olds are the served name's member as engines may spell it: raw, as Python's and Rust's
+	// JSON writers (vLLM's, SGLang's) put &, <, >, U+2028 and U+2029, and escaped, as Go's
+	// does. One pattern when the two are the same.
+	olds [][]byte
+	new  []byte
+	held []byte
 }
 
 func newRenamer(served, client string) *renamer {
-	enc := func(m string) []byte {
-		b, _ := json.Marshal(m)
-		return append([]byte(`"model":`), b...)
+	member := func(v []byte) []byte { return append([]byte(`"model":`), v...) }
+	escaped, _ := json.Marshal(served)
+	named, _ := json.Marshal(client)
+	r := &renamer{olds: [][]byte{member(escaped)}, new: member(named)}
+	if raw := unescapeHTML(escaped); !bytes.Equal(raw, escaped) {
+		r.olds = append(r.olds, member(raw))
 	}
-	return &renamer{old: enc(served), new: enc(client)}
+	return r
+}
+
+// htmlEscapes are the escapes Go's encoding/json writes that other JSON writers leave raw.
+var htmlEscapes = map[string]string{`\u0026`: "&", `\u003c`: "<", `\u003e`: ">", `\u2028`: "\u2028", `\u2029`: "\u2029"}
+
+// unescapeHTML is the JSON string s (as json.Marshal writes it) with htmlEscapes raw. Every
+// backslash in s begins an escape, so they are walked one escape at a time: an escaped
+// backslash followed by "u0026" is left alone.
+func unescapeHTML(s []byte) []byte {
+	out := make([]byte, 0, len(s))
+	for i := 0; i < len(s); i++ {
+		if s[i] != '\\' || i+1 >= len(s) {
+			out = append(out, s[i])
+			continue
+		}
+		if s[i+1] == 'u' && i+6 <= len(s) {
+			if raw, ok := htmlEscapes[string(s[i:i+6])]; ok {
+				out = append(out, raw...)
+			} else {
+				out = append(out, s[i:i+6]...)
+			}
+			i += 5
+			continue
+		}
+		out = append(out, s[i:i+2]...)
+		i++
+	}
+	return out
 }
 
 // rewrite returns p renamed, with what was held before it; nil r passes p as it is.
@@ -316,19 +351,19 @@ func (r *renamer) rewrite(p []byte) []byte {
 	if r == nil {
 		return p
 	}
-	if len(r.held) == 0 && !bytes.Contains(p, r.old) && r.overlap(p) == 0 {
+	if len(r.held) == 0 && r.next(p) < 0 && r.overlap(p) == 0 {
 		return p
 	}
 	data := append(r.held, p...)
 	out := make([]byte, 0, len(data)+len(r.new))
 	for {
-		i := bytes.Index(data, r.old)
+		i := r.next(data)
 		if i < 0 {
 			break
 		}
 		out = append(out, data[:i]...)
 		out = append(out, r.new...)
-		data = data[i+len(r.old):]
+		data = data[i+len(r.match(data[i:])):]
 	}
 	k := r.overlap(data)
 	out = append(out, data[:len(data)-k]...)
@@ -336,12 +371,37 @@ func (r *renamer) rewrite(p []byte) []byte {
 	return out
 }
 
-// overlap is the length of the longest end of p that begins the pattern.
-func (r *renamer) overlap(p []byte) int {
-	k := min(len(p), len(r.old)-1)
-	for ; k > 0 && !bytes.HasPrefix(r.old, p[len(p)-k:]); k-- {
+// next is the index of the first pattern in p, or -1.
+func (r *renamer) next(p []byte) int {
+	first := -1
+	for _, old := range r.olds {
+		if i := bytes.Index(p, old); i >= 0 && (first < 0 || i < first) {
+			first = i
+		}
 	}
-	return k
+	return first
+}
+
+// match is the pattern p begins with.
+func (r *renamer) match(p []byte) []byte {
+	for _, old := range r.olds {
+		if bytes.HasPrefix(p, old) {
+			return old
+		}
+	}
+	return nil
+}
+
+// overlap is the length of the longest end of p that begins a pattern.
+func (r *renamer) overlap(p []byte) int {
+	best := 0
+	for _, old := range r.olds {
+		k := min(len(p), len(old)-1)
+		for ; k > best && !bytes.HasPrefix(old, p[len(p)-k:]); k-- {
+		}
+		best = max(best, k)
+	}
+	return best
 }
 
 // flush returns what is held at the answer's end.

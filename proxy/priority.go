@@ -22,8 +22,8 @@ import (
 // priority, else the default class.
 //
 // The body's priority (vLLM's, read by --scheduling-policy priority: lower runs earlier;
-// SGLang's with --enable-priority-scheduling) goes to the engines untouched, on both legs of
-// a P/D request.
+// SGLang's with --enable-priority-scheduling) goes to the engines on both legs of a P/D
+// request, untouched unless its class has set_priority.
 type PriorityConfig struct {
 	// Header names a request header whose value names the request's class (e.g.
 	// X-Priority: batch), matched exactly. It is not passed on to engines. Empty means the
@@ -50,7 +50,9 @@ type PriorityClass struct {
 	MaxQueueWait time.Duration `yaml:"max_queue_wait"`
 	// SetPriority writes Priority into the body sent to the engines when the client sent no
 	// priority (or null), so that an engine scheduling by priority orders it by its class
-	// too. [false: the body goes as it came]
+	// too, and bounds what the body may claim: a body priority below Priority (which would
+	// run it earlier) becomes Priority; one above it is kept. [false: the body goes as it
+	// came]
 	SetPriority bool `yaml:"set_priority"`
 }
 
@@ -138,8 +140,16 @@ func (c *classes) classify(r *http.Request, req *genRequest) (*PriorityClass, *a
 			cl = byPrio
 		}
 	}
-	if cl.SetPriority && !sent {
-		fields, err := withMember(req.fields, "priority", strconv.Itoa(cl.Priority))
+	if cl.SetPriority && (!sent || prio < int64(cl.Priority)) {
+		var fields *kvbackend.Fields
+		var err error
+		if sent {
+			// A body may rank its request lower than its class (a larger number), never
+			// ahead of it: the engines would serve a batch request before interactive ones.
+			fields, err = req.fields.With("priority", []byte(strconv.Itoa(cl.Priority)))
+		} else {
+			fields, err = withMember(req.fields, "priority", strconv.Itoa(cl.Priority))
+		}
 		if err != nil {
 			return nil, newError(errInternal, "internal error").with("", err, 0)
 		}

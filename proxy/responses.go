@@ -72,6 +72,10 @@ func parseResponses(body []byte) (*genRequest, *apiError) {
 	if e := stringField(f, "previous_response_id", false, &prev); e != nil {
 		return nil, e
 	}
+	if raw, ok := f.Field("previous_response_id"); ok && !isNull(raw) && prev == "" {
+		// An engine would look the empty id up and answer 404, on whichever engine it is.
+		return nil, badRequest("previous_response_id", "previous_response_id is empty: name an earlier response, or leave it out")
+	}
 	var background, store bool
 	if e := boolField(f, "background", &background); e != nil {
 		return nil, e
@@ -79,18 +83,19 @@ func parseResponses(body []byte) (*genRequest, *apiError) {
 	if e := boolField(f, "store", &store); e != nil {
 		return nil, e
 	}
+	// vLLM's stateless multi-turn: previous_response carries the earlier response whole,
+	// which both engines can read, so previous_response_id needs nothing stored. It keeps
+	// nothing after the answer: a run in the background, or a response stored for later,
+	// still needs an engine that keeps it.
+	raw, whole := f.Field("previous_response")
+	whole = whole && !isNull(raw)
 	switch {
-	case prev != "":
+	case prev != "" && !whole:
 		req.state = "previous_response_id"
 	case background:
 		req.state = "background"
 	case store:
 		req.state = "store"
-	}
-	if _, ok := f.Field("previous_response"); ok {
-		// vLLM's stateless multi-turn: the client sends the earlier response whole, which
-		// both engines can read. Nothing to refuse.
-		req.state = ""
 	}
 	return req, nil
 }
@@ -113,23 +118,45 @@ func (x *exchange) refuseState() *apiError {
 	return newError(errUnsupportedParam, fmt.Sprintf("%s needs state kept on one engine, which disaggregated prefill/decode serving cannot promise; %s", x.req.state, how)).with(x.req.state, nil, 0)
 }
 
-// responsesEnds are the event lines that end a Responses stream: it has no [DONE].
-var responsesEnds = [][]byte{
-	[]byte("event: response.completed"), []byte("event: response.incomplete"), []byte("event: response.failed"),
-	[]byte("event:response.completed"), []byte("event:response.incomplete"), []byte("event:response.failed"),
-}
+// responsesEnds are the event names that end a Responses stream: it has no [DONE].
+var responsesEnds = [][]byte{[]byte("response.completed"), []byte("response.incomplete"), []byte("response.failed")}
 
 // sawEnd reports whether data, read after tail (the relay's last bytes of the stream before
-// it), holds the event that ends a Responses stream. An end line split across the two reads
-// is looked for where they meet, so that no read is copied whole.
+// it), holds the event that ends a Responses stream: an SSE field line "event:" naming it,
+// which starts a line and ends there. The same words inside a data line (generated text,
+// JSON-escaped, so never on a line of their own) are no end. A line split across the two
+// reads is looked for where they meet, so that no read is copied whole; the line and the
+// line ends around it fit in tailSize.
 func sawEnd(tail, data []byte) bool {
 	edge := append(tail[:len(tail):len(tail)], data[:min(len(data), tailSize)]...)
-	for _, end := range responsesEnds {
-		if bytes.Contains(data, end) || bytes.Contains(edge, end) {
-			return true
+	// The edge begins the stream when the tail is shorter than the relay keeps; data's own
+	// first line is looked at in the edge, where the byte before it is.
+	return endLine(data, false) || endLine(edge, len(tail) < tailSize)
+}
+
+// endLine reports whether p holds a line "event: <end>" (the space is optional in SSE) with
+// its line end; atStart says whether p begins a line.
+func endLine(p []byte, atStart bool) bool {
+	for off := 0; ; {
+		i := bytes.Index(p[off:], []byte("event:"))
+		if i < 0 {
+			return false
+		}
+		i += off
+		off = i + 1
+		if i == 0 && !atStart || i > 0 && p[i-1] != '\n' && p[i-1] != '\r' {
+			continue
+		}
+		v := p[i+len("event:"):]
+		if len(v) > 0 && v[0] == ' ' {
+			v = v[1:]
+		}
+		for _, end := range responsesEnds {
+			if len(v) > len(end) && bytes.HasPrefix(v, end) && (v[len(end)] == '\n' || v[len(end)] == '\r') {
+				return true
+			}
 		}
 	}
-	return false
 }
 
 // responsesErrorEvent is the event that ends a Responses stream that failed: the API's error

@@ -90,7 +90,8 @@ type Config struct {
 	// decoder already holds all but fewer than this many of its prompt's tokens (as the
 	// decoder's KV events tell; precise_cache_aware's index) is served decode-only, counted in
 	// pdproxy_decode_only_total{reason="cached"}. It needs decoder_reservation before_prefill
-	// and a decoder whose KV events the proxy reads. [0: always disaggregate]
+	// (refused otherwise) and a decoder whose KV events the proxy reads (cmd/proxy refuses a
+	// config that reads none). [0: always disaggregate]
 	PDUncachedTokenThreshold int `yaml:"pd_uncached_token_threshold"`
 	// PrefillTimeout bounds the prefill call. [5m]
 	PrefillTimeout time.Duration `yaml:"prefill_timeout"`
@@ -220,6 +221,10 @@ func (c *Config) setDefaults() error {
 	case ReserveBeforePrefill, ReserveAfterPrefill:
 	default:
 		return fmt.Errorf("decoder_reservation: %q is not one of before_prefill, after_prefill", c.DecoderReservation)
+	}
+	if c.PDUncachedTokenThreshold > 0 && c.DecoderReservation == ReserveAfterPrefill {
+		// Whose cache would be weighed is known only once a decoder is reserved.
+		return fmt.Errorf("pd_uncached_token_threshold: needs decoder_reservation before_prefill, so that the decoder is known before its prefill is skipped")
 	}
 	switch c.AbortDuringPrefill {
 	case AbortPrefillCancel, AbortPrefillFinishThenFree:

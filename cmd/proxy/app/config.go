@@ -279,3 +279,22 @@ func (EngineCatalog) Engine(kind string) (router.Engine, bool) {
 
 // Kinds lists kvbackend's engine kinds.
 func (EngineCatalog) Kinds() []string { return kvbackend.Kinds() }
+
+// checkConditional refuses pd_uncached_token_threshold when no decoder's KV events are read:
+// the proxy knows what a decoder holds only from its events, and without them conditional
+// disaggregation would be accepted and never fire. The router's part of the config says
+// where events come from (kv_events.listen, which any engine may dial, or a decode
+// backend's own endpoint or port); the proxy's part holds the threshold, so both are checked
+// here.
+func checkConditional(p proxy.Config, r router.Config) error {
+	if p.PDUncachedTokenThreshold <= 0 || r.KVEvents.Listen != "" {
+		return nil
+	}
+	for _, b := range r.Backends {
+		if b.Role == router.RoleDecode && (b.KVEventsEndpoint != "" || b.KVEventsPort > 0) {
+			return nil
+		}
+	}
+	return fmt.Errorf("pd_uncached_token_threshold: %d needs the decoders' KV events, and none are read: set kv_events_endpoint or kv_events_port on the decode backends, or kv_events.listen for them to publish to; without them no decoder's cache is known and every request is disaggregated",
+		p.PDUncachedTokenThreshold)
+}

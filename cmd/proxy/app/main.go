@@ -238,6 +238,9 @@ func countRole(bs []router.BackendConfig, role router.Role) int {
 // no longer than any prefiller's own (race R4 otherwise).
 func (m *Main) build(ctx context.Context, rcfg router.Config) error {
 	rcfg.Engines = EngineCatalog{}
+	if err := checkConditional(m.cfg.Proxy, rcfg); err != nil {
+		return fmt.Errorf("config: %w", err)
+	}
 	rt, err := router.New(rcfg, m.logger.Named("router"), m.Registry)
 	if err != nil {
 		return fmt.Errorf("config: %w", err)

@@ -63,6 +63,9 @@ func (m *Main) Reload(path string) error {
 	if err := m.checkHolds(checked.Backends); err != nil {
 		return fmt.Errorf("reload %s: %w", path, withLines(data, err))
 	}
+	if err := checkConditional(m.cfg.Proxy, checked); err != nil {
+		return fmt.Errorf("reload %s: %w", path, err)
+	}
 	statuses := make([]router.BackendStatus, len(checked.Backends))
 	for i, b := range checked.Backends {
 		statuses[i] = router.BackendStatus{Name: b.Name, URL: b.URL, Role: b.Role, Engine: b.Engine}
