@@ -72,11 +72,12 @@ func TestResponsesStreamEndsOnlyAtItsEndEventLine(t *testing.T) {
 				ctx, cancel := context.WithCancelCause(context.Background())
 				rec := httptest.NewRecorder()
 				x := &exchange{s: srv, w: rec, ctx: ctx, cancel: cancel, id: id, route: "/v1/responses",
-					start: time.Now(), req: &genRequest{stream: true, responses: true}, own: &custody{id: id}}
+					req: &genRequest{stream: true, responses: true}}
+				x.times.start = time.Now()
 				wd := newWatchdog(ctx, false, false, time.Hour, time.Hour)
 				resp := &http.Response{StatusCode: http.StatusOK, Header: http.Header{},
 					Body: io.NopCloser(&reads{parts: []string{tt.stream[:cut], tt.stream[cut:]}})}
-				e := x.relay(resp, wd)
+				e := x.relay(&custody{id: id}, resp, wd)
 				wd.stop()
 				cancel(nil)
 				table.End(id)
