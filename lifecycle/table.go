@@ -55,6 +55,9 @@ type entry struct {
 	// paired says the request went out on paired legs (StartLegs): the room's hold recorded
 	// then is the only hold it ever has, and only LegsJoined, ClientGone, Fail or End end it.
 	paired bool
+	// attempts counts the request's tries after its first (Continue): each has its own legs
+	// and its own hold.
+	attempts int
 }
 
 // New returns an empty table that registers its metrics on reg.
@@ -327,6 +330,28 @@ func (t *Table) StartDecode(id, backend string) (forwardKV bool, hold *Hold, ok 
 	return forwardKV, hold, true
 }
 
+// Continue starts another attempt of a request whose decoder failed or went away while it
+// decoded (a stream that continues on other engines): it goes back to Received, with no legs
+// and no hold, and from there through the same transitions as a new request. ok is false
+// when the request is no longer decoding (the client left, shutdown aborted it, or it ended):
+// nothing may be sent then.
+func (t *Table) Continue(id string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.lookup(id, "continue")
+	if e == nil {
+		return false
+	}
+	if e.state != Decoding || e.hold != nil && !e.hold.Released() {
+		t.late("continue", id)
+		return false
+	}
+	e.attempts++
+	e.prefill, e.decode, e.hold, e.deadline, e.paired = "", "", nil, time.Time{}, false
+	t.setState(e, Received)
+	return true
+}
+
 // Finish ends a request that completed.
 func (t *Table) Finish(id string) bool {
 	return t.end(id, "finish", Finished, Decoding) != nil
@@ -422,6 +447,9 @@ type Info struct {
 	// negative once it passed; absent unless KVHeld, and on paired legs, whose params never
 	// pass through the proxy.
 	KVHoldDeadlineInSeconds *float64 `json:"kv_hold_deadline_in_seconds,omitempty"`
+	// Attempts counts the request's tries after its first: a stream whose decoder failed or
+	// went away goes on under the same entry, on other engines (Continue).
+	Attempts int `json:"attempts,omitempty"`
 }
 
 // Snapshot lists the requests in flight, oldest first.
@@ -434,7 +462,8 @@ func (t *Table) Snapshot() []Info {
 			ID: e.id, Route: e.route, State: e.state,
 			AgeSeconds: now.Sub(e.started).Seconds(),
 			Prefill:    e.prefill, Decode: e.decode,
-			KVHeld: e.hold != nil && !e.hold.Released(),
+			KVHeld:   e.hold != nil && !e.hold.Released(),
+			Attempts: e.attempts,
 		}
 		if in.KVHeld {
 			age := now.Sub(e.hold.since).Seconds()
