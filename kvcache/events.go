@@ -183,6 +183,36 @@ func CheckEndpoint(ep string, bind bool) error {
 	return nil
 }
 
+// ParseSource parses an allowed source: an IP address, "10.0.0.7", or a CIDR prefix,
+// "10.0.0.0/24", with no bits set past its length.
+func ParseSource(s string) (netip.Prefix, error) {
+	if !strings.Contains(s, "/") {
+		a, err := netip.ParseAddr(s)
+		if err != nil {
+			return netip.Prefix{}, fmt.Errorf("%q is neither an IP address nor a CIDR prefix", s)
+		}
+		if a.Zone() != "" {
+			return netip.Prefix{}, fmt.Errorf("%q has a zone, which a source address never has", s)
+		}
+		a = a.Unmap()
+		return netip.PrefixFrom(a, a.BitLen()), nil
+	}
+	p, err := netip.ParsePrefix(s)
+	if err != nil {
+		return netip.Prefix{}, fmt.Errorf("%q is neither an IP address nor a CIDR prefix: %w", s, err)
+	}
+	if p != p.Masked() {
+		return netip.Prefix{}, fmt.Errorf("%q has bits set past its /%d: %v is the prefix it names", s, p.Bits(), p.Masked())
+	}
+	if p.Addr().Is4In6() {
+		if p.Bits() < 96 {
+			return netip.Prefix{}, fmt.Errorf("%q reaches past IPv4-mapped addresses", s)
+		}
+		p = netip.PrefixFrom(p.Addr().Unmap(), p.Bits()-96)
+	}
+	return p, nil
+}
+
 // SetEndpoints replaces the engines subscribed to. An engine no longer there is forgotten
 // by the index, and its series go; a changed dial endpoint is dialed anew by Run.
 func (e *Events) SetEndpoints(eps []Endpoint) {

@@ -782,3 +782,31 @@ func TestEventsListenWithoutAHostBindsLoopback(t *testing.T) {
 		t.Errorf("tcp://:0 bound %v, want a loopback address", ap)
 	}
 }
+
+func TestParseSource(t *testing.T) {
+	tests := []struct {
+		in, want string // want "" means refused
+	}{
+		{"10.0.0.7", "10.0.0.7/32"},
+		{"10.0.0.0/24", "10.0.0.0/24"},
+		{"::ffff:10.0.0.7", "10.0.0.7/32"},
+		{"fd00::/8", "fd00::/8"},
+		{"10.0.0.7/24", ""},
+		{"10.0.0.300", ""},
+		{"10.0.0.0/33", ""},
+		{"fe80::1%eth0", ""},
+		{"engine-0", ""},
+		{"", ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.in, func(t *testing.T) {
+			p, err := ParseSource(tt.in)
+			switch {
+			case tt.want == "" && err == nil:
+				t.Errorf("ParseSource(%q) = %v, want an error", tt.in, p)
+			case tt.want != "" && (err != nil || p.String() != tt.want):
+				t.Errorf("ParseSource(%q) = %v, %v, want %s", tt.in, p, err, tt.want)
+			}
+		})
+	}
+}
