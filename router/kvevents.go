@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/netip"
 	"strings"
 	"time"
 
@@ -24,6 +25,18 @@ func kvEndpoints(all []*Backend) []kvcache.Endpoint {
 		out = append(out, kvcache.Endpoint{Engine: b.Name, HostPort: hostPort(b.URL), Dial: b.kvEvents, Replay: b.kvReplay})
 	}
 	return out
+}
+
+// setKVEndpoints hands the subscribers the backends and kv_events.allowed_sources.
+func (r *Router) setKVEndpoints(cfg Config, all []*Backend) {
+	allowed := make([]netip.Prefix, 0, len(cfg.KVEvents.AllowedSources))
+	for _, s := range cfg.KVEvents.AllowedSources {
+		if p, err := kvcache.ParseSource(s); err == nil { // Validate refused the others
+			allowed = append(allowed, p)
+		}
+	}
+	r.events.SetAllowedSources(allowed)
+	r.events.SetEndpoints(kvEndpoints(all))
 }
 
 // runEvents runs the KV event subscribers until ctx is done.

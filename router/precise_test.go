@@ -256,7 +256,8 @@ func others(r *Router, name string) []string {
 	return out
 }
 
-// listenCfg is three decoders whose engines dial the router's kv_events.listen.
+// listenCfg is three decoders whose engines dial the router's kv_events.listen, publishing
+// from loopback, as engines behind a NAT would from its address.
 func listenCfg() Config {
 	return Config{
 		Backends: []BackendConfig{
@@ -264,7 +265,7 @@ func listenCfg() Config {
 			{Name: "d1", URL: "http://10.0.0.2:8000", Role: RoleDecode},
 			{Name: "d2", URL: "http://10.0.0.3:8000", Role: RoleDecode},
 		},
-		KVEvents: KVEventsConfig{Listen: "tcp://127.0.0.1:0"},
+		KVEvents: KVEventsConfig{Listen: "tcp://127.0.0.1:0", AllowedSources: []string{"127.0.0.1"}},
 	}
 }
 
