@@ -302,6 +302,11 @@ type Config struct {
 	// TokenizeTimeout bounds one /tokenize call; a request whose tokens do not come in time
 	// is scored by its text. Zero means 1s.
 	TokenizeTimeout time.Duration `yaml:"tokenize_timeout"`
+	// EngineTokenizer is how tokenizer: engine tokenizes, at the backend Router.Tokens picks
+	// (cmd/proxy passes kvbackend's: the engine's POST /tokenize). Nil means Router.Tokens
+	// answers ErrNoTokenizer, and precise_cache_aware scores requests by their text. Read at
+	// New: a reload keeps the one the router was built with.
+	EngineTokenizer Tokenizer `yaml:"-"`
 	// BlockSize is the engines' KV block size in tokens (vLLM's --block-size), for events
 	// that do not give theirs; an event's own block_size wins. Zero means 16. Read at start.
 	BlockSize int `yaml:"block_size"`
