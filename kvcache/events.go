@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -18,24 +20,49 @@ import (
 
 // Defaults of EventsConfig.
 const (
-	DefaultReplayTimeout = time.Second
-	DefaultRedial        = time.Second
+	DefaultReplayTimeout    = time.Second
+	DefaultRedial           = time.Second
+	DefaultHandshakeTimeout = 5 * time.Second
 	// maxReplay is the most batches a gap is replayed for: vLLM's replay buffer keeps
 	// 10000, and a jump further than that cannot be filled anyway.
 	maxReplay = 10000
+	// maxPeers bounds the connections the listening socket holds at once: an engine's data
+	// parallel ranks publish apart, so a few per engine; past it a new connection is closed.
+	maxPeers = 512
+	// resolveEvery is how long a backend's host name resolved to the addresses its messages
+	// may come from is believed; resolveTimeout bounds one resolution.
+	resolveEvery   = 10 * time.Second
+	resolveTimeout = 2 * time.Second
+)
+
+// Reasons of pdproxy_kv_events_dropped_total that are no message's content.
+const (
+	// reasonTooLarge: a connection closed for a frame over maxFrame or a message over
+	// maxMessage bytes or maxMessageFrames frames.
+	reasonTooLarge = "too_large"
+	// reasonUnknownSource: a connection to the listening socket from an address that is no
+	// backend's nor allowed, or a message whose topic names a backend at another address.
+	reasonUnknownSource = "unknown_source"
+	// reasonTooManyPeers: a connection to the listening socket past maxPeers.
+	reasonTooManyPeers = "too_many_peers"
+	reasonUnknownTopic = "unknown_topic"
 )
 
 // EventsConfig configures the KV event subscribers.
 type EventsConfig struct {
-	// Listen is a ZMQ endpoint, "tcp://*:5557", where a SUB socket binds for engines to dial
-	// (vLLM's publisher with a non-wildcard endpoint, llm-d-style): each message's topic
-	// "kv@<host:port>@<model>" names its engine by the host:port of the backend's URL.
-	// Empty means none.
+	// Listen is a ZMQ endpoint, "tcp://10.0.0.2:5557", where a SUB socket binds for engines to
+	// dial (vLLM's publisher with a non-wildcard endpoint, llm-d-style): each message's topic
+	// "kv@<host:port>@<model>" names its engine by the host:port of the backend's URL, and is
+	// taken only from a peer at that host's address or in SetAllowedSources. An empty host
+	// binds loopback; "*" binds every address. Empty means none.
 	Listen string
 	// ReplayTimeout bounds one replay after a sequence gap. Zero means 1s.
 	ReplayTimeout time.Duration
 	// Redial is how long a subscriber waits before dialing (or binding) again. Zero means 1s.
 	Redial time.Duration
+	// HandshakeTimeout bounds a connection's ZMTP greeting and handshake, dialed or
+	// accepted. Zero means 5s.
+	HandshakeTimeout time.Duration
 }
 
 // Endpoint is one engine's KV events as the router knows them.
@@ -74,6 +101,11 @@ type Events struct {
 	byHost  map[string][]string
 	streams map[streamKey]*stream
 	wake    chan struct{}
+	// allowed are the sources whose messages on the listening socket may speak for any
+	// backend; resolved caches the addresses of the backends' host names, for the hosts of
+	// byHost only.
+	allowed  []netip.Prefix
+	resolved map[string]resolution
 
 	addr  atomic.Pointer[net.Addr]
 	bound chan struct{}
@@ -101,6 +133,9 @@ func NewEvents(cfg EventsConfig, index *Index, logger *zap.Logger, reg prometheu
 	if cfg.Redial <= 0 {
 		cfg.Redial = DefaultRedial
 	}
+	if cfg.HandshakeTimeout <= 0 {
+		cfg.HandshakeTimeout = DefaultHandshakeTimeout
+	}
 	if cfg.Listen != "" {
 		if err := CheckEndpoint(cfg.Listen, true); err != nil {
 			return nil, fmt.Errorf("kv_events.listen: %w", err)
@@ -111,7 +146,7 @@ func NewEvents(cfg EventsConfig, index *Index, logger *zap.Logger, reg prometheu
 	}
 	e := &Events{
 		cfg: cfg, index: index, logger: logger, metrics: newMetrics(index), now: time.Now,
-		endpoints: make(map[string]Endpoint), byHost: make(map[string][]string),
+		endpoints: make(map[string]Endpoint), byHost: make(map[string][]string), resolved: make(map[string]resolution),
 		streams: make(map[streamKey]*stream), wake: make(chan struct{}, 1), bound: make(chan struct{}),
 	}
 	// zmq4 logs its connection troubles itself; they go to ours, at debug.
@@ -148,6 +183,36 @@ func CheckEndpoint(ep string, bind bool) error {
 	return nil
 }
 
+// ParseSource parses an allowed source: an IP address, "10.0.0.7", or a CIDR prefix,
+// "10.0.0.0/24", with no bits set past its length.
+func ParseSource(s string) (netip.Prefix, error) {
+	if !strings.Contains(s, "/") {
+		a, err := netip.ParseAddr(s)
+		if err != nil {
+			return netip.Prefix{}, fmt.Errorf("%q is neither an IP address nor a CIDR prefix", s)
+		}
+		if a.Zone() != "" {
+			return netip.Prefix{}, fmt.Errorf("%q has a zone, which a source address never has", s)
+		}
+		a = a.Unmap()
+		return netip.PrefixFrom(a, a.BitLen()), nil
+	}
+	p, err := netip.ParsePrefix(s)
+	if err != nil {
+		return netip.Prefix{}, fmt.Errorf("%q is neither an IP address nor a CIDR prefix: %w", s, err)
+	}
+	if p != p.Masked() {
+		return netip.Prefix{}, fmt.Errorf("%q has bits set past its /%d: %v is the prefix it names", s, p.Bits(), p.Masked())
+	}
+	if p.Addr().Is4In6() {
+		if p.Bits() < 96 {
+			return netip.Prefix{}, fmt.Errorf("%q reaches past IPv4-mapped addresses", s)
+		}
+		p = netip.PrefixFrom(p.Addr().Unmap(), p.Bits()-96)
+	}
+	return p, nil
+}
+
 // SetEndpoints replaces the engines subscribed to. An engine no longer there is forgotten
 // by the index, and its series go; a changed dial endpoint is dialed anew by Run.
 func (e *Events) SetEndpoints(eps []Endpoint) {
@@ -170,6 +235,12 @@ func (e *Events) SetEndpoints(eps []Endpoint) {
 	for k := range e.streams {
 		if _, ok := next[k.engine]; !ok {
 			delete(e.streams, k)
+		}
+	}
+	hosts := e.hostsLocked()
+	for h := range e.resolved {
+		if !hosts[h] {
+			delete(e.resolved, h)
 		}
 	}
 	e.mu.Unlock()
@@ -263,25 +334,60 @@ func (e *Events) reconcile(ctx context.Context, wg *sync.WaitGroup, running map[
 func (e *Events) dial(ctx context.Context, ep Endpoint) {
 	failing := false
 	for {
-		sub := zmq4.NewSub(ctx, e.zlog, zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(e.cfg.Redial))
-		err := sub.SetOption(zmq4.OptionSubscribe, "")
+		d := net.Dialer{Timeout: e.cfg.Redial}
+		c, err := d.DialContext(ctx, "tcp", strings.TrimPrefix(ep.Dial, "tcp://"))
+		var sub zmq4.Socket
+		var bc *boundedConn
 		if err == nil {
-			err = sub.Dial(bounded(ep.Dial))
+			sub, bc, err = e.open(ctx, c)
 		}
 		if err == nil {
 			failing = false
 			e.logger.Info("kv events: subscribed", zap.String("backend", ep.Engine), zap.String("endpoint", ep.Dial))
-			e.receive(ctx, sub, func([][]byte) []Endpoint { return []Endpoint{ep} }, true)
+			e.receive(ctx, sub, func([][]byte) ([]Endpoint, string) { return []Endpoint{ep}, "" })
+			sub.Close()
+			if bc.over.Load() {
+				e.metrics.dropped.WithLabelValues(ep.Engine, reasonTooLarge).Inc()
+			}
 		} else if !failing && ctx.Err() == nil {
 			e.logger.Warn("kv events: dial failed; dialing again", zap.String("backend", ep.Engine),
 				zap.String("endpoint", ep.Dial), zap.Duration("every", e.cfg.Redial), zap.Error(err))
 			failing = true
 		}
-		sub.Close()
 		if !sleep(ctx, e.cfg.Redial) {
 			return
 		}
 	}
+}
+
+// open runs the ZMTP handshake of a SUB socket over c, within HandshakeTimeout: zmq4 greets
+// and handshakes inside Dial with no deadline of its own, so a peer that says nothing would
+// hold it forever. The socket has c as its only connection; on an error c is closed.
+func (e *Events) open(ctx context.Context, c net.Conn) (zmq4.Socket, *boundedConn, error) {
+	bc := &boundedConn{Conn: c, greeting: zmtpGreeting}
+	if err := c.SetDeadline(time.Now().Add(e.cfg.HandshakeTimeout)); err != nil {
+		c.Close()
+		return nil, nil, err
+	}
+	// A handshake under way is no read that ctx would end.
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer stop()
+	ep, release := adopt(bc)
+	defer release()
+	sub := zmq4.NewSub(ctx, e.zlog, zmq4.WithDialerMaxRetries(0))
+	err := sub.SetOption(zmq4.OptionSubscribe, "")
+	if err == nil {
+		err = sub.Dial(ep)
+	}
+	if err == nil {
+		err = c.SetDeadline(time.Time{})
+	}
+	if err != nil {
+		sub.Close()
+		c.Close()
+		return nil, nil, err
+	}
+	return sub, bc, nil
 }
 
 // listen binds the SUB socket that engines dial, again every Redial until it binds, and
@@ -289,13 +395,9 @@ func (e *Events) dial(ctx context.Context, ep Endpoint) {
 func (e *Events) listen(ctx context.Context) {
 	failing := false
 	for ctx.Err() == nil {
-		sub := zmq4.NewSub(ctx, e.zlog)
-		err := sub.SetOption(zmq4.OptionSubscribe, "")
-		if err == nil {
-			err = sub.Listen(bounded(e.cfg.Listen))
-		}
+		var lc net.ListenConfig
+		ln, err := lc.Listen(ctx, "tcp", listenAddress(e.cfg.Listen))
 		if err != nil {
-			sub.Close()
 			if !failing {
 				// The proxy serves on: precise routing falls back to the approximate view.
 				e.logger.Error("kv events: cannot listen; retrying", zap.String("listen", e.cfg.Listen), zap.Error(err))
@@ -306,39 +408,228 @@ func (e *Events) listen(ctx context.Context) {
 			}
 			continue
 		}
-		addr := sub.Addr()
+		addr := ln.Addr()
 		e.addr.Store(&addr)
 		e.once.Do(func() { close(e.bound) })
 		e.logger.Info("kv events: listening", zap.String("addr", addr.String()))
-		e.receive(ctx, sub, e.byTopic, false)
-		sub.Close()
+		e.serve(ctx, ln)
 	}
 }
 
-// byTopic names the engines of a message on the listening socket by its topic,
-// "kv@<host:port>@<model>": none if the topic names no backend.
-func (e *Events) byTopic(frames [][]byte) []Endpoint {
+// listenAddress is the TCP address of a listen endpoint: an empty host is loopback, "*"
+// every address.
+func listenAddress(ep string) string {
+	host, port, _ := net.SplitHostPort(strings.TrimPrefix(ep, "tcp://")) // CheckEndpoint passed
+	switch host {
+	case "":
+		host = "127.0.0.1"
+	case "*":
+		host = ""
+	}
+	if port == "*" {
+		port = "0"
+	}
+	return net.JoinHostPort(host, port)
+}
+
+// serve accepts the listening socket's connections until ctx is done or ln fails, then
+// closes ln and waits for the connections' goroutines. Each connection's handshake runs in its
+// own goroutine, so a peer that never greets holds up no other.
+func (e *Events) serve(ctx context.Context, ln net.Listener) {
+	ctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	defer func() {
+		stop()
+		ln.Close()
+		cancel()
+		wg.Wait()
+	}()
+	slots := make(chan struct{}, maxPeers)
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
+				return
+			}
+			// Out of file descriptors, or the like: accept again a moment later.
+			e.logger.Warn("kv events: accept failed", zap.Error(err))
+			if !sleep(ctx, e.cfg.Redial) {
+				return
+			}
+			continue
+		}
+		select {
+		case slots <- struct{}{}:
+		default:
+			c.Close()
+			e.metrics.dropped.WithLabelValues(unknownBackend, reasonTooManyPeers).Inc()
+			continue
+		}
+		wg.Go(func() {
+			defer func() { <-slots }()
+			e.peer(ctx, c)
+		})
+	}
+}
+
+// peer receives the messages of one connection to the listening socket until it ends or ctx
+// is done. A peer at no backend's address and not allowed is closed before its handshake.
+func (e *Events) peer(ctx context.Context, c net.Conn) {
+	ip := remoteIP(c)
+	rctx, cancel := context.WithTimeout(ctx, e.cfg.HandshakeTimeout)
+	known := e.knownSource(rctx, ip)
+	cancel()
+	if !known {
+		c.Close()
+		e.metrics.dropped.WithLabelValues(unknownBackend, reasonUnknownSource).Inc()
+		if ce := e.logger.Check(zap.DebugLevel, "kv events: a connection from an unknown source closed"); ce != nil {
+			ce.Write(zap.Stringer("source", ip))
+		}
+		return
+	}
+	sub, bc, err := e.open(ctx, c)
+	if err != nil {
+		if ce := e.logger.Check(zap.DebugLevel, "kv events: a publisher's handshake failed"); ce != nil {
+			ce.Write(zap.Stringer("source", ip), zap.Error(err))
+		}
+		return
+	}
+	e.receive(ctx, sub, func(frames [][]byte) ([]Endpoint, string) { return e.byTopic(ctx, frames, ip) })
+	sub.Close()
+	if bc.over.Load() {
+		e.metrics.dropped.WithLabelValues(unknownBackend, reasonTooLarge).Inc()
+	}
+}
+
+// remoteIP is c's peer's address, IPv4 as such.
+func remoteIP(c net.Conn) netip.Addr {
+	ap, err := netip.ParseAddrPort(c.RemoteAddr().String())
+	if err != nil {
+		return netip.Addr{}
+	}
+	return ap.Addr().Unmap().WithZone("")
+}
+
+// byTopic names the engines of a message from ip on the listening socket by its topic,
+// "kv@<host:port>@<model>": only those at ip's address, unless ip is allowed. With none, the
+// reason to count, if not counted already.
+func (e *Events) byTopic(ctx context.Context, frames [][]byte, ip netip.Addr) ([]Endpoint, string) {
 	if len(frames) == 0 {
-		return nil
+		return nil, reasonUnknownTopic
 	}
 	rest, ok := strings.CutPrefix(string(frames[0]), "kv@")
 	if !ok {
-		return nil
+		return nil, reasonUnknownTopic
 	}
 	hostPort, _, _ := strings.Cut(rest, "@")
 	e.mu.Lock()
-	defer e.mu.Unlock()
-	var out []Endpoint
+	var eps []Endpoint
 	for _, name := range e.byHost[hostPort] {
-		out = append(out, e.endpoints[name])
+		eps = append(eps, e.endpoints[name])
+	}
+	e.mu.Unlock()
+	if len(eps) == 0 {
+		return nil, reasonUnknownTopic
+	}
+	if e.isAllowed(ip) {
+		return eps, ""
+	}
+	host, _, _ := net.SplitHostPort(hostPort)
+	if slices.Contains(e.hostAddrs(ctx, host), ip) {
+		return eps, ""
+	}
+	for _, ep := range eps {
+		e.metrics.dropped.WithLabelValues(ep.Engine, reasonUnknownSource).Inc()
+	}
+	return nil, ""
+}
+
+// SetAllowedSources replaces the sources whose messages on the listening socket are taken
+// for any backend their topic names, besides each backend's own address: engines behind a NAT
+// or a relay.
+func (e *Events) SetAllowedSources(allowed []netip.Prefix) {
+	e.mu.Lock()
+	e.allowed = slices.Clone(allowed)
+	e.mu.Unlock()
+}
+
+func (e *Events) isAllowed(ip netip.Addr) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, p := range e.allowed {
+		if p.Contains(ip) {
+			return true
+		}
+	}
+	return false
+}
+
+// knownSource reports whether ip is allowed or the address of a backend's host.
+func (e *Events) knownSource(ctx context.Context, ip netip.Addr) bool {
+	if e.isAllowed(ip) {
+		return true
+	}
+	e.mu.Lock()
+	hosts := e.hostsLocked()
+	e.mu.Unlock()
+	for h := range hosts {
+		if slices.Contains(e.hostAddrs(ctx, h), ip) {
+			return true
+		}
+	}
+	return false
+}
+
+// hostsLocked is the hosts of the backends' URLs.
+func (e *Events) hostsLocked() map[string]bool {
+	out := make(map[string]bool, len(e.byHost))
+	for hp := range e.byHost {
+		if h, _, err := net.SplitHostPort(hp); err == nil {
+			out[h] = true
+		}
 	}
 	return out
 }
 
-// receive handles sub's messages until ctx is done. A receive error is a connection that
-// dropped (zmq4 reports it once): a listening socket carries on with the others, a dialed one
-// returns (once, when once is set) for its owner to dial again.
-func (e *Events) receive(ctx context.Context, sub zmq4.Socket, who func([][]byte) []Endpoint, once bool) {
+// resolution is a host name's addresses as resolved at a time.
+type resolution struct {
+	addrs []netip.Addr
+	at    time.Time
+}
+
+// hostAddrs returns the addresses of a backend's host: itself if it is one, else what the
+// resolver answered within resolveEvery (nothing, if it failed).
+func (e *Events) hostAddrs(ctx context.Context, host string) []netip.Addr {
+	if a, err := netip.ParseAddr(host); err == nil {
+		return []netip.Addr{a.Unmap().WithZone("")}
+	}
+	e.mu.Lock()
+	r, ok := e.resolved[host]
+	e.mu.Unlock()
+	if ok && e.now().Sub(r.at) < resolveEvery {
+		return r.addrs
+	}
+	ctx, cancel := context.WithTimeout(ctx, resolveTimeout)
+	defer cancel()
+	addrs, err := net.DefaultResolver.LookupNetIP(ctx, "ip", host)
+	if err != nil && ctx.Err() != nil {
+		return nil // ended, not answered: nothing to remember
+	}
+	for i, a := range addrs {
+		addrs[i] = a.Unmap().WithZone("")
+	}
+	e.mu.Lock()
+	if e.hostsLocked()[host] { // still a backend's: the cache holds those only
+		e.resolved[host] = resolution{addrs: addrs, at: e.now()}
+	}
+	e.mu.Unlock()
+	return addrs
+}
+
+// receive handles sub's messages until ctx is done or the socket's one connection ends
+// (zmq4 reports it once), for its owner to dial again or let go.
+func (e *Events) receive(ctx context.Context, sub zmq4.Socket, who func([][]byte) ([]Endpoint, string)) {
 	for {
 		msg, err := sub.Recv()
 		if ctx.Err() != nil {
@@ -348,14 +639,13 @@ func (e *Events) receive(ctx context.Context, sub zmq4.Socket, who func([][]byte
 			if ce := e.logger.Check(zap.DebugLevel, "kv events: a publisher's connection ended"); ce != nil {
 				ce.Write(zap.Error(err))
 			}
-			if once {
-				return
-			}
-			continue
+			return
 		}
-		eps := who(msg.Frames)
+		eps, reason := who(msg.Frames)
 		if len(eps) == 0 {
-			e.metrics.dropped.WithLabelValues(unknownBackend, "unknown_topic").Inc()
+			if reason != "" {
+				e.metrics.dropped.WithLabelValues(unknownBackend, reason).Inc()
+			}
 			continue
 		}
 		for _, ep := range eps {

@@ -3,9 +3,11 @@ package kvcache
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"sync"
 	"testing"
 	"time"
@@ -13,7 +15,10 @@ import (
 	"github.com/go-zeromq/zmq4"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
+	"go.uber.org/zap/zaptest/observer"
 
 	projtestutil "github.com/pdproxy/pdproxy/internal/testutil"
 )
@@ -156,10 +161,12 @@ func (p *pubEngine) serveReplay() string {
 
 // harness runs Events until the test ends.
 type harness struct {
-	t      *testing.T
-	ev     *Events
-	index  *Index
-	reg    *prometheus.Registry
+	t     *testing.T
+	ev    *Events
+	index *Index
+	reg   *prometheus.Registry
+	// logs are what Events logged, at every level.
+	logs   *observer.ObservedLogs
 	cancel context.CancelFunc
 	done   chan struct{}
 }
@@ -169,13 +176,14 @@ func startEvents(t *testing.T, cfg EventsConfig, eps ...Endpoint) *harness {
 	reg := prometheus.NewRegistry()
 	idx := NewIndex(0, 0)
 	cfg.Redial = 20 * time.Millisecond
-	ev, err := NewEvents(cfg, idx, zaptest.NewLogger(t), reg)
+	core, logs := observer.New(zapcore.DebugLevel)
+	ev, err := NewEvents(cfg, idx, zap.New(zapcore.NewTee(zaptest.NewLogger(t).Core(), core)), reg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ev.SetEndpoints(eps)
 	ctx, cancel := context.WithCancel(context.Background())
-	h := &harness{t: t, ev: ev, index: idx, reg: reg, cancel: cancel, done: make(chan struct{})}
+	h := &harness{t: t, ev: ev, index: idx, reg: reg, logs: logs, cancel: cancel, done: make(chan struct{})}
 	go func() {
 		defer close(h.done)
 		if err := ev.Run(ctx); err != nil {
@@ -401,6 +409,10 @@ func TestEventsDialedEngine(t *testing.T) {
 		p.publish(payload(t, stored(hashes, nil, prompt, bs)))
 		h.waitMatched("a", prompt, 16)
 		p.pub.Close()
+		// The subscriber has seen the connection end once it tries, and fails, to dial again.
+		waitFor(t, func() (bool, string) {
+			return h.logs.FilterMessageSnippet("dial failed").Len() > 0, "the subscriber never dialed the gone publisher again"
+		})
 		if got := h.matched("a", prompt); got != 16 {
 			t.Errorf("after the publisher went the engine matches %d, want 16", got)
 		}
@@ -425,6 +437,8 @@ func TestEventsListening(t *testing.T) {
 	prompt := tokensN(0, 16)
 	h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"},
 		Endpoint{Engine: "a", HostPort: "10.0.0.1:8000"}, Endpoint{Engine: "b", HostPort: "10.0.0.2:8000"})
+	// The engines publish from loopback, as engines behind a NAT would from its address.
+	h.ev.SetAllowedSources([]netip.Prefix{netip.MustParsePrefix("127.0.0.1/32")})
 	listen := h.listenAddr()
 	a := newPubEngine(t, listen, "kv@10.0.0.1:8000@model")
 	b := newPubEngine(t, listen, "kv@10.0.0.2:8000@model")
@@ -440,12 +454,12 @@ func TestEventsListening(t *testing.T) {
 	})
 	t.Run("an engine serving in both roles feeds both its backends", func(t *testing.T) {
 		h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"},
-			Endpoint{Engine: "prefill-10.0.0.5:8000", HostPort: "10.0.0.5:8000"}, Endpoint{Engine: "decode-10.0.0.5:8000", HostPort: "10.0.0.5:8000"})
-		p := newPubEngine(t, h.listenAddr(), "kv@10.0.0.5:8000@model")
-		h.connect(p, "decode-10.0.0.5:8000")
+			Endpoint{Engine: "prefill-127.0.0.1:8000", HostPort: "127.0.0.1:8000"}, Endpoint{Engine: "decode-127.0.0.1:8000", HostPort: "127.0.0.1:8000"})
+		p := newPubEngine(t, h.listenAddr(), "kv@127.0.0.1:8000@model")
+		h.connect(p, "decode-127.0.0.1:8000")
 		p.publish(payload(t, stored(engineHashes(1, 4), nil, prompt, bs)))
-		h.waitMatched("prefill-10.0.0.5:8000", prompt, 16)
-		h.waitMatched("decode-10.0.0.5:8000", prompt, 16)
+		h.waitMatched("prefill-127.0.0.1:8000", prompt, 16)
+		h.waitMatched("decode-127.0.0.1:8000", prompt, 16)
 	})
 	t.Run("a topic naming no backend is dropped and counted", func(t *testing.T) {
 		waitFor(t, func() (bool, string) {
@@ -460,7 +474,7 @@ func TestEventsListening(t *testing.T) {
 }
 
 func TestEventsListeningSurvivesAPeerAnnouncingAHugeFrame(t *testing.T) {
-	h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"}, Endpoint{Engine: "a", HostPort: "10.0.0.1:8000"})
+	h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"}, Endpoint{Engine: "a", HostPort: "127.0.0.1:8000"})
 	h.listenAddr()
 	for _, header := range [][]byte{
 		{0x06, 0, 0, 1, 0, 0, 0, 0, 0}, // a command frame of 2^40 bytes: the handshake
@@ -483,7 +497,7 @@ func TestEventsListeningSurvivesAPeerAnnouncingAHugeFrame(t *testing.T) {
 		}
 		c.Close()
 	}
-	p := newPubEngine(t, "tcp://"+h.ev.Addr().String(), "kv@10.0.0.1:8000@m")
+	p := newPubEngine(t, "tcp://"+h.ev.Addr().String(), "kv@127.0.0.1:8000@m")
 	h.connect(p, "a")
 	p.publish(payload(t, stored(engineHashes(1, 1), nil, tokensN(0, bs), bs)))
 	h.waitMatched("a", tokensN(0, bs), bs)
@@ -501,6 +515,15 @@ func TestBoundedConnFollowsFraming(t *testing.T) {
 	stream := append(make([]byte, zmtpGreeting), frame(0x04, []byte("\x05READY"))...)
 	stream = append(stream, frame(0x01, []byte("topic"))...)
 	stream = append(stream, frame(0x00, make([]byte, 1000))...)
+	var messages, tooManyFrames []byte
+	for range 2 * maxMessageFrames {
+		messages = append(messages, frame(flagMore, []byte("topic"))...)
+		messages = append(messages, frame(0x00, []byte("payload"))...)
+		tooManyFrames = append(tooManyFrames, frame(flagMore, nil)...)
+	}
+	// Two frame headers of more than half the bound each, the first's body passed.
+	half := binary.BigEndian.AppendUint64([]byte{flagMore | flagLong}, maxMessage/2+1)
+	tooManyBytes := append(append(half, make([]byte, maxMessage/2+1)...), half...)
 	tests := []struct {
 		name    string
 		stream  []byte
@@ -510,6 +533,9 @@ func TestBoundedConnFollowsFraming(t *testing.T) {
 		{name: "frames within the bound pass, read whole", stream: stream, chunk: len(stream)},
 		{name: "frames within the bound pass, read a byte at a time", stream: stream, chunk: 1},
 		{name: "a long frame over the bound is refused", stream: append(append([]byte(nil), stream...), 0x02, 0, 0, 0, 0, 0x10, 0, 0, 0), chunk: 7, wantErr: true},
+		{name: "messages of a few frames each pass, however many", stream: append(append([]byte(nil), stream...), messages...), chunk: 5},
+		{name: "a message of too many frames is refused", stream: append(append([]byte(nil), stream...), tooManyFrames...), chunk: 3, wantErr: true},
+		{name: "a message of too many bytes in frames under the bound is refused", stream: append(append([]byte(nil), stream...), tooManyBytes...), chunk: 9, wantErr: true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -522,6 +548,264 @@ func TestBoundedConnFollowsFraming(t *testing.T) {
 			}
 			if (err != nil) != tt.wantErr {
 				t.Errorf("follow error = %v, want error %v", err, tt.wantErr)
+			}
+		})
+	}
+}
+
+// zmtpPeer is a ZMTP 3 publisher written by hand, dialing from a chosen loopback address:
+// what a hostile peer sends, which zmq4's own sockets would not.
+type zmtpPeer struct {
+	t *testing.T
+	c net.Conn
+}
+
+// dialZMTP connects to addr from the address from ("": the system's choice), saying nothing.
+func dialZMTP(t *testing.T, addr, from string) *zmtpPeer {
+	t.Helper()
+	d := net.Dialer{Timeout: waitTimeout}
+	if from != "" {
+		d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(from)}
+	}
+	c, err := d.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return &zmtpPeer{t: t, c: c}
+}
+
+// zmtpFrame is one ZMTP 3 frame of flags and body.
+func zmtpFrame(flags byte, body []byte) []byte {
+	if len(body) > 255 {
+		var b [8]byte
+		binary.BigEndian.PutUint64(b[:], uint64(len(body)))
+		return append(append([]byte{flags | flagLong}, b[:]...), body...)
+	}
+	return append([]byte{flags, byte(len(body))}, body...)
+}
+
+// handshake greets with the NULL mechanism and says READY as a PUB; it reports whether the
+// other side answered with its own greeting and READY.
+func (p *zmtpPeer) handshake() bool {
+	p.t.Helper()
+	greeting := make([]byte, zmtpGreeting)
+	greeting[0], greeting[9], greeting[10], greeting[11] = 0xff, 0x7f, 3, 0
+	copy(greeting[12:], "NULL")
+	ready := append([]byte("\x05READY\x0bSocket-Type"), 0, 0, 0, 3)
+	ready = append(ready, "PUB"...)
+	if _, err := p.c.Write(append(greeting, zmtpFrame(0x04, ready)...)); err != nil {
+		return false
+	}
+	_ = p.c.SetReadDeadline(time.Now().Add(waitTimeout))
+	defer p.c.SetReadDeadline(time.Time{})
+	var hdr [2]byte
+	if _, err := io.ReadFull(p.c, make([]byte, zmtpGreeting)); err != nil {
+		return false
+	}
+	if _, err := io.ReadFull(p.c, hdr[:]); err != nil || hdr[0] != 0x04 {
+		return false
+	}
+	_, err := io.ReadFull(p.c, make([]byte, hdr[1]))
+	return err == nil
+}
+
+// send writes frames as one message.
+func (p *zmtpPeer) send(frames ...[]byte) error {
+	var b []byte
+	for i, f := range frames {
+		flags := byte(0)
+		if i < len(frames)-1 {
+			flags = flagMore
+		}
+		b = append(b, zmtpFrame(flags, f)...)
+	}
+	_, err := p.c.Write(b)
+	return err
+}
+
+// closed reports whether the other side closes the connection within waitTimeout.
+func (p *zmtpPeer) closed() bool {
+	_ = p.c.SetReadDeadline(time.Now().Add(waitTimeout))
+	_, err := io.Copy(io.Discard, p.c)
+	var ne net.Error
+	return !(errors.As(err, &ne) && ne.Timeout())
+}
+
+func TestEventsDropAConnectionCarryingAnOversizedMessage(t *testing.T) {
+	manyFrames := make([][]byte, maxMessageFrames+1)
+	for i := range manyFrames {
+		manyFrames[i] = []byte{}
+	}
+	big := make([]byte, maxMessage/2+1)
+	for _, tt := range []struct {
+		name   string
+		frames [][]byte
+	}{
+		{"a message of more frames than any KV event has", manyFrames},
+		{"a message of more bytes than any KV event has, in frames each under the bound", [][]byte{[]byte("kv@127.0.0.1:8000@m"), big, big}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"}, Endpoint{Engine: "a", HostPort: "127.0.0.1:8000"})
+			h.listenAddr()
+			p := dialZMTP(t, h.ev.Addr().String(), "")
+			if !p.handshake() {
+				t.Fatal("the listening socket did not complete the handshake")
+			}
+			_ = p.send(tt.frames...) // the proxy may close before it has read all
+			if !p.closed() {
+				t.Fatal("the proxy kept the connection of a peer sending an oversized message")
+			}
+			h.waitCounter(1, "dropped", unknownBackend, reasonTooLarge)
+			// Others are heard still.
+			pub := newPubEngine(t, "tcp://"+h.ev.Addr().String(), "kv@127.0.0.1:8000@m")
+			h.connect(pub, "a")
+		})
+	}
+
+	t.Run("a dialed engine's connection is dropped, counted under the backend and dialed again", func(t *testing.T) {
+		p := newPubEngine(t, "", "")
+		h := startEvents(t, EventsConfig{}, Endpoint{Engine: "a", Dial: p.endpoint()})
+		h.connect(p, "a")
+		p.sendRaw(manyFrames...)
+		h.waitCounter(1, "dropped", "a", reasonTooLarge)
+		prompt := tokensN(0, 8)
+		waitFor(t, func() (bool, string) {
+			p.publish(payload(t, stored(engineHashes(1, 2), nil, prompt, bs)))
+			got := h.matched("a", prompt)
+			return got == 8, fmt.Sprintf("after the redial the engine matches %d tokens, want 8", got)
+		})
+	})
+}
+
+func TestEventsListeningHandshakes(t *testing.T) {
+	t.Run("a peer that says nothing holds up no engine's events", func(t *testing.T) {
+		// A deadline far past the test's wait: only handshakes apart from each other pass.
+		h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0", HandshakeTimeout: time.Hour},
+			Endpoint{Engine: "a", HostPort: "127.0.0.1:8000"})
+		listen := h.listenAddr()
+		dialZMTP(t, h.ev.Addr().String(), "")
+		p := newPubEngine(t, listen, "kv@127.0.0.1:8000@m")
+		h.connect(p, "a")
+		p.publish(payload(t, stored(engineHashes(1, 1), nil, tokensN(0, bs), bs)))
+		h.waitMatched("a", tokensN(0, bs), bs)
+	})
+	t.Run("a peer that says nothing is closed at the handshake's deadline", func(t *testing.T) {
+		h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0", HandshakeTimeout: 100 * time.Millisecond},
+			Endpoint{Engine: "a", HostPort: "127.0.0.1:8000"})
+		h.listenAddr()
+		if p := dialZMTP(t, h.ev.Addr().String(), ""); !p.closed() {
+			t.Error("the connection of a peer that never greeted is still open")
+		}
+	})
+}
+
+func TestEventsListeningTrustsTheBackendsAddresses(t *testing.T) {
+	prompt := tokensN(0, 16)
+	hashes := engineHashes(1, 4)
+	// a's engine publishes from 127.0.0.1, b's from 127.0.0.2; 127.0.0.3 is no backend's.
+	start := func(t *testing.T) (*harness, *pubEngine) {
+		h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"},
+			Endpoint{Engine: "a", HostPort: "127.0.0.1:8000"}, Endpoint{Engine: "b", HostPort: "127.0.0.2:8000"})
+		a := newPubEngine(t, h.listenAddr(), "kv@127.0.0.1:8000@m")
+		h.connect(a, "a")
+		a.publish(payload(t, stored(hashes, nil, prompt, bs)))
+		h.waitMatched("a", prompt, 16)
+		return h, a
+	}
+
+	t.Run("a message naming a backend at another address is dropped and counted under it", func(t *testing.T) {
+		h, _ := start(t)
+		forger := dialZMTP(t, h.ev.Addr().String(), "127.0.0.2") // b's address, speaking for a
+		if !forger.handshake() {
+			t.Fatal("the listening socket did not complete a backend's handshake")
+		}
+		// A far sequence would forget a's blocks; a BlockStored would steer its routing.
+		if err := forger.send([]byte("kv@127.0.0.1:8000@m"), seqBytes(1<<40), payload(t, cleared())); err != nil {
+			t.Fatal(err)
+		}
+		other := tokensN(100, 8)
+		if err := forger.send([]byte("kv@127.0.0.1:8000@m"), seqBytes(1<<40+1), payload(t, stored(engineHashes(9, 2), nil, other, bs))); err != nil {
+			t.Fatal(err)
+		}
+		h.waitCounter(2, "dropped", "a", reasonUnknownSource)
+		if got := h.matched("a", prompt); got != 16 {
+			t.Errorf("after the forged messages a matches %d tokens, want 16", got)
+		}
+		if got := h.matched("a", other); got != 0 {
+			t.Errorf("a matches %d tokens of a forged BlockStored, want 0", got)
+		}
+		// b's own messages pass.
+		if err := forger.send([]byte("kv@127.0.0.2:8000@m"), seqBytes(0), payload(t, stored(hashes[:1], nil, prompt[:4], bs))); err != nil {
+			t.Fatal(err)
+		}
+		h.waitMatched("b", prompt, 4)
+	})
+
+	t.Run("a peer at no backend's address is closed before its handshake and counted", func(t *testing.T) {
+		h, _ := start(t)
+		stranger := dialZMTP(t, h.ev.Addr().String(), "127.0.0.3")
+		if !stranger.closed() {
+			t.Fatal("the connection of a peer at no backend's address is open")
+		}
+		h.waitCounter(1, "dropped", unknownBackend, reasonUnknownSource)
+	})
+
+	t.Run("an allowed source speaks for any backend", func(t *testing.T) {
+		h, _ := start(t)
+		h.ev.SetAllowedSources([]netip.Prefix{netip.MustParsePrefix("127.0.0.0/30")})
+		relay := dialZMTP(t, h.ev.Addr().String(), "127.0.0.3")
+		if !relay.handshake() {
+			t.Fatal("the listening socket did not complete an allowed source's handshake")
+		}
+		if err := relay.send([]byte("kv@127.0.0.2:8000@m"), seqBytes(0), payload(t, stored(hashes[:2], nil, prompt[:8], bs))); err != nil {
+			t.Fatal(err)
+		}
+		h.waitMatched("b", prompt, 8)
+	})
+
+	t.Run("a backend named by host name is resolved", func(t *testing.T) {
+		h := startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"}, Endpoint{Engine: "a", HostPort: "localhost:8000"})
+		a := newPubEngine(t, h.listenAddr(), "kv@localhost:8000@m")
+		h.connect(a, "a")
+	})
+}
+
+func TestEventsListenWithoutAHostBindsLoopback(t *testing.T) {
+	h := startEvents(t, EventsConfig{Listen: "tcp://:0"}, Endpoint{Engine: "a", HostPort: "127.0.0.1:8000"})
+	h.listenAddr()
+	ap, err := netip.ParseAddrPort(h.ev.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !ap.Addr().IsLoopback() {
+		t.Errorf("tcp://:0 bound %v, want a loopback address", ap)
+	}
+}
+
+func TestParseSource(t *testing.T) {
+	tests := []struct {
+		in, want string // want "" means refused
+	}{
+		{"10.0.0.7", "10.0.0.7/32"},
+		{"10.0.0.0/24", "10.0.0.0/24"},
+		{"::ffff:10.0.0.7", "10.0.0.7/32"},
+		{"fd00::/8", "fd00::/8"},
+		{"10.0.0.7/24", ""},
+		{"10.0.0.300", ""},
+		{"10.0.0.0/33", ""},
+		{"fe80::1%eth0", ""},
+		{"engine-0", ""},
+		{"", ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.in, func(t *testing.T) {
+			p, err := ParseSource(tt.in)
+			switch {
+			case tt.want == "" && err == nil:
+				t.Errorf("ParseSource(%q) = %v, want an error", tt.in, p)
+			case tt.want != "" && (err != nil || p.String() != tt.want):
+				t.Errorf("ParseSource(%q) = %v, %v, want %s", tt.in, p, err, tt.want)
 			}
 		})
 	}

@@ -5,7 +5,8 @@ import (
 )
 
 // unknownBackend is the backend label of what cannot be told apart by backend: a message in
-// the listening socket whose topic names no backend, or with no topic at all.
+// the listening socket whose topic names no backend, or with no topic at all, and a
+// connection to it closed before any message.
 const unknownBackend = "unknown"
 
 // metrics are the KV event series. The backend label is a backend's configured name, or
@@ -29,7 +30,7 @@ func newMetrics(index *Index) *metrics {
 		}, []string{"backend", "type"}),
 		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "kv_events_dropped_total",
-			Help: "KV event messages or events not applied, by reason: frames (not [topic, 8-byte sequence, payload]), decode (a payload that is no batch of events), unknown_topic (a topic naming no backend), unknown_tag, malformed (token ids that do not fill the blocks), unknown_parent (blocks continuing a block the index does not know), extra_keys (blocks hashed with a LoRA, a cache_salt or multimodal inputs, which tokens alone cannot match), index_full.",
+			Help: "KV event messages or events not applied, by reason: frames (not [topic, 8-byte sequence, payload]), decode (a payload that is no batch of events), unknown_topic (a topic naming no backend), unknown_tag, malformed (token ids that do not fill the blocks), unknown_parent (blocks continuing a block the index does not know), extra_keys (blocks hashed with a LoRA, a cache_salt or multimodal inputs, which tokens alone cannot match), index_full; and connections closed, by reason: too_large (a frame over 32 MiB, or a message over 32 MiB or 8 frames), unknown_source (on the listening socket, a peer at no backend's address and not in kv_events.allowed_sources; or, by the backend it named, a message whose topic names a backend at another address), too_many_peers (the listening socket holds 512 connections).",
 		}, []string{"backend", "reason"}),
 		resets: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "kv_index_resets_total",

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -43,7 +44,7 @@ block_size: 32
 	if want := (CacheAwareConfig{CacheThreshold: 0.5, BalanceAbsThreshold: 32, BalanceRelThreshold: 2, MaxTreeBytes: 1 << 20}); c.CacheAware != want {
 		t.Errorf("cache_aware = %+v, want %+v", c.CacheAware, want)
 	}
-	if want := (KVEventsConfig{Listen: "tcp://*:5557", StaleAfter: 30 * time.Second, ReplayTimeout: 2 * time.Second, MaxBlocksPerBackend: 1000}); c.KVEvents != want {
+	if want := (KVEventsConfig{Listen: "tcp://*:5557", StaleAfter: 30 * time.Second, ReplayTimeout: 2 * time.Second, MaxBlocksPerBackend: 1000}); !reflect.DeepEqual(c.KVEvents, want) {
 		t.Errorf("kv_events = %+v, want %+v", c.KVEvents, want)
 	}
 	if c.Tokenizer != TokenizerEngine || c.TokenizeTimeout != 500*time.Millisecond || c.BlockSize != 32 {
@@ -82,6 +83,9 @@ func TestCacheAwareValidateNamesTheBadField(t *testing.T) {
 		{"a negative max_tree_bytes", Config{Backends: []BackendConfig{decoder}, CacheAware: CacheAwareConfig{MaxTreeBytes: -1}}, "cache_aware.max_tree_bytes:"},
 		{"a listen endpoint that is not tcp", Config{Backends: []BackendConfig{decoder}, KVEvents: KVEventsConfig{Listen: "ipc:///tmp/kv"}}, "kv_events.listen:"},
 		{"a listen endpoint without a port", Config{Backends: []BackendConfig{decoder}, KVEvents: KVEventsConfig{Listen: "tcp://*"}}, "kv_events.listen:"},
+		{"an allowed source that is no address", Config{Backends: []BackendConfig{decoder}, KVEvents: KVEventsConfig{Listen: "tcp://127.0.0.1:0", AllowedSources: []string{"10.0.0.0/8", "engine-0"}}}, "kv_events.allowed_sources[1]: \"engine-0\" is neither an IP address nor a CIDR prefix"},
+		{"an allowed source with bits past its prefix", Config{Backends: []BackendConfig{decoder}, KVEvents: KVEventsConfig{Listen: "tcp://127.0.0.1:0", AllowedSources: []string{"10.0.0.7/8"}}}, "kv_events.allowed_sources[0]: \"10.0.0.7/8\" has bits set past its /8"},
+		{"allowed sources without a listening socket", Config{Backends: []BackendConfig{decoder}, KVEvents: KVEventsConfig{AllowedSources: []string{"10.0.0.7"}}}, "kv_events.allowed_sources: set, but kv_events.listen is not"},
 		{"a negative stale_after", Config{Backends: []BackendConfig{decoder}, KVEvents: KVEventsConfig{StaleAfter: -time.Second}}, "kv_events.stale_after:"},
 		{"a dialed endpoint with a wildcard host", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, KVEventsEndpoint: "tcp://*:5557"}}}, "backends[0].kv_events_endpoint:"},
 		{"a replay endpoint with no events to replay", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, KVEventsReplayEndpoint: "tcp://d:5558"}}}, "backends[0].kv_events_replay_endpoint: set, but"},

@@ -239,9 +239,10 @@ type CacheAwareConfig struct {
 // precise_cache_aware.
 type KVEventsConfig struct {
 	// Listen is a ZMQ endpoint where the proxy binds a SUB socket that engines dial,
-	// "tcp://*:5557": each engine publishes with the topic "kv@<host:port>@<model>", where
-	// host:port is its backend URL's. Empty means none; engines are then dialed at their
-	// kv_events_endpoint. Read at start: a reload may not change it.
+	// "tcp://10.0.0.2:5557": each engine publishes with the topic "kv@<host:port>@<model>",
+	// where host:port is its backend URL's, from that host's address (or AllowedSources). An
+	// empty host binds loopback, "*" every address. Empty means none; engines are then dialed
+	// at their kv_events_endpoint. Read at start: a reload may not change it.
 	Listen string `yaml:"listen"`
 	// StaleAfter is how long after an engine's last event its blocks still count: an
 	// engine silent for longer is scored by cache_aware's view (the text routed to it),
@@ -252,6 +253,10 @@ type KVEventsConfig struct {
 	// MaxBlocksPerBackend bounds the blocks the index keeps of each engine: events past it
 	// are dropped and counted (index_full). Zero means 1Mi, far above a GPU's. Read at start.
 	MaxBlocksPerBackend int `yaml:"max_blocks_per_backend"`
+	// AllowedSources are IP addresses and CIDR prefixes, "10.0.0.0/24", whose messages on
+	// kv_events.listen may speak for any backend: engines behind a NAT or a relay. Without
+	// them a topic's events are taken only from its backend's host address. Empty means none.
+	AllowedSources []string `yaml:"allowed_sources"`
 }
 
 // Config is the router's part of the proxy config.
@@ -297,6 +302,11 @@ type Config struct {
 	// TokenizeTimeout bounds one /tokenize call; a request whose tokens do not come in time
 	// is scored by its text. Zero means 1s.
 	TokenizeTimeout time.Duration `yaml:"tokenize_timeout"`
+	// EngineTokenizer is how tokenizer: engine tokenizes, at the backend Router.Tokens picks
+	// (cmd/proxy passes kvbackend's: the engine's POST /tokenize). Nil means Router.Tokens
+	// answers ErrNoTokenizer, and precise_cache_aware scores requests by their text. Read at
+	// New: a reload keeps the one the router was built with.
+	EngineTokenizer Tokenizer `yaml:"-"`
 	// BlockSize is the engines' KV block size in tokens (vLLM's --block-size), for events
 	// that do not give theirs; an event's own block_size wins. Zero means 16. Read at start.
 	BlockSize int `yaml:"block_size"`

@@ -9,7 +9,8 @@
 // its health checks (each one that passes followed, for a backend whose models are not
 // configured, by GET /v1/models) and, for least_loaded, its scrapes of the engines'
 // /metrics, which [Router.Run] owns, as it owns the KV event subscribers of
-// precise_cache_aware.
+// precise_cache_aware. [Router.Tokens] picks the backend to tokenize at and leaves the call
+// to the [Tokenizer] it was given ([Config.EngineTokenizer]), which knows the engines.
 //
 // Configuration, with the defaults applied by [Config.Validate]:
 //

@@ -3,12 +3,7 @@ package router
 import (
 	"context"
 	"encoding/binary"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
-	"net/http"
-	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -256,7 +251,8 @@ func others(r *Router, name string) []string {
 	return out
 }
 
-// listenCfg is three decoders whose engines dial the router's kv_events.listen.
+// listenCfg is three decoders whose engines dial the router's kv_events.listen, publishing
+// from loopback, as engines behind a NAT would from its address.
 func listenCfg() Config {
 	return Config{
 		Backends: []BackendConfig{
@@ -264,7 +260,7 @@ func listenCfg() Config {
 			{Name: "d1", URL: "http://10.0.0.2:8000", Role: RoleDecode},
 			{Name: "d2", URL: "http://10.0.0.3:8000", Role: RoleDecode},
 		},
-		KVEvents: KVEventsConfig{Listen: "tcp://127.0.0.1:0"},
+		KVEvents: KVEventsConfig{Listen: "tcp://127.0.0.1:0", AllowedSources: []string{"127.0.0.1"}},
 	}
 }
 
@@ -424,104 +420,6 @@ func TestPreciseCacheAwareForgetsAnEngineThatGoesDown(t *testing.T) {
 	l.Release(Result{Err: refusedErr(t)}) // nothing listens at d0: down at once
 	if got := r.CachedBlocks("d0", 10); got != nil {
 		t.Errorf("the index still holds %d blocks of d0, which went down", len(got))
-	}
-}
-
-// tokenizer is an engine's POST /tokenize.
-type tokenizer struct {
-	*httptest.Server
-	mu     sync.Mutex
-	bodies []map[string]any
-	status int
-	answer string
-}
-
-func newTokenizer(t *testing.T) *tokenizer {
-	tk := &tokenizer{status: http.StatusOK, answer: `{"count":3,"max_model_len":4096,"tokens":[101,7592,102]}`}
-	tk.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-		if req.URL.Path != "/tokenize" || req.Method != http.MethodPost {
-			http.NotFound(w, req)
-			return
-		}
-		var body map[string]any
-		data, _ := io.ReadAll(req.Body)
-		_ = json.Unmarshal(data, &body)
-		tk.mu.Lock()
-		tk.bodies = append(tk.bodies, body)
-		status, answer := tk.status, tk.answer
-		tk.mu.Unlock()
-		if answer == "hang" {
-			<-req.Context().Done()
-			return
-		}
-		w.Header().Set("Content-Type", "application/json")
-		w.WriteHeader(status)
-		io.WriteString(w, answer)
-	}))
-	t.Cleanup(tk.Close)
-	return tk
-}
-
-func TestTokens(t *testing.T) {
-	tests := []struct {
-		name     string
-		req      TokenizeRequest
-		status   int
-		answer   string
-		want     []uint32
-		wantErr  bool
-		wantBody map[string]any
-	}{
-		{name: "a completion's prompt is tokenized as a prompt",
-			req:  TokenizeRequest{Model: "m", Prompt: "hello"},
-			want: []uint32{101, 7592, 102}, wantBody: map[string]any{"model": "m", "prompt": "hello"}},
-		{name: "a chat's messages are rendered with the generation prompt",
-			req:  TokenizeRequest{Model: "m", Messages: json.RawMessage(`[{"role":"user","content":"hi"}]`)},
-			want: []uint32{101, 7592, 102},
-			wantBody: map[string]any{"model": "m", "add_generation_prompt": true,
-				"messages": []any{map[string]any{"role": "user", "content": "hi"}}}},
-		{name: "an engine error is an error", req: TokenizeRequest{Prompt: "x"}, status: 500, answer: `{"error":"boom"}`, wantErr: true},
-		{name: "an answer without tokens is an error", req: TokenizeRequest{Prompt: "x"}, answer: `{"count":0}`, wantErr: true},
-		{name: "a negative token id is an error", req: TokenizeRequest{Prompt: "x"}, answer: `{"tokens":[-1]}`, wantErr: true},
-		{name: "an engine that does not answer in tokenize_timeout is an error", req: TokenizeRequest{Prompt: "x"}, answer: "hang", wantErr: true},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			tk := newTokenizer(t)
-			if tt.status != 0 {
-				tk.status = tt.status
-			}
-			if tt.answer != "" {
-				tk.answer = tt.answer
-			}
-			r, _, _ := newTestRouter(t, Config{
-				Backends:        []BackendConfig{{Name: "d0", URL: tk.URL, Role: RoleDecode}},
-				TokenizeTimeout: 100 * time.Millisecond,
-			})
-			defer r.CloseIdleConnections()
-			got, err := r.Tokens(context.Background(), tt.req)
-			if (err != nil) != tt.wantErr {
-				t.Fatalf("Tokens error = %v, want error %v", err, tt.wantErr)
-			}
-			if fmt.Sprint(got) != fmt.Sprint(tt.want) {
-				t.Errorf("tokens = %v, want %v", got, tt.want)
-			}
-			if tt.wantBody != nil {
-				tk.mu.Lock()
-				defer tk.mu.Unlock()
-				if len(tk.bodies) != 1 || fmt.Sprint(tk.bodies[0]) != fmt.Sprint(tt.wantBody) {
-					t.Errorf("engine got %v, want %v", tk.bodies, tt.wantBody)
-				}
-			}
-		})
-	}
-}
-
-func TestTokensWithNoBackendAvailable(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 0)})
-	backendByName(t, r, "d0").st.up.Store(false)
-	if _, err := r.Tokens(context.Background(), TokenizeRequest{Prompt: "x"}); !errors.Is(err, ErrNoTokenizer) {
-		t.Errorf("Tokens = %v, want ErrNoTokenizer", err)
 	}
 }
 

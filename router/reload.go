@@ -135,7 +135,7 @@ func (r *Router) apply(cfg Config) error {
 	r.prefill.mu.Unlock()
 
 	// After the pools, so that a removed backend is no candidate when its blocks go.
-	r.events.SetEndpoints(kvEndpoints(all))
+	r.setKVEndpoints(cfg, all)
 	for _, c := range replaced {
 		// Calls in flight on the old client keep their connections; idle ones would linger.
 		c.CloseIdleConnections()

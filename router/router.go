@@ -90,6 +90,8 @@ type Router struct {
 	index   *kvcache.Index
 	events  *kvcache.Events
 	kvStart kvStart
+	// tokenizer is Config.EngineTokenizer, read at New; nil tokenizes nothing.
+	tokenizer Tokenizer
 	// staleAfter is kv_events.stale_after in force.
 	staleAfter atomic.Pointer[time.Duration]
 	// modelViews are Models' answers, current while their generation is modelGen's, which
@@ -117,9 +119,10 @@ func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) (*Router, er
 		return nil, fmt.Errorf("router config: %w", err)
 	}
 	r := &Router{
-		logger:   logger,
-		now:      time.Now,
-		reloaded: make(chan struct{}, 1),
+		logger:    logger,
+		now:       time.Now,
+		reloaded:  make(chan struct{}, 1),
+		tokenizer: cfg.EngineTokenizer,
 	}
 	r.prefill = &pool{role: RolePrefill, r: r}
 	r.decode = &pool{role: RoleDecode, r: r}

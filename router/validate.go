@@ -139,6 +139,14 @@ func (c *Config) checkCache() []error {
 			bad("kv_events.listen", "%v", err)
 		}
 	}
+	for i, src := range kv.AllowedSources {
+		if _, err := kvcache.ParseSource(src); err != nil {
+			bad(fmt.Sprintf("kv_events.allowed_sources[%d]", i), "%v", err)
+		}
+	}
+	if len(kv.AllowedSources) > 0 && kv.Listen == "" {
+		bad("kv_events.allowed_sources", "set, but kv_events.listen is not: only the listening socket takes messages from sources")
+	}
 	if kv.StaleAfter < 0 {
 		bad("kv_events.stale_after", "%v is negative", kv.StaleAfter)
 	}

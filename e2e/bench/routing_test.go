@@ -498,7 +498,7 @@ func BenchmarkRoutingCost(b *testing.B) {
 	for _, policy := range []string{router.PolicyPreciseCacheAware, router.PolicyCacheAware, router.PolicyLeastInflight} {
 		b.Run(policy, func(b *testing.B) {
 			decoders := startSims(b, 4, cfg)
-			rcfg := router.Config{DecodePolicy: policy, Health: router.HealthConfig{Interval: -1}}
+			rcfg := router.Config{DecodePolicy: policy, Health: router.HealthConfig{Interval: -1}, EngineTokenizer: kvbackend.Tokenizer{}}
 			for i, d := range decoders {
 				rcfg.Backends = append(rcfg.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.srv.URL, Role: router.RoleDecode,
 					KVEventsEndpoint: kvDial(b, d.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(b, d.e.KVEventsReplayAddr())})

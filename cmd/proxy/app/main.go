@@ -241,6 +241,7 @@ func (m *Main) build(ctx context.Context, rcfg router.Config) error {
 	if err := checkConditional(m.cfg.Proxy, rcfg); err != nil {
 		return fmt.Errorf("config: %w", err)
 	}
+	rcfg.EngineTokenizer = kvbackend.Tokenizer{}
 	rt, err := router.New(rcfg, m.logger.Named("router"), m.Registry)
 	if err != nil {
 		return fmt.Errorf("config: %w", err)
