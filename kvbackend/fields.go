@@ -299,3 +299,55 @@ func valueEnd(b []byte, i int) int {
 	}
 	return j
 }
+
+// Member is one member of an object to set: its key and its raw JSON value.
+type Member struct {
+	Key string
+	Val []byte
+}
+
+// Edit is the object's JSON text without the members named in drop, and with each of set's
+// values in place of its member's, where that member stands; a member of set the object lacks
+// is added at its end. Every other member's bytes are copied as they came. Answers the proxy
+// passes on (an engine's stream events) are edited this way, so that what it does not touch
+// reaches the client as the engine wrote it.
+func (f *Fields) Edit(drop []string, set ...Member) []byte {
+	out := make([]byte, 0, len(f.raw)+64)
+	out = append(out, '{')
+	first := true
+	var done uint64 // which of set's members stood in the object (set is short)
+	for i := range f.members {
+		m := &f.members[i]
+		if f.dropped(i, drop) {
+			continue
+		}
+		if !first {
+			out = append(out, ',')
+		}
+		first = false
+		out = append(out, f.raw[m.keyStart-1:m.keyEnd+1]...)
+		out = append(out, ':')
+		val := f.raw[m.valStart:m.valEnd]
+		for j := range set {
+			if j < 64 && f.is(m, set[j].Key) {
+				val, done = set[j].Val, done|1<<j
+				break
+			}
+		}
+		out = append(out, val...)
+	}
+	for j := range set {
+		if j < 64 && done&(1<<j) != 0 {
+			continue
+		}
+		if !first {
+			out = append(out, ',')
+		}
+		first = false
+		kb, _ := json.Marshal(set[j].Key)
+		out = append(out, kb...)
+		out = append(out, ':')
+		out = append(out, set[j].Val...)
+	}
+	return append(out, '}')
+}

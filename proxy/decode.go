@@ -48,7 +48,7 @@ func (x *exchange) decode(c *custody) *apiError {
 
 	span := x.callSpan(spanDecode, b, attrKVParams.Bool(params != nil))
 	defer func() { endSpan(span, err) }()
-	call := x.call(b, x.route, body)
+	call := x.call(b, x.req.route, body)
 	if ho != nil {
 		call.OnAck = func() {
 			ho.ack()

@@ -92,6 +92,11 @@ type reply struct {
 	// only honest end is to cut the connection.
 	abortConn bool
 	finished  bool // counted and logged (finish)
+	// broke is why the stream's decoder failed, when the stream goes on elsewhere.
+	broke error
+	// resume is what the stream keeps to go on on another decoder (migration.go); nil when it
+	// would not.
+	resume *resume
 }
 
 // timings are when the request began and how long its phases took.
@@ -251,6 +256,9 @@ func (x *exchange) run(parse func([]byte) (*genRequest, *apiError)) *apiError {
 	if e := x.resolveModel(); e != nil {
 		return e
 	}
+	if e := x.planResume(); e != nil {
+		return e
+	}
 	x.hdr = x.s.engineHeader(x.r.Header)
 	return x.track(x.serve)
 }
@@ -292,6 +300,9 @@ func (x *exchange) track(serve func(c *custody) *apiError) (e *apiError) {
 }
 
 func (x *exchange) hint(exclude []string) router.Hint {
+	if rs := x.out.resume; rs != nil && len(rs.dead) > 0 {
+		exclude = append(exclude[:len(exclude):len(exclude)], rs.dead...)
+	}
 	h := router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.req.text, Tokens: x.legs.tokens, Model: x.req.model, Exclude: exclude}
 	if x.class != nil {
 		h.Class, h.Slack = x.class.Name, x.class.MaxQueueWait
@@ -299,7 +310,23 @@ func (x *exchange) hint(exclude []string) router.Hint {
 	return h
 }
 
+// serve serves the request, attempt after attempt while a stream goes on on other decoders
+// (migration.go). It takes the custody.
 func (x *exchange) serve(c *custody) *apiError {
+	for {
+		e := x.attempt(c)
+		if e != errMoveOn {
+			return e
+		}
+		if e := x.moveOn(c, x.out.broke); e != nil {
+			return e
+		}
+	}
+}
+
+// attempt serves the request on one decoder (and one prefiller, under P/D). It takes the
+// custody, except when the stream is to go on elsewhere (errMoveOn).
+func (x *exchange) attempt(c *custody) *apiError {
 	x.tokenize()
 	if x.ctx.Err() != nil {
 		return x.gone(c)
@@ -358,6 +385,9 @@ func (x *exchange) serve(c *custody) *apiError {
 func (x *exchange) reserveDecoder(c *custody, accept func(router.Engine) bool) *apiError {
 	h := x.hint(nil)
 	h.Accept = accept
+	if rs := x.out.resume; rs != nil && rs.attempt > 0 {
+		h.Accept = func(e router.Engine) bool { return continuable(e) && (accept == nil || accept(e)) }
+	}
 	lease, err := x.s.router.Acquire(x.ctx, router.RoleDecode, h)
 	if err != nil {
 		return x.failWith(c, router.Result{}, fromRouter(err, router.RoleDecode))

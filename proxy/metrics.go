@@ -20,6 +20,11 @@ type metrics struct {
 	// limitRejected and keyRequests count per client identity (limits.go).
 	limitRejected *prometheus.CounterVec
 	keyRequests   *prometheus.CounterVec
+	// migrations, migrationRefusals and tokensReplayed count streams that left a failed
+	// decoder (migration.go).
+	migrations        *prometheus.CounterVec
+	migrationRefusals *prometheus.CounterVec
+	tokensReplayed    prometheus.Counter
 }
 
 // latencyBuckets span a sub-millisecond proxy hop to a multi-minute generation.
@@ -88,10 +93,28 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Namespace: "pdproxy", Name: "key_requests_total",
 			Help: "Requests let in by their client's limits, counted when they end, by key and tenant (as in pdproxy_limit_rejected_total) and priority class (none: no class, or refused before its class was known).",
 		}, []string{"key", "tenant", "class"}),
+		migrations: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "migrations_total",
+			Help: "Streams whose decoder failed after their first byte, with migration_limit set, by why (decoder_failed, idle_timeout, error_event) and outcome: migrated (they went on on another decoder), not_migratable (they could not go on exactly: pdproxy_migrations_refused_total says why), limit_reached.",
+		}, []string{"reason", "outcome"}),
+		migrationRefusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "migrations_refused_total",
+			Help: "Streams that could not go on exactly when their decoder failed, and failed as without migration, by reason: n, prompt_array, guided_decoding, logprobs, tools, penalties, stop, engine, too_long, no_token_ids, finished, no_tokens_left.",
+		}, []string{"reason"}),
+		tokensReplayed: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "migration_tokens_replayed_total",
+			Help: "Generated tokens sent again, as prompt, to the engines a stream went on on.",
+		}),
+	}
+	for _, reason := range []string{moveDecoderFailed, moveIdleTimeout, moveErrorEvent} {
+		for _, outcome := range []string{movedOn, moveRefused, moveExceeded} {
+			m.migrations.WithLabelValues(reason, outcome)
+		}
 	}
 	if reg != nil {
 		reg.MustRegister(m.requests, m.duration, m.ttft, m.propagation, m.tokensAfter, m.retries, m.fallbacks, m.decodeOnly, m.releaseFailure,
-			m.connsOpen, m.connsRefused, m.prefillerRefused, m.panics, m.limitRejected, m.keyRequests)
+			m.connsOpen, m.connsRefused, m.prefillerRefused, m.panics, m.limitRejected, m.keyRequests,
+			m.migrations, m.migrationRefusals, m.tokensReplayed)
 	}
 	return m
 }

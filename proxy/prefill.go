@@ -131,7 +131,7 @@ type prefillAnswer struct {
 // its KV is released as soon as the prefiller answers (gone is then true: the client's leaving
 // has been handled, and the custody went with the call).
 func (x *exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backend, body []byte) (params json.RawMessage, err error, gone bool) {
-	call := withHeader(x.call(b, x.route, body), nil, lease)
+	call := withHeader(x.call(b, x.req.route, body), nil, lease)
 	timeout := x.s.cfg.PrefillTimeout
 	span := x.callSpan(spanPrefill, b)
 	if x.s.cfg.AbortDuringPrefill == AbortPrefillCancel {

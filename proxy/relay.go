@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"io"
 	"net/http"
@@ -72,8 +73,19 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 			return buf[:n], false, err
 		}
 	}
+	rs := x.out.resume
 	for {
 		data, more, rerr := next()
+		if len(data) > 0 {
+			wd.onBytes() // the decoder answered, whatever of it goes out
+		}
+		if rs != nil {
+			// Whole events only: a stream that goes on elsewhere must not leave half of one.
+			data = rs.filter(data)
+			if rs.errorEvent && rerr == nil {
+				rerr = errErrorEvent
+			}
+		}
 		if rn := x.names.rename; rn != nil {
 			data = rn.rewrite(data)
 			if rerr != nil {
@@ -81,7 +93,6 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 			}
 		}
 		if n := len(data); n > 0 {
-			wd.onBytes()
 			if x.ctx.Err() != nil {
 				x.countAfterGone(data)
 				return x.gone(c)
@@ -130,6 +141,14 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 			}
 		}
 		if rerr != nil {
+			cause := rerr
+			if wd.timedOut() {
+				cause = errors.Join(context.Cause(wd.ctx), rerr)
+			}
+			if x.canMove(cause) {
+				x.out.broke = cause
+				return errMoveOn
+			}
 			return x.decodeFailed(c, rerr, wd)
 		}
 	}

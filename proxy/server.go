@@ -93,6 +93,12 @@ type Config struct {
 	// (refused otherwise) and a decoder whose KV events the proxy reads (cmd/proxy refuses a
 	// config that reads none). [0: always disaggregate]
 	PDUncachedTokenThreshold int `yaml:"pd_uncached_token_threshold"`
+	// MigrationLimit is how many times a stream whose decoder fails after its first byte may
+	// go on on another decoder, token-exact (migration.go, docs/engines.md). [0: never]
+	MigrationLimit int `yaml:"migration_limit"`
+	// MigrationMaxTokens bounds the token ids a stream keeps to go on elsewhere, its prompt's
+	// and its answer's: a longer one is not migrated. [65536]
+	MigrationMaxTokens int `yaml:"migration_max_tokens"`
 	// PrefillTimeout bounds the prefill call. [5m]
 	PrefillTimeout time.Duration `yaml:"prefill_timeout"`
 	// DecodeFirstByteTimeout bounds the wait for a decode's first byte. [5m]
@@ -210,6 +216,15 @@ func (c *Config) setDefaults() error {
 	}
 	if c.DecoderReservation == "" {
 		c.DecoderReservation = ReserveBeforePrefill
+	}
+	if c.MigrationLimit < 0 {
+		return fmt.Errorf("migration_limit: %d is negative", c.MigrationLimit)
+	}
+	if c.MigrationMaxTokens < 0 {
+		return fmt.Errorf("migration_max_tokens: %d is negative", c.MigrationMaxTokens)
+	}
+	if c.MigrationMaxTokens == 0 {
+		c.MigrationMaxTokens = 65536
 	}
 	if err := c.Limits.setDefaults(); err != nil {
 		return err

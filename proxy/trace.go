@@ -55,6 +55,8 @@ const (
 	attrTokensAfter     = attribute.Key("pdproxy.tokens_after_disconnect")
 	attrKVParams        = attribute.Key("pdproxy.kv_params_forwarded")
 	attrKVHeldSeconds   = attribute.Key("pdproxy.kv_held_seconds")
+	attrMigrationReason = attribute.Key("pdproxy.migration.reason")
+	attrMigrationTokens = attribute.Key("pdproxy.migration.tokens_replayed")
 	attrReleaseMode     = attribute.Key("pdproxy.release_mode")
 	attrReleaseReason   = attribute.Key("pdproxy.release_reason")
 	attrDecodeOnly      = attribute.Key("pdproxy.decode_only")

@@ -1,0 +1,517 @@
+package proxy
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"strconv"
+
+	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/router"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// A stream that survives its decoder. When the decoder of a stream fails after the client got
+// its first byte (the connection broke, the stream ended before its end, an error event, the
+// decoder went silent past decode_idle_timeout), the request goes on on another decoder, and
+// under P/D another prefill: the prompt's token ids and those of every token the client got
+// become a completions prompt, the token limits shrink by what was generated, the sampling is
+// the client's, and the continuation's events are written as the same stream's (its id,
+// created and model; chat chunks for a chat), so the client reads one answer. The engines
+// report the ids (return_token_ids, which the proxy asks for and takes out again unless the
+// client asked too). What cannot go on exactly fails as it would without: more than one
+// choice, guided decoding, log probabilities, tools, output penalties, stop strings, an engine
+// that cannot continue from ids.
+
+// Why a stream had to leave its decoder: the reason label of pdproxy_migrations_total.
+const (
+	moveDecoderFailed = "decoder_failed"
+	moveIdleTimeout   = "idle_timeout"
+	moveErrorEvent    = "error_event"
+)
+
+// The outcome label of pdproxy_migrations_total.
+const (
+	movedOn      = "migrated"
+	moveRefused  = "not_migratable"
+	moveExceeded = "limit_reached"
+)
+
+// Why a stream cannot go on exactly: the reason label of pdproxy_migrations_refused_total.
+const (
+	refuseN          = "n"
+	refusePrompts    = "prompt_array"
+	refuseGuided     = "guided_decoding"
+	refuseLogprobs   = "logprobs"
+	refuseTools      = "tools"
+	refusePenalties  = "penalties"
+	refuseStop       = "stop"
+	refuseEngine     = "engine"
+	refuseTooLong    = "too_long"
+	refuseNoTokenIDs = "no_token_ids"
+	refuseFinished   = "finished"
+	refuseNothing    = "no_tokens_left"
+)
+
+// errMoveOn is what an attempt ends with when its stream is to go on on another decoder: the
+// custody is still the exchange's, and serve starts the next attempt.
+var errMoveOn = newError(errBackendUnreachable, "the decoder failed mid-answer; the stream goes on elsewhere")
+
+// errErrorEvent is a decoder's stream that carried an error event.
+var errErrorEvent = errors.New("the decoder's stream carried an error event")
+
+// resume is what a migratable stream keeps to go on elsewhere: the ids of its prompt and of
+// every token its client got, what the client's stream is called, and how many more times it
+// may move.
+type resume struct {
+	// left is how many more times the stream may move.
+	left int
+	// maxIDs bounds prompt and sent together; past it the stream stops keeping them.
+	maxIDs int
+	// refused, when set, is why the stream cannot go on exactly (a refuse* reason).
+	refused string
+	chat    bool
+	// clientIDs: the client asked for return_token_ids itself, and sees them.
+	clientIDs bool
+	// prompt are the prompt's ids, from the first answer; sent the ids of the tokens whose
+	// events went to the client.
+	prompt, sent []uint32
+	// id, created and model are the first answer's, raw: a continuation's events carry them.
+	id, created, model []byte
+	// attempt counts the attempts before the one under way.
+	attempt int
+	// dead are the decoders the stream left, which its continuations avoid.
+	dead []string
+	// pending is the start of an event whose end has not come yet.
+	pending []byte
+	// errorEvent: the decoder sent an error event, which was kept from the client.
+	errorEvent bool
+	// finished: an event with a finish_reason went to the client.
+	finished bool
+}
+
+// planResume readies a stream for migration, when migration_limit allows it: the engines are
+// asked for the token ids, and what would keep the stream from going on exactly is noted.
+func (x *exchange) planResume() *apiError {
+	if x.s.cfg.MigrationLimit <= 0 || !x.req.stream || x.req.responses {
+		return nil
+	}
+	rs := &resume{left: x.s.cfg.MigrationLimit, maxIDs: x.s.cfg.MigrationMaxTokens, chat: x.req.chat, refused: unresumable(x.req)}
+	if raw, ok := x.req.fields.Field("return_token_ids"); ok && string(raw) == "true" {
+		rs.clientIDs = true
+	} else if rs.refused == "" {
+		f, err := x.req.fields.With("return_token_ids", []byte("true"))
+		if err != nil {
+			return buildFailed(err, "engine")
+		}
+		x.req.fields = f
+	}
+	x.out.resume = rs
+	return nil
+}
+
+// unresumable is why req's stream could not go on exactly on another engine, "" when it can.
+func unresumable(req *genRequest) string {
+	f := req.fields
+	set := func(key string) bool {
+		raw, ok := f.Field(key)
+		if !ok {
+			return false
+		}
+		switch string(bytes.TrimSpace(raw)) {
+		case "null", "false", "0", "0.0", `""`, "[]", "{}":
+			return false
+		}
+		return true
+	}
+	switch {
+	case req.decodeOnly == decodeOnlyN:
+		return refuseN
+	case req.prompts > 1:
+		return refusePrompts
+	case set("guided_json"), set("guided_regex"), set("guided_choice"), set("guided_grammar"), set("structural_tag"),
+		set("structured_outputs"), guidedFormat(f):
+		return refuseGuided
+	case set("logprobs"), set("top_logprobs"), set("prompt_logprobs"), set("echo"):
+		return refuseLogprobs
+	case set("tools") && !toolChoiceNone(f), set("functions"):
+		return refuseTools
+	case set("presence_penalty"), set("frequency_penalty"):
+		// vLLM applies them to the generated tokens only: in a continuation those are prompt.
+		return refusePenalties
+	case set("stop"):
+		// A stop string that began before the break would not be seen after it.
+		return refuseStop
+	}
+	return ""
+}
+
+// guidedFormat reports whether a response_format constrains the output (a JSON schema, a JSON
+// object, a structural tag), as opposed to plain text.
+func guidedFormat(f *kvbackend.Fields) bool {
+	raw, ok := f.Field("response_format")
+	if !ok {
+		return false
+	}
+	var rf struct {
+		Type string `json:"type"`
+	}
+	if json.Unmarshal(raw, &rf) != nil {
+		return string(bytes.TrimSpace(raw)) != "null"
+	}
+	return rf.Type != "" && rf.Type != "text"
+}
+
+func toolChoiceNone(f *kvbackend.Fields) bool {
+	raw, ok := f.Field("tool_choice")
+	return ok && string(bytes.TrimSpace(raw)) == `"none"`
+}
+
+// canMove reports whether the stream may go on elsewhere after its decoder failed with err,
+// counting the refusals of one that may not.
+func (x *exchange) canMove(err error) bool {
+	rs := x.out.resume
+	if rs == nil || !x.out.wrote || x.ctx.Err() != nil {
+		return false
+	}
+	reason := moveReason(err)
+	refuse := func(why string) bool {
+		x.s.m.migrations.WithLabelValues(reason, moveRefused).Inc()
+		x.s.m.migrationRefusals.WithLabelValues(why).Inc()
+		return false
+	}
+	switch {
+	case rs.refused != "":
+		return refuse(rs.refused)
+	case rs.finished:
+		return refuse(refuseFinished)
+	case rs.prompt == nil:
+		return refuse(refuseNoTokenIDs)
+	case rs.left <= 0:
+		x.s.m.migrations.WithLabelValues(reason, moveExceeded).Inc()
+		return false
+	}
+	if _, ok := engineOf(x.legs.decode).(kvbackend.Continuer); !ok {
+		return refuse(refuseEngine)
+	}
+	return true
+}
+
+func moveReason(err error) string {
+	switch {
+	case errors.Is(err, errErrorEvent):
+		return moveErrorEvent
+	case errors.Is(err, errIdleTimeout):
+		return moveIdleTimeout
+	}
+	return moveDecoderFailed
+}
+
+// moveOn readies the next attempt of a stream whose decoder failed with cause: the decoder's
+// lease goes back charged with the failure, the table starts another attempt, and the request
+// becomes the continuation. It takes the custody when it fails.
+func (x *exchange) moveOn(c *custody, cause error) *apiError {
+	rs := x.out.resume
+	reason := moveReason(cause)
+	dead := x.legs.decode
+	c.giveBackLease(resultOf(cause, nil))
+	rs.dead = append(rs.dead, dead.Name)
+	prompt := make([]uint32, 0, len(rs.prompt)+len(rs.sent))
+	prompt = append(append(prompt, rs.prompt...), rs.sent...)
+	body, err := engineOf(dead).(kvbackend.Continuer).ContinueBody(x.req.fields, rs.chat, prompt, len(rs.sent))
+	if errors.Is(err, kvbackend.ErrNothingLeft) {
+		x.s.m.migrations.WithLabelValues(reason, moveRefused).Inc()
+		x.s.m.migrationRefusals.WithLabelValues(refuseNothing).Inc()
+		return x.decodeFailedAfterMove(c, cause)
+	}
+	var fields *kvbackend.Fields
+	if err == nil {
+		fields, err = kvbackend.ParseFields(body)
+	}
+	if err != nil {
+		x.fail(c, router.Result{})
+		return x.cut(buildFailed(err, "continuation"))
+	}
+	if !x.s.table.Continue(x.id) {
+		return x.gone(c)
+	}
+	x.s.m.migrations.WithLabelValues(reason, movedOn).Inc()
+	x.s.m.tokensReplayed.Add(float64(len(rs.sent)))
+	if x.span != nil {
+		x.span.AddEvent("migration", trace.WithAttributes(attrMigrationReason.String(reason), attrBackend.String(dead.Name),
+			attrMigrationTokens.Int(len(rs.sent))))
+	}
+	rs.attempt++
+	rs.left--
+	rs.pending = rs.pending[:0]
+	rs.errorEvent = false
+	x.req = &genRequest{route: "/v1/completions", fields: fields, model: x.req.model, stream: true, prefix: x.req.prefix,
+		text: x.req.text, tokens: prompt, prompts: 1}
+	x.legs = legs{named: x.legs.named}
+	return nil
+}
+
+// decodeFailedAfterMove fails a stream that may not move after all.
+func (x *exchange) decodeFailedAfterMove(c *custody, cause error) *apiError {
+	x.fail(c, router.Result{})
+	return x.cut(fromBackend(cause, router.RoleDecode, errDecodeTimeout))
+}
+
+// continuable accepts the decoders a continuation may go to: engines that continue from ids.
+// (The decoders the stream left are excluded by name: hint.)
+func continuable(e router.Engine) bool {
+	ke, ok := e.(kvbackend.Engine)
+	if !ok {
+		ke = kvbackend.VLLM
+	}
+	_, ok = ke.(kvbackend.Continuer)
+	return ok
+}
+
+// filter takes what a decoder sent and answers what of it goes to the client: whole events
+// only (the start of one waits for its end), each with the generated ids noted, the ids taken
+// out unless the client asked for them, and, in a continuation, renamed as the first answer's
+// events (a chat's as chat chunks). An error event stops it: what follows is not passed on.
+func (rs *resume) filter(data []byte) []byte {
+	if rs.errorEvent {
+		return nil
+	}
+	rs.pending = append(rs.pending, data...)
+	var out []byte
+	for {
+		i := bytes.Index(rs.pending, []byte("\n\n"))
+		if i < 0 {
+			break
+		}
+		ev := rs.pending[:i+2]
+		ev2, ok := rs.event(ev)
+		if !ok {
+			rs.errorEvent = true
+			rs.pending = rs.pending[:0]
+			return out
+		}
+		out = append(out, ev2...)
+		rs.pending = rs.pending[i+2:]
+	}
+	if len(rs.pending) == 0 {
+		rs.pending = rs.pending[:0:0] // let a large read's buffer go
+	}
+	if rs.maxIDs > 0 && len(rs.prompt)+len(rs.sent) > rs.maxIDs && rs.refused == "" {
+		rs.refused, rs.prompt, rs.sent = refuseTooLong, nil, nil
+	}
+	return out
+}
+
+// flush is what is left of the stream at its end: an event without its blank line, as it came.
+func (rs *resume) flush() []byte {
+	out := rs.pending
+	rs.pending = nil
+	return out
+}
+
+// event rewrites one whole event; ok is false for an error event.
+func (rs *resume) event(ev []byte) ([]byte, bool) {
+	line := bytes.TrimRight(ev, "\n")
+	payload, isData := bytes.CutPrefix(line, []byte("data:"))
+	if !isData || bytes.IndexByte(line, '\n') >= 0 {
+		return ev, true // comments, other fields, several lines: not an answer chunk
+	}
+	payload = bytes.TrimLeft(payload, " ")
+	if bytes.Equal(payload, []byte("[DONE]")) {
+		return ev, true
+	}
+	f, err := kvbackend.ParseFields(payload)
+	if err != nil {
+		return ev, true
+	}
+	if _, bad := f.Field("error"); bad {
+		return nil, false
+	}
+	if obj, _ := f.Field("object"); string(obj) == `"error"` {
+		return nil, false
+	}
+	if rs.attempt == 0 {
+		if rs.id == nil {
+			rs.id, rs.created, rs.model = member(f, "id"), member(f, "created"), member(f, "model")
+		}
+		if ids, ok := f.Field("prompt_token_ids"); ok && rs.prompt == nil {
+			rs.prompt = decodeIDs(ids)
+		}
+	}
+	choices, edited := rs.choices(f)
+	var body []byte
+	switch {
+	case rs.attempt == 0 && !edited && (rs.clientIDs || !hasAny(f, "prompt_token_ids")):
+		return ev, true
+	case rs.attempt == 0:
+		drop := []string{}
+		if !rs.clientIDs {
+			drop = append(drop, "prompt_token_ids")
+		}
+		body = f.Edit(drop, kvbackend.Member{Key: "choices", Val: choices})
+	case rs.chat:
+		body = rs.chatChunk(f, choices)
+	default:
+		set := []kvbackend.Member{{Key: "id", Val: rs.id}, {Key: "created", Val: rs.created}, {Key: "model", Val: rs.model},
+			{Key: "choices", Val: choices}}
+		if u, ok := rs.usage(f); ok {
+			set = append(set, kvbackend.Member{Key: "usage", Val: u})
+		}
+		body = f.Edit([]string{"prompt_token_ids"}, set...)
+	}
+	out := make([]byte, 0, len(body)+8)
+	out = append(out, "data: "...)
+	out = append(out, body...)
+	return append(out, "\n\n"...), true
+}
+
+// choices notes the generated ids of an event's choices and answers the choices as the client
+// sees them: the ids and, in a continuation, the completions prompt's ids taken out unless the
+// client asked for them, and a continuation's completion choices as chat choices for a chat.
+// edited is false when they stay as they came.
+func (rs *resume) choices(f *kvbackend.Fields) (out []byte, edited bool) {
+	raw, ok := f.Field("choices")
+	if !ok {
+		return nil, false
+	}
+	var list []json.RawMessage
+	if json.Unmarshal(raw, &list) != nil {
+		return raw, false
+	}
+	edited = rs.attempt > 0
+	out = append(out, '[')
+	for i, c := range list {
+		cf, err := kvbackend.ParseFields(c)
+		if err != nil {
+			return raw, false
+		}
+		if ids, ok := cf.Field("token_ids"); ok {
+			rs.sent = append(rs.sent, decodeIDs(ids)...)
+		}
+		if ids, ok := cf.Field("prompt_token_ids"); ok && rs.attempt == 0 && rs.prompt == nil {
+			rs.prompt = decodeIDs(ids)
+		}
+		if fr, ok := cf.Field("finish_reason"); ok && string(fr) != "null" {
+			rs.finished = true
+		}
+		if i > 0 {
+			out = append(out, ',')
+		}
+		var drop []string
+		if !rs.clientIDs {
+			drop = []string{"token_ids"}
+		}
+		if rs.attempt > 0 {
+			drop = append(drop, "prompt_token_ids")
+		}
+		if rs.attempt > 0 && rs.chat {
+			out = append(out, chatChoice(cf, rs.clientIDs)...)
+			continue
+		}
+		if len(drop) == 0 || !hasAny(cf, drop...) {
+			out = append(out, c...)
+			continue
+		}
+		edited = true
+		out = append(out, cf.Edit(drop)...)
+	}
+	return append(out, ']'), edited
+}
+
+// chatChoice is a continuation's completion choice as a chat chunk's: its text as the delta's
+// content, its finish and stop reasons, and its ids when the client asked for them.
+func chatChoice(cf *kvbackend.Fields, ids bool) []byte {
+	out := []byte(`{"index":`)
+	if v, ok := cf.Field("index"); ok {
+		out = append(out, v...)
+	} else {
+		out = append(out, '0')
+	}
+	out = append(out, `,"delta":{"content":`...)
+	if v, ok := cf.Field("text"); ok {
+		out = append(out, v...)
+	} else {
+		out = append(out, `""`...)
+	}
+	out = append(out, `},"logprobs":null,"finish_reason":`...)
+	if v, ok := cf.Field("finish_reason"); ok {
+		out = append(out, v...)
+	} else {
+		out = append(out, "null"...)
+	}
+	if v, ok := cf.Field("stop_reason"); ok {
+		out = append(out, `,"stop_reason":`...)
+		out = append(out, v...)
+	}
+	if v, ok := cf.Field("token_ids"); ok && ids {
+		out = append(out, `,"token_ids":`...)
+		out = append(out, v...)
+	}
+	return append(out, '}')
+}
+
+// chatChunk is a continuation's completion event as a chat chunk of the first answer.
+func (rs *resume) chatChunk(f *kvbackend.Fields, choices []byte) []byte {
+	out := []byte(`{"id":`)
+	out = append(out, rs.id...)
+	out = append(out, `,"object":"chat.completion.chunk","created":`...)
+	out = append(out, rs.created...)
+	out = append(out, `,"model":`...)
+	out = append(out, rs.model...)
+	out = append(out, `,"choices":`...)
+	if choices == nil {
+		choices = []byte("[]")
+	}
+	out = append(out, choices...)
+	if u, ok := rs.usage(f); ok {
+		out = append(out, `,"usage":`...)
+		out = append(out, u...)
+	}
+	return append(out, '}')
+}
+
+// usage is a continuation's usage as the client's stream counts it: the original prompt, and
+// every token generated for the client.
+func (rs *resume) usage(f *kvbackend.Fields) ([]byte, bool) {
+	raw, ok := f.Field("usage")
+	if !ok || string(raw) == "null" {
+		return nil, false
+	}
+	uf, err := kvbackend.ParseFields(raw)
+	if err != nil {
+		return raw, true
+	}
+	p, g := len(rs.prompt), len(rs.sent)
+	return uf.Edit(nil, kvbackend.Member{Key: "prompt_tokens", Val: strconv.AppendInt(nil, int64(p), 10)},
+		kvbackend.Member{Key: "completion_tokens", Val: strconv.AppendInt(nil, int64(g), 10)},
+		kvbackend.Member{Key: "total_tokens", Val: strconv.AppendInt(nil, int64(p+g), 10)}), true
+}
+
+// member is a copy of f's member key, or null.
+func member(f *kvbackend.Fields, key string) []byte {
+	if v, ok := f.Field(key); ok {
+		return bytes.Clone(v)
+	}
+	return []byte("null")
+}
+
+func hasAny(f *kvbackend.Fields, keys ...string) bool {
+	for _, k := range keys {
+		if _, ok := f.Field(k); ok {
+			return true
+		}
+	}
+	return false
+}
+
+// decodeIDs reads a JSON list of token ids; nil when it is none.
+func decodeIDs(raw json.RawMessage) []uint32 {
+	var ids []uint32
+	if json.Unmarshal(raw, &ids) != nil {
+		return nil
+	}
+	if ids == nil {
+		ids = []uint32{}
+	}
+	return ids
+}
