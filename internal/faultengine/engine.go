@@ -282,10 +282,10 @@ func (e *Engine) fault(f Fault) {
 	}
 }
 
-// isGeneration reports whether path is one a model answers: a completion, or an embedding
-// (a route the proxy passes to one engine without P/D).
+// isGeneration reports whether path is one a model answers: a completion, a Responses API
+// request, or an embedding (a route the proxy passes to one engine without P/D).
 func isGeneration(path string) bool {
-	return strings.HasSuffix(path, "/completions") || path == "/v1/embeddings"
+	return strings.HasSuffix(path, "/completions") || path == "/v1/responses" || path == "/v1/embeddings"
 }
 
 // reset closes c with a reset rather than a clean close.
