@@ -300,11 +300,15 @@ type responder struct {
 
 	started bool // stream: headers sent
 	events  int  // stream: SSE events written
-	seq     int  // Responses API stream: the next event's sequence_number
-	text    strings.Builder
-	last    output        // the last token, once finished
-	cached  int           // prompt tokens the prefix cache held (of the first request)
-	extra   []childResult // a prefill's fan-out: the other choices (fanout.go)
+	// promptSent marks, with return_token_ids, the completions choices
+	// whose stream carried their prompt_token_ids (by choice index).
+	promptSent map[int]bool
+	seq        int // Responses API stream: the next event's sequence_number
+	text       strings.Builder
+	ids        []uint32      // whole answer: the tokens' ids
+	last       output        // the last token, once finished
+	cached     int           // prompt tokens the prefix cache held (of the first request)
+	extra      []childResult // a prefill's fan-out: the other choices (fanout.go)
 }
 
 // Response shapes, vLLM's field names.
@@ -332,6 +336,13 @@ type choice struct {
 	Delta        *message `json:"delta,omitempty"`
 	Logprobs     any      `json:"logprobs"`
 	FinishReason *string  `json:"finish_reason"`
+	// TokenIDs and PromptTokenIDs answer return_token_ids (nil: absent).
+	// TokenIDs are the choice's generated ids (a stream chunk's new ones,
+	// which may be none: []); PromptTokenIDs a completions choice's prompt,
+	// in a stream on the choice's first chunk only. A chat answer carries
+	// its prompt's at the top level instead.
+	TokenIDs       []uint32 `json:"token_ids,omitzero"`
+	PromptTokenIDs []uint32 `json:"prompt_token_ids,omitzero"`
 }
 
 type completion struct {
@@ -341,6 +352,9 @@ type completion struct {
 	Model   string   `json:"model"`
 	Choices []choice `json:"choices"`
 	Usage   *usage   `json:"usage,omitempty"`
+	// PromptTokenIDs is a chat's prompt ids with return_token_ids: the
+	// rendered template's, on the whole answer or a stream's first chunk.
+	PromptTokenIDs []uint32 `json:"prompt_token_ids,omitzero"`
 	// KVTransferParams is left nil (omitted) in stream chunks; a whole
 	// answer sets it to a *kvTransferParams, which is null when P holds nothing.
 	KVTransferParams any `json:"kv_transfer_params,omitempty"`
@@ -388,6 +402,7 @@ func (p *responder) emit(o output) error {
 	p.cached = o.cached
 	if !p.api.stream {
 		p.text.WriteString(o.text)
+		p.ids = append(p.ids, o.id)
 		p.last = o
 		return nil
 	}
@@ -404,6 +419,7 @@ func (p *responder) emit(o output) error {
 		finish = &o.finish
 	}
 	c := p.chunk(choice{FinishReason: finish}, o.text)
+	p.streamIDs(c, o)
 	if o.held != nil && !p.e.sglang() {
 		c.KVTransferParams = p.kvParams(o)
 	}
@@ -437,6 +453,9 @@ func (p *responder) begin(choices int) error {
 		empty := ""
 		c := p.chunk(choice{Index: i}, "")
 		c.Choices[0].Delta = &message{Role: "assistant", Content: &empty}
+		if i == 0 {
+			c.PromptTokenIDs = p.promptIDs(0) // the stream's first chunk
+		}
 		if err := p.event(c); err != nil {
 			return err
 		}
@@ -556,6 +575,7 @@ func (p *responder) writeWhole(aborted bool) {
 			return
 		}
 		c := p.chunk(choice{FinishReason: &finish}, "")
+		p.streamIDs(c, output{})
 		if p.event(c) == nil {
 			_ = p.done(p.last.complete)
 		}
@@ -565,10 +585,11 @@ func (p *responder) writeWhole(aborted bool) {
 	c.Object = "text_completion"
 	if p.api.chat {
 		c.Object = "chat.completion"
+		c.PromptTokenIDs = p.promptIDs(0)
 	}
-	c.Choices = []choice{p.wholeChoice(0, p.text.String(), finish)}
+	c.Choices = []choice{p.wholeChoice(0, p.text.String(), p.ids, finish)}
 	for _, x := range p.extra {
-		c.Choices = append(c.Choices, p.wholeChoice(x.index, x.text, x.finish))
+		c.Choices = append(c.Choices, p.wholeChoice(x.index, x.text, x.ids, x.finish))
 		c.Usage.CompletionTokens += x.complete
 	}
 	c.Usage.TotalTokens = c.Usage.PromptTokens + c.Usage.CompletionTokens
@@ -614,15 +635,54 @@ func (p *responder) writeBody(c any, reqs ...*request) {
 	_, _ = p.w.Write(body)
 }
 
-// wholeChoice is one choice of a non-streaming answer.
-func (p *responder) wholeChoice(index int, text, finish string) choice {
+// wholeChoice is one choice of a non-streaming answer; ids are its tokens'.
+func (p *responder) wholeChoice(index int, text string, ids []uint32, finish string) choice {
 	ch := choice{Index: index, FinishReason: &finish}
 	if p.api.chat {
 		ch.Message = &message{Role: "assistant", Content: &text}
 	} else {
 		ch.Text = &text
+		ch.PromptTokenIDs = p.promptIDs(index)
+	}
+	if p.api.returnTokenIDs {
+		ch.TokenIDs = append([]uint32{}, ids...)
 	}
 	return ch
+}
+
+// promptIDs is, with return_token_ids, the prompt ids of choice index
+// (prompt index/n); nil without it.
+func (p *responder) promptIDs(index int) []uint32 {
+	if !p.api.returnTokenIDs {
+		return nil
+	}
+	if i := index / p.api.n; i < len(p.api.tokens) {
+		return p.api.tokens[i]
+	}
+	return nil
+}
+
+// streamIDs adds return_token_ids' fields to c, a stream chunk of one
+// choice carrying o: o's id when o is a token, and for completions the
+// prompt's ids on the choice's first chunk, as vLLM's serving_completion
+// streams them.
+func (p *responder) streamIDs(c *completion, o output) {
+	if !p.api.returnTokenIDs {
+		return
+	}
+	ch := &c.Choices[0]
+	ch.TokenIDs = []uint32{}
+	if o.kind == outToken {
+		ch.TokenIDs = append(ch.TokenIDs, o.id)
+	}
+	if p.api.chat || p.promptSent[ch.Index] {
+		return
+	}
+	if p.promptSent == nil {
+		p.promptSent = make(map[int]bool)
+	}
+	p.promptSent[ch.Index] = true
+	ch.PromptTokenIDs = p.promptIDs(ch.Index)
 }
 
 // handleAbort is POST /abort_request. vLLM has no such endpoint (its dev-mode
