@@ -153,5 +153,14 @@ func (p *responder) streamChoice(choices, index int, o output) error {
 	}
 	c := p.chunk(choice{Index: index, FinishReason: finish}, o.text)
 	p.streamIDs(c, o)
-	return p.event(c)
+	if o.kind == outToken && p.f.dieAfter == 0 {
+		p.sentToken()
+	}
+	if err := p.event(c); err != nil {
+		return err
+	}
+	if o.kind == outToken {
+		p.sentToken()
+	}
+	return nil
 }

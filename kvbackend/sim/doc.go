@@ -194,7 +194,7 @@
 //
 // # Other endpoints
 //
-// GET /health, GET /v1/models, GET /server_info (and /get_server_info:
+// GET /health, GET /live, GET /v1/models, GET /server_info (and /get_server_info:
 // disaggregation_mode "null" for the vllm protocol), GET /debug/kv (KVStats
 // as JSON: the pool, requests, holds_total, remote_prefill_requests_total,
 // and the SGLang rooms_waiting and rooms_held) and
@@ -221,6 +221,28 @@
 //	X-Sim-Transfer-Fail: true  the request's KV transfer fails: the decoder
 //	                         answers 500 kv_transfer_failed (SGLang: the
 //	                         prefiller frees the room and answers 500 too)
+//	X-Sim-Die-After: N       once the request sent N tokens (0: before the
+//	                         first), the whole engine dies as a crashed
+//	                         process: every connection closed at once (no
+//	                         [DONE], no error event), the listener gone, the
+//	                         KV lost (--die-after; `proxy sim` then exits
+//	                         with an error)
+//
+// Only an engine a Server runs (Listen, NewServer; server.go) can die: a
+// bare Handler answers the header with a 400. Server.Restart brings a new,
+// empty engine up on the same address, as a restarted process; SIGKILL of
+// `proxy sim` is the other way to kill one.
+//
+// # Draining
+//
+// Engine.Drain(grace) drains as vLLM does on SIGTERM with
+// --shutdown-timeout (drain.go): GET /health and every route but GET /live,
+// GET /metrics and the /kv/* side channel answer 503
+// {"error":"Server is unavailable. Please try again later."}, new
+// generation requests included; the requests in flight go on until grace
+// ends, and those still running then are cut (their connections closed).
+// `proxy sim --shutdown-timeout D` drains for D on SIGTERM; without it (0,
+// vLLM's default) the engine ends every request at once.
 //
 // POST /abort_request needs Authorization: Bearer <AdminAPIKey> when
 // Config.AdminAPIKey is set (401 otherwise), whatever the protocol.

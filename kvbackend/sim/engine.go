@@ -259,6 +259,10 @@ type Engine struct {
 	loras  []loraModule
 	store  *responseStore
 	vocab  *vocabulary
+	// drain is the drain state (drain.go), and die what the die-after
+	// fault calls (server.go): nil when no Server runs the engine.
+	drain *drainer
+	die   func()
 }
 
 type counters struct {
@@ -409,7 +413,7 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 		return nil, err
 	}
 	e.ranks = []*Engine{e}
-	store, vocab := newResponseStore(maxStoredResponses), newVocabulary()
+	store, vocab, drain := newResponseStore(maxStoredResponses), newVocabulary(), newDrainer()
 	for r := 1; r < cfg.DataParallelSize; r++ {
 		rc := cfg
 		rc.DataParallelRank = cfg.DataParallelRank + r
@@ -424,7 +428,7 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 		e.ranks = append(e.ranks, re)
 	}
 	for _, r := range e.ranks {
-		r.store, r.vocab = store, vocab
+		r.store, r.vocab, r.drain = store, vocab, drain
 	}
 	return e, nil
 }

@@ -46,7 +46,9 @@ func (e *Engine) Handler() http.Handler {
 	mux.HandleFunc("POST /v1/audio/transcriptions", e.pooling("trsc", parseTranscription))
 	mux.HandleFunc("GET /debug/kv", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, e.Stats()) })
 	mux.Handle("GET /metrics", promhttp.HandlerFor(e.registry, promhttp.HandlerOpts{}))
-	return mux
+	// vLLM's liveness probe: 200 while the process runs, draining or not.
+	mux.HandleFunc("GET /live", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	return e.drainGate(mux)
 }
 
 // faults are the fault injections for one request: flag defaults, then headers.
@@ -57,6 +59,9 @@ type faults struct {
 	slowWrite  time.Duration
 	// transferFail: the request's KV transfer fails.
 	transferFail bool
+	// dieAfter: the engine dies once the request sent that many tokens
+	// (-1: never).
+	dieAfter int
 }
 
 // Fault injection headers, read on completion requests.
@@ -68,6 +73,9 @@ const (
 	// HeaderTransferFail: true makes the request's KV transfer fail, sent to
 	// a decoder or (SGLang) to either leg.
 	HeaderTransferFail = "X-Sim-Transfer-Fail"
+	// HeaderDieAfter: N kills the whole engine once the request has sent N
+	// tokens of its answer, as a crash would (server.go).
+	HeaderDieAfter = "X-Sim-Die-After"
 )
 
 func (e *Engine) faults(h http.Header) (faults, error) {
@@ -81,6 +89,20 @@ func (e *Engine) faults(h http.Header) (faults, error) {
 	}
 	if e.cfg.CloseAfter > 0 {
 		f.closeAfter = e.cfg.CloseAfter
+	}
+	f.dieAfter = -1
+	if e.cfg.DieAfter > 0 {
+		f.dieAfter = e.cfg.DieAfter
+	}
+	if v := h.Get(HeaderDieAfter); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return f, badRequest("invalid_fault", "%s: %q is not a count", HeaderDieAfter, v)
+		}
+		f.dieAfter = n
+	}
+	if f.dieAfter >= 0 && e.die == nil {
+		return f, badRequest("invalid_fault", "%s: only an engine run by sim.Server (or proxy sim) can die", HeaderDieAfter)
 	}
 	if v := h.Get(HeaderFailStatus); v != "" {
 		n, err := strconv.Atoi(v)
@@ -137,6 +159,15 @@ func decodeFor(kind apiKind, body []byte) (*wireBody, error) {
 func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
 	chat := kind == apiChat
 	return func(w http.ResponseWriter, r *http.Request) {
+		// In flight from here: a drain waits for it, and cuts it when its
+		// grace ends.
+		ctx, leave, ok := e.drain.enter(r.Context())
+		if !ok {
+			writeUnavailable(w)
+			return
+		}
+		defer leave()
+		defer cutIfDrained(ctx)
 		// vLLM names a request by X-Request-Id; SGLang by the body's rid.
 		var rid string
 		if !e.sglang() {
@@ -215,7 +246,7 @@ func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
 			children, err = e.newChildren(rid, a)
 		}
 		if err != nil {
-			e.rejectDecode(r.Context(), rid, wb.KVTransferParams, err)
+			e.rejectDecode(ctx, rid, wb.KVTransferParams, err)
 			writeError(w, err)
 			return
 		}
@@ -224,7 +255,7 @@ func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
 		for _, c := range children {
 			c.req.transferFail = f.transferFail
 		}
-		work, stop := e.lingering(r.Context())
+		work, stop := e.lingering(ctx)
 		defer stop()
 		if e.sglang() {
 			rids := []string{rid}
@@ -234,7 +265,7 @@ func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
 			defer e.track(rids)()
 		}
 		resp := &responder{
-			e: e, req: req, w: w, rc: http.NewResponseController(w), ctx: r.Context(), work: work,
+			e: e, req: req, w: w, rc: http.NewResponseController(w), ctx: ctx, work: work,
 			api: a, rid: rid, model: a.model, created: e.clock.Now().Unix(), f: f,
 			local: localAddr(r),
 		}
@@ -303,6 +334,7 @@ type responder struct {
 	// promptSent marks, with return_token_ids, the completions choices
 	// whose stream carried their prompt_token_ids (by choice index).
 	promptSent map[int]bool
+	tokens     int // tokens of the answer handed to the client (or, whole, generated)
 	seq        int // Responses API stream: the next event's sequence_number
 	text       strings.Builder
 	ids        []uint32      // whole answer: the tokens' ids
@@ -404,6 +436,7 @@ func (p *responder) emit(o output) error {
 		p.text.WriteString(o.text)
 		p.ids = append(p.ids, o.id)
 		p.last = o
+		p.sentToken()
 		return nil
 	}
 	if p.api.resp != nil {
@@ -423,13 +456,33 @@ func (p *responder) emit(o output) error {
 	if o.held != nil && !p.e.sglang() {
 		c.KVTransferParams = p.kvParams(o)
 	}
+	if p.f.dieAfter == 0 {
+		p.sentToken() // dies before the first token
+	}
 	if err := p.event(c); err != nil {
 		return err
 	}
+	p.sentToken()
 	if o.finish == "" {
 		return nil
 	}
 	return p.done(o.complete)
+}
+
+// sentToken counts a token handed to the client and applies the
+// die-after fault: the engine dies once the request has sent that many.
+func (p *responder) sentToken() {
+	if p.f.dieAfter < 0 {
+		return
+	}
+	if p.f.dieAfter > 0 {
+		p.tokens++
+		if p.tokens < p.f.dieAfter {
+			return
+		}
+	}
+	p.e.die()
+	panic(http.ErrAbortHandler) // the connection is gone with the engine
 }
 
 // begin sends the stream's headers (after the stall fault) and, for chat,
