@@ -11,22 +11,27 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/pdproxy/pdproxy/internal/faultengine"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/router"
 )
 
 // The failure matrix: every way an engine misbehaves (faultengine's faults, down to the byte
 // and the moment), on either leg, of either engine protocol, streamed or not, on completions
-// and chat, with a client that waits for its answer or leaves when the fault strikes. Every
-// cell must end so: the client gets an answer it can parse (an
-// OpenAI-shape error before the first byte, an error event and no [DONE] once a stream began,
-// a cut connection for a JSON answer under way) or a whole, correct answer where the fault
-// can be served around; nothing panics; nothing is left in the table, in flight or held; a
-// hold's params reach one decoder at most; SGLang's legs are aborted decoder first; and only
-// the faulty engine is blamed.
+// and chat, with a client that waits for its answer or leaves the moment the fault strikes
+// (before any byte of it reached the proxy). Every cell must end this way: the
+// client gets an answer it can parse (an OpenAI-shape error before the first byte, an error
+// event and no [DONE] once a stream began, a cut connection for a JSON answer under way) or a
+// whole, correct answer where the fault can be served around, and a client that leaves has
+// left; the fault struck; nothing panics; nothing is left in the table, in flight or held; a
+// hold's params reach one decoder at most, whatever the engine kind; explicit aborts come in
+// their order (SGLang's legs decoder first, sim's prefiller only once no decode can carry
+// the hold); and the faulty engine is charged with its failure where it was one, no other
+// engine ever.
 //
 // CI runs every fault, leg, engine and client behaviour, with stream and route paired
 // (each fault sees both); PDPROXY_MATRIX=full crosses all of them.
@@ -76,6 +81,11 @@ func matrixCells(full bool) []matrixCell {
 					continue // only a vLLM prefiller answers with params
 				}
 				for _, leave := range []bool{false, true} {
+					if leave && fault == faultengine.LateEnd && leg == "prefill" && proto != faultengine.VLLM {
+						// A paired prefiller's end comes after its room's transfer, when the
+						// decoder's answer may be whole already: no client can leave on it.
+						continue
+					}
 					for _, stream := range []bool{false, true} {
 						for _, route := range []string{"completions", "chat", "responses"} {
 							// CI pairs stream and route: completions streamed, chat and
@@ -182,8 +192,9 @@ func sendsHead(f faultengine.Fault) bool {
 
 func runCell(t *testing.T, c matrixCell) {
 	rooms := faultengine.NewRooms()
+	lv := &leaver{}
 	start := func(prefill bool, fault faultengine.Fault) *faultengine.Engine {
-		e, err := faultengine.Start(faultengine.Config{Protocol: c.proto, Prefill: prefill, Fault: fault, Rooms: rooms})
+		e, err := faultengine.Start(faultengine.Config{Protocol: c.proto, Prefill: prefill, Fault: fault, Rooms: rooms, OnFault: lv.strike})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -198,21 +209,17 @@ func runCell(t *testing.T, c matrixCell) {
 	}
 	p := start(true, pf)
 	d0 := start(false, df)
-	engines := map[string]*faultengine.Engine{"p0": p, "d0": d0}
-	backends := []router.BackendConfig{prefiller("p0", p.URL()), decoder("d0", d0.URL())}
+	// A second decoder, where a drain, a retry, or a bug, could send a hold's params.
+	d1 := start(false, faultengine.None)
+	engines := map[string]*faultengine.Engine{"p0": p, "d0": d0, "d1": d1}
+	faultyName := map[string]string{"prefill": "p0", "decode": "d0"}[c.leg]
+	faulty := engines[faultyName]
+	backends := []router.BackendConfig{prefiller("p0", p.URL()), decoder("d0", d0.URL()), decoder("d1", d1.URL())}
 	backends[1].Weight = 2 // least_inflight's ties go to the heavier: the faulty decoder is tried first
-	if c.proto == faultengine.VLLM {
-		// A second decoder, where a drain, a retry, or a bug, could send a hold's params.
-		d1 := start(false, faultengine.None)
-		engines["d1"] = d1
-		backends = append(backends, decoder("d1", d1.URL()))
-		for i := range backends {
-			backends[i].Engine = c.kind
-		}
-	} else {
-		for i := range backends {
-			backends[i].Engine = c.kind
-		}
+	for i := range backends {
+		backends[i].Engine = c.kind
+	}
+	if c.proto != faultengine.VLLM {
 		backends[0].BootstrapPort = 8998
 		if c.proto == faultengine.Mooncake {
 			// Its bootstrap server's /query is served on the engine's own port.
@@ -249,19 +256,25 @@ func runCell(t *testing.T, c matrixCell) {
 	}
 
 	if c.fault == faultengine.KeepAliveReset {
-		// The connection the fault resets must be one kept open from an earlier request.
+		// The connection the fault resets must be one kept open from an earlier request: the
+		// warm-up's, back in the proxy's pool once its leases are given back (a response body
+		// read to its end returns its connection to the pool before the read returns).
 		if got := matrixCall(t, h, path, body, nil); got.err != nil || got.status != 200 {
 			t.Fatalf("warm-up request: status %d, %v", got.status, got.err)
 		}
+		h.waitQuiet()
 	}
 
-	var leave <-chan struct{}
 	if c.leave {
-		leave = engines[map[string]string{"prefill": "p0", "decode": "d0"}[c.leg]].Faulted()
+		lv.arm(h, !c.proxyAwaitsFault())
 	}
-	got := matrixCall(t, h, path, body, leave)
+	got := matrixCall(t, h, path, body, lv)
 
-	if !c.leave {
+	if c.leave {
+		if !got.left {
+			t.Errorf("the client was to leave as the fault struck, yet its call ended on its own: status %d (%v): %s", got.status, got.err, clip(got.body))
+		}
+	} else {
 		want, status := c.expected()
 		got.check(t, c, want, status)
 		if c.fault == faultengine.BigHeaders || c.fault == faultengine.KeepAliveReset {
@@ -281,23 +294,225 @@ func runCell(t *testing.T, c matrixCell) {
 	if n := h.value("pdproxy_panics_total", nil); n != 0 {
 		t.Errorf("%v panics", n)
 	}
-	switch c.proto {
-	case faultengine.VLLM:
-		paramsAtOneDecoder(t, engines["d0"], engines["d1"])
-	case faultengine.SGLang:
-		legsAbortedDecoderFirst(t, c, p, d0, got)
+	select {
+	case <-faulty.Faulted():
+	default:
+		t.Errorf("the %s engine never performed its fault", faultyName)
 	}
-	// Only the faulty engine is blamed for a failure.
-	for _, b := range backends {
-		if b.Name == map[string]string{"prefill": "p0", "decode": "d0"}[c.leg] {
-			continue
-		}
-		for _, code := range []string{"error", "500", "502", "503", "504"} {
-			if v := h.value("pdproxy_backend_requests_total", map[string]string{"backend": b.Name, "code": code}); v != 0 {
-				t.Errorf("healthy backend %s was charged %v failures with code %s", b.Name, v, code)
+	paramsAtOneDecoder(t, c, d0, d1)
+	switch c.kind {
+	case "sglang":
+		legsAbortedDecoderFirst(t, c, p, d0, got)
+	case "sim":
+		abortsAfterDecodes(t, c, p, d0, d1)
+	case "mooncake":
+		// Its engine has no explicit abort: the proxy aborts its legs by cancelling both
+		// calls, the decoder's first, but each connection is then closed by its own
+		// goroutine of the transport, so the order in which the engines see the closes is
+		// not one the proxy can promise, nor one a test can observe without a race. What
+		// must hold is that no abort call is sent to an engine that has none.
+		for name, e := range engines {
+			for _, r := range e.Requests() {
+				if r.Path == "/abort_request" {
+					t.Errorf("%s, a Mooncake engine, was sent an explicit abort", name)
+				}
 			}
 		}
 	}
+	// Only the faulty engine is charged with a failure, and it is when the failure was its.
+	for _, b := range backends {
+		n := failuresCharged(h, b.Name)
+		switch {
+		case b.Name != faultyName && n != 0:
+			t.Errorf("healthy backend %s was charged %v failures", b.Name, n)
+		case b.Name != faultyName:
+		case c.charged() == blamed && n == 0:
+			t.Errorf("faulty backend %s was charged no failure", b.Name)
+		case c.charged() == notBlamed && n != 0:
+			t.Errorf("backend %s was charged %v failures for a fault that is not its failure", b.Name, n)
+		}
+	}
+}
+
+// failuresCharged is how many of backend's calls the router counted as its failures: a
+// transport error or a 5xx (pdproxy_backend_requests_total), what passive health ejects on.
+func failuresCharged(h *harness, backend string) float64 {
+	var n float64
+	for _, code := range []string{"error", "500", "502", "503", "504"} {
+		n += h.value("pdproxy_backend_requests_total", map[string]string{"backend": backend, "code": code})
+	}
+	return n
+}
+
+// blame is whether a failure must be charged to the faulty engine.
+type blame int
+
+const (
+	blamed    blame = iota
+	notBlamed       // the fault is no failure of the engine, or the proxy does not hold it to it
+	// eitherBlame: two events race (two timeouts of the same length, an engine's answer and
+	// the client's leaving), and the one the proxy sees first says whether the engine is at
+	// fault.
+	eitherBlame
+)
+
+// charged is whether the faulty engine of cell c must be charged with a failure (a transport
+// error or a 5xx in pdproxy_backend_requests_total, what passive health ejects on).
+func (c matrixCell) charged() blame {
+	if c.leave {
+		if c.proxyAwaitsFault() && (c.fault == faultengine.Status500 || c.fault == faultengine.Status503) {
+			// The proxy waits for the decoder's word, a 5xx, which is charged unless the
+			// proxy saw the client leave first; both happen at once.
+			return eitherBlame
+		}
+		return notBlamed // a client that leaves is no engine's failure
+	}
+	paired := c.proto != faultengine.VLLM
+	switch c.fault {
+	case faultengine.BigHeaders, faultengine.KeepAliveReset, faultengine.LateEnd:
+		return notBlamed // served around
+	case faultengine.Status400, faultengine.Status400Huge, faultengine.Status422Empty:
+		return notBlamed // the engine's verdict on the request, not its failure
+	case faultengine.NoDone:
+		if c.leg == "prefill" || !c.stream {
+			return notBlamed // a JSON answer ends whole
+		}
+	case faultengine.HeadersThenClose, faultengine.HeadersThenReset, faultengine.MidClose, faultengine.MidReset:
+		if paired && c.leg == "prefill" {
+			// The prefill leg breaks after its head, as the decoder serves the client: a
+			// break the proxy sees once the request ended is judged against the ended
+			// request's context, and not charged.
+			return eitherBlame
+		}
+	case faultengine.EmptyClose, faultengine.MidSilence:
+		if paired && c.leg == "prefill" {
+			// A paired prefiller's answer is read and dropped: once its head is out, the
+			// room's KV went to the decoder, which serves the client.
+			return notBlamed
+		}
+	case faultengine.HeadersThenSilence:
+		if paired {
+			// The same for a prefiller; a paired decoder's head does not say it has the KV,
+			// and silent after it, the decoder may be waiting on the prefiller.
+			return notBlamed
+		}
+	case faultengine.Silent:
+		switch {
+		case c.proto == faultengine.Mooncake && c.leg == "decode":
+			// A Mooncake prefiller answers before its transfer: a decoder silent before its
+			// first byte may be waiting on the KV, and is not blamed for it.
+			return notBlamed
+		case paired && c.leg == "prefill":
+			// The decoder waits for the room the silent prefiller never fills:
+			// prefill_timeout (the prefiller's fault) and decode_first_byte_timeout (the
+			// decoder's wait, blamed on nobody) are the same here.
+			return eitherBlame
+		}
+	}
+	return blamed
+}
+
+// proxyAwaitsFault reports whether the proxy, by design, goes on waiting for the faulty engine
+// after the client left: a sequential decode that carries a hold is cut only once its decoder
+// acknowledges it (or after a grace), so that the proxy learns whether the decoder has the
+// params, and these faults answer, or reset the connection, without acknowledging.
+func (c matrixCell) proxyAwaitsFault() bool {
+	if c.proto != faultengine.VLLM || c.leg != "decode" || c.pass {
+		return false
+	}
+	switch c.fault {
+	case faultengine.Status500, faultengine.Status503, faultengine.KeepAliveReset:
+		return true
+	}
+	return false
+}
+
+// leaver is a client that leaves the moment an engine performs its fault: the engine's
+// OnFault cancels the client's call and waits until the call is over and the proxy has
+// finished the request, so that the client is gone, and the proxy knows it, before anything
+// of the fault reached the proxy. Unarmed (a client that stays, a warm-up), it does nothing.
+type leaver struct {
+	mu sync.Mutex
+	h  *harness
+	// awaitProxy: the engine goes on only once the proxy finished the request; false where
+	// the proxy waits for the engine's answer by design (matrixCell.proxyAwaitsFault).
+	awaitProxy bool
+	before     float64 // requests the proxy had finished when it was armed
+	cancel     context.CancelFunc
+	done       chan struct{} // closed once the call is over
+	struck     bool
+}
+
+// arm makes the next call leave at the next fault.
+func (l *leaver) arm(h *harness, awaitProxy bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.h, l.awaitProxy, l.before = h, awaitProxy, finishedRequests(h)
+}
+
+// start hands the leaver the call's cancel; it returns the channel to close once the call is
+// over, nil when unarmed.
+func (l *leaver) start(cancel context.CancelFunc) chan struct{} {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.h == nil {
+		return nil
+	}
+	l.cancel, l.done = cancel, make(chan struct{})
+	return l.done
+}
+
+// left reports whether the call was cancelled by a fault.
+func (l *leaver) left() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.struck
+}
+
+// strike is the engines' OnFault.
+func (l *leaver) strike(faultengine.Fault) {
+	l.mu.Lock()
+	armed := l.cancel != nil && !l.struck
+	if armed {
+		l.struck = true
+	}
+	h, awaitProxy, before, cancel, done := l.h, l.awaitProxy, l.before, l.cancel, l.done
+	l.mu.Unlock()
+	if !armed {
+		return
+	}
+	cancel()
+	deadline := time.After(testDeadline)
+	select {
+	case <-done:
+	case <-deadline:
+		return
+	}
+	if !awaitProxy {
+		return
+	}
+	// The proxy has no signal for a request it finished but its metrics: they are polled.
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	for finishedRequests(h) <= before {
+		select {
+		case <-tick.C:
+		case <-deadline:
+			return
+		}
+	}
+}
+
+// finishedRequests is how many requests the proxy has answered (pdproxy_requests_total, 499s
+// included). It may run off the test's goroutine, so it never fails the test itself: an
+// unreadable registry reads as none.
+func finishedRequests(h *harness) float64 {
+	mfs, err := h.reg.Gather()
+	if err != nil {
+		return 0
+	}
+	n, _ := testutil.Sum(mfs, "pdproxy_requests_total", nil)
+	return n
 }
 
 // matrixResult is what the client got.
@@ -306,32 +521,34 @@ type matrixResult struct {
 	ctype  string
 	body   []byte
 	err    error // the answer could not be read to its end
-	left   bool  // the client left
+	left   bool  // the client left as the fault struck, before its answer was whole
 }
 
-// matrixCall sends one request; a client that leaves cancels it once leave is closed.
-func matrixCall(t *testing.T, h *harness, path, body string, leave <-chan struct{}) matrixResult {
+// matrixCall sends one request; with lv armed, the client leaves when an engine performs its
+// fault (leaver.strike).
+func matrixCall(t *testing.T, h *harness, path, body string, lv *leaver) matrixResult {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), testDeadline)
 	defer cancel()
-	if leave != nil {
-		stop := make(chan struct{})
-		defer close(stop)
-		go func() {
-			select {
-			case <-leave:
-				cancel()
-			case <-stop:
-			}
-		}()
+	var done chan struct{}
+	if lv != nil {
+		done = lv.start(cancel)
 	}
-	resp, err := h.front.Client().Do(h.request(ctx, http.MethodPost, path, body, nil))
-	if err != nil {
-		return matrixResult{err: err, left: leave != nil && ctx.Err() != nil}
+	r := func() matrixResult {
+		resp, err := h.front.Client().Do(h.request(ctx, http.MethodPost, path, body, nil))
+		if err != nil {
+			return matrixResult{err: err}
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		return matrixResult{status: resp.StatusCode, ctype: resp.Header.Get("Content-Type"), body: b, err: err}
+	}()
+	if done != nil {
+		close(done)
+		// Left: the fault cancelled the call before its answer was read whole.
+		r.left = lv.left() && r.err != nil
 	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	return matrixResult{status: resp.StatusCode, ctype: resp.Header.Get("Content-Type"), body: b, err: err, left: leave != nil && ctx.Err() != nil}
+	return r
 }
 
 // check asserts what a client that stayed saw.
@@ -469,26 +686,108 @@ func wholeResponse(body []byte, stream bool) bool {
 	return true
 }
 
-// paramsAtOneDecoder checks that no prefill's params reached two decoders, or one twice.
-func paramsAtOneDecoder(t *testing.T, ds ...*faultengine.Engine) {
-	t.Helper()
-	seen := map[string]int{}
-	for _, d := range ds {
-		for _, r := range d.Requests() {
-			kv := r.Field("kv_transfer_params")
-			if kv == nil || bytes.Equal(kv, []byte("null")) {
-				continue
-			}
-			var p struct {
-				ID string `json:"remote_request_id"`
-			}
-			json.Unmarshal(kv, &p)
-			seen[p.ID]++
+// holdKey is what names, in a request to a decoder, the KV hold it is sent to pull, and
+// whether the request is a drain (one token, its output discarded), "" when it names none:
+// nixl's kv_transfer_params name the prefill (remote_request_id), Mooncake's the transfer
+// (transfer_id), and SGLang's legs the bootstrap room.
+func holdKey(c matrixCell, r faultengine.Request) (key string, drain bool) {
+	if c.proto == faultengine.SGLang {
+		if room := r.Field("bootstrap_room"); room != nil {
+			key = string(room)
+		}
+	} else if kv := r.Field("kv_transfer_params"); kv != nil && !bytes.Equal(kv, []byte("null")) {
+		var p struct {
+			RequestID  string `json:"remote_request_id"`
+			TransferID string `json:"transfer_id"`
+		}
+		json.Unmarshal(kv, &p)
+		key = p.RequestID
+		if c.proto == faultengine.Mooncake {
+			key = p.TransferID
 		}
 	}
-	for id, n := range seen {
-		if n > 1 {
-			t.Errorf("the params of prefill %s reached decoders %d times", id, n)
+	one := []byte("1")
+	drain = bytes.Equal(r.Field("max_tokens"), one) || bytes.Equal(r.Field("max_output_tokens"), one)
+	return key, drain
+}
+
+// paramsAtOneDecoder checks that no hold's params reached two decoders, and that none reached
+// its decoder twice to be pulled: with nixl every request that carries them is a pull, so
+// they go out once; with paired legs (SGLang, Mooncake) a leg cut before its transfer may be
+// followed by one drain on the same decoder, which pulls what the cut leg did not.
+func paramsAtOneDecoder(t *testing.T, c matrixCell, ds ...*faultengine.Engine) {
+	t.Helper()
+	type seen struct {
+		at           map[*faultengine.Engine]bool
+		legs, drains int
+	}
+	holds := map[string]*seen{}
+	for _, d := range ds {
+		for _, r := range d.Requests() {
+			key, drain := holdKey(c, r)
+			if key == "" {
+				continue
+			}
+			s := holds[key]
+			if s == nil {
+				s = &seen{at: map[*faultengine.Engine]bool{}}
+				holds[key] = s
+			}
+			s.at[d] = true
+			if drain {
+				s.drains++
+			} else {
+				s.legs++
+			}
+		}
+	}
+	for key, s := range holds {
+		switch {
+		case len(s.at) > 1:
+			t.Errorf("the params of hold %s reached %d decoders", key, len(s.at))
+		case c.proto == faultengine.VLLM && s.legs+s.drains > 1:
+			t.Errorf("the params of hold %s reached a decoder %d times", key, s.legs+s.drains)
+		case s.legs > 1 || s.drains > 1:
+			t.Errorf("the params of hold %s reached a decoder in %d legs and %d drains", key, s.legs, s.drains)
+		}
+	}
+}
+
+// abortsAfterDecodes checks the explicit aborts of a sequential engine that has them (sim):
+// its legs are not paired, so its decoder is never aborted, and what "decoder first" means
+// there is that no decode carrying a hold's params reaches a decoder after the prefiller was
+// told to free that hold. A client that left during the prefill has it aborted: the engine
+// may have finished it as the connection closed, and would hold KV nobody pulls.
+func abortsAfterDecodes(t *testing.T, c matrixCell, p *faultengine.Engine, ds ...*faultengine.Engine) {
+	t.Helper()
+	aborted := func() map[string]time.Time {
+		m := map[string]time.Time{}
+		for _, r := range p.Requests() {
+			var a struct {
+				RID string `json:"rid"`
+			}
+			if r.Path != "/abort_request" || json.Unmarshal(r.Body, &a) != nil {
+				continue
+			}
+			if _, ok := m[a.RID]; !ok {
+				m[a.RID] = r.At
+			}
+		}
+		return m
+	}
+	if c.leave && c.leg == "prefill" {
+		eventually(t, "the prefill aborted", func() bool { return len(aborted()) > 0 })
+	}
+	abortAt := aborted()
+	for _, d := range ds {
+		for _, r := range d.Requests() {
+			if r.Path == "/abort_request" {
+				t.Errorf("a decoder of a sequential engine was sent an abort")
+			}
+			key, _ := holdKey(c, r)
+			if at, ok := abortAt[key]; ok && key != "" && r.At.After(at) {
+				t.Errorf("the params of hold %s reached a decoder %v after the prefiller was told to free it", key, r.At.Sub(at))
+			}
 		}
 	}
 }

@@ -53,7 +53,8 @@ const (
 	EmptyClose Fault = "empty_close"
 	// NoDone: a stream that ends cleanly without its [DONE] (a JSON answer is whole).
 	NoDone Fault = "no_done"
-	// BigHeaders: a normal answer under 150 header lines, one of them 5 KiB long.
+	// BigHeaders: a normal answer whose head carries 150 extra header lines and one of
+	// 5 KiB, past the 8 KiB a proxy buffer for a response head often holds.
 	BigHeaders Fault = "big_headers"
 	// KeepAliveReset: answers normally, then resets the kept-open connection as the next
 	// request arrives, before reading it (the keep-alive race); that request is not read.
@@ -101,6 +102,12 @@ type Config struct {
 	// Rooms pairs SGLang legs: the prefiller marks its room transferred as it answers, and a
 	// decoder starts its answer only then, as SGLang's decoder waits for the room's KV.
 	Rooms *Rooms
+	// OnFault, when set, is called each time the engine performs its fault, before any byte
+	// of it reaches the peer (the error answer, the oversized head, the withheld end, the
+	// reset), and the engine goes on only once it returns: a test can act on the fault's
+	// moment (a client that leaves as it strikes) knowing that nothing of the fault was seen
+	// yet. It must return, and is called from the connection's goroutine.
+	OnFault func(Fault)
 }
 
 // Rooms are SGLang bootstrap rooms shared by a prefiller and a decoder.
@@ -177,7 +184,7 @@ func Start(cfg Config) (*Engine, error) {
 // URL is the engine's base URL.
 func (e *Engine) URL() string { return "http://" + e.ln.Addr().String() }
 
-// Faulted is closed once a generation request met the engine's fault.
+// Faulted is closed once the engine performed its fault (see Config.OnFault).
 func (e *Engine) Faulted() <-chan struct{} { return e.faulty }
 
 // Requests are the requests the engine read whole, in order.
@@ -232,8 +239,8 @@ func (e *Engine) serve(c net.Conn) {
 			if _, err := br.Peek(1); err != nil {
 				return
 			}
+			e.fault(KeepAliveReset)
 			reset(c)
-			e.fault()
 			return
 		}
 		req, err := http.ReadRequest(br)
@@ -267,12 +274,18 @@ func (e *Engine) serve(c net.Conn) {
 	}
 }
 
-func (e *Engine) fault() { e.once.Do(func() { close(e.faulty) }) }
+// fault signals that the engine performs f, before it does.
+func (e *Engine) fault(f Fault) {
+	e.once.Do(func() { close(e.faulty) })
+	if e.cfg.OnFault != nil {
+		e.cfg.OnFault(f)
+	}
+}
 
-// isGeneration reports whether path is one a model answers: a completion, or an embedding
-// (a route the proxy passes to one engine without P/D).
+// isGeneration reports whether path is one a model answers: a completion, a Responses API
+// request, or an embedding (a route the proxy passes to one engine without P/D).
 func isGeneration(path string) bool {
-	return strings.HasSuffix(path, "/completions") || path == "/v1/embeddings"
+	return strings.HasSuffix(path, "/completions") || path == "/v1/responses" || path == "/v1/embeddings"
 }
 
 // reset closes c with a reset rather than a clean close.
@@ -319,8 +332,11 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 	if fault == KeepAliveReset {
 		fault = None // its fault is on the connection, before the next request
 	}
-	if fault != None && fault != BigHeaders && fault != LateEnd {
-		e.fault()
+	if fault == BadParams && !(prefill && e.cfg.Protocol == VLLM) {
+		fault = None // only a vLLM prefiller answers with params
+	}
+	if fault != None && fault != LateEnd {
+		e.fault(fault) // LateEnd's is at the end it withholds
 	}
 	id := req.Header.Get("X-Request-Id")
 	var payload []string
@@ -446,7 +462,7 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 		e.hang(c)
 		return false
 	case LateEnd:
-		e.fault()
+		e.fault(LateEnd)
 		select {
 		case <-time.After(LateEndDelay):
 		case <-e.stop:

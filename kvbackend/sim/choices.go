@@ -36,6 +36,7 @@ type choiceEvent struct {
 // choiceResult is what the whole answer says of one shown choice.
 type choiceResult struct {
 	text     strings.Builder
+	ids      []uint32
 	finish   string
 	complete int
 }
@@ -96,6 +97,9 @@ func (p *responder) serveChoices(all []child) {
 			o = output{finish: "abort", complete: res.complete}
 		}
 		res.text.WriteString(o.text)
+		if o.kind == outToken {
+			res.ids = append(res.ids, o.id)
+		}
 		res.finish, res.complete = o.finish, o.complete
 		if !p.api.stream {
 			continue
@@ -123,9 +127,10 @@ func (p *responder) serveChoices(all []child) {
 	}
 	if p.api.chat {
 		c.Object = "chat.completion"
+		c.PromptTokenIDs = p.promptIDs(0)
 	}
 	for i := range results {
-		c.Choices = append(c.Choices, p.wholeChoice(i, results[i].text.String(), results[i].finish))
+		c.Choices = append(c.Choices, p.wholeChoice(i, results[i].text.String(), results[i].ids, results[i].finish))
 	}
 	reqs := make([]*request, len(all))
 	for i, ch := range all {
@@ -146,5 +151,16 @@ func (p *responder) streamChoice(choices, index int, o output) error {
 	if o.finish != "" {
 		finish = &o.finish
 	}
-	return p.event(p.chunk(choice{Index: index, FinishReason: finish}, o.text))
+	c := p.chunk(choice{Index: index, FinishReason: finish}, o.text)
+	p.streamIDs(c, o)
+	if o.kind == outToken && p.f.dieAfter == 0 {
+		p.sentToken()
+	}
+	if err := p.event(c); err != nil {
+		return err
+	}
+	if o.kind == outToken {
+		p.sentToken()
+	}
+	return nil
 }

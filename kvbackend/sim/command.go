@@ -7,12 +7,10 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
-	"golang.org/x/sync/errgroup"
 )
 
 // DefaultListen is the address `proxy sim` listens on without --listen.
@@ -31,6 +29,7 @@ func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	fs.SetOutput(stderr)
 	cfg := DefaultConfig()
 	listen := fs.String("listen", DefaultListen, "address to listen on (port 0 picks a free port)")
+	shutdownTimeout := fs.Duration("shutdown-timeout", 0, "on SIGTERM, drain as vLLM's --shutdown-timeout does: /health and new requests answer 503, in-flight requests get this long, then are cut (0: end them at once)")
 	BindFlags(fs, &cfg)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: proxy sim [flags]\n\n"+
@@ -40,7 +39,8 @@ func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			"POST /abort_request by rid prefix), or with --protocol mooncake a vLLM MooncakeConnector\n"+
 			"prefiller or decoder (legs paired by transfer_id, GET /query on the bootstrap server).\n"+
 			"--data-parallel-size N serves N ranks chosen by X-data-parallel-rank. Per-request fault headers: X-Sim-Fail-Status,\n"+
-			"X-Sim-Stall, X-Sim-Close-After, X-Sim-Slow-Write, X-Sim-Transfer-Fail.\n"+
+			"X-Sim-Stall, X-Sim-Close-After, X-Sim-Slow-Write, X-Sim-Transfer-Fail, X-Sim-Die-After.\n"+
+			"--shutdown-timeout drains on SIGTERM as vLLM does (/health and new requests 503, in-flight ones finish).\n"+
 			"Prefix caching (--prefix-cache), POST /tokenize, and KV events in vLLM's ZMQ format\n"+
 			"(--kv-events-endpoint, --kv-events-replay-endpoint, --kv-events-topic, --kv-events-format).\n"+
 			"POST /v1/responses (the Responses API), /v1/embeddings, /pooling, /v1/score, /v1/rerank, /detokenize and\n"+
@@ -88,37 +88,28 @@ func RunCommand(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	}
 	// After the listener: an SGLang prefiller binds its bootstrap port in New,
 	// and only Run closes it.
-	engine, err := New(cfg, logger)
+	s, err := NewServer(cfg, ln, logger)
 	if err != nil {
-		ln.Close()
 		return err
 	}
-	srv := &http.Server{Handler: engine.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	engine := s.Engine()
 	logger.Info("sim engine listening", zap.String("addr", ln.Addr().String()),
 		zap.String("engine_id", engine.ID()), zap.String("protocol", cfg.Protocol), zap.String("role", cfg.Role), zap.String("model", cfg.Model),
 		zap.String("kv_events_endpoint", engine.KVEventsAddr()), zap.Strings("kv_events_endpoints", engine.KVEventsAddrs()), zap.Int("data_parallel_size", cfg.DataParallelSize),
 		zap.String("kv_events_replay_endpoint", engine.KVEventsReplayAddr()))
 
-	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error { return engine.Run(gctx) })
-	g.Go(func() error {
-		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
-			return fmt.Errorf("sim: serve: %w", err)
+	var died error
+	select {
+	case <-ctx.Done():
+		// SIGTERM: vLLM's drain when --shutdown-timeout is set, then the
+		// engine stops and ends what is left.
+		if *shutdownTimeout > 0 {
+			engine.Drain(*shutdownTimeout)
 		}
-		return nil
-	})
-	g.Go(func() error {
-		<-gctx.Done()
-		// The engine stops with the same context and ends every request, so
-		// in-flight handlers return promptly; the grace period is a backstop.
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(gctx), shutdownGrace)
-		defer cancel()
-		if err := srv.Shutdown(sctx); err != nil {
-			_ = srv.Close()
-		}
-		return nil
-	})
-	err = g.Wait()
+	case <-s.Died():
+		died = errors.New("sim: engine died (die-after fault)")
+	}
+	err = errors.Join(s.Close(), died)
 	logger.Info("sim engine stopped", zap.String("addr", ln.Addr().String()))
 	return err
 }

@@ -48,7 +48,7 @@ func TestRunCommandHelpListsEveryFlagAndReturnsErrHelp(t *testing.T) {
 		"fail-status", "stall", "close-after", "slow-write", "engine-id",
 		"kv-heartbeat-interval", "max-model-len", "nixl-handshake-delay",
 		"protocol", "bootstrap-port", "bootstrap-timeout", "waiting-timeout", "disconnect-delay",
-		"admin-api-key", "transfer-fail",
+		"admin-api-key", "transfer-fail", "die-after", "shutdown-timeout",
 		"prefix-cache", "kv-events-endpoint", "kv-events-replay-endpoint", "kv-events-topic", "kv-events-format", "data-parallel-rank",
 		"data-parallel-size", "kv-load-failure-policy", "lora-modules", "embedding-dim", "scheduling-policy",
 	} {
@@ -306,5 +306,59 @@ func TestRunCommandMooncakePrefillerHoldsFor480sUnlessTold(t *testing.T) {
 				t.Errorf("RunCommand after cancel = %v, want nil", err)
 			}
 		})
+	}
+}
+
+// runCommandAddr starts RunCommand with args and returns the address it
+// logged and the channel of its return.
+func runCommandAddr(t *testing.T, ctx context.Context, args ...string) (string, <-chan error) {
+	t.Helper()
+	var stderr syncBuffer
+	done := make(chan error, 1)
+	go func() { done <- RunCommand(ctx, args, io.Discard, &stderr) }()
+	addr := ""
+	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+		for _, line := range strings.Split(stderr.String(), "\n") {
+			var entry struct {
+				Msg  string `json:"msg"`
+				Addr string `json:"addr"`
+			}
+			if json.Unmarshal([]byte(line), &entry) == nil && entry.Msg == "sim engine listening" {
+				addr = entry.Addr
+			}
+		}
+		return addr != "", "no listening log line; stderr:\n" + stderr.String()
+	})
+	return addr, done
+}
+
+func TestRunCommandDrainsOnCancelWithShutdownTimeout(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	addr, done := runCommandAddr(t, ctx, "--listen", "127.0.0.1:0", "--itl", "5ms", "--shutdown-timeout", "5s")
+	client := &http.Client{Transport: &http.Transport{}}
+	defer client.CloseIdleConnections()
+	stream := openStream(t, client, "http://"+addr, `{"prompt":"hi","max_tokens":40,"ignore_eos":true,"stream":true}`, nil)
+	<-stream
+	cancel() // what SIGTERM does to proxy sim
+	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+		code, _ := status(t, client, http.MethodGet, "http://"+addr+"/health", "")
+		return code == http.StatusServiceUnavailable, "health still answers " + http.StatusText(code)
+	})
+	if evs := drainEvents(t, stream); len(evs) == 0 || evs[len(evs)-1] != "[DONE]" {
+		t.Errorf("a stream in flight at SIGTERM ended with %q, want [DONE] within the shutdown timeout", evs[max(len(evs)-1, 0):])
+	}
+	if err := testutil.Recv(t, testutil.Timeout, done, "RunCommand's return"); err != nil {
+		t.Errorf("RunCommand after a drain = %v, want nil", err)
+	}
+}
+
+func TestRunCommandExitsWithAnErrorWhenItsEngineDies(t *testing.T) {
+	addr, done := runCommandAddr(t, context.Background(), "--listen", "127.0.0.1:0", "--itl", "1ms", "--die-after", "2")
+	client := &http.Client{Transport: &http.Transport{}}
+	defer client.CloseIdleConnections()
+	checkCut(t, "the stream that killed proxy sim", drainEvents(t, openStream(t, client, "http://"+addr, `{"prompt":"hi","max_tokens":10,"ignore_eos":true,"stream":true}`, nil)))
+	if err := testutil.Recv(t, testutil.Timeout, done, "RunCommand's return"); err == nil {
+		t.Error("RunCommand returned nil after its engine died, want an error: a crashed process exits non-zero")
 	}
 }

@@ -135,6 +135,11 @@ type Config struct {
 	// events (streaming) or body bytes (non-streaming). 0 disables it here;
 	// the header X-Sim-Close-After: 0 closes before any byte.
 	CloseAfter int
+	// DieAfter, when positive, kills the whole engine once a request has
+	// sent that many tokens, as a crash would; only an engine a Server runs
+	// can die (header X-Sim-Die-After overrides; 0 there dies before the
+	// first token).
+	DieAfter int
 	// SlowWrite sleeps before every write of a completion response
 	// (header X-Sim-Slow-Write overrides).
 	SlowWrite time.Duration
@@ -274,6 +279,7 @@ func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.IntVar(&cfg.FailStatus, "fail-status", cfg.FailStatus, "fault: answer every completion request with this HTTP status (0: off; header X-Sim-Fail-Status)")
 	fs.DurationVar(&cfg.Stall, "stall", cfg.Stall, "fault: delay the first byte of every completion response (header X-Sim-Stall)")
 	fs.IntVar(&cfg.CloseAfter, "close-after", cfg.CloseAfter, "fault: close the connection after N SSE events or N body bytes (0: off; header X-Sim-Close-After)")
+	fs.IntVar(&cfg.DieAfter, "die-after", cfg.DieAfter, "fault: the engine dies (every connection closed, the listener gone, proxy sim exits) once a request has sent N tokens (0: off; header X-Sim-Die-After)")
 	fs.DurationVar(&cfg.SlowWrite, "slow-write", cfg.SlowWrite, "fault: sleep before every response write (header X-Sim-Slow-Write)")
 	fs.BoolVar(&cfg.TransferFail, "transfer-fail", cfg.TransferFail, "fault: every KV transfer fails: the decoder answers 500, an sglang prefiller frees the room and answers 500 (header X-Sim-Transfer-Fail: true)")
 	fs.IntVar(&cfg.BootstrapPort, "bootstrap-port", cfg.BootstrapPort, "sglang or mooncake prefiller: port of the bootstrap server, reported by GET /server_info (mooncake: GET /query lists each rank's engine id; 0: a free port)")
@@ -392,7 +398,7 @@ func (c Config) withDefaults() (Config, error) {
 	if c.PrefillTime < 0 || c.PrefillPerToken < 0 || c.ITL < 0 || c.KVTransferTime < 0 || c.NIXLHandshakeDelay < 0 {
 		errs = append(errs, errors.New("prefill time, prefill per token, itl, kv transfer time and nixl handshake delay must not be negative"))
 	}
-	if c.CloseAfter < 0 || c.Stall < 0 || c.SlowWrite < 0 {
+	if c.CloseAfter < 0 || c.DieAfter < 0 || c.Stall < 0 || c.SlowWrite < 0 {
 		errs = append(errs, errors.New("fault settings must not be negative"))
 	}
 	switch c.KVEventsFormat {

@@ -75,8 +75,10 @@
 //
 // Prompts are tokenized by the sim's own tokenizer (tokenizer.go): real,
 // deterministic ids, stable under extension at word ends; chat rendered
-// through one fixed ChatML template. A prompt given as token ids is used as
-// it is. POST /tokenize answers vLLM's {"count","max_model_len","tokens"}
+// through one fixed ChatML template. A completions prompt given as token
+// ids (a list of ids, or a list of such lists: one prompt each) is used as
+// it is, for the prefix cache and for the tokens generated from it; an id
+// past the vocabulary (50000 ids) is a 400. POST /tokenize answers vLLM's {"count","max_model_len","tokens"}
 // for {"prompt"} or {"messages","add_generation_prompt"}. A prompt needing
 // more blocks than the pool has, or longer than MaxModelLen, is a 400.
 //
@@ -107,12 +109,31 @@
 // serving layer: a decode rejected there notifies its prefiller first, so
 // that the prefiller frees the blocks it holds for it (vLLM #41269).
 //
-// Output token i is the word " tok<k>" with k a hash of (Seed, request id, i)
-// in [0, 50000), so engines with the same seed give a request id the same
-// answer. Without ignore_eos, token i (i >= min_tokens) is an EOS with
-// probability 1/256, again from the hash: the request then ends with
-// finish_reason "stop" and that token, counted in usage, has no text. With
-// ignore_eos a request yields exactly max_tokens tokens (default 16).
+// Output token i is the word " tok<k>", k its token id in [0, 50000). By
+// default k is a hash of (Seed, request id, i), so engines with the same
+// seed give a request id the same answer. A request with temperature 0
+// (greedy) or a seed gets its tokens from its prefix instead: token i is a
+// function of the model name, the seed (greedy ignores it) and every token
+// id before it, the prompt's then the ones generated so far. Any engine
+// serving the model then answers a prompt made of another request's prompt
+// ids and its first m generated ids with that request's tokens m, m+1, ...,
+// EOS included: a continuation on another decoder is token-exact (real
+// vLLM is so for greedy requests only; a seeded sample restarts its
+// generator). Without ignore_eos, token i (i >= min_tokens) is an EOS (id
+// 0) with probability 1/256, decided by the same hash or prefix: the
+// request then ends with finish_reason "stop" and that token, counted in
+// usage and listed in token_ids, has no text. With ignore_eos a request
+// yields exactly max_tokens tokens (default 16).
+//
+// return_token_ids: true adds vLLM's (0.10.2+) token id fields: completions
+// put token_ids (the generated ids) and prompt_token_ids on each choice,
+// chat puts token_ids on each choice and prompt_token_ids (the rendered
+// template's ids) at the top level. A stream's chunks carry their new ids
+// in token_ids ([] when a chunk has none; chat's role chunks none at all)
+// and the prompt's ids on the first chunk only (completions: each choice's
+// first). Without the flag none of these fields appear; vLLM writes them
+// as null. POST /v1/responses has no such flag and answers as before (a
+// greedy one gets its tokens from its prefix too).
 //
 // # Prefill / decode
 //
@@ -173,7 +194,7 @@
 //
 // # Other endpoints
 //
-// GET /health, GET /v1/models, GET /server_info (and /get_server_info:
+// GET /health, GET /live, GET /v1/models, GET /server_info (and /get_server_info:
 // disaggregation_mode "null" for the vllm protocol), GET /debug/kv (KVStats
 // as JSON: the pool, requests, holds_total, remote_prefill_requests_total,
 // and the SGLang rooms_waiting and rooms_held) and
@@ -200,6 +221,28 @@
 //	X-Sim-Transfer-Fail: true  the request's KV transfer fails: the decoder
 //	                         answers 500 kv_transfer_failed (SGLang: the
 //	                         prefiller frees the room and answers 500 too)
+//	X-Sim-Die-After: N       once the request sent N tokens (0: before the
+//	                         first), the whole engine dies as a crashed
+//	                         process: every connection closed at once (no
+//	                         [DONE], no error event), the listener gone, the
+//	                         KV lost (--die-after; `proxy sim` then exits
+//	                         with an error)
+//
+// Only an engine a Server runs (Listen, NewServer; server.go) can die: a
+// bare Handler answers the header with a 400. Server.Restart brings a new,
+// empty engine up on the same address, as a restarted process; SIGKILL of
+// `proxy sim` is the other way to kill one.
+//
+// # Draining
+//
+// Engine.Drain(grace) drains as vLLM does on SIGTERM with
+// --shutdown-timeout (drain.go): GET /health and every route but GET /live,
+// GET /metrics and the /kv/* side channel answer 503
+// {"error":"Server is unavailable. Please try again later."}, new
+// generation requests included; the requests in flight go on until grace
+// ends, and those still running then are cut (their connections closed).
+// `proxy sim --shutdown-timeout D` drains for D on SIGTERM; without it (0,
+// vLLM's default) the engine ends every request at once.
 //
 // POST /abort_request needs Authorization: Bearer <AdminAPIKey> when
 // Config.AdminAPIKey is set (401 otherwise), whatever the protocol.

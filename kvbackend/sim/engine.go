@@ -64,6 +64,10 @@ type request struct {
 	crashes      bool              // the engine dies when it takes this request (vLLM #50792)
 	needBlocks   int
 	hash         uint64
+	// byPrefix: the tokens come from tokState, the by-prefix token source's
+	// (request.go), instead of hash; the scheduler folds each token in.
+	byPrefix bool
+	tokState uint64
 	// tokens are the prompt's token ids and blockHashes the chained hashes
 	// of its full blocks; both nil when the prompt's tokens are unknown (a
 	// request built by a test from a count) or the prefix cache is off.
@@ -127,6 +131,7 @@ const (
 type output struct {
 	kind     outKind
 	index    int       // token index
+	id       uint32    // token id, tokenEOS for an EOS
 	text     string    // token text, "" for an EOS
 	finish   string    // "length", "stop" or "" if more follow
 	held     []int     // prefill ending in a hold: the held block ids, never nil then
@@ -254,6 +259,10 @@ type Engine struct {
 	loras  []loraModule
 	store  *responseStore
 	vocab  *vocabulary
+	// drain is the drain state (drain.go), and die what the die-after
+	// fault calls (server.go): nil when no Server runs the engine.
+	drain *drainer
+	die   func()
 }
 
 type counters struct {
@@ -404,7 +413,7 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 		return nil, err
 	}
 	e.ranks = []*Engine{e}
-	store, vocab := newResponseStore(maxStoredResponses), newVocabulary()
+	store, vocab, drain := newResponseStore(maxStoredResponses), newVocabulary(), newDrainer()
 	for r := 1; r < cfg.DataParallelSize; r++ {
 		rc := cfg
 		rc.DataParallelRank = cfg.DataParallelRank + r
@@ -419,7 +428,7 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 		e.ranks = append(e.ranks, re)
 	}
 	for _, r := range e.ranks {
-		r.store, r.vocab = store, vocab
+		r.store, r.vocab, r.drain = store, vocab, drain
 	}
 	return e, nil
 }
@@ -557,6 +566,10 @@ func (e *Engine) newRequest(rid string, a *apiRequest) (*request, error) {
 		needBlocks:   need,
 		hash:         ridHash(e.cfg.Seed, rid),
 		ready:        make(chan struct{}, 1),
+	}
+	if a.byPrefix && len(a.tokens) > 0 {
+		r.byPrefix = true
+		r.tokState = prefixState(a.model, a.seeded, a.seed, a.tokens[0])
 	}
 	if len(a.tokens) > 0 && len(a.tokens[0]) == a.promptTokens && !e.cfg.DisablePrefixCache {
 		r.tokens = a.tokens[0]

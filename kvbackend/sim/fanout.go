@@ -42,6 +42,7 @@ type child struct {
 type childResult struct {
 	index    int
 	text     string
+	ids      []uint32 // the tokens' ids, for return_token_ids
 	finish   string
 	complete int
 }
@@ -98,6 +99,7 @@ func (e *Engine) startChildren(ctx context.Context, children []child) *fanOut {
 			res := childResult{index: c.index}
 			err := e.drive(ctx, c.req, func(o output) error {
 				text.WriteString(o.text)
+				res.ids = append(res.ids, o.id)
 				res.finish, res.complete = o.finish, o.complete
 				return nil
 			})

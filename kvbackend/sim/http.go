@@ -46,7 +46,9 @@ func (e *Engine) Handler() http.Handler {
 	mux.HandleFunc("POST /v1/audio/transcriptions", e.pooling("trsc", parseTranscription))
 	mux.HandleFunc("GET /debug/kv", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, e.Stats()) })
 	mux.Handle("GET /metrics", promhttp.HandlerFor(e.registry, promhttp.HandlerOpts{}))
-	return mux
+	// vLLM's liveness probe: 200 while the process runs, draining or not.
+	mux.HandleFunc("GET /live", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	return e.drainGate(mux)
 }
 
 // faults are the fault injections for one request: flag defaults, then headers.
@@ -57,6 +59,9 @@ type faults struct {
 	slowWrite  time.Duration
 	// transferFail: the request's KV transfer fails.
 	transferFail bool
+	// dieAfter: the engine dies once the request sent that many tokens
+	// (-1: never).
+	dieAfter int
 }
 
 // Fault injection headers, read on completion requests.
@@ -68,6 +73,9 @@ const (
 	// HeaderTransferFail: true makes the request's KV transfer fail, sent to
 	// a decoder or (SGLang) to either leg.
 	HeaderTransferFail = "X-Sim-Transfer-Fail"
+	// HeaderDieAfter: N kills the whole engine once the request has sent N
+	// tokens of its answer, as a crash would (server.go).
+	HeaderDieAfter = "X-Sim-Die-After"
 )
 
 func (e *Engine) faults(h http.Header) (faults, error) {
@@ -81,6 +89,20 @@ func (e *Engine) faults(h http.Header) (faults, error) {
 	}
 	if e.cfg.CloseAfter > 0 {
 		f.closeAfter = e.cfg.CloseAfter
+	}
+	f.dieAfter = -1
+	if e.cfg.DieAfter > 0 {
+		f.dieAfter = e.cfg.DieAfter
+	}
+	if v := h.Get(HeaderDieAfter); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return f, badRequest("invalid_fault", "%s: %q is not a count", HeaderDieAfter, v)
+		}
+		f.dieAfter = n
+	}
+	if f.dieAfter >= 0 && e.die == nil {
+		return f, badRequest("invalid_fault", "%s: only an engine run by sim.Server (or proxy sim) can die", HeaderDieAfter)
 	}
 	if v := h.Get(HeaderFailStatus); v != "" {
 		n, err := strconv.Atoi(v)
@@ -137,6 +159,15 @@ func decodeFor(kind apiKind, body []byte) (*wireBody, error) {
 func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
 	chat := kind == apiChat
 	return func(w http.ResponseWriter, r *http.Request) {
+		// In flight from here: a drain waits for it, and cuts it when its
+		// grace ends.
+		ctx, leave, ok := e.drain.enter(r.Context())
+		if !ok {
+			writeUnavailable(w)
+			return
+		}
+		defer leave()
+		defer cutIfDrained(ctx)
 		// vLLM names a request by X-Request-Id; SGLang by the body's rid.
 		var rid string
 		if !e.sglang() {
@@ -215,7 +246,7 @@ func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
 			children, err = e.newChildren(rid, a)
 		}
 		if err != nil {
-			e.rejectDecode(r.Context(), rid, wb.KVTransferParams, err)
+			e.rejectDecode(ctx, rid, wb.KVTransferParams, err)
 			writeError(w, err)
 			return
 		}
@@ -224,7 +255,7 @@ func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
 		for _, c := range children {
 			c.req.transferFail = f.transferFail
 		}
-		work, stop := e.lingering(r.Context())
+		work, stop := e.lingering(ctx)
 		defer stop()
 		if e.sglang() {
 			rids := []string{rid}
@@ -234,7 +265,7 @@ func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
 			defer e.track(rids)()
 		}
 		resp := &responder{
-			e: e, req: req, w: w, rc: http.NewResponseController(w), ctx: r.Context(), work: work,
+			e: e, req: req, w: w, rc: http.NewResponseController(w), ctx: ctx, work: work,
 			api: a, rid: rid, model: a.model, created: e.clock.Now().Unix(), f: f,
 			local: localAddr(r),
 		}
@@ -300,11 +331,16 @@ type responder struct {
 
 	started bool // stream: headers sent
 	events  int  // stream: SSE events written
-	seq     int  // Responses API stream: the next event's sequence_number
-	text    strings.Builder
-	last    output        // the last token, once finished
-	cached  int           // prompt tokens the prefix cache held (of the first request)
-	extra   []childResult // a prefill's fan-out: the other choices (fanout.go)
+	// promptSent marks, with return_token_ids, the completions choices
+	// whose stream carried their prompt_token_ids (by choice index).
+	promptSent map[int]bool
+	tokens     int // tokens of the answer handed to the client (or, whole, generated)
+	seq        int // Responses API stream: the next event's sequence_number
+	text       strings.Builder
+	ids        []uint32      // whole answer: the tokens' ids
+	last       output        // the last token, once finished
+	cached     int           // prompt tokens the prefix cache held (of the first request)
+	extra      []childResult // a prefill's fan-out: the other choices (fanout.go)
 }
 
 // Response shapes, vLLM's field names.
@@ -332,6 +368,13 @@ type choice struct {
 	Delta        *message `json:"delta,omitempty"`
 	Logprobs     any      `json:"logprobs"`
 	FinishReason *string  `json:"finish_reason"`
+	// TokenIDs and PromptTokenIDs answer return_token_ids (nil: absent).
+	// TokenIDs are the choice's generated ids (a stream chunk's new ones,
+	// which may be none: []); PromptTokenIDs a completions choice's prompt,
+	// in a stream on the choice's first chunk only. A chat answer carries
+	// its prompt's at the top level instead.
+	TokenIDs       []uint32 `json:"token_ids,omitzero"`
+	PromptTokenIDs []uint32 `json:"prompt_token_ids,omitzero"`
 }
 
 type completion struct {
@@ -341,6 +384,9 @@ type completion struct {
 	Model   string   `json:"model"`
 	Choices []choice `json:"choices"`
 	Usage   *usage   `json:"usage,omitempty"`
+	// PromptTokenIDs is a chat's prompt ids with return_token_ids: the
+	// rendered template's, on the whole answer or a stream's first chunk.
+	PromptTokenIDs []uint32 `json:"prompt_token_ids,omitzero"`
 	// KVTransferParams is left nil (omitted) in stream chunks; a whole
 	// answer sets it to a *kvTransferParams, which is null when P holds nothing.
 	KVTransferParams any `json:"kv_transfer_params,omitempty"`
@@ -388,7 +434,9 @@ func (p *responder) emit(o output) error {
 	p.cached = o.cached
 	if !p.api.stream {
 		p.text.WriteString(o.text)
+		p.ids = append(p.ids, o.id)
 		p.last = o
+		p.sentToken()
 		return nil
 	}
 	if p.api.resp != nil {
@@ -404,16 +452,37 @@ func (p *responder) emit(o output) error {
 		finish = &o.finish
 	}
 	c := p.chunk(choice{FinishReason: finish}, o.text)
+	p.streamIDs(c, o)
 	if o.held != nil && !p.e.sglang() {
 		c.KVTransferParams = p.kvParams(o)
+	}
+	if p.f.dieAfter == 0 {
+		p.sentToken() // dies before the first token
 	}
 	if err := p.event(c); err != nil {
 		return err
 	}
+	p.sentToken()
 	if o.finish == "" {
 		return nil
 	}
 	return p.done(o.complete)
+}
+
+// sentToken counts a token handed to the client and applies the
+// die-after fault: the engine dies once the request has sent that many.
+func (p *responder) sentToken() {
+	if p.f.dieAfter < 0 {
+		return
+	}
+	if p.f.dieAfter > 0 {
+		p.tokens++
+		if p.tokens < p.f.dieAfter {
+			return
+		}
+	}
+	p.e.die()
+	panic(http.ErrAbortHandler) // the connection is gone with the engine
 }
 
 // begin sends the stream's headers (after the stall fault) and, for chat,
@@ -437,6 +506,9 @@ func (p *responder) begin(choices int) error {
 		empty := ""
 		c := p.chunk(choice{Index: i}, "")
 		c.Choices[0].Delta = &message{Role: "assistant", Content: &empty}
+		if i == 0 {
+			c.PromptTokenIDs = p.promptIDs(0) // the stream's first chunk
+		}
 		if err := p.event(c); err != nil {
 			return err
 		}
@@ -556,6 +628,7 @@ func (p *responder) writeWhole(aborted bool) {
 			return
 		}
 		c := p.chunk(choice{FinishReason: &finish}, "")
+		p.streamIDs(c, output{})
 		if p.event(c) == nil {
 			_ = p.done(p.last.complete)
 		}
@@ -565,10 +638,11 @@ func (p *responder) writeWhole(aborted bool) {
 	c.Object = "text_completion"
 	if p.api.chat {
 		c.Object = "chat.completion"
+		c.PromptTokenIDs = p.promptIDs(0)
 	}
-	c.Choices = []choice{p.wholeChoice(0, p.text.String(), finish)}
+	c.Choices = []choice{p.wholeChoice(0, p.text.String(), p.ids, finish)}
 	for _, x := range p.extra {
-		c.Choices = append(c.Choices, p.wholeChoice(x.index, x.text, x.finish))
+		c.Choices = append(c.Choices, p.wholeChoice(x.index, x.text, x.ids, x.finish))
 		c.Usage.CompletionTokens += x.complete
 	}
 	c.Usage.TotalTokens = c.Usage.PromptTokens + c.Usage.CompletionTokens
@@ -614,15 +688,54 @@ func (p *responder) writeBody(c any, reqs ...*request) {
 	_, _ = p.w.Write(body)
 }
 
-// wholeChoice is one choice of a non-streaming answer.
-func (p *responder) wholeChoice(index int, text, finish string) choice {
+// wholeChoice is one choice of a non-streaming answer; ids are its tokens'.
+func (p *responder) wholeChoice(index int, text string, ids []uint32, finish string) choice {
 	ch := choice{Index: index, FinishReason: &finish}
 	if p.api.chat {
 		ch.Message = &message{Role: "assistant", Content: &text}
 	} else {
 		ch.Text = &text
+		ch.PromptTokenIDs = p.promptIDs(index)
+	}
+	if p.api.returnTokenIDs {
+		ch.TokenIDs = append([]uint32{}, ids...)
 	}
 	return ch
+}
+
+// promptIDs is, with return_token_ids, the prompt ids of choice index
+// (prompt index/n); nil without it.
+func (p *responder) promptIDs(index int) []uint32 {
+	if !p.api.returnTokenIDs {
+		return nil
+	}
+	if i := index / p.api.n; i < len(p.api.tokens) {
+		return p.api.tokens[i]
+	}
+	return nil
+}
+
+// streamIDs adds return_token_ids' fields to c, a stream chunk of one
+// choice carrying o: o's id when o is a token, and for completions the
+// prompt's ids on the choice's first chunk, as vLLM's serving_completion
+// streams them.
+func (p *responder) streamIDs(c *completion, o output) {
+	if !p.api.returnTokenIDs {
+		return
+	}
+	ch := &c.Choices[0]
+	ch.TokenIDs = []uint32{}
+	if o.kind == outToken {
+		ch.TokenIDs = append(ch.TokenIDs, o.id)
+	}
+	if p.api.chat || p.promptSent[ch.Index] {
+		return
+	}
+	if p.promptSent == nil {
+		p.promptSent = make(map[int]bool)
+	}
+	p.promptSent[ch.Index] = true
+	ch.PromptTokenIDs = p.promptIDs(ch.Index)
 }
 
 // handleAbort is POST /abort_request. vLLM has no such endpoint (its dev-mode

@@ -84,6 +84,12 @@ type apiRequest struct {
 	// crashesDecoder: prompt logprobs asked of a decode, which kills a vLLM
 	// decoder's engine (vLLM #50792).
 	crashesDecoder bool
+	// byPrefix: tokens come from the prefix (temperature 0 or a seed; see
+	// the token source below); seeded: the seed enters it too (not greedy).
+	byPrefix, seeded bool
+	seed             int64
+	// returnTokenIDs: the answer carries token_ids and prompt_token_ids.
+	returnTokenIDs bool
 	// sg is the rid and bootstrap fields of a body sent to an SGLang engine.
 	sg *sglangFields
 	// mc is a Mooncake decode's prefill, xferID a Mooncake prefill's transfer_id.
@@ -115,6 +121,11 @@ type wireRequest struct {
 	KVTransferParams *kvTransferParams `json:"kv_transfer_params"`
 	// Priority is vLLM's: lower runs first under --scheduling-policy priority.
 	Priority *int `json:"priority"`
+	// Temperature 0 (greedy) or a Seed makes the tokens a function of the
+	// prefix; ReturnTokenIDs asks for vLLM's token_ids and prompt_token_ids.
+	Temperature    *float64 `json:"temperature"`
+	Seed           *int64   `json:"seed"`
+	ReturnTokenIDs *bool    `json:"return_token_ids"`
 	// SGLang's fields (sglang.go): a value, or an array with one per prompt.
 	RID           json.RawMessage `json:"rid"`
 	BootstrapHost json.RawMessage `json:"bootstrap_host"`
@@ -208,6 +219,11 @@ func (b *wireBody) validate(chat bool) (*apiRequest, error) {
 	if len(b.prompts) > maxChoices {
 		return nil, badRequest("invalid_prompt", "prompt: %d prompts, at most %d", len(b.prompts), maxChoices)
 	}
+	for _, t := range b.tokens {
+		if err := checkVocabulary(t); err != nil {
+			return nil, err
+		}
+	}
 	maxTok := w.MaxTokens
 	if chat && w.MaxCompletionTokens != nil {
 		maxTok = w.MaxCompletionTokens
@@ -230,6 +246,12 @@ func (b *wireBody) validate(chat bool) (*apiRequest, error) {
 	if w.Priority != nil {
 		req.priority = *w.Priority
 	}
+	greedy := w.Temperature != nil && *w.Temperature == 0
+	req.byPrefix = greedy || w.Seed != nil
+	if w.Seed != nil && !greedy {
+		req.seeded, req.seed = true, *w.Seed
+	}
+	req.returnTokenIDs = w.ReturnTokenIDs != nil && *w.ReturnTokenIDs
 	req.resp = b.resp
 	if w.Stream != nil {
 		req.stream = *w.Stream
@@ -332,6 +354,17 @@ func completionPrompts(raw json.RawMessage) ([][]uint32, error) {
 	return nil, badRequest("invalid_prompt", "prompt must be a string, a list of strings, a list of token ids or a list of token id lists, not empty")
 }
 
+// checkVocabulary refuses a token id past the vocabulary, as vLLM's serving
+// layer does.
+func checkVocabulary(ids []uint32) error {
+	for _, id := range ids {
+		if id >= vocabSize {
+			return badRequest("invalid_prompt", "prompt: token id %d is out of the vocabulary (%d ids)", id, vocabSize)
+		}
+	}
+	return nil
+}
+
 // chatPrompt renders and tokenizes a chat's messages: at least one token.
 func chatPrompt(msgs []wireMessage, addGenerationPrompt bool) ([]uint32, error) {
 	if len(msgs) == 0 {
@@ -380,11 +413,25 @@ func contentText(raw json.RawMessage) (string, error) {
 	return b.String(), nil
 }
 
-// Token source. Token i of a request is the word " tok<k>", k in [0,50000),
-// and token i is an EOS with probability 1/256; both come from a hash of
-// (Seed, request id, i), so a request id always yields the same answer on
-// every engine with the same seed: a decoder's first token equals its
-// prefiller's.
+// Token source. A request has one of two:
+//
+// By request id (the default): token i is the word " tok<k>", k in
+// [0,50000) its id, and token i is an EOS with probability 1/256; both come
+// from a hash of (Seed, request id, i), so a request id always yields the
+// same answer on every engine with the same seed: a decoder's first token
+// equals its prefiller's.
+//
+// By prefix (a greedy request, temperature 0, or one with a seed): token i
+// is a function of the model name, the seed (unless greedy: greedy
+// sampling ignores it) and every token id before it, the prompt's and the
+// ones generated so far, folded into one 64-bit state. A prompt that is
+// another request's prompt ids followed by its first m generated ids then
+// generates that request's tokens m, m+1, ..., EOS included, on any engine
+// serving the model: a continuation on another decoder is token-exact.
+// Real vLLM is so for greedy requests only; a seeded sample restarts its
+// generator with each request.
+//
+// Token id k reads as " tok<k>"; the EOS is tokenEOS and has no text.
 const eosOneIn = 256
 
 func ridHash(seed int64, rid string) uint64 {
@@ -401,12 +448,46 @@ func mix64(x uint64) uint64 {
 	return x ^ (x >> 31)
 }
 
-func tokenText(h uint64, i int) string {
-	return " tok" + strconv.FormatUint(mix64(h^uint64(i)*2)%50000, 10)
+// tokenID is the id of token i of the request whose ridHash is h.
+func tokenID(h uint64, i int) uint32 {
+	return uint32(mix64(h^uint64(i)*2) % vocabSize)
 }
+
+func tokenText(h uint64, i int) string { return tokenWord(tokenID(h, i)) }
 
 func tokenIsEOS(h uint64, i int) bool {
 	return mix64(h^(uint64(i)*2+1))%eosOneIn == 0
+}
+
+// tokenWord is the text of a generated token id; an EOS has none.
+func tokenWord(id uint32) string {
+	return " tok" + strconv.FormatUint(uint64(id), 10)
+}
+
+// prefixState is the state of the by-prefix source before its first
+// token: the model, the seed when seeded, then every prompt token folded in.
+func prefixState(model string, seeded bool, seed int64, prompt []uint32) uint64 {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(model))
+	s := mix64(h.Sum64())
+	if seeded {
+		s = mix64(s ^ mix64(uint64(seed)))
+	}
+	for _, id := range prompt {
+		s = foldToken(s, id)
+	}
+	return s
+}
+
+// foldToken is the by-prefix state once id follows it.
+func foldToken(s uint64, id uint32) uint64 {
+	return mix64(s*0x100000001b3 ^ uint64(id))
+}
+
+// prefixToken is the token a by-prefix state generates, and whether that
+// state ends the answer with an EOS (where an EOS is allowed).
+func prefixToken(s uint64) (id uint32, eos bool) {
+	return firstTextToken + uint32(mix64(s^0x5bd1e995)%(vocabSize-firstTextToken)), mix64(s^0x27d4eb2f165667c5)%eosOneIn == 0
 }
 
 // apiError is an answer in the OpenAI error shape.

@@ -100,6 +100,7 @@ func decodeResponses(body []byte) (*wireBody, error) {
 		return nil, err
 	}
 	b := &wireBody{wireRequest: w.wireRequest, resp: meta}
+	b.Temperature = w.Temperature // greedy: tokens by prefix, as for chat
 	// Chat's and completions' own fields are no Responses API fields.
 	b.Prompt, b.Messages, b.MaxCompletionTokens, b.N, b.BestOf = nil, nil, nil, nil, nil
 	b.MaxTokens = w.MaxOutputTokens

@@ -368,19 +368,37 @@ func (e *Engine) advance(now time.Time) {
 	e.running = slices.DeleteFunc(e.running, func(r *request) bool { return !r.isLive() })
 }
 
+// nextToken draws token i of r from its token source (request.go): its id
+// and whether it is an EOS, where an EOS may end the answer.
+func (r *request) nextToken(i int) (id uint32, eos bool) {
+	canStop := !r.ignoreEOS && i >= r.minTokens
+	if !r.byPrefix {
+		return tokenID(r.hash, i), canStop && tokenIsEOS(r.hash, i)
+	}
+	id, eos = prefixToken(r.tokState)
+	eos = eos && canStop
+	if eos {
+		id = tokenEOS
+	}
+	r.tokState = foldToken(r.tokState, id)
+	return id, eos
+}
+
 func (e *Engine) emit(r *request, now time.Time) {
 	i := r.generated
 	r.generated++
 	o := output{kind: outToken, index: i, complete: r.generated, cached: r.cachedTokens}
-	eos := !r.ignoreEOS && i >= r.minTokens && tokenIsEOS(r.hash, i)
+	id, eos := r.nextToken(i)
+	o.id = id
 	switch {
 	case eos:
+		o.id = tokenEOS
 		o.finish = "stop" // the EOS token counts but has no text
 	case r.generated >= r.maxTokens:
 		o.finish = "length"
-		o.text = tokenText(r.hash, i)
+		o.text = tokenWord(id)
 	default:
-		o.text = tokenText(r.hash, i)
+		o.text = tokenWord(id)
 		r.readyAt = now.Add(e.cfg.ITL)
 		r.push(o)
 		return

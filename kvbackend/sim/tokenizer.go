@@ -32,6 +32,7 @@ import (
 // it is part of.
 const (
 	vocabSize      = 50000
+	tokenEOS       = 0 // what ends a generated answer; never in a text's tokens
 	tokenBOS       = 1 // an empty text's only token: a prompt has at least one
 	tokenIMStart   = 2
 	tokenIMEnd     = 3
