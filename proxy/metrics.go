@@ -95,7 +95,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}, []string{"key", "tenant", "class"}),
 		migrations: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "pdproxy", Name: "migrations_total",
-			Help: "Streams whose decoder failed after their first byte, with migration_limit set, by why (decoder_failed, idle_timeout, error_event) and outcome: migrated (they went on on another decoder), not_migratable (they could not go on exactly: pdproxy_migrations_refused_total says why), limit_reached.",
+			Help: "Streams whose decoder failed after their first byte, with migration_limit set, by why (decoder_failed, idle_timeout, error_event, drained: its decoder went away, removed or taken down by its checks) and outcome: migrated (they went on on another decoder), not_migratable (they could not go on exactly: pdproxy_migrations_refused_total says why), limit_reached.",
 		}, []string{"reason", "outcome"}),
 		migrationRefusals: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "pdproxy", Name: "migrations_refused_total",
@@ -106,7 +106,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Help: "Generated tokens sent again, as prompt, to the engines a stream went on on.",
 		}),
 	}
-	for _, reason := range []string{moveDecoderFailed, moveIdleTimeout, moveErrorEvent} {
+	for _, reason := range []string{moveDecoderFailed, moveIdleTimeout, moveErrorEvent, moveDrained} {
 		for _, outcome := range []string{movedOn, moveRefused, moveExceeded} {
 			m.migrations.WithLabelValues(reason, outcome)
 		}

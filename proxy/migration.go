@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"strconv"
+	"sync/atomic"
 
 	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/router"
@@ -28,6 +29,7 @@ const (
 	moveDecoderFailed = "decoder_failed"
 	moveIdleTimeout   = "idle_timeout"
 	moveErrorEvent    = "error_event"
+	moveDrained       = "drained"
 )
 
 // The outcome label of pdproxy_migrations_total.
@@ -88,6 +90,10 @@ type resume struct {
 	errorEvent bool
 	// finished: an event with a finish_reason went to the client.
 	finished bool
+	// watching: the decoder's going away is watched (watchdog.cutWhenLeaving); movable says,
+	// for that watch's goroutine, whether the stream could go on elsewhere now.
+	watching bool
+	movable  atomic.Bool
 }
 
 // planResume readies a stream for migration, when migration_limit allows it: the engines are
@@ -203,6 +209,8 @@ func moveReason(err error) string {
 		return moveErrorEvent
 	case errors.Is(err, errIdleTimeout):
 		return moveIdleTimeout
+	case errors.Is(err, errDecoderLeaving):
+		return moveDrained
 	}
 	return moveDecoderFailed
 }
@@ -244,7 +252,8 @@ func (x *exchange) moveOn(c *custody, cause error) *apiError {
 	rs.attempt++
 	rs.left--
 	rs.pending = rs.pending[:0]
-	rs.errorEvent = false
+	rs.errorEvent, rs.watching = false, false
+	rs.movable.Store(false)
 	x.req = &genRequest{route: "/v1/completions", fields: fields, model: x.req.model, stream: true, prefix: x.req.prefix,
 		text: x.req.text, tokens: prompt, prompts: 1}
 	x.legs = legs{named: x.legs.named}
@@ -299,6 +308,7 @@ func (rs *resume) filter(data []byte) []byte {
 	if rs.maxIDs > 0 && len(rs.prompt)+len(rs.sent) > rs.maxIDs && rs.refused == "" {
 		rs.refused, rs.prompt, rs.sent = refuseTooLong, nil, nil
 	}
+	rs.movable.Store(rs.refused == "" && !rs.finished && rs.prompt != nil && rs.left > 0)
 	return out
 }
 

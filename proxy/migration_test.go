@@ -8,7 +8,9 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -19,7 +21,13 @@ import (
 // the prompt's ids on the completion choice, or at the top of a chat chunk, in the first chunk
 // only). A request whose prompt is text dies after dieAfter tokens (0: never): its connection
 // closes mid-stream, as a crashed engine's does. A prompt of ids (a continuation) never dies.
-type greedy struct{ dieAfter int }
+type greedy struct {
+	dieAfter int
+	// delay is the time between two tokens; draining, when set and true, makes the engine's
+	// health check answer 503, as an engine shutting down does, while it goes on streaming.
+	delay    time.Duration
+	draining *atomic.Bool
+}
 
 func greedyNext(ids []uint32) uint32 {
 	h := fnv.New64a()
@@ -42,6 +50,13 @@ func greedyPrompt(s string) []uint32 {
 
 func (g greedy) handler() engineHandler {
 	return func(w http.ResponseWriter, r *http.Request, body []byte) {
+		if r.Method != http.MethodPost {
+			if r.URL.Path == "/health" && (g.draining == nil || !g.draining.Load()) {
+				return
+			}
+			http.Error(w, "not here", http.StatusServiceUnavailable)
+			return
+		}
 		chat := strings.HasSuffix(r.URL.Path, "/chat/completions")
 		var req struct {
 			Prompt         json.RawMessage `json:"prompt"`
@@ -108,6 +123,13 @@ func (g greedy) handler() engineHandler {
 					}
 				}
 				return
+			}
+			if g.delay > 0 {
+				select {
+				case <-time.After(g.delay):
+				case <-r.Context().Done():
+					return
+				}
 			}
 			tok := greedyNext(ids)
 			ids = append(ids, tok)
@@ -363,6 +385,52 @@ func TestAStreamMovesAtMostItsLimit(t *testing.T) {
 	}
 	if n := h.value("pdproxy_migrations_total", map[string]string{"reason": "decoder_failed", "outcome": "limit_reached"}); n != 1 {
 		t.Errorf("migrations{limit_reached} = %v, want 1", n)
+	}
+	h.waitQuiet()
+}
+
+// A decoder that starts draining (its health check answers 503) has its streams moved before
+// they end: each goes on on another decoder, token-exact, and the draining one's call is cut.
+func TestAStreamLeavesADrainingDecoderBeforeItEnds(t *testing.T) {
+	var draining [2]atomic.Bool
+	d0 := newEngine(t, greedy{delay: 20 * time.Millisecond, draining: &draining[0]}.handler())
+	d1 := newEngine(t, greedy{delay: 20 * time.Millisecond, draining: &draining[1]}.handler())
+	h := newHarness(t, Config{MigrationLimit: 1}, router.Config{
+		Backends: []router.BackendConfig{decoder("d0", d0.URL()), decoder("d1", d1.URL())},
+		Health:   router.HealthConfig{Interval: 10 * time.Millisecond, Timeout: time.Second, UnhealthyThreshold: 1, HealthyThreshold: 1},
+	})
+	resp, err := http.DefaultClient.Do(h.request(t.Context(), http.MethodPost, "/v1/completions",
+		`{"model":"m","prompt":"drain me","max_tokens":40,"stream":true,"temperature":0}`, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	br := bufio.NewReader(resp.Body)
+	first, err := readEvent(br)
+	if err != nil {
+		t.Fatalf("first event: %v", err)
+	}
+	// The stream is under way on one decoder: that one starts draining.
+	victim := d0
+	if len(d1.generations()) == 1 {
+		victim = d1
+		draining[1].Store(true)
+	} else {
+		draining[0].Store(true)
+	}
+	rest := readStream(t, br)
+	s := readStream(t, strings.NewReader(first+rest.raw))
+	if !s.done {
+		t.Fatalf("the stream did not end whole\n%s", s.raw)
+	}
+	if got, want := s.text(t, false), wantGreedy(greedyPrompt("drain me"), 40); got != want {
+		t.Fatalf("text %q, want the unbroken run's %q", got, want)
+	}
+	if n := h.value("pdproxy_migrations_total", map[string]string{"reason": "drained", "outcome": "migrated"}); n != 1 {
+		t.Errorf("migrations{drained,migrated} = %v, want 1", n)
+	}
+	if n := len(victim.generations()); n != 1 {
+		t.Errorf("the draining decoder got %d generations, want only the first", n)
 	}
 	h.waitQuiet()
 }

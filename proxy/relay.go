@@ -8,6 +8,8 @@ import (
 	"net/http"
 	"sync"
 	"time"
+
+	"github.com/pdproxy/pdproxy/kvbackend"
 )
 
 // The relay's read buffers. A read returns whatever the decoder has sent so far, and that
@@ -104,6 +106,14 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 				x.out.wrote = true
 				x.times.ttft = time.Since(x.times.start)
 			}
+			if rs != nil && !rs.watching {
+				// From its first byte on, a stream that can go on elsewhere leaves a decoder
+				// that is going away before it breaks.
+				rs.watching = true
+				if _, ok := engineOf(x.legs.decode).(kvbackend.Continuer); ok {
+					wd.cutWhenLeaving(x.legs.decode.Leaving(), rs.movable.Load)
+				}
+			}
 			x.out.chunks++
 			// A client that stops reading must not pin a decoder and its memory forever.
 			x.writeDeadline(rc)
@@ -142,8 +152,8 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 		}
 		if rerr != nil {
 			cause := rerr
-			if wd.timedOut() {
-				cause = errors.Join(context.Cause(wd.ctx), rerr)
+			if why := context.Cause(wd.ctx); wd.timedOut() || errors.Is(why, errDecoderLeaving) {
+				cause = errors.Join(why, rerr)
 			}
 			if x.canMove(cause) {
 				x.out.broke = cause

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -93,6 +94,28 @@ func (wd *watchdog) onBytes() {
 }
 
 func (wd *watchdog) timedOut() bool { return wd.timeout.Load() }
+
+// errDecoderLeaving is the cause a decode is cut with when its decoder goes away mid-answer
+// (router.Backend.Leaving) and the stream can go on elsewhere.
+var errDecoderLeaving = errors.New("the decoder is going away")
+
+// cutWhenLeaving cuts the decode when leaving closes, if may still says so then: a stream that
+// can go on on another decoder leaves one that is draining or gone before it breaks. The wait
+// ends with the decode.
+func (wd *watchdog) cutWhenLeaving(leaving <-chan struct{}, may func() bool) {
+	if leaving == nil {
+		return
+	}
+	go func() {
+		select {
+		case <-leaving:
+			if may() {
+				wd.cancel(errDecoderLeaving)
+			}
+		case <-wd.ctx.Done():
+		}
+	}()
+}
 
 func (wd *watchdog) stop() {
 	wd.timer.Stop()

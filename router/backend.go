@@ -83,6 +83,9 @@ type backendState struct {
 	load loadState
 	// models is what the engine's /v1/models listed at its last answer; nil until then.
 	models atomic.Pointer[[]string]
+	// leaving is closed when the backend goes away while up: a reload or discovery drops it,
+	// or its checks take it down. A backend that comes up again gets a new one.
+	leaving atomic.Pointer[leaving]
 
 	mu sync.Mutex // guards the streaks and reasons below
 	// failStreak counts passive failures in a row.
@@ -97,11 +100,32 @@ type backendState struct {
 	downReason, ejectReason string
 }
 
+// leaving is a signal, closed once.
+type leaving struct {
+	ch   chan struct{}
+	once sync.Once
+}
+
+func newLeaving() *leaving { return &leaving{ch: make(chan struct{})} }
+
+func (l *leaving) close() { l.once.Do(func() { close(l.ch) }) }
+
+// Leaving is closed when the backend goes away: a reload or discovery drops it, or its health
+// checks take it down (an engine that is draining, or gone). Calls in flight on it may still
+// end well, but a stream that can go on elsewhere should (the proxy's migration).
+func (b *Backend) Leaving() <-chan struct{} {
+	if b == nil {
+		return nil
+	}
+	return b.st.leaving.Load().ch
+}
+
 func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendState) *Backend {
 	u, _ := url.Parse(c.URL) // Validate parsed it already
 	if st == nil {
 		st = &backendState{}
 		st.up.Store(true)
+		st.leaving.Store(newLeaving())
 	}
 	if n := c.DataParallelSize; n > 1 {
 		if cur := st.ranks.Load(); cur == nil || len(*cur) != n {
@@ -458,6 +482,7 @@ func (b *Backend) markDownLocked(why string) bool {
 		return false
 	}
 	s.up.Store(false)
+	s.leaving.Load().close()
 	s.downReason = why
 	s.checkPasses, s.failStreak = 0, 0
 	return true
@@ -487,6 +512,7 @@ func (b *Backend) check(ok bool, refusal string, h HealthConfig) (change int, wh
 		s.checkFails = 0
 		s.checkPasses++
 		if !s.up.Load() && s.checkPasses >= h.HealthyThreshold {
+			s.leaving.Store(newLeaving())
 			s.up.Store(true)
 			return 1, ""
 		}

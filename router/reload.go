@@ -123,6 +123,7 @@ func (r *Router) apply(cfg Config) error {
 	for _, b := range old {
 		if !kept[b.st] {
 			b.st.removed.Store(true)
+			b.st.leaving.Load().close()
 			r.metrics.forget(b)
 			removed = append(removed, b)
 		}

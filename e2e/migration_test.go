@@ -1,0 +1,168 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// migrationPool starts, on their own listeners, a simulated prefiller (none for decode-only)
+// and two decoders of protocol, and the proxy with migration_limit 3 in front of them.
+func migrationPool(t *testing.T, protocol string, pd bool) (*stack, *sim.Server, []*sim.Server) {
+	t.Helper()
+	base := sim.DefaultConfig()
+	base.Protocol, base.PrefillTime, base.ITL, base.KVHeartbeatInterval = protocol, time.Millisecond, 4*time.Millisecond, 0
+	kind := "vllm"
+	if protocol == sim.ProtocolMooncake {
+		kind = "mooncake"
+	}
+	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
+	cfg.Proxy.MigrationLimit = 3
+	logger := zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel))
+	start := func(c sim.Config) *sim.Server {
+		s, err := sim.Listen(c, "127.0.0.1:0", logger)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		return s
+	}
+	var p *sim.Server
+	if pd {
+		pc := base
+		pc.Role = "prefill"
+		if protocol == sim.ProtocolMooncake {
+			pc.BootstrapPort = freePort(t)
+		}
+		p = start(pc)
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: "p0", URL: p.URL(), Role: router.RolePrefill,
+			Engine: kind, BootstrapPort: pc.BootstrapPort})
+	}
+	var ds []*sim.Server
+	for i := range 2 {
+		dc := base
+		if pd {
+			dc.Role = "decode"
+		}
+		d := start(dc)
+		ds = append(ds, d)
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: router.RoleDecode, Engine: kind})
+	}
+	return startConfig(t, logger, cfg), p, ds
+}
+
+// TestTheSDKReadsOneWholeAnswerThroughADecoderKilledMidStream: a greedy stream, completions
+// and chat, P/D and decode-only, NIXL and Mooncake; its decoder is killed (as SIGKILL would:
+// every connection cut, nothing listening) after a few tokens. The Go SDK reads one stream to
+// its end, with no error, whose text is the unbroken answer's, and nothing is left held.
+func TestTheSDKReadsOneWholeAnswerThroughADecoderKilledMidStream(t *testing.T) {
+	for _, protocol := range []string{sim.ProtocolVLLM, sim.ProtocolMooncake} {
+		for _, pd := range []bool{true, false} {
+			if protocol == sim.ProtocolMooncake && !pd {
+				continue // a Mooncake decoder without a prefiller is a vLLM decoder: covered
+			}
+			for _, chat := range []bool{false, true} {
+				name := fmt.Sprintf("%s/pd=%v/chat=%v", protocol, pd, chat)
+				t.Run(name, func(t *testing.T) {
+					s, p, ds := migrationPool(t, protocol, pd)
+					client := openai.NewClient(option.WithBaseURL(s.url+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0),
+						option.WithJSONSet("ignore_eos", true))
+					const n = 40
+					read := func(ctx context.Context, client openai.Client, kill func()) (string, error) {
+						var sb strings.Builder
+						chunks := 0
+						if chat {
+							st := client.Chat.Completions.NewStreaming(ctx, openai.ChatCompletionNewParams{Model: "sim", MaxTokens: openai.Int(n),
+								Temperature: openai.Float(0), Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage("tell me a story")}})
+							for st.Next() {
+								for _, c := range st.Current().Choices {
+									sb.WriteString(c.Delta.Content)
+								}
+								if chunks++; chunks == 8 && kill != nil {
+									kill()
+								}
+							}
+							return sb.String(), st.Err()
+						}
+						st := client.Completions.NewStreaming(ctx, openai.CompletionNewParams{Model: "sim", MaxTokens: openai.Int(n),
+							Temperature: openai.Float(0), Prompt: openai.CompletionNewParamsPromptUnion{OfString: openai.String("once upon a time")}})
+						for st.Next() {
+							for _, c := range st.Current().Choices {
+								sb.WriteString(c.Text)
+							}
+							if chunks++; chunks == 8 && kill != nil {
+								kill()
+							}
+						}
+						return sb.String(), st.Err()
+					}
+					var victim *sim.Server
+					got, err := read(context.Background(), client, func() {
+						for _, d := range ds {
+							if d.Engine().Stats().RunningRequests > 0 {
+								victim = d
+							}
+						}
+						if victim == nil {
+							t.Error("no decoder runs the stream")
+							return
+						}
+						victim.Kill()
+					})
+					if err != nil {
+						t.Fatalf("the stream through a killed decoder failed: %v (read %q)", err, got)
+					}
+					// The unbroken answer, from a decoder that was never killed, asked directly.
+					var survivor *sim.Server
+					for _, d := range ds {
+						if d != victim {
+							survivor = d
+						}
+					}
+					direct := openai.NewClient(option.WithBaseURL(survivor.URL()+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0),
+						option.WithJSONSet("ignore_eos", true))
+					want, err := read(context.Background(), direct, nil)
+					if err != nil {
+						t.Fatalf("the unbroken run: %v", err)
+					}
+					if got != want || strings.Count(got, " tok") != n {
+						t.Fatalf("answer through the killed decoder\n%q\nwant the unbroken one's\n%q", got, want)
+					}
+					survivors := []*sim.Engine{}
+					for _, d := range ds {
+						if d != victim {
+							survivors = append(survivors, d.Engine())
+						}
+					}
+					if p != nil {
+						survivors = append(survivors, p.Engine())
+					}
+					testutil.WaitFor(t, 5*time.Second, func() (bool, string) { return idle(survivors) })
+					testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
+						return s.m.Table.Len() == 0 && s.m.Table.OutstandingHolds() == 0, fmt.Sprintf("table %+v, %d holds", s.m.Table.Snapshot(), s.m.Table.OutstandingHolds())
+					})
+					for _, b := range s.m.Router.Backends() {
+						if b.Inflight != 0 {
+							t.Errorf("backend %s in-flight %d", b.Name, b.Inflight)
+						}
+					}
+					if v := testutil.Value(t, s.m.Registry, "pdproxy_migrations_total", map[string]string{"outcome": "migrated"}); v != 1 {
+						t.Errorf("migrations{migrated} = %v, want 1", v)
+					}
+				})
+			}
+		}
+	}
+}
