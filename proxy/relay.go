@@ -142,6 +142,9 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 				rerr = errEmptyAnswer
 			case x.req.stream && !x.streamComplete():
 				rerr = errStreamUnfinished
+				if x.req.responses {
+					rerr = errResponsesUnfinished
+				}
 			default:
 				// The deadline set for the last write may have passed while the decoder was
 				// silent: the response's end (HTTP/1.1's last chunk) must still go out.
@@ -175,6 +178,8 @@ func (x *exchange) countAfterGone(data []byte) {
 var (
 	errEmptyAnswer      = errors.New("the decoder answered 200 and closed without a body")
 	errStreamUnfinished = errors.New("the decoder's stream ended before its [DONE]")
+	// A Responses stream has no [DONE]: it ends at its last event.
+	errResponsesUnfinished = errors.New("the decoder's stream ended before its last event (response.completed, .incomplete or .failed)")
 )
 
 // tailSize is how many of the answer's last bytes the relay keeps: enough for the line end
