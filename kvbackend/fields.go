@@ -183,40 +183,14 @@ type set struct {
 }
 
 // rewrite is the client's object without the members named in drop and without the earlier
-// members of a duplicated key, followed by add. The bytes of every member kept are copied as
-// they came.
+// members of a duplicated key, followed by add (whose keys drop names too, where the client's
+// member of that name must not stay). The bytes of every member kept are copied as they came.
 func (f *Fields) rewrite(drop []string, add ...set) []byte {
-	n := len(f.raw) + 2
-	for _, a := range add {
-		n += len(a.key) + len(a.val) + 4
+	members := make([]Member, len(add))
+	for i, a := range add {
+		members[i] = Member{Key: a.key, Val: a.val}
 	}
-	out := make([]byte, 0, n)
-	out = append(out, '{')
-	first := true
-	for i := range f.members {
-		m := &f.members[i]
-		if f.dropped(i, drop) {
-			continue
-		}
-		if !first {
-			out = append(out, ',')
-		}
-		first = false
-		out = append(out, f.raw[m.keyStart-1:m.keyEnd+1]...)
-		out = append(out, ':')
-		out = append(out, f.raw[m.valStart:m.valEnd]...)
-	}
-	for _, a := range add {
-		if !first {
-			out = append(out, ',')
-		}
-		first = false
-		out = append(out, '"')
-		out = append(out, a.key...)
-		out = append(out, '"', ':')
-		out = append(out, a.val...)
-	}
-	return append(out, '}')
+	return f.Edit(drop, members...)
 }
 
 // dropped reports whether member i stays out of a rewrite: its key is in drop, or a later
