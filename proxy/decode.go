@@ -139,9 +139,9 @@ func (x *exchange) relayAnswer(c *custody, resp *http.Response, wd *watchdog) *a
 func (x *exchange) decodeBody(b *router.Backend, params json.RawMessage) (body []byte, err error) {
 	err = x.s.guard(x.id, func() (err error) {
 		if eng, ok := engineOf(b).(kvbackend.Sequential); ok {
-			body, err = eng.DecodeBody(x.req.fields, params)
+			body, err = eng.DecodeBody(x.fieldsFor(b), params)
 		} else {
-			body, err = kvbackend.DecodeBody(x.req.fields, params)
+			body, err = kvbackend.DecodeBody(x.fieldsFor(b), params)
 		}
 		return err
 	})

@@ -21,9 +21,12 @@ import (
 )
 
 // engineOf is the engine a backend runs; the router carries it from config without knowing it.
-func engineOf(b *router.Backend) kvbackend.Engine {
-	if e, ok := b.Engine.(kvbackend.Engine); ok {
-		return e
+func engineOf(b *router.Backend) kvbackend.Engine { return kvEngine(b.Engine) }
+
+// kvEngine is the engine the router carries: vLLM unless its config named another.
+func kvEngine(e router.Engine) kvbackend.Engine {
+	if ke, ok := e.(kvbackend.Engine); ok {
+		return ke
 	}
 	return kvbackend.VLLM
 }

@@ -94,6 +94,19 @@ type resume struct {
 	// for that watch's goroutine, whether the stream could go on elsewhere now.
 	watching bool
 	movable  atomic.Bool
+	// withIDs is the client's body asking for the token ids, for a first decode on an engine
+	// that reports them (fieldsFor); nil when the client asked itself, or the stream cannot
+	// move anyway. A continuation's body asks for them already.
+	withIDs *kvbackend.Fields
+}
+
+// fieldsFor is the client's body as decoder b gets it: asking for the token ids where the
+// stream may move and b's engine reports them. Other engines never see the member.
+func (x *exchange) fieldsFor(b *router.Backend) *kvbackend.Fields {
+	if rs := x.out.resume; rs != nil && rs.withIDs != nil && continuable(b.Engine) {
+		return rs.withIDs
+	}
+	return x.req.fields
 }
 
 // planResume readies a stream for migration, when migration_limit allows it: the engines are
@@ -110,7 +123,7 @@ func (x *exchange) planResume() *apiError {
 		if err != nil {
 			return buildFailed(err, "engine")
 		}
-		x.req.fields = f
+		rs.withIDs = f
 	}
 	x.out.resume = rs
 	return nil
@@ -230,15 +243,14 @@ func (x *exchange) moveOn(c *custody, cause error) *apiError {
 	if errors.Is(err, kvbackend.ErrNothingLeft) {
 		x.s.m.migrations.WithLabelValues(reason, moveRefused).Inc()
 		x.s.m.migrationRefusals.WithLabelValues(refuseNothing).Inc()
-		return x.decodeFailedAfterMove(c, cause)
+		return x.failWith(c, router.Result{}, fromBackend(cause, router.RoleDecode, errDecodeTimeout))
 	}
 	var fields *kvbackend.Fields
 	if err == nil {
 		fields, err = kvbackend.ParseFields(body)
 	}
 	if err != nil {
-		x.fail(c, router.Result{})
-		return x.cut(buildFailed(err, "continuation"))
+		return x.failWith(c, router.Result{}, buildFailed(err, "continuation"))
 	}
 	if !x.s.table.Continue(x.id) {
 		return x.gone(c)
@@ -254,26 +266,17 @@ func (x *exchange) moveOn(c *custody, cause error) *apiError {
 	rs.pending = rs.pending[:0]
 	rs.errorEvent, rs.watching = false, false
 	rs.movable.Store(false)
+	rs.withIDs = nil
 	x.req = &genRequest{route: "/v1/completions", fields: fields, model: x.req.model, stream: true, prefix: x.req.prefix,
 		text: x.req.text, tokens: prompt, prompts: 1}
 	x.legs = legs{named: x.legs.named}
 	return nil
 }
 
-// decodeFailedAfterMove fails a stream that may not move after all.
-func (x *exchange) decodeFailedAfterMove(c *custody, cause error) *apiError {
-	x.fail(c, router.Result{})
-	return x.cut(fromBackend(cause, router.RoleDecode, errDecodeTimeout))
-}
-
 // continuable accepts the decoders a continuation may go to: engines that continue from ids.
 // (The decoders the stream left are excluded by name: hint.)
 func continuable(e router.Engine) bool {
-	ke, ok := e.(kvbackend.Engine)
-	if !ok {
-		ke = kvbackend.VLLM
-	}
-	_, ok = ke.(kvbackend.Continuer)
+	_, ok := kvEngine(e).(kvbackend.Continuer)
 	return ok
 }
 
@@ -309,13 +312,6 @@ func (rs *resume) filter(data []byte) []byte {
 		rs.refused, rs.prompt, rs.sent = refuseTooLong, nil, nil
 	}
 	rs.movable.Store(rs.refused == "" && !rs.finished && rs.prompt != nil && rs.left > 0)
-	return out
-}
-
-// flush is what is left of the stream at its end: an event without its blank line, as it came.
-func (rs *resume) flush() []byte {
-	out := rs.pending
-	rs.pending = nil
 	return out
 }
 

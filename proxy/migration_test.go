@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -433,4 +434,30 @@ func TestAStreamLeavesADrainingDecoderBeforeItEnds(t *testing.T) {
 		t.Errorf("the draining decoder got %d generations, want only the first", n)
 	}
 	h.waitQuiet()
+}
+
+// The token ids are asked of the engines that report them only: an SGLang decoder, which
+// cannot continue a stream, never sees return_token_ids unless its client sent it.
+func TestTokenIDsAreAskedOnlyOfEnginesThatContinue(t *testing.T) {
+	req, e := completionsRequest([]byte(`{"model":"m","prompt":"a","stream":true}`))
+	if e != nil {
+		t.Fatal(e)
+	}
+	x := &exchange{s: &Server{cfg: Config{MigrationLimit: 1, MigrationMaxTokens: 100}}, req: req}
+	if e := x.planResume(); e != nil {
+		t.Fatal(e)
+	}
+	for _, tc := range []struct {
+		eng  kvbackend.Engine
+		want bool
+	}{{kvbackend.VLLM, true}, {kvbackend.Mooncake, true}, {kvbackend.Sim, true}, {kvbackend.SGLang, false}} {
+		b, err := router.NewDetached(router.BackendConfig{URL: "http://127.0.0.1:9", Role: router.RoleDecode}, tc.eng, http.DefaultClient)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, got := x.fieldsFor(b).Field("return_token_ids")
+		if got != tc.want {
+			t.Errorf("%s decoder asked for token ids: %v, want %v", tc.eng.Kind(), got, tc.want)
+		}
+	}
 }

@@ -52,7 +52,7 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 	}
 	var calls kvbackend.LegCalls
 	err = x.s.guard(x.id, func() (err error) {
-		calls, err = eng.Legs(x.req.fields, leg)
+		calls, err = eng.Legs(x.fieldsFor(d), leg)
 		return err
 	})
 	if err != nil {
