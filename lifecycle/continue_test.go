@@ -77,3 +77,53 @@ func TestContinueRefusesARequestThatIsNotDecoding(t *testing.T) {
 		t.Errorf("late continue events = %v, want 3", got)
 	}
 }
+
+// A pair that failed before the client got anything is tried again as the same request: the
+// hold the attempt still had comes back to be released as the attempt's, the next attempt
+// starts from Received, and the request's end counts each hold once.
+func TestRetryHandsBackTheFailedAttemptsHold(t *testing.T) {
+	f := newFixture(t)
+	tb := f.tb
+	if err := tb.Begin("r", "/v1/completions", func() {}); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := tb.Retry("r"); ok {
+		t.Fatal("Retry took a request that had no legs yet")
+	}
+	if !tb.StartLegs("r", "p0", "d0") {
+		t.Fatal("StartLegs refused")
+	}
+	hold, ok := tb.Retry("r")
+	if !ok || hold == nil || hold.Released() {
+		t.Fatalf("Retry of paired legs = %v %v, want the room's hold", hold, ok)
+	}
+	if n := tb.OutstandingHolds(); n != 1 {
+		t.Fatalf("%d holds outstanding after Retry, want the attempt's 1", n)
+	}
+	info := tb.Snapshot()
+	if len(info) != 1 || info[0].State != Received || info[0].Attempts != 1 || info[0].KVHeld {
+		t.Fatalf("snapshot after Retry = %+v, want received, attempt 1, no hold", info)
+	}
+	hold.Release(ReleaseAborted)
+
+	// A sequential attempt whose decode had its hold: nothing to hand back.
+	if !tb.StartPrefill("r", "p1") {
+		t.Fatal("StartPrefill after Retry refused")
+	}
+	tb.Prefilled("r", true)
+	_, h, _ := tb.StartDecode("r", "d1")
+	h.Release(ReleaseDecoded)
+	if hold, ok := tb.Retry("r"); !ok || hold != nil {
+		t.Fatalf("Retry of a decode that had its hold = %v %v, want ok and no hold", hold, ok)
+	}
+	if act, _, _ := tb.ClientGone("r"); act != None {
+		t.Fatalf("ClientGone in Received = %v, want none", act)
+	}
+	if _, ok := tb.Retry("r"); ok {
+		t.Fatal("Retry took a request whose client left")
+	}
+	tb.End("r")
+	if n := tb.OutstandingHolds(); n != 0 {
+		t.Fatalf("%d holds outstanding, want 0", n)
+	}
+}

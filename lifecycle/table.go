@@ -352,6 +352,34 @@ func (t *Table) Continue(id string) bool {
 	return true
 }
 
+// Retry starts another attempt of a request whose pair failed before its client got anything
+// (a decoder that died or refused, a prefill leg that failed, a KV pull that failed): it goes
+// back to Received, with no legs and no hold, as Continue does. A hold the attempt still had
+// comes back, to be released by the caller as the attempt's own (the entry keeps none). ok is
+// false when the request is not between its first leg and its answer (the client left,
+// shutdown aborted it, or it ended): nothing may be sent then.
+func (t *Table) Retry(id string) (hold *Hold, ok bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.lookup(id, "retry")
+	if e == nil {
+		return nil, false
+	}
+	switch e.state {
+	case Prefilling, KVHeld, Decoding:
+	default:
+		t.late("retry", id)
+		return nil, false
+	}
+	if e.hold != nil && !e.hold.Released() {
+		hold = e.hold
+	}
+	e.attempts++
+	e.prefill, e.decode, e.hold, e.deadline, e.paired = "", "", nil, time.Time{}, false
+	t.setState(e, Received)
+	return hold, true
+}
+
 // Finish ends a request that completed.
 func (t *Table) Finish(id string) bool {
 	return t.end(id, "finish", Finished, Decoding) != nil

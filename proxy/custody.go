@@ -30,6 +30,9 @@ type custody struct {
 	// passed records that the custody left the exchange (given on, or ended): the safety net
 	// for a panic then leaves it to its owner. Written by whichever goroutine owns it.
 	passed atomic.Bool
+	// ofAttempt marks what one failed attempt held, split off the request's custody (split):
+	// ending it ends the attempt's lease and hold, not the request, which goes on.
+	ofAttempt bool
 }
 
 // pass gives the custody on: the caller owns it no more.
@@ -54,8 +57,18 @@ func (c *custody) takeLease() *router.Lease {
 	return l
 }
 
+// split takes out of the request's custody what its attempt under way holds, to be released as
+// that attempt's: the decoder's lease (given back with res) and a hold no decoder acknowledged.
+// The request keeps its table entry and starts its next attempt with nothing held.
+func (c *custody) split(res router.Result) *custody {
+	a := &custody{id: c.id, engineID: c.engineID, lease: c.lease, res: res, unsent: c.unsent, span: c.span, ofAttempt: true}
+	c.lease, c.unsent = nil, nil
+	return a
+}
+
 // end ends the request: a hold no decoder acknowledged is released first (releaseUnsent, which
-// ends the custody once it is), then its lease is given back and its table entry goes.
+// ends the custody once it is), then its lease is given back and its table entry goes (an
+// attempt's custody leaves the entry to the request).
 func (c *custody) end(s *Server) {
 	c.passed.Store(true)
 	if c.unsent != nil {
@@ -63,5 +76,7 @@ func (c *custody) end(s *Server) {
 		return
 	}
 	c.giveBackLease(c.res)
-	s.table.End(c.id)
+	if !c.ofAttempt {
+		s.table.End(c.id)
+	}
 }

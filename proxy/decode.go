@@ -18,6 +18,14 @@ import (
 func (x *exchange) decode(c *custody) *apiError {
 	start := time.Now()
 	defer func() { x.times.decode = time.Since(start) }()
+	if !x.s.router.Usable(x.legs.decode) {
+		// The decoder reserved before the prefill was ejected or went down meanwhile: the
+		// decode goes to another one, with the same KV, not to an engine known to fail.
+		c.giveBackLease(router.Result{Canceled: true})
+		if e := x.reserveDecoder(c, sequential); e != nil {
+			return e
+		}
+	}
 	b := x.legs.decode
 	// The body is built while the table still has the hold: if building it fails (or
 	// panics), failing the request releases the hold as in kv_held.
@@ -72,6 +80,9 @@ func (x *exchange) decode(c *custody) *apiError {
 		x.s.refusedAfterHandoff(x.traceParent(), x.engineID, x.legs.prefill, b, err)
 	}
 	if err != nil {
+		if e := x.retryDecode(c, err, wd); e != nil {
+			return e
+		}
 		return x.decodeFailed(c, err, wd)
 	}
 	if e := x.relayAnswer(c, resp, wd); e != nil {

@@ -45,6 +45,7 @@ type exchange struct {
 	names naming
 	legs  legs
 	out   reply
+	tries tries
 	times timings
 }
 
@@ -300,8 +301,8 @@ func (x *exchange) track(serve func(c *custody) *apiError) (e *apiError) {
 }
 
 func (x *exchange) hint(exclude []string) router.Hint {
-	if rs := x.out.resume; rs != nil && len(rs.dead) > 0 {
-		exclude = append(exclude[:len(exclude):len(exclude)], rs.dead...)
+	if avoid := x.tries.avoid; len(avoid) > 0 {
+		exclude = append(exclude[:len(exclude):len(exclude)], avoid...)
 	}
 	h := router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.req.text, Tokens: x.legs.tokens, Model: x.req.model, Exclude: exclude}
 	if x.class != nil {
@@ -311,14 +312,17 @@ func (x *exchange) hint(exclude []string) router.Hint {
 }
 
 // serve serves the request, attempt after attempt while a stream goes on on other decoders
-// (migration.go). It takes the custody.
+// (migration.go) or a pair that failed before the client got anything is replaced by a fresh
+// one (freshpair.go). It takes the custody.
 func (x *exchange) serve(c *custody) *apiError {
 	for {
-		e := x.attempt(c)
-		if e != errMoveOn {
-			return e
-		}
-		if e := x.moveOn(c, x.out.broke); e != nil {
+		switch e := x.attempt(c); e {
+		case errMoveOn:
+			if e := x.moveOn(c, x.out.broke); e != nil {
+				return e
+			}
+		case errFreshPair:
+		default:
 			return e
 		}
 	}

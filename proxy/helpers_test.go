@@ -554,6 +554,7 @@ func (s stubRouter) Acquire(context.Context, router.Role, router.Hint) (*router.
 }
 func (stubRouter) Available(router.Role) []*router.Backend { return nil }
 func (stubRouter) Has(router.Role) bool                    { return false }
+func (stubRouter) Usable(*router.Backend) bool             { return false }
 func (stubRouter) Ready() bool                             { return false }
 func (stubRouter) Backends() []router.BackendStatus        { return nil }
 func (stubRouter) Models(router.Role) ([]string, bool)     { return nil, false }

@@ -163,6 +163,9 @@ func (c matrixCell) expected() (outcome, int) {
 		}
 		return failed, 0
 	}
+	if c.recovers() {
+		return served, 200
+	}
 	switch f {
 	case faultengine.Status400, faultengine.Status400Huge:
 		return failed, 400
@@ -179,6 +182,23 @@ func (c matrixCell) expected() (outcome, int) {
 		}
 	}
 	return failed, 0 // mid-answer: after the status line
+}
+
+// recovers reports whether the client of cell c is served around a decoder that failed before
+// the first byte reached the client: on a fresh pair, with the faulty decoder left out. A
+// decoder whose connection broke, or whose answer ended empty, lost the request; a 5xx to a
+// decode that carried the prefiller's KV is a failed pull, and the request is prefilled again.
+func (c matrixCell) recovers() bool {
+	if c.leg != "decode" {
+		return false
+	}
+	switch c.fault {
+	case faultengine.CloseAfterRead, faultengine.HeadersThenClose, faultengine.HeadersThenReset, faultengine.EmptyClose:
+		return true
+	case faultengine.Status500, faultengine.Status503:
+		return c.proto == faultengine.VLLM && !c.pass
+	}
+	return false
 }
 
 func sendsHead(f faultengine.Fault) bool {

@@ -82,8 +82,6 @@ type resume struct {
 	id, created, model []byte
 	// attempt counts the attempts before the one under way.
 	attempt int
-	// dead are the decoders the stream left, which its continuations avoid.
-	dead []string
 	// pending is the start of an event whose end has not come yet.
 	pending []byte
 	// errorEvent: the decoder sent an error event, which was kept from the client.
@@ -236,7 +234,7 @@ func (x *exchange) moveOn(c *custody, cause error) *apiError {
 	reason := moveReason(cause)
 	dead := x.legs.decode
 	c.giveBackLease(resultOf(cause, nil))
-	rs.dead = append(rs.dead, dead.Name)
+	x.tries.avoid = append(x.tries.avoid, dead.Name)
 	prompt := make([]uint32, 0, len(rs.prompt)+len(rs.sent))
 	prompt = append(append(prompt, rs.prompt...), rs.sent...)
 	body, err := engineOf(dead).(kvbackend.Continuer).ContinueBody(x.req.fields, rs.chat, prompt, len(rs.sent))
@@ -261,6 +259,10 @@ func (x *exchange) moveOn(c *custody, cause error) *apiError {
 		x.span.AddEvent("migration", trace.WithAttributes(attrMigrationReason.String(reason), attrBackend.String(dead.Name),
 			attrMigrationTokens.Int(len(rs.sent))))
 	}
+	// Each attempt is a new request to the engines: an abort repeated for the last one must
+	// never reach this one.
+	x.engineID = newID()
+	c.engineID = x.engineID
 	rs.attempt++
 	rs.left--
 	rs.pending = rs.pending[:0]

@@ -23,16 +23,12 @@ import (
 //
 // It takes the custody.
 func (x *exchange) serveLegs(c *custody) *apiError {
-	d := x.legs.decode
-	eng := engineOf(d).(kvbackend.Paired)
-	h := x.hint(nil)
-	h.Accept = pairedWith(d.Engine)
-	lease, err := x.s.router.Acquire(x.ctx, router.RolePrefill, h)
-	if err != nil {
-		// A decoder in disaggregated mode cannot serve alone: no decode-only fallback.
-		return x.failWith(c, router.Result{Canceled: true}, fromRouter(err, router.RolePrefill))
+	lease, e := x.pickPair(c)
+	if e != nil {
+		return e
 	}
-	p := lease.Backend()
+	d, p := x.legs.decode, lease.Backend()
+	eng := engineOf(d).(kvbackend.Paired)
 	x.legs.prefill = p
 	bs, err := x.s.bootstrap(x.ctx, p)
 	if err == nil && len(bs.EngineIDs) > 0 {
@@ -172,12 +168,22 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 				continue // the decode leg ends on the same cancel
 			}
 			// The decoder would wait for a room nobody fills: it is aborted with the prefill,
-			// and not blamed for it.
-			x.fail(c, router.Result{Canceled: true})
+			// and not blamed for it. A prefill leg that provably never started, or was
+			// refused as unavailable, is tried again on a fresh pair.
+			var fresh *apiError
+			if retriable(err, true) {
+				fresh = x.freshPair(c, router.Result{Canceled: true}, router.RolePrefill, retryReason(err), p)
+			}
+			if fresh == nil {
+				x.fail(c, router.Result{Canceled: true})
+			}
 			wd.cancel(errPrefillLegFailed)
 			ans = <-decoded
 			if ans.resp != nil {
 				ans.resp.Body.Close()
+			}
+			if fresh != nil {
+				return fresh
 			}
 			return fromBackend(err, router.RolePrefill, errPrefillTimeout)
 		case ans = <-decoded:
@@ -186,15 +192,59 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 	}
 	if ans.err != nil {
 		derr = ans.err
+		if retriable(ans.err, false) && !wd.timedOut() {
+			// Its decoder provably never took the leg: the room goes, and a fresh pair
+			// serves the request.
+			if e := x.freshPair(c, resultOf(ans.err, x.ctx), router.RoleDecode, retryReason(ans.err), d); e != nil {
+				return e
+			}
+		}
+		if e := x.retryDecode(c, ans.err, wd); e != nil {
+			return e
+		}
 		return x.decodeFailed(c, ans.err, wd)
 	}
-	e := x.relayAnswer(c, ans.resp, wd)
+	e = x.relayAnswer(c, ans.resp, wd)
 	served = e == nil
 	if e != nil {
 		derr = e
 	}
 	return e
 }
+
+// pickPair takes a prefiller for the request's reserved decoder, and answers its lease. A pair
+// never goes out half to an engine ejected or gone down since it was picked (passive health
+// may eject one between the two picks, or while another request waits): the prefiller is
+// picked again, and the decoder, if it is the one, reserved again, a few times at most. On
+// failure it takes the custody.
+func (x *exchange) pickPair(c *custody) (*router.Lease, *apiError) {
+	for try := 0; ; try++ {
+		d := x.legs.decode
+		h := x.hint(nil)
+		h.Accept = pairedWith(d.Engine)
+		lease, err := x.s.router.Acquire(x.ctx, router.RolePrefill, h)
+		if err != nil {
+			// A decoder in disaggregated mode cannot serve alone: no decode-only fallback.
+			return nil, x.failWith(c, router.Result{Canceled: true}, fromRouter(err, router.RolePrefill))
+		}
+		if x.s.router.Usable(d) && x.s.router.Usable(lease.Backend()) {
+			return lease, nil
+		}
+		lease.Release(router.Result{Canceled: true})
+		if try == pairPicks {
+			return nil, x.failWith(c, router.Result{Canceled: true}, fromRouter(router.ErrNoBackend, router.RoleDecode))
+		}
+		if !x.s.router.Usable(d) {
+			c.giveBackLease(router.Result{Canceled: true})
+			if e := x.reserveDecoder(c, pairedWith(d.Engine)); e != nil {
+				return nil, e
+			}
+		}
+	}
+}
+
+// pairPicks bounds how many times a pair is picked again because one of it went out of use.
+const pairPicks = 3
 
 var (
 	errPrefillLegFailed = errors.New("the prefill leg failed")

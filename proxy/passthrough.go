@@ -108,7 +108,15 @@ func (x *exchange) runPass(p passRoute) *apiError {
 		}
 	}
 	x.hdr = x.s.engineHeader(x.r.Header)
-	return x.track(func(c *custody) *apiError { return x.servePass(c, body, ctype) })
+	return x.track(func(c *custody) *apiError {
+		for {
+			// A decoder that failed before the first byte reached the client is replaced
+			// (freshpair.go): the body goes to another one.
+			if e := x.servePass(c, body, ctype); e != errFreshPair {
+				return e
+			}
+		}
+	})
 }
 
 // servePass sends the request to one decoder serving its model and relays the answer as it
@@ -139,6 +147,9 @@ func (x *exchange) servePass(c *custody, body []byte, ctype string) *apiError {
 		return nil
 	})
 	if err != nil {
+		if e := x.retryDecode(c, err, wd); e != nil {
+			return e
+		}
 		return x.decodeFailed(c, err, wd)
 	}
 	h := x.w.Header()

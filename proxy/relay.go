@@ -162,6 +162,9 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 				x.out.broke = cause
 				return errMoveOn
 			}
+			if e := x.retryDecode(c, rerr, wd); e != nil {
+				return e
+			}
 			return x.decodeFailed(c, rerr, wd)
 		}
 	}

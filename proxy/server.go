@@ -31,6 +31,7 @@ import (
 type Router interface {
 	Acquire(ctx context.Context, role router.Role, h router.Hint) (*router.Lease, error)
 	Available(role router.Role) []*router.Backend
+	Usable(b *router.Backend) bool
 	Has(role router.Role) bool
 	Ready() bool
 	Backends() []router.BackendStatus

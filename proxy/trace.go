@@ -57,6 +57,8 @@ const (
 	attrKVHeldSeconds   = attribute.Key("pdproxy.kv_held_seconds")
 	attrMigrationReason = attribute.Key("pdproxy.migration.reason")
 	attrMigrationTokens = attribute.Key("pdproxy.migration.tokens_replayed")
+	attrRetryRole       = attribute.Key("pdproxy.retry.role")
+	attrRetryReason     = attribute.Key("pdproxy.retry.reason")
 	attrReleaseMode     = attribute.Key("pdproxy.release_mode")
 	attrReleaseReason   = attribute.Key("pdproxy.release_reason")
 	attrDecodeOnly      = attribute.Key("pdproxy.decode_only")

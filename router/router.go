@@ -282,6 +282,11 @@ func (r *Router) Available(role Role) []*Backend {
 	return out
 }
 
+// Usable reports whether b may take requests now: up, not ejected, not removed. A request
+// that reserved b earlier asks again before it sends b a leg, so that no pair goes out half
+// to an engine ejected meanwhile.
+func (r *Router) Usable(b *Backend) bool { return b.available(r.now()) }
+
 // MinKVHoldTimeout is the smallest engine KV hold timeout among the backends of role,
 // or 0 when there are none: a proxy hold longer than it would forward KV params that the
 // engine may already have freed. A discover entry counts for the backends it may add.
