@@ -59,7 +59,8 @@ func TestTracesReachAnOTLPCollector(t *testing.T) {
 					names[sp.Name] = sp
 				}
 				srv, ok := names["POST /v1/chat/completions"]
-				if !ok || names["pdproxy.prefill"].ParentID != srv.SpanID || names["pdproxy.decode"].ParentID != srv.SpanID {
+				att := names["pdproxy.attempt"]
+				if !ok || att.ParentID != srv.SpanID || names["pdproxy.prefill"].ParentID != att.SpanID || names["pdproxy.decode"].ParentID != att.SpanID {
 					return false, fmt.Sprintf("trace %s so far: %v", traceID, rcv.Trace(traceID))
 				}
 				if srv.ParentID != parent || srv.Service != tc.service || srv.Attrs["pdproxy.engine"] != "" {

@@ -316,7 +316,7 @@ func (x *exchange) hint(exclude []string) router.Hint {
 // one (freshpair.go). It takes the custody.
 func (x *exchange) serve(c *custody) *apiError {
 	for {
-		switch e := x.attempt(c); e {
+		switch e := x.attemptTraced(c); e {
 		case errMoveOn:
 			if e := x.moveOn(c, x.out.broke); e != nil {
 				return e
@@ -326,6 +326,14 @@ func (x *exchange) serve(c *custody) *apiError {
 			return e
 		}
 	}
+}
+
+// attemptTraced is attempt under a span of its own.
+func (x *exchange) attemptTraced(c *custody) (e *apiError) {
+	x.startAttempt(x.tries.n)
+	x.tries.n++
+	defer func() { x.endAttempt(e) }()
+	return x.attempt(c)
 }
 
 // attempt serves the request on one decoder (and one prefiller, under P/D). It takes the

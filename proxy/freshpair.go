@@ -39,6 +39,10 @@ type tries struct {
 	avoid []string
 	// prefill and decode count the fresh pairs tried after a failure of that role.
 	prefill, decode int
+	// n counts the attempts begun; span is the one under way's trace span (nil when tracing
+	// is off), the parent of its calls' spans.
+	n    int
+	span trace.Span
 }
 
 // Why a pair was replaced: the reason label of pdproxy_retries_total, beside the status or

@@ -12,7 +12,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -460,4 +462,40 @@ func TestTokenIDsAreAskedOnlyOfEnginesThatContinue(t *testing.T) {
 			t.Errorf("%s decoder asked for token ids: %v, want %v", tc.eng.Kind(), got, tc.want)
 		}
 	}
+}
+
+// A moved stream's trace has a span per attempt under the request's: the first ended as
+// migrated, the second served, each with the decode it made.
+func TestTraceOfAMovedStreamHasASpanPerAttempt(t *testing.T) {
+	rcv := testutil.NewOTLPHTTPReceiver(t)
+	d0, d1 := newEngine(t, greedy{dieAfter: 4}.handler()), newEngine(t, greedy{dieAfter: 4}.handler())
+	h := newHarnessLogged(t, Config{MigrationLimit: 1}, router.Config{Backends: []router.BackendConfig{decoder("d0", d0.URL()), decoder("d1", d1.URL())}},
+		lifecycle.Config{}, nil, tracedBy(t, rcv))
+	tp, traceID, _ := clientTrace()
+	resp, body := h.do(http.MethodPost, "/v1/completions", `{"model":"m","prompt":"hello","max_tokens":9,"stream":true,"temperature":0}`,
+		http.Header{"Traceparent": {tp}})
+	if resp.StatusCode != http.StatusOK || !strings.HasSuffix(string(body), "data: [DONE]\n\n") {
+		t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+	tree := waitTrace(t, rcv, traceID, map[string]int{"POST /v1/completions": 1, spanAttempt: 2, spanDecode: 2})
+	srv := tree.one(t, "POST /v1/completions")
+	byNumber := map[string]testutil.Span{}
+	for _, a := range tree[spanAttempt] {
+		childOf(t, a, srv, nil)
+		byNumber[a.Attrs["pdproxy.attempt"]] = a
+	}
+	if got := byNumber["0"].Attrs["pdproxy.attempt.outcome"]; got != "migrated" {
+		t.Errorf("attempt 0 ended %q, want migrated", got)
+	}
+	if got := byNumber["1"].Attrs["pdproxy.attempt.outcome"]; got != "served" {
+		t.Errorf("attempt 1 ended %q, want served", got)
+	}
+	parents := map[string]bool{}
+	for _, d := range tree[spanDecode] {
+		parents[d.ParentID] = true
+	}
+	if !parents[byNumber["0"].SpanID] || !parents[byNumber["1"].SpanID] {
+		t.Errorf("the decode spans' parents are %v, want one under each attempt", parents)
+	}
+	h.waitQuiet()
 }

@@ -32,6 +32,10 @@ func (x *exchange) prefill(c *custody) *apiError {
 			if x.ctx.Err() != nil {
 				return x.gone(c)
 			}
+			if attempt == 0 && errors.Is(err, router.ErrNoBackend) && len(x.s.router.Available(router.RolePrefill)) == 0 {
+				// No prefiller is usable at all: prefill_unavailable says what to do.
+				return x.prefillUnavailable(c, err)
+			}
 			if lastErr == nil {
 				lastErr = err
 			}
@@ -117,6 +121,21 @@ func (x *exchange) prefill(c *custody) *apiError {
 		return x.failWith(c, router.Result{}, fromRouter(rerr, router.RolePrefill))
 	}
 	return x.failWith(c, router.Result{}, fromBackend(lastErr, router.RolePrefill, errPrefillTimeout))
+}
+
+// prefillUnavailable serves a request the pool has no usable prefiller for, as
+// prefill_unavailable says: on a decoder alone, or not at all. It takes the custody when it
+// fails.
+func (x *exchange) prefillUnavailable(c *custody, err error) *apiError {
+	if x.s.cfg.PrefillUnavailable != PrefillUnavailableDecode {
+		return x.failWith(c, router.Result{}, fromRouter(err, router.RolePrefill))
+	}
+	if !x.s.table.DecodeOnly(x.id) {
+		return x.gone(c)
+	}
+	x.legs.fallback = true
+	x.s.m.fallbacks.Inc()
+	return nil
 }
 
 type prefillAnswer struct {

@@ -51,6 +51,8 @@ const (
 	PullAbortAfterFirstToken    = "after_first_token"
 	ReserveBeforePrefill        = "before_prefill"
 	ReserveAfterPrefill         = "after_prefill"
+	PrefillUnavailableDecode    = "decode_only"
+	PrefillUnavailableFail      = "fail"
 	defaultMaxBodyBytes         = 10 << 20
 	defaultReadBodyTimeout      = 30 * time.Second
 	defaultMaxConnections       = 10000
@@ -120,9 +122,15 @@ type Config struct {
 	// DecodeRetries is how many other decoders a decode whose connection could not be made
 	// is tried on (only then did the decoder provably never start it). [1]; negative: none.
 	DecodeRetries int `yaml:"decode_retries"`
-	// DecodeOnlyFallback sends a request straight to a decoder when no prefiller can serve it.
-	// [true]
+	// DecodeOnlyFallback sends a request straight to a decoder when its prefill failed on
+	// every prefiller it was tried on (or none could take it: busy, queue full). [true]
 	DecodeOnlyFallback *bool `yaml:"decode_only_fallback"`
+	// PrefillUnavailable is what a request does when the pool has no usable prefiller at all
+	// (every one down, ejected or removed, or none serves its model): decode_only sends it
+	// straight to a decoder, which computes the prompt itself; fail answers 503. Decoders of
+	// paired engines (SGLang, Mooncake) cannot serve alone: their requests fail either way.
+	// [decode_only when decode_only_fallback is on, else fail]
+	PrefillUnavailable string `yaml:"prefill_unavailable"`
 	// APIKeysFile is a file of client API keys, one a line; blank lines and # comments are
 	// skipped. When it or APIKeysEnv is set, every route but AuthOpenPaths answers 401
 	// unless the request carries "Authorization: Bearer <key>" with one of the keys, and
@@ -217,6 +225,16 @@ func (c *Config) setDefaults() error {
 	}
 	if c.DecoderReservation == "" {
 		c.DecoderReservation = ReserveBeforePrefill
+	}
+	switch c.PrefillUnavailable {
+	case "":
+		c.PrefillUnavailable = PrefillUnavailableFail
+		if *c.DecodeOnlyFallback {
+			c.PrefillUnavailable = PrefillUnavailableDecode
+		}
+	case PrefillUnavailableDecode, PrefillUnavailableFail:
+	default:
+		return fmt.Errorf("prefill_unavailable: %q is not one of decode_only, fail", c.PrefillUnavailable)
 	}
 	if c.MigrationLimit < 0 {
 		return fmt.Errorf("migration_limit: %d is negative", c.MigrationLimit)

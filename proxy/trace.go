@@ -44,6 +44,7 @@ const (
 	spanDrain      = "pdproxy.kv_drain"
 	spanAbort      = "pdproxy.engine_abort"
 	spanRelease    = "pdproxy.kv_release"
+	spanAttempt    = "pdproxy.attempt"
 
 	attrRequestID       = attribute.Key("pdproxy.request_id")
 	attrClientRequestID = attribute.Key("pdproxy.client_request_id")
@@ -57,6 +58,8 @@ const (
 	attrKVHeldSeconds   = attribute.Key("pdproxy.kv_held_seconds")
 	attrMigrationReason = attribute.Key("pdproxy.migration.reason")
 	attrMigrationTokens = attribute.Key("pdproxy.migration.tokens_replayed")
+	attrAttempt         = attribute.Key("pdproxy.attempt")
+	attrAttemptOutcome  = attribute.Key("pdproxy.attempt.outcome")
 	attrRetryRole       = attribute.Key("pdproxy.retry.role")
 	attrRetryReason     = attribute.Key("pdproxy.retry.reason")
 	attrReleaseMode     = attribute.Key("pdproxy.release_mode")
@@ -118,9 +121,48 @@ func (x *exchange) callSpan(name string, b *router.Backend, attrs ...attribute.K
 	if x.s.tr == nil {
 		return nil
 	}
-	_, span := x.s.tr.t.Start(trace.ContextWithSpan(context.Background(), x.span), name,
+	parent := x.span
+	if x.tries.span != nil {
+		parent = x.tries.span
+	}
+	_, span := x.s.tr.t.Start(trace.ContextWithSpan(context.Background(), parent), name,
 		trace.WithSpanKind(trace.SpanKindClient), trace.WithAttributes(backendAttrs(b, attrs)...))
 	return span
+}
+
+// startAttempt starts the span of the request's attempt n (from 0), under the request's span:
+// the calls of the attempt go under it. Nothing when tracing is off.
+func (x *exchange) startAttempt(n int) {
+	if x.s.tr == nil || x.span == nil {
+		return
+	}
+	_, x.tries.span = x.s.tr.t.Start(trace.ContextWithSpan(context.Background(), x.span), spanAttempt,
+		trace.WithAttributes(attrAttempt.Int(n)))
+}
+
+// endAttempt ends the attempt's span with how the attempt ended: served, migrated (its stream
+// goes on elsewhere), fresh_pair (its pair failed before the first byte), or failed.
+func (x *exchange) endAttempt(e *apiError) {
+	span := x.tries.span
+	if span == nil {
+		return
+	}
+	x.tries.span = nil
+	outcome := "failed"
+	switch e {
+	case nil:
+		outcome = "served"
+	case errMoveOn:
+		outcome, e = "migrated", nil
+	case errFreshPair:
+		outcome, e = "fresh_pair", nil
+	}
+	span.SetAttributes(attrAttemptOutcome.String(outcome))
+	var err error
+	if e != nil {
+		err = e // a nil *apiError must not become a non-nil error
+	}
+	endSpan(span, err)
 }
 
 // bgSpan starts the span of background work for the request whose span is parent; nil when

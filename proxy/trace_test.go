@@ -78,6 +78,15 @@ func (tr traceTree) one(t *testing.T, name string) testutil.Span {
 	return tr[name][0]
 }
 
+// attemptOf is the one attempt span of the trace, checked to be a child of the request's span
+// srv: the calls of the attempt are its children.
+func (tr traceTree) attemptOf(t *testing.T, srv testutil.Span) testutil.Span {
+	t.Helper()
+	att := tr.one(t, spanAttempt)
+	childOf(t, att, srv, map[string]string{"pdproxy.attempt": "0"})
+	return att
+}
+
 // childOf checks that span's parent is parent, and that its attributes include want.
 func childOf(t *testing.T, span, parent testutil.Span, want map[string]string) {
 	t.Helper()
@@ -127,8 +136,12 @@ func TestTraceOfAPDRequestContinuesTheClientsTraceOnBothCalls(t *testing.T) {
 		t.Errorf("request span: engine_request_id %q", srv.Attrs["pdproxy.engine_request_id"])
 	}
 	pre, dec := tree.one(t, spanPrefill), tree.one(t, spanDecode)
-	childOf(t, pre, srv, map[string]string{"pdproxy.backend": "p0", "pdproxy.engine": "vllm"})
-	childOf(t, dec, srv, map[string]string{"pdproxy.backend": "d0", "pdproxy.engine": "vllm", "pdproxy.kv_params_forwarded": "true"})
+	att := tree.attemptOf(t, srv)
+	if att.Attrs["pdproxy.attempt.outcome"] != "served" {
+		t.Errorf("the attempt's outcome is %q, want served", att.Attrs["pdproxy.attempt.outcome"])
+	}
+	childOf(t, pre, att, map[string]string{"pdproxy.backend": "p0", "pdproxy.engine": "vllm"})
+	childOf(t, dec, att, map[string]string{"pdproxy.backend": "d0", "pdproxy.engine": "vllm", "pdproxy.kv_params_forwarded": "true"})
 	engineGotSpan(t, "the prefiller", p.only(t, "prefiller"), traceID, pre)
 	engineGotSpan(t, "the decoder", d.only(t, "decoder"), traceID, dec)
 	if ts := d.only(t, "decoder").Header.Get("Tracestate"); ts != "vendor=x" {
@@ -211,7 +224,7 @@ func TestTraceOfAClientThatLeftSaysAtWhichStage(t *testing.T) {
 			if srv.Attrs["http.response.status_code"] != "499" || srv.Error {
 				t.Errorf("request span: status %q, error %v; want 499, not an error of the proxy", srv.Attrs["http.response.status_code"], srv.Error)
 			}
-			childOf(t, tree.one(t, spanPrefill), srv, nil)
+			childOf(t, tree.one(t, spanPrefill), tree.attemptOf(t, srv), nil)
 			if stage == lifecycle.KVHeld {
 				rel := tree.one(t, spanRelease)
 				childOf(t, rel, srv, map[string]string{"pdproxy.release_mode": "drain", "pdproxy.release_reason": "drained", "pdproxy.backend": "p0"})
@@ -240,10 +253,10 @@ func TestTraceOfARetriedPrefillHasBothTries(t *testing.T) {
 		t.Fatalf("status %d", resp.StatusCode)
 	}
 	tree := waitTrace(t, rcv, traceID, map[string]int{"POST /v1/completions": 1, spanPrefill: 2, spanDecode: 1})
-	srv := tree.one(t, "POST /v1/completions")
+	att := tree.attemptOf(t, tree.one(t, "POST /v1/completions"))
 	byBackend := map[string]testutil.Span{}
 	for _, s := range tree[spanPrefill] {
-		childOf(t, s, srv, nil)
+		childOf(t, s, att, nil)
 		byBackend[s.Attrs["pdproxy.backend"]] = s
 	}
 	if !byBackend["p-dead"].Error || byBackend["p0"].Error {
@@ -280,8 +293,9 @@ func TestTraceOfSGLangLegsCarriesOneTraceToBothEngines(t *testing.T) {
 	tree := waitTrace(t, rcv, traceID, map[string]int{"POST /v1/completions": 1, spanPrefillLeg: 1, spanDecodeLeg: 1})
 	srv := tree.one(t, "POST /v1/completions")
 	pl, dl := tree.one(t, spanPrefillLeg), tree.one(t, spanDecodeLeg)
-	childOf(t, pl, srv, map[string]string{"pdproxy.engine": "sglang", "pdproxy.backend": "p0"})
-	childOf(t, dl, srv, map[string]string{"pdproxy.engine": "sglang", "pdproxy.backend": "d0"})
+	att := tree.attemptOf(t, srv)
+	childOf(t, pl, att, map[string]string{"pdproxy.engine": "sglang", "pdproxy.backend": "p0"})
+	childOf(t, dl, att, map[string]string{"pdproxy.engine": "sglang", "pdproxy.backend": "d0"})
 	engineGotSpan(t, "the prefiller", p.only(t, "prefiller"), traceID, pl)
 	engineGotSpan(t, "the decoder", d.only(t, "decoder"), traceID, dl)
 }

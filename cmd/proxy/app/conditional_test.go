@@ -83,3 +83,29 @@ func TestAnUncachedThresholdWithTheDecodersEventsIsAccepted(t *testing.T) {
 		}
 	}
 }
+
+// prefill_unavailable: decode_only is refused where no decoder could ever serve alone (every
+// one of a paired engine), and accepted where one can.
+func TestPrefillUnavailableDecodeOnlyNeedsADecoderThatServesAlone(t *testing.T) {
+	paired := conditionalConfig("", func(c *Config) {
+		c.Proxy.PDUncachedTokenThreshold = 0
+		c.Proxy.PrefillUnavailable = "decode_only"
+		c.Router.Backends[0].Engine, c.Router.Backends[1].Engine = "sglang", "sglang"
+		c.Router.Backends = append(c.Router.Backends, router.BackendConfig{Name: "d1", URL: "http://127.0.0.1:3", Role: router.RoleDecode, Engine: "mooncake"})
+	})
+	err := checkConditional(paired.Proxy, paired.Router)
+	if err == nil || !strings.Contains(err.Error(), "prefill_unavailable") || !strings.Contains(err.Error(), "mooncake, sglang") {
+		t.Fatalf("checkConditional = %v; want a refusal of prefill_unavailable naming the engines", err)
+	}
+	for name, edit := range map[string]func(c *Config){
+		"a vLLM decoder among them": func(c *Config) { c.Router.Backends[2].Engine = "vllm" },
+		"fail":                      func(c *Config) { c.Proxy.PrefillUnavailable = "fail" },
+	} {
+		c := paired
+		c.Router.Backends = append([]router.BackendConfig(nil), paired.Router.Backends...)
+		edit(&c)
+		if err := checkConditional(c.Proxy, c.Router); err != nil {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -280,6 +281,31 @@ func (EngineCatalog) Engine(kind string) (router.Engine, bool) {
 // Kinds lists kvbackend's engine kinds.
 func (EngineCatalog) Kinds() []string { return kvbackend.Kinds() }
 
+// checkPrefillUnavailable refuses prefill_unavailable: decode_only, said in so many words,
+// when every decoder is of a paired engine (SGLang, Mooncake): such a decoder waits for a
+// prefiller's room and never serves alone, so the choice could never take effect.
+func checkPrefillUnavailable(p proxy.Config, r router.Config) error {
+	if p.PrefillUnavailable != proxy.PrefillUnavailableDecode {
+		return nil
+	}
+	var kinds []string
+	for _, b := range r.Backends {
+		if b.Role != router.RoleDecode {
+			continue
+		}
+		e, ok := kvbackend.Lookup(b.Engine)
+		if _, paired := e.(kvbackend.Paired); !ok || !paired {
+			return nil
+		}
+		kinds = append(kinds, b.Engine)
+	}
+	if len(kinds) == 0 {
+		return nil
+	}
+	return fmt.Errorf("prefill_unavailable: decode_only cannot take effect: every decoder is of a paired engine (%s), which cannot serve a request without its prefiller; set prefill_unavailable: fail",
+		strings.Join(slices.Compact(slices.Sorted(slices.Values(kinds))), ", "))
+}
+
 // checkConditional refuses pd_uncached_token_threshold when no decoder's KV events are read:
 // the proxy knows what a decoder holds only from its events, and without them conditional
 // disaggregation would be accepted and never fire. The router's part of the config says
@@ -287,6 +313,9 @@ func (EngineCatalog) Kinds() []string { return kvbackend.Kinds() }
 // backend's own endpoint or port); the proxy's part holds the threshold, so both are checked
 // here.
 func checkConditional(p proxy.Config, r router.Config) error {
+	if err := checkPrefillUnavailable(p, r); err != nil {
+		return err
+	}
 	if p.PDUncachedTokenThreshold <= 0 || r.KVEvents.Listen != "" {
 		return nil
 	}
