@@ -20,7 +20,7 @@ import (
 
 // migrationPool starts, on their own listeners, a simulated prefiller (none for decode-only)
 // and two decoders of protocol, and the proxy with migration_limit 3 in front of them.
-func migrationPool(t *testing.T, protocol string, pd bool) (*stack, *sim.Server, []*sim.Server) {
+func migrationPool(t *testing.T, protocol string, pd bool, edit ...func(*app.Config)) (*stack, *sim.Server, []*sim.Server) {
 	t.Helper()
 	base := sim.DefaultConfig()
 	base.Protocol, base.PrefillTime, base.ITL, base.KVHeartbeatInterval = protocol, time.Millisecond, 4*time.Millisecond, 0
@@ -59,6 +59,9 @@ func migrationPool(t *testing.T, protocol string, pd bool) (*stack, *sim.Server,
 		d := start(dc)
 		ds = append(ds, d)
 		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: router.RoleDecode, Engine: kind})
+	}
+	for _, e := range edit {
+		e(&cfg)
 	}
 	return startConfig(t, logger, cfg), p, ds
 }
@@ -164,5 +167,51 @@ func TestTheSDKReadsOneWholeAnswerThroughADecoderKilledMidStream(t *testing.T) {
 				})
 			}
 		}
+	}
+}
+
+// TestRequestsRightAfterADecoderDiedAreServedOnFreshPairs: a decoder is killed before the
+// proxy's checks could notice; the requests that were to go to it (its pick, a Mooncake
+// pair's decode leg refused at connect) are served whole on a fresh pair, streamed or not.
+func TestRequestsRightAfterADecoderDiedAreServedOnFreshPairs(t *testing.T) {
+	for _, protocol := range []string{sim.ProtocolVLLM, sim.ProtocolMooncake} {
+		t.Run(protocol, func(t *testing.T) {
+			// d0, the heavier, is every first pick while it is up; no check notices its death
+			// before a request does.
+			s, p, ds := migrationPool(t, protocol, true, func(c *app.Config) {
+				c.Router.Backends[1].Weight = 2
+				c.Router.Health.Interval = -1
+			})
+			ds[0].Kill()
+			client := openai.NewClient(option.WithBaseURL(s.url+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+			for i := range 6 {
+				params := openai.CompletionNewParams{Model: "sim", MaxTokens: openai.Int(6),
+					Prompt: openai.CompletionNewParamsPromptUnion{OfString: openai.String(fmt.Sprintf("request %d", i))}}
+				if i%2 == 0 {
+					c, err := client.Completions.New(context.Background(), params)
+					if err != nil || len(c.Choices) != 1 || c.Choices[0].Text == "" {
+						t.Fatalf("request %d: %v %+v", i, err, c)
+					}
+					continue
+				}
+				st := client.Completions.NewStreaming(context.Background(), params)
+				var sb strings.Builder
+				for st.Next() {
+					for _, c := range st.Current().Choices {
+						sb.WriteString(c.Text)
+					}
+				}
+				if err := st.Err(); err != nil || sb.Len() == 0 {
+					t.Fatalf("stream %d: %v (read %q)", i, err, sb.String())
+				}
+			}
+			if n := testutil.Value(t, s.m.Registry, "pdproxy_backend_requests_total", map[string]string{"backend": "d0"}); n == 0 {
+				t.Error("no request went to the dead decoder: the test tried nothing")
+			}
+			testutil.WaitFor(t, 5*time.Second, func() (bool, string) { return idle([]*sim.Engine{p.Engine(), ds[1].Engine()}) })
+			testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
+				return s.m.Table.Len() == 0 && s.m.Table.OutstandingHolds() == 0, fmt.Sprintf("table %+v, %d holds", s.m.Table.Snapshot(), s.m.Table.OutstandingHolds())
+			})
+		})
 	}
 }
