@@ -200,6 +200,9 @@ func (x *exchange) canMove(err error) bool {
 	switch {
 	case rs.refused != "":
 		return refuse(rs.refused)
+	case !continuable(x.legs.decode.Engine):
+		// Checked before the ids: such an engine is never asked for them.
+		return refuse(refuseEngine)
 	case rs.finished:
 		return refuse(refuseFinished)
 	case rs.prompt == nil:
@@ -207,9 +210,6 @@ func (x *exchange) canMove(err error) bool {
 	case rs.left <= 0:
 		x.s.m.migrations.WithLabelValues(reason, moveExceeded).Inc()
 		return false
-	}
-	if _, ok := engineOf(x.legs.decode).(kvbackend.Continuer); !ok {
-		return refuse(refuseEngine)
 	}
 	return true
 }
@@ -409,7 +409,9 @@ func (rs *resume) choices(f *kvbackend.Fields) (out []byte, edited bool) {
 		if !rs.clientIDs {
 			drop = []string{"token_ids"}
 		}
-		if rs.attempt > 0 {
+		if rs.attempt > 0 || !rs.clientIDs {
+			// A completion's prompt ids are on its choice: the client sees them only when it
+			// asked, and never a continuation's, whose prompt is not the client's.
 			drop = append(drop, "prompt_token_ids")
 		}
 		if rs.attempt > 0 && rs.chat {
