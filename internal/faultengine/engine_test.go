@@ -165,7 +165,7 @@ func streamOf(t *testing.T, e *Engine, path, body string) ([]string, error) {
 // and those already generated goes on with the next token, as a continuation expects.
 func TestAStreamReportsItsIdsAndGoesOnFromThem(t *testing.T) {
 	type choice struct {
-		Text         string  `json:"text"`
+		Text         string `json:"text"`
 		Delta        *struct{ Content string }
 		FinishReason *string `json:"finish_reason"`
 		TokenIDs     []int   `json:"token_ids"`
