@@ -34,6 +34,9 @@ import (
 // the hold); and the faulty engine is charged with its failure where it was one, no other
 // engine ever.
 //
+// Its migrate/ cells (migrationCells) run the decoder's faults after the first byte with
+// migration on: a stream that can go on elsewhere must read as one unbroken answer instead.
+//
 // CI runs every fault, leg, engine and client behaviour, with stream and route paired
 // (each fault sees both); PDPROXY_MATRIX=full crosses all of them.
 
@@ -193,7 +196,8 @@ func migrationCells(full bool) []matrixCell {
 				}
 			}
 			if kind != "sglang" && fault != faultengine.MidError && fault != faultengine.LateEnd {
-				// vLLM's error event is a completion's or a chat's.
+				// A Responses stream never moves, wherever its decoder breaks it (vLLM's
+				// error event is a completion's or a chat's).
 				add(matrixCell{kind: kind, fault: fault, route: "responses"})
 			}
 		}
