@@ -1065,15 +1065,8 @@ func wholeResponse(body []byte, stream bool) bool {
 // holdKey is what names, in a request to a decoder, the KV hold it is sent to pull, and
 // whether the request is a drain (one token, its output discarded), "" when it names none:
 // nixl's kv_transfer_params name the prefill (remote_request_id), Mooncake's the transfer
-// (transfer_id), and SGLang's legs the bootstrap room. The engines are sent the same
-// request id in every attempt of a stream that moved, and the fault engine names its holds
-// by it: a continuation's hold is told apart by its prompt of ids.
+// (transfer_id), and SGLang's legs the bootstrap room.
 func holdKey(c matrixCell, r faultengine.Request) (key string, drain bool) {
-	defer func() {
-		if key != "" && continuation(r) {
-			key += " (continuation)"
-		}
-	}()
 	if c.proto == faultengine.SGLang {
 		if room := r.Field("bootstrap_room"); room != nil {
 			key = string(room)
