@@ -21,6 +21,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/proxy"
 )
 
@@ -286,4 +287,55 @@ func TestLiveViewDuringAGiveUpStorm(t *testing.T) {
 		const rows = document.querySelectorAll('#requests tbody tr').length, holds = document.querySelectorAll('#holds tbody tr').length;
 		return rows === 0 && holds === 0 ? "" : rows + " requests, " + holds + " holds still shown";
 	})()`)
+}
+
+// TestLiveViewShowsAStreamThatMoved opens the live view on a P/D pool with migration on
+// (migrationPool: a simulated prefiller and two decoders) and kills the decoder a long curl
+// stream runs on. While the stream goes on on the other decoder, its row must show a "moved
+// 1×" badge, and the header the move: one stream moved, one moved in flight, the tokens it
+// replayed, as /metrics counts them. Once curl is killed the row goes and the totals stay.
+func TestLiveViewShowsAStreamThatMoved(t *testing.T) {
+	s, _, ds := migrationPool(t, sim.ProtocolVLLM, true)
+	dir := screenshotDir(t)
+	b := openBrowser(t, s.url+"/debug/ui")
+	stream := curlStream(t, s.url, "liveview-moved")
+	b.waitFor("the stream decoding", `(`+jsRowState("requests", "liveview-moved")+` === "decoding") ? "" : "liveview-moved is "+`+jsRowState("requests", "liveview-moved"))
+	var victim *sim.Server
+	testutil.WaitFor(t, pageWait, func() (bool, string) {
+		for _, d := range ds {
+			if d.Engine().Stats().RunningRequests > 0 {
+				victim = d
+			}
+		}
+		return victim != nil, "no decoder runs the stream"
+	})
+	victim.Kill()
+	// What the page shows of the move: the row's attempts and its badge, drawn, and the
+	// header's counts.
+	const moved = `(() => {
+		const r = document.querySelector('#requests tr[data-id="liveview-moved"]'), m = document.getElementById("migrations");
+		const badge = r && r.querySelector(".moved");
+		const drawn = badge && badge.getBoundingClientRect().width > 0 && getComputedStyle(badge).visibility === "visible";
+		const row = r ? "attempts " + r.dataset.attempts + ", badge " + (badge ? JSON.stringify(badge.textContent) + (drawn ? "" : " not drawn") : "none") : "no row";
+		return {row, ok: !!(r && r.dataset.attempts === "1" && drawn && badge.textContent === "moved 1×"), header: m.textContent, data: {...m.dataset}};
+	})()`
+	b.waitFor("the stream shown as moved, the move in the header", `(() => {
+		const v = `+moved+`;
+		return v.ok && v.data.migrated === "1" && v.data.inFlight === "1" && Number(v.data.tokensReplayed) > 0 && v.header.includes("1 moved") ? "" :
+			v.row + "; header " + JSON.stringify(v.header) + " " + JSON.stringify(v.data);
+	})()`)
+	b.screenshot(filepath.Join(dir, "liveview-moved.png"))
+	if got, want := b.eval(`document.getElementById("migrations").dataset.tokensReplayed`),
+		testutil.Value(t, s.m.Registry, "pdproxy_migration_tokens_replayed_total", nil); got != strconv.FormatFloat(want, 'f', -1, 64) {
+		t.Errorf("the header shows %s tokens replayed, /metrics %v", got, want)
+	}
+
+	kill(t, stream)
+	b.waitFor("the moved stream gone, its move still counted", `(() => {
+		const r = document.querySelector('#requests tr[data-id="liveview-moved"]'), m = document.getElementById("migrations").dataset;
+		return !r && m.migrated === "1" && m.inFlight === "0" ? "" : "row " + (r ? "still shown" : "gone") + ", header " + JSON.stringify({...m});
+	})()`)
+	testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
+		return s.m.Table.Len() == 0 && s.m.Table.OutstandingHolds() == 0, fmt.Sprintf("table %+v, %d holds", s.m.Table.Snapshot(), s.m.Table.OutstandingHolds())
+	})
 }

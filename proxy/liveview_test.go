@@ -31,7 +31,14 @@ type liveStateBody struct {
 		KVHeld                  bool     `json:"kv_held"`
 		KVHoldAgeSeconds        *float64 `json:"kv_hold_age_seconds"`
 		KVHoldDeadlineInSeconds *float64 `json:"kv_hold_deadline_in_seconds"`
+		Attempts                int      `json:"attempts"`
 	} `json:"requests"`
+	MigratedInFlight *int `json:"migrated_in_flight"`
+	Migrations       struct {
+		ByReason       map[string]map[string]int64 `json:"by_reason"`
+		Refused        map[string]int64            `json:"refused"`
+		TokensReplayed *int64                      `json:"tokens_replayed"`
+	} `json:"migrations"`
 	KVHolds []struct {
 		Prefill string `json:"prefill"`
 		Count   int    `json:"count"`
@@ -73,7 +80,8 @@ func (h *harness) liveState(hdr http.Header) liveStateBody {
 	if err := json.Unmarshal(body, &st); err != nil {
 		h.t.Fatalf("/debug/ui/state is not the state: %v: %s", err, body)
 	}
-	if st.Requests == nil || st.KVHolds == nil || st.RecentAborts == nil || st.Backends == nil || st.RequestsTotal == nil || st.Draining == nil {
+	if st.Requests == nil || st.KVHolds == nil || st.RecentAborts == nil || st.Backends == nil || st.RequestsTotal == nil || st.Draining == nil ||
+		st.MigratedInFlight == nil || st.Migrations.ByReason == nil || st.Migrations.Refused == nil || st.Migrations.TokensReplayed == nil {
 		h.t.Fatalf("/debug/ui/state lacks a list or a field the page reads (an empty list must be []): %s", body)
 	}
 	return st
@@ -257,6 +265,116 @@ func TestLiveStateFollowsARequestFromHoldToAbort(t *testing.T) {
 		}
 	})
 	h.waitQuiet()
+}
+
+// TestLiveStateShowsAStreamThatMoved drives the state through a real migration: two greedy
+// decoders that die after 3 tokens, whose continuations (prompts of ids) wait to be let go. A
+// stream whose decoder died shows, while its continuation waits, as a row with its attempt,
+// counted in migrated_in_flight, and the totals count its move and the tokens it replayed; a
+// stream that cannot move (logprobs) counts as not_migratable, by why. The totals are those
+// /metrics serves, and they stay once the moved stream has ended.
+func TestLiveStateShowsAStreamThatMoved(t *testing.T) {
+	release := make(chan struct{})
+	var ds [2]*engine
+	for i := range ds {
+		ds[i] = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+			if strings.Contains(string(body), `"prompt":[`) && !ds[i].wait(r, release) {
+				return
+			}
+			greedy{dieAfter: 3}.handler()(w, r, body)
+		})
+	}
+	h := aggregated(t, Config{MigrationLimit: 2}, ds[0], ds[1])
+
+	st := h.liveState(nil)
+	t.Run("idle: nothing moved, every reason and outcome counted at zero", func(t *testing.T) {
+		if *st.MigratedInFlight != 0 || *st.Migrations.TokensReplayed != 0 || len(st.Migrations.Refused) != 0 {
+			t.Errorf("migrated_in_flight %d, tokens_replayed %d, refused %v; want nothing", *st.MigratedInFlight, *st.Migrations.TokensReplayed, st.Migrations.Refused)
+		}
+		for _, reason := range []string{"decoder_failed", "idle_timeout", "error_event", "drained"} {
+			for _, outcome := range []string{"migrated", "not_migratable", "limit_reached"} {
+				if v, ok := st.Migrations.ByReason[reason][outcome]; !ok || v != 0 {
+					t.Errorf("by_reason[%s][%s] = %v (present %v), want 0", reason, outcome, v, ok)
+				}
+			}
+		}
+		if got := len(st.Migrations.ByReason); got != 4 {
+			t.Errorf("by_reason has %d reasons, want 4", got)
+		}
+	})
+
+	type read struct {
+		s   streamed
+		err error
+	}
+	stream := func(id, body string) <-chan read {
+		ch := make(chan read, 1)
+		go func() {
+			resp, err := h.front.Client().Do(h.request(context.Background(), http.MethodPost, "/v1/completions", body, http.Header{"X-Request-Id": {id}}))
+			if err != nil {
+				ch <- read{err: err}
+				return
+			}
+			defer resp.Body.Close()
+			ch <- read{s: readStream(t, resp.Body)}
+		}()
+		return ch
+	}
+	refused := stream("unmovable", `{"model":"m","prompt":"a","max_tokens":8,"stream":true,"logprobs":1}`)
+	if r := <-refused; r.err != nil || r.s.done {
+		t.Fatalf("the stream with logprobs: %v, [DONE] %v; want it failed by its decoder\n%s", r.err, r.s.done, r.s.raw)
+	}
+	moved := stream("moved", `{"model":"m","prompt":"hello there","max_tokens":8,"stream":true,"temperature":0}`)
+	testutil.WaitFor(t, testDeadline, func() (bool, string) {
+		st = h.liveState(nil)
+		return len(st.Requests) == 1 && st.Requests[0].Attempts == 1, fmt.Sprintf("the moved stream waiting on its continuation; state %+v", st)
+	})
+	t.Run("a stream that moved shows its attempt while its continuation runs", func(t *testing.T) {
+		if r := st.Requests[0]; r.ID != "moved" || r.State != "decoding" {
+			t.Errorf("row %+v, want moved, decoding", r)
+		}
+		if *st.MigratedInFlight != 1 {
+			t.Errorf("migrated_in_flight = %d, want 1", *st.MigratedInFlight)
+		}
+	})
+	t.Run("the totals count the move, the refusal and the tokens replayed, as /metrics does", func(t *testing.T) {
+		m := st.Migrations
+		if m.ByReason["decoder_failed"]["migrated"] != 1 || m.ByReason["decoder_failed"]["not_migratable"] != 1 || *m.TokensReplayed != 3 {
+			t.Errorf("by_reason %v, tokens_replayed %d; want decoder_failed: 1 migrated, 1 not_migratable; 3 tokens replayed", m.ByReason, *m.TokensReplayed)
+		}
+		if len(m.Refused) != 1 || m.Refused["logprobs"] != 1 {
+			t.Errorf("refused %v, want logprobs 1", m.Refused)
+		}
+		for reason, by := range m.ByReason {
+			for outcome, n := range by {
+				if v := h.value("pdproxy_migrations_total", map[string]string{"reason": reason, "outcome": outcome}); float64(n) != v {
+					t.Errorf("by_reason[%s][%s] = %d, /metrics says %v", reason, outcome, n, v)
+				}
+			}
+		}
+		if v := h.value("pdproxy_migration_tokens_replayed_total", nil); float64(*m.TokensReplayed) != v {
+			t.Errorf("tokens_replayed = %d, /metrics says %v", *m.TokensReplayed, v)
+		}
+	})
+
+	close(release)
+	r := <-moved
+	if r.err != nil || !r.s.done {
+		t.Fatalf("the moved stream: %v, [DONE] %v\n%s", r.err, r.s.done, r.s.raw)
+	}
+	if got, want := r.s.text(t, false), wantGreedy(greedyPrompt("hello there"), 8); got != want {
+		t.Errorf("the moved stream read %q, want the unbroken %q", got, want)
+	}
+	h.waitQuiet()
+	st = h.liveState(nil)
+	t.Run("once it ended, nothing moved is in flight and the totals stay", func(t *testing.T) {
+		if *st.MigratedInFlight != 0 || len(st.Requests) != 0 {
+			t.Errorf("migrated_in_flight %d, %d rows, want none", *st.MigratedInFlight, len(st.Requests))
+		}
+		if st.Migrations.ByReason["decoder_failed"]["migrated"] != 1 || *st.Migrations.TokensReplayed != 3 {
+			t.Errorf("by_reason %v, tokens_replayed %d; want the move still counted", st.Migrations.ByReason, *st.Migrations.TokensReplayed)
+		}
+	})
 }
 
 // TestLiveViewNeedsTheKeyTheDebugRoutesNeed checks that the page and its state are closed as

@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -33,6 +34,9 @@ import (
 // the hold); and the faulty engine is charged with its failure where it was one, no other
 // engine ever.
 //
+// Its migrate/ cells (migrationCells) run the decoder's faults after the first byte with
+// migration on: a stream that can go on elsewhere must read as one unbroken answer instead.
+//
 // CI runs every fault, leg, engine and client behaviour, with stream and route paired
 // (each fault sees both); PDPROXY_MATRIX=full crosses all of them.
 
@@ -49,6 +53,16 @@ type matrixCell struct {
 	// pass: the request is an embedding, which one decoder answers without P/D (leg is then
 	// "decode", stream and chat false).
 	pass bool
+	// migrate: the proxy runs with migration_limit 3, and the fault is the decoder's, after
+	// the client's first byte (migrationCells).
+	migrate bool
+	// unmovable is what the request asks that keeps its stream from moving ("n2", a
+	// json_schema response_format, logprobs), "" for nothing.
+	unmovable string
+	// leaveIn is, in a migration cell whose client leaves, the leg of the continuation
+	// ("prefill" or "decode") whose arrival at its engine the client leaves on, rather than
+	// at the fault.
+	leaveIn string
 }
 
 func (c matrixCell) name() string {
@@ -60,6 +74,15 @@ func (c matrixCell) name() string {
 	client := "stays"
 	if c.leave {
 		client = "leaves"
+	}
+	if c.migrate {
+		if c.leaveIn != "" {
+			client = "leaves_in_continuation_" + c.leaveIn
+		}
+		if c.unmovable != "" {
+			route += "_" + c.unmovable
+		}
+		return fmt.Sprintf("migrate/%s/%s/%s/%s/%s/client_%s", c.kind, c.leg, c.fault, mode, route, client)
 	}
 	return fmt.Sprintf("%s/%s/%s/%s/%s/client_%s", c.kind, c.leg, c.fault, mode, route, client)
 }
@@ -97,9 +120,21 @@ func matrixCells(full bool) []matrixCell {
 							if !full && route == "responses" && !stream {
 								continue
 							}
-							cells = append(cells, matrixCell{proto, kind, leg, fault, stream, route, leave, false})
+							cells = append(cells, matrixCell{proto: proto, kind: kind, leg: leg, fault: fault, stream: stream, route: route, leave: leave})
 						}
 					}
+				}
+			}
+		}
+		// The faults only a stream has meet the decoder's streams; CI takes completions and
+		// responses.
+		for _, fault := range faultengine.StreamFaults() {
+			for _, leave := range []bool{false, true} {
+				for _, route := range []string{"completions", "chat", "responses"} {
+					if fault == faultengine.MidError && route == "responses" || !full && route == "chat" {
+						continue // vLLM's error event is a completion's or a chat's
+					}
+					cells = append(cells, matrixCell{proto: proto, kind: kind, leg: "decode", fault: fault, stream: true, route: route, leave: leave})
 				}
 			}
 		}
@@ -113,16 +148,88 @@ func matrixCells(full bool) []matrixCell {
 			cells = append(cells, matrixCell{proto: faultengine.VLLM, kind: "vllm", leg: "decode", fault: fault, leave: leave, route: "embeddings", pass: true})
 		}
 	}
+	return append(cells, migrationCells(full)...)
+}
+
+// midStreamFaults are the decoder's faults that strike after the client's first byte of a
+// stream: those that break it (and move it, with migration), the one that ends it whole but
+// for its [DONE] (after its finish_reason: nothing is left to move), and one that is served.
+var midStreamFaults = []faultengine.Fault{faultengine.MidClose, faultengine.MidReset, faultengine.MidSilence,
+	faultengine.ShortStream, faultengine.MidError, faultengine.NoDone, faultengine.LateEnd}
+
+// migrationCells are the cells of a decoder that fails after the client's first byte, with
+// migration on: every engine kind, every mid-stream fault, completions and chat streams. A
+// stream on an engine that can continue goes on on the other decoder (under P/D with a new
+// prefill) and the client reads one whole answer, or leaves as the continuation's prefill or
+// decode reaches its engine; a stream on SGLang, a Responses stream, and a request that asks
+// for what a continuation cannot reproduce fail as without migration. CI pairs each leaving
+// moment with one route, and takes the requests that cannot move on completions, as
+// PDPROXY_MATRIX=full crosses them.
+func migrationCells(full bool) []matrixCell {
+	var cells []matrixCell
+	add := func(c matrixCell) {
+		c.proto, c.leg, c.stream, c.migrate = faultengine.VLLM, "decode", true, true
+		switch c.kind {
+		case "sglang":
+			c.proto = faultengine.SGLang
+		case "mooncake":
+			c.proto = faultengine.Mooncake
+		}
+		c.leave = c.leaveIn != ""
+		cells = append(cells, c)
+	}
+	for _, kind := range []string{"vllm", "sim", "mooncake", "sglang"} {
+		for _, fault := range midStreamFaults {
+			for _, route := range []string{"completions", "chat"} {
+				add(matrixCell{kind: kind, fault: fault, route: route})
+				for _, leaveIn := range []string{"prefill", "decode"} {
+					pairs := (leaveIn == "prefill") == (route == "completions")
+					c := matrixCell{kind: kind, fault: fault, route: route, leaveIn: leaveIn}
+					if c.movesOn() && (full || pairs) {
+						add(c)
+					}
+				}
+				for _, unmovable := range []string{"n2", "json_schema", "logprobs"} {
+					if kind != "sglang" && fault != faultengine.LateEnd && fault != faultengine.NoDone && (full || route == "completions") {
+						add(matrixCell{kind: kind, fault: fault, route: route, unmovable: unmovable})
+					}
+				}
+			}
+			if kind != "sglang" && fault != faultengine.MidError && fault != faultengine.LateEnd {
+				// A Responses stream never moves, wherever its decoder breaks it (vLLM's
+				// error event is a completion's or a chat's).
+				add(matrixCell{kind: kind, fault: fault, route: "responses"})
+			}
+		}
+	}
 	return cells
+}
+
+// movesOn reports whether migration cell c's stream goes on on another decoder: its engine
+// can continue from ids, it asks for nothing a continuation could not reproduce, and its
+// decoder breaks it before its finish_reason.
+func (c matrixCell) movesOn() bool {
+	if c.kind == "sglang" || c.unmovable != "" || c.route == "responses" {
+		return false
+	}
+	switch c.fault {
+	case faultengine.NoDone, faultengine.LateEnd:
+		return false
+	}
+	return true
 }
 
 func TestFailureMatrix(t *testing.T) {
 	cells := matrixCells(os.Getenv("PDPROXY_MATRIX") == "full")
 	start := time.Now()
-	t.Cleanup(func() { t.Logf("%d cells in %v", len(cells), time.Since(start).Round(time.Millisecond)) })
+	var ran atomic.Int64 // the cells -run selected
+	t.Cleanup(func() {
+		t.Logf("%d of %d cells in %v", ran.Load(), len(cells), time.Since(start).Round(time.Millisecond))
+	})
 	for _, c := range cells {
 		t.Run(c.name(), func(t *testing.T) {
 			t.Parallel()
+			ran.Add(1)
 			runCell(t, c)
 		})
 	}
@@ -135,12 +242,21 @@ const (
 	served outcome = iota // a whole, correct answer
 	failed                // a clear failure
 	either                // the fault's moment decides: a clear failure or a whole answer
+	// passedOn: the engine's own error event, as it came, and what the engine sent after it
+	// (vLLM's [DONE]): without migration the proxy does not read a stream's events.
+	passedOn
 )
 
 // expected is what a client that stays must see in cell c, and, for a failure before any
 // byte, the status.
 func (c matrixCell) expected() (outcome, int) {
 	f := c.fault
+	if c.migrate {
+		if c.movesOn() || f == faultengine.LateEnd {
+			return served, 200
+		}
+		return failed, 0 // an error event, as without migration
+	}
 	switch f {
 	case faultengine.BigHeaders, faultengine.KeepAliveReset, faultengine.LateEnd:
 		// LateEnd's pause is longer than client_write_timeout, shorter than the idle one.
@@ -180,6 +296,8 @@ func (c matrixCell) expected() (outcome, int) {
 		if !c.stream {
 			return served, 200 // a JSON answer ends whole
 		}
+	case faultengine.MidError:
+		return passedOn, 0
 	}
 	return failed, 0 // mid-answer: after the status line
 }
@@ -214,7 +332,8 @@ func runCell(t *testing.T, c matrixCell) {
 	rooms := faultengine.NewRooms()
 	lv := &leaver{}
 	start := func(prefill bool, fault faultengine.Fault) *faultengine.Engine {
-		e, err := faultengine.Start(faultengine.Config{Protocol: c.proto, Prefill: prefill, Fault: fault, Rooms: rooms, OnFault: lv.strike})
+		arrived := func(r faultengine.Request) { lv.arrived(prefill, r) }
+		e, err := faultengine.Start(faultengine.Config{Protocol: c.proto, Prefill: prefill, Fault: fault, Rooms: rooms, OnFault: lv.strike, OnGenerate: arrived})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -255,6 +374,9 @@ func runCell(t *testing.T, c matrixCell) {
 		ClientWriteTimeout: 150 * time.Millisecond,
 		DrainTimeout:       time.Second,
 	}
+	if c.migrate {
+		cfg.MigrationLimit = 3
+	}
 	h := newHarness(t, cfg, router.Config{Backends: backends})
 
 	path := "/v1/completions"
@@ -269,6 +391,18 @@ func runCell(t *testing.T, c matrixCell) {
 	}
 	if c.stream {
 		body += `,"stream":true`
+	}
+	switch c.unmovable {
+	case "n2":
+		body += `,"n":2`
+	case "json_schema":
+		body += `,"response_format":{"type":"json_schema","json_schema":{"name":"answer","schema":{"type":"object"}}}`
+	case "logprobs":
+		if c.route == "chat" {
+			body += `,"logprobs":true,"top_logprobs":1`
+		} else {
+			body += `,"logprobs":1`
+		}
 	}
 	body += "}"
 	if c.pass {
@@ -286,7 +420,7 @@ func runCell(t *testing.T, c matrixCell) {
 	}
 
 	if c.leave {
-		lv.arm(h, !c.proxyAwaitsFault())
+		lv.arm(h, !c.proxyAwaitsFault(), c.leaveIn)
 	}
 	got := matrixCall(t, h, path, body, lv)
 
@@ -304,6 +438,9 @@ func runCell(t *testing.T, c matrixCell) {
 				t.Errorf("%v decode-only fallbacks", n)
 			}
 		}
+	}
+	if c.migrate {
+		migrationChecks(t, c, h, got, d0)
 	}
 
 	// Nothing is left behind, whatever the client saw.
@@ -354,6 +491,163 @@ func runCell(t *testing.T, c matrixCell) {
 	}
 }
 
+// continuation reports whether r is a continuation's call: a completions prompt of ids.
+func continuation(r faultengine.Request) bool {
+	p := bytes.TrimSpace(r.Field("prompt"))
+	return len(p) > 0 && p[0] == '['
+}
+
+// migrationChecks asserts what migration cell c shows beyond the matrix's end checks, each in
+// a subtest named for what it checks. A stream that moved reads as the unbroken answer, token
+// for token, one stream, with no ids the client did not ask for; it is counted once as
+// migrated, by why, with the two tokens the client had replayed; its faulty decoder had one
+// call of it. One that could not move is counted once as not_migratable, and its refusal by
+// why. One whose decoder did not break it, or that cannot move at all (a Responses stream),
+// is counted nowhere.
+func migrationChecks(t *testing.T, c matrixCell, h *harness, got matrixResult, faulty *faultengine.Engine) {
+	t.Helper()
+	reason := "decoder_failed"
+	switch c.fault {
+	case faultengine.MidSilence:
+		reason = "idle_timeout"
+	case faultengine.MidError:
+		reason = "error_event"
+	}
+	total := h.value("pdproxy_migrations_total", nil)
+	refused := h.value("pdproxy_migrations_refused_total", nil)
+	switch {
+	case c.movesOn():
+		t.Run("counted_migrated_"+reason, func(t *testing.T) {
+			if n := h.value("pdproxy_migrations_total", map[string]string{"reason": reason, "outcome": "migrated"}); n != 1 || total != 1 {
+				t.Errorf("migrations{%s,migrated} = %v of %v in all, want the one", reason, n, total)
+			}
+			if n := h.value("pdproxy_migration_tokens_replayed_total", nil); n != 2 {
+				t.Errorf("%v tokens replayed, want the 2 the client had", n)
+			}
+		})
+		t.Run("never_back_to_the_faulty_decoder", func(t *testing.T) {
+			calls := 0
+			for _, r := range faulty.Requests() {
+				if r.Path != "/abort_request" {
+					calls++
+				}
+			}
+			if calls != 1 {
+				t.Errorf("the faulty decoder had %d calls, want 1", calls)
+			}
+		})
+		if c.leave {
+			return
+		}
+		t.Run("one_unbroken_answer", func(t *testing.T) { oneAnswer(t, c, got.body) })
+		t.Run("no_token_ids_the_client_did_not_ask_for", func(t *testing.T) { noUnaskedIDs(t, got.body) })
+	case c.fault == faultengine.LateEnd || c.route == "responses":
+		t.Run("counted_nowhere", func(t *testing.T) {
+			if total != 0 || refused != 0 {
+				t.Errorf("%v migrations and %v refusals counted for a stream that does not move", total, refused)
+			}
+		})
+		if c.fault == faultengine.LateEnd {
+			// Whole, not moved: the ids asked for in case it would were taken out all the same.
+			t.Run("no_token_ids_the_client_did_not_ask_for", func(t *testing.T) { noUnaskedIDs(t, got.body) })
+		}
+	default:
+		why := map[string]string{"n2": "n", "json_schema": "guided_decoding", "logprobs": "logprobs"}[c.unmovable]
+		switch {
+		case c.fault == faultengine.NoDone:
+			why = "finished"
+		case c.kind == "sglang":
+			why = "engine"
+		}
+		t.Run("counted_not_migratable_"+reason+"_refused_"+why, func(t *testing.T) {
+			if n := h.value("pdproxy_migrations_total", map[string]string{"reason": reason, "outcome": "not_migratable"}); n != 1 || total != 1 {
+				t.Errorf("migrations{%s,not_migratable} = %v of %v in all, want the one", reason, n, total)
+			}
+			if n := h.value("pdproxy_migrations_refused_total", map[string]string{"reason": why}); n != 1 || refused != 1 {
+				var by []string
+				for _, r := range []string{"n", "prompt_array", "guided_decoding", "logprobs", "tools", "penalties", "stop", "engine", "too_long", "no_token_ids", "finished", "no_tokens_left"} {
+					if v := h.value("pdproxy_migrations_refused_total", map[string]string{"reason": r}); v != 0 {
+						by = append(by, fmt.Sprintf("%s=%v", r, v))
+					}
+				}
+				t.Errorf("migrations_refused{%s} = %v, want 1 and no other; counted: %v", why, n, by)
+			}
+		})
+	}
+}
+
+// oneAnswer checks that a stream that moved reads as the fault engine's unbroken one: its 4
+// tokens t0 to t3 in order, as events of the first answer's (one id; a chat's as chat
+// chunks), one finish_reason, then [DONE].
+func oneAnswer(t *testing.T, c matrixCell, body []byte) {
+	t.Helper()
+	events := sseDispatched(body)
+	if len(events) == 0 || events[len(events)-1] != "[DONE]" {
+		t.Fatalf("the stream did not end with [DONE]: %s", clip(body))
+	}
+	var text strings.Builder
+	ids := map[string]bool{}
+	finishes := 0
+	for _, ev := range events[:len(events)-1] {
+		var v struct {
+			ID      json.RawMessage `json:"id"`
+			Object  string          `json:"object"`
+			Choices []struct {
+				Text   string `json:"text"`
+				Delta  struct{ Content string }
+				Finish *string `json:"finish_reason"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(ev), &v); err != nil {
+			t.Fatalf("event %q: %v", ev, err)
+		}
+		ids[string(v.ID)] = true
+		if want := map[bool]string{true: "chat.completion.chunk", false: "text_completion"}[c.route == "chat"]; v.Object != want {
+			t.Errorf("an event is a %q, want %q: %s", v.Object, want, ev)
+		}
+		for _, ch := range v.Choices {
+			text.WriteString(ch.Text + ch.Delta.Content)
+			if ch.Finish != nil {
+				finishes++
+			}
+		}
+	}
+	if got := text.String(); got != "t0t1t2t3" {
+		t.Errorf("the client read %q, want the unbroken answer t0t1t2t3: %s", got, clip(body))
+	}
+	if len(ids) != 1 || finishes != 1 {
+		t.Errorf("%d ids and %d finish reasons, want one of each: %s", len(ids), finishes, clip(body))
+	}
+}
+
+// noUnaskedIDs checks that no event of a stream whose client did not ask for token ids
+// carries them: the proxy asked for them to be able to move the stream, and takes them out,
+// the prompt's (a chat's at the top of its first chunk, a completion's on its first choice)
+// and the generated ones (on each choice).
+func noUnaskedIDs(t *testing.T, body []byte) {
+	t.Helper()
+	for _, ev := range sseDispatched(body) {
+		if ev == "[DONE]" {
+			continue
+		}
+		var v struct {
+			Prompt  json.RawMessage `json:"prompt_token_ids"`
+			Choices []struct {
+				IDs    json.RawMessage `json:"token_ids"`
+				Prompt json.RawMessage `json:"prompt_token_ids"`
+			} `json:"choices"`
+		}
+		json.Unmarshal([]byte(ev), &v)
+		bad := v.Prompt != nil
+		for _, ch := range v.Choices {
+			bad = bad || ch.IDs != nil || ch.Prompt != nil
+		}
+		if bad {
+			t.Errorf("an event carries token ids the client did not ask for: %s", ev)
+		}
+	}
+}
+
 // failuresCharged is how many of backend's calls the router counted as its failures: a
 // transport error or a 5xx (pdproxy_backend_requests_total), what passive health ejects on.
 func failuresCharged(h *harness, backend string) float64 {
@@ -379,6 +673,14 @@ const (
 // charged is whether the faulty engine of cell c must be charged with a failure (a transport
 // error or a 5xx in pdproxy_backend_requests_total, what passive health ejects on).
 func (c matrixCell) charged() blame {
+	if c.migrate {
+		if c.fault == faultengine.LateEnd {
+			return notBlamed // served
+		}
+		// The decoder broke the stream, whatever came of it; a client that leaves during the
+		// continuation leaves after that.
+		return blamed
+	}
 	if c.leave {
 		if c.proxyAwaitsFault() && (c.fault == faultengine.Status500 || c.fault == faultengine.Status503) {
 			// The proxy waits for the decoder's word, a 5xx, which is charged unless the
@@ -393,6 +695,8 @@ func (c matrixCell) charged() blame {
 		return notBlamed // served around
 	case faultengine.Status400, faultengine.Status400Huge, faultengine.Status422Empty:
 		return notBlamed // the engine's verdict on the request, not its failure
+	case faultengine.MidError:
+		return notBlamed // passed on unread (passedOn)
 	case faultengine.NoDone:
 		if c.leg == "prefill" || !c.stream {
 			return notBlamed // a JSON answer ends whole
@@ -458,16 +762,20 @@ type leaver struct {
 	// the proxy waits for the engine's answer by design (matrixCell.proxyAwaitsFault).
 	awaitProxy bool
 	before     float64 // requests the proxy had finished when it was armed
-	cancel     context.CancelFunc
-	done       chan struct{} // closed once the call is over
-	struck     bool
+	// leaveIn: the call leaves as the continuation's leg of that name reaches its engine
+	// (arrived), not at a fault.
+	leaveIn string
+	cancel  context.CancelFunc
+	done    chan struct{} // closed once the call is over
+	struck  bool
 }
 
-// arm makes the next call leave at the next fault.
-func (l *leaver) arm(h *harness, awaitProxy bool) {
+// arm makes the next call leave at the next fault, or, with leaveIn, as its continuation's
+// prefill or decode reaches its engine.
+func (l *leaver) arm(h *harness, awaitProxy bool, leaveIn string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.h, l.awaitProxy, l.before = h, awaitProxy, finishedRequests(h)
+	l.h, l.awaitProxy, l.before, l.leaveIn = h, awaitProxy, finishedRequests(h), leaveIn
 }
 
 // start hands the leaver the call's cancel; it returns the channel to close once the call is
@@ -491,6 +799,31 @@ func (l *leaver) left() bool {
 
 // strike is the engines' OnFault.
 func (l *leaver) strike(faultengine.Fault) {
+	l.mu.Lock()
+	atFault := l.leaveIn == ""
+	l.mu.Unlock()
+	if atFault {
+		l.leave()
+	}
+}
+
+// arrived is the engines' OnGenerate: a prefiller's (prefill) or a decoder's request r.
+func (l *leaver) arrived(prefill bool, r faultengine.Request) {
+	leg := "decode"
+	if prefill {
+		leg = "prefill"
+	}
+	l.mu.Lock()
+	at := l.leaveIn
+	l.mu.Unlock()
+	if at == leg && continuation(r) {
+		l.leave()
+	}
+}
+
+// leave cancels the armed call, once, and returns when the call is over and, with
+// awaitProxy, the proxy has finished the request.
+func (l *leaver) leave() {
 	l.mu.Lock()
 	armed := l.cancel != nil && !l.struck
 	if armed {
@@ -574,6 +907,10 @@ func matrixCall(t *testing.T, h *harness, path, body string, lv *leaver) matrixR
 // check asserts what a client that stayed saw.
 func (r matrixResult) check(t *testing.T, c matrixCell, want outcome, status int) {
 	t.Helper()
+	if want == passedOn {
+		r.checkPassedOn(t)
+		return
+	}
 	ok := r.whole(c)
 	switch {
 	case want == served && !ok:
@@ -623,6 +960,25 @@ func (r matrixResult) check(t *testing.T, c matrixCell, want outcome, status int
 	if r.err != nil {
 		t.Fatalf("a failed stream was cut instead of ending with its error event: %v", r.err)
 	}
+}
+
+// checkPassedOn asserts that a stream carried its engine's error event to the client, after
+// its tokens, with nothing but a [DONE] after it.
+func (r matrixResult) checkPassedOn(t *testing.T) {
+	t.Helper()
+	if r.status != 200 || r.err != nil {
+		t.Fatalf("status %d (%v), want the stream as its engine ended it: %s", r.status, r.err, clip(r.body))
+	}
+	events := sseDispatched(r.body)
+	for i, ev := range events {
+		if openAIError([]byte(ev)) {
+			if rest := events[i+1:]; i == 0 || len(rest) > 1 || len(rest) == 1 && rest[0] != "[DONE]" {
+				t.Fatalf("the engine's error event came at %d of %d events, want after the tokens, with at most its [DONE] after it: %s", i, len(events), clip(r.body))
+			}
+			return
+		}
+	}
+	t.Fatalf("the engine's error event did not reach the client: %s", clip(r.body))
 }
 
 // openAIError reports whether b is an error in the OpenAI shape, as the SDKs read it: an

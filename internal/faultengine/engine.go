@@ -45,7 +45,8 @@ const (
 	HeadersThenClose   Fault = "headers_then_close"
 	HeadersThenReset   Fault = "headers_then_reset"
 	HeadersThenSilence Fault = "headers_then_silence"
-	// MidClose, MidReset, MidSilence: part of the answer, then the same.
+	// MidClose, MidReset, MidSilence: part of the answer (half its events, for a stream),
+	// then the same.
 	MidClose   Fault = "mid_close"
 	MidReset   Fault = "mid_reset"
 	MidSilence Fault = "mid_silence"
@@ -64,6 +65,15 @@ const (
 	// LateEnd: a whole answer whose end (HTTP/1.1's last chunk) comes LateEndDelay after
 	// the rest.
 	LateEnd Fault = "late_end"
+
+	// The faults only a stream has; any other answer is whole and unfaulted.
+
+	// ShortStream: half a stream's events, then its clean end (HTTP/1.1's last chunk), with
+	// neither a finish_reason nor [DONE]: an engine that stops generating without saying why.
+	ShortStream Fault = "short_stream"
+	// MidError: half of a completions or chat stream's events, then an error event in
+	// vLLM's shape and the [DONE] after it, as vLLM ends a stream whose generation raised.
+	MidError Fault = "mid_error"
 )
 
 // LateEndDelay is how long LateEnd holds back an answer's end.
@@ -75,6 +85,9 @@ func Faults() []Fault {
 		HeadersThenClose, HeadersThenReset, HeadersThenSilence, MidClose, MidReset, MidSilence, EmptyClose, NoDone,
 		BigHeaders, KeepAliveReset, BadParams, LateEnd}
 }
+
+// StreamFaults lists the faults only a stream has (ShortStream, MidError), for tables.
+func StreamFaults() []Fault { return []Fault{ShortStream, MidError} }
 
 // Protocol is what the engine speaks.
 type Protocol string
@@ -97,7 +110,13 @@ type Config struct {
 	// Fault applies to generation requests (completions, chat) and embeddings; None for a
 	// healthy engine.
 	Fault Fault
-	// Chunks is how many token events a stream has (default 4).
+	// Chunks is how many token events a stream has (default 4): tokens t0, t1, ... whose ids
+	// are 1000, 1001, ..., the last with a finish_reason ("length" when max_tokens ends it
+	// first). With return_token_ids, each chunk's choice carries its id in token_ids and the
+	// first chunk the prompt's ids in prompt_token_ids (a completion's on its choice, a
+	// chat's at the top), as vLLM reports them. A completions prompt of ids takes up the
+	// answer where the ids of its tokens (those from 1000 on) leave it, so that a stream cut
+	// after t1 and continued from its prompt and t0, t1 goes on with t2.
 	Chunks int
 	// Rooms pairs SGLang legs: the prefiller marks its room transferred as it answers, and a
 	// decoder starts its answer only then, as SGLang's decoder waits for the room's KV.
@@ -108,6 +127,11 @@ type Config struct {
 	// moment (a client that leaves as it strikes) knowing that nothing of the fault was seen
 	// yet. It must return, and is called from the connection's goroutine.
 	OnFault func(Fault)
+	// OnGenerate, when set, is called with each generation request the engine read whole,
+	// before any byte of its answer (and before its fault), and the engine goes on only once
+	// it returns: a test can act at the moment a given request arrives. The same rules as
+	// OnFault's.
+	OnGenerate func(Request)
 }
 
 // Rooms are SGLang bootstrap rooms shared by a prefiller and a decoder.
@@ -264,9 +288,13 @@ func (e *Engine) serve(c net.Conn) {
 			return
 		}
 		if !unread {
+			r := Request{Path: req.URL.Path, Header: req.Header, Body: body, At: time.Now()}
 			e.mu.Lock()
-			e.reqs = append(e.reqs, Request{Path: req.URL.Path, Header: req.Header, Body: body, At: time.Now()})
+			e.reqs = append(e.reqs, r)
 			e.mu.Unlock()
+			if e.cfg.OnGenerate != nil && isGeneration(req.URL.Path) {
+				e.cfg.OnGenerate(r)
+			}
 		}
 		if !e.answer(c, req, body) {
 			return
@@ -324,7 +352,8 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 	chat := strings.HasSuffix(req.URL.Path, "/chat/completions")
 	responses := req.URL.Path == "/v1/responses"
 	var f struct {
-		Stream bool `json:"stream"`
+		Stream         bool `json:"stream"`
+		ReturnTokenIDs bool `json:"return_token_ids"`
 	}
 	json.Unmarshal(body, &f)
 	prefill := e.cfg.Prefill
@@ -334,6 +363,9 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 	}
 	if fault == BadParams && !(prefill && e.cfg.Protocol == VLLM) {
 		fault = None // only a vLLM prefiller answers with params
+	}
+	if (fault == ShortStream || fault == MidError) && (prefill || !f.Stream) || fault == MidError && responses {
+		fault = None // a stream's faults, and vLLM's error event is a completion's or a chat's
 	}
 	if fault != None && fault != LateEnd {
 		e.fault(fault) // LateEnd's is at the end it withholds
@@ -362,14 +394,7 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 		payload = []string{`{"id":"resp_c","object":"response","status":"completed","output":[{"type":"message","id":"msg_c","role":"assistant","status":"completed","content":[{"type":"output_text","text":"hello","annotations":[]}]}]}`}
 	case f.Stream:
 		contentType = "text/event-stream"
-		for i := range e.cfg.Chunks {
-			if chat {
-				payload = append(payload, fmt.Sprintf("data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t%d\"}}]}\n\n", i))
-			} else {
-				payload = append(payload, fmt.Sprintf("data: {\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\"t%d\"}]}\n\n", i))
-			}
-		}
-		payload = append(payload, "data: [DONE]\n\n")
+		payload = e.tokenEvents(body, chat, f.ReturnTokenIDs)
 	case req.URL.Path == "/v1/embeddings":
 		payload = []string{`{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.125,-0.5,1]}],"model":"m","usage":{"prompt_tokens":2,"total_tokens":2}}`}
 		f.Stream = false
@@ -439,13 +464,22 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 		// A JSON answer goes out in two chunks, so that a fault can fall between them.
 		parts = []string{full[:len(full)/2], full[len(full)/2:]}
 	}
-	for i, p := range parts {
-		if i == len(parts)-1 && (fault == MidClose || fault == MidReset || fault == MidSilence) {
-			break
+	// The part a fault stops the answer before: mid-answer, half a stream's events or the
+	// first half of a JSON answer.
+	cut := len(parts)
+	switch fault {
+	case MidClose, MidReset, MidSilence, ShortStream, MidError:
+		cut = len(parts) / 2
+	case NoDone:
+		if f.Stream {
+			cut = len(parts) - 1 // the [DONE] never comes, yet the stream ends cleanly
 		}
-		if i == len(parts)-1 && fault == NoDone && f.Stream {
-			break // the [DONE] never comes, yet the stream ends cleanly
-		}
+	}
+	if fault == MidError {
+		parts = append(parts[:cut:cut], streamError, "data: [DONE]\n\n")
+		cut = len(parts)
+	}
+	for _, p := range parts[:cut] {
 		if !writeRaw(c, fmt.Sprintf("%x\r\n%s\r\n", len(p), p)) {
 			return false
 		}
@@ -470,6 +504,75 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 		}
 	}
 	return writeRaw(c, "0\r\n\r\n")
+}
+
+// streamError is the error event vLLM's OpenAI server sends when a stream's generation
+// raises (before its [DONE]).
+const streamError = "data: {\"error\":{\"message\":\"the engine's step failed\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}}\n\n"
+
+// firstToken is the id of token t0; the prompt's ids, one per byte of its text, are below it.
+const firstToken = 1000
+
+// tokenEvents are a completions or chat stream's events for the request body: tokens t0 ...
+// up to Chunks, or from where a prompt of ids leaves off, as many as max_tokens allows, then
+// [DONE] (see Config.Chunks).
+func (e *Engine) tokenEvents(body []byte, chat, ids bool) []string {
+	var f struct {
+		Prompt        json.RawMessage `json:"prompt"`
+		MaxTokens     *int            `json:"max_tokens"`
+		MaxCompletion *int            `json:"max_completion_tokens"`
+	}
+	json.Unmarshal(body, &f)
+	var prompt []int
+	if chat || json.Unmarshal(f.Prompt, &prompt) != nil {
+		text := []byte(rawField(body, "messages"))
+		if !chat {
+			var s string
+			json.Unmarshal(f.Prompt, &s)
+			text = []byte(s)
+		}
+		prompt = make([]int, len(text))
+		for i, b := range text {
+			prompt[i] = int(b)
+		}
+	}
+	start := 0
+	for _, id := range prompt {
+		if id >= firstToken {
+			start++
+		}
+	}
+	end, finish := e.cfg.Chunks, "stop"
+	limit := f.MaxTokens
+	if chat && f.MaxCompletion != nil {
+		limit = f.MaxCompletion
+	}
+	if limit != nil && start+*limit < end {
+		end, finish = start+*limit, "length"
+	}
+	promptIDs, _ := json.Marshal(prompt)
+	var events []string
+	for i := start; i < end; i++ {
+		fr := "null"
+		if i == end-1 {
+			fr = strconv.Quote(finish)
+		}
+		var top, choice string
+		if ids {
+			choice = fmt.Sprintf(`,"token_ids":[%d]`, firstToken+i)
+			if i == start && chat {
+				top = `,"prompt_token_ids":` + string(promptIDs)
+			} else if i == start {
+				choice += `,"prompt_token_ids":` + string(promptIDs)
+			}
+		}
+		if chat {
+			events = append(events, fmt.Sprintf(`data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m"%s,"choices":[{"index":0,"delta":{"content":"t%d"},"finish_reason":%s%s}]}`+"\n\n", top, i, fr, choice))
+		} else {
+			events = append(events, fmt.Sprintf(`data: {"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"t%d","finish_reason":%s%s}]}`+"\n\n", i, fr, choice))
+		}
+	}
+	return append(events, "data: [DONE]\n\n")
 }
 
 // sendsHead reports whether an engine with fault answers 200: an SGLang prefiller then did

@@ -2,6 +2,7 @@ package faultengine
 
 import (
 	"bufio"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -21,10 +22,18 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // testDeadline bounds every wait here; no test measures speed against it.
 const testDeadline = 10 * time.Second
 
-// post writes a completion request on c.
-func post(t *testing.T, c net.Conn) {
+// post writes a completion request on c, streamed or not.
+func post(t *testing.T, c net.Conn, stream bool) {
 	t.Helper()
 	body := `{"model":"m","prompt":"hello","max_tokens":8}`
+	if stream {
+		body = `{"model":"m","prompt":"hello","max_tokens":8,"stream":true}`
+	}
+	postBody(t, c, body)
+}
+
+func postBody(t *testing.T, c net.Conn, body string) {
+	t.Helper()
 	if _, err := fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body); err != nil {
 		t.Fatalf("write request: %v", err)
 	}
@@ -35,7 +44,8 @@ func post(t *testing.T, c net.Conn) {
 // the rest), before the peer got a byte of the answer: a test that acts on the signal acts
 // before the fault can have any effect.
 func TestEveryFaultIsSignalledBeforeItStrikes(t *testing.T) {
-	for _, f := range Faults() {
+	for _, f := range append(Faults(), StreamFaults()...) {
+		stream := f == ShortStream || f == MidError
 		t.Run(string(f), func(t *testing.T) {
 			struck := make(chan Fault, 4)
 			resume := make(chan struct{})
@@ -53,7 +63,7 @@ func TestEveryFaultIsSignalledBeforeItStrikes(t *testing.T) {
 			}
 			defer c.Close()
 			br := bufio.NewReader(c)
-			post(t, c)
+			post(t, c, stream)
 			if f == KeepAliveReset {
 				// Its fault is on the kept-open connection, as the next request arrives.
 				resp, err := http.ReadResponse(br, nil)
@@ -62,7 +72,7 @@ func TestEveryFaultIsSignalledBeforeItStrikes(t *testing.T) {
 				}
 				io.Copy(io.Discard, resp.Body)
 				resp.Body.Close()
-				post(t, c)
+				post(t, c, stream)
 			}
 			select {
 			case got := <-struck:
@@ -108,7 +118,7 @@ func TestBigHeadersAnswerWholeUnderAnOversizedHead(t *testing.T) {
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(testDeadline))
-	post(t, c)
+	post(t, c, false)
 	br := bufio.NewReader(c)
 	resp, err := http.ReadResponse(br, nil)
 	if err != nil {
@@ -127,5 +137,114 @@ func TestBigHeadersAnswerWholeUnderAnOversizedHead(t *testing.T) {
 	b, err := io.ReadAll(resp.Body)
 	if err != nil || resp.StatusCode != 200 || !strings.Contains(string(b), `"text":"hello"`) {
 		t.Fatalf("status %d, %q (%v): want the whole completion", resp.StatusCode, b, err)
+	}
+}
+
+// streamOf posts body to e's completions and returns the data of each event the stream
+// carried, and the error that ended the read (nil for a clean end).
+func streamOf(t *testing.T, e *Engine, path, body string) ([]string, error) {
+	t.Helper()
+	client := &http.Client{Timeout: testDeadline}
+	resp, err := client.Post(e.URL()+path, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatalf("post: %v", err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	var events []string
+	for _, ev := range strings.Split(string(b), "\n\n") {
+		if d, ok := strings.CutPrefix(ev, "data: "); ok {
+			events = append(events, d)
+		}
+	}
+	return events, err
+}
+
+// TestAStreamReportsItsIdsAndGoesOnFromThem: a stream asked for its token ids reports them as
+// vLLM does, a stream's faults strike half way, and a completions prompt of the prompt's ids
+// and those already generated goes on with the next token, as a continuation expects.
+func TestAStreamReportsItsIdsAndGoesOnFromThem(t *testing.T) {
+	type choice struct {
+		Text         string `json:"text"`
+		Delta        *struct{ Content string }
+		FinishReason *string `json:"finish_reason"`
+		TokenIDs     []int   `json:"token_ids"`
+		PromptIDs    []int   `json:"prompt_token_ids"`
+	}
+	type event struct {
+		PromptIDs []int           `json:"prompt_token_ids"`
+		Choices   []choice        `json:"choices"`
+		Error     json.RawMessage `json:"error"`
+	}
+	// summary is what a client reads: the tokens' text and ids, finish reasons, an error
+	// event, [DONE], and how the read ended.
+	summary := func(events []string, err error) string {
+		var parts []string
+		for _, d := range events {
+			if d == "[DONE]" {
+				parts = append(parts, "[DONE]")
+				continue
+			}
+			var ev event
+			if jerr := json.Unmarshal([]byte(d), &ev); jerr != nil {
+				t.Fatalf("event %q: %v", d, jerr)
+			}
+			if ev.Error != nil {
+				parts = append(parts, "error")
+			}
+			if ev.PromptIDs != nil {
+				parts = append(parts, fmt.Sprintf("prompt%v", ev.PromptIDs))
+			}
+			for _, c := range ev.Choices {
+				text := c.Text
+				if c.Delta != nil {
+					text = c.Delta.Content
+				}
+				if c.PromptIDs != nil {
+					parts = append(parts, fmt.Sprintf("prompt%v", c.PromptIDs))
+				}
+				p := fmt.Sprintf("%s%v", text, c.TokenIDs)
+				if c.FinishReason != nil {
+					p += "/" + *c.FinishReason
+				}
+				parts = append(parts, p)
+			}
+		}
+		if err != nil {
+			parts = append(parts, "cut")
+		}
+		return strings.Join(parts, " ")
+	}
+	for _, tc := range []struct {
+		name  string
+		fault Fault
+		path  string
+		body  string
+		want  string
+	}{
+		{"whole, with ids", None, "/v1/completions", `{"prompt":"hi","max_tokens":8,"stream":true,"return_token_ids":true}`,
+			"prompt[104 105] t0[1000] t1[1001] t2[1002] t3[1003]/stop [DONE]"},
+		{"without ids unless asked", None, "/v1/completions", `{"prompt":"hi","stream":true}`, "t0[] t1[] t2[] t3[]/stop [DONE]"},
+		{"a chat's prompt ids at the top of its first chunk", None, "/v1/chat/completions",
+			`{"messages":[],"max_completion_tokens":2,"stream":true,"return_token_ids":true}`, "prompt[91 93] t0[1000] t1[1001]/length [DONE]"},
+		{"max_tokens ends it first", None, "/v1/completions", `{"prompt":"hi","max_tokens":3,"stream":true}`, "t0[] t1[] t2[]/length [DONE]"},
+		{"a prompt of ids goes on where its generated ids leave off", None, "/v1/completions",
+			`{"prompt":[104,105,1000,1001],"max_tokens":6,"stream":true,"return_token_ids":true}`, "prompt[104 105 1000 1001] t2[1002] t3[1003]/stop [DONE]"},
+		{"mid_reset: half the tokens, then the reset", MidReset, "/v1/completions", `{"prompt":"hi","stream":true}`, "t0[] t1[] cut"},
+		{"mid_close: half the tokens, then the close", MidClose, "/v1/completions", `{"prompt":"hi","stream":true}`, "t0[] t1[] cut"},
+		{"short_stream: half the tokens, then a clean end", ShortStream, "/v1/completions", `{"prompt":"hi","stream":true}`, "t0[] t1[]"},
+		{"mid_error: half the tokens, an error event, [DONE]", MidError, "/v1/chat/completions", `{"messages":[],"stream":true}`, "t0[] t1[] error [DONE]"},
+		{"no_done: every token, then a clean end", NoDone, "/v1/completions", `{"prompt":"hi","stream":true}`, "t0[] t1[] t2[] t3[]/stop"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e, err := Start(Config{Protocol: VLLM, Fault: tc.fault})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer e.Close()
+			if got := summary(streamOf(t, e, tc.path, tc.body)); got != tc.want {
+				t.Errorf("the client read %q, want %q", got, tc.want)
+			}
+		})
 	}
 }
