@@ -200,11 +200,11 @@ func (x *exchange) canMove(err error) bool {
 	switch {
 	case rs.refused != "":
 		return refuse(rs.refused)
+	case rs.finished:
+		return refuse(refuseFinished)
 	case !continuable(x.legs.decode.Engine):
 		// Checked before the ids: such an engine is never asked for them.
 		return refuse(refuseEngine)
-	case rs.finished:
-		return refuse(refuseFinished)
 	case rs.prompt == nil:
 		return refuse(refuseNoTokenIDs)
 	case rs.left <= 0:
