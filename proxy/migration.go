@@ -92,6 +92,9 @@ type resume struct {
 	// for that watch's goroutine, whether the stream could go on elsewhere now.
 	watching bool
 	movable  atomic.Bool
+	// client is the body the client sent: every continuation is built from it, with all the
+	// tokens sent so far, not from the continuation before it.
+	client *kvbackend.Fields
 	// withIDs is the client's body asking for the token ids, for a first decode on an engine
 	// that reports them (fieldsFor); nil when the client asked itself, or the stream cannot
 	// move anyway. A continuation's body asks for them already.
@@ -113,7 +116,8 @@ func (x *exchange) planResume() *apiError {
 	if x.s.cfg.MigrationLimit <= 0 || !x.req.stream || x.req.responses {
 		return nil
 	}
-	rs := &resume{left: x.s.cfg.MigrationLimit, maxIDs: x.s.cfg.MigrationMaxTokens, chat: x.req.chat, refused: unresumable(x.req)}
+	rs := &resume{left: x.s.cfg.MigrationLimit, maxIDs: x.s.cfg.MigrationMaxTokens, chat: x.req.chat, refused: unresumable(x.req),
+		client: x.req.fields}
 	if raw, ok := x.req.fields.Field("return_token_ids"); ok && string(raw) == "true" {
 		rs.clientIDs = true
 	} else if rs.refused == "" {
@@ -237,7 +241,7 @@ func (x *exchange) moveOn(c *custody, cause error) *apiError {
 	x.tries.avoid = append(x.tries.avoid, dead.Name)
 	prompt := make([]uint32, 0, len(rs.prompt)+len(rs.sent))
 	prompt = append(append(prompt, rs.prompt...), rs.sent...)
-	body, err := engineOf(dead).(kvbackend.Continuer).ContinueBody(x.req.fields, rs.chat, prompt, len(rs.sent))
+	body, err := engineOf(dead).(kvbackend.Continuer).ContinueBody(rs.client, rs.chat, prompt, len(rs.sent))
 	if errors.Is(err, kvbackend.ErrNothingLeft) {
 		x.s.m.migrations.WithLabelValues(reason, moveRefused).Inc()
 		x.s.m.migrationRefusals.WithLabelValues(refuseNothing).Inc()

@@ -1,0 +1,109 @@
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// TestAStreamMovedTwiceGetsEveryTokenItAskedFor: a greedy completions stream of 40 tokens,
+// decode-only on three simulated decoders, whose decoder is killed after 8 tokens and whose
+// second decoder is killed after 16: it goes on on the third and ends with all 40 tokens, the
+// unbroken answer's.
+func TestAStreamMovedTwiceGetsEveryTokenItAskedFor(t *testing.T) {
+	base := sim.DefaultConfig()
+	base.PrefillTime, base.ITL, base.KVHeartbeatInterval = time.Millisecond, 4*time.Millisecond, 0
+	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
+	cfg.Proxy.MigrationLimit = 3
+	logger := zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel))
+	var ds []*sim.Server
+	for i := range 3 {
+		d, err := sim.Listen(base, "127.0.0.1:0", logger)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { d.Close() })
+		ds = append(ds, d)
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: router.RoleDecode, Engine: "vllm"})
+	}
+	s := startConfig(t, logger, cfg)
+	const n = 40
+	body := fmt.Sprintf(`{"model":"sim","prompt":"once upon a time","max_tokens":%d,"ignore_eos":true,"temperature":0,"stream":true}`, n)
+	read := func(url string, kill func(chunk int)) (text string, tokens int) {
+		resp, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		sc := bufio.NewScanner(resp.Body)
+		var sb strings.Builder
+		for sc.Scan() {
+			payload, ok := bytes.CutPrefix(sc.Bytes(), []byte("data: "))
+			if !ok || string(payload) == "[DONE]" {
+				continue
+			}
+			var ev struct {
+				Choices []struct {
+					Text string `json:"text"`
+				} `json:"choices"`
+			}
+			if err := json.Unmarshal(payload, &ev); err != nil {
+				t.Fatalf("event %s: %v", payload, err)
+			}
+			for _, c := range ev.Choices {
+				sb.WriteString(c.Text)
+				tokens++
+				if kill != nil {
+					kill(tokens)
+				}
+			}
+		}
+		return sb.String(), tokens
+	}
+	busy := func() *sim.Server {
+		for _, d := range ds {
+			select {
+			case <-d.Died():
+				continue
+			default:
+			}
+			if d.Engine().Stats().RunningRequests > 0 {
+				return d
+			}
+		}
+		t.Fatal("no decoder runs the stream")
+		return nil
+	}
+	got, tokens := read(s.url, func(chunk int) {
+		if chunk == 8 || chunk == 16 {
+			busy().Kill()
+		}
+	})
+	var survivor *sim.Server
+	for _, d := range ds {
+		select {
+		case <-d.Died():
+		default:
+			survivor = d
+		}
+	}
+	if survivor == nil {
+		t.Fatal("every decoder died")
+	}
+	want, _ := read(survivor.URL(), nil)
+	if tokens != n || got != want {
+		t.Fatalf("the stream moved twice read %d tokens, want %d:\n%q\nwant the unbroken answer\n%q", tokens, n, got, want)
+	}
+}
