@@ -261,7 +261,7 @@ func (x *exchange) run(parse func([]byte) (*genRequest, *apiError)) *apiError {
 		return e
 	}
 	x.hdr = x.s.engineHeader(x.r.Header)
-	return x.track(x.serve)
+	return x.track(func(c *custody) *apiError { return x.serve(c, x.attemptTraced) })
 }
 
 // engineHeader is what of a client's headers goes to the engines.
@@ -314,9 +314,9 @@ func (x *exchange) hint(exclude []string) router.Hint {
 // serve serves the request, attempt after attempt while a stream goes on on other decoders
 // (migration.go) or a pair that failed before the client got anything is replaced by a fresh
 // one (freshpair.go). It takes the custody.
-func (x *exchange) serve(c *custody) *apiError {
+func (x *exchange) serve(c *custody, attempt func(c *custody) *apiError) *apiError {
 	for {
-		switch e := x.attemptTraced(c); e {
+		switch e := attempt(c); e {
 		case errMoveOn:
 			if e := x.moveOn(c, x.out.broke); e != nil {
 				return e

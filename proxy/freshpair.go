@@ -3,6 +3,7 @@ package proxy
 import (
 	"errors"
 	"net/http"
+	"slices"
 
 	"go.opentelemetry.io/otel/trace"
 
@@ -86,19 +87,7 @@ func (x *exchange) freshPair(c *custody, res router.Result, role router.Role, re
 		return nil
 	}
 	*used++
-	a := c.split(res)
-	p, d, pl := x.legs.prefill, x.legs.decode, x.legs.paired
-	switch {
-	case pl != nil && hold != nil:
-		x.s.abortLegs(a.pass(), pl, p, d, hold, nil, x.req)
-	case pl != nil:
-		x.s.abortDecodeLeg(a.span, pl.rids, d)
-		a.end(x.s)
-	case hold != nil:
-		x.s.startRelease(x.s.cfg.KVRelease, a.pass(), x.held(hold))
-	default:
-		a.end(x.s)
-	}
+	x.letGo(c.split(res), hold)
 	x.tries.avoid = append(x.tries.avoid, avoid...)
 	x.s.m.retries.WithLabelValues(string(role), reason).Inc()
 	if x.span != nil {
@@ -119,16 +108,7 @@ func (x *exchange) freshPair(c *custody, res router.Result, role router.Role, re
 // (with none, it is b or nothing).
 func (x *exchange) othersUsable(b *router.Backend) bool {
 	for _, o := range x.s.router.Available(b.Role) {
-		if o != b && !contains(x.tries.avoid, o.Name) && (x.req.model == "" || o.Serves(x.req.model)) {
-			return true
-		}
-	}
-	return false
-}
-
-func contains(names []string, name string) bool {
-	for _, n := range names {
-		if n == name {
+		if o != b && !slices.Contains(x.tries.avoid, o.Name) && (x.req.model == "" || o.Serves(x.req.model)) {
 			return true
 		}
 	}

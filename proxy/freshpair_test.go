@@ -90,10 +90,10 @@ func TestADecoderThatDiesBeforeItsFirstByteIsReplaced(t *testing.T) {
 		t.Errorf("retries{decode,decoder_failed} = %v, want 1", n)
 	}
 	h.waitQuiet()
-	if n := failuresOf(h, "d1") + failuresOf(h, "p0"); n != 0 {
+	if n := failuresCharged(h, "d1") + failuresCharged(h, "p0"); n != 0 {
 		t.Errorf("healthy engines were charged %v failures", n)
 	}
-	if n := failuresOf(h, "d0"); n == 0 {
+	if n := failuresCharged(h, "d0"); n == 0 {
 		t.Error("the decoder that died was charged nothing")
 	}
 	if n := h.table.OutstandingHolds(); n != 0 {
@@ -190,55 +190,4 @@ func TestADecoderDownAfterItsReservationGetsNoDecode(t *testing.T) {
 		t.Errorf("the decoder that is up got %d decodes, want 1", n)
 	}
 	h.waitQuiet()
-}
-
-// failuresOf is how many of backend's calls were charged as failures.
-func failuresOf(h *harness, backend string) float64 {
-	var n float64
-	for _, code := range []string{"error", "500", "502", "503", "504"} {
-		n += h.value("pdproxy_backend_requests_total", map[string]string{"backend": backend, "code": code})
-	}
-	return n
-}
-
-// A pool whose every prefiller is down follows prefill_unavailable: a decoder alone serves the
-// request, or it fails with a 503 naming the prefillers; decode_only_fallback, which decides
-// after prefills failed, does not decide this.
-func TestPrefillUnavailableDecidesWhenNoPrefillerIsUsable(t *testing.T) {
-	off := false
-	for _, tc := range []struct {
-		mode     string
-		fallback *bool
-		status   int
-	}{
-		{"decode_only", &off, http.StatusOK},
-		{"fail", nil, http.StatusServiceUnavailable},
-		{"", nil, http.StatusOK},                  // decode_only_fallback on: decode_only
-		{"", &off, http.StatusServiceUnavailable}, // decode_only_fallback off: fail
-	} {
-		t.Run(tc.mode+map[bool]string{true: "/fallback_off", false: ""}[tc.fallback != nil], func(t *testing.T) {
-			d := newEngine(t, vllmDecode)
-			h := newHarness(t, Config{PrefillUnavailable: tc.mode, DecodeOnlyFallback: tc.fallback},
-				router.Config{Backends: []router.BackendConfig{prefiller("p0", closedURL(t)), decoder("d0", d.URL())}})
-			// The first request finds p0 refusing connections, which marks it down at once.
-			h.post("/v1/completions", `{"model":"m","prompt":"a","max_tokens":2}`)
-			eventually(t, "p0 is down", func() bool { return len(h.rt.Available(router.RolePrefill)) == 0 })
-			before := len(d.generations())
-			resp, body := h.post("/v1/completions", `{"model":"m","prompt":"hello","max_tokens":2}`)
-			if resp.StatusCode != tc.status {
-				t.Fatalf("status %d, want %d: %s", resp.StatusCode, tc.status, body)
-			}
-			if tc.status != http.StatusOK {
-				checkOpenAIError(t, resp, body, tc.status)
-				if n := len(d.generations()) - before; n != 0 {
-					t.Errorf("the decoder got %d calls for a request that fails", n)
-				}
-				return
-			}
-			g := d.generations()
-			if len(g)-before != 1 || strings.Contains(string(g[len(g)-1].Body), "kv_transfer_params\":{") {
-				t.Errorf("the decoder got %d calls, the last %s; want one decode-only call", len(g)-before, g[len(g)-1].Body)
-			}
-		})
-	}
 }

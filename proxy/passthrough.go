@@ -108,14 +108,10 @@ func (x *exchange) runPass(p passRoute) *apiError {
 		}
 	}
 	x.hdr = x.s.engineHeader(x.r.Header)
+	// A decoder that failed before the first byte reached the client is replaced, as for a
+	// generation (freshpair.go): the body goes to another one.
 	return x.track(func(c *custody) *apiError {
-		for {
-			// A decoder that failed before the first byte reached the client is replaced
-			// (freshpair.go): the body goes to another one.
-			if e := x.servePass(c, body, ctype); e != errFreshPair {
-				return e
-			}
-		}
+		return x.serve(c, func(c *custody) *apiError { return x.servePass(c, body, ctype) })
 	})
 }
 

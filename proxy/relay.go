@@ -8,8 +8,6 @@ import (
 	"net/http"
 	"sync"
 	"time"
-
-	"github.com/pdproxy/pdproxy/kvbackend"
 )
 
 // The relay's read buffers. A read returns whatever the decoder has sent so far, and that
@@ -110,7 +108,7 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 				// From its first byte on, a stream that can go on elsewhere leaves a decoder
 				// that is going away before it breaks.
 				rs.watching = true
-				if _, ok := engineOf(x.legs.decode).(kvbackend.Continuer); ok {
+				if continuable(x.legs.decode.Engine) {
 					wd.cutWhenLeaving(x.legs.decode.Leaving(), rs.movable.Load)
 				}
 			}

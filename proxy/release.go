@@ -106,16 +106,27 @@ func (x *exchange) failWith(c *custody, res router.Result, e *apiError) *apiErro
 func (x *exchange) fail(c *custody, res router.Result) {
 	c.res = res
 	act, hold := x.s.table.Fail(x.id)
+	if act != lifecycle.ReleaseKV {
+		hold = nil
+	}
+	x.letGo(c, hold)
+}
+
+// letGo lets go of what the request's legs hold once they failed, and ends the custody c,
+// which it takes: hold (nil when none is left to release) is released as the mode releases a
+// failed request's, and paired legs are aborted. fail uses it for the request; a fresh pair
+// (freshPair) for the attempt it replaces, with the attempt's own custody.
+func (x *exchange) letGo(c *custody, hold *lifecycle.Hold) {
 	pl := x.legs.paired
 	switch {
-	case pl != nil && act == lifecycle.ReleaseKV:
+	case pl != nil && hold != nil:
 		// No drain: the request failed because one of its engines did, and a drain would go
 		// to its decoder, which may be that one.
 		x.s.abortLegs(c, pl, x.legs.prefill, x.legs.decode, hold, nil, x.req)
 	case pl != nil:
 		x.s.abortDecodeLeg(c.span, pl.rids, x.legs.decode)
 		c.end(x.s)
-	case act == lifecycle.ReleaseKV:
+	case hold != nil:
 		x.s.startRelease(x.s.cfg.KVRelease, c, x.held(hold))
 	default:
 		c.end(x.s)
