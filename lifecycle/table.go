@@ -346,9 +346,7 @@ func (t *Table) Continue(id string) bool {
 		t.late("continue", id)
 		return false
 	}
-	e.attempts++
-	e.prefill, e.decode, e.hold, e.deadline, e.paired = "", "", nil, time.Time{}, false
-	t.setState(e, Received)
+	t.nextAttempt(e)
 	return true
 }
 
@@ -374,10 +372,16 @@ func (t *Table) Retry(id string) (hold *Hold, ok bool) {
 	if e.hold != nil && !e.hold.Released() {
 		hold = e.hold
 	}
+	t.nextAttempt(e)
+	return hold, true
+}
+
+// nextAttempt starts e's next attempt: back in Received, with no legs and no hold. Callers
+// hold t.mu.
+func (t *Table) nextAttempt(e *entry) {
 	e.attempts++
 	e.prefill, e.decode, e.hold, e.deadline, e.paired = "", "", nil, time.Time{}, false
 	t.setState(e, Received)
-	return hold, true
 }
 
 // Finish ends a request that completed.
