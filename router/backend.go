@@ -79,6 +79,9 @@ type backendState struct {
 	// a dead backend with nothing in flight is every policy's first pick the moment its
 	// back-off ends, and draws a burst of requests into failure.
 	probation atomic.Bool
+	// epoch counts the backend's returns to service: its checks bringing it up again, or its
+	// probation ending. A request that left the backend avoids it only within one epoch.
+	epoch atomic.Uint64
 	// load is what least_loaded scraped of the engine.
 	load loadState
 	// models is what the engine's /v1/models listed at its last answer; nil until then.
@@ -431,7 +434,7 @@ func (b *Backend) observe(failed bool, now time.Time, e EjectionConfig) (ejected
 		s.failStreak = 0
 		if !b.ejected(now) {
 			s.backoffExp = 0
-			s.probation.Store(false)
+			b.endProbationLocked()
 		}
 		return 0
 	}
@@ -448,6 +451,36 @@ func (b *Backend) observe(failed bool, now time.Time, e EjectionConfig) (ejected
 	}
 	return b.ejectLocked(now, e, why)
 }
+
+// endProbationLocked ends the backend's probation, if it is on one: it is back in service.
+// b.st.mu is held.
+func (b *Backend) endProbationLocked() bool {
+	if !b.st.probation.Swap(false) {
+		return false
+	}
+	b.st.epoch.Add(1)
+	return true
+}
+
+// answered is what a first byte of an answer tells passive health: a backend back from
+// ejection that answers is alive, and its probation ends at once rather than at the end of a
+// stream that may last minutes, during which it would take no other request. Its failure
+// streak is left to the request's outcome: a backend that breaks every stream mid-answer is
+// still ejected. It reports whether the probation ended.
+func (b *Backend) answered(now time.Time) bool {
+	if !b.st.probation.Load() {
+		return false
+	}
+	s := b.st
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return !b.ejected(now) && b.endProbationLocked()
+}
+
+// Epoch counts the backend's returns to service (its checks bringing it up again after it was
+// down, or its probation after an ejection ending): a request that left the backend when it
+// failed may come back to it once its epoch has moved on, as to a new engine.
+func (b *Backend) Epoch() uint64 { return b.st.epoch.Load() }
 
 // ejectLocked takes the backend out for the next back-off and puts it on probation.
 // b.st.mu is held.
@@ -514,6 +547,7 @@ func (b *Backend) check(ok bool, refusal string, h HealthConfig) (change int, wh
 		if !s.up.Load() && s.checkPasses >= h.HealthyThreshold {
 			s.leaving.Store(newLeaving())
 			s.up.Store(true)
+			s.epoch.Add(1)
 			return 1, ""
 		}
 		return 0, ""

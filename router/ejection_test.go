@@ -9,6 +9,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
 // errTransport is a call that broke after its connection was made, which counts toward
@@ -232,4 +234,36 @@ func TestABackendBackFromEjectionTakesOneRequestUntilItSucceeds(t *testing.T) {
 	}
 	a.Release(Result{Status: 200})
 	b.Release(Result{Status: 200})
+}
+
+// A stream's first byte proves a backend back from an ejection alive: its probation ends then,
+// not when the stream does, and a request queued for it goes at once; a stream that then breaks
+// still counts against it.
+func TestABackendOnProbationTakesRequestsAgainFromItsFirstByte(t *testing.T) {
+	r, _, clk := newTestRouter(t, Config{
+		Backends: backendsCfg(RoleDecode, "d", 1, 0),
+		Ejection: EjectionConfig{ConsecutiveFailures: 1, BaseBackoff: time.Second, MaxBackoff: 8 * time.Second},
+	})
+	d := r.decode.backends[0]
+	send(t, r, Result{Status: 503})
+	if d.Ejections() != 1 {
+		t.Fatalf("ejections %d, want 1", d.Ejections())
+	}
+	before := d.Epoch()
+	clk.Advance(time.Second)
+	stream := mustAcquire(t, r, RoleDecode, Hint{})
+	queuedAcquire := acquireAsync(t, r, context.Background(), Hint{})
+	stream.Answered()
+	second := testutil.Recv(t, testutil.Timeout, queuedAcquire, "the queued request to go after the stream's first byte")
+	if second.err != nil {
+		t.Fatal(second.err)
+	}
+	if d.Epoch() == before {
+		t.Fatal("the end of probation did not move the backend's epoch")
+	}
+	second.lease.Release(Result{Status: 200})
+	stream.Release(Result{Err: errTransport})
+	if d.Ejections() != 2 {
+		t.Fatalf("ejections %d after the stream broke, want 2: a first byte must not excuse a failure", d.Ejections())
+	}
 }

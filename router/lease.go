@@ -80,6 +80,19 @@ func (l *Lease) Backend() *Backend {
 	return l.b
 }
 
+// Answered tells passive health that the backend has begun to answer the request under the
+// lease (its first byte came back): a backend on probation after an ejection takes requests
+// again from then on, not only once this one ends. The request's outcome still counts, at
+// Release.
+func (l *Lease) Answered() {
+	if l == nil || l.released.Load() || !l.b.answered(l.p.r.now()) {
+		return
+	}
+	l.p.mu.Lock()
+	l.p.dispatchLocked() // requests queued while it took one at a time may go now
+	l.p.mu.Unlock()
+}
+
 // Release ends the lease. Only the first call counts; later calls, from any goroutine,
 // do nothing, so a deferred Release may back up an explicit one. res feeds passive
 // health: a connect error or a 5xx counts a failure, a success resets the streak, a
