@@ -301,8 +301,8 @@ func (x *exchange) track(serve func(c *custody) *apiError) (e *apiError) {
 }
 
 func (x *exchange) hint(exclude []string) router.Hint {
-	if avoid := x.tries.avoid; len(avoid) > 0 {
-		exclude = append(exclude[:len(exclude):len(exclude)], avoid...)
+	if len(x.tries.avoid) > 0 {
+		exclude = x.tries.avoided(exclude[:len(exclude):len(exclude)])
 	}
 	h := router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.req.text, Tokens: x.legs.tokens, Model: x.req.model, Exclude: exclude}
 	if x.class != nil {

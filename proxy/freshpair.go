@@ -3,7 +3,6 @@ package proxy
 import (
 	"errors"
 	"net/http"
-	"slices"
 
 	"go.opentelemetry.io/otel/trace"
 
@@ -36,14 +35,47 @@ var errFreshPair = newError(errBackendUnreachable, "the pair failed before the f
 // tries is what a request's attempts leave to the next.
 type tries struct {
 	// avoid are the engines a later attempt does not go to: decoders a stream left, engines
-	// that failed a pair.
-	avoid []string
+	// that failed a pair, each until it returns to service (avoided).
+	avoid []avoided
 	// prefill and decode count the fresh pairs tried after a failure of that role.
 	prefill, decode int
 	// n counts the attempts begun; span is the one under way's trace span (nil when tracing
 	// is off), the parent of its calls' spans.
 	n    int
 	span trace.Span
+}
+
+// avoided is an engine a request's attempt failed on, as it was then: the request keeps away
+// from it until it has returned to service (its epoch moved: its checks saw it down and up
+// again, or its probation after an ejection ended), as a restarted engine is a new one.
+type avoided struct {
+	b     *router.Backend
+	epoch uint64
+}
+
+func avoidOf(b *router.Backend) avoided { return avoided{b: b, epoch: b.Epoch()} }
+
+// still reports whether the engine is still the one that failed.
+func (a avoided) still() bool { return a.b.Epoch() == a.epoch }
+
+// avoids reports whether the request still keeps away from b.
+func (t *tries) avoids(b *router.Backend) bool {
+	for _, a := range t.avoid {
+		if a.b == b && a.still() {
+			return true
+		}
+	}
+	return false
+}
+
+// avoided appends to names the engines the request still keeps away from.
+func (t *tries) avoided(names []string) []string {
+	for _, a := range t.avoid {
+		if a.still() {
+			names = append(names, a.b.Name)
+		}
+	}
+	return names
 }
 
 // Why a pair was replaced: the reason label of pdproxy_retries_total, beside the status or
@@ -69,12 +101,12 @@ func (x *exchange) freshPair(c *custody, res router.Result, role router.Role, re
 	if x.out.wrote || x.ctx.Err() != nil || *used >= budget || x.legs.decode == nil {
 		return nil
 	}
-	var avoid []string
+	var avoid []avoided
 	for _, b := range failed {
 		switch {
 		case b == nil:
 		case x.othersUsable(b):
-			avoid = append(avoid, b.Name)
+			avoid = append(avoid, avoidOf(b))
 		case reason != freshKVPull:
 			// With no other engine of its role, the next attempt would go to the one that
 			// just lost the request, or to none: the client is told of this failure rather
@@ -108,7 +140,7 @@ func (x *exchange) freshPair(c *custody, res router.Result, role router.Role, re
 // (with none, it is b or nothing).
 func (x *exchange) othersUsable(b *router.Backend) bool {
 	for _, o := range x.s.router.Available(b.Role) {
-		if o != b && !slices.Contains(x.tries.avoid, o.Name) && (x.req.model == "" || o.Serves(x.req.model)) {
+		if o != b && !x.tries.avoids(o) && (x.req.model == "" || o.Serves(x.req.model)) {
 			return true
 		}
 	}

@@ -238,7 +238,7 @@ func (x *exchange) moveOn(c *custody, cause error) *apiError {
 	reason := moveReason(cause)
 	dead := x.legs.decode
 	c.giveBackLease(resultOf(cause, nil))
-	x.tries.avoid = append(x.tries.avoid, dead.Name)
+	x.tries.avoid = append(x.tries.avoid, avoidOf(dead))
 	prompt := make([]uint32, 0, len(rs.prompt)+len(rs.sent))
 	prompt = append(append(prompt, rs.prompt...), rs.sent...)
 	body, err := engineOf(dead).(kvbackend.Continuer).ContinueBody(rs.client, rs.chat, prompt, len(rs.sent))

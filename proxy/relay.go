@@ -74,10 +74,16 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 		}
 	}
 	rs := x.out.resume
+	answered := false
 	for {
 		data, more, rerr := next()
 		if len(data) > 0 {
 			wd.onBytes() // the decoder answered, whatever of it goes out
+			if !answered {
+				// A decoder back from an ejection is alive again from its first byte on.
+				answered = true
+				c.lease.Answered()
+			}
 		}
 		if rs != nil {
 			// Whole events only: a stream that goes on elsewhere must not leave half of one.
