@@ -186,6 +186,13 @@ func (s *Server) finish(x *exchange, status int, err *apiError) {
 	if x.legs.fallback {
 		fields = append(fields, zap.Bool("decode_only_fallback", true))
 	}
+	if x.tries.n > 1 {
+		// Served by more than one attempt: on fresh pairs, or moved mid-stream.
+		fields = append(fields, zap.Int("attempts", x.tries.n))
+		if rs := x.out.resume; rs != nil && rs.attempt > 0 {
+			fields = append(fields, zap.Int("migrations", rs.attempt))
+		}
+	}
 	if err != nil {
 		fields = append(fields, zap.String("error", err.Error()))
 	}

@@ -54,7 +54,12 @@ func BenchmarkPDStream(b *testing.B) {
 // when the test ends.
 func startMain(tb testing.TB, cfg app.Config) *app.Main {
 	tb.Helper()
-	logger := zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()), zapcore.AddSync(io.Discard), zap.InfoLevel))
+	return startMainLogged(tb, cfg, zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()), zapcore.AddSync(io.Discard), zap.InfoLevel)))
+}
+
+// startMainLogged is startMain logging to logger.
+func startMainLogged(tb testing.TB, cfg app.Config, logger *zap.Logger) *app.Main {
+	tb.Helper()
 	m, err := app.New(cfg, logger)
 	if err != nil {
 		tb.Fatal(err)

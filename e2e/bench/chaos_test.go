@@ -1,0 +1,379 @@
+package bench
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// chaosParams sizes TestChaos: the tiny run (every `go test`) kills a decoder a few times
+// under a handful of streams; PDPROXY_BENCH_CHAOS=full is the measurement.
+type chaosParams struct {
+	name       string
+	decoders   int
+	clients    int           // streams open at once, each client opening the next when one ends
+	tokens     int           // max_tokens of every stream
+	itl        time.Duration // the simulated engines' inter-token latency
+	duration   time.Duration // how long the clients open streams
+	killEvery  time.Duration // a live decoder is killed this often...
+	downFor    time.Duration // ...and restarted this much later
+	contenders []chaosContender
+}
+
+// chaosContender is one proxy configuration the chaos is run against.
+type chaosContender struct {
+	name      string
+	migration int  // migration_limit
+	noEject   bool // passive ejection off (consecutive_failures: -1)
+	// whole says whether every stream must reach its client whole: what migration promises.
+	whole bool
+}
+
+func chaosParamsOf(t *testing.T) chaosParams {
+	p := chaosParams{name: "tiny", decoders: 2, clients: 6, tokens: 24, itl: 10 * time.Millisecond, duration: 3 * time.Second,
+		killEvery: time.Second, downFor: 300 * time.Millisecond,
+		contenders: []chaosContender{{name: "migration_limit 3", migration: 3, whole: true}}}
+	if os.Getenv("PDPROXY_BENCH_CHAOS") == "full" {
+		p = chaosParams{name: "full", decoders: 3, clients: 24, tokens: 48, itl: 20 * time.Millisecond, duration: 60 * time.Second,
+			killEvery: 2 * time.Second, downFor: time.Second,
+			contenders: []chaosContender{
+				{name: "migration_limit 3", migration: 3, whole: true},
+				{name: "migration_limit 3, ejection off", migration: 3, noEject: true, whole: true},
+				{name: "migration_limit 0", migration: 0},
+			}}
+	}
+	return p
+}
+
+// TestChaos is a rolling crash of the decoders under streams: a prefiller and p.decoders
+// decoders of the sim, each an HTTP server of its own on loopback, behind the proxy on P/D;
+// p.clients clients open greedy completions streams back to back (16 prompts, temperature 0,
+// so an unbroken answer is known); every p.killEvery a live decoder is killed as SIGKILL kills
+// (every connection closed at once, the listener gone, its KV lost) and restarted p.downFor
+// later, empty. For each contender it reports the streams that reached their client whole
+// (every token, [DONE], the text of an unbroken answer), those a kill hit mid-answer (the
+// proxy's request log counts their migrations, or their client got a part of the answer), what the proxy migrated and refused, the largest gap within
+// each stream (hit and not), and the KV the prefiller still holds once the streams are over.
+//
+// It asserts what a user would notice: with migration on every stream is whole; under any
+// contender nothing is left held on the prefiller, in the proxy's table or on its leases.
+// PDPROXY_BENCH_CHAOS=full is the measurement (3 decoders, 24 clients, 48-token streams at a
+// 20 ms ITL for 60 s, a kill every 2 s, each contender in turn); PDPROXY_BENCH_CHAOS_OUT=FILE
+// also writes the table to FILE.
+func TestChaos(t *testing.T) {
+	p := chaosParamsOf(t)
+	var rows []string
+	for _, c := range p.contenders {
+		r := runChaos(t, p, c)
+		rows = append(rows, r.row(c.name))
+		if c.whole && r.whole != r.streams {
+			t.Errorf("%s: %d of %d streams reached their client whole (cut %d, refused %d, wrong text %d); migration promises all",
+				c.name, r.whole, r.streams, r.cut, r.refused, r.wrong)
+		}
+	}
+	table := fmt.Sprintf("chaos (%s: %d decoders, %d clients, %d tokens at %v, %v, a kill every %v, down %v)\n\n",
+		p.name, p.decoders, p.clients, p.tokens, p.itl, p.duration, p.killEvery, p.downFor) +
+		"| contender | streams | whole | hit by a kill | hit, whole | migrated | not migratable | limit reached | tokens replayed | largest gap p50 / p99, hit | not hit | KV left |\n" +
+		"|---|---|---|---|---|---|---|---|---|---|---|---|\n" + strings.Join(rows, "\n") + "\n"
+	t.Log("\n" + table)
+	if out := os.Getenv("PDPROXY_BENCH_CHAOS_OUT"); out != "" {
+		if err := os.WriteFile(out, []byte(table), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// chaosRun is what one contender did.
+type chaosRun struct {
+	streams, whole, cut, refused, wrong int
+	hit, hitWhole                       int
+	moved, moveRefused, exceeded        int
+	replayed                            int
+	gapHit, gapOther                    []time.Duration // each stream's largest gap, sorted
+	kvLeft                              int
+}
+
+func (r chaosRun) row(name string) string {
+	gaps := func(g []time.Duration) string {
+		if len(g) == 0 {
+			return "-"
+		}
+		return fmt.Sprintf("%.0f / %.0f ms", msf(q(g, 0.5)), msf(q(g, 0.99)))
+	}
+	return fmt.Sprintf("| %s | %d | %d | %d | %d | %d | %d | %d | %d | %s | %s | %d |", name, r.streams, r.whole, r.hit, r.hitWhole,
+		r.moved, r.moveRefused, r.exceeded, r.replayed, gaps(r.gapHit), gaps(r.gapOther), r.kvLeft)
+}
+
+// chaosStream is what a client saw of one stream.
+type chaosStream struct {
+	id     string
+	prompt int
+	status int
+	text   strings.Builder
+	tokens int
+	done   bool
+	at     []time.Time // each text event's arrival
+	err    error
+}
+
+func runChaos(t *testing.T, p chaosParams, c chaosContender) chaosRun {
+	cfg := sim.DefaultConfig()
+	cfg.ITL, cfg.PrefillTime = p.itl, 10*time.Millisecond
+	logger := zap.NewNop()
+	listen := func() *sim.Server {
+		s, err := sim.Listen(cfg, "127.0.0.1:0", logger)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		return s
+	}
+	prefiller := listen()
+	var decoders []*sim.Server
+	pc := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
+	pc.Proxy.MigrationLimit = c.migration
+	pc.Router.Health = router.HealthConfig{Interval: 200 * time.Millisecond}
+	if c.noEject {
+		pc.Router.Ejection.ConsecutiveFailures = -1
+	}
+	pc.Router.Backends = []router.BackendConfig{{Name: "p0", URL: prefiller.URL(), Role: router.RolePrefill, Engine: kvbackend.KindVLLM}}
+	for i := range p.decoders {
+		d := listen()
+		decoders = append(decoders, d)
+		pc.Router.Backends = append(pc.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: router.RoleDecode, Engine: kvbackend.KindVLLM})
+	}
+	core, logs := observer.New(zap.InfoLevel)
+	m := startMainLogged(t, pc, zap.New(core))
+	prompts := make([]string, 16)
+	for i := range prompts {
+		prompts[i] = fmt.Sprintf("chaos prompt %d: %s", i, strings.Repeat(fmt.Sprintf("word%d ", i), 40))
+	}
+	body := func(i int) string {
+		b, _ := json.Marshal(map[string]any{"model": "sim", "prompt": prompts[i], "max_tokens": p.tokens, "ignore_eos": true, "temperature": 0, "stream": true})
+		return string(b)
+	}
+
+	client := newClient(p.clients * 2)
+	defer client.CloseIdleConnections()
+	ctx, stop := context.WithTimeout(context.Background(), p.duration)
+	defer stop()
+	var (
+		mu      sync.Mutex
+		streams []*chaosStream
+		ids     atomic.Int64
+		wg      sync.WaitGroup
+	)
+	for w := range p.clients {
+		wg.Go(func() {
+			rng := rand.New(rand.NewPCG(uint64(w), 7))
+			for ctx.Err() == nil {
+				id := fmt.Sprintf("chaos-%d", ids.Add(1))
+				s := chaosRead(client, m.URL(), id, rng.IntN(len(prompts)), body)
+				mu.Lock()
+				streams = append(streams, s)
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Go(func() {
+		rng := rand.New(rand.NewPCG(1, 2))
+		tick := time.NewTicker(p.killEvery)
+		defer tick.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+			d := decoders[rng.IntN(len(decoders))]
+			d.Kill()
+			select {
+			case <-ctx.Done():
+			case <-time.After(p.downFor):
+			}
+			if err := d.Restart(); err != nil {
+				t.Errorf("restart %s: %v", d.Addr(), err)
+				return
+			}
+		}
+	})
+	wg.Wait()
+
+	// The unbroken answers, from a decoder on its own.
+	want := make([]string, len(prompts))
+	for i := range prompts {
+		s := chaosRead(client, decoders[0].URL(), "", i, body)
+		if s.err != nil || !s.done || s.tokens != p.tokens {
+			t.Fatalf("the unbroken answer to prompt %d: %v, %d tokens, done %v", i, s.err, s.tokens, s.done)
+		}
+		want[i] = s.text.String()
+	}
+	// A stream a kill hit is one the proxy moved: its request's log line counts migrations.
+	moved := map[string]bool{}
+	for _, e := range logs.FilterMessage("request").All() {
+		if n, ok := e.ContextMap()["migrations"].(int64); ok && n > 0 {
+			moved[e.ContextMap()["request_id"].(string)] = true
+		}
+	}
+	run := chaosRun{streams: len(streams)}
+	for _, s := range streams {
+		whole := s.err == nil && s.status == http.StatusOK && s.done && s.tokens == p.tokens && s.text.String() == want[s.prompt]
+		switch {
+		case whole:
+			run.whole++
+		case s.status != 0 && s.status != http.StatusOK:
+			run.refused++
+			if run.refused <= 3 {
+				t.Logf("%s: %s: %v", c.name, s.id, s.err)
+			}
+		case s.done && s.tokens == p.tokens:
+			run.wrong++
+		default:
+			run.cut++
+		}
+		largest := time.Duration(0)
+		for i := 1; i < len(s.at); i++ {
+			largest = max(largest, s.at[i].Sub(s.at[i-1]))
+		}
+		switch {
+		case moved[s.id] || !whole && len(s.at) > 0:
+			// Moved, or cut after its first token: a kill hit it mid-answer.
+			run.hit++
+			if whole {
+				run.hitWhole++
+			}
+			run.gapHit = append(run.gapHit, largest)
+		case len(s.at) > 1:
+			run.gapOther = append(run.gapOther, largest)
+		}
+	}
+	slices.Sort(run.gapHit)
+	slices.Sort(run.gapOther)
+	run.moved = counterOf(t, m.Registry, "pdproxy_migrations_total", "outcome", "migrated")
+	run.moveRefused = counterOf(t, m.Registry, "pdproxy_migrations_total", "outcome", "not_migratable")
+	run.exceeded = counterOf(t, m.Registry, "pdproxy_migrations_total", "outcome", "limit_reached")
+	run.replayed = counterOf(t, m.Registry, "pdproxy_migration_tokens_replayed_total", "", "")
+
+	// Nothing left held: every hold released by the proxy at once (the prefiller's own lease
+	// would take 30 s), the table empty, no lease in flight.
+	var st sim.KVStats
+	testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
+		st = prefiller.Engine().Stats()
+		inflight := 0
+		for _, b := range m.Router.Backends() {
+			inflight += int(b.Inflight)
+		}
+		run.kvLeft = st.BlocksHeld
+		return st.BlocksHeld == 0 && st.RunningRequests == 0 && m.Table.Len() == 0 && inflight == 0,
+			fmt.Sprintf("%s: after the last stream the prefiller holds %d blocks for %d requests, the proxy tracks %d and counts %d in flight",
+				c.name, st.BlocksHeld, st.RunningRequests, m.Table.Len(), inflight)
+	})
+	checkEngine(t, "prefiller", st)
+	return run
+}
+
+// chaosRead streams prompt i's body from url and records what its client saw.
+func chaosRead(client *http.Client, url, id string, i int, body func(int) string) *chaosStream {
+	s := &chaosStream{id: id, prompt: i}
+	req, err := http.NewRequest(http.MethodPost, url+"/v1/completions", strings.NewReader(body(i)))
+	if err != nil {
+		s.err = err
+		return s
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if id != "" {
+		req.Header.Set("X-Request-Id", id)
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		s.err = err
+		return s
+	}
+	defer resp.Body.Close()
+	s.status = resp.StatusCode
+	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		s.err = fmt.Errorf("%d: %s", resp.StatusCode, bytes.TrimSpace(msg))
+		return s
+	}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		payload, ok := bytes.CutPrefix(sc.Bytes(), []byte("data: "))
+		if !ok {
+			continue
+		}
+		if string(payload) == "[DONE]" {
+			s.done = true
+			continue
+		}
+		var ev struct {
+			Choices []struct {
+				Text string `json:"text"`
+			} `json:"choices"`
+			Error json.RawMessage `json:"error"`
+		}
+		if err := json.Unmarshal(payload, &ev); err != nil || ev.Error != nil {
+			s.err = fmt.Errorf("event %s", payload)
+			continue
+		}
+		for _, c := range ev.Choices {
+			s.text.WriteString(c.Text)
+			s.tokens++
+			s.at = append(s.at, time.Now())
+		}
+	}
+	if err := sc.Err(); err != nil && s.err == nil {
+		s.err = err
+	}
+	return s
+}
+
+// counterOf sums the counter name's series whose label has value (every series when label
+// is empty).
+func counterOf(t *testing.T, reg *prometheus.Registry, name, label, value string) int {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			match := label == ""
+			for _, l := range m.GetLabel() {
+				if l.GetName() == label && l.GetValue() == value {
+					match = true
+				}
+			}
+			if match {
+				n += int(m.GetCounter().GetValue())
+			}
+		}
+	}
+	return n
+}
