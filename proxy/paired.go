@@ -195,6 +195,7 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 		if retriable(ans.err, false) && !wd.timedOut() {
 			// Its decoder provably never took the leg: the room goes, and a fresh pair
 			// serves the request.
+			pl.neverTaken = true
 			if e := x.freshPair(c, resultOf(ans.err, x.ctx), router.RoleDecode, retryReason(ans.err), d); e != nil {
 				return e
 			}
@@ -255,6 +256,9 @@ var (
 type pairedLegs struct {
 	// rids are the ids the request has on the engines, one per prompt.
 	rids []string
+	// neverTaken records that the decoder provably never took its leg (refused at connect):
+	// the room may be drained by another decoder.
+	neverTaken bool
 	// cut cuts both legs' calls, the decoder's first, and reports whether the prefill leg had
 	// been answered (the prefiller holds the KV); nil until the legs are under way.
 	cut func() bool

@@ -56,7 +56,7 @@ func (x *exchange) leave(c *custody) *custody {
 		// The call's context is already cancelled, which closed the prefiller's connection.
 		if hold != nil {
 			// Paired legs: the room is held until both are aborted, the decoder's first.
-			x.s.abortLegs(c, pl, p, x.legs.decode, hold, pl.drain, x.req)
+			x.s.abortLegs(c, pl, p, x.legs.decode, hold, pl.drain, x.legs.decode, x.req)
 			return nil
 		}
 		if p != nil && canAbort(p) {
@@ -120,9 +120,14 @@ func (x *exchange) letGo(c *custody, hold *lifecycle.Hold) {
 	pl := x.legs.paired
 	switch {
 	case pl != nil && hold != nil:
-		// No drain: the request failed because one of its engines did, and a drain would go
-		// to its decoder, which may be that one.
-		x.s.abortLegs(c, pl, x.legs.prefill, x.legs.decode, hold, nil, x.req)
+		// No drain on its decoder: the request failed because one of its engines did, and
+		// that may be the one. A decoder that provably never took its leg never had the
+		// room either: another decoder of its kind may pull what an answered prefill holds.
+		var drainOn *router.Backend
+		if pl.neverTaken {
+			drainOn = x.otherDecoder()
+		}
+		x.s.abortLegs(c, pl, x.legs.prefill, x.legs.decode, hold, pl.drain, drainOn, x.req)
 	case pl != nil:
 		x.s.abortDecodeLeg(c.span, pl.rids, x.legs.decode)
 		c.end(x.s)
@@ -131,6 +136,18 @@ func (x *exchange) letGo(c *custody, hold *lifecycle.Hold) {
 	default:
 		c.end(x.s)
 	}
+}
+
+// otherDecoder is a decoder of the request's decoder's kind other than it, usable now and
+// serving the request's model, for a drain of the legs it failed with; nil when there is none.
+func (x *exchange) otherDecoder() *router.Backend {
+	d := x.legs.decode
+	for _, o := range x.s.router.Available(router.RoleDecode) {
+		if o != d && o.Engine.Kind() == d.Engine.Kind() && (x.req.model == "" || o.Serves(x.req.model)) {
+			return o
+		}
+	}
+	return nil
 }
 
 // decodeFailed is how a decode ends that failed or timed out, in either mode, before its
@@ -181,9 +198,10 @@ func (s *Server) abortDecodeLeg(parent trace.SpanContext, rids []string, d *rout
 // Engines without an explicit abort (vLLM's MooncakeConnector) are aborted by closing the
 // legs' connections, the decoder's first (cut): a prefill cut before it ended holds nothing;
 // one that was answered holds the KV until its engine's timer, unless a drain leg (drain, one
-// token, the output discarded) makes the decoder pull it. A prefill that ended in the moment
-// its connection closed holds its KV for the timer too (race R1: nothing else frees it).
-func (s *Server) abortLegs(c *custody, pl *pairedLegs, p, d *router.Backend, hold *lifecycle.Hold, drain []byte, req *genRequest) {
+// token, the output discarded) makes a decoder pull it: drainOn, when it is not nil. A prefill
+// that ended in the moment its connection closed holds its KV for the timer too (race R1:
+// nothing else frees it).
+func (s *Server) abortLegs(c *custody, pl *pairedLegs, p, d *router.Backend, hold *lifecycle.Hold, drain []byte, drainOn *router.Backend, req *genRequest) {
 	c.pass()
 	c.giveBackLease(c.res)
 	rids := pl.rids
@@ -193,7 +211,7 @@ func (s *Server) abortLegs(c *custody, pl *pairedLegs, p, d *router.Backend, hol
 		case !prefilled:
 			hold.Release(lifecycle.ReleaseAborted)
 			c.end(s)
-		case drain == nil || req == nil:
+		case drain == nil || drainOn == nil || req == nil:
 			hold.Release(lifecycle.ReleaseExpired)
 			c.end(s)
 		default:
@@ -201,7 +219,7 @@ func (s *Server) abortLegs(c *custody, pl *pairedLegs, p, d *router.Backend, hol
 			go func() {
 				defer s.bg.Done()
 				defer c.end(s)
-				if s.drainLeg(c, d, req, drain) {
+				if s.drainLeg(c, drainOn, req, drain) {
 					hold.Release(lifecycle.ReleaseDrained)
 					return
 				}
