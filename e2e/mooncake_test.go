@@ -34,11 +34,11 @@ func mooncakePool(t *testing.T, np, nd, ranks int, hold time.Duration) (*stack, 
 	var engines []*sim.Engine
 	for i := range np {
 		pc := base
-		pc.Role, pc.BootstrapPort = "prefill", freePort(t)
+		pc.Role, pc.BootstrapPort = "prefill", 0 // a free port, read back below
 		e, url := startSim(t, pc)
 		engines = append(engines, e)
 		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: url, Role: router.RolePrefill,
-			Engine: "mooncake", BootstrapPort: pc.BootstrapPort, DataParallelSize: ranks})
+			Engine: "mooncake", BootstrapPort: e.BootstrapPort(), DataParallelSize: ranks})
 	}
 	for i := range nd {
 		dc := base

@@ -45,13 +45,13 @@ var responsesStacks = []struct {
 		base := sim.DefaultConfig()
 		base.Protocol, base.PrefillTime, base.ITL, base.KVHeartbeatInterval = sim.ProtocolMooncake, time.Millisecond, time.Millisecond, 0
 		pc, dc := base, base
-		pc.Role, pc.BootstrapPort, dc.Role = "prefill", freePort(t), "decode"
+		pc.Role, pc.BootstrapPort, dc.Role = "prefill", 0, "decode" // a free port, read back below
 		slow(timing{&pc.PrefillTime, &pc.KVTransferTime, &pc.ITL}, timing{&dc.PrefillTime, &dc.KVTransferTime, &dc.ITL})
-		_, purl := startSim(t, pc)
+		pe, purl := startSim(t, pc)
 		_, durl := startSim(t, dc)
 		cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
 		cfg.Router.Backends = []router.BackendConfig{
-			{Name: "p0", URL: purl, Role: router.RolePrefill, Engine: "mooncake", BootstrapPort: pc.BootstrapPort},
+			{Name: "p0", URL: purl, Role: router.RolePrefill, Engine: "mooncake", BootstrapPort: pe.BootstrapPort()},
 			{Name: "d0", URL: durl, Role: router.RoleDecode, Engine: "mooncake"},
 		}
 		s := startConfig(t, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)), cfg)

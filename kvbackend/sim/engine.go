@@ -517,6 +517,15 @@ func (e *Engine) stopped() bool {
 // ID is the engine id this engine puts in kv_transfer_params.
 func (e *Engine) ID() string { return e.id }
 
+// BootstrapPort is the port an SGLang or Mooncake prefiller's bootstrap server listens on (the
+// one Config.BootstrapPort named, or the free port 0 picked); 0 for other engines.
+func (e *Engine) BootstrapPort() int {
+	if e.boot == nil {
+		return 0
+	}
+	return e.boot.port()
+}
+
 // KVEventsAddr is where the engine publishes KV events: the bound address
 // (tcp://host:port, the port picked when the endpoint's was 0), or the
 // endpoint it connects to; "" without KV events.
