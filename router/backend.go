@@ -14,6 +14,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
+
 	"github.com/pdproxy/pdproxy/internal/h1client"
 )
 
@@ -46,6 +48,8 @@ type Backend struct {
 
 	// kvEvents and kvReplay are the engine's KV event endpoints, from config.
 	kvEvents, kvReplay string
+	// nameHash is the hash of Name that ranks the backend for placement (rendezvousScore).
+	nameHash uint64
 
 	client *http.Client
 	// admin is the client for the engine's admin calls: client, with the admin key.
@@ -60,6 +64,8 @@ type Backend struct {
 // backendState is the live state of a backend.
 type backendState struct {
 	inflight atomic.Int64
+	// started counts the leases ever started on the backend: with inflight, how many ended.
+	started atomic.Int64
 	// ranks counts the leases in flight on each data-parallel rank; nil for an engine of
 	// one rank. A lease keeps a pointer to its own rank's counter; a reload that changes the
 	// size swaps in new counters.
@@ -82,7 +88,7 @@ type backendState struct {
 	// epoch counts the backend's returns to service: its checks bringing it up again, or its
 	// probation ending. A request that left the backend avoids it only within one epoch.
 	epoch atomic.Uint64
-	// load is what least_loaded scraped of the engine.
+	// load is what the router scraped of the engine's load (load.go).
 	load loadState
 	// models is what the engine's /v1/models listed at its last answer; nil until then.
 	models atomic.Pointer[[]string]
@@ -163,6 +169,7 @@ func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendSta
 		models:        slices.Clone(c.Models),
 		kvEvents:      kvEvents,
 		kvReplay:      kvReplay,
+		nameHash:      xxhash.Sum64String(c.Name),
 		client:        client,
 		st:            st,
 	}

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -20,16 +21,27 @@ import (
 //     events are stale (none for kv_events.stale_after), or a request without tokens, is
 //     scored as cache_aware would.
 //
-// The best score wins if it reaches cache_threshold; below it, and whenever the pool is out of
-// balance (the most loaded candidate more than balance_abs_threshold requests in flight above
-// the least and more than balance_rel_threshold times as many), the least in flight wins: a
-// burst sharing one prefix fills its engine until the pool is out of balance, then spreads,
-// and the engines it spreads to hold the prefix from then on. Ties go to the fewer in flight.
-// Every pick's text is recorded in the tree for the engine picked.
+// The best score wins if it reaches cache_threshold. A prompt that no engine holds, or holds
+// less of than that, is placed (place): by the rendezvous order of its head with bounded
+// loads, which every proxy replica computes alike, so that replicas send a new prefix to one
+// engine rather than each to its own. Whenever the pool is out of balance (the most loaded
+// candidate more than balance_abs_threshold requests above the least and more than
+// balance_rel_threshold times as many), the least loaded wins: a burst sharing one prefix
+// fills its engine until the pool is out of balance, then spreads, and the engines it spreads
+// to hold the prefix from then on. Ties go to the less loaded. The load is the one load
+// picture (Backend.loadScore): what the engines report, scraped every scrape_interval, plus
+// this replica's requests since. Every pick's text is recorded in the tree for the engine
+// picked.
 type CacheAware struct {
-	cfg      CacheAwareConfig
-	tree     *kvcache.Tree
-	fallback LeastInflight
+	cfg  CacheAwareConfig
+	tree *kvcache.Tree
+	// next rotates ties among the least loaded.
+	next atomic.Uint64
+	// keyTokens is prefix_tokens: a prompt is placed by its first keyTokens tokens, or 4 ×
+	// keyTokens bytes of its text.
+	keyTokens int
+	// loadFactor is bounded_load_factor.
+	loadFactor float64
 
 	// index is the precise view; nil for cache_aware.
 	index      *kvcache.Index
@@ -42,9 +54,10 @@ type CacheAware struct {
 
 // Interface guards.
 var (
-	_ Policy      = (*CacheAware)(nil)
-	_ poolWatcher = (*CacheAware)(nil)
-	_ forgetter   = (*CacheAware)(nil)
+	_ Policy       = (*CacheAware)(nil)
+	_ poolWatcher  = (*CacheAware)(nil)
+	_ forgetter    = (*CacheAware)(nil)
+	_ pickRecorder = (*CacheAware)(nil)
 )
 
 // forgetter is implemented by policies that keep state per engine, to drop it when an engine
@@ -55,14 +68,15 @@ type forgetter interface {
 
 // NewCacheAware returns a cache_aware policy; with index set, precise_cache_aware, which
 // counts an engine's blocks while its last event is more recent than staleAfter. cfg's zero
-// fields take their defaults.
+// fields take their defaults, and so do prefix_tokens and bounded_load_factor.
 func NewCacheAware(cfg CacheAwareConfig, index *kvcache.Index, staleAfter time.Duration) *CacheAware {
 	c := Config{CacheAware: cfg}
 	c.setCacheDefaults()
 	if staleAfter <= 0 {
 		staleAfter = DefaultKVEventsStaleAfter
 	}
-	return &CacheAware{cfg: c.CacheAware, tree: kvcache.NewTree(c.CacheAware.MaxTreeBytes), index: index, staleAfter: staleAfter}
+	return &CacheAware{cfg: c.CacheAware, tree: kvcache.NewTree(c.CacheAware.MaxTreeBytes), index: index, staleAfter: staleAfter,
+		keyTokens: DefaultPrefixTokens, loadFactor: DefaultBoundedLoadFactor}
 }
 
 // SetPool forgets the engines no longer in the pool.
@@ -78,6 +92,9 @@ func (p *CacheAware) SetPool(all []*Backend) {
 // shared by the pools.
 func (p *CacheAware) Forget(backend string) { p.tree.Forget(backend) }
 
+// Picked records a pick the pool made without Select (a session's): its text was sent to b.
+func (p *CacheAware) Picked(b *Backend, h Hint) { p.picked(b, h, -1) }
+
 // candidatesOnStack is how many candidates Select scores without allocating.
 const candidatesOnStack = 16
 
@@ -86,37 +103,33 @@ func (p *CacheAware) Select(cands []*Backend, h Hint) *Backend {
 	if len(cands) == 0 {
 		return nil
 	}
-	if h.Text == "" && len(h.Tokens) == 0 {
-		return p.fallback.Select(cands, h)
+	now := p.clock()
+	key, keyed := placementKey(h, p.keyTokens*bytesPerToken, p.keyTokens)
+	if !keyed {
+		return leastLoadedOf(cands, now, &p.next, false)
 	}
-	if p.unbalanced(cands) {
-		b := p.fallback.Select(cands, h)
+	var loadBuf [candidatesOnStack]loadView
+	bd := newBounds(cands, now, p.loadFactor, loadBuf[:])
+	if p.unbalanced(bd.loads) {
+		b := leastLoadedOf(cands, now, &p.next, false)
 		p.picked(b, h, -1)
 		return b
 	}
 	var shareBuf [candidatesOnStack]float64
-	shares := p.score(cands, h, shareBuf[:0])
+	shares := p.score(cands, h, now, shareBuf[:0])
 	best := 0
 	for i := 1; i < len(cands); i++ {
-		if shares[i] > shares[best] || shares[i] == shares[best] && cands[i].Inflight() < cands[best].Inflight() {
+		if shares[i] > shares[best] || shares[i] == shares[best] && bd.loads[i].load < bd.loads[best].load {
 			best = i
 		}
 	}
-	if shares[best] > 0 && shares[best] >= p.cfg.CacheThreshold || p.cfg.CacheThreshold < 0 {
+	if shares[best] > 0 && (shares[best] >= p.cfg.CacheThreshold || p.cfg.CacheThreshold < 0) {
 		b := cands[best]
 		p.picked(b, h, shares[best])
 		return b
 	}
-	// No engine holds enough of it: the one holding the least text, as SGLang's router picks
-	// the smallest tree, so that new prefixes spread over the pool instead of piling, at low
-	// load, onto whichever engine the in-flight counts tie on; ties go to the fewest in flight.
-	pick, least := 0, p.tree.EngineBytes(cands[0].Name)
-	for i := 1; i < len(cands); i++ {
-		n := p.tree.EngineBytes(cands[i].Name)
-		if n < least || n == least && cands[i].Inflight() < cands[pick].Inflight() {
-			pick, least = i, n
-		}
-	}
+	// No engine holds enough of it: where every replica would place it.
+	pick := bd.pick(key)
 	b := cands[pick]
 	p.picked(b, h, shares[pick])
 	return b
@@ -124,11 +137,10 @@ func (p *CacheAware) Select(cands []*Backend, h Hint) *Backend {
 
 // unbalanced is SGLang's router's test: both the absolute and the relative gap between the
 // most and the least loaded candidate are over their thresholds.
-func (p *CacheAware) unbalanced(cands []*Backend) bool {
-	lo, hi := cands[0].Inflight(), cands[0].Inflight()
-	for _, b := range cands[1:] {
-		n := b.Inflight()
-		lo, hi = min(lo, n), max(hi, n)
+func (p *CacheAware) unbalanced(loads []loadView) bool {
+	lo, hi := loads[0].load, loads[0].load
+	for _, v := range loads[1:] {
+		lo, hi = min(lo, v.load), max(hi, v.load)
 	}
 	return hi-lo > int64(p.cfg.BalanceAbsThreshold) && float64(hi) > p.cfg.BalanceRelThreshold*float64(lo)
 }
@@ -143,7 +155,7 @@ const pendingGrace = 2 * time.Second
 // KV events are fresh, the larger of the share of h.Tokens they say it holds and the share
 // of h.Text routed to it since pendingGrace before its latest event; for another, the share
 // of h.Text ever routed to it (that the tree still holds).
-func (p *CacheAware) score(cands []*Backend, h Hint, out []float64) []float64 {
+func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float64) []float64 {
 	var textBuf [candidatesOnStack]int
 	var nameBuf [candidatesOnStack]string
 	var sinceBuf [candidatesOnStack]time.Time
@@ -152,13 +164,9 @@ func (p *CacheAware) score(cands []*Backend, h Hint, out []float64) []float64 {
 		matcher = kvcache.NewMatcher(h.Tokens)
 	}
 	names, matched, since := nameBuf[:0], textBuf[:0], sinceBuf[:0]
-	var now time.Time
 	for _, b := range cands {
 		share, from := 0.0, time.Time{}
 		if matcher != nil {
-			if now.IsZero() {
-				now = p.clock()
-			}
 			v := p.index.Match(matcher, b.Name)
 			if !v.Last.IsZero() && now.Sub(v.Last) < p.staleAfter {
 				share = float64(v.Matched) / float64(len(h.Tokens))

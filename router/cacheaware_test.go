@@ -19,6 +19,10 @@ func TestCacheAwareSelect(t *testing.T) {
 		routed   [][2]string // text, backend: what the tree was told before
 		text     string
 		want     string
+		// placed: want is where text's key goes (the first of its rendezvous order), after
+		// busyHome requests are put in flight there.
+		placed   bool
+		busyHome int64
 	}{
 		{name: "a session's next turn lands on the engine that served its previous turn though it is busier",
 			inflight: []int64{3, 0, 0}, routed: [][2]string{{turn1, "b0"}}, text: turn2, want: "b0"},
@@ -26,13 +30,15 @@ func TestCacheAwareSelect(t *testing.T) {
 			inflight: []int64{0, 0, 0}, routed: [][2]string{{turn1[:40], "b1"}, {turn1, "b2"}}, text: turn2, want: "b2"},
 		{name: "equal matches go to the fewer in flight",
 			inflight: []int64{5, 0, 2}, routed: [][2]string{{turn1, "b0"}, {turn1, "b2"}}, text: turn2, want: "b2"},
-		{name: "a match below cache_threshold goes to the least in flight",
-			inflight: []int64{3, 1, 0}, routed: [][2]string{{"[{\"role\":\"system\"", "b0"}}, text: turn2, want: "b2"},
+		{name: "a match below cache_threshold is placed by the prompt's head, as every replica places it",
+			inflight: []int64{0, 0, 0}, routed: [][2]string{{"[{\"role\":\"system\"", "b0"}}, text: turn2, placed: true},
+		{name: "an engine over its bound is passed over by a placement",
+			inflight: []int64{0, 0, 0}, routed: [][2]string{{"[{\"role\":\"system\"", "b0"}}, text: turn2, placed: true, busyHome: 3},
 		{name: "a pool out of balance goes to the least in flight even with a full match",
 			inflight: []int64{100, 20, 10}, routed: [][2]string{{turn1, "b0"}}, text: turn2, want: "b2"},
 		{name: "a gap over the absolute threshold but under the relative one keeps the match",
 			inflight: []int64{200, 150, 150}, routed: [][2]string{{turn1, "b0"}}, text: turn2, want: "b0"},
-		{name: "a request without text goes to the least in flight",
+		{name: "a request without text goes to the least loaded",
 			inflight: []int64{2, 1, 3}, routed: [][2]string{{turn1, "b0"}}, text: "", want: "b1"},
 	}
 	for _, tt := range tests {
@@ -41,6 +47,19 @@ func TestCacheAwareSelect(t *testing.T) {
 			p := NewCacheAware(CacheAwareConfig{}, nil, 0)
 			for _, r := range tt.routed {
 				p.tree.Insert(r[0], r[1])
+			}
+			if tt.placed {
+				key, _ := placementKey(Hint{Text: tt.text}, DefaultPrefixTokens*bytesPerToken, DefaultPrefixTokens)
+				home := place(bs, key, DefaultBoundedLoadFactor, time.Now())
+				tt.want = home.Name
+				if tt.busyHome > 0 {
+					// Over ceil(1.25 × 4 / 3) = 2 with one more: the next in the key's order.
+					home.st.inflight.Store(tt.busyHome)
+					tt.want = place(bs, key, DefaultBoundedLoadFactor, time.Now()).Name
+					if tt.want == home.Name {
+						t.Fatalf("placement kept %s with %d in flight", home.Name, tt.busyHome)
+					}
+				}
 			}
 			if got := p.Select(bs, Hint{Text: tt.text}).Name; got != tt.want {
 				t.Errorf("picked %s, want %s", got, tt.want)

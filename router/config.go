@@ -25,6 +25,7 @@ const (
 	DefaultWeight              = 1
 	DefaultMaxInflight         = 256
 	DefaultPrefixTokens        = 256
+	DefaultBoundedLoadFactor   = 1.25
 	DefaultHealthInterval      = 5 * time.Second
 	DefaultHealthTimeout       = 2 * time.Second
 	DefaultUnhealthyThreshold  = 2
@@ -68,7 +69,8 @@ type BackendConfig struct {
 	Refresh time.Duration `yaml:"refresh"`
 	// Role is prefill or decode, required.
 	Role Role `yaml:"role"`
-	// Weight biases round_robin, prefix_affinity (virtual nodes) and least_inflight ties.
+	// Weight biases round_robin, prefix_affinity (virtual nodes), placement (placement.go)
+	// and least_inflight ties.
 	// Zero means 1.
 	Weight int `yaml:"weight"`
 	// MaxInflight is how many requests the router sends at once before queueing. Zero
@@ -219,14 +221,15 @@ type QueueConfig struct {
 // CacheAwareConfig tunes cache_aware and precise_cache_aware.
 type CacheAwareConfig struct {
 	// CacheThreshold is the share of a request's prompt (0 to 1) the best engine must hold
-	// for the request to go there; below it the request goes to the least loaded. Zero
-	// means 0.3 (SGLang's router's default); negative means any match, even none, counts.
+	// for the request to go there; below it the request is placed where every replica places
+	// it (placement.go). Zero means 0.3 (SGLang's router's default); negative means any
+	// match, however small, counts (a prompt no engine holds any of is placed all the same).
 	CacheThreshold float64 `yaml:"cache_threshold"`
 	// BalanceAbsThreshold and BalanceRelThreshold say when a pool is out of balance: its
-	// most loaded candidate has more than abs requests in flight above the least loaded,
-	// and more than rel times as many. Then requests go to the least loaded whatever the
-	// caches hold, so that a burst sharing one hot prefix spreads. Zero means 64 and 1.5;
-	// a negative abs means any difference counts; rel may not be below 1.
+	// most loaded candidate has more than abs requests (its load, Backend.loadScore) above
+	// the least loaded, and more than rel times as many. Then requests go to the least
+	// loaded whatever the caches hold, so that a burst sharing one hot prefix spreads. Zero
+	// means 64 and 1.5; a negative abs means any difference counts; rel may not be below 1.
 	BalanceAbsThreshold int     `yaml:"balance_abs_threshold"`
 	BalanceRelThreshold float64 `yaml:"balance_rel_threshold"`
 	// MaxTreeBytes bounds the approximate view of each pool (the text routed to each
@@ -270,17 +273,27 @@ type Config struct {
 	// PrefixTokens is how much of Hint.Prefix prefix_affinity hashes, in tokens, where a
 	// token is taken as 4 bytes (a common average for English text with BPE tokenizers),
 	// so the first 4*PrefixTokens bytes are hashed. The router has no tokenizer, and
-	// what matters is only that equal prompt heads land on the same backend. Zero means 256.
+	// what matters is only that equal prompt heads land on the same backend. It is also the
+	// head a prompt no engine caches is placed by (placement.go): the first 4*PrefixTokens
+	// bytes of Hint.Text, or PrefixTokens of Hint.Tokens without text. Zero means 256.
 	PrefixTokens int `yaml:"prefix_tokens"`
+	// BoundedLoadFactor is c of consistent hashing with bounded loads (Mirrokni et al.): a
+	// prompt no engine caches, or a session, goes to the first engine in the rendezvous order
+	// of its key whose load, with the request, is at most ceil(c × (total load + 1) / n)
+	// (weighted: × weight / mean weight); prefix_affinity walks its ring past a backend
+	// above c × (average + 1). The lower, the sooner a hot key spreads; 1 is perfectly even.
+	// Zero means 1.25; below 1 is refused, as no engine could then be within its bound.
+	BoundedLoadFactor float64 `yaml:"bounded_load_factor"`
 	// Health configures active health checks.
 	Health HealthConfig `yaml:"health"`
 	// Ejection configures passive ejection.
 	Ejection EjectionConfig `yaml:"ejection"`
 	// Queue configures backpressure.
 	Queue QueueConfig `yaml:"queue"`
-	// ScrapeInterval is how often least_loaded reads each engine's /metrics (and how long one
-	// read may take); three intervals without a good read and it scores the engine by
-	// in-flight requests. Zero means 1s; at least 10ms. Unused by the other policies.
+	// ScrapeInterval is how often least_loaded, cache_aware and precise_cache_aware read each
+	// engine's /metrics (and how long one read may take), the load they weigh; three intervals
+	// without a good read and they weigh the engine by in-flight requests. Zero means 1s; at
+	// least 10ms. Unused by the other policies.
 	ScrapeInterval time.Duration `yaml:"scrape_interval"`
 	// Engines resolves each backend's engine kind. Nil takes any kind as a bare name, with
 	// no default kind and no default kv_hold_timeout.

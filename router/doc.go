@@ -7,10 +7,16 @@
 // one in-flight request on the backend until [Lease.Release], which also feeds passive
 // health. The router never calls back into the proxy and sends no request itself except
 // its health checks (each one that passes followed, for a backend whose models are not
-// configured, by GET /v1/models) and, for least_loaded, its scrapes of the engines'
-// /metrics, which [Router.Run] owns, as it owns the KV event subscribers of
-// precise_cache_aware. [Router.Tokens] picks the backend to tokenize at and leaves the call
+// configured, by GET /v1/models) and, for the policies that weigh the engines' load
+// (least_loaded and the cache-aware ones), its scrapes of the engines' /metrics, which
+// [Router.Run] owns, as it owns the KV event subscribers of precise_cache_aware. [Router.Tokens] picks the backend to tokenize at and leaves the call
 // to the [Tokenizer] it was given ([Config.EngineTokenizer]), which knows the engines.
+//
+// Proxy replicas behind one Service route alone; the router makes them agree without a
+// message between them where it can (placement.go): a prompt no engine caches, and a
+// session ([Hint.Session]), go where the rendezvous order of their key with bounded loads
+// puts them, and the load every policy that weighs one reads is the engines' own report
+// plus only this replica's requests since (load.go).
 //
 // Configuration, with the defaults applied by [Config.Validate]:
 //
@@ -36,11 +42,11 @@
 //	    role: prefill           # every other key applies to each discovered backend
 //	prefill_policy: least_inflight  # least_inflight | round_robin | power_of_two | prefix_affinity | least_loaded | cache_aware | precise_cache_aware
 //	decode_policy: least_inflight
-//	prefix_tokens: 256          # prefix_affinity hashes the first 4*prefix_tokens bytes
+//	prefix_tokens: 256          # prefix_affinity hashes the first 4*prefix_tokens bytes; placement's key
 //	cache_aware:                # cache_aware and precise_cache_aware (cacheaware.go)
-//	  cache_threshold: 0.3      # share of the prompt the best engine must hold, else the least in flight
-//	  balance_abs_threshold: 64 # out of balance: most minus least in flight above this,
-//	  balance_rel_threshold: 1.5  # and most above this times the least: the least in flight wins
+//	  cache_threshold: 0.3      # share of the prompt the best engine must hold, else it is placed
+//	  balance_abs_threshold: 64 # out of balance: most minus least loaded above this,
+//	  balance_rel_threshold: 1.5  # and most above this times the least: the least loaded wins
 //	  max_tree_bytes: 67108864  # bound of each pool's tree of routed text
 //	kv_events:                  # precise_cache_aware's source (kvevents.go)
 //	  listen: ""                # tcp://*:5557: a SUB engines dial, topic kv@<url host:port>@<model>; read at start
@@ -50,7 +56,8 @@
 //	tokenizer: engine           # precise_cache_aware tokenizes with an engine's POST /tokenize
 //	tokenize_timeout: 1s
 //	block_size: 16              # for events that give none; read at start
-//	scrape_interval: 1s         # least_loaded reads each engine's /metrics this often (load.go)
+//	scrape_interval: 1s         # least_loaded, cache_aware, precise_cache_aware read /metrics this often (load.go)
+//	bounded_load_factor: 1.25   # c of bounded loads: placement (placement.go), prefix_affinity; at least 1
 //	health:
 //	  interval: 5s              # 0 or negative disables active checks
 //	  timeout: 2s

@@ -18,7 +18,7 @@ import (
 )
 
 // Run checks every backend's health every health.interval, resolves every discover entry's
-// name again every refresh, and scrapes the engines' load for least_loaded every
+// name again every refresh, and scrapes the engines' load for the pools whose policy weighs it every
 // scrape_interval (load.go), until ctx is done, then returns nil. It owns the check, lookup
 // and scrape goroutines and waits for them. Call it once. With checks disabled it only
 // waits, so a Reload that enables them takes effect.

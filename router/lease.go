@@ -61,6 +61,18 @@ type Lease struct {
 	// rankCount its counter.
 	rank      int
 	rankCount *atomic.Int64
+	// session is how the pick went for a request of a session; "" for one of none.
+	session SessionChoice
+}
+
+// Session is how the pick of the lease's backend went for a request of a session
+// (Hint.Session): kept on the engine it was bound to, placed, or yielded, and why. It is ""
+// for a request of no session.
+func (l *Lease) Session() SessionChoice {
+	if l == nil {
+		return ""
+	}
+	return l.session
 }
 
 // Rank is the data-parallel rank the lease took on its backend; ok is false for an engine
@@ -119,9 +131,10 @@ func (l *Lease) Release(res Result) {
 	l.p.release(l.b, code)
 }
 
-func (p *pool) leaseLocked(b *Backend) *Lease {
+func (p *pool) leaseLocked(b *Backend, choice SessionChoice) *Lease {
 	b.st.inflight.Add(1)
-	l := &Lease{b: b, p: p, rank: -1}
+	b.st.started.Add(1)
+	l := &Lease{b: b, p: p, rank: -1, session: choice}
 	if rp := b.st.ranks.Load(); rp != nil && len(*rp) > 1 {
 		ranks := *rp
 		// The rank with the fewest in flight; ties rotate, so that an idle engine's ranks

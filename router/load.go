@@ -21,21 +21,25 @@ import (
 	"go.uber.org/zap"
 )
 
-// Routing on the load the engines report (least_loaded). Every proxy replica scrapes the
-// same engines, so all replicas see the same load, their own requests and everyone else's,
-// without talking to each other: what an engine reports needs no state shared between
-// replicas. Between two scrapes a replica adds what it alone knows: the change in its own
-// in-flight count on the engine since the scrape.
+// Routing on the load the engines report: the one load picture. Every proxy replica scrapes
+// the same engines, so all replicas see the same load, their own requests and everyone
+// else's, without talking to each other: what an engine reports needs no state shared
+// between replicas. Between two scrapes a replica adds what it alone knows: the requests it
+// sent the engine since the report and takes away those that ended since, never its whole
+// in-flight count, which the report already holds. least_loaded picks by it; the cache-aware
+// policies weigh their balance and their bounded loads by it, and sessions their bounds;
+// where a pool scrapes nothing, it is the in-flight count alone.
 
 // Load scraping parameters.
 const (
-	// DefaultScrapeInterval is how often least_loaded scrapes each engine's /metrics.
+	// DefaultScrapeInterval is how often each engine's /metrics is scraped, where a pool's
+	// policy weighs load.
 	DefaultScrapeInterval = time.Second
 	// minScrapeInterval keeps a typo ("1ms") from turning the proxy into a load generator
 	// against the engines' metrics endpoints.
 	minScrapeInterval = 10 * time.Millisecond
-	// staleScrapes intervals after the last good scrape, its figures are stale: least_loaded
-	// scores the backend by this replica's in-flight count alone. Three tolerate a slow or
+	// staleScrapes intervals after the last good scrape, its figures are stale: the backend
+	// is weighed by this replica's in-flight count alone. Three tolerate a slow or
 	// lost scrape or two without flapping between the two ways of scoring.
 	staleScrapes = 3
 	// kvFullUsage is the KV usage (0 to 1) from which a prefiller is avoided: its pool is
@@ -80,8 +84,11 @@ type engineLoad struct {
 	waiting, running int64
 	// usage is the KV cache usage, averaged over its series; negative when not reported.
 	usage float64
-	// inflight is this replica's in-flight count on the backend when the scrape was sent.
-	inflight int64
+	// started is how many leases this replica had ever started on the backend when the answer
+	// came, ended how many it had ended when the scrape was sent: a request started during the
+	// scrape is taken as in the report (its figure is of the moment it answered), and so is
+	// one that ended during it, which the engine may still have been running.
+	started, ended int64
 	// at is when the answer came; staleAt is at plus staleScrapes intervals (router clock).
 	at, staleAt time.Time
 }
@@ -96,19 +103,24 @@ type loadState struct {
 	failing atomic.Bool
 }
 
-// loadScore is b's load as least_loaded weighs it at now: the engine's waiting plus running
-// requests at the last scrape, plus the change in this replica's in-flight count on it since
-// (leases started minus leases ended), and never less than that in-flight count. fresh is
-// false when there is no scrape newer than staleScrapes intervals: the score is then the
-// in-flight count alone. full is true for a prefiller whose fresh scrape shows its KV pool
-// at least kvFullUsage used.
+// loadScore is b's load at now, the one load picture every policy that weighs load reads:
+// the engine's waiting plus running requests at the last scrape, plus this replica's requests
+// started on it since, minus those it ended since (they were in the report; the report holds
+// everyone's, this replica's among them, so its whole in-flight count on top would count those
+// twice), and never less than this replica's in-flight count there (a decoder reserved before
+// its prefill runs nothing yet). fresh is false when there is no scrape newer than
+// staleScrapes intervals, as in a pool whose policy scrapes nothing: the score is then the
+// in-flight count alone. full is true for a prefiller whose fresh scrape shows its KV pool at
+// least kvFullUsage used.
 func (b *Backend) loadScore(now time.Time) (score int64, full, fresh bool) {
 	n := b.Inflight()
 	l := b.st.load.last.Load()
 	if l == nil || !now.Before(l.staleAt) {
 		return n, false, false
 	}
-	score = max(l.waiting+l.running+n-l.inflight, n)
+	started := b.st.started.Load()
+	startedSince, endedSince := started-l.started, started-n-l.ended
+	score = max(l.waiting+l.running+startedSince-endedSince, n)
 	return score, b.Role == RolePrefill && l.usage >= kvFullUsage, true
 }
 
@@ -141,13 +153,24 @@ func (p *LeastLoaded) Select(cands []*Backend, _ Hint) *Backend {
 	if p.now != nil {
 		now = p.now()
 	}
+	return leastLoadedOf(cands, now, &p.next, true)
+}
+
+// leastLoadedOf is the least loaded of cands at now, by Backend.loadScore: a prefiller whose KV
+// pool is nearly full only if all are, ties to the higher weight, then in turn by next.
+// countStale counts each candidate scored without a fresh scrape, for least_loaded's
+// pdproxy_backend_scrape_stale_total.
+func leastLoadedOf(cands []*Backend, now time.Time, next *atomic.Uint64, countStale bool) *Backend {
+	if len(cands) == 0 {
+		return nil
+	}
 	// Score each candidate once: the scores move under us (other pools' releases, a scrape),
 	// and a stale one must be counted once per pick. Pools up to 16 score on the stack.
-	var buf [16]scored
+	var buf [candidatesOnStack]scored
 	scores := buf[:0]
 	for _, b := range cands {
 		s, full, fresh := b.loadScore(now)
-		if !fresh {
+		if !fresh && countStale {
 			b.st.load.stale.Add(1)
 		}
 		scores = append(scores, scored{s, full})
@@ -171,7 +194,7 @@ func (p *LeastLoaded) Select(cands []*Backend, _ Hint) *Backend {
 			ties++
 		}
 	}
-	k := int((p.next.Add(1) - 1) % uint64(ties))
+	k := int((next.Add(1) - 1) % uint64(ties))
 	for i := range cands {
 		if !better(best, i) && !better(i, best) {
 			if k == 0 {
@@ -183,11 +206,11 @@ func (p *LeastLoaded) Select(cands []*Backend, _ Hint) *Backend {
 	return cands[best]
 }
 
-// scrapeLoop scrapes the engines of every pool that picks with least_loaded, every
+// scrapeLoop scrapes the engines of every pool whose policy weighs load, every
 // scrape_interval, until ctx is done. Each round scrapes all of them at once, so that one slow
 // engine does not delay the others' figures, and waits for them all.
 func (r *Router) scrapeLoop(ctx context.Context) {
-	timer := time.NewTimer(0) // the first round at once: least_loaded is blind until then
+	timer := time.NewTimer(0) // the first round at once: the load is in-flight alone until then
 	defer timer.Stop()
 	for {
 		select {
@@ -201,7 +224,7 @@ func (r *Router) scrapeLoop(ctx context.Context) {
 	}
 }
 
-// scrapeAll scrapes, once, every backend that may be picked in a pool using least_loaded. A
+// scrapeAll scrapes, once, every backend that may be picked in a pool whose policy weighs load. A
 // backend out of rotation is not scraped: nothing picks it, and a down engine would only
 // count errors. One back in rotation is scored by in-flight until its next round.
 func (r *Router) scrapeAll(ctx context.Context, interval time.Duration) {
@@ -227,7 +250,7 @@ func (r *Router) scrapeAll(ctx context.Context, interval time.Duration) {
 // scrape reads b's load once and records it, or counts and logs the failure. The last good
 // scrape stays in use until it is stale.
 func (r *Router) scrape(ctx context.Context, b *Backend, interval time.Duration) {
-	inflight := b.Inflight()
+	ended := b.st.started.Load() - b.Inflight()
 	l, err := fetchLoad(ctx, b, interval)
 	if ctx.Err() != nil {
 		return // shutting down: a failed scrape says nothing about the engine
@@ -236,7 +259,7 @@ func (r *Router) scrape(ctx context.Context, b *Backend, interval time.Duration)
 	if err != nil {
 		st.errors.Add(1)
 		if st.failing.CompareAndSwap(false, true) {
-			r.logger.Warn("backend load scrape failed; least_loaded scores it by in-flight requests once its last scrape is stale",
+			r.logger.Warn("backend load scrape failed; its load is weighed by in-flight requests once its last scrape is stale",
 				zap.String("backend", b.Name), zap.String("role", string(b.Role)), zap.Error(err))
 		} else if ce := r.logger.Check(zap.DebugLevel, "backend load scrape failed"); ce != nil {
 			ce.Write(zap.String("backend", b.Name), zap.Error(err))
@@ -247,7 +270,8 @@ func (r *Router) scrape(ctx context.Context, b *Backend, interval time.Duration)
 		r.logger.Info("backend load scrape recovered", zap.String("backend", b.Name), zap.String("role", string(b.Role)))
 	}
 	now := r.now()
-	l.inflight, l.at, l.staleAt = inflight, now, now.Add(staleScrapes*interval)
+	l.started, l.ended = b.st.started.Load(), ended
+	l.at, l.staleAt = now, now.Add(staleScrapes*interval)
 	st.last.Store(l)
 }
 
@@ -350,7 +374,8 @@ func count(name string, v float64) (int64, error) {
 	return int64(math.Round(v)), nil
 }
 
-// LoadStatus is a backend's load as least_loaded sees it, in GET /debug/backends.
+// LoadStatus is a backend's load as the policies that weigh load see it, in GET
+// /debug/backends.
 type LoadStatus struct {
 	// Waiting and Running are the engine's gauges at the last good scrape.
 	Waiting int64 `json:"waiting"`
@@ -363,7 +388,7 @@ type LoadStatus struct {
 	// Stale is true when the scrape is too old to be used: the backend is scored by its
 	// in-flight count.
 	Stale bool `json:"stale"`
-	// Score is what least_loaded compares now (lower is picked first).
+	// Score is the load weighed now (Backend.loadScore; least_loaded picks the lowest).
 	Score int64 `json:"score"`
 	// KVFull is true for a prefiller avoided because its KV pool is nearly full.
 	KVFull bool `json:"kv_full,omitempty"`
@@ -399,7 +424,7 @@ func newLoadCollector(r *Router) *loadCollector {
 		stale: prometheus.NewDesc("pdproxy_backend_scrape_stale_total",
 			"Picks by least_loaded that scored the backend by this replica's in-flight requests alone, because its last good /metrics scrape was older than 3 scrape_interval (or there was none yet).", labels, nil),
 		errors: prometheus.NewDesc("pdproxy_backend_scrape_errors_total",
-			"Failed scrapes of the backend's /metrics for least_loaded: no answer within scrape_interval, a status other than 200, a body that is not the Prometheus text format, or without the engine's waiting and running gauges.", labels, nil),
+			"Failed scrapes of the backend's /metrics, for a policy that weighs load (least_loaded, cache_aware, precise_cache_aware): no answer within scrape_interval, a status other than 200, a body that is not the Prometheus text format, or without the engine's waiting and running gauges.", labels, nil),
 	}
 }
 

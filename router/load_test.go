@@ -26,7 +26,8 @@ func scrapedAs(b *Backend, waiting, running int64, usage float64, inflightThen i
 	if fresh {
 		at = time.Now()
 	}
-	b.st.load.last.Store(&engineLoad{waiting: waiting, running: running, usage: usage, inflight: inflightThen,
+	started := b.st.started.Load()
+	b.st.load.last.Store(&engineLoad{waiting: waiting, running: running, usage: usage, started: started, ended: started - inflightThen,
 		at: at, staleAt: at.Add(staleScrapes * time.Minute)})
 }
 

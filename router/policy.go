@@ -149,17 +149,17 @@ const (
 	// vnodesPerWeight virtual nodes per unit of weight keep the ring balanced within
 	// a few percent for small pools.
 	vnodesPerWeight = 100
-	// loadFactor is c in consistent hashing with bounded loads (Mirrokni et al.): a
-	// backend above c*(average+1) in flight passes its keys on to the next on the ring.
-	loadFactor = 1.25
 )
 
 // PrefixAffinity sends requests whose prompts start alike to the same backend, so an
 // engine's prefix cache gets hits: consistent hashing with virtual nodes on the first
-// PrefixTokens tokens (4 bytes each) of Hint.Prefix, with bounded load. Without a prefix
-// it falls back to least_inflight.
+// PrefixTokens tokens (4 bytes each) of Hint.Prefix, with bounded load: a backend above
+// bounded_load_factor × (average + 1) in flight passes its keys on to the next on the ring.
+// Without a prefix it falls back to least_inflight.
 type PrefixAffinity struct {
 	maxBytes int
+	// factor is bounded_load_factor.
+	factor   float64
 	fallback LeastInflight
 
 	mu   sync.Mutex
@@ -178,7 +178,7 @@ func NewPrefixAffinity(prefixTokens int) *PrefixAffinity {
 	if prefixTokens <= 0 {
 		prefixTokens = DefaultPrefixTokens
 	}
-	return &PrefixAffinity{maxBytes: prefixTokens * bytesPerToken}
+	return &PrefixAffinity{maxBytes: prefixTokens * bytesPerToken, factor: DefaultBoundedLoadFactor}
 }
 
 // SetPool builds the ring over every backend of the pool, healthy or not, so that a
@@ -223,7 +223,7 @@ func (p *PrefixAffinity) Select(cands []*Backend, h Hint) *Backend {
 		byState[b.st] = b
 		total += b.Inflight()
 	}
-	limit := loadFactor * (float64(total)/float64(len(cands)) + 1)
+	limit := p.factor * (float64(total)/float64(len(cands)) + 1)
 
 	p.mu.Lock()
 	defer p.mu.Unlock()

@@ -20,6 +20,8 @@ type pool struct {
 	caps         policyCaps
 	prefixTokens int
 	cache        cacheSettings
+	// loadFactor is bounded_load_factor, for sessions' picks.
+	loadFactor   float64
 	queueSize    int
 	queueTimeout time.Duration
 	waiters      list.List // of *waiter, earliest deadline first
@@ -30,30 +32,49 @@ type pool struct {
 type cacheSettings struct {
 	CacheAwareConfig
 	staleAfter time.Duration
+	loadFactor float64
 }
 
-// pickLocked selects a backend for h. avail reports whether any backend could take h
-// were it not full, which tells "wait" from "no backend".
-func (p *pool) pickLocked(h Hint) (b *Backend, avail bool) {
+// pickLocked selects a backend for h: for a session (h.Session) the pool's session choice,
+// which comes before the policy's (the session's earlier turns are cached where it was
+// placed), else the policy's. avail reports whether any backend could take h were it not
+// full, which tells "wait" from "no backend"; choice is how a session's pick went, "" without
+// a session.
+func (p *pool) pickLocked(h Hint) (b *Backend, avail bool, choice SessionChoice) {
 	now := p.r.now()
 	cands := p.scratch[:0]
+	bound, boundEligible := -1, false
 	for _, b := range p.backends {
 		if !b.available(now) || slices.Contains(h.Exclude, b.Name) || !b.Serves(h.Model) || h.Accept != nil && !h.Accept(b.Engine) {
 			continue
 		}
 		avail = true
+		isBound := h.Bound != "" && b.Name == h.Bound
+		if isBound {
+			boundEligible = true
+		}
 		if !b.full() || h.Overcommit {
+			if isBound {
+				bound = len(cands)
+			}
 			cands = append(cands, b)
 		}
 	}
 	p.scratch = cands[:0]
 	if len(cands) == 0 {
-		return nil, avail
+		return nil, avail, ""
 	}
-	b = p.policy.Select(cands, h)
-	if b == nil || !slices.Contains(cands, b) {
-		b = cands[0] // a policy must pick a candidate; never let a bug pick a full one
+	if h.Session != "" {
+		b, choice = p.sessionLocked(cands, h, bound, boundEligible)
+		if rec, ok := p.policy.(pickRecorder); ok {
+			rec.Picked(b, h)
+		}
+	} else {
+		b = p.policy.Select(cands, h)
+		if b == nil || !slices.Contains(cands, b) {
+			b = cands[0] // a policy must pick a candidate; never let a bug pick a full one
+		}
 	}
 	clear(cands) // do not keep backends alive through the scratch slice
-	return b, true
+	return b, true, choice
 }

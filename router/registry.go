@@ -30,8 +30,8 @@ type policyCaps struct {
 	wantsTokens bool
 	// needsKVEvents: it reads the engines' KV events, so some must be configured.
 	needsKVEvents bool
-	// scrapesLoad: it scores engines by their /metrics, which Router.Run scrapes for its
-	// pool every scrape_interval.
+	// scrapesLoad: it weighs engines' load by their /metrics (Backend.loadScore), which
+	// Router.Run scrapes for its pool every scrape_interval.
 	scrapesLoad bool
 }
 
@@ -39,8 +39,10 @@ type policyCaps struct {
 // policy on its own (NewPolicy): the wall clock, no metrics, the default settings.
 type policyBuild struct {
 	prefixTokens int
-	cache        CacheAwareConfig
-	staleAfter   time.Duration
+	// loadFactor is bounded_load_factor; zero means its default.
+	loadFactor float64
+	cache      CacheAwareConfig
+	staleAfter time.Duration
 	// index is the router's view of the engines' KV events; nil gives precise_cache_aware
 	// an index of its own that nothing fills.
 	index *kvcache.Index
@@ -66,11 +68,17 @@ var policies = []policyEntry{
 	{name: PolicyLeastInflight, new: func(policyBuild) Policy { return &LeastInflight{} }},
 	{name: PolicyRoundRobin, new: func(policyBuild) Policy { return &RoundRobin{} }},
 	{name: PolicyPowerOfTwo, new: func(policyBuild) Policy { return &PowerOfTwo{} }},
-	{name: PolicyPrefixAffinity, new: func(b policyBuild) Policy { return NewPrefixAffinity(b.prefixTokens) }},
+	{name: PolicyPrefixAffinity, new: func(b policyBuild) Policy {
+		p := NewPrefixAffinity(b.prefixTokens)
+		if b.loadFactor > 0 {
+			p.factor = b.loadFactor
+		}
+		return p
+	}},
 	{name: PolicyLeastLoaded, caps: policyCaps{scrapesLoad: true},
 		new: func(b policyBuild) Policy { return &LeastLoaded{now: b.now} }},
-	{name: PolicyCacheAware, new: func(b policyBuild) Policy { return newCacheAware(b, nil) }},
-	{name: PolicyPreciseCacheAware, caps: policyCaps{wantsTokens: true, needsKVEvents: true},
+	{name: PolicyCacheAware, caps: policyCaps{scrapesLoad: true}, new: func(b policyBuild) Policy { return newCacheAware(b, nil) }},
+	{name: PolicyPreciseCacheAware, caps: policyCaps{wantsTokens: true, needsKVEvents: true, scrapesLoad: true},
 		new: func(b policyBuild) Policy {
 			index := b.index
 			if index == nil {
@@ -84,6 +92,12 @@ var policies = []policyEntry{
 func newCacheAware(b policyBuild, index *kvcache.Index) *CacheAware {
 	p := NewCacheAware(b.cache, index, b.staleAfter)
 	p.now = b.now
+	if b.prefixTokens > 0 {
+		p.keyTokens = b.prefixTokens
+	}
+	if b.loadFactor > 0 {
+		p.loadFactor = b.loadFactor
+	}
 	if b.ratio != nil {
 		p.ratio = b.ratio()
 	}
@@ -137,6 +151,7 @@ func (r *Router) newPolicy(name string, cfg Config, role Role) (Policy, policyCa
 	}
 	p := e.new(policyBuild{
 		prefixTokens: cfg.PrefixTokens,
+		loadFactor:   cfg.BoundedLoadFactor,
 		cache:        cfg.CacheAware,
 		staleAfter:   cfg.KVEvents.StaleAfter,
 		index:        r.index,

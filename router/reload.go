@@ -109,7 +109,7 @@ func (r *Router) apply(cfg Config) error {
 		if p.role == RolePrefill {
 			policyName, pol, caps = cfg.PrefillPolicy, pre, preCaps
 		}
-		cache := cacheSettings{cfg.CacheAware, cfg.KVEvents.StaleAfter}
+		cache := cacheSettings{cfg.CacheAware, cfg.KVEvents.StaleAfter, cfg.BoundedLoadFactor}
 		if p.policy == nil || p.policyName != policyName || p.prefixTokens != cfg.PrefixTokens || p.cache != cache {
 			p.policy, p.policyName, p.caps, p.prefixTokens, p.cache = pol, policyName, caps, cfg.PrefixTokens, cache
 		}
@@ -118,6 +118,7 @@ func (r *Router) apply(cfg Config) error {
 		}
 		p.backends = mine
 		p.queueSize, p.queueTimeout = cfg.Queue.Size, cfg.Queue.Timeout
+		p.loadFactor = cfg.BoundedLoadFactor
 	}
 	var removed []*Backend
 	for _, b := range old {

@@ -46,6 +46,15 @@ type Hint struct {
 	Model string
 	// Exclude names backends not to pick, e.g. the ones a retry already tried.
 	Exclude []string
+	// Session is an opaque key of the session the request belongs to (what the proxy read
+	// from a session header); empty means none. A request of a session goes to the engine
+	// the session is bound to (Bound) while that engine may take it, else to where the
+	// session's key is placed (see SessionChoice), whatever the policy: every replica then
+	// sends a session's turns to one engine. The key reaches no log or label.
+	Session string
+	// Bound is the name of the engine of this role the session was bound to, from state the
+	// replicas share; empty means none, and the session is placed by its key alone.
+	Bound string
 	// Accept, when set, restricts the pick to backends whose engine it accepts: one request
 	// never mixes engines that speak different protocols.
 	Accept func(Engine) bool
@@ -186,9 +195,9 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 		// waiters first.
 		p.dispatchLocked()
 	}
-	b, avail := p.pickLocked(h)
+	b, avail, choice := p.pickLocked(h)
 	if b != nil {
-		l := p.leaseLocked(b)
+		l := p.leaseLocked(b, choice)
 		p.mu.Unlock()
 		return l, nil
 	}

@@ -29,8 +29,8 @@ type BackendStatus struct {
 	Ejections int64 `json:"ejections"`
 	// Engine is the engine kind.
 	Engine string `json:"engine"`
-	// Load is the engine's load as least_loaded last scraped it; absent until least_loaded
-	// first scraped the backend.
+	// Load is the engine's load as last scraped, for a pool whose policy weighs it
+	// (least_loaded, cache_aware, precise_cache_aware); absent until the first good scrape.
 	Load *LoadStatus `json:"load,omitempty"`
 	// PrefixCache is what the proxy believes the engine's prefix cache holds; absent unless
 	// its pool's policy is cache_aware or precise_cache_aware.

@@ -3,6 +3,7 @@ package router
 import (
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"net/url"
 	"strings"
@@ -39,6 +40,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.PrefixTokens == 0 {
 		c.PrefixTokens = DefaultPrefixTokens
+	}
+	if c.BoundedLoadFactor == 0 {
+		c.BoundedLoadFactor = DefaultBoundedLoadFactor
 	}
 	h := &c.Health
 	if h.Interval == 0 {
@@ -346,6 +350,15 @@ func (c *Config) Validate() error {
 	}
 	if c.PrefixTokens < 0 {
 		bad("prefix_tokens", "%d is negative", c.PrefixTokens)
+	}
+	switch f := c.BoundedLoadFactor; {
+	case !(f >= 1):
+		// The least loaded engine is at most at the average, so only a bound of c times the
+		// average with c of 1 or more always has an engine within it; below, a key could find
+		// none, and where it goes would no longer depend on the key.
+		bad("bounded_load_factor", "%v is below 1: the bound is c × the average load, and below 1 no engine need be within it; set 1 (perfectly even) or more, or leave it unset (%v)", f, DefaultBoundedLoadFactor)
+	case math.IsInf(f, 1):
+		bad("bounded_load_factor", "%v is infinite: every engine would always be within its bound, and a hot key would never spread", f)
 	}
 	h := c.Health
 	if h.Timeout < 0 {
