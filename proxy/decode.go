@@ -64,6 +64,11 @@ func (x *exchange) decode(c *custody) *apiError {
 		}
 	}
 	resp, err := x.send(c, call, wd, span, sequential, func(b *router.Backend, call *kvbackend.Call) (err error) {
+		if _, _, ok := x.s.table.StartDecode(x.id, b.Name); !ok {
+			// Already decoding, the table names the new decoder; it refuses once the
+			// client left.
+			return errNotInTable
+		}
 		call.Body, err = x.decodeBody(b, params)
 		return err
 	})
