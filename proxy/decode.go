@@ -114,12 +114,13 @@ func (x *exchange) send(c *custody, call kvbackend.Call, wd *watchdog, span trac
 	err := do()
 	tried := []string{x.legs.decode.Name}
 	for attempt := 0; err != nil && retriable(err, false) && x.ctx.Err() == nil && attempt < x.s.cfg.DecodeRetries; attempt++ {
-		h := x.hint(tried)
+		h := x.hint(router.RoleDecode, tried)
 		h.Accept = accept
 		lease, aerr := x.s.router.Acquire(x.ctx, router.RoleDecode, h)
 		if aerr != nil {
 			break
 		}
+		x.picked(router.RoleDecode, lease)
 		c.giveBackLease(resultOf(err, x.ctx))
 		b := lease.Backend()
 		c.lease, x.legs.decode = lease, b

@@ -47,6 +47,8 @@ type exchange struct {
 	out   reply
 	tries tries
 	times timings
+	// sess is the session the request named (session_affinity); its zero value is none.
+	sess session
 }
 
 // naming is what the request's model is called: by the client, in its metrics, and how the
@@ -242,6 +244,11 @@ func (x *exchange) run(parse func([]byte) (*genRequest, *apiError)) *apiError {
 			return e
 		}
 	}
+	if hs := x.s.cfg.SessionAffinity.Headers; len(hs) > 0 {
+		if e := x.readSession(hs); e != nil {
+			return e
+		}
+	}
 	body, e := readBody(x.w, x.r, x.s.cfg.MaxBodyBytes, x.s.cfg.ReadBodyTimeout)
 	if e != nil {
 		return e
@@ -307,11 +314,12 @@ func (x *exchange) track(serve func(c *custody) *apiError) (e *apiError) {
 	return serve(c)
 }
 
-func (x *exchange) hint(exclude []string) router.Hint {
+func (x *exchange) hint(role router.Role, exclude []string) router.Hint {
 	if len(x.tries.avoid) > 0 {
 		exclude = x.tries.avoided(exclude[:len(exclude):len(exclude)])
 	}
-	h := router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.req.text, Tokens: x.legs.tokens, Model: x.req.model, Exclude: exclude}
+	h := router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.req.text, Tokens: x.legs.tokens, Model: x.req.model, Exclude: exclude,
+		Session: x.sess.key, Bound: x.sess.bound(role)}
 	if x.class != nil {
 		h.Class, h.Slack = x.class.Name, x.class.MaxQueueWait
 	}
@@ -402,7 +410,7 @@ func (x *exchange) attempt(c *custody) *apiError {
 // reserveDecoder takes a lease on a decoder for the request, into its custody c; one accept
 // takes, when set. On failure it takes the custody.
 func (x *exchange) reserveDecoder(c *custody, accept func(router.Engine) bool) *apiError {
-	h := x.hint(nil)
+	h := x.hint(router.RoleDecode, nil)
 	h.Accept = accept
 	if rs := x.out.resume; rs != nil && rs.attempt > 0 {
 		h.Accept = func(e router.Engine) bool { return continuable(e) && (accept == nil || accept(e)) }
@@ -411,6 +419,7 @@ func (x *exchange) reserveDecoder(c *custody, accept func(router.Engine) bool) *
 	if err != nil {
 		return x.failWith(c, router.Result{}, fromRouter(err, router.RoleDecode))
 	}
+	x.picked(router.RoleDecode, lease)
 	c.lease, x.legs.decode = lease, lease.Backend()
 	return nil
 }

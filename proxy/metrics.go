@@ -25,6 +25,8 @@ type metrics struct {
 	migrations        *prometheus.CounterVec
 	migrationRefusals *prometheus.CounterVec
 	tokensReplayed    prometheus.Counter
+	// sessionPicks counts the picks of requests that named a session (session.go).
+	sessionPicks *prometheus.CounterVec
 }
 
 // latencyBuckets span a sub-millisecond proxy hop to a multi-minute generation.
@@ -105,6 +107,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Namespace: "pdproxy", Name: "migration_tokens_replayed_total",
 			Help: "Generated tokens sent again, as prompt, to the engines a stream went on on.",
 		}),
+		sessionPicks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "pdproxy", Name: "session_affinity_total",
+			Help: "Engines picked for requests that named a session (session_affinity), by role and outcome: kept (the engine the session was bound to), placed (no binding: where the session's key places it), yielded_unhealthy and yielded_load (the bound engine could not take it: down, ejected, gone, or over its bound).",
+		}, []string{"role", "outcome"}),
 	}
 	for _, reason := range []string{moveDecoderFailed, moveIdleTimeout, moveErrorEvent, moveDrained} {
 		for _, outcome := range []string{movedOn, moveRefused, moveExceeded} {
@@ -114,7 +120,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	if reg != nil {
 		reg.MustRegister(m.requests, m.duration, m.ttft, m.propagation, m.tokensAfter, m.retries, m.fallbacks, m.decodeOnly, m.releaseFailure,
 			m.connsOpen, m.connsRefused, m.prefillerRefused, m.panics, m.limitRejected, m.keyRequests,
-			m.migrations, m.migrationRefusals, m.tokensReplayed)
+			m.migrations, m.migrationRefusals, m.tokensReplayed, m.sessionPicks)
 	}
 	return m
 }

@@ -221,13 +221,14 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 func (x *exchange) pickPair(c *custody) (*router.Lease, *apiError) {
 	for try := 0; ; try++ {
 		d := x.legs.decode
-		h := x.hint(nil)
+		h := x.hint(router.RolePrefill, nil)
 		h.Accept = pairedWith(d.Engine)
 		lease, err := x.s.router.Acquire(x.ctx, router.RolePrefill, h)
 		if err != nil {
 			// A decoder in disaggregated mode cannot serve alone: no decode-only fallback.
 			return nil, x.failWith(c, router.Result{Canceled: true}, fromRouter(err, router.RolePrefill))
 		}
+		x.picked(router.RolePrefill, lease)
 		if x.s.router.Usable(d) && x.s.router.Usable(lease.Backend()) {
 			return lease, nil
 		}

@@ -25,7 +25,7 @@ func (x *exchange) prefill(c *custody) *apiError {
 		lastErr error
 	)
 	for attempt := 0; attempt <= x.s.cfg.PrefillRetries; attempt++ {
-		h := x.hint(tried)
+		h := x.hint(router.RolePrefill, tried)
 		h.Accept = sequential
 		lease, b, err := x.pickPrefiller(h)
 		if err != nil {

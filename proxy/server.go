@@ -167,6 +167,9 @@ type Config struct {
 	// Priority maps requests to priority classes that order the wait queue when every
 	// engine is full (priority.go). [none: first come, first served]
 	Priority PriorityConfig `yaml:"priority"`
+	// SessionAffinity sends a session's requests to one decoder and one prefiller, on every
+	// replica (session.go). [off]
+	SessionAffinity SessionAffinityConfig `yaml:"session_affinity"`
 }
 
 // Validate checks c as New would, without changing it.
@@ -251,6 +254,9 @@ func (c *Config) setDefaults() error {
 	if err := c.Priority.setDefaults(); err != nil {
 		return err
 	}
+	if err := c.SessionAffinity.setDefaults(); err != nil {
+		return err
+	}
 	switch c.DecoderReservation {
 	case ReserveBeforePrefill, ReserveAfterPrefill:
 	default:
@@ -313,6 +319,9 @@ type Server struct {
 	lim *limiter
 	// classes are the priority classes; nil when none are configured.
 	classes *classes
+	// sessions keeps the sessions' bindings for every replica (WithSessionBindings); nil
+	// when they are kept nowhere.
+	sessions SessionBindings
 }
 
 // New builds a Server. reg receives the proxy's metrics; gather is served on /metrics (pass

@@ -168,5 +168,8 @@ func (x *exchange) pickPrefiller(h router.Hint) (*router.Lease, *router.Backend,
 		return nil, x.legs.named, nil
 	}
 	lease, err := x.s.router.Acquire(x.ctx, router.RolePrefill, h)
+	if err == nil {
+		x.picked(router.RolePrefill, lease)
+	}
 	return lease, lease.Backend(), err
 }

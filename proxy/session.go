@@ -1,0 +1,139 @@
+package proxy
+
+import (
+	"fmt"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// SessionAffinityConfig sends the requests of one session (a conversation, an agent's run) to
+// one decoder and one prefiller, whichever replica each reaches: where the session's earlier
+// turns left their KV. A request names its session in the first of Headers it carries; the
+// router then keeps it on the engine the session is bound to while that engine is usable and
+// within its bound, and places it by the session's key otherwise (the same choice on every
+// replica, with nothing shared). With shared_state, the binding of each role is kept there
+// for TTL after the session's last request, so that a session that had to move stays where it
+// moved to; without it, the key alone decides.
+type SessionAffinityConfig struct {
+	// Headers are the request headers that name a session, the first one present winning.
+	// Common ones: X-Session-ID (vLLM's router), X-Dynamo-Session-ID, X-Claude-Code-Session-Id
+	// (Claude Code), Session-Id and Session_id (Codex), X-Session-Affinity and
+	// X-Opencode-Session (OpenCode). Empty, the default, means session affinity is off.
+	Headers []string `yaml:"headers"`
+	// TTL is how long a binding kept in shared_state outlives its session's last request.
+	// It takes effect only with shared_state. [30m]
+	TTL time.Duration `yaml:"ttl"`
+}
+
+const (
+	defaultSessionTTL = 30 * time.Minute
+	// maxSessionKey bounds a session header's value: an id, not a payload. It becomes a
+	// key in shared state.
+	maxSessionKey = 256
+)
+
+func (c *SessionAffinityConfig) setDefaults() error {
+	if c.TTL < 0 {
+		return fmt.Errorf("session_affinity.ttl: %v is negative", c.TTL)
+	}
+	if len(c.Headers) == 0 {
+		if c.TTL > 0 {
+			return fmt.Errorf("session_affinity.ttl: set without headers, which name the sessions: nothing would be bound")
+		}
+		return nil
+	}
+	for i, h := range c.Headers {
+		if h == "" || strings.ContainsFunc(h, func(r rune) bool { return !isTokenRune(r) }) {
+			return fmt.Errorf("session_affinity.headers[%d]: %q is not a header name", i, h)
+		}
+		c.Headers[i] = http.CanonicalHeaderKey(h)
+	}
+	if c.TTL == 0 {
+		c.TTL = defaultSessionTTL
+	}
+	return nil
+}
+
+// isTokenRune reports whether r may be part of an HTTP header name (RFC 9110's tchar).
+func isTokenRune(r rune) bool {
+	switch {
+	case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9':
+		return true
+	}
+	return strings.ContainsRune("!#$%&'*+-.^_`|~", r)
+}
+
+// SessionBindings keeps where each session's requests went, for every replica: Bind binds
+// session to engine for role for ttl, off the request's path (it may drop the write under
+// pressure: the session's key still places it). The bindings a request starts from come with
+// its shared limits' check.
+type SessionBindings interface {
+	Bind(session, role, engine string, ttl time.Duration)
+}
+
+// WithSessionBindings keeps the sessions' bindings (session_affinity) in b.
+func WithSessionBindings(b SessionBindings) Option {
+	return func(s *Server) { s.sessions = b }
+}
+
+// sessionOf is the session r names in the first of headers it carries, "" when none. A value
+// too long to be an id, or with bytes that are not printable ASCII, is refused: it would
+// become a key in shared state.
+func sessionOf(r *http.Request, headers []string) (string, *apiError) {
+	for _, h := range headers {
+		v := r.Header.Get(h)
+		if v == "" {
+			continue
+		}
+		if len(v) > maxSessionKey || !printable(v) {
+			return "", newError(errInvalidValue, fmt.Sprintf("the %s header must be a session id of at most %d printable ASCII characters", h, maxSessionKey)).
+				with(h, nil, 0)
+		}
+		return v, nil
+	}
+	return "", nil
+}
+
+// session is what a request knows of its session: its key ("" for none), and the engines it
+// was bound to for each role when the request arrived (from shared state; "" for none).
+type session struct {
+	key                       string
+	prefill, decode           string
+	boundPrefill, boundDecode bool
+}
+
+// bound is the engine the session was bound to for role.
+func (s *session) bound(role router.Role) string {
+	if role == router.RolePrefill {
+		return s.prefill
+	}
+	return s.decode
+}
+
+// picked records where a pick for role went, for a request of a session: counted, and, with
+// shared state, the session bound to that engine for the TTL from now (a binding kept is
+// renewed).
+func (x *exchange) picked(role router.Role, lease *router.Lease) {
+	choice := lease.Session()
+	if choice == "" {
+		return
+	}
+	x.s.m.sessionPicks.WithLabelValues(string(role), string(choice)).Inc()
+	if x.s.sessions != nil {
+		x.s.sessions.Bind(x.sess.key, string(role), lease.Backend().Name, x.s.cfg.SessionAffinity.TTL)
+	}
+}
+
+// readSession reads the session the request names in the first of headers it carries, before
+// its body: a session header that cannot be an id refuses the request.
+func (x *exchange) readSession(headers []string) *apiError {
+	key, e := sessionOf(x.r, headers)
+	if e != nil || key == "" {
+		return e
+	}
+	x.sess.key = key
+	return nil
+}
