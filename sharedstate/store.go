@@ -28,6 +28,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/logging"
 	"github.com/redis/go-redis/v9/maintnotifications"
 	"go.uber.org/zap"
 )
@@ -75,6 +76,11 @@ var (
 	// ErrTooManySlots is Check's answer when the Store holds maxSlots slots already.
 	ErrTooManySlots = errors.New("shared state: too many slots in flight")
 )
+
+// quietRedis silences go-redis's own logger, which is the process's (it has no other): it
+// writes a line to stderr for every dial that fails, so an outage would fill the log with
+// them. A Store says what matters itself, once: the outage, and its end.
+var quietRedis sync.Once
 
 // Request is what Check decides: one request of a key, under the key's limits.
 type Request struct {
@@ -162,6 +168,7 @@ func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) (*Store, err
 	if err != nil {
 		return nil, err
 	}
+	quietRedis.Do(func() { redis.SetLogger(&logging.VoidLogger{}) })
 	var id [8]byte
 	rand.Read(id[:])
 	opt := &redis.Options{
