@@ -121,6 +121,9 @@ type Slot struct{ id uint64 }
 // slot is a slot the Store refreshes until it is released.
 type slot struct {
 	set, member string
+	// sent says Redis may hold it: a check or a refresh that carried it went out. One
+	// that never went out (taken while Redis was down) needs no release there.
+	sent bool
 }
 
 // op is an operation for the goroutine: a slot's release or a session's binding.
@@ -210,9 +213,13 @@ func (s *Store) Close() error { return s.rdb.Close() }
 
 // key is Redis's name for a client-chosen string of a kind: the prefix, the kind and a hash,
 // so that nothing a client sends sizes a key or reaches Redis as written.
-func (s *Store) key(kind, name string) string {
+func (s *Store) key(kind, name string) string { return s.hashedKey(kind, hash(name)) }
+
+func (s *Store) hashedKey(kind, h string) string { return s.cfg.Redis.KeyPrefix + kind + ":" + h }
+
+func hash(name string) string {
 	h := sha256.Sum256([]byte(name))
-	return s.cfg.Redis.KeyPrefix + kind + ":" + hex.EncodeToString(h[:16])
+	return hex.EncodeToString(h[:16])
 }
 
 // Check decides req in one round trip at most, within the budget. On an error (Redis failed,
@@ -228,7 +235,8 @@ func (s *Store) Check(ctx context.Context, req Request) (Decision, error) {
 	if !rate && req.MaxConcurrent <= 0 && len(sessions) == 0 {
 		return Decision{Allowed: true}, nil
 	}
-	set := s.key("slots", req.Key)
+	h := hash(req.Key)
+	set := s.hashedKey("slots", h)
 	var id uint64
 	if req.MaxConcurrent > 0 {
 		id = s.seq.Add(1)
@@ -239,7 +247,7 @@ func (s *Store) Check(ctx context.Context, req Request) (Decision, error) {
 	}
 	if s.down.Load() {
 		s.m.errors.WithLabelValues(opCheck).Inc()
-		return s.undecided(id, set, member, ErrUnavailable)
+		return s.undecided(id, set, member, false, ErrUnavailable)
 	}
 	var interval int64
 	burst := 1
@@ -248,7 +256,7 @@ func (s *Store) Check(ctx context.Context, req Request) (Decision, error) {
 		burst = max(req.Burst, 1)
 	}
 	keys := make([]string, 0, 2+len(sessions))
-	keys = append(keys, s.key("rate", req.Key), set)
+	keys = append(keys, s.hashedKey("rate", h), set)
 	for _, k := range sessions {
 		keys = append(keys, s.key("session", k))
 	}
@@ -260,19 +268,19 @@ func (s *Store) Check(ctx context.Context, req Request) (Decision, error) {
 		if ctx.Err() != nil {
 			// The caller gave up: no news of Redis. The script may have run, so the slot is
 			// kept for the caller to release all the same.
-			return s.undecided(id, set, member, ctx.Err())
+			return s.undecided(id, set, member, true, ctx.Err())
 		}
 		s.fail(opCheck, err)
-		return s.undecided(id, set, member, fmt.Errorf("shared state: check: %w", err))
+		return s.undecided(id, set, member, true, fmt.Errorf("shared state: check: %w", err))
 	}
 	s.m.checkSeconds.Observe(time.Since(start).Seconds())
 	d, err := decision(res, sessions)
 	if err != nil {
 		s.fail(opCheck, err)
-		return s.undecided(id, set, member, err)
+		return s.undecided(id, set, member, true, err)
 	}
 	if d.Allowed && id != 0 {
-		if d.Slot, err = s.track(id, set, member); err != nil {
+		if d.Slot, err = s.track(id, set, member, true); err != nil {
 			// The slot went in, and this replica cannot keep it.
 			s.enqueue(op{kind: opRelease, key: set, member: member})
 			return Decision{}, err
@@ -282,25 +290,25 @@ func (s *Store) Check(ctx context.Context, req Request) (Decision, error) {
 }
 
 // undecided is Check's answer when Redis did not decide: the slot the request would have
-// (when it asked for one), kept for the reconcile.
-func (s *Store) undecided(id uint64, set, member string, err error) (Decision, error) {
+// (when it asked for one), kept for the reconcile; sent says the check went out.
+func (s *Store) undecided(id uint64, set, member string, sent bool, err error) (Decision, error) {
 	if id == 0 {
 		return Decision{}, err
 	}
-	sl, terr := s.track(id, set, member)
+	sl, terr := s.track(id, set, member, sent)
 	if terr != nil {
 		return Decision{}, errors.Join(err, terr)
 	}
 	return Decision{Slot: sl}, err
 }
 
-func (s *Store) track(id uint64, set, member string) (Slot, error) {
+func (s *Store) track(id uint64, set, member string, sent bool) (Slot, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if len(s.slots) >= maxSlots {
 		return Slot{}, ErrTooManySlots
 	}
-	s.slots[id] = slot{set: set, member: member}
+	s.slots[id] = slot{set: set, member: member, sent: sent}
 	s.m.slots.Set(float64(len(s.slots)))
 	return Slot{id: id}, nil
 }
@@ -351,7 +359,7 @@ func (s *Store) Release(sl Slot) {
 	delete(s.slots, sl.id)
 	s.m.slots.Set(float64(len(s.slots)))
 	s.mu.Unlock()
-	if ok {
+	if ok && e.sent {
 		s.enqueue(op{kind: opRelease, key: e.set, member: e.member})
 	}
 }
@@ -518,7 +526,11 @@ func (s *Store) send(ctx context.Context, batch []op) error {
 func (s *Store) refresh(ctx context.Context) error {
 	s.mu.Lock()
 	all := make([]slot, 0, len(s.slots))
-	for _, sl := range s.slots {
+	for id, sl := range s.slots {
+		// Sent from now: a release from here on goes to the queue, and so to Redis after
+		// this refresh, which this goroutine finishes first.
+		sl.sent = true
+		s.slots[id] = sl
 		all = append(all, sl)
 	}
 	s.mu.Unlock()
