@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"math/rand/v2"
 	"net/http"
 	"sync"
 	"testing"
@@ -63,14 +64,16 @@ func TestAKeyOverItsLimitIsRefusedByEveryReplica(t *testing.T) {
 	srv := redistest.Start(t)
 	limits := proxy.KeyLimits{RequestsPerSecond: 5, Burst: 5}
 	rs := sharedReplicas(t, 3, srv.Addr(), limits)
-	// A client alternating replicas request by request, 15 requests a second for 3 s: each
-	// replica alone would let through nearly all of them.
+	// A client alternating replicas request by request, about 15 requests a second for 3 s:
+	// each replica alone would let through nearly all of them. The gaps vary, so that no
+	// replica's turn keeps falling where the key's next request is due (at a steady 15/s,
+	// one replica in three would get every one the limit lets through).
+	gaps := rand.New(rand.NewPCG(29, 3))
 	allowed := make([]int, len(rs))
 	refused := make([]int, len(rs))
 	start := time.Now()
 	for i := range 45 {
-		at := start.Add(time.Duration(i) * time.Second / 15)
-		time.Sleep(time.Until(at))
+		time.Sleep(20*time.Millisecond + time.Duration(gaps.IntN(90))*time.Millisecond)
 		r := i % len(rs)
 		switch code, errCode := completionStatus(t, rs[r].url, "team-key"); {
 		case code == http.StatusOK:
