@@ -14,7 +14,26 @@ import (
 
 	"github.com/go-chi/chi/v5"
 	"go.uber.org/zap"
+
+	"github.com/pdproxy/pdproxy/sharedstate"
 )
+
+// SharedLimits is what the limits need of the state the replicas share (sharedstate.Store):
+// one decision per request, and its slot given back when the request ends. Given to New by
+// WithSharedLimits, it decides each identity's per_key limits across replicas; when it
+// fails, this replica's own limiter decides that request, as with no shared state.
+type SharedLimits interface {
+	Check(ctx context.Context, req sharedstate.Request) (sharedstate.Decision, error)
+	Release(slot sharedstate.Slot)
+}
+
+var _ SharedLimits = (*sharedstate.Store)(nil)
+
+// WithSharedLimits makes the per_key limits hold across replicas through st. Without
+// per_key limits it changes nothing.
+func WithSharedLimits(st SharedLimits) Option {
+	return func(s *Server) { s.shared = st }
+}
 
 // LimitsConfig gives each client identity its own share of the proxy: a concurrency limit
 // and a token-bucket rate limit, refused with 429 (Retry-After) before the body is read and
@@ -120,6 +139,9 @@ type share struct {
 type limiter struct {
 	cfg          LimitsConfig
 	tenantHeader string
+	// shared decides the per_key limits across replicas; nil when each replica decides
+	// alone. The shares here are kept either way: they decide when shared fails.
+	shared SharedLimits
 
 	mu        sync.Mutex
 	shares    map[identity]*share
@@ -144,6 +166,7 @@ func newLimiter(cfg LimitsConfig, keys int) *limiter {
 // class (classify); the rest is the limiter's.
 type admission struct {
 	share       *share // nil when no limit applies
+	slot        sharedstate.Slot
 	id          identity
 	key, tenant string // label values
 	class       string // label value; "" until the request's class is known
@@ -179,7 +202,7 @@ func (l *limiter) admit(r *http.Request, now time.Time) (*admission, *apiError) 
 	}
 
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	defer l.mu.Unlock() // held again when admitShared returns
 	if now.Sub(l.lastSweep) >= limitsSweepEvery {
 		l.sweepLocked(now, false)
 	}
@@ -195,26 +218,87 @@ func (l *limiter) admit(r *http.Request, now time.Time) (*admission, *apiError) 
 		l.shares[id] = s
 	}
 	l.refillLocked(s, now)
+	if l.shared != nil {
+		return l.admitShared(r.Context(), a, s)
+	}
+	if e := l.decideLocked(s); e != nil {
+		return a, e
+	}
+	a.share = s
+	return a, nil
+}
+
+// decideLocked is this replica's decision on its own state: s's request is let in (counted
+// in flight, a token taken) or refused.
+func (l *limiter) decideLocked(s *share) *apiError {
+	lim := l.cfg.PerKey
 	if lim.MaxConcurrent > 0 && s.inflight >= lim.MaxConcurrent {
-		return a, refusal(limitConcurrency, 1, fmt.Sprintf("too many concurrent requests for this API key: at most %d in flight; retry when one ends", lim.MaxConcurrent))
+		return refusal(limitConcurrency, 1, concurrencyMessage(lim))
 	}
 	if lim.RequestsPerSecond > 0 {
 		if s.tokens < 1 {
 			// Less a hair, so that float rounding does not make a whole second of 8.000000001.
 			wait := int(math.Ceil((1-s.tokens)/lim.RequestsPerSecond - 1e-9))
-			return a, refusal(limitRate, max(wait, 1), fmt.Sprintf("rate limit reached for this API key: %g requests per second, burst %d; retry later", lim.RequestsPerSecond, lim.Burst))
+			return refusal(limitRate, max(wait, 1), rateMessage(lim))
 		}
 		s.tokens--
 	}
 	s.inflight++
-	a.share = s
+	return nil
+}
+
+// admitShared has the shared state decide, with l.mu held on entry (and released while the
+// shared state is asked). This replica's share counts the request too when it is let in
+// (in flight, and a token while there is one), so that if the shared state fails, the
+// replica goes on from what it has been serving rather than from an empty slate.
+func (l *limiter) admitShared(ctx context.Context, a *admission, s *share) (*admission, *apiError) {
+	lim := l.cfg.PerKey
+	s.inflight++ // while the shared state decides: no sweep drops the share meanwhile
+	l.mu.Unlock()
+	d, err := l.shared.Check(ctx, sharedstate.Request{
+		Key: hex.EncodeToString(a.id[:]), Rate: lim.RequestsPerSecond, Burst: lim.Burst, MaxConcurrent: lim.MaxConcurrent,
+	})
+	l.mu.Lock()
+	s.inflight--
+	switch {
+	case err != nil:
+		// The shared state could not decide (its own count and log say why): this
+		// replica's limits do, and a slot it kept for the request goes back on a refusal.
+		if e := l.decideLocked(s); e != nil {
+			l.shared.Release(d.Slot)
+			return a, e
+		}
+	case !d.Allowed && d.Reason == sharedstate.ReasonConcurrency:
+		return a, refusal(limitConcurrency, 1, concurrencyMessage(lim))
+	case !d.Allowed:
+		// Less a hair, as above: a wait of exactly 2s is 2, not 3.
+		wait := int(math.Ceil(d.RetryAfter.Seconds() - 1e-9))
+		return a, refusal(limitRate, max(wait, 1), rateMessage(lim))
+	default:
+		s.inflight++
+		if lim.RequestsPerSecond > 0 {
+			s.tokens = max(s.tokens-1, 0)
+		}
+	}
+	a.share, a.slot = s, d.Slot
 	return a, nil
+}
+
+func concurrencyMessage(lim KeyLimits) string {
+	return fmt.Sprintf("too many concurrent requests for this API key: at most %d in flight; retry when one ends", lim.MaxConcurrent)
+}
+
+func rateMessage(lim KeyLimits) string {
+	return fmt.Sprintf("rate limit reached for this API key: %g requests per second, burst %d; retry later", lim.RequestsPerSecond, lim.Burst)
 }
 
 // release ends an admission: its request left the proxy.
 func (l *limiter) release(a *admission, now time.Time) {
 	if a.share == nil {
 		return
+	}
+	if l.shared != nil {
+		l.shared.Release(a.slot)
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()

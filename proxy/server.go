@@ -317,6 +317,9 @@ type Server struct {
 	// lim admits requests by their client's limits and counts them per key and class; nil
 	// when neither limits nor priority classes are configured.
 	lim *limiter
+	// shared is the per_key limits' state across replicas (WithSharedLimits); nil when each
+	// replica decides alone.
+	shared SharedLimits
 	// classes are the priority classes; nil when none are configured.
 	classes *classes
 	// sessions keeps the sessions' bindings for every replica (WithSessionBindings); nil
@@ -347,6 +350,7 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 			nkeys = len(keys.digests)
 		}
 		s.lim = newLimiter(cfg.Limits, nkeys)
+		s.lim.shared = s.shared
 	}
 	s.classes = newClasses(cfg.Priority)
 	allow, err := s.cfg.validateSidecar()

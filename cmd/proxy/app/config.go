@@ -21,6 +21,7 @@ import (
 	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/sharedstate"
 )
 
 // Config is the whole configuration, as read from YAML. Zero values mean the defaults in
@@ -57,6 +58,9 @@ type Config struct {
 	Proxy proxy.Config `yaml:",inline"`
 	// Router is the backend pools.
 	Router router.Config `yaml:",inline"`
+	// SharedState is the Redis where the replicas share the per_key limits; none by default:
+	// each replica works alone.
+	SharedState sharedstate.Config `yaml:"shared_state"`
 	// Tracing sends the requests' traces to an OTLP collector; off by default.
 	Tracing TracingConfig `yaml:"tracing"`
 	// Sims are simulated engines started in-process on loopback and added to the pools: the
@@ -326,4 +330,20 @@ func checkConditional(p proxy.Config, r router.Config) error {
 	}
 	return fmt.Errorf("pd_uncached_token_threshold: %d needs the decoders' KV events, and none are read: set kv_events_endpoint or kv_events_port on the decode backends, or kv_events.listen for them to publish to; without them no decoder's cache is known and every request is disaggregated",
 		p.PDUncachedTokenThreshold)
+}
+
+// checkSharedState refuses a shared_state that cannot take effect: one that does not
+// validate, or one that nothing would use. The replicas share the per_key limits, so a
+// shared_state without them would be accepted and never asked.
+func checkSharedState(c Config) error {
+	if err := c.SharedState.Validate(); err != nil {
+		return err
+	}
+	if !c.SharedState.Enabled() {
+		return nil
+	}
+	if l := c.Proxy.Limits.PerKey; l.RequestsPerSecond == 0 && l.MaxConcurrent == 0 {
+		return errors.New("shared_state: nothing would use it: the replicas share the limits of limits.per_key (requests_per_second, max_concurrent), and none is set")
+	}
+	return nil
 }

@@ -22,6 +22,7 @@ import (
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/sharedstate"
 )
 
 // Main is one running pdproxy: its simulated engines (if any), router, table and HTTP front.
@@ -50,6 +51,9 @@ type Main struct {
 	holdTimeout time.Duration
 	// tracer exports the requests' traces; nil when tracing is off.
 	tracer *sdktrace.TracerProvider
+	// store is the shared state; nil without shared_state. Its goroutine runs in group; it
+	// is closed once group is done.
+	store *sharedstate.Store
 }
 
 // discoverBootstrapPorts asks the paired prefillers (SGLang) for their bootstrap ports. One
@@ -123,6 +127,7 @@ func (m *Main) Start(ctx context.Context) error {
 		m.stopSims()
 		cancel()
 		g.Wait()
+		m.closeStore()
 		return err
 	}
 
@@ -140,6 +145,9 @@ func (m *Main) Start(ctx context.Context) error {
 	}
 	m.discoverBootstrapPorts(ctx)
 	g.Go(func() error { return m.Router.Run(gctx) })
+	if m.store != nil {
+		g.Go(func() error { return m.store.Run(gctx) })
+	}
 
 	if err := m.startAdmin(g); err != nil {
 		return fail(err)
@@ -280,6 +288,17 @@ func (m *Main) build(ctx context.Context, rcfg router.Config) error {
 	if tp != nil {
 		m.tracer = tp
 		opts = append(opts, proxy.WithTracerProvider(tp))
+	}
+	if err := checkSharedState(m.cfg); err != nil {
+		return fmt.Errorf("config: %w", err)
+	}
+	if m.cfg.SharedState.Enabled() {
+		st, err := sharedstate.New(m.cfg.SharedState, m.logger.Named("sharedstate"), m.Registry)
+		if err != nil {
+			return fmt.Errorf("config: %w", err)
+		}
+		m.store = st
+		opts = append(opts, proxy.WithSharedLimits(st))
 	}
 	srv, err := proxy.New(m.cfg.Proxy, rt, m.Table, m.logger.Named("proxy"), m.Registry, m.Registry, opts...)
 	if err != nil {
@@ -495,7 +514,17 @@ func (m *Main) Shutdown(ctx context.Context) error {
 		cancel()
 	}
 	m.cancel()
-	return m.group.Wait()
+	err = m.group.Wait()
+	// After the group: the store's goroutine has sent the last releases.
+	m.closeStore()
+	return err
+}
+
+// closeStore closes the shared state's connections, if there is one.
+func (m *Main) closeStore() {
+	if m.store != nil {
+		m.store.Close()
+	}
 }
 
 func (m *Main) stopSims() {

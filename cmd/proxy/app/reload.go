@@ -22,9 +22,9 @@ import (
 // in flight are not dropped: a removed backend is no longer picked, and the leases on it
 // still end normally. The rest of the file (listen, sims, kv_hold_timeout, the proxy's
 // timeouts and modes ...) takes effect only on a restart; a change there is logged as
-// ignored. A file that does not parse or validate, or a prefiller that would free its KV
-// sooner than the running kv_hold_timeout, is rejected with an error naming the field and
-// its line, and the running config stays.
+// ignored. A file that does not parse or validate, a prefiller that would free its KV
+// sooner than the running kv_hold_timeout, or a changed shared_state is rejected with an
+// error naming the field (and its line where it has one), and the running config stays.
 func (m *Main) Reload(path string) error {
 	m.reloadMu.Lock()
 	defer m.reloadMu.Unlock()
@@ -45,6 +45,11 @@ func (m *Main) Reload(path string) error {
 		return fmt.Errorf("reload %s: %w", path, err)
 	}
 	cfg.setDefaults()
+	if !reflect.DeepEqual(cfg.SharedState, m.cfg.SharedState) {
+		// Not logged as ignored with the rest: a replica that went on with the old Redis
+		// while its file names another would share its limits with the wrong replicas.
+		return fmt.Errorf("reload %s: shared_state: changed, and only a restart applies it: this replica's requests in flight hold their slots in the running one", path)
+	}
 
 	rcfg := cfg.Router
 	rcfg.Engines = EngineCatalog{}
