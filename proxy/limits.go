@@ -142,6 +142,9 @@ type limiter struct {
 	// shared decides the per_key limits across replicas; nil when each replica decides
 	// alone. The shares here are kept either way: they decide when shared fails.
 	shared SharedLimits
+	// sessionHeaders name a request's session (session_affinity), whose bindings the shared
+	// check reads too.
+	sessionHeaders []string
 
 	mu        sync.Mutex
 	shares    map[identity]*share
@@ -170,6 +173,10 @@ type admission struct {
 	id          identity
 	key, tenant string // label values
 	class       string // label value; "" until the request's class is known
+	// bindings are the engines the request's session was bound to, by role, when the shared
+	// check read them with the limits (read says it did).
+	bindings map[string]string
+	read     bool
 }
 
 type admissionKey struct{}
@@ -219,7 +226,8 @@ func (l *limiter) admit(r *http.Request, now time.Time) (*admission, *apiError) 
 	}
 	l.refillLocked(s, now)
 	if l.shared != nil {
-		return l.admitShared(r.Context(), a, s)
+		session, _ := sessionOf(r, l.sessionHeaders) // a bad one is refused by the handler
+		return l.admitShared(r.Context(), a, s, session)
 	}
 	if e := l.decideLocked(s); e != nil {
 		return a, e
@@ -251,13 +259,19 @@ func (l *limiter) decideLocked(s *share) *apiError {
 // shared state is asked). This replica's share counts the request too when it is let in
 // (in flight, and a token while there is one), so that if the shared state fails, the
 // replica goes on from what it has been serving rather than from an empty slate.
-func (l *limiter) admitShared(ctx context.Context, a *admission, s *share) (*admission, *apiError) {
+func (l *limiter) admitShared(ctx context.Context, a *admission, s *share, session string) (*admission, *apiError) {
 	lim := l.cfg.PerKey
 	s.inflight++ // while the shared state decides: no sweep drops the share meanwhile
 	l.mu.Unlock()
-	d, err := l.shared.Check(ctx, sharedstate.Request{
-		Key: hex.EncodeToString(a.id[:]), Rate: lim.RequestsPerSecond, Burst: lim.Burst, MaxConcurrent: lim.MaxConcurrent,
-	})
+	req := sharedstate.Request{Key: hex.EncodeToString(a.id[:]), Rate: lim.RequestsPerSecond, Burst: lim.Burst, MaxConcurrent: lim.MaxConcurrent}
+	if session != "" {
+		// The session's bindings come in the same round trip.
+		req.SessionKeys = []string{session}
+	}
+	d, err := l.shared.Check(ctx, req)
+	if err == nil && session != "" {
+		a.bindings, a.read = d.Bindings[session], true
+	}
 	l.mu.Lock()
 	s.inflight--
 	switch {

@@ -351,6 +351,7 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 		}
 		s.lim = newLimiter(cfg.Limits, nkeys)
 		s.lim.shared = s.shared
+		s.lim.sessionHeaders = cfg.SessionAffinity.Headers
 	}
 	s.classes = newClasses(cfg.Priority)
 	allow, err := s.cfg.validateSidecar()

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/sharedstate"
 )
 
 // SessionAffinityConfig sends the requests of one session (a conversation, an agent's run) to
@@ -135,5 +136,21 @@ func (x *exchange) readSession(headers []string) *apiError {
 		return e
 	}
 	x.sess.key = key
+	if x.s.sessions == nil || x.s.shared == nil {
+		return nil // the key alone places the session
+	}
+	b := map[string]string(nil)
+	if a := admissionOf(x.r.Context()); a != nil && a.read {
+		b = a.bindings
+	} else {
+		// No limits' check read them: one round trip of its own, within the shared state's
+		// budget. When it fails (counted there), the key alone places the session.
+		d, err := x.s.shared.Check(x.r.Context(), sharedstate.Request{SessionKeys: []string{key}})
+		if err != nil {
+			return nil
+		}
+		b = d.Bindings[key]
+	}
+	x.sess.prefill, x.sess.decode = b[string(router.RolePrefill)], b[string(router.RoleDecode)]
 	return nil
 }

@@ -333,8 +333,8 @@ func checkConditional(p proxy.Config, r router.Config) error {
 }
 
 // checkSharedState refuses a shared_state that cannot take effect: one that does not
-// validate, or one that nothing would use. The replicas share the per_key limits, so a
-// shared_state without them would be accepted and never asked.
+// validate, or one that nothing would use. The replicas share the per_key limits and the
+// sessions' bindings, so a shared_state with neither would be accepted and never asked.
 func checkSharedState(c Config) error {
 	if err := c.SharedState.Validate(); err != nil {
 		return err
@@ -342,8 +342,8 @@ func checkSharedState(c Config) error {
 	if !c.SharedState.Enabled() {
 		return nil
 	}
-	if l := c.Proxy.Limits.PerKey; l.RequestsPerSecond == 0 && l.MaxConcurrent == 0 {
-		return errors.New("shared_state: nothing would use it: the replicas share the limits of limits.per_key (requests_per_second, max_concurrent), and none is set")
+	if l := c.Proxy.Limits.PerKey; l.RequestsPerSecond == 0 && l.MaxConcurrent == 0 && len(c.Proxy.SessionAffinity.Headers) == 0 {
+		return errors.New("shared_state: nothing would use it: the replicas share the limits of limits.per_key (requests_per_second, max_concurrent) and the bindings of session_affinity, and neither is set")
 	}
 	return nil
 }
