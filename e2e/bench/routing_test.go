@@ -77,6 +77,21 @@ func routingContenders(threshold int) []routingContender {
 		routingContender{direct: true})
 }
 
+// replicaContenders are the cache-aware policies, always P/D and with the threshold, behind
+// one, two and three replicas (PDPROXY_BENCH_ROUTING_ONLY=replicas): what replicas that route
+// alone lose of one replica's hit ratio and spread.
+func replicaContenders(threshold int) []routingContender {
+	var cs []routingContender
+	for _, p := range []string{router.PolicyCacheAware, router.PolicyPreciseCacheAware} {
+		for _, th := range []int{0, threshold} {
+			for n := 1; n <= 3; n++ {
+				cs = append(cs, routingContender{policy: p, threshold: th, replicas: n})
+			}
+		}
+	}
+	return cs
+}
+
 // routingParams sizes TestRoutingContenders: the tiny run (every `go test`) shows that each
 // contender runs and yields its figures; PDPROXY_BENCH_ROUTING=full is the measurement.
 type routingParams struct {
@@ -152,6 +167,9 @@ func TestRoutingContenders(t *testing.T) {
 	cfg.KVEventsEndpoint, cfg.KVEventsReplayEndpoint = "tcp://*:0", "tcp://*:0"
 
 	contenders := routingContenders(p.threshold)
+	if os.Getenv("PDPROXY_BENCH_ROUTING_ONLY") == "replicas" {
+		contenders = replicaContenders(p.threshold)
+	}
 	runs := make([][]routingRun, len(contenders))
 	for round := range p.rounds {
 		t.Run(fmt.Sprintf("round %d", round), func(t *testing.T) {
