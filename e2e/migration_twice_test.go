@@ -24,24 +24,9 @@ import (
 // second decoder is killed after 16: it goes on on the third and ends with all 40 tokens, the
 // unbroken answer's.
 func TestAStreamMovedTwiceGetsEveryTokenItAskedFor(t *testing.T) {
-	base := sim.DefaultConfig()
-	base.PrefillTime, base.ITL, base.KVHeartbeatInterval = time.Millisecond, 4*time.Millisecond, 0
-	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
-	cfg.Proxy.MigrationLimit = 3
-	logger := zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel))
-	var ds []*sim.Server
-	for i := range 3 {
-		d, err := sim.Listen(base, "127.0.0.1:0", logger)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { d.Close() })
-		ds = append(ds, d)
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: router.RoleDecode, Engine: "vllm"})
-	}
-	s := startConfig(t, logger, cfg)
+	s, ds := greedyDecoders(t, 3, nil)
 	const n = 40
-	body := fmt.Sprintf(`{"model":"sim","prompt":"once upon a time","max_tokens":%d,"ignore_eos":true,"temperature":0,"stream":true}`, n)
+	body := greedyBody(n)
 	read := func(url string, kill func(chunk int)) (string, int) { return readGreedy(t, url, body, kill) }
 	busy := func() *sim.Server {
 		for _, d := range ds {
@@ -119,25 +104,11 @@ func readGreedy(t *testing.T, url, body string, kill func(chunk int)) (text stri
 // again the second decoder is killed after 16: the stream goes back to the first, a new
 // engine now, and ends with all 40 tokens, the unbroken answer's.
 func TestAStreamGoesBackToADecoderItLeftOnceThatDecoderIsBack(t *testing.T) {
-	base := sim.DefaultConfig()
-	base.PrefillTime, base.ITL, base.KVHeartbeatInterval = time.Millisecond, 4*time.Millisecond, 0
-	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
-	cfg.Proxy.MigrationLimit = 3
-	cfg.Router.Health = router.HealthConfig{Interval: 20 * time.Millisecond, Timeout: time.Second, HealthyThreshold: 1, UnhealthyThreshold: 1}
-	logger := zaptest.NewLogger(t, zaptest.Level(zap.ErrorLevel))
-	var ds []*sim.Server
-	for i := range 2 {
-		d, err := sim.Listen(base, "127.0.0.1:0", logger)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { d.Close() })
-		ds = append(ds, d)
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: router.RoleDecode, Engine: "vllm"})
-	}
-	s := startConfig(t, logger, cfg)
+	s, ds := greedyDecoders(t, 2, func(c *app.Config) {
+		c.Router.Health = router.HealthConfig{Interval: 20 * time.Millisecond, Timeout: time.Second, HealthyThreshold: 1, UnhealthyThreshold: 1}
+	})
 	const n = 40
-	body := fmt.Sprintf(`{"model":"sim","prompt":"once upon a time","max_tokens":%d,"ignore_eos":true,"temperature":0,"stream":true}`, n)
+	body := greedyBody(n)
 	busy := func() int {
 		for i, d := range ds {
 			if d.Engine().Stats().RunningRequests > 0 {
@@ -174,4 +145,34 @@ func TestAStreamGoesBackToADecoderItLeftOnceThatDecoderIsBack(t *testing.T) {
 	if tokens != n || got != want {
 		t.Fatalf("the stream read %d tokens, want %d:\n%q\nwant the unbroken answer\n%q", tokens, n, got, want)
 	}
+}
+
+// greedyDecoders starts n simulated vLLM decoders, each an HTTP server of its own that can be
+// killed, and the proxy in front of them decode-only with migration_limit 3, changed by mutate.
+func greedyDecoders(t *testing.T, n int, mutate func(*app.Config)) (*stack, []*sim.Server) {
+	t.Helper()
+	base := sim.DefaultConfig()
+	base.PrefillTime, base.ITL, base.KVHeartbeatInterval = time.Millisecond, 4*time.Millisecond, 0
+	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
+	cfg.Proxy.MigrationLimit = 3
+	logger := zaptest.NewLogger(t, zaptest.Level(zap.ErrorLevel))
+	var ds []*sim.Server
+	for i := range n {
+		d, err := sim.Listen(base, "127.0.0.1:0", logger)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { d.Close() })
+		ds = append(ds, d)
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: router.RoleDecode, Engine: "vllm"})
+	}
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	return startConfig(t, logger, cfg), ds
+}
+
+// greedyBody is a greedy completions stream of n tokens.
+func greedyBody(n int) string {
+	return fmt.Sprintf(`{"model":"sim","prompt":"once upon a time","max_tokens":%d,"ignore_eos":true,"temperature":0,"stream":true}`, n)
 }
