@@ -19,6 +19,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
@@ -27,23 +28,28 @@ const dashboardFile = "grafana/pdproxy.json"
 // dashboardMetrics are the series an operator needs on the dashboard; each must be in some
 // panel's query.
 var dashboardMetrics = []string{
-	"pdproxy_requests_total",                  // requests and errors by route and code
-	"pdproxy_time_to_first_token_seconds",     // TTFT percentiles
-	"pdproxy_request_duration_seconds",        // duration percentiles
-	"pdproxy_inflight_requests",               // in flight by lifecycle state
-	"pdproxy_aborts_total",                    // aborts by stage
-	"pdproxy_abort_propagation_seconds",       // and their propagation time
-	"pdproxy_kv_held_requests",                // KV held
-	"pdproxy_kv_releases_total",               // and released by reason
-	"pdproxy_kv_hold_handoffs_total",          // who frees each hold
-	"pdproxy_decode_only_total",               // requests P/D cannot serve safely
-	"pdproxy_backend_healthy",                 // backend health
-	"pdproxy_backend_inflight_requests",       // and load
-	"pdproxy_backend_requests_total",          // calls to each backend by outcome
-	"pdproxy_backend_down_total",              // why a backend went down
-	"pdproxy_queue_waiting_requests",          // requests waiting for a backend
-	"pdproxy_connections_open",                // client connections
-	"pdproxy_kv_hold_deadline_exceeded_total", // holds never forwarded
+	"pdproxy_requests_total",                      // requests and errors by route and code
+	"pdproxy_time_to_first_token_seconds",         // TTFT percentiles
+	"pdproxy_request_duration_seconds",            // duration percentiles
+	"pdproxy_inflight_requests",                   // in flight by lifecycle state
+	"pdproxy_aborts_total",                        // aborts by stage
+	"pdproxy_abort_propagation_seconds",           // and their propagation time
+	"pdproxy_kv_held_requests",                    // KV held
+	"pdproxy_kv_releases_total",                   // and released by reason
+	"pdproxy_kv_hold_handoffs_total",              // who frees each hold
+	"pdproxy_decode_only_total",                   // requests P/D cannot serve safely
+	"pdproxy_backend_healthy",                     // backend health
+	"pdproxy_backend_inflight_requests",           // and load
+	"pdproxy_backend_requests_total",              // calls to each backend by outcome
+	"pdproxy_backend_down_total",                  // why a backend went down
+	"pdproxy_queue_waiting_requests",              // requests waiting for a backend
+	"pdproxy_connections_open",                    // client connections
+	"pdproxy_kv_hold_deadline_exceeded_total",     // holds never forwarded
+	"pdproxy_shared_state_up",                     // which replicas reach the shared Redis
+	"pdproxy_shared_state_errors_total",           // and what it did not take, by op
+	"pdproxy_shared_state_check_duration_seconds", // what the shared limits cost a request
+	"pdproxy_session_affinity_total",              // sessions kept on their engines, or moved
+	"pdproxy_migrations_total",                    // streams that went on on another decoder
 }
 
 // scrapeLabels are the labels Prometheus adds to every series it scrapes, which the proxy
@@ -169,15 +175,21 @@ func exported(fams map[string]*dto.MetricFamily, name string) (*dto.MetricFamily
 	return nil, false
 }
 
+// sessionHeader names the session of the exercised proxy's requests.
+const sessionHeader = "X-Session-ID"
+
 // scrapeExercisedProxy starts the embedded default (a simulated prefiller and decoder) as
-// the e2e tests do, drives the requests that make the labelled series exist (a completion,
-// a stream its client leaves, a request P/D cannot serve, a decoder that dies) and reads
-// its /metrics over HTTP, as Prometheus would.
+// the e2e tests do, with session affinity and its bindings in a real redis-server as the
+// manifests' config has them, drives the requests that make the labelled series exist (a
+// completion of a session, a stream its client leaves, a request P/D cannot serve, a
+// decoder that dies) and reads its /metrics over HTTP, as Prometheus would.
 func scrapeExercisedProxy(t *testing.T) map[string]*dto.MetricFamily {
 	t.Helper()
 	cfg := app.DefaultConfig()
 	cfg.Listen = "127.0.0.1:0"
 	cfg.ShutdownTimeout = 2 * time.Second
+	cfg.Proxy.SessionAffinity.Headers = []string{sessionHeader}
+	cfg.SharedState.Redis.Addr = redistest.Start(t).Addr()
 	for i := range cfg.Sims {
 		cfg.Sims[i].PrefillTime = 2 * time.Millisecond
 		cfg.Sims[i].ITL = 2 * time.Millisecond
@@ -199,13 +211,17 @@ func scrapeExercisedProxy(t *testing.T) map[string]*dto.MetricFamily {
 		}
 	})
 	metrics := testutil.Scrape(client, m.URL()+"/metrics")
-	post := func(ctx context.Context, body string) *http.Response {
+	// post sends body with the headers of kv (a name, then its value, ...).
+	post := func(ctx context.Context, body string, kv ...string) *http.Response {
 		t.Helper()
 		req, err := http.NewRequestWithContext(ctx, http.MethodPost, m.URL()+"/v1/completions", strings.NewReader(body))
 		if err != nil {
 			t.Fatal(err)
 		}
 		req.Header.Set("Content-Type", "application/json")
+		for i := 0; i+1 < len(kv); i += 2 {
+			req.Header.Set(kv[i], kv[i+1])
+		}
 		resp, err := client.Do(req)
 		if err != nil {
 			t.Fatal(err)
@@ -218,11 +234,16 @@ func scrapeExercisedProxy(t *testing.T) map[string]*dto.MetricFamily {
 		return resp.StatusCode
 	}
 
-	// A completion through the prefiller and the decoder: requests, TTFT, duration, KV
-	// released (decoded), handed over, backend calls.
-	if code := drain(post(context.Background(), `{"model":"sim","prompt":"hello","max_tokens":4}`)); code != http.StatusOK {
+	// A completion of a session through the prefiller and the decoder: requests, TTFT,
+	// duration, KV released (decoded), handed over, backend calls, the session's picks and
+	// its check in Redis.
+	if code := drain(post(context.Background(), `{"model":"sim","prompt":"hello","max_tokens":4}`, sessionHeader, "s-1")); code != http.StatusOK {
 		t.Fatalf("completion: status %d", code)
 	}
+	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+		_, ok := testutil.Lookup(t, metrics, "pdproxy_session_affinity_total", map[string]string{"role": "decode"})
+		return ok, "no pdproxy_session_affinity_total{role=decode} after a request named its session"
+	})
 	// n > 1: decode-only, reason n.
 	if code := drain(post(context.Background(), `{"model":"sim","prompt":"hello","max_tokens":4,"n":2}`)); code != http.StatusOK {
 		t.Fatalf("completion with n=2: status %d", code)

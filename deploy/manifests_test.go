@@ -1,13 +1,17 @@
 package deploy
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"net"
+	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -16,17 +20,21 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
+	"go.uber.org/zap/zaptest/observer"
 	yamlv3 "gopkg.in/yaml.v3"
 	appsv1 "k8s.io/api/apps/v1"
 	autoscalingv2 "k8s.io/api/autoscaling/v2"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	sigsjson "sigs.k8s.io/json"
 	"sigs.k8s.io/yaml"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -50,6 +58,7 @@ var kinds = map[string]func() any{
 	"apps/v1/Deployment":                     func() any { return new(appsv1.Deployment) },
 	"policy/v1/PodDisruptionBudget":          func() any { return new(policyv1.PodDisruptionBudget) },
 	"autoscaling/v2/HorizontalPodAutoscaler": func() any { return new(autoscalingv2.HorizontalPodAutoscaler) },
+	"networking.k8s.io/v1/NetworkPolicy":     func() any { return new(networkingv1.NetworkPolicy) },
 }
 
 // splitDocuments splits a multi-document YAML file on its "---" lines, dropping documents
@@ -216,6 +225,8 @@ func objectName(o any) string {
 	case *policyv1.PodDisruptionBudget:
 		return v.Name
 	case *autoscalingv2.HorizontalPodAutoscaler:
+		return v.Name
+	case *networkingv1.NetworkPolicy:
 		return v.Name
 	}
 	return ""
@@ -424,7 +435,9 @@ func proxyConfigData(t *testing.T, p *proxyPod) string {
 // directory), only --listen moved to a free loopback port. Start is where the proxy checks a
 // config (flags, router validation, the KV hold rule, the proxy's modes, key files), so a
 // ConfigMap that passes here is one the pod starts with. The engines' names do not resolve
-// here; health checks fail quietly and are no part of the check.
+// here; health checks fail quietly and are no part of the check. Nor does the Redis of
+// shared_state: a replica must start and serve without it, on its own state, and say so
+// once in its log however many requests it decides alone.
 func TestProxyStartsWithEveryManifestsConfig(t *testing.T) {
 	ms := loadManifests(t)
 	for _, p := range proxyPods(t, ms) {
@@ -443,20 +456,77 @@ func TestProxyStartsWithEveryManifestsConfig(t *testing.T) {
 			if err != nil {
 				t.Fatalf("the container's args %v: %v\n%s", p.proxy.Args, err, stderr.String())
 			}
-			m, err := app.New(cfg, zaptest.NewLogger(t, zaptest.Level(zap.ErrorLevel)))
+			core, logs := observer.New(zap.WarnLevel)
+			logger := zap.New(zapcore.NewTee(zaptest.NewLogger(t, zaptest.Level(zap.ErrorLevel)).Core(), core))
+			m, err := app.New(cfg, logger)
 			if err != nil {
 				t.Fatal(err)
 			}
 			if err := m.Start(context.Background()); err != nil {
 				t.Fatalf("the proxy refuses the config: %v", err)
 			}
-			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-			defer cancel()
-			if err := m.Shutdown(ctx); err != nil {
-				t.Errorf("shutdown: %v", err)
+			client := &http.Client{Transport: &http.Transport{}, Timeout: 20 * time.Second}
+			defer func() {
+				client.CloseIdleConnections()
+				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+				defer cancel()
+				if err := m.Shutdown(ctx); err != nil {
+					t.Errorf("shutdown: %v", err)
+				}
+			}()
+			if code := get(t, client, m.URL()+"/health"); code != http.StatusOK {
+				t.Fatalf("GET /health: %d", code)
+			}
+			if cfg.SharedState.Redis.Addr == "" {
+				return
+			}
+			unreachable := func() int {
+				return logs.FilterMessageSnippet("shared state unreachable").FilterField(zap.String("addr", cfg.SharedState.Redis.Addr)).Len()
+			}
+			testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+				return unreachable() > 0, "no warning that shared_state's Redis " + cfg.SharedState.Redis.Addr + " is unreachable"
+			})
+			// Requests that name a session, each checked against the Redis that is not there:
+			// each is decided here, counted, and logged no more.
+			headers := cfg.Proxy.SessionAffinity.Headers
+			for i := range 5 {
+				req, err := http.NewRequest(http.MethodPost, m.URL()+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"hello","max_tokens":1}`))
+				if err != nil {
+					t.Fatal(err)
+				}
+				req.Header.Set("Content-Type", "application/json")
+				if len(headers) > 0 {
+					req.Header.Set(headers[0], "session-"+strconv.Itoa(i))
+				}
+				resp, err := client.Do(req)
+				if err != nil {
+					t.Fatalf("a request while shared_state's Redis is unreachable: %v", err)
+				}
+				io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+			if checks := testutil.Value(t, m.Registry, "pdproxy_shared_state_errors_total", map[string]string{"op": "check"}); len(headers) > 0 && checks < 5 {
+				t.Errorf("pdproxy_shared_state_errors_total{op=check} = %v after 5 requests naming a session, want each counted", checks)
+			}
+			if n := unreachable(); n != 1 {
+				t.Errorf("the outage was logged %d times, want once", n)
+			}
+			if up := testutil.Value(t, m.Registry, "pdproxy_shared_state_up", nil); up != 0 {
+				t.Errorf("pdproxy_shared_state_up = %v while Redis is unreachable, want 0", up)
 			}
 		})
 	}
+}
+
+func get(t *testing.T, client *http.Client, url string) int {
+	t.Helper()
+	resp, err := client.Get(url)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return resp.StatusCode
 }
 
 // TestProxyListensWhereThePodIsReached: the config's listener is on every interface and on
@@ -658,15 +728,16 @@ func deref[T any](p *T) any {
 	return *p
 }
 
-// TestServiceBudgetAndAutoscalerReachTheProxyDeployment: the Service, the
-// PodDisruptionBudget and the HorizontalPodAutoscaler all name the proxy's pods, on ports it
-// has, so that none of them quietly applies to nothing.
-func TestServiceBudgetAndAutoscalerReachTheProxyDeployment(t *testing.T) {
+// TestServicesBudgetAndAutoscalerReachTheirPods: each Service names the pods of a Deployment
+// beside it (the proxy's, or Redis's) on ports they have; the PodDisruptionBudget and the
+// HorizontalPodAutoscaler name the proxy's; so that none of them quietly applies to nothing.
+func TestServicesBudgetAndAutoscalerReachTheirPods(t *testing.T) {
 	ms := loadManifests(t)
 	pods := proxyPods(t, ms)
-	for _, p := range pods {
-		if !matches(p.dep.Spec.Selector.MatchLabels, p.dep.Spec.Template.Labels) {
-			t.Errorf("%s: Deployment %s's selector %v does not match its pods' labels %v", p.file, p.dep.Name, p.dep.Spec.Selector.MatchLabels, p.dep.Spec.Template.Labels)
+	deps, depFiles := all[appsv1.Deployment](ms)
+	for i, d := range deps {
+		if d.Spec.Selector == nil || !matches(d.Spec.Selector.MatchLabels, d.Spec.Template.Labels) {
+			t.Errorf("%s: Deployment %s's selector does not match its pods' labels %v", depFiles[i], d.Name, d.Spec.Template.Labels)
 		}
 	}
 	// podsOf is the pdproxy pods that sel selects among the Deployments of dir (the objects
@@ -684,14 +755,14 @@ func TestServiceBudgetAndAutoscalerReachTheProxyDeployment(t *testing.T) {
 	svcs, files := all[corev1.Service](ms)
 	for i, s := range svcs {
 		t.Run(files[i]+"/"+s.Name, func(t *testing.T) {
-			targets := podsOf(filepath.Dir(files[i]), s.Spec.Selector)
+			targets := deploymentsOf(ms, filepath.Dir(files[i]), s.Spec.Selector)
 			if len(targets) == 0 {
-				t.Fatalf("Service %s selects %v: no pdproxy pods", s.Name, s.Spec.Selector)
+				t.Fatalf("Service %s selects %v: no Deployment's pods beside it", s.Name, s.Spec.Selector)
 			}
 			for _, port := range s.Spec.Ports {
-				for _, p := range targets {
-					if containerPort(p.proxy, port.TargetPort) == 0 {
-						t.Errorf("Service %s port %s: targetPort %s is none of pdproxy's ports", s.Name, port.Name, port.TargetPort.String())
+				for _, d := range targets {
+					if podPort(&d.Spec.Template.Spec, port.TargetPort) == 0 {
+						t.Errorf("Service %s port %s: targetPort %s is none of Deployment %s's ports", s.Name, port.Name, port.TargetPort.String(), d.Name)
 					}
 				}
 			}
@@ -741,6 +812,30 @@ func deref32(p *int32) int32 {
 	return *p
 }
 
+// deploymentsOf is the Deployments of dir (the objects applied together with kubectl apply
+// -f dir) whose pods sel selects.
+func deploymentsOf(ms manifests, dir string, sel map[string]string) []*appsv1.Deployment {
+	var out []*appsv1.Deployment
+	deps, files := all[appsv1.Deployment](ms)
+	for i, d := range deps {
+		if filepath.Dir(files[i]) == dir && len(sel) > 0 && matches(sel, d.Spec.Template.Labels) {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+// podPort resolves a port (a number or a name) to the number of a port of one of the pod's
+// containers, or 0 when none has it.
+func podPort(spec *corev1.PodSpec, port intstr.IntOrString) int32 {
+	for i := range spec.Containers {
+		if n := containerPort(&spec.Containers[i], port); n != 0 {
+			return n
+		}
+	}
+	return 0
+}
+
 // matches reports whether every label of sel is in labels.
 func matches(sel, labels map[string]string) bool {
 	for k, v := range sel {
@@ -749,4 +844,394 @@ func matches(sel, labels map[string]string) bool {
 		}
 	}
 	return true
+}
+
+// standalonePods are the proxy's Deployments with no engine beside it: the replicas behind
+// the Service, as opposed to the sidecar variant's, which are as many as the decoders.
+func standalonePods(t *testing.T, ms manifests) []proxyPod {
+	t.Helper()
+	var out []proxyPod
+	for _, p := range proxyPods(t, ms) {
+		if len(p.others) == 0 {
+			out = append(out, p)
+		}
+	}
+	if len(out) == 0 {
+		t.Fatalf("no Deployment in %s/ runs pdproxy on its own", manifestDir)
+	}
+	return out
+}
+
+// replicas is the number of replicas the proxy runs with: enough that one drained and one
+// failing still leave one serving.
+const replicas = 3
+
+// TestProxyRunsThreeReplicasOnDifferentNodes: the standalone proxy starts 3 replicas and
+// prefers to put them on different nodes, so that a node lost takes one; its budget lets one
+// at most be down in a disruption, and its autoscaler never scales below the 3.
+func TestProxyRunsThreeReplicasOnDifferentNodes(t *testing.T) {
+	ms := loadManifests(t)
+	for _, p := range standalonePods(t, ms) {
+		t.Run(p.file, func(t *testing.T) {
+			dir, labels := filepath.Dir(p.file), p.dep.Spec.Template.Labels
+			if r := p.dep.Spec.Replicas; r == nil || *r != replicas {
+				t.Errorf("replicas %v, want %d", deref(r), replicas)
+			}
+
+			aff := p.dep.Spec.Template.Spec.Affinity
+			if aff == nil || aff.PodAntiAffinity == nil {
+				t.Fatal("no podAntiAffinity: the scheduler may put every replica on one node")
+			}
+			if len(aff.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution) > 0 {
+				t.Error("a required podAntiAffinity leaves replicas pending on a cluster with fewer nodes than replicas; prefer it")
+			}
+			spread := slices.ContainsFunc(aff.PodAntiAffinity.PreferredDuringSchedulingIgnoredDuringExecution, func(w corev1.WeightedPodAffinityTerm) bool {
+				sel := w.PodAffinityTerm.LabelSelector
+				return w.Weight > 0 && w.PodAffinityTerm.TopologyKey == corev1.LabelHostname &&
+					sel != nil && len(sel.MatchExpressions) == 0 && len(sel.MatchLabels) > 0 && matches(sel.MatchLabels, labels)
+			})
+			if !spread {
+				t.Errorf("no preferred podAntiAffinity on %s selecting the proxy's own pods %v", corev1.LabelHostname, labels)
+			}
+
+			pdbs, files := all[policyv1.PodDisruptionBudget](ms)
+			var budgets []*policyv1.PodDisruptionBudget
+			for i, b := range pdbs {
+				if filepath.Dir(files[i]) == dir && b.Spec.Selector != nil && len(b.Spec.Selector.MatchLabels) > 0 &&
+					len(b.Spec.Selector.MatchExpressions) == 0 && matches(b.Spec.Selector.MatchLabels, labels) {
+					budgets = append(budgets, b)
+				}
+			}
+			if len(budgets) != 1 {
+				t.Fatalf("%d PodDisruptionBudgets select the proxy's pods, want 1", len(budgets))
+			}
+			if b := budgets[0]; b.Spec.MinAvailable != nil || b.Spec.MaxUnavailable == nil || *b.Spec.MaxUnavailable != intstr.FromInt32(1) {
+				t.Errorf("PodDisruptionBudget %s: maxUnavailable %v, minAvailable %v; want maxUnavailable 1 alone, one replica down at a time whatever the count",
+					b.Name, b.Spec.MaxUnavailable, b.Spec.MinAvailable)
+			}
+
+			hpas, files := all[autoscalingv2.HorizontalPodAutoscaler](ms)
+			for i, h := range hpas {
+				if filepath.Dir(files[i]) != dir || h.Spec.ScaleTargetRef.Name != p.dep.Name {
+					continue
+				}
+				if h.Spec.MinReplicas == nil || *h.Spec.MinReplicas != replicas {
+					t.Errorf("HorizontalPodAutoscaler %s: minReplicas %v; want %d, the Deployment's, or it scales the replicas in below them",
+						h.Name, deref(h.Spec.MinReplicas), replicas)
+				}
+			}
+		})
+	}
+}
+
+// redisFile is the optional Redis of shared_state.
+const redisFile = manifestDir + "/redis.yaml"
+
+// redisManifest is redis.yaml's Deployment, its Redis container, and its Service.
+func redisManifest(t *testing.T, ms manifests) (*appsv1.Deployment, *corev1.Container, *corev1.Service) {
+	t.Helper()
+	var (
+		dep *appsv1.Deployment
+		svc *corev1.Service
+	)
+	for _, o := range ms.files[redisFile] {
+		switch v := o.(type) {
+		case *appsv1.Deployment:
+			dep = v
+		case *corev1.Service:
+			svc = v
+		}
+	}
+	if dep == nil || svc == nil {
+		t.Fatalf("%s: want a Deployment and a Service", redisFile)
+	}
+	cs := dep.Spec.Template.Spec.Containers
+	if len(cs) != 1 {
+		t.Fatalf("%s: Deployment %s has %d containers, want Redis alone", redisFile, dep.Name, len(cs))
+	}
+	return dep, &cs[0], svc
+}
+
+// argValue is the value after flag in args (the last, as redis-server reads them), "" and
+// false when flag is not there.
+func argValue(args []string, flag string) (string, bool) {
+	v, ok := "", false
+	for i := 0; i+1 < len(args); i++ {
+		if args[i] == flag {
+			v, ok = args[i+1], true
+		}
+	}
+	return v, ok
+}
+
+// TestSharedStateNamesTheRedisService: the standalone config's shared_state.redis.addr is
+// redis.yaml's Service, on a port of it that reaches the port Redis listens on.
+func TestSharedStateNamesTheRedisService(t *testing.T) {
+	ms := loadManifests(t)
+	dep, redis, svc := redisManifest(t, ms)
+	for _, p := range standalonePods(t, ms) {
+		t.Run(p.file, func(t *testing.T) {
+			cfg, err := app.ParseConfig([]byte(proxyConfigData(t, &p)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			addr := cfg.SharedState.Redis.Addr
+			if addr == "" {
+				t.Fatal("the config sets no shared_state.redis.addr: the replicas would each keep their limits and sessions alone")
+			}
+			if len(cfg.Proxy.SessionAffinity.Headers) == 0 {
+				t.Error("the config sets no session_affinity.headers: the replicas would share no session")
+			}
+			host, port, err := net.SplitHostPort(addr)
+			if err != nil {
+				t.Fatalf("shared_state.redis.addr %q: %v", addr, err)
+			}
+			// The Service's name, alone (the proxy's namespace) or qualified by a namespace.
+			if name, _, _ := strings.Cut(host, "."); name != svc.Name {
+				t.Errorf("shared_state.redis.addr %q: host %s is not %s's Service %s", addr, host, redisFile, svc.Name)
+			}
+			i := slices.IndexFunc(svc.Spec.Ports, func(sp corev1.ServicePort) bool { return strconv.Itoa(int(sp.Port)) == port })
+			if i < 0 {
+				t.Fatalf("shared_state.redis.addr %q: Service %s has no port %s", addr, svc.Name, port)
+			}
+			if !matches(svc.Spec.Selector, dep.Spec.Template.Labels) || len(svc.Spec.Selector) == 0 {
+				t.Errorf("Service %s selects %v, not Deployment %s's pods", svc.Name, svc.Spec.Selector, dep.Name)
+			}
+			target := containerPort(redis, svc.Spec.Ports[i].TargetPort)
+			if target == 0 {
+				t.Fatalf("Service %s port %s: targetPort %s is none of the Redis container's", svc.Name, port, svc.Spec.Ports[i].TargetPort.String())
+			}
+			if v, _ := argValue(redis.Args, "--port"); v != strconv.Itoa(int(target)) {
+				t.Errorf("Redis listens on --port %q, but its container's port is %d", v, target)
+			}
+		})
+	}
+}
+
+// TestRedisRunsNonRootOnAReadOnlyRootAdmittingOnlyTheProxies: Redis runs as a numeric
+// non-root user on a read-only root filesystem with no privilege to gain, within its
+// resources, probed; and its NetworkPolicy admits the proxy's pods alone on its port.
+func TestRedisRunsNonRootOnAReadOnlyRootAdmittingOnlyTheProxies(t *testing.T) {
+	ms := loadManifests(t)
+	dep, redis, _ := redisManifest(t, ms)
+	spec := &dep.Spec.Template.Spec
+	if r := dep.Spec.Replicas; r == nil || *r != 1 {
+		t.Errorf("replicas %v, want 1: the replicas share one server", deref(r))
+	}
+	pod := spec.SecurityContext
+	if pod == nil {
+		pod = &corev1.PodSecurityContext{}
+	}
+	c := redis.SecurityContext
+	if c == nil {
+		t.Fatal("Redis has no securityContext")
+	}
+	if nonRoot := pick(c.RunAsNonRoot, pod.RunAsNonRoot); nonRoot == nil || !*nonRoot {
+		t.Error("runAsNonRoot is not true")
+	}
+	// The kubelet checks runAsNonRoot against a numeric user only: the image's is a name.
+	if u := pick(c.RunAsUser, pod.RunAsUser); u == nil || *u == 0 {
+		t.Errorf("runAsUser %v, want the image's non-root user by number", deref(u))
+	}
+	if c.ReadOnlyRootFilesystem == nil || !*c.ReadOnlyRootFilesystem {
+		t.Error("readOnlyRootFilesystem is not true")
+	}
+	if c.AllowPrivilegeEscalation == nil || *c.AllowPrivilegeEscalation {
+		t.Error("allowPrivilegeEscalation is not false")
+	}
+	if c.Capabilities == nil || !slices.Contains(c.Capabilities.Drop, "ALL") {
+		t.Error("capabilities do not drop ALL")
+	}
+	if sp := pick(c.SeccompProfile, pod.SeccompProfile); sp == nil || sp.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		t.Error("no RuntimeDefault seccomp profile")
+	}
+	if spec.AutomountServiceAccountToken == nil || *spec.AutomountServiceAccountToken {
+		t.Error("automountServiceAccountToken is not false: Redis never talks to the Kubernetes API")
+	}
+	for _, r := range []corev1.ResourceName{corev1.ResourceCPU, corev1.ResourceMemory} {
+		if _, ok := redis.Resources.Requests[r]; !ok {
+			t.Errorf("no %s request", r)
+		}
+		if _, ok := redis.Resources.Limits[r]; !ok {
+			t.Errorf("no %s limit", r)
+		}
+	}
+	for kind, pr := range map[string]*corev1.Probe{"readinessProbe": redis.ReadinessProbe, "livenessProbe": redis.LivenessProbe} {
+		if pr == nil || (pr.Exec == nil && pr.TCPSocket == nil) {
+			t.Errorf("%s: want an exec (redis-cli ping) or a tcpSocket", kind)
+		}
+	}
+
+	// The policy: every rule admits the proxy's pods (by a podSelector of this namespace,
+	// nothing wider) on Redis's port, and one rule at least exists.
+	proxies := standalonePods(t, ms)
+	var policies int
+	for _, o := range ms.files[redisFile] {
+		np, ok := o.(*networkingv1.NetworkPolicy)
+		if !ok {
+			continue
+		}
+		sel := np.Spec.PodSelector
+		if len(sel.MatchLabels) == 0 || len(sel.MatchExpressions) > 0 || !matches(sel.MatchLabels, dep.Spec.Template.Labels) {
+			t.Errorf("NetworkPolicy %s selects %v, not Redis's pods alone", np.Name, sel.MatchLabels)
+			continue
+		}
+		policies++
+		if !slices.Contains(np.Spec.PolicyTypes, networkingv1.PolicyTypeIngress) || len(np.Spec.Ingress) == 0 {
+			t.Errorf("NetworkPolicy %s admits no ingress by rule", np.Name)
+		}
+		for i, rule := range np.Spec.Ingress {
+			if len(rule.From) == 0 {
+				t.Errorf("NetworkPolicy %s, ingress %d: no from, which admits every client", np.Name, i)
+			}
+			for _, peer := range rule.From {
+				ps := peer.PodSelector
+				if peer.NamespaceSelector != nil || peer.IPBlock != nil || ps == nil || len(ps.MatchLabels) == 0 || len(ps.MatchExpressions) > 0 ||
+					!slices.ContainsFunc(proxies, func(p proxyPod) bool { return matches(ps.MatchLabels, p.dep.Spec.Template.Labels) }) {
+					t.Errorf("NetworkPolicy %s, ingress %d: a peer other than the proxy's pods", np.Name, i)
+				}
+			}
+			if len(rule.Ports) == 0 {
+				t.Errorf("NetworkPolicy %s, ingress %d: every port", np.Name, i)
+			}
+			for _, port := range rule.Ports {
+				if port.Port == nil || containerPort(redis, *port.Port) == 0 {
+					t.Errorf("NetworkPolicy %s, ingress %d: port %v is none of Redis's", np.Name, i, port.Port)
+				}
+			}
+		}
+	}
+	if policies == 0 {
+		t.Errorf("%s has no NetworkPolicy for Redis: every pod of the cluster could reach it, with no password", redisFile)
+	}
+}
+
+// TestRedisContainerStartsARedisThatKeepsNothingAndEvicts starts Debian's redis-server with
+// the Redis container's own command and args (only the port moved, to a free one, and bound
+// to loopback) and asks it for its settings: nothing written to disk, a memory bound below
+// the container's limit with a policy that evicts, clients admitted from other pods. Then
+// its probes' commands, run against it, pass, and fail once it is gone.
+func TestRedisContainerStartsARedisThatKeepsNothingAndEvicts(t *testing.T) {
+	ms := loadManifests(t)
+	_, redis, _ := redisManifest(t, ms)
+	args := append(slices.Clone(redis.Command), redis.Args...)
+	if len(args) == 0 || filepath.Base(args[0]) != "redis-server" {
+		t.Fatalf("the container runs %v, not redis-server", args)
+	}
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		t.Fatalf("redis-server is not on PATH (apt-get install -y redis-server; .ci/run installs it): %v", err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+	ln.Close()
+	// redis-server takes the last of a flag given twice.
+	cmd := exec.Command(bin, append(slices.Clone(args[1:]), "--port", port, "--bind", "127.0.0.1", "--dir", t.TempDir())...)
+	// A file, not a buffer: the test reads it while the server writes.
+	logPath := filepath.Join(t.TempDir(), "redis.log")
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer logFile.Close()
+	logOf := func() string { b, _ := os.ReadFile(logPath); return string(b) }
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	stopped := false
+	stop := func() {
+		if !stopped {
+			stopped = true
+			cmd.Process.Kill()
+			cmd.Wait()
+		}
+	}
+	defer stop()
+
+	// probe runs a probe's command against the server: its port swapped for this one's.
+	probe := func(kind string, pr *corev1.Probe) error {
+		t.Helper()
+		if pr == nil || pr.Exec == nil {
+			return nil // a tcpSocket probe: it needs nothing of the image
+		}
+		c := slices.Clone(pr.Exec.Command)
+		i := slices.Index(c, "-p")
+		if i < 0 || i+1 >= len(c) {
+			t.Fatalf("%s %v: no -p PORT", kind, c)
+		}
+		if want, _ := argValue(args, "--port"); c[i+1] != want {
+			t.Errorf("%s %v asks port %s, Redis listens on %s", kind, c, c[i+1], want)
+		}
+		c[i+1] = port
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		b, err := exec.CommandContext(ctx, c[0], c[1:]...).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("%s %v: %w: %s", kind, c, err, b)
+		}
+		return nil
+	}
+	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+		err := probe("readinessProbe", redis.ReadinessProbe)
+		return err == nil, fmt.Sprintf("redis-server %v is not ready: %v\n%s", args[1:], err, logOf())
+	})
+	if err := probe("livenessProbe", redis.LivenessProbe); err != nil {
+		t.Error(err)
+	}
+
+	config := func(name string) string {
+		t.Helper()
+		c, err := net.DialTimeout("tcp", "127.0.0.1:"+port, 2*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		fmt.Fprintf(c, "*3\r\n$6\r\nCONFIG\r\n$3\r\nGET\r\n$%d\r\n%s\r\n", len(name), name)
+		// The reply: *2, then the name and the value as bulk strings.
+		r := bufio.NewReader(c)
+		var lines []string
+		for range 5 {
+			l, err := r.ReadString('\n')
+			if err != nil {
+				t.Fatalf("CONFIG GET %s: %v (read %q)", name, err, lines)
+			}
+			lines = append(lines, strings.TrimRight(l, "\r\n"))
+		}
+		if lines[0] != "*2" || lines[2] != name {
+			t.Fatalf("CONFIG GET %s: %q", name, lines)
+		}
+		return lines[4]
+	}
+	if v := config("save"); v != "" {
+		t.Errorf("save %q: Redis writes snapshots; its state is soft, and the root filesystem is read-only", v)
+	}
+	if v := config("appendonly"); v != "no" {
+		t.Errorf("appendonly %q: Redis writes an append-only file", v)
+	}
+	if v := config("protected-mode"); v != "no" {
+		t.Errorf("protected-mode %q: with no password, Redis refuses every client but loopback, so no proxy pod", v)
+	}
+	if v := config("maxmemory-policy"); v == "noeviction" {
+		t.Errorf("maxmemory-policy %s: a full Redis would refuse the writes (every key has a TTL: any may go)", v)
+	}
+	limit, ok := redis.Resources.Limits[corev1.ResourceMemory]
+	maxmem, err := strconv.ParseInt(config("maxmemory"), 10, 64)
+	switch {
+	case err != nil:
+		t.Fatal(err)
+	case !ok:
+		t.Error("no memory limit")
+	case maxmem <= 0 || maxmem > limit.Value()*3/4:
+		t.Errorf("maxmemory %d bytes: want a bound within 3/4 of the container's memory limit %s, or Redis is killed before it evicts", maxmem, limit.String())
+	}
+
+	stop()
+	if err := probe("livenessProbe", redis.LivenessProbe); err == nil && redis.LivenessProbe.Exec != nil {
+		t.Error("the liveness probe passes with Redis gone")
+	}
 }
