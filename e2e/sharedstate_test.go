@@ -72,8 +72,11 @@ func TestAKeyOverItsLimitIsRefusedByEveryReplica(t *testing.T) {
 	allowed := make([]int, len(rs))
 	refused := make([]int, len(rs))
 	start := time.Now()
+	pace := time.NewTimer(0)
+	defer pace.Stop()
 	for i := range 45 {
-		time.Sleep(20*time.Millisecond + time.Duration(gaps.IntN(90))*time.Millisecond)
+		<-pace.C
+		pace.Reset(20*time.Millisecond + time.Duration(gaps.IntN(90))*time.Millisecond)
 		r := i % len(rs)
 		switch code, errCode := completionStatus(t, rs[r].url, "team-key"); {
 		case code == http.StatusOK:

@@ -134,7 +134,9 @@ func hammer(t *testing.T, d time.Duration, req Request, rs ...*replica) (allowed
 	errs := make(chan error, len(rs))
 	for i, r := range rs {
 		wg.Go(func() {
-			for time.Since(start) < d {
+			tick := time.NewTicker(2 * time.Millisecond)
+			defer tick.Stop()
+			for ; time.Since(start) < d; <-tick.C {
 				dec, err := r.Check(context.Background(), req)
 				if err != nil {
 					errs <- err
@@ -146,7 +148,6 @@ func hammer(t *testing.T, d time.Duration, req Request, rs ...*replica) (allowed
 					errs <- fmt.Errorf("refusal %+v: want reason rate and a Retry-After within one interval", dec)
 					return
 				}
-				time.Sleep(2 * time.Millisecond)
 			}
 		})
 	}
@@ -250,9 +251,7 @@ func TestAKilledReplicasSlotsComeBackWithinTheTTLWhileALiveOnesStay(t *testing.T
 	}
 	// The live replica's slot, older than its TTL by now, is still held: its replica
 	// refreshes it. The others are free again.
-	for time.Since(start) < ttl*3/2 {
-		time.Sleep(100 * time.Millisecond)
-	}
+	<-time.After(time.Until(start.Add(ttl * 3 / 2))) // no event marks a TTL passing
 	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
 		n, err := srv.Do("ZCARD", other.key("slots", "client"))
 		return err == nil && n == ":1", fmt.Sprintf("slots held in Redis: %s %v, want the live replica's 1", n, err)

@@ -45,7 +45,8 @@ func sharedParamsOf() sharedParams {
 //   - a global limit: one key limited to p.limit requests per second (burst p.limit) under
 //     p.offered requests per second, with shared_state and without it; the rate let through
 //     after the burst, against the limit;
-//   - Redis killed a third into a run and restarted two thirds into it, the key's limit out
+//   - Redis killed a third into a run and restarted two thirds into it (by the answers
+//     counted), the key's limit out
 //     of the load's reach: the requests that failed, the checks decided alone, and how long
 //     after the restart every replica shared again;
 //   - the cost: each request's latency with shared_state and without it, rounds alternating,
@@ -75,23 +76,37 @@ func TestSharedState(t *testing.T) {
 
 	// Redis dies and comes back mid-run; the limit is out of the load's reach.
 	ms := sharedReplicaSet(t, srv.Addr(), true, proxy.KeyLimits{RequestsPerSecond: 100 * float64(p.offered), Burst: 100 * p.offered})
+	// Redis dies once a third of the run's requests are answered, and comes back at two
+	// thirds: the time it is back is taken apart, as the answers go on arriving.
 	var back time.Duration
-	r := sharedAttack(t, ms, p.offered, p.dur, func() {
-		time.Sleep(p.dur / 3)
-		srv.Stop()
-		time.Sleep(p.dur / 3)
-		srv.Restart()
-		restarted := time.Now()
-		for i, m := range ms {
-			testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
-				v := testutil.Value(t, m.Registry, "pdproxy_shared_state_up", nil)
-				return v == 1, fmt.Sprintf("replica %d: pdproxy_shared_state_up = %v after Redis came back", i, v)
-			})
+	total := int(float64(p.offered) * p.dur.Seconds())
+	restarted, restarting := make(chan struct{}), false
+	r := sharedAttack(t, ms, p.offered, p.dur, func(answered int) {
+		switch answered {
+		case total / 3:
+			srv.Stop()
+		case 2 * total / 3:
+			restarting = true
+			go func() {
+				defer close(restarted)
+				srv.Restart()
+				at := time.Now()
+				for i, m := range ms {
+					testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+						v := testutil.Value(t, m.Registry, "pdproxy_shared_state_up", nil)
+						return v == 1, fmt.Sprintf("replica %d: pdproxy_shared_state_up = %v after Redis came back", i, v)
+					})
+				}
+				back = time.Since(at)
+			}()
 		}
-		back = time.Since(restarted)
 	})
-	outage := fmt.Sprintf("| Redis killed at %v, restarted at %v | %d req/s | %d | %d | %d | every replica sharing again %.0f ms after the restart | | %d |",
-		(p.dur / 3).Round(time.Millisecond), (2 * p.dur / 3).Round(time.Millisecond), p.offered, r.ok, r.refused, r.failed, msf(back), checkErrors(t, ms))
+	if !restarting {
+		t.Fatalf("the run ended after %d answers, before two thirds of %d: Redis was never restarted", r.ok+r.refused+r.failed, total)
+	}
+	<-restarted
+	outage := fmt.Sprintf("| Redis killed a third into the run, restarted at two thirds | %d req/s | %d | %d | %d | every replica sharing again %.0f ms after the restart | | %d |",
+		p.offered, r.ok, r.refused, r.failed, msf(back), checkErrors(t, ms))
 
 	// The cost: the same load with shared_state and without, rounds alternating.
 	cost := map[bool][]time.Duration{}
@@ -158,8 +173,9 @@ type sharedResult struct {
 }
 
 // sharedAttack offers rate requests per second of one key for dur, alternating the replicas,
-// while during (if any) runs; a 429 without Retry-After counts as failed.
-func sharedAttack(t *testing.T, ms []*app.Main, rate int, dur time.Duration, during func()) sharedResult {
+// calling answered (if any) with the count of answers so far after each; a 429 without
+// Retry-After counts as failed.
+func sharedAttack(t *testing.T, ms []*app.Main, rate int, dur time.Duration, answered func(n int)) sharedResult {
 	t.Helper()
 	client := newClient(256)
 	defer client.CloseIdleConnections()
@@ -171,15 +187,16 @@ func sharedAttack(t *testing.T, ms []*app.Main, rate int, dur time.Duration, dur
 	}
 	a := vegeta.NewAttacker(vegeta.Client(client), vegeta.Workers(16))
 	results := a.Attack(vegeta.NewStaticTargeter(tgts...), vegeta.Rate{Freq: rate, Per: time.Second}, dur, "")
-	done := make(chan struct{})
-	if during != nil {
-		go func() { defer close(done); during() }()
-	} else {
-		close(done)
-	}
 	var r sharedResult
 	firstErr := ""
-	for res := range results {
+	for n := 1; ; n++ {
+		res, ok := <-results
+		if !ok {
+			break
+		}
+		if answered != nil {
+			answered(n)
+		}
 		switch {
 		case res.Code == http.StatusOK && res.Error == "":
 			r.ok++
@@ -193,7 +210,6 @@ func sharedAttack(t *testing.T, ms []*app.Main, rate int, dur time.Duration, dur
 			}
 		}
 	}
-	<-done
 	if r.failed > 0 {
 		t.Errorf("%d of %d requests failed; the first: %s", r.failed, r.ok+r.refused+r.failed, firstErr)
 	}

@@ -93,7 +93,9 @@ func (s *Server) Restart() {
 	}
 	s.cmd, s.log = cmd, log
 	deadline := time.Now().Add(startTimeout)
-	for {
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for ; ; <-tick.C {
 		if err := ping(s.Addr()); err == nil {
 			return
 		} else if time.Now().After(deadline) {
@@ -101,7 +103,6 @@ func (s *Server) Restart() {
 			s.killLocked()
 			s.t.Fatalf("redistest: redis-server on %s did not answer PING within %s: %v\n%s", s.Addr(), startTimeout, err, out)
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 
