@@ -18,20 +18,24 @@ import (
 	"github.com/pdproxy/pdproxy/sharedstate"
 )
 
-// SharedLimits is what the limits need of the state the replicas share (sharedstate.Store):
-// one decision per request, and its slot given back when the request ends. Given to New by
-// WithSharedLimits, it decides each identity's per_key limits across replicas; when it
-// fails, this replica's own limiter decides that request, as with no shared state.
-type SharedLimits interface {
+// SharedState is what the proxy needs of the state the replicas share (sharedstate.Store):
+// one decision per request under its identity's per_key limits, with its session's bindings
+// read in the same round trip, and its slot given back when the request ends; and a
+// session's binding to the engine a pick chose (session_affinity), written off the request's
+// path (it may drop the write under pressure: the session's key still places it). Given to
+// New by WithSharedState; when it fails, this replica decides on its own state, as with no
+// shared state.
+type SharedState interface {
 	Check(ctx context.Context, req sharedstate.Request) (sharedstate.Decision, error)
 	Release(slot sharedstate.Slot)
+	Bind(session, role, engine string, ttl time.Duration)
 }
 
-var _ SharedLimits = (*sharedstate.Store)(nil)
+var _ SharedState = (*sharedstate.Store)(nil)
 
-// WithSharedLimits makes the per_key limits hold across replicas through st. Without
-// per_key limits it changes nothing.
-func WithSharedLimits(st SharedLimits) Option {
+// WithSharedState makes the per_key limits and the sessions' bindings hold across replicas
+// through st. Without either configured it changes nothing.
+func WithSharedState(st SharedState) Option {
 	return func(s *Server) { s.shared = st }
 }
 
@@ -141,7 +145,7 @@ type limiter struct {
 	tenantHeader string
 	// shared decides the per_key limits across replicas; nil when each replica decides
 	// alone. The shares here are kept either way: they decide when shared fails.
-	shared SharedLimits
+	shared SharedState
 	// sessionHeaders name a request's session (session_affinity), whose bindings the shared
 	// check reads too.
 	sessionHeaders []string

@@ -317,14 +317,11 @@ type Server struct {
 	// lim admits requests by their client's limits and counts them per key and class; nil
 	// when neither limits nor priority classes are configured.
 	lim *limiter
-	// shared is the per_key limits' state across replicas (WithSharedLimits); nil when each
-	// replica decides alone.
-	shared SharedLimits
+	// shared is the state across replicas (WithSharedState): the per_key limits and the
+	// sessions' bindings; nil when each replica decides alone.
+	shared SharedState
 	// classes are the priority classes; nil when none are configured.
 	classes *classes
-	// sessions keeps the sessions' bindings for every replica (WithSessionBindings); nil
-	// when they are kept nowhere.
-	sessions SessionBindings
 }
 
 // New builds a Server. reg receives the proxy's metrics; gather is served on /metrics (pass

@@ -67,19 +67,6 @@ func isTokenRune(r rune) bool {
 	return strings.ContainsRune("!#$%&'*+-.^_`|~", r)
 }
 
-// SessionBindings keeps where each session's requests went, for every replica: Bind binds
-// session to engine for role for ttl, off the request's path (it may drop the write under
-// pressure: the session's key still places it). The bindings a request starts from come with
-// its shared limits' check.
-type SessionBindings interface {
-	Bind(session, role, engine string, ttl time.Duration)
-}
-
-// WithSessionBindings keeps the sessions' bindings (session_affinity) in b.
-func WithSessionBindings(b SessionBindings) Option {
-	return func(s *Server) { s.sessions = b }
-}
-
 // sessionOf is the session r names in the first of headers it carries, "" when none. A value
 // too long to be an id, or with bytes that are not printable ASCII, is refused: it would
 // become a key in shared state.
@@ -123,8 +110,8 @@ func (x *exchange) picked(role router.Role, lease *router.Lease) {
 		return
 	}
 	x.s.m.sessionPicks.WithLabelValues(string(role), string(choice)).Inc()
-	if x.s.sessions != nil {
-		x.s.sessions.Bind(x.sess.key, string(role), lease.Backend().Name, x.s.cfg.SessionAffinity.TTL)
+	if x.s.shared != nil {
+		x.s.shared.Bind(x.sess.key, string(role), lease.Backend().Name, x.s.cfg.SessionAffinity.TTL)
 	}
 }
 
@@ -136,7 +123,7 @@ func (x *exchange) readSession(headers []string) *apiError {
 		return e
 	}
 	x.sess.key = key
-	if x.s.sessions == nil || x.s.shared == nil {
+	if x.s.shared == nil {
 		return nil // the key alone places the session
 	}
 	b := map[string]string(nil)

@@ -41,7 +41,7 @@ func sharedReplica(t *testing.T, addr string, cfg Config, d *engine) (*harness, 
 		<-done
 		st.Close()
 	})
-	h := newHarnessLogged(t, cfg, router.Config{Backends: []router.BackendConfig{decoder("d0", d.URL())}}, lifecycle.Config{}, nil, WithSharedLimits(st))
+	h := newHarnessLogged(t, cfg, router.Config{Backends: []router.BackendConfig{decoder("d0", d.URL())}}, lifecycle.Config{}, nil, WithSharedState(st))
 	return h, storeReg
 }
 

@@ -298,7 +298,7 @@ func (m *Main) build(ctx context.Context, rcfg router.Config) error {
 			return fmt.Errorf("config: %w", err)
 		}
 		m.store = st
-		opts = append(opts, proxy.WithSharedLimits(st), proxy.WithSessionBindings(st))
+		opts = append(opts, proxy.WithSharedState(st))
 	}
 	srv, err := proxy.New(m.cfg.Proxy, rt, m.Table, m.logger.Named("proxy"), m.Registry, m.Registry, opts...)
 	if err != nil {
