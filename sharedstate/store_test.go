@@ -71,6 +71,22 @@ func startReplica(t *testing.T, addr string, cfg Config) *replica {
 	return r
 }
 
+// decided is r's answer to req once Redis decided it: a check that failed (a loaded machine
+// can miss even the generous budget) gives its slot back and is asked again.
+func decided(t *testing.T, r *replica, req Request) Decision {
+	t.Helper()
+	var d Decision
+	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+		var err error
+		if d, err = r.Check(context.Background(), req); err != nil {
+			r.Release(d.Slot)
+			return false, fmt.Sprintf("a check Redis decides: %v", err)
+		}
+		return true, ""
+	})
+	return d
+}
+
 func (r *replica) errors(op string) float64 {
 	return testutil.Value(r.t, r.reg, "pdproxy_shared_state_errors_total", map[string]string{"op": op})
 }
@@ -230,20 +246,18 @@ func TestAKilledReplicasSlotsComeBackWithinTheTTLWhileALiveOnesStay(t *testing.T
 	req := Request{Key: "client", MaxConcurrent: 3}
 	start := time.Now()
 	for _, r := range []*replica{live, killed, killed} {
-		if d, err := r.Check(context.Background(), req); err != nil || !d.Allowed {
-			t.Fatalf("taking a slot: %+v, %v", d, err)
+		if d := decided(t, r, req); !d.Allowed {
+			t.Fatalf("taking a slot: %+v", d)
 		}
 	}
-	if d, _ := other.Check(context.Background(), req); d.Allowed {
+	if d := decided(t, other, req); d.Allowed {
 		t.Fatal("a fourth slot of three was given")
 	}
 	killed.stop() // its two slots are never released
 	killedAt := time.Now()
 	testutil.WaitFor(t, 3*ttl, func() (bool, string) {
 		d, err := other.Check(context.Background(), req)
-		if err == nil && d.Allowed {
-			other.Release(d.Slot)
-		}
+		other.Release(d.Slot) // whatever the answer: a check that timed out may hold one
 		return err == nil && d.Allowed, fmt.Sprintf("a slot while the killed replica's are still there: %+v, %v", d, err)
 	})
 	if back := time.Since(killedAt); back > ttl+time.Second {
@@ -258,7 +272,7 @@ func TestAKilledReplicasSlotsComeBackWithinTheTTLWhileALiveOnesStay(t *testing.T
 	})
 	var got []Slot
 	for range 3 {
-		if d, err := other.Check(context.Background(), req); err == nil && d.Allowed {
+		if d := decided(t, other, req); d.Allowed {
 			got = append(got, d.Slot)
 		}
 	}
