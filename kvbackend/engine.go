@@ -31,12 +31,12 @@ type Engine interface {
 type Sequential interface {
 	Engine
 	// PrefillBody is the client's body rewritten for the prefiller.
-	PrefillBody(f *Fields, chat bool) ([]byte, error)
+	PrefillBody(f *Fields, api API) ([]byte, error)
 	// DecodeBody is the client's body for the decoder, with the prefiller's params (nil: the
 	// decoder computes the prompt itself).
 	DecodeBody(f *Fields, params json.RawMessage) ([]byte, error)
 	// DrainBody is a one-token decode whose only purpose is to make a decoder pull held KV.
-	DrainBody(f *Fields, chat bool, params json.RawMessage) ([]byte, error)
+	DrainBody(f *Fields, api API, params json.RawMessage) ([]byte, error)
 	// ParsePrefill reads a prefiller's answer: the params it holds KV under, nil when it
 	// holds nothing.
 	ParsePrefill(body []byte) (json.RawMessage, error)
@@ -87,14 +87,14 @@ var (
 
 func (e vllm) Kind() string                 { return e.kind }
 func (e vllm) KVHoldTimeout() time.Duration { return e.hold }
-func (vllm) PrefillBody(f *Fields, chat bool) ([]byte, error) {
-	return PrefillBody(f, chat)
+func (vllm) PrefillBody(f *Fields, api API) ([]byte, error) {
+	return PrefillBody(f, api)
 }
 func (vllm) DecodeBody(f *Fields, params json.RawMessage) ([]byte, error) {
 	return DecodeBody(f, params)
 }
-func (vllm) DrainBody(f *Fields, chat bool, params json.RawMessage) ([]byte, error) {
-	return DrainBody(f, chat, params)
+func (vllm) DrainBody(f *Fields, api API, params json.RawMessage) ([]byte, error) {
+	return DrainBody(f, api, params)
 }
 func (vllm) ParsePrefill(body []byte) (json.RawMessage, error) { return ParsePrefillResponse(body) }
 

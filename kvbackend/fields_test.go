@@ -106,7 +106,7 @@ func TestRewritesChangeOnlyWhatTheyMust(t *testing.T) {
 		}
 	})
 	t.Run("a prefill keeps the client's members byte for byte and sets its own last", func(t *testing.T) {
-		out, err := PrefillBody(parseFields(t, `{"model":"m","stream":true,"prompt":"x\u00e9 <&>","max_tokens":9,"temperature":0.50}`), false)
+		out, err := PrefillBody(parseFields(t, `{"model":"m","stream":true,"prompt":"x\u00e9 <&>","max_tokens":9,"temperature":0.50}`), APICompletions)
 		want := `{"model":"m","prompt":"x\u00e9 <&>","temperature":0.50,"kv_transfer_params":` + string(prefillParams) + `,"stream":false,"max_tokens":1}`
 		if err != nil || string(out) != want {
 			t.Fatalf("PrefillBody =\n %s, %v; want\n %s", out, err, want)
@@ -186,13 +186,17 @@ func FuzzRewrites(f *testing.F) {
 				t.Fatalf("%s of %q carries kv_transfer_params %d times: %q", name, body, n, out)
 			}
 		}
-		out, err := PrefillBody(fields, chat)
+		api := APICompletions
+		if chat {
+			api = APIChat
+		}
+		out, err := PrefillBody(fields, api)
 		check("PrefillBody", out, err, rewriteOracle(want, pre, prefillDropped...))
 		out, err = DecodeBody(fields, params)
 		check("DecodeBody", out, err, rewriteOracle(want, decodeDrop, set{"kv_transfer_params", params}))
 		out, err = DecodeBody(fields, nil)
 		check("DecodeBody without params", out, err, rewriteOracle(want, decodeDrop))
-		out, err = DrainBody(fields, chat, params)
+		out, err = DrainBody(fields, api, params)
 		check("DrainBody", out, err, rewriteOracle(want, drain, drainSet...))
 	})
 }

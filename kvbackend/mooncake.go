@@ -80,13 +80,12 @@ func (mooncake) Legs(f *Fields, leg Leg) (LegCalls, error) {
 	if err != nil {
 		return LegCalls{}, err
 	}
-	chat := f.has("messages")
-	drain, err := DrainBody(f, chat, dec)
+	drain, err := DrainBody(f, leg.API, dec)
 	if err != nil {
 		return LegCalls{}, err
 	}
 	calls := LegCalls{Decode: f.rewrite(decodeDrop, set{"kv_transfer_params", dec}), Drain: drain,
-		Prefill: oneToken(f, chat, prefillDrop, prefillDropChat, prefillDropResponses, pre)}
+		Prefill: oneToken(f, leg.API, prefillDrop, prefillDropChat, prefillDropResponses, pre)}
 	if leg.Rank >= 0 {
 		calls.PrefillHeader = http.Header{}
 		calls.PrefillHeader.Set(dpRankHeader, strconv.Itoa(leg.Rank))

@@ -14,14 +14,14 @@ func TestMooncakeLegs(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		body string
-		chat bool
+		api  API
 	}{
-		{"completion", `{"model":"m","prompt":"hi","max_tokens":9,"stream":true,"stream_options":{"include_usage":true},"kv_transfer_params":{"evil":1}}`, false},
-		{"chat", `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":9,"stream":true}`, true},
+		{"completion", `{"model":"m","prompt":"hi","max_tokens":9,"stream":true,"stream_options":{"include_usage":true},"kv_transfer_params":{"evil":1}}`, APICompletions},
+		{"chat", `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":9,"stream":true}`, APIChat},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := parseFields(t, tc.body)
-			calls, err := Mooncake.Legs(f, Leg{Host: "10.0.0.7", Port: 8998, TransferID: "xfer-1", EngineID: "eng-r1", Rank: 1})
+			calls, err := Mooncake.Legs(f, Leg{Host: "10.0.0.7", Port: 8998, TransferID: "xfer-1", EngineID: "eng-r1", Rank: 1, API: tc.api})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -33,7 +33,7 @@ func TestMooncakeLegs(t *testing.T) {
 			if string(pre["kv_transfer_params"]) != wantPre || string(pre["stream"]) != "false" || string(pre["max_tokens"]) != "1" {
 				t.Errorf("prefill leg %s", calls.Prefill)
 			}
-			if tc.chat && string(pre["max_completion_tokens"]) != "1" {
+			if tc.api == APIChat && string(pre["max_completion_tokens"]) != "1" {
 				t.Errorf("chat prefill leg keeps max_completion_tokens: %s", calls.Prefill)
 			}
 			if _, ok := pre["stream_options"]; ok {

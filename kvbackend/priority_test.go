@@ -9,16 +9,16 @@ import (
 // scheduling) read the body's priority on each engine, so every body a request becomes
 // carries the client's, as it came.
 func TestEveryLegKeepsThePriority(t *testing.T) {
-	for _, chat := range []bool{false, true} {
+	for _, api := range []API{APICompletions, APIChat} {
 		body := `{"model":"m","prompt":"hi","priority":-3,"max_tokens":9,"stream":true}`
-		if chat {
+		if api == APIChat {
 			body = `{"model":"m","messages":[{"role":"user","content":"hi"}],"priority":-3,"max_tokens":9,"stream":true}`
 		}
 		f := parseFields(t, body)
 		params := json.RawMessage(`{"remote_block_ids":[1]}`)
 		bodies := map[string][]byte{}
 		var err error
-		if bodies["vllm prefill"], err = PrefillBody(f, chat); err != nil {
+		if bodies["vllm prefill"], err = PrefillBody(f, api); err != nil {
 			t.Fatal(err)
 		}
 		if bodies["vllm decode"], err = DecodeBody(f, params); err != nil {
@@ -27,7 +27,7 @@ func TestEveryLegKeepsThePriority(t *testing.T) {
 		if bodies["vllm decode without params"], err = DecodeBody(f, nil); err != nil {
 			t.Fatal(err)
 		}
-		if bodies["vllm drain"], err = DrainBody(f, chat, params); err != nil {
+		if bodies["vllm drain"], err = DrainBody(f, api, params); err != nil {
 			t.Fatal(err)
 		}
 		sg, err := SGLang.(interface {
@@ -39,7 +39,7 @@ func TestEveryLegKeepsThePriority(t *testing.T) {
 		bodies["sglang prefill"], bodies["sglang decode"] = sg.Prefill, sg.Decode
 		mc, err := Mooncake.(interface {
 			Legs(*Fields, Leg) (LegCalls, error)
-		}).Legs(f, Leg{Host: "10.0.0.7", Port: 8998, TransferID: "x", EngineID: "e", Rank: -1})
+		}).Legs(f, Leg{Host: "10.0.0.7", Port: 8998, TransferID: "x", EngineID: "e", Rank: -1, API: api})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -47,10 +47,10 @@ func TestEveryLegKeepsThePriority(t *testing.T) {
 		for name, b := range bodies {
 			var m map[string]json.RawMessage
 			if err := json.Unmarshal(b, &m); err != nil {
-				t.Fatalf("chat %v, %s: %v: %s", chat, name, err, b)
+				t.Fatalf("api %d, %s: %v: %s", api, name, err, b)
 			}
 			if string(m["priority"]) != "-3" {
-				t.Errorf("chat %v, %s: priority %q, want -3: %s", chat, name, m["priority"], b)
+				t.Errorf("api %d, %s: priority %q, want -3: %s", api, name, m["priority"], b)
 			}
 		}
 	}

@@ -55,6 +55,8 @@ type Leg struct {
 	EngineID   string
 	// Rank is the prefiller's data-parallel rank that serves the prefill leg; -1: none named.
 	Rank int
+	// API is the API of the body, for an engine whose prefill leg is bounded to one token.
+	API API
 }
 
 // LegCalls are the bodies of a request's two legs, and headers a leg must carry.

@@ -32,18 +32,30 @@ var (
 	drainDropResponses   = append(prefillDropResponses[:len(prefillDropResponses):len(prefillDropResponses)], "top_logprobs", "include")
 )
 
-// responses reports whether f is a Responses API body (POST /v1/responses): it has input and
-// neither a completion's prompt nor a chat's messages.
-func responses(f *Fields) bool { return f.has("input") && !f.has("prompt", "messages") }
+// API is the API a client's body is for, which says how a prefill or a drain bounds it to
+// one token: each names its output bound its own way.
+type API uint8
+
+const (
+	// APICompletions is POST /v1/completions: max_tokens.
+	APICompletions API = iota
+	// APIChat is POST /v1/chat/completions: max_tokens and max_completion_tokens.
+	APIChat
+	// APIResponses is POST /v1/responses: max_output_tokens, and store.
+	APIResponses
+	// APIMessages is Anthropic's POST /v1/messages: max_tokens alone (the API has no other
+	// bound, and no stream options).
+	APIMessages
+)
 
 // oneToken is the rewrite that bounds a prefill or a drain to one token, not streamed, on the
-// route f is for, keeping the client's other members (less drop).
-func oneToken(f *Fields, chat bool, drop, dropChat, dropResponses []string, params []byte) []byte {
-	switch {
-	case responses(f):
+// API f is for, keeping the client's other members (less drop).
+func oneToken(f *Fields, api API, drop, dropChat, dropResponses []string, params []byte) []byte {
+	switch api {
+	case APIResponses:
 		return f.rewrite(dropResponses, set{"kv_transfer_params", params}, set{"stream", rawFalse},
 			set{"max_output_tokens", rawOne}, set{"store", rawFalse})
-	case chat:
+	case APIChat:
 		return f.rewrite(dropChat, set{"kv_transfer_params", params}, set{"stream", rawFalse},
 			set{"max_tokens", rawOne}, set{"max_completion_tokens", rawOne})
 	}
@@ -52,10 +64,10 @@ func oneToken(f *Fields, chat bool, drop, dropChat, dropResponses []string, para
 
 // PrefillBody rewrites a client's body for the prefiller: the KV is to be kept for a remote
 // decode, one token, no stream, and no minimum token counts (they would fight max_tokens 1).
-// Every other member is the client's, byte for byte. A Responses API body (input, no prompt
-// or messages) is bounded by max_output_tokens instead, and stores nothing on the prefiller.
-func PrefillBody(f *Fields, chat bool) ([]byte, error) {
-	return oneToken(f, chat, prefillDrop, prefillDropChat, prefillDropResponses, prefillParams), nil
+// Every other member is the client's, byte for byte. A Responses API body is bounded by
+// max_output_tokens instead, and stores nothing on the prefiller.
+func PrefillBody(f *Fields, api API) ([]byte, error) {
+	return oneToken(f, api, prefillDrop, prefillDropChat, prefillDropResponses, prefillParams), nil
 }
 
 // DecodeBody is the client's body as it came, plus the prefiller's kv_transfer_params passed
@@ -90,13 +102,13 @@ func DecodeBody(f *Fields, params json.RawMessage) ([]byte, error) {
 
 // DrainBody is a decode whose only purpose is to make a decoder pull a held KV so that the
 // prefiller frees it: the params, one token, no stream; its output is discarded.
-func DrainBody(f *Fields, chat bool, params json.RawMessage) ([]byte, error) {
+func DrainBody(f *Fields, api API, params json.RawMessage) ([]byte, error) {
 	if params == nil {
 		params = rawNull
 	} else if !json.Valid(params) {
 		return nil, ErrBadKVParams
 	}
-	return oneToken(f, chat, drainDrop, drainDropChat, drainDropResponses, params), nil
+	return oneToken(f, api, drainDrop, drainDropChat, drainDropResponses, params), nil
 }
 
 // ErrBadKVParams means a prefiller answered with kv_transfer_params that are neither null nor

@@ -64,22 +64,24 @@ func TestPrefillBody(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		body string
-		chat bool
+		api  API
 		set  map[string]string // fields the prefill sets, raw JSON
 	}{
-		{"completions: one token, no stream, the KV kept for a remote decode", completionBody, false,
+		{"completions: one token, no stream, the KV kept for a remote decode", completionBody, APICompletions,
 			map[string]string{"stream": "false", "max_tokens": "1"}},
-		{"chat: max_completion_tokens is 1 as well", chatBody, true,
+		{"chat: max_completion_tokens is 1 as well", chatBody, APIChat,
 			map[string]string{"stream": "false", "max_tokens": "1", "max_completion_tokens": "1"}},
-		{"a request without the fields still gets them", `{"model":"m","prompt":"p"}`, false,
+		{"a request without the fields still gets them", `{"model":"m","prompt":"p"}`, APICompletions,
 			map[string]string{"stream": "false", "max_tokens": "1"}},
-		{"responses: max_output_tokens is 1, and the prefiller stores nothing", `{"model":"m","input":"hi","instructions":"be brief","max_output_tokens":50,"stream":true,"store":true,"background":false,"priority":3}`, false,
+		{"responses: max_output_tokens is 1, and the prefiller stores nothing", `{"model":"m","input":"hi","instructions":"be brief","max_output_tokens":50,"stream":true,"store":true,"background":false,"priority":3}`, APIResponses,
 			map[string]string{"stream": "false", "max_output_tokens": "1", "store": "false"}},
+		{"messages: max_tokens alone, the system prompt and content blocks as they came", `{"model":"m","system":[{"type":"text","text":"be brief"}],"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],"max_tokens":50,"stream":true,"stop_sequences":["x"]}`, APIMessages,
+			map[string]string{"stream": "false", "max_tokens": "1"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			in := parseFields(t, tc.body)
 			before := bytes.Clone(in.raw)
-			out, err := PrefillBody(in, tc.chat)
+			out, err := PrefillBody(in, tc.api)
 			if err != nil {
 				t.Fatalf("PrefillBody: %v", err)
 			}
@@ -100,6 +102,9 @@ func TestPrefillBody(t *testing.T) {
 			}
 			if _, ok := got["background"]; ok {
 				t.Error("background is still there; a prefill runs in the foreground")
+			}
+			if _, ok := got["max_completion_tokens"]; ok && tc.api != APIChat {
+				t.Error("max_completion_tokens is set; only a chat body has it")
 			}
 			for k, v := range in.All() {
 				if _, set := tc.set[k]; set || k == "kv_transfer_params" || k == "stream_options" || k == "min_tokens" || k == "min_completion_tokens" || k == "background" {
@@ -172,14 +177,14 @@ func TestDrainBody(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		body string
-		chat bool
+		api  API
 	}{
-		{"completions: one non-streaming token that pulls the held KV", completionBody, false},
-		{"chat: one token, and nothing that multiplies the work", chatBody, true},
+		{"completions: one non-streaming token that pulls the held KV", completionBody, APICompletions},
+		{"chat: one token, and nothing that multiplies the work", chatBody, APIChat},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			in := parseFields(t, tc.body)
-			out, err := DrainBody(in, tc.chat, json.RawMessage(kvParams))
+			out, err := DrainBody(in, tc.api, json.RawMessage(kvParams))
 			if err != nil {
 				t.Fatalf("DrainBody: %v", err)
 			}
@@ -188,7 +193,7 @@ func TestDrainBody(t *testing.T) {
 				t.Errorf("kv_transfer_params = %s, want the held params unchanged", got["kv_transfer_params"])
 			}
 			want := map[string]string{"stream": "false", "max_tokens": "1", "model": `"m"`}
-			if tc.chat {
+			if tc.api == APIChat {
 				want["max_completion_tokens"] = "1"
 			}
 			for k, v := range want {
@@ -201,7 +206,7 @@ func TestDrainBody(t *testing.T) {
 					t.Errorf("%s is still there; a drain must not carry it", k)
 				}
 			}
-			if tc.chat && string(got["seed"]) != "11" {
+			if tc.api == APIChat && string(got["seed"]) != "11" {
 				t.Errorf("seed = %s, want the client's 11", got["seed"])
 			}
 		})
@@ -318,7 +323,7 @@ func BenchmarkPrefillBody(b *testing.B) {
 	f := benchFields(b)
 	b.ReportAllocs()
 	for b.Loop() {
-		if _, err := PrefillBody(f, true); err != nil {
+		if _, err := PrefillBody(f, APIChat); err != nil {
 			b.Fatal(err)
 		}
 	}

@@ -52,7 +52,7 @@ func BenchmarkRewrite(b *testing.B) {
 				if e != nil {
 					b.Fatal(e)
 				}
-				if _, err := kvbackend.PrefillBody(req.fields, req.chat); err != nil {
+				if _, err := kvbackend.PrefillBody(req.fields, req.api); err != nil {
 					b.Fatal(err)
 				}
 				if _, err := kvbackend.DecodeBody(req.fields, benchKVParams); err != nil {

@@ -39,7 +39,7 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 		return x.failWith(c, router.Result{Canceled: true}, fromBackend(&kvbackend.CallError{Err: err}, router.RolePrefill, errPrefillTimeout))
 	}
 	leg := kvbackend.Leg{Host: p.URL.Hostname(), Port: bs.Port, Room: kvbackend.NewRoom(), RID: x.engineID, Prompts: x.req.prompts,
-		TransferID: "xfer-" + x.engineID, Rank: -1}
+		TransferID: "xfer-" + x.engineID, Rank: -1, API: x.req.api}
 	if len(bs.EngineIDs) > 0 {
 		leg.Rank = bs.Ranks()[0]
 		leg.EngineID = bs.EngineIDs[leg.Rank]

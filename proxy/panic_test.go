@@ -27,11 +27,11 @@ type panicky struct {
 
 func (p panicky) Kind() string { return p.kind }
 
-func (p panicky) PrefillBody(f *kvbackend.Fields, chat bool) ([]byte, error) {
+func (p panicky) PrefillBody(f *kvbackend.Fields, api kvbackend.API) ([]byte, error) {
 	if p.onPrefill {
 		panic("a bug building the prefill")
 	}
-	return p.Sequential.PrefillBody(f, chat)
+	return p.Sequential.PrefillBody(f, api)
 }
 
 func (p panicky) DecodeBody(f *kvbackend.Fields, params json.RawMessage) ([]byte, error) {

@@ -47,7 +47,7 @@ func (x *exchange) prefill(c *custody) *apiError {
 				err = errors.New("the prefiller's engine does not serve a prefill on its own")
 			} else {
 				err = x.s.guard(x.id, func() (err error) {
-					body, err = eng.PrefillBody(x.req.fields, x.req.chat)
+					body, err = eng.PrefillBody(x.req.fields, x.req.api)
 					return err
 				})
 			}

@@ -8,6 +8,8 @@ import (
 	"net/http"
 	"sync"
 	"time"
+
+	"github.com/pdproxy/pdproxy/kvbackend"
 )
 
 // The relay's read buffers. A read returns whatever the decoder has sent so far, and that
@@ -132,7 +134,7 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 				x.cancel(werr)
 				return x.gone(c)
 			}
-			if x.req.responses && !x.out.ended {
+			if x.req.api == kvbackend.APIResponses && !x.out.ended {
 				x.out.ended = sawEnd(x.out.tail, data)
 			}
 			x.out.tail = append(x.out.tail, data[max(0, n-tailSize):n]...)
@@ -146,7 +148,7 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 				rerr = errEmptyAnswer
 			case x.req.stream && !x.streamComplete():
 				rerr = errStreamUnfinished
-				if x.req.responses {
+				if x.req.api == kvbackend.APIResponses {
 					rerr = errResponsesUnfinished
 				}
 			default:
@@ -215,7 +217,7 @@ func streamDone(tail []byte) bool {
 // completion or chat stream with its [DONE], a Responses stream with its last event
 // (response.completed, .incomplete or .failed) and the blank line after it.
 func (x *exchange) streamComplete() bool {
-	if x.req.responses {
+	if x.req.api == kvbackend.APIResponses {
 		return x.out.ended && (bytes.HasSuffix(x.out.tail, []byte("\n\n")) || bytes.HasSuffix(x.out.tail, []byte("\r\n\r\n")))
 	}
 	return streamDone(x.out.tail)
@@ -242,7 +244,7 @@ func (x *exchange) cut(e *apiError) *apiError {
 		// error event gets a write deadline of its own.
 		x.writeDeadline(rc)
 		x.w.Write(eventBreak(x.out.tail))
-		if x.req.responses {
+		if x.req.api == kvbackend.APIResponses {
 			x.w.Write(responsesErrorEvent(e))
 		} else {
 			x.w.Write([]byte("data: "))

@@ -510,7 +510,7 @@ func (s *Server) drain(r release) bool {
 	ctx = withSpan(ctx, span)
 	var body []byte
 	err = s.guard(r.c.id, func() (err error) {
-		body, err = eng.DrainBody(r.req.fields, r.req.chat, r.params)
+		body, err = eng.DrainBody(r.req.fields, r.req.api, r.params)
 		return err
 	})
 	if err != nil {

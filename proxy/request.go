@@ -20,14 +20,14 @@ const maxTokensLimit = 1 << 24
 type genRequest struct {
 	// route is the path the request came on, and goes to the engines on.
 	route string
-	chat  bool
-	// responses: a Responses API request (POST /v1/responses); state names a member that
-	// needs state on one engine (previous_response_id, background, store), empty if none.
-	responses bool
-	state     string
-	fields    *kvbackend.Fields
-	model     string
-	stream    bool
+	// api is the API the body is for: how a prefill bounds it, and how its answer ends.
+	api kvbackend.API
+	// state names a member of a Responses API request that needs state on one engine
+	// (previous_response_id, background, store), empty if none.
+	state  string
+	fields *kvbackend.Fields
+	model  string
+	stream bool
 	// prefix is the start of the prompt, for prefix-affinity routing.
 	prefix string
 	// text is the whole prompt as it repeats across a session's turns, for cache-aware
@@ -72,7 +72,9 @@ func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
 	if e != nil {
 		return nil, e
 	}
-	req.chat = chat
+	if chat {
+		req.api = kvbackend.APIChat
+	}
 	fields := req.fields
 	if raw, ok := fields.Field("stream_options"); ok && !isNull(raw) {
 		var so rawObject

@@ -49,10 +49,10 @@ func FuzzParseRequest(f *testing.F) {
 		if req.model == "" {
 			t.Fatalf("accepted %q with an empty model", body)
 		}
-		if req.chat != chat {
-			t.Fatalf("chat %v, want %v", req.chat, chat)
+		if (req.api == kvbackend.APIChat) != chat {
+			t.Fatalf("api %d, want chat %v", req.api, chat)
 		}
-		pre, err := kvbackend.PrefillBody(req.fields, chat)
+		pre, err := kvbackend.PrefillBody(req.fields, req.api)
 		if err != nil {
 			t.Fatalf("PrefillBody of accepted %q: %v", body, err)
 		}

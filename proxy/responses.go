@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 
+	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -21,7 +22,7 @@ func parseResponses(body []byte) (*genRequest, *apiError) {
 	if e != nil {
 		return nil, e
 	}
-	req.responses = true
+	req.api = kvbackend.APIResponses
 	f := req.fields
 	raw, ok := f.Field("input")
 	if !ok || isNull(raw) {

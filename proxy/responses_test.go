@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/lifecycle"
 )
 
@@ -72,7 +73,7 @@ func TestResponsesStreamEndsOnlyAtItsEndEventLine(t *testing.T) {
 				ctx, cancel := context.WithCancelCause(context.Background())
 				rec := httptest.NewRecorder()
 				x := &exchange{s: srv, w: rec, ctx: ctx, cancel: cancel, id: id, route: "/v1/responses",
-					req: &genRequest{stream: true, responses: true}}
+					req: &genRequest{stream: true, api: kvbackend.APIResponses}}
 				x.times.start = time.Now()
 				wd := newWatchdog(ctx, false, false, time.Hour, time.Hour)
 				resp := &http.Response{StatusCode: http.StatusOK, Header: http.Header{},

@@ -5,6 +5,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -34,12 +35,12 @@ func (x *exchange) tokenize() {
 		x.legs.tokens = x.req.tokens
 		return
 	}
-	if x.req.text == "" || x.req.prompts > 1 || x.req.responses {
+	if x.req.text == "" || x.req.prompts > 1 || x.req.api == kvbackend.APIResponses {
 		// A Responses input renders through the engine's own conversion: the text routes it.
 		return
 	}
 	req := router.TokenizeRequest{Model: x.req.model}
-	if x.req.chat {
+	if x.req.api == kvbackend.APIChat {
 		req.Messages = x.req.messages
 	} else {
 		req.Prompt = x.req.text

@@ -511,7 +511,7 @@ func prefillBodyOf(body []byte) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	return kvbackend.PrefillBody(f, false)
+	return kvbackend.PrefillBody(f, kvbackend.APICompletions)
 }
 
 var errNoClose = errors.New("the backend never saw the connection close")

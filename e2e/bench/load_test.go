@@ -44,7 +44,7 @@ func newPDDirect(base http.RoundTripper, prefillURL string, clientBody []byte) (
 	if err != nil {
 		return nil, err
 	}
-	pb, err := kvbackend.PrefillBody(f, false)
+	pb, err := kvbackend.PrefillBody(f, kvbackend.APICompletions)
 	if err != nil {
 		return nil, err
 	}
