@@ -42,6 +42,14 @@ type Sequential interface {
 	ParsePrefill(body []byte) (json.RawMessage, error)
 }
 
+// MessagesByChat is an engine whose Anthropic Messages handler (POST /v1/messages) cannot
+// take part in P/D (it drops the fields that pair the legs): a Messages request goes to it as
+// the chat completion it stands for, and its answer is translated back.
+type MessagesByChat interface {
+	Engine
+	MessagesByChat() bool
+}
+
 // Aborter is an engine with an explicit abort call, which also frees a KV hold.
 type Aborter interface {
 	Engine

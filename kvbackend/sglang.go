@@ -80,6 +80,10 @@ var SGLang Paired = sglang{}
 
 func (sglang) Kind() string { return KindSGLang }
 
+// MessagesByChat: SGLang's Messages request model has no bootstrap fields, so the legs of a
+// Messages request would not pair; its chat completions route has them.
+func (sglang) MessagesByChat() bool { return true }
+
 // LoadMetrics names the gauges on SGLang's /metrics (served with --enable-metrics) that the
 // router's least_loaded policy reads (router.LoadReporter).
 func (sglang) LoadMetrics() (waiting, running, kvUsage string) {

@@ -117,6 +117,16 @@ func bearerToken(h string) (string, bool) {
 	return tok, tok != ""
 }
 
+// clientKey is the client's API key: the token of its Authorization header, else its
+// x-api-key header (Anthropic's SDKs send the key there), and whether it sent one.
+func clientKey(r *http.Request) (string, bool) {
+	if tok, ok := bearerToken(r.Header.Get("Authorization")); ok {
+		return tok, true
+	}
+	tok := strings.TrimSpace(r.Header.Get("X-Api-Key"))
+	return tok, tok != ""
+}
+
 // requireKey answers 401 to a request without a valid key, before any route sees it. The
 // key is never logged; only whether one was sent.
 func (s *Server) requireKey(mux *chi.Mux, next http.Handler) http.Handler {
@@ -125,7 +135,7 @@ func (s *Server) requireKey(mux *chi.Mux, next http.Handler) http.Handler {
 			next.ServeHTTP(w, r)
 			return
 		}
-		tok, sent := bearerToken(r.Header.Get("Authorization"))
+		tok, sent := clientKey(r)
 		if sent && s.keys.valid(tok) {
 			next.ServeHTTP(w, r)
 			return
@@ -143,7 +153,7 @@ func (s *Server) requireKey(mux *chi.Mux, next http.Handler) http.Handler {
 		s.m.requests.WithLabelValues(route, "401", "").Inc()
 		msg := "invalid API key"
 		if !sent {
-			msg = "missing API key: send it as Authorization: Bearer <key>"
+			msg = "missing API key: send it as Authorization: Bearer <key>, or as x-api-key: <key>"
 		}
 		id := requestID(r)
 		w.Header().Set("X-Request-Id", id)

@@ -199,6 +199,13 @@ func writeError(w http.ResponseWriter, e *apiError) {
 	if e.bearerChallenge {
 		h.Set("WWW-Authenticate", "Bearer")
 	}
+	if _, ok := w.(*anthropicWriter); ok && e.raw != nil {
+		// A backend's own error, in the route's shape.
+		h.Set("Content-Type", "application/json")
+		w.WriteHeader(e.status)
+		w.Write(e.anthropicBody())
+		return
+	}
 	if e.raw != nil {
 		ct := e.rawType
 		if ct == "" {
@@ -211,6 +218,10 @@ func writeError(w http.ResponseWriter, e *apiError) {
 	}
 	h.Set("Content-Type", "application/json")
 	w.WriteHeader(e.status)
+	if _, ok := w.(*anthropicWriter); ok {
+		w.Write(e.anthropicBody())
+		return
+	}
 	w.Write(e.body())
 }
 

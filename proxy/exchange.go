@@ -87,8 +87,12 @@ type reply struct {
 	wrote  bool   // a byte of the answer went to the client
 	tail   []byte // the last bytes of the answer the client got (tailSize; see eventBreak, streamDone)
 	chunks int
-	// ended, for a Responses stream, records that its last event went by (sawEnd).
+	// ended, for a Responses or Messages stream, records that its last event went by
+	// (sawEnd).
 	ended bool
+	// translate, for a Messages request served as a chat completion, turns the engine's chat
+	// answer into the Messages answer; nil else. Each attempt has its own.
+	translate *chatToMessages
 	// afterGone counts the stream chunks read after the client left.
 	afterGone int
 	// abortConn: the answer broke after its headers went out in a non-streaming response; the
@@ -284,6 +288,7 @@ func (s *Server) engineHeader(in http.Header) http.Header {
 	if s.keys != nil {
 		// The client's key is for the proxy; a backend that wants one has its own api_key.
 		hdr.Del("Authorization")
+		hdr.Del("X-Api-Key")
 	}
 	if s.sidecar != nil {
 		// upstreamHeader drops x-prefiller-*; a header of another name is dropped here.

@@ -43,7 +43,7 @@ func WithSharedState(st SharedState) Option {
 // and a token-bucket rate limit, refused with 429 (Retry-After) before the body is read and
 // before any engine is asked, so that a refusal never counts against a backend.
 //
-// The identity is the client's API key, the token of "Authorization: Bearer <key>". With no
+// The identity is the client's API key, the token of "Authorization: Bearer <key>" (else of x-api-key). With no
 // keys configured (api_keys_file, api_keys_env) the token is whatever the client sends, so it
 // is a label the client chooses, not an authenticated name; a request without one is known by
 // its connection's IP address (behind a load balancer, the balancer's). With TenantHeader
@@ -387,7 +387,7 @@ func refusal(reason string, retryAfter int, msg string) *apiError {
 // name metrics show it by: key- or ip- and the first 8 hex digits of its SHA-256, never
 // the key itself.
 func clientIdentity(r *http.Request) (raw, name string) {
-	if tok, ok := bearerToken(r.Header.Get("Authorization")); ok {
+	if tok, ok := clientKey(r); ok {
 		return "key\x00" + tok, "key-" + shortHash(tok)
 	}
 	host, _, err := net.SplitHostPort(r.RemoteAddr)

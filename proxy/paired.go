@@ -47,8 +47,13 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 		leg.Rank = r
 	}
 	var calls kvbackend.LegCalls
+	route := x.req.route
 	err = x.s.guard(x.id, func() (err error) {
-		calls, err = eng.Legs(x.fieldsFor(d), leg)
+		f := x.fieldsFor(d)
+		if f, route, err = x.asChat(d, f, &leg); err != nil {
+			return err
+		}
+		calls, err = eng.Legs(f, leg)
 		return err
 	})
 	if err != nil {
@@ -74,7 +79,7 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 	// prefill_timeout): it is cut only when the request fails or the client leaves.
 	pctx, pcancel := context.WithTimeoutCause(context.WithoutCancel(x.ctx), x.s.cfg.PrefillTimeout, errPhaseTimeout)
 	prefilled := make(chan error, 1)
-	pcall := withHeader(x.call(p, x.req.route, calls.Prefill), calls.PrefillHeader, nil)
+	pcall := withHeader(x.call(p, route, calls.Prefill), calls.PrefillHeader, nil)
 	clientCtx := x.ctx
 	pspan := x.callSpan(spanPrefillLeg, p)
 	// prefillEnded is closed when the prefill leg's call is over; prefillOK records that it
@@ -140,7 +145,7 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 		err  error
 	}
 	decoded := make(chan answer, 1)
-	dcall := withHeader(x.call(d, x.req.route, calls.Decode), calls.DecodeHeader, c.lease)
+	dcall := withHeader(x.call(d, route, calls.Decode), calls.DecodeHeader, c.lease)
 	dspan := x.callSpan(spanDecodeLeg, d)
 	var derr error
 	defer func() { endSpan(dspan, derr) }()

@@ -50,6 +50,8 @@ var passthroughRoutes = []passRoute{
 	{"/pooling", passJSON},
 	{"/classify", passJSON},
 	{"/v1/audio/transcriptions", passMultipart},
+	// Anthropic's token count, which vLLM and SGLang serve beside /v1/messages.
+	{countTokensRoute, passJSON},
 }
 
 // passthrough serves a passthrough route as an exchange: the same body bounds, model

@@ -94,6 +94,15 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 				rerr = errErrorEvent
 			}
 		}
+		if tr := x.out.translate; tr != nil {
+			data = tr.rewrite(data)
+			if rerr == io.EOF {
+				data = append(data, tr.flush()...)
+			}
+			if tr.err != nil && (rerr == nil || rerr == io.EOF) {
+				rerr = tr.err
+			}
+		}
 		if rn := x.names.rename; rn != nil {
 			data = rn.rewrite(data)
 			if rerr != nil {
@@ -134,8 +143,8 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 				x.cancel(werr)
 				return x.gone(c)
 			}
-			if x.req.api == kvbackend.APIResponses && !x.out.ended {
-				x.out.ended = sawEnd(x.out.tail, data)
+			if ends := streamEnds(x.req.api); ends != nil && !x.out.ended {
+				x.out.ended = sawEnd(x.out.tail, data, ends)
 			}
 			x.out.tail = append(x.out.tail, data[max(0, n-tailSize):n]...)
 			x.out.tail = x.out.tail[max(0, len(x.out.tail)-tailSize):]
@@ -147,9 +156,13 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 			case !x.out.wrote:
 				rerr = errEmptyAnswer
 			case x.req.stream && !x.streamComplete():
-				rerr = errStreamUnfinished
-				if x.req.api == kvbackend.APIResponses {
+				switch x.req.api {
+				case kvbackend.APIResponses:
 					rerr = errResponsesUnfinished
+				case kvbackend.APIMessages:
+					rerr = errMessagesUnfinished
+				default:
+					rerr = errStreamUnfinished
 				}
 			default:
 				// The deadline set for the last write may have passed while the decoder was
@@ -189,6 +202,7 @@ var (
 	errStreamUnfinished = errors.New("the decoder's stream ended before its [DONE]")
 	// A Responses stream has no [DONE]: it ends at its last event.
 	errResponsesUnfinished = errors.New("the decoder's stream ended before its last event (response.completed, .incomplete or .failed)")
+	errMessagesUnfinished  = errors.New("the decoder's stream ended before its message_stop")
 )
 
 // tailSize is how many of the answer's last bytes the relay keeps: enough for the line end
@@ -217,7 +231,7 @@ func streamDone(tail []byte) bool {
 // completion or chat stream with its [DONE], a Responses stream with its last event
 // (response.completed, .incomplete or .failed) and the blank line after it.
 func (x *exchange) streamComplete() bool {
-	if x.req.api == kvbackend.APIResponses {
+	if streamEnds(x.req.api) != nil {
 		return x.out.ended && (bytes.HasSuffix(x.out.tail, []byte("\n\n")) || bytes.HasSuffix(x.out.tail, []byte("\r\n\r\n")))
 	}
 	return streamDone(x.out.tail)
@@ -244,9 +258,12 @@ func (x *exchange) cut(e *apiError) *apiError {
 		// error event gets a write deadline of its own.
 		x.writeDeadline(rc)
 		x.w.Write(eventBreak(x.out.tail))
-		if x.req.api == kvbackend.APIResponses {
+		switch x.req.api {
+		case kvbackend.APIResponses:
 			x.w.Write(responsesErrorEvent(e))
-		} else {
+		case kvbackend.APIMessages:
+			x.w.Write(anthropicErrorEvent(e))
+		default:
 			x.w.Write([]byte("data: "))
 			x.w.Write(e.body())
 			x.w.Write([]byte("\n\n"))

@@ -33,8 +33,12 @@ type genRequest struct {
 	// text is the whole prompt as it repeats across a session's turns, for cache-aware
 	// routing: a completion's prompt, or a chat's messages array as the client sent it.
 	text string
-	// messages is a chat's messages array as the client sent it, to tokenize.
+	// messages is a chat's messages array as the client sent it, or a Messages request's
+	// conversation rendered as chat messages, to tokenize.
 	messages json.RawMessage
+	// anthropic is what a Messages request needs to go to an engine as a chat completion;
+	// nil for the other APIs.
+	anthropic *anthropicRequest
 	// tokens is a completion prompt the client sent as token ids; nil else.
 	tokens []uint32
 	// decodeOnly, when set, is why the request must not be prefilled on another engine (the

@@ -119,6 +119,18 @@ func (x *exchange) refuseState() *apiError {
 	return newError(errUnsupportedParam, fmt.Sprintf("%s needs state kept on one engine, which disaggregated prefill/decode serving cannot promise; %s", x.req.state, how)).with(x.req.state, nil, 0)
 }
 
+// streamEnds are the event names that end a stream of api, whose streams have no [DONE]; nil
+// for an API whose streams end with it.
+func streamEnds(api kvbackend.API) [][]byte {
+	switch api {
+	case kvbackend.APIResponses:
+		return responsesEnds
+	case kvbackend.APIMessages:
+		return messagesEnds
+	}
+	return nil
+}
+
 // responsesEnds are the event names that end a Responses stream: it has no [DONE].
 var responsesEnds = [][]byte{[]byte("response.completed"), []byte("response.incomplete"), []byte("response.failed")}
 
@@ -128,16 +140,16 @@ var responsesEnds = [][]byte{[]byte("response.completed"), []byte("response.inco
 // JSON-escaped, so never on a line of their own) are no end. A line split across the two
 // reads is looked for where they meet, so that no read is copied whole; the line and the
 // line ends around it fit in tailSize.
-func sawEnd(tail, data []byte) bool {
+func sawEnd(tail, data []byte, ends [][]byte) bool {
 	edge := append(tail[:len(tail):len(tail)], data[:min(len(data), tailSize)]...)
 	// The edge begins the stream when the tail is shorter than the relay keeps; data's own
 	// first line is looked at in the edge, where the byte before it is.
-	return endLine(data, false) || endLine(edge, len(tail) < tailSize)
+	return endLine(data, false, ends) || endLine(edge, len(tail) < tailSize, ends)
 }
 
 // endLine reports whether p holds a line "event: <end>" (the space is optional in SSE) with
 // its line end; atStart says whether p begins a line.
-func endLine(p []byte, atStart bool) bool {
+func endLine(p []byte, atStart bool, ends [][]byte) bool {
 	for off := 0; ; {
 		i := bytes.Index(p[off:], []byte("event:"))
 		if i < 0 {
@@ -152,7 +164,7 @@ func endLine(p []byte, atStart bool) bool {
 		if len(v) > 0 && v[0] == ' ' {
 			v = v[1:]
 		}
-		for _, end := range responsesEnds {
+		for _, end := range ends {
 			if len(v) > len(end) && bytes.HasPrefix(v, end) && (v[len(end)] == '\n' || v[len(end)] == '\r') {
 				return true
 			}

@@ -426,6 +426,7 @@ func (s *Server) routes() http.Handler {
 		r.Post("/v1/completions", s.generate("/v1/completions", completionsRequest))
 		r.Post("/v1/chat/completions", s.generate("/v1/chat/completions", chatRequest))
 		r.Post("/v1/responses", s.generate("/v1/responses", parseResponses))
+		r.Post(messagesRoute, s.generate(messagesRoute, parseMessagesRequest))
 		// The non-generation routes: one engine each, no P/D (passthrough.go).
 		for _, p := range passthroughRoutes {
 			r.Post(p.path, s.passthrough(p))
@@ -447,7 +448,7 @@ func (s *Server) routes() http.Handler {
 	if s.keys != nil {
 		h = s.requireKey(r, r)
 	}
-	return s.bodyDeadline(h)
+	return anthropicShape(s.bodyDeadline(h))
 }
 
 // bodyDeadline puts read_body_timeout on the body of every request that has one, whatever

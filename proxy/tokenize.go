@@ -40,7 +40,7 @@ func (x *exchange) tokenize() {
 		return
 	}
 	req := router.TokenizeRequest{Model: x.req.model}
-	if x.req.api == kvbackend.APIChat {
+	if x.req.api == kvbackend.APIChat || x.req.api == kvbackend.APIMessages {
 		req.Messages = x.req.messages
 	} else {
 		req.Prompt = x.req.text
