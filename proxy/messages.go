@@ -480,7 +480,8 @@ func (x *exchange) asChat(d *router.Backend, f *kvbackend.Fields, leg *kvbackend
 // anthropicOnly are the Messages API's own members, which a chat completion spells another
 // way or has not.
 var anthropicOnly = []string{"system", "messages", "stop_sequences", "tools", "tool_choice", "thinking", "metadata",
-	"stream", "max_tokens", "output_config", "kv_transfer_params", "container", "mcp_servers", "service_tier"}
+	"stream", "max_tokens", "output_config", "kv_transfer_params", "container", "mcp_servers", "service_tier", "cache_control",
+	"speed", "diagnostics", "inference_geo", "context_management"}
 
 // toChat is the chat completion a Messages request stands for, for an engine whose Messages
 // handler cannot take part in P/D: the conversation as chatMessages renders it, max_tokens,

@@ -1,0 +1,273 @@
+package e2e
+
+// End-to-end tests of Anthropic's Messages API (POST /v1/messages) under P/D, driven by the
+// official Anthropic Go SDK: natively on the vLLM protocols (NIXL, Mooncake), whose handler
+// takes kv_transfer_params, and as a translated chat completion on SGLang, whose handler
+// drops the bootstrap fields.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/anthropics/anthropic-sdk-go/v2"
+	aoption "github.com/anthropics/anthropic-sdk-go/v2/option"
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+
+	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/testutil"
+)
+
+// anthropicClient is the SDK pointed at the stack, retrying nothing, with the sims' greedy
+// full-length answers (the SDK has no field for temperature: it goes as an extra member).
+func anthropicClient(s *stack, opts ...aoption.RequestOption) anthropic.Client {
+	base := []aoption.RequestOption{aoption.WithoutEnvironmentDefaults(), aoption.WithBaseURL(s.url + "/"), aoption.WithAPIKey("unused"),
+		aoption.WithMaxRetries(0), aoption.WithJSONSet("ignore_eos", true),
+		aoption.WithJSONSet("temperature", 0)} // greedy: one prompt, one answer
+	return anthropic.NewClient(append(base, opts...)...)
+}
+
+// agentTurn is a conversation as a coding agent sends it: a system prompt, a tool, an
+// earlier tool call and its result.
+func agentTurn(maxTokens int64) anthropic.MessageNewParams {
+	return anthropic.MessageNewParams{
+		Model:     "sim",
+		MaxTokens: maxTokens,
+		System:    []anthropic.TextBlockParam{{Text: "You are a careful coding agent."}},
+		Tools: []anthropic.ToolUnionParam{{OfTool: &anthropic.ToolParam{Name: "read_file",
+			InputSchema: anthropic.ToolInputSchemaParam{Properties: map[string]any{"path": map[string]string{"type": "string"}}}}}},
+		Messages: []anthropic.MessageParam{
+			anthropic.NewUserMessage(anthropic.NewTextBlock("What does main.go do?")),
+			anthropic.NewAssistantMessage(anthropic.NewToolUseBlock("toolu_1", map[string]string{"path": "main.go"}, "read_file")),
+			anthropic.NewUserMessage(anthropic.NewToolResultBlock("toolu_1", "package main\nfunc main() {}", false)),
+		},
+	}
+}
+
+// messagesProtocols are the engines the Messages API runs on under P/D.
+var messagesProtocols = []struct {
+	name  string
+	start func(t *testing.T) (*stack, func() (bool, string))
+}{
+	{"vLLM NIXL", func(t *testing.T) (*stack, func() (bool, string)) {
+		s := startStack(t, fastSims)
+		return s, s.kvAllFree
+	}},
+	{"vLLM Mooncake", func(t *testing.T) (*stack, func() (bool, string)) {
+		s, engines := mooncakePool(t, 1, 1, 1, 480*time.Second)
+		return s, func() (bool, string) { return idle(engines) }
+	}},
+	{"SGLang", func(t *testing.T) (*stack, func() (bool, string)) {
+		s := startStack(t, sglangSims)
+		return s, enginesIdle(t, s.allSimURLs()...)
+	}},
+}
+
+func TestTheAnthropicSDKStreamsAndReadsWholeAnswersThroughPDOnEveryProtocol(t *testing.T) {
+	for _, p := range messagesProtocols {
+		t.Run(p.name, func(t *testing.T) {
+			s, idle := p.start(t)
+			client := anthropicClient(s)
+			ctx := context.Background()
+			params := agentTurn(7)
+
+			whole, err := client.Messages.New(ctx, params)
+			if err != nil {
+				t.Fatalf("messages: %v", err)
+			}
+			if whole.Role != "assistant" || len(whole.Content) != 1 || whole.Content[0].Type != "text" || whole.Content[0].Text == "" ||
+				whole.StopReason != anthropic.StopReasonMaxTokens || whole.Usage.OutputTokens != 7 || whole.Usage.InputTokens == 0 {
+				t.Fatalf("whole answer %+v", whole)
+			}
+
+			stream := client.Messages.NewStreaming(ctx, params)
+			var msg anthropic.Message
+			var types []string
+			for stream.Next() {
+				ev := stream.Current()
+				if len(types) == 0 || types[len(types)-1] != ev.Type {
+					types = append(types, ev.Type)
+				}
+				if err := msg.Accumulate(ev); err != nil {
+					t.Fatalf("accumulate %s: %v", ev.Type, err)
+				}
+			}
+			if err := stream.Err(); err != nil {
+				t.Fatalf("stream: %v", err)
+			}
+			if got := strings.Join(types, " "); !strings.HasPrefix(got, "message_start") || !strings.HasSuffix(got, "content_block_start content_block_delta content_block_stop message_delta message_stop") {
+				t.Errorf("events %s", got)
+			}
+			// Greedy on the same prompt: the stream says what the whole answer said.
+			if len(msg.Content) != 1 || msg.Content[0].Text != whole.Content[0].Text || msg.StopReason != anthropic.StopReasonMaxTokens || msg.Usage.OutputTokens != 7 {
+				t.Errorf("streamed %+v, want the whole answer's text %q", msg, whole.Content[0].Text)
+			}
+			testutil.WaitFor(t, 2*time.Second, idle)
+		})
+	}
+}
+
+func TestAMessagesAnswerIsTheChatAnswerOfItsConversation(t *testing.T) {
+	// The engines render a Messages request as the chat completion it stands for: the same
+	// prompt tokens, so the same greedy answer, on every protocol.
+	for _, p := range messagesProtocols {
+		t.Run(p.name, func(t *testing.T) {
+			s, _ := p.start(t)
+			ctx := context.Background()
+			client := anthropicClient(s)
+			msg, err := client.Messages.New(ctx, anthropic.MessageNewParams{Model: "sim", MaxTokens: 9,
+				System:   []anthropic.TextBlockParam{{Text: "Be brief."}},
+				Messages: []anthropic.MessageParam{anthropic.NewUserMessage(anthropic.NewTextBlock("Name a prime."))}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			oai := openai.NewClient(option.WithBaseURL(s.url+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0), option.WithJSONSet("ignore_eos", true))
+			chat, err := oai.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{Model: "sim", MaxTokens: openai.Int(9), Temperature: openai.Float(0),
+				Messages: []openai.ChatCompletionMessageParamUnion{openai.SystemMessage("Be brief."), openai.UserMessage("Name a prime.")}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if msg.Content[0].Text != chat.Choices[0].Message.Content || msg.Usage.InputTokens != chat.Usage.PromptTokens {
+				t.Errorf("messages %q (%d prompt tokens), chat %q (%d)", msg.Content[0].Text, msg.Usage.InputTokens, chat.Choices[0].Message.Content, chat.Usage.PromptTokens)
+			}
+		})
+	}
+}
+
+func TestAMessagesStreamCutAtEachStageLeavesEveryEngineHoldingNothing(t *testing.T) {
+	for _, p := range messagesProtocols {
+		for _, stage := range []struct {
+			name string
+			// cut is when the client leaves: after reading this many bytes of the answer
+			// (0: before any, while the prompt is prefilled or pulled).
+			cut int
+		}{{"before the first byte", 0}, {"mid-answer", 1}} {
+			t.Run(p.name+"/"+stage.name, func(t *testing.T) {
+				s, idle := p.start(t)
+				ctx, cancel := context.WithCancel(context.Background())
+				body := `{"model":"sim","max_tokens":3000,"stream":true,"ignore_eos":true,"system":"s","messages":[{"role":"user","content":"a long answer please"}]}`
+				req, _ := http.NewRequestWithContext(ctx, http.MethodPost, s.url+"/v1/messages", strings.NewReader(body))
+				req.Header.Set("Content-Type", "application/json")
+				done := make(chan struct{})
+				go func() {
+					defer close(done)
+					resp, err := http.DefaultClient.Do(req)
+					if err != nil {
+						return
+					}
+					defer resp.Body.Close()
+					if stage.cut > 0 {
+						io.ReadFull(resp.Body, make([]byte, stage.cut))
+						cancel()
+					}
+					io.Copy(io.Discard, resp.Body)
+				}()
+				if stage.cut == 0 {
+					testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
+						snap := s.m.Table.Snapshot()
+						return len(snap) == 1, fmt.Sprintf("%d requests in flight", len(snap))
+					})
+					cancel()
+				}
+				<-done
+				cancel()
+				testutil.WaitFor(t, 5*time.Second, idle)
+				testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
+					snap := s.m.Table.Snapshot()
+					return len(snap) == 0, fmt.Sprintf("%d requests still in the table", len(snap))
+				})
+			})
+		}
+	}
+}
+
+func TestMessagesErrorsComeInAnthropicsShapeWhereverTheyStart(t *testing.T) {
+	t.Setenv("PDPROXY_E2E_MESSAGES_KEYS", "k-good")
+	s := startStack(t, fastSims, func(c *app.Config) { c.Proxy.APIKeysEnv = "PDPROXY_E2E_MESSAGES_KEYS" })
+	for _, tc := range []struct {
+		name, body, key string
+		status          int
+		typ             string
+	}{
+		{"max_tokens missing", `{"model":"sim","messages":[{"role":"user","content":"hi"}]}`, "k-good", 400, "invalid_request_error"},
+		{"a role that is none", `{"model":"sim","max_tokens":5,"messages":[{"role":"robot","content":"hi"}]}`, "k-good", 400, "invalid_request_error"},
+		{"a block of no known type", `{"model":"sim","max_tokens":5,"messages":[{"role":"user","content":[{"type":"video"}]}]}`, "k-good", 400, "invalid_request_error"},
+		{"a model no engine serves", `{"model":"nope","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, "k-good", 404, "not_found_error"},
+		{"a wrong key in x-api-key", `{"model":"sim","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, "k-bad", 401, "authentication_error"},
+		{"no key", `{"model":"sim","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`, "", 401, "authentication_error"},
+		{"not JSON", `{"model":`, "k-good", 400, "invalid_request_error"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req, _ := http.NewRequest(http.MethodPost, s.url+"/v1/messages", strings.NewReader(tc.body))
+			req.Header.Set("Content-Type", "application/json")
+			req.Header.Set("anthropic-version", "2023-06-01")
+			if tc.key != "" {
+				req.Header.Set("x-api-key", tc.key)
+			}
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			raw, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			var e struct {
+				Type  string `json:"type"`
+				Error struct {
+					Type    string `json:"type"`
+					Message string `json:"message"`
+				} `json:"error"`
+			}
+			if err := json.Unmarshal(raw, &e); err != nil || resp.StatusCode != tc.status || e.Type != "error" || e.Error.Type != tc.typ || e.Error.Message == "" {
+				t.Errorf("%d %s, want %d with an Anthropic error of type %s", resp.StatusCode, raw, tc.status, tc.typ)
+			}
+		})
+	}
+	// The SDK reads them as its own errors, and a good key in x-api-key is the client's key.
+	good := anthropicClient(s, aoption.WithAPIKey("k-good"))
+	_, err := good.Messages.New(context.Background(), anthropic.MessageNewParams{Model: "nope", MaxTokens: 3,
+		Messages: []anthropic.MessageParam{anthropic.NewUserMessage(anthropic.NewTextBlock("hi"))}})
+	var ae *anthropic.Error
+	if !errors.As(err, &ae) || ae.StatusCode != 404 || !strings.Contains(ae.Error(), "not_found_error") {
+		t.Errorf("an unknown model through the SDK: %v", err)
+	}
+	if _, err := good.Messages.New(context.Background(), agentTurn(3)); err != nil {
+		t.Errorf("a good key in x-api-key: %v", err)
+	}
+	// The OpenAI routes keep the OpenAI shape.
+	resp := post(t, context.Background(), s.url+"/v1/chat/completions", `{"model":"sim"}`, "Authorization", "Bearer k-good")
+	raw, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(raw), `"code":"invalid_value"`) {
+		t.Errorf("a chat error: %s", raw)
+	}
+}
+
+func TestCountTokensIsAnsweredByAnEngineAndMatchesTheMessagesUsage(t *testing.T) {
+	for _, p := range messagesProtocols {
+		t.Run(p.name, func(t *testing.T) {
+			s, _ := p.start(t)
+			client := anthropicClient(s)
+			params := agentTurn(3)
+			count, err := client.Messages.CountTokens(context.Background(), anthropic.MessageCountTokensParams{Model: params.Model,
+				System: anthropic.MessageCountTokensParamsSystemUnion{OfTextBlockArray: params.System}, Messages: params.Messages,
+				Tools: []anthropic.MessageCountTokensToolUnionParam{{OfTool: params.Tools[0].OfTool}}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			msg, err := client.Messages.New(context.Background(), params)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if count.InputTokens == 0 || count.InputTokens != msg.Usage.InputTokens {
+				t.Errorf("count_tokens %d, the answer's input_tokens %d", count.InputTokens, msg.Usage.InputTokens)
+			}
+		})
+	}
+}
