@@ -11,7 +11,9 @@
 // The index keys blocks by its own chained hash of the events' token ids, not by the
 // engines' block hashes, so that an engine's hash seed and algorithm (PYTHONHASHSEED,
 // sha256 or builtin) do not matter and one request hashes once for every engine. It keeps the
-// map from each engine's hashes to its own keys only to apply BlockRemoved.
+// map from each engine's hashes to its own keys only to apply BlockRemoved. Each block's
+// entry counts its copies per tier (GPU, CPU, disk, tiers named by SetTierWeights), so that
+// a match weighs a block offloaded to CPU as a reload, not as a GPU hit.
 //
 // The package imports nothing of the project: the router names engines by strings and
 // hands it their endpoints.

@@ -44,12 +44,15 @@ type Index struct {
 
 	mu      sync.RWMutex
 	engines map[string]*engineBlocks
+	tiers   tierTable
 }
 
 type engineBlocks struct {
-	// keys counts the engine's blocks under each key: the same tokens stored on two media
-	// are two blocks, and one removal must leave the other.
-	keys map[uint64]int32
+	// keys counts the engine's blocks under each key, per tier (8 bits of it per slot of
+	// the index's tierTable): the same tokens stored on two media are two blocks, and one
+	// removal must leave the other; a block removed from the GPU but stored on CPU is not
+	// forgotten. A key is in it while any tier's count is above zero.
+	keys map[uint64]uint64
 	// byHash maps the engine's own hash (salted by medium) to the key, for BlockRemoved
 	// and for the parents of later BlockStored.
 	byHash map[uint64]uint64
@@ -58,6 +61,9 @@ type engineBlocks struct {
 	blockSize int
 	// last is when the engine's latest message arrived.
 	last time.Time
+	// bySlot counts the engine's blocks per tier, and untiered those on a medium of none.
+	bySlot   [numSlots]int32
+	untiered int32
 }
 
 // NewIndex returns an empty index that keeps at most maxBlocks blocks per engine, taking
@@ -70,13 +76,13 @@ func NewIndex(maxBlocks, blockSize int) *Index {
 	if blockSize <= 0 {
 		blockSize = DefaultBlockSize
 	}
-	return &Index{maxBlocks: maxBlocks, blockSize: blockSize, engines: make(map[string]*engineBlocks)}
+	return &Index{maxBlocks: maxBlocks, blockSize: blockSize, engines: make(map[string]*engineBlocks), tiers: defaultTiers()}
 }
 
 func (x *Index) engineLocked(engine string) *engineBlocks {
 	e := x.engines[engine]
 	if e == nil {
-		e = &engineBlocks{keys: make(map[uint64]int32), byHash: make(map[uint64]uint64)}
+		e = &engineBlocks{keys: make(map[uint64]uint64), byHash: make(map[uint64]uint64)}
 		x.engines[engine] = e
 	}
 	return e
@@ -122,15 +128,6 @@ func Keys(tokens []uint32, blockSize int, out []uint64) []uint64 {
 	return out
 }
 
-// mediumSalt keeps an engine's blocks on different media apart in byHash: the same hash on
-// GPU and on CPU (an offloaded copy) are two blocks. GPU, the default, is unsalted.
-func mediumSalt(medium string) uint64 {
-	if medium == "" || medium == "GPU" {
-		return 0
-	}
-	return xxhash.Sum64String(medium)
-}
-
 // Apply applies one event of engine's. It returns "" when applied, or the reason it was
 // not (ReasonUnknownParent, ReasonIndexFull, ReasonMalformed, ReasonExtraKeys).
 // AllBlocksCleared forgets the engine.
@@ -145,16 +142,14 @@ func (x *Index) Apply(engine string, ev *Event) string {
 		if e == nil {
 			return ""
 		}
-		salt := mediumSalt(ev.Medium)
+		slot, salt := x.tiers.medium(ev.Medium)
 		for _, h := range ev.Hashes {
 			k, ok := e.byHash[h^salt]
 			if !ok {
 				continue // stored before the index joined, or already forgotten
 			}
 			delete(e.byHash, h^salt)
-			if e.keys[k]--; e.keys[k] <= 0 {
-				delete(e.keys, k)
-			}
+			e.remove(k, slot)
 		}
 	case BlockStored:
 		bs := ev.BlockSize
@@ -168,14 +163,18 @@ func (x *Index) Apply(engine string, ev *Event) string {
 			return ReasonExtraKeys
 		}
 		e := x.engineLocked(engine)
-		salt := mediumSalt(ev.Medium)
+		slot, salt := x.tiers.medium(ev.Medium)
 		parent := rootKey(bs)
 		if ev.HasParent {
 			p, ok := e.byHash[ev.Parent^salt]
 			if !ok {
 				// vLLM publishes a block's parent before it; SGLang's parent may be on
-				// another medium. Either way a known parent has this engine's tokens.
+				// another medium, and a block offloaded to disk may continue one kept on
+				// CPU. Either way a known parent has this engine's tokens.
 				p, ok = e.byHash[ev.Parent]
+			}
+			if !ok {
+				p, ok = e.byHash[ev.Parent^cpuSalt]
 			}
 			if !ok {
 				return ReasonUnknownParent
@@ -192,11 +191,48 @@ func (x *Index) Apply(engine string, ev *Event) string {
 			if _, dup := e.byHash[h^salt]; dup {
 				continue // stored again without a removal: still one block
 			}
+			if !e.add(parent, slot) {
+				continue
+			}
 			e.byHash[h^salt] = parent
-			e.keys[parent]++
 		}
 	}
 	return ""
+}
+
+// add counts one more copy of the block keyed k on slot; false when the slot counts as
+// many as it can (slotMax), and the copy is not indexed.
+func (e *engineBlocks) add(k uint64, slot int) bool {
+	if slot == noSlot {
+		e.untiered++
+		return true
+	}
+	c := e.keys[k]
+	if (c>>(8*slot))&slotMax == slotMax {
+		return false
+	}
+	e.keys[k] = c + 1<<(8*slot)
+	e.bySlot[slot]++
+	return true
+}
+
+// remove counts one copy less of the block keyed k on slot, and forgets k when no tier
+// holds it.
+func (e *engineBlocks) remove(k uint64, slot int) {
+	if slot == noSlot {
+		e.untiered--
+		return
+	}
+	c := e.keys[k]
+	if (c>>(8*slot))&slotMax == 0 {
+		return // added under no slot: only SetTierWeights' first call after an Apply does it
+	}
+	e.bySlot[slot]--
+	if c -= 1 << (8 * slot); c == 0 {
+		delete(e.keys, k)
+	} else {
+		e.keys[k] = c
+	}
 }
 
 // Touch records that a message of engine's arrived at t, whether or not it changed the
@@ -251,8 +287,17 @@ func (m *Matcher) keysOf(blockSize int) []uint64 {
 
 // View is what the index knows of one engine for one request.
 type View struct {
-	// Matched is how many of the request's leading tokens the engine holds, in whole blocks.
+	// Matched is how many of the request's leading tokens the engine holds, in whole blocks,
+	// on any tier of weight above 0: the prefix it continues across tiers, as vLLM loads
+	// its GPU hits and then its CPU ones.
 	Matched int
+	// Weighted is Matched with each block weighed by the best weight among the tiers that
+	// hold it, in tokens: how many tokens' recompute the engine's cache saves (a CPU block
+	// of 16 tokens at weight 0.75 saves 12).
+	Weighted float64
+	// GPU, CPU, Disk and Other split Matched by the tier each block is counted on, the
+	// one of best weight that holds it (Other: the tiers SetTierWeights names).
+	GPU, CPU, Disk, Other int
 	// Last is when the engine's latest message arrived; zero if the index never heard
 	// from it (or forgot it).
 	Last time.Time
@@ -270,19 +315,47 @@ func (x *Index) Match(m *Matcher, engine string) View {
 	if e.blockSize == 0 || len(e.keys) == 0 {
 		return v
 	}
-	for _, k := range m.keysOf(e.blockSize) {
-		if e.keys[k] == 0 {
+	bs := e.blockSize
+	w := &x.tiers.weight
+	gpu := 0
+	for _, k := range m.keysOf(bs) {
+		c := e.keys[k]
+		if c&slotMax != 0 {
+			gpu += bs // the common case, and the best weight: no other tier to look at
+			continue
+		}
+		best, slot := 0.0, noSlot
+		for s := 1; c>>(8*s) != 0; s++ {
+			if (c>>(8*s))&slotMax != 0 && w[s] > best {
+				best, slot = w[s], s
+			}
+		}
+		if slot == noSlot {
 			break
 		}
-		v.Matched += e.blockSize
+		v.Weighted += best * float64(bs)
+		switch slot {
+		case slotCPU:
+			v.CPU += bs
+		case slotDisk:
+			v.Disk += bs
+		default:
+			v.Other += bs
+		}
 	}
+	v.GPU = gpu
+	v.Weighted += float64(gpu)
+	v.Matched = gpu + v.CPU + v.Disk + v.Other
 	return v
 }
 
 // EngineStats is what the index holds of one engine.
 type EngineStats struct {
-	// Blocks is how many blocks the engine holds as the index sees it.
+	// Blocks is how many blocks the engine holds as the index sees it, on every medium.
 	Blocks int `json:"blocks"`
+	// BlocksByTier splits Blocks by tier (TierGPU, TierCPU, TierDisk, a named tier, or
+	// TierOther for media of none); tiers without blocks are left out.
+	BlocksByTier map[string]int `json:"blocks_by_tier,omitempty"`
 	// BlockSize is the block size of the engine's latest BlockStored, 0 before any.
 	BlockSize int `json:"block_size,omitempty"`
 	// Last is when the engine's latest message arrived; zero if never.
@@ -297,7 +370,26 @@ func (x *Index) Stats(engine string) (s EngineStats, ok bool) {
 	if e == nil {
 		return EngineStats{}, false
 	}
-	return EngineStats{Blocks: len(e.byHash), BlockSize: e.blockSize, Last: e.last}, true
+	return x.statsLocked(e), true
+}
+
+func (x *Index) statsLocked(e *engineBlocks) EngineStats {
+	s := EngineStats{Blocks: len(e.byHash), BlockSize: e.blockSize, Last: e.last}
+	for slot, n := range e.bySlot {
+		if n > 0 {
+			if s.BlocksByTier == nil {
+				s.BlocksByTier = make(map[string]int, 2)
+			}
+			s.BlocksByTier[x.tiers.slotName(slot)] = int(n)
+		}
+	}
+	if e.untiered > 0 {
+		if s.BlocksByTier == nil {
+			s.BlocksByTier = make(map[string]int, 1)
+		}
+		s.BlocksByTier[TierOther] = int(e.untiered)
+	}
+	return s
 }
 
 // Engines returns the engines the index holds anything of, with their stats.
@@ -306,7 +398,7 @@ func (x *Index) Engines() map[string]EngineStats {
 	defer x.mu.RUnlock()
 	out := make(map[string]EngineStats, len(x.engines))
 	for name, e := range x.engines {
-		out[name] = EngineStats{Blocks: len(e.byHash), BlockSize: e.blockSize, Last: e.last}
+		out[name] = x.statsLocked(e)
 	}
 	return out
 }

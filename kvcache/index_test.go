@@ -1,7 +1,10 @@
 package kvcache
 
 import (
+	"maps"
+	"strings"
 	"testing"
+	"time"
 )
 
 // storedEvent is a BlockStored of tokens in blocks of bs under an engine's hashes.
@@ -121,5 +124,127 @@ func BenchmarkIndexMatch(b *testing.B) {
 		for i := range 8 {
 			x.Match(m, string(rune('a'+i)))
 		}
+	}
+}
+
+func TestIndexTiers(t *testing.T) {
+	const bs = 4
+	prompt := tokensN(0, 12) // three blocks
+	h := engineHashes(1, 3)
+	on := func(medium string, hashes []uint64, parent *uint64, tokens []uint32) *Event {
+		e := storedEvent(hashes, parent, tokens, bs)
+		e.Medium = medium
+		return e
+	}
+	tests := []struct {
+		name    string
+		weights map[string]float64
+		events  []*Event
+		want    View
+	}{
+		{name: "a prompt on GPU weighs its length",
+			events: []*Event{on("GPU", h, nil, prompt)},
+			want:   View{Matched: 12, Weighted: 12, GPU: 12}},
+		{name: "a prompt on CPU is matched and weighs three quarters by default",
+			events: []*Event{on("CPU", h, nil, prompt)},
+			want:   View{Matched: 12, Weighted: 9, CPU: 12}},
+		{name: "a GPU removal of a block stored on CPU too leaves it matched on CPU",
+			events: []*Event{on("GPU", h, nil, prompt), on("CPU", h, nil, prompt), {Kind: BlockRemoved, Hashes: h, Medium: "GPU"}},
+			want:   View{Matched: 12, Weighted: 9, CPU: 12}},
+		{name: "removing the last medium forgets the block",
+			events: []*Event{on("GPU", h, nil, prompt), on("CPU", h, nil, prompt), {Kind: BlockRemoved, Hashes: h, Medium: "GPU"}, {Kind: BlockRemoved, Hashes: h[1:], Medium: "cpu"}},
+			want:   View{Matched: 4, Weighted: 3, CPU: 4}},
+		{name: "a prefix continues from GPU onto CPU and disk",
+			events: []*Event{on("GPU", h[:1], nil, prompt[:4]), on("cpu", h[1:2], &h[0], prompt[4:8]), on("LocalDisk", h[2:], &h[1], prompt[8:])},
+			want:   View{Matched: 12, Weighted: 4 + 3 + 1, GPU: 4, CPU: 4, Disk: 4}},
+		{name: "a block on two tiers counts at the better one",
+			events: []*Event{on("SSD", h, nil, prompt), on("CPU", h, nil, prompt)},
+			want:   View{Matched: 12, Weighted: 9, CPU: 12}},
+		{name: "media are matched without regard to case",
+			events: []*Event{on("gpu", h[:1], nil, prompt[:4]), on("Cpu", h[1:2], &h[0], prompt[4:8]), on("disk", h[2:], &h[1], prompt[8:])},
+			want:   View{Matched: 12, Weighted: 8, GPU: 4, CPU: 4, Disk: 4}},
+		{name: "a tier of weight 0 holds nothing, and ends the prefix",
+			weights: map[string]float64{"cpu": 0},
+			events:  []*Event{on("GPU", h[:1], nil, prompt[:4]), on("CPU", h[1:], &h[0], prompt[4:])},
+			want:    View{Matched: 4, Weighted: 4, GPU: 4}},
+		{name: "a medium of no tier holds nothing",
+			events: []*Event{on("tape", h, nil, prompt)},
+			want:   View{}},
+		{name: "a medium named by the weights is a tier of its own",
+			weights: map[string]float64{"CPU_TIER2": 0.5},
+			events:  []*Event{on("cpu_tier2", h, nil, prompt)},
+			want:    View{Matched: 12, Weighted: 6, Other: 12}},
+		{name: "blocks continuing a parent on GPU chain from another medium",
+			events: []*Event{on("GPU", h[:1], nil, prompt[:4]), on("CPU", h[1:], &h[0], prompt[4:])},
+			want:   View{Matched: 12, Weighted: 4 + 6, GPU: 4, CPU: 8}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			x := NewIndex(0, bs)
+			if tt.weights != nil {
+				if err := x.SetTierWeights(tt.weights); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for i, ev := range tt.events {
+				if got := x.Apply("a", ev); got != "" {
+					t.Fatalf("event %d: Apply = %q", i, got)
+				}
+			}
+			x.Touch("a", time.Unix(1, 0))
+			got := x.Match(NewMatcher(prompt), "a")
+			got.Last = time.Time{}
+			if got != tt.want {
+				t.Errorf("Match = %+v, want %+v", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestIndexStatsCountBlocksByTier(t *testing.T) {
+	x := NewIndex(0, 4)
+	h := engineHashes(1, 3)
+	for _, m := range []string{"GPU", "CPU", "SSD", "tape"} {
+		ev := storedEvent(h, nil, tokensN(0, 12), 4)
+		ev.Medium = m
+		x.Apply("a", ev)
+	}
+	x.Apply("a", &Event{Kind: BlockRemoved, Hashes: h[:1], Medium: "GPU"})
+	s, _ := x.Stats("a")
+	want := map[string]int{TierGPU: 2, TierCPU: 3, TierDisk: 3, TierOther: 3}
+	if s.Blocks != 11 || !maps.Equal(s.BlocksByTier, want) {
+		t.Errorf("Stats = %d blocks by tier %v, want 11 by %v", s.Blocks, s.BlocksByTier, want)
+	}
+}
+
+func TestIndexSetTierWeights(t *testing.T) {
+	tests := []struct {
+		name    string
+		weights []map[string]float64
+		wantErr string
+	}{
+		{name: "weights in [0, 1] and gpu at 1 are taken", weights: []map[string]float64{{"GPU": 1, "cpu": 0.5, "Disk": 0}}},
+		{name: "a weight above 1 is refused", weights: []map[string]float64{{"cpu": 1.5}}, wantErr: "not in [0, 1]"},
+		{name: "a negative weight is refused", weights: []map[string]float64{{"disk": -0.1}}, wantErr: "not in [0, 1]"},
+		{name: "gpu below 1 is refused", weights: []map[string]float64{{"gpu": 0.9}}, wantErr: "the unit"},
+		{name: "a disk medium's name is refused for disk's", weights: []map[string]float64{{"ssd": 0.3}}, wantErr: "set disk"},
+		{name: "one tier twice in two cases is refused", weights: []map[string]float64{{"cpu": 0.5, "CPU": 0.6}}, wantErr: "same tier"},
+		{name: "too many named tiers are refused", weights: []map[string]float64{{"a": 0, "b": 0, "c": 0, "d": 0, "e": 0, "f": 0}}, wantErr: "at most 5"},
+		{name: "later weights may change", weights: []map[string]float64{{"t1": 0.5}, {"T1": 0.2, "cpu": 0.1}}},
+		{name: "later tiers may not", weights: []map[string]float64{{"t1": 0.5}, {"t2": 0.5}}, wantErr: "fixed when it was built"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			x := NewIndex(0, 0)
+			var err error
+			for _, w := range tt.weights {
+				if err = x.SetTierWeights(w); err != nil {
+					break
+				}
+			}
+			if tt.wantErr == "" && err != nil || tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)) {
+				t.Errorf("SetTierWeights = %v, want an error with %q", err, tt.wantErr)
+			}
+		})
 	}
 }

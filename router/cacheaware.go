@@ -50,6 +50,9 @@ type CacheAware struct {
 	now func() time.Time
 	// ratio observes the picked engine's predicted share; nil observes nothing.
 	ratio prometheus.Observer
+	// tierTokens counts the picked engine's matched tokens by tier (gpu, cpu, disk, other);
+	// nil counts nothing.
+	tierTokens *[4]prometheus.Counter
 }
 
 // Interface guards.
@@ -116,7 +119,8 @@ func (p *CacheAware) Select(cands []*Backend, h Hint) *Backend {
 		return b
 	}
 	var shareBuf [candidatesOnStack]float64
-	shares := p.score(cands, h, now, shareBuf[:0])
+	var viewBuf [candidatesOnStack]kvcache.View
+	shares, views := p.score(cands, h, now, shareBuf[:0], viewBuf[:0])
 	best := 0
 	for i := 1; i < len(cands); i++ {
 		if shares[i] > shares[best] || shares[i] == shares[best] && bd.loads[i].load < bd.loads[best].load {
@@ -126,13 +130,27 @@ func (p *CacheAware) Select(cands []*Backend, h Hint) *Backend {
 	if shares[best] > 0 && (shares[best] >= p.cfg.CacheThreshold || p.cfg.CacheThreshold < 0) {
 		b := cands[best]
 		p.picked(b, h, shares[best])
+		p.countTiers(views[best])
 		return b
 	}
 	// No engine holds enough of it: where every replica would place it.
 	pick := bd.pick(key)
 	b := cands[pick]
 	p.picked(b, h, shares[pick])
+	p.countTiers(views[pick])
 	return b
+}
+
+// countTiers counts v's matched tokens by tier.
+func (p *CacheAware) countTiers(v kvcache.View) {
+	if p.tierTokens == nil {
+		return
+	}
+	for i, n := range [4]int{v.GPU, v.CPU, v.Disk, v.Other} {
+		if n > 0 {
+			p.tierTokens[i].Add(float64(n))
+		}
+	}
 }
 
 // unbalanced is SGLang's router's test: both the absolute and the relative gap between the
@@ -152,10 +170,12 @@ func (p *CacheAware) unbalanced(loads []loadView) bool {
 const pendingGrace = 2 * time.Second
 
 // score appends each candidate's predicted share of h's prompt to out: for an engine whose
-// KV events are fresh, the larger of the share of h.Tokens they say it holds and the share
-// of h.Text routed to it since pendingGrace before its latest event; for another, the share
-// of h.Text ever routed to it (that the tree still holds).
-func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float64) []float64 {
+// KV events are fresh, the larger of the share of h.Tokens they say it holds, each block
+// weighed by its tier (View.Weighted: a prompt on CPU scores below the same prompt on GPU
+// and above nothing), and the share of h.Text routed to it since pendingGrace before its
+// latest event; for another, the share of h.Text ever routed to it (that the tree still
+// holds). It appends to views what the index says of each (zero for a stale engine).
+func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float64, views []kvcache.View) ([]float64, []kvcache.View) {
 	var textBuf [candidatesOnStack]int
 	var nameBuf [candidatesOnStack]string
 	var sinceBuf [candidatesOnStack]time.Time
@@ -165,27 +185,29 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float6
 	}
 	names, matched, since := nameBuf[:0], textBuf[:0], sinceBuf[:0]
 	for _, b := range cands {
-		share, from := 0.0, time.Time{}
+		share, from, view := 0.0, time.Time{}, kvcache.View{}
 		if matcher != nil {
 			v := p.index.Match(matcher, b.Name)
 			if !v.Last.IsZero() && now.Sub(v.Last) < p.staleAfter {
-				share = float64(v.Matched) / float64(len(h.Tokens))
+				share = v.Weighted / float64(len(h.Tokens))
 				from = v.Last.Add(-pendingGrace)
+				view = v
 			}
 		}
 		out = append(out, share)
+		views = append(views, view)
 		names = append(names, b.Name)
 		matched = append(matched, 0)
 		since = append(since, from)
 	}
 	if h.Text == "" {
-		return out
+		return out, views
 	}
 	p.tree.MatchSince(h.Text, names, since, matched)
 	for i := range out {
 		out[i] = max(out[i], float64(matched[i])/float64(len(h.Text)))
 	}
-	return out
+	return out, views
 }
 
 func (p *CacheAware) clock() time.Time {
@@ -216,6 +238,10 @@ type PrefixCacheStatus struct {
 	// Blocks is how many KV blocks the backend holds as its KV events told; absent when the
 	// proxy has none of its events.
 	Blocks *int `json:"blocks,omitempty"`
+	// BlocksByMedium splits Blocks by the tier of their medium, as kv_events.tier_weights
+	// names them: "gpu", "cpu", "disk", a tier of its own, or "other" for media of none
+	// (which count as not held); tiers without blocks are left out.
+	BlocksByMedium map[string]int `json:"blocks_by_medium,omitempty"`
 	// BlockSize is the block size of the backend's latest stored blocks.
 	BlockSize int `json:"block_size,omitempty"`
 	// LastEventAgeSeconds is how long ago the backend's latest KV event came.
@@ -236,7 +262,7 @@ func (p *CacheAware) prefixCacheStatus(b *Backend, now time.Time) *PrefixCacheSt
 		s.Stale = true
 		return s
 	}
-	s.Blocks, s.BlockSize = &st.Blocks, st.BlockSize
+	s.Blocks, s.BlockSize, s.BlocksByMedium = &st.Blocks, st.BlockSize, st.BlocksByTier
 	if !st.Last.IsZero() {
 		age := now.Sub(st.Last)
 		secs := age.Seconds()

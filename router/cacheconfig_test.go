@@ -30,6 +30,7 @@ kv_events:
   stale_after: 30s
   replay_timeout: 2s
   max_blocks_per_backend: 1000
+  tier_weights: {cpu: 0.5, disk: 0.1}
 tokenizer: engine
 tokenize_timeout: 500ms
 block_size: 32
@@ -44,7 +45,8 @@ block_size: 32
 	if want := (CacheAwareConfig{CacheThreshold: 0.5, BalanceAbsThreshold: 32, BalanceRelThreshold: 2, MaxTreeBytes: 1 << 20}); c.CacheAware != want {
 		t.Errorf("cache_aware = %+v, want %+v", c.CacheAware, want)
 	}
-	if want := (KVEventsConfig{Listen: "tcp://*:5557", StaleAfter: 30 * time.Second, ReplayTimeout: 2 * time.Second, MaxBlocksPerBackend: 1000}); !reflect.DeepEqual(c.KVEvents, want) {
+	if want := (KVEventsConfig{Listen: "tcp://*:5557", StaleAfter: 30 * time.Second, ReplayTimeout: 2 * time.Second, MaxBlocksPerBackend: 1000,
+		TierWeights: map[string]float64{"cpu": 0.5, "disk": 0.1}}); !reflect.DeepEqual(c.KVEvents, want) {
 		t.Errorf("kv_events = %+v, want %+v", c.KVEvents, want)
 	}
 	if c.Tokenizer != TokenizerEngine || c.TokenizeTimeout != 500*time.Millisecond || c.BlockSize != 32 {

@@ -260,6 +260,14 @@ type KVEventsConfig struct {
 	// kv_events.listen may speak for any backend: engines behind a NAT or a relay. Without
 	// them a topic's events are taken only from its backend's host address. Empty means none.
 	AllowedSources []string `yaml:"allowed_sources"`
+	// TierWeights weighs a block by the medium its engine holds it on (the medium of its
+	// KV events): gpu, cpu, disk (the media DISK, LocalDisk, SSD, NVMe), or a medium's own
+	// name for a tier of its own (at most 5; a medium no weight names counts as not held),
+	// matched without regard to case. A weight is the share of a block's recompute that
+	// holding it there saves, in [0, 1]: gpu's is the unit, 1 and only 1; a CPU block costs
+	// a reload. Absent tiers take 1, 0.75 and 0.25. The weights may change on a reload,
+	// the names of the tiers of their own not.
+	TierWeights map[string]float64 `yaml:"tier_weights"`
 }
 
 // Config is the router's part of the proxy config.

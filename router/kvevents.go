@@ -77,14 +77,23 @@ func (r *Router) CachedBlocks(name string, limit int) []uint64 {
 }
 
 // CachedTokens returns how many of tokens' leading tokens the backend called name holds in
-// its prefix cache as its KV events tell, in whole blocks: what conditional disaggregation
-// weighs against the prompt's length. ok is false when the proxy has no events of the
-// backend newer than kv_events.stale_after, so nothing can be said.
+// its prefix cache as its KV events tell, each block weighed by its tier
+// (kv_events.tier_weights) and rounded down: how many tokens' compute the cache saves,
+// what conditional disaggregation weighs against the prompt's length. A prompt held on CPU
+// at weight 0.75 counts three quarters of its length: its reload costs a quarter of its
+// compute. ok is false when the proxy has no events of the backend newer than
+// kv_events.stale_after, so nothing can be said.
 func (r *Router) CachedTokens(name string, tokens []uint32) (n int, ok bool) {
 	v := r.index.Match(kvcache.NewMatcher(tokens), name)
 	stale := r.staleAfter.Load()
 	if v.Last.IsZero() || stale == nil || r.now().Sub(v.Last) >= *stale {
 		return 0, false
 	}
-	return v.Matched, true
+	return weightedTokens(v), true
+}
+
+// weightedTokens is v's weighted match in whole tokens; the epsilon keeps a sum of weights
+// such as 0.1 that floats cannot hold from losing a token.
+func weightedTokens(v kvcache.View) int {
+	return int(v.Weighted + 1e-9)
 }

@@ -2,6 +2,8 @@ package router
 
 import (
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pdproxy/pdproxy/kvcache"
 )
 
 // metrics are the router's Prometheus series. The per-backend gauges are read from the
@@ -15,6 +17,7 @@ type metrics struct {
 	queueWait     *prometheus.HistogramVec
 	queueRejected *prometheus.CounterVec
 	matchRatio    *prometheus.HistogramVec
+	tierTokens    *prometheus.CounterVec
 
 	inflight  *prometheus.Desc
 	healthy   *prometheus.Desc
@@ -57,11 +60,25 @@ func newMetrics(r *Router) *metrics {
 			"Times passive health ejected the backend.", backendLabels, nil),
 		waiting: prometheus.NewDesc(ns+"_queue_waiting_requests",
 			"Requests waiting in the backpressure queue now.", []string{"role"}, nil),
+		tierTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "prefix_cache_matched_tokens_total",
+			Help: "Prompt tokens that the engine picked by precise_cache_aware held as its KV events told, by the tier each block counted on (gpu, cpu, disk, other: a tier of its own in kv_events.tier_weights), for picks scored by it.",
+		}, []string{"tier"}),
 	}
 }
 
+// tierCounters are prefix_cache_matched_tokens_total's series, in CacheAware.countTiers'
+// order.
+func (m *metrics) tierCounters() *[4]prometheus.Counter {
+	var out [4]prometheus.Counter
+	for i, tier := range []string{kvcache.TierGPU, kvcache.TierCPU, kvcache.TierDisk, kvcache.TierOther} {
+		out[i] = m.tierTokens.WithLabelValues(tier)
+	}
+	return &out
+}
+
 func (m *metrics) register(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.requests, m.down, m.queueWait, m.queueRejected, m.matchRatio, m, newLoadCollector(m.r)} {
+	for _, c := range []prometheus.Collector{m.requests, m.down, m.queueWait, m.queueRejected, m.matchRatio, m.tierTokens, m, newLoadCollector(m.r)} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}

@@ -52,6 +52,9 @@ type policyBuild struct {
 	// called only by the policies that observe one, so that the others show no series.
 	// Nil observes nothing.
 	ratio func() prometheus.Observer
+	// tierTokens makes the series precise_cache_aware counts its picks' matched tokens by
+	// tier in, called only by it. Nil counts nothing.
+	tierTokens func() *[4]prometheus.Counter
 }
 
 // policyEntry is one policy config may name: its constructor and its capabilities.
@@ -100,6 +103,9 @@ func newCacheAware(b policyBuild, index *kvcache.Index) *CacheAware {
 	}
 	if b.ratio != nil {
 		p.ratio = b.ratio()
+	}
+	if index != nil && b.tierTokens != nil {
+		p.tierTokens = b.tierTokens()
 	}
 	return p
 }
@@ -157,6 +163,7 @@ func (r *Router) newPolicy(name string, cfg Config, role Role) (Policy, policyCa
 		index:        r.index,
 		now:          func() time.Time { return r.now() },
 		ratio:        func() prometheus.Observer { return r.metrics.matchRatio.WithLabelValues(string(role), name) },
+		tierTokens:   r.metrics.tierCounters,
 	})
 	return p, e.caps, true
 }

@@ -5,9 +5,12 @@ import (
 	"fmt"
 	"net/http"
 	"slices"
+	"strings"
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/pdproxy/pdproxy/kvcache"
 )
 
 // Reload switches to cfg without dropping requests in flight. A backend kept under the
@@ -26,7 +29,10 @@ func (r *Router) Reload(cfg Config) error {
 
 // apply installs a validated config.
 func (r *Router) apply(cfg Config) error {
-	if r.kvStart != kvStartOf(cfg) {
+	if start := kvStartOf(cfg); r.kvStart != start && r.kvStart.namedTiers != start.namedTiers {
+		return fmt.Errorf("router config: kv_events.tier_weights: the tiers besides gpu, cpu and disk are read at start (%q, not %q): the index counts each block's copies in a place per tier; restart the proxy to change them (their weights may change)",
+			r.kvStart.namedTiers, start.namedTiers)
+	} else if r.kvStart != start {
 		return fmt.Errorf("router config: kv_events.listen, kv_events.max_blocks_per_backend, kv_events.replay_timeout and block_size are read at start; restart the proxy to change them")
 	}
 	pre, preCaps, ok1 := r.newPolicy(cfg.PrefillPolicy, cfg, RolePrefill)
@@ -87,6 +93,9 @@ func (r *Router) apply(cfg Config) error {
 		for _, b := range all {
 			b.st.up.Store(true)
 		}
+	}
+	if err := r.index.SetTierWeights(cfg.KVEvents.TierWeights); err != nil { // the names checked above
+		return fmt.Errorf("router config: kv_events.tier_weights: %w", err)
 	}
 	stale := cfg.KVEvents.StaleAfter
 	r.staleAfter.Store(&stale)
@@ -171,10 +180,13 @@ type kvStart struct {
 	listen               string
 	blockSize, maxBlocks int
 	replayTimeout        time.Duration
+	// namedTiers are kv_events.tier_weights' tiers besides gpu, cpu and disk, joined by
+	// commas.
+	namedTiers string
 }
 
 func kvStartOf(cfg Config) kvStart {
 	kv := cfg.KVEvents
 	return kvStart{listen: kv.Listen, blockSize: cfg.BlockSize, maxBlocks: kv.MaxBlocksPerBackend,
-		replayTimeout: kv.ReplayTimeout}
+		replayTimeout: kv.ReplayTimeout, namedTiers: strings.Join(kvcache.NamedTiers(kv.TierWeights), ",")}
 }

@@ -207,6 +207,12 @@ func (c *Config) checkCache() []error {
 			}
 		}
 	}
+	if err := kvcache.CheckTierWeights(kv.TierWeights); err != nil {
+		bad("kv_events.tier_weights", "%v", err)
+	}
+	if len(kv.TierWeights) > 0 && !sources {
+		bad("kv_events.tier_weights", "set, but no KV events are read: set kv_events.listen, or kv_events_endpoint on the backends")
+	}
 	if name, needs := c.policyWith(needsKVEvents); needs && !sources {
 		bad("kv_events", "%s reads the engines' KV events, and none are configured: set kv_events.listen, or kv_events_endpoint on the backends (or use cache_aware)", name)
 	}
