@@ -152,8 +152,8 @@ type chatUsage struct {
 }
 
 type chatAnswerChoice struct {
-	Delta        chatAnswerDelta       `json:"delta"`
-	Message      chatAnswerDelta       `json:"message"`
+	Delta        chatAnswerDelta `json:"delta"`
+	Message      chatAnswerDelta `json:"message"`
 	FinishReason *string         `json:"finish_reason"`
 	MatchedStop  json.RawMessage `json:"matched_stop"`
 	StopReason   json.RawMessage `json:"stop_reason"`
@@ -184,13 +184,13 @@ func (d chatAnswerDelta) reasoning() string {
 }
 
 type chatAnswerBody struct {
-	ID      string          `json:"id"`
-	Model   string          `json:"model"`
-	Choices []chatAnswerChoice    `json:"choices"`
-	Usage   *chatUsage      `json:"usage"`
-	Error   json.RawMessage `json:"error"`
-	Object  string          `json:"object"`
-	Message string          `json:"message"`
+	ID      string             `json:"id"`
+	Model   string             `json:"model"`
+	Choices []chatAnswerChoice `json:"choices"`
+	Usage   *chatUsage         `json:"usage"`
+	Error   json.RawMessage    `json:"error"`
+	Object  string             `json:"object"`
+	Message string             `json:"message"`
 }
 
 // rewrite is what of p goes to the client now.

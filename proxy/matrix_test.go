@@ -110,14 +110,15 @@ func matrixCells(full bool) []matrixCell {
 						continue
 					}
 					for _, stream := range []bool{false, true} {
-						for _, route := range []string{"completions", "chat", "responses"} {
+						for _, route := range []string{"completions", "chat", "responses", "messages"} {
 							// CI pairs stream and route: completions streamed, chat and
-							// responses not, responses streamed too (its end and its error
-							// event are its own).
-							if !full && (route == "completions") != stream && route != "responses" {
+							// responses not, responses and messages streamed too (their ends
+							// and their error events are their own).
+							typed := route == "responses" || route == "messages"
+							if !full && (route == "completions") != stream && !typed {
 								continue
 							}
-							if !full && route == "responses" && !stream {
+							if !full && typed && !stream {
 								continue
 							}
 							cells = append(cells, matrixCell{proto: proto, kind: kind, leg: leg, fault: fault, stream: stream, route: route, leave: leave})
@@ -130,8 +131,8 @@ func matrixCells(full bool) []matrixCell {
 		// responses.
 		for _, fault := range faultengine.StreamFaults() {
 			for _, leave := range []bool{false, true} {
-				for _, route := range []string{"completions", "chat", "responses"} {
-					if fault == faultengine.MidError && route == "responses" || !full && route == "chat" {
+				for _, route := range []string{"completions", "chat", "responses", "messages"} {
+					if fault == faultengine.MidError && (route == "responses" || route == "messages") || !full && route == "chat" {
 						continue // vLLM's error event is a completion's or a chat's
 					}
 					cells = append(cells, matrixCell{proto: proto, kind: kind, leg: "decode", fault: fault, stream: true, route: route, leave: leave})
@@ -209,7 +210,7 @@ func migrationCells(full bool) []matrixCell {
 // can continue from ids, it asks for nothing a continuation could not reproduce, and its
 // decoder breaks it before its finish_reason.
 func (c matrixCell) movesOn() bool {
-	if c.kind == "sglang" || c.unmovable != "" || c.route == "responses" {
+	if c.kind == "sglang" || c.unmovable != "" || c.route == "responses" || c.route == "messages" {
 		return false
 	}
 	switch c.fault {
@@ -388,6 +389,9 @@ func runCell(t *testing.T, c matrixCell) {
 	case "responses":
 		path = "/v1/responses"
 		body = `{"model":"m","input":[{"role":"user","content":"hello there"}],"max_output_tokens":8`
+	case "messages":
+		path = "/v1/messages"
+		body = `{"model":"m","system":"be brief","messages":[{"role":"user","content":"hello there"}],"max_tokens":8`
 	}
 	if c.stream {
 		body += `,"stream":true`
@@ -927,8 +931,8 @@ func (r matrixResult) check(t *testing.T, c matrixCell, want outcome, status int
 		if r.err != nil {
 			t.Fatalf("error status %d could not be read: %v", r.status, r.err)
 		}
-		if !strings.HasPrefix(r.ctype, "application/json") || !openAIError(r.body) {
-			t.Fatalf("status %d with %q is not an OpenAI error: %s", r.status, r.ctype, clip(r.body))
+		if !strings.HasPrefix(r.ctype, "application/json") || !routeError(c, r.body) {
+			t.Fatalf("status %d with %q is not an error in the route's shape: %s", r.status, r.ctype, clip(r.body))
 		}
 		if status != 0 && r.status != status {
 			t.Fatalf("status %d, want %d: %s", r.status, status, clip(r.body))
@@ -949,8 +953,8 @@ func (r matrixResult) check(t *testing.T, c matrixCell, want outcome, status int
 	if len(events) == 0 {
 		t.Fatalf("a failed stream with no event: %q (%v)", r.body, r.err)
 	}
-	if last := events[len(events)-1]; !openAIError([]byte(last)) {
-		t.Fatalf("a failed stream's last event is not an OpenAI error: %q", last)
+	if last := events[len(events)-1]; !routeError(c, []byte(last)) {
+		t.Fatalf("a failed stream's last event is not an error in the route's shape: %q", last)
 	}
 	for _, ev := range events {
 		if ev == "[DONE]" {
@@ -1001,6 +1005,9 @@ func (r matrixResult) whole(c matrixCell) bool {
 	if c.route == "responses" {
 		return wholeResponse(r.body, c.stream)
 	}
+	if c.route == "messages" {
+		return wholeMessage(r.body, c.stream)
+	}
 	if c.pass {
 		var v struct {
 			Data []struct {
@@ -1025,6 +1032,60 @@ func (r matrixResult) whole(c matrixCell) bool {
 		}
 	}
 	return true
+}
+
+// routeError reports whether b is an error in the shape of c's route: Anthropic's on the
+// Messages route ({"type":"error","error":{"type","message"}}), OpenAI's on the others.
+func routeError(c matrixCell, b []byte) bool {
+	if c.route != "messages" {
+		return openAIError(b)
+	}
+	var v struct {
+		Type  string `json:"type"`
+		Error struct {
+			Type    string `json:"type"`
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	return json.Unmarshal(b, &v) == nil && v.Type == "error" && v.Error.Type != "" && v.Error.Message != ""
+}
+
+// wholeMessage reports whether body is a whole Messages answer, as the fault engine makes it
+// or as the proxy translates the engine's chat answer (SGLang): a message, or its stream from
+// message_start through the four tokens' text deltas to message_stop.
+func wholeMessage(body []byte, stream bool) bool {
+	type event struct {
+		Type    string `json:"type"`
+		Content []struct {
+			Text string `json:"text"`
+		} `json:"content"`
+		Delta struct {
+			Type string `json:"type"`
+			Text string `json:"text"`
+		} `json:"delta"`
+	}
+	if !stream {
+		var v event
+		return json.Unmarshal(body, &v) == nil && v.Type == "message" && len(v.Content) == 1 && v.Content[0].Text != ""
+	}
+	events := sseDispatched(body)
+	if len(events) < 3 {
+		return false
+	}
+	var text strings.Builder
+	for i, ev := range events {
+		var v event
+		if json.Unmarshal([]byte(ev), &v) != nil || v.Type == "error" {
+			return false
+		}
+		if i == 0 && v.Type != "message_start" || i == len(events)-1 && v.Type != "message_stop" {
+			return false
+		}
+		if v.Delta.Type == "text_delta" {
+			text.WriteString(v.Delta.Text)
+		}
+	}
+	return text.String() == "t0t1t2t3"
 }
 
 // wholeResponse reports whether body is the fault engine's whole Responses answer: a

@@ -311,9 +311,10 @@ func (e *Engine) fault(f Fault) {
 }
 
 // isGeneration reports whether path is one a model answers: a completion, a Responses API
-// request, or an embedding (a route the proxy passes to one engine without P/D).
+// or Messages API request, or an embedding (a route the proxy passes to one engine without
+// P/D).
 func isGeneration(path string) bool {
-	return strings.HasSuffix(path, "/completions") || path == "/v1/responses" || path == "/v1/embeddings"
+	return strings.HasSuffix(path, "/completions") || path == "/v1/responses" || path == "/v1/messages" || path == "/v1/embeddings"
 }
 
 // reset closes c with a reset rather than a clean close.
@@ -351,6 +352,7 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 	}
 	chat := strings.HasSuffix(req.URL.Path, "/chat/completions")
 	responses := req.URL.Path == "/v1/responses"
+	messages := req.URL.Path == "/v1/messages"
 	var f struct {
 		Stream         bool `json:"stream"`
 		ReturnTokenIDs bool `json:"return_token_ids"`
@@ -364,7 +366,7 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 	if fault == BadParams && !(prefill && e.cfg.Protocol == VLLM) {
 		fault = None // only a vLLM prefiller answers with params
 	}
-	if (fault == ShortStream || fault == MidError) && (prefill || !f.Stream) || fault == MidError && responses {
+	if (fault == ShortStream || fault == MidError) && (prefill || !f.Stream) || fault == MidError && (responses || messages) {
 		fault = None // a stream's faults, and vLLM's error event is a completion's or a chat's
 	}
 	if fault != None && fault != LateEnd {
@@ -390,6 +392,20 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 			payload = append(payload, fmt.Sprintf("event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"sequence_number\":%d,\"item_id\":\"msg_c\",\"output_index\":0,\"content_index\":0,\"delta\":\"t%d\"}\n\n", i+1, i))
 		}
 		payload = append(payload, fmt.Sprintf("event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_number\":%d,\"response\":{\"id\":\"resp_c\",\"object\":\"response\",\"status\":\"completed\",\"output\":[]}}\n\n", e.cfg.Chunks+1))
+	case f.Stream && messages:
+		// Anthropic's Messages events, ending with message_stop (no [DONE]: the last event
+		// is what NoDone leaves out).
+		contentType = "text/event-stream"
+		payload = append(payload, "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_c\",\"type\":\"message\",\"role\":\"assistant\",\"model\":\"m\",\"content\":[],\"stop_reason\":null,\"usage\":{\"input_tokens\":2,\"output_tokens\":0}}}\n\n"+
+			"event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n")
+		for i := range e.cfg.Chunks {
+			payload = append(payload, fmt.Sprintf("event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"t%d\"}}\n\n", i))
+		}
+		payload = append(payload, fmt.Sprintf("event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n"+
+			"event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\",\"stop_sequence\":null},\"usage\":{\"output_tokens\":%d}}\n\n", e.cfg.Chunks),
+			"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n")
+	case messages:
+		payload = []string{`{"id":"msg_c","type":"message","role":"assistant","model":"m","content":[{"type":"text","text":"hello"}],"stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":2,"output_tokens":1}}`}
 	case responses:
 		payload = []string{`{"id":"resp_c","object":"response","status":"completed","output":[{"type":"message","id":"msg_c","role":"assistant","status":"completed","content":[{"type":"output_text","text":"hello","annotations":[]}]}]}`}
 	case f.Stream:
