@@ -349,6 +349,8 @@ func (e *Events) dial(ctx context.Context, ep Endpoint) {
 			if bc.over.Load() {
 				e.metrics.dropped.WithLabelValues(ep.Engine, reasonTooLarge).Inc()
 			}
+		} else if errors.Is(err, errTooLarge) {
+			e.metrics.dropped.WithLabelValues(ep.Engine, reasonTooLarge).Inc()
 		} else if !failing && ctx.Err() == nil {
 			e.logger.Warn("kv events: dial failed; dialing again", zap.String("backend", ep.Engine),
 				zap.String("endpoint", ep.Dial), zap.Duration("every", e.cfg.Redial), zap.Error(err))
@@ -385,6 +387,11 @@ func (e *Events) open(ctx context.Context, c net.Conn) (zmq4.Socket, *boundedCon
 	if err != nil {
 		sub.Close()
 		c.Close()
+		if bc.over.Load() {
+			// zmq4 reads on as soon as its handshake is done: a peer that sends an oversized
+			// message at once has its connection closed before the deadline is lifted.
+			err = fmt.Errorf("%w (%v)", errTooLarge, err)
+		}
 		return nil, nil, err
 	}
 	return sub, bc, nil
@@ -490,6 +497,9 @@ func (e *Events) peer(ctx context.Context, c net.Conn) {
 	}
 	sub, bc, err := e.open(ctx, c)
 	if err != nil {
+		if errors.Is(err, errTooLarge) {
+			e.metrics.dropped.WithLabelValues(unknownBackend, reasonTooLarge).Inc()
+		}
 		if ce := e.logger.Check(zap.DebugLevel, "kv events: a publisher's handshake failed"); ce != nil {
 			ce.Write(zap.Stringer("source", ip), zap.Error(err))
 		}
