@@ -32,14 +32,17 @@ import (
 // under a handful of streams; PDPROXY_BENCH_CHAOS=full is the measurement.
 type chaosParams struct {
 	name       string
+	prefillers int
 	decoders   int
-	clients    int           // streams open at once, each client opening the next when one ends
-	tokens     int           // max_tokens of every stream
-	itl        time.Duration // the simulated engines' inter-token latency
-	duration   time.Duration // how long the clients open streams
-	killEvery  time.Duration // a live decoder is killed this often...
-	downFor    time.Duration // ...and restarted this much later
-	contenders []chaosContender
+	clients    int // streams open at once, each client opening the next when one ends
+	// Each stream asks for max_tokens in [minTokens, maxTokens], and every other one is a chat
+	// completion (the rest completions).
+	minTokens, maxTokens int
+	itl                  time.Duration // the simulated engines' inter-token latency
+	duration             time.Duration // how long the clients open streams
+	killEvery            time.Duration // a live decoder is killed this often...
+	downFor              time.Duration // ...and restarted this much later
+	contenders           []chaosContender
 }
 
 // chaosContender is one proxy configuration the chaos is run against.
@@ -52,12 +55,20 @@ type chaosContender struct {
 }
 
 func chaosParamsOf(t *testing.T) chaosParams {
-	p := chaosParams{name: "tiny", decoders: 2, clients: 6, tokens: 24, itl: 10 * time.Millisecond, duration: 3 * time.Second,
-		killEvery: time.Second, downFor: 300 * time.Millisecond,
+	p := chaosParams{name: "tiny", prefillers: 1, decoders: 2, clients: 6, minTokens: 16, maxTokens: 40, itl: 10 * time.Millisecond,
+		duration: 3 * time.Second, killEvery: time.Second, downFor: 300 * time.Millisecond,
 		contenders: []chaosContender{{name: "migration_limit 3", migration: 3, whole: true}}}
-	if os.Getenv("PDPROXY_BENCH_CHAOS") == "full" {
-		p = chaosParams{name: "full", decoders: 3, clients: 24, tokens: 48, itl: 20 * time.Millisecond, duration: 60 * time.Second,
-			killEvery: 2 * time.Second, downFor: time.Second,
+	switch os.Getenv("PDPROXY_BENCH_CHAOS") {
+	case "full":
+		p = chaosParams{name: "full", prefillers: 2, decoders: 3, clients: 200, minTokens: 200, maxTokens: 2000, itl: 20 * time.Millisecond,
+			duration: 60 * time.Second, killEvery: 5 * time.Second, downFor: time.Second,
+			contenders: []chaosContender{
+				{name: "migration_limit 3", migration: 3, whole: true},
+				{name: "migration_limit 0", migration: 0},
+			}}
+	case "short":
+		p = chaosParams{name: "short", prefillers: 1, decoders: 3, clients: 24, minTokens: 48, maxTokens: 48, itl: 20 * time.Millisecond,
+			duration: 60 * time.Second, killEvery: 2 * time.Second, downFor: time.Second,
 			contenders: []chaosContender{
 				{name: "migration_limit 3", migration: 3, whole: true},
 				{name: "migration_limit 3, ejection off", migration: 3, noEject: true, whole: true},
@@ -67,21 +78,25 @@ func chaosParamsOf(t *testing.T) chaosParams {
 	return p
 }
 
-// TestChaos is a rolling crash of the decoders under streams: a prefiller and p.decoders
-// decoders of the sim, each an HTTP server of its own on loopback, behind the proxy on P/D;
-// p.clients clients open greedy completions streams back to back (16 prompts, temperature 0,
-// so an unbroken answer is known); every p.killEvery a live decoder is killed as SIGKILL kills
-// (every connection closed at once, the listener gone, its KV lost) and restarted p.downFor
-// later, empty. For each contender it reports the streams that reached their client whole
-// (every token, [DONE], the text of an unbroken answer), those a kill hit mid-answer (the
-// proxy's request log counts their migrations, or their client got a part of the answer), what the proxy migrated and refused, the largest gap within
-// each stream (hit and not), and the KV the prefiller still holds once the streams are over.
+// TestChaos is a rolling crash of the decoders under streams: p.prefillers prefillers and
+// p.decoders decoders of the sim, each an HTTP server of its own on loopback, behind the proxy
+// on P/D; p.clients clients open greedy streams back to back (16 prompts, every other stream a
+// chat completion, the rest completions, each of p.minTokens to p.maxTokens tokens, temperature
+// 0, so an unbroken answer is known); every p.killEvery a live decoder is killed as SIGKILL
+// kills (every connection closed at once, the listener gone, its KV lost) and restarted
+// p.downFor later, empty. For each contender it reports the streams that reached their client
+// whole (every token, [DONE], the text of an unbroken answer), those that failed by how (cut,
+// refused, wrong text), those a kill hit mid-answer (the proxy's request log counts their
+// migrations, or their client got a part of the answer), what the proxy migrated and refused,
+// the largest gap within each stream (hit and not), and the KV the prefillers still hold once
+// the streams are over.
 //
 // It asserts what a user would notice: with migration on every stream is whole; under any
-// contender nothing is left held on the prefiller, in the proxy's table or on its leases.
-// PDPROXY_BENCH_CHAOS=full is the measurement (3 decoders, 24 clients, 48-token streams at a
-// 20 ms ITL for 60 s, a kill every 2 s, each contender in turn); PDPROXY_BENCH_CHAOS_OUT=FILE
-// also writes the table to FILE.
+// contender nothing is left held on the prefillers, in the proxy's table or on its leases.
+// PDPROXY_BENCH_CHAOS=full is the measurement (2 prefillers, 3 decoders, 200 clients, streams
+// of 200 to 2,000 tokens at a 20 ms ITL for 60 s, a kill every 5 s, with and without
+// migration); =short the earlier, lighter one (1 prefiller, 24 clients, 48 tokens, a kill every
+// 2 s); PDPROXY_BENCH_CHAOS_OUT=FILE also writes the table to FILE.
 func TestChaos(t *testing.T) {
 	p := chaosParamsOf(t)
 	var rows []string
@@ -93,10 +108,10 @@ func TestChaos(t *testing.T) {
 				c.name, r.whole, r.streams, r.cut, r.refused, r.wrong)
 		}
 	}
-	table := fmt.Sprintf("chaos (%s: %d decoders, %d clients, %d tokens at %v, %v, a kill every %v, down %v)\n\n",
-		p.name, p.decoders, p.clients, p.tokens, p.itl, p.duration, p.killEvery, p.downFor) +
-		"| contender | streams | whole | hit by a kill | hit, whole | migrated | not migratable | limit reached | tokens replayed | largest gap p50 / p99, hit | not hit | KV left |\n" +
-		"|---|---|---|---|---|---|---|---|---|---|---|---|\n" + strings.Join(rows, "\n") + "\n"
+	table := fmt.Sprintf("chaos (%s: %d prefillers, %d decoders, %d clients, %d-%d tokens at %v, completions and chat, %v, a kill every %v, down %v)\n\n",
+		p.name, p.prefillers, p.decoders, p.clients, p.minTokens, p.maxTokens, p.itl, p.duration, p.killEvery, p.downFor) +
+		"| contender | streams | whole | failed: cut / refused / wrong text | hit by a kill | hit, whole | migrated | not migratable | limit reached | tokens replayed | largest gap p50 / p99, hit | not hit | KV left |\n" +
+		"|---|---|---|---|---|---|---|---|---|---|---|---|---|\n" + strings.Join(rows, "\n") + "\n"
 	t.Log("\n" + table)
 	if out := os.Getenv("PDPROXY_BENCH_CHAOS_OUT"); out != "" {
 		if err := os.WriteFile(out, []byte(table), 0o644); err != nil {
@@ -122,27 +137,35 @@ func (r chaosRun) row(name string) string {
 		}
 		return fmt.Sprintf("%.0f / %.0f ms", msf(q(g, 0.5)), msf(q(g, 0.99)))
 	}
-	return fmt.Sprintf("| %s | %d | %d | %d | %d | %d | %d | %d | %d | %s | %s | %d |", name, r.streams, r.whole, r.hit, r.hitWhole,
-		r.moved, r.moveRefused, r.exceeded, r.replayed, gaps(r.gapHit), gaps(r.gapOther), r.kvLeft)
+	return fmt.Sprintf("| %s | %d | %d | %d / %d / %d | %d | %d | %d | %d | %d | %d | %s | %s | %d |", name, r.streams, r.whole,
+		r.cut, r.refused, r.wrong, r.hit, r.hitWhole, r.moved, r.moveRefused, r.exceeded, r.replayed, gaps(r.gapHit), gaps(r.gapOther), r.kvLeft)
 }
 
 // chaosStream is what a client saw of one stream.
 type chaosStream struct {
-	id     string
-	prompt int
+	id string
+	chaosAsk
 	status int
-	text   strings.Builder
-	tokens int
+	pieces []string // each token's text, as its event brought it
 	done   bool
 	at     []time.Time // each text event's arrival
 	err    error
 }
 
+// chaosAsk is what a stream asks for: which prompt, as a chat or a completion, how many tokens.
+type chaosAsk struct {
+	prompt int
+	chat   bool
+	tokens int
+}
+
 func runChaos(t *testing.T, p chaosParams, c chaosContender) chaosRun {
 	cfg := sim.DefaultConfig()
 	cfg.ITL, cfg.PrefillTime = p.itl, 10*time.Millisecond
+	// Room for every stream's prompt and answer on the decoders left up while one is down.
+	cfg.KVBlocks = max(cfg.KVBlocks, 2*p.clients*(p.maxTokens/16+32)/max(p.decoders-1, 1))
 	logger := zap.NewNop()
-	listen := func() *sim.Server {
+	listen := func(cfg sim.Config) *sim.Server {
 		s, err := sim.Listen(cfg, "127.0.0.1:0", logger)
 		if err != nil {
 			t.Fatal(err)
@@ -150,17 +173,20 @@ func runChaos(t *testing.T, p chaosParams, c chaosContender) chaosRun {
 		t.Cleanup(func() { s.Close() })
 		return s
 	}
-	prefiller := listen()
-	var decoders []*sim.Server
+	var prefillers, decoders []*sim.Server
 	pc := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
 	pc.Proxy.MigrationLimit = c.migration
 	pc.Router.Health = router.HealthConfig{Interval: 200 * time.Millisecond}
 	if c.noEject {
 		pc.Router.Ejection.ConsecutiveFailures = -1
 	}
-	pc.Router.Backends = []router.BackendConfig{{Name: "p0", URL: prefiller.URL(), Role: router.RolePrefill, Engine: kvbackend.KindVLLM}}
+	for i := range p.prefillers {
+		pf := listen(cfg)
+		prefillers = append(prefillers, pf)
+		pc.Router.Backends = append(pc.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: pf.URL(), Role: router.RolePrefill, Engine: kvbackend.KindVLLM})
+	}
 	for i := range p.decoders {
-		d := listen()
+		d := listen(cfg)
 		decoders = append(decoders, d)
 		pc.Router.Backends = append(pc.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: router.RoleDecode, Engine: kvbackend.KindVLLM})
 	}
@@ -170,12 +196,19 @@ func runChaos(t *testing.T, p chaosParams, c chaosContender) chaosRun {
 	for i := range prompts {
 		prompts[i] = fmt.Sprintf("chaos prompt %d: %s", i, strings.Repeat(fmt.Sprintf("word%d ", i), 40))
 	}
-	body := func(i int) string {
-		b, _ := json.Marshal(map[string]any{"model": "sim", "prompt": prompts[i], "max_tokens": p.tokens, "ignore_eos": true, "temperature": 0, "stream": true})
-		return string(b)
+	body := func(a chaosAsk) string {
+		b := map[string]any{"model": "sim", "max_tokens": a.tokens, "ignore_eos": true, "temperature": 0, "stream": true}
+		if a.chat {
+			b["messages"] = []map[string]string{{"role": "user", "content": prompts[a.prompt]}}
+		} else {
+			b["prompt"] = prompts[a.prompt]
+		}
+		out, _ := json.Marshal(b)
+		return string(out)
 	}
 
 	client := newClient(p.clients * 2)
+	client.Timeout = p.duration + time.Duration(p.maxTokens)*p.itl*3
 	defer client.CloseIdleConnections()
 	ctx, stop := context.WithTimeout(context.Background(), p.duration)
 	defer stop()
@@ -189,8 +222,9 @@ func runChaos(t *testing.T, p chaosParams, c chaosContender) chaosRun {
 		wg.Go(func() {
 			rng := rand.New(rand.NewPCG(uint64(w), 7))
 			for ctx.Err() == nil {
-				id := fmt.Sprintf("chaos-%d", ids.Add(1))
-				s := chaosRead(client, m.URL(), id, rng.IntN(len(prompts)), body)
+				n := ids.Add(1)
+				a := chaosAsk{prompt: rng.IntN(len(prompts)), chat: n%2 == 0, tokens: p.minTokens + rng.IntN(p.maxTokens-p.minTokens+1)}
+				s := chaosRead(client, m.URL(), fmt.Sprintf("chaos-%d", n), a, body)
 				mu.Lock()
 				streams = append(streams, s)
 				mu.Unlock()
@@ -221,14 +255,27 @@ func runChaos(t *testing.T, p chaosParams, c chaosContender) chaosRun {
 	})
 	wg.Wait()
 
-	// The unbroken answers, from a decoder on its own.
-	want := make([]string, len(prompts))
+	// The unbroken answers, of every prompt at the longest length in both APIs, from an engine
+	// of its own that never dies (greedy tokens follow from the prefix alone, whatever the
+	// ITL); a shorter stream's answer is their first tokens.
+	refCfg := cfg
+	refCfg.ITL = 0
+	ref := listen(refCfg)
+	want := map[chaosAsk][]string{}
 	for i := range prompts {
-		s := chaosRead(client, decoders[0].URL(), "", i, body)
-		if s.err != nil || !s.done || s.tokens != p.tokens {
-			t.Fatalf("the unbroken answer to prompt %d: %v, %d tokens, done %v", i, s.err, s.tokens, s.done)
+		for _, chat := range []bool{false, true} {
+			a := chaosAsk{prompt: i, chat: chat, tokens: p.maxTokens}
+			s := chaosRead(client, ref.URL(), "", a, body)
+			if s.err != nil || !s.done || len(s.pieces) != p.maxTokens {
+				t.Fatalf("the unbroken answer to %+v: %v, %d tokens, done %v", a, s.err, len(s.pieces), s.done)
+			}
+			a.tokens = 0
+			want[a] = s.pieces
 		}
-		want[i] = s.text.String()
+	}
+	wantText := func(a chaosAsk) string {
+		a, n := chaosAsk{prompt: a.prompt, chat: a.chat}, a.tokens
+		return strings.Join(want[a][:n], "")
 	}
 	// A stream a kill hit is one the proxy moved: its request's log line counts migrations.
 	moved := map[string]bool{}
@@ -239,7 +286,7 @@ func runChaos(t *testing.T, p chaosParams, c chaosContender) chaosRun {
 	}
 	run := chaosRun{streams: len(streams)}
 	for _, s := range streams {
-		whole := s.err == nil && s.status == http.StatusOK && s.done && s.tokens == p.tokens && s.text.String() == want[s.prompt]
+		whole := s.err == nil && s.status == http.StatusOK && s.done && len(s.pieces) == s.tokens && strings.Join(s.pieces, "") == wantText(s.chaosAsk)
 		switch {
 		case whole:
 			run.whole++
@@ -248,7 +295,7 @@ func runChaos(t *testing.T, p chaosParams, c chaosContender) chaosRun {
 			if run.refused <= 3 {
 				t.Logf("%s: %s: %v", c.name, s.id, s.err)
 			}
-		case s.done && s.tokens == p.tokens:
+		case s.done && len(s.pieces) == s.tokens:
 			run.wrong++
 		default:
 			run.cut++
@@ -278,26 +325,36 @@ func runChaos(t *testing.T, p chaosParams, c chaosContender) chaosRun {
 
 	// Nothing left held: every hold released by the proxy at once (the prefiller's own lease
 	// would take 30 s), the table empty, no lease in flight.
-	var st sim.KVStats
 	testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
-		st = prefiller.Engine().Stats()
+		held, running := 0, 0
+		for _, pf := range prefillers {
+			st := pf.Engine().Stats()
+			held += st.BlocksHeld
+			running += st.RunningRequests
+		}
 		inflight := 0
 		for _, b := range m.Router.Backends() {
 			inflight += int(b.Inflight)
 		}
-		run.kvLeft = st.BlocksHeld
-		return st.BlocksHeld == 0 && st.RunningRequests == 0 && m.Table.Len() == 0 && inflight == 0,
-			fmt.Sprintf("%s: after the last stream the prefiller holds %d blocks for %d requests, the proxy tracks %d and counts %d in flight",
-				c.name, st.BlocksHeld, st.RunningRequests, m.Table.Len(), inflight)
+		run.kvLeft = held
+		return held == 0 && running == 0 && m.Table.Len() == 0 && inflight == 0,
+			fmt.Sprintf("%s: after the last stream the prefillers hold %d blocks for %d requests, the proxy tracks %d and counts %d in flight",
+				c.name, held, running, m.Table.Len(), inflight)
 	})
-	checkEngine(t, "prefiller", st)
+	for _, pf := range prefillers {
+		checkEngine(t, "prefiller", pf.Engine().Stats())
+	}
 	return run
 }
 
 // chaosRead streams prompt i's body from url and records what its client saw.
-func chaosRead(client *http.Client, url, id string, i int, body func(int) string) *chaosStream {
-	s := &chaosStream{id: id, prompt: i}
-	req, err := http.NewRequest(http.MethodPost, url+"/v1/completions", strings.NewReader(body(i)))
+func chaosRead(client *http.Client, url, id string, a chaosAsk, body func(chaosAsk) string) *chaosStream {
+	s := &chaosStream{id: id, chaosAsk: a}
+	path := "/v1/completions"
+	if a.chat {
+		path = "/v1/chat/completions"
+	}
+	req, err := http.NewRequest(http.MethodPost, url+path, strings.NewReader(body(a)))
 	if err != nil {
 		s.err = err
 		return s
@@ -330,7 +387,10 @@ func chaosRead(client *http.Client, url, id string, i int, body func(int) string
 		}
 		var ev struct {
 			Choices []struct {
-				Text string `json:"text"`
+				Text  string `json:"text"`
+				Delta struct {
+					Content string `json:"content"`
+				} `json:"delta"`
 			} `json:"choices"`
 			Error json.RawMessage `json:"error"`
 		}
@@ -339,9 +399,10 @@ func chaosRead(client *http.Client, url, id string, i int, body func(int) string
 			continue
 		}
 		for _, c := range ev.Choices {
-			s.text.WriteString(c.Text)
-			s.tokens++
-			s.at = append(s.at, time.Now())
+			if text := c.Text + c.Delta.Content; text != "" { // not a chat's role or finish chunk
+				s.pieces = append(s.pieces, text)
+				s.at = append(s.at, time.Now())
+			}
 		}
 	}
 	if err := sc.Err(); err != nil && s.err == nil {
