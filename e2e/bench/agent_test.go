@@ -132,6 +132,9 @@ type tierParams struct {
 	shape   agentShape
 	engines int
 	rounds  int
+	// balanceAbs, when set, is cache_aware.balance_abs_threshold of the precise contenders
+	// (0: the router's default, 64, which the sessions of one engine do not reach).
+	balanceAbs int
 }
 
 func tierParamsOf(t *testing.T) tierParams {
@@ -142,7 +145,7 @@ func tierParamsOf(t *testing.T) tierParams {
 			shape: agentShape{sessions: 32, turns: 20, preambleTokens: 6000, taskTokens: 50, resultMin: 200, resultMax: 2000, seed: 7}}
 	}
 	for env, dst := range map[string]*int{"PDPROXY_BENCH_TIERS_SESSIONS": &p.shape.sessions, "PDPROXY_BENCH_TIERS_TURNS": &p.shape.turns,
-		"PDPROXY_BENCH_TIERS_ROUNDS": &p.rounds, "PDPROXY_BENCH_TIERS_ENGINES": &p.engines} {
+		"PDPROXY_BENCH_TIERS_ROUNDS": &p.rounds, "PDPROXY_BENCH_TIERS_ENGINES": &p.engines, "PDPROXY_BENCH_TIERS_BALANCE_ABS": &p.balanceAbs} {
 		if v := os.Getenv(env); v != "" {
 			n, err := strconv.Atoi(v)
 			if err != nil || n <= 0 {
@@ -209,7 +212,7 @@ func TestAgentTiers(t *testing.T) {
 			for j := range contenders {
 				i := (j + round) % len(contenders)
 				t.Run(contenders[i].label, func(t *testing.T) {
-					runs[i] = append(runs[i], runTierContender(t, w, contenders[i], cfg, p.engines))
+					runs[i] = append(runs[i], runTierContender(t, w, contenders[i], cfg, p.engines, p.balanceAbs))
 				})
 			}
 		})
@@ -218,10 +221,10 @@ func TestAgentTiers(t *testing.T) {
 	var b strings.Builder
 	fmt.Fprintf(&b, "agent tiers (%s run), %s, %d CPUs, %s: %d sessions x %d turns, %d requests, seed %d; preamble %d tokens, tool results %d-%d tokens; "+
 		"%d engines decode-only (sim, vllm protocol), each %d GPU KV blocks of %d tokens (a quarter of its share of the contexts' %d blocks, at least 5/4 of the longest request's %d) and a CPU tier of %d blocks; "+
-		"prefill %s + %s/computed token, reload %s/block; medians of %d rounds\n\n",
+		"prefill %s + %s/computed token, reload %s/block; cache_aware.balance_abs_threshold %s; medians of %d rounds\n\n",
 		p.name, time.Now().UTC().Format(time.RFC3339), runtime.NumCPU(), runtime.Version(), w.sessions, w.turns, w.sessions*w.turns, p.shape.seed,
 		p.shape.preambleTokens, p.shape.resultMin, p.shape.resultMax, p.engines, cfg.KVBlocks, blockSize, all, longest, cfg.CPUOffloadBlocks,
-		cfg.PrefillTime, cfg.PrefillPerToken, cfg.CPUReloadPerBlock, p.rounds)
+		cfg.PrefillTime, cfg.PrefillPerToken, cfg.CPUReloadPerBlock, balanceLabel(p.balanceAbs), p.rounds)
 	fmt.Fprintf(&b, "| contender | prompt tokens computed | of all prompt tokens | reloaded from CPU | hit on GPU | TTFT p50 | TTFT p99 | requests per engine max/min |\n")
 	fmt.Fprintf(&b, "|---|---|---|---|---|---|---|---|\n")
 	for i, c := range contenders {
@@ -260,6 +263,13 @@ func TestAgentTiers(t *testing.T) {
 	}
 }
 
+func balanceLabel(n int) string {
+	if n == 0 {
+		return "64 (the default)"
+	}
+	return strconv.Itoa(n)
+}
+
 func floats(rs []tierRun, f func(tierRun) float64) []float64 {
 	var xs []float64
 	for _, r := range rs {
@@ -279,11 +289,12 @@ func toRoutingRuns(rs []tierRun) []routingRun {
 
 // runTierContender starts fresh engines and c's proxy in front of them, runs every session
 // at once, each turn after the previous one's answer, and returns what the engines counted.
-func runTierContender(t *testing.T, w *agentWorkload, c tierContender, cfg sim.Config, engines int) tierRun {
+func runTierContender(t *testing.T, w *agentWorkload, c tierContender, cfg sim.Config, engines, balanceAbs int) tierRun {
 	decoders := startSims(t, engines, cfg)
 	pcfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
 	pcfg.Router.DecodePolicy = c.policy
 	pcfg.Router.KVEvents.TierWeights = c.weights
+	pcfg.Router.CacheAware.BalanceAbsThreshold = balanceAbs
 	for _, d := range decoders {
 		pcfg.Router.Backends = append(pcfg.Router.Backends, router.BackendConfig{URL: d.srv.URL, Role: router.RoleDecode, Engine: kvbackend.KindVLLM,
 			KVEventsEndpoint: kvDial(t, d.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, d.e.KVEventsReplayAddr())})
