@@ -33,14 +33,26 @@ type blockPool struct {
 	byHash  map[uint64]int  // the cache: block hash -> block id
 	lru     *list.List      // cached blocks nobody references, least recently used first
 	lruElem []*list.Element // block id's element in lru, nil when referenced or uncached
-	events  []kvEvent       // what changed in the cache since the last take
+	// A cached block's tokens and parent hash (hasParent false for a prompt's first
+	// block): what its copy on CPU is published with when it is evicted there.
+	tokensOf  [][]uint32
+	parentOf  []uint64
+	hasParent []bool
+	cpu       *cpuTier  // nil without a CPU tier
+	events    []kvEvent // what changed in the cache since the last take
 }
 
-func newBlockPool(n int, caching bool) *blockPool {
+// newBlockPool builds a pool of n GPU blocks and, when cpuBlocks > 0 and caching is
+// on, a CPU tier of cpuBlocks blocks that the GPU's evicted blocks move to.
+func newBlockPool(n int, caching bool, cpuBlocks int) *blockPool {
 	p := &blockPool{
 		refs: make([][]uint64, n), free: make([]int, n), caching: caching,
 		hashOf: make([]uint64, n), cached: make([]bool, n), byHash: make(map[uint64]int),
 		lru: list.New(), lruElem: make([]*list.Element, n),
+		tokensOf: make([][]uint32, n), parentOf: make([]uint64, n), hasParent: make([]bool, n),
+	}
+	if caching && cpuBlocks > 0 {
+		p.cpu = newCPUTier(cpuBlocks)
 	}
 	// Hand out low ids first: the ids in kv_transfer_params read naturally.
 	for i := range n {
@@ -58,6 +70,14 @@ func (p *blockPool) available() int { return len(p.free) + p.lru.Len() }
 // cachedBlocks is the blocks in the prefix cache, referenced or not.
 func (p *blockPool) cachedBlocks() int { return len(p.byHash) }
 
+// cpuCachedBlocks is the blocks the CPU tier holds.
+func (p *blockPool) cpuCachedBlocks() int {
+	if p.cpu == nil {
+		return 0
+	}
+	return p.cpu.len()
+}
+
 // hits is how many leading blocks of hashes are cached.
 func (p *blockPool) hits(hashes []uint64) int {
 	if !p.caching {
@@ -73,9 +93,16 @@ func (p *blockPool) hits(hashes []uint64) int {
 
 // alloc takes n blocks for owner, the first ones from the cache where the
 // leading blocks of lookup are cached, or none if the pool cannot give n.
-// hit is how many came from the cache.
-func (p *blockPool) alloc(n int, owner uint64, lookup []uint64) (ids []int, hit int, ok bool) {
+// hit is how many came from the cache. With reload, the blocks of lookup
+// that follow those on the CPU tier are reloaded from it: reloaded is how
+// many, the blocks after the hit ones, which the owner's prompt fills as it
+// fills the blocks it computes (store caches them on GPU again); their CPU
+// copies stay, used last.
+func (p *blockPool) alloc(n int, owner uint64, lookup []uint64, reload bool) (ids []int, hit, reloaded int, ok bool) {
 	hit = min(p.hits(lookup), n)
+	if reload && p.cpu != nil {
+		reloaded = min(p.cpu.hits(lookup[hit:]), n-hit)
+	}
 	reusable := 0 // hit blocks nobody references: they are not free for the rest
 	for _, h := range lookup[:hit] {
 		if p.lruElem[p.byHash[h]] != nil {
@@ -83,7 +110,12 @@ func (p *blockPool) alloc(n int, owner uint64, lookup []uint64) (ids []int, hit 
 		}
 	}
 	if n-hit > p.available()-reusable {
-		return nil, 0, false
+		return nil, 0, 0, false
+	}
+	// Touched before the allocation below evicts blocks to the CPU tier, so that
+	// they are the last the tier drops.
+	for _, h := range lookup[hit : hit+reloaded] {
+		p.cpu.touch(h)
 	}
 	ids = make([]int, 0, n)
 	for _, h := range lookup[:hit] {
@@ -103,19 +135,43 @@ func (p *blockPool) alloc(n int, owner uint64, lookup []uint64) (ids []int, hit 
 		p.refs[id] = append(p.refs[id], owner)
 		ids = append(ids, id)
 	}
-	return ids, hit, true
+	return ids, hit, reloaded, true
 }
 
 // evict takes the least recently used unreferenced cached block out of the
-// cache and returns it.
+// cache and returns it. With a CPU tier the block moves there first, so
+// that a consumer of the events never sees it held nowhere.
 func (p *blockPool) evict() int {
 	id := p.lru.Remove(p.lru.Front()).(int)
 	p.lruElem[id] = nil
 	h := p.hashOf[id]
 	delete(p.byHash, h)
 	p.cached[id] = false
+	if p.cpu != nil {
+		p.offload(id)
+	}
+	p.tokensOf[id] = nil
 	p.addEvent(kvEvent{kind: eventBlockRemoved, hashes: []uint64{h}})
 	return id
+}
+
+// offload copies GPU block id to the CPU tier: a block the tier holds
+// already is only made its most recently used; a new one may drop the
+// tier's least recently used.
+func (p *blockPool) offload(id int) {
+	h := p.hashOf[id]
+	if p.cpu.touch(h) {
+		return
+	}
+	if dropped, ok := p.cpu.add(h); ok {
+		p.addEvent(kvEvent{kind: eventBlockRemoved, hashes: []uint64{dropped}, medium: mediumCPU})
+	}
+	ev := kvEvent{kind: eventBlockStored, hashes: []uint64{h}, tokens: p.tokensOf[id], blockSize: len(p.tokensOf[id]), medium: mediumCPU}
+	if p.hasParent[id] {
+		parent := p.parentOf[id]
+		ev.parent = &parent
+	}
+	p.addEvent(ev)
 }
 
 func (p *blockPool) unlink(id int) {
@@ -178,6 +234,11 @@ func (p *blockPool) store(ids []int, hashes []uint64, tokens []uint32, size int)
 			continue
 		}
 		p.cached[id], p.hashOf[id], p.byHash[h] = true, h, id
+		p.tokensOf[id] = tokens[i*size : (i+1)*size]
+		p.hasParent[id] = i > 0
+		if i > 0 {
+			p.parentOf[id] = hashes[i-1]
+		}
 		if run == nil {
 			p.addEvent(kvEvent{kind: eventBlockStored, blockSize: size})
 			run = &p.events[len(p.events)-1]
@@ -192,16 +253,22 @@ func (p *blockPool) store(ids []int, hashes []uint64, tokens []uint32, size int)
 }
 
 // clear empties the cache of every block nobody references (all of them,
-// once an engine crashed and ended every request).
+// once an engine crashed and ended every request), and the CPU tier: the
+// process that held it died too. AllBlocksCleared says so for every medium.
 func (p *blockPool) clear() {
-	if len(p.byHash) == 0 {
+	cpuHeld := p.cpu != nil && p.cpu.len() > 0
+	if len(p.byHash) == 0 && !cpuHeld {
 		return
+	}
+	if p.cpu != nil {
+		p.cpu.clear()
 	}
 	for e := p.lru.Front(); e != nil; e = p.lru.Front() {
 		id := p.lru.Remove(e).(int)
 		p.lruElem[id] = nil
 		delete(p.byHash, p.hashOf[id])
 		p.cached[id] = false
+		p.tokensOf[id] = nil
 		p.free = append(p.free, id)
 	}
 	p.addEvent(kvEvent{kind: eventAllBlocksCleared})

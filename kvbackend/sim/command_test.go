@@ -51,6 +51,7 @@ func TestRunCommandHelpListsEveryFlagAndReturnsErrHelp(t *testing.T) {
 		"admin-api-key", "transfer-fail", "die-after", "shutdown-timeout",
 		"prefix-cache", "kv-events-endpoint", "kv-events-replay-endpoint", "kv-events-topic", "kv-events-format", "data-parallel-rank",
 		"data-parallel-size", "kv-load-failure-policy", "lora-modules", "embedding-dim", "scheduling-policy",
+		"cpu-offload-blocks", "cpu-reload-per-block",
 	} {
 		if !strings.Contains(usage, "  -"+name+" ") && !strings.Contains(usage, "  -"+name+"\n") {
 			t.Errorf("usage does not document -%s:\n%s", name, usage)
@@ -76,6 +77,8 @@ func TestRunCommandRejectsBadFlags(t *testing.T) {
 		{"a lora module without a path", []string{"--lora-modules", "sql-lora"}},
 		{"an unknown scheduling policy", []string{"--scheduling-policy", "lifo"}},
 		{"a negative embedding dim", []string{"--embedding-dim", "-1"}},
+		{"a CPU tier without the prefix cache", []string{"--cpu-offload-blocks", "64", "--prefix-cache=false"}},
+		{"a negative CPU reload time", []string{"--cpu-offload-blocks", "64", "--cpu-reload-per-block", "-1ms"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

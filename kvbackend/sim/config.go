@@ -97,6 +97,20 @@ type Config struct {
 	// DisablePrefixCache turns the prefix cache off (flag --prefix-cache=false):
 	// every prefill computes its whole prompt and nothing is cached.
 	DisablePrefixCache bool
+	// CPUOffloadBlocks, when positive, adds a CPU tier of that many blocks, as
+	// vLLM's OffloadingConnector with a CPU backend (cputier.go): a block the
+	// GPU pool evicts moves there, the tier dropping its least recently used
+	// block when full, and a prompt's leading blocks found there (after those
+	// on the GPU) are reloaded at CPUReloadPerBlock each instead of computed.
+	// Zero, the default: no CPU tier. It needs the prefix cache.
+	CPUOffloadBlocks int
+	// CPUReloadPerBlock is the time to reload one block from the CPU tier.
+	// Default 0, as PrefillPerToken's: the sim's per-token costs are none
+	// unless set, and a reload must not cost more than the recompute it
+	// replaces. A realistic pair is about an eighth of a block's recompute:
+	// a 16-token block of an 8B model (2 MiB of KV) crosses PCIe Gen4 in
+	// about 80µs, where its prefill takes about 16 x 40µs.
+	CPUReloadPerBlock time.Duration
 	// KVEventsEndpoint, when set, publishes KV events in vLLM's format on a
 	// ZMQ PUB socket (kvevents.go): bound when it holds a "*"
 	// (tcp://*:5557), connected otherwise (tcp://host:port).
@@ -269,6 +283,8 @@ func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.DurationVar(&cfg.NIXLHandshakeDelay, "nixl-handshake-delay", cfg.NIXLHandshakeDelay, "how long a decoder's first NIXL handshake with each prefiller takes: its first pull and heartbeats to it wait (0: none)")
 	fs.DurationVar(&cfg.KVTransferTime, "kv-transfer-time", cfg.KVTransferTime, "decoder's pull cost per KV block it pulls (blocks in its own prefix cache are not pulled)")
 	fs.Var(invertedBool{&cfg.DisablePrefixCache}, "prefix-cache", "prefix caching: reuse the cached leading full blocks of a prompt, keep freed blocks cached until evicted (LRU); --prefix-cache=false computes every prompt whole")
+	fs.IntVar(&cfg.CPUOffloadBlocks, "cpu-offload-blocks", cfg.CPUOffloadBlocks, "blocks of a CPU KV tier (vLLM's OffloadingConnector): blocks evicted from the GPU pool move there (LRU, the oldest dropped when full) and a prompt's leading blocks found there are reloaded instead of computed; KV events carry medium CPU for them (0: no CPU tier)")
+	fs.DurationVar(&cfg.CPUReloadPerBlock, "cpu-reload-per-block", cfg.CPUReloadPerBlock, "time to reload one block from the CPU tier, in place of its recompute (0, as --prefill-per-token's default: no cost; about 80µs for a 16-token block of an 8B model over PCIe Gen4)")
 	fs.StringVar(&cfg.KVEventsEndpoint, "kv-events-endpoint", cfg.KVEventsEndpoint, "publish KV events (BlockStored, BlockRemoved, AllBlocksCleared) in vLLM's ZMQ format on this endpoint: bound when it holds *, e.g. tcp://*:5557, connected otherwise, e.g. tcp://127.0.0.1:5557 (empty: no events)")
 	fs.StringVar(&cfg.KVEventsReplayEndpoint, "kv-events-replay-endpoint", cfg.KVEventsReplayEndpoint, "bind a ZMQ ROUTER here that replays buffered KV event batches from a start sequence number, e.g. tcp://*:5558 (empty: none)")
 	fs.StringVar(&cfg.KVEventsTopic, "kv-events-topic", cfg.KVEventsTopic, "topic frame of the KV event messages (empty, vLLM's default, reaches every subscriber; llm-d expects kv@<ip:port>@<model>)")
@@ -385,6 +401,12 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.KVHoldTimeout < 0 {
 		errs = append(errs, fmt.Errorf("kv hold timeout %s: must be positive", c.KVHoldTimeout))
+	}
+	if c.CPUOffloadBlocks < 0 || c.CPUReloadPerBlock < 0 {
+		errs = append(errs, fmt.Errorf("cpu offload blocks %d, cpu reload per block %s: must not be negative", c.CPUOffloadBlocks, c.CPUReloadPerBlock))
+	}
+	if c.CPUOffloadBlocks > 0 && c.DisablePrefixCache {
+		errs = append(errs, errors.New("cpu offload blocks: a CPU tier holds prefix-cached blocks, and the prefix cache is off (--prefix-cache=false)"))
 	}
 	if c.MaxModelLen < 0 {
 		errs = append(errs, fmt.Errorf("max model len %d: must not be negative", c.MaxModelLen))

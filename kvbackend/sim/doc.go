@@ -103,6 +103,24 @@
 // published over ZMQ in vLLM's wire format, with an optional replay socket
 // (kvevents.go). The SGLang protocol shares all of it.
 //
+// # CPU tier
+//
+// CPUOffloadBlocks adds a CPU tier, as vLLM's OffloadingConnector with a CPU
+// backend (cputier.go): a block the GPU pool evicts moves there, least
+// recently used dropped when it is full, and a prompt's leading blocks found
+// there (after those on the GPU) are reloaded, CPUReloadPerBlock each, instead
+// of computed; they are cached on the GPU again when the prompt is done, and
+// keep their CPU copy. (vLLM's connector writes blocks to CPU as they are
+// computed; the sim copies them when the GPU evicts them, which leaves the same
+// blocks reachable.) A decode pulling its KV from a prefiller reloads nothing:
+// it pulls what its GPU cache lacks. KV events carry medium "CPU" for the
+// tier's blocks (kvevents.go). Answers count the reloaded tokens in
+// cached_tokens, as vLLM counts a connector's; /debug/kv splits a prompt into
+// prefix_cache_hits_total (GPU), external_prefix_cache_hits_total (reloaded)
+// and prompt_tokens_computed_total, /metrics as vllm:prefix_cache_hits_total,
+// vllm:external_prefix_cache_hits_total and
+// pdproxy_sim_prompt_tokens_computed_total.
+//
 // A body is rejected in two stages, as vLLM does. Malformed JSON, wrong
 // field types and missing prompts fail first, before vLLM's handler. Bad
 // values (max_tokens < 1, n, min_tokens, a prompt too long) fail in its

@@ -94,7 +94,10 @@ type request struct {
 	// blocks it pulls, those before it being in its own cache.
 	cachedTokens int
 	pullFrom     int
-	readyAt      time.Time // prefill end, next token, or (handshaking) the handshake's end
+	// reloadedBlocks are the blocks among cachedTokens reloaded from the CPU
+	// tier, those after the GPU's.
+	reloadedBlocks int
+	readyAt        time.Time // prefill end, next token, or (handshaking) the handshake's end
 	// handshaking: a decode admitted before its prefiller's NIXL handshake
 	// is done; the scheduler orders its pull at readyAt.
 	handshaking bool
@@ -280,9 +283,13 @@ type counters struct {
 	prefixHits     int // of those, tokens the cache held
 	pulledBlocks   int // blocks a decoder pulled from prefillers
 	computed       int // prompt tokens computed here: uncached, not pulled
-	loadFailures   int // Mooncake decodes whose transfer the prefiller could not give
-	pooling        int // pooling requests (pooling.go) that passed validation
-	poolingAborted int // of those, ended by their client leaving
+	// externalQueries and externalHits are the prompt tokens looked up in the
+	// CPU tier (every prompt that computes, with one) and those reloaded from it.
+	externalQueries int
+	externalHits    int
+	loadFailures    int // Mooncake decodes whose transfer the prefiller could not give
+	pooling         int // pooling requests (pooling.go) that passed validation
+	poolingAborted  int // of those, ended by their client leaving
 	// priorities counts requests by their priority: the scheduler's, and
 	// the pooling requests'.
 	priorities map[int]int
@@ -317,7 +324,21 @@ type KVStats struct {
 	// pulled. Across a P/D fleet it is the prefill work the routing left. It
 	// counts with the prefix-cache counters: not with --prefix-cache=false.
 	PromptTokensComputedTotal int `json:"prompt_tokens_computed_total"`
-	HeldRequests              int `json:"held_requests"`
+	// ExternalPrefixCacheQueriesTotal counts, with a CPU tier, the prompt
+	// tokens of the requests that looked it up (those that compute their
+	// prompt), and ExternalPrefixCacheHitsTotal the tokens reloaded from it,
+	// as vllm:external_prefix_cache_queries_total and
+	// vllm:external_prefix_cache_hits_total count what vLLM's KV connector
+	// loads. A prompt's tokens split into PrefixCacheHitsTotal (on the GPU),
+	// ExternalPrefixCacheHitsTotal (reloaded from CPU) and
+	// PromptTokensComputedTotal.
+	ExternalPrefixCacheQueriesTotal int `json:"external_prefix_cache_queries_total"`
+	ExternalPrefixCacheHitsTotal    int `json:"external_prefix_cache_hits_total"`
+	// CPUBlocksTotal is the CPU tier's size (0: none), CPUCachedBlocks the
+	// blocks it holds.
+	CPUBlocksTotal  int `json:"cpu_blocks_total"`
+	CPUCachedBlocks int `json:"cpu_cached_blocks"`
+	HeldRequests    int `json:"held_requests"`
 	// RunningRequests hold a running slot and KV blocks: prefilling, pulling
 	// KV (or waiting for the NIXL handshake before the pull) or decoding.
 	// /metrics reports it as vllm:num_requests_running (sglang:num_running_reqs).
@@ -487,7 +508,7 @@ func newRank(cfg Config, logger *zap.Logger, rank int) (*Engine, error) {
 		clock:  cfg.Clock,
 		client: client,
 		wake:   make(chan struct{}, 1),
-		pool:   newBlockPool(cfg.KVBlocks, !cfg.DisablePrefixCache),
+		pool:   newBlockPool(cfg.KVBlocks, !cfg.DisablePrefixCache, cfg.CPUOffloadBlocks),
 		kv:     kv,
 		live:   make(map[string]*request),
 		held:   make(map[string]*request),

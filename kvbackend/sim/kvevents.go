@@ -33,7 +33,8 @@ import (
 //     block_hashes, medium], ["AllBlocksCleared"]; with format "map" (vLLM
 //     PR #42892) a map of the same fields and "type": the tag;
 //   - block hashes are uint64, parent_block_hash nil for a prompt's first
-//     block, lora_id and lora_name nil, medium "GPU";
+//     block, lora_id and lora_name nil, medium "GPU", or "CPU" for the CPU
+//     tier's blocks (Config.CPUOffloadBlocks);
 //   - an optional ROUTER socket on KVEventsReplayEndpoint (always bound)
 //     answers a request whose last frame is a start sequence number (8 bytes
 //     big-endian; a REQ client's empty delimiter frame before it is kept in
@@ -43,7 +44,18 @@ import (
 // BlockStored is published when a prompt's full blocks are cached (its
 // prefill computed them, or a decoder pulled them), BlockRemoved when a
 // cached block is evicted for a new allocation, AllBlocksCleared when the
-// engine crashes (vLLM #50792: its GPU memory is gone).
+// engine crashes (vLLM #50792: its GPU memory is gone, and the CPU tier with
+// the process).
+//
+// With a CPU tier, a block evicted from the GPU is published as vLLM's
+// OffloadingConnector publishes a CPU store with self-describing events
+// (kv_connector_extra_config self_describing_kv_events): BlockStored with
+// medium "CPU" and the block's own hash, parent hash, tokens and block size,
+// then the GPU's BlockRemoved (medium "GPU"), in that order in one batch so
+// that a consumer never sees the block held nowhere; a block the CPU tier
+// drops is a BlockRemoved with medium "CPU". A block reloaded from CPU is
+// stored on the GPU again (BlockStored, medium "GPU") when its prompt is
+// computed, and keeps its CPU copy, as vLLM's offloading manager does.
 
 // kvEventKind is which of vLLM's three events a kvEvent is.
 type kvEventKind uint8
@@ -61,6 +73,7 @@ type kvEvent struct {
 	parent    *uint64 // BlockStored: nil for a prompt's first block
 	tokens    []uint32
 	blockSize int
+	medium    string // "" is the GPU
 }
 
 // Event formats, the values of Config.KVEventsFormat.
@@ -70,7 +83,9 @@ const (
 )
 
 const (
+	// mediumGPU and mediumCPU are vLLM's MEDIUM_GPU and MEDIUM_CPU.
 	mediumGPU = "GPU"
+	mediumCPU = "CPU"
 	// replayBuffer is how many batches the replay socket can answer, as
 	// vLLM's buffer_steps.
 	replayBuffer = 10000
@@ -99,6 +114,10 @@ func eventValue(ev kvEvent, format string) any {
 	if hashes == nil {
 		hashes = []uint64{}
 	}
+	medium := ev.medium
+	if medium == "" {
+		medium = mediumGPU
+	}
 	switch ev.kind {
 	case eventBlockStored:
 		var parent any
@@ -111,14 +130,14 @@ func eventValue(ev kvEvent, format string) any {
 		}
 		if format == KVEventsFormatMap {
 			return map[string]any{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-				"token_ids": tokens, "block_size": ev.blockSize, "lora_id": nil, "medium": mediumGPU, "lora_name": nil}
+				"token_ids": tokens, "block_size": ev.blockSize, "lora_id": nil, "medium": medium, "lora_name": nil}
 		}
-		return []any{"BlockStored", hashes, parent, tokens, ev.blockSize, nil, mediumGPU, nil}
+		return []any{"BlockStored", hashes, parent, tokens, ev.blockSize, nil, medium, nil}
 	case eventBlockRemoved:
 		if format == KVEventsFormatMap {
-			return map[string]any{"type": "BlockRemoved", "block_hashes": hashes, "medium": mediumGPU}
+			return map[string]any{"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
 		}
-		return []any{"BlockRemoved", hashes, mediumGPU}
+		return []any{"BlockRemoved", hashes, medium}
 	default:
 		if format == KVEventsFormatMap {
 			return map[string]any{"type": "AllBlocksCleared"}

@@ -87,6 +87,13 @@ func (e *Engine) metricList() []metric {
 			func(s KVStats) float64 { return float64(s.PrefixCacheQueriesTotal) })
 		counter("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
 			func(s KVStats) float64 { return float64(s.PrefixCacheHitsTotal) })
+		if e.cfg.CPUOffloadBlocks > 0 {
+			// vLLM's names for what its KV connector loads, here the CPU tier.
+			counter("vllm:external_prefix_cache_queries_total", "Prompt tokens looked up in the CPU KV tier.",
+				func(s KVStats) float64 { return float64(s.ExternalPrefixCacheQueriesTotal) })
+			counter("vllm:external_prefix_cache_hits_total", "Prompt tokens reloaded from the CPU KV tier instead of computed.",
+				func(s KVStats) float64 { return float64(s.ExternalPrefixCacheHitsTotal) })
+		}
 	}
 	if e.cfg.Protocol == ProtocolSGLang {
 		gauge("sglang:cache_hit_rate", "Prefix cache hit rate: prompt tokens found cached over those looked up, 0 to 1.", hitRate)
@@ -95,6 +102,14 @@ func (e *Engine) metricList() []metric {
 		func(s KVStats) float64 { return float64(s.PrefixCacheQueriesTotal) })
 	counter("pdproxy_sim_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
 		func(s KVStats) float64 { return float64(s.PrefixCacheHitsTotal) })
+	counter("pdproxy_sim_prompt_tokens_computed_total", "Prompt tokens computed here: neither in the prefix cache, reloaded from the CPU tier, nor pulled.",
+		func(s KVStats) float64 { return float64(s.PromptTokensComputedTotal) })
+	counter("pdproxy_sim_external_prefix_cache_queries_total", "Prompt tokens looked up in the CPU KV tier (0 without one).",
+		func(s KVStats) float64 { return float64(s.ExternalPrefixCacheQueriesTotal) })
+	counter("pdproxy_sim_external_prefix_cache_hits_total", "Prompt tokens reloaded from the CPU KV tier instead of computed.",
+		func(s KVStats) float64 { return float64(s.ExternalPrefixCacheHitsTotal) })
+	gauge("pdproxy_sim_kv_cpu_cached_blocks", "KV blocks the CPU tier holds (0 without one).",
+		func(s KVStats) float64 { return float64(s.CPUCachedBlocks) })
 	gauge("pdproxy_sim_kv_cached_blocks", "KV blocks in the prefix cache, referenced by requests or not.",
 		func(s KVStats) float64 { return float64(s.CachedBlocks) })
 	counter("pdproxy_sim_kv_blocks_pulled_total", "KV blocks a decoder pulled from prefillers (those its own cache lacked).",

@@ -52,6 +52,13 @@ func (e *Engine) cachePrompt(r *request) {
 	}
 }
 
+// computeTime is what r's prompt costs past the fixed PrefillTime: its
+// uncached tokens computed, the blocks the CPU tier held reloaded.
+func (e *Engine) computeTime(r *request) time.Duration {
+	return time.Duration(r.promptTokens-r.cachedTokens)*e.cfg.PrefillPerToken +
+		time.Duration(r.reloadedBlocks)*e.cfg.CPUReloadPerBlock
+}
+
 // lookupHashes are the block hashes a request looks up in the prefix cache:
 // its full blocks short of the last token, which vLLM always computes to get
 // the logits of the first output token.
@@ -129,7 +136,7 @@ func (e *Engine) apply(ev event, now time.Time) {
 			// Nothing to pull: the decoder computes the prompt's uncached
 			// tokens itself, and caches them when done (advance).
 			r.state = statePrefilling
-			r.readyAt = now.Add(time.Duration(r.promptTokens-r.cachedTokens) * e.cfg.PrefillPerToken)
+			r.readyAt = now.Add(e.computeTime(r))
 			return
 		}
 		// The pulled blocks join this engine's own cache, with those it had.
@@ -307,18 +314,25 @@ func (e *Engine) schedule(now time.Time) {
 		if len(e.running) >= e.cfg.MaxRunning {
 			break
 		}
-		blocks, hit, ok := e.pool.alloc(r.needBlocks, r.seq, r.lookupHashes(e.cfg.BlockSize))
+		// A decode that pulls its prompt's KV takes what its GPU cache lacks from
+		// the prefiller; every other request reloads what the CPU tier holds.
+		blocks, hit, reloaded, ok := e.pool.alloc(r.needBlocks, r.seq, r.lookupHashes(e.cfg.BlockSize), !r.readsKV())
 		if !ok {
 			break
 		}
 		admitted++
 		r.blocks = blocks
 		if r.blockHashes != nil {
-			r.cachedTokens = hit * e.cfg.BlockSize
+			r.reloadedBlocks = reloaded
+			r.cachedTokens = (hit + reloaded) * e.cfg.BlockSize
 			e.counts.prefixQueries += r.promptTokens
-			e.counts.prefixHits += r.cachedTokens
+			e.counts.prefixHits += hit * e.cfg.BlockSize
 			if !r.readsKV() {
 				e.counts.computed += r.promptTokens - r.cachedTokens
+				if e.cfg.CPUOffloadBlocks > 0 {
+					e.counts.externalQueries += r.promptTokens
+					e.counts.externalHits += reloaded * e.cfg.BlockSize
+				}
 			}
 		}
 		e.running = append(e.running, r)
@@ -342,7 +356,7 @@ func (e *Engine) schedule(now time.Time) {
 			continue
 		}
 		r.state = statePrefilling
-		r.readyAt = now.Add(e.cfg.PrefillTime + time.Duration(r.promptTokens-r.cachedTokens)*e.cfg.PrefillPerToken)
+		r.readyAt = now.Add(e.cfg.PrefillTime + e.computeTime(r))
 	}
 	e.waiting = e.waiting[admitted:]
 }
@@ -499,28 +513,32 @@ func (e *Engine) rankStats() KVStats {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	s := KVStats{
-		BlocksTotal:                e.pool.total(),
-		BlocksFree:                 e.pool.available(),
-		CachedBlocks:               e.pool.cachedBlocks(),
-		PrefixCacheQueriesTotal:    e.counts.prefixQueries,
-		PrefixCacheHitsTotal:       e.counts.prefixHits,
-		KVBlocksPulledTotal:        e.counts.pulledBlocks,
-		PromptTokensComputedTotal:  e.counts.computed,
-		HeldRequests:               len(e.held),
-		RequestsTotal:              e.counts.requests,
-		AbortedTotal:               e.counts.aborted,
-		ExpiredTotal:               e.counts.expired,
-		LateEventsTotal:            e.counts.lateEvents,
-		DoubleFreeAttemptsTotal:    e.counts.doubleFrees,
-		HeartbeatsTotal:            e.counts.heartbeats,
-		HeartbeatsSentTotal:        e.counts.heartbeatsSent,
-		EngineCrashesTotal:         e.counts.crashes,
-		HoldsTotal:                 e.counts.holds,
-		KVLoadFailuresTotal:        e.counts.loadFailures,
-		RemotePrefillRequestsTotal: e.counts.remotePrefills,
-		PoolingRequestsTotal:       e.counts.pooling,
-		PoolingAbortedTotal:        e.counts.poolingAborted,
-		Priorities:                 make(map[string]int, len(e.counts.priorities)),
+		BlocksTotal:                     e.pool.total(),
+		BlocksFree:                      e.pool.available(),
+		CachedBlocks:                    e.pool.cachedBlocks(),
+		PrefixCacheQueriesTotal:         e.counts.prefixQueries,
+		PrefixCacheHitsTotal:            e.counts.prefixHits,
+		KVBlocksPulledTotal:             e.counts.pulledBlocks,
+		PromptTokensComputedTotal:       e.counts.computed,
+		ExternalPrefixCacheQueriesTotal: e.counts.externalQueries,
+		ExternalPrefixCacheHitsTotal:    e.counts.externalHits,
+		CPUBlocksTotal:                  e.cfg.CPUOffloadBlocks,
+		CPUCachedBlocks:                 e.pool.cpuCachedBlocks(),
+		HeldRequests:                    len(e.held),
+		RequestsTotal:                   e.counts.requests,
+		AbortedTotal:                    e.counts.aborted,
+		ExpiredTotal:                    e.counts.expired,
+		LateEventsTotal:                 e.counts.lateEvents,
+		DoubleFreeAttemptsTotal:         e.counts.doubleFrees,
+		HeartbeatsTotal:                 e.counts.heartbeats,
+		HeartbeatsSentTotal:             e.counts.heartbeatsSent,
+		EngineCrashesTotal:              e.counts.crashes,
+		HoldsTotal:                      e.counts.holds,
+		KVLoadFailuresTotal:             e.counts.loadFailures,
+		RemotePrefillRequestsTotal:      e.counts.remotePrefills,
+		PoolingRequestsTotal:            e.counts.pooling,
+		PoolingAbortedTotal:             e.counts.poolingAborted,
+		Priorities:                      make(map[string]int, len(e.counts.priorities)),
 	}
 	for p, n := range e.counts.priorities {
 		s.Priorities[strconv.Itoa(p)] = n
