@@ -61,6 +61,8 @@ func (e *CallError) Unwrap() error { return e.Err }
 
 // Call is one request to one backend.
 type Call struct {
+	// Client's transport carries the call; an engine's redirect comes back as a
+	// *StatusError, never followed.
 	Client  *http.Client
 	BaseURL string // scheme://host:port, no trailing slash
 	Path    string // e.g. /v1/completions
@@ -150,7 +152,7 @@ func (c Call) do(ctx context.Context) (*http.Response, error) {
 	if c.OnAck != nil {
 		req.Header.Set("Expect", "100-continue")
 	}
-	resp, err := c.Client.Do(req)
+	resp, err := c.send(req)
 	if err != nil {
 		connect := isConnectError(err)
 		unread := tr.wrote.Load() && !tr.acked.Load() && isResetUnread(err)
@@ -165,6 +167,28 @@ func (c Call) do(ctx context.Context) (*http.Response, error) {
 			se.Body, se.Truncated = body[:maxErrorBody], true
 		}
 		return nil, se
+	}
+	return resp, nil
+}
+
+// send hands req to the client's transport itself where the client would add nothing but
+// the following of redirects (no timeout, no cookie jar): an engine's redirect is answered as
+// its status, never followed, as the router's clients are built to do anyway. http.Client.Do
+// would copy the request's headers and URL for a redirect that never comes, on every call.
+func (c Call) send(req *http.Request) (*http.Response, error) {
+	if c.Client.Timeout != 0 || c.Client.Jar != nil {
+		return c.Client.Do(req)
+	}
+	rt := c.Client.Transport
+	if rt == nil {
+		rt = http.DefaultTransport
+	}
+	resp, err := rt.RoundTrip(req)
+	if err != nil {
+		return nil, err
+	}
+	if resp.Body == nil { // as Client.Do: a body the caller can always close
+		resp.Body = http.NoBody
 	}
 	return resp, nil
 }
