@@ -113,14 +113,17 @@ type tierContender struct {
 	label   string
 }
 
-// tierContenders are precise_cache_aware with the default tier weights, the same
-// tier-blind (every tier weighted 1: a block on CPU counts as one on GPU), and
-// least_inflight.
+// tierContenders are precise_cache_aware with the default tier weights, the same tier-blind
+// two ways (every tier weighted 1: a block on CPU counts as one on GPU; and CPU weighted 0: a
+// block on CPU counts as none, as an index that reads only the GPU's events would have it),
+// and least_inflight.
 func tierContenders() []tierContender {
 	return []tierContender{
 		{policy: router.PolicyPreciseCacheAware, label: "precise_cache_aware, tier weights gpu 1, cpu 0.75, disk 0.25 (defaults)"},
 		{policy: router.PolicyPreciseCacheAware, weights: map[string]float64{"gpu": 1, "cpu": 1, "disk": 1},
 			label: "precise_cache_aware tier-blind: gpu, cpu, disk all weighted 1"},
+		{policy: router.PolicyPreciseCacheAware, weights: map[string]float64{"gpu": 1, "cpu": 0, "disk": 0},
+			label: "precise_cache_aware on the GPU alone: cpu and disk weighted 0 (an index blind to offloaded copies)"},
 		{policy: router.PolicyLeastInflight, label: "least_inflight"},
 	}
 }
