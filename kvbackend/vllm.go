@@ -141,19 +141,21 @@ func ParsePrefillResponse(body []byte) (json.RawMessage, error) {
 
 // noBlocks reports whether params carry a remote_block_ids that names no block: [] or a list
 // of empty lists, one per KV cache group. Params without the field are taken as they are.
+// A list that names no block is brackets, commas and spaces alone (the params are valid
+// JSON): reading it byte by byte spares decoding a long prompt's thousands of ids.
 func noBlocks(params json.RawMessage) bool {
 	f, err := ParseFields(params)
 	if err != nil {
 		return false
 	}
 	ids, ok := f.Field("remote_block_ids")
-	var flat []json.RawMessage
-	if !ok || bytes.Equal(ids, rawNull) || json.Unmarshal(ids, &flat) != nil {
+	if !ok || len(ids) == 0 || ids[0] != '[' {
 		return false
 	}
-	for _, g := range flat {
-		var group []json.RawMessage
-		if json.Unmarshal(g, &group) != nil || len(group) > 0 {
+	for _, c := range ids {
+		switch c {
+		case '[', ']', ',', ' ', '\t', '\r', '\n':
+		default:
 			return false
 		}
 	}
