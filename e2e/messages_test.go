@@ -269,3 +269,30 @@ func TestMessagesErrorsComeInAnthropicsShapeWhereverTheyStart(t *testing.T) {
 		t.Errorf("a chat error: %s", raw)
 	}
 }
+
+func TestAnEnginesRefusalOfAMessagesRequestReachesTheClientInAnthropicsShapeOnEveryProtocol(t *testing.T) {
+	// vLLM's engines refuse a Messages request in Anthropic's shape themselves; SGLang's chat
+	// refusal is given that shape by the proxy. Either way the client reads the engine's
+	// status and message.
+	for _, p := range messagesProtocols {
+		t.Run(p.name, func(t *testing.T) {
+			s, prefiller, decoder := p.start(t, func(p, d timing) {})
+			resp := post(t, context.Background(), s.url+"/v1/messages", `{"model":"sim","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`,
+				"X-Sim-Fail-Status", "400")
+			raw, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			var e struct {
+				Type  string `json:"type"`
+				Error struct {
+					Type    string `json:"type"`
+					Message string `json:"message"`
+				} `json:"error"`
+			}
+			if err := json.Unmarshal(raw, &e); err != nil || resp.StatusCode != http.StatusBadRequest || e.Type != "error" ||
+				e.Error.Type != "invalid_request_error" || !strings.Contains(e.Error.Message, "injected failure") {
+				t.Errorf("%d %s, want the engine's 400 in Anthropic's shape", resp.StatusCode, raw)
+			}
+			quiet(t, s, prefiller, decoder)
+		})
+	}
+}
