@@ -190,7 +190,7 @@ func decodeMessagesBody(body []byte) (*wireBody, error) {
 // handler converts it.
 func messagesChat(system json.RawMessage, msgs []anthropicMessage) ([]wireMessage, error) {
 	var sys strings.Builder
-	if len(bytes.TrimSpace(system)) > 0 && !bytes.Equal(bytes.TrimSpace(system), []byte("null")) {
+	if system = bytes.TrimSpace(system); len(system) > 0 && !bytes.Equal(system, []byte("null")) { // optional
 		if err := systemText(&sys, system, "system"); err != nil {
 			return nil, err
 		}
