@@ -2,10 +2,11 @@ package e2e
 
 // End-to-end tests of Anthropic's Messages API (POST /v1/messages) under P/D, driven by the
 // official Anthropic Go SDK: natively on the vLLM protocols (NIXL, Mooncake), whose handler
-// takes kv_transfer_params, and as a translated chat completion on SGLang, whose handler
-// drops the bootstrap fields.
+// takes kv_transfer_params and which the simulated engines serve as vLLM does, and as a
+// translated chat completion on SGLang, whose handler drops the bootstrap fields.
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -23,6 +24,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/lifecycle"
 )
 
 // anthropicClient is the SDK pointed at the stack, retrying nothing, with the sims' greedy
@@ -51,26 +53,24 @@ func agentTurn(maxTokens int64) anthropic.MessageNewParams {
 	}
 }
 
-// messagesProtocols are the engines the Messages API runs on under P/D, end to end: SGLang's,
-// whose Messages handler cannot pair legs, so the proxy serves it as a chat completion. The
-// vLLM protocols' native path is crossed with every fault in the proxy's failure matrix.
-var messagesProtocols = []struct {
-	name  string
-	start func(t *testing.T) (*stack, func() (bool, string))
-}{
-	{"SGLang", func(t *testing.T) (*stack, func() (bool, string)) {
-		s := startStack(t, sglangSims)
-		return s, enginesIdle(t, s.allSimURLs()...)
-	}},
-}
+// messagesProtocols are the P/D protocols the Messages API runs on end to end, a 1P1D pool of
+// the simulator each (responsesStacks'): vLLM's NixlConnector and MooncakeConnector, whose
+// Messages handler takes kv_transfer_params, so the proxy sends the route as it came, and
+// SGLang's, whose handler cannot pair legs, so the proxy serves it as a chat completion.
+var messagesProtocols = responsesStacks
+
+// native says a protocol's engines get the Messages request as it came (vLLM's), not the chat
+// completion it stands for: their answer keeps vLLM's id, the chat's.
+func native(protocol string) bool { return protocol != "sglang" }
 
 func TestTheAnthropicSDKStreamsAndReadsWholeAnswersThroughPDOnEveryProtocol(t *testing.T) {
 	for _, p := range messagesProtocols {
 		t.Run(p.name, func(t *testing.T) {
-			s, idle := p.start(t)
+			s, prefiller, decoder := p.start(t, func(p, d timing) {})
 			client := anthropicClient(s)
 			ctx := context.Background()
 			params := agentTurn(7)
+			before := kv(t, prefiller).RequestsTotal
 
 			whole, err := client.Messages.New(ctx, params)
 			if err != nil {
@@ -79,6 +79,12 @@ func TestTheAnthropicSDKStreamsAndReadsWholeAnswersThroughPDOnEveryProtocol(t *t
 			if whole.Role != "assistant" || len(whole.Content) != 1 || whole.Content[0].Type != "text" || whole.Content[0].Text == "" ||
 				whole.StopReason != anthropic.StopReasonMaxTokens || whole.Usage.OutputTokens != 7 || whole.Usage.InputTokens == 0 {
 				t.Fatalf("whole answer %+v", whole)
+			}
+			if got := kv(t, prefiller).RequestsTotal - before; got != 1 {
+				t.Fatalf("the prefiller served %d requests for one answer; want it prefilled there", got)
+			}
+			if strings.HasPrefix(whole.ID, "chatcmpl-") != native(p.name) {
+				t.Errorf("answer id %q: the engines' own Messages answer is vLLM's alone (chatcmpl-)", whole.ID)
 			}
 
 			stream := client.Messages.NewStreaming(ctx, params)
@@ -103,7 +109,10 @@ func TestTheAnthropicSDKStreamsAndReadsWholeAnswersThroughPDOnEveryProtocol(t *t
 			if len(msg.Content) != 1 || msg.Content[0].Text != whole.Content[0].Text || msg.StopReason != anthropic.StopReasonMaxTokens || msg.Usage.OutputTokens != 7 {
 				t.Errorf("streamed %+v, want the whole answer's text %q", msg, whole.Content[0].Text)
 			}
-			testutil.WaitFor(t, 2*time.Second, idle)
+			if got := kv(t, prefiller).RequestsTotal - before; got != 2 {
+				t.Errorf("the prefiller served %d requests for two answers; want both prefilled there", got)
+			}
+			quiet(t, s, prefiller, decoder)
 		})
 	}
 }
@@ -113,7 +122,7 @@ func TestAMessagesAnswerIsTheChatAnswerOfItsConversation(t *testing.T) {
 	// prompt tokens, so the same greedy answer, on every protocol.
 	for _, p := range messagesProtocols {
 		t.Run(p.name, func(t *testing.T) {
-			s, _ := p.start(t)
+			s, prefiller, decoder := p.start(t, func(p, d timing) {})
 			ctx := context.Background()
 			client := anthropicClient(s)
 			msg, err := client.Messages.New(ctx, anthropic.MessageNewParams{Model: "sim", MaxTokens: 9,
@@ -131,52 +140,70 @@ func TestAMessagesAnswerIsTheChatAnswerOfItsConversation(t *testing.T) {
 			if msg.Content[0].Text != chat.Choices[0].Message.Content || msg.Usage.InputTokens != chat.Usage.PromptTokens {
 				t.Errorf("messages %q (%d prompt tokens), chat %q (%d)", msg.Content[0].Text, msg.Usage.InputTokens, chat.Choices[0].Message.Content, chat.Usage.PromptTokens)
 			}
+			quiet(t, s, prefiller, decoder)
 		})
 	}
 }
 
+// A client that leaves a Messages stream at each stage of its P/D flow (its prefill, the
+// decoder's pull of the KV, the decode) leaves nothing held on either engine, on every
+// protocol.
 func TestAMessagesStreamCutAtEachStageLeavesEveryEngineHoldingNothing(t *testing.T) {
+	stages := []struct {
+		name string
+		slow func(p, d timing)
+		// ready says the request reached the stage: its table state, whether a text delta
+		// reached the client, what the decoder (its URL) is doing.
+		ready func(s *stack, id string, gotText bool, decoder string) bool
+	}{
+		{"prefill", func(p, d timing) { *p.prefill = 400 * time.Millisecond },
+			func(s *stack, id string, _ bool, _ string) bool {
+				st, _ := s.m.Table.State(id)
+				return st == lifecycle.Prefilling
+			}},
+		{"kv_pull", func(p, d timing) { *d.transfer = 10 * time.Millisecond },
+			// The decoder has taken blocks to pull into, and nothing was generated yet.
+			func(s *stack, id string, got bool, d string) bool { return !got && kv(s.t, d).BlocksInUse > 0 }},
+		{"decode", func(p, d timing) { *d.itl = 20 * time.Millisecond },
+			func(s *stack, id string, got bool, _ string) bool { return got }},
+	}
 	for _, p := range messagesProtocols {
-		for _, stage := range []struct {
-			name string
-			// cut is when the client leaves: after reading this many bytes of the answer
-			// (0: before any, while the prompt is prefilled or pulled).
-			cut int
-		}{{"before the first byte", 0}, {"mid-answer", 1}} {
+		for _, stage := range stages {
 			t.Run(p.name+"/"+stage.name, func(t *testing.T) {
-				s, idle := p.start(t)
-				ctx, cancel := context.WithCancel(context.Background())
-				body := `{"model":"sim","max_tokens":3000,"stream":true,"ignore_eos":true,"system":"s","messages":[{"role":"user","content":"a long answer please"}]}`
-				req, _ := http.NewRequestWithContext(ctx, http.MethodPost, s.url+"/v1/messages", strings.NewReader(body))
-				req.Header.Set("Content-Type", "application/json")
-				done := make(chan struct{})
-				go func() {
-					defer close(done)
-					resp, err := http.DefaultClient.Do(req)
-					if err != nil {
-						return
-					}
-					defer resp.Body.Close()
-					if stage.cut > 0 {
-						io.ReadFull(resp.Body, make([]byte, stage.cut))
-						cancel()
-					}
-					io.Copy(io.Discard, resp.Body)
-				}()
-				if stage.cut == 0 {
-					testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
-						snap := s.m.Table.Snapshot()
-						return len(snap) == 1, fmt.Sprintf("%d requests in flight", len(snap))
+				s, prefiller, decoder := p.start(t, stage.slow)
+				for i := range 3 {
+					id := fmt.Sprintf("msg-cut-%s-%d", stage.name, i)
+					ctx, cancel := context.WithCancel(context.Background())
+					body := `{"model":"sim","max_tokens":400,"stream":true,"ignore_eos":true,"system":"s","messages":[{"role":"user","content":"` + prompt(200) + `"}]}`
+					got := make(chan bool, 1) // a text delta reached the client
+					done := make(chan struct{})
+					go func() {
+						defer close(done)
+						req, _ := http.NewRequestWithContext(ctx, http.MethodPost, s.url+"/v1/messages", strings.NewReader(body))
+						req.Header.Set("Content-Type", "application/json")
+						req.Header.Set("X-Request-Id", id)
+						resp, err := http.DefaultClient.Do(req)
+						if err != nil {
+							return
+						}
+						defer resp.Body.Close()
+						sc := bufio.NewScanner(resp.Body)
+						for sc.Scan() {
+							if strings.HasPrefix(sc.Text(), "event: content_block_delta") {
+								select {
+								case got <- true:
+								default:
+								}
+							}
+						}
+					}()
+					testutil.WaitFor(t, 10*time.Second, func() (bool, string) {
+						return stage.ready(s, id, len(got) > 0, decoder), "request never reached the stage"
 					})
 					cancel()
+					<-done
 				}
-				<-done
-				cancel()
-				testutil.WaitFor(t, 5*time.Second, idle)
-				testutil.WaitFor(t, 2*time.Second, func() (bool, string) {
-					snap := s.m.Table.Snapshot()
-					return len(snap) == 0, fmt.Sprintf("%d requests still in the table", len(snap))
-				})
+				quiet(t, s, prefiller, decoder)
 			})
 		}
 	}
@@ -240,5 +267,32 @@ func TestMessagesErrorsComeInAnthropicsShapeWhereverTheyStart(t *testing.T) {
 	resp.Body.Close()
 	if !strings.Contains(string(raw), `"code":"invalid_value"`) {
 		t.Errorf("a chat error: %s", raw)
+	}
+}
+
+func TestAnEnginesRefusalOfAMessagesRequestReachesTheClientInAnthropicsShapeOnEveryProtocol(t *testing.T) {
+	// vLLM's engines refuse a Messages request in Anthropic's shape themselves; SGLang's chat
+	// refusal is given that shape by the proxy. Either way the client reads the engine's
+	// status and message.
+	for _, p := range messagesProtocols {
+		t.Run(p.name, func(t *testing.T) {
+			s, prefiller, decoder := p.start(t, func(p, d timing) {})
+			resp := post(t, context.Background(), s.url+"/v1/messages", `{"model":"sim","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`,
+				"X-Sim-Fail-Status", "400")
+			raw, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			var e struct {
+				Type  string `json:"type"`
+				Error struct {
+					Type    string `json:"type"`
+					Message string `json:"message"`
+				} `json:"error"`
+			}
+			if err := json.Unmarshal(raw, &e); err != nil || resp.StatusCode != http.StatusBadRequest || e.Type != "error" ||
+				e.Error.Type != "invalid_request_error" || !strings.Contains(e.Error.Message, "injected failure") {
+				t.Errorf("%d %s, want the engine's 400 in Anthropic's shape", resp.StatusCode, raw)
+			}
+			quiet(t, s, prefiller, decoder)
+		})
 	}
 }

@@ -67,7 +67,16 @@
 // POST /v1/responses is the Responses API on the same path (responses.go):
 // rendered as a chat, P/D as a chat on every protocol, streamed as the
 // Responses API's typed events without [DONE], stored for
-// GET /v1/responses/{id} and previous_response_id. vLLM's pooling-style
+// GET /v1/responses/{id} and previous_response_id. POST /v1/messages is
+// Anthropic's Messages API on the same path (messages.go), as vLLM serves
+// it: the system prompt and messages rendered as the chat they stand for
+// (the same prompt tokens as that chat completion), max_tokens required,
+// kv_transfer_params making a prefill or a decode as on chat, streamed as
+// message_start, content_block_start, content_block_delta,
+// content_block_stop, message_delta and message_stop (no ping, no [DONE]),
+// errors in Anthropic's shape; POST /v1/messages/count_tokens counts that
+// prompt. Under the sglang protocol both are SGLang's, served aggregated
+// whatever bootstrap fields come. vLLM's pooling-style
 // routes (/v1/embeddings, /pooling, /v1/score, /score, /v1/rerank, /rerank,
 // /v2/rerank, /detokenize, /v1/audio/transcriptions) answer deterministic
 // values in vLLM's shapes, cost simulated time and stop when their client

@@ -204,3 +204,50 @@ func FuzzPoolingBodies(f *testing.F) {
 		}
 	})
 }
+
+func FuzzDecodeMessages(f *testing.F) {
+	seeds := []string{
+		`{"model":"sim","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`,
+		`{"model":"sim","max_tokens":4,"system":[{"type":"text","text":"x-anthropic-billing-header: 1"},{"type":"text","text":"s"}],"messages":[{"role":"ctx","content":"hi"}]}`,
+		`{"model":"sim","max_tokens":4,"messages":[{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"n","input":{}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"r"}]}]}]}`,
+		`{"model":"sim","max_tokens":4,"messages":[{"role":"system","content":[{"type":"text","text":"s"}]}],"tool_choice":{"type":"tool","name":"n"},"tools":[{"name":"n","input_schema":{}}]}`,
+		`{"model":"sim","max_tokens":4,"messages":[{"role":"user","content":"x"}],` + prefillKV + `}`,
+		`{"model":"sim","max_tokens":4,"messages":[{"role":"user","content":[]}],"stop_sequences":["a"],"temperature":0,"seed":3,"ignore_eos":true}`,
+		`{"model":"sim","max_tokens":0,"messages":[]}`, `{"model":"sim","messages":[{"role":"user","content":[{"type":"image"}]}]}`,
+		`{"model":"","max_tokens":1}`, `{"model":"sim","max_tokens":1,"messages":[{"role":"user","content":[{"type":"tool_result","content":7}]}]}`,
+		`{}`, `[]`, `null`, ``, `{"messages":`, `{"model":"sim"} trailing`,
+	}
+	for _, s := range seeds {
+		f.Add([]byte(s), false)
+		f.Add([]byte(s), true)
+	}
+	f.Fuzz(func(t *testing.T, body []byte, count bool) {
+		w, tokens, err := decodeMessages(body, count)
+		if err != nil {
+			if _, ok := err.(*apiError); !ok {
+				t.Fatalf("error %T %v is not an *apiError", err, err)
+			}
+			return
+		}
+		if len(tokens) < 1 || w.Model == nil || *w.Model == "" || !count && (w.MaxTokens == nil || *w.MaxTokens < 1) {
+			t.Fatalf("accepted %q: %d tokens, %+v", body, len(tokens), w)
+		}
+		if count {
+			return
+		}
+		wb, err := decodeMessagesBody(body)
+		if err != nil {
+			t.Fatalf("decodeMessages took %q, decodeMessagesBody refused it: %v", body, err)
+		}
+		req, err := wb.validate(false)
+		if err != nil {
+			if _, ok := err.(*apiError); !ok {
+				t.Fatalf("error %T %v is not an *apiError", err, err)
+			}
+			return
+		}
+		if !req.anthropic || req.n != 1 || req.samples != 1 || len(req.prompts) != 1 || req.promptTokens != len(tokens) || req.maxTokens != *w.MaxTokens {
+			t.Fatalf("request %+v from %q", req, body)
+		}
+	})
+}

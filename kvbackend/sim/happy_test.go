@@ -51,6 +51,15 @@ func TestPrefillThenDecodeOverHTTPStreamsAndFreesAllBlocks(t *testing.T) {
 			},
 			tokens: 50, // a chat's: the same template
 		},
+		{
+			name:    "messages stream",
+			path:    "/v1/messages",
+			prefill: `{"model":"sim","messages":[{"role":"user","content":"` + prompt + `"}],"max_tokens":1,"stream":false,` + prefillKV + `}`,
+			decode: func(kv string) string {
+				return `{"model":"sim","messages":[{"role":"user","content":[{"type":"text","text":"` + prompt + `"}]}],"max_tokens":8,"ignore_eos":true,"stream":true,"kv_transfer_params":` + kv + `}`
+			},
+			tokens: 50, // a chat's: the same template
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -25,6 +25,8 @@ func (e *Engine) Handler() http.Handler {
 	mux.HandleFunc("POST /v1/chat/completions", e.byRank(func(r *Engine) http.HandlerFunc { return r.handleCompletion(apiChat) }))
 	mux.HandleFunc("POST /v1/responses", e.byRank(func(r *Engine) http.HandlerFunc { return r.handleCompletion(apiResponses) }))
 	mux.HandleFunc("GET /v1/responses/{id}", e.handleGetResponse)
+	mux.HandleFunc("POST /v1/messages", anthropicShape(e.byRank(func(r *Engine) http.HandlerFunc { return r.handleCompletion(apiMessages) })))
+	mux.HandleFunc("POST /v1/messages/count_tokens", anthropicShape(e.handleCountTokens))
 	mux.HandleFunc("POST /abort_request", e.byRank(func(r *Engine) http.HandlerFunc { return r.handleAbort }))
 	mux.HandleFunc("POST /kv/pull", e.byEngineID(func(r *Engine) http.HandlerFunc { return r.handlePull }))
 	mux.HandleFunc("POST /kv/notify", e.byEngineID(func(r *Engine) http.HandlerFunc { return r.handleNotify }))
@@ -146,12 +148,16 @@ const (
 	apiCompletions apiKind = iota // POST /v1/completions
 	apiChat                       // POST /v1/chat/completions
 	apiResponses                  // POST /v1/responses (responses.go)
+	apiMessages                   // POST /v1/messages (messages.go)
 )
 
 // decodeFor is decodeBody for each API.
 func decodeFor(kind apiKind, body []byte) (*wireBody, error) {
-	if kind == apiResponses {
+	switch kind {
+	case apiResponses:
 		return decodeResponses(body)
+	case apiMessages:
+		return decodeMessagesBody(body)
 	}
 	return decodeBody(body, kind == apiChat)
 }
@@ -274,6 +280,11 @@ func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
 			resp.id = "chatcmpl-" + rid
 		case apiResponses:
 			resp.id = "resp_" + rid
+		case apiMessages:
+			resp.id = "chatcmpl-" + rid // vLLM's Messages answer keeps its chat's id
+			if e.sglang() {
+				resp.id = "msg_" + rid
+			}
 		default:
 			resp.id = "cmpl-" + rid
 		}
@@ -330,7 +341,9 @@ type responder struct {
 	created int64
 
 	started bool // stream: headers sent
-	events  int  // stream: SSE events written
+	// blockOpen: a Messages stream's text block is started and not stopped.
+	blockOpen bool
+	events    int // stream: SSE events written
 	// promptSent marks, with return_token_ids, the completions choices
 	// whose stream carried their prompt_token_ids (by choice index).
 	promptSent map[int]bool
@@ -442,6 +455,9 @@ func (p *responder) emit(o output) error {
 	if p.api.resp != nil {
 		return p.respEmit(o)
 	}
+	if p.api.anthropic {
+		return p.msgEmit(o)
+	}
 	if !p.started {
 		if err := p.begin(1); err != nil {
 			return err
@@ -498,6 +514,9 @@ func (p *responder) begin(choices int) error {
 	p.started = true
 	if p.api.resp != nil {
 		return p.respBegin()
+	}
+	if p.api.anthropic {
+		return p.msgBegin()
 	}
 	if !p.api.chat {
 		return nil
@@ -604,6 +623,10 @@ func (p *responder) end(err error) {
 		p.respError(ae)
 		return
 	}
+	if p.api.anthropic {
+		p.msgError(ae)
+		return
+	}
 	if p.event(map[string]*apiError{"error": ae}) == nil {
 		_ = p.write([]byte("data: [DONE]\n\n"))
 	}
@@ -620,6 +643,14 @@ func (p *responder) writeWhole(aborted bool) {
 			p.respWhole(aborted)
 		} else if p.started || p.begin(1) == nil {
 			_ = p.respFinish(finish, p.last.complete, aborted)
+		}
+		return
+	}
+	if p.api.anthropic {
+		if !p.api.stream {
+			p.msgWhole(aborted)
+		} else if p.started || p.begin(1) == nil {
+			_ = p.msgFinish(finish, p.last.complete)
 		}
 		return
 	}
@@ -825,12 +856,16 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
-// writeError is the one place that turns an error into an HTTP answer in
-// the OpenAI error shape.
+// writeError is the one place that turns an error into an HTTP answer: in
+// the OpenAI error shape, or Anthropic's on a Messages route (messages.go).
 func writeError(w http.ResponseWriter, err error) {
 	var ae *apiError
 	if !errors.As(err, &ae) {
 		ae = statusError(http.StatusInternalServerError, "internal_error", "internal error")
+	}
+	if _, ok := w.(*anthropicWriter); ok {
+		writeJSON(w, ae.Status, anthropicError(ae))
+		return
 	}
 	writeJSON(w, ae.Status, map[string]*apiError{"error": ae})
 }

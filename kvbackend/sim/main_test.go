@@ -161,6 +161,9 @@ func streamText(t *testing.T, events []string) (text, finish string) {
 	if len(events) > 0 && strings.Contains(events[0], `"type":"response.created"`) {
 		return responsesStreamText(t, events)
 	}
+	if len(events) > 0 && strings.Contains(events[0], `"type":"message_start"`) {
+		return messagesStreamText(t, events)
+	}
 	if len(events) == 0 || events[len(events)-1] != "[DONE]" {
 		t.Fatalf("stream does not end with [DONE]: %q", events)
 	}
@@ -270,11 +273,18 @@ func answerText(t *testing.T, body []byte) string {
 				Text string `json:"text"`
 			} `json:"content"`
 		} `json:"output"`
+		// A Messages answer's.
+		Type    string `json:"type"`
+		Content []struct {
+			Text string `json:"text"`
+		} `json:"content"`
 	}
 	if err := json.Unmarshal(body, &c); err != nil {
 		t.Fatalf("answer %s: %v", body, err)
 	}
 	switch {
+	case c.Type == "message" && len(c.Content) == 1:
+		return c.Content[0].Text
 	case len(c.Output) == 1 && len(c.Output[0].Content) == 1:
 		return c.Output[0].Content[0].Text
 	case len(c.Choices) == 1 && c.Choices[0].Text != nil:

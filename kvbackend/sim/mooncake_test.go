@@ -106,6 +106,8 @@ func TestMooncakePairServesCompletionsAndChatAndThePrefillerEndsHoldingNothing(t
 		{"chat streamed", "/v1/chat/completions", true},
 		{"responses", "/v1/responses", false},
 		{"responses streamed", "/v1/responses", true},
+		{"messages", "/v1/messages", false},
+		{"messages streamed", "/v1/messages", true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pr := startMooncake(t, mooncakeConfig("prefill"), mooncakeConfig("decode"))
@@ -115,6 +117,8 @@ func TestMooncakePairServesCompletionsAndChatAndThePrefillerEndsHoldingNothing(t
 				body = fmt.Sprintf(`{"messages":[{"role":"user","content":%q}],"max_tokens":5,"ignore_eos":true,"stream":%t}`, prompt, tc.stream)
 			case "/v1/responses":
 				body = fmt.Sprintf(`{"input":%q,"max_output_tokens":5,"ignore_eos":true,"stream":%t}`, prompt, tc.stream)
+			case "/v1/messages":
+				body = fmt.Sprintf(`{"model":"sim","messages":[{"role":"user","content":%q}],"max_tokens":5,"ignore_eos":true,"stream":%t}`, prompt, tc.stream)
 			}
 			hdr := map[string]string{"X-Request-Id": "req-1", HeaderDataParallelRank: "0"}
 			pa := pr.p.send(context.Background(), tc.path, prefillLeg(t, body, "xfer-1"), hdr)

@@ -72,7 +72,9 @@ type apiRequest struct {
 	kind         reqKind
 	// resp is a Responses API request's own part (responses.go); nil otherwise.
 	resp *responsesMeta
-	kv   *kvTransferParams // decode only: where to pull from
+	// anthropic: a Messages API request (messages.go).
+	anthropic bool
+	kv        *kvTransferParams // decode only: where to pull from
 
 	// prompts holds every prompt's token count (promptTokens is the first);
 	// never more than one on a decode. tokens holds each prompt's token ids.
@@ -162,6 +164,8 @@ type wireBody struct {
 	tokens  [][]uint32
 	// resp is a Responses API body's own part (responses.go); nil otherwise.
 	resp *responsesMeta
+	// anthropic: a Messages API body (messages.go).
+	anthropic bool
 }
 
 // decodeBody decodes body and checks its shape. Prompts are tokenized by
@@ -252,7 +256,7 @@ func (b *wireBody) validate(chat bool) (*apiRequest, error) {
 		req.seeded, req.seed = true, *w.Seed
 	}
 	req.returnTokenIDs = w.ReturnTokenIDs != nil && *w.ReturnTokenIDs
-	req.resp = b.resp
+	req.resp, req.anthropic = b.resp, b.anthropic
 	if w.Stream != nil {
 		req.stream = *w.Stream
 	}
