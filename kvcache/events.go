@@ -344,7 +344,7 @@ func (e *Events) dial(ctx context.Context, ep Endpoint) {
 		if err == nil {
 			failing = false
 			e.logger.Info("kv events: subscribed", zap.String("backend", ep.Engine), zap.String("endpoint", ep.Dial))
-			e.receive(ctx, sub, func([][]byte) ([]Endpoint, string) { return []Endpoint{ep}, "" })
+			e.receive(ctx, sub, c, func([][]byte) ([]Endpoint, string) { return []Endpoint{ep}, "" })
 			sub.Close()
 			if bc.over.Load() {
 				e.metrics.dropped.WithLabelValues(ep.Engine, reasonTooLarge).Inc()
@@ -376,7 +376,9 @@ func (e *Events) open(ctx context.Context, c net.Conn) (zmq4.Socket, *boundedCon
 	defer stop()
 	ep, release := adopt(bc)
 	defer release()
-	sub := zmq4.NewSub(ctx, e.zlog, zmq4.WithDialerMaxRetries(0))
+	// The socket lives until its owner closes it after receive, not until ctx ends: receive
+	// reads it to its connection's end (see there).
+	sub := zmq4.NewSub(context.WithoutCancel(ctx), e.zlog, zmq4.WithDialerMaxRetries(0))
 	err := sub.SetOption(zmq4.OptionSubscribe, "")
 	if err == nil {
 		err = sub.Dial(ep)
@@ -505,7 +507,7 @@ func (e *Events) peer(ctx context.Context, c net.Conn) {
 		}
 		return
 	}
-	e.receive(ctx, sub, func(frames [][]byte) ([]Endpoint, string) { return e.byTopic(ctx, frames, ip) })
+	e.receive(ctx, sub, c, func(frames [][]byte) ([]Endpoint, string) { return e.byTopic(ctx, frames, ip) })
 	sub.Close()
 	if bc.over.Load() {
 		e.metrics.dropped.WithLabelValues(unknownBackend, reasonTooLarge).Inc()
@@ -637,19 +639,26 @@ func (e *Events) hostAddrs(ctx context.Context, host string) []netip.Addr {
 	return addrs
 }
 
-// receive handles sub's messages until ctx is done or the socket's one connection ends
-// (zmq4 reports it once), for its owner to dial again or let go.
-func (e *Events) receive(ctx context.Context, sub zmq4.Socket, who func([][]byte) ([]Endpoint, string)) {
+// receive applies the messages sub reads from its one connection c until c ends; ctx's end
+// ends it by closing c. zmq4's reader queues up to 10 messages ahead and then blocks on the
+// next, past the socket's Close, with the message it holds (up to maxMessage bytes): so the
+// socket is read to its connection's error, the last thing its reader sends, and only then
+// closed by the caller. Messages read after ctx ended are dropped.
+func (e *Events) receive(ctx context.Context, sub zmq4.Socket, c net.Conn, who func([][]byte) ([]Endpoint, string)) {
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer stop()
 	for {
 		msg, err := sub.Recv()
-		if ctx.Err() != nil {
-			return
-		}
 		if err != nil {
-			if ce := e.logger.Check(zap.DebugLevel, "kv events: a publisher's connection ended"); ce != nil {
-				ce.Write(zap.Error(err))
+			if ctx.Err() == nil {
+				if ce := e.logger.Check(zap.DebugLevel, "kv events: a publisher's connection ended"); ce != nil {
+					ce.Write(zap.Error(err))
+				}
 			}
 			return
+		}
+		if ctx.Err() != nil {
+			continue
 		}
 		eps, reason := who(msg.Frames)
 		if len(eps) == 0 {

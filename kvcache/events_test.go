@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"go.uber.org/goleak"
 	"io"
 	"net"
 	"net/netip"
@@ -807,6 +808,56 @@ func TestParseSource(t *testing.T) {
 			case tt.want != "" && (err != nil || p.String() != tt.want):
 				t.Errorf("ParseSource(%q) = %v, %v, want %s", tt.in, p, err, tt.want)
 			}
+		})
+	}
+}
+
+func TestEventsLeaveNoReaderBehindAPublisherThatKeepsSending(t *testing.T) {
+	// Big batches keep the proxy's handling behind the publisher, so that zmq4 has read
+	// ahead all it queues when the events stop.
+	const blocks = 512
+	var batches [][]byte
+	for i := range 32 {
+		batches = append(batches, payload(t, stored(engineHashes(uint64(i+1)<<20, blocks), nil, tokensN(i*blocks*bs, blocks*bs), bs)))
+	}
+	for _, mode := range []string{"dialed", "listening"} {
+		t.Run("an engine "+mode, func(t *testing.T) {
+			ignore := goleak.IgnoreCurrent()
+			// Registered first, run last: after the publisher and the events are gone.
+			t.Cleanup(func() {
+				goleak.VerifyNone(t, ignore, goleak.IgnoreAnyFunction("github.com/go-zeromq/zmq4.(*pubMWriter).run"))
+			})
+			var h *harness
+			var p *pubEngine
+			if mode == "dialed" {
+				p = newPubEngine(t, "", "")
+				h = startEvents(t, EventsConfig{}, Endpoint{Engine: "a", Dial: p.endpoint()})
+			} else {
+				h = startEvents(t, EventsConfig{Listen: "tcp://127.0.0.1:0"}, Endpoint{Engine: "a", HostPort: "127.0.0.1:8000"})
+				p = newPubEngine(t, h.listenAddr(), "kv@127.0.0.1:8000@m")
+			}
+			h.connect(p, "a")
+			stop := make(chan struct{})
+			flooding := make(chan struct{})
+			go func() {
+				defer close(flooding)
+				for i := 1; ; i++ {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					// Errors once the proxy has gone are what this test waits for.
+					_ = p.pub.SendMulti(zmq4.NewMsgFrom([]byte(p.topic), seqBytes(uint64(1000+i)), batches[i%len(batches)]))
+				}
+			}()
+			waitFor(t, func() (bool, string) {
+				s, _ := h.index.Stats("a")
+				return s.Blocks >= 4*blocks, fmt.Sprintf("the index holds %d of a's blocks", s.Blocks)
+			})
+			h.stop()
+			close(stop)
+			<-flooding
 		})
 	}
 }
