@@ -17,6 +17,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/pdproxy/pdproxy/internal/h1client"
+	"github.com/pdproxy/pdproxy/kvcache"
 )
 
 // Backend is one engine. Its exported fields come from config and are read-only; the
@@ -90,6 +91,9 @@ type backendState struct {
 	epoch atomic.Uint64
 	// load is what the router scraped of the engine's load (load.go).
 	load loadState
+	// kvEngine is the index's handle of the backend's engine, looked up by name once
+	// (kvEngineIn), not on every pick.
+	kvEngine atomic.Pointer[kvcache.Engine]
 	// models is what the engine's /v1/models listed at its last answer; nil until then.
 	models atomic.Pointer[[]string]
 	// leaving is closed when the backend goes away while up: a reload or discovery drops it,

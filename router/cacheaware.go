@@ -179,15 +179,17 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float6
 	var textBuf [candidatesOnStack]int
 	var nameBuf [candidatesOnStack]string
 	var sinceBuf [candidatesOnStack]time.Time
-	var matcher *kvcache.Matcher
+	// One walk of the index answers every engine's match; each candidate then reads its own.
+	var found *kvcache.Matches
 	if p.index != nil && len(h.Tokens) > 0 {
-		matcher = kvcache.NewMatcher(h.Tokens)
+		found = new(kvcache.Matches)
+		p.index.MatchAll(kvcache.NewMatcher(h.Tokens), found)
 	}
 	names, matched, since := nameBuf[:0], textBuf[:0], sinceBuf[:0]
 	for _, b := range cands {
 		share, from, view := 0.0, time.Time{}, kvcache.View{}
-		if matcher != nil {
-			v := p.index.Match(matcher, b.Name)
+		if found != nil {
+			v := found.Of(b.kvEngineIn(p.index))
 			if !v.Last.IsZero() && now.Sub(v.Last) < p.staleAfter {
 				share = v.Weighted / float64(len(h.Tokens))
 				from = v.Last.Add(-pendingGrace)
