@@ -556,21 +556,21 @@ type View struct {
 	Last time.Time
 }
 
-// matchAcc is one engine's match as a walk goes: its blocks per tier and the weights of
-// those off the GPU.
+// matchAcc is one engine's match as a walk goes: its blocks off the GPU per tier and their
+// weights. Every engine a walk follows holds its first blocks from the first on, so its
+// GPU blocks are the rest of those it matched (view).
 type matchAcc struct {
-	e                     *Engine
-	id                    uint32
-	gpu, cpu, disk, other int32
-	weighted              float64
+	e                *Engine
+	id               uint32
+	cpu, disk, other int32
+	weighted         float64
 }
 
 // add counts one more block of bs tokens on slot of weight w.
 func (a *matchAcc) add(slot int, w float64, bs int) {
 	switch slot {
 	case slotGPU:
-		a.gpu++
-		return // GPU blocks are weighed 1 each at the end, as Match does
+		return // weighed 1 each at the end, as Match does
 	case slotCPU:
 		a.cpu++
 	case slotDisk:
@@ -581,10 +581,12 @@ func (a *matchAcc) add(slot int, w float64, bs int) {
 	a.weighted += w * float64(bs)
 }
 
-func (a *matchAcc) view(bs int) View {
-	v := View{GPU: int(a.gpu) * bs, CPU: int(a.cpu) * bs, Disk: int(a.disk) * bs, Other: int(a.other) * bs}
+// view is a's View for a match of blocks blocks of bs tokens.
+func (a *matchAcc) view(blocks, bs int) View {
+	gpu := blocks - int(a.cpu+a.disk+a.other)
+	v := View{GPU: gpu * bs, CPU: int(a.cpu) * bs, Disk: int(a.disk) * bs, Other: int(a.other) * bs}
 	v.Weighted = a.weighted + float64(v.GPU)
-	v.Matched = v.GPU + v.CPU + v.Disk + v.Other
+	v.Matched = blocks * bs
 	return v
 }
 
@@ -619,6 +621,7 @@ func (x *Index) Match(m *Matcher, engine string) View {
 	bs := e.blockSize
 	a := matchAcc{e: e, id: e.id}
 	var one [1]uint64
+	blocks := 0
 	for _, k := range m.keysOf(bs) {
 		w, ok := x.blocks.get(k)
 		if !ok {
@@ -634,8 +637,9 @@ func (x *Index) Match(m *Matcher, engine string) View {
 			break
 		}
 		a.add(slot, wt, bs)
+		blocks++
 	}
-	av := a.view(bs)
+	av := a.view(blocks, bs)
 	av.Last = v.Last
 	return av
 }
@@ -704,9 +708,10 @@ func (x *Index) matchSize(m *Matcher, bs int, r *Matches) {
 	if len(words) == 0 {
 		return
 	}
-	var one [1]uint64
+	var lone [2][1]uint64
 	alive := m.alive[:0]
-	for _, h := range x.holders(words[0], &one) {
+	first := x.holders(words[0], &lone[1])
+	for _, h := range first {
 		e := x.byID[holderID(h)]
 		if e == nil || e.blockSize != bs {
 			continue
@@ -717,11 +722,21 @@ func (x *Index) matchSize(m *Matcher, bs int, r *Matches) {
 			alive = append(alive, a)
 		}
 	}
-	for _, w := range words[1:] {
+	// prev are the holders of the block before when every one of them is alive on a GPU
+	// copy: a block with the very same holders then changes nothing but the blocks
+	// matched, which a comparison of a few words tells. Along a shared prefix nearly every
+	// block is so.
+	prev := x.cleanHolders(first, len(alive))
+	for i, w := range words[1:] {
 		if len(alive) == 0 {
 			break
 		}
-		hs := x.holders(w, &one)
+		// A lone holder is kept in one of two words, so that prev's is not overwritten.
+		hs := x.holders(w, &lone[i&1])
+		if prev != nil && slices.Equal(hs, prev) {
+			continue
+		}
+		blocks := i + 1 // those before this one: where the prefixes that end here end
 		j, kept := 0, alive[:0]
 		for _, a := range alive {
 			for j < len(hs) && holderID(hs[j]) < a.id {
@@ -734,14 +749,29 @@ func (x *Index) matchSize(m *Matcher, bs int, r *Matches) {
 					continue
 				}
 			}
-			r.found = append(r.found, matchFound{e: a.e, v: a.view(bs)})
+			r.found = append(r.found, matchFound{e: a.e, v: a.view(blocks, bs)})
 		}
 		alive = kept
+		prev = x.cleanHolders(hs, len(alive))
 	}
 	for _, a := range alive {
-		r.found = append(r.found, matchFound{e: a.e, v: a.view(bs)})
+		r.found = append(r.found, matchFound{e: a.e, v: a.view(len(words), bs)})
 	}
 	m.alive = alive
+}
+
+// cleanHolders returns hs if all of them are alive (alive of them are, and none are
+// otherwise) on a GPU copy; nil if not.
+func (x *Index) cleanHolders(hs []uint64, alive int) []uint64 {
+	if len(hs) != alive {
+		return nil
+	}
+	for _, h := range hs {
+		if holderCounts(h)&slotMax == 0 {
+			return nil
+		}
+	}
+	return hs
 }
 
 // EngineStats is what the index holds of one engine.

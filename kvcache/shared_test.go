@@ -195,3 +195,21 @@ func TestEngineHandleOutlivesForgetNotRetain(t *testing.T) {
 		t.Errorf("after Retain dropped a, its old handle is still the name's")
 	}
 }
+
+func TestMatchAllEndsEachPrefixAtItsOwnGap(t *testing.T) {
+	// Block 0 is held by a and b, block 1 by a alone (b removed it), block 2 by b alone:
+	// a matches two blocks, b one, though each of blocks 1 and 2 has one holder.
+	x := NewIndex(0, 4)
+	prompt := tokensN(0, 12)
+	ha, hb := engineHashes(1, 3), engineHashes(2, 3)
+	x.Apply("a", storedEvent(ha[:2], nil, prompt[:8], 4))
+	x.Apply("b", storedEvent(hb, nil, prompt, 4))
+	x.Apply("b", &Event{Kind: BlockRemoved, Hashes: hb[1:2]})
+	var all Matches
+	x.MatchAll(NewMatcher(prompt), &all)
+	for engine, want := range map[string]int{"a": 8, "b": 4} {
+		if got := all.Of(x.Engine(engine)).Matched; got != want {
+			t.Errorf("engine %s matches %d tokens, want %d", engine, got, want)
+		}
+	}
+}
