@@ -79,9 +79,15 @@ type Index struct {
 // matching many engines looks each up once. Its fields are the index's, under its lock,
 // except last and removed.
 type Engine struct {
-	x    *Index
-	name string
-	id   uint32
+	// x, id, last and removed are what a pick reads of every engine: first, in one cache line.
+	x  *Index
+	id uint32
+	// last is when the engine's latest message arrived, in Unix nanoseconds; 0 if never
+	// since the index last forgot it.
+	last atomic.Int64
+	// removed is set when Retain drops the engine: its handle is no longer the name's.
+	removed atomic.Bool
+	name    string
 	// copies maps the engine's own hash (salted by medium) to the key, for BlockRemoved and
 	// for the parents of later BlockStored. The same tokens stored on two media are two
 	// copies, and one removal must leave the other; a block removed from the GPU but
@@ -92,11 +98,6 @@ type Engine struct {
 	blockSize int
 	// known is set by a message of the engine's, cleared when the index forgets it.
 	known bool
-	// last is when the engine's latest message arrived, in Unix nanoseconds; 0 if never
-	// since the index last forgot it.
-	last atomic.Int64
-	// removed is set when Retain drops the engine: its handle is no longer the name's.
-	removed atomic.Bool
 	// bySlot counts the engine's blocks per tier, and untiered those on a medium of none.
 	bySlot   [numSlots]int32
 	untiered int32

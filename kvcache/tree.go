@@ -21,6 +21,9 @@ const (
 // about 16M tokens, enough for the recent conversations of a large pool.
 const DefaultMaxTreeBytes = 64 << 20
 
+// smallPool is how many engines MatchSince matches marks against one by one.
+const smallPool = 16
+
 // evictTo is the share of the bound an eviction brings the tree down to, so that a full
 // tree does not evict on every insert.
 const evictToNum, evictToDen = 9, 10
@@ -212,6 +215,9 @@ func (t *Tree) MatchSince(text string, engines []string, since []time.Time, matc
 	clear(matched)
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	// A node near the root may hold a mark of every engine of a large pool: past a few
+	// engines, each mark finds its engine by a map, not by a pass over all of them.
+	var byName map[string]int
 	n, rest, depth := &t.root, text, 0
 	for len(rest) > 0 {
 		c := n.child(rest[0])
@@ -220,8 +226,20 @@ func (t *Tree) MatchSince(text string, engines []string, since []time.Time, matc
 		}
 		k := commonPrefix(c.edge, rest)
 		depth += k
+		if byName == nil && len(engines) > smallPool && len(c.marks) > 0 {
+			byName = make(map[string]int, len(engines))
+			for i, e := range engines {
+				byName[e] = i
+			}
+		}
 		// Engines deeper down were on every node above too: the deepest mark wins.
 		for _, m := range c.marks {
+			if byName != nil {
+				if i, ok := byName[m.engine]; ok && (since == nil || m.at >= since[i].UnixNano()) {
+					matched[i] = depth
+				}
+				continue
+			}
 			for i, want := range engines {
 				if want == m.engine && (since == nil || m.at >= since[i].UnixNano()) {
 					matched[i] = depth

@@ -67,6 +67,10 @@ type backendState struct {
 	inflight atomic.Int64
 	// started counts the leases ever started on the backend: with inflight, how many ended.
 	started atomic.Int64
+	// kvEngine is the index's handle of the backend's engine, looked up by name once
+	// (kvEngineIn), not on every pick; beside the counts a pick reads of every candidate, in
+	// the same cache line.
+	kvEngine atomic.Pointer[kvcache.Engine]
 	// ranks counts the leases in flight on each data-parallel rank; nil for an engine of
 	// one rank. A lease keeps a pointer to its own rank's counter; a reload that changes the
 	// size swaps in new counters.
@@ -91,9 +95,6 @@ type backendState struct {
 	epoch atomic.Uint64
 	// load is what the router scraped of the engine's load (load.go).
 	load loadState
-	// kvEngine is the index's handle of the backend's engine, looked up by name once
-	// (kvEngineIn), not on every pick.
-	kvEngine atomic.Pointer[kvcache.Engine]
 	// models is what the engine's /v1/models listed at its last answer; nil until then.
 	models atomic.Pointer[[]string]
 	// leaving is closed when the backend goes away while up: a reload or discovery drops it,

@@ -179,6 +179,9 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float6
 	var textBuf [candidatesOnStack]int
 	var nameBuf [candidatesOnStack]string
 	var sinceBuf [candidatesOnStack]time.Time
+	if n := len(cands); n > candidatesOnStack { // one allocation each, not a growth by doubling
+		out, views = make([]float64, 0, n), make([]kvcache.View, 0, n)
+	}
 	// One walk of the index answers every engine's match; each candidate then reads its own.
 	var found *kvcache.Matches
 	if p.index != nil && len(h.Tokens) > 0 {
@@ -186,6 +189,9 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float6
 		p.index.MatchAll(kvcache.NewMatcher(h.Tokens), found)
 	}
 	names, matched, since := nameBuf[:0], textBuf[:0], sinceBuf[:0]
+	if n := len(cands); n > candidatesOnStack {
+		names, matched, since = make([]string, 0, n), make([]int, 0, n), make([]time.Time, 0, n)
+	}
 	for _, b := range cands {
 		share, from, view := 0.0, time.Time{}, kvcache.View{}
 		if found != nil {
