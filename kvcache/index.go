@@ -320,13 +320,15 @@ func (x *Index) Apply(engine string, ev *Event) string {
 		d := xxhash.New()
 		for i, h := range ev.Hashes {
 			parent = chainKey(d, parent, ev.Tokens[i*bs:(i+1)*bs])
-			if _, dup := e.copies.get(h ^ salt); dup {
+			c, added := e.copies.upsert(h ^ salt)
+			if !added {
 				continue // stored again without a removal: still one block
 			}
+			*c = parent
 			if !x.addCopy(e, parent, slot) {
+				e.copies.del(h ^ salt)
 				continue
 			}
-			e.copies.put(h^salt, parent)
 			x.total++
 		}
 	}
@@ -343,10 +345,10 @@ func (x *Index) addCopy(e *Engine, k uint64, slot int) bool {
 	}
 	inc := uint64(1) << (slotBits * slot)
 	mine := holder(e.id, uint32(inc))
-	p := x.blocks.ref(k)
+	p, added := x.blocks.upsert(k)
 	switch {
-	case p == nil:
-		x.blocks.put(k, mine)
+	case added:
+		*p = mine
 	case *p&listBit == 0 && holderID(*p) == e.id:
 		if (holderCounts(*p)>>(slotBits*slot))&slotMax == slotMax {
 			return false

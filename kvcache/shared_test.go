@@ -42,7 +42,15 @@ func TestTableKeepsWhatAMapKeeps(t *testing.T) {
 					if _, had := want[k]; !had {
 						keys = append(keys, k)
 					}
-					tb.put(k, v)
+					if r.IntN(2) == 0 {
+						tb.put(k, v)
+					} else {
+						p, added := tb.upsert(k)
+						if _, had := want[k]; added == had || !had && *p != 0 {
+							t.Fatalf("op %d: upsert(%d) added %v (value %d), had it %v", i, k, added, *p, had)
+						}
+						*p = v
+					}
 					want[k] = v
 				}
 				if i%20_000 == 0 || i == 199_999 {
@@ -211,5 +219,24 @@ func TestMatchAllEndsEachPrefixAtItsOwnGap(t *testing.T) {
 		if got := all.Of(x.Engine(engine)).Matched; got != want {
 			t.Errorf("engine %s matches %d tokens, want %d", engine, got, want)
 		}
+	}
+}
+
+// BenchmarkIndexMatchAll is BenchmarkIndexMatch's request and engines, answered for every
+// engine in one walk.
+func BenchmarkIndexMatchAll(b *testing.B) {
+	x := NewIndex(0, 0)
+	const bs = 16
+	prompt := tokensN(0, 4096)
+	for i := range 8 {
+		x.Apply(string(rune('a'+i)), storedEvent(engineHashes(uint64(i), 128), nil, prompt[:128*bs], bs))
+	}
+	var all Matches
+	b.ReportAllocs()
+	for b.Loop() {
+		x.MatchAll(NewMatcher(prompt), &all)
+	}
+	if all.Len() != 8 {
+		b.Fatalf("%d engines matched, want 8", all.Len())
 	}
 }

@@ -124,21 +124,52 @@ func (t *table[V]) put(k uint64, v V) {
 	t.n++
 }
 
+// upsert returns where k's value is kept, adding k with the zero value if absent (added
+// is then set); valid until the table changes.
+func (t *table[V]) upsert(k uint64) (v *V, added bool) {
+	m := mix(k)
+	if m == 0 {
+		if !t.hasZero {
+			var none V
+			t.hasZero, t.zero, added = true, none, true
+			t.n++
+		}
+		return &t.zero, added
+	}
+	if i := t.find(m); i >= 0 {
+		return &t.vals[i], false
+	}
+	if (t.n+1)*maxLoadDen > len(t.keys)*maxLoadNum {
+		t.resize(max(minTableSlots, len(t.keys)+len(t.keys)/2))
+	}
+	var none V
+	i := t.insert(m, none)
+	t.n++
+	return &t.vals[i], true
+}
+
 // insert places the mixed key m, known absent, Robin Hood style: a key further from its
-// home takes the slot of one nearer to its own, which moves on.
-func (t *table[V]) insert(m uint64, v V) {
+// home takes the slot of one nearer to its own, which moves on. It returns m's slot.
+func (t *table[V]) insert(m uint64, v V) int {
 	n := len(t.keys)
 	i := t.home(m)
+	at := -1
 	for d := 0; ; d++ {
 		c := t.keys[i]
 		if c == 0 {
 			t.keys[i], t.vals[i] = m, v
-			return
+			if at < 0 {
+				at = i
+			}
+			return at
 		}
 		if cd := t.dist(c, i); cd < d {
 			t.keys[i], m = m, c
 			t.vals[i], v = v, t.vals[i]
 			d = cd
+			if at < 0 {
+				at = i
+			}
 		}
 		if i++; i == n {
 			i = 0
