@@ -1,6 +1,8 @@
 package router
 
 import (
+	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -53,6 +55,13 @@ type CacheAware struct {
 	// tierTokens counts the picked engine's matched tokens by tier (gpu, cpu, disk, other);
 	// nil counts nothing.
 	tierTokens *[4]prometheus.Counter
+
+	// names are the names of the candidates of the latest pick of a large pool, by
+	// namesOf, for the tree: they are nearly always the same, and a map of a thousand
+	// names made on every pick would cost more than the pick.
+	namesMu  sync.Mutex
+	namesOf  []*Backend
+	lastName *kvcache.Names
 }
 
 // Interface guards.
@@ -89,6 +98,9 @@ func (p *CacheAware) SetPool(all []*Backend) {
 		names[b.Name] = true
 	}
 	p.tree.Retain(func(e string) bool { return names[e] })
+	p.namesMu.Lock()
+	p.namesOf, p.lastName = nil, nil // keeps no backend of the pool before alive
+	p.namesMu.Unlock()
 }
 
 // Forget drops what the approximate view holds of backend. The precise view is the router's,
@@ -201,8 +213,9 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float6
 		p.index.MatchAll(kvcache.NewMatcher(h.Tokens), found)
 	}
 	names, matched, since := nameBuf[:0], textBuf[:0], sinceBuf[:0]
-	if n := len(cands); n > candidatesOnStack && h.Text != "" {
-		names, matched, since = make([]string, 0, n), make([]int, 0, n), make([]time.Time, 0, n)
+	large := len(cands) > candidatesOnStack && h.Text != ""
+	if large {
+		matched, since = make([]int, 0, len(cands)), make([]time.Time, 0, len(cands))
 	}
 	for _, b := range cands {
 		share, from := 0.0, time.Time{}
@@ -215,7 +228,9 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float6
 		}
 		out = append(out, share)
 		if h.Text != "" {
-			names = append(names, b.Name)
+			if !large {
+				names = append(names, b.Name)
+			}
 			matched = append(matched, 0)
 			since = append(since, from)
 		}
@@ -223,11 +238,32 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float6
 	if h.Text == "" {
 		return out, found
 	}
-	p.tree.MatchSince(h.Text, names, since, matched)
+	if large {
+		p.tree.MatchNames(h.Text, p.namesFor(cands), since, matched)
+	} else {
+		p.tree.MatchSince(h.Text, names, since, matched)
+	}
 	for i := range out {
 		out[i] = max(out[i], float64(matched[i])/float64(len(h.Text)))
 	}
 	return out, found
+}
+
+// namesFor returns the names of cands, those of the pick before when the candidates are
+// the same.
+func (p *CacheAware) namesFor(cands []*Backend) *kvcache.Names {
+	p.namesMu.Lock()
+	defer p.namesMu.Unlock()
+	if p.lastName != nil && slices.Equal(p.namesOf, cands) {
+		return p.lastName
+	}
+	list := make([]string, len(cands))
+	for i, b := range cands {
+		list[i] = b.Name
+	}
+	p.namesOf = append(p.namesOf[:0], cands...)
+	p.lastName = kvcache.NewNames(list)
+	return p.lastName
 }
 
 func (p *CacheAware) clock() time.Time {
