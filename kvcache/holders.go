@@ -43,9 +43,6 @@ type arena struct {
 	// used is how many holders of the last page are handed out.
 	used int
 	free [maxClass + 1][]uint32
-	// held counts the holders of every list handed out, freed ones not, for Stats of the
-	// index's own size.
-	held int
 }
 
 // alloc returns the offset of a list of capacity 2^class.
@@ -53,7 +50,6 @@ func (a *arena) alloc(class int) uint32 {
 	if f := a.free[class]; len(f) > 0 {
 		off := f[len(f)-1]
 		a.free[class] = f[:len(f)-1]
-		a.held += 1 << class
 		return off
 	}
 	size := 1 << class
@@ -72,14 +68,12 @@ func (a *arena) alloc(class int) uint32 {
 	}
 	off := uint32((len(a.pages)-1)<<pageShift + a.used)
 	a.used += size
-	a.held += size
 	return off
 }
 
 // release gives back the list of capacity 2^class at off.
 func (a *arena) release(off uint32, class int) {
 	a.free[class] = append(a.free[class], off)
-	a.held -= 1 << class
 }
 
 // list is the n holders at off.

@@ -87,7 +87,6 @@ type Engine struct {
 	last atomic.Int64
 	// removed is set when Retain drops the engine: its handle is no longer the name's.
 	removed atomic.Bool
-	name    string
 	// copies maps the engine's own hash (salted by medium) to the key, for BlockRemoved and
 	// for the parents of later BlockStored. The same tokens stored on two media are two
 	// copies, and one removal must leave the other; a block removed from the GPU but
@@ -162,7 +161,7 @@ func (x *Index) handleLocked(name string) *Engine {
 	if e := x.engines[name]; e != nil {
 		return e
 	}
-	e := &Engine{x: x, name: name}
+	e := &Engine{x: x}
 	if n := len(x.freeIDs); n > 0 {
 		e.id = x.freeIDs[n-1]
 		x.freeIDs = x.freeIDs[:n-1]
