@@ -10,10 +10,13 @@
 //
 // The index keys blocks by its own chained hash of the events' token ids, not by the
 // engines' block hashes, so that an engine's hash seed and algorithm (PYTHONHASHSEED,
-// sha256 or builtin) do not matter and one request hashes once for every engine. It keeps the
-// map from each engine's hashes to its own keys only to apply BlockRemoved. Each block's
-// entry counts its copies per tier (GPU, CPU, disk, tiers named by SetTierWeights), so that
-// a match weighs a block offloaded to CPU as a reload, not as a GPU hit.
+// sha256 or builtin) do not matter and one request hashes once for every engine. It is one
+// table keyed by block, whose entry lists the engines holding the block with their copies per
+// tier (GPU, CPU, disk, tiers named by SetTierWeights), so that one walk of a request's keys
+// answers every engine (MatchAll) at a cost that grows with the engines holding the prompt,
+// not with the pool, and a match weighs a block offloaded to CPU as a reload, not as a GPU
+// hit. It keeps the map from each engine's hashes to its own keys only to apply BlockRemoved
+// and to find the parents of later blocks.
 //
 // The package imports nothing of the project: the router names engines by strings and
 // hands it their endpoints.

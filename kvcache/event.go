@@ -140,6 +140,9 @@ func DecodeBatch(payload []byte) (Batch, error) {
 }
 
 type reader struct {
+	// p is the whole payload, which br reads: the arrays of integers are read from it
+	// directly (rawInt), the decoder told where they end.
+	p  []byte
 	br *bytes.Reader
 	d  *msgpack.Decoder
 }
@@ -148,7 +151,68 @@ func newReader(p []byte) *reader {
 	br := bytes.NewReader(p)
 	// A bytes.Reader is an io.ByteScanner, so the decoder reads it directly, unbuffered:
 	// br.Len() is what is left, which bounds every length the payload claims.
-	return &reader{br: br, d: msgpack.NewDecoder(br)}
+	return &reader{p: p, br: br, d: msgpack.NewDecoder(br)}
+}
+
+// pos is where the decoder is in p.
+func (r *reader) pos() int { return len(r.p) - r.br.Len() }
+
+// seek moves the decoder to pos in p.
+func (r *reader) seek(pos int) { _, _ = r.br.Seek(int64(pos), io.SeekStart) }
+
+// rawInt reads the integer at the start of p, as the decoder would, without it: the token
+// ids and block hashes of a message are nearly all of it, and the decoder's calls per value
+// cost more than the message's events take to apply. n is the bytes it takes, 0 when p does
+// not start with a whole integer (the decoder then says what it is). v is the value as an
+// int64 would hold it, except after the uint64 code (unsigned is then set), whose values
+// above the int64 range a hash may take.
+func rawInt(p []byte) (v uint64, unsigned bool, n int) {
+	if len(p) == 0 {
+		return 0, false, 0
+	}
+	c := p[0]
+	switch {
+	case c <= 0x7f: // positive fixint
+		return uint64(c), false, 1
+	case c >= 0xe0: // negative fixint
+		return uint64(int64(int8(c))), false, 1
+	}
+	size := 0
+	switch c {
+	case msgpcode.Uint8, msgpcode.Int8:
+		size = 1
+	case msgpcode.Uint16, msgpcode.Int16:
+		size = 2
+	case msgpcode.Uint32, msgpcode.Int32:
+		size = 4
+	case msgpcode.Uint64, msgpcode.Int64:
+		size = 8
+	default:
+		return 0, false, 0
+	}
+	if len(p) < 1+size {
+		return 0, false, 0
+	}
+	b := p[1 : 1+size]
+	switch c {
+	case msgpcode.Uint8:
+		v = uint64(b[0])
+	case msgpcode.Uint16:
+		v = uint64(binary.BigEndian.Uint16(b))
+	case msgpcode.Uint32:
+		v = uint64(binary.BigEndian.Uint32(b))
+	case msgpcode.Uint64:
+		return binary.BigEndian.Uint64(b), true, 9
+	case msgpcode.Int8:
+		v = uint64(int64(int8(b[0])))
+	case msgpcode.Int16:
+		v = uint64(int64(int16(binary.BigEndian.Uint16(b))))
+	case msgpcode.Int32:
+		v = uint64(int64(int32(binary.BigEndian.Uint32(b))))
+	case msgpcode.Int64:
+		v = binary.BigEndian.Uint64(b)
+	}
+	return v, false, 1 + size
 }
 
 type container uint8
@@ -389,8 +453,16 @@ func (r *reader) hashes() ([]uint64, error) {
 		return nil, errors.New("block_hashes is not an array")
 	}
 	out := make([]uint64, 0, n)
+	pos := r.pos()
 	for range n {
+		if v, _, k := rawInt(r.p[pos:]); k > 0 {
+			out = append(out, v)
+			pos += k
+			continue
+		}
+		r.seek(pos) // bytes, or no hash at all
 		h, ok, err := r.hash()
+		pos = r.pos()
 		if err != nil {
 			return nil, err
 		}
@@ -399,6 +471,7 @@ func (r *reader) hashes() ([]uint64, error) {
 		}
 		out = append(out, h)
 	}
+	r.seek(pos)
 	return out, nil
 }
 
@@ -411,13 +484,23 @@ func (r *reader) tokens() ([]uint32, error) {
 		return nil, errors.New("token_ids is not an array")
 	}
 	out := make([]uint32, 0, n)
+	pos := r.pos()
 	for range n {
-		v, err := r.int(0, math.MaxUint32)
+		v, unsigned, k := rawInt(r.p[pos:])
+		if k > 0 && (unsigned && v <= math.MaxUint32 || !unsigned && int64(v) >= 0 && int64(v) <= math.MaxUint32) {
+			out = append(out, uint32(v))
+			pos += k
+			continue
+		}
+		r.seek(pos) // not a token id: the decoder says what is wrong
+		iv, err := r.int(0, math.MaxUint32)
 		if err != nil {
 			return nil, fmt.Errorf("token id: %w", err)
 		}
-		out = append(out, uint32(v))
+		out = append(out, uint32(iv))
+		pos = r.pos()
 	}
+	r.seek(pos)
 	return out, nil
 }
 

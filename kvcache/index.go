@@ -1,8 +1,11 @@
 package kvcache
 
 import (
+	"cmp"
 	"encoding/binary"
+	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -33,42 +36,89 @@ const (
 // none: vLLM's default.
 const DefaultBlockSize = 16
 
+// DefaultMaxTotalBlocks bounds how many blocks the index keeps in all, counting a block once
+// per engine (and medium) that holds it, when its owner gives no bound: 64Mi, about 3 GiB at
+// the 45 bytes a block the index costs (BenchmarkRoutingAtScale), enough for 1,000 engines
+// of 64 thousand blocks each.
+const DefaultMaxTotalBlocks = 1 << 26
+
 // Index is the precise view: which engine holds which block, from the engines' KV events.
 // A block's key is the index's own chained hash of its tokens (the key of the block before
 // it, then its block_size token ids), so that any engine's block for the same tokens has
 // the same key whatever hash the engine uses, and a request's tokens hash once for all.
-// Its methods are safe for concurrent use.
+//
+// It is one table keyed by block, not one per engine: each key holds the engines that hold
+// the block, with their copies per tier, so that one walk of a request's keys answers every
+// engine's matched prefix at a cost that grows with the engines holding the prompt, never
+// with the pool (MatchAll). Each engine keeps only the map from its own hashes to the keys,
+// which BlockRemoved and the parents of later BlockStored need. Its methods are safe for
+// concurrent use.
 type Index struct {
 	maxBlocks int
+	maxTotal  int
 	blockSize int
 
 	mu      sync.RWMutex
-	engines map[string]*engineBlocks
-	tiers   tierTable
+	engines map[string]*Engine
+	// byID are the engines by id; nil where an id is free (freeIDs).
+	byID    []*Engine
+	freeIDs []uint32
+	// blocks maps a block's key to its holders: a lone holder, or a list in arena.
+	blocks table[uint64]
+	arena  arena
+	// total counts every engine's blocks, a block on two media of one engine twice.
+	total int
+	// sizes counts the engines by the block size of their latest BlockStored: the sizes
+	// MatchAll hashes a request in.
+	sizes map[int]int
+	tiers tierTable
 }
 
-type engineBlocks struct {
-	// keys counts the engine's blocks under each key, per tier (8 bits of it per slot of
-	// the index's tierTable): the same tokens stored on two media are two blocks, and one
-	// removal must leave the other; a block removed from the GPU but stored on CPU is not
-	// forgotten. A key is in it while any tier's count is above zero.
-	keys map[uint64]uint64
-	// byHash maps the engine's own hash (salted by medium) to the key, for BlockRemoved
-	// and for the parents of later BlockStored.
-	byHash map[uint64]uint64
+// Engine is one engine as the index knows it, a handle that stays valid while its name is
+// in the index (until Retain drops it), across Forget and AllBlocksCleared, so that a caller
+// matching many engines looks each up once. Its fields are the index's, under its lock,
+// except last and removed.
+type Engine struct {
+	// x, id, last and removed are what a pick reads of every engine: first, in one cache line.
+	x  *Index
+	id uint32
+	// last is when the engine's latest message arrived, in Unix nanoseconds; 0 if never
+	// since the index last forgot it.
+	last atomic.Int64
+	// removed is set when Retain drops the engine: its handle is no longer the name's.
+	removed atomic.Bool
+	// copies maps the engine's own hash (salted by medium) to the key, for BlockRemoved and
+	// for the parents of later BlockStored. The same tokens stored on two media are two
+	// copies, and one removal must leave the other; a block removed from the GPU but
+	// stored on CPU is not forgotten.
+	copies table[uint64]
 	// blockSize is the block size of the engine's latest BlockStored; requests are hashed
 	// in blocks of it.
 	blockSize int
-	// last is when the engine's latest message arrived.
-	last time.Time
+	// known is set by a message of the engine's, cleared when the index forgets it.
+	known bool
 	// bySlot counts the engine's blocks per tier, and untiered those on a medium of none.
 	bySlot   [numSlots]int32
 	untiered int32
 }
 
+// Removed reports whether the index dropped e (Retain): Index.Engine of its name returns
+// another handle from then on.
+func (e *Engine) Removed() bool { return e.removed.Load() }
+
+// Index returns the index e belongs to.
+func (e *Engine) Index() *Index { return e.x }
+
+func (e *Engine) lastTime() time.Time {
+	if n := e.last.Load(); n != 0 {
+		return time.Unix(0, n)
+	}
+	return time.Time{}
+}
+
 // NewIndex returns an empty index that keeps at most maxBlocks blocks per engine, taking
 // blockSize for the block size of events that give none (zero or negative: DefaultMaxBlocks
-// and DefaultBlockSize).
+// and DefaultBlockSize). It keeps at most DefaultMaxTotalBlocks in all until SetMaxTotal.
 func NewIndex(maxBlocks, blockSize int) *Index {
 	if maxBlocks <= 0 {
 		maxBlocks = DefaultMaxBlocks
@@ -76,16 +126,94 @@ func NewIndex(maxBlocks, blockSize int) *Index {
 	if blockSize <= 0 {
 		blockSize = DefaultBlockSize
 	}
-	return &Index{maxBlocks: maxBlocks, blockSize: blockSize, engines: make(map[string]*engineBlocks), tiers: defaultTiers()}
+	return &Index{maxBlocks: maxBlocks, maxTotal: DefaultMaxTotalBlocks, blockSize: blockSize,
+		engines: make(map[string]*Engine), sizes: make(map[int]int), tiers: defaultTiers()}
 }
 
-func (x *Index) engineLocked(engine string) *engineBlocks {
-	e := x.engines[engine]
-	if e == nil {
-		e = &engineBlocks{keys: make(map[uint64]uint64), byHash: make(map[uint64]uint64)}
-		x.engines[engine] = e
+// SetMaxTotal bounds the blocks the index keeps in all, a block counted once per engine
+// (and medium) holding it (zero or negative: DefaultMaxTotalBlocks). A BlockStored that
+// would take the index past it is not applied (ReasonIndexFull), as one past an engine's
+// own bound; the engines' removals make room again. It should come before the first Apply.
+func (x *Index) SetMaxTotal(n int) {
+	if n <= 0 {
+		n = DefaultMaxTotalBlocks
 	}
+	x.mu.Lock()
+	x.maxTotal = n
+	x.mu.Unlock()
+}
+
+// Engine returns the handle of the engine called name, adding it (knowing nothing of it)
+// if the index has none.
+func (x *Index) Engine(name string) *Engine {
+	x.mu.RLock()
+	e := x.engines[name]
+	x.mu.RUnlock()
+	if e != nil {
+		return e
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return x.handleLocked(name)
+}
+
+func (x *Index) handleLocked(name string) *Engine {
+	if e := x.engines[name]; e != nil {
+		return e
+	}
+	e := &Engine{x: x}
+	if n := len(x.freeIDs); n > 0 {
+		e.id = x.freeIDs[n-1]
+		x.freeIDs = x.freeIDs[:n-1]
+		x.byID[e.id] = e
+	} else {
+		e.id = uint32(len(x.byID))
+		x.byID = append(x.byID, e)
+	}
+	x.engines[name] = e
 	return e
+}
+
+// engineLocked is the engine called name, known from now on.
+func (x *Index) engineLocked(name string) *Engine {
+	e := x.handleLocked(name)
+	e.known = true
+	return e
+}
+
+// knownLocked is the engine called name if the index knows anything of it, else nil.
+func (x *Index) knownLocked(name string) *Engine {
+	if e := x.engines[name]; e != nil && e.known {
+		return e
+	}
+	return nil
+}
+
+// clearLocked forgets everything of e but its handle.
+func (x *Index) clearLocked(e *Engine) {
+	e.copies.each(func(k uint64) { x.dropHolder(e, k) })
+	x.total -= e.copies.Len()
+	e.copies = table[uint64]{}
+	x.setBlockSize(e, 0)
+	e.bySlot, e.untiered = [numSlots]int32{}, 0
+	e.known = false
+	e.last.Store(0)
+}
+
+// setBlockSize makes bs e's block size, as sizes counts it.
+func (x *Index) setBlockSize(e *Engine, bs int) {
+	if e.blockSize == bs {
+		return
+	}
+	if e.blockSize != 0 {
+		if x.sizes[e.blockSize]--; x.sizes[e.blockSize] == 0 {
+			delete(x.sizes, e.blockSize)
+		}
+	}
+	if bs != 0 {
+		x.sizes[bs]++
+	}
+	e.blockSize = bs
 }
 
 // rootKey starts every chain; the block size is in it so that chains of different sizes
@@ -99,6 +227,15 @@ func rootKey(blockSize int) uint64 {
 // chainKey is the key of the block of tokens after the block keyed parent.
 func chainKey(d *xxhash.Digest, parent uint64, tokens []uint32) uint64 {
 	var buf [256]byte
+	if 8+4*len(tokens) <= len(buf) {
+		// A block of up to 62 tokens, nearly every engine's, in one call: the same hash as
+		// the digest's below, at a third of the cost.
+		binary.LittleEndian.PutUint64(buf[:8], parent)
+		for i, t := range tokens {
+			binary.LittleEndian.PutUint32(buf[8+4*i:], t)
+		}
+		return xxhash.Sum64(buf[:8+4*len(tokens)])
+	}
 	d.Reset()
 	binary.LittleEndian.PutUint64(buf[:8], parent)
 	n := 8
@@ -136,20 +273,23 @@ func (x *Index) Apply(engine string, ev *Event) string {
 	defer x.mu.Unlock()
 	switch ev.Kind {
 	case AllBlocksCleared:
-		delete(x.engines, engine)
+		if e := x.knownLocked(engine); e != nil {
+			x.clearLocked(e)
+		}
 	case BlockRemoved:
-		e := x.engines[engine]
+		e := x.knownLocked(engine)
 		if e == nil {
 			return ""
 		}
 		slot, salt := x.tiers.medium(ev.Medium)
 		for _, h := range ev.Hashes {
-			k, ok := e.byHash[h^salt]
+			k, ok := e.copies.get(h ^ salt)
 			if !ok {
 				continue // stored before the index joined, or already forgotten
 			}
-			delete(e.byHash, h^salt)
-			e.remove(k, slot)
+			e.copies.del(h ^ salt)
+			x.total--
+			x.removeCopy(e, k, slot)
 		}
 	case BlockStored:
 		bs := ev.BlockSize
@@ -166,108 +306,232 @@ func (x *Index) Apply(engine string, ev *Event) string {
 		slot, salt := x.tiers.medium(ev.Medium)
 		parent := rootKey(bs)
 		if ev.HasParent {
-			p, ok := e.byHash[ev.Parent^salt]
+			p, ok := e.copies.get(ev.Parent ^ salt)
 			if !ok {
 				// vLLM publishes a block's parent before it; SGLang's parent may be on
 				// another medium, and a block offloaded to disk may continue one kept on
 				// CPU. Either way a known parent has this engine's tokens.
-				p, ok = e.byHash[ev.Parent]
+				p, ok = e.copies.get(ev.Parent)
 			}
 			if !ok {
-				p, ok = e.byHash[ev.Parent^cpuSalt]
+				p, ok = e.copies.get(ev.Parent ^ cpuSalt)
 			}
 			if !ok {
 				return ReasonUnknownParent
 			}
 			parent = p
 		}
-		if len(e.byHash)+len(ev.Hashes) > x.maxBlocks {
+		if e.copies.Len()+len(ev.Hashes) > x.maxBlocks || x.total+len(ev.Hashes) > x.maxTotal {
 			return ReasonIndexFull
 		}
-		e.blockSize = bs
+		x.setBlockSize(e, bs)
 		d := xxhash.New()
 		for i, h := range ev.Hashes {
 			parent = chainKey(d, parent, ev.Tokens[i*bs:(i+1)*bs])
-			if _, dup := e.byHash[h^salt]; dup {
+			c, added := e.copies.upsert(h ^ salt)
+			if !added {
 				continue // stored again without a removal: still one block
 			}
-			if !e.add(parent, slot) {
+			*c = parent
+			if !x.addCopy(e, parent, slot) {
+				e.copies.del(h ^ salt)
 				continue
 			}
-			e.byHash[h^salt] = parent
+			x.total++
 		}
 	}
 	return ""
 }
 
-// add counts one more copy of the block keyed k on slot; false when the slot counts as
-// many as it can (slotMax), and the copy is not indexed.
-func (e *engineBlocks) add(k uint64, slot int) bool {
+// addCopy counts one more copy of the block keyed k on slot for e; false when the slot
+// counts as many as it can (slotMax), or the block has as many holders as a list holds,
+// and the copy is not indexed.
+func (x *Index) addCopy(e *Engine, k uint64, slot int) bool {
 	if slot == noSlot {
 		e.untiered++
 		return true
 	}
-	c := e.keys[k]
-	if (c>>(8*slot))&slotMax == slotMax {
-		return false
+	inc := uint64(1) << (slotBits * slot)
+	mine := holder(e.id, uint32(inc))
+	p, added := x.blocks.upsert(k)
+	switch {
+	case added:
+		*p = mine
+	case *p&listBit == 0 && holderID(*p) == e.id:
+		if (holderCounts(*p)>>(slotBits*slot))&slotMax == slotMax {
+			return false
+		}
+		*p += inc
+	case *p&listBit == 0:
+		off := x.arena.alloc(1)
+		l := x.arena.list(off, 2)
+		l[0], l[1] = *p, mine
+		if holderID(*p) > e.id {
+			l[0], l[1] = mine, *p
+		}
+		*p = listWord(off, 2, 1)
+	default:
+		w := *p
+		n, class, off := listLen(w), listClass(w), listOff(w)
+		l := x.arena.list(off, n)
+		i, found := searchHolders(l, e.id)
+		if found {
+			if (holderCounts(l[i])>>(slotBits*slot))&slotMax == slotMax {
+				return false
+			}
+			l[i] += inc
+			break
+		}
+		if n < 1<<class {
+			l = x.arena.list(off, n+1)
+			copy(l[i+1:], l[i:n])
+			l[i] = mine
+			*p = listWord(off, n+1, class)
+			break
+		}
+		if class == maxClass {
+			return false
+		}
+		noff := x.arena.alloc(class + 1)
+		nl := x.arena.list(noff, n+1)
+		copy(nl, l[:i])
+		nl[i] = mine
+		copy(nl[i+1:], l[i:])
+		x.arena.release(off, class)
+		*p = listWord(noff, n+1, class+1)
 	}
-	e.keys[k] = c + 1<<(8*slot)
 	e.bySlot[slot]++
 	return true
 }
 
-// remove counts one copy less of the block keyed k on slot, and forgets k when no tier
-// holds it.
-func (e *engineBlocks) remove(k uint64, slot int) {
+// removeCopy counts one copy less of the block keyed k on slot for e, and drops e from the
+// block's holders when no tier of e's holds it.
+func (x *Index) removeCopy(e *Engine, k uint64, slot int) {
 	if slot == noSlot {
 		e.untiered--
 		return
 	}
-	c := e.keys[k]
-	if (c>>(8*slot))&slotMax == 0 {
-		return // added under no slot: only SetTierWeights' first call after an Apply does it
+	dec := uint64(1) << (slotBits * slot)
+	p := x.blocks.ref(k)
+	if p == nil {
+		return
+	}
+	if *p&listBit == 0 {
+		if holderID(*p) != e.id || (holderCounts(*p)>>(slotBits*slot))&slotMax == 0 {
+			return // added under no slot: only SetTierWeights' first call after an Apply does it
+		}
+		e.bySlot[slot]--
+		if *p -= dec; holderCounts(*p) == 0 {
+			x.blocks.del(k)
+		}
+		return
+	}
+	l := x.arena.list(listOff(*p), listLen(*p))
+	i, found := searchHolders(l, e.id)
+	if !found || (holderCounts(l[i])>>(slotBits*slot))&slotMax == 0 {
+		return
 	}
 	e.bySlot[slot]--
-	if c -= 1 << (8 * slot); c == 0 {
-		delete(e.keys, k)
-	} else {
-		e.keys[k] = c
+	if l[i] -= dec; holderCounts(l[i]) == 0 {
+		x.dropAt(p, l, i)
 	}
+}
+
+// dropHolder drops e from the holders of the block keyed k, whatever its copies.
+func (x *Index) dropHolder(e *Engine, k uint64) {
+	p := x.blocks.ref(k)
+	switch {
+	case p == nil:
+	case *p&listBit == 0:
+		if holderID(*p) == e.id {
+			x.blocks.del(k)
+		}
+	default:
+		l := x.arena.list(listOff(*p), listLen(*p))
+		if i, found := searchHolders(l, e.id); found {
+			x.dropAt(p, l, i)
+		}
+	}
+}
+
+// dropAt removes the i-th holder of the list l that the blocks table's word at p names: a
+// list of one becomes a lone holder, and a list a quarter full moves to a smaller one.
+func (x *Index) dropAt(p *uint64, l []uint64, i int) {
+	off, class, n := listOff(*p), listClass(*p), len(l)
+	if n == 2 {
+		*p = l[1-i]
+		x.arena.release(off, class)
+		return
+	}
+	copy(l[i:], l[i+1:])
+	n--
+	if class > 1 && n <= 1<<(class-2) {
+		noff := x.arena.alloc(class - 1)
+		copy(x.arena.list(noff, n), l[:n])
+		x.arena.release(off, class)
+		*p = listWord(noff, n, class-1)
+		return
+	}
+	*p = listWord(off, n, class)
+}
+
+// holders returns the holders a blocks table word names; one keeps a lone holder.
+func (x *Index) holders(w uint64, one *[1]uint64) []uint64 {
+	if w&listBit == 0 {
+		one[0] = w
+		return one[:]
+	}
+	return x.arena.list(listOff(w), listLen(w))
 }
 
 // Touch records that a message of engine's arrived at t, whether or not it changed the
 // index: the engine's publisher is alive.
 func (x *Index) Touch(engine string, t time.Time) {
 	x.mu.Lock()
-	x.engineLocked(engine).last = t
+	e := x.engineLocked(engine)
 	x.mu.Unlock()
+	n := int64(0)
+	if !t.IsZero() {
+		n = t.UnixNano()
+	}
+	e.last.Store(n)
 }
 
 // Forget drops everything the index knows of engine.
 func (x *Index) Forget(engine string) {
 	x.mu.Lock()
-	delete(x.engines, engine)
+	if e := x.engines[engine]; e != nil {
+		x.clearLocked(e)
+	}
 	x.mu.Unlock()
 }
 
-// Retain forgets every engine for which keep is false.
+// Retain forgets every engine for which keep is false, and drops its handle.
 func (x *Index) Retain(keep func(engine string) bool) {
 	x.mu.Lock()
-	for name := range x.engines {
+	for name, e := range x.engines {
 		if !keep(name) {
+			x.clearLocked(e)
 			delete(x.engines, name)
+			x.byID[e.id] = nil
+			x.freeIDs = append(x.freeIDs, e.id)
+			e.removed.Store(true)
 		}
 	}
 	x.mu.Unlock()
 }
 
 // Matcher computes the keys of one request's tokens once per block size, for matching them
-// against several engines. Its zero value is not usable; see NewMatcher.
+// against several engines. Its zero value is not usable; see NewMatcher. It is not safe for
+// concurrent use.
 type Matcher struct {
 	tokens []uint32
 	// sizes and keys are the block sizes hashed so far and their keys; one, nearly always.
 	sizes []int
 	keys  [][]uint64
+	// words and alive are MatchAll's scratch.
+	words []uint64
+	alive []matchAcc
 }
 
 // NewMatcher returns a matcher of tokens.
@@ -303,50 +567,222 @@ type View struct {
 	Last time.Time
 }
 
+// matchAcc is one engine's match as a walk goes: its blocks off the GPU per tier and their
+// weights. Every engine a walk follows holds its first blocks from the first on, so its
+// GPU blocks are the rest of those it matched (view).
+type matchAcc struct {
+	e                *Engine
+	id               uint32
+	cpu, disk, other int32
+	weighted         float64
+}
+
+// add counts one more block of bs tokens on slot of weight w.
+func (a *matchAcc) add(slot int, w float64, bs int) {
+	switch slot {
+	case slotGPU:
+		return // weighed 1 each at the end, as Match does
+	case slotCPU:
+		a.cpu++
+	case slotDisk:
+		a.disk++
+	default:
+		a.other++
+	}
+	a.weighted += w * float64(bs)
+}
+
+// view is a's View for a match of blocks blocks of bs tokens.
+func (a *matchAcc) view(blocks, bs int) View {
+	gpu := blocks - int(a.cpu+a.disk+a.other)
+	v := View{GPU: gpu * bs, CPU: int(a.cpu) * bs, Disk: int(a.disk) * bs, Other: int(a.other) * bs}
+	v.Weighted = a.weighted + float64(v.GPU)
+	v.Matched = blocks * bs
+	return v
+}
+
+// best is the slot of best weight among those counts holds copies on, and its weight;
+// noSlot if none of weight above 0.
+func (x *Index) best(counts uint32) (int, float64) {
+	if counts&slotMax != 0 {
+		return slotGPU, 1 // the common case, and the best weight: no other tier to look at
+	}
+	w := &x.tiers.weight
+	best, slot := 0.0, noSlot
+	for s := 1; counts>>(slotBits*s) != 0; s++ {
+		if (counts>>(slotBits*s))&slotMax != 0 && w[s] > best {
+			best, slot = w[s], s
+		}
+	}
+	return slot, best
+}
+
 // Match returns what the index knows of engine for m's tokens.
 func (x *Index) Match(m *Matcher, engine string) View {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	e := x.engines[engine]
+	e := x.knownLocked(engine)
 	if e == nil {
 		return View{}
 	}
-	v := View{Last: e.last}
-	if e.blockSize == 0 || len(e.keys) == 0 {
+	v := View{Last: e.lastTime()}
+	if e.blockSize == 0 || e.copies.Len() == 0 {
 		return v
 	}
 	bs := e.blockSize
-	w := &x.tiers.weight
-	gpu := 0
+	a := matchAcc{e: e, id: e.id}
+	var one [1]uint64
+	blocks := 0
 	for _, k := range m.keysOf(bs) {
-		c := e.keys[k]
-		if c&slotMax != 0 {
-			gpu += bs // the common case, and the best weight: no other tier to look at
-			continue
+		w, ok := x.blocks.get(k)
+		if !ok {
+			break
 		}
-		best, slot := 0.0, noSlot
-		for s := 1; c>>(8*s) != 0; s++ {
-			if (c>>(8*s))&slotMax != 0 && w[s] > best {
-				best, slot = w[s], s
-			}
+		hs := x.holders(w, &one)
+		i, found := searchHolders(hs, e.id)
+		if !found {
+			break
 		}
+		slot, wt := x.best(holderCounts(hs[i]))
 		if slot == noSlot {
 			break
 		}
-		v.Weighted += best * float64(bs)
-		switch slot {
-		case slotCPU:
-			v.CPU += bs
-		case slotDisk:
-			v.Disk += bs
-		default:
-			v.Other += bs
+		a.add(slot, wt, bs)
+		blocks++
+	}
+	av := a.view(blocks, bs)
+	av.Last = v.Last
+	return av
+}
+
+// Matches is what the index knows of every engine for one request (MatchAll).
+type Matches struct {
+	// found are the engines holding at least the request's first block, sorted by id.
+	found []matchFound
+}
+
+type matchFound struct {
+	e *Engine
+	v View
+}
+
+// Of returns what the index knows of e for the request: its View, as Match would return it.
+func (r *Matches) Of(e *Engine) View {
+	lo, hi := 0, len(r.found)
+	for lo < hi {
+		m := int(uint(lo+hi) >> 1)
+		if r.found[m].e.id < e.id {
+			lo = m + 1
+		} else {
+			hi = m
 		}
 	}
-	v.GPU = gpu
-	v.Weighted += float64(gpu)
-	v.Matched = gpu + v.CPU + v.Disk + v.Other
+	v := View{}
+	if lo < len(r.found) && r.found[lo].e == e {
+		v = r.found[lo].v
+	}
+	v.Last = e.lastTime()
 	return v
+}
+
+// Len returns how many engines hold at least the request's first block.
+func (r *Matches) Len() int { return len(r.found) }
+
+// MatchAll answers, into r, how many of m's leading tokens every engine holds, in one walk
+// of the request's keys: a key's holders are the engines holding the block, and an engine's
+// prefix ends at the first block it does not hold. Its cost grows with the blocks matched
+// and the engines holding them, not with the engines the index knows.
+func (x *Index) MatchAll(m *Matcher, r *Matches) {
+	r.found = r.found[:0]
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	for bs := range x.sizes {
+		x.matchSize(m, bs, r)
+	}
+	slices.SortFunc(r.found, func(a, b matchFound) int { return cmp.Compare(a.e.id, b.e.id) })
+}
+
+// matchSize walks m's keys in blocks of bs for the engines whose block size it is.
+func (x *Index) matchSize(m *Matcher, bs int, r *Matches) {
+	keys := m.keysOf(bs)
+	// The table lookups first, apart from the walk: they do not depend on each other, so
+	// the processor has many of their cache misses in flight at once.
+	words := m.words[:0]
+	for _, k := range keys {
+		w, ok := x.blocks.get(k)
+		if !ok {
+			break // no engine holds it, so no prefix goes on
+		}
+		words = append(words, w)
+	}
+	m.words = words
+	if len(words) == 0 {
+		return
+	}
+	var lone [2][1]uint64
+	alive := m.alive[:0]
+	first := x.holders(words[0], &lone[1])
+	for _, h := range first {
+		e := x.byID[holderID(h)]
+		if e == nil || e.blockSize != bs {
+			continue
+		}
+		if slot, w := x.best(holderCounts(h)); slot != noSlot {
+			a := matchAcc{e: e, id: e.id}
+			a.add(slot, w, bs)
+			alive = append(alive, a)
+		}
+	}
+	// prev are the holders of the block before when every one of them is alive on a GPU
+	// copy: a block with the very same holders then changes nothing but the blocks
+	// matched, which a comparison of a few words tells. Along a shared prefix nearly every
+	// block is so.
+	prev := x.cleanHolders(first, len(alive))
+	for i, w := range words[1:] {
+		if len(alive) == 0 {
+			break
+		}
+		// A lone holder is kept in one of two words, so that prev's is not overwritten.
+		hs := x.holders(w, &lone[i&1])
+		if prev != nil && slices.Equal(hs, prev) {
+			continue
+		}
+		blocks := i + 1 // those before this one: where the prefixes that end here end
+		j, kept := 0, alive[:0]
+		for _, a := range alive {
+			for j < len(hs) && holderID(hs[j]) < a.id {
+				j++
+			}
+			if j < len(hs) && holderID(hs[j]) == a.id {
+				if slot, wt := x.best(holderCounts(hs[j])); slot != noSlot {
+					a.add(slot, wt, bs)
+					kept = append(kept, a)
+					continue
+				}
+			}
+			r.found = append(r.found, matchFound{e: a.e, v: a.view(blocks, bs)})
+		}
+		alive = kept
+		prev = x.cleanHolders(hs, len(alive))
+	}
+	for _, a := range alive {
+		r.found = append(r.found, matchFound{e: a.e, v: a.view(len(words), bs)})
+	}
+	m.alive = alive
+}
+
+// cleanHolders returns hs if all of them are alive (alive of them are, and none are
+// otherwise) on a GPU copy; nil if not.
+func (x *Index) cleanHolders(hs []uint64, alive int) []uint64 {
+	if len(hs) != alive {
+		return nil
+	}
+	for _, h := range hs {
+		if holderCounts(h)&slotMax == 0 {
+			return nil
+		}
+	}
+	return hs
 }
 
 // EngineStats is what the index holds of one engine.
@@ -366,15 +802,15 @@ type EngineStats struct {
 func (x *Index) Stats(engine string) (s EngineStats, ok bool) {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	e := x.engines[engine]
+	e := x.knownLocked(engine)
 	if e == nil {
 		return EngineStats{}, false
 	}
 	return x.statsLocked(e), true
 }
 
-func (x *Index) statsLocked(e *engineBlocks) EngineStats {
-	s := EngineStats{Blocks: len(e.byHash), BlockSize: e.blockSize, Last: e.last}
+func (x *Index) statsLocked(e *Engine) EngineStats {
+	s := EngineStats{Blocks: e.copies.Len(), BlockSize: e.blockSize, Last: e.lastTime()}
 	for slot, n := range e.bySlot {
 		if n > 0 {
 			if s.BlocksByTier == nil {
@@ -398,7 +834,9 @@ func (x *Index) Engines() map[string]EngineStats {
 	defer x.mu.RUnlock()
 	out := make(map[string]EngineStats, len(x.engines))
 	for name, e := range x.engines {
-		out[name] = x.statsLocked(e)
+		if e.known {
+			out[name] = x.statsLocked(e)
+		}
 	}
 	return out
 }
@@ -408,16 +846,17 @@ func (x *Index) Engines() map[string]EngineStats {
 func (x *Index) BlockKeys(engine string, limit int) []uint64 {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	e := x.engines[engine]
+	e := x.knownLocked(engine)
 	if e == nil {
 		return nil
 	}
-	out := make([]uint64, 0, min(limit, len(e.keys)))
-	for k := range e.keys {
-		if len(out) >= limit {
-			break
+	out := make([]uint64, 0, min(limit, e.copies.Len()))
+	seen := make(map[uint64]bool, cap(out))
+	e.copies.each(func(k uint64) {
+		if len(out) < limit && !seen[k] {
+			seen[k] = true
+			out = append(out, k)
 		}
-		out = append(out, k)
-	}
+	})
 	return out
 }

@@ -33,13 +33,15 @@ const (
 )
 
 // MaxNamedTiers is how many tiers besides gpu, cpu and disk SetTierWeights may name: each
-// is a place in every block's entry, which holds eight.
+// is a place in every holder of a block, which holds eight.
 const MaxNamedTiers = numSlots - 3
 
-// numSlots is how many tiers a block's entry counts copies on: 8 bits each in a uint64,
-// which costs the index's map no more than the int32 count it replaces (the key's 8
-// bytes align the slot to 16 either way).
-const numSlots = 8
+// numSlots is how many tiers a block's holder counts an engine's copies on: slotBits each
+// in 32 bits, beside the engine's id in a holder's other 32.
+const (
+	numSlots = 8
+	slotBits = 4
+)
 
 // The fixed slots; named tiers take the ones after them.
 const (
@@ -54,7 +56,7 @@ const (
 // slotMax is the most copies of one block one slot counts; a further copy (the same tokens
 // under yet another hash of the same engine, which only a hostile publisher makes) is not
 // indexed, so that the count never spills into the next slot.
-const slotMax = 0xff
+const slotMax = 1<<slotBits - 1
 
 // diskMedia are the media names, lower case, of tier disk.
 var diskMedia = [...]string{"disk", "localdisk", "local_disk", "ssd", "nvme"}

@@ -21,6 +21,9 @@ const (
 // about 16M tokens, enough for the recent conversations of a large pool.
 const DefaultMaxTreeBytes = 64 << 20
 
+// smallPool is how many engines MatchSince matches marks against one by one.
+const smallPool = 16
+
 // evictTo is the share of the bound an eviction brings the tree down to, so that a full
 // tree does not evict on every insert.
 const evictToNum, evictToDen = 9, 10
@@ -209,9 +212,40 @@ func (t *Tree) Match(text string, engines []string, matched []int) {
 // (a nil since counts all): for an engine whose own KV events tell what it holds, the text
 // routed to it that its events may not have told yet.
 func (t *Tree) MatchSince(text string, engines []string, since []time.Time, matched []int) {
+	t.matchSince(text, engines, nil, since, matched)
+}
+
+// Names are engines' names and where each is among them, for MatchNames: made once for the
+// picks of a pool whose candidates stay the same.
+type Names struct {
+	list []string
+	at   map[string]int
+}
+
+// NewNames returns list (which it keeps) with the place of each name.
+func NewNames(list []string) *Names {
+	n := &Names{list: list, at: make(map[string]int, len(list))}
+	for i, e := range list {
+		n.at[e] = i
+	}
+	return n
+}
+
+// List returns the names.
+func (n *Names) List() []string { return n.list }
+
+// MatchNames is MatchSince of the engines named by names.
+func (t *Tree) MatchNames(text string, names *Names, since []time.Time, matched []int) {
+	t.matchSince(text, names.list, names.at, since, matched)
+}
+
+// matchSince is MatchSince; byName, if not nil, is where each of engines is among them.
+func (t *Tree) matchSince(text string, engines []string, byName map[string]int, since []time.Time, matched []int) {
 	clear(matched)
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	// A node near the root may hold a mark of every engine of a large pool: past a few
+	// engines, each mark finds its engine by a map, not by a pass over all of them.
 	n, rest, depth := &t.root, text, 0
 	for len(rest) > 0 {
 		c := n.child(rest[0])
@@ -220,8 +254,20 @@ func (t *Tree) MatchSince(text string, engines []string, since []time.Time, matc
 		}
 		k := commonPrefix(c.edge, rest)
 		depth += k
+		if byName == nil && len(engines) > smallPool && len(c.marks) > 0 {
+			byName = make(map[string]int, len(engines))
+			for i, e := range engines {
+				byName[e] = i
+			}
+		}
 		// Engines deeper down were on every node above too: the deepest mark wins.
 		for _, m := range c.marks {
+			if byName != nil {
+				if i, ok := byName[m.engine]; ok && (since == nil || m.at >= since[i].UnixNano()) {
+					matched[i] = depth
+				}
+				continue
+			}
 			for i, want := range engines {
 				if want == m.engine && (since == nil || m.at >= since[i].UnixNano()) {
 					matched[i] = depth

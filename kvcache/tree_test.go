@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestTreeMatch(t *testing.T) {
@@ -233,5 +234,32 @@ func TestTreeKeepsItsCountsRightThroughAnyMixOfOperations(t *testing.T) {
 		if err := tr.check(); err != nil {
 			t.Fatalf("after operation %d: %v", i, err)
 		}
+	}
+}
+
+func TestTreeMatchNamesInALargePoolAsOneByOne(t *testing.T) {
+	// Past smallPool engines a mark finds its engine by a map: the same answers as a pass
+	// over a few engines at a time.
+	tr := NewTree(0)
+	var engines []string
+	for i := range 40 {
+		e := fmt.Sprintf("e%d", i)
+		engines = append(engines, e)
+		tr.InsertAt("system prompt "+strings.Repeat("x", i)+" user", e, time.Unix(int64(i), 0))
+	}
+	text := "system prompt " + strings.Repeat("x", 25) + " user asks"
+	since := make([]time.Time, len(engines))
+	since[30] = time.Unix(31, 0) // e30's text is older than asked: none of it counts
+	got := make([]int, len(engines))
+	tr.MatchNames(text, NewNames(engines), since, got)
+	for i, e := range engines {
+		one := make([]int, 1)
+		tr.MatchSince(text, []string{e}, since[i:i+1], one)
+		if got[i] != one[0] {
+			t.Errorf("%s: matched %d among 40, %d alone", e, got[i], one[0])
+		}
+	}
+	if got[25] != len("system prompt ")+25+len(" user") {
+		t.Errorf("the engine sent this very prompt's head matched %d bytes", got[25])
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/pdproxy/pdproxy/internal/h1client"
+	"github.com/pdproxy/pdproxy/kvcache"
 )
 
 // Backend is one engine. Its exported fields come from config and are read-only; the
@@ -66,6 +67,10 @@ type backendState struct {
 	inflight atomic.Int64
 	// started counts the leases ever started on the backend: with inflight, how many ended.
 	started atomic.Int64
+	// kvEngine is the index's handle of the backend's engine, looked up by name once
+	// (kvEngineIn), not on every pick; beside the counts a pick reads of every candidate, in
+	// the same cache line.
+	kvEngine atomic.Pointer[kvcache.Engine]
 	// ranks counts the leases in flight on each data-parallel rank; nil for an engine of
 	// one rank. A lease keeps a pointer to its own rank's counter; a reload that changes the
 	// size swaps in new counters.

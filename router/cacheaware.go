@@ -1,6 +1,8 @@
 package router
 
 import (
+	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -53,6 +55,13 @@ type CacheAware struct {
 	// tierTokens counts the picked engine's matched tokens by tier (gpu, cpu, disk, other);
 	// nil counts nothing.
 	tierTokens *[4]prometheus.Counter
+
+	// names are the names of the candidates of the latest pick of a large pool, by
+	// namesOf, for the tree: they are nearly always the same, and a map of a thousand
+	// names made on every pick would cost more than the pick.
+	namesMu  sync.Mutex
+	namesOf  []*Backend
+	lastName *kvcache.Names
 }
 
 // Interface guards.
@@ -89,6 +98,9 @@ func (p *CacheAware) SetPool(all []*Backend) {
 		names[b.Name] = true
 	}
 	p.tree.Retain(func(e string) bool { return names[e] })
+	p.namesMu.Lock()
+	p.namesOf, p.lastName = nil, nil // keeps no backend of the pool before alive
+	p.namesMu.Unlock()
 }
 
 // Forget drops what the approximate view holds of backend. The precise view is the router's,
@@ -119,8 +131,7 @@ func (p *CacheAware) Select(cands []*Backend, h Hint) *Backend {
 		return b
 	}
 	var shareBuf [candidatesOnStack]float64
-	var viewBuf [candidatesOnStack]kvcache.View
-	shares, views := p.score(cands, h, now, shareBuf[:0], viewBuf[:0])
+	shares, found := p.score(cands, h, now, shareBuf[:0])
 	best := 0
 	for i := 1; i < len(cands); i++ {
 		if shares[i] > shares[best] || shares[i] == shares[best] && bd.loads[i].load < bd.loads[best].load {
@@ -130,15 +141,27 @@ func (p *CacheAware) Select(cands []*Backend, h Hint) *Backend {
 	if shares[best] > 0 && (shares[best] >= p.cfg.CacheThreshold || p.cfg.CacheThreshold < 0) {
 		b := cands[best]
 		p.picked(b, h, shares[best])
-		p.countTiers(views[best])
+		p.countTiers(p.viewOf(found, b, now))
 		return b
 	}
 	// No engine holds enough of it: where every replica would place it.
 	pick := bd.pick(key)
 	b := cands[pick]
 	p.picked(b, h, shares[pick])
-	p.countTiers(views[pick])
+	p.countTiers(p.viewOf(found, b, now))
 	return b
+}
+
+// viewOf is what found says of b, zero if nothing or if b's events are stale.
+func (p *CacheAware) viewOf(found *kvcache.Matches, b *Backend, now time.Time) kvcache.View {
+	if found == nil {
+		return kvcache.View{}
+	}
+	v := found.Of(b.kvEngineIn(p.index))
+	if v.Last.IsZero() || now.Sub(v.Last) >= p.staleAfter {
+		return kvcache.View{}
+	}
+	return v
 }
 
 // countTiers counts v's matched tokens by tier.
@@ -174,40 +197,73 @@ const pendingGrace = 2 * time.Second
 // weighed by its tier (View.Weighted: a prompt on CPU scores below the same prompt on GPU
 // and above nothing), and the share of h.Text routed to it since pendingGrace before its
 // latest event; for another, the share of h.Text ever routed to it (that the tree still
-// holds). It appends to views what the index says of each (zero for a stale engine).
-func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float64, views []kvcache.View) ([]float64, []kvcache.View) {
+// holds). It returns what the index says of the request, for viewOf; nil without an index
+// or tokens.
+func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float64) ([]float64, *kvcache.Matches) {
 	var textBuf [candidatesOnStack]int
 	var nameBuf [candidatesOnStack]string
 	var sinceBuf [candidatesOnStack]time.Time
-	var matcher *kvcache.Matcher
+	if n := len(cands); n > candidatesOnStack { // one allocation each, not a growth by doubling
+		out = make([]float64, 0, n)
+	}
+	// One walk of the index answers every engine's match; each candidate then reads its own.
+	var found *kvcache.Matches
 	if p.index != nil && len(h.Tokens) > 0 {
-		matcher = kvcache.NewMatcher(h.Tokens)
+		found = new(kvcache.Matches)
+		p.index.MatchAll(kvcache.NewMatcher(h.Tokens), found)
 	}
 	names, matched, since := nameBuf[:0], textBuf[:0], sinceBuf[:0]
+	large := len(cands) > candidatesOnStack && h.Text != ""
+	if large {
+		matched, since = make([]int, 0, len(cands)), make([]time.Time, 0, len(cands))
+	}
 	for _, b := range cands {
-		share, from, view := 0.0, time.Time{}, kvcache.View{}
-		if matcher != nil {
-			v := p.index.Match(matcher, b.Name)
+		share, from := 0.0, time.Time{}
+		if found != nil {
+			v := found.Of(b.kvEngineIn(p.index))
 			if !v.Last.IsZero() && now.Sub(v.Last) < p.staleAfter {
 				share = v.Weighted / float64(len(h.Tokens))
 				from = v.Last.Add(-pendingGrace)
-				view = v
 			}
 		}
 		out = append(out, share)
-		views = append(views, view)
-		names = append(names, b.Name)
-		matched = append(matched, 0)
-		since = append(since, from)
+		if h.Text != "" {
+			if !large {
+				names = append(names, b.Name)
+			}
+			matched = append(matched, 0)
+			since = append(since, from)
+		}
 	}
 	if h.Text == "" {
-		return out, views
+		return out, found
 	}
-	p.tree.MatchSince(h.Text, names, since, matched)
+	if large {
+		p.tree.MatchNames(h.Text, p.namesFor(cands), since, matched)
+	} else {
+		p.tree.MatchSince(h.Text, names, since, matched)
+	}
 	for i := range out {
 		out[i] = max(out[i], float64(matched[i])/float64(len(h.Text)))
 	}
-	return out, views
+	return out, found
+}
+
+// namesFor returns the names of cands, those of the pick before when the candidates are
+// the same.
+func (p *CacheAware) namesFor(cands []*Backend) *kvcache.Names {
+	p.namesMu.Lock()
+	defer p.namesMu.Unlock()
+	if p.lastName != nil && slices.Equal(p.namesOf, cands) {
+		return p.lastName
+	}
+	list := make([]string, len(cands))
+	for i, b := range cands {
+		list[i] = b.Name
+	}
+	p.namesOf = append(p.namesOf[:0], cands...)
+	p.lastName = kvcache.NewNames(list)
+	return p.lastName
 }
 
 func (p *CacheAware) clock() time.Time {

@@ -92,6 +92,8 @@ func TestCacheAwareValidateNamesTheBadField(t *testing.T) {
 		{"a dialed endpoint with a wildcard host", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, KVEventsEndpoint: "tcp://*:5557"}}}, "backends[0].kv_events_endpoint:"},
 		{"a replay endpoint with no events to replay", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, KVEventsReplayEndpoint: "tcp://d:5558"}}}, "backends[0].kv_events_replay_endpoint: set, but"},
 		{"an events endpoint on a discover entry", Config{Backends: []BackendConfig{{Name: "pool", URL: "http://svc:1", Role: RoleDecode, Discover: DiscoverDNS, KVEventsEndpoint: "tcp://svc:5557"}}}, "backends[0].kv_events_endpoint: set on a discover entry"},
+		{"a negative max_blocks", Config{Backends: []BackendConfig{decoder}, KVEvents: KVEventsConfig{MaxBlocks: -1}}, "kv_events.max_blocks: -1 is negative"},
+		{"a max_blocks below the default per backend", Config{Backends: []BackendConfig{decoder}, KVEvents: KVEventsConfig{MaxBlocks: 1000}}, "kv_events.max_blocks: 1000 is below kv_events.max_blocks_per_backend (1048576)"},
 		{"a negative block_size", Config{Backends: []BackendConfig{decoder}, BlockSize: -16}, "block_size:"},
 	}
 	for _, tt := range tests {

@@ -256,6 +256,10 @@ type KVEventsConfig struct {
 	// MaxBlocksPerBackend bounds the blocks the index keeps of each engine: events past it
 	// are dropped and counted (index_full). Zero means 1Mi, far above a GPU's. Read at start.
 	MaxBlocksPerBackend int `yaml:"max_blocks_per_backend"`
+	// MaxBlocks bounds the blocks the index keeps in all, a block counted once per engine
+	// holding it: stores past it are dropped and counted (index_full) until the engines'
+	// removals make room. About 45 bytes each; zero means 64Mi (about 3 GiB). Read at start.
+	MaxBlocks int `yaml:"max_blocks"`
 	// AllowedSources are IP addresses and CIDR prefixes, "10.0.0.0/24", whose messages on
 	// kv_events.listen may speak for any backend: engines behind a NAT or a relay. Without
 	// them a topic's events are taken only from its backend's host address. Empty means none.

@@ -92,6 +92,18 @@ func (r *Router) CachedTokens(name string, tokens []uint32) (n int, ok bool) {
 	return weightedTokens(v), true
 }
 
+// kvEngineIn is b's engine in index x, its handle kept on the backend's state: a pick looks
+// every candidate up, and a name's lookup under the index's lock for each of a thousand
+// engines would cost more than the match.
+func (b *Backend) kvEngineIn(x *kvcache.Index) *kvcache.Engine {
+	if e := b.st.kvEngine.Load(); e != nil && e.Index() == x && !e.Removed() {
+		return e
+	}
+	e := x.Engine(b.Name)
+	b.st.kvEngine.Store(e)
+	return e
+}
+
 // weightedTokens is v's weighted match in whole tokens; the epsilon keeps a sum of weights
 // such as 0.1 that floats cannot hold from losing a token.
 func weightedTokens(v kvcache.View) int {

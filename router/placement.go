@@ -55,13 +55,20 @@ type bounds struct {
 	total   int64
 	weights int
 	c       float64
+	// evenWeights is set when every candidate has the same weight: the rendezvous order is
+	// then the order of the hashes, with no logarithm per candidate.
+	evenWeights bool
 }
 
 // newBounds reads cands' loads at now into buf (pools of up to candidatesOnStack candidates
 // do not allocate).
 func newBounds(cands []*Backend, now time.Time, c float64, buf []loadView) bounds {
-	bd := bounds{cands: cands, loads: buf[:0], c: c}
+	bd := bounds{cands: cands, loads: buf[:0], c: c, evenWeights: true}
+	if n := len(cands); n > len(buf) {
+		bd.loads = make([]loadView, 0, n) // one allocation, not a growth by doubling
+	}
 	for _, b := range cands {
+		bd.evenWeights = bd.evenWeights && max(b.Weight, 1) == max(cands[0].Weight, 1)
 		load, full, _ := b.loadScore(now)
 		bd.loads = append(bd.loads, loadView{load, full})
 		bd.total += load
@@ -88,7 +95,12 @@ func (bd *bounds) pick(key uint64) int {
 	best, home := -1, 0
 	var bestScore, homeScore float64
 	for i, b := range bd.cands {
-		s := rendezvousScore(key, b)
+		var s float64
+		if bd.evenWeights {
+			s = float64(mix64(key^b.nameHash) >> 11) // what rendezvousScore ranks by, as it ranks
+		} else {
+			s = rendezvousScore(key, b)
+		}
 		if i == 0 || s > homeScore {
 			home, homeScore = i, s
 		}

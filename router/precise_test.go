@@ -470,3 +470,32 @@ func BenchmarkPreciseCacheAwareSelect(b *testing.B) {
 		p.Select(bs, Hint{Tokens: prompt, Text: text})
 	}
 }
+
+func TestPreciseIndexKeepsAtMostMaxBlocksInAll(t *testing.T) {
+	// Three blocks in all: d0's two fit, d1's two would pass the bound and are dropped as
+	// index_full, until d0's removal makes room.
+	cfg := listenCfg()
+	cfg.KVEvents.MaxBlocks, cfg.KVEvents.MaxBlocksPerBackend = 3, 3
+	r := startPrecise(t, cfg)
+	listen := r.listenAddr(t)
+	d0 := newKVPublisher(t, listen, "kv@10.0.0.1:8000@model")
+	d1 := newKVPublisher(t, listen, "kv@10.0.0.2:8000@model")
+	r.connect(t, d0, "d0")
+	r.connect(t, d1, "d1")
+	prompt := promptTokens(0, 2*kvBlock)
+	d0.publish(blockStored(hashesOf(1, 2), nil, prompt))
+	r.waitBlocks(t, "d0", 2)
+	d1.publish(blockStored(hashesOf(2, 2), nil, prompt))
+	full := map[string]string{"backend": "d1", "reason": "index_full"}
+	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+		n := testutil.Value(t, r.reg, "pdproxy_kv_events_dropped_total", full)
+		return n == 1, fmt.Sprintf("d1's store past kv_events.max_blocks dropped %v times as index_full, want 1", n)
+	})
+	if n := r.blocks("d1"); n != 0 {
+		t.Errorf("d1 holds %d blocks past the bound", n)
+	}
+	d0.publish(blockRemoved(hashesOf(1, 2)...))
+	r.waitBlocks(t, "d0", 0)
+	d1.publish(blockStored(hashesOf(2, 2), nil, prompt))
+	r.waitBlocks(t, "d1", 2)
+}

@@ -33,7 +33,7 @@ func (r *Router) apply(cfg Config) error {
 		return fmt.Errorf("router config: kv_events.tier_weights: the tiers besides gpu, cpu and disk are read at start (%q, not %q): the index counts each block's copies in a place per tier; restart the proxy to change them (their weights may change)",
 			r.kvStart.namedTiers, start.namedTiers)
 	} else if r.kvStart != start {
-		return fmt.Errorf("router config: kv_events.listen, kv_events.max_blocks_per_backend, kv_events.replay_timeout and block_size are read at start; restart the proxy to change them")
+		return fmt.Errorf("router config: kv_events.listen, kv_events.max_blocks_per_backend, kv_events.max_blocks, kv_events.replay_timeout and block_size are read at start; restart the proxy to change them")
 	}
 	pre, preCaps, ok1 := r.newPolicy(cfg.PrefillPolicy, cfg, RolePrefill)
 	dec, decCaps, ok2 := r.newPolicy(cfg.DecodePolicy, cfg, RoleDecode)
@@ -177,9 +177,9 @@ func (b *Backend) clientIfSame(o clientOptions) *http.Client {
 
 // kvStart is the KV event settings read once, at New.
 type kvStart struct {
-	listen               string
-	blockSize, maxBlocks int
-	replayTimeout        time.Duration
+	listen                         string
+	blockSize, maxBlocks, maxTotal int
+	replayTimeout                  time.Duration
 	// namedTiers are kv_events.tier_weights' tiers besides gpu, cpu and disk, joined by
 	// commas.
 	namedTiers string
@@ -187,6 +187,6 @@ type kvStart struct {
 
 func kvStartOf(cfg Config) kvStart {
 	kv := cfg.KVEvents
-	return kvStart{listen: kv.Listen, blockSize: cfg.BlockSize, maxBlocks: kv.MaxBlocksPerBackend,
+	return kvStart{listen: kv.Listen, blockSize: cfg.BlockSize, maxBlocks: kv.MaxBlocksPerBackend, maxTotal: kv.MaxBlocks,
 		replayTimeout: kv.ReplayTimeout, namedTiers: strings.Join(kvcache.NamedTiers(kv.TierWeights), ",")}
 }

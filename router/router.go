@@ -139,6 +139,7 @@ func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) (*Router, er
 	r.disc = newDiscovery(r)
 	r.kvStart = kvStartOf(cfg)
 	r.index = kvcache.NewIndex(cfg.KVEvents.MaxBlocksPerBackend, cfg.BlockSize)
+	r.index.SetMaxTotal(cfg.KVEvents.MaxBlocks)
 	ev, err := kvcache.NewEvents(kvcache.EventsConfig{Listen: cfg.KVEvents.Listen, ReplayTimeout: cfg.KVEvents.ReplayTimeout},
 		r.index, logger.Named("kv_events"), reg)
 	if err != nil {

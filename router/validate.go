@@ -160,6 +160,12 @@ func (c *Config) checkCache() []error {
 	if kv.MaxBlocksPerBackend < 0 {
 		bad("kv_events.max_blocks_per_backend", "%d is negative", kv.MaxBlocksPerBackend)
 	}
+	switch {
+	case kv.MaxBlocks < 0:
+		bad("kv_events.max_blocks", "%d is negative", kv.MaxBlocks)
+	case kv.MaxBlocks > 0 && kv.MaxBlocks < kv.MaxBlocksPerBackend:
+		bad("kv_events.max_blocks", "%d is below kv_events.max_blocks_per_backend (%d), which could never take effect: lower that too", kv.MaxBlocks, kv.MaxBlocksPerBackend)
+	}
 	switch c.Tokenizer {
 	case "", TokenizerEngine:
 	default:
