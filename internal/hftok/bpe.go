@@ -1,6 +1,9 @@
 package hftok
 
-import "sync"
+import (
+	"sync"
+	"sync/atomic"
+)
 
 // maxCachedWords bounds the cache of words' tokens: once full it starts again, which costs
 // a prompt of new words no more than an empty cache does.
@@ -23,25 +26,24 @@ type bpe struct {
 	merges       map[pair]merge
 	ignoreMerges bool // a word that is a token of its own is that token, merges or not
 
-	mu    sync.RWMutex
-	cache map[string][]uint32
+	// cache holds words' tokens (string to []uint32), read without a lock on the hot path;
+	// cached counts its entries, roughly.
+	cache  sync.Map
+	cached atomic.Int64
 }
 
 // encode appends the tokens of word (raw bytes, not yet mapped to characters) to dst.
 func (m *bpe) encode(dst []uint32, word string) []uint32 {
-	m.mu.RLock()
-	ids, ok := m.cache[word]
-	m.mu.RUnlock()
-	if ok {
-		return append(dst, ids...)
+	if ids, ok := m.cache.Load(word); ok {
+		return append(dst, ids.([]uint32)...)
 	}
-	ids = m.merge(word)
-	m.mu.Lock()
-	if len(m.cache) >= maxCachedWords {
-		m.cache = make(map[string][]uint32, maxCachedWords/4)
+	ids := m.merge(word)
+	if m.cached.Add(1) > maxCachedWords {
+		m.cache.Clear()
+		m.cached.Store(0)
 	}
-	m.cache[word] = ids
-	m.mu.Unlock()
+	// The word may be a slice of a large prompt: the cache keeps a copy, not the prompt.
+	m.cache.Store(string([]byte(word)), ids)
 	return append(dst, ids...)
 }
 

@@ -22,7 +22,7 @@ type Tokenizer struct {
 	model      *bpe
 	normalize  func(string) string // nil: none
 	pre        splitter
-	added      map[byte][]addedToken // by first byte, the longest first
+	added      [256][]addedToken // by first byte, the longest first
 	prefix     []uint32              // what TemplateProcessing puts before a prompt
 	suffix     []uint32              // and after it
 	vocabSize  int
@@ -127,7 +127,7 @@ func Load(data []byte) (*Tokenizer, error) {
 	}
 	t := &Tokenizer{specialIDs: map[string]uint32{}}
 	model := &bpe{vocab: make(map[string]uint32, len(m.Vocab)), merges: make(map[pair]merge, len(m.Merges)),
-		ignoreMerges: m.IgnoreMerges, cache: map[string][]uint32{}}
+		ignoreMerges: m.IgnoreMerges}
 	for tok, id := range m.Vocab {
 		if id < 0 || id > 1<<31 {
 			return nil, fmt.Errorf("model: token %q has id %d", tok, id)
@@ -167,10 +167,12 @@ func Load(data []byte) (*Tokenizer, error) {
 	if t.pre, err = preTokenizer(f.PreTokenizer, &sawByteLevel); err != nil {
 		return nil, fmt.Errorf("pre_tokenizer: %w", err)
 	}
+	if t.pre == nil {
+		t.pre = pipeline{}
+	}
 	if !sawByteLevel {
 		return nil, errors.New("pre_tokenizer: no ByteLevel step: not a byte-level BPE")
 	}
-	t.added = map[byte][]addedToken{}
 	for i, a := range f.AddedTokens {
 		switch {
 		case a.ID == nil || *a.ID < 0 || *a.ID > 1<<31:
@@ -189,7 +191,7 @@ func Load(data []byte) (*Tokenizer, error) {
 			t.specialIDs[a.Content] = id
 		}
 	}
-	for _, list := range t.added {
+	for _, list := range &t.added {
 		slices.SortStableFunc(list, func(x, y addedToken) int { return len(y.content) - len(x.content) })
 	}
 	if t.prefix, t.suffix, err = postProcessor(f.PostProcessor); err != nil {
@@ -312,6 +314,12 @@ func preTokenizer(raw json.RawMessage, sawByteLevel *bool) (splitter, error) {
 		}
 		switch p.Behavior {
 		case "Isolated":
+			switch expr {
+			case llama3Pattern:
+				return llama3Split{maxDigits: 3}, nil
+			case qwen2Pattern:
+				return llama3Split{maxDigits: 1}, nil
+			}
 			return regexSplit{re: re}, nil
 		case "Removed":
 			return regexSplit{re: re, remove: true}, nil
@@ -324,7 +332,12 @@ func preTokenizer(raw json.RawMessage, sawByteLevel *bool) (splitter, error) {
 			if err != nil {
 				return nil, fmt.Errorf("pretokenizers[%d]: %w", i, err)
 			}
-			steps = append(steps, s)
+			if s != (byteLevel{}) { // a ByteLevel without prefix space or regex splits nothing
+				steps = append(steps, s)
+			}
+		}
+		if len(steps) == 1 {
+			return steps[0], nil
 		}
 		return steps, nil
 	}

@@ -166,6 +166,37 @@ func FuzzEncode(f *testing.F) {
 	})
 }
 
+// FuzzSplitLlama3 holds the hand-written matchers of Llama 3's and Qwen 2's patterns to
+// the patterns run by a regular expression engine with lookahead.
+func FuzzSplitLlama3(f *testing.F) {
+	for _, s := range []string{"Hello world", "  two  spaces \n\n", "it's 2024's, WE'LL ok 1234567", " !! ?? \r\n\n x", "a\u00a0b\u3000 c", "x'", "' s", "tab\there ", " \n \t\n  y", "\t.\nz"} {
+		f.Add(s)
+	}
+	type matcher struct {
+		re    *regexp2.Regexp
+		split llama3Split
+	}
+	matchers := []matcher{
+		{regexp2.MustCompile(llama3Pattern, regexp2.Unicode), llama3Split{maxDigits: 3}},
+		{regexp2.MustCompile(qwen2Pattern, regexp2.Unicode), llama3Split{maxDigits: 1}},
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		if !utf8.ValidString(s) {
+			return
+		}
+		for _, m := range matchers {
+			got, _ := m.split.split(nil, s)
+			want, err := regexSplit{re: m.re}.split(nil, s)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(got, want) {
+				t.Fatalf("%q, digits %d: split %q, the pattern %q", s, m.split.maxDigits, got, want)
+			}
+		}
+	})
+}
+
 // gpt2Pattern is what splitGPT2 matches by hand.
 const gpt2Pattern = `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`
 

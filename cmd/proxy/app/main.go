@@ -250,7 +250,7 @@ func (m *Main) build(ctx context.Context, rcfg router.Config) error {
 		return fmt.Errorf("config: %w", err)
 	}
 	rcfg.EngineTokenizer = kvbackend.Tokenizer{}
-	local, err := loadTokenizers(m.cfg.Proxy, rcfg)
+	local, err := LoadTokenizers(m.cfg.Proxy, rcfg)
 	if err != nil {
 		return fmt.Errorf("config: %w", err)
 	}

@@ -12,10 +12,10 @@ import (
 	"github.com/pdproxy/pdproxy/router"
 )
 
-// loadTokenizers reads the files of the router config's tokenizers, one LocalTokenizer per
+// LoadTokenizers reads the files of the router config's tokenizers, one LocalTokenizer per
 // model, and refuses them where they cannot take effect: no policy routes by tokens and no
 // pd_uncached_token_threshold weighs them, so nothing would ever tokenize a request.
-func loadTokenizers(p proxy.Config, r router.Config) (map[string]router.LocalTokenizer, error) {
+func LoadTokenizers(p proxy.Config, r router.Config) (map[string]router.LocalTokenizer, error) {
 	if len(r.Tokenizers) == 0 {
 		return nil, nil
 	}
@@ -78,22 +78,21 @@ func (t *localTokenizer) Tokenize(prompt string, messages json.RawMessage) ([]ui
 // sees as the engine does. Anything more (content parts, which engines join by their own
 // rules; tool calls; names) is left to the engine.
 func plainMessages(raw json.RawMessage) ([]hftok.Message, bool) {
-	var in []map[string]json.RawMessage
-	if err := json.Unmarshal(raw, &in); err != nil || len(in) == 0 {
+	var in []struct {
+		Role    string  `json:"role"`
+		Content *string `json:"content"`
+	}
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&in); err != nil || len(in) == 0 {
 		return nil, false
 	}
 	out := make([]hftok.Message, len(in))
 	for i, m := range in {
-		if len(m) != 2 {
+		if m.Role == "" || m.Content == nil {
 			return nil, false
 		}
-		content, ok := m["content"]
-		if !ok || !bytes.HasPrefix(bytes.TrimSpace(content), []byte(`"`)) {
-			return nil, false
-		}
-		if json.Unmarshal(m["role"], &out[i].Role) != nil || json.Unmarshal(content, &out[i].Content) != nil || out[i].Role == "" {
-			return nil, false
-		}
+		out[i] = hftok.Message{Role: m.Role, Content: *m.Content}
 	}
 	return out, true
 }

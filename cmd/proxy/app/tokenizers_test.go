@@ -214,7 +214,7 @@ func TestWithNoEngineAtTheStartTheTokenizerIsCheckedAtTheFirst(t *testing.T) {
 // messages, the proxy's tokenizer (the file, the template rendered by a Jinja engine) gives
 // the tokens a sim reading the same file answers on /tokenize (ChatML written out by hand).
 func FuzzTheProxysTokensAreTheEnginesTokens(f *testing.F) {
-	local, err := loadTokenizers(tokenizerConfig("").Proxy, tokenizerConfig("").Router)
+	local, err := LoadTokenizers(tokenizerConfig("").Proxy, tokenizerConfig("").Router)
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -271,7 +271,7 @@ func FuzzTheProxysTokensAreTheEnginesTokens(f *testing.F) {
 
 // Messages the template would see otherwise than the engine does are left to the engine.
 func TestChatsOfMoreThanPlainMessagesAreTheEnginesToTokenize(t *testing.T) {
-	local, err := loadTokenizers(tokenizerConfig("").Proxy, tokenizerConfig("").Router)
+	local, err := LoadTokenizers(tokenizerConfig("").Proxy, tokenizerConfig("").Router)
 	if err != nil {
 		t.Fatal(err)
 	}
