@@ -23,8 +23,8 @@ type Tokenizer struct {
 	normalize  func(string) string // nil: none
 	pre        splitter
 	added      [256][]addedToken // by first byte, the longest first
-	prefix     []uint32              // what TemplateProcessing puts before a prompt
-	suffix     []uint32              // and after it
+	prefix     []uint32          // what TemplateProcessing puts before a prompt
+	suffix     []uint32          // and after it
 	vocabSize  int
 	specialIDs map[string]uint32
 }
