@@ -125,8 +125,14 @@ func ParseTemplate(src, bos, eos string) (*Template, error) {
 	return &Template{tpl: tpl, bos: bos, eos: eos}, nil
 }
 
-// Render renders msgs, with the assistant's turn opened when addGenerationPrompt.
-func (t *Template) Render(msgs []Message, addGenerationPrompt bool) (string, error) {
+// Render renders msgs, with the assistant's turn opened when addGenerationPrompt. The
+// messages are a client's: a template engine that panics on them answers an error.
+func (t *Template) Render(msgs []Message, addGenerationPrompt bool) (out string, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			out, err = "", fmt.Errorf("chat template: %v", p)
+		}
+	}()
 	list := make([]map[string]any, len(msgs))
 	for i, m := range msgs {
 		list[i] = map[string]any{"role": m.Role, "content": m.Content}
@@ -138,8 +144,7 @@ func (t *Template) Render(msgs []Message, addGenerationPrompt bool) (string, err
 		"eos_token":             t.eos,
 		"raise_exception":       func(msg string) (string, error) { return "", errors.New(msg) },
 	})
-	out, err := t.tpl.ExecuteToString(ctx)
-	if err != nil {
+	if out, err = t.tpl.ExecuteToString(ctx); err != nil {
 		return "", fmt.Errorf("chat template: %w", err)
 	}
 	return out, nil

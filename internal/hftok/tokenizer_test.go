@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"unicode/utf8"
 
@@ -330,4 +331,39 @@ func TestTemplate(t *testing.T) {
 			t.Error("no error")
 		}
 	})
+}
+
+// One Tokenizer and one Template serve every request at once.
+func TestConcurrentUseGivesEachCallerItsOwnAnswer(t *testing.T) {
+	tk := loadTest(t)
+	tpl, err := LoadTemplate(testConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	texts := []string{"The capital of France is Paris.", "def main():\n    return 0\n", "東京 🙂 it's 1234"}
+	var want [][]uint32
+	for _, s := range texts {
+		r, _ := tpl.Render([]Message{{"user", s}}, true)
+		ids, _ := tk.Encode(r, false)
+		want = append(want, ids)
+	}
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 50 {
+				k := (g + i) % len(texts)
+				r, err := tpl.Render([]Message{{"user", texts[k]}}, true)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				ids, err := tk.Encode(r, false)
+				if err != nil || !slices.Equal(ids, want[k]) {
+					t.Errorf("%q: %v, %v; want %v", texts[k], ids, err, want[k])
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
 }
