@@ -10,7 +10,8 @@ import (
 )
 
 // cacheRouter is what a router that routes on the engines' prefix caches offers: whether a
-// role's policy wants the request's tokens, a tokenizer (an engine's /tokenize), and how many
+// role's policy wants the request's tokens, a tokenizer (the proxy's own for the models it
+// has one of, else an engine's /tokenize), and how many
 // of a prompt's leading tokens a backend holds. Checked by type assertion: a router without
 // it routes on the text alone.
 type cacheRouter interface {
@@ -21,7 +22,8 @@ type cacheRouter interface {
 
 // tokenize gets the request's token ids once, before any backend is picked, when a policy
 // scores engines by them (precise_cache_aware) or conditional disaggregation weighs them: a
-// prompt of token ids is its own; anything else is asked of an engine. A request whose
+// prompt of token ids is its own; anything else is asked of the router, which tokenizes it
+// itself or at an engine. A request whose
 // tokenizing fails is routed on its text.
 func (x *exchange) tokenize() {
 	cr, ok := x.s.router.(cacheRouter)

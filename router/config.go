@@ -324,6 +324,14 @@ type Config struct {
 	// POST /tokenize (Router.Tokens). Empty means engine when a pool uses
 	// precise_cache_aware.
 	Tokenizer string `yaml:"tokenizer"`
+	// Tokenizers are the models whose requests the proxy tokenizes itself, by model name
+	// (as the engines serve it), each from its Hugging Face files; the other models' are
+	// tokenized by an engine's /tokenize. Read at start: a reload may not change them.
+	Tokenizers map[string]TokenizerFiles `yaml:"tokenizers"`
+	// LocalTokenizers are Tokenizers' tokenizers, by model: cmd/proxy reads the files.
+	// A model's is used once an engine agreed with it on CheckSamples (CheckTokenizers).
+	// Read at New.
+	LocalTokenizers map[string]LocalTokenizer `yaml:"-"`
 	// TokenizeTimeout bounds one /tokenize call; a request whose tokens do not come in time
 	// is scored by its text. Zero means 1s.
 	TokenizeTimeout time.Duration `yaml:"tokenize_timeout"`
@@ -335,6 +343,16 @@ type Config struct {
 	// BlockSize is the engines' KV block size in tokens (vLLM's --block-size), for events
 	// that do not give theirs; an event's own block_size wins. Zero means 16. Read at start.
 	BlockSize int `yaml:"block_size"`
+}
+
+// TokenizerFiles are a model's tokenizer files.
+type TokenizerFiles struct {
+	// File is the model's tokenizer.json (a byte-level BPE), required.
+	File string `yaml:"file"`
+	// ChatTemplate is the model's chat template: its tokenizer_config.json (whose
+	// chat_template, bos_token and eos_token are read) or a Jinja file. Empty means chat
+	// requests are tokenized by an engine's /tokenize.
+	ChatTemplate string `yaml:"chat_template"`
 }
 
 // The engine clients of Config.EngineClient.

@@ -10,7 +10,9 @@
 // configured, by GET /v1/models) and, for the policies that weigh the engines' load
 // (least_loaded and the cache-aware ones), its scrapes of the engines' /metrics, which
 // [Router.Run] owns, as it owns the KV event subscribers of precise_cache_aware. [Router.Tokens] picks the backend to tokenize at and leaves the call
-// to the [Tokenizer] it was given ([Config.EngineTokenizer]), which knows the engines.
+// to the [Tokenizer] it was given ([Config.EngineTokenizer]), which knows the engines,
+// except for the models it has a [LocalTokenizer] of ([Config.LocalTokenizers]): those it
+// tokenizes itself once [Router.CheckTokenizers] found an engine that agrees with it.
 //
 // Proxy replicas behind one Service route alone; the router makes them agree without a
 // message between them where it can (placement.go): a prompt no engine caches, and a
@@ -54,6 +56,8 @@
 //	  replay_timeout: 1s
 //	  max_blocks_per_backend: 1048576
 //	tokenizer: engine           # precise_cache_aware tokenizes with an engine's POST /tokenize
+//	tokenizers:                 # but these models in the proxy, once an engine agrees (localtokens.go); read at start
+//	  llama-3-8b: {file: /models/llama-3-8b/tokenizer.json, chat_template: /models/llama-3-8b/tokenizer_config.json}
 //	tokenize_timeout: 1s
 //	block_size: 16              # for events that give none; read at start
 //	scrape_interval: 1s         # least_loaded, cache_aware, precise_cache_aware read /metrics this often (load.go)

@@ -36,6 +36,7 @@ func (r *Router) Run(ctx context.Context) error {
 	var scraper sync.WaitGroup
 	scraper.Go(func() { r.scrapeLoop(ctx) })
 	scraper.Go(func() { r.runEvents(ctx) })
+	scraper.Go(func() { r.checkTokenizersLoop(ctx) })
 	defer scraper.Wait()
 	timer := time.NewTimer(0) // the first round at once
 	defer timer.Stop()

@@ -182,3 +182,10 @@ func (c *Config) policyWith(has func(policyCaps) bool) (name string, ok bool) {
 // Capabilities, for Config.policyWith.
 func wantsTokens(c policyCaps) bool   { return c.wantsTokens }
 func needsKVEvents(c policyCaps) bool { return c.needsKVEvents }
+
+// UsesTokens reports whether a pool's policy scores requests by their tokens
+// (precise_cache_aware), for which the request is tokenized before it is routed.
+func (c *Config) UsesTokens() bool {
+	_, ok := c.policyWith(wantsTokens)
+	return ok
+}

@@ -3,6 +3,7 @@ package router
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"slices"
 	"strings"
@@ -34,6 +35,9 @@ func (r *Router) apply(cfg Config) error {
 			r.kvStart.namedTiers, start.namedTiers)
 	} else if r.kvStart != start {
 		return fmt.Errorf("router config: kv_events.listen, kv_events.max_blocks_per_backend, kv_events.max_blocks, kv_events.replay_timeout and block_size are read at start; restart the proxy to change them")
+	}
+	if !maps.Equal(r.tokenizerFiles, cfg.Tokenizers) {
+		return fmt.Errorf("router config: tokenizers are read at start; restart the proxy to change them")
 	}
 	pre, preCaps, ok1 := r.newPolicy(cfg.PrefillPolicy, cfg, RolePrefill)
 	dec, decCaps, ok2 := r.newPolicy(cfg.DecodePolicy, cfg, RoleDecode)

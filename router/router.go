@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -101,6 +102,10 @@ type Router struct {
 	kvStart kvStart
 	// tokenizer is Config.EngineTokenizer, read at New; nil tokenizes nothing.
 	tokenizer Tokenizer
+	// local are Config.LocalTokenizers by model (localtokens.go), and tokenizerFiles the
+	// Config.Tokenizers they were read from, which a reload may not change.
+	local          map[string]*localTokenizer
+	tokenizerFiles map[string]TokenizerFiles
 	// staleAfter is kv_events.stale_after in force.
 	staleAfter atomic.Pointer[time.Duration]
 	// modelViews are Models' answers, current while their generation is modelGen's, which
@@ -146,6 +151,10 @@ func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) (*Router, er
 		return nil, err
 	}
 	r.events = ev
+	if r.local, err = newLocalTokenizers(cfg, reg); err != nil {
+		return nil, err
+	}
+	r.tokenizerFiles = maps.Clone(cfg.Tokenizers)
 	if reg != nil {
 		if err := r.metrics.register(reg); err != nil {
 			return nil, fmt.Errorf("register router metrics: %w", err)

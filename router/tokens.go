@@ -47,6 +47,9 @@ var ErrNoTokenizer = errors.New("router: no backend available to tokenize")
 // (its key, its CA), within tokenize_timeout. It takes no lease: the call is small and must
 // not queue behind the load. On an error the proxy routes the request by its text alone.
 func (r *Router) Tokens(ctx context.Context, req TokenizeRequest) ([]uint32, error) {
+	if toks, ok := r.localTokens(req); ok {
+		return toks, nil
+	}
 	if r.tokenizer == nil {
 		return nil, ErrNoTokenizer
 	}

@@ -3,9 +3,11 @@ package router
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"net"
 	"net/url"
+	"slices"
 	"strings"
 
 	"github.com/pdproxy/pdproxy/kvcache"
@@ -173,6 +175,14 @@ func (c *Config) checkCache() []error {
 	}
 	if name, wants := c.policyWith(wantsTokens); wants && c.Tokenizer != TokenizerEngine {
 		bad("tokenizer", "%s needs the request's tokens: set tokenizer: %s", name, TokenizerEngine)
+	}
+	for _, model := range slices.Sorted(maps.Keys(c.Tokenizers)) {
+		switch tf := c.Tokenizers[model]; {
+		case model == "":
+			bad("tokenizers", "an entry has no model name")
+		case tf.File == "":
+			bad("tokenizers."+model+".file", "is required: the model's tokenizer.json")
+		}
 	}
 	if c.TokenizeTimeout < 0 {
 		bad("tokenize_timeout", "%v is negative", c.TokenizeTimeout)

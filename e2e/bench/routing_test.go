@@ -26,6 +26,7 @@ import (
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -489,9 +490,12 @@ func streamTurn(client *http.Client, url string, body []byte) (time.Duration, er
 // decoders whose caches hold the workload (their KV events read by the router):
 // precise_cache_aware's Router.Tokens (a POST /tokenize to the least loaded engine, on
 // loopback) and its Acquire (the pick: index and tree scored), cache_aware's Acquire (the
-// tree alone), least_inflight's. p50 and p99 of one request's routing (tokenize and pick),
-// of the tokenizing and of the pick (Acquire and Release) are reported in µs, besides the
-// mean (ns/op); run with -bench RoutingCost -run '^$'.
+// tree alone), least_inflight's. precise_cache_aware is measured three ways: with the sims'
+// own tokenizer at the engine, and with the engines and the proxy on one tokenizer.json
+// (internal/hftok/testdata), tokenized at the engine (_file_engine) or in the proxy
+// (_file_in_proxy, the router's tokenizers). p50 and p99 of one request's routing (tokenize
+// and pick), of the tokenizing and of the pick (Acquire and Release) are reported in µs,
+// besides the mean (ns/op); run with -bench RoutingCost -run '^$'.
 func BenchmarkRoutingCost(b *testing.B) {
 	w := newChatWorkload(defaultShape)
 	type turn struct {
@@ -513,15 +517,37 @@ func BenchmarkRoutingCost(b *testing.B) {
 	cfg := sim.DefaultConfig()
 	cfg.PrefillTime, cfg.ITL, cfg.KVHeartbeatInterval, cfg.KVBlocks = 0, 0, 0, 1<<14
 	cfg.KVEventsEndpoint, cfg.KVEventsReplayEndpoint = "tcp://*:0", "tcp://*:0"
-	for _, policy := range []string{router.PolicyPreciseCacheAware, router.PolicyCacheAware, router.PolicyLeastInflight} {
-		b.Run(policy, func(b *testing.B) {
+	const tokenizerFile, templateFile = "../../internal/hftok/testdata/tokenizer.json", "../../internal/hftok/testdata/tokenizer_config.json"
+	for _, bc := range []struct {
+		name, policy      string
+		withFile, inProxy bool
+	}{
+		{router.PolicyPreciseCacheAware, router.PolicyPreciseCacheAware, false, false},
+		{router.PolicyPreciseCacheAware + "_file_engine", router.PolicyPreciseCacheAware, true, false},
+		{router.PolicyPreciseCacheAware + "_file_in_proxy", router.PolicyPreciseCacheAware, true, true},
+		{router.PolicyCacheAware, router.PolicyCacheAware, false, false},
+		{router.PolicyLeastInflight, router.PolicyLeastInflight, false, false},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			cfg := cfg
+			if bc.withFile {
+				cfg.Tokenizer = tokenizerFile
+			}
 			decoders := startSims(b, 4, cfg)
-			rcfg := router.Config{DecodePolicy: policy, Health: router.HealthConfig{Interval: -1}, EngineTokenizer: kvbackend.Tokenizer{}}
+			rcfg := router.Config{DecodePolicy: bc.policy, Health: router.HealthConfig{Interval: -1}, EngineTokenizer: kvbackend.Tokenizer{}}
+			if bc.inProxy {
+				rcfg.Tokenizers = map[string]router.TokenizerFiles{"sim": {File: tokenizerFile, ChatTemplate: templateFile}}
+				var err error
+				if rcfg.LocalTokenizers, err = app.LoadTokenizers(proxy.Config{}, rcfg); err != nil {
+					b.Fatal(err)
+				}
+			}
 			for i, d := range decoders {
 				rcfg.Backends = append(rcfg.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.srv.URL, Role: router.RoleDecode,
 					KVEventsEndpoint: kvDial(b, d.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(b, d.e.KVEventsReplayAddr())})
 			}
-			r, err := router.New(rcfg, zap.NewNop(), nil)
+			reg := prometheus.NewRegistry()
+			r, err := router.New(rcfg, zap.NewNop(), reg)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -545,6 +571,12 @@ func BenchmarkRoutingCost(b *testing.B) {
 				}
 				return true, ""
 			})
+			if err := r.CheckTokenizers(ctx); err != nil {
+				b.Fatal(err)
+			}
+			if v := testutil.Value(b, reg, "pdproxy_tokenizer_in_proxy", map[string]string{"model": "sim"}); bc.inProxy && v != 1 {
+				b.Fatalf("pdproxy_tokenizer_in_proxy %v: the proxy's tokenizer is not in use", v)
+			}
 			precise := r.WantsTokens(router.RoleDecode)
 			var total, tok, pick []time.Duration
 			i := 0

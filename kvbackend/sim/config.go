@@ -199,6 +199,11 @@ type Config struct {
 	// AdminAPIKey, when set, makes POST /abort_request answer 401 unless it
 	// carries Authorization: Bearer <AdminAPIKey> (SGLang's --admin-api-key).
 	AdminAPIKey string
+	// Tokenizer is a Hugging Face tokenizer.json (a byte-level BPE, as
+	// internal/hftok reads it) that prompts are tokenized with, a chat's
+	// messages rendered through ChatML (tokenizer.go) as one text, as vLLM
+	// tokenizes a rendered template. Empty means the sim's own tokenizer.
+	Tokenizer string
 }
 
 // Defaults, in one place so that DefaultConfig, BindFlags and New agree.
@@ -303,6 +308,7 @@ func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.DurationVar(&cfg.WaitingTimeout, "waiting-timeout", cfg.WaitingTimeout, "sglang decoder: how long a request waits for its room's KV before failing with a 500 (SGLANG_DISAGGREGATION_WAITING_TIMEOUT); mooncake decoder: how long it waits for its transfer's prefill before computing the prompt itself")
 	fs.DurationVar(&cfg.DisconnectDelay, "disconnect-delay", cfg.DisconnectDelay, "sglang: how long after its client disconnects a request is aborted (SGLang notices about 2s later; 0: at once)")
 	fs.StringVar(&cfg.KVLoadFailurePolicy, "kv-load-failure-policy", cfg.KVLoadFailurePolicy, `mooncake decoder, when the prefiller cannot give the transfer's KV (unknown past --waiting-timeout, expired, aborted, pulled already): "fail" answers a 500 kv_transfer_failed (vLLM's default kv_load_failure_policy), "recompute" computes the prompt itself`)
+	fs.StringVar(&cfg.Tokenizer, "tokenizer", cfg.Tokenizer, "a Hugging Face tokenizer.json (byte-level BPE) to tokenize prompts with, chat rendered as ChatML, in place of the sim's own tokenizer")
 	fs.StringVar(&cfg.AdminAPIKey, "admin-api-key", cfg.AdminAPIKey, "when set, POST /abort_request needs Authorization: Bearer <key> (401 otherwise), as SGLang's --admin-api-key")
 }
 

@@ -84,7 +84,10 @@
 //
 // Prompts are tokenized by the sim's own tokenizer (tokenizer.go): real,
 // deterministic ids, stable under extension at word ends; chat rendered
-// through one fixed ChatML template. A completions prompt given as token
+// through one fixed ChatML template. With Config.Tokenizer (--tokenizer)
+// they are tokenized by a Hugging Face tokenizer.json instead (a prompt with
+// its post-processor's tokens, a chat as its ChatML text), so that a proxy
+// reading the same file tokenizes as the engine does. A completions prompt given as token
 // ids (a list of ids, or a list of such lists: one prompt each) is used as
 // it is, for the prefix cache and for the tokens generated from it; an id
 // past the vocabulary (50000 ids) is a 400. POST /tokenize answers vLLM's {"count","max_model_len","tokens"}

@@ -262,6 +262,8 @@ type Engine struct {
 	loras  []loraModule
 	store  *responseStore
 	vocab  *vocabulary
+	// tok is what prompts are tokenized with (tokenizer.go).
+	tok tokenizer
 	// drain is the drain state (drain.go), and die what the die-after
 	// fault calls (server.go): nil when no Server runs the engine.
 	drain *drainer
@@ -429,6 +431,10 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 	if logger == nil {
 		logger = zap.NewNop()
 	}
+	tok, err := newTokenizer(cfg.Tokenizer)
+	if err != nil {
+		return nil, err
+	}
 	e, err := newRank(cfg, logger, 0)
 	if err != nil {
 		return nil, err
@@ -449,7 +455,7 @@ func New(cfg Config, logger *zap.Logger) (*Engine, error) {
 		e.ranks = append(e.ranks, re)
 	}
 	for _, r := range e.ranks {
-		r.store, r.vocab, r.drain = store, vocab, drain
+		r.store, r.vocab, r.drain, r.tok = store, vocab, drain, tok
 	}
 	return e, nil
 }

@@ -28,7 +28,7 @@ func FuzzParseRequest(f *testing.F) {
 		f.Add([]byte(s), true)
 	}
 	f.Fuzz(func(t *testing.T, body []byte, chat bool) {
-		req, err := parseRequest(body, chat)
+		req, err := parseRequest(tokenizer{}, body, chat)
 		if err != nil {
 			if _, ok := err.(*apiError); !ok {
 				t.Fatalf("error %T %v is not an *apiError", err, err)
@@ -73,7 +73,7 @@ func FuzzParseSGLang(f *testing.F) {
 		f.Add([]byte(s), "decode")
 	}
 	f.Fuzz(func(t *testing.T, body []byte, role string) {
-		b, err := decodeBody(body, false)
+		b, err := decodeBody(tokenizer{}, body, false)
 		if err != nil {
 			return
 		}
@@ -154,7 +154,7 @@ func FuzzParseResponses(f *testing.F) {
 	f.Fuzz(func(t *testing.T, body []byte) {
 		b, err := decodeResponses(body)
 		if err == nil {
-			err = b.render(store)
+			err = b.render(tokenizer{}, store)
 		}
 		var req *apiRequest
 		if err == nil {
@@ -222,7 +222,7 @@ func FuzzDecodeMessages(f *testing.F) {
 		f.Add([]byte(s), true)
 	}
 	f.Fuzz(func(t *testing.T, body []byte, count bool) {
-		w, tokens, err := decodeMessages(body, count)
+		w, tokens, err := decodeMessages(tokenizer{}, body, count)
 		if err != nil {
 			if _, ok := err.(*apiError); !ok {
 				t.Fatalf("error %T %v is not an *apiError", err, err)
@@ -235,7 +235,7 @@ func FuzzDecodeMessages(f *testing.F) {
 		if count {
 			return
 		}
-		wb, err := decodeMessagesBody(body)
+		wb, err := decodeMessagesBody(tokenizer{}, body)
 		if err != nil {
 			t.Fatalf("decodeMessages took %q, decodeMessagesBody refused it: %v", body, err)
 		}

@@ -152,14 +152,14 @@ const (
 )
 
 // decodeFor is decodeBody for each API.
-func decodeFor(kind apiKind, body []byte) (*wireBody, error) {
+func decodeFor(tk tokenizer, kind apiKind, body []byte) (*wireBody, error) {
 	switch kind {
 	case apiResponses:
 		return decodeResponses(body)
 	case apiMessages:
-		return decodeMessagesBody(body)
+		return decodeMessagesBody(tk, body)
 	}
-	return decodeBody(body, kind == apiChat)
+	return decodeBody(tk, body, kind == apiChat)
 }
 
 func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
@@ -194,7 +194,7 @@ func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
 		body, readErr := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
 		var wb *wireBody
 		if readErr == nil {
-			wb, err = decodeFor(kind, body)
+			wb, err = decodeFor(e.tok, kind, body)
 			if e.readsRemotePrefill(wb) {
 				e.countRemotePrefill()
 			}
@@ -226,7 +226,7 @@ func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
 		}
 		var a *apiRequest
 		if wb.resp != nil {
-			err = wb.render(e.store)
+			err = wb.render(e.tok, e.store)
 		}
 		if err == nil {
 			a, err = wb.validate(chat)
@@ -814,7 +814,7 @@ func (e *Engine) handleTokenize(w http.ResponseWriter, r *http.Request) {
 		err    error
 	)
 	if req.Messages != nil {
-		tokens, err = chatPrompt(req.Messages, req.AddGenerationPrompt == nil || *req.AddGenerationPrompt)
+		tokens, err = chatPrompt(e.tok, req.Messages, req.AddGenerationPrompt == nil || *req.AddGenerationPrompt)
 		learn := []string{"\n", "assistant"}
 		for _, m := range req.Messages {
 			text, _ := contentText(m.Content)
@@ -826,7 +826,9 @@ func (e *Engine) handleTokenize(w http.ResponseWriter, r *http.Request) {
 		if err = json.Unmarshal(req.Prompt, &s); err != nil {
 			err = badRequest("invalid_prompt", "prompt must be a string, or send messages")
 		}
-		tokens = promptTokens(s)
+		if err == nil {
+			tokens, err = e.tok.prompt(s)
+		}
 		e.vocab.learn(s)
 	}
 	if err != nil {

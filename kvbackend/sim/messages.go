@@ -129,7 +129,7 @@ var blockTypes = map[string]bool{"text": true, "image": true, "tool_use": true, 
 // decodeMessages checks a Messages body's shape, as vLLM's request model
 // does before its handler, and renders its conversation through the chat
 // template; count (count_tokens) needs no max_tokens.
-func decodeMessages(body []byte, count bool) (*wireMessages, []uint32, error) {
+func decodeMessages(tk tokenizer, body []byte, count bool) (*wireMessages, []uint32, error) {
 	var w wireMessages
 	dec := json.NewDecoder(bytes.NewReader(body))
 	if err := dec.Decode(&w); err != nil {
@@ -165,7 +165,7 @@ func decodeMessages(body []byte, count bool) (*wireMessages, []uint32, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	tokens, err := chatPrompt(chat, true)
+	tokens, err := chatPrompt(tk, chat, true)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -174,8 +174,8 @@ func decodeMessages(body []byte, count bool) (*wireMessages, []uint32, error) {
 
 // decodeMessagesBody is decodeBody for POST /v1/messages: the chat body a
 // Messages body stands for.
-func decodeMessagesBody(body []byte) (*wireBody, error) {
-	w, tokens, err := decodeMessages(body, false)
+func decodeMessagesBody(tk tokenizer, body []byte) (*wireBody, error) {
+	w, tokens, err := decodeMessages(tk, body, false)
 	if err != nil {
 		return nil, err
 	}
@@ -358,7 +358,7 @@ func (e *Engine) handleCountTokens(w http.ResponseWriter, r *http.Request) {
 		writeError(w, bodyReadError(err))
 		return
 	}
-	m, tokens, err := decodeMessages(body, true)
+	m, tokens, err := decodeMessages(e.tok, body, true)
 	if err == nil {
 		_, err = e.resolveModel(*m.Model)
 	}

@@ -156,7 +156,7 @@ func decodeStrict(body []byte, v any) error {
 // poolInputs tokenizes an embeddings or pooling input: a string, a list
 // of strings, a list of token ids or a list of such lists.
 func (e *Engine) poolInputs(raw json.RawMessage) ([][]uint32, int, error) {
-	in, err := completionPrompts(raw)
+	in, err := completionPrompts(e.tok, raw)
 	if err != nil {
 		return nil, 0, badRequest("invalid_input", "input must be a string, a list of strings, a list of token ids or a list of token id lists, not empty")
 	}

@@ -143,8 +143,8 @@ type wireMessage struct {
 // parseRequest parses and validates a completions (chat=false) or chat
 // completions body: decodeBody, then validate. Its errors are *apiError
 // values with status 400.
-func parseRequest(body []byte, chat bool) (*apiRequest, error) {
-	b, err := decodeBody(body, chat)
+func parseRequest(tk tokenizer, body []byte, chat bool) (*apiRequest, error) {
+	b, err := decodeBody(tk, body, chat)
 	if err != nil {
 		return nil, err
 	}
@@ -172,7 +172,7 @@ type wireBody struct {
 // the sim's tokenizer (tokenizer.go): a string prompt, each string of a
 // list, or a chat rendered through the template (add_generation_prompt,
 // default true); a prompt given as token ids is taken as it is.
-func decodeBody(body []byte, chat bool) (*wireBody, error) {
+func decodeBody(tk tokenizer, body []byte, chat bool) (*wireBody, error) {
 	var b wireBody
 	dec := json.NewDecoder(bytes.NewReader(body))
 	if err := dec.Decode(&b.wireRequest); err != nil {
@@ -182,14 +182,14 @@ func decodeBody(body []byte, chat bool) (*wireBody, error) {
 		return nil, badRequest("invalid_json", "request body has trailing data after the JSON object")
 	}
 	if chat {
-		t, err := chatPrompt(b.Messages, b.AddGenerationPrompt == nil || *b.AddGenerationPrompt)
+		t, err := chatPrompt(tk, b.Messages, b.AddGenerationPrompt == nil || *b.AddGenerationPrompt)
 		if err != nil {
 			return nil, err
 		}
 		b.tokens = [][]uint32{t}
 	} else {
 		var err error
-		if b.tokens, err = completionPrompts(b.Prompt); err != nil {
+		if b.tokens, err = completionPrompts(tk, b.Prompt); err != nil {
 			return nil, err
 		}
 	}
@@ -325,20 +325,28 @@ func (p *kvTransferParams) heldFor(rid string) *kvTransferParams {
 
 // completionPrompts tokenizes each prompt of a completions request: a
 // string, a list of strings, a list of token ids or a list of such lists.
-func completionPrompts(raw json.RawMessage) ([][]uint32, error) {
+func completionPrompts(tk tokenizer, raw json.RawMessage) ([][]uint32, error) {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
 		return nil, badRequest("missing_prompt", "prompt is required")
 	}
 	var s string
 	if json.Unmarshal(raw, &s) == nil {
-		return [][]uint32{promptTokens(s)}, nil
+		t, err := tk.prompt(s)
+		if err != nil {
+			return nil, err
+		}
+		return [][]uint32{t}, nil
 	}
 	var ss []string
 	if json.Unmarshal(raw, &ss) == nil && len(ss) > 0 {
 		out := make([][]uint32, len(ss))
 		for i, p := range ss {
-			out[i] = promptTokens(p)
+			t, err := tk.prompt(p)
+			if err != nil {
+				return nil, err
+			}
+			out[i] = t
 		}
 		return out, nil
 	}
@@ -370,7 +378,7 @@ func checkVocabulary(ids []uint32) error {
 }
 
 // chatPrompt renders and tokenizes a chat's messages: at least one token.
-func chatPrompt(msgs []wireMessage, addGenerationPrompt bool) ([]uint32, error) {
+func chatPrompt(tk tokenizer, msgs []wireMessage, addGenerationPrompt bool) ([]uint32, error) {
 	if len(msgs) == 0 {
 		return nil, badRequest("missing_messages", "messages is required and must not be empty")
 	}
@@ -385,11 +393,7 @@ func chatPrompt(msgs []wireMessage, addGenerationPrompt bool) ([]uint32, error) 
 		}
 		cm[i] = chatMessage{role: m.Role, content: text}
 	}
-	t := chatTokens(cm, addGenerationPrompt)
-	if len(t) == 0 {
-		t = append(t, tokenBOS)
-	}
-	return t, nil
+	return tk.chat(cm, addGenerationPrompt)
 }
 
 // contentText is a message content's text: a string, null, or a list of

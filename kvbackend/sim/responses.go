@@ -149,7 +149,7 @@ func textMessage(role, text string) wireMessage {
 // render resolves a Responses API body's conversation and tokenizes it:
 // the previous response's (vLLM's 404 when this engine has not stored
 // it), then the input, the instructions first.
-func (b *wireBody) render(store *responseStore) error {
+func (b *wireBody) render(tk tokenizer, store *responseStore) error {
 	m := b.resp
 	input, err := responseInput(m.input)
 	if err != nil {
@@ -171,7 +171,7 @@ func (b *wireBody) render(store *responseStore) error {
 	if m.instructions != nil {
 		msgs = append([]wireMessage{textMessage("system", *m.instructions)}, msgs...)
 	}
-	t, err := chatPrompt(msgs, true)
+	t, err := chatPrompt(tk, msgs, true)
 	if err != nil {
 		return err
 	}

@@ -1,9 +1,13 @@
 package sim
 
 import (
+	"fmt"
 	"hash/fnv"
+	"strings"
 	"unicode"
 	"unicode/utf8"
+
+	"github.com/pdproxy/pdproxy/internal/hftok"
 )
 
 // The sim's tokenizer: deterministic, with real token ids, and cheap. It is
@@ -140,4 +144,63 @@ func TokenizeChat(msgs []ChatMessage, addGenerationPrompt bool) []uint32 {
 		cm[i] = chatMessage{role: m.Role, content: m.Content}
 	}
 	return chatTokens(cm, addGenerationPrompt)
+}
+
+// tokenizer is what an engine tokenizes prompts with: the sim's own tokenizer above (the
+// zero value), or a Hugging Face tokenizer.json (Config.Tokenizer), with which a prompt
+// gets the tokens its post-processor adds (add_special_tokens, as vLLM's completions) and a
+// chat is rendered through ChatML as one text and tokenized without them, as vLLM renders
+// a model's template and tokenizes its output.
+type tokenizer struct {
+	hf *hftok.Tokenizer
+}
+
+func newTokenizer(file string) (tokenizer, error) {
+	if file == "" {
+		return tokenizer{}, nil
+	}
+	hf, err := hftok.LoadFile(file)
+	if err != nil {
+		return tokenizer{}, fmt.Errorf("sim: --tokenizer: %w", err)
+	}
+	if hf.VocabSize() > vocabSize {
+		return tokenizer{}, fmt.Errorf("sim: --tokenizer %s: %d tokens, more than the sim's %d", file, hf.VocabSize(), vocabSize)
+	}
+	return tokenizer{hf: hf}, nil
+}
+
+func (t tokenizer) prompt(s string) ([]uint32, error) {
+	if t.hf == nil {
+		return promptTokens(s), nil
+	}
+	return t.encode(s, true)
+}
+
+func (t tokenizer) chat(msgs []chatMessage, addGenerationPrompt bool) ([]uint32, error) {
+	if t.hf == nil {
+		toks := chatTokens(msgs, addGenerationPrompt)
+		if len(toks) == 0 {
+			toks = append(toks, tokenBOS)
+		}
+		return toks, nil
+	}
+	var b strings.Builder
+	for _, m := range msgs {
+		b.WriteString("<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n")
+	}
+	if addGenerationPrompt {
+		b.WriteString("<|im_start|>assistant\n")
+	}
+	return t.encode(b.String(), false)
+}
+
+func (t tokenizer) encode(s string, addSpecialTokens bool) ([]uint32, error) {
+	toks, err := t.hf.Encode(s, addSpecialTokens)
+	if err != nil {
+		return nil, badRequest("invalid_prompt", "tokenize: %v", err)
+	}
+	if len(toks) == 0 {
+		return nil, badRequest("invalid_prompt", "the prompt has no tokens")
+	}
+	return toks, nil
 }

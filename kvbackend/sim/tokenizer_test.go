@@ -4,11 +4,15 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 	"unicode"
 	"unicode/utf8"
+
+	"github.com/pdproxy/pdproxy/internal/hftok"
 )
 
 func TestTokensOfATextArePrefixOfTheTokensOfItsExtensionAtAWordEnd(t *testing.T) {
@@ -117,4 +121,79 @@ func FuzzTokenizer(f *testing.F) {
 			t.Fatalf("tokens(%q) = %v, not a prefix of tokens(%q) = %v", text, toks, text+more, ext)
 		}
 	})
+}
+
+// testTokenizerFile is the small byte-level BPE shipped for tests (internal/hftok/testdata).
+const testTokenizerFile = "../../internal/hftok/testdata/tokenizer.json"
+
+func TestWithATokenizerFileTheEngineTokenizesAndCachesByIt(t *testing.T) {
+	hf, err := hftok.LoadFile(testTokenizerFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := fastConfig()
+	cfg.Tokenizer = testTokenizerFile
+	ts := startServer(t, cfg)
+	tokenize := func(t *testing.T, body string) []uint32 {
+		t.Helper()
+		resp := ts.post(t, context.Background(), "/tokenize", body, nil)
+		b := readAll(t, resp)
+		var ans struct {
+			Tokens []uint32 `json:"tokens"`
+		}
+		if resp.StatusCode != http.StatusOK || json.Unmarshal(b, &ans) != nil {
+			t.Fatalf("/tokenize: status %d: %s", resp.StatusCode, b)
+		}
+		return ans.Tokens
+	}
+	system := strings.Repeat("You are a helpful assistant. ", 12)
+	t.Run("a prompt's tokens are the file's, its post-processor's first", func(t *testing.T) {
+		want, _ := hf.Encode("The capital of France is Paris.", true)
+		if got := tokenize(t, `{"prompt":"The capital of France is Paris."}`); !slices.Equal(got, want) {
+			t.Errorf("tokens %v, want %v", got, want)
+		}
+	})
+	t.Run("a chat is ChatML rendered, then tokenized whole", func(t *testing.T) {
+		want, _ := hf.Encode("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n", false)
+		if got := tokenize(t, `{"messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi there"}]}`); !slices.Equal(got, want) {
+			t.Errorf("tokens %v, want %v", got, want)
+		}
+	})
+	t.Run("a conversation's next turn hits the blocks of the one before", func(t *testing.T) {
+		turn1 := `[{"role":"system","content":"` + system + `"},{"role":"user","content":"What is the capital of France?"}]`
+		turn2 := `[{"role":"system","content":"` + system + `"},{"role":"user","content":"What is the capital of France?"},{"role":"assistant","content":"Paris."},{"role":"user","content":"And of Italy?"}]`
+		first := tokenize(t, `{"messages":`+turn1+`}`)
+		if next := tokenize(t, `{"messages":`+turn2+`}`); !slices.Equal(next[:len(first)], first) {
+			t.Fatalf("turn 1's tokens %v are not a prefix of turn 2's %v", first, next)
+		}
+		answerUsage(t, ts, "/v1/chat/completions", `{"messages":`+turn1+`,"max_tokens":1}`, nil)
+		u := answerUsage(t, ts, "/v1/chat/completions", `{"messages":`+turn2+`,"max_tokens":1}`, nil)
+		if want := len(first) / 16 * 16; cachedTokens(u) != want {
+			t.Errorf("cached %d tokens of turn 2, want turn 1's %d full blocks' %d", cachedTokens(u), len(first)/16, want)
+		}
+	})
+}
+
+func TestATokenizerFileThatCannotBeReadIsRefused(t *testing.T) {
+	bad := filepath.Join(t.TempDir(), "tokenizer.json")
+	if err := os.WriteFile(bad, []byte(`{"model":{"type":"WordPiece","vocab":{"a":0}}}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ name, file, want string }{
+		{"a missing file", filepath.Join(t.TempDir(), "none.json"), "none.json"},
+		{"a model the proxy cannot reproduce", bad, `"WordPiece": only BPE`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := fastConfig()
+			cfg.Tokenizer = tc.file
+			e, err := New(cfg, nil)
+			if err == nil {
+				e.closeUnstarted()
+				t.Fatal("New accepted it")
+			}
+			if !strings.Contains(err.Error(), "--tokenizer") || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("error %q, want --tokenizer and %q", err, tc.want)
+			}
+		})
+	}
 }

@@ -164,6 +164,9 @@ type SimConfig struct {
 	KVHoldTimeout   time.Duration `yaml:"kv_hold_timeout"`
 	KVTransferTime  time.Duration `yaml:"kv_transfer_time"`
 	Seed            int64         `yaml:"seed"`
+	// Tokenizer is a tokenizer.json the engine tokenizes with (the sim's --tokenizer).
+	// [the sim's own tokenizer]
+	Tokenizer string `yaml:"tokenizer"`
 	// MaxInflight is the proxy's in-flight limit for this engine (the router's max_inflight).
 	MaxInflight int `yaml:"max_inflight"`
 	// Engine is the kind the proxy takes the engine for. [sim] "vllm" makes the proxy treat

@@ -250,8 +250,20 @@ func (m *Main) build(ctx context.Context, rcfg router.Config) error {
 		return fmt.Errorf("config: %w", err)
 	}
 	rcfg.EngineTokenizer = kvbackend.Tokenizer{}
+	local, err := LoadTokenizers(m.cfg.Proxy, rcfg)
+	if err != nil {
+		return fmt.Errorf("config: %w", err)
+	}
+	rcfg.LocalTokenizers = local
 	rt, err := router.New(rcfg, m.logger.Named("router"), m.Registry)
 	if err != nil {
+		return fmt.Errorf("config: %w", err)
+	}
+	// The proxy tokenizes a model's requests itself only once an engine agrees with it on
+	// the samples; one that disagrees refuses the start. A model no engine answers for yet
+	// is checked by the router's Run at its first engine, its requests tokenized by the
+	// engines until then.
+	if err := rt.CheckTokenizers(ctx); err != nil {
 		return fmt.Errorf("config: %w", err)
 	}
 	m.holdTimeout = m.cfg.KVHoldTimeout
@@ -328,6 +340,7 @@ func (m *Main) startSim(ctx context.Context, g *errgroup.Group, i int, sc SimCon
 	setIf(&cfg.KVHoldTimeout, sc.KVHoldTimeout)
 	setIf(&cfg.KVTransferTime, sc.KVTransferTime)
 	setIf(&cfg.Seed, sc.Seed)
+	setIf(&cfg.Tokenizer, sc.Tokenizer)
 	setIf(&cfg.Stall, sc.Stall)
 	setIf(&cfg.FailStatus, sc.FailStatus)
 	setIf(&cfg.CloseAfter, sc.CloseAfter)

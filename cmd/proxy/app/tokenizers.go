@@ -1,0 +1,98 @@
+package app
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"maps"
+	"slices"
+
+	"github.com/pdproxy/pdproxy/internal/hftok"
+	"github.com/pdproxy/pdproxy/proxy"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// LoadTokenizers reads the files of the router config's tokenizers, one LocalTokenizer per
+// model, and refuses them where they cannot take effect: no policy routes by tokens and no
+// pd_uncached_token_threshold weighs them, so nothing would ever tokenize a request.
+func LoadTokenizers(p proxy.Config, r router.Config) (map[string]router.LocalTokenizer, error) {
+	if len(r.Tokenizers) == 0 {
+		return nil, nil
+	}
+	if !r.UsesTokens() && p.PDUncachedTokenThreshold <= 0 {
+		return nil, fmt.Errorf("tokenizers: set, but no request is ever tokenized: neither policy is precise_cache_aware and pd_uncached_token_threshold is off")
+	}
+	out := make(map[string]router.LocalTokenizer, len(r.Tokenizers))
+	for _, model := range slices.Sorted(maps.Keys(r.Tokenizers)) {
+		files := r.Tokenizers[model]
+		if files.File == "" {
+			continue // Validate says so, with the key's name
+		}
+		tok, err := hftok.LoadFile(files.File)
+		if err != nil {
+			return nil, fmt.Errorf("tokenizers.%s.file: %w", model, err)
+		}
+		lt := &localTokenizer{tok: tok}
+		if files.ChatTemplate != "" {
+			if lt.chat, err = hftok.LoadTemplate(files.ChatTemplate); err != nil {
+				return nil, fmt.Errorf("tokenizers.%s.chat_template: %w", model, err)
+			}
+		}
+		out[model] = lt
+	}
+	return out, nil
+}
+
+// localTokenizer is a model's tokenizer.json and chat template, as router.LocalTokenizer.
+// A completion's prompt gets its post-processor's tokens, as vLLM's /tokenize and
+// completions add them; a rendered chat does not (its template writes them), as vLLM's
+// chat does not add them on top.
+type localTokenizer struct {
+	tok  *hftok.Tokenizer
+	chat *hftok.Template // nil: chats are the engine's
+}
+
+var _ router.LocalTokenizer = (*localTokenizer)(nil)
+
+func (t *localTokenizer) Chats() bool { return t.chat != nil }
+
+func (t *localTokenizer) Tokenize(prompt string, messages json.RawMessage) ([]uint32, error) {
+	if messages == nil {
+		return t.tok.Encode(prompt, true)
+	}
+	if t.chat == nil {
+		return nil, router.ErrNotLocal
+	}
+	msgs, ok := plainMessages(messages)
+	if !ok {
+		return nil, router.ErrNotLocal
+	}
+	text, err := t.chat.Render(msgs, true)
+	if err != nil {
+		return nil, err
+	}
+	return t.tok.Encode(text, false)
+}
+
+// plainMessages reads messages that are a role and a string content each, which a template
+// sees as the engine does. Anything more (content parts, which engines join by their own
+// rules; tool calls; names) is left to the engine.
+func plainMessages(raw json.RawMessage) ([]hftok.Message, bool) {
+	var in []struct {
+		Role    string  `json:"role"`
+		Content *string `json:"content"`
+	}
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&in); err != nil || len(in) == 0 {
+		return nil, false
+	}
+	out := make([]hftok.Message, len(in))
+	for i, m := range in {
+		if m.Role == "" || m.Content == nil {
+			return nil, false
+		}
+		out[i] = hftok.Message{Role: m.Role, Content: *m.Content}
+	}
+	return out, true
+}

@@ -1,0 +1,292 @@
+package app
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"unicode/utf8"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+const (
+	testTokenizer = "../../../internal/hftok/testdata/tokenizer.json"
+	testTemplate  = "../../../internal/hftok/testdata/tokenizer_config.json"
+)
+
+// tokenizerConfig is one prefiller and one decoder, in-process sims tokenizing with
+// simTokenizer (empty: the sim's own), behind precise_cache_aware with the test tokenizer
+// in the proxy for model sim.
+func tokenizerConfig(simTokenizer string) Config {
+	c := Config{Listen: "127.0.0.1:0"}
+	c.Router.DecodePolicy = router.PolicyPreciseCacheAware
+	c.Router.Health.Interval = -1
+	c.Router.KVEvents.Listen = "tcp://127.0.0.1:0" // what precise_cache_aware reads; no engine publishes here
+	c.Router.Tokenizers = map[string]router.TokenizerFiles{"sim": {File: testTokenizer, ChatTemplate: testTemplate}}
+	for _, role := range []string{"prefill", "decode"} {
+		c.Sims = append(c.Sims, SimConfig{Role: role, Tokenizer: simTokenizer})
+	}
+	return c
+}
+
+func startMain(t *testing.T, cfg Config, logger *zap.Logger) (*Main, error) {
+	t.Helper()
+	m, err := New(cfg, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Start(context.Background()); err != nil {
+		return nil, err
+	}
+	t.Cleanup(func() {
+		if err := m.Shutdown(context.Background()); err != nil {
+			t.Errorf("Shutdown: %v", err)
+		}
+	})
+	return m, nil
+}
+
+func inProxy(t *testing.T, m *Main) float64 {
+	t.Helper()
+	return testutil.Value(t, m.Registry, "pdproxy_tokenizer_in_proxy", map[string]string{"model": "sim"})
+}
+
+func TestStartChecksTheProxysTokenizerAgainstAnEngine(t *testing.T) {
+	t.Run("the same file as the engines': the proxy tokenizes the model itself", func(t *testing.T) {
+		m, err := startMain(t, tokenizerConfig(testTokenizer), zaptest.NewLogger(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v := inProxy(t, m); v != 1 {
+			t.Errorf("pdproxy_tokenizer_in_proxy %v, want 1", v)
+		}
+	})
+	t.Run("another tokenizer than the engines': the start is refused, naming the sample", func(t *testing.T) {
+		_, err := startMain(t, tokenizerConfig(""), zaptest.NewLogger(t))
+		if err == nil {
+			t.Fatal("Start accepted a tokenizer the engines do not use")
+		}
+		for _, want := range []string{"tokenizers.sim", "disagree", `prompt "The capital of France is Paris."`, "first differing at token 0"} {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("Start: %v; want it to say %q", err, want)
+			}
+		}
+	})
+}
+
+func TestStartRefusesTokenizerFilesItCannotUse(t *testing.T) {
+	dir := t.TempDir()
+	notBPE := filepath.Join(dir, "wordpiece.json")
+	noTemplate := filepath.Join(dir, "tokenizer_config.json")
+	badTemplate := filepath.Join(dir, "chat.jinja")
+	for path, data := range map[string]string{
+		notBPE:      `{"model":{"type":"WordPiece","vocab":{"a":0}}}`,
+		noTemplate:  `{"bos_token":"<s>"}`,
+		badTemplate: `{% for m in messages %}{{ m.content }}`,
+	} {
+		if err := os.WriteFile(path, []byte(data), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, tc := range []struct {
+		name string
+		edit func(c *Config)
+		want []string
+	}{
+		{"a missing tokenizer.json", func(c *Config) {
+			c.Router.Tokenizers["sim"] = router.TokenizerFiles{File: filepath.Join(dir, "none.json")}
+		}, []string{"tokenizers.sim.file", "none.json"}},
+		{"a model the proxy cannot reproduce", func(c *Config) {
+			c.Router.Tokenizers["sim"] = router.TokenizerFiles{File: notBPE}
+		}, []string{"tokenizers.sim.file", "wordpiece.json", "only BPE"}},
+		{"a tokenizer_config.json without a template", func(c *Config) {
+			c.Router.Tokenizers["sim"] = router.TokenizerFiles{File: testTokenizer, ChatTemplate: noTemplate}
+		}, []string{"tokenizers.sim.chat_template", "no chat_template"}},
+		{"a template that does not parse", func(c *Config) {
+			c.Router.Tokenizers["sim"] = router.TokenizerFiles{File: testTokenizer, ChatTemplate: badTemplate}
+		}, []string{"tokenizers.sim.chat_template", "chat.jinja"}},
+		{"no file", func(c *Config) { c.Router.Tokenizers["sim"] = router.TokenizerFiles{ChatTemplate: testTemplate} }, []string{"tokenizers.sim.file", "required"}},
+		{"nothing that tokenizes requests", func(c *Config) { c.Router.DecodePolicy = "" }, []string{"tokenizers", "precise_cache_aware", "pd_uncached_token_threshold"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := tokenizerConfig(testTokenizer)
+			tc.edit(&c)
+			_, err := startMain(t, c, zaptest.NewLogger(t))
+			if err == nil {
+				t.Fatal("Start accepted it")
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("Start: %v; want it to say %q", err, w)
+				}
+			}
+		})
+	}
+}
+
+// With no engine answering at the start, the proxy starts, routing on the engines'
+// /tokenize, and checks its tokenizer at the first engine that answers: agreeing, it
+// tokenizes the model itself from then on; disagreeing, it logs why and leaves the model's
+// tokenizing to the engines.
+func TestWithNoEngineAtTheStartTheTokenizerIsCheckedAtTheFirst(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		simTokenizer string
+		agree        bool
+	}{
+		{"an engine of the same file comes up: the proxy tokenizes", testTokenizer, true},
+		{"an engine of another tokenizer comes up: the engines keep tokenizing", "", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			addr := ln.Addr().String()
+			ln.Close() // nothing answers there until the engine starts
+			c := tokenizerConfig(testTokenizer)
+			c.Sims = nil
+			c.Router.Backends = []router.BackendConfig{
+				{Name: "p0", URL: "http://" + addr, Role: router.RolePrefill, Engine: "sim"},
+				{Name: "d0", URL: "http://" + addr, Role: router.RoleDecode, Engine: "sim"},
+			}
+			core, logs := observer.New(zap.InfoLevel)
+			m, err := startMain(t, c, zap.New(core))
+			if err != nil {
+				t.Fatalf("Start with no engine up: %v", err)
+			}
+			if v := inProxy(t, m); v != 0 {
+				t.Fatalf("pdproxy_tokenizer_in_proxy %v before any engine answered, want 0", v)
+			}
+			scfg := sim.DefaultConfig()
+			scfg.Tokenizer = tc.simTokenizer
+			e, err := sim.New(scfg, zaptest.NewLogger(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ln, err = net.Listen("tcp", addr)
+			if err != nil {
+				t.Fatalf("listen again on %s: %v", addr, err)
+			}
+			srv := httptest.NewUnstartedServer(e.Handler())
+			srv.Listener.Close()
+			srv.Listener = ln
+			srv.Start()
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- e.Run(ctx) }()
+			t.Cleanup(func() {
+				srv.Close()
+				cancel()
+				<-done
+				e.CloseIdleConnections()
+			})
+			want := "tokenizing in the proxy"
+			if !tc.agree {
+				want = "disagrees with an engine"
+			}
+			testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+				return logs.FilterMessageSnippet(want).Len() > 0, "no log saying " + want
+			})
+			if v, w := inProxy(t, m), map[bool]float64{true: 1, false: 0}[tc.agree]; v != w {
+				t.Errorf("pdproxy_tokenizer_in_proxy %v, want %v", v, w)
+			}
+		})
+	}
+}
+
+// FuzzTheProxysTokensAreTheEnginesTokens: on any prompt and any conversation of plain
+// messages, the proxy's tokenizer (the file, the template rendered by a Jinja engine) gives
+// the tokens a sim reading the same file answers on /tokenize (ChatML written out by hand).
+func FuzzTheProxysTokensAreTheEnginesTokens(f *testing.F) {
+	local, err := LoadTokenizers(tokenizerConfig("").Proxy, tokenizerConfig("").Router)
+	if err != nil {
+		f.Fatal(err)
+	}
+	tok := local["sim"]
+	scfg := sim.DefaultConfig()
+	scfg.Tokenizer = testTokenizer
+	e, err := sim.New(scfg, nil)
+	if err != nil {
+		f.Fatal(err)
+	}
+	srv := httptest.NewServer(e.Handler())
+	defer srv.Close()
+	engine := func(t *testing.T, body any) []uint32 {
+		b, _ := json.Marshal(body)
+		resp, err := http.Post(srv.URL+"/tokenize", "application/json", bytes.NewReader(b))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		data, _ := io.ReadAll(resp.Body)
+		var ans struct {
+			Tokens []uint32 `json:"tokens"`
+		}
+		if resp.StatusCode != http.StatusOK || json.Unmarshal(data, &ans) != nil {
+			t.Fatalf("/tokenize %s: %d %s", b, resp.StatusCode, data)
+		}
+		return ans.Tokens
+	}
+	for _, s := range []string{"The capital of France is Paris.", "  two  spaces\n\n\tand tabs ", "<|im_start|>inline<|im_end|>", "東京 🙂 naïve", "it's 12345 'LL"} {
+		f.Add(s, "a reply\n", "system")
+	}
+	f.Fuzz(func(t *testing.T, text, reply, role string) {
+		if !utf8.ValidString(text) || !utf8.ValidString(reply) || !utf8.ValidString(role) || role == "" || text == "" {
+			return
+		}
+		own, err := tok.Tokenize(text, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if theirs := engine(t, map[string]any{"prompt": text}); !slices.Equal(own, theirs) {
+			t.Fatalf("prompt %q: proxy %v, engine %v", text, own, theirs)
+		}
+		msgs := []map[string]string{{"role": role, "content": text}, {"role": "assistant", "content": reply}, {"role": "user", "content": text + reply}}
+		raw, _ := json.Marshal(msgs)
+		own, err = tok.Tokenize("", raw)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if theirs := engine(t, map[string]any{"messages": msgs}); !slices.Equal(own, theirs) {
+			t.Fatalf("chat %s: proxy %v, engine %v", raw, own, theirs)
+		}
+	})
+}
+
+// Messages the template would see otherwise than the engine does are left to the engine.
+func TestChatsOfMoreThanPlainMessagesAreTheEnginesToTokenize(t *testing.T) {
+	local, err := LoadTokenizers(tokenizerConfig("").Proxy, tokenizerConfig("").Router)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, msgs := range []string{
+		`[{"role":"user","content":[{"type":"text","text":"hi"}]}]`,
+		`[{"role":"user","content":null}]`,
+		`[{"role":"assistant","content":"","tool_calls":[{"id":"1","type":"function","function":{"name":"f","arguments":"{}"}}]}]`,
+		`[{"role":"user","content":"hi","name":"bob"}]`,
+		`[]`,
+		`{"role":"user"}`,
+	} {
+		t.Run(msgs, func(t *testing.T) {
+			if _, err := local["sim"].Tokenize("", json.RawMessage(msgs)); err != router.ErrNotLocal {
+				t.Errorf("Tokenize: %v, want ErrNotLocal", err)
+			}
+		})
+	}
+}

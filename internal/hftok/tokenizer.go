@@ -1,0 +1,487 @@
+package hftok
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+
+	"github.com/dlclark/regexp2"
+	"golang.org/x/text/unicode/norm"
+)
+
+// MaxFileBytes bounds a tokenizer.json: the largest vocabularies served (about 250k tokens)
+// take some tens of MiB.
+const MaxFileBytes = 256 << 20
+
+// Tokenizer is a tokenizer.json's tokenizer.
+type Tokenizer struct {
+	model      *bpe
+	normalize  func(string) string // nil: none
+	pre        splitter
+	added      [256][]addedToken // by first byte, the longest first
+	prefix     []uint32          // what TemplateProcessing puts before a prompt
+	suffix     []uint32          // and after it
+	vocabSize  int
+	specialIDs map[string]uint32
+}
+
+type addedToken struct {
+	content string
+	id      uint32
+}
+
+// LoadFile reads a tokenizer.json.
+func LoadFile(path string) (*Tokenizer, error) {
+	data, err := readBounded(path, MaxFileBytes)
+	if err != nil {
+		return nil, err
+	}
+	t, err := Load(data)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return t, nil
+}
+
+func readBounded(path string, limit int64) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if st.Size() > limit {
+		return nil, fmt.Errorf("%s: %d bytes, more than the %d a tokenizer file may have", path, st.Size(), limit)
+	}
+	var b bytes.Buffer
+	if _, err := b.ReadFrom(f); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return b.Bytes(), nil
+}
+
+// fileJSON is what Load reads of a tokenizer.json; the components stay raw until their
+// type is known.
+type fileJSON struct {
+	AddedTokens []struct {
+		ID         *int64 `json:"id"`
+		Content    string `json:"content"`
+		SingleWord bool   `json:"single_word"`
+		LStrip     bool   `json:"lstrip"`
+		RStrip     bool   `json:"rstrip"`
+		Normalized bool   `json:"normalized"`
+		Special    bool   `json:"special"`
+	} `json:"added_tokens"`
+	Normalizer    json.RawMessage `json:"normalizer"`
+	PreTokenizer  json.RawMessage `json:"pre_tokenizer"`
+	PostProcessor json.RawMessage `json:"post_processor"`
+	Model         *struct {
+		Type                    string            `json:"type"`
+		Dropout                 *float64          `json:"dropout"`
+		UnkToken                *string           `json:"unk_token"`
+		ContinuingSubwordPrefix *string           `json:"continuing_subword_prefix"`
+		EndOfWordSuffix         *string           `json:"end_of_word_suffix"`
+		ByteFallback            bool              `json:"byte_fallback"`
+		IgnoreMerges            bool              `json:"ignore_merges"`
+		Vocab                   map[string]int64  `json:"vocab"`
+		Merges                  []json.RawMessage `json:"merges"`
+	} `json:"model"`
+}
+
+// typed is any component's type tag.
+type typed struct {
+	Type string `json:"type"`
+}
+
+// Load builds a Tokenizer from a tokenizer.json's bytes, or says which part of it this
+// package does not reproduce.
+func Load(data []byte) (*Tokenizer, error) {
+	var f fileJSON
+	if err := json.Unmarshal(data, &f); err != nil {
+		return nil, fmt.Errorf("not a tokenizer.json: %w", err)
+	}
+	if f.Model == nil {
+		return nil, errors.New("no model")
+	}
+	m := f.Model
+	if m.Type != "BPE" && !(m.Type == "" && m.Merges != nil) {
+		return nil, fmt.Errorf("model %q: only BPE is supported", m.Type)
+	}
+	switch {
+	case m.Dropout != nil && *m.Dropout != 0:
+		return nil, errors.New("model: BPE dropout is not supported (its tokens are random)")
+	case m.ByteFallback:
+		return nil, errors.New("model: byte_fallback (SentencePiece-style BPE) is not supported, only byte-level BPE")
+	case m.ContinuingSubwordPrefix != nil && *m.ContinuingSubwordPrefix != "",
+		m.EndOfWordSuffix != nil && *m.EndOfWordSuffix != "":
+		return nil, errors.New("model: continuing_subword_prefix and end_of_word_suffix are not supported")
+	case len(m.Vocab) == 0:
+		return nil, errors.New("model: empty vocab")
+	}
+	t := &Tokenizer{specialIDs: map[string]uint32{}}
+	model := &bpe{vocab: make(map[string]uint32, len(m.Vocab)), merges: make(map[pair]merge, len(m.Merges)),
+		ignoreMerges: m.IgnoreMerges}
+	for tok, id := range m.Vocab {
+		if id < 0 || id > 1<<31 {
+			return nil, fmt.Errorf("model: token %q has id %d", tok, id)
+		}
+		model.vocab[tok] = uint32(id)
+		t.vocabSize = max(t.vocabSize, int(id)+1)
+	}
+	for b, c := range byteChars {
+		id, ok := model.vocab[c]
+		if !ok {
+			return nil, fmt.Errorf("model: byte 0x%02x (%q) is not in the vocab: not a byte-level BPE", b, c)
+		}
+		model.byteIDs[b] = id
+	}
+	for i, raw := range m.Merges {
+		a, b, err := mergePair(raw)
+		if err != nil {
+			return nil, fmt.Errorf("model: merges[%d]: %w", i, err)
+		}
+		ia, oka := model.vocab[a]
+		ib, okb := model.vocab[b]
+		id, ok := model.vocab[a+b]
+		if !oka || !okb || !ok {
+			return nil, fmt.Errorf("model: merges[%d] %q %q: a part or the merge is not in the vocab", i, a, b)
+		}
+		if _, dup := model.merges[pair{ia, ib}]; !dup {
+			model.merges[pair{ia, ib}] = merge{rank: i, id: id}
+		}
+	}
+	t.model = model
+
+	var err error
+	if t.normalize, err = normalizer(f.Normalizer); err != nil {
+		return nil, fmt.Errorf("normalizer: %w", err)
+	}
+	var sawByteLevel bool
+	if t.pre, err = preTokenizer(f.PreTokenizer, &sawByteLevel); err != nil {
+		return nil, fmt.Errorf("pre_tokenizer: %w", err)
+	}
+	if t.pre == nil {
+		t.pre = pipeline{}
+	}
+	if !sawByteLevel {
+		return nil, errors.New("pre_tokenizer: no ByteLevel step: not a byte-level BPE")
+	}
+	for i, a := range f.AddedTokens {
+		switch {
+		case a.ID == nil || *a.ID < 0 || *a.ID > 1<<31:
+			return nil, fmt.Errorf("added_tokens[%d] %q: no valid id", i, a.Content)
+		case a.Content == "":
+			return nil, fmt.Errorf("added_tokens[%d]: empty content", i)
+		case a.SingleWord || a.LStrip || a.RStrip:
+			return nil, fmt.Errorf("added_tokens[%d] %q: single_word, lstrip and rstrip are not supported", i, a.Content)
+		case a.Normalized && t.normalize != nil:
+			return nil, fmt.Errorf("added_tokens[%d] %q: a normalized added token under a normalizer is not supported", i, a.Content)
+		}
+		id := uint32(*a.ID)
+		t.added[a.Content[0]] = append(t.added[a.Content[0]], addedToken{content: a.Content, id: id})
+		t.vocabSize = max(t.vocabSize, int(id)+1)
+		if a.Special {
+			t.specialIDs[a.Content] = id
+		}
+	}
+	for _, list := range &t.added {
+		slices.SortStableFunc(list, func(x, y addedToken) int { return len(y.content) - len(x.content) })
+	}
+	if t.prefix, t.suffix, err = postProcessor(f.PostProcessor); err != nil {
+		return nil, fmt.Errorf("post_processor: %w", err)
+	}
+	return t, nil
+}
+
+// mergePair reads a merge in either spelling: "a b" or ["a", "b"].
+func mergePair(raw json.RawMessage) (string, string, error) {
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		a, b, ok := strings.Cut(s, " ")
+		if !ok || a == "" || b == "" || strings.Contains(b, " ") {
+			return "", "", fmt.Errorf("%q is not two tokens split by a space", s)
+		}
+		return a, b, nil
+	}
+	var p []string
+	if err := json.Unmarshal(raw, &p); err != nil || len(p) != 2 || p[0] == "" || p[1] == "" {
+		return "", "", fmt.Errorf("%s is neither \"a b\" nor [\"a\", \"b\"]", raw)
+	}
+	return p[0], p[1], nil
+}
+
+func isNull(raw json.RawMessage) bool {
+	raw = bytes.TrimSpace(raw)
+	return len(raw) == 0 || bytes.Equal(raw, []byte("null"))
+}
+
+func normalizer(raw json.RawMessage) (func(string) string, error) {
+	if isNull(raw) {
+		return nil, nil
+	}
+	var n struct {
+		typed
+		Normalizers []json.RawMessage `json:"normalizers"`
+	}
+	if err := json.Unmarshal(raw, &n); err != nil {
+		return nil, err
+	}
+	switch n.Type {
+	case "NFC":
+		return norm.NFC.String, nil
+	case "NFD":
+		return norm.NFD.String, nil
+	case "NFKC":
+		return norm.NFKC.String, nil
+	case "NFKD":
+		return norm.NFKD.String, nil
+	case "Lowercase":
+		return strings.ToLower, nil
+	case "Sequence":
+		var steps []func(string) string
+		for i, r := range n.Normalizers {
+			f, err := normalizer(r)
+			if err != nil {
+				return nil, fmt.Errorf("normalizers[%d]: %w", i, err)
+			}
+			if f != nil {
+				steps = append(steps, f)
+			}
+		}
+		if len(steps) == 0 {
+			return nil, nil
+		}
+		return func(s string) string {
+			for _, f := range steps {
+				s = f(s)
+			}
+			return s
+		}, nil
+	}
+	return nil, fmt.Errorf("type %q is not supported", n.Type)
+}
+
+func preTokenizer(raw json.RawMessage, sawByteLevel *bool) (splitter, error) {
+	if isNull(raw) {
+		return nil, errors.New("none: a byte-level BPE has a ByteLevel pre-tokenizer")
+	}
+	var p struct {
+		typed
+		AddPrefixSpace bool              `json:"add_prefix_space"`
+		UseRegex       *bool             `json:"use_regex"`
+		Pretokenizers  []json.RawMessage `json:"pretokenizers"`
+		Pattern        struct {
+			Regex  *string `json:"Regex"`
+			String *string `json:"String"`
+		} `json:"pattern"`
+		Behavior string `json:"behavior"`
+		Invert   bool   `json:"invert"`
+	}
+	if err := json.Unmarshal(raw, &p); err != nil {
+		return nil, err
+	}
+	switch p.Type {
+	case "ByteLevel":
+		*sawByteLevel = true
+		// use_regex is true when absent, as in files written before it existed.
+		return byteLevel{addPrefixSpace: p.AddPrefixSpace, useRegex: p.UseRegex == nil || *p.UseRegex}, nil
+	case "Split":
+		if p.Invert {
+			return nil, errors.New("Split: invert is not supported")
+		}
+		var expr string
+		switch {
+		case p.Pattern.Regex != nil:
+			expr = *p.Pattern.Regex
+		case p.Pattern.String != nil:
+			expr = regexp2.Escape(*p.Pattern.String)
+		default:
+			return nil, errors.New("Split: no pattern")
+		}
+		if expr == "" {
+			return nil, errors.New("Split: empty pattern")
+		}
+		re, err := regexp2.Compile(expr, regexp2.Unicode)
+		if err != nil {
+			return nil, fmt.Errorf("Split: pattern %q: %w", expr, err)
+		}
+		switch p.Behavior {
+		case "Isolated":
+			switch expr {
+			case llama3Pattern:
+				return llama3Split{maxDigits: 3}, nil
+			case qwen2Pattern:
+				return llama3Split{maxDigits: 1}, nil
+			}
+			return regexSplit{re: re}, nil
+		case "Removed":
+			return regexSplit{re: re, remove: true}, nil
+		}
+		return nil, fmt.Errorf("Split: behavior %q is not supported (Isolated and Removed are)", p.Behavior)
+	case "Sequence":
+		var steps pipeline
+		for i, r := range p.Pretokenizers {
+			s, err := preTokenizer(r, sawByteLevel)
+			if err != nil {
+				return nil, fmt.Errorf("pretokenizers[%d]: %w", i, err)
+			}
+			if s != (byteLevel{}) { // a ByteLevel without prefix space or regex splits nothing
+				steps = append(steps, s)
+			}
+		}
+		if len(steps) == 1 {
+			return steps[0], nil
+		}
+		return steps, nil
+	}
+	return nil, fmt.Errorf("type %q is not supported", p.Type)
+}
+
+// postProcessor returns the tokens a TemplateProcessing puts around a single sequence.
+func postProcessor(raw json.RawMessage) (prefix, suffix []uint32, err error) {
+	if isNull(raw) {
+		return nil, nil, nil
+	}
+	var p struct {
+		typed
+		Processors []json.RawMessage `json:"processors"`
+		Single     []struct {
+			SpecialToken *struct {
+				ID string `json:"id"`
+			} `json:"SpecialToken"`
+			Sequence *struct {
+				ID string `json:"id"`
+			} `json:"Sequence"`
+		} `json:"single"`
+		SpecialTokens map[string]struct {
+			IDs []uint32 `json:"ids"`
+		} `json:"special_tokens"`
+	}
+	if err := json.Unmarshal(raw, &p); err != nil {
+		return nil, nil, err
+	}
+	switch p.Type {
+	case "ByteLevel":
+		return nil, nil, nil // offsets only
+	case "Sequence":
+		for i, r := range p.Processors {
+			pre, suf, err := postProcessor(r)
+			if err != nil {
+				return nil, nil, fmt.Errorf("processors[%d]: %w", i, err)
+			}
+			if len(pre)+len(suf) > 0 {
+				if len(prefix)+len(suffix) > 0 {
+					return nil, nil, errors.New("two processors add tokens")
+				}
+				prefix, suffix = pre, suf
+			}
+		}
+		return prefix, suffix, nil
+	case "TemplateProcessing":
+		seen := false
+		for i, piece := range p.Single {
+			switch {
+			case piece.Sequence != nil:
+				if seen || piece.Sequence.ID != "A" {
+					return nil, nil, fmt.Errorf("single[%d]: one sequence A only", i)
+				}
+				seen = true
+			case piece.SpecialToken != nil:
+				st, ok := p.SpecialTokens[piece.SpecialToken.ID]
+				if !ok {
+					return nil, nil, fmt.Errorf("single[%d]: %q is not in special_tokens", i, piece.SpecialToken.ID)
+				}
+				if seen {
+					suffix = append(suffix, st.IDs...)
+				} else {
+					prefix = append(prefix, st.IDs...)
+				}
+			default:
+				return nil, nil, fmt.Errorf("single[%d]: neither SpecialToken nor Sequence", i)
+			}
+		}
+		if !seen {
+			return nil, nil, errors.New("single: no sequence A")
+		}
+		return prefix, suffix, nil
+	}
+	return nil, nil, fmt.Errorf("type %q is not supported", p.Type)
+}
+
+// VocabSize is one more than the largest token id the tokenizer can produce.
+func (t *Tokenizer) VocabSize() int { return t.vocabSize }
+
+// Encode returns text's tokens: added tokens where they occur, the rest normalized,
+// pre-tokenized and merged; with addSpecialTokens, the post-processor's tokens around them
+// (a completion's prompt has them, vLLM's chat rendering does not add them on top of its
+// template's).
+func (t *Tokenizer) Encode(text string, addSpecialTokens bool) ([]uint32, error) {
+	out := make([]uint32, 0, len(text)/3+len(t.prefix)+len(t.suffix)+1)
+	if addSpecialTokens {
+		out = append(out, t.prefix...)
+	}
+	var pieces []string
+	start := 0
+	flush := func(end int) error {
+		if end <= start {
+			return nil
+		}
+		seg := text[start:end]
+		if t.normalize != nil {
+			seg = t.normalize(seg)
+		}
+		var err error
+		if pieces, err = t.pre.split(pieces[:0], seg); err != nil {
+			return err
+		}
+		for _, p := range pieces {
+			if p != "" {
+				out = t.model.encode(out, p)
+			}
+		}
+		return nil
+	}
+	for i := 0; i < len(text); {
+		if list := t.added[text[i]]; list != nil {
+			if a, ok := matchAdded(list, text[i:]); ok {
+				if err := flush(i); err != nil {
+					return nil, err
+				}
+				out = append(out, a.id)
+				i += len(a.content)
+				start = i
+				continue
+			}
+		}
+		i++
+	}
+	if err := flush(len(text)); err != nil {
+		return nil, err
+	}
+	if addSpecialTokens {
+		out = append(out, t.suffix...)
+	}
+	return out, nil
+}
+
+func matchAdded(list []addedToken, s string) (addedToken, bool) {
+	for _, a := range list {
+		if strings.HasPrefix(s, a.content) {
+			return a, true
+		}
+	}
+	return addedToken{}, false
+}
+
+// SpecialToken returns the id of a special added token.
+func (t *Tokenizer) SpecialToken(content string) (uint32, bool) {
+	id, ok := t.specialIDs[content]
+	return id, ok
+}

@@ -1,0 +1,160 @@
+package router
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"gopkg.in/yaml.v3"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
+)
+
+// byteEngine is an engine whose POST /tokenize answers a prompt's bytes as its tokens,
+// counting the calls.
+type byteEngine struct {
+	*httptest.Server
+	calls atomic.Int64
+}
+
+func newByteEngine(t *testing.T) *byteEngine {
+	e := &byteEngine{}
+	e.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		var body struct{ Prompt string }
+		if req.URL.Path != "/tokenize" || json.NewDecoder(req.Body).Decode(&body) != nil {
+			http.NotFound(w, req)
+			return
+		}
+		e.calls.Add(1)
+		_ = json.NewEncoder(w).Encode(map[string]any{"tokens": byteTokens(body.Prompt, 0)})
+	}))
+	t.Cleanup(e.Close)
+	return e
+}
+
+func byteTokens(s string, shift uint32) []uint32 {
+	out := make([]uint32, len(s))
+	for i := range len(s) {
+		out[i] = uint32(s[i]) + shift
+	}
+	return out
+}
+
+// byteTokenizer tokenizes prompts as byteEngine does, its ids shifted by shift (a tokenizer
+// of another vocabulary when not 0); it renders no chat.
+type byteTokenizer struct{ shift uint32 }
+
+func (b byteTokenizer) Tokenize(prompt string, messages json.RawMessage) ([]uint32, error) {
+	if messages != nil {
+		return nil, ErrNotLocal
+	}
+	return byteTokens(prompt, b.shift), nil
+}
+
+func (byteTokenizer) Chats() bool { return false }
+
+func localConfig(e *byteEngine, shift uint32) Config {
+	return Config{
+		Backends:        []BackendConfig{{Name: "d0", URL: e.URL, Role: RoleDecode}},
+		EngineTokenizer: engineTokenizer{},
+		Tokenizers:      map[string]TokenizerFiles{"m": {File: "tokenizer.json"}},
+		LocalTokenizers: map[string]LocalTokenizer{"m": byteTokenizer{shift: shift}},
+	}
+}
+
+func TestTokensComeFromTheProxysTokenizerOnceAnEngineAgreesWithIt(t *testing.T) {
+	e := newByteEngine(t)
+	r, reg, _ := newTestRouter(t, localConfig(e, 0))
+	defer r.CloseIdleConnections()
+	ctx := context.Background()
+	if _, err := r.Tokens(ctx, TokenizeRequest{Model: "m", Prompt: "before the check"}); err != nil || e.calls.Load() != 1 {
+		t.Fatalf("Tokens before the check: %v, %d engine calls; want the engine's answer", err, e.calls.Load())
+	}
+	if err := r.CheckTokenizers(ctx); err != nil {
+		t.Fatalf("CheckTokenizers: %v", err)
+	}
+	if v := testutil.Value(t, reg, "pdproxy_tokenizer_in_proxy", map[string]string{"model": "m"}); v != 1 {
+		t.Errorf("pdproxy_tokenizer_in_proxy %v, want 1", v)
+	}
+	for _, tc := range []struct {
+		name       string
+		req        TokenizeRequest
+		engineAsks int64
+	}{
+		{"a prompt of the model: the proxy tokenizes it", TokenizeRequest{Model: "m", Prompt: "hello world"}, 0},
+		{"a chat the proxy's tokenizer leaves to the engine", TokenizeRequest{Model: "m", Messages: json.RawMessage(`[{"role":"user","content":"hi"}]`)}, 1},
+		{"a model without a tokenizer of its own", TokenizeRequest{Model: "other", Prompt: "hello world"}, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			before := e.calls.Load()
+			if _, err := r.Tokens(ctx, tc.req); err != nil {
+				t.Fatal(err)
+			}
+			if n := e.calls.Load() - before; n != tc.engineAsks {
+				t.Errorf("%d engine calls, want %d", n, tc.engineAsks)
+			}
+		})
+	}
+	got, _ := r.Tokens(ctx, TokenizeRequest{Model: "m", Prompt: "hello"})
+	if !slices.Equal(got, byteTokens("hello", 0)) {
+		t.Errorf("Tokens %v, want the tokenizer's", got)
+	}
+}
+
+func TestATokenizerThatDisagreesWithTheEngineIsNotUsed(t *testing.T) {
+	e := newByteEngine(t)
+	r, reg, _ := newTestRouter(t, localConfig(e, 1))
+	defer r.CloseIdleConnections()
+	err := r.CheckTokenizers(context.Background())
+	var mm *TokenizerMismatchError
+	if !errors.As(err, &mm) || mm.Model != "m" || mm.Backend != "d0" || mm.At != 0 || mm.Sample.Prompt != CheckSamples[0].Prompt {
+		t.Fatalf("CheckTokenizers: %v; want a mismatch of model m at d0 on the first sample, at token 0", err)
+	}
+	for _, want := range []string{"tokenizers.m", "d0", "disagree", CheckSamples[0].Prompt} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+	if v := testutil.Value(t, reg, "pdproxy_tokenizer_in_proxy", map[string]string{"model": "m"}); v != 0 {
+		t.Errorf("pdproxy_tokenizer_in_proxy %v, want 0", v)
+	}
+	before := e.calls.Load()
+	if got, err := r.Tokens(context.Background(), TokenizeRequest{Model: "m", Prompt: "hi"}); err != nil || !slices.Equal(got, byteTokens("hi", 0)) || e.calls.Load() != before+1 {
+		t.Errorf("Tokens = %v, %v with %d engine calls; want the engine's", got, err, e.calls.Load()-before)
+	}
+}
+
+func TestAReloadMayNotChangeTheTokenizers(t *testing.T) {
+	e := newByteEngine(t)
+	cfg := localConfig(e, 0)
+	r, _, _ := newTestRouter(t, cfg)
+	defer r.CloseIdleConnections()
+	if err := r.Reload(cfg); err != nil {
+		t.Fatalf("a reload of the same tokenizers: %v", err)
+	}
+	cfg.Tokenizers = map[string]TokenizerFiles{"m": {File: "other.json"}}
+	if err := r.Reload(cfg); err == nil || !strings.Contains(err.Error(), "tokenizers are read at start") {
+		t.Errorf("Reload = %v, want it refused", err)
+	}
+}
+
+func TestTokenizersFromYAML(t *testing.T) {
+	var c Config
+	doc := "tokenizers:\n  llama-3-8b: {file: /m/tokenizer.json, chat_template: /m/tokenizer_config.json}\n  qwen: {chat_template: /q/chat.jinja}\n"
+	if err := yaml.Unmarshal([]byte(doc), &c); err != nil {
+		t.Fatal(err)
+	}
+	if want := (TokenizerFiles{File: "/m/tokenizer.json", ChatTemplate: "/m/tokenizer_config.json"}); c.Tokenizers["llama-3-8b"] != want {
+		t.Errorf("tokenizers.llama-3-8b = %+v, want %+v", c.Tokenizers["llama-3-8b"], want)
+	}
+	c.Backends = backendsCfg(RoleDecode, "d", 1, 0)
+	if err := c.Validate(); err == nil || !strings.Contains(err.Error(), "tokenizers.qwen.file") {
+		t.Errorf("Validate = %v, want tokenizers.qwen.file refused", err)
+	}
+}
