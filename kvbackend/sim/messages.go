@@ -475,17 +475,7 @@ func (p *responder) msgWhole(aborted bool) {
 // msgEvent writes one Messages SSE frame.
 func (p *responder) msgEvent(typ string, fields map[string]any) error {
 	fields["type"] = typ
-	b, err := json.Marshal(fields)
-	if err != nil {
-		return err
-	}
-	buf := make([]byte, 0, len(b)+len(typ)+16)
-	buf = append(buf, "event: "...)
-	buf = append(buf, typ...)
-	buf = append(buf, "\ndata: "...)
-	buf = append(buf, b...)
-	buf = append(buf, "\n\n"...)
-	return p.write(buf)
+	return p.namedEvent(typ, fields)
 }
 
 // msgBegin sends message_start, once the stream's headers are out.

@@ -340,6 +340,12 @@ func (p *responder) respEvent(typ string, fields map[string]any) error {
 	fields["type"] = typ
 	fields["sequence_number"] = p.seq
 	p.seq++
+	return p.namedEvent(typ, fields)
+}
+
+// namedEvent writes one SSE frame with an event name, as the Responses and Messages streams
+// have: "event: typ", then fields as its data.
+func (p *responder) namedEvent(typ string, fields map[string]any) error {
 	b, err := json.Marshal(fields)
 	if err != nil {
 		return err
