@@ -8,6 +8,7 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/dlclark/regexp2"
 	"golang.org/x/text/unicode/norm"
@@ -16,6 +17,10 @@ import (
 // MaxFileBytes bounds a tokenizer.json: the largest vocabularies served (about 250k tokens)
 // take some tens of MiB.
 const MaxFileBytes = 256 << 20
+
+// splitMatchTimeout bounds one match of a Split pattern that no hand-written matcher stands
+// in for; a sound pattern matches a piece in microseconds.
+const splitMatchTimeout = 100 * time.Millisecond
 
 // Tokenizer is a tokenizer.json's tokenizer.
 type Tokenizer struct {
@@ -312,6 +317,9 @@ func preTokenizer(raw json.RawMessage, sawByteLevel *bool) (splitter, error) {
 		if err != nil {
 			return nil, fmt.Errorf("Split: pattern %q: %w", expr, err)
 		}
+		// regexp2 backtracks: a pattern that does so badly on a client's text must fail that
+		// text (its caller then asks an engine), not hold a request for as long as it takes.
+		re.MatchTimeout = splitMatchTimeout
 		switch p.Behavior {
 		case "Isolated":
 			switch expr {

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 	"unicode/utf8"
 
 	"github.com/dlclark/regexp2"
@@ -366,4 +367,35 @@ func TestConcurrentUseGivesEachCallerItsOwnAnswer(t *testing.T) {
 		})
 	}
 	wg.Wait()
+}
+
+func TestAPatternThatBacktracksWithoutEndFailsTheTextInsteadOfHoldingIt(t *testing.T) {
+	base, err := os.ReadFile(testTokenizer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m map[string]any
+	if err := json.Unmarshal(base, &m); err != nil {
+		t.Fatal(err)
+	}
+	// Nested repetition that cannot match the end: exponential backtracking on a long run.
+	m["pre_tokenizer"] = map[string]any{"type": "Sequence", "pretokenizers": []any{
+		map[string]any{"type": "Split", "pattern": map[string]any{"Regex": `(a+)+b`}, "behavior": "Isolated"},
+		map[string]any{"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}}}
+	file, _ := json.Marshal(m)
+	tok, err := Load(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tok.Encode("ab aab", false); err != nil {
+		t.Fatalf("a text the pattern matches at once: %v", err)
+	}
+	start := time.Now()
+	_, err = tok.Encode(strings.Repeat("a", 64)+"!", false)
+	if err == nil {
+		t.Fatal("a text the pattern cannot match without backtracking for ever was encoded")
+	}
+	if took := time.Since(start); took > 20*splitMatchTimeout {
+		t.Errorf("the failing text held its caller %v", took)
+	}
 }
