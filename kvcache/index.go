@@ -87,6 +87,8 @@ type Engine struct {
 	last atomic.Int64
 	// removed is set when Retain drops the engine: its handle is no longer the name's.
 	removed atomic.Bool
+	// name is what the index knows the engine by.
+	name string
 	// copies maps the engine's own hash (salted by medium) to the key, for BlockRemoved and
 	// for the parents of later BlockStored. The same tokens stored on two media are two
 	// copies, and one removal must leave the other; a block removed from the GPU but
@@ -108,6 +110,13 @@ func (e *Engine) Removed() bool { return e.removed.Load() }
 
 // Index returns the index e belongs to.
 func (e *Engine) Index() *Index { return e.x }
+
+// Name returns the name the index knows e by.
+func (e *Engine) Name() string { return e.name }
+
+// LastEvent returns when e's latest message arrived; zero if none has since the index last
+// forgot it.
+func (e *Engine) LastEvent() time.Time { return e.lastTime() }
 
 func (e *Engine) lastTime() time.Time {
 	if n := e.last.Load(); n != 0 {
@@ -161,7 +170,7 @@ func (x *Index) handleLocked(name string) *Engine {
 	if e := x.engines[name]; e != nil {
 		return e
 	}
-	e := &Engine{x: x}
+	e := &Engine{x: x, name: name}
 	if n := len(x.freeIDs); n > 0 {
 		e.id = x.freeIDs[n-1]
 		x.freeIDs = x.freeIDs[:n-1]
@@ -687,6 +696,16 @@ func (r *Matches) Of(e *Engine) View {
 
 // Len returns how many engines hold at least the request's first block.
 func (r *Matches) Len() int { return len(r.found) }
+
+// Each calls f with every engine holding at least the request's first block and its View, as
+// Of would return it.
+func (r *Matches) Each(f func(e *Engine, v View)) {
+	for _, m := range r.found {
+		v := m.v
+		v.Last = m.e.lastTime()
+		f(m.e, v)
+	}
+}
 
 // MatchAll answers, into r, how many of m's leading tokens every engine holds, in one walk
 // of the request's keys: a key's holders are the engines holding the block, and an engine's

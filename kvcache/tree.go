@@ -1,6 +1,7 @@
 package kvcache
 
 import (
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -231,6 +232,12 @@ func NewNames(list []string) *Names {
 	return n
 }
 
+// At returns where name is among the names.
+func (n *Names) At(name string) (int, bool) {
+	i, ok := n.at[name]
+	return i, ok
+}
+
 // List returns the names.
 func (n *Names) List() []string { return n.list }
 
@@ -279,6 +286,68 @@ func (t *Tree) matchSince(text string, engines []string, byName map[string]int, 
 		}
 		n, rest = c, rest[k:]
 	}
+}
+
+// MatchDeep calls visit, under the tree's lock, for every mark of an engine that was sent at
+// least minDepth (at least 1) leading bytes of text: the engine, how many leading bytes of text
+// the mark's node holds, and when text was last routed to the engine through it. Marks come
+// root first, so an engine's deepest mark comes last. Nodes above minDepth are not read: near
+// the root of a large pool's tree a node may hold a mark of every engine, and a caller that
+// needs only the engines holding much of a prompt does not pay for them.
+func (t *Tree) MatchDeep(text string, minDepth int, visit func(engine string, depth int, at int64)) {
+	minDepth = max(minDepth, 1)
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	n, rest, depth := &t.root, text, 0
+	for len(rest) > 0 {
+		c := n.child(rest[0])
+		if c == nil {
+			return
+		}
+		k := commonPrefix(c.edge, rest)
+		depth += k
+		if depth >= minDepth {
+			for _, m := range c.marks {
+				visit(m.engine, depth, m.at)
+			}
+		}
+		if k < len(c.edge) {
+			return
+		}
+		n, rest = c, rest[k:]
+	}
+}
+
+// MatchOne is how many leading bytes of text were routed to engine at since or later (a zero
+// since counts all).
+func (t *Tree) MatchOne(text, engine string, since time.Time) int {
+	from := int64(math.MinInt64)
+	if !since.IsZero() {
+		from = since.UnixNano()
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	n, rest, depth, matched := &t.root, text, 0, 0
+	for len(rest) > 0 {
+		c := n.child(rest[0])
+		if c == nil {
+			break
+		}
+		k := commonPrefix(c.edge, rest)
+		depth += k
+		m := c.markOf(engine)
+		if m == nil {
+			break // an engine on a node is on every node above it, so on none below
+		}
+		if m.at >= from {
+			matched = depth
+		}
+		if k < len(c.edge) {
+			break
+		}
+		n, rest = c, rest[k:]
+	}
+	return matched
 }
 
 // evictLocked removes the least recently routed leaves until the tree holds at most target

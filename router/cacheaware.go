@@ -62,6 +62,11 @@ type CacheAware struct {
 	namesMu  sync.Mutex
 	namesOf  []*Backend
 	lastName *kvcache.Names
+	// large, when set, is how many candidates make a pool large instead of largePool.
+	large int
+	// view is what the picks of a large pool keep of its candidates (selectLarge), under
+	// namesMu.
+	view *poolView
 }
 
 // Interface guards.
@@ -99,7 +104,7 @@ func (p *CacheAware) SetPool(all []*Backend) {
 	}
 	p.tree.Retain(func(e string) bool { return names[e] })
 	p.namesMu.Lock()
-	p.namesOf, p.lastName = nil, nil // keeps no backend of the pool before alive
+	p.namesOf, p.lastName, p.view = nil, nil, nil // keeps no backend of the pool before alive
 	p.namesMu.Unlock()
 }
 
@@ -122,6 +127,9 @@ func (p *CacheAware) Select(cands []*Backend, h Hint) *Backend {
 	key, keyed := placementKey(h, p.keyTokens*bytesPerToken, p.keyTokens)
 	if !keyed {
 		return leastLoadedOf(cands, now, &p.next, false)
+	}
+	if len(cands) > p.largeFrom() {
+		return p.selectLarge(cands, h, key, now)
 	}
 	var loadBuf [candidatesOnStack]loadView
 	bd := newBounds(cands, now, p.loadFactor, loadBuf[:])
@@ -264,6 +272,13 @@ func (p *CacheAware) namesFor(cands []*Backend) *kvcache.Names {
 	p.namesOf = append(p.namesOf[:0], cands...)
 	p.lastName = kvcache.NewNames(list)
 	return p.lastName
+}
+
+func (p *CacheAware) largeFrom() int {
+	if p.large > 0 {
+		return p.large
+	}
+	return largePool
 }
 
 func (p *CacheAware) clock() time.Time {

@@ -1,0 +1,332 @@
+package router
+
+import (
+	"math"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/pdproxy/pdproxy/kvcache"
+)
+
+// A large pool (more than largePool candidates) is picked from without reading every
+// candidate on every pick. What a pick must know of all of them, the loads (for the balance
+// test, the least loaded and the bounds of placement), it reads from a view of the pool kept
+// between picks: each pick brings loadRefreshBatch candidates' loads up to date in turn, and
+// more when picks are far apart, so that every load in the view is at most about
+// loadRefreshPeriod or len/loadRefreshBatch picks old. A candidate a pick may choose is read
+// afresh before it is chosen, and counted one request busier once chosen. What it must know of
+// the prompt, it reads only of the engines that hold much of it: those the index's walk finds,
+// and those the tree of routed text has marked at least cache_threshold of the text deep. The
+// rest of a pick is the rendezvous order of placement, a hash per candidate over arrays kept
+// in the view.
+const (
+	largePool         = 64
+	loadRefreshBatch  = 32
+	loadRefreshPeriod = 100 * time.Millisecond
+)
+
+// poolView is what the picks of a large pool keep of its candidates.
+type poolView struct {
+	// cands, names, hash and weight are the candidates, their names, name hashes and
+	// weights, fixed when the view is made.
+	cands       []*Backend
+	names       *kvcache.Names
+	hash        []uint64
+	weight      []int
+	weights     int
+	evenWeights bool
+
+	mu sync.Mutex
+	// loads and full are each candidate's load and whether it is a prefiller with its KV
+	// pool nearly full, as last read; total is the loads' sum.
+	loads []int64
+	full  []bool
+	total int64
+	// cursor is the next candidate to read afresh; readAt when the view last read any.
+	cursor int
+	readAt time.Time
+	// at is a pick's scratch: each candidate's place in shares, -1 if not there.
+	at     []int32
+	shares []heldShare
+}
+
+// heldShare is what a pick found a candidate to hold of its prompt.
+type heldShare struct {
+	i           int
+	index, tree float64
+}
+
+func newPoolView(cands []*Backend, now time.Time) *poolView {
+	n := len(cands)
+	v := &poolView{
+		cands: slices.Clone(cands), hash: make([]uint64, n), weight: make([]int, n),
+		loads: make([]int64, n), full: make([]bool, n), at: make([]int32, n), evenWeights: true,
+		readAt: now,
+	}
+	names := make([]string, n)
+	for i, b := range cands {
+		names[i], v.hash[i], v.weight[i] = b.Name, b.nameHash, max(b.Weight, 1)
+		v.weights += v.weight[i]
+		v.evenWeights = v.evenWeights && v.weight[i] == v.weight[0]
+		v.at[i] = -1
+		v.read(i, now)
+	}
+	v.names = kvcache.NewNames(names)
+	return v
+}
+
+// viewFor returns the view of cands, the one of the picks before when the candidates are the
+// same.
+func (p *CacheAware) viewFor(cands []*Backend, now time.Time) *poolView {
+	p.namesMu.Lock()
+	defer p.namesMu.Unlock()
+	if p.view != nil && slices.Equal(p.view.cands, cands) {
+		return p.view
+	}
+	p.view = newPoolView(cands, now)
+	return p.view
+}
+
+// read brings candidate i's load up to date.
+func (v *poolView) read(i int, now time.Time) {
+	load, full, _ := v.cands[i].loadScore(now)
+	v.total += load - v.loads[i]
+	v.loads[i], v.full[i] = load, full
+}
+
+// refresh reads loadRefreshBatch candidates afresh, and as many more as the time since the
+// last read asks for the whole view to be read every loadRefreshPeriod.
+func (v *poolView) refresh(now time.Time) {
+	n := len(v.cands)
+	count := loadRefreshBatch
+	if gap := now.Sub(v.readAt); gap > 0 {
+		count += int(float64(n) * float64(gap) / float64(loadRefreshPeriod))
+	}
+	count = min(count, n)
+	for range count {
+		v.read(v.cursor, now)
+		if v.cursor++; v.cursor == n {
+			v.cursor = 0
+		}
+	}
+	v.readAt = now
+}
+
+// took counts candidate i one request busier: the one just sent to it.
+func (v *poolView) took(i int) {
+	v.loads[i]++
+	v.total++
+}
+
+// unbalanced is CacheAware.unbalanced over the view's loads.
+func (v *poolView) unbalanced(cfg CacheAwareConfig) bool {
+	lo, hi := v.loads[0], v.loads[0]
+	for _, l := range v.loads[1:] {
+		lo, hi = min(lo, l), max(hi, l)
+	}
+	return hi-lo > int64(cfg.BalanceAbsThreshold) && float64(hi) > cfg.BalanceRelThreshold*float64(lo)
+}
+
+// better reports whether candidate i is less loaded than j, as leastLoadedOf ranks them.
+func (v *poolView) better(i, j int) bool {
+	if v.full[i] != v.full[j] {
+		return !v.full[i]
+	}
+	if v.loads[i] != v.loads[j] {
+		return v.loads[i] < v.loads[j]
+	}
+	return v.weight[i] > v.weight[j]
+}
+
+// leastLoaded is the least loaded candidate, ties rotating by next; read afresh, it must
+// still be the least loaded, or the next is looked for.
+func (v *poolView) leastLoaded(next *atomic.Uint64, now time.Time) int {
+	for try := 0; ; try++ {
+		best, ties := 0, 1
+		for i := 1; i < len(v.cands); i++ {
+			switch {
+			case v.better(i, best):
+				best, ties = i, 1
+			case !v.better(best, i):
+				ties++
+			}
+		}
+		k := int((next.Add(1) - 1) % uint64(ties))
+		pick := best
+		for i := range v.cands {
+			if !v.better(best, i) && !v.better(i, best) {
+				if k == 0 {
+					pick = i
+					break
+				}
+				k--
+			}
+		}
+		was := v.loads[pick]
+		v.read(pick, now)
+		if v.loads[pick] <= was || try == 2 {
+			return pick
+		}
+	}
+}
+
+// within is bounds.within over the view's loads.
+func (v *poolView) within(i int, c float64) bool {
+	if v.full[i] {
+		return false
+	}
+	limit := math.Ceil(c * float64(v.total+1) * float64(v.weight[i]) / float64(v.weights))
+	return float64(v.loads[i]+1) <= limit
+}
+
+// place is bounds.pick over the view: the first candidate in key's rendezvous order within
+// its bound, the first in that order if none is. The one found is read afresh and must still
+// be within its bound, or the order is walked again.
+func (v *poolView) place(key uint64, c float64, now time.Time) int {
+	for try := 0; ; try++ {
+		best, home := -1, 0
+		var bestScore, homeScore float64
+		for i, h := range v.hash {
+			var s float64
+			if v.evenWeights {
+				s = float64(mix64(key^h) >> 11)
+			} else {
+				s = rendezvousScore(key, v.cands[i])
+			}
+			if i == 0 || s > homeScore {
+				home, homeScore = i, s
+			}
+			if (best < 0 || s > bestScore) && v.within(i, c) {
+				best, bestScore = i, s
+			}
+		}
+		if best < 0 {
+			return home
+		}
+		v.read(best, now)
+		if v.within(best, c) || try == 2 {
+			return best
+		}
+	}
+}
+
+// selectLarge is Select for a large pool.
+func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.Time) *Backend {
+	v := p.viewFor(cands, now)
+	var found *kvcache.Matches
+	if p.index != nil && len(h.Tokens) > 0 {
+		found = new(kvcache.Matches)
+		p.index.MatchAll(kvcache.NewMatcher(h.Tokens), found)
+	}
+	// The tree's marks deep enough to count, read before the view is locked: the tree has a
+	// lock of its own.
+	type treeMark struct {
+		i, depth int
+		at       int64
+	}
+	var marks []treeMark
+	if h.Text != "" {
+		// Rounded down: the share test below decides, as it does for the index's.
+		minDepth := 1
+		if t := p.cfg.CacheThreshold; t > 0 {
+			minDepth = int(t * float64(len(h.Text)))
+		}
+		p.tree.MatchDeep(h.Text, minDepth, func(engine string, depth int, at int64) {
+			if i, ok := v.names.At(engine); ok {
+				marks = append(marks, treeMark{i, depth, at})
+			}
+		})
+	}
+
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.refresh(now)
+	if v.unbalanced(p.cfg) {
+		i := v.leastLoaded(&p.next, now)
+		v.took(i)
+		b := cands[i]
+		p.picked(b, h, -1)
+		return b
+	}
+
+	// The engines holding much of the prompt, by the index and by the tree.
+	shares := v.shares[:0]
+	share := func(i int) *heldShare {
+		if v.at[i] < 0 {
+			v.at[i] = int32(len(shares))
+			shares = append(shares, heldShare{i: i})
+		}
+		return &shares[v.at[i]]
+	}
+	if found != nil {
+		found.Each(func(e *kvcache.Engine, view kvcache.View) {
+			i, ok := v.names.At(e.Name())
+			if !ok || cands[i].kvEngineIn(p.index) != e || view.Last.IsZero() || now.Sub(view.Last) >= p.staleAfter {
+				return
+			}
+			share(i).index = view.Weighted / float64(len(h.Tokens))
+		})
+	}
+	for _, m := range marks {
+		// Text routed since just before an engine's latest event counts for an engine whose
+		// events are fresh; all of it for another.
+		if since := p.pendingSince(found, cands[m.i], now); !since.IsZero() && m.at < since.UnixNano() {
+			continue
+		}
+		s := share(m.i)
+		s.tree = float64(m.depth) / float64(len(h.Text))
+	}
+	best, bestShare := -1, 0.0
+	for _, s := range shares {
+		v.at[s.i] = -1
+		sh := max(s.index, s.tree)
+		if sh <= 0 || sh < p.cfg.CacheThreshold && p.cfg.CacheThreshold >= 0 {
+			continue
+		}
+		v.read(s.i, now)
+		if best < 0 || sh > bestShare || sh == bestShare && (v.loads[s.i] < v.loads[best] || v.loads[s.i] == v.loads[best] && s.i < best) {
+			best, bestShare = s.i, sh
+		}
+	}
+	v.shares = shares[:0]
+	if best >= 0 {
+		v.took(best)
+		b := cands[best]
+		p.picked(b, h, bestShare)
+		p.countTiers(p.viewOf(found, b, now))
+		return b
+	}
+
+	// No engine holds enough of it: where every replica would place it.
+	i := v.place(key, p.loadFactor, now)
+	v.took(i)
+	b := cands[i]
+	sh := 0.0
+	if found != nil {
+		if view := p.viewOf(found, b, now); !view.Last.IsZero() {
+			sh = view.Weighted / float64(len(h.Tokens))
+		}
+	}
+	if h.Text != "" {
+		sh = max(sh, float64(p.tree.MatchOne(h.Text, b.Name, p.pendingSince(found, b, now)))/float64(len(h.Text)))
+	}
+	p.picked(b, h, sh)
+	p.countTiers(p.viewOf(found, b, now))
+	return b
+}
+
+// pendingSince is when text routed to b starts to count besides its KV events: pendingGrace
+// before its latest event while they are fresh; zero (all of it) for an engine without fresh
+// events, or for a pick the index did not answer (found nil: no index, or no tokens).
+func (p *CacheAware) pendingSince(found *kvcache.Matches, b *Backend, now time.Time) time.Time {
+	if found == nil {
+		return time.Time{}
+	}
+	last := b.kvEngineIn(p.index).LastEvent()
+	if last.IsZero() || now.Sub(last) >= p.staleAfter {
+		return time.Time{}
+	}
+	return last.Add(-pendingGrace)
+}
