@@ -64,9 +64,9 @@ type CacheAware struct {
 	lastName *kvcache.Names
 	// large, when set, is how many candidates make a pool large instead of largePool.
 	large int
-	// view is what the picks of a large pool keep of its candidates (selectLarge), under
-	// namesMu.
-	view *poolView
+	// views are what the picks of a large pool keep of its candidates (selectLarge), the
+	// most recently used first, under namesMu.
+	views []*poolView
 }
 
 // Interface guards.
@@ -104,7 +104,7 @@ func (p *CacheAware) SetPool(all []*Backend) {
 	}
 	p.tree.Retain(func(e string) bool { return names[e] })
 	p.namesMu.Lock()
-	p.namesOf, p.lastName, p.view = nil, nil, nil // keeps no backend of the pool before alive
+	p.namesOf, p.lastName, p.views = nil, nil, nil // keeps no backend of the pool before alive
 	p.namesMu.Unlock()
 }
 

@@ -77,16 +77,30 @@ func newPoolView(cands []*Backend, now time.Time) *poolView {
 	return v
 }
 
+// viewsKept is how many views of a policy's candidate sets are kept: a pool serving several
+// models, or a retry leaving out the engine that failed, picks among other candidates than
+// the pool's usual ones.
+const viewsKept = 4
+
 // viewFor returns the view of cands, the one of the picks before when the candidates are the
 // same.
 func (p *CacheAware) viewFor(cands []*Backend, now time.Time) *poolView {
 	p.namesMu.Lock()
 	defer p.namesMu.Unlock()
-	if p.view != nil && slices.Equal(p.view.cands, cands) {
-		return p.view
+	for i, v := range p.views {
+		if slices.Equal(v.cands, cands) {
+			copy(p.views[1:i+1], p.views[:i]) // the most recent first
+			p.views[0] = v
+			return v
+		}
 	}
-	p.view = newPoolView(cands, now)
-	return p.view
+	v := newPoolView(cands, now)
+	if len(p.views) < viewsKept {
+		p.views = append(p.views, nil)
+	}
+	copy(p.views[1:], p.views)
+	p.views[0] = v
+	return v
 }
 
 // read brings candidate i's load up to date.

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 
@@ -143,8 +144,9 @@ func TestALargePoolReadsLoadsItDidNotSeeChange(t *testing.T) {
 	p.tree.Forget(home.Name) // not where it was sent, only where it is placed
 	home.st.inflight.Store(50)
 	// The next pick's round of reads starts past home: only the pick's own read sees it.
-	at, _ := p.view.names.At(home.Name)
-	p.view.cursor = (at + 1) % len(bs)
+	v := p.views[0]
+	at, _ := v.names.At(home.Name)
+	v.cursor = (at + 1) % len(bs)
 	clock = clock.Add(time.Millisecond)
 	if b := p.Select(bs, h); b == home {
 		t.Fatalf("the prompt went to %s again, past its bound", b.Name)
@@ -161,6 +163,31 @@ func TestALargePoolReadsLoadsItDidNotSeeChange(t *testing.T) {
 	clock = clock.Add(loadRefreshPeriod)
 	if b := p.Select(bs, Hint{Text: "another prompt"}); b != idle {
 		t.Fatalf("the pick went to %s (load %d), want the idle %s", b.Name, b.Inflight(), idle.Name)
+	}
+}
+
+// TestALargePoolKeepsAViewOfEachCandidateSet picks alternately among a pool's engines and
+// among those of a model only some serve: each set keeps its view from pick to pick, and a
+// set beyond the views kept starts afresh.
+func TestALargePoolKeepsAViewOfEachCandidateSet(t *testing.T) {
+	all := testBackends(make([]int64, 200)...)
+	some := all[:100]
+	p := NewCacheAware(CacheAwareConfig{}, nil, time.Minute)
+	p.Select(all, Hint{Text: "first"})
+	p.Select(some, Hint{Text: "first"})
+	first := slices.Clone(p.views)
+	for i := range 20 {
+		p.Select(all, Hint{Text: fmt.Sprintf("prompt %d", i)})
+		p.Select(some, Hint{Text: fmt.Sprintf("prompt %d", i)})
+	}
+	if len(p.views) != 2 || !slices.Equal(p.views, first) {
+		t.Fatalf("the two candidate sets have views %p, want the first picks' %p", p.views, first)
+	}
+	for i := range viewsKept {
+		p.Select(all[i+1:i+101], Hint{Text: "x"})
+	}
+	if len(p.views) != viewsKept || slices.Contains(p.views, first[0]) || slices.Contains(p.views, first[1]) {
+		t.Fatalf("%d views kept (%p), want the %d most recent", len(p.views), p.views, viewsKept)
 	}
 }
 
