@@ -546,16 +546,27 @@ type Matcher struct {
 // NewMatcher returns a matcher of tokens.
 func NewMatcher(tokens []uint32) *Matcher { return &Matcher{tokens: tokens} }
 
+// Reset makes m a matcher of tokens, keeping the room its earlier matches took.
+func (m *Matcher) Reset(tokens []uint32) {
+	m.tokens, m.sizes = tokens, m.sizes[:0]
+	for i := range m.keys {
+		m.keys[i] = m.keys[i][:0]
+	}
+}
+
 func (m *Matcher) keysOf(blockSize int) []uint64 {
 	for i, s := range m.sizes {
 		if s == blockSize {
 			return m.keys[i]
 		}
 	}
-	k := Keys(m.tokens, blockSize, make([]uint64, 0, len(m.tokens)/max(blockSize, 1)))
+	i := len(m.sizes)
 	m.sizes = append(m.sizes, blockSize)
-	m.keys = append(m.keys, k)
-	return k
+	if i == len(m.keys) {
+		m.keys = append(m.keys, make([]uint64, 0, len(m.tokens)/max(blockSize, 1)))
+	}
+	m.keys[i] = Keys(m.tokens, blockSize, m.keys[i][:0])
+	return m.keys[i]
 }
 
 // View is what the index knows of one engine for one request.

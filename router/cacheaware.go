@@ -138,8 +138,11 @@ func (p *CacheAware) Select(cands []*Backend, h Hint) *Backend {
 		p.picked(b, h, -1)
 		return b
 	}
+	scratch := p.match(h.Tokens)
+	defer scratch.release()
+	found := scratch.matches()
 	var shareBuf [candidatesOnStack]float64
-	shares, found := p.score(cands, h, now, shareBuf[:0])
+	shares := p.score(cands, h, now, found, shareBuf[:0])
 	best := 0
 	for i := 1; i < len(cands); i++ {
 		if shares[i] > shares[best] || shares[i] == shares[best] && bd.loads[i].load < bd.loads[best].load {
@@ -205,20 +208,14 @@ const pendingGrace = 2 * time.Second
 // weighed by its tier (View.Weighted: a prompt on CPU scores below the same prompt on GPU
 // and above nothing), and the share of h.Text routed to it since pendingGrace before its
 // latest event; for another, the share of h.Text ever routed to it (that the tree still
-// holds). It returns what the index says of the request, for viewOf; nil without an index
-// or tokens.
-func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float64) ([]float64, *kvcache.Matches) {
+// holds). found is what the index says of the request (p.match); nil without an index or
+// tokens.
+func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, found *kvcache.Matches, out []float64) []float64 {
 	var textBuf [candidatesOnStack]int
 	var nameBuf [candidatesOnStack]string
 	var sinceBuf [candidatesOnStack]time.Time
 	if n := len(cands); n > candidatesOnStack { // one allocation each, not a growth by doubling
 		out = make([]float64, 0, n)
-	}
-	// One walk of the index answers every engine's match; each candidate then reads its own.
-	var found *kvcache.Matches
-	if p.index != nil && len(h.Tokens) > 0 {
-		found = new(kvcache.Matches)
-		p.index.MatchAll(kvcache.NewMatcher(h.Tokens), found)
 	}
 	names, matched, since := nameBuf[:0], textBuf[:0], sinceBuf[:0]
 	large := len(cands) > candidatesOnStack && h.Text != ""
@@ -244,7 +241,7 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float6
 		}
 	}
 	if h.Text == "" {
-		return out, found
+		return out
 	}
 	if large {
 		p.tree.MatchNames(h.Text, p.namesFor(cands), since, matched)
@@ -254,7 +251,42 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, out []float6
 	for i := range out {
 		out[i] = max(out[i], float64(matched[i])/float64(len(h.Text)))
 	}
-	return out, found
+	return out
+}
+
+// matchScratch is one pick's matcher and what the index answered it, reused from pick to
+// pick: a 4,096-token prompt's keys and matches are a few kilobytes a pick otherwise.
+type matchScratch struct {
+	m     kvcache.Matcher
+	found kvcache.Matches
+}
+
+var matchScratches = sync.Pool{New: func() any { return new(matchScratch) }}
+
+// match asks the index, in one walk, what every engine holds of tokens; nil without an index
+// or tokens. The caller releases it.
+func (p *CacheAware) match(tokens []uint32) *matchScratch {
+	if p.index == nil || len(tokens) == 0 {
+		return nil
+	}
+	s := matchScratches.Get().(*matchScratch)
+	s.m.Reset(tokens)
+	p.index.MatchAll(&s.m, &s.found)
+	return s
+}
+
+func (s *matchScratch) matches() *kvcache.Matches {
+	if s == nil {
+		return nil
+	}
+	return &s.found
+}
+
+func (s *matchScratch) release() {
+	if s != nil {
+		s.m.Reset(nil)
+		matchScratches.Put(s)
+	}
 }
 
 // namesFor returns the names of cands, those of the pick before when the candidates are

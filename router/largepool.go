@@ -229,11 +229,9 @@ func (v *poolView) place(key uint64, c float64, now time.Time) int {
 // selectLarge is Select for a large pool.
 func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.Time) *Backend {
 	v := p.viewFor(cands, now)
-	var found *kvcache.Matches
-	if p.index != nil && len(h.Tokens) > 0 {
-		found = new(kvcache.Matches)
-		p.index.MatchAll(kvcache.NewMatcher(h.Tokens), found)
-	}
+	scratch := p.match(h.Tokens)
+	defer scratch.release()
+	found := scratch.matches()
 	// The tree's marks deep enough to count, read before the view is locked: the tree has a
 	// lock of its own.
 	type treeMark struct {
