@@ -2,6 +2,7 @@ package kvcache
 
 import (
 	"maps"
+	"math/rand/v2"
 	"strings"
 	"testing"
 	"time"
@@ -246,5 +247,50 @@ func TestIndexSetTierWeights(t *testing.T) {
 				t.Errorf("SetTierWeights = %v, want an error with %q", err, tt.wantErr)
 			}
 		})
+	}
+}
+
+// TestKeysTellEveryTokenAndEveryParentApart changes one bit of one token, or the block
+// before, of random blocks: the key must change every time; and half a million random
+// chains' keys must all differ.
+func TestKeysTellEveryTokenAndEveryParentApart(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	tokens := make([]uint32, 4*16)
+	for range 200 {
+		for i := range tokens {
+			tokens[i] = r.Uint32N(200_000)
+		}
+		bs := []int{16, 3, 1, 64}[r.IntN(4)]
+		want := Keys(tokens, bs, nil)
+		i, bit := r.IntN(len(tokens)), r.IntN(32)
+		tokens[i] ^= 1 << bit
+		got := Keys(tokens, bs, nil)
+		tokens[i] ^= 1 << bit
+		changed := i / bs // the block holding the token, and every one after it
+		for b := range want {
+			if b < changed && got[b] != want[b] {
+				t.Fatalf("block size %d: a change in block %d changed the key of block %d before it", bs, changed, b)
+			}
+			if b >= changed && got[b] == want[b] {
+				t.Fatalf("block size %d: bit %d of token %d changed, block %d kept its key", bs, bit, i, b)
+			}
+		}
+	}
+	seen := make(map[uint64]bool, 500_000)
+	parent := rootKey(16)
+	for n := range 500_000 {
+		for i := range tokens[:16] {
+			tokens[i] = r.Uint32N(1000) // a small vocabulary: many blocks alike but for a token
+		}
+		k := chainKey(parent, tokens[:16])
+		if seen[k] {
+			t.Fatalf("chain %d: its key repeats an earlier block's", n)
+		}
+		seen[k] = true
+		if r.IntN(4) == 0 {
+			parent = rootKey(16)
+		} else {
+			parent = k
+		}
 	}
 }
