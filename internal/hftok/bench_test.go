@@ -1,6 +1,7 @@
 package hftok
 
 import (
+	"math/rand/v2"
 	"strings"
 	"testing"
 )
@@ -26,6 +27,45 @@ func BenchmarkRender(b *testing.B) {
 	msgs := []Message{{"system", benchText}, {"user", "What is the capital of France?"}, {"assistant", "Paris."}, {"user", "And of Italy?"}}
 	for b.Loop() {
 		if _, err := tpl.Render(msgs, true); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkEncodeNewWords encodes 4 KiB prompts of words seen rarely enough that most are
+// not cached: the merging itself.
+func BenchmarkEncodeNewWords(b *testing.B) {
+	tk := loadTest(b)
+	rng := rand.New(rand.NewPCG(1, 2))
+	texts := make([]string, 512)
+	for i := range texts {
+		var s strings.Builder
+		for s.Len() < len(benchText) {
+			s.WriteByte(' ')
+			for range 3 + rng.IntN(7) {
+				s.WriteByte(byte('a' + rng.IntN(26)))
+			}
+		}
+		texts[i] = s.String()
+	}
+	b.SetBytes(int64(len(benchText)))
+	i := 0
+	for b.Loop() {
+		if _, err := tk.Encode(texts[i%len(texts)], false); err != nil {
+			b.Fatal(err)
+		}
+		i++
+	}
+}
+
+// BenchmarkEncodeLongWord encodes one word of 16 KiB (a pasted blob of letters), which no
+// cache holds.
+func BenchmarkEncodeLongWord(b *testing.B) {
+	tk := loadTest(b)
+	word := strings.Repeat("thequickbrownfoxjumpsoverthelazydog", 16<<10/35)
+	b.SetBytes(int64(len(word)))
+	for b.Loop() {
+		if _, err := tk.Encode(word, false); err != nil {
 			b.Fatal(err)
 		}
 	}
