@@ -74,34 +74,35 @@ func (m *bpe) merge(dst []uint32, word string, w *mergeScratch) []uint32 {
 		ids[i], next[i], prev[i] = m.byteIDs[word[i]], i+1, i-1
 		if i > 0 {
 			if mg, ok := m.merges[pairKey(ids[i-1], ids[i])]; ok {
-				w.heap = append(w.heap, pairAt{rank: mg.rank, at: i - 1, mid: i, end: i + 1, id: mg.id})
+				w.heap = append(w.heap, newPairAt(mg, i-1, i, i+1))
 			}
 		}
 	}
 	w.heap.init()
 	for len(w.heap) > 0 {
-		rank := w.heap[0].rank
+		rank := w.heap[0].rank()
 		w.made = w.made[:0]
-		for len(w.heap) > 0 && w.heap[0].rank == rank {
+		for len(w.heap) > 0 && w.heap[0].rank() == rank {
 			p := w.heap.pop()
+			at := p.at()
 			// A pair whose symbols merged with others since it was pushed is gone: its
 			// left symbol no longer ends where its right one starts, or the right one
 			// no longer ends where it did.
-			if next[p.at] != p.mid || next[p.mid] != p.end {
+			if next[at] != p.mid || next[p.mid] != p.end {
 				continue
 			}
-			ids[p.at], next[p.at], next[p.mid] = p.id, p.end, -1
+			ids[at], next[at], next[p.mid] = p.id, p.end, -1
 			if p.end < n {
-				prev[p.end] = p.at
+				prev[p.end] = at
 			}
-			if before := prev[p.at]; before >= 0 {
+			if before := prev[at]; before >= 0 {
 				if mg, ok := m.merges[pairKey(ids[before], p.id)]; ok {
-					w.made = append(w.made, pairAt{rank: mg.rank, at: before, mid: p.at, end: p.end, id: mg.id})
+					w.made = append(w.made, newPairAt(mg, before, at, p.end))
 				}
 			}
 			if p.end < n {
 				if mg, ok := m.merges[pairKey(p.id, ids[p.end])]; ok {
-					w.made = append(w.made, pairAt{rank: mg.rank, at: p.at, mid: p.end, end: next[p.end], id: mg.id})
+					w.made = append(w.made, newPairAt(mg, at, p.end, next[p.end]))
 				}
 			}
 		}
@@ -124,14 +125,21 @@ func grow[T any](s []T, n int) []T {
 }
 
 // pairAt is a pair of adjacent symbols of a word being merged: the one at byte offset at,
-// the one at mid, which ends at end; rank and id are its merge's.
+// the one at mid, which ends at end; id is what they merge into. Its merge's rank and at
+// make one key, so that the heap's order is one comparison.
 type pairAt struct {
-	rank         int32
-	at, mid, end int32
-	id           uint32
+	key      uint64 // rank<<32 | at
+	mid, end int32
+	id       uint32
 }
 
-func (p pairAt) before(q pairAt) bool { return p.rank < q.rank || p.rank == q.rank && p.at < q.at }
+func newPairAt(mg merge, at, mid, end int32) pairAt {
+	return pairAt{key: uint64(mg.rank)<<32 | uint64(at), mid: mid, end: end, id: mg.id}
+}
+
+func (p pairAt) rank() int32          { return int32(p.key >> 32) }
+func (p pairAt) at() int32            { return int32(uint32(p.key)) }
+func (p pairAt) before(q pairAt) bool { return p.key < q.key }
 
 // pairHeap is a binary min-heap of pairs by rank, then offset; typed, so that pushing and
 // popping allocate nothing (container/heap takes and gives any).
