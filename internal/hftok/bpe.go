@@ -18,7 +18,7 @@ type bpe struct {
 	byteIDs      [256]uint32
 	merges       map[uint64]merge // by pairKey
 	ignoreMerges bool             // a word that is a token of its own is that token, merges or not
-	cache        *wordCache
+	cache        *tokenCache      // of words
 }
 
 // mergeScratch is one encoding's working memory for merging words, kept between words

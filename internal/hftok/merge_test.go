@@ -2,6 +2,7 @@ package hftok
 
 import (
 	"encoding/json"
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -227,7 +228,7 @@ func TestEncodeGivesThePlainMergesTokens(t *testing.T) {
 				texts = texts[:60]
 			}
 			var bytes, tokens int
-			for pass, what := range []string{"words not cached yet", "words cached"} {
+			for pass, what := range []string{"nothing cached yet", "words and segments cached"} {
 				for i, s := range texts {
 					if name == "regexp2" && !utf8.ValidString(s) {
 						continue // regexSplit takes text that came through JSON, so UTF-8
@@ -326,7 +327,7 @@ func TestTheCacheKeepsItsSizeOnEverNewWords(t *testing.T) {
 	tk := synthTokenizers(t, 3000)["llama3"]
 	rng := rand.New(rand.NewPCG(5, 5))
 	var b strings.Builder
-	for range cacheSlots + cacheSlots/4 {
+	for range wordCacheSlots + wordCacheSlots/4 {
 		b.WriteByte(' ')
 		for range 2 + rng.IntN(3*maxCachedWordBytes/2) {
 			b.WriteByte("abcdefghij"[rng.IntN(10)])
@@ -344,11 +345,54 @@ func TestTheCacheKeepsItsSizeOnEverNewWords(t *testing.T) {
 		}
 	}
 	for i := range tk.model.cache.slots {
-		if e := tk.model.cache.slots[i].Load(); e != nil && len(e.word) > maxCachedWordBytes {
-			t.Fatalf("a word of %d bytes is cached", len(e.word))
+		if e := tk.model.cache.slots[i].Load(); e != nil && len(e.text) > maxCachedWordBytes {
+			t.Fatalf("a word of %d bytes is cached", len(e.text))
 		}
 	}
-	if n := len(tk.model.cache.slots); n != cacheSlots {
+	if n := len(tk.model.cache.slots); n != wordCacheSlots {
 		t.Errorf("%d slots", n)
+	}
+}
+
+// Long segments, each new, fill the segments' cache to its budget and no further: the
+// oldest are pushed out, and what it holds is what it counts.
+func TestTheSegmentCacheKeepsToItsBudget(t *testing.T) {
+	tk := loadTest(t)
+	const budget = 1 << 20
+	tk.segments = newTokenCache(64, budget)
+	rng := rand.New(rand.NewPCG(6, 6))
+	var texts []string
+	for range 2 * budget / (5 * 16 << 10) {
+		var b strings.Builder
+		for b.Len() < 16<<10 {
+			fmt.Fprintf(&b, " %x", rng.Uint64())
+		}
+		texts = append(texts, "<|im_start|>user\n"+b.String()+"<|im_end|>")
+	}
+	want := make([][]uint32, len(texts))
+	for i, s := range texts {
+		want[i] = plainEncode(t, tk, s)
+	}
+	for pass := range 2 {
+		for i, s := range texts {
+			got, err := tk.Encode(s, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(got, want[i]) {
+				t.Fatalf("pass %d, text %d: the tokens differ from the plain merge's", pass, i)
+			}
+		}
+	}
+	var held int64
+	entries := 0
+	for i := range tk.segments.slots {
+		if e := tk.segments.slots[i].Load(); e != nil {
+			held += e.size()
+			entries++
+		}
+	}
+	if held != tk.segments.held.Load() || held > budget || entries == 0 {
+		t.Errorf("the cache holds %d bytes in %d entries, counts %d, may hold %d", held, entries, tk.segments.held.Load(), budget)
 	}
 }

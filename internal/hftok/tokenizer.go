@@ -33,6 +33,7 @@ type Tokenizer struct {
 	suffix     []uint32          // and after it
 	vocabSize  int
 	specialIDs map[string]uint32
+	segments   *tokenCache
 	scratch    sync.Pool // of *encodeScratch
 }
 
@@ -132,10 +133,10 @@ func Load(data []byte) (*Tokenizer, error) {
 	case len(m.Vocab) == 0:
 		return nil, errors.New("model: empty vocab")
 	}
-	t := &Tokenizer{specialIDs: map[string]uint32{}}
+	t := &Tokenizer{specialIDs: map[string]uint32{}, segments: newTokenCache(segmentCacheSlots, segmentCacheBudget)}
 	t.scratch.New = func() any { return new(encodeScratch) }
 	model := &bpe{vocab: make(map[string]uint32, len(m.Vocab)), merges: make(map[uint64]merge, len(m.Merges)),
-		ignoreMerges: m.IgnoreMerges, cache: newWordCache()}
+		ignoreMerges: m.IgnoreMerges, cache: newTokenCache(wordCacheSlots, 0)}
 	for tok, id := range m.Vocab {
 		if id < 0 || id > 1<<31 {
 			return nil, fmt.Errorf("model: token %q has id %d", tok, id)
@@ -446,17 +447,31 @@ func (t *Tokenizer) Encode(text string, addSpecialTokens bool) ([]uint32, error)
 			return nil
 		}
 		seg := text[start:end]
+		cacheable := len(seg) >= minCachedSegmentBytes && len(seg) <= maxCachedSegmentBytes
+		var h uint64
+		if cacheable {
+			h = t.segments.hash(seg)
+			if ids, ok := t.segments.get(h, seg); ok {
+				out = append(out, ids...)
+				return nil
+			}
+		}
+		n := len(out)
+		words := seg
 		if t.normalize != nil {
-			seg = t.normalize(seg)
+			words = t.normalize(seg)
 		}
 		var err error
-		if s.pieces, err = t.pre.split(s.pieces[:0], seg); err != nil {
+		if s.pieces, err = t.pre.split(s.pieces[:0], words); err != nil {
 			return err
 		}
 		for _, p := range s.pieces {
 			if p != "" {
 				out = t.model.encode(out, p, &s.merge)
 			}
+		}
+		if cacheable {
+			t.segments.put(h, seg, out[n:])
 		}
 		return nil
 	}
