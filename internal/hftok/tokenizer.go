@@ -496,7 +496,8 @@ func (t *Tokenizer) Encode(text string, addSpecialTokens bool) ([]uint32, error)
 		out = append(out, t.suffix...)
 	}
 	s.ids = out
-	return slices.Clone(out), nil
+	// Never nil, even empty: the tokens go out as JSON, where nil is null.
+	return append(make([]uint32, 0, len(out)), out...), nil
 }
 
 // encodeScratch is what an encoding works in; a Tokenizer keeps some between encodings,
