@@ -19,5 +19,8 @@
 // of a ByteLevel pre-tokenizer with use_regex (pretok.go), matched by hand ten times faster
 // and held to regexp2 by fuzz tests.
 //
-// A Tokenizer is safe for concurrent use.
+// A Tokenizer is safe for concurrent use. Its callers share two caches of fixed bounds
+// (cache.go): the tokens of words, and of segments, the text between two added tokens, which
+// Encode tokenizes on its own, so that a chat's system prompt and earlier messages, rendered
+// again on each of its turns, are looked up rather than tokenized.
 package hftok

@@ -8,6 +8,7 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/dlclark/regexp2"
@@ -32,6 +33,8 @@ type Tokenizer struct {
 	suffix     []uint32          // and after it
 	vocabSize  int
 	specialIDs map[string]uint32
+	segments   *tokenCache
+	scratch    sync.Pool // of *encodeScratch
 }
 
 type addedToken struct {
@@ -130,9 +133,10 @@ func Load(data []byte) (*Tokenizer, error) {
 	case len(m.Vocab) == 0:
 		return nil, errors.New("model: empty vocab")
 	}
-	t := &Tokenizer{specialIDs: map[string]uint32{}}
-	model := &bpe{vocab: make(map[string]uint32, len(m.Vocab)), merges: make(map[pair]merge, len(m.Merges)),
-		ignoreMerges: m.IgnoreMerges}
+	t := &Tokenizer{specialIDs: map[string]uint32{}, segments: newTokenCache(segmentCacheSlots, segmentCacheBudget)}
+	t.scratch.New = func() any { return new(encodeScratch) }
+	model := &bpe{vocab: make(map[string]uint32, len(m.Vocab)), merges: make(map[uint64]merge, len(m.Merges)),
+		ignoreMerges: m.IgnoreMerges, cache: newTokenCache(wordCacheSlots, 0)}
 	for tok, id := range m.Vocab {
 		if id < 0 || id > 1<<31 {
 			return nil, fmt.Errorf("model: token %q has id %d", tok, id)
@@ -158,8 +162,8 @@ func Load(data []byte) (*Tokenizer, error) {
 		if !oka || !okb || !ok {
 			return nil, fmt.Errorf("model: merges[%d] %q %q: a part or the merge is not in the vocab", i, a, b)
 		}
-		if _, dup := model.merges[pair{ia, ib}]; !dup {
-			model.merges[pair{ia, ib}] = merge{rank: i, id: id}
+		if _, dup := model.merges[pairKey(ia, ib)]; !dup {
+			model.merges[pairKey(ia, ib)] = merge{rank: int32(i), id: id}
 		}
 	}
 	t.model = model
@@ -431,28 +435,43 @@ func (t *Tokenizer) VocabSize() int { return t.vocabSize }
 // (a completion's prompt has them, vLLM's chat rendering does not add them on top of its
 // template's).
 func (t *Tokenizer) Encode(text string, addSpecialTokens bool) ([]uint32, error) {
-	out := make([]uint32, 0, len(text)/3+len(t.prefix)+len(t.suffix)+1)
+	s := t.scratch.Get().(*encodeScratch)
+	defer t.putScratch(s)
+	out := s.ids[:0]
 	if addSpecialTokens {
 		out = append(out, t.prefix...)
 	}
-	var pieces []string
 	start := 0
 	flush := func(end int) error {
 		if end <= start {
 			return nil
 		}
 		seg := text[start:end]
+		cacheable := len(seg) >= minCachedSegmentBytes && len(seg) <= maxCachedSegmentBytes
+		var h uint64
+		if cacheable {
+			h = t.segments.hash(seg)
+			if ids, ok := t.segments.get(h, seg); ok {
+				out = append(out, ids...)
+				return nil
+			}
+		}
+		n := len(out)
+		words := seg
 		if t.normalize != nil {
-			seg = t.normalize(seg)
+			words = t.normalize(seg)
 		}
 		var err error
-		if pieces, err = t.pre.split(pieces[:0], seg); err != nil {
+		if s.pieces, err = t.pre.split(s.pieces[:0], words); err != nil {
 			return err
 		}
-		for _, p := range pieces {
+		for _, p := range s.pieces {
 			if p != "" {
-				out = t.model.encode(out, p)
+				out = t.model.encode(out, p, &s.merge)
 			}
+		}
+		if cacheable {
+			t.segments.put(h, seg, out[n:])
 		}
 		return nil
 	}
@@ -476,7 +495,29 @@ func (t *Tokenizer) Encode(text string, addSpecialTokens bool) ([]uint32, error)
 	if addSpecialTokens {
 		out = append(out, t.suffix...)
 	}
-	return out, nil
+	s.ids = out
+	// Never nil, even empty: the tokens go out as JSON, where nil is null.
+	return append(make([]uint32, 0, len(out)), out...), nil
+}
+
+// encodeScratch is what an encoding works in; a Tokenizer keeps some between encodings,
+// so that one allocates little more than the tokens it returns.
+type encodeScratch struct {
+	pieces []string
+	ids    []uint32
+	merge  mergeScratch
+}
+
+// maxKeptScratch bounds the tokens' buffer a Tokenizer keeps after an encoding: a rare
+// huge prompt's is left to the collector.
+const maxKeptScratch = 1 << 16
+
+func (t *Tokenizer) putScratch(s *encodeScratch) {
+	if cap(s.ids) > maxKeptScratch || cap(s.pieces) > maxKeptScratch || cap(s.merge.ids) > maxKeptScratch {
+		return
+	}
+	clear(s.pieces[:cap(s.pieces)]) // they are slices of a caller's text
+	t.scratch.Put(s)
 }
 
 func matchAdded(list []addedToken, s string) (addedToken, bool) {
