@@ -1,15 +1,14 @@
 package kvcache
 
 import (
-	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"math"
+	"slices"
 
 	"github.com/cespare/xxhash/v2"
-	"github.com/vmihailenco/msgpack/v5"
 	"github.com/vmihailenco/msgpack/v5/msgpcode"
 )
 
@@ -112,60 +111,98 @@ const (
 
 // DecodeMessage decodes one message's frames: [topic, sequence as 8 bytes big-endian,
 // msgpack payload]. An event with an unknown tag or impossible fields is skipped and counted
-// in the batch; anything else wrong drops the whole message with a *DecodeError.
+// in the batch; anything else wrong drops the whole message with a *DecodeError. The
+// message is the caller's to keep; a listener decoding message after message reuses a
+// Decoder instead.
 func DecodeMessage(frames [][]byte) (Message, error) {
+	var d Decoder
+	return d.DecodeMessage(frames)
+}
+
+// DecodeBatch decodes a payload: [timestamp, [events], data_parallel_rank] (the rank may be
+// left out), or the same as a map {"ts", "events", "data_parallel_rank"}. Events are arrays
+// with the tag first (vLLM before PR #42892, SGLang) or maps with a "type" key. The batch is
+// the caller's to keep.
+func DecodeBatch(payload []byte) (Batch, error) {
+	var d Decoder
+	return d.DecodeBatch(payload)
+}
+
+// Decoder decodes messages as DecodeMessage does into memory it keeps from one message to
+// the next: a listener's stream of messages, each decoded, applied and dropped, costs no
+// allocation but the topic's. What a call returns (the events, their hashes and token ids)
+// is valid until the next call. The zero value is ready to use; a Decoder is not safe for
+// concurrent use.
+type Decoder struct {
+	events []Event
+	// spans are where each event's hashes and token ids are in hashes and tokens, which
+	// may move as they grow: the events' slices are set from them once all are decoded.
+	spans  []span
+	hashes []uint64
+	tokens []uint32
+}
+
+// span is one event's part of the Decoder's hashes and tokens.
+type span struct{ h0, h1, t0, t1 int32 }
+
+// keepTokens is the most token ids a Decoder's buffer keeps after a message: a message
+// longer than any engine's context (a broken or hostile publisher's) does not leave its
+// memory behind.
+const keepTokens = 1 << 20
+
+// DecodeMessage decodes one message's frames, as the function DecodeMessage does.
+func (d *Decoder) DecodeMessage(frames [][]byte) (Message, error) {
 	if len(frames) != 3 || len(frames[1]) != 8 {
 		return Message{}, &DecodeError{ReasonFrames, fmt.Errorf("want 3 frames with an 8-byte sequence, got %d", len(frames))}
 	}
-	b, err := DecodeBatch(frames[2])
+	b, err := d.DecodeBatch(frames[2])
 	if err != nil {
 		return Message{}, err
 	}
 	return Message{Topic: string(frames[0]), Seq: binary.BigEndian.Uint64(frames[1]), Batch: b}, nil
 }
 
-// DecodeBatch decodes a payload: [timestamp, [events], data_parallel_rank] (the rank may be
-// left out), or the same as a map {"ts", "events", "data_parallel_rank"}. Events are arrays
-// with the tag first (vLLM before PR #42892, SGLang) or maps with a "type" key.
-func DecodeBatch(payload []byte) (Batch, error) {
-	r := newReader(payload)
+// DecodeBatch decodes a payload, as the function DecodeBatch does.
+func (d *Decoder) DecodeBatch(payload []byte) (Batch, error) {
+	if cap(d.tokens) > keepTokens {
+		d.events, d.spans, d.hashes, d.tokens = nil, nil, nil, nil
+	}
+	r := reader{p: payload, d: d}
+	d.events, d.spans, d.hashes, d.tokens = d.events[:0], d.spans[:0], d.hashes[:0], d.tokens[:0]
 	b, err := r.batch()
-	if err == nil && r.br.Len() != 0 {
+	if err == nil && r.i != len(r.p) {
 		err = errors.New("trailing bytes after the batch")
 	}
 	if err != nil {
 		return Batch{}, &DecodeError{ReasonDecode, err}
 	}
+	for i := range d.events {
+		d.events[i].Hashes, d.events[i].Tokens = d.slices(d.spans[i])
+	}
+	b.Events = d.events
 	return b, nil
 }
 
+// slices are s's hashes and token ids, capped so that an append to one cannot reach the
+// next event's.
+func (d *Decoder) slices(s span) ([]uint64, []uint32) {
+	return d.hashes[s.h0:s.h1:s.h1], d.tokens[s.t0:s.t1:s.t1]
+}
+
+// reader reads one payload, p from i on, by hand: a message is nearly all block hashes and
+// token ids, each a value or two of bytes, and a general decoder's calls per value cost
+// more than applying its events does. Every length the payload claims is checked against
+// the bytes left (each element takes at least one), so what it makes its Decoder hold is
+// bounded by the payload's size, as well as by the limits above.
 type reader struct {
-	// p is the whole payload, which br reads: the arrays of integers are read from it
-	// directly (rawInt), the decoder told where they end.
-	p  []byte
-	br *bytes.Reader
-	d  *msgpack.Decoder
+	p []byte
+	i int
+	d *Decoder
 }
 
-func newReader(p []byte) *reader {
-	br := bytes.NewReader(p)
-	// A bytes.Reader is an io.ByteScanner, so the decoder reads it directly, unbuffered:
-	// br.Len() is what is left, which bounds every length the payload claims.
-	return &reader{p: p, br: br, d: msgpack.NewDecoder(br)}
-}
-
-// pos is where the decoder is in p.
-func (r *reader) pos() int { return len(r.p) - r.br.Len() }
-
-// seek moves the decoder to pos in p.
-func (r *reader) seek(pos int) { _, _ = r.br.Seek(int64(pos), io.SeekStart) }
-
-// rawInt reads the integer at the start of p, as the decoder would, without it: the token
-// ids and block hashes of a message are nearly all of it, and the decoder's calls per value
-// cost more than the message's events take to apply. n is the bytes it takes, 0 when p does
-// not start with a whole integer (the decoder then says what it is). v is the value as an
-// int64 would hold it, except after the uint64 code (unsigned is then set), whose values
-// above the int64 range a hash may take.
+// rawInt reads the integer at the start of p. n is the bytes it takes, 0 when p does not
+// start with a whole integer. v is the value as an int64 would hold it, except after the
+// uint64 code (unsigned is then set), whose values above the int64 range a hash may take.
 func rawInt(p []byte) (v uint64, unsigned bool, n int) {
 	if len(p) == 0 {
 		return 0, false, 0
@@ -224,10 +261,46 @@ const (
 	null
 )
 
+// errShort is a value cut off by the payload's end.
+var errShort = io.ErrUnexpectedEOF
+
+// peek returns the next value's code.
+func (r *reader) peek() (byte, error) {
+	if r.i >= len(r.p) {
+		return 0, errShort
+	}
+	return r.p[r.i], nil
+}
+
+// take returns the next n bytes.
+func (r *reader) take(n int) ([]byte, error) {
+	if n < 0 || n > len(r.p)-r.i {
+		return nil, fmt.Errorf("claims %d bytes with %d left", n, len(r.p)-r.i)
+	}
+	b := r.p[r.i : r.i+n : r.i+n]
+	r.i += n
+	return b, nil
+}
+
+// length reads a big-endian length of size bytes (1, 2 or 4).
+func (r *reader) length(size int) (int, error) {
+	b, err := r.take(size)
+	if err != nil {
+		return 0, err
+	}
+	switch size {
+	case 1:
+		return int(b[0]), nil
+	case 2:
+		return int(binary.BigEndian.Uint16(b)), nil
+	}
+	return int(binary.BigEndian.Uint32(b)), nil
+}
+
 // head reads an array's or map's length, checked against the bytes left (every element
-// takes at least one) and limit.
+// takes at least one) and limit. A nil is read as null; anything else is left unread.
 func (r *reader) head(limit int) (container, int, error) {
-	c, err := r.d.PeekCode()
+	c, err := r.peek()
 	if err != nil {
 		return other, 0, err
 	}
@@ -235,14 +308,28 @@ func (r *reader) head(limit int) (container, int, error) {
 	var n int
 	switch {
 	case c == msgpcode.Nil:
-		_, err = r.br.ReadByte()
-		return null, 0, err
-	case msgpcode.IsFixedArray(c) || c == msgpcode.Array16 || c == msgpcode.Array32:
+		r.i++
+		return null, 0, nil
+	case msgpcode.IsFixedArray(c):
+		kind, n = array, int(c&0x0f)
+		r.i++
+	case msgpcode.IsFixedMap(c):
+		kind, n = mapping, int(c&0x0f)
+		r.i++
+	case c == msgpcode.Array16 || c == msgpcode.Map16:
 		kind = array
-		n, err = r.d.DecodeArrayLen()
-	case msgpcode.IsFixedMap(c) || c == msgpcode.Map16 || c == msgpcode.Map32:
-		kind = mapping
-		n, err = r.d.DecodeMapLen()
+		if c == msgpcode.Map16 {
+			kind = mapping
+		}
+		r.i++
+		n, err = r.length(2)
+	case c == msgpcode.Array32 || c == msgpcode.Map32:
+		kind = array
+		if c == msgpcode.Map32 {
+			kind = mapping
+		}
+		r.i++
+		n, err = r.length(4)
 	default:
 		return other, 0, nil
 	}
@@ -253,10 +340,31 @@ func (r *reader) head(limit int) (container, int, error) {
 	if kind == mapping {
 		per = 2
 	}
-	if n < 0 || n > limit || n*per > r.br.Len() {
-		return other, 0, fmt.Errorf("claims %d elements with %d bytes left (limit %d)", n, r.br.Len(), limit)
+	if left := len(r.p) - r.i; n > limit || n*per > left {
+		return other, 0, fmt.Errorf("claims %d elements with %d bytes left (limit %d)", n, left, limit)
 	}
 	return kind, n, nil
+}
+
+// strLen reads a str's or bin's code and length, and reports whether c is one.
+func (r *reader) strLen(c byte) (n int, ok bool, err error) {
+	switch {
+	case msgpcode.IsFixedString(c):
+		r.i++
+		return int(c & 0x1f), true, nil
+	case c == msgpcode.Str8 || c == msgpcode.Bin8:
+		r.i++
+		n, err = r.length(1)
+	case c == msgpcode.Str16 || c == msgpcode.Bin16:
+		r.i++
+		n, err = r.length(2)
+	case c == msgpcode.Str32 || c == msgpcode.Bin32:
+		r.i++
+		n, err = r.length(4)
+	default:
+		return 0, false, nil
+	}
+	return n, true, err
 }
 
 // skip skips one value of any type, nested at most maxDepth deep.
@@ -271,91 +379,99 @@ func (r *reader) skip(depth int) error {
 	switch kind {
 	case null:
 		return nil
-	case array:
+	case array, mapping:
+		if kind == mapping {
+			n *= 2
+		}
 		for range n {
 			if err := r.skip(depth + 1); err != nil {
 				return err
 			}
 		}
 		return nil
-	case mapping:
-		for range 2 * n {
-			if err := r.skip(depth + 1); err != nil {
-				return err
-			}
+	}
+	c := r.p[r.i] // head saw it
+	if n, ok, err := r.strLen(c); ok {
+		if err != nil {
+			return err
 		}
-		return nil
-	}
-	c, err := r.d.PeekCode()
-	if err != nil {
+		_, err = r.take(n)
 		return err
 	}
-	if msgpcode.IsString(c) || msgpcode.IsBin(c) {
-		_, err := r.bytes(math.MaxInt32)
-		return err
+	r.i++
+	size := 0
+	switch {
+	case msgpcode.IsFixedNum(c), c == msgpcode.False, c == msgpcode.True:
+	case c == msgpcode.Uint8, c == msgpcode.Int8:
+		size = 1
+	case c == msgpcode.Uint16, c == msgpcode.Int16:
+		size = 2
+	case c == msgpcode.Uint32, c == msgpcode.Int32, c == msgpcode.Float:
+		size = 4
+	case c == msgpcode.Uint64, c == msgpcode.Int64, c == msgpcode.Double:
+		size = 8
+	case c >= msgpcode.FixExt1 && c <= msgpcode.FixExt16: // a type byte, then 1 to 16 bytes
+		size = 1 + 1<<(c-msgpcode.FixExt1)
+	case c == msgpcode.Ext8, c == msgpcode.Ext16, c == msgpcode.Ext32:
+		n, err := r.length(1 << (c - msgpcode.Ext8))
+		if err != nil {
+			return err
+		}
+		size = n + 1
+	default:
+		return fmt.Errorf("unknown code %#x", c)
 	}
-	// A scalar or an extension: nothing the decoder could recurse into.
-	return r.d.Skip()
+	_, err = r.take(size)
+	return err
 }
 
-// bytes reads a str or bin, at most limit bytes long.
-func (r *reader) bytes(limit int) ([]byte, error) {
-	n, err := r.d.DecodeBytesLen()
+// str reads a str or bin, at most maxString bytes, or nil (as none); anything else is an
+// error. The bytes are the payload's own.
+func (r *reader) str() ([]byte, error) {
+	c, err := r.peek()
 	if err != nil {
 		return nil, err
 	}
-	if n < 0 || n > limit || n > r.br.Len() {
-		return nil, fmt.Errorf("claims %d bytes with %d left (limit %d)", n, r.br.Len(), limit)
-	}
-	p := make([]byte, n)
-	_, err = io.ReadFull(r.br, p)
-	return p, err
-}
-
-// str reads a string or nil (as ""); anything else is an error.
-func (r *reader) str() (string, error) {
-	c, err := r.d.PeekCode()
-	if err != nil {
-		return "", err
-	}
 	if c == msgpcode.Nil {
-		_, err = r.br.ReadByte()
-		return "", err
+		r.i++
+		return nil, nil
 	}
-	if !msgpcode.IsString(c) && !msgpcode.IsBin(c) {
-		return "", fmt.Errorf("want a string, got code %#x", c)
+	n, ok, err := r.strLen(c)
+	if !ok {
+		return nil, fmt.Errorf("want a string, got code %#x", c)
 	}
-	p, err := r.bytes(maxString)
-	return string(p), err
+	if err != nil {
+		return nil, err
+	}
+	if n > maxString {
+		return nil, fmt.Errorf("claims %d bytes (limit %d)", n, maxString)
+	}
+	return r.take(n)
 }
 
-// int reads an integer in [lo, hi].
+// int reads an integer in [lo, hi], lo at least 0.
 func (r *reader) int(lo, hi int64) (int64, error) {
-	c, err := r.d.PeekCode()
-	if err != nil {
-		return 0, err
+	v, unsigned, n := rawInt(r.p[r.i:])
+	if n == 0 {
+		return 0, r.notInt()
 	}
-	if !isInt(c) {
-		return 0, fmt.Errorf("want an integer, got code %#x", c)
-	}
-	if c == msgpcode.Uint64 {
-		v, err := r.d.DecodeUint64()
-		if err != nil {
-			return 0, err
-		}
-		if v > uint64(hi) {
-			return 0, fmt.Errorf("%d out of [%d, %d]", v, lo, hi)
-		}
-		return int64(v), nil
-	}
-	v, err := r.d.DecodeInt64()
-	if err != nil {
-		return 0, err
-	}
-	if v < lo || v > hi {
+	if unsigned && v > uint64(hi) || !unsigned && (int64(v) < lo || int64(v) > hi) {
 		return 0, fmt.Errorf("%d out of [%d, %d]", v, lo, hi)
 	}
-	return v, nil
+	r.i += n
+	return int64(v), nil
+}
+
+// notInt is why what rawInt could not read is no integer.
+func (r *reader) notInt() error {
+	c, err := r.peek()
+	switch {
+	case err != nil:
+		return err
+	case isInt(c):
+		return errShort
+	}
+	return fmt.Errorf("want an integer, got code %#x", c)
 }
 
 func isInt(c byte) bool {
@@ -372,22 +488,22 @@ func isInt(c byte) bool {
 
 // hash reads a block hash: an integer (any sign, 64 bits) or bytes. ok is false for nil.
 func (r *reader) hash() (h uint64, ok bool, err error) {
-	c, err := r.d.PeekCode()
+	if v, _, n := rawInt(r.p[r.i:]); n > 0 {
+		r.i += n
+		return v, true, nil
+	}
+	c, err := r.peek()
 	if err != nil {
 		return 0, false, err
 	}
 	switch {
 	case c == msgpcode.Nil:
-		_, err = r.br.ReadByte()
-		return 0, false, err
-	case c == msgpcode.Uint64:
-		h, err = r.d.DecodeUint64()
-		return h, err == nil, err
+		r.i++
+		return 0, false, nil
 	case isInt(c):
-		v, err := r.d.DecodeInt64()
-		return uint64(v), err == nil, err
+		return 0, false, errShort
 	case msgpcode.IsString(c) || msgpcode.IsBin(c):
-		p, err := r.bytes(maxString)
+		p, err := r.str()
 		if err != nil {
 			return 0, false, err
 		}
@@ -409,13 +525,13 @@ func foldHash(p []byte) uint64 {
 
 // present skips one value and reports whether it was anything but nil.
 func (r *reader) present() (bool, error) {
-	c, err := r.d.PeekCode()
+	c, err := r.peek()
 	if err != nil {
 		return false, err
 	}
 	if c == msgpcode.Nil {
-		_, err = r.br.ReadByte()
-		return false, err
+		r.i++
+		return false, nil
 	}
 	return true, r.skip(1)
 }
@@ -441,67 +557,78 @@ func (r *reader) anyPresent() (bool, error) {
 	return found, nil
 }
 
-func (r *reader) hashes() ([]uint64, error) {
+// hashes reads block_hashes into the Decoder's hashes, and returns where they are.
+func (r *reader) hashes() (h0, h1 int32, err error) {
 	kind, n, err := r.head(maxHashes)
 	if err != nil {
-		return nil, err
+		return 0, 0, err
 	}
+	h0 = int32(len(r.d.hashes))
 	if kind == null {
-		return []uint64{}, nil // no blocks; harmless, so not worth dropping the message
+		return h0, h0, nil // no blocks; harmless, so not worth dropping the message
 	}
 	if kind != array {
-		return nil, errors.New("block_hashes is not an array")
+		return 0, 0, errors.New("block_hashes is not an array")
 	}
-	out := make([]uint64, 0, n)
-	pos := r.pos()
 	for range n {
-		if v, _, k := rawInt(r.p[pos:]); k > 0 {
-			out = append(out, v)
-			pos += k
-			continue
-		}
-		r.seek(pos) // bytes, or no hash at all
 		h, ok, err := r.hash()
-		pos = r.pos()
 		if err != nil {
-			return nil, err
+			return 0, 0, err
 		}
 		if !ok {
-			return nil, errors.New("a block hash is nil")
+			return 0, 0, errors.New("a block hash is nil")
 		}
-		out = append(out, h)
+		r.d.hashes = append(r.d.hashes, h)
 	}
-	r.seek(pos)
-	return out, nil
+	return h0, int32(len(r.d.hashes)), nil
 }
 
-func (r *reader) tokens() ([]uint32, error) {
+// tokens reads token_ids into the Decoder's tokens, and returns where they are.
+func (r *reader) tokens() (t0, t1 int32, err error) {
 	kind, n, err := r.head(maxTokens)
 	if err != nil {
-		return nil, err
+		return 0, 0, err
 	}
 	if kind != array {
-		return nil, errors.New("token_ids is not an array")
+		return 0, 0, errors.New("token_ids is not an array")
 	}
-	out := make([]uint32, 0, n)
-	pos := r.pos()
-	for range n {
-		v, unsigned, k := rawInt(r.p[pos:])
-		if k > 0 && (unsigned && v <= math.MaxUint32 || !unsigned && int64(v) >= 0 && int64(v) <= math.MaxUint32) {
-			out = append(out, uint32(v))
-			pos += k
-			continue
+	start := len(r.d.tokens)
+	r.d.tokens = slices.Grow(r.d.tokens, n)[:start+n]
+	out := r.d.tokens[start:]
+	// The token ids below 2^32 that an engine sends, inline; anything else through int,
+	// which says what is wrong with it.
+	p, i := r.p, r.i
+	for j := range out {
+		if i+4 < len(p) { // room for the longest of the four
+			switch c := p[i]; {
+			case c <= 0x7f:
+				out[j] = uint32(c)
+				i++
+				continue
+			case c == msgpcode.Uint8:
+				out[j] = uint32(p[i+1])
+				i += 2
+				continue
+			case c == msgpcode.Uint16:
+				out[j] = uint32(binary.BigEndian.Uint16(p[i+1:]))
+				i += 3
+				continue
+			case c == msgpcode.Uint32:
+				out[j] = binary.BigEndian.Uint32(p[i+1:])
+				i += 5
+				continue
+			}
 		}
-		r.seek(pos) // not a token id: the decoder says what is wrong
-		iv, err := r.int(0, math.MaxUint32)
+		r.i = i
+		v, err := r.int(0, math.MaxUint32)
 		if err != nil {
-			return nil, fmt.Errorf("token id: %w", err)
+			return 0, 0, fmt.Errorf("token id: %w", err)
 		}
-		out = append(out, uint32(iv))
-		pos = r.pos()
+		out[j] = uint32(v)
+		i = r.i
 	}
-	r.seek(pos)
-	return out, nil
+	r.i = i
+	return int32(start), int32(start + n), nil
 }
 
 func (r *reader) batch() (Batch, error) {
@@ -511,19 +638,19 @@ func (r *reader) batch() (Batch, error) {
 	}
 	var b Batch
 	var sawEvents bool
-	field := func(name string) error {
+	read := func(name string) error {
 		switch name {
 		case "events":
 			sawEvents = true
 			return r.events(&b)
 		case "data_parallel_rank":
-			c, err := r.d.PeekCode()
+			c, err := r.peek()
 			if err != nil {
 				return err
 			}
 			if c == msgpcode.Nil {
-				_, err = r.br.ReadByte()
-				return err
+				r.i++
+				return nil
 			}
 			v, err := r.int(0, math.MaxUint16)
 			b.Rank = int(v)
@@ -536,11 +663,11 @@ func (r *reader) batch() (Batch, error) {
 		if n < 2 {
 			return Batch{}, fmt.Errorf("batch has %d fields, want timestamp and events", n)
 		}
-		for i, name := range []string{"ts", "events", "data_parallel_rank"} {
+		for i, name := range [...]string{"ts", "events", "data_parallel_rank"} {
 			if i >= n {
 				break
 			}
-			if err := field(name); err != nil {
+			if err := read(name); err != nil {
 				return Batch{}, fmt.Errorf("%s: %w", name, err)
 			}
 		}
@@ -555,7 +682,7 @@ func (r *reader) batch() (Batch, error) {
 			if err != nil {
 				return Batch{}, fmt.Errorf("batch key: %w", err)
 			}
-			if err := field(k); err != nil {
+			if err := read(string(k)); err != nil {
 				return Batch{}, fmt.Errorf("%s: %w", k, err)
 			}
 		}
@@ -568,6 +695,8 @@ func (r *reader) batch() (Batch, error) {
 	return b, nil
 }
 
+// events reads the events into the Decoder's; a second list (a map with the key twice)
+// takes the first's place, as a map's later value does.
 func (r *reader) events(b *Batch) error {
 	kind, n, err := r.head(maxEvents)
 	if err != nil {
@@ -576,19 +705,22 @@ func (r *reader) events(b *Batch) error {
 	if kind != array {
 		return errors.New("events is not an array")
 	}
-	b.Events = make([]Event, 0, n)
+	d := r.d
+	d.events, d.spans = slices.Grow(d.events[:0], n), slices.Grow(d.spans[:0], n)
 	for range n {
-		e, known, err := r.event()
+		e, s, known, err := r.event()
 		if err != nil {
 			return err
 		}
+		e.Hashes, e.Tokens = d.slices(s)
 		switch {
 		case !known:
 			b.Unknown++
 		case !e.valid():
 			b.Malformed++
 		default:
-			b.Events = append(b.Events, e)
+			d.events = append(d.events, e)
+			d.spans = append(d.spans, s)
 		}
 	}
 	return nil
@@ -609,8 +741,8 @@ func (e *Event) valid() bool {
 	return len(e.Tokens) == len(e.Hashes)*e.BlockSize
 }
 
-func kindOf(tag string) Kind {
-	switch tag {
+func kindOf(tag []byte) Kind {
+	switch string(tag) {
 	case "BlockStored":
 		return BlockStored
 	case "BlockRemoved":
@@ -621,95 +753,139 @@ func kindOf(tag string) Kind {
 	return 0
 }
 
-// The positional fields of the array form, after the tag, by msgspec's field order.
-var (
-	storedFields  = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys"}
-	removedFields = []string{"block_hashes", "medium"}
+// field is an event's field this decoder reads; the others it skips.
+type field uint8
+
+const (
+	skipped field = iota
+	blockHashes
+	parentBlockHash
+	tokenIDs
+	blockSize
+	loraID
+	medium
+	loraName
+	extraKeys
 )
 
-// event reads one event. known is false for an unknown tag, whose fields are skipped; an
-// error means the message cannot be read further.
-func (r *reader) event() (e Event, known bool, err error) {
+// fieldOf is the field a map's key names.
+func fieldOf(key []byte) field {
+	switch string(key) {
+	case "block_hashes":
+		return blockHashes
+	case "parent_block_hash":
+		return parentBlockHash
+	case "token_ids":
+		return tokenIDs
+	case "block_size":
+		return blockSize
+	case "lora_id":
+		return loraID
+	case "medium":
+		return medium
+	case "lora_name":
+		return loraName
+	case "extra_keys":
+		return extraKeys
+	}
+	return skipped
+}
+
+// The positional fields of the array form, after the tag, by msgspec's field order.
+var (
+	storedFields  = []field{blockHashes, parentBlockHash, tokenIDs, blockSize, loraID, medium, loraName, extraKeys}
+	removedFields = []field{blockHashes, medium}
+)
+
+// fieldNames are the fields' names, for errors.
+var fieldNames = [...]string{"field", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys"}
+
+// event reads one event, its hashes and token ids into the Decoder's, where s says. known is
+// false for an unknown tag, whose fields are skipped; an error means the message cannot be
+// read further.
+func (r *reader) event() (e Event, s span, known bool, err error) {
 	kind, n, err := r.head(64)
 	if err != nil {
-		return Event{}, false, err
+		return Event{}, span{}, false, err
 	}
 	switch kind {
 	case array:
 		if n == 0 {
-			return Event{}, false, errors.New("event is an empty array")
+			return Event{}, span{}, false, errors.New("event is an empty array")
 		}
 		tag, err := r.str()
 		if err != nil {
-			return Event{}, false, fmt.Errorf("event tag: %w", err)
+			return Event{}, span{}, false, fmt.Errorf("event tag: %w", err)
 		}
 		e.Kind = kindOf(tag)
-		var names []string
+		var fields []field
 		switch e.Kind {
 		case BlockStored:
-			names = storedFields
+			fields = storedFields
 			if n-1 < 4 {
-				return Event{}, false, fmt.Errorf("BlockStored has %d fields, want at least 4", n-1)
+				return Event{}, span{}, false, fmt.Errorf("BlockStored has %d fields, want at least 4", n-1)
 			}
 		case BlockRemoved:
-			names = removedFields
+			fields = removedFields
 			if n-1 < 1 {
-				return Event{}, false, errors.New("BlockRemoved has no block_hashes")
+				return Event{}, span{}, false, errors.New("BlockRemoved has no block_hashes")
 			}
 		}
 		for i := range n - 1 {
-			name := ""
-			if i < len(names) {
-				name = names[i]
+			f := skipped
+			if i < len(fields) {
+				f = fields[i]
 			}
-			if err := r.eventField(&e, name); err != nil {
-				return Event{}, false, fmt.Errorf("%s: %w", tag, err)
+			if err := r.eventField(&e, &s, f); err != nil {
+				return Event{}, span{}, false, fmt.Errorf("%s: %s: %w", tag, fieldNames[f], err)
 			}
 		}
 	case mapping:
 		for range n {
 			k, err := r.str()
 			if err != nil {
-				return Event{}, false, fmt.Errorf("event key: %w", err)
+				return Event{}, span{}, false, fmt.Errorf("event key: %w", err)
 			}
-			if k == "type" {
+			if string(k) == "type" {
 				tag, err := r.str()
 				if err != nil {
-					return Event{}, false, fmt.Errorf("event type: %w", err)
+					return Event{}, span{}, false, fmt.Errorf("event type: %w", err)
 				}
 				e.Kind = kindOf(tag)
 				continue
 			}
-			if err := r.eventField(&e, k); err != nil {
-				return Event{}, false, fmt.Errorf("%s: %w", k, err)
+			if err := r.eventField(&e, &s, fieldOf(k)); err != nil {
+				return Event{}, span{}, false, fmt.Errorf("%s: %w", k, err)
 			}
 		}
 	default:
-		return Event{}, false, errors.New("event is neither an array nor a map")
+		return Event{}, span{}, false, errors.New("event is neither an array nor a map")
 	}
-	return e, e.Kind != 0, nil
+	return e, s, e.Kind != 0, nil
 }
 
-func (r *reader) eventField(e *Event, name string) error {
+func (r *reader) eventField(e *Event, s *span, f field) error {
 	var err error
-	switch name {
-	case "block_hashes":
-		e.Hashes, err = r.hashes()
-	case "parent_block_hash":
+	switch f {
+	case blockHashes:
+		s.h0, s.h1, err = r.hashes()
+	case parentBlockHash:
 		e.Parent, e.HasParent, err = r.hash()
-	case "token_ids":
-		e.Tokens, err = r.tokens()
-	case "block_size":
+	case tokenIDs:
+		s.t0, s.t1, err = r.tokens()
+	case blockSize:
 		var v int64
 		v, err = r.int(0, math.MaxInt32)
 		e.BlockSize = int(v)
-	case "medium":
-		e.Medium, err = r.str()
-	case "lora_id", "lora_name":
+	case medium:
+		var m []byte
+		m, err = r.str()
+		e.Medium = mediumString(m)
+	case loraID, loraName:
 		var set bool
 		set, err = r.present()
 		e.Keyed = e.Keyed || set
-	case "extra_keys":
+	case extraKeys:
 		var set bool
 		set, err = r.anyPresent()
 		e.Keyed = e.Keyed || set
@@ -717,4 +893,21 @@ func (r *reader) eventField(e *Event, name string) error {
 		err = r.skip(1)
 	}
 	return err
+}
+
+// mediumString is m as a string, without an allocation for the media engines name.
+func mediumString(m []byte) string {
+	switch string(m) {
+	case "":
+		return ""
+	case TierGPU:
+		return TierGPU
+	case TierCPU:
+		return TierCPU
+	case "GPU":
+		return "GPU"
+	case "CPU":
+		return "CPU"
+	}
+	return string(m)
 }

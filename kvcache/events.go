@@ -647,6 +647,7 @@ func (e *Events) hostAddrs(ctx context.Context, host string) []netip.Addr {
 func (e *Events) receive(ctx context.Context, sub zmq4.Socket, c net.Conn, who func([][]byte) ([]Endpoint, string)) {
 	stop := context.AfterFunc(ctx, func() { c.Close() })
 	defer stop()
+	var dec Decoder // each message is applied before the next is decoded
 	for {
 		msg, err := sub.Recv()
 		if err != nil {
@@ -668,14 +669,14 @@ func (e *Events) receive(ctx context.Context, sub zmq4.Socket, c net.Conn, who f
 			continue
 		}
 		for _, ep := range eps {
-			e.handle(ctx, ep, msg.Frames)
+			e.handle(ctx, &dec, ep, msg.Frames)
 		}
 	}
 }
 
-// handle applies one message of ep's engine, in sequence.
-func (e *Events) handle(ctx context.Context, ep Endpoint, frames [][]byte) {
-	m, err := DecodeMessage(frames)
+// handle applies one message of ep's engine, in sequence, decoded by dec.
+func (e *Events) handle(ctx context.Context, dec *Decoder, ep Endpoint, frames [][]byte) {
+	m, err := dec.DecodeMessage(frames)
 	if err != nil {
 		reason := ReasonDecode
 		var de *DecodeError

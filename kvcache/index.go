@@ -72,6 +72,10 @@ type Index struct {
 	// MatchAll hashes a request in.
 	sizes map[int]int
 	tiers tierTable
+	// scratch holds the keys of the event being applied; touched keeps what Apply reads
+	// ahead (table.touch).
+	scratch []uint64
+	touched uint64
 }
 
 // Engine is one engine as the index knows it, a handle that stays valid while its name is
@@ -294,6 +298,13 @@ func (x *Index) Apply(engine string, ev *Event) string {
 			return ""
 		}
 		slot, salt := x.tiers.medium(ev.Medium)
+		// Each table's slots are read for every block before any is changed, as for
+		// BlockStored below.
+		var seen uint64
+		for _, h := range ev.Hashes {
+			seen += e.copies.touch(h ^ salt)
+		}
+		keys := x.scratch[:0]
 		for _, h := range ev.Hashes {
 			k, ok := e.copies.get(h ^ salt)
 			if !ok {
@@ -301,6 +312,11 @@ func (x *Index) Apply(engine string, ev *Event) string {
 			}
 			e.copies.del(h ^ salt)
 			x.total--
+			keys = append(keys, k)
+			seen += x.blocks.touch(k)
+		}
+		x.scratch, x.touched = keys, seen
+		for _, k := range keys {
 			x.removeCopy(e, k, slot)
 		}
 	case BlockStored:
@@ -337,14 +353,31 @@ func (x *Index) Apply(engine string, ev *Event) string {
 			return ReasonIndexFull
 		}
 		x.setBlockSize(e, bs)
-		for i, h := range ev.Hashes {
+		// The blocks' keys first, then a read of each block's slots in both tables, then
+		// the changes: the reads do not depend on each other, so that their cache misses
+		// (two a block once the tables outgrow the caches) overlap, and the changes find
+		// the slots cached. The tables grow first, so that what is read stays where it is.
+		keys := x.scratch[:0]
+		for i := range ev.Hashes {
 			parent = chainKey(parent, ev.Tokens[i*bs:(i+1)*bs])
+			keys = append(keys, parent)
+		}
+		e.copies.reserve(len(keys))
+		if slot != noSlot {
+			x.blocks.reserve(len(keys))
+		}
+		var seen uint64
+		for i, h := range ev.Hashes {
+			seen += e.copies.touch(h^salt) + x.blocks.touch(keys[i])
+		}
+		x.scratch, x.touched = keys, seen
+		for i, h := range ev.Hashes {
 			c, added := e.copies.upsert(h ^ salt)
 			if !added {
 				continue // stored again without a removal: still one block
 			}
-			*c = parent
-			if !x.addCopy(e, parent, slot) {
+			*c = keys[i]
+			if !x.addCopy(e, keys[i], slot) {
 				e.copies.del(h ^ salt)
 				continue
 			}

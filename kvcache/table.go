@@ -5,18 +5,23 @@ import "math/bits"
 // table is an open-addressing hash table from uint64 keys to V, with Robin Hood probing and
 // backward-shift deletion: no tombstones, and a lookup of a missing key stops as soon as it
 // passes where the key would be. It holds no pointers (the garbage collector never scans
-// it) and costs 8 bytes plus V per slot, at a load between 0.56 and 0.85: the index keeps
-// hundreds of millions of entries in such tables, where a Go map would pad a uint32 value
-// to 16 bytes a slot and grow by doubling. The zero value is an empty table.
+// it) and costs 16 bytes a slot (a key and its value side by side, so that a lookup of a
+// table larger than the caches misses once, not once for the key and once for the value),
+// at a load between 0.56 and 0.85: the index keeps hundreds of millions of entries in such
+// tables, where a Go map would grow by doubling. The zero value is an empty table.
 type table[V uint32 | uint64] struct {
-	// keys are the keys mixed (mix, a bijection), 0 for an empty slot; the key whose mix is
-	// 0 is held apart, in zero.
-	keys []uint64
-	vals []V
-	n    int
+	// slots hold the keys mixed (mix, a bijection), 0 for an empty slot; the key whose mix
+	// is 0 is held apart, in zero.
+	slots []slot[V]
+	n     int
 	// hasZero and zero hold the value of the key whose mix is 0.
 	hasZero bool
 	zero    V
+}
+
+type slot[V uint32 | uint64] struct {
+	key uint64
+	val V
 }
 
 // Load bounds: above maxLoad the table grows by half; below a quarter it shrinks.
@@ -41,7 +46,7 @@ func (t *table[V]) Len() int { return t.n }
 
 // home is the slot a mixed key m belongs in: its place in [0, len) by its high bits.
 func (t *table[V]) home(m uint64) int {
-	hi, _ := bits.Mul64(m, uint64(len(t.keys)))
+	hi, _ := bits.Mul64(m, uint64(len(t.slots)))
 	return int(hi)
 }
 
@@ -49,29 +54,57 @@ func (t *table[V]) home(m uint64) int {
 func (t *table[V]) dist(m uint64, i int) int {
 	d := i - t.home(m)
 	if d < 0 {
-		d += len(t.keys)
+		d += len(t.slots)
 	}
 	return d
 }
 
 // find returns the slot of the mixed key m, -1 if absent.
 func (t *table[V]) find(m uint64) int {
-	n := len(t.keys)
-	if n == 0 {
+	i, _, found := t.probe(m)
+	if !found {
 		return -1
 	}
-	i := t.home(m)
-	for d := 0; ; d++ {
-		c := t.keys[i]
+	return i
+}
+
+// probe looks for the mixed key m: found, it returns m's slot; not, the slot where m would
+// go and its distance from m's home there, or -1 if the table has no slots.
+func (t *table[V]) probe(m uint64) (i, d int, found bool) {
+	n := len(t.slots)
+	if n == 0 {
+		return -1, 0, false
+	}
+	i = t.home(m)
+	for d = 0; ; d++ {
+		c := t.slots[i].key
 		if c == m {
-			return i
+			return i, d, true
 		}
 		if c == 0 || t.dist(c, i) < d {
-			return -1
+			return i, d, false
 		}
 		if i++; i == n {
 			i = 0
 		}
+	}
+}
+
+// touch reads the slot where k's search starts, and returns its key for the caller to keep
+// (so that the read is not left out): reading the slots of many keys one after another,
+// before working on them, has the processor wait for their cache misses together.
+func (t *table[V]) touch(k uint64) uint64 {
+	if len(t.slots) == 0 {
+		return 0
+	}
+	return t.slots[t.home(mix(k))].key
+}
+
+// reserve grows the table, if need be, so that n more keys fit without a resize: the slots
+// touch read stay the ones the keys go to.
+func (t *table[V]) reserve(n int) {
+	if (t.n+n)*maxLoadDen > len(t.slots)*maxLoadNum {
+		t.resize(max(minTableSlots, len(t.slots)+len(t.slots)/2, (t.n+n)*maxLoadDen/maxLoadNum+1))
 	}
 }
 
@@ -82,7 +115,7 @@ func (t *table[V]) get(k uint64) (V, bool) {
 		return t.zero, t.hasZero
 	}
 	if i := t.find(m); i >= 0 {
-		return t.vals[i], true
+		return t.slots[i].val, true
 	}
 	var none V
 	return none, false
@@ -98,7 +131,7 @@ func (t *table[V]) ref(k uint64) *V {
 		return nil
 	}
 	if i := t.find(m); i >= 0 {
-		return &t.vals[i]
+		return &t.slots[i].val
 	}
 	return nil
 }
@@ -113,15 +146,8 @@ func (t *table[V]) put(k uint64, v V) {
 		t.hasZero, t.zero = true, v
 		return
 	}
-	if i := t.find(m); i >= 0 {
-		t.vals[i] = v
-		return
-	}
-	if (t.n+1)*maxLoadDen > len(t.keys)*maxLoadNum {
-		t.resize(max(minTableSlots, len(t.keys)+len(t.keys)/2))
-	}
-	t.insert(m, v)
-	t.n++
+	p, _ := t.upsertMixed(m)
+	*p = v
 }
 
 // upsert returns where k's value is kept, adding k with the zero value if absent (added
@@ -136,41 +162,50 @@ func (t *table[V]) upsert(k uint64) (v *V, added bool) {
 		}
 		return &t.zero, added
 	}
-	if i := t.find(m); i >= 0 {
-		return &t.vals[i], false
-	}
-	if (t.n+1)*maxLoadDen > len(t.keys)*maxLoadNum {
-		t.resize(max(minTableSlots, len(t.keys)+len(t.keys)/2))
+	return t.upsertMixed(m)
+}
+
+// upsertMixed is upsert of the mixed key m, not 0: one probe finds m or where it goes.
+func (t *table[V]) upsertMixed(m uint64) (v *V, added bool) {
+	i, d, found := t.probe(m)
+	if found {
+		return &t.slots[i].val, false
 	}
 	var none V
-	i := t.insert(m, none)
+	if (t.n+1)*maxLoadDen > len(t.slots)*maxLoadNum {
+		t.resize(max(minTableSlots, len(t.slots)+len(t.slots)/2))
+		i = t.insert(m, none)
+	} else {
+		t.place(i, d, m, none)
+	}
 	t.n++
-	return &t.vals[i], true
+	return &t.slots[i].val, true
 }
 
 // insert places the mixed key m, known absent, Robin Hood style: a key further from its
 // home takes the slot of one nearer to its own, which moves on. It returns m's slot.
 func (t *table[V]) insert(m uint64, v V) int {
-	n := len(t.keys)
-	i := t.home(m)
-	at := -1
-	for d := 0; ; d++ {
-		c := t.keys[i]
-		if c == 0 {
-			t.keys[i], t.vals[i] = m, v
-			if at < 0 {
-				at = i
-			}
-			return at
+	i, d, _ := t.probe(m)
+	t.place(i, d, m, v)
+	return i
+}
+
+// place puts the mixed key m, absent, in slot i, d from its home, where a probe for it
+// stopped: the keys from i on, each nearer its home than m is there, move on by one, each
+// as far as the first slot that is empty or holds a key nearer its own home.
+func (t *table[V]) place(i, d int, m uint64, v V) {
+	n := len(t.slots)
+	for {
+		c := t.slots[i]
+		if c.key == 0 {
+			t.slots[i] = slot[V]{m, v}
+			return
 		}
-		if cd := t.dist(c, i); cd < d {
-			t.keys[i], m = m, c
-			t.vals[i], v = v, t.vals[i]
-			d = cd
-			if at < 0 {
-				at = i
-			}
+		if cd := t.dist(c.key, i); cd < d {
+			t.slots[i] = slot[V]{m, v}
+			m, v, d = c.key, c.val, cd
 		}
+		d++
 		if i++; i == n {
 			i = 0
 		}
@@ -192,22 +227,22 @@ func (t *table[V]) del(k uint64) bool {
 	if i < 0 {
 		return false
 	}
-	n := len(t.keys)
+	n := len(t.slots)
 	for {
 		j := i + 1
 		if j == n {
 			j = 0
 		}
-		c := t.keys[j]
-		if c == 0 || t.dist(c, j) == 0 {
+		c := t.slots[j]
+		if c.key == 0 || t.dist(c.key, j) == 0 {
 			break
 		}
-		t.keys[i], t.vals[i] = c, t.vals[j]
+		t.slots[i] = c
 		i = j
 	}
-	t.keys[i] = 0
+	t.slots[i] = slot[V]{}
 	t.n--
-	if len(t.keys) > minTableSlots && t.n*4 < len(t.keys) {
+	if len(t.slots) > minTableSlots && t.n*4 < len(t.slots) {
 		t.resize(max(minTableSlots, t.n*maxLoadDen/maxLoadNum*3/2))
 	}
 	return true
@@ -215,11 +250,11 @@ func (t *table[V]) del(k uint64) bool {
 
 // resize moves every key into a table of slots slots.
 func (t *table[V]) resize(slots int) {
-	keys, vals := t.keys, t.vals
-	t.keys, t.vals = make([]uint64, slots), make([]V, slots)
-	for i, m := range keys {
-		if m != 0 {
-			t.insert(m, vals[i])
+	old := t.slots
+	t.slots = make([]slot[V], slots)
+	for _, s := range old {
+		if s.key != 0 {
+			t.insert(s.key, s.val)
 		}
 	}
 }
@@ -229,9 +264,9 @@ func (t *table[V]) each(f func(V)) {
 	if t.hasZero {
 		f(t.zero)
 	}
-	for i, m := range t.keys {
-		if m != 0 {
-			f(t.vals[i])
+	for _, s := range t.slots {
+		if s.key != 0 {
+			f(s.val)
 		}
 	}
 }

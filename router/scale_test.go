@@ -197,8 +197,8 @@ func tokensText(tokens []uint32) string {
 }
 
 // ingestScale has every engine publish its prompts, one message per prompt and engine in
-// turn, and applies them as the listener does: decoded from their frames, each event
-// applied, the engine touched. It returns the block events applied and the time that took,
+// turn, and applies them as the listener does: decoded from their frames by one Decoder,
+// each event applied, the engine touched. It returns the block events applied and the time that took,
 // without the time to make and encode the messages.
 func ingestScale(b *testing.B, f *scaleFleet, bs []*Backend, index *kvcache.Index) (applied int, took time.Duration) {
 	type engineState struct {
@@ -215,6 +215,7 @@ func ingestScale(b *testing.B, f *scaleFleet, bs []*Backend, index *kvcache.Inde
 	var hashes []uint64
 	frames := make([][][]byte, 0, len(bs))
 	owner := make([]int, 0, len(bs))
+	var dec kvcache.Decoder
 	now := time.Now()
 	for round := 0; ; round++ {
 		frames, owner = frames[:0], owner[:0]
@@ -268,7 +269,7 @@ func ingestScale(b *testing.B, f *scaleFleet, bs []*Backend, index *kvcache.Inde
 		}
 		start := time.Now()
 		for i, fr := range frames {
-			m, err := kvcache.DecodeMessage(fr)
+			m, err := dec.DecodeMessage(fr)
 			if err != nil {
 				b.Fatal(err)
 			}
