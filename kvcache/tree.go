@@ -91,7 +91,9 @@ func (n *node) child(c byte) *node {
 }
 
 // NewTree returns an empty tree that holds at most maxBytes of text and nodes (zero or
-// negative means DefaultMaxTreeBytes).
+// negative means DefaultMaxTreeBytes). A text inserted is kept, not copied, when most of it
+// is new to the tree: the caller passes a string of its own (not a slice of a larger one),
+// and the memory the tree keeps alive is at most twice its bound.
 func NewTree(maxBytes int) *Tree {
 	if maxBytes <= 0 {
 		maxBytes = DefaultMaxTreeBytes
@@ -126,6 +128,7 @@ func (t *Tree) InsertAt(text, engine string, when time.Time) {
 	if text == "" || engine == "" {
 		return
 	}
+	whole := len(text)
 	if limit := t.maxBytes / 2; len(text) > limit {
 		text = text[:limit]
 	}
@@ -137,9 +140,7 @@ func (t *Tree) InsertAt(text, engine string, when time.Time) {
 	for len(rest) > 0 {
 		c := n.child(rest[0])
 		if c == nil {
-			// Cloned: the text is usually a slice of a whole request body, which the tree
-			// must not keep alive.
-			leaf := &node{edge: strings.Clone(rest), parent: n, marks: []mark{{engine, at}}, last: t.tick}
+			leaf := &node{edge: leafEdge(rest, whole), parent: n, marks: []mark{{engine, at}}, last: t.tick}
 			t.unlink(n) // no longer a leaf, if it was one
 			n.children = append(n.children, leaf)
 			t.link(leaf, t.leaves.prev)
@@ -170,6 +171,18 @@ func (t *Tree) InsertAt(text, engine string, when time.Time) {
 	if t.bytes > t.maxBytes {
 		t.evictLocked(t.maxBytes / evictToDen * evictToNum)
 	}
+}
+
+// leafEdge is what a new leaf keeps of rest, the end of a text of whole bytes: rest itself
+// when it is at least half of the text, so that a fresh prompt's text is not copied on its
+// pick (a copy of 16 KB into memory the process has not touched yet costs tens of
+// microseconds of page faults); a copy when less, so that a leaf never keeps alive more than
+// as much again as it counts.
+func leafEdge(rest string, whole int) string {
+	if 2*len(rest) >= whole {
+		return rest
+	}
+	return strings.Clone(rest)
 }
 
 // split cuts c's edge after k bytes and returns the new node above it, which holds the
