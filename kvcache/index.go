@@ -576,7 +576,13 @@ type Matcher struct {
 	// words and alive are MatchAll's scratch.
 	words []uint64
 	alive []matchAcc
+	// touched keeps what matchSize reads ahead, so that the reads are not left out.
+	touched uint64
 }
+
+// matchRun is how many of a prompt's blocks matchSize reads ahead of looking them up: 16
+// misses in flight, and at most 15 blocks read past the prefix held.
+const matchRun = 16
 
 // NewMatcher returns a matcher of tokens.
 func NewMatcher(tokens []uint32) *Matcher { return &Matcher{tokens: tokens} }
@@ -770,20 +776,41 @@ func (x *Index) MatchAll(m *Matcher, r *Matches) {
 // matchSize walks m's keys in blocks of bs for the engines whose block size it is.
 func (x *Index) matchSize(m *Matcher, bs int, r *Matches) {
 	keys := m.keysOf(bs)
-	// The table lookups first, apart from the walk: they do not depend on each other, so
-	// the processor has many of their cache misses in flight at once.
+	// The table lookups first, apart from the walk, and in runs of matchRun keys whose
+	// slots are all read before any is looked up: the reads do not depend on each other, so
+	// the processor has their cache misses in flight at once (a fresh prompt's blocks are
+	// nowhere in the caches: one miss each, and as many for their holders' lists below).
 	words := m.words[:0]
-	for _, k := range keys {
-		w, ok := x.blocks.get(k)
-		if !ok {
-			break // no engine holds it, so no prefix goes on
+	var seen uint64
+lookup:
+	for i := 0; i < len(keys); i += matchRun {
+		run := keys[i:min(i+matchRun, len(keys))]
+		for _, k := range run {
+			seen += x.blocks.touch(k)
 		}
-		words = append(words, w)
+		for _, k := range run {
+			w, ok := x.blocks.get(k)
+			if !ok {
+				break lookup // no engine holds it, so no prefix goes on
+			}
+			words = append(words, w)
+		}
 	}
 	m.words = words
 	if len(words) == 0 {
+		m.touched = seen
 		return
 	}
+	// Then a read of every cache line of every holders' list, for the same reason.
+	for _, w := range words {
+		if w&listBit != 0 {
+			l := x.arena.list(listOff(w), listLen(w))
+			for j := 0; j < len(l); j += 8 {
+				seen += l[j]
+			}
+		}
+	}
+	m.touched = seen
 	var lone [2][1]uint64
 	alive := m.alive[:0]
 	first := x.holders(words[0], &lone[1])
