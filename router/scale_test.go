@@ -23,7 +23,9 @@ import (
 //     prompt and the policy's choice among every engine of the pool), over 2,000 picks;
 //   - ingest-events/s: block events (each block a BlockStored or BlockRemoved names)
 //     decoded from their msgpack payloads and applied to the index per second, on one core,
-//     the messages of every engine interleaved as they arrive from its publisher;
+//     the messages of every engine interleaved as they arrive from its publisher, once
+//     every engine's cache is full and it evicts as much as it stores (the rate while the
+//     index is built from empty is logged beside it);
 //   - bytes/pair: the heap the index takes, after a GC, per cached (block, engine) pair.
 //
 // The pool: engines of 16-token blocks, each caching 4,096-token prompts; a prompt is a
@@ -70,6 +72,15 @@ type scaleFleet struct {
 	prefixLen []int
 	// held are the prefixes each engine holds, in the order it stores them.
 	held [][]int32
+}
+
+// minHeld is the fewest prompts an engine holds.
+func (f *scaleFleet) minHeld() int {
+	n := math.MaxInt
+	for _, h := range f.held {
+		n = min(n, len(h))
+	}
+	return n
 }
 
 // newScaleFleet assigns prefixes to engines until each holds about blocks blocks.
@@ -127,7 +138,7 @@ func benchRoutingAtScale(b *testing.B, engines, blocks int) {
 
 	index := kvcache.NewIndex(0, scaleBlock)
 	index.SetMaxTotal(engines * (blocks + scalePrompt))
-	applied, took := ingestScale(b, f, bs, index)
+	build, steady := ingestScale(b, f, bs, index)
 
 	runtime.GC()
 	var after runtime.MemStats
@@ -140,9 +151,10 @@ func benchRoutingAtScale(b *testing.B, engines, blocks int) {
 		b.Fatalf("the index holds %d pairs, want about %d: events were refused", pairs, engines*blocks)
 	}
 
-	// The picks, each a fresh prompt.
+	// The picks, each of a prompt of its own: one seen before would find its blocks, their
+	// holders and its text in the processor's caches, as no request does.
 	const picks = 2000
-	prompts := make([][]uint32, 64)
+	prompts := make([][]uint32, picks)
 	texts := make([]string, len(prompts))
 	for i := range prompts {
 		d := r.IntN(len(f.prefixLen) + len(f.prefixLen)/50) // one in 51 held by no engine
@@ -158,9 +170,8 @@ func benchRoutingAtScale(b *testing.B, engines, blocks int) {
 	b.ResetTimer()
 	for b.Loop() {
 		for i := range picks {
-			j := i % len(prompts)
 			start := time.Now()
-			p.Select(bs, Hint{Tokens: prompts[j], Text: texts[j]})
+			p.Select(bs, Hint{Tokens: prompts[i], Text: texts[i]})
 			durs = append(durs, time.Since(start))
 		}
 	}
@@ -173,16 +184,16 @@ func benchRoutingAtScale(b *testing.B, engines, blocks int) {
 	match := make([]time.Duration, 0, picks)
 	for i := range picks {
 		start := time.Now()
-		m.Reset(prompts[i%len(prompts)])
+		m.Reset(prompts[i])
 		index.MatchAll(&m, &found)
 		match = append(match, time.Since(start))
 	}
 	slices.Sort(match)
-	b.Logf("%d engines, %d pairs: pick p50 %v p99 %v; the match alone p50 %v p99 %v", engines, pairs,
-		durs[len(durs)/2], p99, match[len(match)/2], match[len(match)*99/100])
+	b.Logf("%d engines, %d pairs: pick p50 %v p99 %v; the match alone p50 %v p99 %v; ingest %.0f block events/s building the index from empty, %.0f/s full",
+		engines, pairs, durs[len(durs)/2], p99, match[len(match)/2], match[len(match)*99/100], build.perSecond(), steady.perSecond())
 
 	b.ReportMetric(float64(p99.Nanoseconds())/1e3, "pick-p99-us")
-	b.ReportMetric(float64(applied)/took.Seconds(), "ingest-events/s")
+	b.ReportMetric(steady.perSecond(), "ingest-events/s")
 	b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/float64(pairs), "bytes/pair")
 	runtime.KeepAlive(f)
 }
@@ -196,11 +207,27 @@ func tokensText(tokens []uint32) string {
 	return string(out)
 }
 
+// ingestRate is block events applied and the time that took.
+type ingestRate struct {
+	events int
+	took   time.Duration
+}
+
+func (r ingestRate) perSecond() float64 { return float64(r.events) / r.took.Seconds() }
+
+// scaleSteadyRounds is how many prompts each engine stores after its cache is full, each
+// in place of its oldest.
+const scaleSteadyRounds = 4
+
 // ingestScale has every engine publish its prompts, one message per prompt and engine in
 // turn, and applies them as the listener does: decoded from their frames by one Decoder,
-// each event applied, the engine touched. It returns the block events applied and the time that took,
-// without the time to make and encode the messages.
-func ingestScale(b *testing.B, f *scaleFleet, bs []*Backend, index *kvcache.Index) (applied int, took time.Duration) {
+// each event applied, the engine touched. Two phases, timed apart (making and encoding
+// the messages is not timed): build, each engine storing its prompts into an empty index
+// (256 blocks stored for 16 removed a message); then steady, each engine with a full cache
+// storing scaleSteadyRounds prompts more, each message evicting its oldest prompt's blocks
+// as it stores as many (the prompt stored again, under new hashes and with a new suffix),
+// as a busy engine does for as long as it runs.
+func ingestScale(b *testing.B, f *scaleFleet, bs []*Backend, index *kvcache.Index) (build, steady ingestRate) {
 	type engineState struct {
 		next uint64   // the engine's next block hash (its own numbering)
 		seq  uint64   // its publisher's sequence
@@ -212,7 +239,7 @@ func ingestScale(b *testing.B, f *scaleFleet, bs []*Backend, index *kvcache.Inde
 	}
 	topic := []byte("kv@10.0.0.1:8000@model")
 	var tokens []uint32
-	var hashes []uint64
+	var hashes, evict []uint64
 	frames := make([][][]byte, 0, len(bs))
 	owner := make([]int, 0, len(bs))
 	var dec kvcache.Decoder
@@ -220,14 +247,26 @@ func ingestScale(b *testing.B, f *scaleFleet, bs []*Backend, index *kvcache.Inde
 	for round := 0; ; round++ {
 		frames, owner = frames[:0], owner[:0]
 		// One round's payloads, in one allocation: a block takes its hash (9 bytes) and 16
-		// token ids (3 or 5 bytes each).
-		buf := make([]byte, 0, len(bs)*scalePrompt*(9+scaleBlock*5))
+		// token ids (3 or 5 bytes each), an evicted one 9 bytes.
+		buf := make([]byte, 0, len(bs)*scalePrompt*(2*9+scaleBlock*5))
 		for e := range bs {
-			if round >= len(f.held[e]) {
+			held := len(f.held[e])
+			if round >= held+scaleSteadyRounds {
 				continue
 			}
-			d := int(f.held[e][round])
+			// The prompt stored: the next one the engine holds; when steady, the oldest one
+			// it holds, which is evicted first (all but its end, evicted the round after
+			// it was stored).
+			k := round % held
+			d := int(f.held[e][k])
 			s := &st[e]
+			evict = evict[:0]
+			if round >= held {
+				first := uint64(e+1)<<40 + uint64(round-held)*scalePrompt
+				for h := first; h < first+scalePrompt-scaleEvict; h++ {
+					evict = append(evict, h)
+				}
+			}
 			tokens = prefixTokens(d, f.prefixLen[d]*scaleBlock, tokens[:0])
 			tokens = suffixTokens(uint64(e)<<32|uint64(round), (scalePrompt-f.prefixLen[d])*scaleBlock, tokens)
 			hashes = hashes[:0]
@@ -238,11 +277,17 @@ func ingestScale(b *testing.B, f *scaleFleet, bs []*Backend, index *kvcache.Inde
 			start := len(buf)
 			n := 2
 			if len(s.tail) > 0 {
-				n = 3
+				n++
+			}
+			if len(evict) > 0 {
+				n++
 			}
 			buf = appendArrayHead(buf, 3)
 			buf = appendFloat(buf, float64(now.Unix()))
 			buf = appendArrayHead(buf, n)
+			if len(evict) > 0 {
+				buf = appendRemoved(buf, evict)
+			}
 			pl := f.prefixLen[d]
 			buf = appendStored(buf, hashes[:pl], 0, false, tokens[:pl*scaleBlock])
 			buf = appendStored(buf, hashes[pl:], hashes[pl-1], true, tokens[pl*scaleBlock:])
@@ -258,7 +303,7 @@ func ingestScale(b *testing.B, f *scaleFleet, bs []*Backend, index *kvcache.Inde
 			owner = append(owner, e)
 		}
 		if len(frames) == 0 {
-			return applied, took
+			return build, steady
 		}
 		// buf may have moved as it grew: point every payload into its final place.
 		off := 0
@@ -267,6 +312,7 @@ func ingestScale(b *testing.B, f *scaleFleet, bs []*Backend, index *kvcache.Inde
 			fr[2] = buf[off : off+n : off+n]
 			off += n
 		}
+		applied := 0
 		start := time.Now()
 		for i, fr := range frames {
 			m, err := dec.DecodeMessage(fr)
@@ -283,7 +329,15 @@ func ingestScale(b *testing.B, f *scaleFleet, bs []*Backend, index *kvcache.Inde
 			}
 			index.Touch(name, start)
 		}
-		took += time.Since(start)
+		took := time.Since(start)
+		// A round is steady once every engine's cache is full: each engine's first prompt
+		// stored again.
+		phase := &build
+		if round >= f.minHeld() {
+			phase = &steady
+		}
+		phase.events += applied
+		phase.took += took
 	}
 }
 
