@@ -1,6 +1,9 @@
 package kvcache
 
-import "math/bits"
+import (
+	"math/bits"
+	"unsafe"
+)
 
 // table is an open-addressing hash table from uint64 keys to V, with Robin Hood probing and
 // backward-shift deletion: no tombstones, and a lookup of a missing key stops as soon as it
@@ -248,10 +251,17 @@ func (t *table[V]) del(k uint64) bool {
 	return true
 }
 
+// hugePage is a transparent huge page's size on amd64 and on arm64 with 4 KiB pages: a table
+// of at least two is advised to be backed by them (adviseHuge).
+const hugePage = 2 << 20
+
 // resize moves every key into a table of slots slots.
 func (t *table[V]) resize(slots int) {
 	old := t.slots
 	t.slots = make([]slot[V], slots)
+	if size := int(unsafe.Sizeof(t.slots[0])) * slots; size >= 2*hugePage {
+		adviseHuge(unsafe.Pointer(&t.slots[0]), size)
+	}
 	for _, s := range old {
 		if s.key != 0 {
 			t.insert(s.key, s.val)
