@@ -37,7 +37,7 @@ import (
 //
 // By default each engine holds 10,000 blocks, at 100 and 1,000 engines (10 million pairs
 // at most, under a minute and 1 GB); PDPROXY_BENCH_SCALE=full holds 100,000 blocks each
-// (100 million pairs at 1,000 engines: about 7 GB resident, 3 minutes), the size of an
+// (100 million pairs at 1,000 engines: about 7 GB resident, 2 to 3 minutes), the size of an
 // internet-scale pool; PDPROXY_BENCH_SCALE_BLOCKS sets another.
 func BenchmarkRoutingAtScale(b *testing.B) {
 	blocks := 10_000
