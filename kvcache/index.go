@@ -66,6 +66,9 @@ type Index struct {
 	// blocks maps a block's key to its holders: a lone holder, or a list in arena.
 	blocks table[uint64]
 	arena  arena
+	// refs counts, by offset, the blocks naming each list that two or more blocks share
+	// (wordChange); a list not in it is one block's.
+	refs table[uint32]
 	// total counts every engine's blocks, a block on two media of one engine twice.
 	total int
 	// sizes counts the engines by the block size of their latest BlockStored: the sizes
@@ -316,8 +319,9 @@ func (x *Index) Apply(engine string, ev *Event) string {
 			seen += x.blocks.touch(k)
 		}
 		x.scratch, x.touched = keys, seen
+		var last wordChange
 		for _, k := range keys {
-			x.removeCopy(e, k, slot)
+			x.removeCopy(e, k, slot, &last)
 		}
 	case BlockStored:
 		bs := ev.BlockSize
@@ -371,13 +375,14 @@ func (x *Index) Apply(engine string, ev *Event) string {
 			seen += e.copies.touch(h^salt) + x.blocks.touch(keys[i])
 		}
 		x.scratch, x.touched = keys, seen
+		var last wordChange
 		for i, h := range ev.Hashes {
 			c, added := e.copies.upsert(h ^ salt)
 			if !added {
 				continue // stored again without a removal: still one block
 			}
 			*c = keys[i]
-			if !x.addCopy(e, keys[i], slot) {
+			if !x.addCopy(e, keys[i], slot, &last) {
 				e.copies.del(h ^ salt)
 				continue
 			}
@@ -387,17 +392,108 @@ func (x *Index) Apply(engine string, ev *Event) string {
 	return ""
 }
 
+// wordChange is what adding or removing one copy did to a block's holders word: the blocks
+// of one event nearly always have the same holders (a prefix that the same engines store
+// and evict as a whole), so that the next block whose word is from gets to, the list shared
+// (refs), without a list of its own. A list shared is copied before it changes (own).
+type wordChange struct {
+	from, to uint64
+	// set says the change is one; ok is what addCopy returned.
+	set, ok bool
+}
+
+// reuse gives the word at p the change c made to a word equal to it, and reports whether
+// it could: only a change whose result is a list, from a word that was not absent.
+func (x *Index) reuse(p *uint64, c *wordChange) bool {
+	if !c.set || *p != c.from || c.to&listBit == 0 {
+		return false
+	}
+	x.shareList(c.to)
+	x.unshareList(c.from)
+	*p = c.to
+	return true
+}
+
+// shareList counts one more block naming the list w names (nothing if w is a lone holder).
+func (x *Index) shareList(w uint64) {
+	if w&listBit == 0 {
+		return
+	}
+	if c, added := x.refs.upsert(uint64(listOff(w))); added {
+		*c = 2
+	} else {
+		*c++
+	}
+}
+
+// unshareList counts one block less naming the list w names, and frees the list when none
+// does.
+func (x *Index) unshareList(w uint64) {
+	if w&listBit == 0 {
+		return
+	}
+	off := uint64(listOff(w))
+	switch c := x.refs.ref(off); {
+	case c == nil:
+		x.arena.release(listOff(w), listClass(w))
+	case *c == 2:
+		x.refs.del(off)
+	default:
+		*c--
+	}
+}
+
+// own makes the list the word at p names the block's own, a copy if other blocks name it
+// too, and returns its holders.
+func (x *Index) own(p *uint64) []uint64 {
+	w := *p
+	off, n, class := listOff(w), listLen(w), listClass(w)
+	c := x.refs.ref(uint64(off))
+	if c == nil {
+		return x.arena.list(off, n)
+	}
+	if *c == 2 {
+		x.refs.del(uint64(off))
+	} else {
+		*c--
+	}
+	noff := x.arena.alloc(class)
+	l := x.arena.list(noff, n)
+	copy(l, x.arena.list(off, n))
+	*p = listWord(noff, n, class)
+	return l
+}
+
 // addCopy counts one more copy of the block keyed k on slot for e; false when the slot
 // counts as many as it can (slotMax), or the block has as many holders as a list holds,
-// and the copy is not indexed.
-func (x *Index) addCopy(e *Engine, k uint64, slot int) bool {
+// and the copy is not indexed. last is the change to the event's block before, and is
+// made this one's.
+func (x *Index) addCopy(e *Engine, k uint64, slot int, last *wordChange) bool {
 	if slot == noSlot {
 		e.untiered++
 		return true
 	}
+	p, added := x.blocks.upsert(k)
+	if !added && x.reuse(p, last) {
+		if last.ok {
+			e.bySlot[slot]++
+		}
+		return last.ok
+	}
+	from := *p
+	ok := x.addTo(p, added, e, slot)
+	*last = wordChange{from: from, to: *p, set: !added, ok: ok}
+	if ok {
+		e.bySlot[slot]++
+	}
+	return ok
+}
+
+// addTo adds one copy on slot for e to the holders word at p (added: a block new to the
+// table).
+func (x *Index) addTo(p *uint64, added bool, e *Engine, slot int) bool {
 	inc := uint64(1) << (slotBits * slot)
 	mine := holder(e.id, uint32(inc))
-	p, added := x.blocks.upsert(k)
 	switch {
 	case added:
 		*p = mine
@@ -416,13 +512,18 @@ func (x *Index) addCopy(e *Engine, k uint64, slot int) bool {
 		*p = listWord(off, 2, 1)
 	default:
 		w := *p
-		n, class, off := listLen(w), listClass(w), listOff(w)
-		l := x.arena.list(off, n)
+		n, class := listLen(w), listClass(w)
+		l := x.arena.list(listOff(w), n)
 		i, found := searchHolders(l, e.id)
+		if found && (holderCounts(l[i])>>(slotBits*slot))&slotMax == slotMax {
+			return false
+		}
+		if !found && n == 1<<class && class == maxClass {
+			return false
+		}
+		l = x.own(p)
+		off := listOff(*p)
 		if found {
-			if (holderCounts(l[i])>>(slotBits*slot))&slotMax == slotMax {
-				return false
-			}
 			l[i] += inc
 			break
 		}
@@ -433,9 +534,6 @@ func (x *Index) addCopy(e *Engine, k uint64, slot int) bool {
 			*p = listWord(off, n+1, class)
 			break
 		}
-		if class == maxClass {
-			return false
-		}
 		noff := x.arena.alloc(class + 1)
 		nl := x.arena.list(noff, n+1)
 		copy(nl, l[:i])
@@ -444,13 +542,12 @@ func (x *Index) addCopy(e *Engine, k uint64, slot int) bool {
 		x.arena.release(off, class)
 		*p = listWord(noff, n+1, class+1)
 	}
-	e.bySlot[slot]++
 	return true
 }
 
 // removeCopy counts one copy less of the block keyed k on slot for e, and drops e from the
-// block's holders when no tier of e's holds it.
-func (x *Index) removeCopy(e *Engine, k uint64, slot int) {
+// block's holders when no tier of e's holds it. last is as for addCopy.
+func (x *Index) removeCopy(e *Engine, k uint64, slot int, last *wordChange) {
 	if slot == noSlot {
 		e.untiered--
 		return
@@ -470,15 +567,22 @@ func (x *Index) removeCopy(e *Engine, k uint64, slot int) {
 		}
 		return
 	}
+	if x.reuse(p, last) {
+		e.bySlot[slot]--
+		return
+	}
 	l := x.arena.list(listOff(*p), listLen(*p))
 	i, found := searchHolders(l, e.id)
 	if !found || (holderCounts(l[i])>>(slotBits*slot))&slotMax == 0 {
 		return
 	}
+	from := *p
 	e.bySlot[slot]--
+	l = x.own(p)
 	if l[i] -= dec; holderCounts(l[i]) == 0 {
 		x.dropAt(p, l, i)
 	}
+	*last = wordChange{from: from, to: *p, set: true, ok: true}
 }
 
 // dropHolder drops e from the holders of the block keyed k, whatever its copies.
@@ -493,13 +597,14 @@ func (x *Index) dropHolder(e *Engine, k uint64) {
 	default:
 		l := x.arena.list(listOff(*p), listLen(*p))
 		if i, found := searchHolders(l, e.id); found {
-			x.dropAt(p, l, i)
+			x.dropAt(p, x.own(p), i)
 		}
 	}
 }
 
-// dropAt removes the i-th holder of the list l that the blocks table's word at p names: a
-// list of one becomes a lone holder, and a list a quarter full moves to a smaller one.
+// dropAt removes the i-th holder of the list l that the blocks table's word at p names, the
+// block's own: a list of one becomes a lone holder, and a list a quarter full moves to a
+// smaller one.
 func (x *Index) dropAt(p *uint64, l []uint64, i int) {
 	off, class, n := listOff(*p), listClass(*p), len(l)
 	if n == 2 {
@@ -801,9 +906,10 @@ lookup:
 		m.touched = seen
 		return
 	}
-	// Then a read of every cache line of every holders' list, for the same reason.
-	for _, w := range words {
-		if w&listBit != 0 {
+	// Then a read of every cache line of every holders' list, for the same reason; a list
+	// the block before shares is read once.
+	for i, w := range words {
+		if w&listBit != 0 && (i == 0 || w != words[i-1]) {
 			l := x.arena.list(listOff(w), listLen(w))
 			for j := 0; j < len(l); j += 8 {
 				seen += l[j]
@@ -833,6 +939,9 @@ lookup:
 	for i, w := range words[1:] {
 		if len(alive) == 0 {
 			break
+		}
+		if prev != nil && w == words[i] {
+			continue // the very same holders as the block before, and not even read
 		}
 		// A lone holder is kept in one of two words, so that prev's is not overwritten.
 		hs := x.holders(w, &lone[i&1])

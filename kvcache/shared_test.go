@@ -240,3 +240,149 @@ func BenchmarkIndexMatchAll(b *testing.B) {
 		b.Fatalf("%d engines matched, want 8", all.Len())
 	}
 }
+
+// TestSharedHolderListsKeepEachBlocksHolders has engines store and evict shared prefixes
+// whole and in part, on two media, forget and clear, and checks every block's holders
+// against what each engine holds, and that the lists blocks share are counted right and
+// never handed out again while named.
+func TestSharedHolderListsKeepEachBlocksHolders(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 5))
+	x := NewIndex(0, 4)
+	const engines, prefixes = 24, 6
+	prefix := make([][]uint32, prefixes)
+	for i := range prefix {
+		prefix[i] = tokensN(i*10_000, 96)
+	}
+	media := []string{"GPU", "GPU", "CPU"}
+	type copyOf struct {
+		hashes []uint64
+		keys   []uint64
+		medium string
+	}
+	// model is each engine's copies: the salted hash, its block's key and slot.
+	type entry struct {
+		key  uint64
+		slot int
+	}
+	model := make([]map[uint64]entry, engines)
+	for e := range model {
+		model[e] = map[uint64]entry{}
+	}
+	held := make([][]copyOf, engines)
+	name := func(e int) string { return fmt.Sprintf("e%02d", e) }
+	seq := uint64(0)
+	shared := 0
+	for step := range 4000 {
+		e := r.IntN(engines)
+		switch op := r.IntN(100); {
+		case op < 55:
+			p := prefix[r.IntN(prefixes)]
+			n := 1 + r.IntN(len(p)/4)
+			if r.IntN(2) == 0 {
+				n = len(p) / 4 // the whole prefix, as most stores are
+			}
+			seq++
+			hashes := engineHashes(seq*1000+uint64(e), n)
+			ev := storedEvent(hashes, nil, p[:n*4], 4)
+			ev.Medium = media[r.IntN(len(media))]
+			x.Apply(name(e), ev)
+			keys := Keys(p[:n*4], 4, nil)
+			slot, salt := x.tiers.medium(ev.Medium)
+			eng := x.Engine(name(e))
+			for i, h := range hashes {
+				if _, ok := eng.copies.get(h ^ salt); ok {
+					model[e][h^salt] = entry{keys[i], slot}
+				}
+			}
+			held[e] = append(held[e], copyOf{hashes, keys, ev.Medium})
+		case op < 90 && len(held[e]) > 0:
+			c := held[e][r.IntN(len(held[e]))]
+			from := r.IntN(len(c.hashes))
+			if r.IntN(2) == 0 {
+				from = 0 // the whole copy, as an eviction of a prompt's blocks
+			}
+			hs := c.hashes[from:]
+			x.Apply(name(e), &Event{Kind: BlockRemoved, Hashes: hs, Medium: c.medium})
+			_, salt := x.tiers.medium(c.medium)
+			for _, h := range hs {
+				delete(model[e], h^salt)
+			}
+		case op < 95:
+			x.Apply(name(e), &Event{Kind: AllBlocksCleared})
+			held[e], model[e] = nil, map[uint64]entry{}
+		default:
+			x.Forget(name(e))
+			held[e], model[e] = nil, map[uint64]entry{}
+		}
+		if step%50 != 49 {
+			continue
+		}
+		// What every block's holders should be.
+		want := map[uint64]map[uint32]uint32{}
+		for e := range engines {
+			eng := x.Engine(name(e))
+			for _, c := range model[e] {
+				if want[c.key] == nil {
+					want[c.key] = map[uint32]uint32{}
+				}
+				want[c.key][eng.id] += 1 << (slotBits * c.slot)
+			}
+		}
+		// And every list's namers.
+		namers := map[uint32]int{}
+		blocks := 0
+		x.blocks.each(func(w uint64) {
+			blocks++
+			if w&listBit != 0 {
+				namers[listOff(w)]++
+			}
+		})
+		if blocks != len(want) {
+			t.Fatalf("step %d: the index has %d blocks, the engines hold %d", step, blocks, len(want))
+		}
+		for k, holders := range want {
+			w, ok := x.blocks.get(k)
+			if !ok {
+				t.Fatalf("step %d: block %x is held by %d engines and not in the index", step, k, len(holders))
+			}
+			var one [1]uint64
+			got := x.holders(w, &one)
+			if len(got) != len(holders) {
+				t.Fatalf("step %d: block %x has %d holders, want %d", step, k, len(got), len(holders))
+			}
+			for i, h := range got {
+				if i > 0 && holderID(got[i-1]) >= holderID(h) {
+					t.Fatalf("step %d: block %x's holders are out of order", step, k)
+				}
+				if holders[holderID(h)] != holderCounts(h) {
+					t.Fatalf("step %d: block %x: engine %d counts %x, want %x", step, k, holderID(h), holderCounts(h), holders[holderID(h)])
+				}
+			}
+		}
+		for off, n := range namers {
+			c, ok := x.refs.get(uint64(off))
+			switch {
+			case n == 1 && ok:
+				t.Fatalf("step %d: list %d is one block's and counted as shared by %d", step, off, c)
+			case n > 1 && int(c) != n:
+				t.Fatalf("step %d: list %d is named by %d blocks and counted %d", step, off, n, c)
+			}
+			if n > 1 {
+				shared++
+			}
+		}
+		if x.refs.Len() > len(namers) {
+			t.Fatalf("step %d: %d lists counted as shared, %d named at all", step, x.refs.Len(), len(namers))
+		}
+		for class, free := range x.arena.free {
+			for _, off := range free {
+				if namers[off] > 0 {
+					t.Fatalf("step %d: list %d (class %d) is free and named by %d blocks", step, off, class, namers[off])
+				}
+			}
+		}
+	}
+	if shared == 0 {
+		t.Fatal("no list was ever shared: the test exercised nothing it is about")
+	}
+}
