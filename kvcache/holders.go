@@ -5,7 +5,9 @@ package kvcache
 // 32. The blocks table keeps, per block key, one word: a lone holder itself (nearly every
 // block an engine alone holds costs nothing more), or, with the top bit set, a list of
 // holders in the arena, sorted by engine id, so that a match walks the engines holding a
-// block in one pass over a few cache lines.
+// block in one pass over a few cache lines. Blocks whose holders one event changed alike
+// share one list (Index.refs counts them), so that a prefix that the same engines store and
+// evict as a whole takes one list, not one a block, and a match reads it once.
 
 const (
 	// listBit marks a blocks table word as a list in the arena, not a lone holder; engine
