@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"crypto/rand"
 	"encoding/binary"
+	"math"
 	"math/bits"
 	"slices"
 	"sync"
@@ -700,19 +701,36 @@ func (m *Matcher) Reset(tokens []uint32) {
 	}
 }
 
-func (m *Matcher) keysOf(blockSize int) []uint64 {
-	for i, s := range m.sizes {
-		if s == blockSize {
-			return m.keys[i]
+// keysOf returns the keys of m's first n blocks of blockSize (all of them if the tokens end
+// first), hashing only those not hashed before: a match hashes as far as the prefix held
+// goes, not the whole prompt.
+func (m *Matcher) keysOf(blockSize, n int) []uint64 {
+	if blockSize <= 0 {
+		return nil
+	}
+	i := slices.Index(m.sizes, blockSize)
+	if i < 0 {
+		i = len(m.sizes)
+		m.sizes = append(m.sizes, blockSize)
+		if i == len(m.keys) {
+			m.keys = append(m.keys, make([]uint64, 0, len(m.tokens)/blockSize))
 		}
+		m.keys[i] = m.keys[i][:0]
 	}
-	i := len(m.sizes)
-	m.sizes = append(m.sizes, blockSize)
-	if i == len(m.keys) {
-		m.keys = append(m.keys, make([]uint64, 0, len(m.tokens)/max(blockSize, 1)))
+	keys := m.keys[i]
+	n = min(n, len(m.tokens)/blockSize)
+	if len(keys) < n {
+		k := rootKey(blockSize)
+		if len(keys) > 0 {
+			k = keys[len(keys)-1]
+		}
+		for j := len(keys); j < n; j++ {
+			k = chainKey(k, m.tokens[j*blockSize:(j+1)*blockSize])
+			keys = append(keys, k)
+		}
+		m.keys[i] = keys
 	}
-	m.keys[i] = Keys(m.tokens, blockSize, m.keys[i][:0])
-	return m.keys[i]
+	return keys[:n]
 }
 
 // View is what the index knows of one engine for one request.
@@ -799,7 +817,7 @@ func (x *Index) Match(m *Matcher, engine string) View {
 	a := matchAcc{e: e, id: e.id}
 	var one [1]uint64
 	blocks := 0
-	for _, k := range m.keysOf(bs) {
+	for _, k := range m.keysOf(bs, math.MaxInt) {
 		w, ok := x.blocks.get(k)
 		if !ok {
 			break
@@ -880,7 +898,6 @@ func (x *Index) MatchAll(m *Matcher, r *Matches) {
 
 // matchSize walks m's keys in blocks of bs for the engines whose block size it is.
 func (x *Index) matchSize(m *Matcher, bs int, r *Matches) {
-	keys := m.keysOf(bs)
 	// The table lookups first, apart from the walk, and in runs of matchRun keys whose
 	// slots are all read before any is looked up: the reads do not depend on each other, so
 	// the processor has their cache misses in flight at once (a fresh prompt's blocks are
@@ -888,8 +905,12 @@ func (x *Index) matchSize(m *Matcher, bs int, r *Matches) {
 	words := m.words[:0]
 	var seen uint64
 lookup:
-	for i := 0; i < len(keys); i += matchRun {
-		run := keys[i:min(i+matchRun, len(keys))]
+	for i := 0; ; i += matchRun {
+		keys := m.keysOf(bs, i+matchRun)
+		if len(keys) <= i {
+			break
+		}
+		run := keys[i:]
 		for _, k := range run {
 			seen += x.blocks.touch(k)
 		}
