@@ -1,6 +1,7 @@
 package kvcache
 
 import (
+	"iter"
 	"math"
 	"slices"
 	"strings"
@@ -266,14 +267,7 @@ func (t *Tree) matchSince(text string, engines []string, byName map[string]int, 
 	defer t.mu.Unlock()
 	// A node near the root may hold a mark of every engine of a large pool: past a few
 	// engines, each mark finds its engine by a map, not by a pass over all of them.
-	n, rest, depth := &t.root, text, 0
-	for len(rest) > 0 {
-		c := n.child(rest[0])
-		if c == nil {
-			return
-		}
-		k := commonPrefix(c.edge, rest)
-		depth += k
+	for c, depth := range t.path(text) {
 		if byName == nil && len(engines) > smallPool && len(c.marks) > 0 {
 			byName = make(map[string]int, len(engines))
 			for i, e := range engines {
@@ -294,10 +288,6 @@ func (t *Tree) matchSince(text string, engines []string, byName map[string]int, 
 				}
 			}
 		}
-		if k < len(c.edge) {
-			return
-		}
-		n, rest = c, rest[k:]
 	}
 }
 
@@ -311,23 +301,12 @@ func (t *Tree) MatchDeep(text string, minDepth int, visit func(engine string, de
 	minDepth = max(minDepth, 1)
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	n, rest, depth := &t.root, text, 0
-	for len(rest) > 0 {
-		c := n.child(rest[0])
-		if c == nil {
-			return
-		}
-		k := commonPrefix(c.edge, rest)
-		depth += k
+	for c, depth := range t.path(text) {
 		if depth >= minDepth {
 			for _, m := range c.marks {
 				visit(m.engine, depth, m.at)
 			}
 		}
-		if k < len(c.edge) {
-			return
-		}
-		n, rest = c, rest[k:]
 	}
 }
 
@@ -340,14 +319,8 @@ func (t *Tree) MatchOne(text, engine string, since time.Time) int {
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	n, rest, depth, matched := &t.root, text, 0, 0
-	for len(rest) > 0 {
-		c := n.child(rest[0])
-		if c == nil {
-			break
-		}
-		k := commonPrefix(c.edge, rest)
-		depth += k
+	matched := 0
+	for c, depth := range t.path(text) {
 		m := c.markOf(engine)
 		if m == nil {
 			break // an engine on a node is on every node above it, so on none below
@@ -355,12 +328,29 @@ func (t *Tree) MatchOne(text, engine string, since time.Time) int {
 		if m.at >= from {
 			matched = depth
 		}
-		if k < len(c.edge) {
-			break
-		}
-		n, rest = c, rest[k:]
 	}
 	return matched
+}
+
+// path yields the nodes that text leads through from the root, each with how many leading
+// bytes of text it matches down to its edge's end (the last node's edge may match only in
+// part). The caller holds the lock.
+func (t *Tree) path(text string) iter.Seq2[*node, int] {
+	return func(yield func(*node, int) bool) {
+		n, rest, depth := &t.root, text, 0
+		for len(rest) > 0 {
+			c := n.child(rest[0])
+			if c == nil {
+				return
+			}
+			k := commonPrefix(c.edge, rest)
+			depth += k
+			if !yield(c, depth) || k < len(c.edge) {
+				return
+			}
+			n, rest = c, rest[k:]
+		}
+	}
 }
 
 // evictLocked removes the least recently routed leaves until the tree holds at most target
