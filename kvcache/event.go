@@ -316,20 +316,17 @@ func (r *reader) head(limit int) (container, int, error) {
 	case msgpcode.IsFixedMap(c):
 		kind, n = mapping, int(c&0x0f)
 		r.i++
-	case c == msgpcode.Array16 || c == msgpcode.Map16:
+	case c == msgpcode.Array16 || c == msgpcode.Map16 || c == msgpcode.Array32 || c == msgpcode.Map32:
 		kind = array
-		if c == msgpcode.Map16 {
+		if c == msgpcode.Map16 || c == msgpcode.Map32 {
 			kind = mapping
 		}
-		r.i++
-		n, err = r.length(2)
-	case c == msgpcode.Array32 || c == msgpcode.Map32:
-		kind = array
-		if c == msgpcode.Map32 {
-			kind = mapping
+		size := 2
+		if c == msgpcode.Array32 || c == msgpcode.Map32 {
+			size = 4
 		}
 		r.i++
-		n, err = r.length(4)
+		n, err = r.length(size)
 	default:
 		return other, 0, nil
 	}
