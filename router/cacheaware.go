@@ -194,7 +194,14 @@ func (p *CacheAware) unbalanced(loads []loadView) bool {
 	for _, v := range loads[1:] {
 		lo, hi = min(lo, v.load), max(hi, v.load)
 	}
-	return hi-lo > int64(p.cfg.BalanceAbsThreshold) && float64(hi) > p.cfg.BalanceRelThreshold*float64(lo)
+	return p.cfg.outOfBalance(lo, hi)
+}
+
+// outOfBalance reports whether a pool whose least and most loaded candidates have lo and hi
+// in flight is out of balance: hi more than BalanceAbsThreshold above lo and more than
+// BalanceRelThreshold times it.
+func (c CacheAwareConfig) outOfBalance(lo, hi int64) bool {
+	return hi-lo > int64(c.BalanceAbsThreshold) && float64(hi) > c.BalanceRelThreshold*float64(lo)
 }
 
 // pendingGrace is how long text routed to an engine counts for it besides its KV events: the

@@ -1,7 +1,6 @@
 package router
 
 import (
-	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -140,7 +139,7 @@ func (v *poolView) unbalanced(cfg CacheAwareConfig) bool {
 	for _, l := range v.loads[1:] {
 		lo, hi = min(lo, l), max(hi, l)
 	}
-	return hi-lo > int64(cfg.BalanceAbsThreshold) && float64(hi) > cfg.BalanceRelThreshold*float64(lo)
+	return cfg.outOfBalance(lo, hi)
 }
 
 // better reports whether candidate i is less loaded than j, as leastLoadedOf ranks them.
@@ -191,8 +190,7 @@ func (v *poolView) within(i int, c float64) bool {
 	if v.full[i] {
 		return false
 	}
-	limit := math.Ceil(c * float64(v.total+1) * float64(v.weight[i]) / float64(v.weights))
-	return float64(v.loads[i]+1) <= limit
+	return fitsBound(v.loads[i], v.total, v.weight[i], v.weights, c)
 }
 
 // place is bounds.pick over the view: the first candidate in key's rendezvous order within
@@ -203,12 +201,7 @@ func (v *poolView) place(key uint64, c float64, now time.Time) int {
 		best, home := -1, 0
 		var bestScore, homeScore float64
 		for i, h := range v.hash {
-			var s float64
-			if v.evenWeights {
-				s = float64(mix64(key^h) >> 11)
-			} else {
-				s = rendezvousScore(key, v.cands[i])
-			}
+			s := rendezvousRank(key, h, v.weight[i], v.evenWeights)
 			if i == 0 || s > homeScore {
 				home, homeScore = i, s
 			}
