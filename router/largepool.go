@@ -157,26 +157,7 @@ func (v *poolView) better(i, j int) bool {
 // still be the least loaded, or the next is looked for.
 func (v *poolView) leastLoaded(next *atomic.Uint64, now time.Time) int {
 	for try := 0; ; try++ {
-		best, ties := 0, 1
-		for i := 1; i < len(v.cands); i++ {
-			switch {
-			case v.better(i, best):
-				best, ties = i, 1
-			case !v.better(best, i):
-				ties++
-			}
-		}
-		k := int((next.Add(1) - 1) % uint64(ties))
-		pick := best
-		for i := range v.cands {
-			if !v.better(best, i) && !v.better(i, best) {
-				if k == 0 {
-					pick = i
-					break
-				}
-				k--
-			}
-		}
+		pick := bestOf(len(v.cands), v.better, next)
 		was := v.loads[pick]
 		v.read(pick, now)
 		if v.loads[pick] <= was || try == 2 {

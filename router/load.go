@@ -185,8 +185,14 @@ func leastLoadedOf(cands []*Backend, now time.Time, next *atomic.Uint64, countSt
 		}
 		return cands[i].Weight > cands[j].Weight
 	}
+	return cands[bestOf(len(cands), better, next)]
+}
+
+// bestOf is the best of n candidates as better ranks them (is i better than j?), ties taken
+// in turn by next.
+func bestOf(n int, better func(i, j int) bool, next *atomic.Uint64) int {
 	best, ties := 0, 1
-	for i := 1; i < len(cands); i++ {
+	for i := 1; i < n; i++ {
 		switch {
 		case better(i, best):
 			best, ties = i, 1
@@ -195,15 +201,15 @@ func leastLoadedOf(cands []*Backend, now time.Time, next *atomic.Uint64, countSt
 		}
 	}
 	k := int((next.Add(1) - 1) % uint64(ties))
-	for i := range cands {
+	for i := range n {
 		if !better(best, i) && !better(i, best) {
 			if k == 0 {
-				return cands[i]
+				return i
 			}
 			k--
 		}
 	}
-	return cands[best]
+	return best
 }
 
 // scrapeLoop scrapes the engines of every pool whose policy weighs load, every
