@@ -731,9 +731,13 @@ func (e *Engine) Run(ctx context.Context) error {
 	if e.cfg.KVHeartbeatInterval > 0 {
 		// Deferred after shutdown, so they run before it: the loop stops and
 		// is waited for while the engine still knows its requests.
+		// The first round's timer is armed here, before the scheduler below
+		// serves anything: a fake clock advanced once a request is queued
+		// finds it, however late the loop's goroutine runs.
 		hctx, stop := context.WithCancel(ctx)
+		first := e.clock.NewTimer(e.cfg.KVHeartbeatInterval)
 		var wg sync.WaitGroup
-		wg.Go(func() { e.heartbeatLoop(hctx) })
+		wg.Go(func() { e.heartbeatLoop(hctx, first) })
 		defer wg.Wait()
 		defer stop()
 	}

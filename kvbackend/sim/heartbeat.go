@@ -36,10 +36,9 @@ func peerOf(p *kvTransferParams) kvPeer {
 	return kvPeer{host: p.RemoteHost, port: p.RemotePort, engineID: p.RemoteEngineID}
 }
 
-// heartbeatLoop sends a round of heartbeats every KVHeartbeatInterval until
-// ctx is done. Run owns it and waits for it.
-func (e *Engine) heartbeatLoop(ctx context.Context) {
-	t := e.clock.NewTimer(e.cfg.KVHeartbeatInterval)
+// heartbeatLoop sends a round of heartbeats when t fires and every
+// KVHeartbeatInterval after, until ctx is done. Run owns it and waits for it.
+func (e *Engine) heartbeatLoop(ctx context.Context, t Timer) {
 	for {
 		select {
 		case <-ctx.Done():
