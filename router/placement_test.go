@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -403,7 +404,8 @@ func TestTheLoadIsTheEnginesReportPlusOnlyWhatThisReplicaSentSince(t *testing.T)
 func TestRequestsSentWhileAScrapeIsAnsweredAreNotCountedTwice(t *testing.T) {
 	// The engine's answer is of the moment it answers: requests this replica sent while the
 	// scrape was on its way are in it, and must not be added on top.
-	arrived, answer := make(chan struct{}), make(chan struct{})
+	// arrived keeps the first scrape's arrival for the test to see whenever it looks.
+	arrived, answer := make(chan struct{}, 1), make(chan struct{})
 	e := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path != "/metrics" {
 			return
@@ -416,6 +418,11 @@ func TestRequestsSentWhileAScrapeIsAnsweredAreNotCountedTwice(t *testing.T) {
 		fmt.Fprint(w, vllmMetrics(0, 3, 0.1))
 	}))
 	defer e.Close()
+	// Released however the test ends, so that closing the engine does not wait on a scrape
+	// held for ever.
+	var once sync.Once
+	release := func() { once.Do(func() { close(answer) }) }
+	defer release()
 	r, err := New(Config{
 		Backends:     []BackendConfig{{Name: "e", URL: e.URL, Role: RoleDecode}},
 		DecodePolicy: PolicyCacheAware, ScrapeInterval: time.Hour, Health: HealthConfig{Interval: -1},
@@ -428,7 +435,7 @@ func TestRequestsSentWhileAScrapeIsAnsweredAreNotCountedTwice(t *testing.T) {
 	for range 3 {
 		hold(t, r, "e")
 	}
-	close(answer)
+	release()
 	waitLoad(t, r, "e", 3)
 	if s := status(t, r, "e"); s.Load.Score != 3 {
 		t.Errorf("e's load = %d, want 3: the engine's answer holds the 3 requests sent while it was asked", s.Load.Score)
