@@ -329,19 +329,20 @@ func (e *Engine) awaitTransfer(ctx context.Context, r *request) error {
 	case errors.Is(cause, errWaitingTimeout):
 		err = errWaitingTimeout
 	default:
-		e.mu.Lock()
-		delete(e.prealloc, r)
-		e.mu.Unlock()
 		// The client left before this decoder pulled the KV. Like vLLM's decoder with a
 		// request aborted before its pull was scheduled (it sends the prefiller the request
 		// with no blocks to read), it tells the prefiller, which frees the transfer's blocks
-		// now, or as soon as its prefill holds them.
+		// now, or as soon as its prefill holds them. The request shows as waiting for its
+		// transfer until the prefiller has been told, so that one seen gone has told it.
 		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), notifyTimeout)
 		if rerr := e.transport.releaseTransfer(rctx, r.mc); rerr != nil {
 			e.log.Warn("mooncake release failed: the prefiller frees at its timeout",
 				zap.String("request_id", r.rid), zap.String("transfer_id", r.mc.transferID), zap.Error(rerr))
 		}
 		rcancel()
+		e.mu.Lock()
+		delete(e.prealloc, r)
+		e.mu.Unlock()
 		return ctx.Err()
 	}
 	if errors.Is(err, errStopped) {
