@@ -190,6 +190,7 @@ func TestKVEventsSayWhichMediumHoldsEachBlockAsVLLMsOffloadingConnector(t *testi
 			pushOut(t, ts)
 			answerUsage(t, ts, "/v1/completions", tierPrompt("a"), nil) // reloads a's first block
 			s := ts.waitKV(t, "a ends", allFree)
+			waitPublished(t, ts)
 
 			// The replay has every batch: a consumer keeps one set of blocks per medium.
 			held := map[string]map[uint64]bool{"GPU": {}, "CPU": {}}

@@ -201,6 +201,9 @@ type kvPublisher struct {
 	history []sentBatch // the last replayBuffer batches, oldest first
 	seq     uint64
 	dropped int
+	// queued and sent count the batches publish queued and flush has sent (or failed
+	// to encode): equal, every step's events so far are in the replay history.
+	queued, sent uint64
 }
 
 // newKVPublisher makes the sockets and binds those that bind, so that the
@@ -270,6 +273,7 @@ func (p *kvPublisher) publish(now time.Time, events []kvEvent) {
 		return
 	}
 	p.pending = append(p.pending, pendingBatch{ts: float64(now.UnixNano()) / 1e9, events: events})
+	p.queued++
 	p.mu.Unlock()
 	select {
 	case p.wake <- struct{}{}:
@@ -340,11 +344,15 @@ func (p *kvPublisher) flush() {
 		payload, err := encodeBatch(b.ts, b.events, p.rank, p.format)
 		if err != nil {
 			p.log.Error("kv events: encode", zap.Error(err))
+			p.mu.Lock()
+			p.sent++
+			p.mu.Unlock()
 			continue
 		}
 		p.mu.Lock()
 		seq := p.seq
 		p.seq++
+		p.sent++
 		p.history = append(p.history, sentBatch{seq: seq, payload: payload})
 		if len(p.history) > replayBuffer {
 			p.history = p.history[len(p.history)-replayBuffer:]

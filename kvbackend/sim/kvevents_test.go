@@ -275,6 +275,19 @@ func decodeMsg(t *testing.T, m zmq4.Msg, topic string) wireBatch {
 }
 
 // replayFrom asks the replay socket for the batches from start on.
+// waitPublished waits until every batch ts's engine has queued is in its publisher's replay
+// history: a step's events are queued under the engine's lock and sent by the publisher's own
+// goroutine, so a request seen ended may have events not sent yet.
+func waitPublished(t *testing.T, ts *testServer) {
+	t.Helper()
+	p := ts.e.kv
+	testutil.Eventually(t, testutil.Timeout, func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return p.sent == p.queued
+	}, "the publisher to send every queued batch")
+}
+
 func replayFrom(t *testing.T, ep string, start int64) []wireBatch {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
