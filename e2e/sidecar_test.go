@@ -167,12 +167,16 @@ sims:
 
 	t.Run("a client leaving mid-stream frees the KV on the named prefiller", func(t *testing.T) {
 		// A long prompt: the local decoder spends 2 ms on each of its 125 blocks before it
-		// pulls them, so the prefiller still holds them while the decode is under way.
-		body := `{"model":"sim","prompt":"` + prompt(2000) + `","max_tokens":100000,"ignore_eos":true,"stream":true}`
+		// pulls them, so the prefiller still holds them while the decode is under way. Each
+		// subtest's prompt is its own, else the decoder would have the second one's blocks
+		// cached from the first, pull nothing and let the prefiller free them at once.
+		bodyOf := func(first string) string {
+			return `{"model":"sim","prompt":"` + first + " " + prompt(2000) + `","max_tokens":100000,"ignore_eos":true,"stream":true}`
+		}
 		t.Run("after its first tokens", func(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			resp := post(t, ctx, completions, body, header, p1)
+			resp := post(t, ctx, completions, bodyOf("first"), header, p1)
 			br := bufio.NewReader(resp.Body)
 			for range 3 {
 				if _, err := br.ReadString('\n'); err != nil {
@@ -189,10 +193,15 @@ sims:
 		t.Run("while the decoder pulls the KV", func(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			done := inBackground(t, ctx, completions, body, header, p1)
+			beforeD := kv(t, d)
+			done := inBackground(t, ctx, completions, bodyOf("second"), header, p1)
+			// The client leaves once the decoder has the request: before the proxy has the
+			// prefill's answer, leaving is race R1, which an engine without an explicit abort
+			// (vllm here) leaves to the prefiller's lease.
 			testutil.WaitFor(t, 5*time.Second, func() (bool, string) {
-				st := kv(t, "http://"+p1)
-				return st.HeldRequests == 1, "the prefiller holds no KV: " + jsonString(st)
+				st, sd := kv(t, "http://"+p1), kv(t, d)
+				return st.HeldRequests == 1 && sd.RemotePrefillRequestsTotal > beforeD.RemotePrefillRequestsTotal,
+					"the prefiller holds no KV, or the decoder has no decode: " + jsonString(st) + " " + jsonString(sd)
 			})
 			cancel()
 			<-done
