@@ -1,7 +1,6 @@
 package app
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"maps"
@@ -72,27 +71,4 @@ func (t *localTokenizer) Tokenize(prompt string, messages json.RawMessage) ([]ui
 		return nil, err
 	}
 	return t.tok.Encode(text, false)
-}
-
-// plainMessages reads messages that are a role and a string content each, which a template
-// sees as the engine does. Anything more (content parts, which engines join by their own
-// rules; tool calls; names) is left to the engine.
-func plainMessages(raw json.RawMessage) ([]hftok.Message, bool) {
-	var in []struct {
-		Role    string  `json:"role"`
-		Content *string `json:"content"`
-	}
-	dec := json.NewDecoder(bytes.NewReader(raw))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&in); err != nil || len(in) == 0 {
-		return nil, false
-	}
-	out := make([]hftok.Message, len(in))
-	for i, m := range in {
-		if m.Role == "" || m.Content == nil {
-			return nil, false
-		}
-		out[i] = hftok.Message{Role: m.Role, Content: *m.Content}
-	}
-	return out, true
 }
