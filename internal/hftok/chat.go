@@ -11,9 +11,11 @@ import (
 	"strings"
 
 	"github.com/nikolalohinski/gonja/v2"
+	controlstructures "github.com/nikolalohinski/gonja/v2/builtins/control_structures"
 	"github.com/nikolalohinski/gonja/v2/config"
 	"github.com/nikolalohinski/gonja/v2/exec"
 	"github.com/nikolalohinski/gonja/v2/loaders"
+	"github.com/nikolalohinski/gonja/v2/nodes"
 )
 
 // maxTemplateBytes bounds a chat template file (a tokenizer_config.json included): the
@@ -123,6 +125,9 @@ func ParseTemplate(src, bos, eos string) (*Template, error) {
 	if err != nil {
 		return nil, fmt.Errorf("chat template: %w", err)
 	}
+	if !keepConcatenations {
+		splitConcatenations(tpl.Root())
+	}
 	return &Template{tpl: tpl, bos: bos, eos: eos}, nil
 }
 
@@ -157,4 +162,80 @@ func (t *Template) Render(msgs []Message, addGenerationPrompt bool) (out string,
 		return "", fmt.Errorf("chat template: %w", err)
 	}
 	return b.String(), nil
+}
+
+// keepConcatenations turns splitConcatenations off, for the test that renders both ways.
+var keepConcatenations = false
+
+// splitConcatenations rewrites each {{ a + b + c }} of a template whose terms include a
+// string literal into {{ a }}{{ b }}{{ c }}: the same text, without the template engine
+// copying each partial sum (a chat template's {{ '<|im_start|>' + role + '\n' + content +
+// '<|im_end|>' + '\n' }} copied every message three times). With a string literal among
+// them, Jinja renders the sum only when every term is a string (it refuses to add a string to
+// anything else), and the sum of strings is what writing them one after another writes.
+// Conditional outputs ({{ a if c else b }}) and sums without a literal are left whole; so
+// is anything outside the template's top level, its for and if blocks and its macros.
+func splitConcatenations(t *nodes.Template) {
+	t.Nodes = splitIn(t.Nodes)
+	for _, m := range t.Macros {
+		splitWrapper(m.Wrapper)
+	}
+}
+
+func splitWrapper(w *nodes.Wrapper) {
+	if w != nil {
+		w.Nodes = splitIn(w.Nodes)
+	}
+}
+
+func splitIn(ns []nodes.Node) []nodes.Node {
+	out := ns[:0:0]
+	for _, n := range ns {
+		switch n := n.(type) {
+		case *nodes.Output:
+			if terms := stringSum(n); terms != nil {
+				for _, e := range terms {
+					out = append(out, &nodes.Output{Start: n.Start, Expression: e, End: n.End})
+				}
+				continue
+			}
+		case *nodes.ControlStructureBlock:
+			switch cs := n.ControlStructure.(type) {
+			case *controlstructures.ForControlStructure:
+				splitWrapper(cs.BodyWrapper)
+				splitWrapper(cs.EmptyWrapper)
+			case *controlstructures.IfControlStructure:
+				for _, w := range cs.Wrappers {
+					splitWrapper(w)
+				}
+			}
+		}
+		out = append(out, n)
+	}
+	return out
+}
+
+// stringSum returns the terms of an unconditional output that is a sum with a string literal
+// among its terms, nil for any other.
+func stringSum(o *nodes.Output) []nodes.Expression {
+	if o.Condition != nil {
+		return nil
+	}
+	var terms []nodes.Expression
+	var add func(e nodes.Expression)
+	add = func(e nodes.Expression) {
+		if b, ok := e.(*nodes.BinaryExpression); ok && b.Operator != nil && b.Operator.Token != nil && b.Operator.Token.Val == "+" {
+			add(b.Left)
+			add(b.Right)
+			return
+		}
+		terms = append(terms, e)
+	}
+	add(o.Expression)
+	for _, e := range terms {
+		if _, ok := e.(*nodes.String); ok && len(terms) > 1 {
+			return terms
+		}
+	}
+	return nil
 }

@@ -12,6 +12,9 @@ import (
 	"unicode/utf8"
 
 	"github.com/dlclark/regexp2"
+
+	controlstructures "github.com/nikolalohinski/gonja/v2/builtins/control_structures"
+	"github.com/nikolalohinski/gonja/v2/nodes"
 )
 
 const (
@@ -402,4 +405,71 @@ func TestAPatternThatBacktracksWithoutEndFailsTheTextInsteadOfHoldingIt(t *testi
 	if took := time.Since(start); took > 20*splitMatchTimeout {
 		t.Errorf("the failing text held its caller %v", took)
 	}
+}
+
+// A sum of strings in a template's output is written term by term (splitConcatenations):
+// every template renders as it does written whole, errors included.
+func TestSumsOfStringsRenderAsWrittenWhole(t *testing.T) {
+	cfg, err := os.ReadFile(testConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chatML, _, _, err := fromTokenizerConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	templates := map[string]string{
+		"ChatML":                            chatML,
+		"Llama 3 (a sum set, then written)": "{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}",
+		"numbers added":                     "{% for m in messages %}{{ loop.index + 1 }}:{{ loop.index + loop.index0 + 1 }}{{ m['content'] + '|' + loop.index | string }}{% endfor %}",
+		"conditional outputs":               "{% for m in messages %}{{ '<' + m['role'] + '>' if m['role'] != 'system' else '[' + m['content'] + ']' }}{{ m['content'] + '.' if loop.last }}{% endfor %}",
+		"a macro":                           "{% macro turn(r, c) %}{{ '<' + r + '>' + c + '</' + r + '>' }}{% endmacro %}{% for m in messages %}{{ turn(m['role'], m['content']) }}{% endfor %}",
+		"if, elif, else and for's else":     "{% for m in messages if m['role'] != 'tool' %}{% if m['role'] == 'system' %}{{ '<<SYS>>' + m['content'] + '<</SYS>>' }}{% elif m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% else %}{{ 'none' + '!' }}{% endfor %}",
+		"filters, parentheses, ~ and trims": "{%- for m in messages -%}\n  {{- ('<' + m['role']) + ('>' + m['content'] | upper) -}}\n  {{ '{' ~ m['role'] ~ '}' + '\\n' }}\n{%- endfor %}",
+		"a sum that fails":                  "{% for m in messages %}{{ m['content'] + loop.index + 'x' }}{% endfor %}",
+		"raise_exception of a sum":          "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no ' + m['role'] + ' messages') }}{% endif %}{{ m['content'] + '\\n' }}{% endfor %}",
+	}
+	convs := [][]Message{
+		{{"system", "Be brief."}, {"user", " hi "}, {"assistant", "hello"}},
+		{{"user", "東京 🙂 {{ not a tag }} 100%"}},
+		{{"tool", "x"}},
+		{},
+	}
+	render := func(src string, keep bool, msgs []Message) (string, error) {
+		keepConcatenations = keep
+		defer func() { keepConcatenations = false }()
+		tpl, err := ParseTemplate(src, "<s>", "</s>")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tpl.Render(msgs, true)
+	}
+	for name, src := range templates {
+		t.Run(name, func(t *testing.T) {
+			for _, msgs := range convs {
+				want, werr := render(src, true, msgs)
+				got, err := render(src, false, msgs)
+				if got != want || (err == nil) != (werr == nil) {
+					t.Errorf("%q: rendered %q, %v; written whole %q, %v", msgs, got, err, want, werr)
+				}
+			}
+		})
+	}
+	t.Run("ChatML's sum is split", func(t *testing.T) {
+		tpl, err := ParseTemplate(chatML, "", "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		outputs := 0
+		for _, n := range tpl.tpl.Root().Nodes {
+			if b, ok := n.(*nodes.ControlStructureBlock); ok {
+				if f, ok := b.ControlStructure.(*controlstructures.ForControlStructure); ok {
+					outputs += len(f.BodyWrapper.Nodes)
+				}
+			}
+		}
+		if outputs != 6 {
+			t.Errorf("the loop writes %d outputs, want the sum's 6 terms", outputs)
+		}
+	})
 }
