@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
@@ -500,18 +501,18 @@ func BenchmarkRoutingCost(b *testing.B) {
 	w := newChatWorkload(defaultShape)
 	type turn struct {
 		hint     router.Hint
-		messages []byte
+		messages []map[string]string
 	}
 	var turns []turn
 	for _, wave := range w.order {
 		for _, r := range wave {
 			var req struct {
-				Messages json.RawMessage `json:"messages"`
+				Messages []map[string]string `json:"messages"`
 			}
 			if err := json.Unmarshal(w.body(r), &req); err != nil {
 				b.Fatal(err)
 			}
-			turns = append(turns, turn{router.Hint{Prefix: w.systems[r.group], Text: string(req.Messages)}, req.Messages})
+			turns = append(turns, turn{router.Hint{Prefix: w.systems[r.group]}, req.Messages})
 		}
 	}
 	cfg := sim.DefaultConfig()
@@ -581,12 +582,23 @@ func BenchmarkRoutingCost(b *testing.B) {
 			var total, tok, pick []time.Duration
 			i := 0
 			for b.Loop() {
+				// Every pick's last message is new, as a conversation's next turn is: the
+				// turn's question with the pick's number after it.
 				tu := turns[i%len(turns)]
 				i++
-				t0 := time.Now()
+				msgs := slices.Clone(tu.messages)
+				last := maps.Clone(msgs[len(msgs)-1])
+				last["content"] += fmt.Sprintf(" (%d)", i)
+				msgs[len(msgs)-1] = last
+				raw, err := json.Marshal(msgs)
+				if err != nil {
+					b.Fatal(err)
+				}
 				h := tu.hint
+				h.Text = string(raw)
+				t0 := time.Now()
 				if precise {
-					toks, err := r.Tokens(ctx, router.TokenizeRequest{Model: "sim", Messages: tu.messages})
+					toks, err := r.Tokens(ctx, router.TokenizeRequest{Model: "sim", Messages: raw})
 					if err != nil {
 						b.Fatal(err)
 					}
