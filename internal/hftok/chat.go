@@ -104,6 +104,12 @@ func specialText(raw json.RawMessage) string {
 // ParseTemplate parses a chat template's Jinja source; bos and eos are what bos_token and
 // eos_token stand for in it.
 func ParseTemplate(src, bos, eos string) (*Template, error) {
+	return parseTemplate(src, bos, eos, true)
+}
+
+// parseTemplate is ParseTemplate; split says whether sums of strings are written term by
+// term (splitConcatenations), which only a test turns off, to compare.
+func parseTemplate(src, bos, eos string, split bool) (*Template, error) {
 	if src == "" {
 		return nil, errors.New("empty chat template")
 	}
@@ -125,7 +131,7 @@ func ParseTemplate(src, bos, eos string) (*Template, error) {
 	if err != nil {
 		return nil, fmt.Errorf("chat template: %w", err)
 	}
-	if !keepConcatenations {
+	if split {
 		splitConcatenations(tpl.Root())
 	}
 	return &Template{tpl: tpl, bos: bos, eos: eos}, nil
@@ -163,9 +169,6 @@ func (t *Template) Render(msgs []Message, addGenerationPrompt bool) (out string,
 	}
 	return b.String(), nil
 }
-
-// keepConcatenations turns splitConcatenations off, for the test that renders both ways.
-var keepConcatenations = false
 
 // splitConcatenations rewrites each {{ a + b + c }} of a template whose terms include a
 // string literal into {{ a }}{{ b }}{{ c }}: the same text, without the template engine

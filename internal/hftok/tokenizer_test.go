@@ -436,9 +436,7 @@ func TestSumsOfStringsRenderAsWrittenWhole(t *testing.T) {
 		{},
 	}
 	render := func(src string, keep bool, msgs []Message) (string, error) {
-		keepConcatenations = keep
-		defer func() { keepConcatenations = false }()
-		tpl, err := ParseTemplate(src, "<s>", "</s>")
+		tpl, err := parseTemplate(src, "<s>", "</s>", !keep)
 		if err != nil {
 			t.Fatal(err)
 		}
