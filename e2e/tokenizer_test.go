@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -143,5 +144,25 @@ func TestPreciseRoutingWithTheProxysTokenizer(t *testing.T) {
 	}
 	if n := p.Stats().RequestsTotal; n != 1 {
 		t.Errorf("%d prefills, want turn 1's alone", n)
+	}
+	// Turns at once: each is tokenized into a buffer the proxy hands back once it is served.
+	var wg sync.WaitGroup
+	for i := range 8 {
+		wg.Go(func() {
+			resp, err := http.Post(s.url+"/v1/chat/completions", "application/json", strings.NewReader(turn(3+i%3)))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				t.Errorf("status %d: %s", resp.StatusCode, b)
+			}
+		})
+	}
+	wg.Wait()
+	if n := tokenizes.Load() - checks; n != 0 {
+		t.Errorf("%d /tokenize calls for the turns at once, want none", n)
 	}
 }

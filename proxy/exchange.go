@@ -77,7 +77,10 @@ type legs struct {
 	fallback bool
 	// tokens are the prompt's token ids, for the cache-aware policies and conditional
 	// disaggregation (tokenize); nil when nothing asked for them or tokenizing failed.
+	// lent: they are the router's, handed back (cacheRouter.ReturnTokens) when the
+	// exchange ends.
 	tokens []uint32
+	lent   bool
 	// paired is the state of paired legs (SGLang, Mooncake); nil for sequential P/D.
 	paired *pairedLegs
 }
@@ -139,6 +142,7 @@ func (s *Server) exchangeHandler(route string, run func(x *exchange) *apiError) 
 			}
 		}
 		s.finish(x, status, err)
+		x.returnTokens()
 		if x.out.abortConn || status == StatusClientClosed {
 			// Nothing honest can be sent: the client left, or stopped reading, or the
 			// headers and part of a non-streaming body are out. Returning would let net/http

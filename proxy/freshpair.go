@@ -127,7 +127,7 @@ func (x *exchange) freshPair(c *custody, res router.Result, role router.Role, re
 	}
 	x.engineID = newID() // as in moveOn
 	c.engineID = x.engineID
-	x.legs = legs{named: x.legs.named, tokens: x.legs.tokens}
+	x.legs = legs{named: x.legs.named, tokens: x.legs.tokens, lent: x.legs.lent}
 	if rs := x.out.resume; rs != nil {
 		// An error event the filter kept from the client belonged to the attempt.
 		rs.pending, rs.errorEvent, rs.watching = rs.pending[:0], false, false

@@ -18,6 +18,7 @@ type cacheRouter interface {
 	WantsTokens(role router.Role) bool
 	Tokens(ctx context.Context, req router.TokenizeRequest) ([]uint32, error)
 	CachedTokens(backend string, tokens []uint32) (int, bool)
+	ReturnTokens(tokens []uint32)
 }
 
 // tokenize gets the request's token ids once, before any backend is picked, when a policy
@@ -54,7 +55,18 @@ func (x *exchange) tokenize() {
 		}
 		return
 	}
-	x.legs.tokens = toks
+	x.legs.tokens, x.legs.lent = toks, true
+}
+
+// returnTokens hands the tokens Tokens lent back to the router once the exchange is over:
+// no pick, and nothing else, reads them after it.
+func (x *exchange) returnTokens() {
+	if !x.legs.lent {
+		return
+	}
+	toks := x.legs.tokens
+	x.legs.tokens, x.legs.lent = nil, false
+	x.s.router.(cacheRouter).ReturnTokens(toks)
 }
 
 // cachedOnDecoder reports whether the reserved decoder already holds all but fewer than

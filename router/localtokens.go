@@ -18,12 +18,12 @@ import (
 // LocalTokenizer tokenizes one model's requests in the proxy, as its engines do: cmd/proxy
 // passes one per entry of Config.Tokenizers, read from its files.
 type LocalTokenizer interface {
-	// Tokenize returns prompt's tokens, or, when messages (a chat's messages array as the
-	// client sent it) is set, the tokens of the messages rendered through the model's
-	// chat template with the generation prompt. ErrNotLocal means this request is the
-	// engine's to tokenize (a chat without a template, content the template would see
+	// Tokenize appends to dst prompt's tokens, or, when messages (a chat's messages array
+	// as the client sent it) is set, the tokens of the messages rendered through the
+	// model's chat template with the generation prompt. ErrNotLocal means this request is
+	// the engine's to tokenize (a chat without a template, content the template would see
 	// otherwise than the engine does).
-	Tokenize(prompt string, messages json.RawMessage) ([]uint32, error)
+	Tokenize(dst []uint32, prompt string, messages json.RawMessage) ([]uint32, error)
 	// Chats reports whether it renders chat messages (it has the model's template).
 	Chats() bool
 }
@@ -155,7 +155,7 @@ func (r *Router) checkTokenizer(ctx context.Context, lt *localTokenizer) error {
 				if s.Messages != nil && !lt.tok.Chats() {
 					continue
 				}
-				own, err := lt.tok.Tokenize(s.Prompt, s.Messages)
+				own, err := lt.tok.Tokenize(nil, s.Prompt, s.Messages)
 				if err != nil {
 					return fmt.Errorf("tokenizers.%s: the proxy cannot tokenize a sample (%q%s): %w", lt.model, s.Prompt, s.Messages, err)
 				}
@@ -214,14 +214,21 @@ func (r *Router) checkTokenizersLoop(ctx context.Context) {
 	}
 }
 
-// localTokens tokenizes req in the proxy when its model's tokenizer was checked and can.
+// localTokens tokenizes req in the proxy when its model's tokenizer was checked and can,
+// into a buffer of the router's that ReturnTokens takes back.
 func (r *Router) localTokens(req TokenizeRequest) ([]uint32, bool) {
 	lt := r.local[req.Model]
 	if lt == nil || lt.state.Load() != localAgreed {
 		return nil, false
 	}
-	toks, err := lt.tok.Tokenize(req.Prompt, req.Messages)
+	buf, _ := r.tokenBufs.Get().(*[]uint32)
+	if buf == nil {
+		buf = new([]uint32)
+	}
+	toks, err := lt.tok.Tokenize((*buf)[:0], req.Prompt, req.Messages)
 	if err != nil {
+		*buf = toks[:0]
+		r.tokenBufs.Put(buf)
 		if !errors.Is(err, ErrNotLocal) {
 			if ce := r.logger.Check(zap.DebugLevel, "tokenizing in the proxy failed: asking an engine"); ce != nil {
 				ce.Write(zap.String("model", req.Model), zap.Error(err))
@@ -229,5 +236,23 @@ func (r *Router) localTokens(req TokenizeRequest) ([]uint32, bool) {
 		}
 		return nil, false
 	}
+	if toks == nil {
+		toks = []uint32{} // tokens, none of them: not the absence of tokens
+	}
 	return toks, true
+}
+
+// maxReturnedTokens bounds the buffers ReturnTokens keeps: a rare huge prompt's is left to
+// the collector.
+const maxReturnedTokens = 1 << 16
+
+// ReturnTokens hands back tokens Tokens returned, once nothing reads them any more (the
+// request was served): the next request the proxy tokenizes itself reuses their memory.
+// Tokens from anywhere else are accepted and kept alike.
+func (r *Router) ReturnTokens(toks []uint32) {
+	if cap(toks) == 0 || cap(toks) > maxReturnedTokens {
+		return
+	}
+	toks = toks[:0]
+	r.tokenBufs.Put(&toks)
 }

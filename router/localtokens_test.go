@@ -4,10 +4,12 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -50,11 +52,11 @@ func byteTokens(s string, shift uint32) []uint32 {
 // of another vocabulary when not 0); it renders no chat.
 type byteTokenizer struct{ shift uint32 }
 
-func (b byteTokenizer) Tokenize(prompt string, messages json.RawMessage) ([]uint32, error) {
+func (b byteTokenizer) Tokenize(dst []uint32, prompt string, messages json.RawMessage) ([]uint32, error) {
 	if messages != nil {
-		return nil, ErrNotLocal
+		return dst, ErrNotLocal
 	}
-	return byteTokens(prompt, b.shift), nil
+	return append(dst, byteTokens(prompt, b.shift)...), nil
 }
 
 func (byteTokenizer) Chats() bool { return false }
@@ -156,5 +158,55 @@ func TestTokenizersFromYAML(t *testing.T) {
 	c.Backends = backendsCfg(RoleDecode, "d", 1, 0)
 	if err := c.Validate(); err == nil || !strings.Contains(err.Error(), "tokenizers.qwen.file") {
 		t.Errorf("Validate = %v, want tokenizers.qwen.file refused", err)
+	}
+}
+
+// Tokens handed back with ReturnTokens are tokenized into again: each request, however
+// many run at once, gets its own prompt's tokens, never another's or a part of one.
+func TestReturnedTokensServeTheNextRequestAlone(t *testing.T) {
+	e := newByteEngine(t)
+	r, _, _ := newTestRouter(t, localConfig(e, 0))
+	defer r.CloseIdleConnections()
+	ctx := context.Background()
+	if err := r.CheckTokenizers(ctx); err != nil {
+		t.Fatalf("CheckTokenizers: %v", err)
+	}
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 100 {
+				// Three requests in flight at once, of lengths that shrink and grow, so that a
+				// buffer handed back long is reused short.
+				var prompts [3]string
+				var got [3][]uint32
+				for k := range prompts {
+					prompts[k] = strings.Repeat(fmt.Sprintf("g%d-%d-%d ", g, i, k), 1+(i*7+g+k*5)%13)
+					var err error
+					if got[k], err = r.Tokens(ctx, TokenizeRequest{Model: "m", Prompt: prompts[k]}); err != nil {
+						t.Error(err)
+						return
+					}
+				}
+				for k, p := range prompts {
+					if want := byteTokens(p, 0); !slices.Equal(got[k], want) {
+						t.Errorf("Tokens(%q) = %v, want %v", p, got[k], want)
+						return
+					}
+					r.ReturnTokens(got[k])
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	checks := int64(0)
+	for _, s := range CheckSamples {
+		if s.Messages == nil {
+			checks++ // byteTokenizer renders no chat: the check asks the prompts alone
+		}
+	}
+	if n := e.calls.Load(); n != checks {
+		t.Errorf("%d engine /tokenize calls, want the check's %d alone", n, checks)
 	}
 }

@@ -105,6 +105,7 @@ type Router struct {
 	// local are Config.LocalTokenizers by model (localtokens.go), and tokenizerFiles the
 	// Config.Tokenizers they were read from, which a reload may not change.
 	local          map[string]*localTokenizer
+	tokenBufs      sync.Pool // of *[]uint32: the buffers Tokens tokenizes into in the proxy
 	tokenizerFiles map[string]TokenizerFiles
 	// staleAfter is kv_events.stale_after in force.
 	staleAfter atomic.Pointer[time.Duration]

@@ -613,6 +613,9 @@ func BenchmarkRoutingCost(b *testing.B) {
 				l.Release(router.Result{})
 				t2 := time.Now()
 				total, pick = append(total, t2.Sub(t0)), append(pick, t2.Sub(t1))
+				if h.Tokens != nil {
+					r.ReturnTokens(h.Tokens) // as the proxy does once the request is served
+				}
 			}
 			slices.Sort(total)
 			slices.Sort(pick)

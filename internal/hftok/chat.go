@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"path/filepath"
 	"strings"
 
@@ -139,10 +140,39 @@ func parseTemplate(src, bos, eos string, split bool) (*Template, error) {
 
 // Render renders msgs, with the assistant's turn opened when addGenerationPrompt. The
 // messages are a client's: a template engine that panics on them answers an error.
-func (t *Template) Render(msgs []Message, addGenerationPrompt bool) (out string, err error) {
+func (t *Template) Render(msgs []Message, addGenerationPrompt bool) (string, error) {
+	// The text is about the messages' length: a buffer of that size at once spares the
+	// copies of one grown by doubling, and the copy into a string at the end.
+	var b strings.Builder
+	b.Grow(renderSize(msgs))
+	if err := t.execute(&b, msgs, addGenerationPrompt); err != nil {
+		return "", err
+	}
+	return b.String(), nil
+}
+
+// AppendRender appends what Render returns to dst: a caller that renders often can hand the
+// same buffer back each time.
+func (t *Template) AppendRender(dst []byte, msgs []Message, addGenerationPrompt bool) ([]byte, error) {
+	b := bytes.NewBuffer(dst)
+	b.Grow(renderSize(msgs))
+	err := t.execute(b, msgs, addGenerationPrompt)
+	return b.Bytes(), err
+}
+
+// renderSize is about the length of msgs rendered.
+func renderSize(msgs []Message) int {
+	size := 256
+	for _, m := range msgs {
+		size += len(m.Role) + len(m.Content) + 64
+	}
+	return size
+}
+
+func (t *Template) execute(w io.Writer, msgs []Message, addGenerationPrompt bool) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			out, err = "", fmt.Errorf("chat template: %v", p)
+			err = fmt.Errorf("chat template: %v", p)
 		}
 	}()
 	list := make([]map[string]any, len(msgs))
@@ -156,18 +186,10 @@ func (t *Template) Render(msgs []Message, addGenerationPrompt bool) (out string,
 		"eos_token":             t.eos,
 		"raise_exception":       func(msg string) (string, error) { return "", errors.New(msg) },
 	})
-	// The text is about the messages' length: a buffer of that size at once spares the
-	// copies of one grown by doubling, and the copy into a string at the end.
-	var b strings.Builder
-	size := 256
-	for _, m := range msgs {
-		size += len(m.Role) + len(m.Content) + 64
+	if err = t.tpl.Execute(w, ctx); err != nil {
+		return fmt.Errorf("chat template: %w", err)
 	}
-	b.Grow(size)
-	if err = t.tpl.Execute(&b, ctx); err != nil {
-		return "", fmt.Errorf("chat template: %w", err)
-	}
-	return b.String(), nil
+	return nil
 }
 
 // splitConcatenations rewrites each {{ a + b + c }} of a template whose terms include a

@@ -437,7 +437,24 @@ func (t *Tokenizer) VocabSize() int { return t.vocabSize }
 func (t *Tokenizer) Encode(text string, addSpecialTokens bool) ([]uint32, error) {
 	s := t.scratch.Get().(*encodeScratch)
 	defer t.putScratch(s)
-	out := s.ids[:0]
+	out, err := t.appendEncode(s, s.ids[:0], text, addSpecialTokens)
+	s.ids = out[:0]
+	if err != nil {
+		return nil, err
+	}
+	// Never nil, even empty: the tokens go out as JSON, where nil is null.
+	return append(make([]uint32, 0, len(out)), out...), nil
+}
+
+// AppendEncode appends text's tokens, as Encode returns them, to dst: a caller that encodes
+// often can hand the same buffer back each time, and allocate nothing for the tokens.
+func (t *Tokenizer) AppendEncode(dst []uint32, text string, addSpecialTokens bool) ([]uint32, error) {
+	s := t.scratch.Get().(*encodeScratch)
+	defer t.putScratch(s)
+	return t.appendEncode(s, dst, text, addSpecialTokens)
+}
+
+func (t *Tokenizer) appendEncode(s *encodeScratch, out []uint32, text string, addSpecialTokens bool) ([]uint32, error) {
 	if addSpecialTokens {
 		out = append(out, t.prefix...)
 	}
@@ -479,7 +496,7 @@ func (t *Tokenizer) Encode(text string, addSpecialTokens bool) ([]uint32, error)
 		if list := t.added[text[i]]; list != nil {
 			if a, ok := matchAdded(list, text[i:]); ok {
 				if err := flush(i); err != nil {
-					return nil, err
+					return out, err
 				}
 				out = append(out, a.id)
 				i += len(a.content)
@@ -490,14 +507,12 @@ func (t *Tokenizer) Encode(text string, addSpecialTokens bool) ([]uint32, error)
 		i++
 	}
 	if err := flush(len(text)); err != nil {
-		return nil, err
+		return out, err
 	}
 	if addSpecialTokens {
 		out = append(out, t.suffix...)
 	}
-	s.ids = out
-	// Never nil, even empty: the tokens go out as JSON, where nil is null.
-	return append(make([]uint32, 0, len(out)), out...), nil
+	return out, nil
 }
 
 // encodeScratch is what an encoding works in; a Tokenizer keeps some between encodings,

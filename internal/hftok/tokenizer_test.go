@@ -327,6 +327,13 @@ func TestTemplate(t *testing.T) {
 			t.Errorf("error %v, want the template's own", err)
 		}
 	})
+	t.Run("AppendRender writes Render's text after what the buffer holds", func(t *testing.T) {
+		want, _ := tpl.Render(msgs, true)
+		got, err := tpl.AppendRender([]byte("kept:"), msgs, true)
+		if err != nil || string(got) != "kept:"+want {
+			t.Errorf("AppendRender %q, %v; want %q after the buffer's bytes", got, err, want)
+		}
+	})
 	t.Run("a config without a template is refused", func(t *testing.T) {
 		path := filepath.Join(t.TempDir(), "tokenizer_config.json")
 		_ = os.WriteFile(path, []byte(`{"bos_token": "<s>"}`), 0o644)
@@ -339,6 +346,22 @@ func TestTemplate(t *testing.T) {
 			t.Error("no error")
 		}
 	})
+}
+
+// AppendEncode leaves the buffer's tokens as they are and appends Encode's after them.
+func TestAppendEncodeAppendsEncodesTokens(t *testing.T) {
+	tk := loadTest(t)
+	for _, add := range []bool{true, false} {
+		text := "<|im_start|>user\nThe capital of France is Paris.<|im_end|>"
+		want, err := tk.Encode(text, add)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := tk.AppendEncode([]uint32{7, 8, 9}, text, add)
+		if err != nil || !slices.Equal(got, append([]uint32{7, 8, 9}, want...)) {
+			t.Errorf("special tokens %v: AppendEncode %v, %v; want 7 8 9 then %v", add, got, err, want)
+		}
+	}
 }
 
 // One Tokenizer and one Template serve every request at once.

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"sync"
+	"unsafe"
 
 	"github.com/pdproxy/pdproxy/internal/hftok"
 	"github.com/pdproxy/pdproxy/proxy"
@@ -49,26 +51,45 @@ func LoadTokenizers(p proxy.Config, r router.Config) (map[string]router.LocalTok
 type localTokenizer struct {
 	tok  *hftok.Tokenizer
 	chat *hftok.Template // nil: chats are the engine's
+	// texts are buffers to render chats into (*[]byte): a chat's text lives only until its
+	// tokens are out, and the tokenizer keeps none of it.
+	texts sync.Pool
 }
+
+// maxKeptText bounds the buffers a localTokenizer keeps for rendered chats: a rare huge
+// chat's is left to the collector.
+const maxKeptText = 1 << 20
 
 var _ router.LocalTokenizer = (*localTokenizer)(nil)
 
 func (t *localTokenizer) Chats() bool { return t.chat != nil }
 
-func (t *localTokenizer) Tokenize(prompt string, messages json.RawMessage) ([]uint32, error) {
+func (t *localTokenizer) Tokenize(dst []uint32, prompt string, messages json.RawMessage) ([]uint32, error) {
 	if messages == nil {
-		return t.tok.Encode(prompt, true)
+		return t.tok.AppendEncode(dst, prompt, true)
 	}
 	if t.chat == nil {
-		return nil, router.ErrNotLocal
+		return dst, router.ErrNotLocal
 	}
 	msgs, ok := plainMessages(messages)
 	if !ok {
-		return nil, router.ErrNotLocal
+		return dst, router.ErrNotLocal
 	}
-	text, err := t.chat.Render(msgs, true)
+	buf, _ := t.texts.Get().(*[]byte)
+	if buf == nil {
+		buf = new([]byte)
+	}
+	defer func() {
+		if cap(*buf) <= maxKeptText {
+			t.texts.Put(buf)
+		}
+	}()
+	text, err := t.chat.AppendRender((*buf)[:0], msgs, true)
+	*buf = text
 	if err != nil {
-		return nil, err
+		return dst, err
 	}
-	return t.tok.Encode(text, false)
+	// The string is a view of the buffer, which nothing writes until it is back in the pool:
+	// Encode keeps copies of what it caches, never the text.
+	return t.tok.AppendEncode(dst, unsafe.String(unsafe.SliceData(text), len(text)), false)
 }

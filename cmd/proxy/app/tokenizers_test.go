@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -12,6 +13,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"unicode/utf8"
 
@@ -210,6 +212,39 @@ func TestWithNoEngineAtTheStartTheTokenizerIsCheckedAtTheFirst(t *testing.T) {
 	}
 }
 
+// tokenizingSim is a sim engine tokenizing with the test tokenizer, its /tokenize the truth
+// the proxy's tokens are held to.
+func tokenizingSim(t testing.TB) *httptest.Server {
+	scfg := sim.DefaultConfig()
+	scfg.Tokenizer = testTokenizer
+	e, err := sim.New(scfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(e.Handler())
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// engineTokens is the answer of the engine at url's POST /tokenize to body.
+func engineTokens(t testing.TB, url string, body any) []uint32 {
+	t.Helper()
+	b, _ := json.Marshal(body)
+	resp, err := http.Post(url+"/tokenize", "application/json", bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	data, _ := io.ReadAll(resp.Body)
+	var ans struct {
+		Tokens []uint32 `json:"tokens"`
+	}
+	if resp.StatusCode != http.StatusOK || json.Unmarshal(data, &ans) != nil {
+		t.Fatalf("/tokenize %s: %d %s", b, resp.StatusCode, data)
+	}
+	return ans.Tokens
+}
+
 // FuzzTheProxysTokensAreTheEnginesTokens: on any prompt and any conversation of plain
 // messages, the proxy's tokenizer (the file, the template rendered by a Jinja engine) gives
 // the tokens a sim reading the same file answers on /tokenize (ChatML written out by hand).
@@ -219,30 +254,8 @@ func FuzzTheProxysTokensAreTheEnginesTokens(f *testing.F) {
 		f.Fatal(err)
 	}
 	tok := local["sim"]
-	scfg := sim.DefaultConfig()
-	scfg.Tokenizer = testTokenizer
-	e, err := sim.New(scfg, nil)
-	if err != nil {
-		f.Fatal(err)
-	}
-	srv := httptest.NewServer(e.Handler())
-	defer srv.Close()
-	engine := func(t *testing.T, body any) []uint32 {
-		b, _ := json.Marshal(body)
-		resp, err := http.Post(srv.URL+"/tokenize", "application/json", bytes.NewReader(b))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		data, _ := io.ReadAll(resp.Body)
-		var ans struct {
-			Tokens []uint32 `json:"tokens"`
-		}
-		if resp.StatusCode != http.StatusOK || json.Unmarshal(data, &ans) != nil {
-			t.Fatalf("/tokenize %s: %d %s", b, resp.StatusCode, data)
-		}
-		return ans.Tokens
-	}
+	srv := tokenizingSim(f)
+	engine := func(t *testing.T, body any) []uint32 { return engineTokens(t, srv.URL, body) }
 	for _, s := range []string{"The capital of France is Paris.", "  two  spaces\n\n\tand tabs ", "<|im_start|>inline<|im_end|>", "東京 🙂 naïve", "it's 12345 'LL"} {
 		f.Add(s, "a reply\n", "system")
 	}
@@ -250,7 +263,7 @@ func FuzzTheProxysTokensAreTheEnginesTokens(f *testing.F) {
 		if !utf8.ValidString(text) || !utf8.ValidString(reply) || !utf8.ValidString(role) || role == "" || text == "" {
 			return
 		}
-		own, err := tok.Tokenize(text, nil)
+		own, err := tok.Tokenize(nil, text, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -259,7 +272,7 @@ func FuzzTheProxysTokensAreTheEnginesTokens(f *testing.F) {
 		}
 		msgs := []map[string]string{{"role": role, "content": text}, {"role": "assistant", "content": reply}, {"role": "user", "content": text + reply}}
 		raw, _ := json.Marshal(msgs)
-		own, err = tok.Tokenize("", raw)
+		own, err = tok.Tokenize(nil, "", raw)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -284,9 +297,67 @@ func TestChatsOfMoreThanPlainMessagesAreTheEnginesToTokenize(t *testing.T) {
 		`{"role":"user"}`,
 	} {
 		t.Run(msgs, func(t *testing.T) {
-			if _, err := local["sim"].Tokenize("", json.RawMessage(msgs)); err != router.ErrNotLocal {
+			if _, err := local["sim"].Tokenize(nil, "", json.RawMessage(msgs)); err != router.ErrNotLocal {
 				t.Errorf("Tokenize: %v, want ErrNotLocal", err)
 			}
 		})
 	}
+}
+
+// The proxy renders each chat into a buffer it reuses and tokenizes into the caller's: chats
+// tokenized at once, and one after another into the buffers of chats before them, each get
+// the engine's tokens for their own messages.
+func TestChatsTokenizedIntoReusedBuffersAreTheirOwn(t *testing.T) {
+	local, err := LoadTokenizers(tokenizerConfig("").Proxy, tokenizerConfig("").Router)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tok := local["sim"]
+	srv := tokenizingSim(t)
+	type chat struct {
+		raw  json.RawMessage
+		want []uint32
+	}
+	var chats []chat
+	for s := range 3 {
+		// System prompts long enough for the tokenizer to cache, and questions of every length.
+		system := strings.Repeat(fmt.Sprintf("System prompt %d: answer briefly and cite nothing. ", s), 4+4*s)
+		for q := range 6 {
+			msgs := []map[string]string{{"role": "system", "content": system}, {"role": "user", "content": strings.Repeat(fmt.Sprintf("question %d of %d? ", q, s), 1+q*q)}}
+			raw, _ := json.Marshal(msgs)
+			chats = append(chats, chat{raw, engineTokens(t, srv.URL, map[string]any{"messages": msgs})})
+		}
+	}
+	var wg sync.WaitGroup
+	for g := range 3 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var free [][]uint32 // the buffers of chats tokenized before
+			for i := range 60 {
+				var got [2][]uint32
+				var of [2]chat
+				for k := range got {
+					of[k] = chats[(i*5+g*7+k*11)%len(chats)]
+					var dst []uint32
+					if len(free) > 0 {
+						dst, free = free[len(free)-1][:0], free[:len(free)-1]
+					}
+					var err error
+					if got[k], err = tok.Tokenize(dst, "", of[k].raw); err != nil {
+						t.Error(err)
+						return
+					}
+				}
+				for k := range got {
+					if !slices.Equal(got[k], of[k].want) {
+						t.Errorf("chat %s: %d tokens, want the engine's %d", of[k].raw, len(got[k]), len(of[k].want))
+						return
+					}
+					free = append(free, got[k])
+				}
+			}
+		}()
+	}
+	wg.Wait()
 }
