@@ -26,7 +26,10 @@ import (
 //     the messages of every engine interleaved as they arrive from its publisher, once
 //     every engine's cache is full and it evicts as much as it stores (the rate while the
 //     index is built from empty is logged beside it);
-//   - bytes/pair: the heap the index takes, after a GC, per cached (block, engine) pair.
+//   - bytes/pair: the heap the index takes, after a GC, per cached (block, engine) pair;
+//   - fixed-p99-us, for scale: the 99th percentile of a fixed computation as long as the
+//     pick's median, timed as many times right after the picks: the tail the machine alone
+//     puts on work of that length.
 //
 // The pool: engines of 16-token blocks, each caching 4,096-token prompts; a prompt is a
 // shared prefix (16 to 224 blocks) that 1 to 50 engines hold, then the engine's own suffix.
@@ -105,6 +108,37 @@ func newScaleFleet(r *rand.Rand, engines, blocks int) *scaleFleet {
 	}
 	return f
 }
+
+// fixedWork is the machine's own tail beside the picks': the 99th percentile of n timings
+// of one fixed computation (arithmetic in registers, no memory, no allocation) whose median
+// is about d. What it takes beyond d is time the goroutine was not running: other work of the
+// machine, its interrupts, the runtime's.
+func fixedWork(d time.Duration, n int) time.Duration {
+	x := uint64(1)
+	spin := func(iters int) time.Duration {
+		start := time.Now()
+		for range iters {
+			x = x*6364136223846793005 + 1442695040888963407
+		}
+		return time.Since(start)
+	}
+	const probe = 10_000
+	per := make([]time.Duration, 101)
+	for i := range per {
+		per[i] = spin(probe)
+	}
+	slices.Sort(per)
+	iters := max(1, int(int64(d)*probe/max(1, int64(per[len(per)/2]))))
+	durs := make([]time.Duration, n)
+	for i := range durs {
+		durs[i] = spin(iters)
+	}
+	slices.Sort(durs)
+	fixedSink = x // the result is used: the loop stays
+	return durs[len(durs)*99/100]
+}
+
+var fixedSink uint64
 
 // prefixTokens writes prefix d's tokens: the same for every engine and every pick.
 func prefixTokens(d int, n int, out []uint32) []uint32 {
@@ -189,10 +223,12 @@ func benchRoutingAtScale(b *testing.B, engines, blocks int) {
 		match = append(match, time.Since(start))
 	}
 	slices.Sort(match)
-	b.Logf("%d engines, %d pairs: pick p50 %v p99 %v; the match alone p50 %v p99 %v; ingest %.0f block events/s building the index from empty, %.0f/s full",
-		engines, pairs, durs[len(durs)/2], p99, match[len(match)/2], match[len(match)*99/100], build.perSecond(), steady.perSecond())
+	fixed := fixedWork(durs[len(durs)/2], picks)
+	b.Logf("%d engines, %d pairs: pick p50 %v p99 %v; the match alone p50 %v p99 %v; a fixed computation as long as the pick's p50: p99 %v; ingest %.0f block events/s building the index from empty, %.0f/s full",
+		engines, pairs, durs[len(durs)/2], p99, match[len(match)/2], match[len(match)*99/100], fixed, build.perSecond(), steady.perSecond())
 
 	b.ReportMetric(float64(p99.Nanoseconds())/1e3, "pick-p99-us")
+	b.ReportMetric(float64(fixed.Nanoseconds())/1e3, "fixed-p99-us")
 	b.ReportMetric(steady.perSecond(), "ingest-events/s")
 	b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/float64(pairs), "bytes/pair")
 	runtime.KeepAlive(f)
