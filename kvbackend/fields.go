@@ -21,7 +21,13 @@ type Fields struct {
 	members []member
 	// dup: some key appears more than once.
 	dup bool
+	// first holds the members of a body of a few, with the Fields in one allocation: a
+	// request's body, and an engine's answer, has fewer.
+	first [inlineMembers]member
 }
+
+// inlineMembers is how many members a Fields holds without a slice of its own.
+const inlineMembers = 8
 
 // member is one top-level `"key": value` of the body, as offsets into it.
 type member struct {
@@ -59,7 +65,7 @@ func ParseFields(body []byte) (*Fields, error) {
 	if body[i] == '}' {
 		return f, nil
 	}
-	f.members = make([]member, 0, dupScanLimit)
+	f.members = f.first[:0]
 	var seen map[string]int // key to index, once there are more than dupScanLimit members
 	for {
 		var m member
