@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -176,11 +177,16 @@ func (s *Server) finish(x *exchange, status int, err *apiError) {
 	if ce == nil {
 		return
 	}
-	fields := []zap.Field{
+	buf := logFields.Get().(*[]zap.Field)
+	defer func() {
+		clear(*buf) // the strings and errors they name go with the request
+		logFields.Put(buf)
+	}()
+	fields := append((*buf)[:0],
 		zap.String("request_id", x.id), zap.String("engine_request_id", x.engineID), zap.String("route", x.route), zap.Int("status", status),
 		zap.Duration("duration", elapsed), zap.Duration("prefill_duration", x.times.prefill),
 		zap.Duration("decode_duration", x.times.decode), zap.Duration("ttft", x.times.ttft),
-	}
+	)
 	if x.req != nil {
 		fields = append(fields, zap.Bool("stream", x.req.stream), zap.String("model", x.req.model))
 		if x.names.client != "" {
@@ -207,7 +213,12 @@ func (s *Server) finish(x *exchange, status int, err *apiError) {
 		fields = append(fields, zap.String("error", err.Error()))
 	}
 	ce.Write(fields...)
+	*buf = fields
 }
+
+// logFields are the buffers of the request log line's fields, reused: zap's cores encode
+// the fields as Write is called (the observer of the tests copies them) and keep none.
+var logFields = sync.Pool{New: func() any { b := make([]zap.Field, 0, 20); return &b }}
 
 // model is the model the client named, once its request was parsed.
 func (x *exchange) model() string {
