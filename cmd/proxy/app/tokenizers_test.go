@@ -212,6 +212,16 @@ func TestWithNoEngineAtTheStartTheTokenizerIsCheckedAtTheFirst(t *testing.T) {
 	}
 }
 
+// testLocalTokenizer is the proxy's tokenizer of model sim: the test tokenizer and template.
+func testLocalTokenizer(t testing.TB) router.LocalTokenizer {
+	t.Helper()
+	local, err := LoadTokenizers(tokenizerConfig("").Proxy, tokenizerConfig("").Router)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return local["sim"]
+}
+
 // tokenizingSim is a sim engine tokenizing with the test tokenizer, its /tokenize the truth
 // the proxy's tokens are held to.
 func tokenizingSim(t testing.TB) *httptest.Server {
@@ -249,11 +259,7 @@ func engineTokens(t testing.TB, url string, body any) []uint32 {
 // messages, the proxy's tokenizer (the file, the template rendered by a Jinja engine) gives
 // the tokens a sim reading the same file answers on /tokenize (ChatML written out by hand).
 func FuzzTheProxysTokensAreTheEnginesTokens(f *testing.F) {
-	local, err := LoadTokenizers(tokenizerConfig("").Proxy, tokenizerConfig("").Router)
-	if err != nil {
-		f.Fatal(err)
-	}
-	tok := local["sim"]
+	tok := testLocalTokenizer(f)
 	srv := tokenizingSim(f)
 	engine := func(t *testing.T, body any) []uint32 { return engineTokens(t, srv.URL, body) }
 	for _, s := range []string{"The capital of France is Paris.", "  two  spaces\n\n\tand tabs ", "<|im_start|>inline<|im_end|>", "東京 🙂 naïve", "it's 12345 'LL"} {
@@ -284,10 +290,7 @@ func FuzzTheProxysTokensAreTheEnginesTokens(f *testing.F) {
 
 // Messages the template would see otherwise than the engine does are left to the engine.
 func TestChatsOfMoreThanPlainMessagesAreTheEnginesToTokenize(t *testing.T) {
-	local, err := LoadTokenizers(tokenizerConfig("").Proxy, tokenizerConfig("").Router)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tok := testLocalTokenizer(t)
 	for _, msgs := range []string{
 		`[{"role":"user","content":[{"type":"text","text":"hi"}]}]`,
 		`[{"role":"user","content":null}]`,
@@ -297,7 +300,7 @@ func TestChatsOfMoreThanPlainMessagesAreTheEnginesToTokenize(t *testing.T) {
 		`{"role":"user"}`,
 	} {
 		t.Run(msgs, func(t *testing.T) {
-			if _, err := local["sim"].Tokenize(nil, "", json.RawMessage(msgs)); err != router.ErrNotLocal {
+			if _, err := tok.Tokenize(nil, "", json.RawMessage(msgs)); err != router.ErrNotLocal {
 				t.Errorf("Tokenize: %v, want ErrNotLocal", err)
 			}
 		})
@@ -308,11 +311,7 @@ func TestChatsOfMoreThanPlainMessagesAreTheEnginesToTokenize(t *testing.T) {
 // tokenized at once, and one after another into the buffers of chats before them, each get
 // the engine's tokens for their own messages.
 func TestChatsTokenizedIntoReusedBuffersAreTheirOwn(t *testing.T) {
-	local, err := LoadTokenizers(tokenizerConfig("").Proxy, tokenizerConfig("").Router)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tok := local["sim"]
+	tok := testLocalTokenizer(t)
 	srv := tokenizingSim(t)
 	type chat struct {
 		raw  json.RawMessage
