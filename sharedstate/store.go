@@ -313,31 +313,55 @@ func (s *Store) track(id uint64, set, member string, sent bool) (Slot, error) {
 	return Slot{id: id}, nil
 }
 
-// decision reads the check script's answer.
+// decision reads the check script's answer. An answer of another shape than the script's (a
+// string where it returns an integer, a reason it never gives, an odd list of fields) is an
+// error like an unreachable server's: the caller decides on its own limits, never refusing
+// a request on a value it could not read.
 func decision(res []any, sessions []string) (Decision, error) {
 	if len(res) != 4 {
 		return Decision{}, fmt.Errorf("shared state: check answered %d values, want 4", len(res))
 	}
-	allowed, _ := res[0].(int64)
-	reason, _ := res[1].(string)
-	retryUS, _ := res[2].(int64)
-	d := Decision{Allowed: allowed == 1, Reason: reason}
-	switch reason {
-	case ReasonRate:
-		d.RetryAfter = time.Duration(retryUS) * time.Microsecond
-	case ReasonConcurrency:
-		d.RetryAfter = time.Second
+	allowed, ok := res[0].(int64)
+	if !ok || (allowed != 0 && allowed != 1) {
+		return Decision{}, fmt.Errorf("shared state: check answered %T %v for allowed, want the integer 0 or 1", res[0], res[0])
 	}
-	lists, _ := res[3].([]any)
+	reason, ok := res[1].(string)
+	if !ok {
+		return Decision{}, fmt.Errorf("shared state: check answered %T for the reason, want a string", res[1])
+	}
+	retryUS, ok := res[2].(int64)
+	if !ok || retryUS < 0 {
+		return Decision{}, fmt.Errorf("shared state: check answered %T %v for the retry delay, want an integer of microseconds", res[2], res[2])
+	}
+	d := Decision{Allowed: allowed == 1, Reason: reason}
+	switch {
+	case d.Allowed && reason == "":
+	case !d.Allowed && reason == ReasonRate:
+		d.RetryAfter = time.Duration(retryUS) * time.Microsecond
+	case !d.Allowed && reason == ReasonConcurrency:
+		d.RetryAfter = time.Second
+	default:
+		return Decision{}, fmt.Errorf("shared state: check answered allowed %d with reason %q", allowed, reason)
+	}
+	lists, ok := res[3].([]any)
+	if !ok || len(lists) != len(sessions) {
+		return Decision{}, fmt.Errorf("shared state: check answered %T for the sessions' bindings, want a list of %d", res[3], len(sessions))
+	}
 	for i, l := range lists {
-		fields, _ := l.([]any)
-		if i >= len(sessions) || len(fields) == 0 {
+		fields, ok := l.([]any)
+		if !ok || len(fields)%2 != 0 {
+			return Decision{}, fmt.Errorf("shared state: check answered %T for session %d's binding, want a list of role and engine pairs", l, i)
+		}
+		if len(fields) == 0 {
 			continue
 		}
 		roles := make(map[string]string, len(fields)/2)
 		for j := 0; j+1 < len(fields); j += 2 {
-			role, _ := fields[j].(string)
-			engine, _ := fields[j+1].(string)
+			role, ok1 := fields[j].(string)
+			engine, ok2 := fields[j+1].(string)
+			if !ok1 || !ok2 {
+				return Decision{}, fmt.Errorf("shared state: check answered %T and %T in session %d's binding, want strings", fields[j], fields[j+1], i)
+			}
 			roles[role] = engine
 		}
 		if d.Bindings == nil {
