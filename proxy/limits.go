@@ -177,8 +177,9 @@ type admission struct {
 	id          identity
 	key, tenant string // label values
 	class       string // label value; "" until the request's class is known
-	// bindings are the engines the request's session was bound to, by role, when the shared
-	// check read them with the limits (read says it did).
+	// bindings are the engines the request's session was bound to, by role, as the shared
+	// check of the limits read them; read says that check asked for them, so that the
+	// session is not asked again (nil bindings when the check failed).
 	bindings map[string]string
 	read     bool
 }
@@ -273,7 +274,9 @@ func (l *limiter) admitShared(ctx context.Context, a *admission, s *share, sessi
 		req.SessionKeys = []string{session}
 	}
 	d, err := l.shared.Check(ctx, req)
-	if err == nil && session != "" {
+	if session != "" {
+		// Asked once, whatever the answer: a check that failed (counted there) leaves the
+		// key alone to place the session, and is not asked again for it.
 		a.bindings, a.read = d.Bindings[session], true
 	}
 	l.mu.Lock()
