@@ -77,6 +77,9 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 	}
 	rs := x.out.resume
 	answered := false
+	// delivered: the stream's end (its [DONE], or its API's last event) was written and
+	// flushed to the client, which then has the whole answer.
+	delivered := false
 	for {
 		data, more, rerr := next()
 		if len(data) > 0 {
@@ -108,6 +111,14 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 			if rerr != nil {
 				data = append(data, rn.flush()...)
 			}
+		}
+		if delivered && x.ctx.Err() != nil {
+			// The client has the whole answer, whatever it does next: one that closes its
+			// connection as soon as it reads the end (as scripts and load tools do) cancels
+			// the call before the engine's response ends, which it does a moment after its
+			// last event. The request was served, and the engine has finished it: nothing is
+			// aborted, and what it sends after the end is for nobody.
+			data, rerr = nil, io.EOF
 		}
 		if n := len(data); n > 0 {
 			if x.ctx.Err() != nil {
@@ -148,6 +159,8 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 			}
 			x.out.tail = append(x.out.tail, data[max(0, n-tailSize):n]...)
 			x.out.tail = x.out.tail[max(0, len(x.out.tail)-tailSize):]
+			// Flushed when nothing more had arrived: the end is out once the client may read it.
+			delivered = x.req.stream && !more && x.streamComplete()
 		}
 		if rerr == io.EOF {
 			// A decoder that ends its answer before any byte of it (a 200 closed at once), or
