@@ -94,9 +94,11 @@ func canAbort(b *router.Backend) bool {
 }
 
 // sequential accepts the engines that serve a request as a prefill, then a decode (vLLM),
-// and pairedWith those that speak the same paired protocol as e (SGLang): one request never
-// mixes the two.
-func sequential(e router.Engine) bool { _, p := e.(kvbackend.Paired); return !p }
+// paired those that send both legs at once (SGLang, Mooncake), and pairedWith those that
+// speak the same paired protocol as e: one request never mixes the two.
+func sequential(e router.Engine) bool { return !paired(e) }
+
+func paired(e router.Engine) bool { _, p := e.(kvbackend.Paired); return p }
 
 func pairedWith(d router.Engine) func(router.Engine) bool {
 	return func(e router.Engine) bool { return e.Kind() == d.Kind() }

@@ -378,12 +378,12 @@ func (x *exchange) attempt(c *custody) *apiError {
 	if x.ctx.Err() != nil {
 		return x.gone(c)
 	}
-	before := x.s.cfg.DecoderReservation != ReserveAfterPrefill
+	before, accept := x.reservation()
 	if before {
 		// The decoder is reserved first, so that a prefilled request never waits for one and
 		// its KV is held only as long as sending the decode takes. Its engine says how the
 		// request is served: paired legs (SGLang) go out together with it.
-		if e := x.reserveDecoder(c, nil); e != nil {
+		if e := x.reserveDecoder(c, accept); e != nil {
 			return e
 		}
 		if _, ok := engineOf(x.legs.decode).(kvbackend.Paired); ok {
@@ -419,12 +419,35 @@ func (x *exchange) attempt(c *custody) *apiError {
 	if !before {
 		// Waiting for a decoder happens here, in kv_held: a client leaving meanwhile gets its KV
 		// released, and the hold deadline keeps running. (Paired engines need their decoder
-		// with the prefill, so this mode leaves them out.)
+		// with the prefill: reservation sent their requests the other way.)
 		if e := x.reserveDecoder(c, sequential); e != nil {
 			return e
 		}
 	}
 	return x.decode(c)
+}
+
+// reservation says whether the request's decoder is reserved before its prefill, and which
+// engines that reservation accepts (nil: any). Under before_prefill it always is. Under
+// after_prefill it is not, except for a request that only paired engines (SGLang, Mooncake)
+// can serve now, every usable decoder of its model being one: their legs go out together, so
+// the decoder is needed with the prefiller, and is reserved first as under before_prefill.
+// While a decoder of a sequential engine (vLLM's NixlConnector) may serve the request, it is
+// served by one, as after_prefill asks.
+func (x *exchange) reservation() (before bool, accept func(router.Engine) bool) {
+	if x.s.cfg.DecoderReservation != ReserveAfterPrefill {
+		return true, nil
+	}
+	for _, d := range x.s.router.Available(router.RoleDecode) {
+		if x.req.model != "" && !d.Serves(x.req.model) {
+			continue
+		}
+		if sequential(d.Engine) {
+			return false, nil
+		}
+		before = true
+	}
+	return before, paired
 }
 
 // reserveDecoder takes a lease on a decoder for the request, into its custody c; one accept
