@@ -313,14 +313,23 @@ func checkPrefillUnavailable(p proxy.Config, r router.Config) error {
 		strings.Join(slices.Compact(slices.Sorted(slices.Values(kinds))), ", "))
 }
 
-// checkConditional refuses pd_uncached_token_threshold when no decoder's KV events are read:
-// the proxy knows what a decoder holds only from its events, and without them conditional
-// disaggregation would be accepted and never fire. The router's part of the config says
+// checkConditional refuses the proxy's keys that the backends would never let take effect:
+// the sequential flow's keys when every engine is paired (proxy.CheckEngines), and
+// pd_uncached_token_threshold when no decoder's KV events are read: the proxy knows what a
+// decoder holds only from its events, and without them conditional disaggregation would be
+// accepted and never fire. The router's part of the config says which engines there are and
 // where events come from (kv_events.listen, which any engine may dial, or a decode
-// backend's own endpoint or port); the proxy's part holds the threshold, so both are checked
+// backend's own endpoint or port); the proxy's part holds the keys, so both are checked
 // here.
 func checkConditional(p proxy.Config, r router.Config) error {
 	if err := checkPrefillUnavailable(p, r); err != nil {
+		return err
+	}
+	kinds := make([]string, len(r.Backends))
+	for i, b := range r.Backends {
+		kinds[i] = b.Engine
+	}
+	if err := proxy.CheckEngines(p, kinds); err != nil {
 		return err
 	}
 	if p.PDUncachedTokenThreshold <= 0 || r.KVEvents.Listen != "" {
