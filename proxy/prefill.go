@@ -161,6 +161,9 @@ func (x *exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backen
 			params, err = call.Prefill(ctx)
 			return err
 		})
+		if err == nil {
+			lease.Prefilled() // the prefill's end, for the router's cost books
+		}
 		lease.Release(resultOf(err, x.ctx))
 		if err != nil && context.Cause(ctx) == errPhaseTimeout {
 			err = errors.Join(errPhaseTimeout, err)
@@ -183,6 +186,9 @@ func (x *exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backen
 			params, err = call.Prefill(ctx)
 			return err
 		})
+		if err == nil {
+			lease.Prefilled()
+		}
 		lease.Release(resultOf(err, nil))
 		if err != nil && context.Cause(ctx) == errPhaseTimeout {
 			err = errors.Join(errPhaseTimeout, err)

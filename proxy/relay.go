@@ -88,6 +88,10 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 				// A decoder back from an ejection is alive again from its first byte on.
 				answered = true
 				c.lease.Answered()
+				if x.req.stream {
+					// A stream's first byte is its first token: the prefill has ended.
+					c.lease.Prefilled()
+				}
 			}
 		}
 		if rs != nil {

@@ -1,11 +1,13 @@
 package router
 
 import (
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pdproxy/pdproxy/kvcache"
@@ -44,6 +46,9 @@ type CacheAware struct {
 	keyTokens int
 	// loadFactor is bounded_load_factor.
 	loadFactor float64
+
+	// cm is the cost every candidate is weighed by (cost.go).
+	cm *costModel
 
 	// index is the precise view; nil for cache_aware.
 	index      *kvcache.Index
@@ -93,7 +98,7 @@ func NewCacheAware(cfg CacheAwareConfig, index *kvcache.Index, staleAfter time.D
 		staleAfter = DefaultKVEventsStaleAfter
 	}
 	return &CacheAware{cfg: c.CacheAware, tree: kvcache.NewTree(c.CacheAware.MaxTreeBytes), index: index, staleAfter: staleAfter,
-		keyTokens: DefaultPrefixTokens, loadFactor: DefaultBoundedLoadFactor}
+		keyTokens: DefaultPrefixTokens, loadFactor: DefaultBoundedLoadFactor, cm: newCostModel(c.CacheAware)}
 }
 
 // SetPool forgets the engines no longer in the pool.
@@ -120,48 +125,94 @@ const candidatesOnStack = 16
 
 // Select implements Policy.
 func (p *CacheAware) Select(cands []*Backend, h Hint) *Backend {
+	b, _ := p.SelectCost(cands, h)
+	return b
+}
+
+func (p *CacheAware) model() *costModel { return p.cm }
+
+// SelectCost picks the candidate where h's prefill costs least (cost.go) and says what it
+// predicted there.
+func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	if len(cands) == 0 {
-		return nil
+		return nil, Cost{}
 	}
 	now := p.clock()
-	key, keyed := placementKey(h, p.keyTokens*bytesPerToken, p.keyTokens)
+	key, keyed := p.tieKey(h)
 	if !keyed {
-		return leastLoadedOf(cands, now, &p.next, false)
+		// No prompt to weigh: the least loaded, as least_loaded picks.
+		b := leastLoadedOf(cands, now, &p.next, false)
+		return b, Cost{} // nothing to book: it weighs as any request decoding there
 	}
 	if len(cands) > p.largeFrom() {
 		return p.selectLarge(cands, h, key, now)
 	}
 	var loadBuf [candidatesOnStack]loadView
 	bd := newBounds(cands, now, p.loadFactor, loadBuf[:])
+	tokens := hintTokens(h)
 	if p.unbalanced(bd.loads) {
 		b := leastLoadedOf(cands, now, &p.next, false)
 		p.picked(b, h, -1)
-		return b
+		return b, p.costOn(b, tokens, now)
 	}
 	scratch := p.match(h.Tokens)
 	defer scratch.release()
 	found := scratch.matches()
-	var shareBuf [candidatesOnStack]float64
+	var shareBuf, costBuf, aheadBuf [candidatesOnStack]float64
 	shares := p.score(cands, h, now, found, shareBuf[:0])
-	best := 0
-	for i := 1; i < len(cands); i++ {
-		if shares[i] > shares[best] || shares[i] == shares[best] && bd.loads[i].load < bd.loads[best].load {
-			best = i
+	costs, ahead := costBuf[:0], aheadBuf[:0]
+	if n := len(cands); n > candidatesOnStack {
+		costs, ahead = make([]float64, 0, n), make([]float64, 0, n)
+	}
+	bound := -1
+	for i, b := range cands {
+		if h.Bound != "" && b.Name == h.Bound {
+			bound = i
 		}
 	}
-	if shares[best] > 0 && (shares[best] >= p.cfg.CacheThreshold || p.cfg.CacheThreshold < 0) {
-		b := cands[best]
-		p.picked(b, h, shares[best])
-		p.countTiers(p.viewOf(found, b, now))
-		return b
+	if bound >= 0 {
+		// The engine the session is bound to had its earlier turns, through whichever
+		// replica: it holds at least what any engine is known to hold of the conversation.
+		shares[bound] = slices.Max(shares)
 	}
-	// No engine holds enough of it: where every replica would place it.
-	pick := bd.pick(key)
+	for i, b := range cands {
+		a := p.cm.ahead(b, now)
+		ahead = append(ahead, a)
+		c := p.cm.seconds(b, tokens*(1-shares[i])+a)
+		if bd.loads[i].full {
+			c = math.Inf(1) // a prefiller whose KV pool is nearly full: a last resort
+		}
+		costs = append(costs, c)
+	}
+	rank := func(i int) float64 { return rendezvousRank(key, cands[i].nameHash, cands[i].Weight, bd.evenWeights) }
+	pick := p.cm.choose(costs, rank, bound)
 	b := cands[pick]
 	p.picked(b, h, shares[pick])
 	p.countTiers(p.viewOf(found, b, now))
-	return b
+	uncached := tokens * (1 - shares[pick])
+	p.cm.noteUncached(uncached)
+	return b, Cost{Uncached: uncached, Ahead: ahead[pick], Predicted: secondsToDuration(costs[pick])}
 }
+
+// tieKey is what near-equal costs are broken by: the session's key for a request of a
+// session (its turns then stay together however their text grows), else the prompt's head
+// (placementKey); ok is false for a request with neither.
+func (p *CacheAware) tieKey(h Hint) (key uint64, ok bool) {
+	if h.Session != "" {
+		return xxhash.Sum64String(h.Session), true
+	}
+	return placementKey(h, p.keyTokens*bytesPerToken, p.keyTokens)
+}
+
+// costOn is the cost of a request of tokens uncached tokens on b at now: a pick that did not
+// weigh the caches (the pool out of balance) books the whole prompt.
+func (p *CacheAware) costOn(b *Backend, tokens float64, now time.Time) Cost {
+	a := p.cm.ahead(b, now)
+	p.cm.noteUncached(tokens)
+	return Cost{Uncached: tokens, Ahead: a, Predicted: secondsToDuration(p.cm.seconds(b, tokens+a))}
+}
+
+func secondsToDuration(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
 
 // viewOf is what found says of b, zero if nothing or if b's events are stale.
 func (p *CacheAware) viewOf(found *kvcache.Matches, b *Backend, now time.Time) kvcache.View {
@@ -244,7 +295,7 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, found *kvcac
 				names = append(names, b.Name)
 			}
 			matched = append(matched, 0)
-			since = append(since, from)
+			since = append(since, p.treeSince(from, now))
 		}
 	}
 	if h.Text == "" {
@@ -259,6 +310,16 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, found *kvcac
 		out[i] = max(out[i], float64(matched[i])/float64(len(h.Text)))
 	}
 	return out
+}
+
+// treeSince is from where text routed to an engine counts as cached there: from, for an
+// engine whose KV events tell the rest, and never longer ago than tree_ttl, past which the
+// engine has likely evicted it.
+func (p *CacheAware) treeSince(from, now time.Time) time.Time {
+	if ttl := now.Add(-p.cfg.TreeTTL); from.Before(ttl) {
+		return ttl
+	}
+	return from
 }
 
 // matchScratch is one pick's matcher and what the index answered it, reused from pick to
@@ -333,7 +394,7 @@ func (p *CacheAware) picked(b *Backend, h Hint, share float64) {
 	if b == nil {
 		return
 	}
-	p.tree.Insert(h.Text, b.Name)
+	p.tree.InsertAt(h.Text, b.Name, p.clock())
 	if p.ratio != nil && share >= 0 {
 		p.ratio.Observe(share)
 	}

@@ -1,7 +1,9 @@
 package router
 
 import (
+	"cmp"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -10,8 +12,12 @@ import (
 	"github.com/pdproxy/pdproxy/kvcache"
 )
 
+// longSystem is a system prompt of about 2,000 tokens (8 KB of text): what a cache saves
+// of it outweighs a few requests' load.
+var longSystem = strings.Repeat("You are a careful assistant who answers in French. ", 160)
+
 func TestCacheAwareSelect(t *testing.T) {
-	turn1 := `[{"role":"system","content":"You are a careful assistant who answers in French."},{"role":"user","content":"What is the capital of Spain?"}`
+	turn1 := `[{"role":"system","content":"` + longSystem + `"},{"role":"user","content":"What is the capital of Spain?"}`
 	turn2 := turn1 + `,{"role":"assistant","content":"Madrid."},{"role":"user","content":"And of Italy?"}]`
 	tests := []struct {
 		name     string
@@ -27,17 +33,19 @@ func TestCacheAwareSelect(t *testing.T) {
 		{name: "a session's next turn lands on the engine that served its previous turn though it is busier",
 			inflight: []int64{3, 0, 0}, routed: [][2]string{{turn1, "b0"}}, text: turn2, want: "b0"},
 		{name: "the longest match wins",
-			inflight: []int64{0, 0, 0}, routed: [][2]string{{turn1[:40], "b1"}, {turn1, "b2"}}, text: turn2, want: "b2"},
+			inflight: []int64{0, 0, 0}, routed: [][2]string{{turn1[:400], "b1"}, {turn1, "b2"}}, text: turn2, want: "b2"},
 		{name: "equal matches go to the fewer in flight",
-			inflight: []int64{5, 0, 2}, routed: [][2]string{{turn1, "b0"}, {turn1, "b2"}}, text: turn2, want: "b2"},
-		{name: "a match below cache_threshold is placed by the prompt's head, as every replica places it",
+			inflight: []int64{12, 0, 2}, routed: [][2]string{{turn1, "b0"}, {turn1, "b2"}}, text: turn2, want: "b2"},
+		{name: "a match of a few tokens is no match: the prompt is placed by its head, as every replica places it",
 			inflight: []int64{0, 0, 0}, routed: [][2]string{{"[{\"role\":\"system\"", "b0"}}, text: turn2, placed: true},
-		{name: "an engine over its bound is passed over by a placement",
-			inflight: []int64{0, 0, 0}, routed: [][2]string{{"[{\"role\":\"system\"", "b0"}}, text: turn2, placed: true, busyHome: 3},
+		{name: "the engine a placement would take is passed over once its work ahead costs more than a tie",
+			inflight: []int64{0, 0, 0}, routed: [][2]string{{"[{\"role\":\"system\"", "b0"}}, text: turn2, placed: true, busyHome: 8},
 		{name: "a pool out of balance goes to the least in flight even with a full match",
 			inflight: []int64{100, 20, 10}, routed: [][2]string{{turn1, "b0"}}, text: turn2, want: "b2"},
-		{name: "a gap over the absolute threshold but under the relative one keeps the match",
+		{name: "a gap over the absolute threshold but under the relative one leaves it to the cost: the match saves more",
 			inflight: []int64{200, 150, 150}, routed: [][2]string{{turn1, "b0"}}, text: turn2, want: "b0"},
+		{name: "a busy engine's match is worth less than an idle engine's recompute",
+			inflight: []int64{40, 0, 0}, routed: [][2]string{{turn1[:1000], "b0"}}, text: turn2, placed: true},
 		{name: "a request without text goes to the least loaded",
 			inflight: []int64{2, 1, 3}, routed: [][2]string{{turn1, "b0"}}, text: "", want: "b1"},
 	}
@@ -49,15 +57,16 @@ func TestCacheAwareSelect(t *testing.T) {
 				p.tree.Insert(r[0], r[1])
 			}
 			if tt.placed {
+				// The first in the key's rendezvous order among the engines not busy.
 				key, _ := placementKey(Hint{Text: tt.text}, DefaultPrefixTokens*bytesPerToken, DefaultPrefixTokens)
-				home := place(bs, key, DefaultBoundedLoadFactor, time.Now())
-				tt.want = home.Name
+				order := rendezvousOrder(bs, key)
 				if tt.busyHome > 0 {
-					// Over ceil(1.25 × 4 / 3) = 2 with one more: the next in the key's order.
-					home.st.inflight.Store(tt.busyHome)
-					tt.want = place(bs, key, DefaultBoundedLoadFactor, time.Now()).Name
-					if tt.want == home.Name {
-						t.Fatalf("placement kept %s with %d in flight", home.Name, tt.busyHome)
+					bs[order[0]].st.inflight.Store(tt.busyHome)
+				}
+				for _, i := range order {
+					if bs[i].Inflight() == 0 {
+						tt.want = bs[i].Name
+						break
 					}
 				}
 			}
@@ -68,16 +77,28 @@ func TestCacheAwareSelect(t *testing.T) {
 	}
 }
 
+// rendezvousOrder is the indices of bs in key's rendezvous order.
+func rendezvousOrder(bs []*Backend, key uint64) []int {
+	order := make([]int, len(bs))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortFunc(order, func(a, b int) int {
+		return cmp.Compare(rendezvousRank(key, bs[b].nameHash, bs[b].Weight, true), rendezvousRank(key, bs[a].nameHash, bs[a].Weight, true))
+	})
+	return order
+}
+
 func TestCacheAwareRecordsWhereEachRequestWent(t *testing.T) {
 	bs := testBackends(0, 0, 0)
 	p := NewCacheAware(CacheAwareConfig{}, nil, 0)
-	first := p.Select(bs, Hint{Text: "a long system prompt, then the user's first question"})
-	first.st.inflight.Add(2) // busier now, but still within balance
-	if got := p.Select(bs, Hint{Text: "a long system prompt, then the user's first question, answered"}); got != first {
+	first := p.Select(bs, Hint{Text: longSystem + "then the user's first question"})
+	first.st.inflight.Add(12) // busier now, by more than a tie
+	if got := p.Select(bs, Hint{Text: longSystem + "then the user's first question, answered"}); got != first {
 		t.Errorf("the follow-up went to %s, want %s, where the first went", got.Name, first.Name)
 	}
 	p.Forget(first.Name)
-	if got := p.Select(bs, Hint{Text: "a long system prompt, then the user's first question, answered"}); got == first {
+	if got := p.Select(bs, Hint{Text: longSystem + "then the user's first question, answered"}); got == first {
 		t.Errorf("after forgetting %s the follow-up still went there, though it is the busiest", first.Name)
 	}
 }
@@ -132,8 +153,8 @@ func BenchmarkCacheAwareSelect(b *testing.B) {
 
 func TestPreciseCountsTheTextRoutedSinceJustBeforeAnEnginesLatestEvent(t *testing.T) {
 	t0 := time.Unix(1_700_000_000, 0)
-	text := `[{"role":"system","content":"a new system prompt nobody's events have told yet"}`
-	tokens := make([]uint32, 64)
+	text := `[{"role":"system","content":"a new system prompt nobody's events have told yet: ` + longSystem + `"}`
+	tokens := make([]uint32, 2048)
 	tests := []struct {
 		name     string
 		routedAt time.Time
@@ -146,7 +167,7 @@ func TestPreciseCountsTheTextRoutedSinceJustBeforeAnEnginesLatestEvent(t *testin
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			index := kvcache.NewIndex(0, 16)
-			bs := testBackends(0, 3, 1)
+			bs := testBackends(0, 10, 10)
 			for _, b := range bs {
 				index.Touch(b.Name, t0) // every publisher alive, none holding the prompt
 			}

@@ -21,7 +21,11 @@ backends:
 prefill_policy: precise_cache_aware
 decode_policy: cache_aware
 cache_aware:
-  cache_threshold: 0.5
+  prefill_tokens_per_second: 20000
+  prefill_overhead: 5ms
+  decode_cost_tokens: 8
+  temperature: 2ms
+  tree_ttl: 1m
   balance_abs_threshold: 32
   balance_rel_threshold: 2
   max_tree_bytes: 1048576
@@ -42,7 +46,8 @@ block_size: 32
 	if err := c.Validate(); err != nil {
 		t.Fatalf("Validate: %v", err)
 	}
-	if want := (CacheAwareConfig{CacheThreshold: 0.5, BalanceAbsThreshold: 32, BalanceRelThreshold: 2, MaxTreeBytes: 1 << 20}); c.CacheAware != want {
+	if want := (CacheAwareConfig{PrefillTokensPerSecond: 20000, PrefillOverhead: 5 * time.Millisecond, DecodeCostTokens: 8, Temperature: 2 * time.Millisecond,
+		TreeTTL: time.Minute, BalanceAbsThreshold: 32, BalanceRelThreshold: 2, MaxTreeBytes: 1 << 20}); c.CacheAware != want {
 		t.Errorf("cache_aware = %+v, want %+v", c.CacheAware, want)
 	}
 	if want := (KVEventsConfig{Listen: "tcp://*:5557", StaleAfter: 30 * time.Second, ReplayTimeout: 2 * time.Second, MaxBlocksPerBackend: 1000,
@@ -62,7 +67,8 @@ func TestCacheAwareDefaults(t *testing.T) {
 	if err := c.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	if want := (CacheAwareConfig{CacheThreshold: 0.3, BalanceAbsThreshold: 64, BalanceRelThreshold: 1.5, MaxTreeBytes: 64 << 20}); c.CacheAware != want {
+	if want := (CacheAwareConfig{PrefillTokensPerSecond: 10000, PrefillOverhead: 10 * time.Millisecond, DecodeCostTokens: 16, TreeTTL: 2 * time.Minute,
+		BalanceAbsThreshold: 64, BalanceRelThreshold: 1.5, MaxTreeBytes: 64 << 20}); c.CacheAware != want {
 		t.Errorf("cache_aware = %+v, want %+v", c.CacheAware, want)
 	}
 	if c.Tokenizer != TokenizerEngine || c.BlockSize != 16 || c.KVEvents.StaleAfter != time.Minute || c.TokenizeTimeout != time.Second {
@@ -80,7 +86,12 @@ func TestCacheAwareValidateNamesTheBadField(t *testing.T) {
 	}{
 		{"precise_cache_aware with no source of events", Config{Backends: []BackendConfig{decoder}, DecodePolicy: PolicyPreciseCacheAware}, "kv_events: precise_cache_aware reads"},
 		{"a tokenizer that is not the engine", Config{Backends: []BackendConfig{withEvents}, DecodePolicy: PolicyPreciseCacheAware, Tokenizer: "hf"}, "tokenizer: \"hf\" is not"},
-		{"a cache_threshold above 1", Config{Backends: []BackendConfig{decoder}, CacheAware: CacheAwareConfig{CacheThreshold: 1.5}}, "cache_aware.cache_threshold:"},
+		{"a cache_threshold, which no pick by cost reads", Config{Backends: []BackendConfig{decoder}, CacheAware: CacheAwareConfig{CacheThreshold: 0.3}}, "cache_aware.cache_threshold: set to 0.3, but no share of the prompt gates a pick"},
+		{"a negative prefill rate", Config{Backends: []BackendConfig{decoder}, CacheAware: CacheAwareConfig{PrefillTokensPerSecond: -1}}, "cache_aware.prefill_tokens_per_second:"},
+		{"a negative prefill overhead", Config{Backends: []BackendConfig{decoder}, CacheAware: CacheAwareConfig{PrefillOverhead: -time.Millisecond}}, "cache_aware.prefill_overhead:"},
+		{"a negative decode cost", Config{Backends: []BackendConfig{decoder}, CacheAware: CacheAwareConfig{DecodeCostTokens: -1}}, "cache_aware.decode_cost_tokens:"},
+		{"a negative temperature", Config{Backends: []BackendConfig{decoder}, CacheAware: CacheAwareConfig{Temperature: -time.Millisecond}}, "cache_aware.temperature:"},
+		{"a negative tree_ttl", Config{Backends: []BackendConfig{decoder}, CacheAware: CacheAwareConfig{TreeTTL: -time.Second}}, "cache_aware.tree_ttl:"},
 		{"a balance_rel_threshold below 1", Config{Backends: []BackendConfig{decoder}, CacheAware: CacheAwareConfig{BalanceRelThreshold: 0.5}}, "cache_aware.balance_rel_threshold:"},
 		{"a negative max_tree_bytes", Config{Backends: []BackendConfig{decoder}, CacheAware: CacheAwareConfig{MaxTreeBytes: -1}}, "cache_aware.max_tree_bytes:"},
 		{"a listen endpoint that is not tcp", Config{Backends: []BackendConfig{decoder}, KVEvents: KVEventsConfig{Listen: "ipc:///tmp/kv"}}, "kv_events.listen:"},
@@ -117,7 +128,7 @@ func TestReloadRefusesToChangeWhatKVEventsReadAtStart(t *testing.T) {
 	}
 	same := cfg
 	same.Health.Interval = -1
-	same.CacheAware.CacheThreshold = 0.9
+	same.CacheAware.DecodeCostTokens = 32
 	if err := r.Reload(same); err != nil {
 		t.Errorf("Reload changing only cache_aware = %v, want it applied", err)
 	}

@@ -36,12 +36,19 @@ const (
 	DefaultMaxBackoff          = 30 * time.Second // or base_backoff, if that is longer
 	DefaultQueueSize           = 1024
 	DefaultQueueTimeout        = 10 * time.Second
-	DefaultCacheThreshold      = 0.3
+	// DefaultPrefillTokensPerSecond and DefaultPrefillOverhead are an engine's prefill model
+	// before the proxy learns it; DefaultDecodeCostTokens what a decoding request weighs.
+	DefaultPrefillTokensPerSecond = 10000
+	DefaultPrefillOverhead        = 10 * time.Millisecond
+	DefaultDecodeCostTokens       = 16
+	// DefaultTreeTTL is how long routed text counts as cached in the approximate view.
+	DefaultTreeTTL = 2 * time.Minute
 	DefaultBalanceAbsThreshold = 64
 	DefaultBalanceRelThreshold = 1.5
 	DefaultBlockSize           = 16
 	DefaultKVEventsStaleAfter  = 60 * time.Second
 	DefaultTokenizeTimeout     = time.Second
+	DefaultTokenizeMaxTokens   = 128 << 10
 )
 
 // TokenizerEngine is the one value of Config.Tokenizer: requests are tokenized by an
@@ -220,16 +227,35 @@ type QueueConfig struct {
 
 // CacheAwareConfig tunes cache_aware and precise_cache_aware.
 type CacheAwareConfig struct {
-	// CacheThreshold is the share of a request's prompt (0 to 1) the best engine must hold
-	// for the request to go there; below it the request is placed where every replica places
-	// it (placement.go). Zero means 0.3 (SGLang's router's default); negative means any
-	// match, however small, counts (a prompt no engine holds any of is placed all the same).
+	// CacheThreshold is refused when set: a request goes where its prefill costs least
+	// (cost.go), whatever share of it an engine holds, so no share gates it. It is kept
+	// only so that a config carrying it is told why it cannot take effect.
 	CacheThreshold float64 `yaml:"cache_threshold"`
-	// BalanceAbsThreshold and BalanceRelThreshold say when a pool is out of balance: its
-	// most loaded candidate has more than abs requests (its load, Backend.loadScore) above
-	// the least loaded, and more than rel times as many. Then requests go to the least
-	// loaded whatever the caches hold, so that a burst sharing one hot prefix spreads. Zero
-	// means 64 and 1.5; a negative abs means any difference counts; rel may not be below 1.
+	// PrefillTokensPerSecond is an engine's prefill rate before the proxy has learned it
+	// from the engine's own prefills: the uncached prompt tokens it computes a second. Zero
+	// means 10,000.
+	PrefillTokensPerSecond float64 `yaml:"prefill_tokens_per_second"`
+	// PrefillOverhead is the fixed part of a prefill's time, whatever its tokens (a step,
+	// the calls). Zero means 10ms.
+	PrefillOverhead time.Duration `yaml:"prefill_overhead"`
+	// DecodeCostTokens is what one request decoding on an engine adds to a new request's
+	// wait there, in prefill tokens (a decode takes a token of every step's budget). Zero
+	// means 16; negative is refused.
+	DecodeCostTokens int `yaml:"decode_cost_tokens"`
+	// Temperature, when positive, draws the pick among the candidates with weights
+	// exp(-(cost - lowest cost) / temperature) instead of taking the lowest, so that replicas
+	// reading the same engines do not all herd onto one between two scrapes. Zero, the
+	// default, takes the lowest, near-equal costs broken alike on every replica.
+	Temperature time.Duration `yaml:"temperature"`
+	// TreeTTL is how long text routed to an engine counts as cached there in the approximate
+	// view: an engine evicts what its prefix cache has not used for a while, and a tree that
+	// never forgot would keep sending conversations to contexts that are gone. Zero means 2m.
+	TreeTTL time.Duration `yaml:"tree_ttl"`
+	// BalanceAbsThreshold and BalanceRelThreshold are an upper guard on the cost: when the
+	// pool is out of balance (its most loaded candidate has more than abs requests, its load
+	// Backend.loadScore, above the least loaded, and more than rel times as many), requests go
+	// to the least loaded whatever the costs say. Zero means 64 and 1.5; a negative abs means
+	// any difference counts; rel may not be below 1.
 	BalanceAbsThreshold int     `yaml:"balance_abs_threshold"`
 	BalanceRelThreshold float64 `yaml:"balance_rel_threshold"`
 	// MaxTreeBytes bounds the approximate view of each pool (the text routed to each
@@ -335,6 +361,11 @@ type Config struct {
 	// TokenizeTimeout bounds one /tokenize call; a request whose tokens do not come in time
 	// is scored by its text. Zero means 1s.
 	TokenizeTimeout time.Duration `yaml:"tokenize_timeout"`
+	// TokenizeMaxTokens bounds the tokens the proxy's own tokenizer (Tokenizers) gives one
+	// request: a prompt that has more is scored by its text, tokenized no further than
+	// that. No engine takes a prompt longer than its max_model_len, so the engines' largest
+	// max_model_len is all routing can use of one. Zero means 131072 (128Ki).
+	TokenizeMaxTokens int `yaml:"tokenize_max_tokens"`
 	// EngineTokenizer is how tokenizer: engine tokenizes, at the backend Router.Tokens picks
 	// (cmd/proxy passes kvbackend's: the engine's POST /tokenize). Nil means Router.Tokens
 	// answers ErrNoTokenizer, and precise_cache_aware scores requests by their text. Read at

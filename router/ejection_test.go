@@ -133,15 +133,55 @@ func TestFailuresDuringEjectionDoNotExtendIt(t *testing.T) {
 }
 
 func TestPassiveEjectionCanBeDisabled(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{
-		Backends: backendsCfg(RoleDecode, "d", 1, 0),
-		Ejection: EjectionConfig{ConsecutiveFailures: -1},
-	})
-	for range 10 {
-		send(t, r, Result{Status: 500})
-	}
-	if !r.Ready() {
-		t.Error("ejected with passive ejection disabled")
+	// Two decoders take two requests at a time, one each (least_inflight); d0 fails every
+	// one it gets, with 5xx answers and broken connections, d1 serves every one. Enabled,
+	// ejection takes d0 out after its third failure and d1 serves the rest; disabled, d0
+	// keeps its share of every round and is never ejected.
+	const rounds = 10
+	for _, tc := range []struct {
+		name          string
+		failures      int // EjectionConfig.ConsecutiveFailures
+		wantPicks     int // of d0, over the rounds
+		wantEjections int64
+	}{
+		{"enabled, the failing backend is ejected", 3, 3, 1},
+		{"disabled, the failing backend keeps its share", -1, rounds, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r, _, _ := newTestRouter(t, Config{
+				Backends:     backendsCfg(RoleDecode, "d", 2, 0),
+				DecodePolicy: "least_inflight",
+				Ejection:     EjectionConfig{ConsecutiveFailures: tc.failures},
+			})
+			d0 := backendByName(t, r, "d0")
+			picks := map[string]int{}
+			for i := range rounds {
+				a, b := mustAcquire(t, r, RoleDecode, Hint{}), mustAcquire(t, r, RoleDecode, Hint{})
+				for _, l := range []*Lease{a, b} {
+					picks[l.Backend().Name]++
+					switch {
+					case l.Backend() != d0:
+						l.Release(Result{Status: 200})
+					case i%2 == 0:
+						l.Release(Result{Status: 503})
+					default:
+						l.Release(Result{Err: errTransport})
+					}
+				}
+			}
+			if picks["d0"] != tc.wantPicks || picks["d1"] != 2*rounds-tc.wantPicks {
+				t.Errorf("picks %v over %d rounds of two; want d0 %d", picks, rounds, tc.wantPicks)
+			}
+			if got := d0.Ejections(); got != tc.wantEjections {
+				t.Errorf("d0 ejected %d times, want %d", got, tc.wantEjections)
+			}
+			for _, st := range r.Backends() {
+				if st.Name == "d0" && st.Ejected != (tc.wantEjections > 0) {
+					t.Errorf("after the rounds d0 is ejected %v, want %v", st.Ejected, tc.wantEjections > 0)
+				}
+			}
+			assertAllIdle(t, r)
+		})
 	}
 }
 

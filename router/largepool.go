@@ -1,6 +1,7 @@
 package router
 
 import (
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -46,9 +47,15 @@ type poolView struct {
 	// cursor is the next candidate to read afresh; readAt when the view last read any.
 	cursor int
 	readAt time.Time
-	// at is a pick's scratch: each candidate's place in shares, -1 if not there.
+	// ahead is each candidate's work ahead of a new request, in prefill tokens (cost.go),
+	// as last read, for m, the policy's cost model.
+	ahead []float64
+	m     *costModel
+	// at is a pick's scratch: each candidate's place in shares, -1 if not there; costs the
+	// candidates' costs.
 	at     []int32
 	shares []heldShare
+	costs  []float64
 }
 
 // heldShare is what a pick found a candidate to hold of its prompt.
@@ -57,12 +64,12 @@ type heldShare struct {
 	index, tree float64
 }
 
-func newPoolView(cands []*Backend, now time.Time) *poolView {
+func newPoolView(cands []*Backend, now time.Time, m *costModel) *poolView {
 	n := len(cands)
 	v := &poolView{
 		cands: slices.Clone(cands), hash: make([]uint64, n), weight: make([]int, n),
 		loads: make([]int64, n), full: make([]bool, n), at: make([]int32, n), evenWeights: true,
-		readAt: now,
+		readAt: now, ahead: make([]float64, n), m: m, costs: make([]float64, 0, n),
 	}
 	names := make([]string, n)
 	for i, b := range cands {
@@ -93,7 +100,7 @@ func (p *CacheAware) viewFor(cands []*Backend, now time.Time) *poolView {
 			return v
 		}
 	}
-	v := newPoolView(cands, now)
+	v := newPoolView(cands, now, p.cm)
 	if len(p.views) < viewsKept {
 		p.views = append(p.views, nil)
 	}
@@ -107,6 +114,7 @@ func (v *poolView) read(i int, now time.Time) {
 	load, full, _ := v.cands[i].loadScore(now)
 	v.total += load - v.loads[i]
 	v.loads[i], v.full[i] = load, full
+	v.ahead[i] = v.m.ahead(v.cands[i], now)
 }
 
 // refresh reads loadRefreshBatch candidates afresh, and as many more as the time since the
@@ -127,10 +135,11 @@ func (v *poolView) refresh(now time.Time) {
 	v.readAt = now
 }
 
-// took counts candidate i one request busier: the one just sent to it.
-func (v *poolView) took(i int) {
+// took counts candidate i one request busier: the one just sent to it, of uncached tokens.
+func (v *poolView) took(i int, uncached float64) {
 	v.loads[i]++
 	v.total++
+	v.ahead[i] += uncached
 }
 
 // unbalanced is CacheAware.unbalanced over the view's loads.
@@ -200,44 +209,41 @@ func (v *poolView) place(key uint64, c float64, now time.Time) int {
 	}
 }
 
-// selectLarge is Select for a large pool.
-func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.Time) *Backend {
+// selectLarge is SelectCost for a large pool: every candidate's cost from the view, the
+// prompt's share read only of the engines that hold some of it.
+func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.Time) (*Backend, Cost) {
 	v := p.viewFor(cands, now)
 	scratch := p.match(h.Tokens)
 	defer scratch.release()
 	found := scratch.matches()
-	// The tree's marks deep enough to count, read before the view is locked: the tree has a
-	// lock of its own.
+	// The tree's marks, read before the view is locked: the tree has a lock of its own.
 	type treeMark struct {
 		i, depth int
 		at       int64
 	}
 	var marks []treeMark
 	if h.Text != "" {
-		// Rounded down: the share test below decides, as it does for the index's.
-		minDepth := 1
-		if t := p.cfg.CacheThreshold; t > 0 {
-			minDepth = int(t * float64(len(h.Text)))
-		}
-		p.tree.MatchDeep(h.Text, minDepth, func(engine string, depth int, at int64) {
+		p.tree.MatchDeep(h.Text, 1, func(engine string, depth int, at int64) {
 			if i, ok := v.names.At(engine); ok {
 				marks = append(marks, treeMark{i, depth, at})
 			}
 		})
 	}
+	tokens := hintTokens(h)
 
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	v.refresh(now)
 	if v.unbalanced(p.cfg) {
 		i := v.leastLoaded(&p.next, now)
-		v.took(i)
 		b := cands[i]
+		cost := p.costOn(b, tokens, now)
+		v.took(i, cost.Uncached)
 		p.picked(b, h, -1)
-		return b
+		return b, cost
 	}
 
-	// The engines holding much of the prompt, by the index and by the tree.
+	// The engines holding some of the prompt, by the index and by the tree.
 	shares := v.shares[:0]
 	share := func(i int) *heldShare {
 		if v.at[i] < 0 {
@@ -257,50 +263,81 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 	}
 	for _, m := range marks {
 		// Text routed since just before an engine's latest event counts for an engine whose
-		// events are fresh; all of it for another.
-		if since := p.pendingSince(found, cands[m.i], now); !since.IsZero() && m.at < since.UnixNano() {
+		// events are fresh; for another, what tree_ttl has not retired.
+		if m.at < p.treeSince(p.pendingSince(found, cands[m.i], now), now).UnixNano() {
 			continue
 		}
 		s := share(m.i)
-		s.tree = float64(m.depth) / float64(len(h.Text))
+		s.tree = max(s.tree, float64(m.depth)/float64(len(h.Text)))
 	}
-	best, bestShare := -1, 0.0
+	bound := -1
+	if h.Bound != "" {
+		if i, ok := v.names.At(h.Bound); ok {
+			bound = i
+		}
+	}
+	if bound >= 0 {
+		// As in SelectCost: the session's engine holds at least what any engine is known to.
+		best := 0.0
+		for _, s := range shares {
+			best = max(best, s.index, s.tree)
+		}
+		s := share(bound)
+		s.tree = max(s.tree, best)
+	}
+	costs := v.costs[:0]
+	for i, b := range cands {
+		c := p.cm.seconds(b, tokens+v.ahead[i])
+		if v.full[i] {
+			c = math.Inf(1)
+		}
+		costs = append(costs, c)
+	}
 	for _, s := range shares {
 		v.at[s.i] = -1
-		sh := max(s.index, s.tree)
-		if sh <= 0 || sh < p.cfg.CacheThreshold && p.cfg.CacheThreshold >= 0 {
-			continue
-		}
 		v.read(s.i, now)
-		if best < 0 || sh > bestShare || sh == bestShare && (v.loads[s.i] < v.loads[best] || v.loads[s.i] == v.loads[best] && s.i < best) {
-			best, bestShare = s.i, sh
+		if !v.full[s.i] {
+			costs[s.i] = p.cm.seconds(cands[s.i], tokens*(1-max(s.index, s.tree))+v.ahead[s.i])
 		}
 	}
-	v.shares = shares[:0]
-	if best >= 0 {
-		v.took(best)
-		b := cands[best]
-		p.picked(b, h, bestShare)
-		p.countTiers(p.viewOf(found, b, now))
-		return b
-	}
-
-	// No engine holds enough of it: where every replica would place it.
-	i := v.place(key, p.loadFactor, now)
-	v.took(i)
-	b := cands[i]
-	sh := 0.0
-	if found != nil {
-		if view := p.viewOf(found, b, now); !view.Last.IsZero() {
-			sh = view.Weighted / float64(len(h.Tokens))
+	defer func() { v.shares, v.costs = shares[:0], costs[:0] }()
+	rank := func(i int) float64 { return rendezvousRank(key, v.hash[i], v.weight[i], v.evenWeights) }
+	pick := p.cm.choose(costs, rank, bound)
+	for try := 0; try < 2; try++ {
+		// The pick, read afresh, must still be as cheap as the view said (other replicas'
+		// requests or this one's other pools may have filled it meanwhile), or the next is
+		// looked for.
+		was := costs[pick]
+		v.read(pick, now)
+		if !v.full[pick] {
+			costs[pick] = p.cm.seconds(cands[pick], tokens*(1-heldOf(shares, pick))+v.ahead[pick])
+		} else {
+			costs[pick] = math.Inf(1)
 		}
+		if costs[pick] <= p.cm.tieLimit(was) {
+			break
+		}
+		pick = p.cm.choose(costs, rank, bound)
 	}
-	if h.Text != "" {
-		sh = max(sh, float64(p.tree.MatchOne(h.Text, b.Name, p.pendingSince(found, b, now)))/float64(len(h.Text)))
-	}
+	b := cands[pick]
+	sh := heldOf(shares, pick)
+	uncached := tokens * (1 - sh)
+	cost := Cost{Uncached: uncached, Ahead: v.ahead[pick], Predicted: secondsToDuration(costs[pick])}
+	v.took(pick, uncached)
+	p.cm.noteUncached(uncached)
 	p.picked(b, h, sh)
 	p.countTiers(p.viewOf(found, b, now))
-	return b
+	return b, cost
+}
+
+// heldOf is the share of the prompt candidate i holds, among shares.
+func heldOf(shares []heldShare, i int) float64 {
+	for _, s := range shares {
+		if s.i == i {
+			return max(s.index, s.tree)
+		}
+	}
+	return 0
 }
 
 // pendingSince is when text routed to b starts to count besides its KV events: pendingGrace

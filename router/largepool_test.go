@@ -22,13 +22,10 @@ func TestALargePoolPicksWhatReadingEveryCandidateWould(t *testing.T) {
 	for _, tc := range []struct {
 		name       string
 		precise    bool
-		threshold  float64
 		balanceAbs int
 		weighted   bool
 	}{
 		{name: "precise", precise: true},
-		{name: "precise, any share", precise: true, threshold: -1},
-		{name: "precise, threshold 0.6", precise: true, threshold: 0.6},
 		{name: "precise, out of balance often", precise: true, balanceAbs: 3},
 		{name: "precise, weighted", precise: true, weighted: true},
 		{name: "cache_aware", precise: false},
@@ -54,7 +51,7 @@ func TestALargePoolPicksWhatReadingEveryCandidateWould(t *testing.T) {
 			for d := range heads {
 				heads[d] = promptTokens(100_000*(d+1), promptBlocks*kvBlock)
 			}
-			cfg := CacheAwareConfig{CacheThreshold: tc.threshold, BalanceAbsThreshold: tc.balanceAbs}
+			cfg := CacheAwareConfig{BalanceAbsThreshold: tc.balanceAbs}
 			large := NewCacheAware(cfg, index, time.Minute)
 			exact := NewCacheAware(cfg, index, time.Minute)
 			exact.large = math.MaxInt
@@ -85,7 +82,11 @@ func TestALargePoolPicksWhatReadingEveryCandidateWould(t *testing.T) {
 				}
 			}
 
-			var open []*Backend
+			type sent struct {
+				b  *Backend
+				bk *booked
+			}
+			var open []sent
 			placed, held := 0, 0
 			for pick := range 800 {
 				var tokens []uint32
@@ -97,8 +98,8 @@ func TestALargePoolPicksWhatReadingEveryCandidateWould(t *testing.T) {
 				if !tc.precise {
 					h.Tokens = nil
 				}
-				want := exact.Select(bs, h)
-				got := large.Select(bs, h)
+				want, _ := exact.SelectCost(bs, h)
+				got, cost := large.SelectCost(bs, h)
 				if got != want {
 					t.Fatalf("pick %d: the large pool's view picked %s, reading every candidate picks %s", pick, got.Name, want.Name)
 				}
@@ -107,14 +108,16 @@ func TestALargePoolPicksWhatReadingEveryCandidateWould(t *testing.T) {
 				} else {
 					held++
 				}
+				// In flight there, its prefill in the books, as a lease has it.
 				got.st.inflight.Add(1)
-				open = append(open, got)
+				open = append(open, sent{got, book(large.cm, got, cost, clock)})
 				if r.IntN(8) == 0 {
 					// A batch of requests ends, and time passes.
 					r.Shuffle(len(open), func(i, j int) { open[i], open[j] = open[j], open[i] })
 					n := r.IntN(len(open) + 1)
-					for _, b := range open[:n] {
-						b.st.inflight.Add(-1)
+					for _, s := range open[:n] {
+						s.bk.settle(nil, s.b, clock, false)
+						s.b.st.inflight.Add(-1)
 					}
 					open = open[n:]
 					clock = clock.Add(loadRefreshPeriod)

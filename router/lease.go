@@ -63,6 +63,8 @@ type Lease struct {
 	rankCount *atomic.Int64
 	// session is how the pick went for a request of a session; "" for one of none.
 	session SessionChoice
+	// booked is the lease's entry in its backend's cost books; nil for a pick not by cost.
+	booked *booked
 }
 
 // Session is how the pick of the lease's backend went for a request of a session
@@ -105,6 +107,18 @@ func (l *Lease) Answered() {
 	l.p.mu.Unlock()
 }
 
+// Prefilled tells the cost books that the request's prefill on the lease's backend has ended
+// (a prefill leg's answer, or a streamed answer's first byte): the work leaves the books, and
+// the time it took teaches the engine's prefill rate and the prediction's error. Only the
+// first call counts; a lease released without it leaves the books and teaches nothing (a
+// non-streamed answer's first byte comes with its last).
+func (l *Lease) Prefilled() {
+	if l == nil || l.released.Load() {
+		return
+	}
+	l.booked.settle(l.p.r, l.b, l.p.r.now(), true)
+}
+
 // Release ends the lease. Only the first call counts; later calls, from any goroutine,
 // do nothing, so a deferred Release may back up an explicit one. res feeds passive
 // health: a connect error or a 5xx counts a failure, a success resets the streak, a
@@ -114,6 +128,7 @@ func (l *Lease) Release(res Result) {
 	if l == nil || !l.released.CompareAndSwap(false, true) {
 		return
 	}
+	l.booked.settle(l.p.r, l.b, l.p.r.now(), false)
 	if l.rankCount != nil {
 		l.rankCount.Add(-1)
 	}
@@ -131,10 +146,13 @@ func (l *Lease) Release(res Result) {
 	l.p.release(l.b, code)
 }
 
-func (p *pool) leaseLocked(b *Backend, choice SessionChoice) *Lease {
+func (p *pool) leaseLocked(b *Backend, choice SessionChoice, cost Cost) *Lease {
 	b.st.inflight.Add(1)
 	b.st.started.Add(1)
 	l := &Lease{b: b, p: p, rank: -1, session: choice}
+	if m := p.costModelLocked(); m != nil && cost != (Cost{}) {
+		l.booked = book(m, b, cost, p.r.now())
+	}
 	if rp := b.st.ranks.Load(); rp != nil && len(*rp) > 1 {
 		ranks := *rp
 		// The rank with the fewest in flight; ties rotate, so that an idle engine's ranks

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -22,14 +23,19 @@ type LocalTokenizer interface {
 	// as the client sent it) is set, the tokens of the messages rendered through the
 	// model's chat template with the generation prompt. ErrNotLocal means this request is
 	// the engine's to tokenize (a chat without a template, content the template would see
-	// otherwise than the engine does).
-	Tokenize(dst []uint32, prompt string, messages json.RawMessage) ([]uint32, error)
+	// otherwise than the engine does). It appends at most max tokens: a request that has
+	// more answers ErrTooManyTokens, tokenized no further than that, time and memory alike.
+	Tokenize(dst []uint32, prompt string, messages json.RawMessage, max int) ([]uint32, error)
 	// Chats reports whether it renders chat messages (it has the model's template).
 	Chats() bool
 }
 
 // ErrNotLocal is a LocalTokenizer's answer for a request it leaves to the engine.
 var ErrNotLocal = errors.New("router: this request is tokenized by the engine")
+
+// ErrTooManyTokens is a LocalTokenizer's answer, and Router.Tokens', for a request of more
+// tokens than tokenize_max_tokens: no engine takes it whole, and it is scored by its text.
+var ErrTooManyTokens = errors.New("router: more tokens than tokenize_max_tokens")
 
 // tokenizerCheckInterval is how often the router tries again to check the tokenizers no
 // engine could check yet.
@@ -48,6 +54,8 @@ type localTokenizer struct {
 	model string
 	tok   LocalTokenizer
 	state atomic.Int32
+	// maxTokens is tokenize_max_tokens in force.
+	maxTokens atomic.Int64
 }
 
 // CheckSamples are what the proxy tokenizes itself and through an engine's /tokenize before
@@ -155,7 +163,7 @@ func (r *Router) checkTokenizer(ctx context.Context, lt *localTokenizer) error {
 				if s.Messages != nil && !lt.tok.Chats() {
 					continue
 				}
-				own, err := lt.tok.Tokenize(nil, s.Prompt, s.Messages)
+				own, err := lt.tok.Tokenize(nil, s.Prompt, s.Messages, math.MaxInt)
 				if err != nil {
 					return fmt.Errorf("tokenizers.%s: the proxy cannot tokenize a sample (%q%s): %w", lt.model, s.Prompt, s.Messages, err)
 				}
@@ -214,32 +222,46 @@ func (r *Router) checkTokenizersLoop(ctx context.Context) {
 	}
 }
 
+// limitLocalTokens makes max (tokenize_max_tokens) the most tokens the local tokenizers
+// give a request.
+func (r *Router) limitLocalTokens(max int) {
+	for _, lt := range r.local {
+		lt.maxTokens.Store(int64(max))
+	}
+}
+
 // localTokens tokenizes req in the proxy when its model's tokenizer was checked and can,
-// into a buffer of the router's that ReturnTokens takes back.
-func (r *Router) localTokens(req TokenizeRequest) ([]uint32, bool) {
+// into a buffer of the router's that ReturnTokens takes back; local reports that it did,
+// or that the request has more tokens than tokenize_max_tokens (ErrTooManyTokens), which
+// no engine need count either.
+func (r *Router) localTokens(req TokenizeRequest) (_ []uint32, local bool, _ error) {
 	lt := r.local[req.Model]
 	if lt == nil || lt.state.Load() != localAgreed {
-		return nil, false
+		return nil, false, nil
 	}
 	buf, _ := r.tokenBufs.Get().(*[]uint32)
 	if buf == nil {
 		buf = new([]uint32)
 	}
-	toks, err := lt.tok.Tokenize((*buf)[:0], req.Prompt, req.Messages)
+	toks, err := lt.tok.Tokenize((*buf)[:0], req.Prompt, req.Messages, int(lt.maxTokens.Load()))
 	if err != nil {
-		*buf = toks[:0]
-		r.tokenBufs.Put(buf)
+		if *buf = toks[:0]; cap(*buf) <= maxReturnedTokens {
+			r.tokenBufs.Put(buf)
+		}
+		if errors.Is(err, ErrTooManyTokens) {
+			return nil, true, fmt.Errorf("tokenize in the proxy: %w", err)
+		}
 		if !errors.Is(err, ErrNotLocal) {
 			if ce := r.logger.Check(zap.DebugLevel, "tokenizing in the proxy failed: asking an engine"); ce != nil {
 				ce.Write(zap.String("model", req.Model), zap.Error(err))
 			}
 		}
-		return nil, false
+		return nil, false, nil
 	}
 	if toks == nil {
 		toks = []uint32{} // tokens, none of them: not the absence of tokens
 	}
-	return toks, true
+	return toks, true, nil
 }
 
 // maxReturnedTokens bounds the buffers ReturnTokens keeps: a rare huge prompt's is left to

@@ -52,9 +52,12 @@ func byteTokens(s string, shift uint32) []uint32 {
 // of another vocabulary when not 0); it renders no chat.
 type byteTokenizer struct{ shift uint32 }
 
-func (b byteTokenizer) Tokenize(dst []uint32, prompt string, messages json.RawMessage) ([]uint32, error) {
+func (b byteTokenizer) Tokenize(dst []uint32, prompt string, messages json.RawMessage, max int) ([]uint32, error) {
 	if messages != nil {
 		return dst, ErrNotLocal
+	}
+	if len(prompt) > max {
+		return dst, ErrTooManyTokens
 	}
 	return append(dst, byteTokens(prompt, b.shift)...), nil
 }

@@ -1,6 +1,8 @@
 package router
 
 import (
+	"math"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pdproxy/pdproxy/kvcache"
@@ -18,6 +20,11 @@ type metrics struct {
 	queueRejected *prometheus.CounterVec
 	matchRatio    *prometheus.HistogramVec
 	tierTokens    *prometheus.CounterVec
+	// predictionError is each cost prediction's error against the time the prefill took.
+	predictionError *prometheus.HistogramVec
+
+	predictedTTFT *prometheus.Desc
+	prefillRate   *prometheus.Desc
 
 	inflight  *prometheus.Desc
 	healthy   *prometheus.Desc
@@ -60,6 +67,15 @@ func newMetrics(r *Router) *metrics {
 			"Times passive health ejected the backend.", backendLabels, nil),
 		waiting: prometheus.NewDesc(ns+"_queue_waiting_requests",
 			"Requests waiting in the backpressure queue now.", []string{"role"}, nil),
+		predictionError: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: ns, Name: "ttft_prediction_error_seconds",
+			Help:    "For requests placed by cost (cache_aware, precise_cache_aware), the time their prefill took on the backend (to a prefill leg's answer or a stream's first byte) less the time predicted at the pick: negative when the backend was faster than predicted.",
+			Buckets: []float64{-2, -1, -.5, -.25, -.1, -.05, -.025, -.01, 0, .01, .025, .05, .1, .25, .5, 1, 2},
+		}, backendLabels),
+		predictedTTFT: prometheus.NewDesc(ns+"_predicted_ttft_seconds",
+			"The time to first token (the prefill's end) predicted for the latest request placed on the backend by cost: its uncached prompt tokens and the work ahead of it at the backend's learned rate, plus prefill_overhead.", backendLabels, nil),
+		prefillRate: prometheus.NewDesc(ns+"_backend_prefill_tokens_per_second",
+			"The backend's prefill rate as the proxy learned it from its prefills (uncached tokens and the work ahead of them against the time they took), for backends of a pool placing by cost once they served a prefill.", backendLabels, nil),
 		tierTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "prefix_cache_matched_tokens_total",
 			Help: "Prompt tokens that the engine picked by precise_cache_aware held as its KV events told, by the tier each block counted on (gpu, cpu, disk, other: a tier of its own in kv_events.tier_weights), for picks scored by it.",
@@ -78,7 +94,7 @@ func (m *metrics) tierCounters() *[4]prometheus.Counter {
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.requests, m.down, m.queueWait, m.queueRejected, m.matchRatio, m.tierTokens, m, newLoadCollector(m.r)} {
+	for _, c := range []prometheus.Collector{m.requests, m.down, m.queueWait, m.queueRejected, m.matchRatio, m.tierTokens, m.predictionError, m, newLoadCollector(m.r)} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}
@@ -90,6 +106,7 @@ func (m *metrics) register(reg prometheus.Registerer) error {
 func (m *metrics) forget(b *Backend) {
 	m.requests.DeletePartialMatch(prometheus.Labels{"backend": b.Name, "role": string(b.Role)})
 	m.down.DeletePartialMatch(prometheus.Labels{"backend": b.Name, "role": string(b.Role)})
+	m.predictionError.DeletePartialMatch(prometheus.Labels{"backend": b.Name, "role": string(b.Role)})
 }
 
 // Describe implements prometheus.Collector for the scrape-time gauges.
@@ -98,6 +115,8 @@ func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
 	ch <- m.healthy
 	ch <- m.ejections
 	ch <- m.waiting
+	ch <- m.predictedTTFT
+	ch <- m.prefillRate
 }
 
 // Collect implements prometheus.Collector.
@@ -112,6 +131,12 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(m.inflight, prometheus.GaugeValue, float64(b.Inflight()), b.Name, role)
 		ch <- prometheus.MustNewConstMetric(m.healthy, prometheus.GaugeValue, healthy, b.Name, role)
 		ch <- prometheus.MustNewConstMetric(m.ejections, prometheus.CounterValue, float64(b.Ejections()), b.Name, role)
+		if bits := b.st.predictedTTFT.Load(); bits != 0 {
+			ch <- prometheus.MustNewConstMetric(m.predictedTTFT, prometheus.GaugeValue, math.Float64frombits(bits), b.Name, role)
+		}
+		if s := math.Float64frombits(b.st.secPerToken.Load()); s > 0 {
+			ch <- prometheus.MustNewConstMetric(m.prefillRate, prometheus.GaugeValue, 1/s, b.Name, role)
+		}
 	}
 	for _, p := range []*pool{m.r.prefill, m.r.decode} {
 		p.mu.Lock()

@@ -40,7 +40,7 @@ type cacheSettings struct {
 // placed), else the policy's. avail reports whether any backend could take h were it not
 // full, which tells "wait" from "no backend"; choice is how a session's pick went, "" without
 // a session.
-func (p *pool) pickLocked(h Hint) (b *Backend, avail bool, choice SessionChoice) {
+func (p *pool) pickLocked(h Hint) (b *Backend, avail bool, choice SessionChoice, cost Cost) {
 	now := p.r.now()
 	cands := p.scratch[:0]
 	bound, boundEligible := -1, false
@@ -62,9 +62,18 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool, choice SessionChoice)
 	}
 	p.scratch = cands[:0]
 	if len(cands) == 0 {
-		return nil, avail, ""
+		return nil, avail, "", Cost{}
 	}
-	if h.Session != "" {
+	if cs, ok := p.policy.(costSelector); ok {
+		// A session is placed by the same cost, its bound engine first among near-equals.
+		b, cost = cs.SelectCost(cands, h)
+		if b == nil || !slices.Contains(cands, b) {
+			b, cost = cands[0], Cost{}
+		}
+		if h.Session != "" {
+			choice = sessionChoice(b, h, bound, boundEligible)
+		}
+	} else if h.Session != "" {
 		b, choice = p.sessionLocked(cands, h, bound, boundEligible)
 		if rec, ok := p.policy.(pickRecorder); ok {
 			rec.Picked(b, h)
@@ -76,5 +85,28 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool, choice SessionChoice)
 		}
 	}
 	clear(cands) // do not keep backends alive through the scratch slice
-	return b, true, choice
+	return b, true, choice, cost
+}
+
+// sessionChoice is how a pick of b for h's session went, where the policy picked by cost:
+// bound is h.Bound's index among the candidates (-1 if not there); eligible says whether it
+// could take the request but for being full.
+func sessionChoice(b *Backend, h Hint, bound int, eligible bool) SessionChoice {
+	switch {
+	case h.Bound == "":
+		return SessionPlaced
+	case b.Name == h.Bound:
+		return SessionKept
+	case bound >= 0 || eligible:
+		return SessionYieldedLoad
+	}
+	return SessionYieldedUnhealthy
+}
+
+// costModelLocked is the pool's cost model; nil when its policy does not pick by cost.
+func (p *pool) costModelLocked() *costModel {
+	if cs, ok := p.policy.(costSelector); ok {
+		return cs.model()
+	}
+	return nil
 }

@@ -265,10 +265,10 @@ func listenCfg() Config {
 }
 
 func TestPreciseCacheAware(t *testing.T) {
-	prompt := promptTokens(0, 4*kvBlock)
+	prompt := promptTokens(0, 64*kvBlock)
 	next := append(append([]uint32(nil), prompt...), promptTokens(9000, kvBlock)...)
-	hashes := hashesOf(7, 4)
-	busy := map[string]int{"d1": 3} // d1 busier than the others, but within balance
+	hashes := hashesOf(7, 64)
+	busy := map[string]int{"d1": 8} // d1 busier than the others by more than a tie, but within balance
 
 	setup := func(t *testing.T) (*preciseRouter, *kvPublisher) {
 		r := startPrecise(t, listenCfg())
@@ -279,14 +279,14 @@ func TestPreciseCacheAware(t *testing.T) {
 			r.connect(t, pubs[name], name)
 		}
 		pubs["d1"].publish(blockStored(hashes, nil, prompt))
-		r.waitBlocks(t, "d1", 4)
+		r.waitBlocks(t, "d1", 64)
 		return r, pubs["d1"]
 	}
 
 	t.Run("a session's next turn lands on the engine holding its blocks", func(t *testing.T) {
 		r, _ := setup(t)
 		if got := r.pick(t, Hint{Tokens: next}, busy); got != "d1" {
-			t.Errorf("picked %s, want d1, which holds 64 of the prompt's 80 tokens", got)
+			t.Errorf("picked %s, want d1, which holds 1,024 of the prompt's 1,040 tokens", got)
 		}
 		if n := testutil.Value(t, r.reg, "pdproxy_prefix_cache_match_ratio", map[string]string{"role": "decode", "policy": PolicyPreciseCacheAware}); n != 1 {
 			t.Errorf("match ratio observations = %v, want 1", n)
@@ -298,7 +298,7 @@ func TestPreciseCacheAware(t *testing.T) {
 		d1.publish(blockRemoved(hashes[1:]...))
 		r.waitBlocks(t, "d1", 1)
 		if got := r.pick(t, Hint{Tokens: next}, busy); got == "d1" {
-			t.Error("picked d1, the busiest, though it holds only the prompt's first block (below cache_threshold)")
+			t.Error("picked d1, the busiest, though it holds only the prompt's first block: its load costs more than that saves")
 		}
 	})
 
@@ -343,8 +343,8 @@ func TestPreciseCacheAware(t *testing.T) {
 		if got := r.pick(t, Hint{Tokens: next}, busy); got != "d1" {
 			t.Errorf("after the bad messages picked %s, want d1, whose blocks stand", got)
 		}
-		if n := testutil.Value(t, r.reg, "pdproxy_kv_index_blocks", map[string]string{"backend": "d1"}); n != 4 {
-			t.Errorf("pdproxy_kv_index_blocks{backend=d1} = %v, want 4", n)
+		if n := testutil.Value(t, r.reg, "pdproxy_kv_index_blocks", map[string]string{"backend": "d1"}); n != 64 {
+			t.Errorf("pdproxy_kv_index_blocks{backend=d1} = %v, want 64", n)
 		}
 	})
 }
@@ -356,11 +356,11 @@ func TestPreciseCacheAwareFallsBackToTheRoutedTextWhenAPublisherGoesSilent(t *te
 	listen := r.listenAddr(t)
 	d1 := newKVPublisher(t, listen, "kv@10.0.0.2:8000@model")
 	r.connect(t, d1, "d1")
-	prompt := promptTokens(0, 4*kvBlock)
-	d1.publish(blockStored(hashesOf(1, 4), nil, prompt))
-	r.waitBlocks(t, "d1", 4)
-	text := `[{"role":"system","content":"a long shared system prompt"},{"role":"user","content":"first"}`
-	if got := r.pick(t, Hint{Tokens: prompt, Text: text}, map[string]int{"d1": 3}); got != "d1" {
+	prompt := promptTokens(0, 64*kvBlock)
+	d1.publish(blockStored(hashesOf(1, 64), nil, prompt))
+	r.waitBlocks(t, "d1", 64)
+	text := `[{"role":"system","content":"a long shared system prompt: ` + longSystem + `"},{"role":"user","content":"first"}`
+	if got := r.pick(t, Hint{Tokens: prompt, Text: text}, map[string]int{"d1": 8}); got != "d1" {
 		t.Fatalf("picked %s, want d1, which holds the prompt's blocks", got)
 	}
 	d1.pub.Close()
@@ -373,10 +373,10 @@ func TestPreciseCacheAwareFallsBackToTheRoutedTextWhenAPublisherGoesSilent(t *te
 		return false, "d1's events never went stale"
 	})
 	// Its events no longer count; what was routed to it still does.
-	if got := r.pick(t, Hint{Tokens: prompt, Text: text + `,{"role":"user","content":"second"}]`}, map[string]int{"d1": 3}); got != "d1" {
+	if got := r.pick(t, Hint{Tokens: prompt, Text: text + `,{"role":"user","content":"second"}]`}, map[string]int{"d1": 8}); got != "d1" {
 		t.Errorf("with d1's publisher gone picked %s, want d1, which was sent the conversation", got)
 	}
-	if got := r.pick(t, Hint{Tokens: prompt, Text: "an unrelated prompt"}, map[string]int{"d1": 3}); got == "d1" {
+	if got := r.pick(t, Hint{Tokens: prompt, Text: "an unrelated prompt"}, map[string]int{"d1": 8}); got == "d1" {
 		t.Error("with d1's publisher gone an unrelated prompt still went to d1, the busiest")
 	}
 }

@@ -38,12 +38,12 @@ func (p *pool) dispatchLocked() {
 	for e := p.waiters.Front(); e != nil; {
 		next := e.Next()
 		w := e.Value.(*waiter)
-		b, avail, choice := p.pickLocked(w.h)
+		b, avail, choice, cost := p.pickLocked(w.h)
 		switch {
 		case b != nil:
 			p.waiters.Remove(e)
 			w.elem = nil
-			w.ch <- waitResult{lease: p.leaseLocked(b, choice)}
+			w.ch <- waitResult{lease: p.leaseLocked(b, choice, cost)}
 		case !avail:
 			// Every backend it could use went down while it waited: waiting longer
 			// would only turn a clear 503 into a slow one.

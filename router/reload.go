@@ -105,6 +105,7 @@ func (r *Router) apply(cfg Config) error {
 	r.staleAfter.Store(&stale)
 	r.settings.Store(&settings{health: cfg.Health, ejection: cfg.Ejection, scrapeInterval: cfg.ScrapeInterval,
 		tokenizeTimeout: cfg.TokenizeTimeout})
+	r.limitLocalTokens(cfg.TokenizeMaxTokens)
 
 	// Lock both pools (always prefill first) so that a Release sees a backend either
 	// current or removed, never half way, and its counter series is not re-created

@@ -206,9 +206,9 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 		// waiters first.
 		p.dispatchLocked()
 	}
-	b, avail, choice := p.pickLocked(h)
+	b, avail, choice, cost := p.pickLocked(h)
 	if b != nil {
-		l := p.leaseLocked(b, choice)
+		l := p.leaseLocked(b, choice, cost)
 		p.mu.Unlock()
 		return l, nil
 	}

@@ -59,13 +59,13 @@ func (r *preciseRouter) blocksByMedium(t *testing.T, backend string) map[string]
 }
 
 func TestPreciseCacheAwareWeighsTiers(t *testing.T) {
-	prompt := promptTokens(0, 4*kvBlock)
+	prompt := promptTokens(0, 64*kvBlock)
 	r, pubs := tieredRouter(t, nil)
 	// d0, first in the pool and so the winner of a tie, holds the prompt on CPU; d2 on GPU.
-	pubs["d0"].publish(blockStoredOn("CPU", hashesOf(1, 4), nil, prompt))
-	pubs["d2"].publish(blockStored(hashesOf(3, 4), nil, prompt))
-	r.waitBlocks(t, "d0", 4)
-	r.waitBlocks(t, "d2", 4)
+	pubs["d0"].publish(blockStoredOn("CPU", hashesOf(1, 64), nil, prompt))
+	pubs["d2"].publish(blockStored(hashesOf(3, 64), nil, prompt))
+	r.waitBlocks(t, "d0", 64)
+	r.waitBlocks(t, "d2", 64)
 
 	if got := r.pick(t, Hint{Tokens: prompt}, nil); got != "d2" {
 		t.Errorf("at equal load picked %s, want d2, which holds the prompt on GPU rather than CPU", got)
@@ -73,12 +73,12 @@ func TestPreciseCacheAwareWeighsTiers(t *testing.T) {
 	if got := r.pick(t, Hint{Tokens: prompt, Exclude: []string{"d2"}}, nil); got != "d0" {
 		t.Errorf("without d2 picked %s, want d0, which holds the prompt on CPU rather than nothing", got)
 	}
-	for tier, want := range map[string]float64{"gpu": 64, "cpu": 64, "disk": 0} {
+	for tier, want := range map[string]float64{"gpu": 1024, "cpu": 1024, "disk": 0} {
 		if n := testutil.Value(t, r.reg, "pdproxy_prefix_cache_matched_tokens_total", map[string]string{"tier": tier}); n != want {
 			t.Errorf("pdproxy_prefix_cache_matched_tokens_total{tier=%q} = %v, want %v", tier, n, want)
 		}
 	}
-	if got, want := r.blocksByMedium(t, "d0"), map[string]int{"cpu": 4}; !maps.Equal(got, want) {
+	if got, want := r.blocksByMedium(t, "d0"), map[string]int{"cpu": 64}; !maps.Equal(got, want) {
 		t.Errorf("/debug/backends shows d0's blocks_by_medium %v, want %v", got, want)
 	}
 }

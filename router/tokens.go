@@ -46,10 +46,12 @@ var ErrNoTokenizer = errors.New("router: no backend available to tokenize")
 // backend of either role (any engine of the model tokenizes alike), through its own client
 // (its key, its CA), within tokenize_timeout. It takes no lease: the call is small and must
 // not queue behind the load. On an error the proxy routes the request by its text alone.
-// The tokens may be handed back with ReturnTokens once nothing reads them.
+// The tokens may be handed back with ReturnTokens once nothing reads them. A request the
+// proxy tokenizes itself and finds longer than tokenize_max_tokens answers
+// ErrTooManyTokens, without asking an engine.
 func (r *Router) Tokens(ctx context.Context, req TokenizeRequest) ([]uint32, error) {
-	if toks, ok := r.localTokens(req); ok {
-		return toks, nil
+	if toks, local, err := r.localTokens(req); local {
+		return toks, err
 	}
 	if r.tokenizer == nil {
 		return nil, ErrNoTokenizer

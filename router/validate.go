@@ -93,8 +93,17 @@ func (c *Config) setDefaults() {
 
 func (c *Config) setCacheDefaults() {
 	ca := &c.CacheAware
-	if ca.CacheThreshold == 0 {
-		ca.CacheThreshold = DefaultCacheThreshold
+	if ca.PrefillTokensPerSecond == 0 {
+		ca.PrefillTokensPerSecond = DefaultPrefillTokensPerSecond
+	}
+	if ca.PrefillOverhead == 0 {
+		ca.PrefillOverhead = DefaultPrefillOverhead
+	}
+	if ca.DecodeCostTokens == 0 {
+		ca.DecodeCostTokens = DefaultDecodeCostTokens
+	}
+	if ca.TreeTTL == 0 {
+		ca.TreeTTL = DefaultTreeTTL
 	}
 	if ca.BalanceAbsThreshold == 0 {
 		ca.BalanceAbsThreshold = DefaultBalanceAbsThreshold
@@ -118,6 +127,9 @@ func (c *Config) setCacheDefaults() {
 	if c.TokenizeTimeout == 0 {
 		c.TokenizeTimeout = DefaultTokenizeTimeout
 	}
+	if c.TokenizeMaxTokens == 0 {
+		c.TokenizeMaxTokens = DefaultTokenizeMaxTokens
+	}
 	if c.BlockSize == 0 {
 		c.BlockSize = DefaultBlockSize
 	}
@@ -130,8 +142,23 @@ func (c *Config) checkCache() []error {
 		errs = append(errs, fmt.Errorf("%s: %s", field, fmt.Sprintf(format, args...)))
 	}
 	ca := c.CacheAware
-	if ca.CacheThreshold > 1 {
-		bad("cache_aware.cache_threshold", "%v is above 1: no request could ever match that much", ca.CacheThreshold)
+	if ca.CacheThreshold != 0 {
+		bad("cache_aware.cache_threshold", "set to %v, but no share of the prompt gates a pick: a request goes where its prefill costs least, cached tokens saving what they save (prefill_tokens_per_second, prefill_overhead, decode_cost_tokens); remove it", ca.CacheThreshold)
+	}
+	if ca.PrefillTokensPerSecond < 0 || math.IsInf(ca.PrefillTokensPerSecond, 0) || math.IsNaN(ca.PrefillTokensPerSecond) {
+		bad("cache_aware.prefill_tokens_per_second", "%v is not a positive rate", ca.PrefillTokensPerSecond)
+	}
+	if ca.PrefillOverhead < 0 {
+		bad("cache_aware.prefill_overhead", "%v is negative", ca.PrefillOverhead)
+	}
+	if ca.DecodeCostTokens < 0 {
+		bad("cache_aware.decode_cost_tokens", "%d is negative", ca.DecodeCostTokens)
+	}
+	if ca.Temperature < 0 {
+		bad("cache_aware.temperature", "%v is negative", ca.Temperature)
+	}
+	if ca.TreeTTL < 0 {
+		bad("cache_aware.tree_ttl", "%v is negative", ca.TreeTTL)
 	}
 	if ca.BalanceRelThreshold < 1 {
 		bad("cache_aware.balance_rel_threshold", "%v is below 1: the most loaded is never less loaded than the least", ca.BalanceRelThreshold)
@@ -186,6 +213,9 @@ func (c *Config) checkCache() []error {
 	}
 	if c.TokenizeTimeout < 0 {
 		bad("tokenize_timeout", "%v is negative", c.TokenizeTimeout)
+	}
+	if c.TokenizeMaxTokens < 0 {
+		bad("tokenize_max_tokens", "%d is negative", c.TokenizeMaxTokens)
 	}
 	if c.BlockSize < 0 {
 		bad("block_size", "%d is negative", c.BlockSize)

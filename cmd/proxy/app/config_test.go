@@ -13,7 +13,8 @@ func TestParseConfigReadsTheCacheAwareKeys(t *testing.T) {
 prefill_policy: precise_cache_aware
 decode_policy: cache_aware
 cache_aware:
-  cache_threshold: 0.4
+  prefill_tokens_per_second: 5000
+  tree_ttl: 30s
   balance_abs_threshold: 16
   balance_rel_threshold: 1.25
   max_tree_bytes: 8388608
@@ -42,7 +43,8 @@ backends:
 	if rc.PrefillPolicy != router.PolicyPreciseCacheAware || rc.DecodePolicy != router.PolicyCacheAware {
 		t.Errorf("policies %q, %q", rc.PrefillPolicy, rc.DecodePolicy)
 	}
-	if want := (router.CacheAwareConfig{CacheThreshold: 0.4, BalanceAbsThreshold: 16, BalanceRelThreshold: 1.25, MaxTreeBytes: 8 << 20}); rc.CacheAware != want {
+	if want := (router.CacheAwareConfig{PrefillTokensPerSecond: 5000, PrefillOverhead: router.DefaultPrefillOverhead, DecodeCostTokens: router.DefaultDecodeCostTokens,
+		TreeTTL: 30 * time.Second, BalanceAbsThreshold: 16, BalanceRelThreshold: 1.25, MaxTreeBytes: 8 << 20}); rc.CacheAware != want {
 		t.Errorf("cache_aware = %+v, want %+v", rc.CacheAware, want)
 	}
 	if rc.KVEvents.Listen != "tcp://*:5557" || rc.KVEvents.StaleAfter != 20*time.Second || rc.Tokenizer != "engine" || rc.BlockSize != 32 {

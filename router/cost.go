@@ -1,0 +1,277 @@
+package router
+
+import (
+	"math"
+	"math/rand/v2"
+	"sync/atomic"
+	"time"
+)
+
+// Placing a request by what its prefill will cost: the cache-aware policies give every
+// candidate one number, the time to the request's first token there, and the lowest wins.
+//
+//	cost = prefill_overhead + (uncached + ahead) / rate
+//
+// uncached is the prompt tokens the engine would compute for this request (those its prefix
+// cache does not hold as the policy's view says, a block on a slower tier weighed by its
+// reload); ahead is the work queued or running there before it, in the same tokens: this
+// replica's own books (the uncached tokens of the requests it sent there whose prefill has
+// not ended), the requests the engine reports beyond those (other replicas', from its scraped
+// waiting and running counts, a waiting one at the pool's mean uncached tokens, a running
+// decode at decode_cost_tokens), and decode_cost_tokens for each of this replica's requests
+// decoding there; rate is the engine's prefill rate in tokens a second, learned from what
+// the proxy sees (each prefill's work against the time to its end) from
+// prefill_tokens_per_second. Caching is worth exactly what it saves in that sum: a hot shared
+// preamble held everywhere saves the same everywhere, and the load decides; a long private
+// context held on one engine keeps its conversation there until the queue there outweighs it.
+//
+// Costs whose work (past the overhead) is within tieShare of the lowest's, or within
+// tieTokens of it, are ties, broken by the rendezvous order of the
+// request's key (its session's, else its prompt's head), which every replica computes alike,
+// the engine a session is bound to first; with a temperature, the pick is instead drawn with
+// weights exp(-(cost - lowest) / temperature), so that replicas do not all herd onto one
+// engine between two scrapes.
+
+const (
+	// tieShare: costs within this share of the lowest tie. Replicas' learned rates differ a
+	// little; without it they would break the ties of an idle pool each its own way.
+	tieShare = 0.05
+	// tieTokens: a difference of fewer prompt tokens is a tie too. A few tokens matched of a
+	// prompt's head (a chat's opening bytes, a block) save nothing a user would notice, and
+	// replicas whose views of the caches differ by so little must still place alike.
+	tieTokens = 64
+	// learnWeight is the weight of one observation in an engine's learned rate.
+	learnWeight = 0.1
+	// minLearnTokens: a prefill of less work than this says more about the overhead and the
+	// network than about the rate, and teaches nothing.
+	minLearnTokens = 128
+	// learnClamp bounds how far one observation may pull the rate, either way.
+	learnClamp = 8
+)
+
+// costModel is one pool's cost settings and what it learns across engines.
+type costModel struct {
+	overhead     time.Duration
+	secPerToken  float64 // prefill_tokens_per_second's inverse
+	decodeTokens float64
+	temperature  float64 // seconds; 0 picks the lowest
+	// meanUncached is the mean uncached tokens of the pool's picks (float64 bits), what a
+	// request the engine reports and this replica did not send is taken to weigh.
+	meanUncached atomic.Uint64
+}
+
+func newCostModel(cfg CacheAwareConfig) *costModel {
+	m := &costModel{
+		overhead:     cfg.PrefillOverhead,
+		secPerToken:  1 / cfg.PrefillTokensPerSecond,
+		decodeTokens: float64(cfg.DecodeCostTokens),
+		temperature:  cfg.Temperature.Seconds(),
+	}
+	m.meanUncached.Store(math.Float64bits(0))
+	return m
+}
+
+// Cost is what a pick predicted of the request on the backend it picked: the request's own
+// uncached prompt tokens there, the work ahead of it (in tokens), and the predicted time to
+// its prefill's end. The zero Cost is a pick no cost was computed for.
+type Cost struct {
+	Uncached  float64
+	Ahead     float64
+	Predicted time.Duration
+}
+
+// costSelector is implemented by the policies that pick by cost: the pool hands the pick's
+// Cost to the lease, whose prefill's end then settles the books and teaches the rate.
+type costSelector interface {
+	SelectCost(cands []*Backend, h Hint) (*Backend, Cost)
+	model() *costModel
+}
+
+// rate is b's prefill time per token: learned, else the configured one.
+func (m *costModel) rate(b *Backend) float64 {
+	if s := math.Float64frombits(b.st.secPerToken.Load()); s > 0 {
+		return s
+	}
+	return m.secPerToken
+}
+
+// ahead is the work b has ahead of a new request at now, in prefill tokens.
+func (m *costModel) ahead(b *Backend, now time.Time) float64 {
+	pending := b.st.pendingReqs.Load()
+	inflight := b.Inflight()
+	work := float64(b.st.pendingTokens.Load()) + m.decodeTokens*float64(max(inflight-pending, 0))
+	if l := b.st.load.last.Load(); l != nil && now.Before(l.staleAt) {
+		// What the engine reports beyond this replica's own: other replicas' requests.
+		score, _, _ := b.loadScore(now)
+		if extra := score - inflight; extra > 0 {
+			waiting := float64(extra)
+			if total := l.waiting + l.running; total > 0 {
+				waiting = float64(extra) * float64(l.waiting) / float64(total)
+			}
+			running := float64(extra) - waiting
+			mean := math.Float64frombits(m.meanUncached.Load())
+			if b.Role == RolePrefill {
+				// A prefiller's running requests are prefills, half done on average.
+				work += waiting*mean + running*mean/2
+			} else {
+				work += waiting*mean + running*m.decodeTokens
+			}
+		}
+	}
+	return work
+}
+
+// seconds is the predicted time to the first token on b of a request of work tokens
+// (its own uncached and those ahead).
+func (m *costModel) seconds(b *Backend, work float64) float64 {
+	return m.overhead.Seconds() + work*m.rate(b)
+}
+
+// noteUncached folds a pick's uncached tokens into the pool's mean.
+func (m *costModel) noteUncached(u float64) {
+	for {
+		old := m.meanUncached.Load()
+		mean := math.Float64frombits(old)
+		next := mean + learnWeight*(u-mean)
+		if mean == 0 {
+			next = u
+		}
+		if m.meanUncached.CompareAndSwap(old, math.Float64bits(next)) {
+			return
+		}
+	}
+}
+
+// learn teaches b's rate one prefill: work tokens (its own and those ahead at its pick)
+// that took observed.
+func (m *costModel) learn(b *Backend, work float64, observed time.Duration) {
+	if work < minLearnTokens {
+		return
+	}
+	for {
+		old := b.st.secPerToken.Load()
+		cur := math.Float64frombits(old)
+		if cur <= 0 {
+			cur = m.secPerToken
+		}
+		sample := (observed - m.overhead).Seconds() / work
+		sample = min(max(sample, cur/learnClamp), cur*learnClamp)
+		next := cur + learnWeight*(sample-cur)
+		if b.st.secPerToken.CompareAndSwap(old, math.Float64bits(next)) {
+			return
+		}
+	}
+}
+
+// choose is the index of the candidate to pick among costs: the lowest, near-equal ones
+// broken by rank (the higher first) with preferred (-1 for none) before all; with a
+// temperature, drawn by weight.
+func (m *costModel) choose(costs []float64, rank func(i int) float64, preferred int) int {
+	lo := 0
+	for i, c := range costs {
+		if c < costs[lo] {
+			lo = i
+		}
+	}
+	if m.temperature > 0 && !math.IsInf(costs[lo], 1) {
+		total := 0.0
+		for _, c := range costs {
+			total += math.Exp(-(c - costs[lo]) / m.temperature)
+		}
+		x := rand.Float64() * total
+		for i, c := range costs {
+			if x -= math.Exp(-(c - costs[lo]) / m.temperature); x <= 0 {
+				return i
+			}
+		}
+		return lo
+	}
+	limit := m.tieLimit(costs[lo])
+	if preferred >= 0 && costs[preferred] <= limit {
+		return preferred
+	}
+	best, bestRank := lo, math.Inf(-1)
+	for i, c := range costs {
+		if c > limit {
+			continue
+		}
+		if r := rank(i); r > bestRank {
+			best, bestRank = i, r
+		}
+	}
+	return best
+}
+
+// tieLimit is the highest cost that ties with lowest: within tieShare of its work (the part
+// past the overhead), or tieTokens, whichever is more.
+func (m *costModel) tieLimit(lowest float64) float64 {
+	return lowest + max(tieShare*(lowest-m.overhead.Seconds()), tieTokens*m.secPerToken)
+}
+
+// hintTokens is how many tokens h's prompt has: its tokens where the proxy has them, else
+// its text at bytesPerToken.
+func hintTokens(h Hint) float64 {
+	if len(h.Tokens) > 0 {
+		return float64(len(h.Tokens))
+	}
+	return float64(len(h.Text)) / bytesPerToken
+}
+
+// booked is a lease's entry in its backend's books: the pick's cost, until its prefill ends.
+type booked struct {
+	m      *costModel
+	cost   Cost
+	at     time.Time
+	tokens int64
+	done   atomic.Bool
+}
+
+// book enters cost in b's books at now.
+func book(m *costModel, b *Backend, cost Cost, now time.Time) *booked {
+	bk := &booked{m: m, cost: cost, at: now, tokens: int64(math.Round(cost.Uncached))}
+	b.st.pendingTokens.Add(bk.tokens)
+	b.st.pendingReqs.Add(1)
+	b.st.predictedTTFT.Store(math.Float64bits(cost.Predicted.Seconds()))
+	return bk
+}
+
+// settle takes the entry out of b's books, once; with learn, the prefill ended at now and
+// teaches b's rate and the prediction's error.
+func (bk *booked) settle(r *Router, b *Backend, now time.Time, learn bool) {
+	if bk == nil || !bk.done.CompareAndSwap(false, true) {
+		return
+	}
+	b.st.pendingTokens.Add(-bk.tokens)
+	b.st.pendingReqs.Add(-1)
+	if !learn {
+		return
+	}
+	observed := now.Sub(bk.at)
+	bk.m.learn(b, bk.cost.Uncached+bk.cost.Ahead, observed)
+	r.metrics.predictionError.WithLabelValues(b.Name, string(b.Role)).Observe((observed - bk.cost.Predicted).Seconds())
+}
+
+// CostStatus is a backend's cost figures in GET /debug/backends, for a pool that picks by
+// cost: what a new request would find there now.
+type CostStatus struct {
+	// AheadTokens is the work ahead of a new request, in prefill tokens.
+	AheadTokens float64 `json:"ahead_tokens"`
+	// PendingTokens and PendingRequests are this replica's requests sent there whose
+	// prefill has not ended, and their uncached tokens.
+	PendingTokens   int64 `json:"pending_tokens"`
+	PendingRequests int64 `json:"pending_requests"`
+	// PrefillTokensPerSecond is the engine's prefill rate, as learned.
+	PrefillTokensPerSecond float64 `json:"prefill_tokens_per_second"`
+	// PredictedTTFTSeconds is the prediction of the latest pick of the backend.
+	PredictedTTFTSeconds float64 `json:"predicted_ttft_seconds"`
+}
+
+func (m *costModel) status(b *Backend, now time.Time) *CostStatus {
+	return &CostStatus{
+		AheadTokens:            m.ahead(b, now),
+		PendingTokens:          b.st.pendingTokens.Load(),
+		PendingRequests:        b.st.pendingReqs.Load(),
+		PrefillTokensPerSecond: 1 / m.rate(b),
+		PredictedTTFTSeconds:   math.Float64frombits(b.st.predictedTTFT.Load()),
+	}
+}
