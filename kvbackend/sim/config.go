@@ -58,6 +58,14 @@ type Config struct {
 	// computes, those the prefix cache holds excluded; default 0. A decode
 	// with nothing to pull computes its prompt's uncached tokens at this cost.
 	PrefillPerToken time.Duration
+	// MaxNumBatchedTokens, when positive, shares the engine's compute as
+	// vLLM's scheduler shares a step's token budget (--max-num-batched-tokens,
+	// chunked prefill): prefills compute one after another in arrival order,
+	// so that two at once take about twice as long as one, and each decode
+	// step takes ITL plus PrefillPerToken for every running decode and, while
+	// a prefill computes, for a chunk of this many of its tokens. Zero, the
+	// default: every prefill and decode takes its own time however many run.
+	MaxNumBatchedTokens int
 	// ITL is the inter-token latency of a decoding request; DefaultConfig
 	// sets 10ms. Zero means one token per request per scheduler step, as fast
 	// as the loop turns.
@@ -280,6 +288,7 @@ func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.IntVar(&cfg.BlockSize, "block-size", cfg.BlockSize, "tokens per KV block")
 	fs.DurationVar(&cfg.PrefillTime, "prefill-time", cfg.PrefillTime, "fixed time a prefill takes")
 	fs.DurationVar(&cfg.PrefillPerToken, "prefill-per-token", cfg.PrefillPerToken, "extra prefill time per prompt token not in the prefix cache (a decode with nothing to pull computes its uncached tokens at this cost too)")
+	fs.IntVar(&cfg.MaxNumBatchedTokens, "max-num-batched-tokens", cfg.MaxNumBatchedTokens, "share the engine's compute as vLLM's step budget does: prefills one after another, decode steps slower with more sequences and beside a prefill's chunk of this many tokens (0: every request computes on its own)")
 	fs.DurationVar(&cfg.ITL, "itl", cfg.ITL, "inter-token latency while decoding (0: one token per scheduler step)")
 	fs.IntVar(&cfg.MaxRunning, "max-running", cfg.MaxRunning, "requests computing at once; the rest wait in a FIFO queue")
 	fs.DurationVar(&cfg.KVHoldTimeout, "kv-hold-timeout", cfg.KVHoldTimeout, "KV lease: how long a prefiller holds a finished prefill's KV blocks for a decoder's pull before freeing them; each decoder heartbeat renews it to now+lease (vLLM kv_lease_duration; older vLLM held a fixed 480s). --protocol mooncake: the fixed hold, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, 480s unless this flag is given")
@@ -422,6 +431,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.FailStatus != 0 && (c.FailStatus < 100 || c.FailStatus > 999) {
 		errs = append(errs, fmt.Errorf("fail status %d: not an HTTP status", c.FailStatus))
+	}
+	if c.MaxNumBatchedTokens < 0 {
+		errs = append(errs, fmt.Errorf("max num batched tokens %d: must not be negative", c.MaxNumBatchedTokens))
 	}
 	if c.PrefillTime < 0 || c.PrefillPerToken < 0 || c.ITL < 0 || c.KVTransferTime < 0 || c.NIXLHandshakeDelay < 0 {
 		errs = append(errs, errors.New("prefill time, prefill per token, itl, kv transfer time and nixl handshake delay must not be negative"))

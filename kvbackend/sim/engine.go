@@ -222,6 +222,11 @@ type Engine struct {
 	waiting []*request          // FIFO
 	running []*request          // prefilling, pulling or decoding
 	holdDue time.Time           // no hold expires before this; zero: no hold
+	// computeFree is when the prefills admitted so far have computed, with
+	// MaxNumBatchedTokens (prefillDone); decoding counts the requests decoding
+	// at the step's start (itl).
+	computeFree time.Time
+	decoding    int
 	// handshakes holds when the NIXL handshake with each prefiller is (or
 	// was) done; an absent peer has not been asked for yet.
 	handshakes map[kvPeer]time.Time

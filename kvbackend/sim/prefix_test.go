@@ -3,6 +3,7 @@ package sim
 import (
 	"context"
 	"encoding/json"
+	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -285,5 +286,55 @@ func TestAnSGLangDecoderHoldingThePromptPullsOnlyItsLastBlockAndBothEnginesCache
 		if want := 192 * i; ps.PrefixCacheHitsTotal != want || ds.PrefixCacheHitsTotal != want {
 			t.Errorf("round %d: hits prefiller %d, decoder %d, want %d each", i, ps.PrefixCacheHitsTotal, ds.PrefixCacheHitsTotal, want)
 		}
+	}
+}
+
+func TestPrefillsShareTheEnginesComputeWithAStepBudget(t *testing.T) {
+	// A fake clock and a second per token: two 200-token prompts arriving together each
+	// need 200s alone. Sharing the compute, the second ends 200s after the first.
+	prompt := func(word string) string {
+		return `{"prompt":"` + strings.Repeat(word, 200) + `","max_tokens":1}`
+	}
+	tests := []struct {
+		name    string
+		batched int
+		// second is how long after the first the second prefill ends.
+		second time.Duration
+	}{
+		{"with a step budget two prefills take twice as long as one", 2048, 200 * time.Second},
+		{"without one each computes on its own", 0, 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			clock := newFakeClock()
+			cfg := fastConfig()
+			cfg.Clock, cfg.PrefillTime, cfg.PrefillPerToken, cfg.ITL = clock, 0, time.Second, 0
+			cfg.MaxNumBatchedTokens = tt.batched
+			ts := startServer(t, cfg)
+			done := make(chan string, 2)
+			for _, w := range []string{"abcd", "wxyz"} {
+				go func() {
+					resp, err := ts.do(context.Background(), "/v1/completions", prompt(w), nil)
+					if err == nil {
+						io.Copy(io.Discard, resp.Body)
+						resp.Body.Close()
+					}
+					done <- w
+				}()
+			}
+			ts.waitKV(t, "both are admitted", func(s KVStats) bool { return s.RunningRequests == 2 })
+			clock.Advance(200 * time.Second)
+			<-done
+			if tt.second == 0 {
+				<-done
+				return
+			}
+			clock.Advance(tt.second - time.Second)
+			if s := ts.kv(t); s.RunningRequests != 1 {
+				t.Fatalf("/debug/kv = %+v a second before the second prefill's end, want it running", s)
+			}
+			clock.Advance(time.Second)
+			<-done
+		})
 	}
 }

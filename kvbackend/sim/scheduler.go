@@ -136,7 +136,7 @@ func (e *Engine) apply(ev event, now time.Time) {
 			// Nothing to pull: the decoder computes the prompt's uncached
 			// tokens itself, and caches them when done (advance).
 			r.state = statePrefilling
-			r.readyAt = now.Add(e.computeTime(r))
+			r.readyAt = e.prefillDone(now, e.computeTime(r))
 			return
 		}
 		// The pulled blocks join this engine's own cache, with those it had.
@@ -356,14 +356,54 @@ func (e *Engine) schedule(now time.Time) {
 			continue
 		}
 		r.state = statePrefilling
-		r.readyAt = now.Add(e.cfg.PrefillTime + e.computeTime(r))
+		r.readyAt = e.prefillDone(now, e.cfg.PrefillTime+e.computeTime(r))
 	}
 	e.waiting = e.waiting[admitted:]
+}
+
+// prefillDone is when a prefill of cost d admitted at now has computed. With
+// MaxNumBatchedTokens the engine's compute is one, shared as vLLM's scheduler
+// shares a step's token budget: prefills compute one after another in arrival
+// order, so two at once take about twice as long as one (a prefill aborted
+// meanwhile still delays those after it, as the chunks it computed did).
+// Without it each prefill computes on its own, however many run.
+func (e *Engine) prefillDone(now time.Time, d time.Duration) time.Time {
+	if e.cfg.MaxNumBatchedTokens <= 0 {
+		return now.Add(d)
+	}
+	start := now
+	if e.computeFree.After(now) {
+		start = e.computeFree
+	}
+	e.computeFree = start.Add(d)
+	return e.computeFree
+}
+
+// itl is the time to a decoding request's next token at now. With
+// MaxNumBatchedTokens a step carries every running decode's token and, while a
+// prefill computes, a chunk of up to that many of its tokens, each at
+// PrefillPerToken: decodes slow as more sequences run and while prompts are
+// computed beside them.
+func (e *Engine) itl(now time.Time) time.Duration {
+	if e.cfg.MaxNumBatchedTokens <= 0 {
+		return e.cfg.ITL
+	}
+	tokens := e.decoding
+	if e.computeFree.After(now) {
+		tokens += e.cfg.MaxNumBatchedTokens
+	}
+	return e.cfg.ITL + time.Duration(tokens)*e.cfg.PrefillPerToken
 }
 
 // advance orders the pulls whose handshake is done and emits at most one
 // token per due request.
 func (e *Engine) advance(now time.Time) {
+	e.decoding = 0
+	for _, r := range e.running {
+		if r.state == stateDecoding {
+			e.decoding++
+		}
+	}
 	for _, r := range e.running {
 		if r.handshaking && r.state == statePulling && !now.Before(r.readyAt) {
 			r.handshaking = false
@@ -413,7 +453,7 @@ func (e *Engine) emit(r *request, now time.Time) {
 		o.text = tokenWord(id)
 	default:
 		o.text = tokenWord(id)
-		r.readyAt = now.Add(e.cfg.ITL)
+		r.readyAt = now.Add(e.itl(now))
 		r.push(o)
 		return
 	}
