@@ -185,7 +185,7 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 		costs = append(costs, c)
 	}
 	rank := func(i int) float64 { return rendezvousRank(key, cands[i].nameHash, cands[i].Weight, bd.evenWeights) }
-	pick := p.cm.choose(costs, rank, bound)
+	pick := p.cm.choose(costs, ahead, rank, bound)
 	b := cands[pick]
 	p.picked(b, h, shares[pick])
 	p.countTiers(p.viewOf(found, b, now))

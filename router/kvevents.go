@@ -69,6 +69,21 @@ func (r *Router) prefixCacheStatus(b *Backend, now time.Time) *PrefixCacheStatus
 	return nil
 }
 
+// costStatus is b's cost figures under its pool's cost model, nil under a policy of none.
+func (r *Router) costStatus(b *Backend, now time.Time) *CostStatus {
+	p := r.pool(b.Role)
+	if p == nil {
+		return nil
+	}
+	p.mu.Lock()
+	m := p.costModelLocked()
+	p.mu.Unlock()
+	if m == nil {
+		return nil
+	}
+	return m.status(b, now)
+}
+
 // CachedBlocks returns up to limit of the index's keys of the blocks that the backend called
 // name holds as its KV events told, in no order: for showing an engine's cache as the proxy
 // sees it (its count is in Backends' PrefixCache). Nil when the proxy has none of its events.

@@ -389,12 +389,12 @@ func TestPreciseCacheAwareDialedEngineWithReplay(t *testing.T) {
 	}}
 	r := startPrecise(t, cfg)
 	r.connect(t, pub, "d0")
-	prompt := promptTokens(0, 4*kvBlock)
-	h := hashesOf(3, 4)
+	prompt := promptTokens(0, 64*kvBlock)
+	h := hashesOf(3, 64)
 	pub.publish(blockStored(h[:1], nil, prompt[:kvBlock]))
-	pub.lose(blockStored(h[1:3], h[0], prompt[kvBlock:3*kvBlock]))
-	pub.publish(blockStored(h[3:], h[2], prompt[3*kvBlock:]))
-	r.waitBlocks(t, "d0", 4)
+	pub.lose(blockStored(h[1:32], h[0], prompt[kvBlock:32*kvBlock]))
+	pub.publish(blockStored(h[32:], h[31], prompt[32*kvBlock:]))
+	r.waitBlocks(t, "d0", 64)
 	if n := testutil.Value(t, r.reg, "pdproxy_kv_events_replays_total", map[string]string{"backend": "d0", "result": "ok"}); n < 1 {
 		t.Errorf("replays ok = %v, want at least the gap's", n)
 	}

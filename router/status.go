@@ -35,6 +35,9 @@ type BackendStatus struct {
 	// PrefixCache is what the proxy believes the engine's prefix cache holds; absent unless
 	// its pool's policy is cache_aware or precise_cache_aware.
 	PrefixCache *PrefixCacheStatus `json:"prefix_cache,omitempty"`
+	// Cost is what a new request would find on the engine by the cost its pool places by;
+	// absent unless its pool's policy is cache_aware or precise_cache_aware.
+	Cost *CostStatus `json:"cost,omitempty"`
 	// Models are the models the backend serves (configured, or listed by the engine);
 	// absent while unknown.
 	Models []string `json:"models,omitempty"`
@@ -82,6 +85,7 @@ func (r *Router) Backends() []BackendStatus {
 			Engine:      b.Engine.Kind(),
 			Load:        b.loadStatus(now),
 			PrefixCache: r.prefixCacheStatus(b, now),
+			Cost:        r.costStatus(b, now),
 			Ranks:       b.rankStatus(),
 			Models:      b.Models(),
 		})

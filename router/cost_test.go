@@ -1,0 +1,212 @@
+package router
+
+import (
+	"fmt"
+	"math"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
+)
+
+// preamble is an agent's system prompt and tool descriptions, about 6,000 tokens of text.
+var preamble = strings.Repeat("tool read_file(path): returns the file's text. ", 500)
+
+// agentTurn is session s's prompt: the shared preamble, then its own context of about
+// private tokens.
+func agentTurn(s, private int) string {
+	return preamble + strings.Repeat(fmt.Sprintf("session %d's tool result. ", s), private/6)
+}
+
+func TestTheCostRule(t *testing.T) {
+	type pick struct {
+		text string
+		// hold keeps the pick in flight, its prefill pending, as a request being served.
+		hold bool
+	}
+	tests := []struct {
+		name string
+		// routed is what each engine was sent before: text, engine, how long ago.
+		routed []struct {
+			text, engine string
+			ago          time.Duration
+		}
+		// decoding is how many requests decode on each engine.
+		decoding []int64
+		picks    []pick
+		// check says what is wrong with where the picks went, "" when nothing is.
+		check func(got []string) string
+	}{
+		{
+			name: "a hot shared preamble spills by cost: a burst sharing it spreads over the engines",
+			picks: func() []pick {
+				var ps []pick
+				for s := range 16 {
+					ps = append(ps, pick{agentTurn(s, 50), true})
+				}
+				return ps
+			}(),
+			check: func(got []string) string {
+				per := map[string]int{}
+				for _, g := range got {
+					per[g]++
+				}
+				for _, n := range per {
+					if n > 2*len(got)/4 {
+						return fmt.Sprintf("16 requests went %v: one engine over twice the mean", per)
+					}
+				}
+				if len(per) < 4 {
+					return fmt.Sprintf("16 requests went %v: not every engine took some", per)
+				}
+				return ""
+			},
+		},
+		{
+			name: "a long private context stays on its engine though it is busier",
+			routed: []struct {
+				text, engine string
+				ago          time.Duration
+			}{{agentTurn(1, 8000), "b2", time.Second}, {preamble, "b0", time.Second}, {preamble, "b1", time.Second}, {preamble, "b3", time.Second}},
+			decoding: []int64{0, 0, 20, 0},
+			picks:    []pick{{agentTurn(1, 8100), false}},
+			check: func(got []string) string {
+				if got[0] != "b2" {
+					return fmt.Sprintf("the session's next turn went to %s, want b2, which holds its 8,000-token context: 20 decodes there weigh 320 tokens", got[0])
+				}
+				return ""
+			},
+		},
+		{
+			name: "a context routed longer ago than tree_ttl is not credited: the engine has likely evicted it",
+			routed: []struct {
+				text, engine string
+				ago          time.Duration
+			}{{agentTurn(1, 8000), "b2", 3 * time.Minute}},
+			decoding: []int64{0, 0, 20, 0},
+			picks:    []pick{{agentTurn(1, 8100), false}},
+			check: func(got []string) string {
+				if got[0] == "b2" {
+					return "the session's next turn went to b2, the busiest, for a context routed there 3 minutes ago"
+				}
+				return ""
+			},
+		},
+		{
+			name: "the queue on an engine outweighs its context once it is longer than the context",
+			routed: []struct {
+				text, engine string
+				ago          time.Duration
+			}{{agentTurn(1, 2000), "b2", time.Second}, {preamble, "b0", time.Second}},
+			decoding: []int64{0, 0, 400, 0},
+			picks:    []pick{{agentTurn(1, 2100), false}},
+			check: func(got []string) string {
+				if got[0] != "b0" {
+					return fmt.Sprintf("went to %s, want b0: b2's 400 decodes (6,400 tokens) outweigh the 2,000 it saves, and b0 holds the preamble", got[0])
+				}
+				return ""
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r, _, clk := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 4, 0), DecodePolicy: PolicyCacheAware,
+				CacheAware: CacheAwareConfig{BalanceAbsThreshold: 1000}})
+			p := r.pool(RoleDecode).policy.(*CacheAware)
+			for _, rt := range tt.routed {
+				p.tree.InsertAt(rt.text, rt.engine, clk.Now().Add(-rt.ago))
+			}
+			for i, n := range tt.decoding {
+				backendByName(t, r, fmt.Sprintf("b%d", i)).st.inflight.Add(n)
+			}
+			var got []string
+			var held []*Lease
+			for _, pk := range tt.picks {
+				l := mustAcquire(t, r, RoleDecode, Hint{Text: pk.text})
+				got = append(got, l.Backend().Name)
+				if pk.hold {
+					held = append(held, l)
+				} else {
+					l.Release(Result{Status: 200})
+				}
+			}
+			if msg := tt.check(got); msg != "" {
+				t.Error(msg)
+			}
+			for _, l := range held {
+				l.Release(Result{Status: 200})
+			}
+			for i, n := range tt.decoding {
+				backendByName(t, r, fmt.Sprintf("b%d", i)).st.inflight.Add(-n)
+			}
+			assertAllIdle(t, r)
+		})
+	}
+}
+
+func TestReplicasAgreeWhereNearEqualCostsGo(t *testing.T) {
+	// Two replicas whose views differ by a few tokens (one routed a prompt's opening bytes
+	// to b1) and whose learned rates differ by 3%: for prompts no engine holds, each still
+	// picks what the other picks.
+	rs := make([]*Router, 2)
+	for i := range rs {
+		rs[i], _, _ = newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 4, 0), DecodePolicy: PolicyCacheAware})
+	}
+	rs[1].pool(RoleDecode).policy.(*CacheAware).tree.Insert(`[{"role":"user","content":"question 1`, "b1")
+	for i, b := range rs[1].backends() {
+		b.st.secPerToken.Store(floatBits((1 + 0.01*float64(i)) / DefaultPrefillTokensPerSecond))
+	}
+	for i := range 200 {
+		h := Hint{Text: fmt.Sprintf(`[{"role":"user","content":"question %d: %s"}]`, i, strings.Repeat("words of its own ", 100))}
+		a, _ := pickOnce(t, rs[0], h)
+		b, _ := pickOnce(t, rs[1], h)
+		if a != b {
+			t.Fatalf("prompt %d went to %s through one replica and %s through the other", i, a, b)
+		}
+	}
+}
+
+func TestAPrefillTeachesTheEnginesRateAndThePredictionsError(t *testing.T) {
+	r, reg, clk := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 2, 0), DecodePolicy: PolicyCacheAware})
+	text := strings.Repeat("a prompt of about a thousand tokens. ", 110)
+	// The engine computes 2,500 tokens a second where the proxy starts from 10,000: each
+	// prefill of about 1,000 tokens takes 10ms + 400ms.
+	for i := range 40 {
+		h := Hint{Text: fmt.Sprintf("request %d of its own: %s", i, text)} // no engine holds it
+		l := mustAcquire(t, r, RoleDecode, h)
+		clk.Advance(10*time.Millisecond + time.Duration(hintTokens(h)*400)*time.Microsecond)
+		l.Prefilled()
+		l.Release(Result{Status: 200})
+	}
+	rate := testutil.Value(t, reg, "pdproxy_backend_prefill_tokens_per_second", nil) / 2
+	if rate < 2000 || rate > 3200 {
+		t.Errorf("learned prefill rate %.0f tokens a second, want about 2,500", rate)
+	}
+	if n := testutil.Value(t, reg, "pdproxy_ttft_prediction_error_seconds", nil); n != 40 {
+		t.Errorf("prediction errors observed %v, want 40", n)
+	}
+	if v, ok := testutil.Lookup(t, reg, "pdproxy_predicted_ttft_seconds", map[string]string{"backend": "b0"}); !ok || v < 0.3 || v > 0.6 {
+		t.Errorf("predicted_ttft_seconds{b0} = %v (present %v), want about 0.41 once the rate is learned", v, ok)
+	}
+	assertAllIdle(t, r)
+}
+
+func TestAReleaseWithoutPrefillTakesTheWorkOffTheBooksAndTeachesNothing(t *testing.T) {
+	r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 1, 0), DecodePolicy: PolicyCacheAware})
+	l := mustAcquire(t, r, RoleDecode, Hint{Text: strings.Repeat("x", 4000)})
+	b := l.Backend()
+	if got := b.st.pendingTokens.Load(); got != 1000 {
+		t.Fatalf("pending tokens %d while the prefill runs, want 1,000", got)
+	}
+	l.Release(Result{Err: fmt.Errorf("connection reset")})
+	l.Prefilled() // late: the lease is gone
+	if tok, reqs := b.st.pendingTokens.Load(), b.st.pendingReqs.Load(); tok != 0 || reqs != 0 {
+		t.Errorf("books hold %d tokens of %d requests after the release, want none", tok, reqs)
+	}
+	if _, ok := testutil.Lookup(t, reg, "pdproxy_backend_prefill_tokens_per_second", nil); ok {
+		t.Error("a failed request taught the engine's rate")
+	}
+}
+
+func floatBits(f float64) uint64 { return math.Float64bits(f) }
