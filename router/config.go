@@ -42,7 +42,7 @@ const (
 	DefaultPrefillOverhead        = 10 * time.Millisecond
 	DefaultDecodeCostTokens       = 16
 	// DefaultTreeTTL is how long routed text counts as cached in the approximate view.
-	DefaultTreeTTL = 2 * time.Minute
+	DefaultTreeTTL             = 2 * time.Minute
 	DefaultBalanceAbsThreshold = 64
 	DefaultBalanceRelThreshold = 1.5
 	DefaultBlockSize           = 16
