@@ -23,8 +23,10 @@ import (
 	"github.com/openai/openai-go/v3/option"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/faultengine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
+	"github.com/pdproxy/pdproxy/router"
 )
 
 // anthropicClient is the SDK pointed at the stack, retrying nothing, with the sims' greedy
@@ -212,6 +214,7 @@ func TestAMessagesStreamCutAtEachStageLeavesEveryEngineHoldingNothing(t *testing
 func TestMessagesErrorsComeInAnthropicsShapeWhereverTheyStart(t *testing.T) {
 	t.Setenv("PDPROXY_E2E_MESSAGES_KEYS", "k-good")
 	s := startStack(t, sglangSims, func(c *app.Config) { c.Proxy.APIKeysEnv = "PDPROXY_E2E_MESSAGES_KEYS" })
+	waitForModels(t, s) // until the engines list theirs, no model is known to be served by none
 	for _, tc := range []struct {
 		name, body, key string
 		status          int
@@ -268,6 +271,131 @@ func TestMessagesErrorsComeInAnthropicsShapeWhereverTheyStart(t *testing.T) {
 	if !strings.Contains(string(raw), `"code":"invalid_value"`) {
 		t.Errorf("a chat error: %s", raw)
 	}
+
+	// Behind the front, the decoder fails: on vLLM, whose engine streams the Messages events
+	// the proxy passes on, and on SGLang, whose chat stream the proxy translates. Before the
+	// first byte the client reads the proxy's status with an Anthropic error; once its stream
+	// began, an error event in Anthropic's shape ends it, as Anthropic's API ends one, and no
+	// message_stop comes.
+	for _, proto := range []faultengine.Protocol{faultengine.VLLM, faultengine.SGLang} {
+		for _, tc := range []struct {
+			name   string
+			fault  faultengine.Fault
+			stream bool
+			// status is the answer's status; 200 for a stream that failed after its first
+			// events.
+			status int
+			typ    string
+		}{
+			{"a 500 from the engine", faultengine.Status500, false, http.StatusBadGateway, "api_error"},
+			{"a 500 from the engine to a stream", faultengine.Status500, true, http.StatusBadGateway, "api_error"},
+			{"an engine that never answers", faultengine.Silent, false, http.StatusGatewayTimeout, "timeout_error"},
+			{"an engine that never answers a stream", faultengine.Silent, true, http.StatusGatewayTimeout, "timeout_error"},
+			{"an engine that drops the connection mid-stream", faultengine.MidClose, true, http.StatusOK, "api_error"},
+			{"an engine that goes silent mid-stream", faultengine.MidSilence, true, http.StatusOK, "timeout_error"},
+		} {
+			t.Run(string(proto)+"/"+tc.name, func(t *testing.T) {
+				s := faultyDecoderStack(t, proto, tc.fault)
+				body := `{"model":"m","max_tokens":8,"stream":` + fmt.Sprint(tc.stream) + `,"messages":[{"role":"user","content":"hi"}]}`
+				resp := post(t, context.Background(), s.url+"/v1/messages", body, "anthropic-version", "2023-06-01")
+				raw, err := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if err != nil {
+					t.Fatalf("read the answer (%d): %v: %q", resp.StatusCode, err, raw)
+				}
+				if resp.StatusCode != tc.status {
+					t.Fatalf("status %d, want %d: %s", resp.StatusCode, tc.status, raw)
+				}
+				errBody := raw
+				if tc.status == http.StatusOK {
+					events := sseNamedEvents(raw)
+					last := events[len(events)-1]
+					deltas := 0
+					for _, ev := range events {
+						if ev.name == "content_block_delta" {
+							deltas++
+						}
+						if ev.name == "message_stop" {
+							t.Errorf("a failed stream carried message_stop: %s", raw)
+						}
+					}
+					if deltas == 0 || last.name != "error" {
+						t.Fatalf("want text deltas, then an error event last; got %s", raw)
+					}
+					errBody = []byte(last.data)
+				} else if ct := resp.Header.Get("Content-Type"); !strings.HasPrefix(ct, "application/json") {
+					t.Errorf("content type %q, want JSON", ct)
+				}
+				var e struct {
+					Type  string `json:"type"`
+					Error struct {
+						Type    string `json:"type"`
+						Message string `json:"message"`
+					} `json:"error"`
+				}
+				if err := json.Unmarshal(errBody, &e); err != nil || e.Type != "error" || e.Error.Type != tc.typ || e.Error.Message == "" {
+					t.Errorf("%s, want an Anthropic error of type %s", errBody, tc.typ)
+				}
+				s.assertQuiet(10 * time.Second)
+			})
+		}
+	}
+}
+
+// faultyDecoderStack runs pdproxy in front of a 1P1D pool of fault engines speaking proto,
+// whose decoder performs fault, with short phase timeouts so that a silent engine times out
+// quickly.
+func faultyDecoderStack(t *testing.T, proto faultengine.Protocol, fault faultengine.Fault) *stack {
+	t.Helper()
+	rooms := faultengine.NewRooms()
+	start := func(prefill bool, fault faultengine.Fault) *faultengine.Engine {
+		e, err := faultengine.Start(faultengine.Config{Protocol: proto, Prefill: prefill, Fault: fault, Rooms: rooms})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(e.Close) // after the proxy's shutdown, registered later
+		return e
+	}
+	p, d := start(true, faultengine.None), start(false, fault)
+	s := startStack(t, func(c *app.Config) {
+		c.Sims = nil
+		prefiller := router.BackendConfig{Name: "fault-prefill", URL: p.URL(), Role: router.RolePrefill, Engine: string(proto)}
+		if proto == faultengine.SGLang {
+			prefiller.BootstrapPort = 8998 // what the fault engine's /server_info says
+		}
+		c.Router.Backends = []router.BackendConfig{prefiller, {Name: "fault-decode", URL: d.URL(), Role: router.RoleDecode, Engine: string(proto)}}
+		c.Proxy.PrefillTimeout = 300 * time.Millisecond
+		c.Proxy.DecodeFirstByteTimeout = 300 * time.Millisecond
+		c.Proxy.DecodeIdleTimeout = 300 * time.Millisecond
+	})
+	waitForModels(t, s)
+	return s
+}
+
+// namedEvent is one SSE event: its name and its data.
+type namedEvent struct{ name, data string }
+
+// sseNamedEvents reads an SSE body into its events, in order.
+func sseNamedEvents(body []byte) []namedEvent {
+	var out []namedEvent
+	var cur namedEvent
+	for _, line := range strings.Split(string(body), "\n") {
+		switch {
+		case line == "":
+			if cur != (namedEvent{}) {
+				out = append(out, cur)
+			}
+			cur = namedEvent{}
+		case strings.HasPrefix(line, "event:"):
+			cur.name = strings.TrimSpace(strings.TrimPrefix(line, "event:"))
+		case strings.HasPrefix(line, "data:"):
+			cur.data += strings.TrimSpace(strings.TrimPrefix(line, "data:"))
+		}
+	}
+	if cur != (namedEvent{}) {
+		out = append(out, cur)
+	}
+	return out
 }
 
 func TestAnEnginesRefusalOfAMessagesRequestReachesTheClientInAnthropicsShapeOnEveryProtocol(t *testing.T) {
