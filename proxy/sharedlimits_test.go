@@ -3,10 +3,11 @@ package proxy
 import (
 	"bufio"
 	"context"
+	"errors"
 	"io"
 	"net/http"
+	"sync"
 	"testing"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap/zaptest"
@@ -21,6 +22,13 @@ import (
 // sharedReplica is a proxy replica whose limits are shared through the Redis at addr: its own
 // Store (running until the test ends) and harness.
 func sharedReplica(t *testing.T, addr string, cfg Config, d *engine) (*harness, *prometheus.Registry) {
+	t.Helper()
+	st, reg := sharedStore(t, addr)
+	return replicaOn(t, st, cfg, d), reg
+}
+
+// sharedStore is a Store on the Redis at addr, running until the test ends, and its registry.
+func sharedStore(t *testing.T, addr string) (*sharedstate.Store, *prometheus.Registry) {
 	t.Helper()
 	// The most the config allows: these tests are about what the replicas share, and a
 	// loaded machine should not make a check miss its budget.
@@ -41,8 +49,36 @@ func sharedReplica(t *testing.T, addr string, cfg Config, d *engine) (*harness, 
 		<-done
 		st.Close()
 	})
-	h := newHarnessLogged(t, cfg, router.Config{Backends: []router.BackendConfig{decoder("d0", d.URL())}}, lifecycle.Config{}, nil, WithSharedState(st))
-	return h, storeReg
+	return st, storeReg
+}
+
+// replicaOn is a proxy replica in front of d whose limits are shared through st.
+func replicaOn(t *testing.T, st SharedState, cfg Config, d *engine) *harness {
+	t.Helper()
+	return newHarnessLogged(t, cfg, router.Config{Backends: []router.BackendConfig{decoder("d0", d.URL())}}, lifecycle.Config{}, nil, WithSharedState(st))
+}
+
+// checkedState is a replica's shared state, with the error of its last Check kept: nil when
+// Redis decided, sharedstate.ErrUnavailable when the Store answered from its back-off without
+// asking Redis, another when it asked and Redis failed.
+type checkedState struct {
+	SharedState
+	mu   sync.Mutex
+	last error
+}
+
+func (c *checkedState) Check(ctx context.Context, req sharedstate.Request) (sharedstate.Decision, error) {
+	d, err := c.SharedState.Check(ctx, req)
+	c.mu.Lock()
+	c.last = err
+	c.mu.Unlock()
+	return d, err
+}
+
+func (c *checkedState) lastErr() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.last
 }
 
 func TestASharedRateLimitHoldsAcrossReplicas(t *testing.T) {
@@ -120,7 +156,9 @@ func TestWithRedisStoppedEachReplicaServesOnItsOwnLimits(t *testing.T) {
 	srv := redistest.Start(t)
 	d := newEngine(t, vllmDecode)
 	cfg := Config{Limits: LimitsConfig{PerKey: KeyLimits{RequestsPerSecond: 0.02, Burst: 3}}}
-	a, aReg := sharedReplica(t, srv.Addr(), cfg, d)
+	st, aReg := sharedStore(t, srv.Addr())
+	aState := &checkedState{SharedState: st}
+	a := replicaOn(t, aState, cfg, d)
 	b, _ := sharedReplica(t, srv.Addr(), cfg, d)
 	for _, h := range []*harness{b, b, a} {
 		if resp, body := h.do(http.MethodPost, "/v1/completions", plainCompletion, bearer("k")); resp.StatusCode != http.StatusOK {
@@ -138,11 +176,12 @@ func TestWithRedisStoppedEachReplicaServesOnItsOwnLimits(t *testing.T) {
 			t.Fatalf("request %d with Redis stopped, under the replica's own limit: %d %s", i, resp.StatusCode, body)
 		}
 	}
-	start := time.Now()
 	resp, body = a.do(http.MethodPost, "/v1/completions", plainCompletion, bearer("k"))
 	assertRefused(t, resp, body, 50)
-	if took := time.Since(start); took > time.Second {
-		t.Errorf("a refusal with Redis stopped took %s", took)
+	// At once: the Store, backing off since the first request found Redis gone, answered
+	// the refusal's check without a round trip to wait for.
+	if err := aState.lastErr(); !errors.Is(err, sharedstate.ErrUnavailable) {
+		t.Errorf("the refusal's shared check: %v, want %v: decided without asking Redis", err, sharedstate.ErrUnavailable)
 	}
 	if v := testutil.Value(t, aReg, "pdproxy_shared_state_errors_total", map[string]string{"op": "check"}); v != 3 {
 		t.Errorf("shared state check errors %v, want 3: each request decided on the replica's own state", v)
