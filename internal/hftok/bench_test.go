@@ -89,3 +89,30 @@ func BenchmarkEncodeLongWord(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkEncodeLongRun encodes a run of 1 MiB of spaces, one word that is merged a chunk
+// at a time.
+func BenchmarkEncodeLongRun(b *testing.B) {
+	tk := loadTest(b)
+	run := strings.Repeat(" ", 1<<20)
+	dst := make([]uint32, 0, len(run))
+	b.SetBytes(int64(len(run)))
+	for b.Loop() {
+		if _, err := tk.AppendEncode(dst, run, false); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkEncodeUpToALimit encodes the first 131,072 tokens of a prompt of 8,000,000
+// spaces, as the router asks for a prompt longer than it matches.
+func BenchmarkEncodeUpToALimit(b *testing.B) {
+	tk := loadTest(b)
+	text := strings.Repeat(" ", 8_000_000)
+	dst := make([]uint32, 0, 1<<18)
+	for b.Loop() {
+		if _, whole, err := tk.AppendEncodeMax(dst, text, true, 128<<10); err != nil || whole {
+			b.Fatal(whole, err)
+		}
+	}
+}

@@ -18,11 +18,25 @@ type bpe struct {
 	byteIDs      [256]uint32
 	merges       map[uint64]merge // by pairKey
 	ignoreMerges bool             // a word that is a token of its own is that token, merges or not
+	maxTokenLen  int              // the bytes of the longest token: no longer word is one
 	cache        *tokenCache      // of words
 }
 
+const (
+	// mergeChunkBytes bounds the bytes one merge works on, and so its memory (some 40 bytes
+	// a byte): a longer word (a run of a million spaces, a pasted blob of letters) is merged
+	// a chunk at a time. mergeOverlapBytes of each chunk's end are merged again with the
+	// next chunk, so that its tokens are those of the whole word: a merge at the chunk's
+	// cut sees the bytes after it only then. That holds while a cut's effect reaches back
+	// less than mergeOverlapBytes, which for served vocabularies (tokens of at most some
+	// hundred bytes) it does; a contrived word and merge list may differ past the first cut.
+	mergeChunkBytes   = 8 << 10
+	mergeOverlapBytes = 1 << 10
+)
+
 // mergeScratch is one encoding's working memory for merging words, kept between words
-// and between encodings so that a word's merge allocates nothing.
+// and between encodings so that a word's merge allocates nothing. Its buffers hold one
+// chunk of a word at most (mergeChunkBytes).
 type mergeScratch struct {
 	ids    []uint32 // a symbol's token, at the offset of its first byte
 	next   []int32  // the offset of the symbol after it; -1 once merged into the one before
@@ -32,8 +46,10 @@ type mergeScratch struct {
 	mapped []byte
 }
 
-// encode appends the tokens of word (raw bytes, not yet mapped to characters) to dst.
-func (m *bpe) encode(dst []uint32, word string, w *mergeScratch) []uint32 {
+// encode appends the tokens of word (raw bytes, not yet mapped to characters) to dst. A
+// word longer than mergeChunkBytes stops once dst holds stop tokens or more, at the end of
+// a chunk: the tokens past stop are the caller's to drop.
+func (m *bpe) encode(dst []uint32, word string, w *mergeScratch, stop int) []uint32 {
 	if len(word) == 1 {
 		return append(dst, m.byteIDs[word[0]])
 	}
@@ -46,26 +62,53 @@ func (m *bpe) encode(dst []uint32, word string, w *mergeScratch) []uint32 {
 		}
 	}
 	n := len(dst)
-	dst = m.merge(dst, word, w)
+	if id, ok := m.token(word, w); ok {
+		dst = append(dst, id)
+	} else {
+		dst = m.mergeChunks(dst, word, w, stop)
+	}
 	if cacheable {
 		m.cache.put(h, word, dst[n:])
 	}
 	return dst
 }
 
-// merge appends word's tokens to dst. A heap orders the pairs present by rank, then by
-// offset, so that a round pops exactly the occurrences of its pair, left to right, and a
-// word of n bytes merges in O(n log n), however long and whatever its bytes.
-func (m *bpe) merge(dst []uint32, word string, w *mergeScratch) []uint32 {
-	if m.ignoreMerges {
-		w.mapped = w.mapped[:0]
-		for i := 0; i < len(word); i++ {
-			w.mapped = append(w.mapped, byteChars[word[i]]...)
+// token is word's token under ignore_merges: a word in the vocab is that token.
+func (m *bpe) token(word string, w *mergeScratch) (uint32, bool) {
+	if !m.ignoreMerges || len(word) > m.maxTokenLen {
+		return 0, false
+	}
+	w.mapped = w.mapped[:0]
+	for i := 0; i < len(word); i++ {
+		w.mapped = append(w.mapped, byteChars[word[i]]...)
+	}
+	id, ok := m.vocab[string(w.mapped)]
+	return id, ok
+}
+
+// mergeChunks appends word's tokens to dst, merged a chunk at a time (mergeChunkBytes),
+// each chunk's last mergeOverlapBytes again with the next; it stops after a chunk once dst
+// holds stop tokens or more.
+func (m *bpe) mergeChunks(dst []uint32, word string, w *mergeScratch, stop int) []uint32 {
+	for {
+		if len(word) <= mergeChunkBytes {
+			dst, _ = m.merge(dst, word, len(word), w)
+			return dst
 		}
-		if id, ok := m.vocab[string(w.mapped)]; ok {
-			return append(dst, id)
+		var done int
+		dst, done = m.merge(dst, word[:mergeChunkBytes], mergeChunkBytes-mergeOverlapBytes, w)
+		word = word[done:]
+		if len(dst) >= stop {
+			return dst
 		}
 	}
+}
+
+// merge appends word's tokens to dst, those that end within its first keep bytes (at least
+// one), and returns how many bytes they cover. A heap orders the pairs present by rank,
+// then by offset, so that a round pops exactly the occurrences of its pair, left to right,
+// and a word of n bytes merges in O(n log n), whatever its bytes.
+func (m *bpe) merge(dst []uint32, word string, keep int, w *mergeScratch) ([]uint32, int) {
 	n := int32(len(word))
 	ids, next, prev := grow(w.ids, int(n)), grow(w.next, int(n)), grow(w.prev, int(n))
 	w.ids, w.next, w.prev = ids, next, prev
@@ -110,10 +153,14 @@ func (m *bpe) merge(dst []uint32, word string, w *mergeScratch) []uint32 {
 			w.heap.push(p)
 		}
 	}
+	done := int32(0)
 	for i := int32(0); i < n; i = next[i] {
-		dst = append(dst, ids[i])
+		if next[i] > int32(keep) && i > 0 {
+			break
+		}
+		dst, done = append(dst, ids[i]), next[i]
 	}
-	return dst
+	return dst, int(done)
 }
 
 // grow returns s resliced to n, reallocated when shorter.

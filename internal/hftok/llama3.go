@@ -28,6 +28,16 @@ func (p llama3Split) split(dst []string, s string) ([]string, error) {
 	return dst, nil
 }
 
+func (p llama3Split) step(dst []string, s string) ([]string, int, error) {
+	n := 0
+	for n < len(s) && n < stepBytes {
+		k := p.match(s[n:])
+		dst = append(dst, s[n:n+k])
+		n += k
+	}
+	return dst, n, nil
+}
+
 func isCRLF(r rune) bool { return r == '\r' || r == '\n' }
 
 // match is the length in bytes of the pattern's match at the start of s (not empty): its

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"unicode"
 	"unicode/utf8"
+	"unsafe"
 
 	"github.com/dlclark/regexp2"
 )
@@ -13,16 +14,53 @@ type splitter interface {
 	split(dst []string, s string) ([]string, error)
 }
 
-// byteLevel is the ByteLevel pre-tokenizer's splitting half (its other half, bytes mapped
-// to characters, is the BPE's input, bpe.go): an optional leading space, then GPT-2's pattern
-// when useRegex.
+// A stepper is a splitter that also finds a text's pieces a few at a time, from its start,
+// as split would find them: an encoding that stops at a number of tokens pre-tokenizes
+// little past it, and holds the pieces of a few KiB of text at a time, not of the whole.
+type stepper interface {
+	splitter
+	// step appends the pieces of a prefix of s (not empty) to dst, at least one, and
+	// returns the prefix's length in bytes, text a Split removed included.
+	step(dst []string, s string) ([]string, int, error)
+}
+
+// stepBytes is about how much text a stepper that matches by hand splits at a time.
+const stepBytes = 4 << 10
+
+// wholeWord is the ByteLevel pre-tokenizer without its prefix space and its regex: the text
+// is one word.
+type wholeWord struct{}
+
+func (wholeWord) split(dst []string, s string) ([]string, error) { return append(dst, s), nil }
+
+func (wholeWord) step(dst []string, s string) ([]string, int, error) {
+	return append(dst, s), len(s), nil
+}
+
+// gpt2Split is the ByteLevel pre-tokenizer with its regex, use_regex (its other half, bytes
+// mapped to characters, is the BPE's input, bpe.go): GPT-2's pattern.
+type gpt2Split struct{}
+
+func (gpt2Split) split(dst []string, s string) ([]string, error) { return splitGPT2(dst, s), nil }
+
+func (gpt2Split) step(dst []string, s string) ([]string, int, error) {
+	n := 0
+	for n < len(s) && n < stepBytes {
+		k := gpt2Match(s[n:])
+		dst = append(dst, s[n:n+k])
+		n += k
+	}
+	return dst, n, nil
+}
+
+// byteLevel is the ByteLevel pre-tokenizer with add_prefix_space: a leading space where s
+// has none, then GPT-2's pattern when useRegex. It does not step: the space is s's alone.
 type byteLevel struct {
-	addPrefixSpace bool
-	useRegex       bool
+	useRegex bool
 }
 
 func (b byteLevel) split(dst []string, s string) ([]string, error) {
-	if b.addPrefixSpace && (s == "" || s[0] != ' ') {
+	if s == "" || s[0] != ' ' {
 		s = " " + s
 	}
 	if !b.useRegex {
@@ -153,7 +191,8 @@ func (p regexSplit) split(dst []string, s string) ([]string, error) {
 		pos = m.Index + m.Length
 	}
 	if err != nil {
-		return dst, fmt.Errorf("split pattern: %w", err)
+		// Not regexp2's error, which quotes the whole text.
+		return dst, fmt.Errorf("split pattern: a match timed out after %v, at byte %d of %d", p.re.MatchTimeout, off, len(s))
 	}
 	if off < len(s) && !p.remove {
 		dst = append(dst, s[off:])
@@ -177,6 +216,58 @@ func (p pipeline) split(dst []string, s string) ([]string, error) {
 		pieces = next
 	}
 	return append(dst, pieces...), nil
+}
+
+// windowBytes is how much text a windowed splitter splits at a time.
+const windowBytes = 16 << 10
+
+// windowed steps a splitter (a Split's regex, a Sequence) a window of text at a time: it
+// splits the first windowBytes of s and keeps the pieces before the last, which the
+// window's end may have cut short, for the next window to split again. The pieces are
+// split's of the whole text when each piece is decided by the text up to a character past
+// it, as the pre-tokenizing patterns of served models are (runs of a class, \s+(?!\S), a
+// Sequence of such); a window of one piece (a piece longer than the window) is cut where
+// the window ends. Its pieces are slices of the text: no ByteLevel with add_prefix_space.
+type windowed struct {
+	splitter
+}
+
+func (w windowed) step(dst []string, s string) ([]string, int, error) {
+	if len(s) <= windowBytes {
+		dst, err := w.split(dst, s)
+		return dst, len(s), err
+	}
+	cut := windowBytes
+	for cut > windowBytes-utf8.UTFMax && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	n := len(dst)
+	dst, err := w.split(dst, s[:cut])
+	if err != nil || len(dst)-n < 2 {
+		return dst, cut, err
+	}
+	last := dst[len(dst)-1]
+	at := int(uintptr(unsafe.Pointer(unsafe.StringData(last))) - uintptr(unsafe.Pointer(unsafe.StringData(s))))
+	if at <= 0 || at >= cut {
+		return dst, cut, nil // not a slice of the window: none is, by windowable
+	}
+	return dst[:len(dst)-1], at, nil
+}
+
+// windowable reports whether sp's pieces are slices of the text it splits, as windowed
+// needs: every splitter but a ByteLevel with add_prefix_space.
+func windowable(sp splitter) bool {
+	switch sp := sp.(type) {
+	case byteLevel:
+		return false
+	case pipeline:
+		for _, step := range sp {
+			if !windowable(step) {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // byteChars is GPT-2's map of bytes to characters: the printable ones of Latin-1 stand for

@@ -5,11 +5,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"slices"
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/dlclark/regexp2"
 	"golang.org/x/text/unicode/norm"
@@ -142,6 +144,7 @@ func Load(data []byte) (*Tokenizer, error) {
 			return nil, fmt.Errorf("model: token %q has id %d", tok, id)
 		}
 		model.vocab[tok] = uint32(id)
+		model.maxTokenLen = max(model.maxTokenLen, utf8.RuneCountInString(tok))
 		t.vocabSize = max(t.vocabSize, int(id)+1)
 	}
 	for b, c := range byteChars {
@@ -176,11 +179,11 @@ func Load(data []byte) (*Tokenizer, error) {
 	if t.pre, err = preTokenizer(f.PreTokenizer, &sawByteLevel); err != nil {
 		return nil, fmt.Errorf("pre_tokenizer: %w", err)
 	}
-	if t.pre == nil {
-		t.pre = pipeline{}
-	}
 	if !sawByteLevel {
 		return nil, errors.New("pre_tokenizer: no ByteLevel step: not a byte-level BPE")
+	}
+	if _, ok := t.pre.(stepper); !ok && windowable(t.pre) {
+		t.pre = windowed{t.pre}
 	}
 	for i, a := range f.AddedTokens {
 		switch {
@@ -300,7 +303,14 @@ func preTokenizer(raw json.RawMessage, sawByteLevel *bool) (splitter, error) {
 	case "ByteLevel":
 		*sawByteLevel = true
 		// use_regex is true when absent, as in files written before it existed.
-		return byteLevel{addPrefixSpace: p.AddPrefixSpace, useRegex: p.UseRegex == nil || *p.UseRegex}, nil
+		useRegex := p.UseRegex == nil || *p.UseRegex
+		switch {
+		case p.AddPrefixSpace:
+			return byteLevel{useRegex: useRegex}, nil
+		case useRegex:
+			return gpt2Split{}, nil
+		}
+		return wholeWord{}, nil
 	case "Split":
 		if p.Invert {
 			return nil, errors.New("Split: invert is not supported")
@@ -344,9 +354,12 @@ func preTokenizer(raw json.RawMessage, sawByteLevel *bool) (splitter, error) {
 			if err != nil {
 				return nil, fmt.Errorf("pretokenizers[%d]: %w", i, err)
 			}
-			if s != (byteLevel{}) { // a ByteLevel without prefix space or regex splits nothing
+			if s != (wholeWord{}) { // a ByteLevel without prefix space or regex splits nothing
 				steps = append(steps, s)
 			}
+		}
+		if len(steps) == 0 {
+			return wholeWord{}, nil
 		}
 		if len(steps) == 1 {
 			return steps[0], nil
@@ -437,7 +450,7 @@ func (t *Tokenizer) VocabSize() int { return t.vocabSize }
 func (t *Tokenizer) Encode(text string, addSpecialTokens bool) ([]uint32, error) {
 	s := t.scratch.Get().(*encodeScratch)
 	defer t.putScratch(s)
-	out, err := t.appendEncode(s, s.ids[:0], text, addSpecialTokens)
+	out, err := t.appendEncode(s, s.ids[:0], text, addSpecialTokens, math.MaxInt)
 	s.ids = out[:0]
 	if err != nil {
 		return nil, err
@@ -451,16 +464,40 @@ func (t *Tokenizer) Encode(text string, addSpecialTokens bool) ([]uint32, error)
 func (t *Tokenizer) AppendEncode(dst []uint32, text string, addSpecialTokens bool) ([]uint32, error) {
 	s := t.scratch.Get().(*encodeScratch)
 	defer t.putScratch(s)
-	return t.appendEncode(s, dst, text, addSpecialTokens)
+	return t.appendEncode(s, dst, text, addSpecialTokens, math.MaxInt)
 }
 
-func (t *Tokenizer) appendEncode(s *encodeScratch, out []uint32, text string, addSpecialTokens bool) ([]uint32, error) {
+// AppendEncodeMax is AppendEncode for at most limit tokens: it stops tokenizing text once
+// it has more than limit, and then appends the first limit and reports false. So a caller
+// that needs no more than the first limit (a router that matches prompts no engine takes
+// longer) spends on a long text about what it spends on one of limit tokens, in time and in
+// memory, however long the text and its words.
+func (t *Tokenizer) AppendEncodeMax(dst []uint32, text string, addSpecialTokens bool, limit int) ([]uint32, bool, error) {
+	s := t.scratch.Get().(*encodeScratch)
+	defer t.putScratch(s)
+	stop := math.MaxInt
+	if limit < math.MaxInt/2 {
+		stop = len(dst) + max(limit, 0) + 1
+	}
+	out, err := t.appendEncode(s, dst, text, addSpecialTokens, stop)
+	if err != nil {
+		return out, false, err
+	}
+	if len(out) >= stop {
+		return out[:stop-1], false, nil
+	}
+	return out, true, nil
+}
+
+// appendEncode appends text's tokens to out, stopping once out holds stop tokens or more:
+// the tokens past stop are the caller's to drop.
+func (t *Tokenizer) appendEncode(s *encodeScratch, out []uint32, text string, addSpecialTokens bool, stop int) ([]uint32, error) {
 	if addSpecialTokens {
 		out = append(out, t.prefix...)
 	}
 	start := 0
 	flush := func(end int) error {
-		if end <= start {
+		if end <= start || len(out) >= stop {
 			return nil
 		}
 		seg := text[start:end]
@@ -474,25 +511,17 @@ func (t *Tokenizer) appendEncode(s *encodeScratch, out []uint32, text string, ad
 			}
 		}
 		n := len(out)
-		words := seg
-		if t.normalize != nil {
-			words = t.normalize(seg)
-		}
+		var whole bool
 		var err error
-		if s.pieces, err = t.pre.split(s.pieces[:0], words); err != nil {
+		if out, whole, err = t.encodeSegment(s, out, seg, stop); err != nil {
 			return err
 		}
-		for _, p := range s.pieces {
-			if p != "" {
-				out = t.model.encode(out, p, &s.merge)
-			}
-		}
-		if cacheable {
+		if cacheable && whole {
 			t.segments.put(h, seg, out[n:])
 		}
 		return nil
 	}
-	for i := 0; i < len(text); {
+	for i := 0; i < len(text) && len(out) < stop; {
 		if list := t.added[text[i]]; list != nil {
 			if a, ok := matchAdded(list, text[i:]); ok {
 				if err := flush(i); err != nil {
@@ -509,10 +538,52 @@ func (t *Tokenizer) appendEncode(s *encodeScratch, out []uint32, text string, ad
 	if err := flush(len(text)); err != nil {
 		return out, err
 	}
-	if addSpecialTokens {
+	if addSpecialTokens && len(out) < stop {
 		out = append(out, t.suffix...)
 	}
 	return out, nil
+}
+
+// encodeSegment appends the tokens of seg, text without added tokens, to out, stopping
+// once out holds stop tokens or more; whole reports that it did not stop.
+func (t *Tokenizer) encodeSegment(s *encodeScratch, out []uint32, seg string, stop int) (_ []uint32, whole bool, err error) {
+	words := seg
+	if t.normalize != nil {
+		words = t.normalize(seg) // seg itself when already normal: NFC is most text's form
+	}
+	st, steps := t.pre.(stepper)
+	if !steps {
+		if s.pieces, err = t.pre.split(s.pieces[:0], words); err != nil {
+			return out, false, err
+		}
+		out, whole = t.encodePieces(s, out, s.pieces, stop)
+		return out, whole, nil
+	}
+	for len(words) > 0 {
+		var n int
+		if s.pieces, n, err = st.step(s.pieces[:0], words); err != nil {
+			return out, false, err
+		}
+		if out, whole = t.encodePieces(s, out, s.pieces, stop); !whole {
+			return out, false, nil
+		}
+		words = words[n:]
+	}
+	return out, true, nil
+}
+
+// encodePieces appends the tokens of pieces to out, stopping once out holds stop tokens or
+// more; whole reports that it did not stop.
+func (t *Tokenizer) encodePieces(s *encodeScratch, out []uint32, pieces []string, stop int) (_ []uint32, whole bool) {
+	for _, p := range pieces {
+		if len(out) >= stop {
+			return out, false
+		}
+		if p != "" {
+			out = t.model.encode(out, p, &s.merge, stop)
+		}
+	}
+	return out, len(out) < stop
 }
 
 // encodeScratch is what an encoding works in; a Tokenizer keeps some between encodings,
@@ -523,12 +594,15 @@ type encodeScratch struct {
 	merge  mergeScratch
 }
 
-// maxKeptScratch bounds the tokens' buffer a Tokenizer keeps after an encoding: a rare
-// huge prompt's is left to the collector.
+// maxKeptScratch bounds each buffer of the scratch a Tokenizer keeps after an encoding, in
+// elements: a rare huge prompt's is left to the collector. The merge's hold a chunk of a word
+// at most (mergeChunkBytes), and the pieces a step's (stepBytes, windowBytes) when the
+// pre-tokenizer steps.
 const maxKeptScratch = 1 << 16
 
 func (t *Tokenizer) putScratch(s *encodeScratch) {
-	if cap(s.ids) > maxKeptScratch || cap(s.pieces) > maxKeptScratch || cap(s.merge.ids) > maxKeptScratch {
+	m := &s.merge
+	if max(cap(s.ids), cap(s.pieces), cap(m.ids), cap(m.next), cap(m.prev), cap(m.heap), cap(m.made), cap(m.mapped)) > maxKeptScratch {
 		return
 	}
 	clear(s.pieces[:cap(s.pieces)]) // they are slices of a caller's text
