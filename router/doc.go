@@ -59,6 +59,7 @@
 //	tokenizers:                 # but these models in the proxy, once an engine agrees (localtokens.go); read at start
 //	  llama-3-8b: {file: /models/llama-3-8b/tokenizer.json, chat_template: /models/llama-3-8b/tokenizer_config.json}
 //	tokenize_timeout: 1s
+//	tokenize_max_tokens: 131072 # a prompt of more is routed by its text, tokenized no further
 //	block_size: 16              # for events that give none; read at start
 //	scrape_interval: 1s         # least_loaded, cache_aware, precise_cache_aware read /metrics this often (load.go)
 //	bounded_load_factor: 1.25   # c of bounded loads: placement (placement.go), prefix_affinity; at least 1

@@ -149,6 +149,70 @@ func TestAReloadMayNotChangeTheTokenizers(t *testing.T) {
 	}
 }
 
+// A prompt of more tokens than tokenize_max_tokens is no engine's to take whole: the proxy
+// tokenizes it no further than that, answers ErrTooManyTokens (the request is scored by its
+// text), and asks no engine for its tokens either. A reload changes the limit.
+func TestAPromptOfMoreTokensThanTheLimitIsScoredByItsText(t *testing.T) {
+	e := newByteEngine(t)
+	cfg := localConfig(e, 0)
+	cfg.TokenizeMaxTokens = 16
+	r, _, _ := newTestRouter(t, cfg)
+	defer r.CloseIdleConnections()
+	ctx := context.Background()
+	if err := r.CheckTokenizers(ctx); err != nil {
+		t.Fatalf("CheckTokenizers: %v (its samples are longer than the limit: it has none)", err)
+	}
+	check := func(prompt string, wantTokens bool) {
+		t.Helper()
+		before := e.calls.Load()
+		got, err := r.Tokens(ctx, TokenizeRequest{Model: "m", Prompt: prompt})
+		switch {
+		case e.calls.Load() != before:
+			t.Errorf("%d bytes: an engine was asked for the tokens", len(prompt))
+		case wantTokens && (err != nil || !slices.Equal(got, byteTokens(prompt, 0))):
+			t.Errorf("%d bytes: Tokens %v, %v; want the prompt's", len(prompt), got, err)
+		case !wantTokens && (!errors.Is(err, ErrTooManyTokens) || got != nil):
+			t.Errorf("%d bytes: Tokens %v, %v; want ErrTooManyTokens", len(prompt), got, err)
+		}
+	}
+	check(strings.Repeat("x", 16), true)
+	check(strings.Repeat("x", 17), false)
+	cfg.TokenizeMaxTokens = 32
+	if err := r.Reload(cfg); err != nil {
+		t.Fatal(err)
+	}
+	check(strings.Repeat("x", 17), true)
+	check(strings.Repeat("x", 33), false)
+}
+
+func TestTokenizeMaxTokensFromYAML(t *testing.T) {
+	for _, tc := range []struct {
+		doc  string
+		want int
+		bad  bool
+	}{
+		{"tokenize_max_tokens: 262144\n", 262144, false},
+		{"tokenizer: engine\n", DefaultTokenizeMaxTokens, false},
+		{"tokenize_max_tokens: -1\n", 0, true},
+	} {
+		var c Config
+		if err := yaml.Unmarshal([]byte(tc.doc), &c); err != nil {
+			t.Fatal(err)
+		}
+		c.Backends = backendsCfg(RoleDecode, "d", 1, 0)
+		err := c.Validate()
+		if tc.bad {
+			if err == nil || !strings.Contains(err.Error(), "tokenize_max_tokens") {
+				t.Errorf("%q: Validate = %v, want tokenize_max_tokens refused", tc.doc, err)
+			}
+			continue
+		}
+		if err != nil || c.TokenizeMaxTokens != tc.want {
+			t.Errorf("%q: Validate = %v, tokenize_max_tokens %d; want %d", tc.doc, err, c.TokenizeMaxTokens, tc.want)
+		}
+	}
+}
+
 func TestTokenizersFromYAML(t *testing.T) {
 	var c Config
 	doc := "tokenizers:\n  llama-3-8b: {file: /m/tokenizer.json, chat_template: /m/tokenizer_config.json}\n  qwen: {chat_template: /q/chat.jinja}\n"

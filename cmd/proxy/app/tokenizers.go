@@ -64,9 +64,9 @@ var _ router.LocalTokenizer = (*localTokenizer)(nil)
 
 func (t *localTokenizer) Chats() bool { return t.chat != nil }
 
-func (t *localTokenizer) Tokenize(dst []uint32, prompt string, messages json.RawMessage) ([]uint32, error) {
+func (t *localTokenizer) Tokenize(dst []uint32, prompt string, messages json.RawMessage, max int) ([]uint32, error) {
 	if messages == nil {
-		return t.tok.AppendEncode(dst, prompt, true)
+		return encode(t.tok, dst, prompt, true, max)
 	}
 	if t.chat == nil {
 		return dst, router.ErrNotLocal
@@ -91,5 +91,16 @@ func (t *localTokenizer) Tokenize(dst []uint32, prompt string, messages json.Raw
 	}
 	// The string is a view of the buffer, which nothing writes until it is back in the pool:
 	// Encode keeps copies of what it caches, never the text.
-	return t.tok.AppendEncode(dst, unsafe.String(unsafe.SliceData(text), len(text)), false)
+	return encode(t.tok, dst, unsafe.String(unsafe.SliceData(text), len(text)), false, max)
+}
+
+// encode appends text's tokens to dst, at most max of them: a text of more answers
+// router.ErrTooManyTokens, and dst as it was.
+func encode(tok *hftok.Tokenizer, dst []uint32, text string, addSpecialTokens bool, max int) ([]uint32, error) {
+	n := len(dst)
+	out, whole, err := tok.AppendEncodeMax(dst, text, addSpecialTokens, max)
+	if err == nil && !whole {
+		return out[:n], router.ErrTooManyTokens
+	}
+	return out, err
 }

@@ -4,13 +4,16 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -212,6 +215,104 @@ func TestWithNoEngineAtTheStartTheTokenizerIsCheckedAtTheFirst(t *testing.T) {
 	}
 }
 
+// A completion whose prompt is 8,000,000 spaces (a body within the default 10 MiB limit),
+// routed by precise_cache_aware with the proxy's own tokenizer, is tokenized no further than
+// tokenize_max_tokens: the request is answered (the engine refuses the prompt, as vLLM does
+// one longer than its max_model_len), having cost the proxy some copies of its body, not
+// the gigabyte a merge of the one 8 MB word took.
+func TestAPromptOfMegabytesCostsTheProxyCopiesOfItsBodyNotAGigabyte(t *testing.T) {
+	// engine is a sim that tokenizes with the test tokenizer (the proxy's check of its own
+	// against it) and refuses every completion without reading it into memory: what the
+	// proxy allocates is its own.
+	engine := func() string {
+		scfg := sim.DefaultConfig()
+		scfg.Tokenizer = testTokenizer
+		e, err := sim.New(scfg, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		h := e.Handler()
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/v1/completions" {
+				h.ServeHTTP(w, r)
+				return
+			}
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusBadRequest)
+			_, _ = io.WriteString(w, `{"error":{"message":"the prompt is longer than the maximum model length","type":"BadRequestError","code":400}}`)
+		}))
+		t.Cleanup(srv.Close)
+		return srv.URL
+	}
+	c := Config{Listen: "127.0.0.1:0"}
+	c.Router.PrefillPolicy, c.Router.DecodePolicy = router.PolicyPreciseCacheAware, router.PolicyPreciseCacheAware
+	c.Router.Health.Interval = -1
+	c.Router.KVEvents.Listen = "tcp://127.0.0.1:0"
+	c.Router.Tokenizers = map[string]router.TokenizerFiles{"sim": {File: testTokenizer, ChatTemplate: testTemplate}}
+	c.Router.Backends = []router.BackendConfig{
+		{Name: "p0", URL: engine(), Role: router.RolePrefill, Engine: "sim"},
+		{Name: "d0", URL: engine(), Role: router.RoleDecode, Engine: "sim"},
+	}
+	m, err := startMain(t, c, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v := inProxy(t, m); v != 1 {
+		t.Fatalf("pdproxy_tokenizer_in_proxy %v, want 1: the proxy does not tokenize the model", v)
+	}
+	prompt := strings.Repeat(" ", 8_000_000)
+
+	t.Run("the router's tokens: none, at the cost of 131,072", func(t *testing.T) {
+		var toks []uint32
+		var err error
+		total := allocated(func() {
+			toks, err = m.Router.Tokens(context.Background(), router.TokenizeRequest{Model: "sim", Prompt: prompt})
+		})
+		if !errors.Is(err, router.ErrTooManyTokens) || toks != nil {
+			t.Errorf("Tokens: %d tokens, %v; want ErrTooManyTokens", len(toks), err)
+		}
+		if total > 8<<20 {
+			t.Errorf("tokenizing the prompt allocated %d MiB, want at most 8", total>>20)
+		}
+	})
+	t.Run("the request", func(t *testing.T) {
+		body, _ := json.Marshal(map[string]any{"model": "sim", "prompt": prompt, "max_tokens": 4})
+		var status int
+		var answer []byte
+		total := allocated(func() {
+			resp, err := http.Post(m.URL()+"/v1/completions", "application/json", bytes.NewReader(body))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			answer, _ = io.ReadAll(resp.Body)
+			resp.Body.Close()
+			status = resp.StatusCode
+		})
+		if status != http.StatusBadRequest || !strings.Contains(string(answer), "maximum model length") {
+			t.Errorf("status %d, %s; want the engine's refusal", status, answer)
+		}
+		// The proxy reads the body, decodes the prompt, and writes each leg's edited body
+		// (some ten copies in all, with their buffers' growth); tokenizing it merged one
+		// word of 8 MB, some 125 copies.
+		t.Logf("the request of %d bytes allocated %d MiB", len(body), total>>20)
+		if total > 16*int64(len(body)) {
+			t.Errorf("the request of %d MiB allocated %d MiB, want at most 16 times its body", len(body)>>20, total>>20)
+		}
+	})
+}
+
+// allocated is what f allocates on the heap, in all.
+func allocated(f func()) int64 {
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	f()
+	runtime.ReadMemStats(&after)
+	return int64(after.TotalAlloc - before.TotalAlloc)
+}
+
 // testLocalTokenizer is the proxy's tokenizer of model sim: the test tokenizer and template.
 func testLocalTokenizer(t testing.TB) router.LocalTokenizer {
 	t.Helper()
@@ -269,7 +370,7 @@ func FuzzTheProxysTokensAreTheEnginesTokens(f *testing.F) {
 		if !utf8.ValidString(text) || !utf8.ValidString(reply) || !utf8.ValidString(role) || role == "" || text == "" {
 			return
 		}
-		own, err := tok.Tokenize(nil, text, nil)
+		own, err := tok.Tokenize(nil, text, nil, math.MaxInt)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -278,7 +379,7 @@ func FuzzTheProxysTokensAreTheEnginesTokens(f *testing.F) {
 		}
 		msgs := []map[string]string{{"role": role, "content": text}, {"role": "assistant", "content": reply}, {"role": "user", "content": text + reply}}
 		raw, _ := json.Marshal(msgs)
-		own, err = tok.Tokenize(nil, "", raw)
+		own, err = tok.Tokenize(nil, "", raw, math.MaxInt)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -300,7 +401,7 @@ func TestChatsOfMoreThanPlainMessagesAreTheEnginesToTokenize(t *testing.T) {
 		`{"role":"user"}`,
 	} {
 		t.Run(msgs, func(t *testing.T) {
-			if _, err := tok.Tokenize(nil, "", json.RawMessage(msgs)); err != router.ErrNotLocal {
+			if _, err := tok.Tokenize(nil, "", json.RawMessage(msgs), math.MaxInt); err != router.ErrNotLocal {
 				t.Errorf("Tokenize: %v, want ErrNotLocal", err)
 			}
 		})
@@ -343,7 +444,7 @@ func TestChatsTokenizedIntoReusedBuffersAreTheirOwn(t *testing.T) {
 						dst, free = free[len(free)-1][:0], free[:len(free)-1]
 					}
 					var err error
-					if got[k], err = tok.Tokenize(dst, "", of[k].raw); err != nil {
+					if got[k], err = tok.Tokenize(dst, "", of[k].raw, math.MaxInt); err != nil {
 						t.Error(err)
 						return
 					}
