@@ -11,13 +11,17 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/sharedstate"
 )
 
 // agentRoutingParams sizes TestAgentRouting: the tiny run (every `go test`) shows that each
@@ -63,6 +67,13 @@ func agentRoutingParamsOf(t *testing.T) agentRoutingParams {
 type agentContender struct {
 	policy string
 	label  string
+	// sessions: the client names each request's session (X-Session-ID, as coding agents
+	// send one) and the proxy reads it (session_affinity).
+	sessions bool
+	// replicas, above 1, is how many proxy replicas share the engines and, as shared_state,
+	// a Redis that keeps the sessions' bindings; the client sends each request to the next
+	// replica in turn.
+	replicas int
 }
 
 func agentContenders() []agentContender {
@@ -71,6 +82,10 @@ func agentContenders() []agentContender {
 		{policy: router.PolicyLeastInflight, label: "least_inflight"},
 		{policy: router.PolicyCacheAware, label: "cache_aware, defaults"},
 		{policy: router.PolicyPreciseCacheAware, label: "precise_cache_aware, defaults"},
+		{policy: router.PolicyCacheAware, label: "cache_aware, session header", sessions: true},
+		{policy: router.PolicyPreciseCacheAware, label: "precise_cache_aware, session header", sessions: true},
+		{policy: router.PolicyCacheAware, label: "cache_aware, session header, 3 replicas, shared state", sessions: true, replicas: 3},
+		{policy: router.PolicyPreciseCacheAware, label: "precise_cache_aware, session header, 3 replicas, shared state", sessions: true, replicas: 3},
 	}
 }
 
@@ -182,14 +197,28 @@ func runAgentContender(t *testing.T, w *agentWorkload, turns []int, p agentRouti
 		return engines[int(h.Sum32())%len(engines)].srv.URL
 	}
 	if c.policy != "" {
-		pcfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
-		pcfg.Router.DecodePolicy = c.policy
-		for _, e := range engines {
-			pcfg.Router.Backends = append(pcfg.Router.Backends, router.BackendConfig{URL: e.srv.URL, Role: router.RoleDecode, Engine: kvbackend.KindVLLM,
-				KVEventsEndpoint: kvDial(t, e.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, e.e.KVEventsReplayAddr())})
+		redis := ""
+		if c.replicas > 1 {
+			redis = redistest.Start(t).Addr()
 		}
-		url := startMain(t, pcfg).URL()
-		target = func(int) string { return url }
+		var urls []string
+		for range max(c.replicas, 1) {
+			pcfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
+			pcfg.Router.DecodePolicy = c.policy
+			if c.sessions {
+				pcfg.Proxy.SessionAffinity = proxy.SessionAffinityConfig{Headers: []string{"X-Session-ID"}}
+			}
+			if redis != "" {
+				pcfg.SharedState = sharedstate.Config{Redis: sharedstate.RedisConfig{Addr: redis}}
+			}
+			for _, e := range engines {
+				pcfg.Router.Backends = append(pcfg.Router.Backends, router.BackendConfig{URL: e.srv.URL, Role: router.RoleDecode, Engine: kvbackend.KindVLLM,
+					KVEventsEndpoint: kvDial(t, e.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, e.e.KVEventsReplayAddr())})
+			}
+			urls = append(urls, startMain(t, pcfg).URL())
+		}
+		var next atomic.Uint64
+		target = func(int) string { return urls[(next.Add(1)-1)%uint64(len(urls))] }
 	}
 
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: p.concurrent}, Timeout: 5 * time.Minute}
@@ -215,7 +244,11 @@ func runAgentContender(t *testing.T, w *agentWorkload, turns []int, p agentRouti
 				if turn > 0 {
 					time.Sleep(tool[s][turn]) // the agent runs its tool
 				}
-				d, err := streamTurn(client, target(s), w.streamBody(s, turn))
+				var hdr http.Header
+				if c.sessions {
+					hdr = http.Header{"X-Session-ID": {fmt.Sprintf("session-%d", s)}}
+				}
+				d, err := streamTurnWith(client, target(s), w.streamBody(s, turn), hdr)
 				if err != nil {
 					t.Errorf("session %d turn %d: %v", s, turn, err)
 					return

@@ -463,8 +463,21 @@ func runStreamed(t *testing.T, w *chatWorkload, rate int, target func(turnRef) s
 
 // streamTurn posts one streamed request and returns the time to the first byte of its body.
 func streamTurn(client *http.Client, url string, body []byte) (time.Duration, error) {
+	return streamTurnWith(client, url, body, nil)
+}
+
+// streamTurnWith is streamTurn with the request's headers besides its content type.
+func streamTurnWith(client *http.Client, url string, body []byte, hdr http.Header) (time.Duration, error) {
+	req, err := http.NewRequest(http.MethodPost, url+"/v1/chat/completions", bytes.NewReader(body))
+	if err != nil {
+		return 0, err
+	}
+	for k, v := range hdr {
+		req.Header[k] = v
+	}
+	req.Header.Set("Content-Type", "application/json")
 	t0 := time.Now()
-	resp, err := client.Post(url+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+	resp, err := client.Do(req)
 	if err != nil {
 		return 0, err
 	}
