@@ -80,6 +80,7 @@ func agentContenders() []agentContender {
 	return []agentContender{
 		{label: "session-sticky reference: a hash of the session id, no proxy"},
 		{policy: router.PolicyLeastInflight, label: "least_inflight"},
+		{policy: router.PolicyLeastInflight, sessions: true, label: "least_inflight, session header: the session's hash through the proxy"},
 		{policy: router.PolicyCacheAware, label: "cache_aware, defaults"},
 		{policy: router.PolicyPreciseCacheAware, label: "precise_cache_aware, defaults"},
 		{policy: router.PolicyCacheAware, label: "cache_aware, session header", sessions: true},

@@ -18,6 +18,7 @@ import (
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -56,12 +57,18 @@ func ladderParamsOf(t *testing.T) ladderParams {
 }
 
 // ladderContender is a policy of the proxy, or (policy "") a client that sends each group's
-// prompts straight to the engine a hash of the group names.
-type ladderContender struct{ policy, label string }
+// prompts straight to the engine a hash of the group names. With byGroup the client names
+// each prompt's group as its session (X-Session-ID) and the proxy places the session by its
+// key: a hash of the group through the proxy, which costs what the proxy costs.
+type ladderContender struct {
+	policy, label string
+	byGroup       bool
+}
 
 func ladderContenders() []ladderContender {
 	return []ladderContender{
 		{label: "client-side hash of the group, no proxy"},
+		{policy: router.PolicyLeastInflight, byGroup: true, label: "the group as the session, least_inflight: a hash of the group through the proxy"},
 		{policy: router.PolicyLeastInflight, label: "least_inflight"},
 		{policy: router.PolicyCacheAware, label: "cache_aware, defaults"},
 		{policy: router.PolicyPreciseCacheAware, label: "precise_cache_aware, defaults"},
@@ -185,12 +192,21 @@ func climbRung(t *testing.T, p ladderParams, c ladderContender, cfg sim.Config, 
 	if c.policy != "" {
 		pcfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
 		pcfg.Router.DecodePolicy = c.policy
+		if c.byGroup {
+			pcfg.Proxy.SessionAffinity = proxy.SessionAffinityConfig{Headers: []string{"X-Session-ID"}}
+		}
 		for _, e := range engines {
 			pcfg.Router.Backends = append(pcfg.Router.Backends, router.BackendConfig{URL: e.srv.URL, Role: router.RoleDecode, Engine: kvbackend.KindVLLM,
 				KVEventsEndpoint: kvDial(t, e.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, e.e.KVEventsReplayAddr())})
 		}
 		url := startMain(t, pcfg).URL()
 		target = func(int) string { return url }
+	}
+	header := func(group int) http.Header {
+		if !c.byGroup {
+			return nil
+		}
+		return http.Header{"X-Session-ID": {fmt.Sprintf("group-%d", group)}}
 	}
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}, Timeout: 2 * time.Minute}
 	defer client.CloseIdleConnections()
@@ -208,7 +224,7 @@ func climbRung(t *testing.T, p ladderParams, c ladderContender, cfg sim.Config, 
 		group, body := next(k)
 		url := target(group)
 		wg.Go(func() {
-			d, err := streamTurn(client, url, body)
+			d, err := streamTurnWith(client, url, body, header(group))
 			if err != nil {
 				t.Errorf("rate %d/s, request %d: %v", rate, k, err)
 				return
