@@ -10,7 +10,10 @@
 //
 // The index keys blocks by its own chained hash of the events' token ids, not by the
 // engines' block hashes, so that an engine's hash seed and algorithm (PYTHONHASHSEED,
-// sha256 or builtin) do not matter and one request hashes once for every engine. It is one
+// sha256 or builtin) do not matter and one request hashes once for every engine. A block's
+// extra keys (the LoRA, the cache_salt: what vLLM hashes a block with beyond its tokens) are
+// folded into its key, and a request is matched under its Identity; a hybrid model's
+// sliding-window and Mamba groups narrow what a match of its full-attention blocks credits. It is one
 // table keyed by block, whose entry lists the engines holding the block with their copies per
 // tier (GPU, CPU, disk, tiers named by SetTierWeights), so that one walk of a request's keys
 // answers every engine (MatchAll) at a cost that grows with the engines holding the prompt,

@@ -57,10 +57,23 @@ type Event struct {
 	BlockSize int
 	// Medium is where the blocks live ("GPU", "CPU", ...); empty when not given.
 	Medium string
-	// Keyed is set when the engine hashed the blocks with more than their tokens (a LoRA
-	// adapter, extra keys: a cache_salt, multimodal inputs): the same token ids under other
-	// keys are other KV, which a request's tokens alone cannot tell apart.
-	Keyed bool
+	// Extra are the stored blocks' extra keys (extra_keys: the LoRA name, multimodal items,
+	// the cache_salt, prompt embeddings' hashes), one per hash, each folded to 64 bits, 0 for
+	// a block without any; nil when the event gives none.
+	Extra []uint64
+	// MissingKeys is set when the engine hashed the blocks with keys the event does not
+	// give: a lora_id without a lora_name (SGLang, vLLM before lora_name), a lora_name
+	// without extra_keys (vLLM before extra_keys, which may have salted them too). The same
+	// token ids under other keys are other KV, which the index cannot tell apart.
+	MissingKeys bool
+	// Group is the KV cache group the blocks are of (group_idx): 0 when not given.
+	Group int32
+	// Attention is the kind of the group's layers (BlockStored's kv_cache_spec_kind),
+	// AttentionFull when not given.
+	Attention AttentionKind
+	// Window is the group's sliding window in tokens (kv_cache_spec_sliding_window), 0 when
+	// not given.
+	Window int
 }
 
 // Batch is one message's payload.
@@ -140,10 +153,15 @@ type Decoder struct {
 	spans  []span
 	hashes []uint64
 	tokens []uint32
+	extras []uint64
 }
 
-// span is one event's part of the Decoder's hashes and tokens.
-type span struct{ h0, h1, t0, t1 int32 }
+// span is one event's part of the Decoder's hashes, tokens and extra keys; extra is set
+// when the event gives extra keys.
+type span struct {
+	h0, h1, t0, t1, e0, e1 int32
+	extra                  bool
+}
 
 // keepTokens is the most token ids a Decoder's buffer keeps after a message: a message
 // longer than any engine's context (a broken or hostile publisher's) does not leave its
@@ -165,10 +183,10 @@ func (d *Decoder) DecodeMessage(frames [][]byte) (Message, error) {
 // DecodeBatch decodes a payload, as the function DecodeBatch does.
 func (d *Decoder) DecodeBatch(payload []byte) (Batch, error) {
 	if cap(d.tokens) > keepTokens {
-		d.events, d.spans, d.hashes, d.tokens = nil, nil, nil, nil
+		d.events, d.spans, d.hashes, d.tokens, d.extras = nil, nil, nil, nil, nil
 	}
 	r := reader{p: payload, d: d}
-	d.events, d.spans, d.hashes, d.tokens = d.events[:0], d.spans[:0], d.hashes[:0], d.tokens[:0]
+	d.events, d.spans, d.hashes, d.tokens, d.extras = d.events[:0], d.spans[:0], d.hashes[:0], d.tokens[:0], d.extras[:0]
 	b, err := r.batch()
 	if err == nil && r.i != len(r.p) {
 		err = errors.New("trailing bytes after the batch")
@@ -177,16 +195,23 @@ func (d *Decoder) DecodeBatch(payload []byte) (Batch, error) {
 		return Batch{}, &DecodeError{ReasonDecode, err}
 	}
 	for i := range d.events {
-		d.events[i].Hashes, d.events[i].Tokens = d.slices(d.spans[i])
+		d.events[i].Hashes, d.events[i].Tokens, d.events[i].Extra = d.slices(d.spans[i])
 	}
 	b.Events = d.events
 	return b, nil
 }
 
-// slices are s's hashes and token ids, capped so that an append to one cannot reach the
-// next event's.
-func (d *Decoder) slices(s span) ([]uint64, []uint32) {
-	return d.hashes[s.h0:s.h1:s.h1], d.tokens[s.t0:s.t1:s.t1]
+// slices are s's hashes, token ids and extra keys (nil when it gives none), capped so that
+// an append to one cannot reach the next event's.
+func (d *Decoder) slices(s span) ([]uint64, []uint32, []uint64) {
+	var extra []uint64
+	if s.extra {
+		extra = d.extras[s.e0:s.e1:s.e1]
+		if extra == nil {
+			extra = []uint64{}
+		}
+	}
+	return d.hashes[s.h0:s.h1:s.h1], d.tokens[s.t0:s.t1:s.t1], extra
 }
 
 // reader reads one payload, p from i on, by hand: a message is nearly all block hashes and
@@ -533,25 +558,131 @@ func (r *reader) present() (bool, error) {
 	return true, r.skip(1)
 }
 
-// anyPresent reads extra_keys, nil or an array with an entry per block, each nil or the
-// block's keys, and reports whether any block has keys.
-func (r *reader) anyPresent() (bool, error) {
+// extraKeys reads extra_keys, nil or an array with an entry per block, each nil or the
+// block's keys (a tuple: the LoRA name, multimodal items, the cache_salt, ...), into the
+// Decoder's extras, each folded by canon; ok is false for nil.
+func (r *reader) extraKeys() (e0, e1 int32, ok bool, err error) {
 	kind, n, err := r.head(maxHashes)
 	if err != nil || kind == null {
-		return false, err
+		return 0, 0, false, err
 	}
 	if kind != array {
-		return false, errors.New("extra_keys is not an array")
+		return 0, 0, false, errors.New("extra_keys is not an array")
 	}
-	found := false
+	e0 = int32(len(r.d.extras))
 	for range n {
-		set, err := r.present()
+		c, err := r.peek()
 		if err != nil {
-			return false, err
+			return 0, 0, false, err
 		}
-		found = found || set
+		if c == msgpcode.Nil {
+			r.i++
+			r.d.extras = append(r.d.extras, 0)
+			continue
+		}
+		var cn canon
+		if err := r.canonValue(&cn, 1); err != nil {
+			return 0, 0, false, err
+		}
+		r.d.extras = append(r.d.extras, cn.sum())
 	}
-	return found, nil
+	return e0, int32(len(r.d.extras)), true, nil
+}
+
+// canonValue reads one value of any type into c, nested at most maxDepth deep: the same
+// value hashes alike whatever widths its encoder chose for its integers.
+func (r *reader) canonValue(c *canon, depth int) error {
+	if depth > maxDepth {
+		return errors.New("nested too deep")
+	}
+	kind, n, err := r.head(math.MaxInt32)
+	if err != nil {
+		return err
+	}
+	switch kind {
+	case null:
+		c.null()
+		return nil
+	case array, mapping:
+		if kind == mapping {
+			c.mapping(n)
+			n *= 2
+		} else {
+			c.array(n)
+		}
+		for range n {
+			if err := r.canonValue(c, depth+1); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	if v, _, size := rawInt(r.p[r.i:]); size > 0 {
+		r.i += size
+		c.integer(v)
+		return nil
+	}
+	b := r.p[r.i] // head saw it
+	if n, ok, err := r.strLen(b); ok {
+		if err != nil {
+			return err
+		}
+		p, err := r.take(n)
+		if err != nil {
+			return err
+		}
+		if msgpcode.IsBin(b) {
+			c.bin(p)
+		} else {
+			c.strBytes(p)
+		}
+		return nil
+	}
+	switch {
+	case b == msgpcode.False, b == msgpcode.True:
+		r.i++
+		c.boolean(b == msgpcode.True)
+		return nil
+	case b == msgpcode.Float:
+		r.i++
+		p, err := r.take(4)
+		if err != nil {
+			return err
+		}
+		c.float(float64(math.Float32frombits(binary.BigEndian.Uint32(p))))
+		return nil
+	case b == msgpcode.Double:
+		r.i++
+		p, err := r.take(8)
+		if err != nil {
+			return err
+		}
+		c.float(math.Float64frombits(binary.BigEndian.Uint64(p)))
+		return nil
+	case b >= msgpcode.FixExt1 && b <= msgpcode.FixExt16:
+		r.i++
+		p, err := r.take(1 + 1<<(b-msgpcode.FixExt1))
+		if err != nil {
+			return err
+		}
+		c.ext(int8(p[0]), p[1:])
+		return nil
+	case b == msgpcode.Ext8, b == msgpcode.Ext16, b == msgpcode.Ext32:
+		r.i++
+		n, err := r.length(1 << (b - msgpcode.Ext8))
+		if err != nil {
+			return err
+		}
+		p, err := r.take(n + 1)
+		if err != nil {
+			return err
+		}
+		c.ext(int8(p[0]), p[1:])
+		return nil
+	case isInt(b):
+		return errShort
+	}
+	return fmt.Errorf("unknown code %#x", b)
 }
 
 // hashes reads block_hashes into the Decoder's hashes, and returns where they are.
@@ -709,7 +840,7 @@ func (r *reader) events(b *Batch) error {
 		if err != nil {
 			return err
 		}
-		e.Hashes, e.Tokens = d.slices(s)
+		e.Hashes, e.Tokens, e.Extra = d.slices(s)
 		switch {
 		case !known:
 			b.Unknown++
@@ -724,12 +855,21 @@ func (r *reader) events(b *Batch) error {
 }
 
 // valid checks what the decoder can of the stored blocks: their token ids fill them
-// exactly, at the given block size or, without one, at some size.
+// exactly, at the given block size or, without one, at some size, and there are as many
+// extra keys as blocks. A group of a kind other than full attention may store fewer blocks
+// than its token ids fill: vLLM skips the blocks out of a sliding window (null blocks) and
+// publishes the token ids of the whole range, the hashes of the blocks it kept.
 func (e *Event) valid() bool {
 	if e.Kind != BlockStored {
 		return true
 	}
-	if len(e.Hashes) == 0 || e.BlockSize > maxBlockSize {
+	if e.BlockSize > maxBlockSize || e.Extra != nil && len(e.Extra) != len(e.Hashes) {
+		return false
+	}
+	if e.Attention != AttentionFull && e.BlockSize > 0 {
+		return len(e.Tokens)%e.BlockSize == 0 && len(e.Hashes) <= len(e.Tokens)/e.BlockSize
+	}
+	if len(e.Hashes) == 0 {
 		return false
 	}
 	if e.BlockSize == 0 {
@@ -763,6 +903,9 @@ const (
 	medium
 	loraName
 	extraKeys
+	groupIdx
+	specKind
+	specWindow
 )
 
 // fieldOf is the field a map's key names.
@@ -784,23 +927,39 @@ func fieldOf(key []byte) field {
 		return loraName
 	case "extra_keys":
 		return extraKeys
+	case "group_idx":
+		return groupIdx
+	case "kv_cache_spec_kind":
+		return specKind
+	case "kv_cache_spec_sliding_window":
+		return specWindow
 	}
 	return skipped
 }
 
 // The positional fields of the array form, after the tag, by msgspec's field order.
 var (
-	storedFields  = []field{blockHashes, parentBlockHash, tokenIDs, blockSize, loraID, medium, loraName, extraKeys}
-	removedFields = []field{blockHashes, medium}
+	storedFields  = []field{blockHashes, parentBlockHash, tokenIDs, blockSize, loraID, medium, loraName, extraKeys, groupIdx, specKind, specWindow}
+	removedFields = []field{blockHashes, medium, groupIdx}
 )
 
 // fieldNames are the fields' names, for errors.
-var fieldNames = [...]string{"field", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys"}
+var fieldNames = [...]string{"field", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys",
+	"group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
+
+// keysSeen is what an event says of the keys its blocks were hashed with, read field by
+// field: whether it has a lora_id, a lora_name, extra_keys.
+type keysSeen struct{ loraID, loraName, extra bool }
+
+// missing is whether the blocks were hashed with keys the event does not give.
+func (k keysSeen) missing() bool { return k.loraID && !k.loraName || k.loraName && !k.extra }
 
 // event reads one event, its hashes and token ids into the Decoder's, where s says. known is
 // false for an unknown tag, whose fields are skipped; an error means the message cannot be
 // read further.
 func (r *reader) event() (e Event, s span, known bool, err error) {
+	var ks keysSeen
+	defer func() { e.MissingKeys = ks.missing() }()
 	kind, n, err := r.head(64)
 	if err != nil {
 		return Event{}, span{}, false, err
@@ -833,7 +992,7 @@ func (r *reader) event() (e Event, s span, known bool, err error) {
 			if i < len(fields) {
 				f = fields[i]
 			}
-			if err := r.eventField(&e, &s, f); err != nil {
+			if err := r.eventField(&e, &s, &ks, f); err != nil {
 				return Event{}, span{}, false, fmt.Errorf("%s: %s: %w", tag, fieldNames[f], err)
 			}
 		}
@@ -851,7 +1010,7 @@ func (r *reader) event() (e Event, s span, known bool, err error) {
 				e.Kind = kindOf(tag)
 				continue
 			}
-			if err := r.eventField(&e, &s, fieldOf(k)); err != nil {
+			if err := r.eventField(&e, &s, &ks, fieldOf(k)); err != nil {
 				return Event{}, span{}, false, fmt.Errorf("%s: %w", k, err)
 			}
 		}
@@ -861,7 +1020,7 @@ func (r *reader) event() (e Event, s span, known bool, err error) {
 	return e, s, e.Kind != 0, nil
 }
 
-func (r *reader) eventField(e *Event, s *span, f field) error {
+func (r *reader) eventField(e *Event, s *span, ks *keysSeen, f field) error {
 	var err error
 	switch f {
 	case blockHashes:
@@ -878,18 +1037,49 @@ func (r *reader) eventField(e *Event, s *span, f field) error {
 		var m []byte
 		m, err = r.str()
 		e.Medium = mediumString(m)
-	case loraID, loraName:
+	case loraID:
 		var set bool
 		set, err = r.present()
-		e.Keyed = e.Keyed || set
+		ks.loraID = ks.loraID || set
+	case loraName:
+		var name []byte
+		if name, err = r.str(); err == nil && len(name) > 0 {
+			ks.loraName = true
+		}
 	case extraKeys:
-		var set bool
-		set, err = r.anyPresent()
-		e.Keyed = e.Keyed || set
+		s.e0, s.e1, s.extra, err = r.extraKeys()
+		ks.extra = s.extra
+	case groupIdx:
+		var v int64
+		if v, err = r.optInt(); err == nil {
+			e.Group = int32(v)
+		}
+	case specKind:
+		var kind []byte
+		if kind, err = r.str(); err == nil {
+			e.Attention = attentionOf(kind)
+		}
+	case specWindow:
+		var v int64
+		v, err = r.optInt()
+		e.Window = int(v)
 	default:
 		err = r.skip(1)
 	}
 	return err
+}
+
+// optInt reads nil, as 0, or an integer in [0, 2^31).
+func (r *reader) optInt() (int64, error) {
+	c, err := r.peek()
+	if err != nil {
+		return 0, err
+	}
+	if c == msgpcode.Nil {
+		r.i++
+		return 0, nil
+	}
+	return r.int(0, math.MaxInt32)
 }
 
 // mediumString is m as a string, without an allocation for the media engines name.

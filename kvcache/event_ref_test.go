@@ -46,6 +46,16 @@ func decodeSeeds(t testing.TB) [][]byte {
 		batch([]any{"BlockStored", []uint64{4}, nil, tokensN(0, 4), 0, nil, "LocalDisk", nil, []any{nil}}, []any{"BlockRemoved", []uint64{4}, "cpu"}),
 		batch([]any{"BlockRemoved", nil, nil}, []any{"BlockMoved", []any{1, 2, map[string]any{"x": []any{1.5, true, nil}}}}, []any{"AllBlocksCleared", 1}),
 		batch(stored([]uint64{1, 2}, nil, tokensN(0, 20), 16), stored([]uint64{1, 2, 3}, nil, tokensN(0, 20), 0)),
+		batch([]any{"BlockStored", []uint64{3, 4}, nil, tokensN(0, 8), 4, 1, "GPU", "a",
+			[]any{[]any{"a", []any{"mm", -3}, "salt", []byte{1, 2}}, nil}, 1, "sliding_window", 128},
+			[]any{"BlockStored", []uint64{5}, uint64(4), tokensN(0, 12), 4, nil, "GPU", nil,
+				[]any{[]any{1.5, float32(2.5), true, false, map[string]any{"k": nil}, msgpack.RawMessage{0xd4, 0x05, 0x01}}}, nil, "mamba", nil},
+			[]any{"BlockRemoved", []uint64{3}, "GPU", 1}),
+		map[string]any{"ts": 1.0, "events": []any{
+			map[string]any{"type": "BlockStored", "block_hashes": []uint64{9}, "token_ids": tokensN(0, 16), "block_size": 4,
+				"lora_name": "x", "extra_keys": []any{[]any{"x"}}, "group_idx": 2, "kv_cache_spec_kind": "sliding_window_mla", "kv_cache_spec_sliding_window": 5},
+			map[string]any{"type": "BlockRemoved", "block_hashes": []uint64{9}, "group_idx": 2, "medium": nil},
+		}},
 		map[string]any{"ts": 1.0, "data_parallel_rank": 2, "events": []any{
 			map[string]any{"type": "BlockStored", "block_hashes": []uint64{9}, "parent_block_hash": nil,
 				"token_ids": tokensN(0, 16), "block_size": 16, "lora_name": nil, "extra_keys": []any{nil}, "group_idx": 0},
@@ -321,25 +331,125 @@ func (r *refReader) present() (bool, error) {
 	return true, r.skip(1)
 }
 
-// anyPresent reads extra_keys, nil or an array with an entry per block, each nil or the
-// block's keys, and reports whether any block has keys.
-func (r *refReader) anyPresent() (bool, error) {
+// extraKeys reads extra_keys, nil (ok false) or an array with an entry per block, each nil
+// (0) or the block's keys, folded by canon.
+func (r *refReader) extraKeys() (out []uint64, ok bool, err error) {
 	kind, n, err := r.head(maxHashes)
 	if err != nil || kind == null {
-		return false, err
+		return nil, false, err
 	}
 	if kind != array {
-		return false, errors.New("extra_keys is not an array")
+		return nil, false, errors.New("extra_keys is not an array")
 	}
-	found := false
+	out = make([]uint64, 0, n)
 	for range n {
-		set, err := r.present()
+		c, err := r.d.PeekCode()
 		if err != nil {
-			return false, err
+			return nil, false, err
 		}
-		found = found || set
+		if c == msgpcode.Nil {
+			_, _ = r.br.ReadByte()
+			out = append(out, 0)
+			continue
+		}
+		var cn canon
+		if err := r.canonValue(&cn, 1); err != nil {
+			return nil, false, err
+		}
+		out = append(out, cn.sum())
 	}
-	return found, nil
+	return out, true, nil
+}
+
+// canonValue reads one value into c through the msgpack decoder's typed calls.
+func (r *refReader) canonValue(c *canon, depth int) error {
+	if depth > maxDepth {
+		return errors.New("nested too deep")
+	}
+	kind, n, err := r.head(math.MaxInt32)
+	if err != nil {
+		return err
+	}
+	switch kind {
+	case null:
+		c.null()
+		return nil
+	case array:
+		c.array(n)
+	case mapping:
+		c.mapping(n)
+		n *= 2
+	}
+	if kind != other {
+		for range n {
+			if err := r.canonValue(c, depth+1); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	code, err := r.d.PeekCode()
+	if err != nil {
+		return err
+	}
+	switch {
+	case code == msgpcode.Uint64:
+		v, err := r.d.DecodeUint64()
+		c.integer(v)
+		return err
+	case isInt(code):
+		v, err := r.d.DecodeInt64()
+		c.integer(uint64(v))
+		return err
+	case msgpcode.IsString(code):
+		p, err := r.bytes(math.MaxInt32)
+		c.strBytes(p)
+		return err
+	case msgpcode.IsBin(code):
+		p, err := r.bytes(math.MaxInt32)
+		c.bin(p)
+		return err
+	case code == msgpcode.True || code == msgpcode.False:
+		v, err := r.d.DecodeBool()
+		c.boolean(v)
+		return err
+	case code == msgpcode.Float:
+		v, err := r.d.DecodeFloat32()
+		c.float(float64(v))
+		return err
+	case code == msgpcode.Double:
+		v, err := r.d.DecodeFloat64()
+		c.float(v)
+		return err
+	case code >= msgpcode.FixExt1 && code <= msgpcode.FixExt16 || code == msgpcode.Ext8 || code == msgpcode.Ext16 || code == msgpcode.Ext32:
+		id, n, err := r.d.DecodeExtHeader()
+		if err != nil {
+			return err
+		}
+		if n < 0 || n > r.br.Len() {
+			return fmt.Errorf("claims %d bytes with %d left", n, r.br.Len())
+		}
+		p := make([]byte, n)
+		if _, err := io.ReadFull(r.br, p); err != nil {
+			return err
+		}
+		c.ext(id, p)
+		return nil
+	}
+	return fmt.Errorf("unknown code %#x", code)
+}
+
+// optInt reads nil, as 0, or an integer in [0, 2^31).
+func (r *refReader) optInt() (int64, error) {
+	c, err := r.d.PeekCode()
+	if err != nil {
+		return 0, err
+	}
+	if c == msgpcode.Nil {
+		_, err = r.br.ReadByte()
+		return 0, err
+	}
+	return r.int(0, math.MaxInt32)
 }
 
 func (r *refReader) hashes() ([]uint64, error) {
@@ -497,13 +607,16 @@ func (r *refReader) events(b *Batch) error {
 
 // The positional fields of the array form, after the tag, by msgspec's field order.
 var (
-	refStoredFields  = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys"}
-	refRemovedFields = []string{"block_hashes", "medium"}
+	refStoredFields = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys",
+		"group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
+	refRemovedFields = []string{"block_hashes", "medium", "group_idx"}
 )
 
 // event reads one event. known is false for an unknown tag, whose fields are skipped; an
 // error means the message cannot be read further.
 func (r *refReader) event() (e Event, known bool, err error) {
+	var ks keysSeen
+	defer func() { e.MissingKeys = ks.loraID && !ks.loraName || ks.loraName && !ks.extra }()
 	kind, n, err := r.head(64)
 	if err != nil {
 		return Event{}, false, err
@@ -536,7 +649,7 @@ func (r *refReader) event() (e Event, known bool, err error) {
 			if i < len(names) {
 				name = names[i]
 			}
-			if err := r.eventField(&e, name); err != nil {
+			if err := r.eventField(&e, &ks, name); err != nil {
 				return Event{}, false, fmt.Errorf("%s: %w", tag, err)
 			}
 		}
@@ -554,7 +667,7 @@ func (r *refReader) event() (e Event, known bool, err error) {
 				e.Kind = kindOf([]byte(tag))
 				continue
 			}
-			if err := r.eventField(&e, k); err != nil {
+			if err := r.eventField(&e, &ks, k); err != nil {
 				return Event{}, false, fmt.Errorf("%s: %w", k, err)
 			}
 		}
@@ -564,7 +677,7 @@ func (r *refReader) event() (e Event, known bool, err error) {
 	return e, e.Kind != 0, nil
 }
 
-func (r *refReader) eventField(e *Event, name string) error {
+func (r *refReader) eventField(e *Event, ks *keysSeen, name string) error {
 	var err error
 	switch name {
 	case "block_hashes":
@@ -579,14 +692,28 @@ func (r *refReader) eventField(e *Event, name string) error {
 		e.BlockSize = int(v)
 	case "medium":
 		e.Medium, err = r.str()
-	case "lora_id", "lora_name":
+	case "lora_id":
 		var set bool
 		set, err = r.present()
-		e.Keyed = e.Keyed || set
+		ks.loraID = ks.loraID || set
+	case "lora_name":
+		var name string
+		name, err = r.str()
+		ks.loraName = ks.loraName || name != ""
 	case "extra_keys":
-		var set bool
-		set, err = r.anyPresent()
-		e.Keyed = e.Keyed || set
+		e.Extra, ks.extra, err = r.extraKeys()
+	case "group_idx":
+		var v int64
+		v, err = r.optInt()
+		e.Group = int32(v)
+	case "kv_cache_spec_kind":
+		var kind string
+		kind, err = r.str()
+		e.Attention = attentionOf([]byte(kind))
+	case "kv_cache_spec_sliding_window":
+		var v int64
+		v, err = r.optInt()
+		e.Window = int(v)
 	default:
 		err = r.skip(1)
 	}

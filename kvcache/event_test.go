@@ -32,7 +32,7 @@ func TestDecodeBatch(t *testing.T) {
 				map[string]any{"block_hashes": []uint64{9}, "type": "BlockRemoved"},
 			}}),
 			want: Batch{Rank: 2, Events: []Event{
-				{Kind: BlockStored, Hashes: []uint64{9}, Tokens: tokensN(0, 16), BlockSize: 16},
+				{Kind: BlockStored, Hashes: []uint64{9}, Tokens: tokensN(0, 16), BlockSize: 16, Extra: []uint64{0}},
 				{Kind: BlockRemoved, Hashes: []uint64{9}},
 			}}},
 		{name: "hashes as bytes fold to 64 bits: 8 bytes as the integer, longer ones hashed",
@@ -47,19 +47,46 @@ func TestDecodeBatch(t *testing.T) {
 		{name: "token ids that do not fill the blocks are malformed, the rest applies",
 			payload: payload(t, stored([]uint64{1, 2}, nil, tokensN(0, 20), 16), stored([]uint64{1, 2, 3}, nil, tokensN(0, 20), 0), cleared()),
 			want:    Batch{Malformed: 2, Events: []Event{{Kind: AllBlocksCleared}}}},
-		{name: "blocks of a LoRA adapter or with extra keys are marked keyed",
+		{name: "a LoRA without its name, or a name without extra_keys, is marked missing keys",
 			payload: payload(t,
 				[]any{"BlockStored", []uint64{1}, nil, tokensN(0, 4), 4, 3, "GPU", nil},
 				[]any{"BlockStored", []uint64{2}, nil, tokensN(0, 4), 4, nil, "GPU", "my-adapter"},
-				[]any{"BlockStored", []uint64{3}, nil, tokensN(0, 4), 4, nil, "GPU", nil, []any{[]any{"salt"}}},
-				[]any{"BlockStored", []uint64{4}, nil, tokensN(0, 4), 4, nil, "GPU", nil, []any{nil}},
 				map[string]any{"type": "BlockStored", "block_hashes": []uint64{5}, "token_ids": tokensN(0, 4), "block_size": 4, "lora_name": "a"}),
 			want: Batch{Events: []Event{
-				{Kind: BlockStored, Hashes: []uint64{1}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU", Keyed: true},
-				{Kind: BlockStored, Hashes: []uint64{2}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU", Keyed: true},
-				{Kind: BlockStored, Hashes: []uint64{3}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU", Keyed: true},
-				{Kind: BlockStored, Hashes: []uint64{4}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU"},
-				{Kind: BlockStored, Hashes: []uint64{5}, Tokens: tokensN(0, 4), BlockSize: 4, Keyed: true},
+				{Kind: BlockStored, Hashes: []uint64{1}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU", MissingKeys: true},
+				{Kind: BlockStored, Hashes: []uint64{2}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU", MissingKeys: true},
+				{Kind: BlockStored, Hashes: []uint64{5}, Tokens: tokensN(0, 4), BlockSize: 4, MissingKeys: true},
+			}}},
+		{name: "extra keys fold per block as a request's identity folds them, whatever the integers' widths",
+			payload: payload(t,
+				[]any{"BlockStored", []uint64{3, 4}, nil, tokensN(0, 8), 4, nil, "GPU", nil, []any{[]any{"salt"}, nil}},
+				[]any{"BlockStored", []uint64{6, 7}, nil, tokensN(0, 8), 4, 1, "GPU", "a", []any{[]any{"a", "salt"}, []any{"a"}}},
+				[]any{"BlockStored", []uint64{8}, nil, tokensN(0, 4), 4, nil, "GPU", nil, []any{[]any{[]any{"mm", int8(3)}}}},
+				[]any{"BlockStored", []uint64{9}, nil, tokensN(0, 4), 4, nil, "GPU", nil, []any{[]any{[]any{"mm", int64(3)}}}}),
+			want: Batch{Events: []Event{
+				{Kind: BlockStored, Hashes: []uint64{3, 4}, Tokens: tokensN(0, 8), BlockSize: 4, Medium: "GPU", Extra: []uint64{firstKey(Identity{Salt: "salt"}), 0}},
+				{Kind: BlockStored, Hashes: []uint64{6, 7}, Tokens: tokensN(0, 8), BlockSize: 4, Medium: "GPU",
+					Extra: []uint64{firstKey(Identity{LoRA: "a", Salt: "salt"}), firstKey(Identity{LoRA: "a"})}},
+				{Kind: BlockStored, Hashes: []uint64{8}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU", Extra: []uint64{mmKey("mm", 3)}},
+				{Kind: BlockStored, Hashes: []uint64{9}, Tokens: tokensN(0, 4), BlockSize: 4, Medium: "GPU", Extra: []uint64{mmKey("mm", 3)}},
+			}}},
+		{name: "a group, its kind and its window, as hybrid models' events give them",
+			payload: mustMarshal(t, []any{1.0, []any{
+				map[string]any{"type": "BlockStored", "block_hashes": []uint64{1}, "parent_block_hash": nil, "token_ids": tokensN(0, 12),
+					"block_size": 4, "lora_name": nil, "group_idx": 1, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8},
+				map[string]any{"type": "BlockStored", "block_hashes": []uint64{2}, "token_ids": tokensN(0, 4), "block_size": 4,
+					"group_idx": 2, "kv_cache_spec_kind": "chunked_local_attention"},
+				map[string]any{"type": "BlockStored", "block_hashes": []uint64{3}, "token_ids": tokensN(0, 4), "block_size": 4,
+					"group_idx": 0, "kv_cache_spec_kind": "full_attention"},
+				map[string]any{"type": "BlockStored", "block_hashes": []uint64{3}, "token_ids": tokensN(0, 8), "block_size": 4,
+					"kv_cache_spec_kind": "full_attention"},
+				map[string]any{"type": "BlockRemoved", "block_hashes": []uint64{1}, "group_idx": 1},
+			}, 0}),
+			want: Batch{Malformed: 1, Events: []Event{
+				{Kind: BlockStored, Hashes: []uint64{1}, Tokens: tokensN(0, 12), BlockSize: 4, Group: 1, Attention: AttentionSlidingWindow, Window: 8},
+				{Kind: BlockStored, Hashes: []uint64{2}, Tokens: tokensN(0, 4), BlockSize: 4, Group: 2, Attention: AttentionOther},
+				{Kind: BlockStored, Hashes: []uint64{3}, Tokens: tokensN(0, 4), BlockSize: 4},
+				{Kind: BlockRemoved, Hashes: []uint64{1}, Group: 1},
 			}}},
 		{name: "a batch without a rank is rank 0",
 			payload: mustMarshal(t, []any{1.0, []any{}}),
@@ -85,7 +112,8 @@ func equalBatch(a, b Batch) bool {
 	for i := range a.Events {
 		x, y := a.Events[i], b.Events[i]
 		if x.Kind != y.Kind || x.Parent != y.Parent || x.HasParent != y.HasParent || x.BlockSize != y.BlockSize ||
-			x.Medium != y.Medium || x.Keyed != y.Keyed || len(x.Hashes) != len(y.Hashes) || len(x.Tokens) != len(y.Tokens) {
+			x.Medium != y.Medium || x.MissingKeys != y.MissingKeys || len(x.Hashes) != len(y.Hashes) || len(x.Tokens) != len(y.Tokens) ||
+			!slices.Equal(x.Extra, y.Extra) || (x.Extra == nil) != (y.Extra == nil) || x.Group != y.Group || x.Attention != y.Attention || x.Window != y.Window {
 			return false
 		}
 		for j := range x.Hashes {
@@ -165,7 +193,8 @@ func FuzzDecodeMessage(f *testing.F) {
 		idx := NewIndex(1000, 0)
 		for i := range m.Batch.Events {
 			ev := &m.Batch.Events[i]
-			if ev.Kind == BlockStored && ev.BlockSize > 0 && len(ev.Tokens) != len(ev.Hashes)*ev.BlockSize {
+			if ev.Kind == BlockStored && ev.BlockSize > 0 && len(ev.Tokens) != len(ev.Hashes)*ev.BlockSize &&
+				(ev.Attention == AttentionFull || len(ev.Tokens)%ev.BlockSize != 0 || len(ev.Hashes) > len(ev.Tokens)/ev.BlockSize) {
 				t.Fatalf("a stored event with %d tokens for %d blocks of %d passed", len(ev.Tokens), len(ev.Hashes), ev.BlockSize)
 			}
 			idx.Apply("e", ev) // must not panic whatever passed
@@ -176,30 +205,45 @@ func FuzzDecodeMessage(f *testing.F) {
 		if err != nil {
 			t.Fatalf("the re-encoding of %+v does not decode: %v", m.Batch, err)
 		}
-		if !sameBatch(again, Batch{Events: m.Batch.Events, Rank: m.Batch.Rank}) {
+		if !sameBatchBut(again, Batch{Events: m.Batch.Events, Rank: m.Batch.Rank}, false) {
 			t.Fatalf("decoded %+v, re-encoded and decoded %+v", m.Batch, again)
 		}
 	})
 }
 
 // encodeBatch encodes b as vLLM does, in array form: what it decoded from, less the events it
-// skipped and the fields it does not keep.
+// skipped and the fields it does not keep. A block's extra keys, which the decoder keeps
+// folded, are encoded as a tuple of their fold: as many, and nil where there were none.
 func encodeBatch(t *testing.T, b Batch) []byte {
 	t.Helper()
+	kinds := map[AttentionKind]any{AttentionFull: nil, AttentionSlidingWindow: "sliding_window", AttentionMamba: "mamba", AttentionOther: "unknown"}
 	events := make([]any, 0, len(b.Events))
 	for _, ev := range b.Events {
 		switch ev.Kind {
 		case BlockStored:
-			var parent, lora any
+			var parent, lora, extra, window any
 			if ev.HasParent {
 				parent = ev.Parent
 			}
-			if ev.Keyed {
+			if ev.MissingKeys {
 				lora = 1
 			}
-			events = append(events, []any{"BlockStored", ev.Hashes, parent, ev.Tokens, ev.BlockSize, lora, ev.Medium, nil})
+			if ev.Extra != nil {
+				keys := make([]any, len(ev.Extra))
+				for i, k := range ev.Extra {
+					if k != 0 {
+						keys[i] = []any{k}
+					}
+				}
+				extra = keys
+			}
+			if ev.Window != 0 {
+				window = ev.Window
+			}
+			events = append(events, []any{"BlockStored", ev.Hashes, parent, ev.Tokens, ev.BlockSize, lora, ev.Medium, nil, extra,
+				ev.Group, kinds[ev.Attention], window})
 		case BlockRemoved:
-			events = append(events, []any{"BlockRemoved", ev.Hashes, ev.Medium})
+			events = append(events, []any{"BlockRemoved", ev.Hashes, ev.Medium, ev.Group})
 		case AllBlocksCleared:
 			events = append(events, cleared())
 		default:
@@ -210,18 +254,44 @@ func encodeBatch(t *testing.T, b Batch) []byte {
 }
 
 // sameBatch compares two batches' events field by field, an empty list like none.
-func sameBatch(a, b Batch) bool {
+func sameBatch(a, b Batch) bool { return sameBatchBut(a, b, true) }
+
+// sameBatchBut is sameBatch, comparing the extra keys' folds only when extraValues is set
+// (else whether each block has any).
+func sameBatchBut(a, b Batch, extraValues bool) bool {
 	if a.Rank != b.Rank || a.Unknown != b.Unknown || a.Malformed != b.Malformed || len(a.Events) != len(b.Events) {
 		return false
 	}
 	for i := range a.Events {
 		x, y := a.Events[i], b.Events[i]
 		if x.Kind != y.Kind || !slices.Equal(x.Hashes, y.Hashes) || x.HasParent != y.HasParent || x.Parent != y.Parent ||
-			!slices.Equal(x.Tokens, y.Tokens) || x.BlockSize != y.BlockSize || x.Medium != y.Medium || x.Keyed != y.Keyed {
+			!slices.Equal(x.Tokens, y.Tokens) || x.BlockSize != y.BlockSize || x.Medium != y.Medium || x.MissingKeys != y.MissingKeys ||
+			(x.Extra == nil) != (y.Extra == nil) || len(x.Extra) != len(y.Extra) || x.Group != y.Group || x.Attention != y.Attention || x.Window != y.Window {
 			return false
+		}
+		for j := range x.Extra {
+			if extraValues && x.Extra[j] != y.Extra[j] || (x.Extra[j] == 0) != (y.Extra[j] == 0) {
+				return false
+			}
 		}
 	}
 	return true
+}
+
+// firstKey is the fold of the first block's extra keys of a request of id.
+func firstKey(id Identity) uint64 {
+	first, _ := id.extraKeys()
+	return first
+}
+
+// mmKey is the fold of a block's extra keys of one multimodal item at offset.
+func mmKey(identifier string, offset int) uint64 {
+	var c canon
+	c.array(1)
+	c.array(2)
+	c.str(identifier)
+	c.integer(uint64(offset))
+	return c.sum()
 }
 
 // BenchmarkDecodeAndApply measures one typical message: a request's 64 new blocks (1024

@@ -27,9 +27,10 @@ const (
 	ReasonIndexFull = "index_full"
 	// ReasonMalformed: the stored token ids do not fill the blocks.
 	ReasonMalformed = "malformed"
-	// ReasonExtraKeys: the engine hashed the blocks with more than their tokens (a LoRA, a
-	// cache_salt, multimodal inputs); indexed by tokens alone they would draw requests whose
-	// tokens match but whose KV differs.
+	// ReasonExtraKeys: the engine hashed the blocks with keys the event does not give (a
+	// lora_id without a lora_name, a lora_name without extra_keys: Event.MissingKeys);
+	// indexed without them they would draw requests whose tokens match but whose KV
+	// differs.
 	ReasonExtraKeys = "extra_keys"
 )
 
@@ -85,7 +86,7 @@ type Index struct {
 // Engine is one engine as the index knows it, a handle that stays valid while its name is
 // in the index (until Retain drops it), across Forget and AllBlocksCleared, so that a caller
 // matching many engines looks each up once. Its fields are the index's, under its lock,
-// except last and removed.
+// except last, removed and hybrid.
 type Engine struct {
 	// x, id, last and removed are what a pick reads of every engine: first, in one cache line.
 	x  *Index
@@ -110,7 +111,17 @@ type Engine struct {
 	// bySlot counts the engine's blocks per tier, and untiered those on a medium of none.
 	bySlot   [numSlots]int32
 	untiered int32
+	// groups are the KV cache groups the engine's BlockStored events named (group_idx,
+	// kv_cache_spec_kind); hybrid is set when one is of a kind other than full attention,
+	// whose rule narrows what a match of the full-attention blocks credits (prefixHeld).
+	groups []kvGroup
+	hybrid atomic.Bool
 }
+
+// Hybrid reports whether e has a KV cache group of a kind other than full attention (a
+// sliding window, Mamba): what it reuses of a prefix depends on where the prefix ends, so
+// that text routed to it, unlike the blocks its events tell, says little of what it holds.
+func (e *Engine) Hybrid() bool { return e.hybrid.Load() }
 
 // Removed reports whether the index dropped e (Retain): Index.Engine of its name returns
 // another handle from then on.
@@ -213,6 +224,8 @@ func (x *Index) clearLocked(e *Engine) {
 	e.copies = table[uint64]{}
 	x.setBlockSize(e, 0)
 	e.bySlot, e.untiered = [numSlots]int32{}, 0
+	e.groups = nil
+	e.hybrid.Store(false)
 	e.known = false
 	e.last.Store(0)
 }
@@ -288,6 +301,11 @@ func Keys(tokens []uint32, blockSize int, out []uint64) []uint64 {
 // Apply applies one event of engine's. It returns "" when applied, or the reason it was
 // not (ReasonUnknownParent, ReasonIndexFull, ReasonMalformed, ReasonExtraKeys).
 // AllBlocksCleared forgets the engine.
+//
+// A block's key chains its extra keys (Event.Extra) after its tokens, as vLLM's block hash
+// does, so that a LoRA's or a salted request's blocks match only requests of the same
+// Identity; and a group's blocks are the engine's copies of that group (Event.Group), so
+// that a sliding-window group's evictions never take a full-attention block with them.
 func (x *Index) Apply(engine string, ev *Event) string {
 	x.mu.Lock()
 	defer x.mu.Unlock()
@@ -302,6 +320,7 @@ func (x *Index) Apply(engine string, ev *Event) string {
 			return ""
 		}
 		slot, salt := x.tiers.medium(ev.Medium)
+		salt ^= copySalt(ev.Group)
 		// Each table's slots are read for every block before any is changed, as for
 		// BlockStored below.
 		var seen uint64
@@ -325,72 +344,180 @@ func (x *Index) Apply(engine string, ev *Event) string {
 			x.removeCopy(e, k, slot, &last)
 		}
 	case BlockStored:
-		bs := ev.BlockSize
-		if bs == 0 {
-			bs = x.blockSize
-		}
-		if len(ev.Tokens) != len(ev.Hashes)*bs {
-			return ReasonMalformed
-		}
-		if ev.Keyed {
-			return ReasonExtraKeys
-		}
-		e := x.engineLocked(engine)
-		slot, salt := x.tiers.medium(ev.Medium)
+		return x.storeLocked(engine, ev)
+	}
+	return ""
+}
+
+// storeLocked applies a BlockStored.
+func (x *Index) storeLocked(engine string, ev *Event) string {
+	bs := ev.BlockSize
+	if bs == 0 {
+		bs = x.blockSize
+	}
+	blocks := len(ev.Tokens) / bs
+	switch {
+	case len(ev.Tokens)%bs != 0 || len(ev.Hashes) > blocks || ev.Extra != nil && len(ev.Extra) != len(ev.Hashes):
+		return ReasonMalformed
+	case len(ev.Hashes) < blocks && ev.Attention == AttentionFull:
+		return ReasonMalformed
+	case ev.MissingKeys:
+		return ReasonExtraKeys
+	}
+	e := x.engineLocked(engine)
+	x.noteGroup(e, ev, bs)
+	if len(ev.Hashes) == 0 {
+		return "" // every block out of the group's window: nothing held, but the group is known
+	}
+	slot, salt := x.tiers.medium(ev.Medium)
+	keys := x.scratch[:0]
+	if len(ev.Hashes) == blocks {
 		parent := rootKey(bs)
 		if ev.HasParent {
-			p, ok := e.copies.get(ev.Parent ^ salt)
-			if !ok {
-				// vLLM publishes a block's parent before it; SGLang's parent may be on
-				// another medium, and a block offloaded to disk may continue one kept on
-				// CPU. Either way a known parent has this engine's tokens.
-				p, ok = e.copies.get(ev.Parent)
-			}
-			if !ok {
-				p, ok = e.copies.get(ev.Parent ^ cpuSalt)
-			}
+			p, ok := x.chainKeyOf(e, ev.Parent, salt, ev.Group, true)
 			if !ok {
 				return ReasonUnknownParent
 			}
 			parent = p
 		}
-		if e.copies.Len()+len(ev.Hashes) > x.maxBlocks || x.total+len(ev.Hashes) > x.maxTotal {
-			return ReasonIndexFull
-		}
-		x.setBlockSize(e, bs)
-		// The blocks' keys first, then a read of each block's slots in both tables, then
-		// the changes: the reads do not depend on each other, so that their cache misses
-		// (two a block once the tables outgrow the caches) overlap, and the changes find
-		// the slots cached. The tables grow first, so that what is read stays where it is.
-		keys := x.scratch[:0]
 		for i := range ev.Hashes {
 			parent = chainKey(parent, ev.Tokens[i*bs:(i+1)*bs])
+			if ev.Extra != nil {
+				parent = mixExtra(parent, ev.Extra[i])
+			}
 			keys = append(keys, parent)
 		}
-		e.copies.reserve(len(keys))
-		if slot != noSlot {
-			x.blocks.reserve(len(keys))
-		}
-		var seen uint64
-		for i, h := range ev.Hashes {
-			seen += e.copies.touch(h^salt) + x.blocks.touch(keys[i])
-		}
-		x.scratch, x.touched = keys, seen
-		var last wordChange
-		for i, h := range ev.Hashes {
-			c, added := e.copies.upsert(h ^ salt)
-			if !added {
-				continue // stored again without a removal: still one block
+	} else {
+		// vLLM left out the blocks its window skips (null blocks): which blocks the hashes
+		// are of, it does not say, so each is found by its hash among the engine's
+		// full-attention blocks, which hash alike (vLLM's cache key adds the group to the
+		// same hash). A block found nowhere is left out.
+		found := 0
+		for _, h := range ev.Hashes {
+			k, ok := x.chainKeyOf(e, h, salt, ev.Group, false)
+			if ok {
+				found++
 			}
-			*c = keys[i]
-			if !x.addCopy(e, keys[i], slot, &last) {
-				e.copies.del(h ^ salt)
-				continue
-			}
-			x.total++
+			keys = append(keys, k)
+		}
+		if found == 0 {
+			x.scratch = keys
+			return ReasonUnknownParent
 		}
 	}
+	if e.copies.Len()+len(ev.Hashes) > x.maxBlocks || x.total+len(ev.Hashes) > x.maxTotal {
+		x.scratch = keys
+		return ReasonIndexFull
+	}
+	if ev.Attention == AttentionFull {
+		x.setBlockSize(e, bs)
+	}
+	if ts := tableSaltOf(ev.Group, ev.Attention); ts != 0 {
+		for i := range keys {
+			keys[i] ^= ts
+		}
+	}
+	salt ^= copySalt(ev.Group)
+	// The blocks' keys first, then a read of each block's slots in both tables, then
+	// the changes: the reads do not depend on each other, so that their cache misses
+	// (two a block once the tables outgrow the caches) overlap, and the changes find
+	// the slots cached. The tables grow first, so that what is read stays where it is.
+	e.copies.reserve(len(keys))
+	if slot != noSlot {
+		x.blocks.reserve(len(keys))
+	}
+	var seen uint64
+	for i, h := range ev.Hashes {
+		seen += e.copies.touch(h^salt) + x.blocks.touch(keys[i])
+	}
+	x.scratch, x.touched = keys, seen
+	var last wordChange
+	unresolved := tableSaltOf(ev.Group, ev.Attention) // the key of a block found nowhere
+	for i, h := range ev.Hashes {
+		if keys[i] == unresolved && len(ev.Hashes) < blocks {
+			continue
+		}
+		c, added := e.copies.upsert(h ^ salt)
+		if !added {
+			continue // stored again without a removal: still one block
+		}
+		*c = keys[i]
+		if !x.addCopy(e, keys[i], slot, &last) {
+			e.copies.del(h ^ salt)
+			continue
+		}
+		x.total++
+	}
 	return ""
+}
+
+// tableSaltOf is the table salt of group g of kind a: none for full attention.
+func tableSaltOf(g int32, a AttentionKind) uint64 {
+	if a == AttentionFull {
+		return 0
+	}
+	return tableSalt(g)
+}
+
+// noteGroup records the group ev's blocks are of, with its kind and window.
+func (x *Index) noteGroup(e *Engine, ev *Event, bs int) {
+	g := kvGroup{idx: ev.Group, kind: ev.Attention, bs: bs}
+	switch g.kind {
+	case AttentionSlidingWindow:
+		if ev.Window > 0 {
+			g.window = max(1, (ev.Window-1+bs-1)/bs)
+		}
+	case AttentionMamba:
+		g.window = 1
+	}
+	i := slices.IndexFunc(e.groups, func(o kvGroup) bool { return o.idx == g.idx })
+	switch {
+	case i < 0:
+		e.groups = append(e.groups, g)
+	case e.groups[i] == g:
+		return
+	default:
+		e.groups[i] = g
+	}
+	e.hybrid.Store(slices.ContainsFunc(e.groups, func(o kvGroup) bool { return o.kind != AttentionFull }))
+}
+
+// chainKeyOf returns the key that the block e published under hash h chains to its
+// children (its table key without the group's salt): looked up in group g's copies on the
+// medium of salt, on the GPU and on CPU (SGLang's parent may be on another medium, and a
+// block offloaded to disk may continue one kept on CPU), then in e's full-attention groups'
+// (a sliding-window group's parent may be a block out of its window, which it does not
+// hold). own is false to skip g's own copies.
+func (x *Index) chainKeyOf(e *Engine, h, salt uint64, g int32, own bool) (uint64, bool) {
+	try := func(grp kvGroup) (uint64, bool) {
+		gs := copySalt(grp.idx)
+		for _, ms := range [...]uint64{salt, 0, cpuSalt} {
+			if k, ok := e.copies.get(h ^ ms ^ gs); ok {
+				return k ^ tableSaltOf(grp.idx, grp.kind), true
+			}
+		}
+		return 0, false
+	}
+	if own {
+		kind := AttentionFull
+		if i := slices.IndexFunc(e.groups, func(o kvGroup) bool { return o.idx == g }); i >= 0 {
+			kind = e.groups[i].kind
+		}
+		if k, ok := try(kvGroup{idx: g, kind: kind}); ok {
+			return k, true
+		}
+	}
+	if len(e.groups) == 0 && !own {
+		return try(kvGroup{})
+	}
+	for _, grp := range e.groups {
+		if grp.kind == AttentionFull && (grp.idx != g || !own) {
+			if k, ok := try(grp); ok {
+				return k, true
+			}
+		}
+	}
+	return 0, false
 }
 
 // wordChange is what adding or removing one copy did to a block's holders word: the blocks
@@ -676,6 +803,9 @@ func (x *Index) Retain(keep func(engine string) bool) {
 // concurrent use.
 type Matcher struct {
 	tokens []uint32
+	// first and rest are the extra keys of the request's first block and of the others
+	// (Identity.extraKeys).
+	first, rest uint64
 	// sizes and keys are the block sizes hashed so far and their keys; one, nearly always.
 	sizes []int
 	keys  [][]uint64
@@ -690,12 +820,30 @@ type Matcher struct {
 // misses in flight, and at most 15 blocks read past the prefix held.
 const matchRun = 16
 
-// NewMatcher returns a matcher of tokens.
+// NewMatcher returns a matcher of tokens of a request of the zero Identity: the base
+// model, no salt.
 func NewMatcher(tokens []uint32) *Matcher { return &Matcher{tokens: tokens} }
 
-// Reset makes m a matcher of tokens, keeping the room its earlier matches took.
-func (m *Matcher) Reset(tokens []uint32) {
+// NewMatcherFor returns a matcher of tokens of a request of identity id: only blocks the
+// engines stored under the same LoRA and cache_salt match.
+func NewMatcherFor(tokens []uint32, id Identity) *Matcher {
+	m := &Matcher{tokens: tokens}
+	m.first, m.rest = id.extraKeys()
+	return m
+}
+
+// Reset makes m a matcher of tokens of the zero Identity, keeping the room its earlier
+// matches took.
+func (m *Matcher) Reset(tokens []uint32) { m.ResetFor(tokens, Identity{}) }
+
+// ResetFor makes m a matcher of tokens of identity id, keeping the room its earlier
+// matches took.
+func (m *Matcher) ResetFor(tokens []uint32, id Identity) {
 	m.tokens, m.sizes = tokens, m.sizes[:0]
+	m.first, m.rest = 0, 0
+	if id != (Identity{}) {
+		m.first, m.rest = id.extraKeys()
+	}
 	for i := range m.keys {
 		m.keys[i] = m.keys[i][:0]
 	}
@@ -726,6 +874,11 @@ func (m *Matcher) keysOf(blockSize, n int) []uint64 {
 		}
 		for j := len(keys); j < n; j++ {
 			k = chainKey(k, m.tokens[j*blockSize:(j+1)*blockSize])
+			if j == 0 {
+				k = mixExtra(k, m.first)
+			} else {
+				k = mixExtra(k, m.rest)
+			}
 			keys = append(keys, k)
 		}
 		m.keys[i] = keys
@@ -813,11 +966,23 @@ func (x *Index) Match(m *Matcher, engine string) View {
 	if e.blockSize == 0 || e.copies.Len() == 0 {
 		return v
 	}
+	av := x.viewLocked(m, e, math.MaxInt)
+	if e.hybrid.Load() {
+		if n := x.prefixHeld(m, e, av.Matched/e.blockSize); n*e.blockSize < av.Matched {
+			av = x.viewLocked(m, e, n)
+		}
+	}
+	av.Last = v.Last
+	return av
+}
+
+// viewLocked is e's View of m's first limit blocks at most, without Last.
+func (x *Index) viewLocked(m *Matcher, e *Engine, limit int) View {
 	bs := e.blockSize
 	a := matchAcc{e: e, id: e.id}
 	var one [1]uint64
 	blocks := 0
-	for _, k := range m.keysOf(bs, math.MaxInt) {
+	for _, k := range m.keysOf(bs, limit) {
 		w, ok := x.blocks.get(k)
 		if !ok {
 			break
@@ -834,9 +999,66 @@ func (x *Index) Match(m *Matcher, engine string) View {
 		a.add(slot, wt, bs)
 		blocks++
 	}
-	av := a.view(blocks, bs)
-	av.Last = v.Last
-	return av
+	return a.view(blocks, bs)
+}
+
+// prefixHeld narrows a match of blocks leading blocks of e's full-attention groups to what
+// e reuses of them, as vLLM's hybrid coordinator does (find_longest_cache_hit): every
+// sliding-window and Mamba group must hold the blocks its window reaches before the
+// prefix's end, each asked in turn until none narrows it further. An engine with a group
+// of another kind, of another block size, or whose window its events did not give, is
+// credited nothing: better no hit than a false one.
+func (x *Index) prefixHeld(m *Matcher, e *Engine, blocks int) int {
+	keys := m.keysOf(e.blockSize, blocks)
+	for narrowed := true; narrowed && blocks > 0; {
+		narrowed = false
+		for _, g := range e.groups {
+			if g.kind == AttentionFull {
+				continue
+			}
+			if g.kind == AttentionOther || g.bs != e.blockSize || g.window <= 0 {
+				return 0
+			}
+			if n := x.windowHeld(e, g, keys[:blocks]); n < blocks {
+				blocks, narrowed = n, true
+			}
+		}
+	}
+	return blocks
+}
+
+// windowHeld is vLLM's SlidingWindowManager.find_longest_cache_hit over keys: from the
+// end back, the first run of g.window blocks that g holds ends the prefix; without one,
+// the run from the first block does.
+func (x *Index) windowHeld(e *Engine, g kvGroup, keys []uint64) int {
+	salt := tableSalt(g.idx)
+	run := 0
+	for i := len(keys) - 1; i >= 0; i-- {
+		if !x.holds(e, keys[i]^salt) {
+			run = 0
+			continue
+		}
+		if run++; run >= g.window {
+			return i + run
+		}
+	}
+	return run
+}
+
+// holds reports whether e holds the block keyed k on a tier of weight above 0.
+func (x *Index) holds(e *Engine, k uint64) bool {
+	w, ok := x.blocks.get(k)
+	if !ok {
+		return false
+	}
+	var one [1]uint64
+	hs := x.holders(w, &one)
+	i, found := searchHolders(hs, e.id)
+	if !found {
+		return false
+	}
+	slot, _ := x.best(holderCounts(hs[i]))
+	return slot != noSlot
 }
 
 // Matches is what the index knows of every engine for one request (MatchAll).
@@ -893,7 +1115,26 @@ func (x *Index) MatchAll(m *Matcher, r *Matches) {
 	for bs := range x.sizes {
 		x.matchSize(m, bs, r)
 	}
+	x.narrowHybrid(m, r)
 	slices.SortFunc(r.found, func(a, b matchFound) int { return cmp.Compare(a.e.id, b.e.id) })
+}
+
+// narrowHybrid narrows the matches of hybrid engines to what they reuse (prefixHeld), and
+// leaves out those left with nothing.
+func (x *Index) narrowHybrid(m *Matcher, r *Matches) {
+	out := r.found[:0]
+	for _, f := range r.found {
+		if e := f.e; e.hybrid.Load() {
+			if n := x.prefixHeld(m, e, f.v.Matched/e.blockSize); n*e.blockSize < f.v.Matched {
+				if n == 0 {
+					continue
+				}
+				f.v = x.viewLocked(m, e, n)
+			}
+		}
+		out = append(out, f)
+	}
+	r.found = out
 }
 
 // matchSize walks m's keys in blocks of bs for the engines whose block size it is.
