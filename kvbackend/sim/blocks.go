@@ -38,21 +38,31 @@ type blockPool struct {
 	tokensOf  [][]uint32
 	parentOf  []uint64
 	hasParent []bool
-	cpu       *cpuTier  // nil without a CPU tier
-	events    []kvEvent // what changed in the cache since the last take
+	// keyOf is a cached block's key beyond its tokens (the LoRA, the cache_salt of the
+	// request that cached it): what its events carry as lora_name and extra_keys.
+	keyOf  []cacheKey
+	cpu    *cpuTier     // nil without a CPU tier
+	window *windowGroup // nil without a sliding-window group
+	events []kvEvent    // what changed in the cache since the last take
 }
 
 // newBlockPool builds a pool of n GPU blocks and, when cpuBlocks > 0 and caching is
-// on, a CPU tier of cpuBlocks blocks that the GPU's evicted blocks move to.
-func newBlockPool(n int, caching bool, cpuBlocks int) *blockPool {
+// on, a CPU tier of cpuBlocks blocks that the GPU's evicted blocks move to; with a
+// slidingWindow of tokens and caching on, a second KV cache group of sliding-window
+// attention (windowGroup) beside the full-attention one, of blocks of blockSize.
+func newBlockPool(n int, caching bool, cpuBlocks, slidingWindow, blockSize int) *blockPool {
 	p := &blockPool{
 		refs: make([][]uint64, n), free: make([]int, n), caching: caching,
 		hashOf: make([]uint64, n), cached: make([]bool, n), byHash: make(map[uint64]int),
 		lru: list.New(), lruElem: make([]*list.Element, n),
 		tokensOf: make([][]uint32, n), parentOf: make([]uint64, n), hasParent: make([]bool, n),
+		keyOf: make([]cacheKey, n),
 	}
 	if caching && cpuBlocks > 0 {
 		p.cpu = newCPUTier(cpuBlocks)
+	}
+	if caching && slidingWindow > 0 {
+		p.window = newWindowGroup(slidingWindow, blockSize, n)
 	}
 	// Hand out low ids first: the ids in kv_transfer_params read naturally.
 	for i := range n {
@@ -98,9 +108,14 @@ func (p *blockPool) hits(hashes []uint64) int {
 // many, the blocks after the hit ones, which the owner's prompt fills as it
 // fills the blocks it computes (store caches them on GPU again); their CPU
 // copies stay, used last.
+//
+// With a sliding-window group the hit is what both groups reuse (windowGroup.hit), and
+// nothing is reloaded: the window's group has no CPU tier.
 func (p *blockPool) alloc(n int, owner uint64, lookup []uint64, reload bool) (ids []int, hit, reloaded int, ok bool) {
 	hit = min(p.hits(lookup), n)
-	if reload && p.cpu != nil {
+	if p.window != nil {
+		hit = p.window.hit(lookup[:hit])
+	} else if reload && p.cpu != nil {
 		reloaded = min(p.cpu.hits(lookup[hit:]), n-hit)
 	}
 	reusable := 0 // hit blocks nobody references: they are not free for the rest
@@ -116,6 +131,9 @@ func (p *blockPool) alloc(n int, owner uint64, lookup []uint64, reload bool) (id
 	// they are the last the tier drops.
 	for _, h := range lookup[hit : hit+reloaded] {
 		p.cpu.touch(h)
+	}
+	if p.window != nil {
+		p.window.touch(lookup[:hit])
 	}
 	ids = make([]int, 0, n)
 	for _, h := range lookup[:hit] {
@@ -151,6 +169,7 @@ func (p *blockPool) evict() int {
 		p.offload(id)
 	}
 	p.tokensOf[id] = nil
+	p.keyOf[id] = cacheKey{}
 	p.addEvent(kvEvent{kind: eventBlockRemoved, hashes: []uint64{h}})
 	return id
 }
@@ -167,10 +186,13 @@ func (p *blockPool) offload(id int) {
 		p.addEvent(kvEvent{kind: eventBlockRemoved, hashes: []uint64{dropped}, medium: mediumCPU})
 	}
 	ev := kvEvent{kind: eventBlockStored, hashes: []uint64{h}, tokens: p.tokensOf[id], blockSize: len(p.tokensOf[id]), medium: mediumCPU}
+	first := 0
 	if p.hasParent[id] {
 		parent := p.parentOf[id]
 		ev.parent = &parent
+		first = 1
 	}
+	ev.keyed(p.keyOf[id], first, 1)
 	p.addEvent(ev)
 }
 
@@ -211,15 +233,22 @@ func (p *blockPool) release(ids []int, owner uint64) (doubleFrees int) {
 	return doubleFrees
 }
 
-// store caches the full blocks of a computed (or pulled) prompt: block i of
-// ids holds tokens[i*size:(i+1)*size] and hashes[i] is its hash. A block
-// already cached, or whose hash another block caches (two requests computed
-// the same prefix at once), stays as it is.
-func (p *blockPool) store(ids []int, hashes []uint64, tokens []uint32, size int) {
+// store caches the full blocks of a computed (or pulled) prompt of a request keyed
+// by key: block i of ids holds tokens[i*size:(i+1)*size] and hashes[i] is its
+// hash. A block already cached, or whose hash another block caches (two requests
+// computed the same prefix at once), stays as it is. The sliding-window group, if
+// any, caches the prompt's last blocks after (windowGroup.store).
+func (p *blockPool) store(ids []int, hashes []uint64, tokens []uint32, size int, key cacheKey) {
 	if !p.caching {
 		return
 	}
 	var run *kvEvent
+	firstNew := len(hashes)
+	defer func() {
+		if p.window != nil {
+			p.events = p.window.store(p.events, hashes[:min(len(hashes), len(ids))], tokens, size, key, firstNew)
+		}
+	}()
 	for i, h := range hashes {
 		if i >= len(ids) {
 			break
@@ -235,12 +264,14 @@ func (p *blockPool) store(ids []int, hashes []uint64, tokens []uint32, size int)
 		}
 		p.cached[id], p.hashOf[id], p.byHash[h] = true, h, id
 		p.tokensOf[id] = tokens[i*size : (i+1)*size]
+		p.keyOf[id] = key
 		p.hasParent[id] = i > 0
 		if i > 0 {
 			p.parentOf[id] = hashes[i-1]
 		}
+		firstNew = min(firstNew, i)
 		if run == nil {
-			p.addEvent(kvEvent{kind: eventBlockStored, blockSize: size})
+			p.addEvent(kvEvent{kind: eventBlockStored, blockSize: size, lora: key.lora, loraID: key.loraID, hasExtra: true})
 			run = &p.events[len(p.events)-1]
 			if i > 0 {
 				parent := hashes[i-1]
@@ -249,6 +280,7 @@ func (p *blockPool) store(ids []int, hashes []uint64, tokens []uint32, size int)
 		}
 		run.hashes = append(run.hashes, h)
 		run.tokens = append(run.tokens, tokens[i*size:(i+1)*size]...)
+		run.extra = append(run.extra, key.extra(i))
 	}
 }
 
@@ -269,7 +301,11 @@ func (p *blockPool) clear() {
 		delete(p.byHash, p.hashOf[id])
 		p.cached[id] = false
 		p.tokensOf[id] = nil
+		p.keyOf[id] = cacheKey{}
 		p.free = append(p.free, id)
+	}
+	if p.window != nil {
+		p.window.clear()
 	}
 	p.addEvent(kvEvent{kind: eventAllBlocksCleared})
 }
@@ -285,23 +321,51 @@ func (p *blockPool) takeEvents() []kvEvent {
 	return ev
 }
 
-// blockHashes chains the hashes of the full blocks of tokens: block i's is
-// the last 8 bytes of sha256(hash of block i-1, its tokens), as vLLM's
-// sha256 block hash, whose published form is those 8 bytes as a uint64. The
-// first block's parent is 0.
-func blockHashes(tokens []uint32, size int) []uint64 {
+// blockHashes chains the hashes of the full blocks of tokens of a request keyed
+// by key: block i's is the last 8 bytes of sha256(hash of block i-1, its tokens,
+// its extra keys), as vLLM's sha256 block hash (hash_block_tokens), whose
+// published form is those 8 bytes as a uint64. The first block's parent is 0.
+func blockHashes(tokens []uint32, size int, key cacheKey) []uint64 {
 	n := len(tokens) / size
 	out := make([]uint64, n)
-	buf := make([]byte, 8+4*size)
+	buf := make([]byte, 8+4*size, 8+4*size+len(key.lora)+len(key.salt)+16)
 	var parent uint64
 	for i := range n {
+		buf = buf[:8+4*size]
 		binary.BigEndian.PutUint64(buf, parent)
 		for j, t := range tokens[i*size : (i+1)*size] {
 			binary.BigEndian.PutUint32(buf[8+4*j:], t)
 		}
+		for _, x := range key.extra(i) {
+			s := x.(string)
+			buf = binary.BigEndian.AppendUint32(buf, uint32(len(s)))
+			buf = append(buf, s...)
+		}
 		sum := sha256.Sum256(buf)
 		parent = binary.BigEndian.Uint64(sum[24:])
 		out[i] = parent
+	}
+	return out
+}
+
+// cacheKey is what a request's KV blocks are keyed by beyond their tokens, as vLLM keys
+// them (vllm/v1/core/kv_cache_utils.py, generate_block_hash_extra_keys): the LoRA
+// adapter's name in every block, the cache_salt in the first. The zero cacheKey is a
+// request of the base model without a salt.
+type cacheKey struct {
+	lora   string
+	loraID int // vLLM's lora_request.adapter_id: the adapter's place in --lora-modules, from 1
+	salt   string
+}
+
+// extra is the extra keys of block i, as vLLM's tuple of them; nil for none.
+func (k cacheKey) extra(i int) []any {
+	var out []any
+	if k.lora != "" {
+		out = append(out, k.lora)
+	}
+	if i == 0 && k.salt != "" {
+		out = append(out, k.salt)
 	}
 	return out
 }

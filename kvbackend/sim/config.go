@@ -112,6 +112,13 @@ type Config struct {
 	// on the GPU) are reloaded at CPUReloadPerBlock each instead of computed.
 	// Zero, the default: no CPU tier. It needs the prefix cache.
 	CPUOffloadBlocks int
+	// SlidingWindow, when positive, makes the engine a hybrid model's: a second KV cache
+	// group (group_idx 1) of sliding-window attention with a window of this many tokens,
+	// beside the full-attention group (window.go). It caches each computed prompt's last
+	// window blocks only, as vLLM with a KV connector does, so that a prefix is reused
+	// only up to an end the window's blocks reach; its KV events are vLLM's for the group.
+	// Zero, the default: full attention alone. It needs the prefix cache.
+	SlidingWindow int
 	// CPUReloadPerBlock is the time to reload one block from the CPU tier.
 	// Default 0, as PrefillPerToken's: the sim's per-token costs are none
 	// unless set, and a reload must not cost more than the recompute it
@@ -297,6 +304,7 @@ func BindFlags(fs *flag.FlagSet, cfg *Config) {
 	fs.DurationVar(&cfg.NIXLHandshakeDelay, "nixl-handshake-delay", cfg.NIXLHandshakeDelay, "how long a decoder's first NIXL handshake with each prefiller takes: its first pull and heartbeats to it wait (0: none)")
 	fs.DurationVar(&cfg.KVTransferTime, "kv-transfer-time", cfg.KVTransferTime, "decoder's pull cost per KV block it pulls (blocks in its own prefix cache are not pulled)")
 	fs.Var(invertedBool{&cfg.DisablePrefixCache}, "prefix-cache", "prefix caching: reuse the cached leading full blocks of a prompt, keep freed blocks cached until evicted (LRU); --prefix-cache=false computes every prompt whole")
+	fs.IntVar(&cfg.SlidingWindow, "sliding-window", cfg.SlidingWindow, "a hybrid model's sliding window, in tokens: a second KV cache group (group_idx 1) caches each prompt's last window blocks, and a prefix is reused only up to an end those reach (0: full attention alone)")
 	fs.IntVar(&cfg.CPUOffloadBlocks, "cpu-offload-blocks", cfg.CPUOffloadBlocks, "blocks of a CPU KV tier (vLLM's OffloadingConnector): blocks evicted from the GPU pool move there (LRU, the oldest dropped when full) and a prompt's leading blocks found there are reloaded instead of computed; KV events carry medium CPU for them (0: no CPU tier)")
 	fs.DurationVar(&cfg.CPUReloadPerBlock, "cpu-reload-per-block", cfg.CPUReloadPerBlock, "time to reload one block from the CPU tier, in place of its recompute (0, as --prefill-per-token's default: no cost; about 80µs for a 16-token block of an 8B model over PCIe Gen4)")
 	fs.StringVar(&cfg.KVEventsEndpoint, "kv-events-endpoint", cfg.KVEventsEndpoint, "publish KV events (BlockStored, BlockRemoved, AllBlocksCleared) in vLLM's ZMQ format on this endpoint: bound when it holds *, e.g. tcp://*:5557, connected otherwise, e.g. tcp://127.0.0.1:5557 (empty: no events)")
@@ -416,6 +424,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.KVHoldTimeout < 0 {
 		errs = append(errs, fmt.Errorf("kv hold timeout %s: must be positive", c.KVHoldTimeout))
+	}
+	if c.SlidingWindow < 0 || c.SlidingWindow > 0 && c.DisablePrefixCache {
+		errs = append(errs, fmt.Errorf("sliding window %d: must not be negative, and needs the prefix cache", c.SlidingWindow))
 	}
 	if c.CPUOffloadBlocks < 0 || c.CPUReloadPerBlock < 0 {
 		errs = append(errs, fmt.Errorf("cpu offload blocks %d, cpu reload per block %s: must not be negative", c.CPUOffloadBlocks, c.CPUReloadPerBlock))

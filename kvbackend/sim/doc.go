@@ -115,6 +115,13 @@
 // published over ZMQ in vLLM's wire format, with an optional replay socket
 // (kvevents.go). The SGLang protocol shares all of it.
 //
+// Blocks are keyed as vLLM keys them beyond their tokens: a LoRA adapter's
+// requests by its name in every block, a request's cache_salt in its first,
+// so that another adapter or salt never reuses them; the events carry
+// lora_name, lora_id, extra_keys and the KV cache group. SlidingWindow adds a
+// hybrid model's sliding-window group (window.go), which narrows a reused
+// prefix to an end its window blocks reach.
+//
 // # CPU tier
 //
 // CPUOffloadBlocks adds a CPU tier, as vLLM's OffloadingConnector with a CPU

@@ -73,6 +73,8 @@ type request struct {
 	// request built by a test from a count) or the prefix cache is off.
 	tokens      []uint32
 	blockHashes []uint64
+	// key is what the prompt's blocks are keyed by beyond their tokens.
+	key cacheKey
 	// leg is an SGLang prefill or decode's bootstrap room (and, decode, the
 	// prefiller's bootstrap server); nil for every other request. A decode's
 	// remote is filled in once its room's KV is ready (sglang.go).
@@ -519,7 +521,7 @@ func newRank(cfg Config, logger *zap.Logger, rank int) (*Engine, error) {
 		clock:  cfg.Clock,
 		client: client,
 		wake:   make(chan struct{}, 1),
-		pool:   newBlockPool(cfg.KVBlocks, !cfg.DisablePrefixCache, cfg.CPUOffloadBlocks),
+		pool:   newBlockPool(cfg.KVBlocks, !cfg.DisablePrefixCache, cfg.CPUOffloadBlocks, cfg.SlidingWindow, cfg.BlockSize),
 		kv:     kv,
 		live:   make(map[string]*request),
 		held:   make(map[string]*request),
@@ -614,7 +616,8 @@ func (e *Engine) newRequest(rid string, a *apiRequest) (*request, error) {
 	}
 	if len(a.tokens) > 0 && len(a.tokens[0]) == a.promptTokens && !e.cfg.DisablePrefixCache {
 		r.tokens = a.tokens[0]
-		r.blockHashes = blockHashes(r.tokens, e.cfg.BlockSize)
+		r.key = e.cacheKeyOf(a)
+		r.blockHashes = blockHashes(r.tokens, e.cfg.BlockSize, r.key)
 	}
 	if a.mc != nil {
 		// Nothing to pull until the prefiller has given the transfer.

@@ -29,12 +29,22 @@ import (
 //   - each event is tagged by its class name: with format "array" (vLLM's
 //     msgspec array_like structs) an array with the tag first,
 //     ["BlockStored", block_hashes, parent_block_hash, token_ids,
-//     block_size, lora_id, medium, lora_name], ["BlockRemoved",
-//     block_hashes, medium], ["AllBlocksCleared"]; with format "map" (vLLM
-//     PR #42892) a map of the same fields and "type": the tag;
+//     block_size, lora_id, medium, lora_name, extra_keys, group_idx,
+//     kv_cache_spec_kind, kv_cache_spec_sliding_window], ["BlockRemoved",
+//     block_hashes, medium, group_idx], ["AllBlocksCleared"]; with format
+//     "map" (vLLM PR #42892) a map of the same fields and "type": the tag;
 //   - block hashes are uint64, parent_block_hash nil for a prompt's first
-//     block, lora_id and lora_name nil, medium "GPU", or "CPU" for the CPU
-//     tier's blocks (Config.CPUOffloadBlocks);
+//     block, medium "GPU", or "CPU" for the CPU tier's blocks
+//     (Config.CPUOffloadBlocks);
+//   - a LoRA adapter's blocks carry lora_name (the adapter's name) and
+//     lora_id (its place in --lora-modules, from 1), nil for the base model;
+//     extra_keys has one entry per block, the tuple of what the block's hash
+//     was keyed by beyond its tokens (the LoRA name, then, in a prompt's
+//     first block, the cache_salt) or nil (vllm/v1/core/kv_cache_utils.py,
+//     generate_block_hash_extra_keys);
+//   - group_idx is the KV cache group, 0 (kv_cache_spec_kind
+//     "full_attention") or, with Config.SlidingWindow, 1 ("sliding_window",
+//     kv_cache_spec_sliding_window the window; window.go);
 //   - an optional ROUTER socket on KVEventsReplayEndpoint (always bound)
 //     answers a request whose last frame is a start sequence number (8 bytes
 //     big-endian; a REQ client's empty delimiter frame before it is kept in
@@ -74,6 +84,25 @@ type kvEvent struct {
 	tokens    []uint32
 	blockSize int
 	medium    string // "" is the GPU
+	// BlockStored: the adapter's name and id, "" and 0 for the base model, and each
+	// block's extra keys (cacheKey.extra), given when hasExtra.
+	lora     string
+	loraID   int
+	extra    [][]any
+	hasExtra bool
+	// group is the KV cache group, windowGroupIdx for the sliding-window group, whose
+	// window (in tokens) a BlockStored gives.
+	group  int
+	window int
+}
+
+// keyed sets ev's LoRA and the extra keys of its n blocks, the first of them block first of
+// its prompt, for a request keyed by k.
+func (ev *kvEvent) keyed(k cacheKey, first, n int) {
+	ev.lora, ev.loraID, ev.hasExtra = k.lora, k.loraID, true
+	for i := range n {
+		ev.extra = append(ev.extra, k.extra(first+i))
+	}
 }
 
 // Event formats, the values of Config.KVEventsFormat.
@@ -128,16 +157,42 @@ func eventValue(ev kvEvent, format string) any {
 		if tokens == nil {
 			tokens = []uint32{}
 		}
-		if format == KVEventsFormatMap {
-			return map[string]any{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-				"token_ids": tokens, "block_size": ev.blockSize, "lora_id": nil, "medium": medium, "lora_name": nil}
+		var lora, loraID, extra, window any
+		if ev.lora != "" {
+			lora, loraID = ev.lora, ev.loraID
 		}
-		return []any{"BlockStored", hashes, parent, tokens, ev.blockSize, nil, medium, nil}
+		if ev.hasExtra {
+			keys := make([]any, len(ev.extra))
+			for i, k := range ev.extra {
+				if k != nil {
+					keys[i] = k
+				}
+			}
+			extra = keys
+		}
+		kind := "full_attention"
+		if ev.group == windowGroupIdx {
+			kind, window = "sliding_window", ev.window
+		}
+		if format == KVEventsFormatMap {
+			m := map[string]any{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+				"token_ids": tokens, "block_size": ev.blockSize, "lora_id": loraID, "medium": medium, "lora_name": lora,
+				"group_idx": ev.group, "kv_cache_spec_kind": kind}
+			// msgspec's omit_defaults leaves out the fields at their default, None.
+			if extra != nil {
+				m["extra_keys"] = extra
+			}
+			if window != nil {
+				m["kv_cache_spec_sliding_window"] = window
+			}
+			return m
+		}
+		return []any{"BlockStored", hashes, parent, tokens, ev.blockSize, loraID, medium, lora, extra, ev.group, kind, window}
 	case eventBlockRemoved:
 		if format == KVEventsFormatMap {
-			return map[string]any{"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+			return map[string]any{"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, "group_idx": ev.group}
 		}
-		return []any{"BlockRemoved", hashes, medium}
+		return []any{"BlockRemoved", hashes, medium, ev.group}
 	default:
 		if format == KVEventsFormatMap {
 			return map[string]any{"type": "AllBlocksCleared"}

@@ -29,6 +29,15 @@ type wireEvent struct {
 	Tokens    []uint64
 	BlockSize int64
 	Medium    any
+	// LoRAName, LoRAID, Extra (one entry per block: a tuple or nil), Group, Kind and
+	// Window are vLLM's fields of a block's keys and its KV cache group.
+	LoRAName any
+	LoRAID   any
+	Extra    []any
+	HasExtra bool
+	Group    int64
+	Kind     any
+	Window   any
 }
 
 // wireBatch is one decoded message.
@@ -42,8 +51,9 @@ type wireBatch struct {
 // Field names of vLLM's event structs, in declaration order (the order of
 // their array_like encoding after the tag).
 var eventFields = map[string][]string{
-	"BlockStored":      {"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"},
-	"BlockRemoved":     {"block_hashes", "medium"},
+	"BlockStored": {"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+		"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"},
+	"BlockRemoved":     {"block_hashes", "medium", "group_idx"},
 	"AllBlocksCleared": {},
 }
 
@@ -127,8 +137,20 @@ func toWireEvent(f map[string]any) (wireEvent, error) {
 		e.Hashes = append(e.Hashes, u)
 	}
 	e.Medium = f["medium"]
+	if g, ok := f["group_idx"]; ok && g != nil {
+		if e.Group, ok = asInt(g); !ok {
+			return e, fmt.Errorf("group_idx %T", g)
+		}
+	}
 	if e.Type == "BlockRemoved" {
 		return e, nil
+	}
+	e.LoRAName, e.LoRAID, e.Kind, e.Window = f["lora_name"], f["lora_id"], f["kv_cache_spec_kind"], f["kv_cache_spec_sliding_window"]
+	if x, ok := f["extra_keys"]; ok && x != nil {
+		if e.Extra, ok = x.([]any); !ok || len(e.Extra) != len(e.Hashes) {
+			return e, fmt.Errorf("extra_keys %v for %d blocks", x, len(e.Hashes))
+		}
+		e.HasExtra = true
 	}
 	if p := f["parent_block_hash"]; p != nil {
 		u, ok := asUint(p)
@@ -151,7 +173,10 @@ func toWireEvent(f map[string]any) (wireEvent, error) {
 	if e.BlockSize, ok = asInt(f["block_size"]); !ok || e.BlockSize <= 0 {
 		return e, fmt.Errorf("block_size %v", f["block_size"])
 	}
-	if len(e.Tokens) != len(e.Hashes)*int(e.BlockSize) {
+	// A sliding-window group leaves out the blocks out of its window (vLLM's null blocks),
+	// and gives the token ids of them all.
+	if full := e.Kind == nil || e.Kind == "full_attention"; full && len(e.Tokens) != len(e.Hashes)*int(e.BlockSize) ||
+		!full && (len(e.Tokens)%int(e.BlockSize) != 0 || len(e.Hashes) > len(e.Tokens)/int(e.BlockSize)) {
 		return e, fmt.Errorf("%d token ids for %d blocks of %d", len(e.Tokens), len(e.Hashes), e.BlockSize)
 	}
 	return e, nil

@@ -49,6 +49,18 @@ func parseLoRAModules(s string) ([]loraModule, error) {
 	return out, nil
 }
 
+// cacheKeyOf is what the prompt of a request of a is keyed by beyond its tokens: the
+// adapter it names, if it names one, and its cache_salt.
+func (e *Engine) cacheKeyOf(a *apiRequest) cacheKey {
+	k := cacheKey{salt: a.cacheSalt}
+	for i, l := range e.loras {
+		if l.name == a.model {
+			k.lora, k.loraID = l.name, i+1
+		}
+	}
+	return k
+}
+
 // defaultModel is the first served model name.
 func (e *Engine) defaultModel() string { return e.models[0] }
 

@@ -70,6 +70,8 @@ type apiRequest struct {
 	includeUsage bool
 	priority     int
 	kind         reqKind
+	// cacheSalt is the request's cache_salt, "" for none.
+	cacheSalt string
 	// resp is a Responses API request's own part (responses.go); nil otherwise.
 	resp *responsesMeta
 	// anthropic: a Messages API request (messages.go).
@@ -123,6 +125,9 @@ type wireRequest struct {
 	KVTransferParams *kvTransferParams `json:"kv_transfer_params"`
 	// Priority is vLLM's: lower runs first under --scheduling-policy priority.
 	Priority *int `json:"priority"`
+	// CacheSalt is vLLM's cache_salt: the prompt's first block, and so every block after
+	// it, is keyed by it too, so that only requests of the same salt share its KV.
+	CacheSalt *string `json:"cache_salt"`
 	// Temperature 0 (greedy) or a Seed makes the tokens a function of the
 	// prefix; ReturnTokenIDs asks for vLLM's token_ids and prompt_token_ids.
 	Temperature    *float64 `json:"temperature"`
@@ -180,6 +185,10 @@ func decodeBody(tk tokenizer, body []byte, chat bool) (*wireBody, error) {
 	}
 	if dec.More() {
 		return nil, badRequest("invalid_json", "request body has trailing data after the JSON object")
+	}
+	if b.CacheSalt != nil && *b.CacheSalt == "" {
+		// vLLM's request models check it (check_cache_salt_support), before the handler.
+		return nil, badRequest("invalid_cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided.")
 	}
 	if chat {
 		t, err := chatPrompt(tk, b.Messages, b.AddGenerationPrompt == nil || *b.AddGenerationPrompt)
@@ -249,6 +258,9 @@ func (b *wireBody) validate(chat bool) (*apiRequest, error) {
 	}
 	if w.Priority != nil {
 		req.priority = *w.Priority
+	}
+	if w.CacheSalt != nil {
+		req.cacheSalt = *w.CacheSalt
 	}
 	greedy := w.Temperature != nil && *w.Temperature == 0
 	req.byPrefix = greedy || w.Seed != nil

@@ -48,7 +48,7 @@ func (e *Engine) publishEvents(now time.Time) {
 // prefix cache.
 func (e *Engine) cachePrompt(r *request) {
 	if r.blockHashes != nil {
-		e.pool.store(r.blocks, r.blockHashes, r.tokens, e.cfg.BlockSize)
+		e.pool.store(r.blocks, r.blockHashes, r.tokens, e.cfg.BlockSize, r.key)
 	}
 }
 
