@@ -290,6 +290,7 @@ func (x *exchange) run(parse func([]byte) (*genRequest, *apiError)) *apiError {
 	if e := x.resolveModel(); e != nil {
 		return e
 	}
+	x.keyRequest()
 	if e := x.planResume(); e != nil {
 		return e
 	}
@@ -338,8 +339,8 @@ func (x *exchange) hint(role router.Role, exclude []string) router.Hint {
 	if len(x.tries.avoid) > 0 {
 		exclude = x.tries.avoided(exclude[:len(exclude):len(exclude)])
 	}
-	h := router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.req.text, Tokens: x.legs.tokens, Model: x.req.model, Exclude: exclude,
-		Session: x.sess.key, Bound: x.sess.bound(role)}
+	h := router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.hintText(role), Tokens: x.legs.tokens, Model: x.req.model, Exclude: exclude,
+		LoRA: x.req.key.lora, CacheSalt: x.req.key.salt, Session: x.sess.key, Bound: x.sess.bound(role)}
 	if x.class != nil {
 		h.Class, h.Slack = x.class.Name, x.class.MaxQueueWait
 	}

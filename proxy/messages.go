@@ -129,6 +129,7 @@ func parseMessagesRequest(body []byte) (*genRequest, *apiError) {
 	// chat's messages array does: what a cache-aware policy matches, and what the engine's
 	// /tokenize renders.
 	req.text, req.messages = string(rendered), rendered
+	req.key.media = messagesHaveMedia(rendered)
 	req.prefix = system
 	if req.prefix == "" && len(chat) > 0 {
 		req.prefix = chat[0].text()

@@ -274,7 +274,7 @@ func (x *exchange) moveOn(c *custody, cause error) *apiError {
 	rs.movable.Store(false)
 	rs.withIDs = nil
 	x.req = &genRequest{route: "/v1/completions", fields: fields, model: x.req.model, stream: true, prefix: x.req.prefix,
-		text: x.req.text, tokens: prompt, prompts: 1}
+		text: x.req.text, key: x.req.key, routeText: x.req.routeText, tokens: prompt, prompts: 1}
 	x.legs = legs{named: x.legs.named}
 	return nil
 }

@@ -33,6 +33,11 @@ type genRequest struct {
 	// text is the whole prompt as it repeats across a session's turns, for cache-aware
 	// routing: a completion's prompt, or a chat's messages array as the client sent it.
 	text string
+	// key is what the engines key the prompt's KV blocks by beyond its tokens, as far as
+	// the proxy knows it (cachekey.go); routeText is text as cache-aware policies match it,
+	// tagged with the key (keyRequest).
+	key       cacheKey
+	routeText string
 	// messages is a chat's messages array as the client sent it, or a Messages request's
 	// conversation rendered as chat messages, to tokenize.
 	messages json.RawMessage
@@ -138,6 +143,7 @@ func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
 		if e := parsePrompt(fields, req); e != nil {
 			return nil, e
 		}
+		req.key.media = completionMedia(fields)
 	}
 	_, promptLogprobs := counts["prompt_logprobs"]
 	switch {
@@ -175,6 +181,9 @@ func parseGeneration(body []byte) (*genRequest, *apiError) {
 		return nil, badRequest("model", "model must not be empty")
 	}
 	if e := boolField(fields, "stream", &req.stream); e != nil {
+		return nil, e
+	}
+	if e := readCacheSalt(fields, req); e != nil {
 		return nil, e
 	}
 	return req, nil
@@ -294,6 +303,7 @@ func parseMessages(fields *kvbackend.Fields, req *genRequest) *apiError {
 		if m == nil {
 			return badRequest(fmt.Sprintf("messages[%d]", i), fmt.Sprintf("messages[%d] must be an object", i))
 		}
+		req.key.media = req.key.media || hasMedia(m["content"])
 		var role string
 		if e := stringField(m, "role", true, &role); e != nil {
 			e.param = fmt.Sprintf("messages[%d].role", i)

@@ -54,6 +54,7 @@ func parseResponses(body []byte) (*genRequest, *apiError) {
 	// What repeats across a conversation's turns, for cache-aware routing: the instructions,
 	// then the input as it grows.
 	req.text = instructions + string(raw)
+	req.key.media = messagesHaveMedia(raw)
 	req.prompts = 1
 	if _, _, e := countField(f, "max_output_tokens", 1); e != nil {
 		return nil, e

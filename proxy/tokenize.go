@@ -17,7 +17,7 @@ import (
 type cacheRouter interface {
 	WantsTokens(role router.Role) bool
 	Tokens(ctx context.Context, req router.TokenizeRequest) ([]uint32, error)
-	CachedTokens(backend string, tokens []uint32) (int, bool)
+	CachedTokens(backend string, h router.Hint) (int, bool)
 	ReturnTokens(tokens []uint32)
 }
 
@@ -28,7 +28,8 @@ type cacheRouter interface {
 // tokenizing fails is routed on its text.
 func (x *exchange) tokenize() {
 	cr, ok := x.s.router.(cacheRouter)
-	if !ok || x.legs.tokens != nil {
+	if !ok || x.legs.tokens != nil || x.req.key.media {
+		// A prompt with media is keyed by what the proxy cannot derive: no tokens match it.
 		return
 	}
 	if !cr.WantsTokens(router.RolePrefill) && !cr.WantsTokens(router.RoleDecode) && x.s.cfg.PDUncachedTokenThreshold <= 0 {
@@ -78,6 +79,6 @@ func (x *exchange) cachedOnDecoder() bool {
 	if th <= 0 || !ok || len(x.legs.tokens) == 0 || x.legs.decode == nil {
 		return false
 	}
-	n, fresh := cr.CachedTokens(x.legs.decode.Name, x.legs.tokens)
+	n, fresh := cr.CachedTokens(x.legs.decode.Name, x.cacheHint())
 	return fresh && len(x.legs.tokens)-n < th
 }

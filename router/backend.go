@@ -103,6 +103,9 @@ type backendState struct {
 	secPerToken, predictedTTFT atomic.Uint64
 	// models is what the engine's /v1/models listed at its last answer; nil until then.
 	models atomic.Pointer[[]string]
+	// adapters are those of models the engine serves as LoRA adapters: listed with a
+	// parent, the base model's name (vLLM's --lora-modules); nil for none.
+	adapters atomic.Pointer[[]string]
 	// leaving is closed when the backend goes away while up: a reload or discovery drops it,
 	// or its checks take it down. A backend that comes up again gets a new one.
 	leaving atomic.Pointer[leaving]

@@ -155,7 +155,7 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 		p.picked(b, h, -1)
 		return b, p.costOn(b, tokens, now)
 	}
-	scratch := p.match(h.Tokens)
+	scratch := p.match(h)
 	defer scratch.release()
 	found := scratch.matches()
 	var shareBuf, costBuf, aheadBuf [candidatesOnStack]float64
@@ -286,7 +286,7 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, found *kvcac
 			v := found.Of(b.kvEngineIn(p.index))
 			if !v.Last.IsZero() && now.Sub(v.Last) < p.staleAfter {
 				share = v.Weighted / float64(len(h.Tokens))
-				from = v.Last.Add(-pendingGrace)
+				from = pendingFrom(b.kvEngineIn(p.index), v.Last)
 			}
 		}
 		out = append(out, share)
@@ -331,14 +331,14 @@ type matchScratch struct {
 
 var matchScratches = sync.Pool{New: func() any { return new(matchScratch) }}
 
-// match asks the index, in one walk, what every engine holds of tokens; nil without an index
-// or tokens. The caller releases it.
-func (p *CacheAware) match(tokens []uint32) *matchScratch {
-	if p.index == nil || len(tokens) == 0 {
+// match asks the index, in one walk, what every engine holds of h's tokens under h's cache
+// identity; nil without an index or tokens. The caller releases it.
+func (p *CacheAware) match(h Hint) *matchScratch {
+	if p.index == nil || len(h.Tokens) == 0 {
 		return nil
 	}
 	s := matchScratches.Get().(*matchScratch)
-	s.m.Reset(tokens)
+	s.m.ResetFor(h.Tokens, h.cacheIdentity())
 	p.index.MatchAll(&s.m, &s.found)
 	return s
 }

@@ -137,7 +137,8 @@ func (r *Router) listModels(ctx context.Context, b *Backend, h HealthConfig) {
 	defer resp.Body.Close()
 	var list struct {
 		Data []struct {
-			ID string `json:"id"`
+			ID     string  `json:"id"`
+			Parent *string `json:"parent"`
 		} `json:"data"`
 	}
 	if resp.StatusCode != http.StatusOK || json.NewDecoder(io.LimitReader(resp.Body, 4<<20)).Decode(&list) != nil {
@@ -147,13 +148,22 @@ func (r *Router) listModels(ctx context.Context, b *Backend, h HealthConfig) {
 		return
 	}
 	models := make([]string, 0, len(list.Data))
+	var adapters []string
 	for _, m := range list.Data {
 		if m.ID != "" && !slices.Contains(models, m.ID) {
 			models = append(models, m.ID)
+			if m.Parent != nil && *m.Parent != "" && *m.Parent != m.ID {
+				adapters = append(adapters, m.ID)
+			}
 		}
 	}
-	if old := b.st.models.Load(); old == nil || !slices.Equal(*old, models) {
-		r.logger.Info("backend models", zap.String("backend", b.Name), zap.Strings("models", models))
+	var oldAdapters []string
+	if p := b.st.adapters.Load(); p != nil {
+		oldAdapters = *p
+	}
+	if old := b.st.models.Load(); old == nil || !slices.Equal(*old, models) || !slices.Equal(oldAdapters, adapters) {
+		r.logger.Info("backend models", zap.String("backend", b.Name), zap.Strings("models", models), zap.Strings("lora_adapters", adapters))
+		b.st.adapters.Store(&adapters)
 		b.st.models.Store(&models)
 		r.forgetModels()
 	}

@@ -91,20 +91,37 @@ func (r *Router) CachedBlocks(name string, limit int) []uint64 {
 	return r.index.BlockKeys(name, limit)
 }
 
-// CachedTokens returns how many of tokens' leading tokens the backend called name holds in
-// its prefix cache as its KV events tell, each block weighed by its tier
+// CachedTokens returns how many of h.Tokens' leading tokens the backend called name holds
+// in its prefix cache as its KV events tell, under h's LoRA and CacheSalt (the identity the
+// blocks are keyed by beyond their tokens), each block weighed by its tier
 // (kv_events.tier_weights) and rounded down: how many tokens' compute the cache saves,
 // what conditional disaggregation weighs against the prompt's length. A prompt held on CPU
 // at weight 0.75 counts three quarters of its length: its reload costs a quarter of its
 // compute. ok is false when the proxy has no events of the backend newer than
 // kv_events.stale_after, so nothing can be said.
-func (r *Router) CachedTokens(name string, tokens []uint32) (n int, ok bool) {
-	v := r.index.Match(kvcache.NewMatcher(tokens), name)
+func (r *Router) CachedTokens(name string, h Hint) (n int, ok bool) {
+	v := r.index.Match(kvcache.NewMatcherFor(h.Tokens, h.cacheIdentity()), name)
 	stale := r.staleAfter.Load()
 	if v.Last.IsZero() || stale == nil || r.now().Sub(v.Last) >= *stale {
 		return 0, false
 	}
 	return weightedTokens(v), true
+}
+
+// pendingFrom is from when text routed to engine e, whose latest KV event came at last,
+// counts as blocks it is computing and has not told yet: pendingGrace before that event.
+// Never for a hybrid model's engine (kvcache.Engine.Hybrid): what it reuses of a routed
+// text depends on where a prompt ends, which the text cannot say, and only its events can.
+func pendingFrom(e *kvcache.Engine, last time.Time) time.Time {
+	if e.Hybrid() {
+		return last.Add(100 * 365 * 24 * time.Hour)
+	}
+	return last.Add(-pendingGrace)
+}
+
+// cacheIdentity is what h's prompt's blocks are keyed by beyond its tokens.
+func (h Hint) cacheIdentity() kvcache.Identity {
+	return kvcache.Identity{LoRA: h.LoRA, Salt: h.CacheSalt}
 }
 
 // kvEngineIn is b's engine in index x, its handle kept on the backend's state: a pick looks

@@ -213,7 +213,7 @@ func (v *poolView) place(key uint64, c float64, now time.Time) int {
 // prompt's share read only of the engines that hold some of it.
 func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.Time) (*Backend, Cost) {
 	v := p.viewFor(cands, now)
-	scratch := p.match(h.Tokens)
+	scratch := p.match(h)
 	defer scratch.release()
 	found := scratch.matches()
 	// The tree's marks, read before the view is locked: the tree has a lock of its own.
@@ -347,9 +347,10 @@ func (p *CacheAware) pendingSince(found *kvcache.Matches, b *Backend, now time.T
 	if found == nil {
 		return time.Time{}
 	}
-	last := b.kvEngineIn(p.index).LastEvent()
+	e := b.kvEngineIn(p.index)
+	last := e.LastEvent()
 	if last.IsZero() || now.Sub(last) >= p.staleAfter {
 		return time.Time{}
 	}
-	return last.Add(-pendingGrace)
+	return pendingFrom(e, last)
 }

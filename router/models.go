@@ -17,7 +17,7 @@ func (r *Router) Models(role Role) (models []string, complete bool) {
 	if gen := r.modelGen.Load(); views == nil || views.gen != gen {
 		// Read the generation before the state: a change while this runs makes the next
 		// call work it out again.
-		views = &modelViews{gen: gen, v: [2]modelView{r.modelsOf(RolePrefill), r.modelsOf(RoleDecode)}}
+		views = &modelViews{gen: gen, v: [2]modelView{r.modelsOf(RolePrefill), r.modelsOf(RoleDecode)}, adapters: r.adaptersOf()}
 		r.modelViews.Store(views)
 	}
 	if role == RoleDecode {
@@ -26,10 +26,25 @@ func (r *Router) Models(role Role) (models []string, complete bool) {
 	return views.v[0].models, views.v[0].complete
 }
 
-// modelViews are Models' answers for prefill and decode, as of generation gen.
+// Adapter reports whether an engine of either role serves model as a LoRA adapter (its
+// /v1/models lists it with a parent): a request for it is of that adapter, whose KV blocks
+// the engines key by its name (Hint.LoRA). A model no engine lists so, configured models
+// among them, is taken for a base model.
+func (r *Router) Adapter(model string) bool {
+	if model == "" {
+		return false
+	}
+	r.Models(RolePrefill) // brings the views up to date
+	views := r.modelViews.Load()
+	return views != nil && views.adapters[model]
+}
+
+// modelViews are Models' answers for prefill and decode, as of generation gen, and the
+// models served as LoRA adapters.
 type modelViews struct {
-	gen uint64
-	v   [2]modelView
+	gen      uint64
+	v        [2]modelView
+	adapters map[string]bool
 }
 
 // modelView is what Models answers for one role.
@@ -40,6 +55,25 @@ type modelView struct {
 
 // forgetModels makes the answers Models keeps stale, after what they were made of changed.
 func (r *Router) forgetModels() { r.modelGen.Add(1) }
+
+// adaptersOf is the models some backend serves as LoRA adapters; nil for none.
+func (r *Router) adaptersOf() map[string]bool {
+	var out map[string]bool
+	for _, b := range r.backends() {
+		if b.st.removed.Load() {
+			continue
+		}
+		if p := b.st.adapters.Load(); p != nil {
+			for _, m := range *p {
+				if out == nil {
+					out = make(map[string]bool)
+				}
+				out[m] = true
+			}
+		}
+	}
+	return out
+}
 
 // modelsOf is Models, worked out.
 func (r *Router) modelsOf(role Role) modelView {

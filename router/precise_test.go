@@ -441,10 +441,10 @@ func TestCachedTokensSaysWhatADecoderHolds(t *testing.T) {
 	prompt := promptTokens(0, 3*kvBlock+5)
 	d0.publish(blockStored(hashesOf(1, 2), nil, prompt[:2*kvBlock]))
 	r.waitBlocks(t, "d0", 2)
-	if n, ok := r.CachedTokens("d0", prompt); !ok || n != 2*kvBlock {
+	if n, ok := r.CachedTokens("d0", Hint{Tokens: prompt}); !ok || n != 2*kvBlock {
 		t.Errorf("CachedTokens(d0) = %d, %v; want %d, true", n, ok, 2*kvBlock)
 	}
-	if n, ok := r.CachedTokens("d1", prompt); ok {
+	if n, ok := r.CachedTokens("d1", Hint{Tokens: prompt}); ok {
 		t.Errorf("CachedTokens(d1), never heard from, = %d, true; want false", n)
 	}
 }

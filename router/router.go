@@ -41,6 +41,12 @@ type Hint struct {
 	// Tokens are the prompt's token ids as the engines tokenize it (Router.Tokens), for
 	// precise_cache_aware; nil means it scores the request by Text alone.
 	Tokens []uint32
+	// LoRA and CacheSalt are what the engines key the prompt's KV blocks by beyond its
+	// tokens (kvcache.Identity): the LoRA adapter the request names (Model, when the
+	// engines serve it as an adapter: Router.Adapter), and its cache_salt. precise_cache_aware
+	// matches Tokens only against blocks stored under the same two; empty means the base
+	// model, unsalted.
+	LoRA, CacheSalt string
 	// Model is the model the request names, as the engines serve it (an alias resolved):
 	// only backends that serve it (Backend.Serves) are picked, and a request for a model
 	// no backend serves waits for none. Empty means any backend.

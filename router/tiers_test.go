@@ -92,12 +92,12 @@ func TestCachedTokensWeighsTiers(t *testing.T) {
 		d0.publish(blockStored(h, nil, prompt[:4*kvBlock]))
 		d0.publish(blockStoredOn("CPU", h, nil, prompt[:4*kvBlock]))
 		r.waitBlocks(t, "d0", 8)
-		if n, ok := r.CachedTokens("d0", prompt); !ok || n != 4*kvBlock {
+		if n, ok := r.CachedTokens("d0", Hint{Tokens: prompt}); !ok || n != 4*kvBlock {
 			t.Errorf("on GPU and CPU CachedTokens = %d, %v; want %d, true", n, ok, 4*kvBlock)
 		}
 		d0.publish(blockRemovedOn("GPU", h...))
 		r.waitBlocks(t, "d0", 4)
-		if n, ok := r.CachedTokens("d0", prompt); !ok || n != 48 {
+		if n, ok := r.CachedTokens("d0", Hint{Tokens: prompt}); !ok || n != 48 {
 			t.Errorf("on CPU alone CachedTokens = %d, %v; want 48 (64 tokens at 0.75), true", n, ok)
 		}
 		if got, want := r.blocksByMedium(t, "d0"), map[string]int{"cpu": 4}; !maps.Equal(got, want) {
@@ -105,7 +105,7 @@ func TestCachedTokensWeighsTiers(t *testing.T) {
 		}
 		d0.publish(blockRemovedOn("cpu", h...))
 		r.waitBlocks(t, "d0", 0)
-		if n, ok := r.CachedTokens("d0", prompt); !ok || n != 0 {
+		if n, ok := r.CachedTokens("d0", Hint{Tokens: prompt}); !ok || n != 0 {
 			t.Errorf("after the CPU copies went CachedTokens = %d, %v; want 0, true", n, ok)
 		}
 	})
@@ -116,7 +116,7 @@ func TestCachedTokensWeighsTiers(t *testing.T) {
 		d0.publish(blockStoredOn("CPU", h[2:3], h[1], prompt[2*kvBlock:3*kvBlock]))
 		d0.publish(blockStoredOn("LocalDisk", h[3:], h[2], prompt[3*kvBlock:4*kvBlock]))
 		r.waitBlocks(t, "d0", 4)
-		if n, _ := r.CachedTokens("d0", prompt); n != 32+12+4 {
+		if n, _ := r.CachedTokens("d0", Hint{Tokens: prompt}); n != 32+12+4 {
 			t.Errorf("CachedTokens = %d, want 48: 32 on GPU, 16 on CPU at 0.75, 16 on disk at 0.25", n)
 		}
 	})
@@ -124,7 +124,7 @@ func TestCachedTokensWeighsTiers(t *testing.T) {
 		r, pubs := tieredRouter(t, map[string]float64{"cpu": 0})
 		pubs["d0"].publish(blockStoredOn("CPU", h, nil, prompt[:4*kvBlock]))
 		r.waitBlocks(t, "d0", 4)
-		if n, ok := r.CachedTokens("d0", prompt); !ok || n != 0 {
+		if n, ok := r.CachedTokens("d0", Hint{Tokens: prompt}); !ok || n != 0 {
 			t.Errorf("CachedTokens = %d, %v; want 0, true", n, ok)
 		}
 	})
@@ -147,7 +147,7 @@ func TestReloadTierWeights(t *testing.T) {
 	if err := r.Reload(changed); err != nil {
 		t.Fatalf("Reload changing the weights = %v, want it applied", err)
 	}
-	if n, _ := r.CachedTokens("d0", prompt); n != 32 {
+	if n, _ := r.CachedTokens("d0", Hint{Tokens: prompt}); n != 32 {
 		t.Errorf("after the reload CachedTokens = %d, want 32 (64 on CPU at 0.5)", n)
 	}
 	changed.KVEvents.TierWeights = map[string]float64{"cpu": 0.5, "cpu_tier3": 0.1}

@@ -1,0 +1,140 @@
+package proxy
+
+import (
+	"encoding/binary"
+	"encoding/json"
+
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// A request's cache key: what vLLM keys its prompt's KV blocks by beyond the tokens
+// (vllm/v1/core/kv_cache_utils.py, generate_block_hash_extra_keys): the LoRA adapter's
+// name, the request's cache_salt, and the identifiers of its multimodal items. The first two
+// the proxy reads and hands to the router (router.Hint's LoRA and CacheSalt), which matches
+// the prompt's tokens only against blocks stored under them. The third it cannot derive
+// (vLLM hashes each item's processed data and places its tokens by its processor): a
+// request with images, audio, video or embeddings is scored as holding nothing by a policy
+// that scores by tokens, never as a hit its items would make false.
+
+// adapterRouter is a router that knows which models its engines serve as LoRA adapters
+// (router.Router.Adapter). Checked by type assertion: without it every model is taken for a
+// base model.
+type adapterRouter interface {
+	Adapter(model string) bool
+}
+
+// cacheKey is what of a request's cache key the proxy knows.
+type cacheKey struct {
+	// salt is the request's cache_salt, empty for none (vLLM takes "" as none).
+	salt string
+	// lora is the request's model when the engines serve it as a LoRA adapter.
+	lora string
+	// media is set when the prompt holds items the engines key by identifiers the proxy
+	// cannot derive: content parts other than text (images, audio, video, files,
+	// embeddings), or a completion's prompt_embeds.
+	media bool
+}
+
+// readCacheSalt reads the body's cache_salt, a string when given.
+func readCacheSalt(fields object, req *genRequest) *apiError {
+	return stringField(fields, "cache_salt", false, &req.key.salt)
+}
+
+// textParts are the content part types that hold text, which the engines tokenize as any
+// text: every other type is an item of a modality the proxy cannot key.
+var textParts = map[string]bool{"text": true, "input_text": true, "output_text": true, "refusal": true, "thinking": true,
+	"reasoning": true, "reasoning_text": true, "summary_text": true}
+
+// hasMedia reports whether a message's content (a string, or an array of parts) holds a
+// part of a type other than text.
+func hasMedia(content json.RawMessage) bool {
+	if len(content) == 0 || content[0] != '[' {
+		return false
+	}
+	var parts []struct {
+		Type    string          `json:"type"`
+		Content json.RawMessage `json:"content"`
+	}
+	if json.Unmarshal(content, &parts) != nil {
+		return false
+	}
+	for _, p := range parts {
+		if p.Type != "" && !textParts[p.Type] || hasMedia(p.Content) {
+			return true
+		}
+	}
+	return false
+}
+
+// messagesHaveMedia reports whether any message of a chat's messages array (or a Responses
+// input's items) holds a part other than text.
+func messagesHaveMedia(raw json.RawMessage) bool {
+	var msgs []struct {
+		Content json.RawMessage `json:"content"`
+	}
+	if len(raw) == 0 || raw[0] != '[' || json.Unmarshal(raw, &msgs) != nil {
+		return false
+	}
+	for _, m := range msgs {
+		if hasMedia(m.Content) {
+			return true
+		}
+	}
+	return false
+}
+
+// keyRequest completes the request's cache key once its model is resolved: the adapter it
+// names, and the text cache-aware policies match (routeText).
+func (x *exchange) keyRequest() {
+	req := x.req
+	if ar, ok := x.s.router.(adapterRouter); ok && ar.Adapter(req.model) {
+		req.key.lora = req.model
+	}
+	req.routeText = routeText(req.text, req.key)
+}
+
+// routeText is text as cache-aware policies match it: behind a tag of the request's LoRA
+// and cache_salt when it has either, so that the approximate view, which knows nothing of
+// KV keys, never credits one adapter's or tenant's text to another's request (the tag's
+// first byte differs from the text's, or from another tag's, but one time in 256). A
+// request of neither routes on its text as it is.
+func routeText(text string, k cacheKey) string {
+	if k.lora == "" && k.salt == "" || text == "" {
+		return text
+	}
+	var d xxhash.Digest
+	d.Reset()
+	_, _ = d.WriteString(k.lora)
+	_, _ = d.Write([]byte{0})
+	_, _ = d.WriteString(k.salt)
+	var tag [8]byte
+	binary.BigEndian.PutUint64(tag[:], d.Sum64())
+	return string(tag[:]) + text
+}
+
+// hintText is the text a pick for role matches: none for a request with media when role's
+// policy scores by tokens, so that it is scored as holding nothing rather than by a text
+// whose items the engines key otherwise.
+func (x *exchange) hintText(role router.Role) string {
+	if x.req.key.media {
+		if cr, ok := x.s.router.(cacheRouter); ok && cr.WantsTokens(role) {
+			return ""
+		}
+	}
+	return x.req.routeText
+}
+
+// cacheHint is what the router weighs a decoder's cache by for conditional disaggregation.
+func (x *exchange) cacheHint() router.Hint {
+	return router.Hint{Tokens: x.legs.tokens, LoRA: x.req.key.lora, CacheSalt: x.req.key.salt}
+}
+
+// completionMedia reports whether a completion's body carries prompt embeddings, which the
+// engines key by their hash.
+func completionMedia(fields *kvbackend.Fields) bool {
+	raw, ok := fields.Field("prompt_embeds")
+	return ok && !isNull(raw)
+}
