@@ -26,10 +26,10 @@ import (
 // context held on one engine keeps its conversation there until the queue there outweighs it.
 //
 // Costs whose work (past the overhead) is within tieShare of the lowest's, or within
-// tieTokens of it, are ties: the engine a session is bound to first, then the one with the
-// least work ahead (a hot prompt held on one engine spreads rather than queue there for a
-// saving too small to tell), then the rendezvous order of the request's key (its session's,
-// else its prompt's head), which every replica computes alike. With a temperature the pick is
+// tieTokens of it, are ties: the engine a session is bound to first, then those with the
+// least work ahead, within tieTokens (a hot prompt held on one engine spreads rather than
+// queue there for a saving too small to tell), then the rendezvous order of the request's
+// key (its session's, else its prompt's head), which every replica computes alike. With a temperature the pick is
 // instead drawn with weights exp(-(cost - lowest) / temperature), so that replicas do not all
 // herd onto one engine between two scrapes.
 
@@ -165,9 +165,9 @@ func (m *costModel) learn(b *Backend, work float64, observed time.Duration) {
 }
 
 // choose is the index of the candidate to pick among costs: the lowest, or with preferred
-// (-1 for none) among the near-equal ones, preferred; else among them the one with the least
-// work ahead (what the pick adds to is then spread), the higher rank first among equals;
-// with a temperature, drawn by weight.
+// (-1 for none) among the near-equal ones, preferred; else among them those with the least
+// work ahead (within tieTokens: what the pick adds to is then spread), the highest rank of
+// those; with a temperature, drawn by weight.
 func (m *costModel) choose(costs, ahead []float64, rank func(i int) float64, preferred int) int {
 	lo := 0
 	for i, c := range costs {
@@ -192,17 +192,19 @@ func (m *costModel) choose(costs, ahead []float64, rank func(i int) float64, pre
 	if preferred >= 0 && costs[preferred] <= limit {
 		return preferred
 	}
+	least := math.Inf(1)
+	for i, c := range costs {
+		if c <= limit {
+			least = min(least, ahead[i])
+		}
+	}
 	best, bestRank := -1, 0.0
 	for i, c := range costs {
-		if c > limit {
+		if c > limit || ahead[i] > least+tieTokens {
 			continue
 		}
-		if best < 0 || ahead[i] < ahead[best] {
-			best, bestRank = i, rank(i)
-		} else if ahead[i] == ahead[best] {
-			if r := rank(i); r > bestRank {
-				best, bestRank = i, r
-			}
+		if r := rank(i); best < 0 || r > bestRank {
+			best, bestRank = i, r
 		}
 	}
 	return best
