@@ -78,6 +78,34 @@ type Endpoint struct {
 	// Replay is the engine's replay (ROUTER) endpoint; empty means none: a gap forgets the
 	// engine.
 	Replay string
+	// Sources are the engine's publishers, one per data parallel rank, as the engine said
+	// where it bound them (vLLM's GET /kv_event_sources): each is dialed, and its replay
+	// asked, apart. When set, Dial and Replay are not used.
+	Sources []Source
+}
+
+// Source is one publisher of an engine: its PUB endpoint to dial, "tcp://host:port", and its
+// replay endpoint, empty for none.
+type Source struct {
+	Dial, Replay string
+}
+
+// dials are the publishers of ep to dial, each as an Endpoint of its own Dial and Replay,
+// keyed by what tells them apart.
+func (ep Endpoint) dials() map[string]Endpoint {
+	out := make(map[string]Endpoint, max(1, len(ep.Sources)))
+	if len(ep.Sources) == 0 {
+		if ep.Dial != "" {
+			out[ep.Engine] = Endpoint{Engine: ep.Engine, HostPort: ep.HostPort, Dial: ep.Dial, Replay: ep.Replay}
+		}
+		return out
+	}
+	for _, s := range ep.Sources {
+		if s.Dial != "" {
+			out[ep.Engine+" "+s.Dial] = Endpoint{Engine: ep.Engine, HostPort: ep.HostPort, Dial: s.Dial, Replay: s.Replay}
+		}
+	}
+	return out
 }
 
 // Events subscribes to the engines' KV events and applies them to an Index: one SUB socket
@@ -300,14 +328,14 @@ func (e *Events) Run(ctx context.Context) error {
 func (e *Events) reconcile(ctx context.Context, wg *sync.WaitGroup, running map[string]*dialer) {
 	e.mu.Lock()
 	want := make(map[string]Endpoint)
-	for name, ep := range e.endpoints {
-		if ep.Dial != "" {
-			want[name] = ep
+	for _, ep := range e.endpoints {
+		for key, d := range ep.dials() {
+			want[key] = d
 		}
 	}
 	e.mu.Unlock()
 	for name, d := range running {
-		if ep, ok := want[name]; !ok || ep != d.ep {
+		if ep, ok := want[name]; !ok || !sameDial(ep, d.ep) {
 			d.cancel()
 			<-d.done
 			delete(running, name)
@@ -325,6 +353,11 @@ func (e *Events) reconcile(ctx context.Context, wg *sync.WaitGroup, running map[
 			e.dial(dctx, ep)
 		})
 	}
+}
+
+// sameDial reports whether a and b dial the same publisher alike.
+func sameDial(a, b Endpoint) bool {
+	return a.Engine == b.Engine && a.HostPort == b.HostPort && a.Dial == b.Dial && a.Replay == b.Replay
 }
 
 // dial subscribes to one engine's PUB until ctx is done, dialing again every Redial while

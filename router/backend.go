@@ -47,8 +47,10 @@ type Backend struct {
 	// models are the configured models; nil means the engine's list (backendState.models).
 	models []string
 
-	// kvEvents and kvReplay are the engine's KV event endpoints, from config.
+	// kvEvents and kvReplay are the engine's KV event endpoints, from config; kvDiscover
+	// asks the engine for them (kv_events_discover).
 	kvEvents, kvReplay string
+	kvDiscover         bool
 	// nameHash is the hash of Name that ranks the backend for placement (rendezvousScore).
 	nameHash uint64
 
@@ -106,6 +108,9 @@ type backendState struct {
 	// adapters are those of models the engine serves as LoRA adapters: listed with a
 	// parent, the base model's name (vLLM's --lora-modules); nil for none.
 	adapters atomic.Pointer[[]string]
+	// kvSources are where the engine said its KV event publishers are bound
+	// (kv_events_discover); nil until it answered.
+	kvSources atomic.Pointer[[]kvcache.Source]
 	// leaving is closed when the backend goes away while up: a reload or discovery drops it,
 	// or its checks take it down. A backend that comes up again gets a new one.
 	leaving atomic.Pointer[leaving]
@@ -183,6 +188,7 @@ func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendSta
 		models:        slices.Clone(c.Models),
 		kvEvents:      kvEvents,
 		kvReplay:      kvReplay,
+		kvDiscover:    c.KVEventsDiscover,
 		nameHash:      xxhash.Sum64String(c.Name),
 		client:        client,
 		st:            st,

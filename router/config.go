@@ -144,6 +144,13 @@ type BackendConfig struct {
 	// above wins.
 	KVEventsPort       int `yaml:"kv_events_port"`
 	KVEventsReplayPort int `yaml:"kv_events_replay_port"`
+	// KVEventsDiscover asks the engine where its KV event publishers are bound (vLLM's
+	// GET /kv_event_sources, PR #55844: one per data parallel rank, with its replay
+	// endpoint) after every health check that passes, and dials each: for engines whose
+	// --kv-events-config binds port 0 ("tcp://*:0"), each rank taking a free port only the
+	// engine knows. A source on a wildcard host is dialed on the engine's own address. Once
+	// the engine answers, its sources are dialed in place of the endpoints above. [false]
+	KVEventsDiscover bool `yaml:"kv_events_discover"`
 }
 
 // HealthConfig configures active health checks.

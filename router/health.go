@@ -75,6 +75,9 @@ func (r *Router) checkAll(ctx context.Context, h HealthConfig) {
 			if err == nil && b.models == nil {
 				r.listModels(ctx, b, h)
 			}
+			if err == nil && b.kvDiscover {
+				r.listKVSources(ctx, b, h)
+			}
 			ref, refused := refusalOf(err)
 			change, why := b.check(err == nil, ref.text, h)
 			switch change {

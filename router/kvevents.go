@@ -2,7 +2,14 @@ package router
 
 import (
 	"context"
+	"encoding/json"
+	"io"
+	"net"
+	"net/http"
 	"net/netip"
+	"net/url"
+	"slices"
+	"strings"
 	"time"
 
 	"go.uber.org/zap"
@@ -15,9 +22,83 @@ import (
 func kvEndpoints(all []*Backend) []kvcache.Endpoint {
 	out := make([]kvcache.Endpoint, 0, len(all))
 	for _, b := range all {
-		out = append(out, kvcache.Endpoint{Engine: b.Name, HostPort: hostPort(b.URL), Dial: b.kvEvents, Replay: b.kvReplay})
+		ep := kvcache.Endpoint{Engine: b.Name, HostPort: hostPort(b.URL), Dial: b.kvEvents, Replay: b.kvReplay}
+		if s := b.st.kvSources.Load(); s != nil {
+			ep.Sources = *s
+		}
+		out = append(out, ep)
 	}
 	return out
+}
+
+// kvEventSource is one entry of vLLM's GET /kv_event_sources.
+type kvEventSource struct {
+	Rank     int     `json:"data_parallel_rank"`
+	Endpoint string  `json:"endpoint"`
+	Replay   *string `json:"replay_endpoint"`
+}
+
+// listKVSources asks an engine where its KV event publishers are bound (vLLM's
+// GET /kv_event_sources: a JSON array, one entry per data parallel rank, of
+// data_parallel_rank, endpoint, replay_endpoint, topic), and dials them from then on. An
+// engine that does not answer keeps the sources it gave last.
+func (r *Router) listKVSources(ctx context.Context, b *Backend, h HealthConfig) {
+	ctx, cancel := context.WithTimeout(ctx, h.Timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimSuffix(b.URLString, "/")+"/kv_event_sources", nil)
+	if err != nil {
+		return
+	}
+	resp, err := b.client.Do(req)
+	if err != nil {
+		return
+	}
+	defer resp.Body.Close()
+	var list []kvEventSource
+	if resp.StatusCode != http.StatusOK || json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&list) != nil {
+		if ce := r.logger.Check(zap.DebugLevel, "kv event sources not read"); ce != nil {
+			ce.Write(zap.String("backend", b.Name), zap.Int("status", resp.StatusCode))
+		}
+		return
+	}
+	slices.SortFunc(list, func(a, b kvEventSource) int { return a.Rank - b.Rank })
+	sources := make([]kvcache.Source, 0, len(list))
+	for _, s := range list {
+		src := kvcache.Source{Dial: onEngineHost(s.Endpoint, b.URL)}
+		if s.Replay != nil {
+			src.Replay = onEngineHost(*s.Replay, b.URL)
+		}
+		if kvcache.CheckEndpoint(src.Dial, false) != nil || src.Replay != "" && kvcache.CheckEndpoint(src.Replay, false) != nil {
+			r.logger.Warn("kv event source not dialable, left out", zap.String("backend", b.Name), zap.Int("data_parallel_rank", s.Rank),
+				zap.String("endpoint", s.Endpoint))
+			continue
+		}
+		sources = append(sources, src)
+	}
+	if old := b.st.kvSources.Load(); old != nil && slices.Equal(*old, sources) {
+		return
+	}
+	r.logger.Info("backend kv event sources", zap.String("backend", b.Name), zap.Any("sources", sources))
+	b.st.kvSources.Store(&sources)
+	r.events.SetEndpoints(kvEndpoints(r.backends()))
+}
+
+// onEngineHost is a source's endpoint, its host put as the engine's own when the engine
+// reports the wildcard it bound ("*", 0.0.0.0, ::): the proxy dials the engine where it
+// reaches its HTTP server.
+func onEngineHost(ep string, engine *url.URL) string {
+	rest, ok := strings.CutPrefix(ep, "tcp://")
+	if !ok || engine == nil {
+		return ep
+	}
+	host, port, err := net.SplitHostPort(rest)
+	if err != nil {
+		return ep
+	}
+	if ip, err := netip.ParseAddr(host); host == "*" || err == nil && ip.IsUnspecified() {
+		return "tcp://" + net.JoinHostPort(engine.Hostname(), port)
+	}
+	return ep
 }
 
 // setKVEndpoints hands the subscribers the backends and kv_events.allowed_sources.

@@ -231,7 +231,7 @@ func (c *Config) checkCache() []error {
 				bad(f+"."+pf.name, "%d is not a port", pf.port)
 			}
 		}
-		if b.KVEventsPort > 0 {
+		if b.KVEventsPort > 0 || b.KVEventsDiscover {
 			sources = true
 		}
 		if b.KVEventsEndpoint != "" {

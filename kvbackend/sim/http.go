@@ -35,6 +35,7 @@ func (e *Engine) Handler() http.Handler {
 	mux.HandleFunc("GET /server_info", e.handleServerInfo)
 	mux.HandleFunc("GET /get_server_info", e.handleServerInfo)
 	mux.HandleFunc("GET /v1/models", e.handleModels)
+	mux.HandleFunc("GET /kv_event_sources", e.handleKVEventSources)
 	mux.HandleFunc("POST /tokenize", e.handleTokenize)
 	mux.HandleFunc("POST /detokenize", e.pooling("detok", parseDetokenize))
 	mux.HandleFunc("POST /v1/embeddings", e.pooling("embd", parseEmbeddings))

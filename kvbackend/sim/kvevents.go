@@ -5,6 +5,8 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"net"
+	"net/http"
 	"strconv"
 	"strings"
 	"sync"
@@ -199,6 +201,49 @@ func eventValue(ev kvEvent, format string) any {
 		}
 		return []any{"AllBlocksCleared"}
 	}
+}
+
+// kvEventSource is one data parallel rank's publisher as vLLM's
+// GET /kv_event_sources lists it (vLLM PR #55844).
+type kvEventSource struct {
+	Rank     int     `json:"data_parallel_rank"`
+	Endpoint string  `json:"endpoint"`
+	Replay   *string `json:"replay_endpoint"`
+	Topic    string  `json:"topic"`
+}
+
+// handleKVEventSources answers where each rank's publisher is, as vLLM does since it binds
+// port 0 (tcp://*:0: every rank a free port of its own, known only once bound): a JSON array
+// of the ranks' bound endpoints, rank 0 first. vLLM binds the node's address rather than a
+// wildcard; the sim, bound on a wildcard, reports the address the request came in on.
+func (e *Engine) handleKVEventSources(w http.ResponseWriter, r *http.Request) {
+	local, _ := r.Context().Value(http.LocalAddrContextKey).(net.Addr)
+	out := []kvEventSource{}
+	for i, rank := range e.ranks {
+		if rank.kv == nil {
+			continue
+		}
+		s := kvEventSource{Rank: i, Endpoint: reachable(rank.kv.addr(), local), Topic: string(rank.kv.topic)}
+		if a := rank.kv.replayAddr(); a != "" {
+			a = reachable(a, local)
+			s.Replay = &a
+		}
+		out = append(out, s)
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// reachable is a bound tcp endpoint with its wildcard host put as local's.
+func reachable(ep string, local net.Addr) string {
+	host, port, err := net.SplitHostPort(strings.TrimPrefix(ep, "tcp://"))
+	ta, ok := local.(*net.TCPAddr)
+	if err != nil || !ok || !strings.HasPrefix(ep, "tcp://") {
+		return ep
+	}
+	if ip := net.ParseIP(host); ip == nil || !ip.IsUnspecified() {
+		return ep
+	}
+	return "tcp://" + net.JoinHostPort(ta.IP.String(), port)
 }
 
 // bindsEndpoint reports whether a ZMQ endpoint is bound rather than
