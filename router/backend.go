@@ -97,9 +97,9 @@ type backendState struct {
 	epoch atomic.Uint64
 	// load is what the router scraped of the engine's load (load.go).
 	load loadState
-	// pendingTokens and pendingReqs are this replica's books of the requests picked by cost
-	// whose prefill has not ended there (cost.go): their uncached tokens, and how many.
-	pendingTokens, pendingReqs atomic.Int64
+	// books are this replica's books of the requests picked by cost whose prefill has not
+	// ended there (cost.go).
+	books books
 	// secPerToken is the engine's learned prefill time per token (float64 bits; 0 until the
 	// first lesson); predictedTTFT the latest pick's prediction in seconds (float64 bits).
 	secPerToken, predictedTTFT atomic.Uint64

@@ -3,6 +3,8 @@ package router
 import (
 	"math"
 	"math/rand/v2"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -16,7 +18,8 @@ import (
 // cache does not hold as the policy's view says, a block on a slower tier weighed by its
 // reload); ahead is the work queued or running there before it, in the same tokens: this
 // replica's own books (the uncached tokens of the requests it sent there whose prefill has
-// not ended), the requests the engine reports beyond those (other replicas', from its scraped
+// not ended, less what the engine has computed of them since, one after another at its
+// rate), the requests the engine reports beyond those (other replicas', from its scraped
 // waiting and running counts, a waiting one at the pool's mean uncached tokens, a running
 // decode at decode_cost_tokens), and decode_cost_tokens for each of this replica's requests
 // decoding there; rate is the engine's prefill rate in tokens a second, learned from what
@@ -98,9 +101,9 @@ func (m *costModel) rate(b *Backend) float64 {
 
 // ahead is the work b has ahead of a new request at now, in prefill tokens.
 func (m *costModel) ahead(b *Backend, now time.Time) float64 {
-	pending := b.st.pendingReqs.Load()
+	remaining, pending := b.st.books.remaining(now, m.rate(b))
 	inflight := b.Inflight()
-	work := float64(b.st.pendingTokens.Load()) + m.decodeTokens*float64(max(inflight-pending, 0))
+	work := remaining + m.decodeTokens*float64(max(inflight-pending, 0))
 	if l := b.st.load.last.Load(); l != nil && now.Before(l.staleAt) {
 		// What the engine reports beyond this replica's own: other replicas' requests.
 		score, _, _ := b.loadScore(now)
@@ -225,6 +228,64 @@ func hintTokens(h Hint) float64 {
 	return float64(len(h.Text)) / bytesPerToken
 }
 
+// books are one backend's entries of requests whose prefill has not ended, in the order
+// they were booked.
+type books struct {
+	mu      sync.Mutex
+	entries []*booked
+	tokens  int64
+}
+
+// remaining is the work the entries leave at now, in tokens, had the engine computed them
+// one after another from the first's booking at secPerToken (as an engine's compute is
+// shared: a prefill that began a while ago has done part of its work), and how many entries
+// there are. An entry the engine should have done by now but whose prefill has not ended
+// (waiting for a slot, or the engine slower than learned) counts for nothing: the lesson of
+// its end corrects the rate.
+func (bs *books) remaining(now time.Time, secPerToken float64) (tokens float64, entries int64) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	var free time.Time // when the entries before the one at hand are done
+	for _, e := range bs.entries {
+		start := e.at
+		if free.After(start) {
+			start = free
+		}
+		free = start.Add(time.Duration(float64(e.tokens) * secPerToken * float64(time.Second)))
+		if free.After(now) {
+			if now.After(start) {
+				tokens += free.Sub(now).Seconds() / secPerToken
+			} else {
+				tokens += float64(e.tokens)
+			}
+		}
+	}
+	return tokens, int64(len(bs.entries))
+}
+
+func (bs *books) add(bk *booked) {
+	bs.mu.Lock()
+	bs.entries = append(bs.entries, bk)
+	bs.tokens += bk.tokens
+	bs.mu.Unlock()
+}
+
+func (bs *books) remove(bk *booked) {
+	bs.mu.Lock()
+	if i := slices.Index(bs.entries, bk); i >= 0 {
+		bs.entries = slices.Delete(bs.entries, i, i+1)
+		bs.tokens -= bk.tokens
+	}
+	bs.mu.Unlock()
+}
+
+// totals are the entries' uncached tokens and how many there are.
+func (bs *books) totals() (tokens, entries int64) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	return bs.tokens, int64(len(bs.entries))
+}
+
 // booked is a lease's entry in its backend's books: the pick's cost, until its prefill ends.
 type booked struct {
 	m      *costModel
@@ -237,8 +298,7 @@ type booked struct {
 // book enters cost in b's books at now.
 func book(m *costModel, b *Backend, cost Cost, now time.Time) *booked {
 	bk := &booked{m: m, cost: cost, at: now, tokens: int64(math.Round(cost.Uncached))}
-	b.st.pendingTokens.Add(bk.tokens)
-	b.st.pendingReqs.Add(1)
+	b.st.books.add(bk)
 	b.st.predictedTTFT.Store(math.Float64bits(cost.Predicted.Seconds()))
 	return bk
 }
@@ -249,8 +309,7 @@ func (bk *booked) settle(r *Router, b *Backend, now time.Time, learn bool) {
 	if bk == nil || !bk.done.CompareAndSwap(false, true) {
 		return
 	}
-	b.st.pendingTokens.Add(-bk.tokens)
-	b.st.pendingReqs.Add(-1)
+	b.st.books.remove(bk)
 	if !learn {
 		return
 	}
@@ -275,10 +334,11 @@ type CostStatus struct {
 }
 
 func (m *costModel) status(b *Backend, now time.Time) *CostStatus {
+	tokens, entries := b.st.books.totals()
 	return &CostStatus{
 		AheadTokens:            m.ahead(b, now),
-		PendingTokens:          b.st.pendingTokens.Load(),
-		PendingRequests:        b.st.pendingReqs.Load(),
+		PendingTokens:          tokens,
+		PendingRequests:        entries,
 		PrefillTokensPerSecond: 1 / m.rate(b),
 		PredictedTTFTSeconds:   math.Float64frombits(b.st.predictedTTFT.Load()),
 	}

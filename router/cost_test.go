@@ -196,12 +196,12 @@ func TestAReleaseWithoutPrefillTakesTheWorkOffTheBooksAndTeachesNothing(t *testi
 	r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 1, 0), DecodePolicy: PolicyCacheAware})
 	l := mustAcquire(t, r, RoleDecode, Hint{Text: strings.Repeat("x", 4000)})
 	b := l.Backend()
-	if got := b.st.pendingTokens.Load(); got != 1000 {
+	if got, _ := b.st.books.totals(); got != 1000 {
 		t.Fatalf("pending tokens %d while the prefill runs, want 1,000", got)
 	}
 	l.Release(Result{Err: fmt.Errorf("connection reset")})
 	l.Prefilled() // late: the lease is gone
-	if tok, reqs := b.st.pendingTokens.Load(), b.st.pendingReqs.Load(); tok != 0 || reqs != 0 {
+	if tok, reqs := b.st.books.totals(); tok != 0 || reqs != 0 {
 		t.Errorf("books hold %d tokens of %d requests after the release, want none", tok, reqs)
 	}
 	if _, ok := testutil.Lookup(t, reg, "pdproxy_backend_prefill_tokens_per_second", nil); ok {
@@ -210,3 +210,30 @@ func TestAReleaseWithoutPrefillTakesTheWorkOffTheBooksAndTeachesNothing(t *testi
 }
 
 func floatBits(f float64) uint64 { return math.Float64bits(f) }
+
+func TestTheBooksDrainAsTheEngineComputesThemOneAfterAnother(t *testing.T) {
+	t0 := time.Unix(1_700_000_000, 0)
+	var bs books
+	a := &booked{at: t0, tokens: 1000}
+	b := &booked{at: t0.Add(100 * time.Millisecond), tokens: 500}
+	bs.add(a)
+	bs.add(b)
+	const secPerToken = 1e-3 // a token a millisecond
+	for _, tc := range []struct {
+		after time.Duration
+		want  float64
+	}{
+		{0, 1500},                      // b not booked yet counts whole: it is in the books
+		{400 * time.Millisecond, 1100}, // a 400 in
+		{1200 * time.Millisecond, 300}, // a done at 1s, b 200 in
+		{2 * time.Second, 0},           // both done by the model, their ends not told yet
+	} {
+		if got, n := bs.remaining(t0.Add(tc.after), secPerToken); math.Abs(got-tc.want) > 1e-6 || n != 2 {
+			t.Errorf("%s after the first booking: %.1f tokens of %d entries remain, want %.0f of 2", tc.after, got, n, tc.want)
+		}
+	}
+	bs.remove(a)
+	if got, _ := bs.remaining(t0.Add(400*time.Millisecond), secPerToken); math.Abs(got-200) > 1e-6 {
+		t.Errorf("with the first gone, %.1f tokens remain 300ms after the second's booking, want 200", got)
+	}
+}
