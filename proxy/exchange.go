@@ -340,7 +340,8 @@ func (x *exchange) hint(role router.Role, exclude []string) router.Hint {
 		exclude = x.tries.avoided(exclude[:len(exclude):len(exclude)])
 	}
 	h := router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.hintText(role), Tokens: x.legs.tokens, Model: x.req.model, Exclude: exclude,
-		LoRA: x.req.key.lora, CacheSalt: x.req.key.salt, Session: x.sess.key, Bound: x.sess.bound(role)}
+		LoRA: x.req.key.lora, CacheSalt: x.req.key.salt, Session: x.sess.key, Bound: x.sess.bound(role),
+		BoundText: x.sess.boundText(role)}
 	if x.class != nil {
 		h.Class, h.Slack = x.class.Name, x.class.MaxQueueWait
 	}

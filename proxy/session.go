@@ -2,7 +2,9 @@ package proxy
 
 import (
 	"fmt"
+	"math"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -91,6 +93,9 @@ type session struct {
 	key                       string
 	prefill, decode           string
 	boundPrefill, boundDecode bool
+	// prefillText and decodeText are how many bytes of its text the session's latest request
+	// sent the engine it was bound to for each role (from shared state; 0 for unknown).
+	prefillText, decodeText int
 }
 
 // bound is the engine the session was bound to for role.
@@ -99,6 +104,29 @@ func (s *session) bound(role router.Role) string {
 		return s.prefill
 	}
 	return s.decode
+}
+
+// boundText is how many bytes of its text the session's latest request sent the engine it
+// was bound to for role.
+func (s *session) boundText(role router.Role) int {
+	if role == router.RolePrefill {
+		return s.prefillText
+	}
+	return s.decodeText
+}
+
+// textField is the field of a session's binding that keeps how many bytes of its text the
+// latest request sent the engine of role: what that engine holds of the conversation, for a
+// replica that did not route it.
+func textField(role router.Role) string { return string(role) + "_text" }
+
+// boundBytes reads a textField's value: a count of bytes, 0 for anything else.
+func boundBytes(v string) int {
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 0 || n > math.MaxInt32 {
+		return 0
+	}
+	return n
 }
 
 // picked records where a pick for role went, for a request of a session: counted, and, with
@@ -111,7 +139,11 @@ func (x *exchange) picked(role router.Role, lease *router.Lease) {
 	}
 	x.s.m.sessionPicks.WithLabelValues(string(role), string(choice)).Inc()
 	if x.s.shared != nil {
-		x.s.shared.Bind(x.sess.key, string(role), lease.Backend().Name, x.s.cfg.SessionAffinity.TTL)
+		ttl := x.s.cfg.SessionAffinity.TTL
+		x.s.shared.Bind(x.sess.key, string(role), lease.Backend().Name, ttl)
+		if text := x.hintText(role); text != "" {
+			x.s.shared.Bind(x.sess.key, textField(role), strconv.Itoa(len(text)), ttl)
+		}
 	}
 }
 
@@ -139,5 +171,6 @@ func (x *exchange) readSession(headers []string) *apiError {
 		b = d.Bindings[key]
 	}
 	x.sess.prefill, x.sess.decode = b[string(router.RolePrefill)], b[string(router.RoleDecode)]
+	x.sess.prefillText, x.sess.decodeText = boundBytes(b[textField(router.RolePrefill)]), boundBytes(b[textField(router.RoleDecode)])
 	return nil
 }

@@ -172,8 +172,9 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	}
 	if bound >= 0 {
 		// The engine the session is bound to had its earlier turns, through whichever
-		// replica: it holds at least what any engine is known to hold of the conversation.
-		shares[bound] = slices.Max(shares)
+		// replica: it holds at least what any engine is known to hold of the conversation,
+		// and what the session's latest request sent it.
+		shares[bound] = max(slices.Max(shares), boundShare(h))
 	}
 	for i, b := range cands {
 		a := p.cm.ahead(b, now)
@@ -192,6 +193,15 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	uncached := tokens * (1 - shares[pick])
 	p.cm.noteUncached(uncached)
 	return b, Cost{Uncached: uncached, Ahead: ahead[pick], Predicted: secondsToDuration(costs[pick])}
+}
+
+// boundShare is the share of h's text that the session's latest request sent its bound
+// engine (Hint.BoundText).
+func boundShare(h Hint) float64 {
+	if h.BoundText <= 0 || h.Text == "" {
+		return 0
+	}
+	return float64(min(h.BoundText, len(h.Text))) / float64(len(h.Text))
 }
 
 // tieKey is what near-equal costs are broken by: the session's key for a request of a

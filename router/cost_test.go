@@ -237,3 +237,28 @@ func TestTheBooksDrainAsTheEngineComputesThemOneAfterAnother(t *testing.T) {
 		t.Errorf("with the first gone, %.1f tokens remain 300ms after the second's booking, want 200", got)
 	}
 }
+
+func TestASessionsBoundEngineIsCreditedWithWhatItsLatestRequestSentIt(t *testing.T) {
+	// Another replica routed the session's earlier turns: this one's tree knows nothing of
+	// them, and its bound engine is the busiest. What shared state says the latest request
+	// sent it keeps the session there; without it, the session moves.
+	text := agentTurn(1, 8000)
+	for _, tc := range []struct {
+		boundText int
+		want      SessionChoice
+	}{
+		{len(text) - 400, SessionKept},
+		{0, SessionYieldedLoad},
+	} {
+		r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 4, 0), DecodePolicy: PolicyCacheAware})
+		busy := backendByName(t, r, "b2")
+		busy.st.inflight.Add(50) // 800 tokens of decodes: more than a tie, within balance
+		l := mustAcquire(t, r, RoleDecode, Hint{Text: text, Session: "s1", Bound: "b2", BoundText: tc.boundText})
+		if got := l.Session(); got != tc.want {
+			t.Errorf("bound text %d bytes of %d: the pick went to %s (%q), want %q", tc.boundText, len(text), l.Backend().Name, got, tc.want)
+		}
+		l.Release(Result{Status: 200})
+		busy.st.inflight.Add(-50)
+		assertAllIdle(t, r)
+	}
+}

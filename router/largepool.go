@@ -283,7 +283,7 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 			best = max(best, s.index, s.tree)
 		}
 		s := share(bound)
-		s.tree = max(s.tree, best)
+		s.tree = max(s.tree, best, boundShare(h))
 	}
 	costs := v.costs[:0]
 	for i, b := range cands {

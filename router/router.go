@@ -62,6 +62,10 @@ type Hint struct {
 	// Bound is the name of the engine of this role the session was bound to, from state the
 	// replicas share; empty means none, and the session is placed by its key alone.
 	Bound string
+	// BoundText is how many leading bytes of Text the session's latest request sent Bound,
+	// from the same state; zero means unknown. The cost policies credit Bound with holding
+	// them, whichever replica routed that request.
+	BoundText int
 	// Accept, when set, restricts the pick to backends whose engine it accepts: one request
 	// never mixes engines that speak different protocols.
 	Accept func(Engine) bool
