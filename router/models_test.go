@@ -2,8 +2,13 @@ package router
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -117,4 +122,86 @@ func TestAQueueForOneModelDoesNotBlockAnother(t *testing.T) {
 		t.Fatalf("ma's waiter: %v", err)
 	}
 	la.Release(Result{})
+}
+
+// loraEngine is an engine whose GET /v1/models lists base model llama and, with parent
+// llama, the adapters it has loaded (vLLM's --lora-modules, or its /v1/load_lora_adapter at
+// runtime); every other path passes the health check.
+type loraEngine struct {
+	*httptest.Server
+	adapters atomic.Pointer[[]string]
+}
+
+func newLoRAEngine(t *testing.T, adapters ...string) *loraEngine {
+	e := &loraEngine{}
+	e.adapters.Store(&adapters)
+	e.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		if req.URL.Path != "/v1/models" {
+			return
+		}
+		type model struct {
+			ID     string  `json:"id"`
+			Parent *string `json:"parent"`
+		}
+		parent := "llama"
+		list := []model{{ID: "llama"}}
+		for _, a := range *e.adapters.Load() {
+			list = append(list, model{ID: a, Parent: &parent})
+		}
+		json.NewEncoder(w).Encode(map[string]any{"data": list})
+	}))
+	t.Cleanup(e.Close)
+	return e
+}
+
+// An adapter loaded on an engine at runtime draws its requests from the next check on, and
+// one unloaded stops drawing them: the cost rule and the other policies pick only among the
+// engines that list it now.
+func TestAnAdapterLoadedOrUnloadedAtRuntimeJoinsOrLeavesItsCandidatesAtTheNextCheck(t *testing.T) {
+	for _, policy := range []string{PolicyLeastInflight, PolicyCacheAware} {
+		t.Run(policy, func(t *testing.T) {
+			e0, e1 := newLoRAEngine(t, "sql"), newLoRAEngine(t)
+			r, _, _ := newTestRouter(t, Config{DecodePolicy: policy, Health: HealthConfig{Interval: 5 * time.Millisecond},
+				Backends: []BackendConfig{{Name: "d0", URL: e0.URL, Role: RoleDecode}, {Name: "d1", URL: e1.URL, Role: RoleDecode}}})
+			runRouter(t, r)
+			// picks are where eight requests for sql went, each a prompt of its own.
+			picks := func() map[string]int {
+				out := map[string]int{}
+				for i := range 8 {
+					l, err := r.Acquire(context.Background(), RoleDecode, Hint{Model: "sql", LoRA: "sql", Text: fmt.Sprintf("prompt %d of the sql adapter", i)})
+					if err != nil {
+						t.Fatalf("acquire: %v", err)
+					}
+					out[l.Backend().Name]++
+					l.Release(Result{Status: 200})
+				}
+				return out
+			}
+			listed := func(name string, want bool) func() bool {
+				return func() bool {
+					return backendByName(t, r, name).Serves("sql") == want && backendByName(t, r, name).Models() != nil
+				}
+			}
+			testutil.Eventually(t, testutil.Timeout, listed("d1", false), "d1's models listed")
+			testutil.Eventually(t, testutil.Timeout, func() bool { return r.Adapter("sql") }, "sql known as an adapter")
+			if got := picks(); got["d1"] != 0 {
+				t.Fatalf("sql went to %v; only d0 serves it", got)
+			}
+
+			e1.adapters.Store(&[]string{"sql"}) // d1 loads it
+			testutil.Eventually(t, testutil.Timeout, listed("d1", true), "d1 lists sql")
+			if got := picks(); got["d1"] == 0 {
+				t.Fatalf("sql went to %v; d1 serves it too now", got)
+			}
+
+			e0.adapters.Store(&[]string{}) // d0 unloads it
+			testutil.Eventually(t, testutil.Timeout, listed("d0", false), "d0 no longer lists sql")
+			if got := picks(); got["d0"] != 0 {
+				t.Fatalf("sql went to %v; d0 no longer serves it", got)
+			}
+			if !r.Adapter("sql") {
+				t.Fatal("sql no longer known as an adapter while d1 serves it")
+			}
+		})
+	}
 }
