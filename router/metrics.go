@@ -30,13 +30,17 @@ type metrics struct {
 	healthy   *prometheus.Desc
 	ejections *prometheus.Desc
 	waiting   *prometheus.Desc
+
+	// sat is the pools' saturation and the tenants' queues (saturation.go).
+	sat *saturation
 }
 
 func newMetrics(r *Router) *metrics {
 	const ns = "pdproxy"
 	backendLabels := []string{"backend", "role"}
 	return &metrics{
-		r: r,
+		r:   r,
+		sat: newSaturation(r),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "backend_requests_total",
 			Help: "Requests sent to a backend by outcome: the HTTP status, \"error\" for connect or transport errors, \"canceled\" when the client went away.",
@@ -94,7 +98,7 @@ func (m *metrics) tierCounters() *[4]prometheus.Counter {
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.requests, m.down, m.queueWait, m.queueRejected, m.matchRatio, m.tierTokens, m.predictionError, m, newLoadCollector(m.r)} {
+	for _, c := range []prometheus.Collector{m.requests, m.down, m.queueWait, m.queueRejected, m.matchRatio, m.tierTokens, m.predictionError, m, newLoadCollector(m.r), m.sat} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}

@@ -1,7 +1,6 @@
 package router
 
 import (
-	"container/list"
 	"slices"
 	"sync"
 	"time"
@@ -24,7 +23,7 @@ type pool struct {
 	loadFactor   float64
 	queueSize    int
 	queueTimeout time.Duration
-	waiters      list.List // of *waiter, earliest deadline first
+	waiters      fairQueue
 	scratch      []*Backend
 }
 

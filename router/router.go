@@ -20,7 +20,8 @@ import (
 var (
 	// ErrNoBackend means no healthy backend of the role is available: answer 503.
 	ErrNoBackend = errors.New("router: no healthy backend")
-	// ErrQueueFull means every eligible backend is full and so is the wait queue: 429.
+	// ErrQueueFull means every eligible backend is full and so is the wait queue: 429. With
+	// flows (Hint.Flow), the queue answers ErrTenantQueueFull or ErrPoolSaturated instead.
 	ErrQueueFull = errors.New("router: all backends busy and queue full")
 	// ErrQueueTimeout means the request waited queue.timeout for a free backend: 503.
 	ErrQueueTimeout = errors.New("router: timed out waiting for a free backend")
@@ -81,8 +82,14 @@ type Hint struct {
 	// deadline being its arrival plus its Slack. Zero, the default for every request, makes
 	// the queue first come, first served; a batch class with a Slack of seconds lets
 	// interactive requests (Slack 0) overtake it for that long, and no longer, so none
-	// starves.
+	// starves. It orders the request within its Flow.
 	Slack time.Duration
+	// Flow is the tenant the request waits for, if it waits: the queue serves flows by
+	// weight (flow.go). Its zero value is the one flow of requests that name none.
+	Flow Flow
+	// MaxWait is the longest the request may wait in the queue before ErrQueueTimeout. Zero
+	// means the pool's queue.timeout.
+	MaxWait time.Duration
 }
 
 // Router owns the backend pools. Its methods are safe for concurrent use.
@@ -198,9 +205,10 @@ func (r *Router) backends() []*Backend {
 }
 
 // Acquire picks a backend of role and counts one in-flight request on it. While every
-// eligible backend is at max_inflight it waits in a bounded queue that serves the earliest
-// deadline first (arrival plus h.Slack; first come, first served among equal Slacks). Errors:
-// ErrNoBackend (no healthy backend of the role), ErrQueueFull, ErrQueueTimeout, or
+// eligible backend is at max_inflight it waits in a bounded queue that serves its flows
+// (h.Flow) by weight and each flow's requests earliest deadline first (arrival plus h.Slack;
+// first come, first served among equal Slacks). Errors: ErrNoBackend (no healthy backend of
+// the role), ErrQueueFull, ErrTenantQueueFull, ErrPoolSaturated, ErrQueueTimeout, or
 // ctx.Err() as soon as ctx is done. The caller must Release the lease.
 func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error) {
 	if err := ctx.Err(); err != nil {
@@ -226,16 +234,19 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 		p.mu.Unlock()
 		return nil, ErrNoBackend
 	}
-	if p.waiters.Len() >= max(p.queueSize, 0) {
+	if err := p.waiters.admitLocked(h, max(p.queueSize, 0)); err != nil {
 		p.mu.Unlock()
-		r.metrics.queueRejected.WithLabelValues(string(role), "full").Inc()
-		return nil, ErrQueueFull
+		r.metrics.queueRejected.WithLabelValues(string(role), reason(err)).Inc()
+		return nil, err
 	}
 	start := time.Now()
 	// The deadline is on the router's clock, which tests move.
 	w := &waiter{h: h, ch: make(chan waitResult, 1), deadline: r.now().Add(max(h.Slack, 0))}
-	p.enqueueLocked(w)
+	p.waiters.push(w)
 	timeout, depth := p.queueTimeout, p.waiters.Len()
+	if h.MaxWait > 0 {
+		timeout = h.MaxWait
+	}
 	p.mu.Unlock()
 	if ce := r.logger.Check(zap.DebugLevel, "request queued for a backend"); ce != nil {
 		ce.Write(zap.String("request_id", h.RequestID), zap.String("role", string(role)), zap.Int("queue_depth", depth),
@@ -256,7 +267,11 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 	if class == "" {
 		class = "none"
 	}
-	r.metrics.queueWait.WithLabelValues(string(role), class).Observe(time.Since(start).Seconds())
+	waited := time.Since(start).Seconds()
+	r.metrics.queueWait.WithLabelValues(string(role), class).Observe(waited)
+	if h.Flow.Label != "" {
+		r.metrics.sat.flowWait.WithLabelValues(h.Flow.Label).Observe(waited)
+	}
 	if res.err != nil {
 		r.metrics.queueRejected.WithLabelValues(string(role), reason(res.err)).Inc()
 	}
@@ -265,6 +280,12 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 
 func reason(err error) string {
 	switch {
+	case errors.Is(err, ErrQueueFull):
+		return "full"
+	case errors.Is(err, ErrTenantQueueFull):
+		return "tenant_full"
+	case errors.Is(err, ErrPoolSaturated):
+		return "saturated"
 	case errors.Is(err, ErrQueueTimeout):
 		return "timeout"
 	case errors.Is(err, ErrNoBackend):

@@ -1,0 +1,321 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"testing"
+
+	"github.com/pdproxy/pdproxy/internal/testutil"
+)
+
+// servedBy is one waiter of a flow test, as Acquire answered it.
+type servedBy struct {
+	tenant string
+	lease  *Lease
+	err    error
+}
+
+// flowQueue queues one request of tenant (weight w) on r's decode pool and waits until it is
+// queued; its answer comes on out.
+func queueFor(t *testing.T, r *Router, ctx context.Context, out chan<- servedBy, tenant string, w float64) {
+	t.Helper()
+	before := queued(r, RoleDecode)
+	go func() {
+		l, err := r.Acquire(ctx, RoleDecode, Hint{RequestID: tenant, Flow: Flow{Key: "k-" + tenant, Label: tenant, Weight: w}})
+		out <- servedBy{tenant, l, err}
+	}()
+	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == before+1 }, "the request to queue")
+}
+
+// serveOneAtATime releases busy, then serves n waiters one after another on a pool of one
+// slot, and counts them by tenant.
+func serveOneAtATime(t *testing.T, busy *Lease, out <-chan servedBy, n int) map[string]int {
+	t.Helper()
+	busy.Release(Result{Status: 200})
+	counts := map[string]int{}
+	for range n {
+		s := testutil.Recv(t, testutil.Timeout, out, "a waiter to be served")
+		if s.err != nil {
+			t.Fatalf("%s: %v", s.tenant, s.err)
+		}
+		counts[s.tenant]++
+		s.lease.Release(Result{Status: 200})
+	}
+	return counts
+}
+
+// drainFlows cancels the waiters left and checks that they left nothing behind.
+func drainFlows(t *testing.T, r *Router, cancel context.CancelFunc, out <-chan servedBy, left int) {
+	t.Helper()
+	cancel()
+	leases := 0
+	for range left {
+		// The last release served the next waiter, which may have taken its lease before
+		// it saw its client leave: it gives it back.
+		if s := testutil.Recv(t, testutil.Timeout, out, "a canceled waiter"); s.lease != nil {
+			leases++
+			s.lease.Release(Result{})
+		}
+	}
+	if leases > 1 {
+		t.Errorf("%d waiters got a lease after the last release, want at most 1", leases)
+	}
+	assertQueueEmpty(t, r)
+	assertAllIdle(t, r)
+}
+
+func assertQueueEmpty(t *testing.T, r *Router) {
+	t.Helper()
+	p := r.decode
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.waiters.Len() != 0 || len(p.waiters.flows) != 0 || len(p.waiters.active) != 0 {
+		t.Errorf("queue holds %d waiters in %d flows (%d active), want none", p.waiters.Len(), len(p.waiters.flows), len(p.waiters.active))
+	}
+}
+
+func withinShare(t *testing.T, tenant string, got int, want float64) {
+	t.Helper()
+	if math.Abs(float64(got)-want) > 0.1*want {
+		t.Errorf("%s served %d, want within 10%% of %.1f", tenant, got, want)
+	}
+}
+
+func TestFairQueueGivesEachOfTenEqualTenantsItsShareWhileOneFloods(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1), Queue: QueueConfig{Size: 1000}})
+	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	ctx, cancel := context.WithCancel(context.Background())
+	out := make(chan servedBy, 300)
+	// The flood arrives first: first come, first served would give it the next 120 slots.
+	for range 120 {
+		queueFor(t, r, ctx, out, "noisy", 1)
+	}
+	for i := range 9 {
+		for range 12 {
+			queueFor(t, r, ctx, out, fmt.Sprintf("quiet%d", i), 1)
+		}
+	}
+	counts := serveOneAtATime(t, busy, out, 100)
+	withinShare(t, "noisy", counts["noisy"], 10)
+	for i := range 9 {
+		name := fmt.Sprintf("quiet%d", i)
+		withinShare(t, name, counts[name], 10)
+	}
+	drainFlows(t, r, cancel, out, 120+9*12-100)
+}
+
+func TestFairQueueServesWeightsThreeToOne(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1), Queue: QueueConfig{Size: 1000}})
+	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	ctx, cancel := context.WithCancel(context.Background())
+	out := make(chan servedBy, 400)
+	for range 150 {
+		queueFor(t, r, ctx, out, "light", 1)
+	}
+	for range 150 {
+		queueFor(t, r, ctx, out, "heavy", 3)
+	}
+	counts := serveOneAtATime(t, busy, out, 120)
+	withinShare(t, "heavy", counts["heavy"], 90)
+	withinShare(t, "light", counts["light"], 30)
+	drainFlows(t, r, cancel, out, 300-120)
+}
+
+func TestFairQueueKeepsPriorityClassesWithinATenant(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
+	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	out := make(chan servedBy, 4)
+	flow := Flow{Key: "a", Label: "a"}
+	for _, h := range []Hint{{RequestID: "batch", Slack: 1e9, Flow: flow}, {RequestID: "interactive", Flow: flow}} {
+		before := queued(r, RoleDecode)
+		go func() {
+			l, err := r.Acquire(context.Background(), RoleDecode, h)
+			out <- servedBy{h.RequestID, l, err}
+		}()
+		testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == before+1 }, "the request to queue")
+	}
+	busy.Release(Result{Status: 200})
+	first := testutil.Recv(t, testutil.Timeout, out, "a waiter")
+	if first.tenant != "interactive" {
+		t.Errorf("served %s first, want interactive (the tenant's earliest deadline)", first.tenant)
+	}
+	first.lease.Release(Result{Status: 200})
+	second := testutil.Recv(t, testutil.Timeout, out, "a waiter")
+	second.lease.Release(Result{Status: 200})
+	assertQueueEmpty(t, r)
+	assertAllIdle(t, r)
+}
+
+func TestQueuedClientThatLeavesLeavesNoTrace(t *testing.T) {
+	r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
+	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	ctx, cancel := context.WithCancel(context.Background())
+	out := make(chan servedBy, 1)
+	queueFor(t, r, ctx, out, "gone", 1)
+	if n := testutil.Value(t, reg, "pdproxy_flow_queue_depth", map[string]string{"tenant": "gone"}); n != 1 {
+		t.Errorf("flow_queue_depth{gone} while queued = %v, want 1", n)
+	}
+	cancel()
+	if s := testutil.Recv(t, testutil.Timeout, out, "the canceled waiter"); !errors.Is(s.err, context.Canceled) || s.lease != nil {
+		t.Errorf("Acquire = %v, %v; want context.Canceled and no lease", s.lease, s.err)
+	}
+	busy.Release(Result{Status: 200})
+	assertQueueEmpty(t, r)
+	assertAllIdle(t, r)
+	if n := testutil.Value(t, reg, "pdproxy_flow_queue_depth", map[string]string{"tenant": "gone"}); n != 0 {
+		t.Errorf("flow_queue_depth{gone} after the client left = %v, want 0", n)
+	}
+	if n, _ := testutil.Lookup(t, reg, "pdproxy_queue_rejected_total", map[string]string{"reason": "canceled"}); n != 1 {
+		t.Errorf("queue_rejected_total{canceled} = %v, want 1", n)
+	}
+}
+
+func TestFairQueueRefusals(t *testing.T) {
+	const size = 4
+	tests := []struct {
+		name string
+		// queue is what waits before the request under test, by flow key (weight 1).
+		queue []string
+		// noFlow sends the request under test without a flow.
+		noFlow   bool
+		maxQueue int
+		want     error
+		// evicted is the flow one of whose waiters makes room, told ErrTenantQueueFull.
+		evicted string
+	}{
+		{name: "a tenant at max_queue_per_tenant is refused with the queue not full", queue: []string{"a", "a"}, maxQueue: 2, want: ErrTenantQueueFull},
+		{name: "a tenant under its share of a full queue takes the place of the newest waiter of the tenant furthest over its own", queue: []string{"n", "n", "n", "b"}, evicted: "n"},
+		{name: "a tenant at its share of a full queue is refused", queue: []string{"a", "a", "b", "b"}, want: ErrTenantQueueFull},
+		{name: "a full queue with no tenant over its share is the pool saturated", queue: []string{"b", "c", "d", "e"}, want: ErrPoolSaturated},
+		{name: "a request of no flow finds a full queue full, as without flow control", queue: []string{"b", "b", "c", "c"}, noFlow: true, want: ErrQueueFull},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1), Queue: QueueConfig{Size: size}})
+			busy := mustAcquire(t, r, RoleDecode, Hint{})
+			ctx, cancel := context.WithCancel(context.Background())
+			out := make(chan servedBy, size+1)
+			for _, k := range tt.queue {
+				queueFor(t, r, ctx, out, k, 1)
+			}
+			h := Hint{RequestID: "new", Flow: Flow{Key: "k-a", Label: "a", MaxQueue: tt.maxQueue}}
+			if tt.noFlow {
+				h.Flow = Flow{}
+			}
+			acquireCtx, stop := context.WithCancel(context.Background())
+			res := make(chan servedBy, 1)
+			go func() {
+				l, err := r.Acquire(acquireCtx, RoleDecode, h)
+				res <- servedBy{"a", l, err}
+			}()
+			left := len(tt.queue)
+			if tt.want != nil {
+				if s := testutil.Recv(t, testutil.Timeout, res, "the refusal"); !errors.Is(s.err, tt.want) || s.lease != nil {
+					t.Fatalf("Acquire = %v, %v; want %v", s.lease, s.err, tt.want)
+				}
+			} else {
+				s := testutil.Recv(t, testutil.Timeout, out, "the evicted waiter")
+				if s.tenant != tt.evicted || !errors.Is(s.err, ErrTenantQueueFull) {
+					t.Errorf("evicted %s with %v, want %s with %v", s.tenant, s.err, tt.evicted, ErrTenantQueueFull)
+				}
+				left--
+				testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == size }, "the request to queue")
+				stop()
+				if s := testutil.Recv(t, testutil.Timeout, res, "the queued request to leave"); s.lease != nil {
+					s.lease.Release(Result{})
+				}
+			}
+			stop()
+			busy.Release(Result{Status: 200})
+			if reason := map[error]string{ErrTenantQueueFull: "tenant_full", ErrPoolSaturated: "saturated", ErrQueueFull: "full", nil: "tenant_full"}[tt.want]; true {
+				if n, _ := testutil.Lookup(t, reg, "pdproxy_queue_rejected_total", map[string]string{"reason": reason}); n != 1 {
+					t.Errorf("queue_rejected_total{%s} = %v, want 1", reason, n)
+				}
+			}
+			// The served waiters give their slot back at once.
+			cancel()
+			for range left {
+				if s := testutil.Recv(t, testutil.Timeout, out, "a waiter"); s.lease != nil {
+					s.lease.Release(Result{})
+				}
+			}
+			assertQueueEmpty(t, r)
+			assertAllIdle(t, r)
+		})
+	}
+}
+
+func TestPoolSaturationRisesInAFloodAndFallsAfter(t *testing.T) {
+	cfg := Config{Backends: append(backendsCfg(RoleDecode, "d", 2, 2), backendsCfg(RolePrefill, "p", 1, 4)...)}
+	r, reg, _ := newTestRouter(t, cfg)
+	saturation := func(role Role) float64 {
+		return testutil.Value(t, reg, "pdproxy_pool_saturation", map[string]string{"role": string(role)})
+	}
+	if s := saturation(RoleDecode); s != 0 {
+		t.Errorf("decode saturation idle = %v, want 0", s)
+	}
+	// The flood: every decode slot taken and as many requests again waiting.
+	var leases []*Lease
+	for range 4 {
+		leases = append(leases, mustAcquire(t, r, RoleDecode, Hint{}))
+	}
+	leases = append(leases, mustAcquire(t, r, RolePrefill, Hint{}))
+	ctx, cancel := context.WithCancel(context.Background())
+	out := make(chan servedBy, 4)
+	for range 4 {
+		queueFor(t, r, ctx, out, "noisy", 1)
+	}
+	if s := saturation(RoleDecode); s <= 0.9 || s != 2 {
+		t.Errorf("decode saturation in the flood = %v, want 2 (4 in flight and 4 waiting over 4 slots)", s)
+	}
+	if s := saturation(RolePrefill); s != 0.25 {
+		t.Errorf("prefill saturation = %v, want 0.25", s)
+	}
+	// 1 prefiller at 0.25 against 2 decoders at 2: a prefiller for every 16 decoders would do.
+	if ratio := testutil.Value(t, reg, "pdproxy_pd_ratio_recommended", nil); ratio != 0.0625 {
+		t.Errorf("pd_ratio_recommended = %v, want 0.0625", ratio)
+	}
+	if n := testutil.Value(t, reg, "pdproxy_flow_queue_depth", map[string]string{"tenant": "noisy"}); n != 4 {
+		t.Errorf("flow_queue_depth{noisy} = %v, want 4", n)
+	}
+	// After it: every lease ends, and each waiter served gives its slot back.
+	for _, l := range leases {
+		l.Release(Result{Status: 200})
+	}
+	for range 4 {
+		s := testutil.Recv(t, testutil.Timeout, out, "a waiter")
+		if s.err != nil {
+			t.Fatalf("waiter: %v", s.err)
+		}
+		s.lease.Release(Result{Status: 200})
+	}
+	cancel()
+	if s := saturation(RoleDecode); s >= 0.5 {
+		t.Errorf("decode saturation after the flood = %v, want below 0.5", s)
+	}
+	if _, ok := testutil.Lookup(t, reg, "pdproxy_pd_ratio_recommended", nil); ok {
+		t.Errorf("pd_ratio_recommended shown with no decode load")
+	}
+	if n := testutil.Value(t, reg, "pdproxy_flow_queue_depth", map[string]string{"tenant": "noisy"}); n != 0 {
+		t.Errorf("flow_queue_depth{noisy} after = %v, want 0", n)
+	}
+	if _, ok := testutil.Lookup(t, reg, "pdproxy_pool_predicted_ttft_seconds", nil); ok {
+		t.Errorf("predicted TTFT shown for pools not placed by cost")
+	}
+}
+
+func TestPoolPredictedTTFTIsTheLeastOverThePool(t *testing.T) {
+	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 2, 4), DecodePolicy: PolicyCacheAware,
+		CacheAware: CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10e6, DecodeCostTokens: 100}}
+	r, reg, _ := newTestRouter(t, cfg)
+	if ttft := testutil.Value(t, reg, "pdproxy_pool_predicted_ttft_seconds", map[string]string{"role": "decode"}); math.Abs(ttft-0.01) > 1e-9 {
+		t.Errorf("predicted TTFT idle = %v, want 0.01 (the overhead)", ttft)
+	}
+	l := mustAcquire(t, r, RoleDecode, Hint{})
+	defer l.Release(Result{Status: 200})
+	if ttft := r.Load(RoleDecode).PredictedTTFT; math.Abs(ttft-0.01) > 1e-9 {
+		t.Errorf("predicted TTFT with one engine busy = %v, want 0.01: the other is idle", ttft)
+	}
+}
