@@ -38,6 +38,8 @@ const (
 	errTooLarge                           // a body over the limit
 	errRateLimited                        // a client over its limits
 	errQueueFull                          // every backend busy and the wait queue full
+	errTenantQueueFull                    // the tenant's share of the wait queue is full
+	errPoolSaturated                      // the wait queue full within every tenant's share
 	errClientClosed                       // the client left
 	errInternal                           // the proxy could not build what it sends
 	errPanicked                           // serving the request panicked
@@ -77,6 +79,8 @@ var wireCodes = map[errKind]wire{
 	errTooLarge:            {http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large"},
 	errRateLimited:         {http.StatusTooManyRequests, "requests", "rate_limit_exceeded"},
 	errQueueFull:           {http.StatusTooManyRequests, "requests", "queue_full"},
+	errTenantQueueFull:     {http.StatusTooManyRequests, "requests", "tenant_queue_full"},
+	errPoolSaturated:       {http.StatusServiceUnavailable, "service_unavailable", "pool_saturated"},
 	errClientClosed:        {StatusClientClosed, "client_closed_request", "client_closed_request"},
 	errInternal:            {http.StatusInternalServerError, "internal_error", "internal"},
 	errPanicked:            {http.StatusBadGateway, "internal_error", "internal"},
@@ -230,6 +234,10 @@ func fromRouter(err error, role router.Role) *apiError {
 	switch {
 	case errors.Is(err, router.ErrQueueFull):
 		return newError(errQueueFull, "every "+string(role)+" backend is busy and the wait queue is full; retry later").with("", err, 1)
+	case errors.Is(err, router.ErrTenantQueueFull):
+		return newError(errTenantQueueFull, "your share of the "+string(role)+" wait queue is full: your other requests are waiting; retry later").with("", err, 1)
+	case errors.Is(err, router.ErrPoolSaturated):
+		return newError(errPoolSaturated, "every "+string(role)+" backend is busy and the wait queue is full within every tenant's share; retry later").with("", err, 1)
 	case errors.Is(err, router.ErrQueueTimeout):
 		return newError(errQueueTimeout, "every "+string(role)+" backend stayed busy for the whole queue timeout; retry later").with("", err, 1)
 	default:

@@ -345,6 +345,10 @@ func (x *exchange) hint(role router.Role, exclude []string) router.Hint {
 	if x.class != nil {
 		h.Class, h.Slack = x.class.Name, x.class.MaxQueueWait
 	}
+	if x.s.tenants != nil {
+		// Read from the headers at each leg: every route's legs queue as their tenant's.
+		h.Flow, h.MaxWait = x.s.tenants.flowOf(x.r), x.s.tenants.wait
+	}
 	return h
 }
 

@@ -106,6 +106,11 @@ func (x *exchange) prefill(c *custody) *apiError {
 			break
 		}
 	}
+	if errors.Is(lastErr, router.ErrTenantQueueFull) || errors.Is(lastErr, router.ErrPoolSaturated) {
+		// Flow control refused the tenant its prefill: a decode-only fallback would let it
+		// past its share on the decoders.
+		return x.failWith(c, router.Result{}, fromRouter(lastErr, router.RolePrefill))
+	}
 	var se *kvbackend.StatusError
 	clientFault := errors.As(lastErr, &se) && se.Status >= 400 && se.Status < 500
 	if !clientFault && *x.s.cfg.DecodeOnlyFallback {

@@ -170,6 +170,9 @@ type Config struct {
 	// SessionAffinity sends a session's requests to one decoder and one prefiller, on every
 	// replica (session.go). [off]
 	SessionAffinity SessionAffinityConfig `yaml:"session_affinity"`
+	// FlowControl shares the engines among tenants by weight while requests wait for them
+	// (flowcontrol.go). [off]
+	FlowControl FlowControlConfig `yaml:"flow_control"`
 }
 
 // Validate checks c as New would, without changing it.
@@ -257,6 +260,9 @@ func (c *Config) setDefaults() error {
 	if err := c.SessionAffinity.setDefaults(); err != nil {
 		return err
 	}
+	if err := CheckFlowControl(c, nil); err != nil {
+		return err
+	}
 	switch c.DecoderReservation {
 	case ReserveBeforePrefill, ReserveAfterPrefill:
 	default:
@@ -317,6 +323,8 @@ type Server struct {
 	// lim admits requests by their client's limits and counts them per key and class; nil
 	// when neither limits nor priority classes are configured.
 	lim *limiter
+	// tenants finds each request's tenant (flow_control); nil when it is off.
+	tenants *tenants
 	// shared is the state across replicas (WithSharedState): the per_key limits and the
 	// sessions' bindings; nil when each replica decides alone.
 	shared SharedState
@@ -351,6 +359,9 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 		s.lim.sessionHeaders = cfg.SessionAffinity.Headers
 	}
 	s.classes = newClasses(cfg.Priority)
+	if s.tenants, err = newTenants(cfg.FlowControl, keys); err != nil {
+		return nil, err
+	}
 	allow, err := s.cfg.validateSidecar()
 	if err != nil {
 		return nil, err

@@ -332,6 +332,9 @@ func checkConditional(p proxy.Config, r router.Config) error {
 	if err := proxy.CheckEngines(p, kinds); err != nil {
 		return err
 	}
+	if err := proxy.CheckFlowControl(&p, &r.Queue); err != nil {
+		return err
+	}
 	if p.PDUncachedTokenThreshold <= 0 || r.KVEvents.Listen != "" {
 		return nil
 	}
