@@ -60,8 +60,10 @@ type costModel struct {
 	decodeTokens float64
 	temperature  float64 // seconds; 0 picks the lowest
 	// meanUncached is the mean uncached tokens of the pool's picks (float64 bits), what a
-	// request the engine reports and this replica did not send is taken to weigh.
-	meanUncached atomic.Uint64
+	// request the engine reports and this replica did not send is taken to weigh; pooled the
+	// prefill time per token of every lesson of the pool's engines (float64 bits, 0 before
+	// the first).
+	meanUncached, pooled atomic.Uint64
 }
 
 func newCostModel(cfg CacheAwareConfig) *costModel {
@@ -94,6 +96,18 @@ type costSelector interface {
 // rate is b's prefill time per token: learned, else the configured one.
 func (m *costModel) rate(b *Backend) float64 {
 	if s := math.Float64frombits(b.st.secPerToken.Load()); s > 0 {
+		return s
+	}
+	return m.poolRate()
+}
+
+// poolRate is the prefill time per token the pool's engines have shown, the configured one
+// before any lesson: what an engine that has served no prefill yet is taken to compute at.
+// Taking the configured rate for it instead, an engine would look slower than those that had
+// served one as long as the configured rate is slower than theirs, and be passed over for
+// ever.
+func (m *costModel) poolRate() float64 {
+	if s := math.Float64frombits(m.pooled.Load()); s > 0 {
 		return s
 	}
 	return m.secPerToken
@@ -152,16 +166,23 @@ func (m *costModel) learn(b *Backend, work float64, observed time.Duration) {
 	if work < minLearnTokens {
 		return
 	}
+	sample := (observed - m.overhead).Seconds() / work
+	fold(&b.st.secPerToken, sample, m.poolRate())
+	fold(&m.pooled, sample, m.secPerToken)
+}
+
+// fold moves the rate at bits one lesson's weight toward sample (within learnClamp of it),
+// from start when it has none yet.
+func fold(bits *atomic.Uint64, sample, start float64) {
 	for {
-		old := b.st.secPerToken.Load()
+		old := bits.Load()
 		cur := math.Float64frombits(old)
 		if cur <= 0 {
-			cur = m.secPerToken
+			cur = start
 		}
-		sample := (observed - m.overhead).Seconds() / work
-		sample = min(max(sample, cur/learnClamp), cur*learnClamp)
-		next := cur + learnWeight*(sample-cur)
-		if b.st.secPerToken.CompareAndSwap(old, math.Float64bits(next)) {
+		clamped := min(max(sample, cur/learnClamp), cur*learnClamp)
+		next := cur + learnWeight*(clamped-cur)
+		if bits.CompareAndSwap(old, math.Float64bits(next)) {
 			return
 		}
 	}

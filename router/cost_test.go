@@ -262,3 +262,23 @@ func TestASessionsBoundEngineIsCreditedWithWhatItsLatestRequestSentIt(t *testing
 		assertAllIdle(t, r)
 	}
 }
+
+func TestAnEngineThatServedNothingYetTakesThePoolsLearnedRate(t *testing.T) {
+	// b0 has shown it computes 100,000 tokens a second, ten times the configured start; b1 has
+	// served nothing. Taken at the configured rate, b1 would look ten times slower and never
+	// be picked; at the pool's, it takes the prompt b0 would queue.
+	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 2, 0), DecodePolicy: PolicyCacheAware})
+	b0, b1 := backendByName(t, r, "b0"), backendByName(t, r, "b1")
+	m := r.pool(RoleDecode).policy.(*CacheAware).cm
+	for range 30 {
+		m.learn(b0, 1000, DefaultPrefillOverhead+10*time.Millisecond)
+	}
+	busy := mustAcquire(t, r, RoleDecode, Hint{Text: strings.Repeat("another prompt b0 computes now. ", 125), Exclude: []string{"b1"}})
+	l := mustAcquire(t, r, RoleDecode, Hint{Text: strings.Repeat("a prompt nobody holds. ", 174)})
+	if got := l.Backend(); got != b1 {
+		t.Errorf("went to %s, want b1: at the pool's rate it is idle where b0 has a prefill queued", got.Name)
+	}
+	l.Release(Result{Status: 200})
+	busy.Release(Result{Status: 200})
+	assertAllIdle(t, r)
+}
