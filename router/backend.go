@@ -100,8 +100,9 @@ type backendState struct {
 	// books are this replica's books of the requests picked by cost whose prefill has not
 	// ended there (cost.go).
 	books books
-	// secPerToken is the engine's learned prefill time per token (float64 bits; 0 until the
-	// first lesson); predictedTTFT the latest pick's prediction in seconds (float64 bits).
+	// secPerToken is the engine's prefill time per token as its lessons show it (float64
+	// bits, 0 until the first; its metric: picks weigh the pool's); predictedTTFT the latest
+	// pick's prediction in seconds.
 	secPerToken, predictedTTFT atomic.Uint64
 	// models is what the engine's /v1/models listed at its last answer; nil until then.
 	models atomic.Pointer[[]string]

@@ -60,10 +60,10 @@ type costModel struct {
 	decodeTokens float64
 	temperature  float64 // seconds; 0 picks the lowest
 	// meanUncached is the mean uncached tokens of the pool's picks (float64 bits), what a
-	// request the engine reports and this replica did not send is taken to weigh; pooled the
-	// prefill time per token of every lesson of the pool's engines (float64 bits, 0 before
-	// the first).
-	meanUncached, pooled atomic.Uint64
+	// request the engine reports and this replica did not send is taken to weigh.
+	meanUncached atomic.Uint64
+	// fit is the line through the pool's prefills: its time per token and fixed part.
+	fit fit
 }
 
 func newCostModel(cfg CacheAwareConfig) *costModel {
@@ -93,24 +93,67 @@ type costSelector interface {
 	model() *costModel
 }
 
-// rate is b's prefill time per token: learned, else the configured one.
-func (m *costModel) rate(b *Backend) float64 {
-	if s := math.Float64frombits(b.st.secPerToken.Load()); s > 0 {
-		return s
-	}
-	return m.poolRate()
+// rate is the prefill time per token every engine of the pool is weighed at: the pool's
+// fit of its engines' prefills, the configured rate before there are enough of them. One rate
+// for the pool: an engine's own rate learned apart goes stale while the engine is not picked,
+// and the engines that are picked learn faster ones, so that the first engines to serve
+// would look faster than the others for ever and take everything. Each engine's own rate is
+// learned for its metric (pdproxy_backend_prefill_tokens_per_second).
+func (m *costModel) rate(*Backend) float64 {
+	slope, _ := m.fit.line(m.secPerToken, m.overhead.Seconds())
+	return slope
 }
 
-// poolRate is the prefill time per token the pool's engines have shown, the configured one
-// before any lesson: what an engine that has served no prefill yet is taken to compute at.
-// Taking the configured rate for it instead, an engine would look slower than those that had
-// served one as long as the configured rate is slower than theirs, and be passed over for
-// ever.
-func (m *costModel) poolRate() float64 {
-	if s := math.Float64frombits(m.pooled.Load()); s > 0 {
-		return s
+// fixed is the fixed part of a prefill's time, as fitted, prefill_overhead before.
+func (m *costModel) fixed() float64 {
+	_, intercept := m.fit.line(m.secPerToken, m.overhead.Seconds())
+	return intercept
+}
+
+// fit is a least-squares line through a pool's prefills, time against work, each lesson
+// weighing fitWeight (more while there are fewer than 1/fitWeight): its slope is the time per
+// token, its intercept the fixed part.
+type fit struct {
+	mu               sync.Mutex
+	n                float64
+	mx, my, mxx, mxy float64
+}
+
+const (
+	fitWeight = 0.05
+	// fitLessons: before so many lessons, the configured line.
+	fitLessons = 8
+)
+
+func (f *fit) add(x, y float64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.n++
+	a := max(1/f.n, fitWeight)
+	f.mx += a * (x - f.mx)
+	f.my += a * (y - f.my)
+	f.mxx += a * (x*x - f.mxx)
+	f.mxy += a * (x*y - f.mxy)
+}
+
+// line is the fitted slope and intercept: the configured ones (slope0, intercept0) while
+// there are too few lessons; while their work is too alike to part the two (its spread under
+// a tenth of its mean), intercept0 and the slope through the mean past it; the slope within
+// learnClamp² of slope0, the intercept at least 0.
+func (f *fit) line(slope0, intercept0 float64) (slope, intercept float64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.n < fitLessons || f.mx <= 0 {
+		return slope0, intercept0
 	}
-	return m.secPerToken
+	clamp := func(s float64) float64 {
+		return min(max(s, slope0/(learnClamp*learnClamp)), slope0*learnClamp*learnClamp)
+	}
+	if v := f.mxx - f.mx*f.mx; v < 0.01*f.mx*f.mx {
+		return clamp((f.my - intercept0) / f.mx), intercept0
+	}
+	slope = clamp((f.mxy - f.mx*f.my) / (f.mxx - f.mx*f.mx))
+	return slope, max(f.my-slope*f.mx, 0)
 }
 
 // ahead is the work b has ahead of a new request at now, in prefill tokens.
@@ -142,7 +185,7 @@ func (m *costModel) ahead(b *Backend, now time.Time) float64 {
 // seconds is the predicted time to the first token on b of a request of work tokens
 // (its own uncached and those ahead).
 func (m *costModel) seconds(b *Backend, work float64) float64 {
-	return m.overhead.Seconds() + work*m.rate(b)
+	return m.fixed() + work*m.rate(b)
 }
 
 // noteUncached folds a pick's uncached tokens into the pool's mean.
@@ -166,9 +209,9 @@ func (m *costModel) learn(b *Backend, work float64, observed time.Duration) {
 	if work < minLearnTokens {
 		return
 	}
-	sample := (observed - m.overhead).Seconds() / work
-	fold(&b.st.secPerToken, sample, m.poolRate())
-	fold(&m.pooled, sample, m.secPerToken)
+	m.fit.add(work, observed.Seconds())
+	// The engine's own rate, past the pool's fixed part: for its metric.
+	fold(&b.st.secPerToken, (observed.Seconds()-m.fixed())/work, m.rate(b))
 }
 
 // fold moves the rate at bits one lesson's weight toward sample (within learnClamp of it),
@@ -237,7 +280,7 @@ func (m *costModel) choose(costs, ahead []float64, rank func(i int) float64, pre
 // tieLimit is the highest cost that ties with lowest: within tieShare of its work (the part
 // past the overhead), or tieTokens, whichever is more.
 func (m *costModel) tieLimit(lowest float64) float64 {
-	return lowest + max(tieShare*(lowest-m.overhead.Seconds()), tieTokens*m.secPerToken)
+	return lowest + max(tieShare*(lowest-m.fixed()), tieTokens*m.rate(nil))
 }
 
 // hintTokens is how many tokens h's prompt has: its tokens where the proxy has them, else

@@ -146,16 +146,17 @@ func TestTheCostRule(t *testing.T) {
 }
 
 func TestReplicasAgreeWhereNearEqualCostsGo(t *testing.T) {
-	// Two replicas whose views differ by a few tokens (one routed a prompt's opening bytes
-	// to b1) and whose learned rates differ by 3%: for prompts no engine holds, each still
-	// picks what the other picks.
+	// Two replicas whose views differ by a few tokens (one routed a prompt's opening bytes to
+	// b1) and whose fits of the engines' prefills differ: for prompts no engine holds, each
+	// still picks what the other picks.
 	rs := make([]*Router, 2)
 	for i := range rs {
 		rs[i], _, _ = newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 4, 0), DecodePolicy: PolicyCacheAware})
 	}
 	rs[1].pool(RoleDecode).policy.(*CacheAware).tree.Insert(`[{"role":"user","content":"question 1`, "b1")
-	for i, b := range rs[1].backends() {
-		b.st.secPerToken.Store(floatBits((1 + 0.01*float64(i)) / DefaultPrefillTokensPerSecond))
+	m := rs[1].pool(RoleDecode).policy.(*CacheAware).cm
+	for i := range 20 {
+		m.fit.add(float64(500+100*i), 0.005+float64(500+100*i)*30e-6)
 	}
 	for i := range 200 {
 		h := Hint{Text: fmt.Sprintf(`[{"role":"user","content":"question %d: %s"}]`, i, strings.Repeat("words of its own ", 100))}
@@ -263,22 +264,25 @@ func TestASessionsBoundEngineIsCreditedWithWhatItsLatestRequestSentIt(t *testing
 	}
 }
 
-func TestAnEngineThatServedNothingYetTakesThePoolsLearnedRate(t *testing.T) {
-	// b0 has shown it computes 100,000 tokens a second, ten times the configured start; b1 has
-	// served nothing. Taken at the configured rate, b1 would look ten times slower and never
-	// be picked; at the pool's, it takes the prompt b0 would queue.
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 2, 0), DecodePolicy: PolicyCacheAware})
-	b0, b1 := backendByName(t, r, "b0"), backendByName(t, r, "b1")
-	m := r.pool(RoleDecode).policy.(*CacheAware).cm
-	for range 30 {
-		m.learn(b0, 1000, DefaultPrefillOverhead+10*time.Millisecond)
+func TestThePoolsFitFindsTheRateAndTheFixedPart(t *testing.T) {
+	var f fit
+	if s, c := f.line(1e-4, 0.01); s != 1e-4 || c != 0.01 {
+		t.Errorf("with no lesson the line is %v, %v; want the configured 1e-4, 0.01", s, c)
 	}
-	busy := mustAcquire(t, r, RoleDecode, Hint{Text: strings.Repeat("another prompt b0 computes now. ", 125), Exclude: []string{"b1"}})
-	l := mustAcquire(t, r, RoleDecode, Hint{Text: strings.Repeat("a prompt nobody holds. ", 174)})
-	if got := l.Backend(); got != b1 {
-		t.Errorf("went to %s, want b1: at the pool's rate it is idle where b0 has a prefill queued", got.Name)
+	// Prefills of 200 to 2,000 tokens taking 1ms + 5µs a token: a start of 10ms and 100µs a
+	// token is twenty times too slow.
+	for i := range 40 {
+		x := float64(200 + 45*i)
+		f.add(x, 0.001+x*5e-6)
 	}
-	l.Release(Result{Status: 200})
-	busy.Release(Result{Status: 200})
-	assertAllIdle(t, r)
+	if s, c := f.line(1e-4, 0.01); math.Abs(s-5e-6) > 1e-7 || math.Abs(c-0.001) > 1e-4 {
+		t.Errorf("fitted %v s/token + %v s, want 5e-6 + 0.001", s, c)
+	}
+	var same fit
+	for range 40 {
+		same.add(1000, 0.015)
+	}
+	if s, c := same.line(1e-4, 0.01); math.Abs(s-5e-6) > 1e-9 || c != 0.01 {
+		t.Errorf("prefills all of 1,000 tokens taking 15ms: %v s/token + %v s, want the configured 10ms and 5µs a token past it", s, c)
+	}
 }
