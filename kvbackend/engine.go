@@ -50,6 +50,15 @@ type MessagesByChat interface {
 	MessagesByChat() bool
 }
 
+// TokensIn is an engine that serves vLLM's token-in route, POST /inference/v1/generate, under
+// P/D as it serves a completion: kv_transfer_params at the top of the body and of the answer,
+// the output bounded by the body's sampling_params. vLLM has it, with either connector; SGLang
+// has no such route (its own /generate takes another body).
+type TokensIn interface {
+	Engine
+	TokensIn() bool
+}
+
 // Aborter is an engine with an explicit abort call, which also frees a KV hold.
 type Aborter interface {
 	Engine
@@ -105,6 +114,7 @@ func (vllm) DrainBody(f *Fields, api API, params json.RawMessage) ([]byte, error
 	return DrainBody(f, api, params)
 }
 func (vllm) ParsePrefill(body []byte) (json.RawMessage, error) { return ParsePrefillResponse(body) }
+func (vllm) TokensIn() bool                                    { return true }
 
 // RejectionFreesKV: a vLLM decoder whose serving layer refuses a request that carries params
 // tells the prefiller to free them (vLLM #41269); so does one that aborts it before it was
@@ -159,4 +169,5 @@ var (
 	_ Sequential = legacy{}
 	_ Sequential = sim{}
 	_ Aborter    = sim{}
+	_ TokensIn   = vllm{}
 )

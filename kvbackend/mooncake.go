@@ -45,6 +45,10 @@ func (mooncake) KVHoldTimeout() time.Duration { return mooncakeHold }
 // for the decoder's pull from then on.
 func (mooncake) AnswersAfterTransfer() bool { return false }
 
+// TokensIn: the MooncakeConnector is vLLM's, whose /inference/v1/generate passes
+// kv_transfer_params to the engine as its completions do.
+func (mooncake) TokensIn() bool { return true }
+
 // RejectionFreesKV is false: a decoder's refusal tells the prefiller nothing here; its hold
 // ends when the legs are aborted or at its timer.
 func (mooncake) RejectionFreesKV(int) bool { return false }
@@ -84,8 +88,11 @@ func (mooncake) Legs(f *Fields, leg Leg) (LegCalls, error) {
 	if err != nil {
 		return LegCalls{}, err
 	}
-	calls := LegCalls{Decode: f.rewrite(decodeDrop, set{"kv_transfer_params", dec}), Drain: drain,
-		Prefill: oneToken(f, leg.API, prefillDrop, prefillDropChat, prefillDropResponses, pre)}
+	prefill, err := oneToken(f, leg.API, prefillDrops, pre)
+	if err != nil {
+		return LegCalls{}, err
+	}
+	calls := LegCalls{Decode: f.rewrite(decodeDrop, set{"kv_transfer_params", dec}), Drain: drain, Prefill: prefill}
 	if leg.Rank >= 0 {
 		calls.PrefillHeader = http.Header{}
 		calls.PrefillHeader.Set(dpRankHeader, strconv.Itoa(leg.Rank))
@@ -161,4 +168,7 @@ func hostOf(baseURL string) (string, error) {
 	return req.URL.Hostname(), nil
 }
 
-var _ Paired = mooncake{}
+var (
+	_ Paired   = mooncake{}
+	_ TokensIn = mooncake{}
+)

@@ -30,6 +30,25 @@ var (
 	// leave no state on the prefiller: store false, no background run.
 	prefillDropResponses = []string{"stream_options", "kv_transfer_params", "stream", "max_output_tokens", "store", "background"}
 	drainDropResponses   = append(prefillDropResponses[:len(prefillDropResponses):len(prefillDropResponses)], "top_logprobs", "include")
+	// A token-in generate request (APIGenerate) bounds its output inside sampling_params:
+	// the prefill or drain rewrites that object, and leaves out the minimum count there
+	// (and, for a drain, what multiplies the work).
+	generateDrop        = []string{"stream_options", "kv_transfer_params", "stream", "sampling_params"}
+	prefillDropSampling = []string{"min_tokens", "max_tokens"}
+	drainDropSampling   = []string{"min_tokens", "max_tokens", "n", "best_of", "logprobs"}
+)
+
+// oneTokenDrops are what a one-token rewrite (a prefill, a drain) leaves out of each API's
+// body.
+type oneTokenDrops struct {
+	completions, chat, responses []string
+	// sampling is what it leaves out of a generate request's sampling_params.
+	sampling []string
+}
+
+var (
+	prefillDrops = oneTokenDrops{completions: prefillDrop, chat: prefillDropChat, responses: prefillDropResponses, sampling: prefillDropSampling}
+	drainDrops   = oneTokenDrops{completions: drainDrop, chat: drainDropChat, responses: drainDropResponses, sampling: drainDropSampling}
 )
 
 // API is the API a client's body is for, which says how a prefill or a drain bounds it to
@@ -46,28 +65,54 @@ const (
 	// APIMessages is Anthropic's POST /v1/messages: max_tokens alone (the API has no other
 	// bound, and no stream options).
 	APIMessages
+	// APIGenerate is vLLM's token-in route, POST /inference/v1/generate: token_ids for a
+	// prompt, max_tokens and min_tokens inside sampling_params, kv_transfer_params, stream and
+	// stream_options at the top (vllm/entrypoints/serve/disagg/protocol.py, GenerateRequest).
+	APIGenerate
 )
 
 // oneToken is the rewrite that bounds a prefill or a drain to one token, not streamed, on the
-// API f is for, keeping the client's other members (less drop).
-func oneToken(f *Fields, api API, drop, dropChat, dropResponses []string, params []byte) []byte {
+// API f is for, keeping the client's other members (less what drops names for the API).
+func oneToken(f *Fields, api API, drops oneTokenDrops, params []byte) ([]byte, error) {
 	switch api {
 	case APIResponses:
-		return f.rewrite(dropResponses, set{"kv_transfer_params", params}, set{"stream", rawFalse},
-			set{"max_output_tokens", rawOne}, set{"store", rawFalse})
+		return f.rewrite(drops.responses, set{"kv_transfer_params", params}, set{"stream", rawFalse},
+			set{"max_output_tokens", rawOne}, set{"store", rawFalse}), nil
 	case APIChat:
-		return f.rewrite(dropChat, set{"kv_transfer_params", params}, set{"stream", rawFalse},
-			set{"max_tokens", rawOne}, set{"max_completion_tokens", rawOne})
+		return f.rewrite(drops.chat, set{"kv_transfer_params", params}, set{"stream", rawFalse},
+			set{"max_tokens", rawOne}, set{"max_completion_tokens", rawOne}), nil
+	case APIGenerate:
+		sampling, err := oneTokenSampling(f, drops.sampling)
+		if err != nil {
+			return nil, err
+		}
+		return f.rewrite(generateDrop, set{"kv_transfer_params", params}, set{"stream", rawFalse},
+			set{"sampling_params", sampling}), nil
 	}
-	return f.rewrite(drop, set{"kv_transfer_params", params}, set{"stream", rawFalse}, set{"max_tokens", rawOne})
+	return f.rewrite(drops.completions, set{"kv_transfer_params", params}, set{"stream", rawFalse}, set{"max_tokens", rawOne}), nil
+}
+
+// oneTokenSampling is a generate request's sampling_params bounded to one token: the client's
+// members less drop, then max_tokens 1; {"max_tokens":1} when it has none.
+func oneTokenSampling(f *Fields, drop []string) ([]byte, error) {
+	raw, ok := f.Field("sampling_params")
+	if !ok || bytes.Equal(raw, rawNull) {
+		return []byte(`{"max_tokens":1}`), nil
+	}
+	sp, err := ParseFields(raw)
+	if err != nil {
+		return nil, fmt.Errorf("sampling_params is not a JSON object: %w", err)
+	}
+	return sp.rewrite(drop, set{"max_tokens", rawOne}), nil
 }
 
 // PrefillBody rewrites a client's body for the prefiller: the KV is to be kept for a remote
 // decode, one token, no stream, and no minimum token counts (they would fight max_tokens 1).
 // Every other member is the client's, byte for byte. A Responses API body is bounded by
-// max_output_tokens instead, and stores nothing on the prefiller.
+// max_output_tokens instead, and stores nothing on the prefiller; a generate body (APIGenerate)
+// by its sampling_params' max_tokens, its min_tokens left out there.
 func PrefillBody(f *Fields, api API) ([]byte, error) {
-	return oneToken(f, api, prefillDrop, prefillDropChat, prefillDropResponses, prefillParams), nil
+	return oneToken(f, api, prefillDrops, prefillParams)
 }
 
 // DecodeBody is the client's body as it came, plus the prefiller's kv_transfer_params passed
@@ -108,7 +153,7 @@ func DrainBody(f *Fields, api API, params json.RawMessage) ([]byte, error) {
 	} else if !json.Valid(params) {
 		return nil, ErrBadKVParams
 	}
-	return oneToken(f, api, drainDrop, drainDropChat, drainDropResponses, params), nil
+	return oneToken(f, api, drainDrops, params)
 }
 
 // ErrBadKVParams means a prefiller answered with kv_transfer_params that are neither null nor

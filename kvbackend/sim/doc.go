@@ -76,7 +76,11 @@
 // content_block_stop, message_delta and message_stop (no ping, no [DONE]),
 // errors in Anthropic's shape; POST /v1/messages/count_tokens counts that
 // prompt. Under the sglang protocol both are SGLang's, served aggregated
-// whatever bootstrap fields come. vLLM's pooling-style
+// whatever bootstrap fields come. POST /inference/v1/generate is vLLM's
+// token-in route (generate.go): the completion of its token_ids, its
+// sampling_params read as a completion's members, kv_transfer_params making a
+// prefill or a decode, token ids answered without text, one sample per
+// request; SGLang has none. vLLM's pooling-style
 // routes (/v1/embeddings, /pooling, /v1/score, /score, /v1/rerank, /rerank,
 // /v2/rerank, /detokenize, /v1/audio/transcriptions) answer deterministic
 // values in vLLM's shapes, cost simulated time and stop when their client

@@ -27,6 +27,9 @@ func (e *Engine) Handler() http.Handler {
 	mux.HandleFunc("GET /v1/responses/{id}", e.handleGetResponse)
 	mux.HandleFunc("POST /v1/messages", anthropicShape(e.byRank(func(r *Engine) http.HandlerFunc { return r.handleCompletion(apiMessages) })))
 	mux.HandleFunc("POST /v1/messages/count_tokens", anthropicShape(e.handleCountTokens))
+	if !e.sglang() {
+		mux.HandleFunc("POST "+generateRoute, e.byRank(func(r *Engine) http.HandlerFunc { return r.handleCompletion(apiGenerate) }))
+	}
 	mux.HandleFunc("POST /abort_request", e.byRank(func(r *Engine) http.HandlerFunc { return r.handleAbort }))
 	mux.HandleFunc("POST /kv/pull", e.byEngineID(func(r *Engine) http.HandlerFunc { return r.handlePull }))
 	mux.HandleFunc("POST /kv/notify", e.byEngineID(func(r *Engine) http.HandlerFunc { return r.handleNotify }))
@@ -150,6 +153,7 @@ const (
 	apiChat                       // POST /v1/chat/completions
 	apiResponses                  // POST /v1/responses (responses.go)
 	apiMessages                   // POST /v1/messages (messages.go)
+	apiGenerate                   // POST /inference/v1/generate (generate.go)
 )
 
 // decodeFor is decodeBody for each API.
@@ -159,6 +163,8 @@ func decodeFor(tk tokenizer, kind apiKind, body []byte) (*wireBody, error) {
 		return decodeResponses(body)
 	case apiMessages:
 		return decodeMessagesBody(tk, body)
+	case apiGenerate:
+		return decodeGenerate(body)
 	}
 	return decodeBody(tk, body, kind == apiChat)
 }
@@ -286,6 +292,8 @@ func (e *Engine) handleCompletion(kind apiKind) http.HandlerFunc {
 			if e.sglang() {
 				resp.id = "msg_" + rid
 			}
+		case apiGenerate:
+			resp.id = "generate-tokens-" + rid
 		default:
 			resp.id = "cmpl-" + rid
 		}
@@ -458,6 +466,9 @@ func (p *responder) emit(o output) error {
 	}
 	if p.api.anthropic {
 		return p.msgEmit(o)
+	}
+	if p.api.generate {
+		return p.genEmit(o)
 	}
 	if !p.started {
 		if err := p.begin(1); err != nil {
@@ -653,6 +664,10 @@ func (p *responder) writeWhole(aborted bool) {
 		} else if p.started || p.begin(1) == nil {
 			_ = p.msgFinish(finish, p.last.complete)
 		}
+		return
+	}
+	if p.api.generate {
+		p.genWhole(finish, aborted)
 		return
 	}
 	if p.api.stream {

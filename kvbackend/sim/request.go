@@ -76,7 +76,9 @@ type apiRequest struct {
 	resp *responsesMeta
 	// anthropic: a Messages API request (messages.go).
 	anthropic bool
-	kv        *kvTransferParams // decode only: where to pull from
+	// generate: a request of the token-in route (generate.go).
+	generate bool
+	kv       *kvTransferParams // decode only: where to pull from
 
 	// prompts holds every prompt's token count (promptTokens is the first);
 	// never more than one on a decode. tokens holds each prompt's token ids.
@@ -171,6 +173,8 @@ type wireBody struct {
 	resp *responsesMeta
 	// anthropic: a Messages API body (messages.go).
 	anthropic bool
+	// generate: a body of the token-in route (generate.go).
+	generate bool
 }
 
 // decodeBody decodes body and checks its shape. Prompts are tokenized by
@@ -268,7 +272,7 @@ func (b *wireBody) validate(chat bool) (*apiRequest, error) {
 		req.seeded, req.seed = true, *w.Seed
 	}
 	req.returnTokenIDs = w.ReturnTokenIDs != nil && *w.ReturnTokenIDs
-	req.resp, req.anthropic = b.resp, b.anthropic
+	req.resp, req.anthropic, req.generate = b.resp, b.anthropic, b.generate
 	if w.Stream != nil {
 		req.stream = *w.Stream
 	}
