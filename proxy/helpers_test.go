@@ -92,7 +92,7 @@ func (e *engine) generations() []received {
 	defer e.mu.Unlock()
 	var out []received
 	for _, r := range e.got {
-		if r.Method == http.MethodPost && strings.HasPrefix(r.Path, "/v1/") {
+		if r.Method == http.MethodPost && (strings.HasPrefix(r.Path, "/v1/") || r.Path == generateRoute) {
 			out = append(out, r)
 		}
 	}

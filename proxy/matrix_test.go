@@ -22,9 +22,10 @@ import (
 )
 
 // The failure matrix: every way an engine misbehaves (faultengine's faults, down to the byte
-// and the moment), on either leg, of either engine protocol, streamed or not, on completions
-// and chat, with a client that waits for its answer or leaves the moment the fault strikes
-// (before any byte of it reached the proxy). Every cell must end this way: the
+// and the moment), on either leg, of either engine protocol, streamed or not, on completions,
+// chat, the Responses and Messages APIs and vLLM's token-in generate route, with a client
+// that waits for its answer or leaves the moment the fault strikes (before any byte of it
+// reached the proxy). Every cell must end this way: the
 // client gets an answer it can parse (an OpenAI-shape error before the first byte, an error
 // event and no [DONE] once a stream began, a cut connection for a JSON answer under way) or a
 // whole, correct answer where the fault can be served around, and a client that leaves has
@@ -48,7 +49,7 @@ type matrixCell struct {
 	leg    string // "prefill" or "decode"
 	fault  faultengine.Fault
 	stream bool
-	route  string // completions, chat or responses
+	route  string // completions, chat, responses, messages or generate (vLLM's token-in route)
 	leave  bool
 	// pass: the request is an embedding, which one decoder answers without P/D (leg is then
 	// "decode", stream and chat false).
@@ -110,11 +111,14 @@ func matrixCells(full bool) []matrixCell {
 						continue
 					}
 					for _, stream := range []bool{false, true} {
-						for _, route := range []string{"completions", "chat", "responses", "messages"} {
+						for _, route := range []string{"completions", "chat", "responses", "messages", "generate"} {
+							if route == "generate" && proto == faultengine.SGLang {
+								continue // SGLang has no token-in route: refused before any leg
+							}
 							// CI pairs stream and route: completions streamed, chat and
-							// responses not, responses and messages streamed too (their ends
-							// and their error events are their own).
-							typed := route == "responses" || route == "messages"
+							// responses not, responses, messages and generate streamed too
+							// (their ends, error events and bounds are their own).
+							typed := route == "responses" || route == "messages" || route == "generate"
 							if !full && (route == "completions") != stream && !typed {
 								continue
 							}
@@ -131,9 +135,12 @@ func matrixCells(full bool) []matrixCell {
 		// responses.
 		for _, fault := range faultengine.StreamFaults() {
 			for _, leave := range []bool{false, true} {
-				for _, route := range []string{"completions", "chat", "responses", "messages"} {
+				for _, route := range []string{"completions", "chat", "responses", "messages", "generate"} {
 					if fault == faultengine.MidError && (route == "responses" || route == "messages") || !full && route == "chat" {
-						continue // vLLM's error event is a completion's or a chat's
+						continue // vLLM's error event is a completion's, a chat's or a generate stream's
+					}
+					if route == "generate" && proto == faultengine.SGLang {
+						continue
 					}
 					cells = append(cells, matrixCell{proto: proto, kind: kind, leg: "decode", fault: fault, stream: true, route: route, leave: leave})
 				}
@@ -392,6 +399,9 @@ func runCell(t *testing.T, c matrixCell) {
 	case "messages":
 		path = "/v1/messages"
 		body = `{"model":"m","system":"be brief","messages":[{"role":"user","content":"hello there"}],"max_tokens":8`
+	case "generate":
+		path = generateRoute
+		body = `{"model":"m","token_ids":[104,101,108,108,111],"sampling_params":{"max_tokens":8}`
 	}
 	if c.stream {
 		body += `,"stream":true`
@@ -1144,7 +1154,11 @@ func holdKey(c matrixCell, r faultengine.Request) (key string, drain bool) {
 		}
 	}
 	one := []byte("1")
-	drain = bytes.Equal(r.Field("max_tokens"), one) || bytes.Equal(r.Field("max_output_tokens"), one)
+	var sp struct {
+		MaxTokens json.RawMessage `json:"max_tokens"`
+	}
+	json.Unmarshal(r.Field("sampling_params"), &sp)
+	drain = bytes.Equal(r.Field("max_tokens"), one) || bytes.Equal(r.Field("max_output_tokens"), one) || bytes.Equal(sp.MaxTokens, one)
 	return key, drain
 }
 

@@ -113,7 +113,14 @@ func (x *exchange) fieldsFor(b *router.Backend) *kvbackend.Fields {
 // planResume readies a stream for migration, when migration_limit allows it: the engines are
 // asked for the token ids, and what would keep the stream from going on exactly is noted.
 func (x *exchange) planResume() *apiError {
-	if x.s.cfg.MigrationLimit <= 0 || !x.req.stream || x.req.api == kvbackend.APIResponses || x.req.api == kvbackend.APIMessages {
+	switch x.req.api {
+	case kvbackend.APIResponses, kvbackend.APIMessages, kvbackend.APIGenerate:
+		// Only completion and chat streams are continued: a generate stream's continuation
+		// would extend token_ids and lower sampling_params' max_tokens, which the resume
+		// does not rewrite.
+		return nil
+	}
+	if x.s.cfg.MigrationLimit <= 0 || !x.req.stream {
 		return nil
 	}
 	rs := &resume{left: x.s.cfg.MigrationLimit, maxIDs: x.s.cfg.MigrationMaxTokens, chat: x.req.api == kvbackend.APIChat, refused: unresumable(x.req),

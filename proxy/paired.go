@@ -23,6 +23,10 @@ import (
 //
 // It takes the custody.
 func (x *exchange) serveLegs(c *custody) *apiError {
+	if ti, ok := engineOf(x.legs.decode).(kvbackend.TokensIn); x.req.api == kvbackend.APIGenerate && (!ok || !ti.TokensIn()) {
+		// SGLang has no token-in route: its engines would answer 404 to both legs.
+		return x.failWith(c, router.Result{Canceled: true}, newError(errNoRoute, fmt.Sprintf("the engines of model %s do not serve %s", x.model(), generateRoute)))
+	}
 	lease, e := x.pickPair(c)
 	if e != nil {
 		return e

@@ -85,16 +85,8 @@ func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
 		req.api = kvbackend.APIChat
 	}
 	fields := req.fields
-	if raw, ok := fields.Field("stream_options"); ok && !isNull(raw) {
-		var so rawObject
-		if err := json.Unmarshal(raw, &so); err != nil {
-			return nil, badRequest("stream_options", "stream_options must be an object")
-		}
-		var includeUsage bool // checked, not used: the decoder reads it
-		if e := boolField(so, "include_usage", &includeUsage); e != nil {
-			e.param = "stream_options.include_usage"
-			return nil, e
-		}
+	if e := checkStreamOptions(fields); e != nil {
+		return nil, e
 	}
 	counts := make(map[string]int64, len(countFields))
 	for _, c := range countFields {
@@ -155,6 +147,24 @@ func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
 		req.decodeOnly = decodeOnlyPromptLogprobs
 	}
 	return req, nil
+}
+
+// checkStreamOptions checks stream_options: an object whose include_usage is a boolean.
+func checkStreamOptions(fields *kvbackend.Fields) *apiError {
+	raw, ok := fields.Field("stream_options")
+	if !ok || isNull(raw) {
+		return nil
+	}
+	var so rawObject
+	if err := json.Unmarshal(raw, &so); err != nil {
+		return badRequest("stream_options", "stream_options must be an object")
+	}
+	var includeUsage bool // checked, not used: the decoder reads it
+	if e := boolField(so, "include_usage", &includeUsage); e != nil {
+		e.param = "stream_options.include_usage"
+		return e
+	}
+	return nil
 }
 
 // parseGeneration reads what every generation body has: a JSON object with a model, and

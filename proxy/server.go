@@ -438,6 +438,7 @@ func (s *Server) routes() http.Handler {
 		r.Post("/v1/chat/completions", s.generate("/v1/chat/completions", chatRequest))
 		r.Post("/v1/responses", s.generate("/v1/responses", parseResponses))
 		r.Post(messagesRoute, s.generate(messagesRoute, parseMessagesRequest))
+		r.Post(generateRoute, s.generate(generateRoute, parseGenerateRequest))
 		// The non-generation routes: one engine each, no P/D (passthrough.go).
 		for _, p := range passthroughRoutes {
 			r.Post(p.path, s.passthrough(p))

@@ -311,11 +311,16 @@ func (e *Engine) fault(f Fault) {
 }
 
 // isGeneration reports whether path is one a model answers: a completion, a Responses API
-// or Messages API request, or an embedding (a route the proxy passes to one engine without
-// P/D).
+// or Messages API request, a token-in generate request, or an embedding (a route the proxy
+// passes to one engine without P/D).
 func isGeneration(path string) bool {
-	return strings.HasSuffix(path, "/completions") || path == "/v1/responses" || path == "/v1/messages" || path == "/v1/embeddings"
+	return strings.HasSuffix(path, "/completions") || path == "/v1/responses" || path == "/v1/messages" || path == "/v1/embeddings" ||
+		path == GenerateRoute
 }
+
+// GenerateRoute is vLLM's token-in route: token_ids in, token ids out, max_tokens inside
+// sampling_params.
+const GenerateRoute = "/inference/v1/generate"
 
 // reset closes c with a reset rather than a clean close.
 func reset(c net.Conn) {
@@ -353,6 +358,7 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 	chat := strings.HasSuffix(req.URL.Path, "/chat/completions")
 	responses := req.URL.Path == "/v1/responses"
 	messages := req.URL.Path == "/v1/messages"
+	generate := req.URL.Path == GenerateRoute
 	var f struct {
 		Stream         bool `json:"stream"`
 		ReturnTokenIDs bool `json:"return_token_ids"`
@@ -382,6 +388,9 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 			params = `"not an object"`
 		}
 		payload = []string{fmt.Sprintf(`{"id":"cmpl-p","object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":"length"}],"kv_transfer_params":%s}`, params)}
+		if generate {
+			payload = []string{fmt.Sprintf(`{"request_id":"generate-tokens-p","choices":[{"index":0,"logprobs":null,"finish_reason":"length","token_ids":[1000]}],"prompt_logprobs":null,"kv_transfer_params":%s}`, params)}
+		}
 		f.Stream = false
 	case f.Stream && responses:
 		// The Responses API's typed events, ending with response.completed (it has no
@@ -408,6 +417,11 @@ func (e *Engine) answer(c net.Conn, req *http.Request, body []byte) bool {
 		payload = []string{`{"id":"msg_c","type":"message","role":"assistant","model":"m","content":[{"type":"text","text":"hello"}],"stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":2,"output_tokens":1}}`}
 	case responses:
 		payload = []string{`{"id":"resp_c","object":"response","status":"completed","output":[{"type":"message","id":"msg_c","role":"assistant","status":"completed","content":[{"type":"output_text","text":"hello","annotations":[]}]}]}`}
+	case f.Stream && generate:
+		contentType = "text/event-stream"
+		payload = e.generateEvents(body)
+	case generate:
+		payload = []string{`{"request_id":"generate-tokens-c","choices":[{"index":0,"logprobs":null,"finish_reason":"stop","token_ids":[1000,1001]}],"prompt_logprobs":null,"kv_transfer_params":null}`}
 	case f.Stream:
 		contentType = "text/event-stream"
 		payload = e.tokenEvents(body, chat, f.ReturnTokenIDs)
@@ -587,6 +601,31 @@ func (e *Engine) tokenEvents(body []byte, chat, ids bool) []string {
 		} else {
 			events = append(events, fmt.Sprintf(`data: {"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"t%d","finish_reason":%s%s}]}`+"\n\n", i, fr, choice))
 		}
+	}
+	return append(events, "data: [DONE]\n\n")
+}
+
+// generateEvents are a token-in generate stream's events for the request body: token ids
+// 1000 ... up to Chunks, as many as sampling_params' max_tokens allows, one per event, then
+// [DONE].
+func (e *Engine) generateEvents(body []byte) []string {
+	var f struct {
+		SamplingParams struct {
+			MaxTokens *int `json:"max_tokens"`
+		} `json:"sampling_params"`
+	}
+	json.Unmarshal(body, &f)
+	end, finish := e.cfg.Chunks, "stop"
+	if limit := f.SamplingParams.MaxTokens; limit != nil && *limit < end {
+		end, finish = *limit, "length"
+	}
+	var events []string
+	for i := range end {
+		fr := "null"
+		if i == end-1 {
+			fr = strconv.Quote(finish)
+		}
+		events = append(events, fmt.Sprintf(`data: {"request_id":"generate-tokens-c","choices":[{"index":0,"logprobs":null,"finish_reason":%s,"token_ids":[%d]}],"usage":null}`+"\n\n", fr, firstToken+i))
 	}
 	return append(events, "data: [DONE]\n\n")
 }
