@@ -70,7 +70,7 @@ func TestFlowControlRefusesTheTenantOverItsShareWith429AndASaturatedPoolWith503(
 		t.Errorf("a third tenant: %d, Retry-After %q; want 503 with Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
 	}
 	var anth struct {
-		Type  string `json:"type"`
+		Type  string                `json:"type"`
 		Error struct{ Type string } `json:"error"`
 	}
 	if err := json.Unmarshal(body, &anth); err != nil || anth.Type != "error" || anth.Error.Type == "" {
