@@ -161,9 +161,12 @@ type SimConfig struct {
 	PrefillPerToken time.Duration `yaml:"prefill_per_token"`
 	ITL             time.Duration `yaml:"itl"`
 	MaxRunning      int           `yaml:"max_running"`
-	KVHoldTimeout   time.Duration `yaml:"kv_hold_timeout"`
-	KVTransferTime  time.Duration `yaml:"kv_transfer_time"`
-	Seed            int64         `yaml:"seed"`
+	// MaxNumBatchedTokens shares the engine's compute as vLLM's step budget does (the sim's
+	// --max-num-batched-tokens). [0: every request computes on its own]
+	MaxNumBatchedTokens int           `yaml:"max_num_batched_tokens"`
+	KVHoldTimeout       time.Duration `yaml:"kv_hold_timeout"`
+	KVTransferTime      time.Duration `yaml:"kv_transfer_time"`
+	Seed                int64         `yaml:"seed"`
 	// Tokenizer is a tokenizer.json the engine tokenizes with (the sim's --tokenizer).
 	// [the sim's own tokenizer]
 	Tokenizer string `yaml:"tokenizer"`

@@ -337,6 +337,7 @@ func (m *Main) startSim(ctx context.Context, g *errgroup.Group, i int, sc SimCon
 	setIf(&cfg.PrefillPerToken, sc.PrefillPerToken)
 	setIf(&cfg.ITL, sc.ITL)
 	setIf(&cfg.MaxRunning, sc.MaxRunning)
+	setIf(&cfg.MaxNumBatchedTokens, sc.MaxNumBatchedTokens)
 	setIf(&cfg.KVHoldTimeout, sc.KVHoldTimeout)
 	setIf(&cfg.KVTransferTime, sc.KVTransferTime)
 	setIf(&cfg.Seed, sc.Seed)
