@@ -59,6 +59,7 @@ var kinds = map[string]func() any{
 	"policy/v1/PodDisruptionBudget":          func() any { return new(policyv1.PodDisruptionBudget) },
 	"autoscaling/v2/HorizontalPodAutoscaler": func() any { return new(autoscalingv2.HorizontalPodAutoscaler) },
 	"networking.k8s.io/v1/NetworkPolicy":     func() any { return new(networkingv1.NetworkPolicy) },
+	"keda.sh/v1alpha1/ScaledObject":          func() any { return new(scaledObject) },
 }
 
 // splitDocuments splits a multi-document YAML file on its "---" lines, dropping documents
@@ -207,6 +208,7 @@ func TestManifestsDecodeStrictlyIntoKubernetesTypes(t *testing.T) {
 	// What deploy/ must carry for a replicated, autoscaled proxy.
 	for typ, min := range map[string]int{
 		"*v1.Deployment": 2, "*v1.Service": 1, "*v1.PodDisruptionBudget": 1, "*v2.HorizontalPodAutoscaler": 1, "*v1.ConfigMap": 2,
+		"*deploy.scaledObject": 2,
 	} {
 		if count[typ] < min {
 			t.Errorf("%d %s in %s/, want at least %d", count[typ], typ, manifestDir, min)
@@ -227,6 +229,8 @@ func objectName(o any) string {
 	case *autoscalingv2.HorizontalPodAutoscaler:
 		return v.Name
 	case *networkingv1.NetworkPolicy:
+		return v.Name
+	case *scaledObject:
 		return v.Name
 	}
 	return ""
@@ -269,6 +273,14 @@ metadata: {name: x}
 data: {a: b}
 data: {c: d}
 `, "data"},
+		{"a ScaledObject field KEDA does not have", `
+apiVersion: keda.sh/v1alpha1
+kind: ScaledObject
+metadata: {name: x}
+spec:
+  scaleTargetRef: {name: x}
+  minReplicas: 1
+`, "minReplicas"},
 		{"a kind of another API version", `
 apiVersion: autoscaling/v1
 kind: HorizontalPodAutoscaler
