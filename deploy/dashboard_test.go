@@ -21,6 +21,8 @@ import (
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/proxy"
+	"github.com/pdproxy/pdproxy/router"
 )
 
 const dashboardFile = "grafana/pdproxy.json"
@@ -50,6 +52,11 @@ var dashboardMetrics = []string{
 	"pdproxy_shared_state_check_duration_seconds", // what the shared limits cost a request
 	"pdproxy_session_affinity_total",              // sessions kept on their engines, or moved
 	"pdproxy_migrations_total",                    // streams that went on on another decoder
+	"pdproxy_pool_saturation",                     // how full each role's engines are
+	"pdproxy_pool_predicted_ttft_seconds",         // the wait a request finds in each pool
+	"pdproxy_pd_ratio_recommended",                // the prefillers per decoder the backlogs ask for
+	"pdproxy_flow_queue_depth",                    // each tenant's requests waiting
+	"pdproxy_flow_queue_wait_seconds",             // and how long they wait
 }
 
 // scrapeLabels are the labels Prometheus adds to every series it scrapes, which the proxy
@@ -178,10 +185,19 @@ func exported(fams map[string]*dto.MetricFamily, name string) (*dto.MetricFamily
 // sessionHeader names the session of the exercised proxy's requests.
 const sessionHeader = "X-Session-ID"
 
+// tenantHeader names the tenant of the exercised proxy's requests, and tenant the one it
+// names.
+const (
+	tenantHeader = "X-Tenant"
+	tenant       = "acme"
+)
+
 // scrapeExercisedProxy starts the embedded default (a simulated prefiller and decoder) as
 // the e2e tests do, with session affinity and its bindings in a real redis-server as the
-// manifests' config has them, drives the requests that make the labelled series exist (a
-// completion of a session, a stream its client leaves, a request P/D cannot serve, a
+// manifests' config has them, prefillers placed by cost (which predicts their time to first
+// token) and flow_control with a named tenant before a decoder of max_inflight 1; drives the
+// requests that make the labelled series exist (a completion of a session, a stream its
+// client leaves while a tenant's request waits behind it, a request P/D cannot serve, a
 // decoder that dies) and reads its /metrics over HTTP, as Prometheus would.
 func scrapeExercisedProxy(t *testing.T) map[string]*dto.MetricFamily {
 	t.Helper()
@@ -190,9 +206,18 @@ func scrapeExercisedProxy(t *testing.T) map[string]*dto.MetricFamily {
 	cfg.ShutdownTimeout = 2 * time.Second
 	cfg.Proxy.SessionAffinity.Headers = []string{sessionHeader}
 	cfg.SharedState.Redis.Addr = redistest.Start(t).Addr()
+	cfg.Router.PrefillPolicy = router.PolicyCacheAware
+	cfg.Proxy.FlowControl = proxy.FlowControlConfig{
+		TenantHeader: tenantHeader,
+		Tenants:      map[string]proxy.TenantConfig{tenant: {Weight: 2}},
+	}
 	for i := range cfg.Sims {
 		cfg.Sims[i].PrefillTime = 2 * time.Millisecond
 		cfg.Sims[i].ITL = 2 * time.Millisecond
+		if cfg.Sims[i].Role == string(router.RoleDecode) {
+			// One stream fills the decoder, so that the next request waits as its tenant's.
+			cfg.Sims[i].MaxInflight = 1
+		}
 	}
 	m, err := app.New(cfg, zaptest.NewLogger(t, zaptest.Level(zap.ErrorLevel)))
 	if err != nil {
@@ -249,7 +274,8 @@ func scrapeExercisedProxy(t *testing.T) map[string]*dto.MetricFamily {
 		t.Fatalf("completion with n=2: status %d", code)
 	}
 	// A stream whose client leaves after a few events: an abort while decoding, and its
-	// propagation time.
+	// propagation time. While it holds the decoder, the tenant's request waits (the
+	// tenant's queue depth and, once the stream is gone, its wait).
 	ctx, cancel := context.WithCancel(context.Background())
 	resp := post(ctx, `{"model":"sim","prompt":"tell me everything","max_tokens":100000,"ignore_eos":true,"stream":true}`)
 	br := bufio.NewReader(resp.Body)
@@ -258,8 +284,31 @@ func scrapeExercisedProxy(t *testing.T) map[string]*dto.MetricFamily {
 			t.Fatalf("stream: %v", err)
 		}
 	}
+	waited := make(chan int, 1)
+	go func() {
+		req, err := http.NewRequest(http.MethodPost, m.URL()+"/v1/completions", strings.NewReader(`{"model":"sim","prompt":"hello","max_tokens":4}`))
+		if err != nil {
+			waited <- 0
+			return
+		}
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set(tenantHeader, tenant)
+		resp, err := client.Do(req)
+		if err != nil {
+			waited <- 0
+			return
+		}
+		waited <- drain(resp)
+	}()
+	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+		depth, _ := testutil.Lookup(t, metrics, "pdproxy_flow_queue_depth", map[string]string{"tenant": tenant})
+		return depth == 1, "the tenant's request does not wait behind the stream on the decoder of max_inflight 1"
+	})
 	cancel()
 	resp.Body.Close()
+	if code := <-waited; code != http.StatusOK {
+		t.Fatalf("the tenant's request that waited for the decoder: status %d", code)
+	}
 	testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
 		_, ok := testutil.Lookup(t, metrics, "pdproxy_abort_propagation_seconds", map[string]string{"stage": "decoding"})
 		return ok, "no pdproxy_abort_propagation_seconds{stage=decoding} after the client left its stream"
