@@ -12,39 +12,41 @@ import (
 // Placing a request by what its prefill will cost: the cache-aware policies give every
 // candidate one number, the time to the request's first token there, and the lowest wins.
 //
-//	cost = prefill_overhead + (uncached + ahead) / rate
+//	cost = fixed + (uncached + ahead) × time per token
 //
 // uncached is the prompt tokens the engine would compute for this request (those its prefix
 // cache does not hold as the policy's view says, a block on a slower tier weighed by its
 // reload); ahead is the work queued or running there before it, in the same tokens: this
 // replica's own books (the uncached tokens of the requests it sent there whose prefill has
-// not ended, less what the engine has computed of them since, one after another at its
-// rate), the requests the engine reports beyond those (other replicas', from its scraped
-// waiting and running counts, a waiting one at the pool's mean uncached tokens, a running
-// decode at decode_cost_tokens), and decode_cost_tokens for each of this replica's requests
-// decoding there; rate is the engine's prefill rate in tokens a second, learned from what
-// the proxy sees (each prefill's work against the time to its end) from
-// prefill_tokens_per_second. Caching is worth exactly what it saves in that sum: a hot shared
-// preamble held everywhere saves the same everywhere, and the load decides; a long private
-// context held on one engine keeps its conversation there until the queue there outweighs it.
+// not ended, less what the engine has computed of them since, one after another), the
+// requests the engine reports beyond those (other replicas', from its scraped waiting and
+// running counts, a waiting one at the pool's mean uncached tokens, a running decode at
+// decode_cost_tokens), and decode_cost_tokens for each of this replica's requests decoding
+// there. The time per token and the fixed part are a line fitted through the pool's prefills
+// as the proxy sees them (each one's work against the time to its end), from
+// prefill_tokens_per_second and prefill_overhead. Caching is worth exactly what it saves in
+// that sum: a hot shared preamble held everywhere saves the same everywhere, and the load
+// decides; a long private context held on one engine keeps its conversation there until the
+// queue there outweighs it.
 //
-// Costs whose work (past the overhead) is within tieShare of the lowest's, or within
+// Costs whose work (past the fixed part) is within tieShare of the lowest's, or within
 // tieTokens of it, are ties: the engine a session is bound to first, then those with the
 // least work ahead, within tieTokens (a hot prompt held on one engine spreads rather than
 // queue there for a saving too small to tell), then the rendezvous order of the request's
-// key (its session's, else its prompt's head), which every replica computes alike. With a temperature the pick is
-// instead drawn with weights exp(-(cost - lowest) / temperature), so that replicas do not all
-// herd onto one engine between two scrapes.
+// key (its session's, else its prompt's head), which every replica computes alike. With a
+// temperature the pick is instead drawn with weights exp(-(cost - lowest) / temperature), so
+// that replicas do not all herd onto one engine between two scrapes.
 
 const (
-	// tieShare: costs within this share of the lowest tie. Replicas' learned rates differ a
+	// tieShare: costs within this share of the lowest tie. Replicas' fitted lines differ a
 	// little; without it they would break the ties of an idle pool each its own way.
 	tieShare = 0.05
 	// tieTokens: a difference of fewer prompt tokens is a tie too. A few tokens matched of a
 	// prompt's head (a chat's opening bytes, a block) save nothing a user would notice, and
 	// replicas whose views of the caches differ by so little must still place alike.
 	tieTokens = 64
-	// learnWeight is the weight of one observation in an engine's learned rate.
+	// learnWeight is the weight of one observation in an engine's own rate (its metric) and
+	// in the pool's mean uncached tokens.
 	learnWeight = 0.1
 	// minLearnTokens: a prefill of less work than this says more about the overhead and the
 	// network than about the rate, and teaches nothing.
@@ -73,7 +75,7 @@ func newCostModel(cfg CacheAwareConfig) *costModel {
 		decodeTokens: float64(cfg.DecodeCostTokens),
 		temperature:  cfg.Temperature.Seconds(),
 	}
-	m.meanUncached.Store(math.Float64bits(0))
+	m.fit.slope0, m.fit.intercept0 = m.secPerToken, m.overhead.Seconds()
 	return m
 }
 
@@ -100,23 +102,29 @@ type costSelector interface {
 // would look faster than the others for ever and take everything. Each engine's own rate is
 // learned for its metric (pdproxy_backend_prefill_tokens_per_second).
 func (m *costModel) rate(*Backend) float64 {
-	slope, _ := m.fit.line(m.secPerToken, m.overhead.Seconds())
+	slope, _ := m.fit.line()
 	return slope
 }
 
 // fixed is the fixed part of a prefill's time, as fitted, prefill_overhead before.
 func (m *costModel) fixed() float64 {
-	_, intercept := m.fit.line(m.secPerToken, m.overhead.Seconds())
+	_, intercept := m.fit.line()
 	return intercept
 }
 
 // fit is a least-squares line through a pool's prefills, time against work, each lesson
 // weighing fitWeight (more while there are fewer than 1/fitWeight): its slope is the time per
-// token, its intercept the fixed part.
+// token, its intercept the fixed part. The line is worked out at each lesson and read without
+// the lock: every candidate of every pick reads it.
 type fit struct {
 	mu               sync.Mutex
 	n                float64
 	mx, my, mxx, mxy float64
+	// slope and intercept are the line as of the latest lesson (float64 bits; slope 0 while
+	// there are fewer than fitLessons).
+	slope, intercept atomic.Uint64
+	// slope0, intercept0 are the configured line, set before the first lesson.
+	slope0, intercept0 float64
 }
 
 const (
@@ -134,26 +142,30 @@ func (f *fit) add(x, y float64) {
 	f.my += a * (y - f.my)
 	f.mxx += a * (x*x - f.mxx)
 	f.mxy += a * (x*y - f.mxy)
+	if f.n < fitLessons || f.mx <= 0 {
+		return
+	}
+	// While the prefills' work is too alike to part the two (its spread under a tenth of its
+	// mean), the configured intercept and the slope through the mean past it; the slope
+	// within learnClamp² of the configured one, the intercept at least 0.
+	clamp := func(s float64) float64 {
+		return min(max(s, f.slope0/(learnClamp*learnClamp)), f.slope0*learnClamp*learnClamp)
+	}
+	slope, intercept := clamp((f.my-f.intercept0)/f.mx), f.intercept0
+	if v := f.mxx - f.mx*f.mx; v >= 0.01*f.mx*f.mx {
+		slope = clamp((f.mxy - f.mx*f.my) / v)
+		intercept = max(f.my-slope*f.mx, 0)
+	}
+	f.slope.Store(math.Float64bits(slope))
+	f.intercept.Store(math.Float64bits(intercept))
 }
 
-// line is the fitted slope and intercept: the configured ones (slope0, intercept0) while
-// there are too few lessons; while their work is too alike to part the two (its spread under
-// a tenth of its mean), intercept0 and the slope through the mean past it; the slope within
-// learnClamp² of slope0, the intercept at least 0.
-func (f *fit) line(slope0, intercept0 float64) (slope, intercept float64) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.n < fitLessons || f.mx <= 0 {
-		return slope0, intercept0
+// line is the fitted slope and intercept, the configured ones before fitLessons lessons.
+func (f *fit) line() (slope, intercept float64) {
+	if s := math.Float64frombits(f.slope.Load()); s > 0 {
+		return s, math.Float64frombits(f.intercept.Load())
 	}
-	clamp := func(s float64) float64 {
-		return min(max(s, slope0/(learnClamp*learnClamp)), slope0*learnClamp*learnClamp)
-	}
-	if v := f.mxx - f.mx*f.mx; v < 0.01*f.mx*f.mx {
-		return clamp((f.my - intercept0) / f.mx), intercept0
-	}
-	slope = clamp((f.mxy - f.mx*f.my) / (f.mxx - f.mx*f.mx))
-	return slope, max(f.my-slope*f.mx, 0)
+	return f.slope0, f.intercept0
 }
 
 // ahead is the work b has ahead of a new request at now, in prefill tokens.

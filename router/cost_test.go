@@ -265,8 +265,9 @@ func TestASessionsBoundEngineIsCreditedWithWhatItsLatestRequestSentIt(t *testing
 }
 
 func TestThePoolsFitFindsTheRateAndTheFixedPart(t *testing.T) {
-	var f fit
-	if s, c := f.line(1e-4, 0.01); s != 1e-4 || c != 0.01 {
+	newFit := func() *fit { return &fit{slope0: 1e-4, intercept0: 0.01} }
+	f := newFit()
+	if s, c := f.line(); s != 1e-4 || c != 0.01 {
 		t.Errorf("with no lesson the line is %v, %v; want the configured 1e-4, 0.01", s, c)
 	}
 	// Prefills of 200 to 2,000 tokens taking 1ms + 5µs a token: a start of 10ms and 100µs a
@@ -275,14 +276,14 @@ func TestThePoolsFitFindsTheRateAndTheFixedPart(t *testing.T) {
 		x := float64(200 + 45*i)
 		f.add(x, 0.001+x*5e-6)
 	}
-	if s, c := f.line(1e-4, 0.01); math.Abs(s-5e-6) > 1e-7 || math.Abs(c-0.001) > 1e-4 {
+	if s, c := f.line(); math.Abs(s-5e-6) > 1e-7 || math.Abs(c-0.001) > 1e-4 {
 		t.Errorf("fitted %v s/token + %v s, want 5e-6 + 0.001", s, c)
 	}
-	var same fit
+	same := newFit()
 	for range 40 {
 		same.add(1000, 0.015)
 	}
-	if s, c := same.line(1e-4, 0.01); math.Abs(s-5e-6) > 1e-9 || c != 0.01 {
+	if s, c := same.line(); math.Abs(s-5e-6) > 1e-9 || c != 0.01 {
 		t.Errorf("prefills all of 1,000 tokens taking 15ms: %v s/token + %v s, want the configured 10ms and 5µs a token past it", s, c)
 	}
 }
