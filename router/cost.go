@@ -307,6 +307,9 @@ func hintTokens(h Hint) float64 {
 // books are one backend's entries of requests whose prefill has not ended, in the order
 // they were booked.
 type books struct {
+	// n is len(entries), read without the lock: most engines of a large pool have no entry
+	// at a pick, and every candidate's books are read.
+	n       atomic.Int64
 	mu      sync.Mutex
 	entries []*booked
 	tokens  int64
@@ -319,6 +322,9 @@ type books struct {
 // (waiting for a slot, or the engine slower than learned) counts for nothing: the lesson of
 // its end corrects the rate.
 func (bs *books) remaining(now time.Time, secPerToken float64) (tokens float64, entries int64) {
+	if bs.n.Load() == 0 {
+		return 0, 0
+	}
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
 	var free time.Time // when the entries before the one at hand are done
@@ -343,6 +349,7 @@ func (bs *books) add(bk *booked) {
 	bs.mu.Lock()
 	bs.entries = append(bs.entries, bk)
 	bs.tokens += bk.tokens
+	bs.n.Store(int64(len(bs.entries)))
 	bs.mu.Unlock()
 }
 
@@ -351,6 +358,7 @@ func (bs *books) remove(bk *booked) {
 	if i := slices.Index(bs.entries, bk); i >= 0 {
 		bs.entries = slices.Delete(bs.entries, i, i+1)
 		bs.tokens -= bk.tokens
+		bs.n.Store(int64(len(bs.entries)))
 	}
 	bs.mu.Unlock()
 }
