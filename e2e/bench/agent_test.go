@@ -294,14 +294,9 @@ func toRoutingRuns(rs []tierRun) []routingRun {
 // at once, each turn after the previous one's answer, and returns what the engines counted.
 func runTierContender(t *testing.T, w *agentWorkload, c tierContender, cfg sim.Config, engines, balanceAbs int) tierRun {
 	decoders := startSims(t, engines, cfg)
-	pcfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
-	pcfg.Router.DecodePolicy = c.policy
+	pcfg := decodeOnlyProxy(t, c.policy, decoders)
 	pcfg.Router.KVEvents.TierWeights = c.weights
 	pcfg.Router.CacheAware.BalanceAbsThreshold = balanceAbs
-	for _, d := range decoders {
-		pcfg.Router.Backends = append(pcfg.Router.Backends, router.BackendConfig{URL: d.srv.URL, Role: router.RoleDecode, Engine: kvbackend.KindVLLM,
-			KVEventsEndpoint: kvDial(t, d.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, d.e.KVEventsReplayAddr())})
-	}
 	url := startMain(t, pcfg).URL()
 
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: w.sessions}, Timeout: 5 * time.Minute}
@@ -346,4 +341,17 @@ func runTierContender(t *testing.T, w *agentWorkload, c tierContender, cfg sim.C
 			run.computed, run.reloaded, run.gpuHits, got, run.prompt)
 	}
 	return run
+}
+
+// decodeOnlyProxy is the config of a proxy in this process that serves decoders decode-only
+// under policy, dialing each one's KV events and replay endpoints.
+func decodeOnlyProxy(t testing.TB, policy string, decoders []*simEngine) app.Config {
+	t.Helper()
+	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
+	cfg.Router.DecodePolicy = policy
+	for _, d := range decoders {
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: d.srv.URL, Role: router.RoleDecode, Engine: kvbackend.KindVLLM,
+			KVEventsEndpoint: kvDial(t, d.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, d.e.KVEventsReplayAddr())})
+	}
+	return cfg
 }

@@ -15,9 +15,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/redistest"
-	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
@@ -204,17 +202,12 @@ func runAgentContender(t *testing.T, w *agentWorkload, turns []int, p agentRouti
 		}
 		var urls []string
 		for range max(c.replicas, 1) {
-			pcfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
-			pcfg.Router.DecodePolicy = c.policy
+			pcfg := decodeOnlyProxy(t, c.policy, engines)
 			if c.sessions {
 				pcfg.Proxy.SessionAffinity = proxy.SessionAffinityConfig{Headers: []string{"X-Session-ID"}}
 			}
 			if redis != "" {
 				pcfg.SharedState = sharedstate.Config{Redis: sharedstate.RedisConfig{Addr: redis}}
-			}
-			for _, e := range engines {
-				pcfg.Router.Backends = append(pcfg.Router.Backends, router.BackendConfig{URL: e.srv.URL, Role: router.RoleDecode, Engine: kvbackend.KindVLLM,
-					KVEventsEndpoint: kvDial(t, e.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, e.e.KVEventsReplayAddr())})
 			}
 			urls = append(urls, startMain(t, pcfg).URL())
 		}

@@ -15,8 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdproxy/pdproxy/cmd/proxy/app"
-	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
@@ -190,14 +188,9 @@ func climbRung(t *testing.T, p ladderParams, c ladderContender, cfg sim.Config, 
 		return engines[int(h.Sum32())%len(engines)].srv.URL
 	}
 	if c.policy != "" {
-		pcfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
-		pcfg.Router.DecodePolicy = c.policy
+		pcfg := decodeOnlyProxy(t, c.policy, engines)
 		if c.byGroup {
 			pcfg.Proxy.SessionAffinity = proxy.SessionAffinityConfig{Headers: []string{"X-Session-ID"}}
-		}
-		for _, e := range engines {
-			pcfg.Router.Backends = append(pcfg.Router.Backends, router.BackendConfig{URL: e.srv.URL, Role: router.RoleDecode, Engine: kvbackend.KindVLLM,
-				KVEventsEndpoint: kvDial(t, e.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, e.e.KVEventsReplayAddr())})
 		}
 		url := startMain(t, pcfg).URL()
 		target = func(int) string { return url }
