@@ -73,11 +73,8 @@ type backendState struct {
 	// (kvEngineIn), not on every pick; beside the counts a pick reads of every candidate, in
 	// the same cache line.
 	kvEngine atomic.Pointer[kvcache.Engine]
-	// ranks counts the leases in flight on each data-parallel rank; nil for an engine of
-	// one rank. A lease keeps a pointer to its own rank's counter; a reload that changes the
-	// size swaps in new counters.
-	ranks    atomic.Pointer[[]atomic.Int64]
-	rankNext atomic.Uint64
+	// ranks counts the leases in flight on each data-parallel rank.
+	ranks rankCounts
 	// up is the active health verdict; backends start up so the proxy serves before
 	// the first check round completes.
 	up atomic.Bool
@@ -97,18 +94,10 @@ type backendState struct {
 	epoch atomic.Uint64
 	// load is what the router scraped of the engine's load (load.go).
 	load loadState
-	// books are this replica's books of the requests picked by cost whose prefill has not
-	// ended there (cost.go).
-	books books
-	// secPerToken is the engine's prefill time per token as its lessons show it (float64
-	// bits, 0 until the first; its metric: picks weigh the pool's); predictedTTFT the latest
-	// pick's prediction in seconds.
-	secPerToken, predictedTTFT atomic.Uint64
-	// models is what the engine's /v1/models listed at its last answer; nil until then.
-	models atomic.Pointer[[]string]
-	// adapters are those of models the engine serves as LoRA adapters: listed with a
-	// parent, the base model's name (vLLM's --lora-modules); nil for none.
-	adapters atomic.Pointer[[]string]
+	// cost is what the cost policies keep of the engine (cost.go).
+	cost costState
+	// served is what the engine's /v1/models listed at its last answer.
+	served servedModels
 	// kvSources are where the engine said its KV event publishers are bound
 	// (kv_events_discover); nil until it answered.
 	kvSources atomic.Pointer[[]kvcache.Source]
@@ -127,6 +116,21 @@ type backendState struct {
 	// downReason says why up is false; ejectReason why the last ejection happened. They
 	// are read only while the state they explain holds, so neither is ever cleared.
 	downReason, ejectReason string
+}
+
+// rankCounts are the leases in flight on each data-parallel rank of an engine: counts is nil
+// for an engine of one rank; a lease keeps a pointer to its own rank's counter, and a reload
+// that changes the size swaps in new counters. next rotates the ties among ranks.
+type rankCounts struct {
+	counts atomic.Pointer[[]atomic.Int64]
+	next   atomic.Uint64
+}
+
+// servedModels is what an engine's /v1/models listed at its last answer: models, nil until
+// then, and adapters, those of models the engine serves as LoRA adapters (listed with a
+// parent).
+type servedModels struct {
+	models, adapters atomic.Pointer[[]string]
 }
 
 // leaving is a signal, closed once.
@@ -157,14 +161,14 @@ func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendSta
 		st.leaving.Store(newLeaving())
 	}
 	if n := c.DataParallelSize; n > 1 {
-		if cur := st.ranks.Load(); cur == nil || len(*cur) != n {
+		if cur := st.ranks.counts.Load(); cur == nil || len(*cur) != n {
 			// A reload that changes the size starts the ranks' counts afresh; leases in
 			// flight keep counting on the counters they took.
 			ranks := make([]atomic.Int64, n)
-			st.ranks.Store(&ranks)
+			st.ranks.counts.Store(&ranks)
 		}
 	} else {
-		st.ranks.Store(nil)
+		st.ranks.counts.Store(nil)
 	}
 	if client == nil {
 		client = newClient(clientOptions{maxInflight: c.MaxInflight})
@@ -397,7 +401,7 @@ func (b *Backend) Models() []string {
 	if b.models != nil {
 		return b.models
 	}
-	if p := b.st.models.Load(); p != nil {
+	if p := b.st.served.models.Load(); p != nil {
 		return *p
 	}
 	return nil

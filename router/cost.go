@@ -170,7 +170,7 @@ func (f *fit) line() (slope, intercept float64) {
 
 // ahead is the work b has ahead of a new request at now, in prefill tokens.
 func (m *costModel) ahead(b *Backend, now time.Time) float64 {
-	remaining, pending := b.st.books.remaining(now, m.rate(b))
+	remaining, pending := b.st.cost.books.remaining(now, m.rate(b))
 	inflight := b.Inflight()
 	work := remaining + m.decodeTokens*float64(max(inflight-pending, 0))
 	if l := b.st.load.last.Load(); l != nil && now.Before(l.staleAt) {
@@ -223,7 +223,7 @@ func (m *costModel) learn(b *Backend, work float64, observed time.Duration) {
 	}
 	m.fit.add(work, observed.Seconds())
 	// The engine's own rate, past the pool's fixed part: for its metric.
-	fold(&b.st.secPerToken, (observed.Seconds()-m.fixed())/work, m.rate(b))
+	fold(&b.st.cost.secPerToken, (observed.Seconds()-m.fixed())/work, m.rate(b))
 }
 
 // fold moves the rate at bits one lesson's weight toward sample (within learnClamp of it),
@@ -304,6 +304,15 @@ func hintTokens(h Hint) float64 {
 	return float64(len(h.Text)) / bytesPerToken
 }
 
+// costState is what the cost policies keep of one engine: this replica's books of the
+// requests picked by cost whose prefill has not ended there; the engine's prefill time per
+// token as its lessons show it (its metric: picks weigh the pool's) and the latest pick's
+// prediction in seconds (both float64 bits, 0 until the first).
+type costState struct {
+	books                      books
+	secPerToken, predictedTTFT atomic.Uint64
+}
+
 // books are one backend's entries of requests whose prefill has not ended, in the order
 // they were booked.
 type books struct {
@@ -382,8 +391,8 @@ type booked struct {
 // book enters cost in b's books at now.
 func book(m *costModel, b *Backend, cost Cost, now time.Time) *booked {
 	bk := &booked{m: m, cost: cost, at: now, tokens: int64(math.Round(cost.Uncached))}
-	b.st.books.add(bk)
-	b.st.predictedTTFT.Store(math.Float64bits(cost.Predicted.Seconds()))
+	b.st.cost.books.add(bk)
+	b.st.cost.predictedTTFT.Store(math.Float64bits(cost.Predicted.Seconds()))
 	return bk
 }
 
@@ -393,7 +402,7 @@ func (bk *booked) settle(r *Router, b *Backend, now time.Time, learn bool) {
 	if bk == nil || !bk.done.CompareAndSwap(false, true) {
 		return
 	}
-	b.st.books.remove(bk)
+	b.st.cost.books.remove(bk)
 	if !learn {
 		return
 	}
@@ -418,12 +427,12 @@ type CostStatus struct {
 }
 
 func (m *costModel) status(b *Backend, now time.Time) *CostStatus {
-	tokens, entries := b.st.books.totals()
+	tokens, entries := b.st.cost.books.totals()
 	return &CostStatus{
 		AheadTokens:            m.ahead(b, now),
 		PendingTokens:          tokens,
 		PendingRequests:        entries,
 		PrefillTokensPerSecond: 1 / m.rate(b),
-		PredictedTTFTSeconds:   math.Float64frombits(b.st.predictedTTFT.Load()),
+		PredictedTTFTSeconds:   math.Float64frombits(b.st.cost.predictedTTFT.Load()),
 	}
 }

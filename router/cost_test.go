@@ -197,12 +197,12 @@ func TestAReleaseWithoutPrefillTakesTheWorkOffTheBooksAndTeachesNothing(t *testi
 	r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 1, 0), DecodePolicy: PolicyCacheAware})
 	l := mustAcquire(t, r, RoleDecode, Hint{Text: strings.Repeat("x", 4000)})
 	b := l.Backend()
-	if got, _ := b.st.books.totals(); got != 1000 {
+	if got, _ := b.st.cost.books.totals(); got != 1000 {
 		t.Fatalf("pending tokens %d while the prefill runs, want 1,000", got)
 	}
 	l.Release(Result{Err: fmt.Errorf("connection reset")})
 	l.Prefilled() // late: the lease is gone
-	if tok, reqs := b.st.books.totals(); tok != 0 || reqs != 0 {
+	if tok, reqs := b.st.cost.books.totals(); tok != 0 || reqs != 0 {
 		t.Errorf("books hold %d tokens of %d requests after the release, want none", tok, reqs)
 	}
 	if _, ok := testutil.Lookup(t, reg, "pdproxy_backend_prefill_tokens_per_second", nil); ok {

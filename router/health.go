@@ -161,13 +161,13 @@ func (r *Router) listModels(ctx context.Context, b *Backend, h HealthConfig) {
 		}
 	}
 	var oldAdapters []string
-	if p := b.st.adapters.Load(); p != nil {
+	if p := b.st.served.adapters.Load(); p != nil {
 		oldAdapters = *p
 	}
-	if old := b.st.models.Load(); old == nil || !slices.Equal(*old, models) || !slices.Equal(oldAdapters, adapters) {
+	if old := b.st.served.models.Load(); old == nil || !slices.Equal(*old, models) || !slices.Equal(oldAdapters, adapters) {
 		r.logger.Info("backend models", zap.String("backend", b.Name), zap.Strings("models", models), zap.Strings("lora_adapters", adapters))
-		b.st.adapters.Store(&adapters)
-		b.st.models.Store(&models)
+		b.st.served.adapters.Store(&adapters)
+		b.st.served.models.Store(&models)
 		r.forgetModels()
 	}
 }

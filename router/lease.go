@@ -153,12 +153,12 @@ func (p *pool) leaseLocked(b *Backend, choice SessionChoice, cost Cost) *Lease {
 	if m := p.costModelLocked(); m != nil && cost != (Cost{}) {
 		l.booked = book(m, b, cost, p.r.now())
 	}
-	if rp := b.st.ranks.Load(); rp != nil && len(*rp) > 1 {
+	if rp := b.st.ranks.counts.Load(); rp != nil && len(*rp) > 1 {
 		ranks := *rp
 		// The rank with the fewest in flight; ties rotate, so that an idle engine's ranks
 		// share the work too.
 		n := len(ranks)
-		start := int(b.st.rankNext.Add(1) % uint64(n))
+		start := int(b.st.ranks.next.Add(1) % uint64(n))
 		best := start
 		for k := 1; k < n; k++ {
 			if i := (start + k) % n; ranks[i].Load() < ranks[best].Load() {

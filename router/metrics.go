@@ -135,10 +135,10 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(m.inflight, prometheus.GaugeValue, float64(b.Inflight()), b.Name, role)
 		ch <- prometheus.MustNewConstMetric(m.healthy, prometheus.GaugeValue, healthy, b.Name, role)
 		ch <- prometheus.MustNewConstMetric(m.ejections, prometheus.CounterValue, float64(b.Ejections()), b.Name, role)
-		if bits := b.st.predictedTTFT.Load(); bits != 0 {
+		if bits := b.st.cost.predictedTTFT.Load(); bits != 0 {
 			ch <- prometheus.MustNewConstMetric(m.predictedTTFT, prometheus.GaugeValue, math.Float64frombits(bits), b.Name, role)
 		}
-		if s := math.Float64frombits(b.st.secPerToken.Load()); s > 0 {
+		if s := math.Float64frombits(b.st.cost.secPerToken.Load()); s > 0 {
 			ch <- prometheus.MustNewConstMetric(m.prefillRate, prometheus.GaugeValue, 1/s, b.Name, role)
 		}
 	}

@@ -63,7 +63,7 @@ func (r *Router) adaptersOf() map[string]bool {
 		if b.st.removed.Load() {
 			continue
 		}
-		if p := b.st.adapters.Load(); p != nil {
+		if p := b.st.served.adapters.Load(); p != nil {
 			for _, m := range *p {
 				if out == nil {
 					out = make(map[string]bool)

@@ -53,7 +53,7 @@ type RankStatus struct {
 }
 
 func (b *Backend) rankStatus() []RankStatus {
-	rp := b.st.ranks.Load()
+	rp := b.st.ranks.counts.Load()
 	if rp == nil || len(*rp) < 2 {
 		return nil
 	}
