@@ -7,8 +7,11 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptrace"
+	"sync"
 	"sync/atomic"
 	"time"
+
+	"golang.org/x/sync/singleflight"
 
 	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/router"
@@ -306,13 +309,20 @@ func pickPrefillRank(bs *kvbackend.Bootstrap, lease *router.Lease) error {
 	return nil
 }
 
+// bootstrapCache is what paired prefillers' bootstrap servers said, by URL (known), and the
+// discoveries under way (fetch), which concurrent first requests share.
+type bootstrapCache struct {
+	known sync.Map
+	fetch singleflight.Group
+}
+
 // bootstrap is what p's bootstrap server says (its port; Mooncake's engine ids by rank),
 // asked of the engine once (DiscoverBootstrapPorts asks again at start and on reload).
 func (s *Server) bootstrap(ctx context.Context, p *router.Backend) (kvbackend.Bootstrap, error) {
-	if bs, ok := s.bootstraps.Load(p.URLString); ok {
+	if bs, ok := s.bootstraps.known.Load(p.URLString); ok {
 		return bs.(kvbackend.Bootstrap), nil
 	}
-	v, err, _ := s.discover.Do(p.URLString, func() (any, error) {
+	v, err, _ := s.bootstraps.fetch.Do(p.URLString, func() (any, error) {
 		// Shared by every request waiting on it, so detached from this one's client.
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), defaultAbortCallTimeout)
 		defer cancel()
@@ -333,7 +343,7 @@ func (s *Server) discoverBootstrap(ctx context.Context, p *router.Backend) (kvba
 	if err != nil {
 		return kvbackend.Bootstrap{}, err
 	}
-	s.bootstraps.Store(p.URLString, bs)
+	s.bootstraps.known.Store(p.URLString, bs)
 	return bs, nil
 }
 

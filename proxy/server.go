@@ -306,10 +306,8 @@ type Server struct {
 	bg sync.WaitGroup
 
 	models modelCache
-	// bootstraps caches what paired prefillers' bootstrap servers said, by URL; discover
-	// makes concurrent first requests share one discovery.
-	bootstraps sync.Map
-	discover   singleflight.Group
+	// bootstraps caches what paired prefillers' bootstrap servers said.
+	bootstraps bootstrapCache
 	// keys are the client API keys; nil means none are required.
 	keys *keyring
 	// sidecar is llm-d's sidecar slot (prefiller_header); nil when it is off.
