@@ -11,7 +11,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // One engine started with kv_role kv_both serves as the prefiller and the decoder of a

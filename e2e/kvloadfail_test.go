@@ -14,8 +14,8 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // TestADecoderThatCannotLoadTheKVIsReplacedByAFreshPair runs vLLM's NIXL P/D on sims with

@@ -21,8 +21,8 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/proxy"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // pageWait bounds every wait on what the page shows: it polls twice a second, and a busy

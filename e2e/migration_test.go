@@ -14,8 +14,8 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // migrationPool starts, on their own listeners, a simulated prefiller (none for decode-only)

@@ -1,7 +1,7 @@
 package e2e
 
 // End-to-end tests of pdproxy in front of SGLang engines: the simulator's SGLang
-// protocol (kvbackend/sim/sglang.go) on loopback, both legs of a request at once, paired by a
+// protocol (engine/sim/sglang.go) on loopback, both legs of a request at once, paired by a
 // bootstrap room on the prefiller. The sims notice a client that left only after a long
 // disconnect delay, so whatever is freed promptly here was freed by the proxy's explicit
 // aborts (/abort_request), not by SGLang's own disconnect detection.
@@ -26,8 +26,8 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // sglangDisconnectDelay is how late the SGLang sims notice a client that left: far longer

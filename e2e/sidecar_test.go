@@ -24,7 +24,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // simPrefillerAt runs a simulated prefiller listening on host (a port of its own), outside any

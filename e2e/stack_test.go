@@ -21,7 +21,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 func TestMain(m *testing.M) {

@@ -18,8 +18,8 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // testTokenizer is the small byte-level BPE shipped for tests, with its ChatML template.

@@ -12,7 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -52,10 +52,10 @@ func BenchmarkRewrite(b *testing.B) {
 				if e != nil {
 					b.Fatal(e)
 				}
-				if _, err := kvbackend.PrefillBody(req.fields, req.api); err != nil {
+				if _, err := engine.PrefillBody(req.fields, req.api); err != nil {
 					b.Fatal(err)
 				}
-				if _, err := kvbackend.DecodeBody(req.fields, benchKVParams); err != nil {
+				if _, err := engine.DecodeBody(req.fields, benchKVParams); err != nil {
 					b.Fatal(err)
 				}
 			}

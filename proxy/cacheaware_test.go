@@ -27,7 +27,7 @@ func chatTurns(system, user string, n int) string {
 
 // decoderOf is the decoder the proxy chose for a request, as the answer's log would say: the
 // engine that got it.
-func decoderOf(t *testing.T, ds []*engine, marker string) int {
+func decoderOf(t *testing.T, ds []*fakeEngine, marker string) int {
 	t.Helper()
 	for i, d := range ds {
 		for _, g := range d.generations() {
@@ -41,7 +41,7 @@ func decoderOf(t *testing.T, ds []*engine, marker string) int {
 }
 
 func TestCacheAwareSendsASessionsNextTurnWhereItsConversationIs(t *testing.T) {
-	var ds []*engine
+	var ds []*fakeEngine
 	var bs []router.BackendConfig
 	for i := range 4 {
 		d := newEngine(t, vllmDecode)

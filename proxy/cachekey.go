@@ -6,7 +6,7 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -134,7 +134,7 @@ func (x *exchange) cacheHint() router.Hint {
 
 // completionMedia reports whether a completion's body carries prompt embeddings, which the
 // engines key by their hash.
-func completionMedia(fields *kvbackend.Fields) bool {
+func completionMedia(fields *engine.Fields) bool {
 	raw, ok := fields.Field("prompt_embeds")
 	return ok && !isNull(raw)
 }

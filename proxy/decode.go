@@ -7,7 +7,7 @@ import (
 
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -63,7 +63,7 @@ func (x *exchange) decode(c *custody) *apiError {
 			wd.onAck()
 		}
 	}
-	resp, err := x.send(c, call, wd, span, sequential, func(b *router.Backend, call *kvbackend.Call) (err error) {
+	resp, err := x.send(c, call, wd, span, sequential, func(b *router.Backend, call *engine.Call) (err error) {
 		if _, _, ok := x.s.table.StartDecode(x.id, b.Name); !ok {
 			// Already decoding, the table names the new decoder; it refuses once the
 			// client left.
@@ -101,8 +101,8 @@ func (x *exchange) decode(c *custody) *apiError {
 // the client is there, to another one accept takes (nil: any), up to decode_retries times:
 // retarget readies the call for each new decoder (its body). The custody's lease and the
 // request's decoder follow the call; the one it last went to keeps them.
-func (x *exchange) send(c *custody, call kvbackend.Call, wd *watchdog, span trace.Span, accept func(router.Engine) bool,
-	retarget func(b *router.Backend, call *kvbackend.Call) error) (*http.Response, error) {
+func (x *exchange) send(c *custody, call engine.Call, wd *watchdog, span trace.Span, accept func(router.Engine) bool,
+	retarget func(b *router.Backend, call *engine.Call) error) (*http.Response, error) {
 	call = withHeader(call, nil, c.lease)
 	var resp *http.Response
 	do := func() error {
@@ -155,10 +155,10 @@ func (x *exchange) relayAnswer(c *custody, resp *http.Response, wd *watchdog) *a
 // sequential P/D the client's body as it came (params is then nil: no prefiller made any).
 func (x *exchange) decodeBody(b *router.Backend, params json.RawMessage) (body []byte, err error) {
 	err = x.s.guard(x.id, func() (err error) {
-		if eng, ok := engineOf(b).(kvbackend.Sequential); ok {
+		if eng, ok := engineOf(b).(engine.Sequential); ok {
 			body, err = eng.DecodeBody(x.fieldsFor(b), params)
 		} else {
-			body, err = kvbackend.DecodeBody(x.fieldsFor(b), params)
+			body, err = engine.DecodeBody(x.fieldsFor(b), params)
 		}
 		return err
 	})

@@ -16,19 +16,19 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
 
 // engineOf is the engine a backend runs; the router carries it from config without knowing it.
-func engineOf(b *router.Backend) kvbackend.Engine { return kvEngine(b.Engine) }
+func engineOf(b *router.Backend) engine.Engine { return kvEngine(b.Engine) }
 
 // kvEngine is the engine the router carries: vLLM unless its config named another.
-func kvEngine(e router.Engine) kvbackend.Engine {
-	if ke, ok := e.(kvbackend.Engine); ok {
+func kvEngine(e router.Engine) engine.Engine {
+	if ke, ok := e.(engine.Engine); ok {
 		return ke
 	}
-	return kvbackend.VLLM
+	return engine.VLLM
 }
 
 // resultOf turns a call's outcome into the router's passive-health input; a call ended by
@@ -40,7 +40,7 @@ func resultOf(err error, clientCtx context.Context) router.Result {
 	if clientCtx != nil && clientCtx.Err() != nil {
 		return router.Result{Canceled: true}
 	}
-	var se *kvbackend.StatusError
+	var se *engine.StatusError
 	if errors.As(err, &se) {
 		return router.Result{Status: se.Status}
 	}
@@ -48,15 +48,15 @@ func resultOf(err error, clientCtx context.Context) router.Result {
 }
 
 // retriable reports whether a call provably never started on its backend, so that another
-// may take it: the backend never took it (kvbackend.CallError.Unprocessed), or, with refusals, the backend refused it with
+// may take it: the backend never took it (engine.CallError.Unprocessed), or, with refusals, the backend refused it with
 // 502, 503 or 504. A decode that carried KV params is retried only on the first ground: a
 // decoder that refused one may have told the prefiller already.
 func retriable(err error, refusals bool) bool {
-	var ce *kvbackend.CallError
+	var ce *engine.CallError
 	if errors.As(err, &ce) && ce.Unprocessed {
 		return true
 	}
-	var se *kvbackend.StatusError
+	var se *engine.StatusError
 	if refusals && errors.As(err, &se) {
 		return se.Status == http.StatusBadGateway || se.Status == http.StatusServiceUnavailable || se.Status == http.StatusGatewayTimeout
 	}
@@ -64,7 +64,7 @@ func retriable(err error, refusals bool) bool {
 }
 
 func retryReason(err error) string {
-	var se *kvbackend.StatusError
+	var se *engine.StatusError
 	if errors.As(err, &se) {
 		return strconv.Itoa(se.Status)
 	}
@@ -77,19 +77,19 @@ func retryReason(err error) string {
 func baseURL(b *router.Backend) string { return strings.TrimRight(b.URLString, "/") }
 
 // call is the request's call to backend b on path, with the client's headers.
-func (x *exchange) call(b *router.Backend, path string, body []byte) kvbackend.Call {
+func (x *exchange) call(b *router.Backend, path string, body []byte) engine.Call {
 	c := backendCall(b, path, x.engineID, x.hdr, body)
 	c.ClientID = x.id
 	return c
 }
 
-func backendCall(b *router.Backend, path, id string, hdr http.Header, body []byte) kvbackend.Call {
-	return kvbackend.Call{Client: b.Client(), BaseURL: baseURL(b), Path: path, ID: id, Header: hdr, Body: body, Engine: engineOf(b)}
+func backendCall(b *router.Backend, path, id string, hdr http.Header, body []byte) engine.Call {
+	return engine.Call{Client: b.Client(), BaseURL: baseURL(b), Path: path, ID: id, Header: hdr, Body: body, Engine: engineOf(b)}
 }
 
 // canAbort reports whether b's engine has an explicit abort.
 func canAbort(b *router.Backend) bool {
-	_, ok := engineOf(b).(kvbackend.Aborter)
+	_, ok := engineOf(b).(engine.Aborter)
 	return ok
 }
 
@@ -98,7 +98,7 @@ func canAbort(b *router.Backend) bool {
 // speak the same paired protocol as e: one request never mixes the two.
 func sequential(e router.Engine) bool { return !paired(e) }
 
-func paired(e router.Engine) bool { _, p := e.(kvbackend.Paired); return p }
+func paired(e router.Engine) bool { _, p := e.(engine.Paired); return p }
 
 func pairedWith(d router.Engine) func(router.Engine) bool {
 	return func(e router.Engine) bool { return e.Kind() == d.Kind() }
@@ -126,24 +126,24 @@ func (s *Server) guard(id string, call func() error) (err error) {
 // unprocessedAlive reports whether err is a call the backend provably never took although it
 // was reached: it reset a kept-open connection with the call unread.
 func unprocessedAlive(err error) bool {
-	var ce *kvbackend.CallError
+	var ce *engine.CallError
 	return errors.As(err, &ce) && ce.Unprocessed && !ce.Connect
 }
 
 // mayHoldKV reports whether a failed prefill call may have left KV held on the prefiller: the
 // request reached it (no connect error) and it did not answer with an error status.
 func mayHoldKV(err error) bool {
-	var se *kvbackend.StatusError
+	var se *engine.StatusError
 	if errors.As(err, &se) {
 		return false
 	}
-	var ce *kvbackend.CallError
+	var ce *engine.CallError
 	return !errors.As(err, &ce) || !ce.Unprocessed
 }
 
 // withHeader is call with h's headers added, and, when lease took a data-parallel rank, the
 // header naming it.
-func withHeader(call kvbackend.Call, h http.Header, lease *router.Lease) kvbackend.Call {
+func withHeader(call engine.Call, h http.Header, lease *router.Lease) engine.Call {
 	rank, ranked := lease.Rank()
 	if len(h) == 0 && !ranked {
 		return call
@@ -156,7 +156,7 @@ func withHeader(call kvbackend.Call, h http.Header, lease *router.Lease) kvbacke
 		hdr[k] = v
 	}
 	if ranked {
-		hdr.Set(kvbackend.DataParallelRankHeader, strconv.Itoa(rank))
+		hdr.Set(engine.DataParallelRankHeader, strconv.Itoa(rank))
 	}
 	call.Header = hdr
 	return call
@@ -186,7 +186,7 @@ func (s *Server) abortOnEngine(parent trace.SpanContext, id string, b *router.Ba
 // abortCall sends one explicit abort on its own short deadline (the client's context is done
 // by then) and logs a failure with msg.
 func (s *Server) abortCall(parent trace.SpanContext, id string, b *router.Backend, msg string) bool {
-	eng, ok := engineOf(b).(kvbackend.Aborter)
+	eng, ok := engineOf(b).(engine.Aborter)
 	if !ok {
 		return false
 	}

@@ -6,7 +6,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 )
 
 // sequentialKey is a key of the P/D flow that only sequential engines (a prefill, then a decode
@@ -40,11 +40,11 @@ var sequentialKeys = []sequentialKey{
 func CheckEngines(cfg Config, kinds []string) error {
 	var pairedKinds []string
 	for _, k := range kinds {
-		e, ok := kvbackend.Lookup(k)
+		e, ok := engine.Lookup(k)
 		if !ok {
 			return nil
 		}
-		if _, p := e.(kvbackend.Paired); !p {
+		if _, p := e.(engine.Paired); !p {
 			return nil
 		}
 		pairedKinds = append(pairedKinds, e.Kind())
@@ -70,9 +70,9 @@ func CheckEngines(cfg Config, kinds []string) error {
 // sequentialKinds are the engine kinds that run a prefill, then a decode.
 func sequentialKinds() []string {
 	var out []string
-	for _, k := range kvbackend.Kinds() {
-		if e, ok := kvbackend.Lookup(k); ok {
-			if _, s := e.(kvbackend.Sequential); s {
+	for _, k := range engine.Kinds() {
+		if e, ok := engine.Lookup(k); ok {
+			if _, s := e.(engine.Sequential); s {
 				out = append(out, k)
 			}
 		}

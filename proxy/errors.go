@@ -9,7 +9,7 @@ import (
 	"strings"
 	"unicode/utf8"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -249,7 +249,7 @@ func fromRouter(err error, role router.Role) *apiError {
 // it came (it is about the client's request); anything else is the proxy's 502, or a 504 of
 // kind timeout.
 func fromBackend(err error, role router.Role, timeout errKind) *apiError {
-	var se *kvbackend.StatusError
+	var se *engine.StatusError
 	if errors.As(err, &se) {
 		if se.Status >= 400 && se.Status < 500 {
 			return clientFault(se, role, err)
@@ -259,7 +259,7 @@ func fromBackend(err error, role router.Role, timeout errKind) *apiError {
 	if errors.Is(err, errPhaseTimeout) {
 		return newError(timeout, string(role)+" backend did not answer in time ("+wireCodes[timeout].code+")").with("", err, 0)
 	}
-	if errors.Is(err, kvbackend.ErrBadKVParams) {
+	if errors.Is(err, engine.ErrBadKVParams) {
 		return newError(errBadKVParams, "prefill backend answered with invalid kv_transfer_params").with("", err, 0)
 	}
 	return newError(errBackendUnreachable, string(role)+" backend could not be reached or failed").with("", err, 0)
@@ -272,7 +272,7 @@ var errPhaseTimeout = errors.New("phase timeout")
 // backend's status: a body cut at the size bound, or an empty or non-JSON one, would leave
 // the client a body it cannot parse under a JSON content type. A short plain-text reason is
 // kept in the message.
-func clientFault(se *kvbackend.StatusError, role router.Role, err error) *apiError {
+func clientFault(se *engine.StatusError, role router.Role, err error) *apiError {
 	body := bytes.TrimSpace(se.Body)
 	jsonType := se.ContentType == "" || strings.HasPrefix(strings.ToLower(strings.TrimSpace(se.ContentType)), "application/json")
 	if !se.Truncated && jsonType && len(body) > 0 && body[0] == '{' && json.Valid(body) {

@@ -164,7 +164,7 @@ func TestBackendFailuresReachTheClientAsOpenAIErrors(t *testing.T) {
 			status: 502, wantCode: "backend_error", noDecode: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			var d *engine
+			var d *fakeEngine
 			durl := tc.decodeURL
 			if durl == "closed" {
 				durl = closedURL(t)

@@ -14,7 +14,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -392,7 +392,7 @@ func (x *exchange) attempt(c *custody) *apiError {
 		if e := x.reserveDecoder(c, accept); e != nil {
 			return e
 		}
-		if _, ok := engineOf(x.legs.decode).(kvbackend.Paired); ok {
+		if _, ok := engineOf(x.legs.decode).(engine.Paired); ok {
 			return x.serveLegs(c)
 		}
 	}

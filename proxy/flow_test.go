@@ -313,7 +313,7 @@ func TestPrefillRetryAndDecodeOnlyFallback(t *testing.T) {
 			d := newEngine(t, vllmDecode)
 			// The first prefiller weighs more, so the router tries it first.
 			firstURL := closedURL(t)
-			var first, second *engine
+			var first, second *fakeEngine
 			if tc.first != nil {
 				first = newEngine(t, tc.first)
 				firstURL = first.URL()
@@ -365,7 +365,7 @@ func TestClientLeavingMidStreamCancelsTheDecoder(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			decoderGone := make(chan struct{})
-			var d *engine
+			var d *fakeEngine
 			d = newEngine(t, func(w http.ResponseWriter, r *http.Request, _ []byte) {
 				w.Header().Set("Content-Type", "text/event-stream")
 				w.Write([]byte(sseChunks(tc.route == "/v1/chat/completions")[0]))
@@ -412,7 +412,7 @@ func TestClientLeavingDuringPrefillCancelsThePrefillAndSendsNoDecode(t *testing.
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	prefillGone := make(chan struct{})
-	var p *engine
+	var p *fakeEngine
 	p = newEngine(t, func(w http.ResponseWriter, r *http.Request, _ []byte) {
 		cancel() // the client leaves while the prefill runs
 		select {

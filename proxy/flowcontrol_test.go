@@ -29,7 +29,7 @@ func assertFlowRefusal(t *testing.T, resp *http.Response, body []byte, status in
 
 func TestFlowControlRefusesTheTenantOverItsShareWith429AndASaturatedPoolWith503(t *testing.T) {
 	gate := make(chan struct{})
-	var d *engine
+	var d *fakeEngine
 	d = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
 		if !d.wait(r, gate) {
 			return

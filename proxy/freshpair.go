@@ -6,7 +6,7 @@ import (
 
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -158,7 +158,7 @@ func (x *exchange) retryDecode(c *custody, err error, wd *watchdog) *apiError {
 		// (send), with the same KV.
 		return nil
 	}
-	var se *kvbackend.StatusError
+	var se *engine.StatusError
 	if errors.As(err, &se) || errors.Is(err, errErrorEvent) {
 		if x.legs.params == nil || se != nil && se.Status < http.StatusInternalServerError {
 			return nil

@@ -5,14 +5,14 @@ import (
 	"fmt"
 	"math"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 )
 
 // vLLM's token-in route, POST /inference/v1/generate (vllm/entrypoints/serve/disagg,
 // GenerateRequest): a prompt of token ids, the sampling parameters in an object of their own,
 // and at the top model, stream, stream_options, cache_salt, priority and kv_transfer_params. It
 // is served as a completion is, under P/D and with every abort rule: the prefill and the drain
-// bound sampling_params' max_tokens to one (kvbackend.APIGenerate), the decoder gets the
+// bound sampling_params' max_tokens to one (engine.APIGenerate), the decoder gets the
 // client's body and the prefiller's params, and its answer, or its stream of token ids ending
 // in [DONE], is relayed as it comes. The proxy needs model to pick engines (vLLM takes its
 // served model when a body has none). A stream of it does not move to another decoder
@@ -28,7 +28,7 @@ func parseGenerateRequest(body []byte) (*genRequest, *apiError) {
 	if e != nil {
 		return nil, e
 	}
-	req.api = kvbackend.APIGenerate
+	req.api = engine.APIGenerate
 	fields := req.fields
 	if e := checkStreamOptions(fields); e != nil {
 		return nil, e
@@ -73,7 +73,7 @@ func parseGenerateRequest(body []byte) (*genRequest, *apiError) {
 // parseTokenIDs reads token_ids, the prompt: a non-empty array of token ids, each below 2^32
 // (no vocabulary is that large). The array as it came is the text cache-aware policies match:
 // a later turn's ids extend it.
-func parseTokenIDs(fields *kvbackend.Fields, req *genRequest) *apiError {
+func parseTokenIDs(fields *engine.Fields, req *genRequest) *apiError {
 	raw, ok := fields.Field("token_ids")
 	if !ok || isNull(raw) {
 		return badRequest("token_ids", "token_ids is required")

@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 )
 
 // generateStream is a vLLM decoder's stream on the token-in route: token ids, no text.
@@ -179,18 +179,18 @@ func FuzzParseGenerateRequest(f *testing.F) {
 			}
 			return
 		}
-		if req.model == "" || len(req.tokens) == 0 || req.api != kvbackend.APIGenerate {
+		if req.model == "" || len(req.tokens) == 0 || req.api != engine.APIGenerate {
 			t.Fatalf("accepted %q with model %q, %d tokens, api %d", body, req.model, len(req.tokens), req.api)
 		}
-		pre, err := kvbackend.PrefillBody(req.fields, req.api)
+		pre, err := engine.PrefillBody(req.fields, req.api)
 		if err != nil {
 			t.Fatalf("PrefillBody of accepted %q: %v", body, err)
 		}
-		drain, err := kvbackend.DrainBody(req.fields, req.api, json.RawMessage(`{"remote_host":"h"}`))
+		drain, err := engine.DrainBody(req.fields, req.api, json.RawMessage(`{"remote_host":"h"}`))
 		if err != nil {
 			t.Fatalf("DrainBody of accepted %q: %v", body, err)
 		}
-		dec, err := kvbackend.DecodeBody(req.fields, json.RawMessage(`{"remote_host":"h"}`))
+		dec, err := engine.DecodeBody(req.fields, json.RawMessage(`{"remote_host":"h"}`))
 		if err != nil {
 			t.Fatalf("DecodeBody of accepted %q: %v", body, err)
 		}

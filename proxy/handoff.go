@@ -9,7 +9,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -89,8 +89,8 @@ func (h *handoff) withdraw(err error, d *router.Backend) *unsentHold {
 		return nil
 	}
 	u := h.held
-	var se *kvbackend.StatusError
-	var ce *kvbackend.CallError
+	var se *engine.StatusError
+	var ce *engine.CallError
 	switch {
 	case err == nil, errors.As(err, &se):
 		// Never sent, or refused by a decoder that answered without reading it: alive, and
@@ -107,7 +107,7 @@ func (h *handoff) withdraw(err error, d *router.Backend) *unsentHold {
 
 // refused reports whether a decoder refused, with err, a decode it had acknowledged.
 func (h *handoff) refused(err error) bool {
-	var se *kvbackend.StatusError
+	var se *engine.StatusError
 	return h != nil && h.state.Load() == handoffAcked && errors.As(err, &se)
 }
 
@@ -116,7 +116,7 @@ func (h *handoff) refused(err error) bool {
 // not, the hold, which went to the decoder, is freed by the prefiller's explicit abort, or
 // its lease: it may never go to a second decoder.
 func (s *Server) refusedAfterHandoff(parent trace.SpanContext, engineID string, p, d *router.Backend, err error) {
-	var se *kvbackend.StatusError
+	var se *engine.StatusError
 	errors.As(err, &se)
 	status := se.Status
 	if engineOf(d).RejectionFreesKV(status) || p == nil {

@@ -22,8 +22,8 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
 
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -53,10 +53,10 @@ func (r received) fields(t *testing.T) map[string]json.RawMessage {
 // engineHandler answers one request; body is what the engine received.
 type engineHandler func(w http.ResponseWriter, r *http.Request, body []byte)
 
-// engine is a fake inference engine on a real port: it records every request and answers
+// fakeEngine is a fake inference engine on a real port: it records every request and answers
 // with its handler. Handlers that block must also watch r.Context() and stop, so that
 // closing the server never waits on them.
-type engine struct {
+type fakeEngine struct {
 	srv  *httptest.Server
 	stop chan struct{} // closed at cleanup: a handler still blocked gives up
 
@@ -64,9 +64,9 @@ type engine struct {
 	got []received
 }
 
-func newEngine(t *testing.T, h engineHandler) *engine {
+func newEngine(t *testing.T, h engineHandler) *fakeEngine {
 	t.Helper()
-	e := &engine{stop: make(chan struct{})}
+	e := &fakeEngine{stop: make(chan struct{})}
 	e.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body, err := io.ReadAll(r.Body)
 		if err != nil {
@@ -84,10 +84,10 @@ func newEngine(t *testing.T, h engineHandler) *engine {
 	return e
 }
 
-func (e *engine) URL() string { return e.srv.URL }
+func (e *fakeEngine) URL() string { return e.srv.URL }
 
 // generations are the completion calls the engine got (health and model listings left out).
-func (e *engine) generations() []received {
+func (e *fakeEngine) generations() []received {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	var out []received
@@ -100,7 +100,7 @@ func (e *engine) generations() []received {
 }
 
 // callsTo are the calls the engine got on path.
-func (e *engine) callsTo(path string) []received {
+func (e *fakeEngine) callsTo(path string) []received {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	var out []received
@@ -113,7 +113,7 @@ func (e *engine) callsTo(path string) []received {
 }
 
 // only returns the one generation call the engine got, failing the test otherwise.
-func (e *engine) only(t *testing.T, who string) received {
+func (e *fakeEngine) only(t *testing.T, who string) received {
 	t.Helper()
 	g := e.generations()
 	if len(g) != 1 {
@@ -124,7 +124,7 @@ func (e *engine) only(t *testing.T, who string) received {
 
 // wait blocks until ch is closed, the request is cancelled or the engine shuts down, and
 // reports whether ch was closed.
-func (e *engine) wait(r *http.Request, ch <-chan struct{}) bool {
+func (e *fakeEngine) wait(r *http.Request, ch <-chan struct{}) bool {
 	select {
 	case <-ch:
 		return true
@@ -136,7 +136,7 @@ func (e *engine) wait(r *http.Request, ch <-chan struct{}) bool {
 
 // poll waits in a handler until cond holds, and reports false if the request ends, the engine
 // shuts down or the test deadline passes first.
-func (e *engine) poll(r *http.Request, cond func() bool) bool {
+func (e *fakeEngine) poll(r *http.Request, cond func() bool) bool {
 	deadline := time.Now().Add(testDeadline)
 	for !cond() {
 		if r.Context().Err() != nil || time.Now().After(deadline) {
@@ -341,13 +341,13 @@ func newFrontTable(t *testing.T, cfg Config, rt Router, reg *prometheus.Registry
 }
 
 // pd is a harness with one prefiller and one decoder.
-func pd(t *testing.T, cfg Config, p, d *engine) *harness {
+func pd(t *testing.T, cfg Config, p, d *fakeEngine) *harness {
 	t.Helper()
 	return newHarness(t, cfg, router.Config{Backends: []router.BackendConfig{prefiller("p0", p.URL()), decoder("d0", d.URL())}})
 }
 
 // aggregated is a harness with decoders only.
-func aggregated(t *testing.T, cfg Config, ds ...*engine) *harness {
+func aggregated(t *testing.T, cfg Config, ds ...*fakeEngine) *harness {
 	t.Helper()
 	var bs []router.BackendConfig
 	for i, d := range ds {
@@ -559,12 +559,12 @@ func (stubRouter) Ready() bool                             { return false }
 func (stubRouter) Backends() []router.BackendStatus        { return nil }
 func (stubRouter) Models(router.Role) ([]string, bool)     { return nil, false }
 
-// engineCatalog gives the router kvbackend's engines, as cmd/proxy does.
+// engineCatalog gives the router engine's engines, as cmd/proxy does.
 type engineCatalog struct{}
 
 func (engineCatalog) Engine(kind string) (router.Engine, bool) {
-	e, ok := kvbackend.Lookup(kind)
+	e, ok := engine.Lookup(kind)
 	return e, ok
 }
 
-func (engineCatalog) Kinds() []string { return kvbackend.Kinds() }
+func (engineCatalog) Kinds() []string { return engine.Kinds() }

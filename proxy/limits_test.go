@@ -153,7 +153,7 @@ type gate struct {
 
 func newGate() *gate { return &gate{open: make(chan struct{}), started: make(chan struct{}, 100)} }
 
-func (g *gate) handler(e **engine) engineHandler {
+func (g *gate) handler(e **fakeEngine) engineHandler {
 	return func(w http.ResponseWriter, r *http.Request, body []byte) {
 		if !strings.Contains(string(body), `"stream":true`) {
 			vllmDecode(w, r, body)
@@ -181,7 +181,7 @@ func TestConcurrencyLimitFreesWhenARequestEnds(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			g := newGate()
-			var d *engine
+			var d *fakeEngine
 			d = newEngine(t, g.handler(&d))
 			h := aggregated(t, Config{Limits: LimitsConfig{PerKey: KeyLimits{MaxConcurrent: 1}}}, d)
 			ctx, cancel := context.WithCancel(context.Background())
@@ -392,7 +392,7 @@ func TestPriorityReachesBothLegs(t *testing.T) {
 			if resp, body := h.do(http.MethodPost, "/v1/completions", tt.body, hdr); resp.StatusCode != http.StatusOK {
 				t.Fatalf("%d %s", resp.StatusCode, body)
 			}
-			for who, e := range map[string]*engine{"prefiller": p, "decoder": d} {
+			for who, e := range map[string]*fakeEngine{"prefiller": p, "decoder": d} {
 				got := e.only(t, who)
 				f := got.fields(t)
 				if prio := string(f["priority"]); prio != tt.want || strings.Count(string(got.Body), `"priority"`) > 1 {
@@ -432,7 +432,7 @@ func TestUnknownPriorityClassIsABadRequest(t *testing.T) {
 // of every batch request queued before it, and every batch request is served after.
 func TestInteractiveOvertakesQueuedBatchAndNoBatchStarves(t *testing.T) {
 	g := newGate()
-	var d *engine
+	var d *fakeEngine
 	d = newEngine(t, g.handler(&d))
 	h := newHarness(t, Config{Priority: classesCfg(time.Minute)}, router.Config{Backends: []router.BackendConfig{
 		{Name: "d0", URL: d.URL(), Role: router.RoleDecode, MaxInflight: 1}}})

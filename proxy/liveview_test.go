@@ -134,7 +134,7 @@ func TestLiveViewPageIsSelfContained(t *testing.T) {
 func TestLiveStateFollowsARequestFromHoldToAbort(t *testing.T) {
 	release := make(chan struct{})
 	defer close(release)
-	var d *engine
+	var d *fakeEngine
 	d = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
 		if d.wait(r, release) {
 			vllmDecode(w, r, body)
@@ -275,7 +275,7 @@ func TestLiveStateFollowsARequestFromHoldToAbort(t *testing.T) {
 // /metrics serves, and they stay once the moved stream has ended.
 func TestLiveStateShowsAStreamThatMoved(t *testing.T) {
 	release := make(chan struct{})
-	var ds [2]*engine
+	var ds [2]*fakeEngine
 	for i := range ds {
 		ds[i] = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
 			if strings.Contains(string(body), `"prompt":[`) && !ds[i].wait(r, release) {

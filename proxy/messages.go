@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -79,7 +79,7 @@ func parseMessagesRequest(body []byte) (*genRequest, *apiError) {
 	if e != nil {
 		return nil, e
 	}
-	req.api = kvbackend.APIMessages
+	req.api = engine.APIMessages
 	req.prompts = 1
 	f := req.fields
 	if _, ok, e := countField(f, "max_tokens", 1); e != nil {
@@ -463,17 +463,17 @@ func jsonString(s string) json.RawMessage {
 // engine whose Messages handler cannot take part in P/D goes as the chat completion it stands
 // for, its legs bounded as a chat's, and its answer translated (a translator for this
 // attempt); any other request as it came.
-func (x *exchange) asChat(d *router.Backend, f *kvbackend.Fields, leg *kvbackend.Leg) (*kvbackend.Fields, string, error) {
+func (x *exchange) asChat(d *router.Backend, f *engine.Fields, leg *engine.Leg) (*engine.Fields, string, error) {
 	x.out.translate = nil
-	mc, ok := engineOf(d).(kvbackend.MessagesByChat)
-	if x.req.api != kvbackend.APIMessages || !ok || !mc.MessagesByChat() {
+	mc, ok := engineOf(d).(engine.MessagesByChat)
+	if x.req.api != engine.APIMessages || !ok || !mc.MessagesByChat() {
 		return f, x.req.route, nil
 	}
 	chat, err := x.req.toChat()
 	if err != nil {
 		return nil, "", err
 	}
-	leg.API = kvbackend.APIChat
+	leg.API = engine.APIChat
 	x.out.translate = &chatToMessages{stream: x.req.stream, stops: x.req.anthropic.stops}
 	return chat, "/v1/chat/completions", nil
 }
@@ -489,13 +489,13 @@ var anthropicOnly = []string{"system", "messages", "stop_sequences", "tools", "t
 // stop_sequences as stop, the tools as functions and tool_choice as chat's, thinking as the
 // chat template's enable_thinking, metadata.user_id as user; a stream asks for its usage.
 // Every other member (sampling, and the engines' own extensions) passes as it came.
-func (req *genRequest) toChat() (*kvbackend.Fields, error) {
+func (req *genRequest) toChat() (*engine.Fields, error) {
 	f := req.fields
-	set := []kvbackend.Member{{Key: "messages", Val: req.messages}}
+	set := []engine.Member{{Key: "messages", Val: req.messages}}
 	maxTokens, _ := f.Field("max_tokens")
-	set = append(set, kvbackend.Member{Key: "max_tokens", Val: maxTokens})
+	set = append(set, engine.Member{Key: "max_tokens", Val: maxTokens})
 	if raw, ok := f.Field("stop_sequences"); ok && !isNull(raw) {
-		set = append(set, kvbackend.Member{Key: "stop", Val: raw})
+		set = append(set, engine.Member{Key: "stop", Val: raw})
 	}
 	if len(req.anthropic.tools) > 0 {
 		type function struct {
@@ -515,7 +515,7 @@ func (req *genRequest) toChat() (*kvbackend.Fields, error) {
 		if err != nil {
 			return nil, err
 		}
-		set = append(set, kvbackend.Member{Key: "tools", Val: raw})
+		set = append(set, engine.Member{Key: "tools", Val: raw})
 	}
 	if raw, ok := f.Field("tool_choice"); ok && !isNull(raw) {
 		var tc struct {
@@ -534,7 +534,7 @@ func (req *genRequest) toChat() (*kvbackend.Fields, error) {
 		case "tool":
 			v, _ = json.Marshal(map[string]any{"type": "function", "function": map[string]string{"name": tc.Name}})
 		}
-		set = append(set, kvbackend.Member{Key: "tool_choice", Val: v})
+		set = append(set, engine.Member{Key: "tool_choice", Val: v})
 	}
 	if raw, ok := f.Field("thinking"); ok && !isNull(raw) {
 		var th struct {
@@ -546,7 +546,7 @@ func (req *genRequest) toChat() (*kvbackend.Fields, error) {
 			on = []byte("true")
 		}
 		if _, has := f.Field("chat_template_kwargs"); !has {
-			set = append(set, kvbackend.Member{Key: "chat_template_kwargs", Val: append(append([]byte(`{"enable_thinking":`), on...), '}')})
+			set = append(set, engine.Member{Key: "chat_template_kwargs", Val: append(append([]byte(`{"enable_thinking":`), on...), '}')})
 		}
 	}
 	if raw, ok := f.Field("metadata"); ok && !isNull(raw) {
@@ -555,13 +555,13 @@ func (req *genRequest) toChat() (*kvbackend.Fields, error) {
 		}
 		if json.Unmarshal(raw, &md) == nil && md.UserID != "" {
 			if _, has := f.Field("user"); !has {
-				set = append(set, kvbackend.Member{Key: "user", Val: jsonString(md.UserID)})
+				set = append(set, engine.Member{Key: "user", Val: jsonString(md.UserID)})
 			}
 		}
 	}
 	if req.stream {
-		set = append(set, kvbackend.Member{Key: "stream", Val: []byte("true")},
-			kvbackend.Member{Key: "stream_options", Val: []byte(`{"include_usage":true}`)})
+		set = append(set, engine.Member{Key: "stream", Val: []byte("true")},
+			engine.Member{Key: "stream_options", Val: []byte(`{"include_usage":true}`)})
 	}
-	return kvbackend.ParseFields(f.Edit(append(anthropicOnly[:len(anthropicOnly):len(anthropicOnly)], "stream_options"), set...))
+	return engine.ParseFields(f.Edit(append(anthropicOnly[:len(anthropicOnly):len(anthropicOnly)], "stream_options"), set...))
 }

@@ -7,7 +7,7 @@ import (
 	"strconv"
 	"sync/atomic"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 	"go.opentelemetry.io/otel/trace"
 )
@@ -94,16 +94,16 @@ type resume struct {
 	movable  atomic.Bool
 	// client is the body the client sent: every continuation is built from it, with all the
 	// tokens sent so far, not from the continuation before it.
-	client *kvbackend.Fields
+	client *engine.Fields
 	// withIDs is the client's body asking for the token ids, for a first decode on an engine
 	// that reports them (fieldsFor); nil when the client asked itself, or the stream cannot
 	// move anyway. A continuation's body asks for them already.
-	withIDs *kvbackend.Fields
+	withIDs *engine.Fields
 }
 
 // fieldsFor is the client's body as decoder b gets it: asking for the token ids where the
 // stream may move and b's engine reports them. Other engines never see the member.
-func (x *exchange) fieldsFor(b *router.Backend) *kvbackend.Fields {
+func (x *exchange) fieldsFor(b *router.Backend) *engine.Fields {
 	if rs := x.out.resume; rs != nil && rs.withIDs != nil && continuable(b.Engine) {
 		return rs.withIDs
 	}
@@ -114,7 +114,7 @@ func (x *exchange) fieldsFor(b *router.Backend) *kvbackend.Fields {
 // asked for the token ids, and what would keep the stream from going on exactly is noted.
 func (x *exchange) planResume() *apiError {
 	switch x.req.api {
-	case kvbackend.APIResponses, kvbackend.APIMessages, kvbackend.APIGenerate:
+	case engine.APIResponses, engine.APIMessages, engine.APIGenerate:
 		// Only completion and chat streams are continued: a generate stream's continuation
 		// would extend token_ids and lower sampling_params' max_tokens, which the resume
 		// does not rewrite.
@@ -123,7 +123,7 @@ func (x *exchange) planResume() *apiError {
 	if x.s.cfg.MigrationLimit <= 0 || !x.req.stream {
 		return nil
 	}
-	rs := &resume{left: x.s.cfg.MigrationLimit, maxIDs: x.s.cfg.MigrationMaxTokens, chat: x.req.api == kvbackend.APIChat, refused: unresumable(x.req),
+	rs := &resume{left: x.s.cfg.MigrationLimit, maxIDs: x.s.cfg.MigrationMaxTokens, chat: x.req.api == engine.APIChat, refused: unresumable(x.req),
 		client: x.req.fields}
 	if raw, ok := x.req.fields.Field("return_token_ids"); ok && string(raw) == "true" {
 		rs.clientIDs = true
@@ -176,7 +176,7 @@ func unresumable(req *genRequest) string {
 
 // guidedFormat reports whether a response_format constrains the output (a JSON schema, a JSON
 // object, a structural tag), as opposed to plain text.
-func guidedFormat(f *kvbackend.Fields) bool {
+func guidedFormat(f *engine.Fields) bool {
 	raw, ok := f.Field("response_format")
 	if !ok {
 		return false
@@ -190,7 +190,7 @@ func guidedFormat(f *kvbackend.Fields) bool {
 	return rf.Type != "" && rf.Type != "text"
 }
 
-func toolChoiceNone(f *kvbackend.Fields) bool {
+func toolChoiceNone(f *engine.Fields) bool {
 	raw, ok := f.Field("tool_choice")
 	return ok && string(bytes.TrimSpace(raw)) == `"none"`
 }
@@ -248,15 +248,15 @@ func (x *exchange) moveOn(c *custody, cause error) *apiError {
 	x.tries.avoid = append(x.tries.avoid, avoidOf(dead))
 	prompt := make([]uint32, 0, len(rs.prompt)+len(rs.sent))
 	prompt = append(append(prompt, rs.prompt...), rs.sent...)
-	body, err := engineOf(dead).(kvbackend.Continuer).ContinueBody(rs.client, rs.chat, prompt, len(rs.sent))
-	if errors.Is(err, kvbackend.ErrNothingLeft) {
+	body, err := engineOf(dead).(engine.Continuer).ContinueBody(rs.client, rs.chat, prompt, len(rs.sent))
+	if errors.Is(err, engine.ErrNothingLeft) {
 		x.s.m.migrations.WithLabelValues(reason, moveRefused).Inc()
 		x.s.m.migrationRefusals.WithLabelValues(refuseNothing).Inc()
 		return x.failWith(c, router.Result{}, fromBackend(cause, router.RoleDecode, errDecodeTimeout))
 	}
-	var fields *kvbackend.Fields
+	var fields *engine.Fields
 	if err == nil {
-		fields, err = kvbackend.ParseFields(body)
+		fields, err = engine.ParseFields(body)
 	}
 	if err != nil {
 		return x.failWith(c, router.Result{}, buildFailed(err, "continuation"))
@@ -289,7 +289,7 @@ func (x *exchange) moveOn(c *custody, cause error) *apiError {
 // continuable accepts the decoders a continuation may go to: engines that continue from ids.
 // (The decoders the stream left are excluded by name: hint.)
 func continuable(e router.Engine) bool {
-	_, ok := kvEngine(e).(kvbackend.Continuer)
+	_, ok := kvEngine(e).(engine.Continuer)
 	return ok
 }
 
@@ -339,7 +339,7 @@ func (rs *resume) event(ev []byte) ([]byte, bool) {
 	if bytes.Equal(payload, []byte("[DONE]")) {
 		return ev, true
 	}
-	f, err := kvbackend.ParseFields(payload)
+	f, err := engine.ParseFields(payload)
 	if err != nil {
 		return ev, true
 	}
@@ -367,14 +367,14 @@ func (rs *resume) event(ev []byte) ([]byte, bool) {
 		if !rs.clientIDs {
 			drop = append(drop, "prompt_token_ids")
 		}
-		body = f.Edit(drop, kvbackend.Member{Key: "choices", Val: choices})
+		body = f.Edit(drop, engine.Member{Key: "choices", Val: choices})
 	case rs.chat:
 		body = rs.chatChunk(f, choices)
 	default:
-		set := []kvbackend.Member{{Key: "id", Val: rs.id}, {Key: "created", Val: rs.created}, {Key: "model", Val: rs.model},
+		set := []engine.Member{{Key: "id", Val: rs.id}, {Key: "created", Val: rs.created}, {Key: "model", Val: rs.model},
 			{Key: "choices", Val: choices}}
 		if u, ok := rs.usage(f); ok {
-			set = append(set, kvbackend.Member{Key: "usage", Val: u})
+			set = append(set, engine.Member{Key: "usage", Val: u})
 		}
 		body = f.Edit([]string{"prompt_token_ids"}, set...)
 	}
@@ -388,7 +388,7 @@ func (rs *resume) event(ev []byte) ([]byte, bool) {
 // sees them: the ids and, in a continuation, the completions prompt's ids taken out unless the
 // client asked for them, and a continuation's completion choices as chat choices for a chat.
 // edited is false when they stay as they came.
-func (rs *resume) choices(f *kvbackend.Fields) (out []byte, edited bool) {
+func (rs *resume) choices(f *engine.Fields) (out []byte, edited bool) {
 	raw, ok := f.Field("choices")
 	if !ok {
 		return nil, false
@@ -400,7 +400,7 @@ func (rs *resume) choices(f *kvbackend.Fields) (out []byte, edited bool) {
 	edited = rs.attempt > 0
 	out = append(out, '[')
 	for i, c := range list {
-		cf, err := kvbackend.ParseFields(c)
+		cf, err := engine.ParseFields(c)
 		if err != nil {
 			return raw, false
 		}
@@ -441,7 +441,7 @@ func (rs *resume) choices(f *kvbackend.Fields) (out []byte, edited bool) {
 
 // chatChoice is a continuation's completion choice as a chat chunk's: its text as the delta's
 // content, its finish and stop reasons, and its ids when the client asked for them.
-func chatChoice(cf *kvbackend.Fields, ids bool) []byte {
+func chatChoice(cf *engine.Fields, ids bool) []byte {
 	out := []byte(`{"index":`)
 	if v, ok := cf.Field("index"); ok {
 		out = append(out, v...)
@@ -472,7 +472,7 @@ func chatChoice(cf *kvbackend.Fields, ids bool) []byte {
 }
 
 // chatChunk is a continuation's completion event as a chat chunk of the first answer.
-func (rs *resume) chatChunk(f *kvbackend.Fields, choices []byte) []byte {
+func (rs *resume) chatChunk(f *engine.Fields, choices []byte) []byte {
 	out := []byte(`{"id":`)
 	out = append(out, rs.id...)
 	out = append(out, `,"object":"chat.completion.chunk","created":`...)
@@ -493,30 +493,30 @@ func (rs *resume) chatChunk(f *kvbackend.Fields, choices []byte) []byte {
 
 // usage is a continuation's usage as the client's stream counts it: the original prompt, and
 // every token generated for the client.
-func (rs *resume) usage(f *kvbackend.Fields) ([]byte, bool) {
+func (rs *resume) usage(f *engine.Fields) ([]byte, bool) {
 	raw, ok := f.Field("usage")
 	if !ok || string(raw) == "null" {
 		return nil, false
 	}
-	uf, err := kvbackend.ParseFields(raw)
+	uf, err := engine.ParseFields(raw)
 	if err != nil {
 		return raw, true
 	}
 	p, g := len(rs.prompt), len(rs.sent)
-	return uf.Edit(nil, kvbackend.Member{Key: "prompt_tokens", Val: strconv.AppendInt(nil, int64(p), 10)},
-		kvbackend.Member{Key: "completion_tokens", Val: strconv.AppendInt(nil, int64(g), 10)},
-		kvbackend.Member{Key: "total_tokens", Val: strconv.AppendInt(nil, int64(p+g), 10)}), true
+	return uf.Edit(nil, engine.Member{Key: "prompt_tokens", Val: strconv.AppendInt(nil, int64(p), 10)},
+		engine.Member{Key: "completion_tokens", Val: strconv.AppendInt(nil, int64(g), 10)},
+		engine.Member{Key: "total_tokens", Val: strconv.AppendInt(nil, int64(p+g), 10)}), true
 }
 
 // member is a copy of f's member key, or null.
-func member(f *kvbackend.Fields, key string) []byte {
+func member(f *engine.Fields, key string) []byte {
 	if v, ok := f.Field(key); ok {
 		return bytes.Clone(v)
 	}
 	return []byte("null")
 }
 
-func hasAny(f *kvbackend.Fields, keys ...string) bool {
+func hasAny(f *engine.Fields, keys ...string) bool {
 	for _, k := range keys {
 		if _, ok := f.Field(k); ok {
 			return true

@@ -12,8 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -300,7 +300,7 @@ func TestAStreamWhoseDecoderDiesGoesOnElsewhereTokenExact(t *testing.T) {
 			}
 			// The continuation went to the other decoder, as a completions prompt of ids.
 			var cont []received
-			for _, d := range []*engine{d0, d1} {
+			for _, d := range []*fakeEngine{d0, d1} {
 				for _, g := range d.generations() {
 					if g.Path == "/v1/completions" && strings.Contains(string(g.Body), `"prompt":[`) {
 						cont = append(cont, g)
@@ -343,7 +343,7 @@ func TestAStreamThatCannotGoOnExactlyFailsWithAnErrorEvent(t *testing.T) {
 			if n := h.value("pdproxy_migrations_refused_total", map[string]string{"reason": tc.reason}); n != 1 {
 				t.Errorf("refused{%s} = %v, want 1", tc.reason, n)
 			}
-			for _, d := range []*engine{d0, d1} {
+			for _, d := range []*fakeEngine{d0, d1} {
 				for _, g := range d.generations() {
 					if strings.Contains(string(g.Body), "return_token_ids") {
 						t.Errorf("a stream that cannot migrate was asked for token ids: %s", g.Body)
@@ -358,7 +358,7 @@ func TestAStreamThatCannotGoOnExactlyFailsWithAnErrorEvent(t *testing.T) {
 // A stream moves at most migration_limit times, and never back to a decoder it left: past
 // that it fails with an error event.
 func TestAStreamMovesAtMostItsLimit(t *testing.T) {
-	var ds []*engine
+	var ds []*fakeEngine
 	var bs []router.BackendConfig
 	for i := range 3 {
 		// Every decoder dies, continuations too.
@@ -450,9 +450,9 @@ func TestTokenIDsAreAskedOnlyOfEnginesThatContinue(t *testing.T) {
 		t.Fatal(e)
 	}
 	for _, tc := range []struct {
-		eng  kvbackend.Engine
+		eng  engine.Engine
 		want bool
-	}{{kvbackend.VLLM, true}, {kvbackend.Mooncake, true}, {kvbackend.Sim, true}, {kvbackend.SGLang, false}} {
+	}{{engine.VLLM, true}, {engine.Mooncake, true}, {engine.Sim, true}, {engine.SGLang, false}} {
 		b, err := router.NewDetached(router.BackendConfig{URL: "http://127.0.0.1:9", Role: router.RoleDecode}, tc.eng, http.DefaultClient)
 		if err != nil {
 			t.Fatal(err)

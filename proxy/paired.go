@@ -13,7 +13,7 @@ import (
 
 	"golang.org/x/sync/singleflight"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -26,7 +26,7 @@ import (
 //
 // It takes the custody.
 func (x *exchange) serveLegs(c *custody) *apiError {
-	if ti, ok := engineOf(x.legs.decode).(kvbackend.TokensIn); x.req.api == kvbackend.APIGenerate && (!ok || !ti.TokensIn()) {
+	if ti, ok := engineOf(x.legs.decode).(engine.TokensIn); x.req.api == engine.APIGenerate && (!ok || !ti.TokensIn()) {
 		// SGLang has no token-in route: its engines would answer 404 to both legs.
 		return x.failWith(c, router.Result{Canceled: true}, newError(errNoRoute, fmt.Sprintf("the engines of model %s do not serve %s", x.model(), generateRoute)))
 	}
@@ -35,7 +35,7 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 		return e
 	}
 	d, p := x.legs.decode, lease.Backend()
-	eng := engineOf(d).(kvbackend.Paired)
+	eng := engineOf(d).(engine.Paired)
 	x.legs.prefill = p
 	bs, err := x.s.bootstrap(x.ctx, p)
 	if err == nil && len(bs.EngineIDs) > 0 {
@@ -43,9 +43,9 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 	}
 	if err != nil {
 		lease.Release(resultOf(err, x.ctx))
-		return x.failWith(c, router.Result{Canceled: true}, fromBackend(&kvbackend.CallError{Err: err}, router.RolePrefill, errPrefillTimeout))
+		return x.failWith(c, router.Result{Canceled: true}, fromBackend(&engine.CallError{Err: err}, router.RolePrefill, errPrefillTimeout))
 	}
-	leg := kvbackend.Leg{Host: p.URL.Hostname(), Port: bs.Port, Room: kvbackend.NewRoom(), RID: x.engineID, Prompts: x.req.prompts,
+	leg := engine.Leg{Host: p.URL.Hostname(), Port: bs.Port, Room: engine.NewRoom(), RID: x.engineID, Prompts: x.req.prompts,
 		TransferID: "xfer-" + x.engineID, Rank: -1, API: x.req.api}
 	if len(bs.EngineIDs) > 0 {
 		leg.Rank = bs.Ranks()[0]
@@ -53,7 +53,7 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 	} else if r, ok := lease.Rank(); ok {
 		leg.Rank = r
 	}
-	var calls kvbackend.LegCalls
+	var calls engine.LegCalls
 	route := x.req.route
 	err = x.s.guard(x.id, func() (err error) {
 		f := x.fieldsFor(d)
@@ -275,7 +275,7 @@ type pairedLegs struct {
 	// cut cuts both legs' calls, the decoder's first, and reports whether the prefill leg had
 	// been answered (the prefiller holds the KV); nil until the legs are under way.
 	cut func() bool
-	// drain is the engine's drain leg (kvbackend.LegCalls.Drain); nil where an explicit abort
+	// drain is the engine's drain leg (engine.LegCalls.Drain); nil where an explicit abort
 	// frees a hold.
 	drain []byte
 	// start is when the legs went out.
@@ -296,7 +296,7 @@ func (x *exchange) joinLegs() {
 
 // pickPrefillRank keeps, of a Mooncake prefiller's ranks, the one the prefill leg goes to:
 // the lease's, when the backend declares its data-parallel ranks, else its first.
-func pickPrefillRank(bs *kvbackend.Bootstrap, lease *router.Lease) error {
+func pickPrefillRank(bs *engine.Bootstrap, lease *router.Lease) error {
 	rank := bs.Ranks()[0]
 	if r, ok := lease.Rank(); ok {
 		rank = r
@@ -318,9 +318,9 @@ type bootstrapCache struct {
 
 // bootstrap is what p's bootstrap server says (its port; Mooncake's engine ids by rank),
 // asked of the engine once (DiscoverBootstrapPorts asks again at start and on reload).
-func (s *Server) bootstrap(ctx context.Context, p *router.Backend) (kvbackend.Bootstrap, error) {
+func (s *Server) bootstrap(ctx context.Context, p *router.Backend) (engine.Bootstrap, error) {
 	if bs, ok := s.bootstraps.known.Load(p.URLString); ok {
-		return bs.(kvbackend.Bootstrap), nil
+		return bs.(engine.Bootstrap), nil
 	}
 	v, err, _ := s.bootstraps.fetch.Do(p.URLString, func() (any, error) {
 		// Shared by every request waiting on it, so detached from this one's client.
@@ -329,19 +329,19 @@ func (s *Server) bootstrap(ctx context.Context, p *router.Backend) (kvbackend.Bo
 		return s.discoverBootstrap(ctx, p)
 	})
 	if err != nil {
-		return kvbackend.Bootstrap{}, err
+		return engine.Bootstrap{}, err
 	}
-	return v.(kvbackend.Bootstrap), nil
+	return v.(engine.Bootstrap), nil
 }
 
-func (s *Server) discoverBootstrap(ctx context.Context, p *router.Backend) (kvbackend.Bootstrap, error) {
-	eng, ok := engineOf(p).(kvbackend.Paired)
+func (s *Server) discoverBootstrap(ctx context.Context, p *router.Backend) (engine.Bootstrap, error) {
+	eng, ok := engineOf(p).(engine.Paired)
 	if !ok {
-		return kvbackend.Bootstrap{}, errors.New("not a paired engine")
+		return engine.Bootstrap{}, errors.New("not a paired engine")
 	}
 	bs, err := eng.Bootstrap(ctx, p.Client(), baseURL(p), p.BootstrapPort)
 	if err != nil {
-		return kvbackend.Bootstrap{}, err
+		return engine.Bootstrap{}, err
 	}
 	s.bootstraps.known.Store(p.URLString, bs)
 	return bs, nil
@@ -354,7 +354,7 @@ func (s *Server) discoverBootstrap(ctx context.Context, p *router.Backend) (kvba
 func (s *Server) DiscoverBootstrapPorts(ctx context.Context) error {
 	var errs []error
 	for _, p := range s.router.Available(router.RolePrefill) {
-		if _, ok := engineOf(p).(kvbackend.Paired); !ok {
+		if _, ok := engineOf(p).(engine.Paired); !ok {
 			continue
 		}
 		if _, err := s.discoverBootstrap(ctx, p); err != nil {

@@ -20,7 +20,7 @@ import (
 
 // sglangBackends are one SGLang prefiller and one decoder; the prefiller's bootstrap port is
 // configured unless discover is set.
-func sglangBackends(p, d *engine, discover bool) router.Config {
+func sglangBackends(p, d *fakeEngine, discover bool) router.Config {
 	pc := prefiller("p0", p.URL())
 	pc.Engine = "sglang"
 	if !discover {
@@ -59,7 +59,7 @@ func TestSGLangLegsGoOutTogetherAndTheDecoderAnswers(t *testing.T) {
 				once.Do(func() { close(prefilled) })
 				serveP(w, r, body)
 			}))
-			var d *engine
+			var d *fakeEngine
 			d = newEngine(t, sglangLeg(func(w http.ResponseWriter, r *http.Request, body []byte) {
 				if d.wait(r, prefilled) {
 					vllmDecode(w, r, body)
@@ -129,7 +129,7 @@ func (o *abortOrder) leg(role string, serve engineHandler) engineHandler {
 }
 
 func TestSGLangLegsAreAbortedDecoderFirst(t *testing.T) {
-	hang := func(e **engine) engineHandler {
+	hang := func(e **fakeEngine) engineHandler {
 		return func(w http.ResponseWriter, r *http.Request, _ []byte) { (*e).wait(r, nil) }
 	}
 	for _, tc := range []struct {
@@ -151,7 +151,7 @@ func TestSGLangLegsAreAbortedDecoderFirst(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			var o abortOrder
 			o.failures.Store(tc.abortFailures)
-			var p, d *engine
+			var p, d *fakeEngine
 			pa, da := tc.prefillAnswer, tc.decodeAnswer
 			if pa == nil {
 				pa = hang(&p)
@@ -200,8 +200,8 @@ func TestSGLangLegsAreAbortedDecoderFirst(t *testing.T) {
 }
 
 func TestSGLangAbortsThatNeverSucceedAreCounted(t *testing.T) {
-	var p, d *engine
-	refuse := func(e **engine) engineHandler {
+	var p, d *fakeEngine
+	refuse := func(e **fakeEngine) engineHandler {
 		return func(w http.ResponseWriter, r *http.Request, _ []byte) {
 			if r.URL.Path == "/abort_request" {
 				w.WriteHeader(http.StatusInternalServerError)

@@ -12,7 +12,7 @@ import (
 	"go.uber.org/zap/zaptest"
 	"go.uber.org/zap/zaptest/observer"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -20,36 +20,36 @@ import (
 // panicky is vLLM with a bug: building a decode that carries params, or any prefill, panics,
 // as set.
 type panicky struct {
-	kvbackend.Sequential
+	engine.Sequential
 	kind                      string
 	onPrefill, onDecodeWithKV bool
 }
 
 func (p panicky) Kind() string { return p.kind }
 
-func (p panicky) PrefillBody(f *kvbackend.Fields, api kvbackend.API) ([]byte, error) {
+func (p panicky) PrefillBody(f *engine.Fields, api engine.API) ([]byte, error) {
 	if p.onPrefill {
 		panic("a bug building the prefill")
 	}
 	return p.Sequential.PrefillBody(f, api)
 }
 
-func (p panicky) DecodeBody(f *kvbackend.Fields, params json.RawMessage) ([]byte, error) {
+func (p panicky) DecodeBody(f *engine.Fields, params json.RawMessage) ([]byte, error) {
 	if p.onDecodeWithKV && params != nil {
 		panic("a bug building the decode")
 	}
 	return p.Sequential.DecodeBody(f, params)
 }
 
-// panickyCatalog adds the kinds panics_prefill and panics_decode to kvbackend's.
+// panickyCatalog adds the kinds panics_prefill and panics_decode to engine's.
 type panickyCatalog struct{ engineCatalog }
 
 func (c panickyCatalog) Engine(kind string) (router.Engine, bool) {
 	switch kind {
 	case "panics_prefill":
-		return panicky{Sequential: kvbackend.VLLM, kind: kind, onPrefill: true}, true
+		return panicky{Sequential: engine.VLLM, kind: kind, onPrefill: true}, true
 	case "panics_decode":
-		return panicky{Sequential: kvbackend.VLLM, kind: kind, onDecodeWithKV: true}, true
+		return panicky{Sequential: engine.VLLM, kind: kind, onDecodeWithKV: true}, true
 	}
 	return c.engineCatalog.Engine(kind)
 }

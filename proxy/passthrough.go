@@ -12,7 +12,7 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -67,7 +67,7 @@ func (x *exchange) runPass(p passRoute) *apiError {
 	}
 	var (
 		model, ctype string
-		fields       *kvbackend.Fields
+		fields       *engine.Fields
 	)
 	if p.body == passMultipart {
 		ctype = x.r.Header.Get("Content-Type")
@@ -138,7 +138,7 @@ func (x *exchange) servePass(c *custody, body []byte, ctype string) *apiError {
 	defer func() { endSpan(span, err) }()
 	call := x.call(b, x.route, body)
 	call.ContentType = ctype
-	resp, err := x.send(c, call, wd, span, nil, func(b *router.Backend, _ *kvbackend.Call) error {
+	resp, err := x.send(c, call, wd, span, nil, func(b *router.Backend, _ *engine.Call) error {
 		if _, _, ok := x.s.table.StartDecode(x.id, b.Name); !ok {
 			return errNotInTable
 		}
@@ -180,15 +180,15 @@ func renamable(ct string) bool {
 }
 
 // parseObject validates a body as one JSON object.
-func parseObject(body []byte) (*kvbackend.Fields, *apiError) {
+func parseObject(body []byte) (*engine.Fields, *apiError) {
 	if len(bytes.TrimSpace(body)) == 0 {
 		return nil, badRequest("", "request body is empty; expected a JSON object")
 	}
 	if !utf8.Valid(body) {
 		return nil, badRequest("", "request body is not valid UTF-8")
 	}
-	f, err := kvbackend.ParseFields(body)
-	if errors.Is(err, kvbackend.ErrNullBody) {
+	f, err := engine.ParseFields(body)
+	if errors.Is(err, engine.ErrNullBody) {
 		return nil, badRequest("", "request body must be a JSON object, not null")
 	}
 	if err != nil {

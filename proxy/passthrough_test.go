@@ -15,7 +15,7 @@ import (
 )
 
 // twoModelHarness is a harness whose decoders serve one model each: d0 "m", d1 "n".
-func twoModelHarness(t *testing.T, cfg Config, d0, d1 *engine) *harness {
+func twoModelHarness(t *testing.T, cfg Config, d0, d1 *fakeEngine) *harness {
 	t.Helper()
 	a, b := decoder("d0", d0.URL()), decoder("d1", d1.URL())
 	a.Models, b.Models = []string{"m"}, []string{"n"}
@@ -152,7 +152,7 @@ func TestPassthroughRefusals(t *testing.T) {
 		})
 	}
 	// Neither engine got a call on any passthrough route, nor a generation.
-	for name, e := range map[string]*engine{"d0": d0, "d1": d1} {
+	for name, e := range map[string]*fakeEngine{"d0": d0, "d1": d1} {
 		n := len(e.generations())
 		for _, p := range passthroughRoutes {
 			n += len(e.callsTo(p.path))
@@ -257,7 +257,7 @@ func TestTranscriptionPassesThroughWithItsFileIntact(t *testing.T) {
 
 func TestPassthroughClientLeavingClosesTheEngineCall(t *testing.T) {
 	called, ended := make(chan struct{}), make(chan struct{})
-	var d *engine
+	var d *fakeEngine
 	d = newEngine(t, func(w http.ResponseWriter, r *http.Request, _ []byte) {
 		close(called)
 		d.wait(r, nil)

@@ -7,7 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -20,7 +20,7 @@ func (x *exchange) prefill(c *custody) *apiError {
 	defer func() { x.times.prefill = time.Since(start) }()
 	var (
 		body    []byte
-		bodyFor kvbackend.Sequential // the engine body was built for
+		bodyFor engine.Sequential // the engine body was built for
 		tried   []string
 		lastErr error
 	)
@@ -42,7 +42,7 @@ func (x *exchange) prefill(c *custody) *apiError {
 			break
 		}
 		x.legs.prefill = b
-		if eng, _ := engineOf(b).(kvbackend.Sequential); eng != bodyFor {
+		if eng, _ := engineOf(b).(engine.Sequential); eng != bodyFor {
 			if eng == nil {
 				err = errors.New("the prefiller's engine does not serve a prefill on its own")
 			} else {
@@ -111,7 +111,7 @@ func (x *exchange) prefill(c *custody) *apiError {
 		// past its share on the decoders.
 		return x.failWith(c, router.Result{}, fromRouter(lastErr, router.RolePrefill))
 	}
-	var se *kvbackend.StatusError
+	var se *engine.StatusError
 	clientFault := errors.As(lastErr, &se) && se.Status >= 400 && se.Status < 500
 	if !clientFault && *x.s.cfg.DecodeOnlyFallback {
 		// Nobody prefilled: move on without KV, the decoder computes the prompt itself.

@@ -11,7 +11,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 )
 
 // PriorityConfig maps requests to priority classes. A class orders the router's wait queue
@@ -141,7 +141,7 @@ func (c *classes) classify(r *http.Request, req *genRequest) (*PriorityClass, *a
 		}
 	}
 	if cl.SetPriority && (!sent || prio < int64(cl.Priority)) {
-		var fields *kvbackend.Fields
+		var fields *engine.Fields
 		var err error
 		if sent {
 			// A body may rank its request lower than its class (a larger number), never
@@ -160,8 +160,8 @@ func (c *classes) classify(r *http.Request, req *genRequest) (*PriorityClass, *a
 
 // withMember is f's body with one more member, last, so that it wins over one of the same
 // key (a null) as every JSON reader the engines use takes the last.
-func withMember(f *kvbackend.Fields, key, val string) (*kvbackend.Fields, error) {
-	body, err := kvbackend.DecodeBody(f, nil) // the client's body, less its own kv_transfer_params
+func withMember(f *engine.Fields, key, val string) (*engine.Fields, error) {
+	body, err := engine.DecodeBody(f, nil) // the client's body, less its own kv_transfer_params
 	if err != nil {
 		return nil, err
 	}
@@ -176,5 +176,5 @@ func withMember(f *kvbackend.Fields, key, val string) (*kvbackend.Fields, error)
 	out = append(out, `":`...)
 	out = append(out, val...)
 	out = append(out, body[end:]...)
-	return kvbackend.ParseFields(out)
+	return engine.ParseFields(out)
 }

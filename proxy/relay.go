@@ -9,7 +9,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 )
 
 // The relay's read buffers. A read returns whatever the decoder has sent so far, and that
@@ -174,9 +174,9 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 				rerr = errEmptyAnswer
 			case x.req.stream && !x.streamComplete():
 				switch x.req.api {
-				case kvbackend.APIResponses:
+				case engine.APIResponses:
 					rerr = errResponsesUnfinished
-				case kvbackend.APIMessages:
+				case engine.APIMessages:
 					rerr = errMessagesUnfinished
 				default:
 					rerr = errStreamUnfinished
@@ -276,9 +276,9 @@ func (x *exchange) cut(e *apiError) *apiError {
 		x.writeDeadline(rc)
 		x.w.Write(eventBreak(x.out.tail))
 		switch x.req.api {
-		case kvbackend.APIResponses:
+		case engine.APIResponses:
 			x.w.Write(responsesErrorEvent(e))
-		case kvbackend.APIMessages:
+		case engine.APIMessages:
 			x.w.Write(anthropicErrorEvent(e))
 		default:
 			x.w.Write([]byte("data: "))

@@ -25,7 +25,7 @@ func TestStreamReachesTheClientChunkByChunk(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			chunks := sseChunks(tc.chat)
 			release := make(chan struct{})
-			var d *engine
+			var d *fakeEngine
 			d = newEngine(t, func(w http.ResponseWriter, r *http.Request, _ []byte) {
 				w.Header().Set("Content-Type", "text/event-stream")
 				io.WriteString(w, chunks[0])
@@ -105,7 +105,7 @@ func TestNonStreamingAnswerPassesThroughAsItCame(t *testing.T) {
 }
 
 // hang is an engine that never answers until its caller gives up.
-func hang(e **engine) engineHandler {
+func hang(e **fakeEngine) engineHandler {
 	return func(_ http.ResponseWriter, r *http.Request, _ []byte) { (*e).wait(r, nil) }
 }
 
@@ -115,15 +115,15 @@ func TestPhaseTimeoutsAnswer504(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
 		cfg      Config
-		prefill  func(**engine) engineHandler // nil: aggregated
-		decode   func(**engine) engineHandler
+		prefill  func(**fakeEngine) engineHandler // nil: aggregated
+		decode   func(**fakeEngine) engineHandler
 		wantCode string
 	}{
 		{
 			name:     "a prefill slower than prefill_timeout",
 			cfg:      Config{PrefillTimeout: short, DecodeOnlyFallback: &off},
 			prefill:  hang,
-			decode:   func(**engine) engineHandler { return vllmDecode },
+			decode:   func(**fakeEngine) engineHandler { return vllmDecode },
 			wantCode: "prefill_timeout",
 		},
 		{
@@ -135,7 +135,7 @@ func TestPhaseTimeoutsAnswer504(t *testing.T) {
 		{
 			name: "a decoder that sends headers but no byte within decode_first_byte_timeout",
 			cfg:  Config{DecodeFirstByteTimeout: short},
-			decode: func(e **engine) engineHandler {
+			decode: func(e **fakeEngine) engineHandler {
 				return func(w http.ResponseWriter, r *http.Request, _ []byte) {
 					w.Header().Set("Content-Type", "text/event-stream")
 					w.WriteHeader(http.StatusOK)
@@ -147,7 +147,7 @@ func TestPhaseTimeoutsAnswer504(t *testing.T) {
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			var p, d *engine
+			var p, d *fakeEngine
 			d = newEngine(t, tc.decode(&d))
 			var h *harness
 			if tc.prefill != nil {
@@ -173,8 +173,8 @@ func TestPhaseTimeoutsAnswer504(t *testing.T) {
 }
 
 func TestDecoderGoingSilentMidAnswer(t *testing.T) {
-	silentAfter := func(first string) func(**engine) engineHandler {
-		return func(e **engine) engineHandler {
+	silentAfter := func(first string) func(**fakeEngine) engineHandler {
+		return func(e **fakeEngine) engineHandler {
 			return func(w http.ResponseWriter, r *http.Request, _ []byte) {
 				io.WriteString(w, first)
 				w.(http.Flusher).Flush()
@@ -185,7 +185,7 @@ func TestDecoderGoingSilentMidAnswer(t *testing.T) {
 	cfg := Config{DecodeIdleTimeout: 50 * time.Millisecond}
 
 	t.Run("a stream ends with an error event and no [DONE]", func(t *testing.T) {
-		var d *engine
+		var d *fakeEngine
 		d = newEngine(t, silentAfter(sseChunks(false)[0])(&d))
 		h := aggregated(t, cfg, d)
 		resp, body := h.post("/v1/completions", `{"model":"m","prompt":"hi","stream":true}`)
@@ -211,7 +211,7 @@ func TestDecoderGoingSilentMidAnswer(t *testing.T) {
 	})
 
 	t.Run("a JSON answer is cut off, never passed off as complete", func(t *testing.T) {
-		var d *engine
+		var d *fakeEngine
 		d = newEngine(t, silentAfter(`{"id":"cmpl-d","choices":[`)(&d))
 		h := aggregated(t, cfg, d)
 		ctx, cancel := context.WithTimeout(context.Background(), testDeadline)

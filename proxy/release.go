@@ -19,7 +19,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -499,7 +499,7 @@ func (s *Server) drain(r release) bool {
 		}
 	}
 	b := lease.Backend()
-	eng, ok := engineOf(b).(kvbackend.Sequential)
+	eng, ok := engineOf(b).(engine.Sequential)
 	if !ok {
 		lease.Release(router.Result{})
 		return false

@@ -11,8 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -29,20 +29,20 @@ func TestKVHeldForAGoneClientIsReleased(t *testing.T) {
 		abort      bool   // the prefiller gets /abort_request
 	}{
 		{name: "drain: a one-token decode pulls the KV so the prefiller frees it", release: ReleaseDrain,
-			engineKind: kvbackend.KindVLLM, reason: "drained", drain: true},
+			engineKind: engine.KindVLLM, reason: "drained", drain: true},
 		{name: "abort on an engine with an abort call: the prefiller is told to free it", release: ReleaseAbort,
-			engineKind: kvbackend.KindSim, reason: "aborted", abort: true},
+			engineKind: engine.KindSim, reason: "aborted", abort: true},
 		{name: "abort on vLLM, which has no abort call: drained instead", release: ReleaseAbort,
-			engineKind: kvbackend.KindVLLM, reason: "drained", drain: true},
+			engineKind: engine.KindVLLM, reason: "drained", drain: true},
 		{name: "wait: left to the engine's timer, nothing is sent", release: ReleaseWait,
-			engineKind: kvbackend.KindVLLM, reason: "expired"},
+			engineKind: engine.KindVLLM, reason: "expired"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			var h *harness
 			var hmu sync.Mutex // h is set after the engines exist
-			var p *engine
+			var p *fakeEngine
 			p = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
 				if r.URL.Path == "/abort_request" {
 					return
@@ -170,7 +170,7 @@ func TestConcurrentRequestsAllCompleteAndLeaveNothingBehind(t *testing.T) {
 
 func TestASecondRequestWithAnIDInFlightIs409(t *testing.T) {
 	release := make(chan struct{})
-	var d *engine
+	var d *fakeEngine
 	d = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
 		if d.wait(r, release) {
 			vllmDecode(w, r, body)
@@ -211,7 +211,7 @@ func TestASecondRequestWithAnIDInFlightIs409(t *testing.T) {
 // not left to the engine's timer.
 func TestPrefilledRequestFindingNoDecoderHasItsKVDrained(t *testing.T) {
 	release := make(chan struct{})
-	var d *engine
+	var d *fakeEngine
 	d = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
 		if strings.Contains(string(body), `"prompt":"first"`) && !d.wait(r, release) {
 			return
@@ -275,7 +275,7 @@ func TestPrefilledRequestFindingNoDecoderHasItsKVDrained(t *testing.T) {
 // and an engine with an abort call is told to free the stale hold.
 func TestKVPastItsHoldDeadlineIsNeverForwarded(t *testing.T) {
 	release := make(chan struct{})
-	var d *engine
+	var d *fakeEngine
 	d = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
 		if strings.Contains(string(body), `"prompt":"first"`) && !d.wait(r, release) {
 			return
@@ -291,7 +291,7 @@ func TestKVPastItsHoldDeadlineIsNeverForwarded(t *testing.T) {
 	const holdTimeout = 30 * time.Second
 	h := newHarnessTable(t, Config{DecoderReservation: ReserveAfterPrefill}, router.Config{
 		Backends: []router.BackendConfig{
-			{Name: "p0", URL: p.URL(), Role: router.RolePrefill, Engine: kvbackend.KindSim},
+			{Name: "p0", URL: p.URL(), Role: router.RolePrefill, Engine: engine.KindSim},
 			{Name: "d0", URL: d.URL(), Role: router.RoleDecode, MaxInflight: 1},
 		},
 	}, lifecycle.Config{KVHoldTimeout: holdTimeout, Now: clock.Now})
@@ -369,7 +369,7 @@ func closeOnce(ch chan struct{}) {
 // released at once (drained past the busy decoder's limit), not pinned until the engine's timer.
 func TestClientLeavingWithKVHeldGetsItDrained(t *testing.T) {
 	release := make(chan struct{})
-	var d *engine
+	var d *fakeEngine
 	d = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
 		if strings.Contains(string(body), `"prompt":"first"`) && !d.wait(r, release) {
 			return
@@ -445,9 +445,9 @@ func TestAnAcknowledgedDecodeIsNeverSentToASecondDecoder(t *testing.T) {
 	for _, stream := range []bool{false, true} {
 		t.Run(fmt.Sprintf("stream %v", stream), func(t *testing.T) {
 			p := newEngine(t, vllmPrefill(prefillerParams))
-			var decoders []*engine
+			var decoders []*fakeEngine
 			for range 2 {
-				var d *engine
+				var d *fakeEngine
 				d = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
 					// Generates until the client leaves; a stream's headers go out at once.
 					if stream {

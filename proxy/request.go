@@ -8,7 +8,7 @@ import (
 	"math"
 	"unicode/utf8"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 )
 
 // maxTokensLimit rejects absurd max_tokens values before they reach a GPU: a count must be
@@ -21,11 +21,11 @@ type genRequest struct {
 	// route is the path the request came on, and goes to the engines on.
 	route string
 	// api is the API the body is for: how a prefill bounds it, and how its answer ends.
-	api kvbackend.API
+	api engine.API
 	// state names a member of a Responses API request that needs state on one engine
 	// (previous_response_id, background, store), empty if none.
 	state  string
-	fields *kvbackend.Fields
+	fields *engine.Fields
 	model  string
 	stream bool
 	// prefix is the start of the prompt, for prefix-affinity routing.
@@ -82,7 +82,7 @@ func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
 		return nil, e
 	}
 	if chat {
-		req.api = kvbackend.APIChat
+		req.api = engine.APIChat
 	}
 	fields := req.fields
 	if e := checkStreamOptions(fields); e != nil {
@@ -150,7 +150,7 @@ func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
 }
 
 // checkStreamOptions checks stream_options: an object whose include_usage is a boolean.
-func checkStreamOptions(fields *kvbackend.Fields) *apiError {
+func checkStreamOptions(fields *engine.Fields) *apiError {
 	raw, ok := fields.Field("stream_options")
 	if !ok || isNull(raw) {
 		return nil
@@ -176,8 +176,8 @@ func parseGeneration(body []byte) (*genRequest, *apiError) {
 	if !utf8.Valid(body) {
 		return nil, badRequest("", "request body is not valid UTF-8")
 	}
-	fields, err := kvbackend.ParseFields(body)
-	if errors.Is(err, kvbackend.ErrNullBody) {
+	fields, err := engine.ParseFields(body)
+	if errors.Is(err, engine.ErrNullBody) {
 		return nil, badRequest("", "request body must be a JSON object, not null")
 	}
 	if err != nil {
@@ -219,7 +219,7 @@ var (
 	boolFields   = []string{"echo", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "add_generation_prompt"}
 )
 
-func parsePrompt(fields *kvbackend.Fields, req *genRequest) *apiError {
+func parsePrompt(fields *engine.Fields, req *genRequest) *apiError {
 	raw, ok := fields.Field("prompt")
 	if !ok || isNull(raw) {
 		return badRequest("prompt", "prompt is required")
@@ -294,7 +294,7 @@ func tokenIDs(raw json.RawMessage) bool {
 	return true
 }
 
-func parseMessages(fields *kvbackend.Fields, req *genRequest) *apiError {
+func parseMessages(fields *engine.Fields, req *genRequest) *apiError {
 	raw, ok := fields.Field("messages")
 	if !ok || isNull(raw) {
 		return badRequest("messages", "messages is required")
@@ -340,7 +340,7 @@ type object interface {
 	Field(name string) (json.RawMessage, bool)
 }
 
-var _ object = (*kvbackend.Fields)(nil)
+var _ object = (*engine.Fields)(nil)
 
 // rawObject is an object inside the body, decoded into its raw members.
 type rawObject map[string]json.RawMessage

@@ -5,7 +5,7 @@ import (
 	"net/http"
 	"testing"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 )
 
 // FuzzParseRequest feeds parseRequest arbitrary bodies. It must never panic; a body it accepts
@@ -49,14 +49,14 @@ func FuzzParseRequest(f *testing.F) {
 		if req.model == "" {
 			t.Fatalf("accepted %q with an empty model", body)
 		}
-		if (req.api == kvbackend.APIChat) != chat {
+		if (req.api == engine.APIChat) != chat {
 			t.Fatalf("api %d, want chat %v", req.api, chat)
 		}
-		pre, err := kvbackend.PrefillBody(req.fields, req.api)
+		pre, err := engine.PrefillBody(req.fields, req.api)
 		if err != nil {
 			t.Fatalf("PrefillBody of accepted %q: %v", body, err)
 		}
-		dec, err := kvbackend.DecodeBody(req.fields, json.RawMessage(`{"remote_host":"h"}`))
+		dec, err := engine.DecodeBody(req.fields, json.RawMessage(`{"remote_host":"h"}`))
 		if err != nil {
 			t.Fatalf("DecodeBody of accepted %q: %v", body, err)
 		}

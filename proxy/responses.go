@@ -5,7 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -13,7 +13,7 @@ import (
 // a list of items), instructions, max_output_tokens, and a stream of typed events
 // ("event: response.output_text.delta") that ends with response.completed rather than
 // [DONE]. It is served by the P/D flow of chat: the prefill bounded by max_output_tokens 1
-// and storing nothing (kvbackend), the decode carrying the prefiller's params, every abort,
+// and storing nothing (engine), the decode carrying the prefiller's params, every abort,
 // hold and release rule the same.
 
 // parseResponses validates a Responses API body.
@@ -22,7 +22,7 @@ func parseResponses(body []byte) (*genRequest, *apiError) {
 	if e != nil {
 		return nil, e
 	}
-	req.api = kvbackend.APIResponses
+	req.api = engine.APIResponses
 	f := req.fields
 	raw, ok := f.Field("input")
 	if !ok || isNull(raw) {
@@ -122,11 +122,11 @@ func (x *exchange) refuseState() *apiError {
 
 // streamEnds are the event names that end a stream of api, whose streams have no [DONE]; nil
 // for an API whose streams end with it.
-func streamEnds(api kvbackend.API) [][]byte {
+func streamEnds(api engine.API) [][]byte {
 	switch api {
-	case kvbackend.APIResponses:
+	case engine.APIResponses:
 		return responsesEnds
-	case kvbackend.APIMessages:
+	case engine.APIMessages:
 		return messagesEnds
 	}
 	return nil

@@ -12,7 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 )
 
@@ -73,7 +73,7 @@ func TestResponsesStreamEndsOnlyAtItsEndEventLine(t *testing.T) {
 				ctx, cancel := context.WithCancelCause(context.Background())
 				rec := httptest.NewRecorder()
 				x := &exchange{s: srv, w: rec, ctx: ctx, cancel: cancel, id: id, route: "/v1/responses",
-					req: &genRequest{stream: true, api: kvbackend.APIResponses}}
+					req: &genRequest{stream: true, api: engine.APIResponses}}
 				x.times.start = time.Now()
 				wd := newWatchdog(ctx, false, false, time.Hour, time.Hour)
 				resp := &http.Response{StatusCode: http.StatusOK, Header: http.Header{},
@@ -180,11 +180,11 @@ func TestResponsesStateIsRefusedUnderPDAndPassesToOneEngine(t *testing.T) {
 			}
 		})
 	}
-	for name, h := range map[string]func(t *testing.T, d *engine) *harness{
-		"P/D": func(t *testing.T, d *engine) *harness {
+	for name, h := range map[string]func(t *testing.T, d *fakeEngine) *harness{
+		"P/D": func(t *testing.T, d *fakeEngine) *harness {
 			return pd(t, Config{}, newEngine(t, vllmPrefill(prefillerParams)), d)
 		},
-		"one engine": func(t *testing.T, d *engine) *harness { return aggregated(t, Config{}, d) },
+		"one engine": func(t *testing.T, d *fakeEngine) *harness { return aggregated(t, Config{}, d) },
 	} {
 		t.Run("an empty previous_response_id/"+name, func(t *testing.T) {
 			d := newEngine(t, answer(http.StatusOK, "application/json", answer200))

@@ -67,7 +67,7 @@ func TestMetricsAreExposed(t *testing.T) {
 
 func TestDebugRequestsListsWhatIsInFlight(t *testing.T) {
 	release := make(chan struct{})
-	var d *engine
+	var d *fakeEngine
 	d = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
 		if d.wait(r, release) {
 			vllmDecode(w, r, body)

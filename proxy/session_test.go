@@ -12,8 +12,8 @@ import (
 // A session's requests go to one prefiller and one decoder, where least_inflight alone would
 // spread them; another session may go elsewhere; the picks are counted.
 func TestASessionsRequestsStayOnItsEngines(t *testing.T) {
-	ps := []*engine{newEngine(t, vllmPrefill(`{"remote_block_ids":[1]}`)), newEngine(t, vllmPrefill(`{"remote_block_ids":[1]}`))}
-	ds := []*engine{newEngine(t, vllmDecode), newEngine(t, vllmDecode), newEngine(t, vllmDecode)}
+	ps := []*fakeEngine{newEngine(t, vllmPrefill(`{"remote_block_ids":[1]}`)), newEngine(t, vllmPrefill(`{"remote_block_ids":[1]}`))}
+	ds := []*fakeEngine{newEngine(t, vllmDecode), newEngine(t, vllmDecode), newEngine(t, vllmDecode)}
 	var bs []router.BackendConfig
 	for i, p := range ps {
 		bs = append(bs, prefiller(fmt.Sprintf("p%d", i), p.URL()))
@@ -31,7 +31,7 @@ func TestASessionsRequestsStayOnItsEngines(t *testing.T) {
 			t.Fatalf("turn %d: %d %s", i, resp.StatusCode, body)
 		}
 	}
-	served := func(es []*engine) (busy int) {
+	served := func(es []*fakeEngine) (busy int) {
 		for _, e := range es {
 			if n := len(e.generations()); n > 0 {
 				busy++

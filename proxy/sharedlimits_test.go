@@ -21,7 +21,7 @@ import (
 
 // sharedReplica is a proxy replica whose limits are shared through the Redis at addr: its own
 // Store (running until the test ends) and harness.
-func sharedReplica(t *testing.T, addr string, cfg Config, d *engine) (*harness, *prometheus.Registry) {
+func sharedReplica(t *testing.T, addr string, cfg Config, d *fakeEngine) (*harness, *prometheus.Registry) {
 	t.Helper()
 	st, reg := sharedStore(t, addr)
 	return replicaOn(t, st, cfg, d), reg
@@ -53,7 +53,7 @@ func sharedStore(t *testing.T, addr string) (*sharedstate.Store, *prometheus.Reg
 }
 
 // replicaOn is a proxy replica in front of d whose limits are shared through st.
-func replicaOn(t *testing.T, st SharedState, cfg Config, d *engine) *harness {
+func replicaOn(t *testing.T, st SharedState, cfg Config, d *fakeEngine) *harness {
 	t.Helper()
 	return newHarnessLogged(t, cfg, router.Config{Backends: []router.BackendConfig{decoder("d0", d.URL())}}, lifecycle.Config{}, nil, WithSharedState(st))
 }
@@ -121,7 +121,7 @@ func TestASharedRateLimitHoldsAcrossReplicas(t *testing.T) {
 func TestASharedConcurrencyLimitCountsAStreamOnAnotherReplica(t *testing.T) {
 	srv := redistest.Start(t)
 	g := newGate()
-	var d *engine
+	var d *fakeEngine
 	d = newEngine(t, g.handler(&d))
 	cfg := Config{Limits: LimitsConfig{PerKey: KeyLimits{MaxConcurrent: 1}}}
 	a, _ := sharedReplica(t, srv.Addr(), cfg, d)

@@ -15,7 +15,7 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/net/http/httpguts"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -25,7 +25,7 @@ type sidecar struct {
 	allow  allowlist
 	// engine is what every prefiller a header names is taken for: the local decoder's engine
 	// (llm-d pairs a decoder with prefillers of its own kind).
-	engine kvbackend.Engine
+	engine engine.Engine
 	// client carries the calls to every prefiller a header names. One transport for all of
 	// them: it keeps a pool of idle connections per host:port, bounded per host and in all,
 	// and closes one left idle, which is all a per-prefiller cache would hold; a header
@@ -70,7 +70,7 @@ func (c *Config) validateSidecar() (allowlist, error) {
 // exactly one decode backend, the local engine, and no prefill backend (the header names the
 // prefillers), with an engine that takes a prefill, then a decode. It returns the engine the
 // prefillers are taken for, the decoder's; nil when the mode is off.
-func SidecarEngine(cfg Config, bs []router.BackendStatus) (kvbackend.Engine, error) {
+func SidecarEngine(cfg Config, bs []router.BackendStatus) (engine.Engine, error) {
 	if cfg.PrefillerHeader == "" {
 		return nil, nil
 	}
@@ -90,11 +90,11 @@ func SidecarEngine(cfg Config, bs []router.BackendStatus) (kvbackend.Engine, err
 	if len(decoders) != 1 {
 		return nil, fmt.Errorf("prefiller_header: llm-d's sidecar slot takes exactly one decode backend, the engine beside it (the config has %d)", len(decoders))
 	}
-	eng, ok := kvbackend.Lookup(decoders[0].Engine)
+	eng, ok := engine.Lookup(decoders[0].Engine)
 	if !ok {
 		return nil, fmt.Errorf("prefiller_header: unknown engine %q of the decode backend", decoders[0].Engine)
 	}
-	if _, paired := eng.(kvbackend.Paired); paired {
+	if _, paired := eng.(engine.Paired); paired {
 		return nil, fmt.Errorf("prefiller_header: the decode backend's engine %s sends a request to its prefiller and decoder at once; the sidecar slot runs a prefill, then a decode (vllm, vllm-legacy, sim)", eng.Kind())
 	}
 	return eng, nil

@@ -13,7 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap/zaptest"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -22,7 +22,7 @@ import (
 const llmdHeader = "x-prefiller-host-port"
 
 // hostPortOf is an engine's address as llm-d's scheduler writes it: ip:port.
-func hostPortOf(t *testing.T, e *engine) string {
+func hostPortOf(t *testing.T, e *fakeEngine) string {
 	t.Helper()
 	u, err := url.Parse(e.URL())
 	if err != nil {
@@ -33,7 +33,7 @@ func hostPortOf(t *testing.T, e *engine) string {
 
 // sidecarHarness is the proxy in llm-d's sidecar slot in front of the local decoder d (of
 // engine kind), allowing the prefillers allow lists.
-func sidecarHarness(t *testing.T, cfg Config, d *engine, kind string, allow ...string) *harness {
+func sidecarHarness(t *testing.T, cfg Config, d *fakeEngine, kind string, allow ...string) *harness {
 	t.Helper()
 	cfg.PrefillerHeader = llmdHeader
 	cfg.PrefillerAllow = allow
@@ -54,7 +54,7 @@ func TestSidecarPrefillsOnThePrefillerTheHeaderNamesAndDecodesLocally(t *testing
 	h := sidecarHarness(t, Config{}, d, "", hostPortOf(t, p0), hostPortOf(t, p1))
 
 	for i, tc := range []struct {
-		p      *engine
+		p      *fakeEngine
 		params string
 	}{{p0, prefillerParams}, {p1, `{"remote_engine_id":"p1","remote_block_ids":[1]}`}, {p0, prefillerParams}} {
 		hdr := named(hostPortOf(t, tc.p))
@@ -149,7 +149,7 @@ func TestSidecarRefusesAPrefillerOutsideTheAllowlistOrMalformed(t *testing.T) {
 			}
 		})
 	}
-	for who, e := range map[string]*engine{"allowed prefiller": allowed, "other prefiller": other, "decoder": d} {
+	for who, e := range map[string]*fakeEngine{"allowed prefiller": allowed, "other prefiller": other, "decoder": d} {
 		if g := e.generations(); len(g) != 0 {
 			t.Errorf("the %s got %d calls; a refused request reaches no engine", who, len(g))
 		}
@@ -182,7 +182,7 @@ func TestSidecarModeRefusesToStartOutsideItsSlot(t *testing.T) {
 		{"an allowlist entry it cannot read", llmdHeader, []string{"10.0.0.0/8", "10.0.0.1"}, []router.BackendConfig{decoder("local", d)}, "prefiller_allow[1]"},
 		{"two decoders", llmdHeader, allow, []router.BackendConfig{decoder("d0", d), decoder("d1", "http://127.0.0.1:8201")}, "exactly one decode backend"},
 		{"a prefill backend", llmdHeader, allow, []router.BackendConfig{prefiller("p0", "http://10.0.0.1:8000"), decoder("local", d)}, "no prefill backend"},
-		{"a paired engine", llmdHeader, allow, []router.BackendConfig{{Name: "local", URL: d, Role: router.RoleDecode, Engine: kvbackend.KindSGLang}}, "prefiller_header"},
+		{"a paired engine", llmdHeader, allow, []router.BackendConfig{{Name: "local", URL: d, Role: router.RoleDecode, Engine: engine.KindSGLang}}, "prefiller_header"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			reg := prometheus.NewRegistry()
@@ -207,15 +207,15 @@ func TestSidecarReleasesTheNamedPrefillersKVWhenTheClientLeaves(t *testing.T) {
 		name, kind, reason string
 		drain, abort       bool
 	}{
-		{"vllm: a one-token drain on the local decoder", kvbackend.KindVLLM, "drained", true, false},
-		{"an engine with an abort call: the named prefiller is told", kvbackend.KindSim, "aborted", false, true},
+		{"vllm: a one-token drain on the local decoder", engine.KindVLLM, "drained", true, false},
+		{"an engine with an abort call: the named prefiller is told", engine.KindSim, "aborted", false, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			var h *harness
 			var hmu sync.Mutex // h is set after the engines exist
-			var p *engine
+			var p *fakeEngine
 			p = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
 				if r.URL.Path == "/abort_request" {
 					return

@@ -5,7 +5,7 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -39,12 +39,12 @@ func (x *exchange) tokenize() {
 		x.legs.tokens = x.req.tokens
 		return
 	}
-	if x.req.text == "" || x.req.prompts > 1 || x.req.api == kvbackend.APIResponses {
+	if x.req.text == "" || x.req.prompts > 1 || x.req.api == engine.APIResponses {
 		// A Responses input renders through the engine's own conversion: the text routes it.
 		return
 	}
 	req := router.TokenizeRequest{Model: x.req.model}
-	if x.req.api == kvbackend.APIChat || x.req.api == kvbackend.APIMessages {
+	if x.req.api == engine.APIChat || x.req.api == engine.APIMessages {
 		req.Messages = x.req.messages
 	} else {
 		req.Prompt = x.req.text

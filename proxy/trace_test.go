@@ -155,7 +155,7 @@ func TestTraceOfAClientThatLeftSaysAtWhichStage(t *testing.T) {
 			rcv := testutil.NewOTLPHTTPReceiver(t)
 			release := make(chan struct{})
 			t.Cleanup(func() { closeOnce(release) })
-			var p, d *engine
+			var p, d *fakeEngine
 			p = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
 				if stage == lifecycle.Prefilling {
 					p.wait(r, release)
@@ -277,7 +277,7 @@ func TestTraceOfSGLangLegsCarriesOneTraceToBothEngines(t *testing.T) {
 		}
 		answer(http.StatusOK, "application/json", `{"id":"p","choices":[{"text":"x"}]}`)(w, r, body)
 	}))
-	var d *engine
+	var d *fakeEngine
 	d = newEngine(t, sglangLeg(func(w http.ResponseWriter, r *http.Request, body []byte) {
 		if d.wait(r, prefilled) {
 			vllmDecode(w, r, body)

@@ -374,7 +374,7 @@ type Config struct {
 	// max_model_len is all routing can use of one. Zero means 131072 (128Ki).
 	TokenizeMaxTokens int `yaml:"tokenize_max_tokens"`
 	// EngineTokenizer is how tokenizer: engine tokenizes, at the backend Router.Tokens picks
-	// (cmd/proxy passes kvbackend's: the engine's POST /tokenize). Nil means Router.Tokens
+	// (cmd/proxy passes engine's: the engine's POST /tokenize). Nil means Router.Tokens
 	// answers ErrNoTokenizer, and precise_cache_aware scores requests by their text. Read at
 	// New: a reload keeps the one the router was built with.
 	EngineTokenizer Tokenizer `yaml:"-"`

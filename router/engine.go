@@ -15,7 +15,7 @@ type Engine interface {
 }
 
 // EngineCatalog resolves the engine kinds that config names. The router keeps no list of
-// its own: whoever wires the proxy passes one (cmd/proxy passes kvbackend's).
+// its own: whoever wires the proxy passes one (cmd/proxy passes engine's).
 type EngineCatalog interface {
 	// Engine returns the engine of kind; "" is the default kind.
 	Engine(kind string) (Engine, bool)

@@ -9,7 +9,7 @@ import (
 	"strings"
 )
 
-// Tokenizer tokenizes a request at one engine: cmd/proxy passes kvbackend's, which calls
+// Tokenizer tokenizes a request at one engine: cmd/proxy passes engine's, which calls
 // the engine's POST /tokenize. The call goes to baseURL (scheme://host:port, no trailing
 // slash) through client, the backend's own (its key, its CA), within ctx. It tokenizes
 // prompt, or, when messages is set, the messages rendered as the engine renders the request.

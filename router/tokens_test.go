@@ -15,7 +15,7 @@ import (
 )
 
 // engineTokenizer is a Tokenizer as cmd/proxy's calls an engine: a POST /tokenize through
-// the client it is given. kvbackend's own is not imported here: the router does not know it.
+// the client it is given. engine's own is not imported here: the router does not know it.
 type engineTokenizer struct{}
 
 func (engineTokenizer) Tokenize(ctx context.Context, client *http.Client, baseURL, model, prompt string, messages json.RawMessage) ([]uint32, error) {

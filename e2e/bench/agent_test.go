@@ -15,9 +15,9 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
-	"github.com/pdproxy/pdproxy/kvbackend"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // agentWorkload is agent sessions: every session's prompt starts with one preamble (the
@@ -350,7 +350,7 @@ func decodeOnlyProxy(t testing.TB, policy string, decoders []*simEngine) app.Con
 	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
 	cfg.Router.DecodePolicy = policy
 	for _, d := range decoders {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: d.srv.URL, Role: router.RoleDecode, Engine: kvbackend.KindVLLM,
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: d.srv.URL, Role: router.RoleDecode, Engine: engine.KindVLLM,
 			KVEventsEndpoint: kvDial(t, d.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, d.e.KVEventsReplayAddr())})
 	}
 	return cfg

@@ -16,10 +16,10 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/internal/redistest"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
 	"github.com/pdproxy/pdproxy/sharedstate"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // agentRoutingParams sizes TestAgentRouting: the tiny run (every `go test`) shows that each

@@ -12,7 +12,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -83,9 +83,9 @@ func startInProcess(b *testing.B, prefill, decode *backend) *app.Main {
 	b.Helper()
 	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
 	if prefill != nil {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: prefill.URL(), Role: router.RolePrefill, Engine: kvbackend.KindVLLM})
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: prefill.URL(), Role: router.RolePrefill, Engine: engine.KindVLLM})
 	}
-	cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: decode.URL(), Role: router.RoleDecode, Engine: kvbackend.KindVLLM})
+	cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: decode.URL(), Role: router.RoleDecode, Engine: engine.KindVLLM})
 	return startMain(b, cfg)
 }
 

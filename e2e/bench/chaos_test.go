@@ -22,10 +22,10 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // chaosParams sizes TestChaos: the tiny run (every `go test`) kills a decoder a few times
@@ -191,12 +191,12 @@ func runChaos(t *testing.T, p chaosParams, c chaosContender) chaosRun {
 	for i := range p.prefillers {
 		pf := listen(cfg)
 		prefillers = append(prefillers, pf)
-		pc.Router.Backends = append(pc.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: pf.URL(), Role: router.RolePrefill, Engine: kvbackend.KindVLLM})
+		pc.Router.Backends = append(pc.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: pf.URL(), Role: router.RolePrefill, Engine: engine.KindVLLM})
 	}
 	for i := range p.decoders {
 		d := listen(cfg)
 		decoders = append(decoders, d)
-		pc.Router.Backends = append(pc.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: router.RoleDecode, Engine: kvbackend.KindVLLM})
+		pc.Router.Backends = append(pc.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: router.RoleDecode, Engine: engine.KindVLLM})
 	}
 	core, logs := observer.New(zap.InfoLevel)
 	m := startMainLogged(t, pc, zap.New(core))

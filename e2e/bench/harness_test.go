@@ -18,7 +18,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -507,11 +507,11 @@ func (h *harness) abort(t *testing.T, proc *proxyProc) {
 }
 
 func prefillBodyOf(body []byte) ([]byte, error) {
-	f, err := kvbackend.ParseFields(body)
+	f, err := engine.ParseFields(body)
 	if err != nil {
 		return nil, err
 	}
-	return kvbackend.PrefillBody(f, kvbackend.APICompletions)
+	return engine.PrefillBody(f, engine.APICompletions)
 }
 
 var errNoClose = errors.New("the backend never saw the connection close")

@@ -15,9 +15,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // ladderParams sizes TestQPSLadder: the tiny run (every `go test`) shows that each contender

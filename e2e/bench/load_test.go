@@ -10,7 +10,7 @@ import (
 
 	vegeta "github.com/tsenart/vegeta/v12/lib"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 )
 
 // newClient is the load generator's HTTP client: keep-alive, enough idle connections for
@@ -40,11 +40,11 @@ type pdDirect struct {
 }
 
 func newPDDirect(base http.RoundTripper, prefillURL string, clientBody []byte) (*pdDirect, error) {
-	f, err := kvbackend.ParseFields(clientBody)
+	f, err := engine.ParseFields(clientBody)
 	if err != nil {
 		return nil, err
 	}
-	pb, err := kvbackend.PrefillBody(f, kvbackend.APICompletions)
+	pb, err := engine.PrefillBody(f, engine.APICompletions)
 	if err != nil {
 		return nil, err
 	}
@@ -74,7 +74,7 @@ func (p *pdDirect) RoundTrip(req *http.Request) (*http.Response, error) {
 	if resp.StatusCode != http.StatusOK {
 		return nil, fmt.Errorf("prefill answered %d", resp.StatusCode)
 	}
-	params, err := kvbackend.ParsePrefillResponse(answer)
+	params, err := engine.ParsePrefillResponse(answer)
 	if err != nil {
 		return nil, err
 	}

@@ -17,10 +17,10 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // loraAdapter is the LoRA adapter the engines of TestLoRARouting serve beside their base
@@ -184,7 +184,7 @@ func runLoRAContender(t *testing.T, w *chatWorkload, p loraParams, policy string
 	for _, e := range engines {
 		// Every proxy dials the events, whatever its policy: the dropped count is the
 		// same decoder's for all.
-		pcfg.Router.Backends = append(pcfg.Router.Backends, router.BackendConfig{URL: e.srv.URL, Role: router.RoleDecode, Engine: kvbackend.KindVLLM,
+		pcfg.Router.Backends = append(pcfg.Router.Backends, router.BackendConfig{URL: e.srv.URL, Role: router.RoleDecode, Engine: engine.KindVLLM,
 			KVEventsEndpoint: kvDial(t, e.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, e.e.KVEventsReplayAddr())})
 	}
 	m := startMain(t, pcfg)

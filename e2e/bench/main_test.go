@@ -11,7 +11,7 @@ import (
 // otherwise fails the package if a test leaves a goroutine behind (a load generator's
 // worker, a connection of a transport, a stream of the scale scenario). zmq4 v0.17.0's PUB
 // socket starts a writer goroutine that its Close never stops: one parked goroutine per
-// simulated engine that published KV events (as in kvbackend/sim's and router's TestMain).
+// simulated engine that published KV events (as in engine/sim's and router's TestMain).
 func TestMain(m *testing.M) {
 	if os.Getenv(childEnv) != "" {
 		os.Exit(runChild())

@@ -18,9 +18,9 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
-	"github.com/pdproxy/pdproxy/kvbackend"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // simEngine is a simulated engine on a loopback port, its scheduler running.
@@ -106,10 +106,10 @@ func startPolicyProxy(t testing.TB, policy string, prefillers, decoders []*simEn
 	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
 	cfg.Router.DecodePolicy = policy
 	for _, p := range prefillers {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: p.srv.URL, Role: router.RolePrefill, Engine: kvbackend.KindVLLM})
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: p.srv.URL, Role: router.RolePrefill, Engine: engine.KindVLLM})
 	}
 	for _, d := range decoders {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: d.srv.URL, Role: router.RoleDecode, Engine: kvbackend.KindVLLM})
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: d.srv.URL, Role: router.RoleDecode, Engine: engine.KindVLLM})
 	}
 	return startMain(t, cfg)
 }

@@ -14,8 +14,8 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -51,10 +51,10 @@ func runChild() int {
 	cfg := app.Config{Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", LogFormat: "json", ShutdownTimeout: 5 * time.Second}
 	cfg.Router.EngineClient = cc.EngineClient
 	for _, u := range cc.Prefill {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: u, Role: router.RolePrefill, Engine: kvbackend.KindVLLM, MaxInflight: cc.MaxInflight})
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: u, Role: router.RolePrefill, Engine: engine.KindVLLM, MaxInflight: cc.MaxInflight})
 	}
 	for _, u := range cc.Decode {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: u, Role: router.RoleDecode, Engine: kvbackend.KindVLLM, MaxInflight: cc.MaxInflight})
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: u, Role: router.RoleDecode, Engine: engine.KindVLLM, MaxInflight: cc.MaxInflight})
 	}
 	logger, err := app.NewLogger("json", "info")
 	if err != nil {

@@ -24,11 +24,11 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // routingContender is one way of routing the P/D fleet: a policy for both pools, conditional
@@ -413,7 +413,7 @@ func startRoutingProxy(t testing.TB, c routingContender, prefillers, decoders []
 	cfg.Proxy.PDUncachedTokenThreshold = c.threshold
 	cfg.Router.CacheAware.BalanceAbsThreshold = c.balanceAbs
 	add := func(s *simEngine, role router.Role) {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: s.srv.URL, Role: role, Engine: kvbackend.KindVLLM,
+		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: s.srv.URL, Role: role, Engine: engine.KindVLLM,
 			KVEventsEndpoint: kvDial(t, s.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, s.e.KVEventsReplayAddr())})
 	}
 	for _, p := range prefillers {
@@ -548,7 +548,7 @@ func BenchmarkRoutingCost(b *testing.B) {
 				cfg.Tokenizer = tokenizerFile
 			}
 			decoders := startSims(b, 4, cfg)
-			rcfg := router.Config{DecodePolicy: bc.policy, Health: router.HealthConfig{Interval: -1}, EngineTokenizer: kvbackend.Tokenizer{}}
+			rcfg := router.Config{DecodePolicy: bc.policy, Health: router.HealthConfig{Interval: -1}, EngineTokenizer: engine.Tokenizer{}}
 			if bc.inProxy {
 				rcfg.Tokenizers = map[string]router.TokenizerFiles{"sim": {File: tokenizerFile, ChatTemplate: templateFile}}
 				var err error

@@ -8,7 +8,7 @@ import (
 	"math/rand/v2"
 	"strings"
 
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // chatWorkload is a multi-turn chat workload for prefix-cache routing: groups of users

@@ -18,7 +18,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"github.com/pdproxy/pdproxy/configs"
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
 	"github.com/pdproxy/pdproxy/sharedstate"
@@ -91,7 +91,7 @@ type Source struct {
 
 func (s Source) engine() string {
 	if s.Engine == "" {
-		return kvbackend.KindVLLM
+		return engine.KindVLLM
 	}
 	return s.Engine
 }
@@ -257,7 +257,7 @@ func LoadConfig(args []string, stderr io.Writer) (Config, error) {
 	)
 	fs.Var(&prefills, "prefill", "URL of a prefill engine (repeatable)")
 	fs.Var(&decodes, "decode", "URL of a decode engine (repeatable); with none of --prefill/--decode/--config, simulated engines start in-process")
-	fs.StringVar(&src.Engine, "engine", "", "engine kind of the --prefill and --decode URLs: "+strings.Join(kvbackend.Kinds(), ", ")+" (default vllm)")
+	fs.StringVar(&src.Engine, "engine", "", "engine kind of the --prefill and --decode URLs: "+strings.Join(engine.Kinds(), ", ")+" (default vllm)")
 	fs.StringVar(&src.File, "config", "", "YAML config file (see configs/); unknown keys are rejected; SIGHUP reloads its backends")
 	fs.StringVar(&src.Listen, "listen", "", "address to serve on (default 127.0.0.1:8000)")
 	fs.StringVar(&src.AdminListen, "admin-listen", "", "address of a separate admin listener serving the Go profiler, /debug/pprof/ (default none)")
@@ -278,18 +278,18 @@ func LoadConfig(args []string, stderr io.Writer) (Config, error) {
 	return src.load()
 }
 
-// EngineCatalog gives the router kvbackend's engine kinds, as the opaque values it hands back
+// EngineCatalog gives the router engine's engine kinds, as the opaque values it hands back
 // on every backend (router.Config.Engines).
 type EngineCatalog struct{}
 
-// Engine returns kvbackend's engine of kind.
+// Engine returns engine's engine of kind.
 func (EngineCatalog) Engine(kind string) (router.Engine, bool) {
-	e, ok := kvbackend.Lookup(kind)
+	e, ok := engine.Lookup(kind)
 	return e, ok
 }
 
-// Kinds lists kvbackend's engine kinds.
-func (EngineCatalog) Kinds() []string { return kvbackend.Kinds() }
+// Kinds lists engine's engine kinds.
+func (EngineCatalog) Kinds() []string { return engine.Kinds() }
 
 // checkPrefillUnavailable refuses prefill_unavailable: decode_only, said in so many words,
 // when every decoder is of a paired engine (SGLang, Mooncake): such a decoder waits for a
@@ -303,8 +303,8 @@ func checkPrefillUnavailable(p proxy.Config, r router.Config) error {
 		if b.Role != router.RoleDecode {
 			continue
 		}
-		e, ok := kvbackend.Lookup(b.Engine)
-		if _, paired := e.(kvbackend.Paired); !ok || !paired {
+		e, ok := engine.Lookup(b.Engine)
+		if _, paired := e.(engine.Paired); !ok || !paired {
 			return nil
 		}
 		kinds = append(kinds, b.Engine)

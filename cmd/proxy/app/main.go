@@ -17,12 +17,12 @@ import (
 	"go.uber.org/zap/zapcore"
 	"golang.org/x/sync/errgroup"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
 	"github.com/pdproxy/pdproxy/sharedstate"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // Main is one running pdproxy: its simulated engines (if any), router, table and HTTP front.
@@ -249,7 +249,7 @@ func (m *Main) build(ctx context.Context, rcfg router.Config) error {
 	if err := checkConditional(m.cfg.Proxy, rcfg); err != nil {
 		return fmt.Errorf("config: %w", err)
 	}
-	rcfg.EngineTokenizer = kvbackend.Tokenizer{}
+	rcfg.EngineTokenizer = engine.Tokenizer{}
 	local, err := LoadTokenizers(m.cfg.Proxy, rcfg)
 	if err != nil {
 		return fmt.Errorf("config: %w", err)
@@ -423,9 +423,9 @@ func engineKind(sc SimConfig) string {
 	case sc.Engine != "":
 		return sc.Engine
 	case sc.Protocol == sim.ProtocolSGLang:
-		return kvbackend.KindSGLang
+		return engine.KindSGLang
 	}
-	return kvbackend.KindSim
+	return engine.KindSim
 }
 
 // CloseIdleConnections empties the keep-alive pools toward the engines, and the engines' own

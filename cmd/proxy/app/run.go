@@ -12,7 +12,7 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/pdproxy/pdproxy/kvbackend/sim"
+	"github.com/pdproxy/pdproxy/sim"
 )
 
 // Run is the whole command: `proxy [flags]` serves until ctx is done (SIGINT/SIGTERM), then

@@ -1,8 +1,8 @@
-// Package kvbackend owns how pdproxy talks to an inference engine in disaggregated
+// Package engine owns how pdproxy talks to an inference engine in disaggregated
 // prefill/decode mode: how a client's request is rewritten for the prefiller and the decoder
 // (vLLM's NixlConnector protocol, which the simulated engine speaks too), and the prefill,
 // decode and abort calls over HTTP.
-package kvbackend
+package engine
 
 import (
 	"bytes"

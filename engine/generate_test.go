@@ -1,4 +1,4 @@
-package kvbackend
+package engine
 
 import (
 	"bytes"

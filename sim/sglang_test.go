@@ -13,8 +13,8 @@ import (
 
 	"go.uber.org/zap/zaptest"
 
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/kvbackend"
 )
 
 // sglangConfig is a fast SGLang engine of role on a free bootstrap port that aborts a gone
@@ -61,7 +61,7 @@ type sgPair struct {
 func startPair(t *testing.T, pcfg, dcfg Config) *sgPair {
 	t.Helper()
 	pr := &sgPair{p: startSGLang(t, pcfg), d: startSGLang(t, dcfg)}
-	bs, err := kvbackend.SGLang.Bootstrap(context.Background(), pr.p.client, pr.p.srv.URL, 0)
+	bs, err := engine.SGLang.Bootstrap(context.Background(), pr.p.client, pr.p.srv.URL, 0)
 	if err != nil {
 		t.Fatalf("bootstrap port: %v", err)
 	}
@@ -69,14 +69,14 @@ func startPair(t *testing.T, pcfg, dcfg Config) *sgPair {
 	return pr
 }
 
-// leg is body as the proxy sends it to both legs (kvbackend.SGLang.Legs).
+// leg is body as the proxy sends it to both legs (engine.SGLang.Legs).
 func (pr *sgPair) leg(t *testing.T, body, rid string, room uint64, prompts int) string {
 	t.Helper()
-	f, err := kvbackend.ParseFields([]byte(body))
+	f, err := engine.ParseFields([]byte(body))
 	if err != nil {
 		t.Fatalf("parse %s: %v", body, err)
 	}
-	calls, err := kvbackend.SGLang.Legs(f, kvbackend.Leg{Host: "127.0.0.1", Port: pr.port, Room: room, RID: rid, Prompts: prompts, Rank: -1})
+	calls, err := engine.SGLang.Legs(f, engine.Leg{Host: "127.0.0.1", Port: pr.port, Room: room, RID: rid, Prompts: prompts, Rank: -1})
 	if err != nil {
 		t.Fatalf("leg body: %v", err)
 	}
@@ -226,7 +226,7 @@ func TestSGLangServerInfoReportsTheModeAndTheBootstrapPort(t *testing.T) {
 			}
 		})
 	}
-	if _, err := kvbackend.SGLang.Bootstrap(context.Background(), pr.d.client, pr.d.srv.URL, 0); err == nil {
+	if _, err := engine.SGLang.Bootstrap(context.Background(), pr.d.client, pr.d.srv.URL, 0); err == nil {
 		t.Error("the proxy took a decoder for a prefiller")
 	}
 }
@@ -718,7 +718,7 @@ func TestSGLangAbortNeedsTheAdminKeyWhenOneIsSet(t *testing.T) {
 	}
 	// The proxy's own call, with the key its backend config gives it.
 	client := &http.Client{Transport: &bearer{key: "sekret", next: ts.client.Transport}}
-	if err := kvbackend.SGLang.(kvbackend.Aborter).Abort(context.Background(), client, ts.srv.URL, "y"); err != nil {
+	if err := engine.SGLang.(engine.Aborter).Abort(context.Background(), client, ts.srv.URL, "y"); err != nil {
 		t.Errorf("the proxy's abort with the admin key: %v", err)
 	}
 }

@@ -7,10 +7,10 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdproxy/pdproxy/kvbackend"
+	"github.com/pdproxy/pdproxy/engine"
 )
 
-// The legs the proxy's kvbackend.Mooncake builds, from the engine ids its Bootstrap reads
+// The legs the proxy's engine.Mooncake builds, from the engine ids its Bootstrap reads
 // off GET /query, are served by a data parallel prefiller's rank they name; its drain leg
 // alone frees a hold whose legs were aborted after the prefill.
 func TestMooncakeServesTheLegsTheProxyBuilds(t *testing.T) {
@@ -18,7 +18,7 @@ func TestMooncakeServesTheLegsTheProxyBuilds(t *testing.T) {
 	pcfg.DataParallelSize = 2
 	pr := startMooncake(t, pcfg, mooncakeConfig("decode"))
 	port := pr.p.e.boot.port()
-	boot, err := kvbackend.Mooncake.Bootstrap(context.Background(), pr.p.client, pr.p.srv.URL, port)
+	boot, err := engine.Mooncake.Bootstrap(context.Background(), pr.p.client, pr.p.srv.URL, port)
 	if err != nil || len(boot.EngineIDs) != 2 {
 		t.Fatalf("Bootstrap = %+v, %v; want two ranks", boot, err)
 	}
@@ -33,12 +33,12 @@ func TestMooncakeServesTheLegsTheProxyBuilds(t *testing.T) {
 		{"the drain leg after aborted legs, rank 1", "/v1/completions", `{"prompt":"` + prompt + `","max_tokens":4}`, 1, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			f, err := kvbackend.ParseFields([]byte(tc.body))
+			f, err := engine.ParseFields([]byte(tc.body))
 			if err != nil {
 				t.Fatal(err)
 			}
 			xfer := fmt.Sprintf("xfer-legs-%d", i)
-			calls, err := kvbackend.Mooncake.Legs(f, kvbackend.Leg{TransferID: xfer, EngineID: boot.EngineIDs[tc.rank], Host: "127.0.0.1", Port: port, Rank: tc.rank})
+			calls, err := engine.Mooncake.Legs(f, engine.Leg{TransferID: xfer, EngineID: boot.EngineIDs[tc.rank], Host: "127.0.0.1", Port: port, Rank: tc.rank})
 			if err != nil {
 				t.Fatalf("Legs: %v", err)
 			}

@@ -1,8 +1,8 @@
-package kvbackend
+package engine
 
 import "testing"
 
-// loadReporter is router.LoadReporter, which kvbackend may not import.
+// loadReporter is router.LoadReporter, which engine may not import.
 type loadReporter interface {
 	LoadMetrics() (waiting, running, kvUsage string)
 }
