@@ -37,6 +37,12 @@ type FlowControlConfig struct {
 	// MaxQueuePerTenant bounds a tenant's requests waiting in one role's queue: one more is a
 	// 429. [0: the tenant's weighted share of queue.size, once the queue is full]
 	MaxQueuePerTenant int `yaml:"max_queue_per_tenant"`
+	// SaturationTTFT, when set, saturates a pool placed by cost (cache_aware,
+	// precise_cache_aware) while even its best engine's predicted time to first token is
+	// over it with work already there: requests then wait in their tenants' queues, so that
+	// the admitted ones start within it. [0: a pool saturates only when every engine is at
+	// max_inflight]
+	SaturationTTFT time.Duration `yaml:"saturation_ttft"`
 }
 
 // TenantConfig is one named tenant.
@@ -55,7 +61,8 @@ var reservedTenants = []string{"default", "other", "none"}
 
 // on reports whether flow control is configured.
 func (c FlowControlConfig) on() bool {
-	return c.TenantHeader != "" || len(c.Tenants) > 0 || c.DefaultWeight != 0 || c.QueueTimeout != 0 || c.MaxQueuePerTenant != 0
+	return c.TenantHeader != "" || len(c.Tenants) > 0 || c.DefaultWeight != 0 || c.QueueTimeout != 0 || c.MaxQueuePerTenant != 0 ||
+		c.SaturationTTFT != 0
 }
 
 // CheckFlowControl checks cfg's flow_control, filling its defaults, against the router's
@@ -75,6 +82,9 @@ func CheckFlowControl(cfg *Config, queue *router.QueueConfig) error {
 	}
 	if c.QueueTimeout < 0 {
 		return fmt.Errorf("flow_control.queue_timeout: %v is negative", c.QueueTimeout)
+	}
+	if c.SaturationTTFT < 0 {
+		return fmt.Errorf("flow_control.saturation_ttft: %v is negative", c.SaturationTTFT)
 	}
 	if c.MaxQueuePerTenant < 0 {
 		return fmt.Errorf("flow_control.max_queue_per_tenant: %d is negative", c.MaxQueuePerTenant)

@@ -230,6 +230,12 @@ type QueueConfig struct {
 	Size int `yaml:"size"`
 	// Timeout is the longest wait before ErrQueueTimeout. Zero means 10s.
 	Timeout time.Duration `yaml:"timeout"`
+	// TTFTBound, when positive, counts a pool placed by cost as saturated while even its best
+	// candidate's predicted time to first token is over it with work ahead there: a request
+	// then waits in the queue as it would for a slot under max_inflight, and the pool's
+	// saturation reads its predicted TTFT against it. It is flow_control.saturation_ttft, set
+	// by the proxy's flow control; zero means slots alone saturate a pool.
+	TTFTBound time.Duration `yaml:"-"`
 }
 
 // CacheAwareConfig tunes cache_aware and precise_cache_aware.

@@ -48,17 +48,20 @@ func (f Flow) weight() float64 {
 }
 
 // fairQueue is a pool's wait queue: one earliest-deadline-first list per flow, the flows
-// served by start-time fair queuing. Each flow keeps the virtual time of its latest service;
-// a service advances it by 1/weight, and the next waiter served is the first servable one of
-// the flow whose next virtual time is least. A flow that was idle starts at the queue's
-// virtual time, so no flow banks credit while it sends nothing. Guarded by pool.mu.
+// served by start-time fair queuing. Each flow's virtual time is where its next service
+// starts; a service advances it by its charge over the flow's weight, the charge being the
+// prompt tokens the request computes where it goes (charge), so that a tenant of long
+// uncached prompts gets fewer requests through than one of short or cached ones, for the same
+// engine time. The next waiter served is the first servable one of the flow whose virtual time
+// is least. A flow that was idle starts at the queue's virtual time, so no flow banks credit
+// while it sends nothing. Guarded by pool.mu.
 type fairQueue struct {
 	flows map[string]*flowQueue
 	// active are the flows with waiters, in the order they last became active: the ties'
 	// order.
 	active []*flowQueue
 	n      int
-	// vclock is the virtual time of the latest service.
+	// vclock is the virtual time of the latest service's start.
 	vclock float64
 	// order is scratch for dispatch.
 	order []*flowQueue
@@ -67,12 +70,19 @@ type fairQueue struct {
 type flowQueue struct {
 	Flow
 	waiters list.List // of *waiter, earliest deadline first
-	// vt is the virtual time of the flow's latest service.
+	// vt is the virtual time at which the flow's next service starts.
 	vt float64
 }
 
-// next is the virtual time of the flow's next service.
-func (f *flowQueue) next() float64 { return f.vt + 1/f.weight() }
+// charge is what serving h at cost takes from its flow's turn: the prompt tokens it computes
+// there as the cost model sees them, or, where the pool does not place by cost, its prompt's
+// tokens (hintTokens); at least 1.
+func charge(cost Cost, h Hint) float64 {
+	if cost != (Cost{}) {
+		return max(cost.Uncached, 1)
+	}
+	return max(hintTokens(h), 1)
+}
 
 // Len is how many requests wait.
 func (q *fairQueue) Len() int { return q.n }
@@ -125,21 +135,22 @@ func (q *fairQueue) remove(w *waiter) {
 	}
 }
 
-// served takes w out of the queue as its flow's next service.
-func (q *fairQueue) served(w *waiter) {
+// served takes w out of the queue as its flow's next service, of charge (charge).
+func (q *fairQueue) served(w *waiter, charge float64) {
 	f := w.flow
-	f.vt = f.next()
-	q.vclock = max(q.vclock, f.vt-1/f.weight()) // the service's start
+	start := max(f.vt, q.vclock)
+	q.vclock = start
+	f.vt = start + charge/f.weight()
 	q.remove(w)
 }
 
-// byTurn lists the active flows in the order they are to be served: least next virtual
-// time first, ties in the order they became active. The slice is scratch, valid until the
+// byTurn lists the active flows in the order they are to be served: least virtual time
+// first, ties in the order they became active. The slice is scratch, valid until the
 // next call.
 func (q *fairQueue) byTurn() []*flowQueue {
 	q.order = append(q.order[:0], q.active...)
 	slices.SortStableFunc(q.order, func(a, b *flowQueue) int {
-		switch an, bn := a.next(), b.next(); {
+		switch an, bn := a.vt, b.vt; {
 		case an < bn:
 			return -1
 		case an > bn:

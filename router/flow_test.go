@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
 )
@@ -317,5 +319,85 @@ func TestPoolPredictedTTFTIsTheLeastOverThePool(t *testing.T) {
 	defer l.Release(Result{Status: 200})
 	if ttft := r.Load(RoleDecode).PredictedTTFT; math.Abs(ttft-0.01) > 1e-9 {
 		t.Errorf("predicted TTFT with one engine busy = %v, want 0.01: the other is idle", ttft)
+	}
+}
+
+// distinctText is a prompt of about n bytes that shares no prefix with another of its kind.
+func distinctText(i, n int) string {
+	head := fmt.Sprintf("%08x request %d: ", uint32(i)*2654435761, i)
+	return head + strings.Repeat("x", max(n-len(head), 0))
+}
+
+func TestFairQueueChargesTheTokensARequestComputes(t *testing.T) {
+	// Two tenants of one weight, both waiting all along: one sends prompts of 4,000 bytes,
+	// the other of 1,000. Served by their tokens, the short one gets four requests through
+	// for each of the long one's: the same engine time each.
+	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1), Queue: QueueConfig{Size: 1000}, DecodePolicy: PolicyCacheAware})
+	busy := mustAcquire(t, r, RoleDecode, Hint{Text: distinctText(-1, 100)})
+	ctx, cancel := context.WithCancel(context.Background())
+	out := make(chan servedBy, 200)
+	queue := func(tenant string, i, size int) {
+		before := queued(r, RoleDecode)
+		go func() {
+			l, err := r.Acquire(ctx, RoleDecode, Hint{Text: distinctText(i, size), Flow: Flow{Key: tenant, Label: tenant}})
+			out <- servedBy{tenant, l, err}
+		}()
+		testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == before+1 }, "the request to queue")
+	}
+	for i := range 60 {
+		queue("long", i, 4000)
+		queue("short", 1000+i, 1000)
+	}
+	counts := serveOneAtATime(t, busy, out, 50)
+	if ratio := float64(counts["short"]) / float64(max(counts["long"], 1)); ratio < 3.4 || ratio > 4.6 {
+		t.Errorf("served short %d, long %d: ratio %.2f, want about 4 (the tokens of a long prompt over a short one's)", counts["short"], counts["long"], ratio)
+	}
+	drainFlows(t, r, cancel, out, 120-50)
+}
+
+func TestTTFTBoundHoldsRequestsBackUntilTheWorkAheadEnds(t *testing.T) {
+	// 1,000 tokens a second and 10 ms per prefill: a prompt of 50 tokens starts in 60 ms
+	// alone, 110 ms behind another. Under a bound of 100 ms the second waits for the first's
+	// prefill to end, though the engine has slots to spare.
+	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 100), DecodePolicy: PolicyCacheAware, Queue: QueueConfig{TTFTBound: 100 * time.Millisecond},
+		CacheAware: CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10 * time.Millisecond}}
+	r, reg, _ := newTestRouter(t, cfg)
+	first := mustAcquire(t, r, RoleDecode, Hint{Text: distinctText(0, 200)})
+	out := make(chan servedBy, 1)
+	go func() {
+		l, err := r.Acquire(context.Background(), RoleDecode, Hint{Text: distinctText(1, 200), Flow: Flow{Key: "t", Label: "t"}})
+		out <- servedBy{"t", l, err}
+	}()
+	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == 1 }, "the second request to wait")
+	if s := testutil.Value(t, reg, "pdproxy_pool_saturation", map[string]string{"role": "decode"}); s <= 0.9 {
+		t.Errorf("saturation with a request held back by the bound = %v, want above 0.9", s)
+	}
+	first.Prefilled()
+	s := testutil.Recv(t, testutil.Timeout, out, "the second request, once the first's prefill ended")
+	if s.err != nil {
+		t.Fatalf("second request: %v", s.err)
+	}
+	if p := s.lease.booked.cost.Predicted; p > 100*time.Millisecond {
+		t.Errorf("second request admitted at a predicted TTFT of %v, over the bound", p)
+	}
+	s.lease.Release(Result{Status: 200})
+	first.Release(Result{Status: 200})
+	// A prompt longer than the bound alone is not held back on an idle engine.
+	long := mustAcquire(t, r, RoleDecode, Hint{Text: distinctText(2, 4000)})
+	long.Release(Result{Status: 200})
+	if s := testutil.Value(t, reg, "pdproxy_pool_saturation", map[string]string{"role": "decode"}); s >= 0.5 {
+		t.Errorf("saturation idle = %v, want below 0.5", s)
+	}
+}
+
+func TestTTFTBoundIsRefusedWhereNoPoolIsPlacedByCost(t *testing.T) {
+	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 1), Queue: QueueConfig{TTFTBound: time.Second}}
+	err := cfg.Validate()
+	if err == nil || !strings.Contains(err.Error(), "flow_control.saturation_ttft") || !strings.Contains(err.Error(), "placed by cost") {
+		t.Errorf("Validate = %v, want flow_control.saturation_ttft refused: no pool is placed by cost", err)
+	}
+	cfg.DecodePolicy = PolicyCacheAware
+	if err := cfg.Validate(); err != nil {
+		t.Errorf("Validate with cache_aware = %v, want nil", err)
 	}
 }

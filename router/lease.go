@@ -117,6 +117,12 @@ func (l *Lease) Prefilled() {
 		return
 	}
 	l.booked.settle(l.p.r, l.b, l.p.r.now(), true)
+	l.p.mu.Lock()
+	if l.p.ttftBound > 0 {
+		// The work left the books: a request held back by the TTFT bound may go now.
+		l.p.dispatchLocked()
+	}
+	l.p.mu.Unlock()
 }
 
 // Release ends the lease. Only the first call counts; later calls, from any goroutine,

@@ -23,8 +23,10 @@ type pool struct {
 	loadFactor   float64
 	queueSize    int
 	queueTimeout time.Duration
-	waiters      fairQueue
-	scratch      []*Backend
+	// ttftBound is Queue.TTFTBound.
+	ttftBound time.Duration
+	waiters   fairQueue
+	scratch   []*Backend
 }
 
 // cacheSettings are what a cache-aware policy is built with: a change rebuilds it.
@@ -69,6 +71,12 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool, choice SessionChoice,
 		if b == nil || !slices.Contains(cands, b) {
 			b, cost = cands[0], Cost{}
 		}
+		if p.overBoundLocked(cost, h) {
+			// Even the cheapest candidate would make the request wait past the bound behind
+			// work already there: the pool is saturated, and the request waits its turn.
+			clear(cands)
+			return nil, true, "", Cost{}
+		}
 		if h.Session != "" {
 			choice = sessionChoice(b, h, bound, boundEligible)
 		}
@@ -85,6 +93,13 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool, choice SessionChoice,
 	}
 	clear(cands) // do not keep backends alive through the scratch slice
 	return b, true, choice, cost
+}
+
+// overBoundLocked reports whether a pick of cost for h would start past the pool's TTFT bound
+// behind work already queued or running there. A request whose own prefill alone takes longer
+// than the bound is not held back on an idle engine: waiting would not make it faster.
+func (p *pool) overBoundLocked(cost Cost, h Hint) bool {
+	return p.ttftBound > 0 && !h.Overcommit && cost.Ahead > 0 && cost.Predicted > p.ttftBound
 }
 
 // sessionChoice is how a pick of b for h's session went, where the policy picked by cost:

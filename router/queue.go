@@ -37,7 +37,7 @@ func (p *pool) dispatchOneLocked() bool {
 			b, avail, choice, cost := p.pickLocked(w.h)
 			switch {
 			case b != nil:
-				p.waiters.served(w)
+				p.waiters.served(w, charge(cost, w.h))
 				w.ch <- waitResult{lease: p.leaseLocked(b, choice, cost)}
 				return true
 			case !avail:

@@ -33,6 +33,9 @@ type policyCaps struct {
 	// scrapesLoad: it weighs engines' load by their /metrics (Backend.loadScore), which
 	// Router.Run scrapes for its pool every scrape_interval.
 	scrapesLoad bool
+	// byCost: it places by the predicted cost of the prefill (cost.go), so its pool has a
+	// predicted time to first token.
+	byCost bool
 }
 
 // policyBuild is what a policy's constructor may take from the router. Its zero value is a
@@ -80,8 +83,8 @@ var policies = []policyEntry{
 	}},
 	{name: PolicyLeastLoaded, caps: policyCaps{scrapesLoad: true},
 		new: func(b policyBuild) Policy { return &LeastLoaded{now: b.now} }},
-	{name: PolicyCacheAware, caps: policyCaps{scrapesLoad: true}, new: func(b policyBuild) Policy { return newCacheAware(b, nil) }},
-	{name: PolicyPreciseCacheAware, caps: policyCaps{wantsTokens: true, needsKVEvents: true, scrapesLoad: true},
+	{name: PolicyCacheAware, caps: policyCaps{scrapesLoad: true, byCost: true}, new: func(b policyBuild) Policy { return newCacheAware(b, nil) }},
+	{name: PolicyPreciseCacheAware, caps: policyCaps{wantsTokens: true, needsKVEvents: true, scrapesLoad: true, byCost: true},
 		new: func(b policyBuild) Policy {
 			index := b.index
 			if index == nil {
@@ -182,6 +185,7 @@ func (c *Config) policyWith(has func(policyCaps) bool) (name string, ok bool) {
 // Capabilities, for Config.policyWith.
 func wantsTokens(c policyCaps) bool   { return c.wantsTokens }
 func needsKVEvents(c policyCaps) bool { return c.needsKVEvents }
+func byCost(c policyCaps) bool        { return c.byCost }
 
 // UsesTokens reports whether a pool's policy scores requests by their tokens
 // (precise_cache_aware), for which the request is tokenized before it is routed.

@@ -131,7 +131,7 @@ func (r *Router) apply(cfg Config) error {
 			w.SetPool(mine)
 		}
 		p.backends = mine
-		p.queueSize, p.queueTimeout = cfg.Queue.Size, cfg.Queue.Timeout
+		p.queueSize, p.queueTimeout, p.ttftBound = cfg.Queue.Size, cfg.Queue.Timeout, cfg.Queue.TTFTBound
 		p.loadFactor = cfg.BoundedLoadFactor
 	}
 	var removed []*Backend

@@ -224,7 +224,13 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 		// waiters first.
 		p.dispatchLocked()
 	}
-	b, avail, choice, cost := p.pickLocked(h)
+	var b *Backend
+	avail, choice, cost := true, SessionChoice(""), Cost{}
+	if p.ttftBound == 0 || p.waiters.Len() == 0 {
+		// Under a TTFT bound, requests still waiting after the dispatch are held back by
+		// it, not by slots: one that came later waits behind them, in its tenant's turn.
+		b, avail, choice, cost = p.pickLocked(h)
+	}
 	if b != nil {
 		l := p.leaseLocked(b, choice, cost)
 		p.mu.Unlock()

@@ -101,15 +101,26 @@ type PoolLoad struct {
 	// PredictedTTFT is the least predicted time to first token over the usable backends, in
 	// seconds; -1 when the role is not placed by cost.
 	PredictedTTFT float64
+	// TTFTBound is the pool's TTFT bound (Queue.TTFTBound) in seconds; 0 when it has none.
+	TTFTBound float64
 }
 
 // Saturation is (in flight + waiting) / capacity: 0 idle, 1 full, above 1 as the queue
-// builds; with no capacity, 1 plus the requests waiting.
+// builds; with no capacity, 1 plus the requests waiting. Under a TTFT bound, which saturates
+// a pool as its slots do, it is at least the predicted TTFT over the bound, and 1 plus the
+// waiting over capacity while requests wait, however many slots are free.
 func (l PoolLoad) Saturation() float64 {
 	if l.Capacity == 0 {
 		return 1 + float64(l.Queued)
 	}
-	return float64(l.Inflight+l.Queued) / float64(l.Capacity)
+	s := float64(l.Inflight+l.Queued) / float64(l.Capacity)
+	if l.TTFTBound > 0 {
+		s = max(s, l.PredictedTTFT/l.TTFTBound)
+		if l.Queued > 0 {
+			s = max(s, 1+float64(l.Queued)/float64(l.Capacity))
+		}
+	}
+	return s
 }
 
 // RecommendedRatio is the prefillers per decoder that the backlogs ask for: the engines each
@@ -132,6 +143,7 @@ func (p *pool) load(depth map[string]int) PoolLoad {
 	l := PoolLoad{PredictedTTFT: -1}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	l.TTFTBound = p.ttftBound.Seconds()
 	m := p.costModelLocked()
 	for _, b := range p.backends {
 		l.Backends++

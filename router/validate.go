@@ -318,6 +318,12 @@ func (c *Config) Validate() error {
 	bad := func(field, format string, args ...any) {
 		errs = append(errs, fmt.Errorf("%s: %s", field, fmt.Sprintf(format, args...)))
 	}
+	if _, ok := c.policyWith(byCost); c.Queue.TTFTBound > 0 && !ok {
+		bad("flow_control.saturation_ttft", "%v needs a pool placed by cost, whose time to first token is predicted, and neither prefill_policy nor decode_policy is (%s or %s)",
+			c.Queue.TTFTBound, PolicyCacheAware, PolicyPreciseCacheAware)
+	} else if c.Queue.TTFTBound < 0 {
+		bad("flow_control.saturation_ttft", "%v is negative", c.Queue.TTFTBound)
+	}
 	if c.EngineClient != EngineClientLean && c.EngineClient != EngineClientStdlib {
 		bad("engine_client", "%q is not %q or %q", c.EngineClient, EngineClientLean, EngineClientStdlib)
 	}
