@@ -65,13 +65,13 @@ func (c Config) Enabled() bool { return c.Redis.Addr != "" }
 
 // Validate checks c as New would, without changing it.
 func (c Config) Validate() error {
-	_, err := c.withDefaults()
+	_, err := c.WithDefaults()
 	return err
 }
 
-// withDefaults is c with every unset key at its default, or the error of the first key
+// WithDefaults is c with every unset key at its default, or the error of the first key
 // that cannot take effect.
-func (c Config) withDefaults() (Config, error) {
+func (c Config) WithDefaults() (Config, error) {
 	r := &c.Redis
 	if r.Addr == "" {
 		if c.SlotTTL != 0 || r.Username != "" || r.PasswordFile != "" || r.DB != 0 || r.TLS || r.Timeout != nil || r.KeyPrefix != "" {
