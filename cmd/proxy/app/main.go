@@ -357,7 +357,7 @@ func (m *Main) startSim(ctx context.Context, g *errgroup.Group, i int, sc SimCon
 	setIf(&cfg.EmbeddingDim, sc.EmbeddingDim)
 	addr := sc.Listen
 	if addr == "" {
-		addr = "127.0.0.1:0"
+		addr = DefaultSimListen
 	}
 	// Several sims share a host: each bootstrap server takes a free port, on the host the
 	// engine listens on, which /server_info reports.
