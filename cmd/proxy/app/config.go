@@ -10,6 +10,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"slices"
 	"strings"
@@ -150,16 +151,55 @@ func (s Source) apply(c Config) (Config, error) {
 	if s.TLSKey != "" {
 		c.TLSKeyFile = s.TLSKey
 	}
+	// Refused here as well as at Start, so that a bad command line stops the proxy before
+	// its logger is built.
+	if err := c.checkCommandLine(); err != nil {
+		return Config{}, err
+	}
+	c.Source = s
+	return c, nil
+}
+
+// checkCommandLine checks the keys the flags may set.
+func (c *Config) checkCommandLine() error {
 	if (c.TLSCertFile == "") != (c.TLSKeyFile == "") {
-		return Config{}, errors.New("tls_cert_file and tls_key_file (--tls-cert, --tls-key): set both to serve HTTPS, or neither")
+		return errors.New("tls_cert_file and tls_key_file (--tls-cert, --tls-key): set both to serve HTTPS, or neither")
 	}
 	switch c.LogFormat {
 	case "", "json", "console":
 	default:
-		return Config{}, fmt.Errorf("--log-format: %q is not json or console", c.LogFormat)
+		return fmt.Errorf("log_format (--log-format): %q is not json or console", c.LogFormat)
 	}
-	c.Source = s
-	return c, nil
+	return nil
+}
+
+// check is the config's validation, before anything starts: the app's own keys here, and
+// each section by the check of the package that owns it (proxy.Config.Validate,
+// TracingConfig.validate, sharedstate.Config.Validate in checkSharedState). The router's
+// section is checked by router.New (router.Config.Validate), once the simulated engines
+// listen and their backends can be added, and what spans the proxy's and the router's
+// sections by checkConditional, as a reload does. Start calls it first.
+func (c *Config) check() error {
+	if err := c.checkCommandLine(); err != nil {
+		return err
+	}
+	for i, sc := range c.Sims {
+		if sc.Role != "prefill" && sc.Role != "decode" {
+			return fmt.Errorf("sims[%d].role: %q is not prefill or decode", i, sc.Role)
+		}
+		if sc.Listen != "" {
+			if _, _, err := net.SplitHostPort(sc.Listen); err != nil {
+				return fmt.Errorf("sims[%d].listen: %w", i, err)
+			}
+		}
+	}
+	if err := c.Tracing.validate(); err != nil {
+		return err
+	}
+	if err := c.Proxy.Validate(); err != nil {
+		return err
+	}
+	return checkSharedState(*c)
 }
 
 // SimConfig is one in-process simulated engine (see `proxy sim --help` for each field).

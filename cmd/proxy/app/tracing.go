@@ -43,6 +43,7 @@ const (
 	DefaultServiceName = "pdproxy"
 )
 
+// validate is the tracing section's check, called by Config.check.
 func (c TracingConfig) validate() error {
 	if c.Protocol != "" && c.Protocol != protocolHTTP && c.Protocol != protocolGRPC {
 		return fmt.Errorf("tracing.protocol: %q is not %s or %s", c.Protocol, protocolHTTP, protocolGRPC)
@@ -60,11 +61,8 @@ func (c TracingConfig) validate() error {
 }
 
 // newTracerProvider builds the tracer provider c and the environment ask for; nil when
-// tracing is off.
+// tracing is off. c has passed validate (Config.check).
 func newTracerProvider(ctx context.Context, c TracingConfig, getenv func(string) string) (*sdktrace.TracerProvider, error) {
-	if err := c.validate(); err != nil {
-		return nil, err
-	}
 	if strings.EqualFold(getenv("OTEL_SDK_DISABLED"), "true") {
 		return nil, nil
 	}
