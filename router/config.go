@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"gopkg.in/yaml.v3"
+
+	"github.com/pdproxy/pdproxy/kvcache"
 )
 
 // Role is what a backend does in disaggregated serving.
@@ -22,6 +24,8 @@ const maxDataParallelSize = 1024
 
 // Defaults applied by Config.Validate to zero fields.
 const (
+	// DefaultPolicy is prefill_policy's and decode_policy's.
+	DefaultPolicy              = PolicyLeastInflight
 	DefaultWeight              = 1
 	DefaultMaxInflight         = 256
 	DefaultPrefixTokens        = 256
@@ -45,7 +49,7 @@ const (
 	DefaultTreeTTL             = 2 * time.Minute
 	DefaultBalanceAbsThreshold = 64
 	DefaultBalanceRelThreshold = 1.5
-	DefaultBlockSize           = 16
+	DefaultBlockSize           = kvcache.DefaultBlockSize
 	DefaultKVEventsStaleAfter  = 60 * time.Second
 	DefaultTokenizeTimeout     = time.Second
 	DefaultTokenizeMaxTokens   = 128 << 10
@@ -71,17 +75,17 @@ type BackendConfig struct {
 	// keeps the last good set; a name with no record empties the pool. Empty means the URL
 	// is one engine.
 	Discover string `yaml:"discover"`
-	// Refresh is how often a discover entry's name is resolved again. Zero means 5s; it may
-	// only be set with Discover.
+	// Refresh is how often a discover entry's name is resolved again. Zero means
+	// DefaultRefresh; it may only be set with Discover.
 	Refresh time.Duration `yaml:"refresh"`
 	// Role is prefill or decode, required.
 	Role Role `yaml:"role"`
 	// Weight biases round_robin, prefix_affinity (virtual nodes), placement (placement.go)
 	// and least_inflight ties.
-	// Zero means 1.
+	// Zero means DefaultWeight.
 	Weight int `yaml:"weight"`
 	// MaxInflight is how many requests the router sends at once before queueing. Zero
-	// means 256.
+	// means DefaultMaxInflight.
 	MaxInflight int `yaml:"max_inflight"`
 	// DataParallelSize is how many data-parallel ranks the engine serves behind its one
 	// API server (vLLM's --data-parallel-size): each lease then takes the rank with the
@@ -155,19 +159,21 @@ type BackendConfig struct {
 
 // HealthConfig configures active health checks.
 type HealthConfig struct {
-	// Interval between checks of every backend. Zero means 5s; negative disables active
-	// checks (in YAML, "interval: 0" also disables them, because an explicit zero is
-	// a choice, while a missing key is not).
+	// Interval between checks of every backend. Zero means DefaultHealthInterval; negative
+	// disables active checks (in YAML, "interval: 0" also disables them, because an explicit
+	// zero is a choice, while a missing key is not).
 	Interval time.Duration `yaml:"interval"`
-	// Timeout of one check. Zero means 2s.
+	// Timeout of one check. Zero means DefaultHealthTimeout.
 	Timeout time.Duration `yaml:"timeout"`
-	// UnhealthyThreshold consecutive failed checks mark a backend down. Zero means 2. A
-	// check (or a request) refused at connect marks it down at once, whatever this says:
-	// nothing listens at its address.
+	// UnhealthyThreshold consecutive failed checks mark a backend down. Zero means
+	// DefaultUnhealthyThreshold. A check (or a request) refused at connect marks it down at
+	// once, whatever this says: nothing listens at its address.
 	UnhealthyThreshold int `yaml:"unhealthy_threshold"`
-	// HealthyThreshold consecutive passed checks mark a down backend up. Zero means 1.
+	// HealthyThreshold consecutive passed checks mark a down backend up. Zero means
+	// DefaultHealthyThreshold.
 	HealthyThreshold int `yaml:"healthy_threshold"`
-	// Path is requested with GET on the backend's URL; a 2xx passes. Empty means /health.
+	// Path is requested with GET on the backend's URL; a 2xx passes. Empty means
+	// DefaultHealthPath.
 	Path string `yaml:"path"`
 }
 
@@ -215,20 +221,21 @@ type EjectionConfig struct {
 	// is not counted here: it marks the backend down at once (see HealthConfig), or, with
 	// active checks off, ejects it at once, even with passive ejection disabled.
 	ConsecutiveFailures int `yaml:"consecutive_failures"`
-	// BaseBackoff is the first ejection's length. Zero means one health.interval, or 5s
-	// with active checks off. It may not be shorter than health.interval: a backend back
-	// from ejection would take requests again before any check could look at it.
+	// BaseBackoff is the first ejection's length. Zero means one health.interval, or
+	// DefaultBaseBackoff with active checks off. It may not be shorter than health.interval: a
+	// backend back from ejection would take requests again before any check could look at it.
 	BaseBackoff time.Duration `yaml:"base_backoff"`
-	// MaxBackoff caps the doubling. Zero means 30s, or base_backoff if that is longer.
+	// MaxBackoff caps the doubling. Zero means DefaultMaxBackoff, or base_backoff if that is
+	// longer.
 	MaxBackoff time.Duration `yaml:"max_backoff"`
 }
 
 // QueueConfig configures the wait for a free slot when every eligible backend is full.
 type QueueConfig struct {
-	// Size is how many requests per role may wait. Zero means 1024; negative disables
-	// waiting (a full pool answers ErrQueueFull at once).
+	// Size is how many requests per role may wait. Zero means DefaultQueueSize; negative
+	// disables waiting (a full pool answers ErrQueueFull at once).
 	Size int `yaml:"size"`
-	// Timeout is the longest wait before ErrQueueTimeout. Zero means 10s.
+	// Timeout is the longest wait before ErrQueueTimeout. Zero means DefaultQueueTimeout.
 	Timeout time.Duration `yaml:"timeout"`
 	// TTFTBound, when positive, counts a pool placed by cost as saturated while even its best
 	// candidate's predicted time to first token is over it with work ahead there: a request
@@ -246,14 +253,14 @@ type CacheAwareConfig struct {
 	CacheThreshold float64 `yaml:"cache_threshold"`
 	// PrefillTokensPerSecond is an engine's prefill rate before the proxy has learned it
 	// from the engine's own prefills: the uncached prompt tokens it computes a second. Zero
-	// means 10,000.
+	// means DefaultPrefillTokensPerSecond.
 	PrefillTokensPerSecond float64 `yaml:"prefill_tokens_per_second"`
 	// PrefillOverhead is the fixed part of a prefill's time, whatever its tokens (a step,
-	// the calls). Zero means 10ms.
+	// the calls). Zero means DefaultPrefillOverhead.
 	PrefillOverhead time.Duration `yaml:"prefill_overhead"`
 	// DecodeCostTokens is what one request decoding on an engine adds to a new request's
 	// wait there, in prefill tokens (a decode takes a token of every step's budget). Zero
-	// means 16; negative is refused.
+	// means DefaultDecodeCostTokens; negative is refused.
 	DecodeCostTokens int `yaml:"decode_cost_tokens"`
 	// Temperature, when positive, draws the pick among the candidates with weights
 	// exp(-(cost - lowest cost) / temperature) instead of taking the lowest, so that replicas
@@ -262,18 +269,20 @@ type CacheAwareConfig struct {
 	Temperature time.Duration `yaml:"temperature"`
 	// TreeTTL is how long text routed to an engine counts as cached there in the approximate
 	// view: an engine evicts what its prefix cache has not used for a while, and a tree that
-	// never forgot would keep sending conversations to contexts that are gone. Zero means 2m.
+	// never forgot would keep sending conversations to contexts that are gone. Zero means
+	// DefaultTreeTTL.
 	TreeTTL time.Duration `yaml:"tree_ttl"`
 	// BalanceAbsThreshold and BalanceRelThreshold are an upper guard on the cost: when the
 	// pool is out of balance (its most loaded candidate has more than abs requests, its load
 	// Backend.loadScore, above the least loaded, and more than rel times as many), requests go
-	// to the least loaded whatever the costs say. Zero means 64 and 1.5; a negative abs means
-	// any difference counts; rel may not be below 1.
+	// to the least loaded whatever the costs say. Zero means DefaultBalanceAbsThreshold and
+	// DefaultBalanceRelThreshold; a negative abs means any difference counts; rel may not be
+	// below 1.
 	BalanceAbsThreshold int     `yaml:"balance_abs_threshold"`
 	BalanceRelThreshold float64 `yaml:"balance_rel_threshold"`
 	// MaxTreeBytes bounds the approximate view of each pool (the text routed to each
 	// engine, plus a fixed cost per node); the least recently routed texts go first. Zero
-	// means 64 MiB.
+	// means kvcache.DefaultMaxTreeBytes.
 	MaxTreeBytes int `yaml:"max_tree_bytes"`
 }
 
@@ -286,30 +295,32 @@ type KVEventsConfig struct {
 	// empty host binds loopback, "*" every address. Empty means none; engines are then dialed
 	// at their kv_events_endpoint. Read at start: a reload may not change it.
 	Listen string `yaml:"listen"`
-	// StaleAfter is how long after an engine's last event its blocks still count: an
-	// engine silent for longer is scored by cache_aware's view (the text routed to it),
-	// which also covers an engine that stopped publishing. Zero means 60s.
+	// StaleAfter is how long after an engine's last event its blocks still count: an engine
+	// silent for longer is scored by cache_aware's view (the text routed to it), which also
+	// covers an engine that stopped publishing. Zero means DefaultKVEventsStaleAfter.
 	StaleAfter time.Duration `yaml:"stale_after"`
-	// ReplayTimeout bounds one replay after a gap. Zero means 1s.
+	// ReplayTimeout bounds one replay after a gap. Zero means kvcache.DefaultReplayTimeout.
 	ReplayTimeout time.Duration `yaml:"replay_timeout"`
-	// MaxBlocksPerBackend bounds the blocks the index keeps of each engine: events past it
-	// are dropped and counted (index_full). Zero means 1Mi, far above a GPU's. Read at start.
+	// MaxBlocksPerBackend bounds the blocks the index keeps of each engine: events past it are
+	// dropped and counted (index_full). Zero means kvcache.DefaultMaxBlocks, far above a
+	// GPU's. Read at start.
 	MaxBlocksPerBackend int `yaml:"max_blocks_per_backend"`
 	// MaxBlocks bounds the blocks the index keeps in all, a block counted once per engine
 	// holding it: stores past it are dropped and counted (index_full) until the engines'
-	// removals make room. About 45 bytes each; zero means 64Mi (about 3 GiB). Read at start.
+	// removals make room. About 45 bytes each; zero means kvcache.DefaultMaxTotalBlocks
+	// (about 3 GiB). Read at start.
 	MaxBlocks int `yaml:"max_blocks"`
 	// AllowedSources are IP addresses and CIDR prefixes, "10.0.0.0/24", whose messages on
 	// kv_events.listen may speak for any backend: engines behind a NAT or a relay. Without
 	// them a topic's events are taken only from its backend's host address. Empty means none.
 	AllowedSources []string `yaml:"allowed_sources"`
-	// TierWeights weighs a block by the medium its engine holds it on (the medium of its
-	// KV events): gpu, cpu, disk (the media DISK, LocalDisk, SSD, NVMe), or a medium's own
-	// name for a tier of its own (at most 5; a medium no weight names counts as not held),
-	// matched without regard to case. A weight is the share of a block's recompute that
-	// holding it there saves, in [0, 1]: gpu's is the unit, 1 and only 1; a CPU block costs
-	// a reload. Absent tiers take 1, 0.75 and 0.25. The weights may change on a reload,
-	// the names of the tiers of their own not.
+	// TierWeights weighs a block by the medium its engine holds it on (the medium of its KV
+	// events): gpu, cpu, disk (the media DISK, LocalDisk, SSD, NVMe), or a medium's own name
+	// for a tier of its own (at most 5; a medium no weight names counts as not held), matched
+	// without regard to case. A weight is the share of a block's recompute that holding it
+	// there saves, in [0, 1]: gpu's is the unit, 1 and only 1; a CPU block costs a reload.
+	// Absent tiers take 1, kvcache.DefaultCPUWeight and kvcache.DefaultDiskWeight. The weights
+	// may change on a reload, the names of the tiers of their own not.
 	TierWeights map[string]float64 `yaml:"tier_weights"`
 }
 
@@ -317,23 +328,24 @@ type KVEventsConfig struct {
 type Config struct {
 	// Backends lists the engines; at least one decode backend is required.
 	Backends []BackendConfig `yaml:"backends"`
-	// PrefillPolicy selects among prefill backends; empty means least_inflight.
+	// PrefillPolicy selects among prefill backends; empty means DefaultPolicy.
 	PrefillPolicy string `yaml:"prefill_policy"`
-	// DecodePolicy selects among decode backends; empty means least_inflight.
+	// DecodePolicy selects among decode backends; empty means DefaultPolicy.
 	DecodePolicy string `yaml:"decode_policy"`
-	// PrefixTokens is how much of Hint.Prefix prefix_affinity hashes, in tokens, where a
-	// token is taken as 4 bytes (a common average for English text with BPE tokenizers),
-	// so the first 4*PrefixTokens bytes are hashed. The router has no tokenizer, and
-	// what matters is only that equal prompt heads land on the same backend. It is also the
-	// head a prompt no engine caches is placed by (placement.go): the first 4*PrefixTokens
-	// bytes of Hint.Text, or PrefixTokens of Hint.Tokens without text. Zero means 256.
+	// PrefixTokens is how much of Hint.Prefix prefix_affinity hashes, in tokens, where a token
+	// is taken as 4 bytes (a common average for English text with BPE tokenizers), so the
+	// first 4*PrefixTokens bytes are hashed. The router has no tokenizer, and what matters is
+	// only that equal prompt heads land on the same backend. It is also the head a prompt no
+	// engine caches is placed by (placement.go): the first 4*PrefixTokens bytes of Hint.Text,
+	// or PrefixTokens of Hint.Tokens without text. Zero means DefaultPrefixTokens.
 	PrefixTokens int `yaml:"prefix_tokens"`
 	// BoundedLoadFactor is c of consistent hashing with bounded loads (Mirrokni et al.): a
 	// prompt no engine caches, or a session, goes to the first engine in the rendezvous order
 	// of its key whose load, with the request, is at most ceil(c × (total load + 1) / n)
-	// (weighted: × weight / mean weight); prefix_affinity walks its ring past a backend
-	// above c × (average + 1). The lower, the sooner a hot key spreads; 1 is perfectly even.
-	// Zero means 1.25; below 1 is refused, as no engine could then be within its bound.
+	// (weighted: × weight / mean weight); prefix_affinity walks its ring past a backend above
+	// c × (average + 1). The lower, the sooner a hot key spreads; 1 is perfectly even. Zero
+	// means DefaultBoundedLoadFactor; below 1 is refused, as no engine could then be within
+	// its bound.
 	BoundedLoadFactor float64 `yaml:"bounded_load_factor"`
 	// Health configures active health checks.
 	Health HealthConfig `yaml:"health"`
@@ -343,8 +355,8 @@ type Config struct {
 	Queue QueueConfig `yaml:"queue"`
 	// ScrapeInterval is how often least_loaded, cache_aware and precise_cache_aware read each
 	// engine's /metrics (and how long one read may take), the load they weigh; three intervals
-	// without a good read and they weigh the engine by in-flight requests. Zero means 1s; at
-	// least 10ms. Unused by the other policies.
+	// without a good read and they weigh the engine by in-flight requests. Zero means
+	// DefaultScrapeInterval; at least 10ms. Unused by the other policies.
 	ScrapeInterval time.Duration `yaml:"scrape_interval"`
 	// Engines resolves each backend's engine kind. Nil takes any kind as a bare name, with
 	// no default kind and no default kv_hold_timeout.
@@ -372,20 +384,21 @@ type Config struct {
 	// Read at New.
 	LocalTokenizers map[string]LocalTokenizer `yaml:"-"`
 	// TokenizeTimeout bounds one /tokenize call; a request whose tokens do not come in time
-	// is scored by its text. Zero means 1s.
+	// is scored by its text. Zero means DefaultTokenizeTimeout.
 	TokenizeTimeout time.Duration `yaml:"tokenize_timeout"`
 	// TokenizeMaxTokens bounds the tokens the proxy's own tokenizer (Tokenizers) gives one
 	// request: a prompt that has more is scored by its text, tokenized no further than
 	// that. No engine takes a prompt longer than its max_model_len, so the engines' largest
-	// max_model_len is all routing can use of one. Zero means 131072 (128Ki).
+	// max_model_len is all routing can use of one. Zero means DefaultTokenizeMaxTokens.
 	TokenizeMaxTokens int `yaml:"tokenize_max_tokens"`
 	// EngineTokenizer is how tokenizer: engine tokenizes, at the backend Router.Tokens picks
 	// (cmd/proxy passes engine's: the engine's POST /tokenize). Nil means Router.Tokens
 	// answers ErrNoTokenizer, and precise_cache_aware scores requests by their text. Read at
 	// New: a reload keeps the one the router was built with.
 	EngineTokenizer Tokenizer `yaml:"-"`
-	// BlockSize is the engines' KV block size in tokens (vLLM's --block-size), for events
-	// that do not give theirs; an event's own block_size wins. Zero means 16. Read at start.
+	// BlockSize is the engines' KV block size in tokens (vLLM's --block-size), for events that
+	// do not give theirs; an event's own block_size wins. Zero means DefaultBlockSize. Read at
+	// start.
 	BlockSize int `yaml:"block_size"`
 }
 

@@ -35,10 +35,10 @@ func (c *Config) setDefaults() {
 		c.EngineClient = DefaultEngineClient
 	}
 	if c.PrefillPolicy == "" {
-		c.PrefillPolicy = PolicyLeastInflight
+		c.PrefillPolicy = DefaultPolicy
 	}
 	if c.DecodePolicy == "" {
-		c.DecodePolicy = PolicyLeastInflight
+		c.DecodePolicy = DefaultPolicy
 	}
 	if c.PrefixTokens == 0 {
 		c.PrefixTokens = DefaultPrefixTokens

@@ -32,7 +32,7 @@ type Config struct {
 	Redis RedisConfig `yaml:"redis"`
 	// SlotTTL is how long a concurrency slot lives in Redis unless its replica refreshes it
 	// (every third of it, while the request runs): the longest a replica that died holds its
-	// slots. [30s]; below 3s is refused.
+	// slots. [DefaultSlotTTL]; below 3s is refused.
 	SlotTTL time.Duration `yaml:"slot_ttl"`
 }
 
@@ -52,11 +52,11 @@ type RedisConfig struct {
 	// TLS connects over TLS, verifying the server's certificate against the system's roots.
 	TLS bool `yaml:"tls"`
 	// Timeout is the budget of one call on a request's path: a request waits at most this
-	// long for Redis before its replica decides on local state alone. [5ms]; 0, negative or
-	// above 100ms is refused.
+	// long for Redis before its replica decides on local state alone. [DefaultTimeout]; 0,
+	// negative or above MaxTimeout is refused.
 	Timeout *time.Duration `yaml:"timeout"`
 	// KeyPrefix starts every key written, so that several proxies can share one server.
-	// [pdproxy:]
+	// [DefaultKeyPrefix]
 	KeyPrefix string `yaml:"key_prefix"`
 }
 
@@ -65,13 +65,13 @@ func (c Config) Enabled() bool { return c.Redis.Addr != "" }
 
 // Validate checks c as New would, without changing it.
 func (c Config) Validate() error {
-	_, err := c.withDefaults()
+	_, err := c.WithDefaults()
 	return err
 }
 
-// withDefaults is c with every unset key at its default, or the error of the first key
+// WithDefaults is c with every unset key at its default, or the error of the first key
 // that cannot take effect.
-func (c Config) withDefaults() (Config, error) {
+func (c Config) WithDefaults() (Config, error) {
 	r := &c.Redis
 	if r.Addr == "" {
 		if c.SlotTTL != 0 || r.Username != "" || r.PasswordFile != "" || r.DB != 0 || r.TLS || r.Timeout != nil || r.KeyPrefix != "" {

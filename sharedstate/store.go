@@ -160,7 +160,7 @@ type Store struct {
 // New makes a Store for cfg, which must be Enabled. It connects lazily: an unreachable
 // server makes the first calls fail (and the Store back off), not New.
 func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) (*Store, error) {
-	cfg, err := cfg.withDefaults()
+	cfg, err := cfg.WithDefaults()
 	if err != nil {
 		return nil, err
 	}

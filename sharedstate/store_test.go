@@ -132,7 +132,7 @@ func TestConfigDefaultsAndRefusals(t *testing.T) {
 			}
 		})
 	}
-	c, err := Config{Redis: RedisConfig{Addr: "redis:6379"}}.withDefaults()
+	c, err := Config{Redis: RedisConfig{Addr: "redis:6379"}}.WithDefaults()
 	if err != nil || *c.Redis.Timeout != 5*time.Millisecond || c.SlotTTL != 30*time.Second || c.Redis.KeyPrefix != "pdproxy:" {
 		t.Errorf("defaults: timeout %v, slot_ttl %s, key_prefix %q, %v; want 5ms, 30s, pdproxy:", c.Redis.Timeout, c.SlotTTL, c.Redis.KeyPrefix, err)
 	}

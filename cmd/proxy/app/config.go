@@ -10,6 +10,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"slices"
 	"strings"
@@ -24,10 +25,21 @@ import (
 	"github.com/pdproxy/pdproxy/sharedstate"
 )
 
+// The defaults of Config's own keys, filled in by setDefaults.
+const (
+	DefaultListen            = "127.0.0.1:8000"
+	DefaultLogFormat         = "console"
+	DefaultLogLevel          = "info"
+	DefaultShutdownTimeout   = 10 * time.Second
+	DefaultReadHeaderTimeout = 10 * time.Second
+	// DefaultSimListen is a simulated engine's address: a free loopback port.
+	DefaultSimListen = "127.0.0.1:0"
+)
+
 // Config is the whole configuration, as read from YAML. Zero values mean the defaults in
 // brackets; the proxy and router sections are inlined at the top level.
 type Config struct {
-	// Listen is the proxy's address. [127.0.0.1:8000]
+	// Listen is the proxy's address. [DefaultListen]
 	Listen string `yaml:"listen"`
 	// TLSCertFile and TLSKeyFile are a PEM certificate (chain) and its private key: with
 	// both set, the listener serves HTTPS only (TLS 1.2 or newer, HTTP/2 by ALPN). Empty
@@ -38,9 +50,9 @@ type Config struct {
 	// (/debug/pprof/). Empty, the default, means none: profiles expose internals and cost
 	// CPU, so they are never on the proxy's own listener and only where asked for.
 	AdminListen string `yaml:"admin_listen"`
-	// LogFormat is json or console. [console]
+	// LogFormat is json or console. [DefaultLogFormat]
 	LogFormat string `yaml:"log_format"`
-	// LogLevel is debug, info, warn or error. [info]
+	// LogLevel is debug, info, warn or error. [DefaultLogLevel]
 	LogLevel string `yaml:"log_level"`
 	// KVHoldTimeout bounds how long the proxy forwards a prefiller's kv_transfer_params after
 	// the prefill. It keeps a margin below every prefiller's own hold (vLLM's lease), which
@@ -49,10 +61,11 @@ type Config struct {
 	// start. [2/3 of the shortest prefiller's kv_hold_timeout: 20s for vLLM's 30s lease]
 	KVHoldTimeout time.Duration `yaml:"kv_hold_timeout"`
 	// ShutdownTimeout is the drain deadline: on SIGTERM, streams in flight may finish for this
-	// long, then the rest are aborted (their KV released). [10s]
+	// long, then the rest are aborted (their KV released). [DefaultShutdownTimeout]
 	ShutdownTimeout time.Duration `yaml:"shutdown_timeout"`
 	// ReadHeaderTimeout bounds how long a client may take to send its request headers: one
-	// that trickles them is disconnected after it, so it cannot hold a connection open. [10s]
+	// that trickles them is disconnected after it, so it cannot hold a connection open.
+	// [DefaultReadHeaderTimeout]
 	ReadHeaderTimeout time.Duration `yaml:"read_header_timeout"`
 	// Proxy is the HTTP front and P/D flow.
 	Proxy proxy.Config `yaml:",inline"`
@@ -138,23 +151,62 @@ func (s Source) apply(c Config) (Config, error) {
 	if s.TLSKey != "" {
 		c.TLSKeyFile = s.TLSKey
 	}
+	// Refused here as well as at Start, so that a bad command line stops the proxy before
+	// its logger is built.
+	if err := c.checkCommandLine(); err != nil {
+		return Config{}, err
+	}
+	c.Source = s
+	return c, nil
+}
+
+// checkCommandLine checks the keys the flags may set.
+func (c *Config) checkCommandLine() error {
 	if (c.TLSCertFile == "") != (c.TLSKeyFile == "") {
-		return Config{}, errors.New("tls_cert_file and tls_key_file (--tls-cert, --tls-key): set both to serve HTTPS, or neither")
+		return errors.New("tls_cert_file and tls_key_file (--tls-cert, --tls-key): set both to serve HTTPS, or neither")
 	}
 	switch c.LogFormat {
 	case "", "json", "console":
 	default:
-		return Config{}, fmt.Errorf("--log-format: %q is not json or console", c.LogFormat)
+		return fmt.Errorf("log_format (--log-format): %q is not json or console", c.LogFormat)
 	}
-	c.Source = s
-	return c, nil
+	return nil
+}
+
+// check is the config's validation, before anything starts: the app's own keys here, and
+// each section by the check of the package that owns it (proxy.Config.Validate,
+// TracingConfig.validate, sharedstate.Config.Validate in checkSharedState). The router's
+// section is checked by router.New (router.Config.Validate), once the simulated engines
+// listen and their backends can be added, and what spans the proxy's and the router's
+// sections by checkConditional, as a reload does. Start calls it first.
+func (c *Config) check() error {
+	if err := c.checkCommandLine(); err != nil {
+		return err
+	}
+	for i, sc := range c.Sims {
+		if sc.Role != "prefill" && sc.Role != "decode" {
+			return fmt.Errorf("sims[%d].role: %q is not prefill or decode", i, sc.Role)
+		}
+		if sc.Listen != "" {
+			if _, _, err := net.SplitHostPort(sc.Listen); err != nil {
+				return fmt.Errorf("sims[%d].listen: %w", i, err)
+			}
+		}
+	}
+	if err := c.Tracing.validate(); err != nil {
+		return err
+	}
+	if err := c.Proxy.Validate(); err != nil {
+		return err
+	}
+	return checkSharedState(*c)
 }
 
 // SimConfig is one in-process simulated engine (see `proxy sim --help` for each field).
 type SimConfig struct {
 	Role            string        `yaml:"role"`
 	Model           string        `yaml:"model"`
-	Listen          string        `yaml:"listen"` // [127.0.0.1:0: a free port]
+	Listen          string        `yaml:"listen"` // [DefaultSimListen]
 	KVBlocks        int           `yaml:"kv_blocks"`
 	BlockSize       int           `yaml:"block_size"`
 	PrefillTime     time.Duration `yaml:"prefill_time"`
@@ -187,10 +239,11 @@ type SimConfig struct {
 	// Engine says otherwise; its bootstrap server listens on a free port of its listen host.
 	Protocol string `yaml:"protocol"`
 	// BootstrapTimeout, WaitingTimeout, DisconnectDelay and AdminAPIKey are an sglang
-	// sim's; the proxy's backend for it gets the admin key.
-	BootstrapTimeout time.Duration `yaml:"bootstrap_timeout"` // [0: none]
-	WaitingTimeout   time.Duration `yaml:"waiting_timeout"`   // [300s]
-	DisconnectDelay  time.Duration `yaml:"disconnect_delay"`  // [2s; negative: 0]
+	// sim's; the proxy's backend for it gets the admin key. [sim.DefaultConfig's; a
+	// negative disconnect_delay means 0]
+	BootstrapTimeout time.Duration `yaml:"bootstrap_timeout"`
+	WaitingTimeout   time.Duration `yaml:"waiting_timeout"`
+	DisconnectDelay  time.Duration `yaml:"disconnect_delay"`
 	AdminAPIKey      string        `yaml:"admin_api_key"`
 	// SchedulingPolicy (fcfs or priority: the body's priority orders the queue, as vLLM's
 	// --scheduling-policy), LoRAModules ("name=path,...": adapters listed as models) and
@@ -223,19 +276,19 @@ func DefaultConfig() Config {
 
 func (c *Config) setDefaults() {
 	if c.Listen == "" {
-		c.Listen = "127.0.0.1:8000"
+		c.Listen = DefaultListen
 	}
 	if c.LogFormat == "" {
-		c.LogFormat = "console"
+		c.LogFormat = DefaultLogFormat
 	}
 	if c.LogLevel == "" {
-		c.LogLevel = "info"
+		c.LogLevel = DefaultLogLevel
 	}
 	if c.ShutdownTimeout <= 0 {
-		c.ShutdownTimeout = 10 * time.Second
+		c.ShutdownTimeout = DefaultShutdownTimeout
 	}
 	if c.ReadHeaderTimeout <= 0 {
-		c.ReadHeaderTimeout = 10 * time.Second
+		c.ReadHeaderTimeout = DefaultReadHeaderTimeout
 	}
 }
 
@@ -259,9 +312,9 @@ func LoadConfig(args []string, stderr io.Writer) (Config, error) {
 	fs.Var(&decodes, "decode", "URL of a decode engine (repeatable); with none of --prefill/--decode/--config, simulated engines start in-process")
 	fs.StringVar(&src.Engine, "engine", "", "engine kind of the --prefill and --decode URLs: "+strings.Join(engine.Kinds(), ", ")+" (default vllm)")
 	fs.StringVar(&src.File, "config", "", "YAML config file (see configs/); unknown keys are rejected; SIGHUP reloads its backends")
-	fs.StringVar(&src.Listen, "listen", "", "address to serve on (default 127.0.0.1:8000)")
+	fs.StringVar(&src.Listen, "listen", "", "address to serve on (default "+DefaultListen+")")
 	fs.StringVar(&src.AdminListen, "admin-listen", "", "address of a separate admin listener serving the Go profiler, /debug/pprof/ (default none)")
-	fs.StringVar(&src.LogFormat, "log-format", "", "log format: json or console (default console)")
+	fs.StringVar(&src.LogFormat, "log-format", "", "log format: json or console (default "+DefaultLogFormat+")")
 	fs.StringVar(&src.TLSCert, "tls-cert", "", "PEM certificate file: serve HTTPS (with --tls-key)")
 	fs.StringVar(&src.TLSKey, "tls-key", "", "PEM private key file of --tls-cert")
 	fs.Usage = func() {

@@ -93,7 +93,7 @@ func (p *simProcess) URL() string { return "http://" + p.ln.Addr().String() }
 func NewLogger(format, level string) (*zap.Logger, error) {
 	lvl, err := zapcore.ParseLevel(level)
 	if err != nil {
-		return nil, fmt.Errorf("log level: %w", err)
+		return nil, fmt.Errorf("log_level: %w", err)
 	}
 	var zc zap.Config
 	if format == "json" {
@@ -119,6 +119,9 @@ func New(cfg Config, logger *zap.Logger) (*Main, error) {
 // Start starts the simulated engines, then the router, the table and the proxy's listener.
 // The goroutines it starts stop on Shutdown.
 func (m *Main) Start(ctx context.Context) error {
+	if err := m.cfg.check(); err != nil {
+		return fmt.Errorf("config: %w", err)
+	}
 	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	m.cancel = cancel
 	g, gctx := errgroup.WithContext(runCtx)
@@ -302,9 +305,6 @@ func (m *Main) build(ctx context.Context, rcfg router.Config) error {
 		m.tracer = tp
 		opts = append(opts, proxy.WithTracerProvider(tp))
 	}
-	if err := checkSharedState(m.cfg); err != nil {
-		return fmt.Errorf("config: %w", err)
-	}
 	if m.cfg.SharedState.Enabled() {
 		st, err := sharedstate.New(m.cfg.SharedState, m.logger.Named("sharedstate"), m.Registry)
 		if err != nil {
@@ -325,9 +325,6 @@ func (m *Main) build(ctx context.Context, rcfg router.Config) error {
 }
 
 func (m *Main) startSim(ctx context.Context, g *errgroup.Group, i int, sc SimConfig) (*simProcess, error) {
-	if sc.Role != "prefill" && sc.Role != "decode" {
-		return nil, fmt.Errorf("config: sims[%d].role: %q is not prefill or decode", i, sc.Role)
-	}
 	// Unset fields keep the simulator's own defaults, as `proxy sim` flags do.
 	cfg := sim.DefaultConfig()
 	cfg.Role = sc.Role
@@ -358,7 +355,7 @@ func (m *Main) startSim(ctx context.Context, g *errgroup.Group, i int, sc SimCon
 	setIf(&cfg.EmbeddingDim, sc.EmbeddingDim)
 	addr := sc.Listen
 	if addr == "" {
-		addr = "127.0.0.1:0"
+		addr = DefaultSimListen
 	}
 	// Several sims share a host: each bootstrap server takes a free port, on the host the
 	// engine listens on, which /server_info reports.

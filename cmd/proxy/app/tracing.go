@@ -22,20 +22,28 @@ type TracingConfig struct {
 	// when the URL has no path) or http://collector:4317 (gRPC); https for TLS.
 	Endpoint string `yaml:"endpoint"`
 	// Protocol is http/protobuf or grpc. [OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or
-	// OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf]
+	// OTEL_EXPORTER_OTLP_PROTOCOL, else DefaultTracingProtocol]
 	Protocol string `yaml:"protocol"`
 	// SamplingRatio is the share of traces started here that are sampled, 0 to 1; a trace a
 	// client's traceparent says is sampled (or not) stays so. [OTEL_TRACES_SAMPLER, else 1]
 	SamplingRatio *float64 `yaml:"sampling_ratio"`
-	// ServiceName names the proxy in the traces. [OTEL_SERVICE_NAME, else pdproxy]
+	// ServiceName names the proxy in the traces. [OTEL_SERVICE_NAME, else
+	// DefaultServiceName]
 	ServiceName string `yaml:"service_name"`
 }
 
 const (
 	protocolHTTP = "http/protobuf"
 	protocolGRPC = "grpc"
+	// DefaultTracingProtocol is tracing.protocol when neither the config nor the
+	// environment names one.
+	DefaultTracingProtocol = protocolHTTP
+	// DefaultServiceName is tracing.service_name when neither the config nor
+	// OTEL_SERVICE_NAME names one.
+	DefaultServiceName = "pdproxy"
 )
 
+// validate is the tracing section's check, called by Config.check.
 func (c TracingConfig) validate() error {
 	if c.Protocol != "" && c.Protocol != protocolHTTP && c.Protocol != protocolGRPC {
 		return fmt.Errorf("tracing.protocol: %q is not %s or %s", c.Protocol, protocolHTTP, protocolGRPC)
@@ -53,11 +61,8 @@ func (c TracingConfig) validate() error {
 }
 
 // newTracerProvider builds the tracer provider c and the environment ask for; nil when
-// tracing is off.
+// tracing is off. c has passed validate (Config.check).
 func newTracerProvider(ctx context.Context, c TracingConfig, getenv func(string) string) (*sdktrace.TracerProvider, error) {
-	if err := c.validate(); err != nil {
-		return nil, err
-	}
 	if strings.EqualFold(getenv("OTEL_SDK_DISABLED"), "true") {
 		return nil, nil
 	}
@@ -69,10 +74,13 @@ func newTracerProvider(ctx context.Context, c TracingConfig, getenv func(string)
 	if protocol == "" {
 		protocol = firstSet(getenv, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 	}
+	if protocol == "" {
+		protocol = DefaultTracingProtocol
+	}
 	var exp sdktrace.SpanExporter
 	var err error
 	switch protocol {
-	case "", protocolHTTP:
+	case protocolHTTP:
 		var opts []otlptracehttp.Option
 		if c.Endpoint != "" {
 			opts = append(opts, otlptracehttp.WithEndpointURL(tracesURL(c.Endpoint)))
@@ -95,7 +103,7 @@ func newTracerProvider(ctx context.Context, c TracingConfig, getenv func(string)
 		name = firstSet(getenv, "OTEL_SERVICE_NAME")
 	}
 	if name == "" {
-		name = "pdproxy"
+		name = DefaultServiceName
 	}
 	opts := []sdktrace.TracerProviderOption{sdktrace.WithBatcher(exp),
 		sdktrace.WithResource(resource.NewSchemaless(attribute.String("service.name", name)))}
