@@ -65,6 +65,9 @@ type fairQueue struct {
 	vclock float64
 	// order is scratch for dispatch.
 	order []*flowQueue
+	// share is what the queue shares with other replicas' (flowshare.go); its zero value
+	// shares nothing.
+	share flowShare
 }
 
 type flowQueue struct {
@@ -141,6 +144,7 @@ func (q *fairQueue) served(w *waiter, charge float64) {
 	start := max(f.vt, q.vclock)
 	q.vclock = start
 	f.vt = start + charge/f.weight()
+	q.share.note(f.Key, charge)
 	q.remove(w)
 }
 

@@ -37,6 +37,9 @@ func (r *Router) Run(ctx context.Context) error {
 	scraper.Go(func() { r.scrapeLoop(ctx) })
 	scraper.Go(func() { r.runEvents(ctx) })
 	scraper.Go(func() { r.checkTokenizersLoop(ctx) })
+	if r.shares != nil {
+		scraper.Go(func() { r.shareLoop(ctx) })
+	}
 	defer scraper.Wait()
 	timer := time.NewTimer(0) // the first round at once
 	defer timer.Stop()

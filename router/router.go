@@ -105,6 +105,9 @@ type Router struct {
 	all atomic.Pointer[[]*Backend]
 	// settings holds the parts of the config read outside the pools.
 	settings atomic.Pointer[settings]
+	// shares carries the fair queues' service to other replicas (ShareFlows); nil shares
+	// nothing.
+	shares FlowShares
 	// reloaded wakes Run when a Reload may have changed the check interval.
 	reloaded chan struct{}
 	// reloadMu serializes New's first apply and Reloads.

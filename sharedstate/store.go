@@ -39,6 +39,7 @@ const (
 	opRelease = "release"
 	opBind    = "bind"
 	opRefresh = "refresh"
+	opFlows   = "flows"
 )
 
 // Reasons a Check refuses a request.

@@ -312,6 +312,7 @@ func (m *Main) build(ctx context.Context, rcfg router.Config) error {
 		}
 		m.store = st
 		opts = append(opts, proxy.WithSharedState(st))
+		rt.ShareFlows(st) // the tenants' shares are global (flow control; nothing to share without it)
 	}
 	srv, err := proxy.New(m.cfg.Proxy, rt, m.Table, m.logger.Named("proxy"), m.Registry, m.Registry, opts...)
 	if err != nil {
