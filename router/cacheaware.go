@@ -120,9 +120,6 @@ func (p *CacheAware) Forget(backend string) { p.tree.Forget(backend) }
 // Picked records a pick the pool made without Select (a session's): its text was sent to b.
 func (p *CacheAware) Picked(b *Backend, h Hint) { p.picked(b, h, -1) }
 
-// candidatesOnStack is how many candidates Select scores without allocating.
-const candidatesOnStack = 16
-
 // Select implements Policy.
 func (p *CacheAware) Select(cands []*Backend, h Hint) *Backend {
 	b, _ := p.SelectCost(cands, h)
