@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -60,6 +61,22 @@ type settings struct {
 	ejection        EjectionConfig
 	scrapeInterval  time.Duration
 	tokenizeTimeout time.Duration
+}
+
+// kvStart is the KV event settings read once, at New.
+type kvStart struct {
+	listen                         string
+	blockSize, maxBlocks, maxTotal int
+	replayTimeout                  time.Duration
+	// namedTiers are kv_events.tier_weights' tiers besides gpu, cpu and disk, joined by
+	// commas.
+	namedTiers string
+}
+
+func kvStartOf(cfg Config) kvStart {
+	kv := cfg.KVEvents
+	return kvStart{listen: kv.Listen, blockSize: cfg.BlockSize, maxBlocks: kv.MaxBlocksPerBackend, maxTotal: kv.MaxBlocks,
+		replayTimeout: kv.ReplayTimeout, namedTiers: strings.Join(kvcache.NamedTiers(kv.TierWeights), ",")}
 }
 
 // New validates cfg (filling its defaults) and builds a router. It starts nothing: Run
