@@ -120,9 +120,6 @@ func (p *CacheAware) Forget(backend string) { p.tree.Forget(backend) }
 // Picked records a pick the pool made without Select (a session's): its text was sent to b.
 func (p *CacheAware) Picked(b *Backend, h Hint) { p.picked(b, h, -1) }
 
-// candidatesOnStack is how many candidates Select scores without allocating.
-const candidatesOnStack = 16
-
 // Select implements Policy.
 func (p *CacheAware) Select(cands []*Backend, h Hint) *Backend {
 	b, _ := p.SelectCost(cands, h)
@@ -270,6 +267,17 @@ func (c CacheAwareConfig) outOfBalance(lo, hi int64) bool {
 // holds what its events have not told yet. Without it, a burst sharing a new prefix would
 // see it nowhere until the first prefill ends, and spread every request of it.
 const pendingGrace = 2 * time.Second
+
+// pendingFrom is from when text routed to engine e, whose latest KV event came at last,
+// counts as blocks it is computing and has not told yet: pendingGrace before that event.
+// Never for a hybrid model's engine (kvcache.Engine.Hybrid): what it reuses of a routed
+// text depends on where a prompt ends, which the text cannot say, and only its events can.
+func pendingFrom(e *kvcache.Engine, last time.Time) time.Time {
+	if e.Hybrid() {
+		return last.Add(100 * 365 * 24 * time.Hour)
+	}
+	return last.Add(-pendingGrace)
+}
 
 // score appends each candidate's predicted share of h's prompt to out: for an engine whose
 // KV events are fresh, the larger of the share of h.Tokens they say it holds, each block

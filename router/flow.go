@@ -2,19 +2,8 @@ package router
 
 import (
 	"container/list"
-	"errors"
 	"slices"
-)
-
-// Errors of the fair queue (Hint.Flow), beside those of Acquire in router.go.
-var (
-	// ErrTenantQueueFull means the request's flow already has its share of the wait queue
-	// waiting (Flow.MaxQueue, or its weighted share of a full queue): answer 429, the tenant
-	// is over its share while others are not.
-	ErrTenantQueueFull = errors.New("router: the tenant's share of the wait queue is full")
-	// ErrPoolSaturated means the wait queue is full and no flow in it is over its share: the
-	// whole pool is saturated past its queue, whoever asks. Answer 503.
-	ErrPoolSaturated = errors.New("router: every backend busy and the wait queue full within every tenant's share")
+	"time"
 )
 
 // Flow is the tenant a request waits for, when it waits: the queue of a pool serves its
@@ -45,6 +34,22 @@ func (f Flow) weight() float64 {
 		return f.Weight
 	}
 	return 1
+}
+
+// waiter is one request waiting in a pool's queue (fairQueue) for a backend.
+type waiter struct {
+	h    Hint
+	ch   chan waitResult // buffered 1: the dispatcher never blocks
+	elem *list.Element   // in flow's list; nil once out of the queue
+	flow *flowQueue
+	// deadline is when the waiter arrived plus its Hint's Slack: its order within its flow.
+	deadline time.Time
+}
+
+// waitResult is what a waiter is handed when it leaves the queue: a lease, or why none.
+type waitResult struct {
+	lease *Lease
+	err   error
 }
 
 // fairQueue is a pool's wait queue: one earliest-deadline-first list per flow, the flows

@@ -189,17 +189,6 @@ func (r *Router) CachedTokens(name string, h Hint) (n int, ok bool) {
 	return weightedTokens(v), true
 }
 
-// pendingFrom is from when text routed to engine e, whose latest KV event came at last,
-// counts as blocks it is computing and has not told yet: pendingGrace before that event.
-// Never for a hybrid model's engine (kvcache.Engine.Hybrid): what it reuses of a routed
-// text depends on where a prompt ends, which the text cannot say, and only its events can.
-func pendingFrom(e *kvcache.Engine, last time.Time) time.Time {
-	if e.Hybrid() {
-		return last.Add(100 * 365 * 24 * time.Hour)
-	}
-	return last.Add(-pendingGrace)
-}
-
 // cacheIdentity is what h's prompt's blocks are keyed by beyond its tokens.
 func (h Hint) cacheIdentity() kvcache.Identity {
 	return kvcache.Identity{LoRA: h.LoRA, Salt: h.CacheSalt}

@@ -41,6 +41,9 @@ const (
 	SessionYieldedLoad SessionChoice = "yielded_load"
 )
 
+// candidatesOnStack is how many candidates Select scores without allocating.
+const candidatesOnStack = 16
+
 // loadView is one candidate's load for one pick, read once: the counts move under a pick.
 type loadView struct {
 	load int64

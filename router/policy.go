@@ -25,6 +25,22 @@ type poolWatcher interface {
 	SetPool(all []*Backend)
 }
 
+// policyCaps are what a policy needs beyond a pool of candidates. Code outside the table of
+// policies (registry.go) asks them, never a policy's name.
+type policyCaps struct {
+	// wantsTokens: it scores a request by its tokens (Hint.Tokens), which the proxy gets
+	// from Router.Tokens before Acquire, and so needs a tokenizer.
+	wantsTokens bool
+	// needsKVEvents: it reads the engines' KV events, so some must be configured.
+	needsKVEvents bool
+	// scrapesLoad: it weighs engines' load by their /metrics (Backend.loadScore), which
+	// Router.Run scrapes for its pool every scrape_interval.
+	scrapesLoad bool
+	// byCost: it places by the predicted cost of the prefill (cost.go), so its pool has a
+	// predicted time to first token.
+	byCost bool
+}
+
 // Interface guards.
 var (
 	_ Policy      = (*LeastInflight)(nil)

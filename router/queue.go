@@ -1,24 +1,5 @@
 package router
 
-import (
-	"container/list"
-	"time"
-)
-
-type waiter struct {
-	h    Hint
-	ch   chan waitResult // buffered 1: the dispatcher never blocks
-	elem *list.Element   // in flow's list; nil once out of the queue
-	flow *flowQueue
-	// deadline is when the waiter arrived plus its Hint's Slack: its order within its flow.
-	deadline time.Time
-}
-
-type waitResult struct {
-	lease *Lease
-	err   error
-}
-
 // dispatchLocked hands free slots to waiters: the flows in their turn (fairQueue.byTurn),
 // each flow's waiters earliest deadline first. A waiter that excludes the free backends does
 // not block the ones behind it.

@@ -22,22 +22,6 @@ const (
 	PolicyPreciseCacheAware = "precise_cache_aware"
 )
 
-// policyCaps are what a policy needs beyond a pool of candidates. Code outside this table
-// asks them, never a policy's name.
-type policyCaps struct {
-	// wantsTokens: it scores a request by its tokens (Hint.Tokens), which the proxy gets
-	// from Router.Tokens before Acquire, and so needs a tokenizer.
-	wantsTokens bool
-	// needsKVEvents: it reads the engines' KV events, so some must be configured.
-	needsKVEvents bool
-	// scrapesLoad: it weighs engines' load by their /metrics (Backend.loadScore), which
-	// Router.Run scrapes for its pool every scrape_interval.
-	scrapesLoad bool
-	// byCost: it places by the predicted cost of the prefill (cost.go), so its pool has a
-	// predicted time to first token.
-	byCost bool
-}
-
 // policyBuild is what a policy's constructor may take from the router. Its zero value is a
 // policy on its own (NewPolicy): the wall clock, no metrics, the default settings.
 type policyBuild struct {

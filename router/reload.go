@@ -6,12 +6,8 @@ import (
 	"maps"
 	"net/http"
 	"slices"
-	"strings"
-	"time"
 
 	"go.uber.org/zap"
-
-	"github.com/pdproxy/pdproxy/kvcache"
 )
 
 // Reload switches to cfg without dropping requests in flight. A backend kept under the
@@ -178,20 +174,4 @@ func (b *Backend) clientIfSame(o clientOptions) *http.Client {
 		return nil
 	}
 	return b.client
-}
-
-// kvStart is the KV event settings read once, at New.
-type kvStart struct {
-	listen                         string
-	blockSize, maxBlocks, maxTotal int
-	replayTimeout                  time.Duration
-	// namedTiers are kv_events.tier_weights' tiers besides gpu, cpu and disk, joined by
-	// commas.
-	namedTiers string
-}
-
-func kvStartOf(cfg Config) kvStart {
-	kv := cfg.KVEvents
-	return kvStart{listen: kv.Listen, blockSize: cfg.BlockSize, maxBlocks: kv.MaxBlocksPerBackend, maxTotal: kv.MaxBlocks,
-		replayTimeout: kv.ReplayTimeout, namedTiers: strings.Join(kvcache.NamedTiers(kv.TierWeights), ",")}
 }

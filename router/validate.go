@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"maps"
 	"math"
-	"net"
 	"net/url"
 	"slices"
 	"strings"
@@ -297,19 +296,6 @@ func (c *Config) deriveNames() {
 	}
 }
 
-// hostPort names a backend after its address, adding the scheme's port when the URL
-// has none so that "http://a" and "http://a:80" get the same name.
-func hostPort(u *url.URL) string {
-	if u.Port() != "" {
-		return u.Host
-	}
-	port := "80"
-	if u.Scheme == "https" {
-		port = "443"
-	}
-	return net.JoinHostPort(u.Hostname(), port)
-}
-
 // Validate fills the defaults of zero fields in place, then checks the config. The
 // error names every bad field, e.g. "backends[1].url: ...".
 func (c *Config) Validate() error {
@@ -452,24 +438,4 @@ func (c *Config) Validate() error {
 		bad("scrape_interval", "%v is shorter than %v", c.ScrapeInterval, minScrapeInterval)
 	}
 	return errors.Join(errs...)
-}
-
-func checkURL(raw string) error {
-	if raw == "" {
-		return errors.New("required")
-	}
-	u, err := url.Parse(raw)
-	if err != nil {
-		return err
-	}
-	if u.Scheme != "http" && u.Scheme != "https" {
-		return fmt.Errorf("%q: scheme must be http or https", raw)
-	}
-	if u.Hostname() == "" {
-		return fmt.Errorf("%q: no host", raw)
-	}
-	if u.RawQuery != "" || u.Fragment != "" || u.User != nil {
-		return fmt.Errorf("%q: no user info, query or fragment allowed", raw)
-	}
-	return nil
 }
