@@ -44,6 +44,8 @@ type waiter struct {
 	flow *flowQueue
 	// deadline is when the waiter arrived plus its Hint's Slack: its order within its flow.
 	deadline time.Time
+	// since is when it began to wait, on the wall clock: the TTFT bound counts its wait.
+	since time.Time
 }
 
 // waitResult is what a waiter is handed when it leaves the queue: a lease, or why none.

@@ -49,6 +49,9 @@ type Hint struct {
 	// proxy's own release traffic (a one-token drain that makes a decoder pull and free a
 	// prefiller's KV): that must never queue behind the load whose memory it frees.
 	Overcommit bool
+	// waited is how long the request has waited in the queue when a dispatch picks for it:
+	// the TTFT bound counts it as part of the time to first token.
+	waited time.Duration
 	// Class names the request's priority class, from the proxy's config (a closed set): the
 	// class label of pdproxy_queue_wait_seconds. Empty shows as "none".
 	Class string

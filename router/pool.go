@@ -95,11 +95,16 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool, choice SessionChoice,
 	return b, true, choice, cost
 }
 
-// overBoundLocked reports whether a pick of cost for h would start past the pool's TTFT bound
-// behind work already queued or running there. A request whose own prefill alone takes longer
-// than the bound is not held back on an idle engine: waiting would not make it faster.
+// overBoundLocked reports whether a pick of cost for h would bring its first token past the
+// pool's TTFT bound: the time it waited in the queue and its predicted TTFT there together.
+// A request that has not waited and whose own prefill alone takes longer than the bound is
+// not held back on an idle engine: waiting would not make it faster. One that waited past the
+// bound waits on to its queue timeout, and is refused then: admitted, it would be late.
 func (p *pool) overBoundLocked(cost Cost, h Hint) bool {
-	return p.ttftBound > 0 && !h.Overcommit && cost.Ahead > 0 && cost.Predicted > p.ttftBound
+	if p.ttftBound <= 0 || h.Overcommit || cost.Predicted+h.waited <= p.ttftBound {
+		return false
+	}
+	return cost.Ahead > 0 || h.waited > 0
 }
 
 // sessionChoice is how a pick of b for h's session went, where the policy picked by cost:

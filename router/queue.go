@@ -1,5 +1,7 @@
 package router
 
+import "time"
+
 // dispatchLocked hands free slots to waiters: the flows in their turn (fairQueue.byTurn),
 // each flow's waiters earliest deadline first. A waiter that excludes the free backends does
 // not block the ones behind it.
@@ -15,7 +17,11 @@ func (p *pool) dispatchOneLocked() bool {
 		for e := f.waiters.Front(); e != nil; {
 			next := e.Next()
 			w := e.Value.(*waiter)
-			b, avail, choice, cost := p.pickLocked(w.h)
+			h := w.h
+			if p.ttftBound > 0 {
+				h.waited = time.Since(w.since)
+			}
+			b, avail, choice, cost := p.pickLocked(h)
 			switch {
 			case b != nil:
 				p.waiters.served(w, charge(cost, w.h))

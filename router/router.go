@@ -190,7 +190,7 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 	}
 	start := time.Now()
 	// The deadline is on the router's clock, which tests move.
-	w := &waiter{h: h, ch: make(chan waitResult, 1), deadline: r.now().Add(max(h.Slack, 0))}
+	w := &waiter{h: h, ch: make(chan waitResult, 1), deadline: r.now().Add(max(h.Slack, 0)), since: start}
 	p.waiters.push(w)
 	timeout, depth := p.queueTimeout, p.waiters.Len()
 	if h.MaxWait > 0 {
