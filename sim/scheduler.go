@@ -59,16 +59,6 @@ func (e *Engine) computeTime(r *request) time.Duration {
 		time.Duration(r.reloadedBlocks)*e.cfg.CPUReloadPerBlock
 }
 
-// lookupHashes are the block hashes a request looks up in the prefix cache:
-// its full blocks short of the last token, which vLLM always computes to get
-// the logits of the first output token.
-func (r *request) lookupHashes(blockSize int) []uint64 {
-	if r.blockHashes == nil {
-		return nil
-	}
-	return r.blockHashes[:min(len(r.blockHashes), (r.promptTokens-1)/blockSize)]
-}
-
 func (e *Engine) apply(ev event, now time.Time) {
 	switch ev.kind {
 	case evAdd:
@@ -144,14 +134,6 @@ func (e *Engine) apply(ev event, now time.Time) {
 		r.state = stateDecoding
 		r.readyAt = now
 	}
-}
-
-func (r *request) isLive() bool {
-	switch r.state {
-	case stateWaiting, statePrefilling, statePulling, stateDecoding:
-		return true
-	}
-	return false
 }
 
 func (e *Engine) add(r *request, now time.Time) {
@@ -420,22 +402,6 @@ func (e *Engine) advance(now time.Time) {
 		e.emit(r, now)
 	}
 	e.running = slices.DeleteFunc(e.running, func(r *request) bool { return !r.isLive() })
-}
-
-// nextToken draws token i of r from its token source (request.go): its id
-// and whether it is an EOS, where an EOS may end the answer.
-func (r *request) nextToken(i int) (id uint32, eos bool) {
-	canStop := !r.ignoreEOS && i >= r.minTokens
-	if !r.byPrefix {
-		return tokenID(r.hash, i), canStop && tokenIsEOS(r.hash, i)
-	}
-	id, eos = prefixToken(r.tokState)
-	eos = eos && canStop
-	if eos {
-		id = tokenEOS
-	}
-	r.tokState = foldToken(r.tokState, id)
-	return id, eos
 }
 
 func (e *Engine) emit(r *request, now time.Time) {
