@@ -85,12 +85,25 @@ func writeError(w http.ResponseWriter, err error) {
 	writeJSON(w, ae.Status, map[string]*apiError{"error": ae})
 }
 
-// bodyReadError is the answer to a request body that could not be read: a 413 past
-// maxBodyBytes, else a 400.
-func bodyReadError(err error) error {
-	var tooBig *http.MaxBytesError
-	if errors.As(err, &tooBig) {
-		return statusError(http.StatusRequestEntityTooLarge, "body_too_large", "request body larger than %d bytes", maxBodyBytes)
+// anthropicWriter marks the writer of a Messages route: writeError answers
+// in Anthropic's error shape on it.
+type anthropicWriter struct{ http.ResponseWriter }
+
+// Unwrap lets http.ResponseController reach the connection's writer.
+func (w *anthropicWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+func anthropicShape(next http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) { next(&anthropicWriter{w}, r) }
+}
+
+// anthropicError is ae in Anthropic's shape, its type chat's.
+func anthropicError(ae *apiError) any {
+	type inner struct {
+		Type    string `json:"type"`
+		Message string `json:"message"`
 	}
-	return badRequest("unreadable_body", "read request body: %v", err)
+	return struct {
+		Type  string `json:"type"`
+		Error inner  `json:"error"`
+	}{"error", inner{ae.Type, ae.Message}}
 }

@@ -556,3 +556,9 @@ func parseLoRAModules(s string) ([]loraModule, error) {
 
 // maxEmbeddingDim bounds --embedding-dim and a request's dimensions.
 const maxEmbeddingDim = 1 << 16
+
+// Event formats, the values of Config.KVEventsFormat.
+const (
+	KVEventsFormatArray = "array"
+	KVEventsFormatMap   = "map"
+)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"net/http"
 	"strconv"
 	"sync"
@@ -503,93 +502,6 @@ func (e *Engine) transferEnded(rid, outcome string) {
 // finishedReceiving is the decoder side: the pull of r ended with err.
 func (e *Engine) finishedReceiving(r *request, err error) {
 	_ = e.enqueue(event{kind: evFinishedReceving, req: r, err: err})
-}
-
-// Run is the scheduler loop. It steps whenever events arrive or work is due,
-// sleeps otherwise, and returns nil once ctx is done, after aborting every
-// request and freeing every block.
-func (e *Engine) Run(ctx context.Context) error {
-	e.mu.Lock()
-	again := e.started
-	e.started = true
-	e.mu.Unlock()
-	if again {
-		return errors.New("sim: engine Run called twice")
-	}
-	if e.boot != nil {
-		// Deferred before shutdown, so it runs after it: the rooms are gone
-		// by then and every request waiting for one has its answer.
-		e.boot.srv.Handler = e.bootstrapHandler()
-		stop := e.boot.serve(e.log)
-		defer stop()
-	}
-	if len(e.ranks) > 1 {
-		// The other ranks stop with ctx; the bootstrap server, which serves
-		// their pulls too, closes after them.
-		var wg sync.WaitGroup
-		errs := make([]error, len(e.ranks))
-		for i, r := range e.ranks[1:] {
-			wg.Go(func() { errs[i+1] = r.Run(ctx) })
-		}
-		defer func() {
-			wg.Wait()
-			if err := errors.Join(errs...); err != nil {
-				e.log.Error("data parallel rank stopped", zap.Error(err))
-			}
-		}()
-	}
-	defer e.client.CloseIdleConnections()
-	if e.kv != nil {
-		// Deferred before shutdown, so it runs after it: the loop stops
-		// once the engine's last events are queued, and sends them.
-		kctx, stop := context.WithCancel(context.WithoutCancel(ctx))
-		var wg sync.WaitGroup
-		wg.Go(func() { e.kv.run(kctx) })
-		defer wg.Wait()
-		defer stop()
-	}
-	defer e.shutdown()
-	if e.cfg.KVHeartbeatInterval > 0 {
-		// Deferred after shutdown, so they run before it: the loop stops and
-		// is waited for while the engine still knows its requests.
-		// The first round's timer is armed here, before the scheduler below
-		// serves anything: a fake clock advanced once a request is queued
-		// finds it, however late the loop's goroutine runs.
-		hctx, stop := context.WithCancel(ctx)
-		first := e.clock.NewTimer(e.cfg.KVHeartbeatInterval)
-		var wg sync.WaitGroup
-		wg.Go(func() { e.heartbeatLoop(hctx, first) })
-		defer wg.Wait()
-		defer stop()
-	}
-	for {
-		if ctx.Err() != nil {
-			return nil
-		}
-		now := e.clock.Now()
-		next, ok := e.step(now)
-		if ok && !next.After(now) {
-			continue // more work is due at once (ITL 0)
-		}
-		var (
-			fire  <-chan time.Time
-			timer Timer
-		)
-		if ok {
-			// From the clock's time now, not the step's: a test's fake clock
-			// may have moved during the step.
-			timer = e.clock.NewTimer(next.Sub(e.clock.Now()))
-			fire = timer.C()
-		}
-		select {
-		case <-ctx.Done():
-		case <-e.wake:
-		case <-fire:
-		}
-		if timer != nil {
-			timer.Stop()
-		}
-	}
 }
 
 // CloseIdleConnections drops the idle keep-alive connections of the engine's pull/notify

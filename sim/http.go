@@ -2,8 +2,6 @@ package sim
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"io"
@@ -137,12 +135,6 @@ func (e *Engine) faults(h http.Header) (faults, error) {
 		}
 	}
 	return f, nil
-}
-
-func newRequestID() string {
-	var b [8]byte
-	_, _ = rand.Read(b[:])
-	return "sim-" + hex.EncodeToString(b[:])
 }
 
 // apiKind is the API a generation request came in on.
@@ -856,14 +848,4 @@ func (e *Engine) handleTokenize(w http.ResponseWriter, r *http.Request) {
 		MaxModelLen int      `json:"max_model_len"`
 		Tokens      []uint32 `json:"tokens"`
 	}{len(tokens), e.maxModelLen(), tokens})
-}
-
-// maxModelLen is the longest prompt this engine takes: MaxModelLen, or
-// what the whole pool holds.
-func (e *Engine) maxModelLen() int {
-	pool := e.cfg.KVBlocks * e.cfg.BlockSize
-	if e.cfg.MaxModelLen > 0 {
-		return min(e.cfg.MaxModelLen, pool)
-	}
-	return pool
 }

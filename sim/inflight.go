@@ -8,29 +8,10 @@ import (
 	"time"
 )
 
-// A request inside the engine: what it asks (reqKind), where the step has
-// it (reqState), what the step hands its handler (output) and what a
-// handler hands the step (event).
-
-// reqKind is what a request asks of the engine.
-type reqKind uint8
-
-const (
-	kindAggregated reqKind = iota // prefill and decode here
-	kindPrefill                   // do_remote_decode: prefill, then hold the KV for a decoder
-	kindDecode                    // do_remote_prefill: pull the KV from a prefiller, then decode
-)
-
-func (k reqKind) String() string {
-	switch k {
-	case kindPrefill:
-		return "prefill"
-	case kindDecode:
-		return "decode"
-	default:
-		return "aggregated"
-	}
-}
+// A request inside the engine: where the step has it (reqState), what the
+// step hands its handler (output) and what a handler hands the step
+// (event); and the room (SGLang) or transfer (Mooncake) in which a
+// prefill waits for its decoder.
 
 // reqState is where a request is in the scheduler.
 type reqState uint8
@@ -236,4 +217,46 @@ func (r *request) nextToken(i int) (id uint32, eos bool) {
 	}
 	r.tokState = foldToken(r.tokState, id)
 	return id, eos
+}
+
+// room is a bootstrap room on a prefiller. The scheduler's fields are under Engine.mu.
+type room struct {
+	id      uint64
+	prefill *request      // nil until the prefill arrives
+	ready   chan struct{} // closed once the prefill holds its KV, or the room closes
+	// signalled: ready is closed; closed: the room's prefill ended (without KV, or its KV
+	// was freed) or the engine stopped.
+	signalled, closed bool
+	// bootstrapped: a decoder was given the KV (no bootstrap timeout any more);
+	// transferring: a decoder pulled it (an abort no longer frees the blocks).
+	bootstrapped, transferring bool
+	waiters                    int // decoders waiting in a claim
+}
+
+func (rm *room) signal() {
+	if !rm.signalled {
+		rm.signalled = true
+		close(rm.ready)
+	}
+}
+
+// transfer is a Mooncake prefill's KV on a prefiller, by transfer_id. Its fields are
+// under Engine.mu.
+type transfer struct {
+	id      string
+	prefill *request      // nil until the prefill arrives
+	ready   chan struct{} // closed once the prefill holds its KV, or the transfer closes
+	// signalled: ready is closed; closed: the prefill ended without KV or its hold ended.
+	signalled, closed bool
+	claimed           bool // a decoder was given the KV
+	// released: the decode ended without the KV; its prefill frees it once held.
+	released bool
+	waiters  int // decoders waiting in a claim
+}
+
+func (t *transfer) signal() {
+	if !t.signalled {
+		t.signalled = true
+		close(t.ready)
+	}
 }

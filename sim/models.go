@@ -88,3 +88,13 @@ func (e *Engine) checkPriority(priority int) error {
 	}
 	return nil
 }
+
+// maxModelLen is the longest prompt this engine takes: MaxModelLen, or
+// what the whole pool holds.
+func (e *Engine) maxModelLen() int {
+	pool := e.cfg.KVBlocks * e.cfg.BlockSize
+	if e.cfg.MaxModelLen > 0 {
+		return min(e.cfg.MaxModelLen, pool)
+	}
+	return pool
+}

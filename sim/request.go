@@ -2,10 +2,18 @@ package sim
 
 import (
 	"bytes"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"net/http"
 	"strings"
 )
+
+// A request body as the API reads it: the wire shapes, their validation
+// into an apiRequest, the kv_transfer_params and the protocol fields that
+// pair its legs (SGLang's bootstrap fields, Mooncake's transfer).
 
 // Limits on what a request may ask for, so that a fuzzed or hostile body
 // cannot make the sim allocate without bound.
@@ -432,4 +440,93 @@ func contentText(raw json.RawMessage) (string, error) {
 		b.WriteString(p.Text)
 	}
 	return b.String(), nil
+}
+
+// reqKind is what a request asks of the engine.
+type reqKind uint8
+
+const (
+	kindAggregated reqKind = iota // prefill and decode here
+	kindPrefill                   // do_remote_decode: prefill, then hold the KV for a decoder
+	kindDecode                    // do_remote_prefill: pull the KV from a prefiller, then decode
+)
+
+func (k reqKind) String() string {
+	switch k {
+	case kindPrefill:
+		return "prefill"
+	case kindDecode:
+		return "decode"
+	default:
+		return "aggregated"
+	}
+}
+
+// sglangLeg is one prompt's bootstrap fields: the room and, on a decoder, where its
+// prefiller's bootstrap server is.
+type sglangLeg struct {
+	room uint64
+	host string
+	port int
+}
+
+// sglangFields are the fields SGLang's protocol adds to a body, one entry per prompt.
+type sglangFields struct {
+	rids  []string // nil: no rid given
+	rooms []uint64 // nil: no bootstrap_room, the body is not a leg
+	hosts []string
+	ports []int
+}
+
+// leg is prompt i's bootstrap fields, nil when the body is not a leg.
+func (f *sglangFields) leg(i int) *sglangLeg {
+	if f == nil || f.rooms == nil {
+		return nil
+	}
+	l := &sglangLeg{room: f.rooms[i]}
+	if f.hosts != nil {
+		l.host, l.port = f.hosts[i], f.ports[i]
+	}
+	return l
+}
+
+// mooncakeLeg is a Mooncake decode's pointer to its prefill.
+type mooncakeLeg struct {
+	host       string // of remote_bootstrap_addr
+	port       int
+	engineID   string
+	dpRank     int
+	transferID string
+}
+
+// responsesMeta is what a Responses API answer needs of its request.
+type responsesMeta struct {
+	instructions *string
+	prevID       *string
+	// history is the conversation the answer extends, instructions
+	// excluded: the previous response's history and output, then this input.
+	history     []wireMessage
+	store       bool
+	background  bool
+	temperature float64
+	topP        float64
+	maxOutput   *int
+	// input is the raw input until render resolves it.
+	input json.RawMessage
+}
+
+// bodyReadError is the answer to a request body that could not be read: a 413 past
+// maxBodyBytes, else a 400.
+func bodyReadError(err error) error {
+	var tooBig *http.MaxBytesError
+	if errors.As(err, &tooBig) {
+		return statusError(http.StatusRequestEntityTooLarge, "body_too_large", "request body larger than %d bytes", maxBodyBytes)
+	}
+	return badRequest("unreadable_body", "read request body: %v", err)
+}
+
+func newRequestID() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return "sim-" + hex.EncodeToString(b[:])
 }
