@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -15,9 +14,6 @@ import (
 
 // DefaultListen is the address `proxy sim` listens on without --listen.
 const DefaultListen = "127.0.0.1:8100"
-
-// shutdownGrace bounds how long RunCommand waits for in-flight responses.
-const shutdownGrace = 10 * time.Second
 
 // RunCommand implements `proxy sim [flags]`: it parses args (--listen plus
 // every flag of BindFlags), listens, logs the address to stderr, serves until

@@ -520,3 +520,45 @@ func checkEndpoint(ep string) error {
 	}
 	return fmt.Errorf("kv events endpoint %q: want tcp://host:port, ipc://path or inproc://name", ep)
 }
+
+// loraModule is one --lora-modules entry.
+type loraModule struct{ name, path string }
+
+// splitModels is Config.Model's names, blanks dropped.
+func splitModels(s string) []string {
+	var out []string
+	for _, m := range strings.Split(s, ",") {
+		if m = strings.TrimSpace(m); m != "" {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// parseLoRAModules reads name=path,name=path (vLLM's --lora-modules, its
+// name=path form).
+func parseLoRAModules(s string) ([]loraModule, error) {
+	var out []loraModule
+	for _, kv := range strings.Split(s, ",") {
+		kv = strings.TrimSpace(kv)
+		if kv == "" {
+			continue
+		}
+		name, path, ok := strings.Cut(kv, "=")
+		name, path = strings.TrimSpace(name), strings.TrimSpace(path)
+		if !ok || name == "" || path == "" {
+			return nil, fmt.Errorf("lora module %q: want name=path", kv)
+		}
+		out = append(out, loraModule{name, path})
+	}
+	return out, nil
+}
+
+// maxEmbeddingDim bounds --embedding-dim and a request's dimensions.
+const maxEmbeddingDim = 1 << 16
+
+// Event formats, the values of Config.KVEventsFormat.
+const (
+	KVEventsFormatArray = "array"
+	KVEventsFormatMap   = "map"
+)

@@ -127,12 +127,6 @@ func (e *Engine) drive(ctx context.Context, r *request, emit func(output) error)
 	}
 }
 
-// readsKV reports that r is a decode with blocks to read from a prefiller:
-// the requests that pull, notify and renew a lease.
-func (r *request) readsKV() bool {
-	return r.kind == kindDecode && len(r.remote.RemoteBlockIDs) > 0
-}
-
 // pullKV reads the prefiller's blocks from the from'th on (those before
 // are in this engine's prefix cache): the transfer time, then the pull call
 // that verifies the blocks are still held at the end of the read. (The

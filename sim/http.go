@@ -2,8 +2,6 @@ package sim
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"io"
@@ -137,12 +135,6 @@ func (e *Engine) faults(h http.Header) (faults, error) {
 		}
 	}
 	return f, nil
-}
-
-func newRequestID() string {
-	var b [8]byte
-	_, _ = rand.Read(b[:])
-	return "sim-" + hex.EncodeToString(b[:])
 }
 
 // apiKind is the API a generation request came in on.
@@ -856,44 +848,4 @@ func (e *Engine) handleTokenize(w http.ResponseWriter, r *http.Request) {
 		MaxModelLen int      `json:"max_model_len"`
 		Tokens      []uint32 `json:"tokens"`
 	}{len(tokens), e.maxModelLen(), tokens})
-}
-
-// maxModelLen is the longest prompt this engine takes: MaxModelLen, or
-// what the whole pool holds.
-func (e *Engine) maxModelLen() int {
-	pool := e.cfg.KVBlocks * e.cfg.BlockSize
-	if e.cfg.MaxModelLen > 0 {
-		return min(e.cfg.MaxModelLen, pool)
-	}
-	return pool
-}
-
-func writeJSON(w http.ResponseWriter, status int, v any) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	_ = json.NewEncoder(w).Encode(v)
-}
-
-// writeError is the one place that turns an error into an HTTP answer: in
-// the OpenAI error shape, or Anthropic's on a Messages route (messages.go).
-func writeError(w http.ResponseWriter, err error) {
-	var ae *apiError
-	if !errors.As(err, &ae) {
-		ae = statusError(http.StatusInternalServerError, "internal_error", "internal error")
-	}
-	if _, ok := w.(*anthropicWriter); ok {
-		writeJSON(w, ae.Status, anthropicError(ae))
-		return
-	}
-	writeJSON(w, ae.Status, map[string]*apiError{"error": ae})
-}
-
-// bodyReadError is the answer to a request body that could not be read: a 413 past
-// maxBodyBytes, else a 400.
-func bodyReadError(err error) error {
-	var tooBig *http.MaxBytesError
-	if errors.As(err, &tooBig) {
-		return statusError(http.StatusRequestEntityTooLarge, "body_too_large", "request body larger than %d bytes", maxBodyBytes)
-	}
-	return badRequest("unreadable_body", "read request body: %v", err)
 }

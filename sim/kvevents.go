@@ -107,12 +107,6 @@ func (ev *kvEvent) keyed(k cacheKey, first, n int) {
 	}
 }
 
-// Event formats, the values of Config.KVEventsFormat.
-const (
-	KVEventsFormatArray = "array"
-	KVEventsFormatMap   = "map"
-)
-
 const (
 	// mediumGPU and mediumCPU are vLLM's MEDIUM_GPU and MEDIUM_CPU.
 	mediumGPU = "GPU"

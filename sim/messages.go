@@ -379,29 +379,6 @@ func (e *Engine) handleCountTokens(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, answer)
 }
 
-// anthropicWriter marks the writer of a Messages route: writeError answers
-// in Anthropic's error shape on it.
-type anthropicWriter struct{ http.ResponseWriter }
-
-// Unwrap lets http.ResponseController reach the connection's writer.
-func (w *anthropicWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
-
-func anthropicShape(next http.HandlerFunc) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) { next(&anthropicWriter{w}, r) }
-}
-
-// anthropicError is ae in Anthropic's shape, its type chat's.
-func anthropicError(ae *apiError) any {
-	type inner struct {
-		Type    string `json:"type"`
-		Message string `json:"message"`
-	}
-	return struct {
-		Type  string `json:"type"`
-		Error inner  `json:"error"`
-	}{"error", inner{ae.Type, ae.Message}}
-}
-
 // Answer shapes.
 type messagesAnswer struct {
 	ID         string          `json:"id"`

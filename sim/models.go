@@ -1,10 +1,8 @@
 package sim
 
 import (
-	"encoding/json"
 	"fmt"
 	"net/http"
-	"strings"
 )
 
 // Served models, as a vLLM server started with --served-model-name a,b and
@@ -15,39 +13,6 @@ import (
 // generation or pooling request naming anything else gets vLLM's 404
 // (OpenAIServing._check_model): {"error":{"message":"The model `X` does not
 // exist.","type":"NotFoundError","param":"model","code":404}}.
-
-// loraModule is one --lora-modules entry.
-type loraModule struct{ name, path string }
-
-// splitModels is Config.Model's names, blanks dropped.
-func splitModels(s string) []string {
-	var out []string
-	for _, m := range strings.Split(s, ",") {
-		if m = strings.TrimSpace(m); m != "" {
-			out = append(out, m)
-		}
-	}
-	return out
-}
-
-// parseLoRAModules reads name=path,name=path (vLLM's --lora-modules, its
-// name=path form).
-func parseLoRAModules(s string) ([]loraModule, error) {
-	var out []loraModule
-	for _, kv := range strings.Split(s, ",") {
-		kv = strings.TrimSpace(kv)
-		if kv == "" {
-			continue
-		}
-		name, path, ok := strings.Cut(kv, "=")
-		name, path = strings.TrimSpace(name), strings.TrimSpace(path)
-		if !ok || name == "" || path == "" {
-			return nil, fmt.Errorf("lora module %q: want name=path", kv)
-		}
-		out = append(out, loraModule{name, path})
-	}
-	return out, nil
-}
 
 // cacheKeyOf is what the prompt of a request of a is keyed by beyond its tokens: the
 // adapter it names, if it names one, and its cache_salt.
@@ -89,28 +54,6 @@ func modelNotFound(name string) *apiError {
 		Message: fmt.Sprintf("The model `%s` does not exist.", name)}
 }
 
-// MarshalJSON writes vLLM's own errors (numeric: the status as the code, a
-// param) in vLLM's ErrorInfo shape, and the sim's others with their string code.
-func (e *apiError) MarshalJSON() ([]byte, error) {
-	if !e.numeric {
-		type plain apiError
-		return json.Marshal((*plain)(e))
-	}
-	return json.Marshal(struct {
-		Message string  `json:"message"`
-		Type    string  `json:"type"`
-		Param   *string `json:"param"`
-		Code    int     `json:"code"`
-	}{e.Message, e.Type, nullable(e.Param), e.Status})
-}
-
-func nullable(s string) *string {
-	if s == "" {
-		return nil
-	}
-	return &s
-}
-
 func (e *Engine) handleModels(w http.ResponseWriter, _ *http.Request) {
 	type model struct {
 		ID          string  `json:"id"`
@@ -144,4 +87,14 @@ func (e *Engine) checkPriority(priority int) error {
 			Message: fmt.Sprintf("Got priority %d but Priority scheduling is not enabled.", priority)}
 	}
 	return nil
+}
+
+// maxModelLen is the longest prompt this engine takes: MaxModelLen, or
+// what the whole pool holds.
+func (e *Engine) maxModelLen() int {
+	pool := e.cfg.KVBlocks * e.cfg.BlockSize
+	if e.cfg.MaxModelLen > 0 {
+		return min(e.cfg.MaxModelLen, pool)
+	}
+	return pool
 }

@@ -67,15 +67,6 @@ import (
 // transfer_id, are a 400. There is no /abort_request in vLLM: an abort is a closed
 // connection.
 
-// mooncakeLeg is a Mooncake decode's pointer to its prefill.
-type mooncakeLeg struct {
-	host       string // of remote_bootstrap_addr
-	port       int
-	engineID   string
-	dpRank     int
-	transferID string
-}
-
 // Errors of the Mooncake protocol.
 var errOldMooncake = badRequest("invalid_kv_transfer_params",
 	"kv_transfer_params: bootstrap_server_host/bootstrap_server_port without transfer_id are older vLLM's MooncakeConnector params, "+
@@ -128,27 +119,6 @@ func (e *Engine) mooncakeRequest(kv *kvTransferParams, a *apiRequest) error {
 	a.kind, a.mc = kindDecode, leg
 	a.crashesDecoder = false // vLLM #50792 is the NixlConnector's
 	return nil
-}
-
-// transfer is a Mooncake prefill's KV on a prefiller, by transfer_id. Its fields are
-// under Engine.mu.
-type transfer struct {
-	id      string
-	prefill *request      // nil until the prefill arrives
-	ready   chan struct{} // closed once the prefill holds its KV, or the transfer closes
-	// signalled: ready is closed; closed: the prefill ended without KV or its hold ended.
-	signalled, closed bool
-	claimed           bool // a decoder was given the KV
-	// released: the decode ended without the KV; its prefill frees it once held.
-	released bool
-	waiters  int // decoders waiting in a claim
-}
-
-func (t *transfer) signal() {
-	if !t.signalled {
-		t.signalled = true
-		close(t.ready)
-	}
 }
 
 func (e *Engine) transferOf(id string) *transfer {

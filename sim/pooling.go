@@ -35,9 +35,6 @@ import (
 // from a hash of the input's tokens; a score is the cosine of two inputs'
 // embeddings mapped to [0, 1], so that a text scores 1 against itself.
 
-// maxEmbeddingDim bounds --embedding-dim and a request's dimensions.
-const maxEmbeddingDim = 1 << 16
-
 // poolJob is one parsed pooling request: what it is for, what it costs,
 // and its answer.
 type poolJob struct {

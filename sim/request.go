@@ -2,13 +2,18 @@ package sim
 
 import (
 	"bytes"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
-	"hash/fnv"
 	"net/http"
-	"strconv"
 	"strings"
 )
+
+// A request body as the API reads it: the wire shapes, their validation
+// into an apiRequest, the kv_transfer_params and the protocol fields that
+// pair its legs (SGLang's bootstrap fields, Mooncake's transfer).
 
 // Limits on what a request may ask for, so that a fuzzed or hostile body
 // cannot make the sim allocate without bound.
@@ -437,112 +442,91 @@ func contentText(raw json.RawMessage) (string, error) {
 	return b.String(), nil
 }
 
-// Token source. A request has one of two:
-//
-// By request id (the default): token i is the word " tok<k>", k in
-// [0,50000) its id, and token i is an EOS with probability 1/256; both come
-// from a hash of (Seed, request id, i), so a request id always yields the
-// same answer on every engine with the same seed: a decoder's first token
-// equals its prefiller's.
-//
-// By prefix (a greedy request, temperature 0, or one with a seed): token i
-// is a function of the model name, the seed (unless greedy: greedy
-// sampling ignores it) and every token id before it, the prompt's and the
-// ones generated so far, folded into one 64-bit state. A prompt that is
-// another request's prompt ids followed by its first m generated ids then
-// generates that request's tokens m, m+1, ..., EOS included, on any engine
-// serving the model: a continuation on another decoder is token-exact.
-// Real vLLM is so for greedy requests only; a seeded sample restarts its
-// generator with each request.
-//
-// Token id k reads as " tok<k>"; the EOS is tokenEOS and has no text.
-const eosOneIn = 256
+// reqKind is what a request asks of the engine.
+type reqKind uint8
 
-func ridHash(seed int64, rid string) uint64 {
-	h := fnv.New64a()
-	_, _ = h.Write([]byte(rid))
-	return h.Sum64() ^ mix64(uint64(seed))
-}
+const (
+	kindAggregated reqKind = iota // prefill and decode here
+	kindPrefill                   // do_remote_decode: prefill, then hold the KV for a decoder
+	kindDecode                    // do_remote_prefill: pull the KV from a prefiller, then decode
+)
 
-// mix64 is splitmix64's finalizer: cheap and well spread.
-func mix64(x uint64) uint64 {
-	x += 0x9e3779b97f4a7c15
-	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9
-	x = (x ^ (x >> 27)) * 0x94d049bb133111eb
-	return x ^ (x >> 31)
-}
-
-// tokenID is the id of token i of the request whose ridHash is h.
-func tokenID(h uint64, i int) uint32 {
-	return uint32(mix64(h^uint64(i)*2) % vocabSize)
-}
-
-func tokenText(h uint64, i int) string { return tokenWord(tokenID(h, i)) }
-
-func tokenIsEOS(h uint64, i int) bool {
-	return mix64(h^(uint64(i)*2+1))%eosOneIn == 0
-}
-
-// tokenWord is the text of a generated token id; an EOS has none.
-func tokenWord(id uint32) string {
-	return " tok" + strconv.FormatUint(uint64(id), 10)
-}
-
-// prefixState is the state of the by-prefix source before its first
-// token: the model, the seed when seeded, then every prompt token folded in.
-func prefixState(model string, seeded bool, seed int64, prompt []uint32) uint64 {
-	h := fnv.New64a()
-	_, _ = h.Write([]byte(model))
-	s := mix64(h.Sum64())
-	if seeded {
-		s = mix64(s ^ mix64(uint64(seed)))
+func (k reqKind) String() string {
+	switch k {
+	case kindPrefill:
+		return "prefill"
+	case kindDecode:
+		return "decode"
+	default:
+		return "aggregated"
 	}
-	for _, id := range prompt {
-		s = foldToken(s, id)
+}
+
+// sglangLeg is one prompt's bootstrap fields: the room and, on a decoder, where its
+// prefiller's bootstrap server is.
+type sglangLeg struct {
+	room uint64
+	host string
+	port int
+}
+
+// sglangFields are the fields SGLang's protocol adds to a body, one entry per prompt.
+type sglangFields struct {
+	rids  []string // nil: no rid given
+	rooms []uint64 // nil: no bootstrap_room, the body is not a leg
+	hosts []string
+	ports []int
+}
+
+// leg is prompt i's bootstrap fields, nil when the body is not a leg.
+func (f *sglangFields) leg(i int) *sglangLeg {
+	if f == nil || f.rooms == nil {
+		return nil
 	}
-	return s
-}
-
-// foldToken is the by-prefix state once id follows it.
-func foldToken(s uint64, id uint32) uint64 {
-	return mix64(s*0x100000001b3 ^ uint64(id))
-}
-
-// prefixToken is the token a by-prefix state generates, and whether that
-// state ends the answer with an EOS (where an EOS is allowed).
-func prefixToken(s uint64) (id uint32, eos bool) {
-	return firstTextToken + uint32(mix64(s^0x5bd1e995)%(vocabSize-firstTextToken)), mix64(s^0x27d4eb2f165667c5)%eosOneIn == 0
-}
-
-// apiError is an answer in the OpenAI error shape.
-type apiError struct {
-	Status  int    `json:"-"`
-	Message string `json:"message"`
-	Type    string `json:"type"`
-	Code    string `json:"code"`
-	// Param names the field at fault, when known.
-	Param string `json:"param,omitempty"`
-	// numeric: one of vLLM's own errors, written in its shape (models.go).
-	numeric bool
-}
-
-func (e *apiError) Error() string { return e.Message }
-
-func badRequest(code, format string, args ...any) *apiError {
-	return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: code, Message: fmt.Sprintf(format, args...)}
-}
-
-func statusError(status int, code, format string, args ...any) *apiError {
-	typ := "server_error"
-	switch {
-	case status == http.StatusNotFound:
-		typ = "not_found_error"
-	case status == http.StatusTooManyRequests:
-		typ = "rate_limit_error"
-	case status < 500:
-		typ = "invalid_request_error"
-	case status == http.StatusServiceUnavailable:
-		typ = "service_unavailable"
+	l := &sglangLeg{room: f.rooms[i]}
+	if f.hosts != nil {
+		l.host, l.port = f.hosts[i], f.ports[i]
 	}
-	return &apiError{Status: status, Type: typ, Code: code, Message: fmt.Sprintf(format, args...)}
+	return l
+}
+
+// mooncakeLeg is a Mooncake decode's pointer to its prefill.
+type mooncakeLeg struct {
+	host       string // of remote_bootstrap_addr
+	port       int
+	engineID   string
+	dpRank     int
+	transferID string
+}
+
+// responsesMeta is what a Responses API answer needs of its request.
+type responsesMeta struct {
+	instructions *string
+	prevID       *string
+	// history is the conversation the answer extends, instructions
+	// excluded: the previous response's history and output, then this input.
+	history     []wireMessage
+	store       bool
+	background  bool
+	temperature float64
+	topP        float64
+	maxOutput   *int
+	// input is the raw input until render resolves it.
+	input json.RawMessage
+}
+
+// bodyReadError is the answer to a request body that could not be read: a 413 past
+// maxBodyBytes, else a 400.
+func bodyReadError(err error) error {
+	var tooBig *http.MaxBytesError
+	if errors.As(err, &tooBig) {
+		return statusError(http.StatusRequestEntityTooLarge, "body_too_large", "request body larger than %d bytes", maxBodyBytes)
+	}
+	return badRequest("unreadable_body", "read request body: %v", err)
+}
+
+func newRequestID() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return "sim-" + hex.EncodeToString(b[:])
 }

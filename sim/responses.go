@@ -56,22 +56,6 @@ type wireResponses struct {
 	Background         *bool           `json:"background"`
 }
 
-// responsesMeta is what a Responses API answer needs of its request.
-type responsesMeta struct {
-	instructions *string
-	prevID       *string
-	// history is the conversation the answer extends, instructions
-	// excluded: the previous response's history and output, then this input.
-	history     []wireMessage
-	store       bool
-	background  bool
-	temperature float64
-	topP        float64
-	maxOutput   *int
-	// input is the raw input until render resolves it.
-	input json.RawMessage
-}
-
 // decodeResponses checks a Responses API body's shape and reads its input
 // items; render tokenizes it once the previous response is known.
 func decodeResponses(body []byte) (*wireBody, error) {

@@ -2,13 +2,103 @@ package sim
 
 import (
 	"cmp"
+	"context"
+	"errors"
 	"net/http"
 	"slices"
 	"strconv"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
 )
+
+// Run is the scheduler loop. It steps whenever events arrive or work is due,
+// sleeps otherwise, and returns nil once ctx is done, after aborting every
+// request and freeing every block.
+func (e *Engine) Run(ctx context.Context) error {
+	e.mu.Lock()
+	again := e.started
+	e.started = true
+	e.mu.Unlock()
+	if again {
+		return errors.New("sim: engine Run called twice")
+	}
+	if e.boot != nil {
+		// Deferred before shutdown, so it runs after it: the rooms are gone
+		// by then and every request waiting for one has its answer.
+		e.boot.srv.Handler = e.bootstrapHandler()
+		stop := e.boot.serve(e.log)
+		defer stop()
+	}
+	if len(e.ranks) > 1 {
+		// The other ranks stop with ctx; the bootstrap server, which serves
+		// their pulls too, closes after them.
+		var wg sync.WaitGroup
+		errs := make([]error, len(e.ranks))
+		for i, r := range e.ranks[1:] {
+			wg.Go(func() { errs[i+1] = r.Run(ctx) })
+		}
+		defer func() {
+			wg.Wait()
+			if err := errors.Join(errs...); err != nil {
+				e.log.Error("data parallel rank stopped", zap.Error(err))
+			}
+		}()
+	}
+	defer e.client.CloseIdleConnections()
+	if e.kv != nil {
+		// Deferred before shutdown, so it runs after it: the loop stops
+		// once the engine's last events are queued, and sends them.
+		kctx, stop := context.WithCancel(context.WithoutCancel(ctx))
+		var wg sync.WaitGroup
+		wg.Go(func() { e.kv.run(kctx) })
+		defer wg.Wait()
+		defer stop()
+	}
+	defer e.shutdown()
+	if e.cfg.KVHeartbeatInterval > 0 {
+		// Deferred after shutdown, so they run before it: the loop stops and
+		// is waited for while the engine still knows its requests.
+		// The first round's timer is armed here, before the scheduler below
+		// serves anything: a fake clock advanced once a request is queued
+		// finds it, however late the loop's goroutine runs.
+		hctx, stop := context.WithCancel(ctx)
+		first := e.clock.NewTimer(e.cfg.KVHeartbeatInterval)
+		var wg sync.WaitGroup
+		wg.Go(func() { e.heartbeatLoop(hctx, first) })
+		defer wg.Wait()
+		defer stop()
+	}
+	for {
+		if ctx.Err() != nil {
+			return nil
+		}
+		now := e.clock.Now()
+		next, ok := e.step(now)
+		if ok && !next.After(now) {
+			continue // more work is due at once (ITL 0)
+		}
+		var (
+			fire  <-chan time.Time
+			timer Timer
+		)
+		if ok {
+			// From the clock's time now, not the step's: a test's fake clock
+			// may have moved during the step.
+			timer = e.clock.NewTimer(next.Sub(e.clock.Now()))
+			fire = timer.C()
+		}
+		select {
+		case <-ctx.Done():
+		case <-e.wake:
+		case <-fire:
+		}
+		if timer != nil {
+			timer.Stop()
+		}
+	}
+}
 
 // step is one scheduler iteration, vLLM style: apply the events that arrived
 // since the last step (adds, aborts, finished-sending and finished-receiving
@@ -57,16 +147,6 @@ func (e *Engine) cachePrompt(r *request) {
 func (e *Engine) computeTime(r *request) time.Duration {
 	return time.Duration(r.promptTokens-r.cachedTokens)*e.cfg.PrefillPerToken +
 		time.Duration(r.reloadedBlocks)*e.cfg.CPUReloadPerBlock
-}
-
-// lookupHashes are the block hashes a request looks up in the prefix cache:
-// its full blocks short of the last token, which vLLM always computes to get
-// the logits of the first output token.
-func (r *request) lookupHashes(blockSize int) []uint64 {
-	if r.blockHashes == nil {
-		return nil
-	}
-	return r.blockHashes[:min(len(r.blockHashes), (r.promptTokens-1)/blockSize)]
 }
 
 func (e *Engine) apply(ev event, now time.Time) {
@@ -144,14 +224,6 @@ func (e *Engine) apply(ev event, now time.Time) {
 		r.state = stateDecoding
 		r.readyAt = now
 	}
-}
-
-func (r *request) isLive() bool {
-	switch r.state {
-	case stateWaiting, statePrefilling, statePulling, stateDecoding:
-		return true
-	}
-	return false
 }
 
 func (e *Engine) add(r *request, now time.Time) {
@@ -420,22 +492,6 @@ func (e *Engine) advance(now time.Time) {
 		e.emit(r, now)
 	}
 	e.running = slices.DeleteFunc(e.running, func(r *request) bool { return !r.isLive() })
-}
-
-// nextToken draws token i of r from its token source (request.go): its id
-// and whether it is an EOS, where an EOS may end the answer.
-func (r *request) nextToken(i int) (id uint32, eos bool) {
-	canStop := !r.ignoreEOS && i >= r.minTokens
-	if !r.byPrefix {
-		return tokenID(r.hash, i), canStop && tokenIsEOS(r.hash, i)
-	}
-	id, eos = prefixToken(r.tokState)
-	eos = eos && canStop
-	if eos {
-		id = tokenEOS
-	}
-	r.tokState = foldToken(r.tokState, id)
-	return id, eos
 }
 
 func (e *Engine) emit(r *request, now time.Time) {

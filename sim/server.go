@@ -12,6 +12,10 @@ import (
 	"go.uber.org/zap"
 )
 
+// shutdownGrace bounds how long Close (and so RunCommand) waits for
+// in-flight responses.
+const shutdownGrace = 10 * time.Second
+
 // Server is a simulated engine as a process sees it: an Engine with its
 // scheduler running and an HTTP server on one address. It is what can
 // crash: the die-after fault (X-Sim-Die-After, --die-after) kills it as a

@@ -71,34 +71,6 @@ import (
 // A body without a bootstrap_room is served aggregated, on either role. kv_transfer_params
 // are ignored. n > 1 and best_of with a bootstrap_room are a 400.
 
-// sglangLeg is one prompt's bootstrap fields: the room and, on a decoder, where its
-// prefiller's bootstrap server is.
-type sglangLeg struct {
-	room uint64
-	host string
-	port int
-}
-
-// sglangFields are the fields SGLang's protocol adds to a body, one entry per prompt.
-type sglangFields struct {
-	rids  []string // nil: no rid given
-	rooms []uint64 // nil: no bootstrap_room, the body is not a leg
-	hosts []string
-	ports []int
-}
-
-// leg is prompt i's bootstrap fields, nil when the body is not a leg.
-func (f *sglangFields) leg(i int) *sglangLeg {
-	if f == nil || f.rooms == nil {
-		return nil
-	}
-	l := &sglangLeg{room: f.rooms[i]}
-	if f.hosts != nil {
-		l.host, l.port = f.hosts[i], f.ports[i]
-	}
-	return l
-}
-
 // parseSGLang reads the rid and bootstrap fields of a body of prompts prompts: each a
 // value for one prompt or an array with one entry per prompt. A decoder needs the host and
 // port with a room; a prefiller ignores them.
@@ -230,20 +202,6 @@ func transferOutcome(outcome string) error {
 	return nil
 }
 
-// room is a bootstrap room on a prefiller. The scheduler's fields are under Engine.mu.
-type room struct {
-	id      uint64
-	prefill *request      // nil until the prefill arrives
-	ready   chan struct{} // closed once the prefill holds its KV, or the room closes
-	// signalled: ready is closed; closed: the room's prefill ended (without KV, or its KV
-	// was freed) or the engine stopped.
-	signalled, closed bool
-	// bootstrapped: a decoder was given the KV (no bootstrap timeout any more);
-	// transferring: a decoder pulled it (an abort no longer frees the blocks).
-	bootstrapped, transferring bool
-	waiters                    int // decoders waiting in a claim
-}
-
 func (e *Engine) roomOf(id uint64) *room {
 	rm := e.rooms[id]
 	if rm == nil {
@@ -251,13 +209,6 @@ func (e *Engine) roomOf(id uint64) *room {
 		e.rooms[id] = rm
 	}
 	return rm
-}
-
-func (rm *room) signal() {
-	if !rm.signalled {
-		rm.signalled = true
-		close(rm.ready)
-	}
 }
 
 // openRoom puts the prefill r in its room; false if another prefill has it. At a step.

@@ -24,9 +24,6 @@ type windowGroup struct {
 	elem   map[uint64]*list.Element
 }
 
-// windowGroupIdx is the sliding-window group's group_idx; the full-attention group's is 0.
-const windowGroupIdx = 1
-
 func newWindowGroup(window, blockSize, capacity int) *windowGroup {
 	return &windowGroup{tokens: window, blocks: max(1, (window-1+blockSize-1)/blockSize), cap: capacity,
 		lru: list.New(), elem: make(map[uint64]*list.Element)}
