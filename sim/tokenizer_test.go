@@ -124,7 +124,7 @@ func FuzzTokenizer(f *testing.F) {
 }
 
 // testTokenizerFile is the small byte-level BPE shipped for tests (internal/hftok/testdata).
-const testTokenizerFile = "../../internal/hftok/testdata/tokenizer.json"
+const testTokenizerFile = "../internal/hftok/testdata/tokenizer.json"
 
 func TestWithATokenizerFileTheEngineTokenizesAndCachesByIt(t *testing.T) {
 	hf, err := hftok.LoadFile(testTokenizerFile)
