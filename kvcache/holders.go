@@ -10,11 +10,9 @@ package kvcache
 // evict as a whole takes one list, not one a block, and a match reads it once.
 
 const (
-	// listBit marks a blocks table word as a list in the arena, not a lone holder; engine
-	// ids stay below it.
+	// listBit marks a blocks table word as a list in the arena, not a lone holder. A holder
+	// never sets it: engine ids count the engines the index has known, far below 2^31.
 	listBit = 1 << 63
-	// maxEngineID bounds engine ids, so that a holder never sets listBit.
-	maxEngineID = 1<<31 - 1
 	// pageShift is log2 of an arena page's holders: 512 KiB pages.
 	pageShift = 16
 	pageSize  = 1 << pageShift
@@ -83,15 +81,6 @@ func (a *arena) list(off uint32, n int) []uint64 {
 	p := a.pages[off>>pageShift]
 	i := int(off & (pageSize - 1))
 	return p[i : i+n : i+n]
-}
-
-// classFor is the smallest class that holds n holders.
-func classFor(n int) int {
-	c := 0
-	for 1<<c < n {
-		c++
-	}
-	return c
 }
 
 // searchHolders returns where id is, or would be, in hs (sorted by id), and whether it is.

@@ -210,8 +210,6 @@ func TestAReleaseWithoutPrefillTakesTheWorkOffTheBooksAndTeachesNothing(t *testi
 	}
 }
 
-func floatBits(f float64) uint64 { return math.Float64bits(f) }
-
 func TestTheBooksDrainAsTheEngineComputesThemOneAfterAnother(t *testing.T) {
 	t0 := time.Unix(1_700_000_000, 0)
 	var bs books

@@ -10,17 +10,16 @@ import (
 	"github.com/pdproxy/pdproxy/kvcache"
 )
 
-// A large pool (more than largePool candidates) is picked from without reading every
-// candidate on every pick. What a pick must know of all of them, the loads (for the balance
-// test, the least loaded and the bounds of placement), it reads from a view of the pool kept
-// between picks: each pick brings loadRefreshBatch candidates' loads up to date in turn, and
-// more when picks are far apart, so that every load in the view is at most about
-// loadRefreshPeriod or len/loadRefreshBatch picks old. A candidate a pick may choose is read
-// afresh before it is chosen, and counted one request busier once chosen. What it must know of
-// the prompt, it reads only of the engines that hold much of it: those the index's walk finds,
-// and those the tree of routed text has marked at least cache_threshold of the text deep. The
-// rest of a pick is the rendezvous order of placement, a hash per candidate over arrays kept
-// in the view.
+// A large pool (more than largePool candidates) is picked from without reading every candidate
+// on every pick. What a pick must know of all of them, the loads (for the balance test and the
+// least loaded), it reads from a view of the pool kept between picks: each pick brings
+// loadRefreshBatch candidates' loads up to date in turn, and more when picks are far apart, so
+// that every load in the view is at most about loadRefreshPeriod or len/loadRefreshBatch picks
+// old. A candidate a pick may choose is read afresh before it is chosen, and counted one
+// request busier once chosen. What it must know of the prompt, it reads only of the engines
+// that hold much of it: those the index's walk finds, and those the tree of routed text has
+// marked at least cache_threshold of the text deep. The rest of a pick is the rendezvous order
+// of placement, a hash per candidate over arrays kept in the view.
 const (
 	largePool         = 64
 	loadRefreshBatch  = 32
@@ -35,15 +34,13 @@ type poolView struct {
 	names       *kvcache.Names
 	hash        []uint64
 	weight      []int
-	weights     int
 	evenWeights bool
 
 	mu sync.Mutex
 	// loads and full are each candidate's load and whether it is a prefiller with its KV
-	// pool nearly full, as last read; total is the loads' sum.
+	// pool nearly full, as last read.
 	loads []int64
 	full  []bool
-	total int64
 	// cursor is the next candidate to read afresh; readAt when the view last read any.
 	cursor int
 	readAt time.Time
@@ -74,7 +71,6 @@ func newPoolView(cands []*Backend, now time.Time, m *costModel) *poolView {
 	names := make([]string, n)
 	for i, b := range cands {
 		names[i], v.hash[i], v.weight[i] = b.Name, b.nameHash, max(b.Weight, 1)
-		v.weights += v.weight[i]
 		v.evenWeights = v.evenWeights && v.weight[i] == v.weight[0]
 		v.at[i] = -1
 		v.read(i, now)
@@ -112,7 +108,6 @@ func (p *CacheAware) viewFor(cands []*Backend, now time.Time) *poolView {
 // read brings candidate i's load up to date.
 func (v *poolView) read(i int, now time.Time) {
 	load, full, _ := v.cands[i].loadScore(now)
-	v.total += load - v.loads[i]
 	v.loads[i], v.full[i] = load, full
 	v.ahead[i] = v.m.ahead(v.cands[i], now)
 }
@@ -138,7 +133,6 @@ func (v *poolView) refresh(now time.Time) {
 // took counts candidate i one request busier: the one just sent to it, of uncached tokens.
 func (v *poolView) took(i int, uncached float64) {
 	v.loads[i]++
-	v.total++
 	v.ahead[i] += uncached
 }
 
@@ -171,40 +165,6 @@ func (v *poolView) leastLoaded(next *atomic.Uint64, now time.Time) int {
 		v.read(pick, now)
 		if v.loads[pick] <= was || try == 2 {
 			return pick
-		}
-	}
-}
-
-// within is bounds.within over the view's loads.
-func (v *poolView) within(i int, c float64) bool {
-	if v.full[i] {
-		return false
-	}
-	return fitsBound(v.loads[i], v.total, v.weight[i], v.weights, c)
-}
-
-// place is bounds.pick over the view: the first candidate in key's rendezvous order within
-// its bound, the first in that order if none is. The one found is read afresh and must still
-// be within its bound, or the order is walked again.
-func (v *poolView) place(key uint64, c float64, now time.Time) int {
-	for try := 0; ; try++ {
-		best, home := -1, 0
-		var bestScore, homeScore float64
-		for i, h := range v.hash {
-			s := rendezvousRank(key, h, v.weight[i], v.evenWeights)
-			if i == 0 || s > homeScore {
-				home, homeScore = i, s
-			}
-			if (best < 0 || s > bestScore) && v.within(i, c) {
-				best, bestScore = i, s
-			}
-		}
-		if best < 0 {
-			return home
-		}
-		v.read(best, now)
-		if v.within(best, c) || try == 2 {
-			return best
 		}
 	}
 }

@@ -313,7 +313,7 @@ func preTokenizer(raw json.RawMessage, sawByteLevel *bool) (splitter, error) {
 		return wholeWord{}, nil
 	case "Split":
 		if p.Invert {
-			return nil, errors.New("Split: invert is not supported")
+			return nil, fmt.Errorf("type %q: invert is not supported", p.Type)
 		}
 		var expr string
 		switch {
@@ -322,14 +322,14 @@ func preTokenizer(raw json.RawMessage, sawByteLevel *bool) (splitter, error) {
 		case p.Pattern.String != nil:
 			expr = regexp2.Escape(*p.Pattern.String)
 		default:
-			return nil, errors.New("Split: no pattern")
+			return nil, fmt.Errorf("type %q: no pattern", p.Type)
 		}
 		if expr == "" {
-			return nil, errors.New("Split: empty pattern")
+			return nil, fmt.Errorf("type %q: empty pattern", p.Type)
 		}
 		re, err := regexp2.Compile(expr, regexp2.Unicode)
 		if err != nil {
-			return nil, fmt.Errorf("Split: pattern %q: %w", expr, err)
+			return nil, fmt.Errorf("type %q: pattern %q: %w", p.Type, expr, err)
 		}
 		// regexp2 backtracks: a pattern that does so badly on a client's text must fail that
 		// text (its caller then asks an engine), not hold a request for as long as it takes.
@@ -346,7 +346,7 @@ func preTokenizer(raw json.RawMessage, sawByteLevel *bool) (splitter, error) {
 		case "Removed":
 			return regexSplit{re: re, remove: true}, nil
 		}
-		return nil, fmt.Errorf("Split: behavior %q is not supported (Isolated and Removed are)", p.Behavior)
+		return nil, fmt.Errorf("type %q: behavior %q is not supported (Isolated and Removed are)", p.Type, p.Behavior)
 	case "Sequence":
 		var steps pipeline
 		for i, r := range p.Pretokenizers {

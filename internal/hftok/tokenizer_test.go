@@ -264,7 +264,7 @@ func TestLoadRefuses(t *testing.T) {
 			m["pre_tokenizer"] = map[string]any{"type": "Sequence", "pretokenizers": []any{
 				map[string]any{"type": "Split", "pattern": map[string]any{"Regex": `(`}, "behavior": "Isolated"},
 				map[string]any{"type": "ByteLevel"}}}
-		}), "pretokenizers[0]: Split: pattern"},
+		}), `pretokenizers[0]: type "Split": pattern`},
 		{"an added token with lstrip", edit(func(m map[string]any) {
 			m["added_tokens"] = []any{map[string]any{"id": 400, "content": "<x>", "lstrip": true}}
 		}), `added_tokens[0] "<x>": single_word, lstrip and rstrip`},
