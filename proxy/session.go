@@ -90,9 +90,8 @@ func sessionOf(r *http.Request, headers []string) (string, *apiError) {
 // session is what a request knows of its session: its key ("" for none), and the engines it
 // was bound to for each role when the request arrived (from shared state; "" for none).
 type session struct {
-	key                       string
-	prefill, decode           string
-	boundPrefill, boundDecode bool
+	key             string
+	prefill, decode string
 	// prefillText and decodeText are how many bytes of its text the session's latest request
 	// sent the engine it was bound to for each role (from shared state; 0 for unknown).
 	prefillText, decodeText int
