@@ -43,7 +43,27 @@ type FlowControlConfig struct {
 	// the admitted ones start within it. [0: a pool saturates only when every engine is at
 	// max_inflight]
 	SaturationTTFT time.Duration `yaml:"saturation_ttft"`
+	// ReservedSlots are the free slots of each pool that a tenant with a request in flight
+	// may not take while another tenant, active within the last second, has nothing in
+	// flight and nothing waiting: a flood then leaves room for a quiet tenant's next request
+	// to start at once, at the cost of those slots idling while the quiet tenant is idle.
+	// [1; negative: none, every slot to whoever waits]
+	ReservedSlots int `yaml:"reserved_slots"`
 }
+
+// Slots is the reserved slots cfg gives each pool: none without flow control.
+func (c FlowControlConfig) Slots() int {
+	switch {
+	case !c.on() || c.ReservedSlots < 0:
+		return 0
+	case c.ReservedSlots == 0:
+		return DefaultReservedSlots
+	}
+	return c.ReservedSlots
+}
+
+// DefaultReservedSlots is flow_control.reserved_slots when it is not set.
+const DefaultReservedSlots = 1
 
 // TenantConfig is one named tenant.
 type TenantConfig struct {
@@ -62,7 +82,7 @@ var reservedTenants = []string{"default", "other", "none"}
 // on reports whether flow control is configured.
 func (c FlowControlConfig) on() bool {
 	return c.TenantHeader != "" || len(c.Tenants) > 0 || c.DefaultWeight != 0 || c.QueueTimeout != 0 || c.MaxQueuePerTenant != 0 ||
-		c.SaturationTTFT != 0
+		c.SaturationTTFT != 0 || c.ReservedSlots != 0
 }
 
 // CheckFlowControl checks cfg's flow_control, filling its defaults, against the router's
@@ -82,6 +102,9 @@ func CheckFlowControl(cfg *Config, queue *router.QueueConfig) error {
 	}
 	if c.QueueTimeout < 0 {
 		return fmt.Errorf("flow_control.queue_timeout: %v is negative", c.QueueTimeout)
+	}
+	if c.ReservedSlots == 0 {
+		c.ReservedSlots = DefaultReservedSlots
 	}
 	if c.SaturationTTFT < 0 {
 		return fmt.Errorf("flow_control.saturation_ttft: %v is negative", c.SaturationTTFT)

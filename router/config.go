@@ -243,6 +243,12 @@ type QueueConfig struct {
 	// saturation reads its predicted TTFT against it. It is flow_control.saturation_ttft, set
 	// by the proxy's flow control; zero means slots alone saturate a pool.
 	TTFTBound time.Duration `yaml:"-"`
+	// ReservedSlots is how many free slots of a pool a tenant that already has a request in
+	// flight may not take while another tenant, active within the last second, has none in
+	// flight and none waiting: what lets a quiet tenant's request start at once while another
+	// floods. It is flow_control.reserved_slots, set by the proxy's flow control; zero keeps
+	// none.
+	ReservedSlots int `yaml:"-"`
 }
 
 // CacheAwareConfig tunes cache_aware and precise_cache_aware.

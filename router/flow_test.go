@@ -401,3 +401,46 @@ func TestTTFTBoundIsRefusedWhereNoPoolIsPlacedByCost(t *testing.T) {
 		t.Errorf("Validate with cache_aware = %v, want nil", err)
 	}
 }
+
+func TestReservedSlotLetsAnIdleTenantStartAtOnceWhileAnotherFloods(t *testing.T) {
+	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 2), Queue: QueueConfig{Size: 100, ReservedSlots: 1}}
+	r, _, clk := newTestRouter(t, cfg)
+	noisy, quiet := Hint{Flow: Flow{Key: "noisy", Label: "noisy"}}, Hint{Flow: Flow{Key: "quiet", Label: "quiet"}}
+	mustAcquire(t, r, RoleDecode, quiet).Release(Result{Status: 200}) // the quiet tenant is active, and idle
+	first := mustAcquire(t, r, RoleDecode, noisy)                      // nothing of its own in flight: it may
+	out := make(chan servedBy, 1)
+	go func() {
+		l, err := r.Acquire(context.Background(), RoleDecode, noisy)
+		out <- servedBy{"noisy", l, err}
+	}()
+	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == 1 }, "the flood's second request to wait, one slot free")
+	q := mustAcquire(t, r, RoleDecode, quiet) // the slot kept for it
+	q.Release(Result{Status: 200})
+	if n := queued(r, RoleDecode); n != 1 {
+		t.Fatalf("%d waiting after the quiet tenant's request ended, want the flood's still waiting: the quiet tenant is active", n)
+	}
+	// A second later the quiet tenant is no longer active: the slot goes to the flood.
+	clk.Advance(tenantActiveWindow + time.Millisecond)
+	first.Release(Result{Status: 200})
+	s := testutil.Recv(t, testutil.Timeout, out, "the flood's request, once the quiet tenant went quiet")
+	if s.err != nil {
+		t.Fatal(s.err)
+	}
+	s.lease.Release(Result{Status: 200})
+	assertQueueEmpty(t, r)
+	assertAllIdle(t, r)
+	r.decode.mu.Lock()
+	defer r.decode.mu.Unlock()
+	if n := len(r.decode.flowSlots.inflight); n != 0 {
+		t.Errorf("%d flows still counted in flight, want none", n)
+	}
+}
+
+func TestWithoutReservedSlotsAFloodTakesEverySlot(t *testing.T) {
+	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 2), Queue: QueueConfig{Size: 100}})
+	noisy, quiet := Hint{Flow: Flow{Key: "noisy"}}, Hint{Flow: Flow{Key: "quiet"}}
+	mustAcquire(t, r, RoleDecode, quiet).Release(Result{Status: 200})
+	a, b := mustAcquire(t, r, RoleDecode, noisy), mustAcquire(t, r, RoleDecode, noisy)
+	a.Release(Result{Status: 200})
+	b.Release(Result{Status: 200})
+}

@@ -65,6 +65,8 @@ type Lease struct {
 	session SessionChoice
 	// booked is the lease's entry in its backend's cost books; nil for a pick not by cost.
 	booked *booked
+	// flow is the key of the flow (tenant) the lease was taken for; "" for none.
+	flow string
 }
 
 // Session is how the pick of the lease's backend went for a request of a session
@@ -149,13 +151,14 @@ func (l *Lease) Release(res Result) {
 				zap.Duration("backoff", d), zap.Int64("ejections", l.b.Ejections()))
 		}
 	}
-	l.p.release(l.b, code)
+	l.p.release(l.b, code, l.flow)
 }
 
-func (p *pool) leaseLocked(b *Backend, choice SessionChoice, cost Cost) *Lease {
+func (p *pool) leaseLocked(b *Backend, choice SessionChoice, cost Cost, flow string) *Lease {
 	b.st.inflight.Add(1)
 	b.st.started.Add(1)
-	l := &Lease{b: b, p: p, rank: -1, session: choice}
+	p.flowSlots.took(flow)
+	l := &Lease{b: b, p: p, rank: -1, session: choice, flow: flow}
 	if m := p.costModelLocked(); m != nil && cost != (Cost{}) {
 		l.booked = book(m, b, cost, p.r.now())
 	}
@@ -178,8 +181,9 @@ func (p *pool) leaseLocked(b *Backend, choice SessionChoice, cost Cost) *Lease {
 }
 
 // release ends one lease on b.
-func (p *pool) release(b *Backend, code string) {
+func (p *pool) release(b *Backend, code, flow string) {
 	p.mu.Lock()
+	p.flowSlots.gave(flow)
 	removed := b.st.removed.Load()
 	if code != "" && !removed {
 		p.r.metrics.requests.WithLabelValues(b.Name, string(b.Role), code).Inc()

@@ -23,8 +23,11 @@ type pool struct {
 	loadFactor   float64
 	queueSize    int
 	queueTimeout time.Duration
-	// ttftBound is Queue.TTFTBound.
-	ttftBound time.Duration
+	// ttftBound is Queue.TTFTBound, reservedSlots Queue.ReservedSlots.
+	ttftBound     time.Duration
+	reservedSlots int
+	// flowSlots is what the flows hold of the slots, for the reserved slots (reserve.go).
+	flowSlots flowSlots
 	waiters   fairQueue
 	scratch   []*Backend
 }
@@ -64,6 +67,11 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool, choice SessionChoice,
 	p.scratch = cands[:0]
 	if len(cands) == 0 {
 		return nil, avail, "", Cost{}
+	}
+	if r := p.reservedLocked(h, now); r > 0 && freeSlots(cands) <= r {
+		// The slots left are kept for a tenant that is active and has nothing running.
+		clear(cands)
+		return nil, true, "", Cost{}
 	}
 	if cs, ok := p.policy.(costSelector); ok {
 		// A session is placed by the same cost, its bound engine first among near-equals.

@@ -13,6 +13,8 @@ func (p *pool) dispatchLocked() {
 // dispatchOneLocked serves the first waiter that can be served, and reports whether one was:
 // the flows' turns change with each service.
 func (p *pool) dispatchOneLocked() bool {
+	now := p.r.now()
+flows:
 	for _, f := range p.waiters.byTurn() {
 		for e := f.waiters.Front(); e != nil; {
 			next := e.Next()
@@ -25,13 +27,17 @@ func (p *pool) dispatchOneLocked() bool {
 			switch {
 			case b != nil:
 				p.waiters.served(w, charge(cost, w.h))
-				w.ch <- waitResult{lease: p.leaseLocked(b, choice, cost)}
+				w.ch <- waitResult{lease: p.leaseLocked(b, choice, cost, w.h.Flow.Key)}
 				return true
 			case !avail:
 				// Every backend it could use went down while it waited: waiting longer
 				// would only turn a clear 503 into a slow one.
 				p.waiters.remove(w)
 				w.ch <- waitResult{err: ErrNoBackend}
+			case p.reservedLocked(w.h, now) > 0:
+				// The slots left are kept for an idle tenant: a tenant with nothing running
+				// may take them, and may be next in line.
+				continue flows
 			case len(w.h.Exclude) == 0 && w.h.Model == "":
 				// Everything is full; nobody behind can be served either. A waiter restricted
 				// to some backends (by exclusion or model) says nothing about the others.

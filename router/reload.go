@@ -127,7 +127,7 @@ func (r *Router) apply(cfg Config) error {
 			w.SetPool(mine)
 		}
 		p.backends = mine
-		p.queueSize, p.queueTimeout, p.ttftBound = cfg.Queue.Size, cfg.Queue.Timeout, cfg.Queue.TTFTBound
+		p.queueSize, p.queueTimeout, p.ttftBound, p.reservedSlots = cfg.Queue.Size, cfg.Queue.Timeout, cfg.Queue.TTFTBound, cfg.Queue.ReservedSlots
 		p.loadFactor = cfg.BoundedLoadFactor
 	}
 	var removed []*Backend

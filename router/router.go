@@ -162,6 +162,7 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 		return nil, fmt.Errorf("role %q: %w", role, ErrNoBackend)
 	}
 	p.mu.Lock()
+	p.flowSlots.arrived(h.Flow.Key, r.now())
 	if p.waiters.Len() > 0 {
 		// A slot freed by an ejection ending or a check passing belongs to the
 		// waiters first.
@@ -175,7 +176,7 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 		b, avail, choice, cost = p.pickLocked(h)
 	}
 	if b != nil {
-		l := p.leaseLocked(b, choice, cost)
+		l := p.leaseLocked(b, choice, cost, h.Flow.Key)
 		p.mu.Unlock()
 		return l, nil
 	}

@@ -249,7 +249,7 @@ func countRole(bs []router.BackendConfig, role router.Role) int {
 // no longer than any prefiller's own (race R4 otherwise).
 func (m *Main) build(ctx context.Context, rcfg router.Config) error {
 	rcfg.Engines = EngineCatalog{}
-	rcfg.Queue.TTFTBound = m.cfg.Proxy.FlowControl.SaturationTTFT
+	rcfg.Queue.TTFTBound, rcfg.Queue.ReservedSlots = m.cfg.Proxy.FlowControl.SaturationTTFT, m.cfg.Proxy.FlowControl.Slots()
 	if err := checkConditional(m.cfg.Proxy, rcfg); err != nil {
 		return fmt.Errorf("config: %w", err)
 	}

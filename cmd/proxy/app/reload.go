@@ -53,8 +53,8 @@ func (m *Main) Reload(path string) error {
 
 	rcfg := cfg.Router
 	rcfg.Engines = EngineCatalog{}
-	rcfg.Resolver = m.cfg.Router.Resolver                         // not in the file: what the proxy was started with
-	rcfg.Queue.TTFTBound = m.cfg.Proxy.FlowControl.SaturationTTFT // flow control is the proxy's, kept from the start
+	rcfg.Resolver = m.cfg.Router.Resolver                                                                                    // not in the file: what the proxy was started with
+	rcfg.Queue.TTFTBound, rcfg.Queue.ReservedSlots = m.cfg.Proxy.FlowControl.SaturationTTFT, m.cfg.Proxy.FlowControl.Slots() // flow control is the proxy's, kept from the start
 	rcfg.Backends = slices.Clone(rcfg.Backends)
 	for i, p := range m.sims {
 		rcfg.Backends = append(rcfg.Backends, simBackend(i, p))
