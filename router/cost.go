@@ -66,6 +66,34 @@ type costModel struct {
 	meanUncached atomic.Uint64
 	// fit is the line through the pool's prefills: its time per token and fixed part.
 	fit fit
+	// late is the 90th percentile of how much later than predicted the pool's prefills
+	// ended, in seconds (float64 bits; 0 for early): what a TTFT bound keeps in hand.
+	late atomic.Uint64
+}
+
+// lateStep is how far one prefill moves the tracked 90th percentile of lateness.
+const lateStep = 0.001
+
+// noteLate tracks the 90th percentile of the predictions' lateness by stochastic
+// approximation: a prefill later than it raises it by 9 steps, one not later lowers it by 1,
+// which settles where one prefill in ten is later.
+func (m *costModel) noteLate(late float64) {
+	for {
+		old := m.late.Load()
+		q := math.Float64frombits(old)
+		next := q - lateStep
+		if late > q {
+			next = q + 9*lateStep
+		}
+		if m.late.CompareAndSwap(old, math.Float64bits(max(next, 0))) {
+			return
+		}
+	}
+}
+
+// lateness is the tracked 90th percentile of the predictions' lateness.
+func (m *costModel) lateness() time.Duration {
+	return time.Duration(math.Float64frombits(m.late.Load()) * float64(time.Second))
 }
 
 func newCostModel(cfg CacheAwareConfig) *costModel {
@@ -408,6 +436,7 @@ func (bk *booked) settle(r *Router, b *Backend, now time.Time, learn bool) {
 	}
 	observed := now.Sub(bk.at)
 	bk.m.learn(b, bk.cost.Uncached+bk.cost.Ahead, observed)
+	bk.m.noteLate((observed - bk.cost.Predicted).Seconds())
 	r.metrics.predictionError.WithLabelValues(b.Name, string(b.Role)).Observe((observed - bk.cost.Predicted).Seconds())
 }
 

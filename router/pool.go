@@ -104,12 +104,20 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool, choice SessionChoice,
 }
 
 // overBoundLocked reports whether a pick of cost for h would bring its first token past the
-// pool's TTFT bound: the time it waited in the queue and its predicted TTFT there together.
-// A request that has not waited and whose own prefill alone takes longer than the bound is
-// not held back on an idle engine: waiting would not make it faster. One that waited past the
-// bound waits on to its queue timeout, and is refused then: admitted, it would be late.
+// pool's TTFT bound: the time it waited in the queue, its predicted TTFT there, and what the
+// pool's predictions run late by (the 90th percentile of their lateness) together. A request
+// that has not waited and whose own prefill alone takes longer than the bound is not held
+// back on an idle engine: waiting would not make it faster. One that waited past the bound
+// waits on to its queue timeout, and is refused then: admitted, it would be late.
 func (p *pool) overBoundLocked(cost Cost, h Hint) bool {
-	if p.ttftBound <= 0 || h.Overcommit || cost.Predicted+h.waited <= p.ttftBound {
+	if p.ttftBound <= 0 || h.Overcommit {
+		return false
+	}
+	var late time.Duration
+	if m := p.costModelLocked(); m != nil {
+		late = m.lateness()
+	}
+	if cost.Predicted+h.waited+late <= p.ttftBound {
 		return false
 	}
 	return cost.Ahead > 0 || h.waited > 0
