@@ -88,12 +88,10 @@ type legs struct {
 
 // reply is the answer being relayed to the client.
 type reply struct {
-	wrote  bool   // a byte of the answer went to the client
-	tail   []byte // the last bytes of the answer the client got (tailSize; see eventBreak, streamDone)
+	wrote  bool // a byte of the answer went to the client
 	chunks int
-	// ended, for a Responses or Messages stream, records that its last event went by
-	// (sawEnd).
-	ended bool
+	// end watches what the client got for the end of the answer (stages.go).
+	end endWatch
 	// translate, for a Messages request served as a chat completion, turns the engine's chat
 	// answer into the Messages answer; nil else. Each attempt has its own.
 	translate *chatToMessages

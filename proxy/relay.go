@@ -76,6 +76,8 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 		}
 	}
 	rs := x.out.resume
+	chain := x.relayStages()
+	x.out.end.api = x.req.api
 	answered := false
 	// delivered: the stream's end (its [DONE], or its API's last event) was written and
 	// flushed to the client, which then has the whole answer.
@@ -94,27 +96,8 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 				}
 			}
 		}
-		if rs != nil {
-			// Whole events only: a stream that goes on elsewhere must not leave half of one.
-			data = rs.filter(data)
-			if rs.errorEvent && rerr == nil {
-				rerr = errErrorEvent
-			}
-		}
-		if tr := x.out.translate; tr != nil {
-			data = tr.rewrite(data)
-			if rerr == io.EOF {
-				data = append(data, tr.flush()...)
-			}
-			if tr.err != nil && (rerr == nil || rerr == io.EOF) {
-				rerr = tr.err
-			}
-		}
-		if rn := x.names.rename; rn != nil {
-			data = rn.rewrite(data)
-			if rerr != nil {
-				data = append(data, rn.flush()...)
-			}
+		for _, st := range chain {
+			data, rerr = st.pass(data, rerr)
 		}
 		if delivered && x.ctx.Err() != nil {
 			// The client has the whole answer, whatever it does next: one that closes its
@@ -158,13 +141,9 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 				x.cancel(werr)
 				return x.gone(c)
 			}
-			if ends := streamEnds(x.req.api); ends != nil && !x.out.ended {
-				x.out.ended = sawEnd(x.out.tail, data, ends)
-			}
-			x.out.tail = append(x.out.tail, data[max(0, n-tailSize):n]...)
-			x.out.tail = x.out.tail[max(0, len(x.out.tail)-tailSize):]
+			x.out.end.note(data)
 			// Flushed when nothing more had arrived: the end is out once the client may read it.
-			delivered = x.req.stream && !more && x.streamComplete()
+			delivered = x.req.stream && !more && x.out.end.complete()
 		}
 		if rerr == io.EOF {
 			// A decoder that ends its answer before any byte of it (a 200 closed at once), or
@@ -172,7 +151,7 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 			switch {
 			case !x.out.wrote:
 				rerr = errEmptyAnswer
-			case x.req.stream && !x.streamComplete():
+			case x.req.stream && !x.out.end.complete():
 				switch x.req.api {
 				case engine.APIResponses:
 					rerr = errResponsesUnfinished
@@ -244,16 +223,6 @@ func streamDone(tail []byte) bool {
 	return false
 }
 
-// streamComplete reports whether the stream relayed so far ended as its API ends one: a
-// completion or chat stream with its [DONE], a Responses stream with its last event
-// (response.completed, .incomplete or .failed) and the blank line after it.
-func (x *exchange) streamComplete() bool {
-	if streamEnds(x.req.api) != nil {
-		return x.out.ended && (bytes.HasSuffix(x.out.tail, []byte("\n\n")) || bytes.HasSuffix(x.out.tail, []byte("\r\n\r\n")))
-	}
-	return streamDone(x.out.tail)
-}
-
 // writeDeadline gives the next write to the client client_write_timeout from now.
 func (x *exchange) writeDeadline(rc *http.ResponseController) {
 	if x.s.cfg.ClientWriteTimeout > 0 {
@@ -274,7 +243,7 @@ func (x *exchange) cut(e *apiError) *apiError {
 		// The deadline of the last chunk may have passed during the decoder's silence: the
 		// error event gets a write deadline of its own.
 		x.writeDeadline(rc)
-		x.w.Write(eventBreak(x.out.tail))
+		x.w.Write(x.out.end.eventBreak())
 		switch x.req.api {
 		case engine.APIResponses:
 			x.w.Write(responsesErrorEvent(e))
