@@ -407,7 +407,7 @@ func TestReservedSlotLetsAnIdleTenantStartAtOnceWhileAnotherFloods(t *testing.T)
 	r, _, clk := newTestRouter(t, cfg)
 	noisy, quiet := Hint{Flow: Flow{Key: "noisy", Label: "noisy"}}, Hint{Flow: Flow{Key: "quiet", Label: "quiet"}}
 	mustAcquire(t, r, RoleDecode, quiet).Release(Result{Status: 200}) // the quiet tenant is active, and idle
-	first := mustAcquire(t, r, RoleDecode, noisy)                      // nothing of its own in flight: it may
+	first := mustAcquire(t, r, RoleDecode, noisy)                     // nothing of its own in flight: it may
 	out := make(chan servedBy, 1)
 	go func() {
 		l, err := r.Acquire(context.Background(), RoleDecode, noisy)
