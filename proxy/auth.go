@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/go-chi/chi/v5"
+	"github.com/pdproxy/pdproxy/api"
 	"go.uber.org/zap"
 )
 
@@ -157,9 +158,9 @@ func (s *Server) requireKey(mux *chi.Mux, next http.Handler) http.Handler {
 		}
 		id := requestID(r)
 		w.Header().Set("X-Request-Id", id)
-		e := newError(errInvalidAPIKey, msg)
-		e.bearerChallenge = true
-		writeError(w, e)
+		e := api.NewError(api.KindInvalidAPIKey, msg)
+		e.BearerChallenge = true
+		api.WriteError(w, e)
 		if ce := s.logger.Check(zap.InfoLevel, "request refused: no valid api key"); ce != nil {
 			ce.Write(zap.String("request_id", id), zap.String("route", route), zap.Bool("key_sent", sent))
 		}

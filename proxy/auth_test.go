@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/pdproxy/pdproxy/api"
 )
 
 // keysFile writes a keys file and returns its path.
@@ -101,7 +103,7 @@ func TestRequestsWithoutAValidKeyGet401AndReachNoBackend(t *testing.T) {
 			if got := resp.Header.Get("Content-Type"); got != "application/json" {
 				t.Errorf("Content-Type %q, want application/json", got)
 			}
-			var e errorBody
+			var e api.ErrorBody
 			if err := json.Unmarshal(b, &e); err != nil {
 				t.Fatalf("answer is not the OpenAI error shape: %v: %s", err, b)
 			}

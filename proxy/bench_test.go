@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
@@ -48,14 +49,18 @@ func BenchmarkRewrite(b *testing.B) {
 			b.ReportAllocs()
 			b.SetBytes(int64(len(bc.body)))
 			for b.Loop() {
-				req, e := parseRequest(bc.body, bc.chat)
+				parse := api.ParseCompletions
+				if bc.chat {
+					parse = api.ParseChat
+				}
+				req, e := parse(bc.body)
 				if e != nil {
 					b.Fatal(e)
 				}
-				if _, err := engine.PrefillBody(req.fields, req.api); err != nil {
+				if _, err := engine.PrefillBody(req.Fields, req.API); err != nil {
 					b.Fatal(err)
 				}
-				if _, err := engine.DecodeBody(req.fields, benchKVParams); err != nil {
+				if _, err := engine.DecodeBody(req.Fields, benchKVParams); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -92,7 +97,7 @@ func BenchmarkRelay(b *testing.B) {
 	for b.Loop() {
 		clear(w.header)
 		ctx, cancel := context.WithCancelCause(context.Background())
-		x := &exchange{s: s, w: w, r: r, ctx: ctx, cancel: cancel, id: "bench", route: "/v1/completions", req: &genRequest{stream: true}}
+		x := &exchange{s: s, w: w, r: r, ctx: ctx, cancel: cancel, id: "bench", route: "/v1/completions", req: &api.Request{Stream: true}}
 		x.times.start = time.Now()
 		if err := s.table.Begin(x.id, x.route, func() { cancel(nil) }); err != nil {
 			b.Fatal(err)

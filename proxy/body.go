@@ -7,13 +7,15 @@ import (
 	"os"
 	"strconv"
 	"time"
+
+	"github.com/pdproxy/pdproxy/api"
 )
 
 // readBody reads the whole request body, bounded in size and in time: a body announced or
 // found larger than the limit is 413 (announced, before a byte of it is read), one that does
 // not arrive within read_body_timeout (bodyDeadline) is 408.
-func readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration) ([]byte, *apiError) {
-	tooLarge := newError(errTooLarge, "request body is larger than the limit of "+formatBytes(limit))
+func readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration) ([]byte, *api.Error) {
+	tooLarge := api.NewError(api.KindTooLarge, "request body is larger than the limit of "+formatBytes(limit))
 	if r.ContentLength > limit {
 		return nil, tooLarge
 	}
@@ -29,9 +31,9 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.
 			return nil, tooLarge
 		}
 		if errors.Is(err, os.ErrDeadlineExceeded) {
-			return nil, newError(errBodyTimeout, "the request body did not arrive within "+timeout.String()).with("", err, 0)
+			return nil, api.NewError(api.KindBodyTimeout, "the request body did not arrive within "+timeout.String()).With("", err, 0)
 		}
-		return nil, newError(errUnreadableBody, "could not read the request body").with("", err, 0)
+		return nil, api.NewError(api.KindUnreadableBody, "could not read the request body").With("", err, 0)
 	}
 	return body, nil
 }

@@ -7,6 +7,7 @@ import (
 
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -15,7 +16,7 @@ import (
 // hold StartDecode hands over goes to the decoder through a handoff (handoff.go): it is the
 // decoder's once the decoder acknowledges the decode, and until then the proxy's, which
 // releases it if the decode ends first.
-func (x *exchange) decode(c *custody) *apiError {
+func (x *exchange) decode(c *custody) *api.Error {
 	start := time.Now()
 	defer func() { x.times.decode = time.Since(start) }()
 	if !x.s.router.Usable(x.legs.decode) {
@@ -56,7 +57,7 @@ func (x *exchange) decode(c *custody) *apiError {
 
 	span := x.callSpan(spanDecode, b, attrKVParams.Bool(params != nil))
 	defer func() { endSpan(span, err) }()
-	call := x.call(b, x.req.route, body)
+	call := x.call(b, x.req.Route, body)
 	if ho != nil {
 		call.OnAck = func() {
 			ho.ack()
@@ -141,7 +142,7 @@ func (x *exchange) send(c *custody, call engine.Call, wd *watchdog, span trace.S
 
 // relayAnswer relays a decoder's answer to the client, and ends the custody, which it takes,
 // however the relay ends.
-func (x *exchange) relayAnswer(c *custody, resp *http.Response, wd *watchdog) *apiError {
+func (x *exchange) relayAnswer(c *custody, resp *http.Response, wd *watchdog) *api.Error {
 	defer resp.Body.Close()
 	c.res = router.Result{Status: http.StatusOK}
 	if e := x.relay(c, resp, wd); e != nil {

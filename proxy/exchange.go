@@ -2,9 +2,8 @@ package proxy
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strconv"
 	"sync"
@@ -14,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -28,7 +28,7 @@ type exchange struct {
 	w http.ResponseWriter
 	r *http.Request
 	// ctx is the request's context: done when the client leaves, or when the proxy gives up
-	// on the request (its cause then says why: errShuttingDown, a failed write).
+	// on the request (its cause then says why: api.ErrShuttingDown, a failed write).
 	ctx    context.Context
 	cancel context.CancelCauseFunc
 	id     string // the client's X-Request-Id or one of ours: the table's key, in logs and in the answer
@@ -37,7 +37,7 @@ type exchange struct {
 	// reach another request, as they would through a client's id used twice.
 	engineID string
 	route    string
-	req      *genRequest
+	req      *api.Request
 	hdr      http.Header // headers passed on to backends
 	// class is the request's priority class; nil when no class is configured.
 	class *PriorityClass
@@ -58,7 +58,7 @@ type naming struct {
 	// client is the model the client named when it was an alias (req.model is then the
 	// served one), empty else; rename puts it back into the answer.
 	client string
-	rename *renamer
+	rename *api.Renamer
 	// label is the request's model label, set when its model was resolved.
 	label string
 }
@@ -91,10 +91,10 @@ type reply struct {
 	wrote  bool // a byte of the answer went to the client
 	chunks int
 	// end watches what the client got for the end of the answer (stages.go).
-	end endWatch
+	end api.EndWatch
 	// translate, for a Messages request served as a chat completion, turns the engine's chat
 	// answer into the Messages answer; nil else. Each attempt has its own.
-	translate *chatToMessages
+	translate *api.ChatToMessages
 	// afterGone counts the stream chunks read after the client left.
 	afterGone int
 	// abortConn: the answer broke after its headers went out in a non-streaming response; the
@@ -119,30 +119,30 @@ type timings struct {
 
 // generate serves a generation route (/v1/completions, /v1/chat/completions, /v1/responses),
 // whose bodies parse reads.
-func (s *Server) generate(route string, parse func([]byte) (*genRequest, *apiError)) http.HandlerFunc {
-	return s.exchangeHandler(route, func(x *exchange) *apiError { return x.run(parse) })
+func (s *Server) generate(route string, parse func([]byte) (*api.Request, *api.Error)) http.HandlerFunc {
+	return s.exchangeHandler(route, func(x *exchange) *api.Error { return x.run(parse) })
 }
 
 // exchangeHandler serves route with run, as one exchange: its id, its answer when run fails
 // before a byte went out, its metrics and log line (finish), and the cut of a connection
 // nothing honest can be sent on.
-func (s *Server) exchangeHandler(route string, run func(x *exchange) *apiError) http.HandlerFunc {
+func (s *Server) exchangeHandler(route string, run func(x *exchange) *api.Error) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		x := &exchange{s: s, w: w, r: r, route: route, id: requestID(r), engineID: newID()}
+		x := &exchange{s: s, w: w, r: r, route: route, id: requestID(r), engineID: api.NewID()}
 		x.times.start = time.Now()
 		w.Header().Set("X-Request-Id", x.id)
 		defer x.recoverAnswer()
 		err := run(x)
 		status := http.StatusOK
 		if err != nil {
-			status = err.status
+			status = err.Status
 			if !x.out.wrote {
-				writeError(w, err)
+				api.WriteError(w, err)
 			}
 		}
 		s.finish(x, status, err)
 		x.returnTokens()
-		if x.out.abortConn || status == StatusClientClosed {
+		if x.out.abortConn || status == api.StatusClientClosed {
 			// Nothing honest can be sent: the client left, or stopped reading, or the
 			// headers and part of a non-streaming body are out. Returning would let net/http
 			// answer 200 of its own when nothing was written, end a stream cleanly, or pass a
@@ -153,7 +153,7 @@ func (s *Server) exchangeHandler(route string, run func(x *exchange) *apiError) 
 	}
 }
 
-func (s *Server) finish(x *exchange, status int, err *apiError) {
+func (s *Server) finish(x *exchange, status int, err *api.Error) {
 	x.out.finished = true
 	x.endRequest(status, err)
 	elapsed := time.Since(x.times.start)
@@ -168,7 +168,7 @@ func (s *Server) finish(x *exchange, status int, err *apiError) {
 		s.m.ttft.WithLabelValues(x.route, model).Observe(x.times.ttft.Seconds())
 	}
 	level := zap.InfoLevel
-	if status >= 500 && status != StatusClientClosed {
+	if status >= 500 && status != api.StatusClientClosed {
 		level = zap.WarnLevel
 	}
 	ce := s.logger.Check(level, "request")
@@ -186,7 +186,7 @@ func (s *Server) finish(x *exchange, status int, err *apiError) {
 		zap.Duration("decode_duration", x.times.decode), zap.Duration("ttft", x.times.ttft),
 	)
 	if x.req != nil {
-		fields = append(fields, zap.Bool("stream", x.req.stream), zap.String("model", x.req.model))
+		fields = append(fields, zap.Bool("stream", x.req.Stream), zap.String("model", x.req.Model))
 		if x.names.client != "" {
 			fields = append(fields, zap.String("model_alias", x.names.client))
 		}
@@ -224,7 +224,7 @@ func (x *exchange) model() string {
 	case x.names.client != "":
 		return x.names.client
 	case x.req != nil:
-		return x.req.model
+		return x.req.Model
 	}
 	return ""
 }
@@ -234,14 +234,7 @@ func requestID(r *http.Request) string {
 	if id := r.Header.Get("X-Request-Id"); id != "" && len(id) <= 128 && printable(id) {
 		return id
 	}
-	return newID()
-}
-
-// newID is a random id of 32 hex digits. Ids of one length are prefix-free.
-func newID() string {
-	var b [16]byte
-	rand.Read(b[:])
-	return hex.EncodeToString(b[:])
+	return api.NewID()
 }
 
 func printable(s string) bool {
@@ -253,7 +246,7 @@ func printable(s string) bool {
 	return true
 }
 
-func (x *exchange) run(parse func([]byte) (*genRequest, *apiError)) *apiError {
+func (x *exchange) run(parse func([]byte) (*api.Request, *api.Error)) *api.Error {
 	if x.s.sidecar != nil {
 		// Before the body is read: a request naming a prefiller it may not is refused
 		// whatever it carries.
@@ -274,7 +267,7 @@ func (x *exchange) run(parse func([]byte) (*genRequest, *apiError)) *apiError {
 	if e != nil {
 		return e
 	}
-	req.route = x.route
+	req.Route = x.route
 	if x.class, e = x.s.classes.classify(x.r, req); e != nil {
 		return e
 	}
@@ -293,19 +286,19 @@ func (x *exchange) run(parse func([]byte) (*genRequest, *apiError)) *apiError {
 		return e
 	}
 	x.hdr = x.s.engineHeader(x.r.Header)
-	return x.track(func(c *custody) *apiError { return x.serve(c, x.attemptTraced) })
+	return x.track(func(c *custody) *api.Error { return x.serve(c, x.attemptTraced) })
 }
 
 // engineHeader is what of a client's headers goes to the engines.
 func (s *Server) engineHeader(in http.Header) http.Header {
-	hdr := upstreamHeader(in)
+	hdr := api.UpstreamHeader(in)
 	if s.keys != nil {
 		// The client's key is for the proxy; a backend that wants one has its own api_key.
 		hdr.Del("Authorization")
 		hdr.Del("X-Api-Key")
 	}
 	if s.sidecar != nil {
-		// upstreamHeader drops x-prefiller-*; a header of another name is dropped here.
+		// api.UpstreamHeader drops x-prefiller-*; a header of another name is dropped here.
 		hdr.Del(s.sidecar.header)
 	}
 	if s.classes != nil && s.classes.header != "" {
@@ -318,15 +311,15 @@ func (s *Server) engineHeader(in http.Header) http.Header {
 // (ended when its client leaves), its table entry, and its custody, which serve takes and
 // ends, or gives on, however it ends. The safety net for a panic fails the request with the
 // custody if it is still the exchange's.
-func (x *exchange) track(serve func(c *custody) *apiError) (e *apiError) {
+func (x *exchange) track(serve func(c *custody) *api.Error) (e *api.Error) {
 	ctx, cancel := context.WithCancelCause(x.r.Context())
 	defer cancel(nil)
 	x.ctx, x.cancel = x.startRequest(ctx), cancel
 	stop := context.AfterFunc(ctx, func() { x.times.goneAt.Store(time.Now().UnixNano()) })
 	defer stop()
 
-	if err := x.s.table.Begin(x.id, x.route, func() { cancel(errShuttingDown) }); err != nil {
-		return newError(errDuplicateID, "a request with this X-Request-Id is already in flight").with("X-Request-Id", err, 0)
+	if err := x.s.table.Begin(x.id, x.route, func() { cancel(api.ErrShuttingDown) }); err != nil {
+		return api.NewError(api.KindDuplicateID, "a request with this X-Request-Id is already in flight").With("X-Request-Id", err, 0)
 	}
 	c := &custody{id: x.id, engineID: x.engineID, span: x.traceParent()}
 	defer x.recoverRequest(c, &e)
@@ -337,8 +330,8 @@ func (x *exchange) hint(role router.Role, exclude []string) router.Hint {
 	if len(x.tries.avoid) > 0 {
 		exclude = x.tries.avoided(exclude[:len(exclude):len(exclude)])
 	}
-	h := router.Hint{RequestID: x.id, Prefix: x.req.prefix, Text: x.hintText(role), Tokens: x.legs.tokens, Model: x.req.model, Exclude: exclude,
-		LoRA: x.req.key.lora, CacheSalt: x.req.key.salt, Session: x.sess.key, Bound: x.sess.bound(role),
+	h := router.Hint{RequestID: x.id, Prefix: x.req.Prefix, Text: x.hintText(role), Tokens: x.legs.tokens, Model: x.req.Model, Exclude: exclude,
+		LoRA: x.req.Key.LoRA, CacheSalt: x.req.Key.Salt, Session: x.sess.key, Bound: x.sess.bound(role),
 		BoundText: x.sess.boundText(role)}
 	if x.class != nil {
 		h.Class, h.Slack = x.class.Name, x.class.MaxQueueWait
@@ -353,7 +346,7 @@ func (x *exchange) hint(role router.Role, exclude []string) router.Hint {
 // serve serves the request, attempt after attempt while a stream goes on on other decoders
 // (migration.go) or a pair that failed before the client got anything is replaced by a fresh
 // one (freshpair.go). It takes the custody.
-func (x *exchange) serve(c *custody, attempt func(c *custody) *apiError) *apiError {
+func (x *exchange) serve(c *custody, attempt func(c *custody) *api.Error) *api.Error {
 	for {
 		switch e := attempt(c); e {
 		case errMoveOn:
@@ -368,7 +361,7 @@ func (x *exchange) serve(c *custody, attempt func(c *custody) *apiError) *apiErr
 }
 
 // attemptTraced is attempt under a span of its own.
-func (x *exchange) attemptTraced(c *custody) (e *apiError) {
+func (x *exchange) attemptTraced(c *custody) (e *api.Error) {
 	x.startAttempt(x.tries.n)
 	x.tries.n++
 	defer func() { x.endAttempt(e) }()
@@ -377,7 +370,7 @@ func (x *exchange) attemptTraced(c *custody) (e *apiError) {
 
 // attempt serves the request on one decoder (and one prefiller, under P/D). It takes the
 // custody, except when the stream is to go on elsewhere (errMoveOn).
-func (x *exchange) attempt(c *custody) *apiError {
+func (x *exchange) attempt(c *custody) *api.Error {
 	x.tokenize()
 	if x.ctx.Err() != nil {
 		return x.gone(c)
@@ -403,18 +396,18 @@ func (x *exchange) attempt(c *custody) *apiError {
 		}
 		x.s.m.decodeOnly.WithLabelValues(reasonNoPrefiller).Inc()
 	case x.s.sidecar == nil && !x.s.router.Has(router.RolePrefill):
-	case x.req.decodeOnly != "":
+	case x.req.DecodeOnly != "":
 		// P/D cannot serve this request safely: a decoder computes the prompt itself.
 		if !x.s.table.DecodeOnly(x.id) {
 			return x.gone(c)
 		}
-		x.s.m.decodeOnly.WithLabelValues(x.req.decodeOnly).Inc()
+		x.s.m.decodeOnly.WithLabelValues(x.req.DecodeOnly).Inc()
 	case before && x.cachedOnDecoder():
 		// Conditional disaggregation: the decoder computes the few uncached tokens itself.
 		if !x.s.table.DecodeOnly(x.id) {
 			return x.gone(c)
 		}
-		x.s.m.decodeOnly.WithLabelValues(decodeOnlyCached).Inc()
+		x.s.m.decodeOnly.WithLabelValues(api.DecodeOnlyCached).Inc()
 	default:
 		if e := x.prefill(c); e != nil {
 			return e
@@ -443,7 +436,7 @@ func (x *exchange) reservation() (before bool, accept func(router.Engine) bool) 
 		return true, nil
 	}
 	for _, d := range x.s.router.Available(router.RoleDecode) {
-		if x.req.model != "" && !d.Serves(x.req.model) {
+		if x.req.Model != "" && !d.Serves(x.req.Model) {
 			continue
 		}
 		if sequential(d.Engine) {
@@ -456,7 +449,7 @@ func (x *exchange) reservation() (before bool, accept func(router.Engine) bool) 
 
 // reserveDecoder takes a lease on a decoder for the request, into its custody c; one accept
 // takes, when set. On failure it takes the custody.
-func (x *exchange) reserveDecoder(c *custody, accept func(router.Engine) bool) *apiError {
+func (x *exchange) reserveDecoder(c *custody, accept func(router.Engine) bool) *api.Error {
 	h := x.hint(router.RoleDecode, nil)
 	h.Accept = accept
 	if rs := x.out.resume; rs != nil && rs.attempt > 0 {
@@ -464,9 +457,27 @@ func (x *exchange) reserveDecoder(c *custody, accept func(router.Engine) bool) *
 	}
 	lease, err := x.s.router.Acquire(x.ctx, router.RoleDecode, h)
 	if err != nil {
-		return x.failWith(c, router.Result{}, fromRouter(err, router.RoleDecode))
+		return x.failWith(c, router.Result{}, api.FromRouter(err, router.RoleDecode))
 	}
 	x.picked(router.RoleDecode, lease)
 	c.lease, x.legs.decode = lease, lease.Backend()
 	return nil
+}
+
+// refuseState refuses, under P/D, a Responses request that needs state on one engine: an
+// earlier response the engine stored (previous_response_id), a run it keeps after answering
+// (background), or a response it is to store for later (store: true). Disaggregated serving
+// puts a request on two engines and the next one on two others, so that state would be on an
+// engine the next request may never reach. Without prefillers, the request goes to one
+// engine and passes.
+func (x *exchange) refuseState() *api.Error {
+	if x.req.State == "" || (x.s.sidecar == nil && !x.s.router.Has(router.RolePrefill)) {
+		return nil
+	}
+	how := map[string]string{
+		"previous_response_id": "send the conversation so far in input, or the earlier response whole in previous_response",
+		"background":           "send it in the foreground (stream it to keep the connection busy)",
+		"store":                "send store: false (or leave it out) and keep the response on the client",
+	}[x.req.State]
+	return api.NewError(api.KindUnsupportedParam, fmt.Sprintf("%s needs state kept on one engine, which disaggregated prefill/decode serving cannot promise; %s", x.req.State, how)).With(x.req.State, nil, 0)
 }

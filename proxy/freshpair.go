@@ -6,6 +6,7 @@ import (
 
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -30,7 +31,7 @@ import (
 
 // errFreshPair is what an attempt ends with when the request goes on on a fresh pair: what the
 // attempt held is on its way out, and the request's custody holds nothing.
-var errFreshPair = newError(errBackendUnreachable, "the pair failed before the first byte; the request goes on on a fresh pair")
+var errFreshPair = api.NewError(api.KindBackendUnreachable, "the pair failed before the first byte; the request goes on on a fresh pair")
 
 // tries is what a request's attempts leave to the next.
 type tries struct {
@@ -93,7 +94,7 @@ const (
 // spent, the table moved on, or a failed engine has no other of its role to take its place
 // (a failed pull excepted); it then answers nil, and the caller fails the request as before,
 // with the custody.
-func (x *exchange) freshPair(c *custody, res router.Result, role router.Role, reason string, failed ...*router.Backend) *apiError {
+func (x *exchange) freshPair(c *custody, res router.Result, role router.Role, reason string, failed ...*router.Backend) *api.Error {
 	budget, used := x.s.cfg.DecodeRetries, &x.tries.decode
 	if role == router.RolePrefill {
 		budget, used = x.s.cfg.PrefillRetries, &x.tries.prefill
@@ -125,7 +126,7 @@ func (x *exchange) freshPair(c *custody, res router.Result, role router.Role, re
 	if x.span != nil {
 		x.span.AddEvent("fresh_pair", trace.WithAttributes(attrRetryRole.String(string(role)), attrRetryReason.String(reason)))
 	}
-	x.engineID = newID() // as in moveOn
+	x.engineID = api.NewID() // as in moveOn
 	c.engineID = x.engineID
 	x.legs = legs{named: x.legs.named, tokens: x.legs.tokens, lent: x.legs.lent}
 	if rs := x.out.resume; rs != nil {
@@ -140,7 +141,7 @@ func (x *exchange) freshPair(c *custody, res router.Result, role router.Role, re
 // (with none, it is b or nothing).
 func (x *exchange) othersUsable(b *router.Backend) bool {
 	for _, o := range x.s.router.Available(b.Role) {
-		if o != b && !x.tries.avoids(o) && (x.req.model == "" || o.Serves(x.req.model)) {
+		if o != b && !x.tries.avoids(o) && (x.req.Model == "" || o.Serves(x.req.Model)) {
 			return true
 		}
 	}
@@ -152,7 +153,7 @@ func (x *exchange) othersUsable(b *router.Backend) bool {
 // event failed its pull, and the request is prefilled again; one whose
 // connection broke or whose answer ended empty lost its decoder, which the next attempt
 // avoids. A decode that timed out, or that a client error refused, is not tried again.
-func (x *exchange) retryDecode(c *custody, err error, wd *watchdog) *apiError {
+func (x *exchange) retryDecode(c *custody, err error, wd *watchdog) *api.Error {
 	if x.out.wrote || wd.timedOut() || x.ctx.Err() != nil || retriable(err, false) {
 		// A decode its decoder provably never took was tried on other decoders already
 		// (send), with the same KV.

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 )
 
@@ -47,7 +48,7 @@ func TestAGenerateRequestIsPrefilledThenDecodedOnTheTokenInRoute(t *testing.T) {
 			h := pd(t, Config{}, p, d)
 			body := `{"model":"m","token_ids":[1,2,3],"sampling_params":{"max_tokens":8,"min_tokens":2,"temperature":0},"stream":` +
 				map[bool]string{true: "true", false: "false"}[stream] + `,"cache_salt":"s1"}`
-			resp, got := h.post(generateRoute, body)
+			resp, got := h.post(api.GenerateRoute, body)
 			if resp.StatusCode != http.StatusOK {
 				t.Fatalf("status %d: %s", resp.StatusCode, got)
 			}
@@ -59,8 +60,8 @@ func TestAGenerateRequestIsPrefilledThenDecodedOnTheTokenInRoute(t *testing.T) {
 				t.Errorf("the client got\n%s\nwant the decoder's answer as it came\n%s", got, want)
 			}
 			pre := p.only(t, "prefiller")
-			if pre.Path != generateRoute {
-				t.Errorf("prefill went to %s, want %s", pre.Path, generateRoute)
+			if pre.Path != api.GenerateRoute {
+				t.Errorf("prefill went to %s, want %s", pre.Path, api.GenerateRoute)
 			}
 			pf := pre.fields(t)
 			if string(pf["sampling_params"]) != `{"temperature":0,"max_tokens":1}` || string(pf["stream"]) != "false" {
@@ -74,8 +75,8 @@ func TestAGenerateRequestIsPrefilledThenDecodedOnTheTokenInRoute(t *testing.T) {
 			}
 			dec := d.only(t, "decoder")
 			df := dec.fields(t)
-			if dec.Path != generateRoute || string(df["kv_transfer_params"]) != prefillerParams {
-				t.Errorf("decode to %s with kv_transfer_params %s, want %s with the prefiller's", dec.Path, df["kv_transfer_params"], generateRoute)
+			if dec.Path != api.GenerateRoute || string(df["kv_transfer_params"]) != prefillerParams {
+				t.Errorf("decode to %s with kv_transfer_params %s, want %s with the prefiller's", dec.Path, df["kv_transfer_params"], api.GenerateRoute)
 			}
 			if string(df["sampling_params"]) != `{"max_tokens":8,"min_tokens":2,"temperature":0}` {
 				t.Errorf("decode sampling_params %s, want the client's", df["sampling_params"])
@@ -89,14 +90,14 @@ func TestAGenerateRequestIsPrefilledThenDecodedOnTheTokenInRoute(t *testing.T) {
 // (sampling_params.n, vLLM #38900) and the prompt's logprobs (#50792).
 func TestAGenerateRequestThatPDCannotServeSafelyIsDecodedAlone(t *testing.T) {
 	for _, tc := range []struct{ name, sampling, reason string }{
-		{"two samples", `{"max_tokens":4,"n":2}`, decodeOnlyN},
-		{"the prompt's logprobs", `{"max_tokens":4,"prompt_logprobs":1}`, decodeOnlyPromptLogprobs},
+		{"two samples", `{"max_tokens":4,"n":2}`, api.DecodeOnlyN},
+		{"the prompt's logprobs", `{"max_tokens":4,"prompt_logprobs":1}`, api.DecodeOnlyPromptLogprobs},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := newEngine(t, vllmPrefill(prefillerParams))
 			d := newEngine(t, generateDecode)
 			h := pd(t, Config{}, p, d)
-			resp, got := h.post(generateRoute, `{"model":"m","token_ids":[1,2,3],"sampling_params":`+tc.sampling+`}`)
+			resp, got := h.post(api.GenerateRoute, `{"model":"m","token_ids":[1,2,3],"sampling_params":`+tc.sampling+`}`)
 			if resp.StatusCode != http.StatusOK {
 				t.Fatalf("status %d: %s", resp.StatusCode, got)
 			}
@@ -120,7 +121,7 @@ func TestAGenerateRequestForSGLangEnginesIsANotFound(t *testing.T) {
 	p := newEngine(t, sglangLeg(generateDecode))
 	d := newEngine(t, sglangLeg(generateDecode))
 	h := newHarness(t, Config{}, sglangBackends(p, d, false))
-	resp, body := h.post(generateRoute, `{"model":"m","token_ids":[1,2,3],"sampling_params":{"max_tokens":4}}`)
+	resp, body := h.post(api.GenerateRoute, `{"model":"m","token_ids":[1,2,3],"sampling_params":{"max_tokens":4}}`)
 	checkOpenAIError(t, resp, body, http.StatusNotFound)
 	if n := len(p.generations()) + len(d.generations()); n != 0 {
 		t.Errorf("the engines got %d requests, want none", n)
@@ -145,15 +146,15 @@ func TestAGenerateRequestThatNoEngineWouldTakeIsRefused(t *testing.T) {
 		{"stream_options not an object", `{"model":"m","token_ids":[1],"sampling_params":{},"stream_options":1}`, "stream_options"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			_, e := parseGenerateRequest([]byte(tc.body))
-			if e == nil || e.status != http.StatusBadRequest || e.param != tc.param {
-				t.Fatalf("parseGenerateRequest = %+v, want a 400 naming %s", e, tc.param)
+			_, e := api.ParseGenerate([]byte(tc.body))
+			if e == nil || e.Status != http.StatusBadRequest || e.Param != tc.param {
+				t.Fatalf("api.ParseGenerate = %+v, want a 400 naming %s", e, tc.param)
 			}
 		})
 	}
 }
 
-// FuzzParseGenerateRequest feeds parseGenerateRequest arbitrary bodies. It must never panic; a
+// FuzzParseGenerateRequest feeds api.ParseGenerate arbitrary bodies. It must never panic; a
 // body it accepts has a model and tokens and turns into prefill, drain and decode bodies that
 // are JSON objects, the prefill's and the drain's bounded to one token in sampling_params; a
 // body it refuses gets a 400 with a message.
@@ -172,25 +173,25 @@ func FuzzParseGenerateRequest(f *testing.F) {
 		f.Add([]byte(seed))
 	}
 	f.Fuzz(func(t *testing.T, body []byte) {
-		req, e := parseGenerateRequest(body)
+		req, e := api.ParseGenerate(body)
 		if e != nil {
-			if req != nil || e.status != http.StatusBadRequest || e.message == "" {
+			if req != nil || e.Status != http.StatusBadRequest || e.Message == "" {
 				t.Fatalf("refusal %+v (request %v), want a 400 with a message and no request", e, req != nil)
 			}
 			return
 		}
-		if req.model == "" || len(req.tokens) == 0 || req.api != engine.APIGenerate {
-			t.Fatalf("accepted %q with model %q, %d tokens, api %d", body, req.model, len(req.tokens), req.api)
+		if req.Model == "" || len(req.Tokens) == 0 || req.API != engine.APIGenerate {
+			t.Fatalf("accepted %q with model %q, %d tokens, api %d", body, req.Model, len(req.Tokens), req.API)
 		}
-		pre, err := engine.PrefillBody(req.fields, req.api)
+		pre, err := engine.PrefillBody(req.Fields, req.API)
 		if err != nil {
 			t.Fatalf("PrefillBody of accepted %q: %v", body, err)
 		}
-		drain, err := engine.DrainBody(req.fields, req.api, json.RawMessage(`{"remote_host":"h"}`))
+		drain, err := engine.DrainBody(req.Fields, req.API, json.RawMessage(`{"remote_host":"h"}`))
 		if err != nil {
 			t.Fatalf("DrainBody of accepted %q: %v", body, err)
 		}
-		dec, err := engine.DecodeBody(req.fields, json.RawMessage(`{"remote_host":"h"}`))
+		dec, err := engine.DecodeBody(req.Fields, json.RawMessage(`{"remote_host":"h"}`))
 		if err != nil {
 			t.Fatalf("DecodeBody of accepted %q: %v", body, err)
 		}

@@ -9,6 +9,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
@@ -19,7 +20,7 @@ import (
 // that name them, and since when it holds them.
 type heldKV struct {
 	hold    *lifecycle.Hold
-	req     *genRequest
+	req     *api.Request
 	prefill *router.Backend
 	params  json.RawMessage
 	heldAt  time.Time

@@ -22,6 +22,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
@@ -92,7 +93,7 @@ func (e *fakeEngine) generations() []received {
 	defer e.mu.Unlock()
 	var out []received
 	for _, r := range e.got {
-		if r.Method == http.MethodPost && (strings.HasPrefix(r.Path, "/v1/") || r.Path == generateRoute) {
+		if r.Method == http.MethodPost && (strings.HasPrefix(r.Path, "/v1/") || r.Path == api.GenerateRoute) {
 			out = append(out, r)
 		}
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/go-chi/chi/v5"
 	"go.uber.org/zap"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/sharedstate"
 )
 
@@ -194,7 +195,7 @@ func admissionOf(ctx context.Context) *admission {
 
 // admit lets r in or refuses it (with an error). It reads only r's headers and address. The
 // admission it returns carries the labels either way.
-func (l *limiter) admit(r *http.Request, now time.Time) (*admission, *apiError) {
+func (l *limiter) admit(r *http.Request, now time.Time) (*admission, *api.Error) {
 	raw, name := clientIdentity(r)
 	tenant := ""
 	if l.tenantHeader != "" {
@@ -243,7 +244,7 @@ func (l *limiter) admit(r *http.Request, now time.Time) (*admission, *apiError) 
 
 // decideLocked is this replica's decision on its own state: s's request is let in (counted
 // in flight, a token taken) or refused.
-func (l *limiter) decideLocked(s *share) *apiError {
+func (l *limiter) decideLocked(s *share) *api.Error {
 	lim := l.cfg.PerKey
 	if lim.MaxConcurrent > 0 && s.inflight >= lim.MaxConcurrent {
 		return refusal(limitConcurrency, 1, concurrencyMessage(lim))
@@ -264,7 +265,7 @@ func (l *limiter) decideLocked(s *share) *apiError {
 // shared state is asked). This replica's share counts the request too when it is let in
 // (in flight, and a token while there is one), so that if the shared state fails, the
 // replica goes on from what it has been serving rather than from an empty slate.
-func (l *limiter) admitShared(ctx context.Context, a *admission, s *share, session string) (*admission, *apiError) {
+func (l *limiter) admitShared(ctx context.Context, a *admission, s *share, session string) (*admission, *api.Error) {
 	lim := l.cfg.PerKey
 	s.inflight++ // while the shared state decides: no sweep drops the share meanwhile
 	l.mu.Unlock()
@@ -380,9 +381,9 @@ func (l *limiter) identities() int {
 	return len(l.shares)
 }
 
-func refusal(reason string, retryAfter int, msg string) *apiError {
-	e := newError(errRateLimited, msg).with("", fmt.Errorf("limit: %s", reason), retryAfter)
-	e.limit = reason
+func refusal(reason string, retryAfter int, msg string) *api.Error {
+	e := api.NewError(api.KindRateLimited, msg).With("", fmt.Errorf("limit: %s", reason), retryAfter)
+	e.Limit = reason
 	return e
 }
 
@@ -452,13 +453,13 @@ func (s *Server) limit(next http.Handler) http.Handler {
 		a, e := s.lim.admit(r, s.lim.now())
 		if e != nil {
 			route := chi.RouteContext(r.Context()).RoutePattern()
-			s.m.requests.WithLabelValues(route, strconv.Itoa(e.status), "").Inc()
-			s.m.limitRejected.WithLabelValues(a.key, a.tenant, e.limit).Inc()
+			s.m.requests.WithLabelValues(route, strconv.Itoa(e.Status), "").Inc()
+			s.m.limitRejected.WithLabelValues(a.key, a.tenant, e.Limit).Inc()
 			id := requestID(r)
 			w.Header().Set("X-Request-Id", id)
-			writeError(w, e)
+			api.WriteError(w, e)
 			if ce := s.logger.Check(zap.InfoLevel, "request refused by its limits"); ce != nil {
-				ce.Write(zap.String("request_id", id), zap.String("route", route), zap.String("reason", e.limit),
+				ce.Write(zap.String("request_id", id), zap.String("route", route), zap.String("reason", e.Limit),
 					zap.String("key", a.key), zap.String("tenant", a.tenant))
 			}
 			return

@@ -109,7 +109,7 @@ func TestTokenBucketArithmetic(t *testing.T) {
 	admit := func(at time.Duration) (bool, int) {
 		a, e := l.admit(req, t0.Add(at))
 		if e != nil {
-			return false, e.retryAfter
+			return false, e.RetryAfter
 		}
 		l.release(a, t0.Add(at))
 		return true, 0
@@ -139,7 +139,7 @@ func TestTokenBucketArithmetic(t *testing.T) {
 	}
 	slow := newLimiter(LimitsConfig{PerKey: KeyLimits{RequestsPerSecond: 0.1, Burst: 1}, MaxIdentities: 10}, 0)
 	slow.admit(req, t0)
-	if _, e := slow.admit(req, t0.Add(2*time.Second)); e == nil || e.retryAfter != 8 {
+	if _, e := slow.admit(req, t0.Add(2*time.Second)); e == nil || e.RetryAfter != 8 {
 		t.Errorf("at 0.1/s, 2 s after the last token: %+v, want Retry-After 8", e)
 	}
 }
@@ -317,7 +317,7 @@ func TestIdentitiesAllInFlightRefuseANewOne(t *testing.T) {
 		}
 		held = append(held, a)
 	}
-	if _, e := l.admit(withBearer("c"), now); e == nil || e.limit != limitCapacity || e.status != http.StatusTooManyRequests {
+	if _, e := l.admit(withBearer("c"), now); e == nil || e.Limit != limitCapacity || e.Status != http.StatusTooManyRequests {
 		t.Fatalf("a third identity with two in flight: %+v, want a 429 of reason capacity", e)
 	}
 	l.release(held[0], now)

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/internal/faultengine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/router"
@@ -400,7 +401,7 @@ func runCell(t *testing.T, c matrixCell) {
 		path = "/v1/messages"
 		body = `{"model":"m","system":"be brief","messages":[{"role":"user","content":"hello there"}],"max_tokens":8`
 	case "generate":
-		path = generateRoute
+		path = api.GenerateRoute
 		body = `{"model":"m","token_ids":[104,101,108,108,111],"sampling_params":{"max_tokens":8}`
 	}
 	if c.stream {

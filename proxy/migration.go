@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"sync/atomic"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 	"go.opentelemetry.io/otel/trace"
@@ -57,7 +58,7 @@ const (
 
 // errMoveOn is what an attempt ends with when its stream is to go on on another decoder: the
 // custody is still the exchange's, and serve starts the next attempt.
-var errMoveOn = newError(errBackendUnreachable, "the decoder failed mid-answer; the stream goes on elsewhere")
+var errMoveOn = api.NewError(api.KindBackendUnreachable, "the decoder failed mid-answer; the stream goes on elsewhere")
 
 // errErrorEvent is a decoder's stream that carried an error event.
 var errErrorEvent = errors.New("the decoder's stream carried an error event")
@@ -107,28 +108,28 @@ func (x *exchange) fieldsFor(b *router.Backend) *engine.Fields {
 	if rs := x.out.resume; rs != nil && rs.withIDs != nil && continuable(b.Engine) {
 		return rs.withIDs
 	}
-	return x.req.fields
+	return x.req.Fields
 }
 
 // planResume readies a stream for migration, when migration_limit allows it: the engines are
 // asked for the token ids, and what would keep the stream from going on exactly is noted.
-func (x *exchange) planResume() *apiError {
-	switch x.req.api {
+func (x *exchange) planResume() *api.Error {
+	switch x.req.API {
 	case engine.APIResponses, engine.APIMessages, engine.APIGenerate:
 		// Only completion and chat streams are continued: a generate stream's continuation
 		// would extend token_ids and lower sampling_params' max_tokens, which the resume
 		// does not rewrite.
 		return nil
 	}
-	if x.s.cfg.MigrationLimit <= 0 || !x.req.stream {
+	if x.s.cfg.MigrationLimit <= 0 || !x.req.Stream {
 		return nil
 	}
-	rs := &resume{left: x.s.cfg.MigrationLimit, maxIDs: x.s.cfg.MigrationMaxTokens, chat: x.req.api == engine.APIChat, refused: unresumable(x.req),
-		client: x.req.fields}
-	if raw, ok := x.req.fields.Field("return_token_ids"); ok && string(raw) == "true" {
+	rs := &resume{left: x.s.cfg.MigrationLimit, maxIDs: x.s.cfg.MigrationMaxTokens, chat: x.req.API == engine.APIChat, refused: unresumable(x.req),
+		client: x.req.Fields}
+	if raw, ok := x.req.Fields.Field("return_token_ids"); ok && string(raw) == "true" {
 		rs.clientIDs = true
 	} else if rs.refused == "" {
-		f, err := x.req.fields.With("return_token_ids", []byte("true"))
+		f, err := x.req.Fields.With("return_token_ids", []byte("true"))
 		if err != nil {
 			return buildFailed(err, "engine")
 		}
@@ -139,8 +140,8 @@ func (x *exchange) planResume() *apiError {
 }
 
 // unresumable is why req's stream could not go on exactly on another engine, "" when it can.
-func unresumable(req *genRequest) string {
-	f := req.fields
+func unresumable(req *api.Request) string {
+	f := req.Fields
 	set := func(key string) bool {
 		raw, ok := f.Field(key)
 		if !ok {
@@ -153,9 +154,9 @@ func unresumable(req *genRequest) string {
 		return true
 	}
 	switch {
-	case req.decodeOnly == decodeOnlyN:
+	case req.DecodeOnly == api.DecodeOnlyN:
 		return refuseN
-	case req.prompts > 1:
+	case req.Prompts > 1:
 		return refusePrompts
 	case set("guided_json"), set("guided_regex"), set("guided_choice"), set("guided_grammar"), set("structural_tag"),
 		set("structured_outputs"), guidedFormat(f):
@@ -240,7 +241,7 @@ func moveReason(err error) string {
 // moveOn readies the next attempt of a stream whose decoder failed with cause: the decoder's
 // lease goes back charged with the failure, the table starts another attempt, and the request
 // becomes the continuation. It takes the custody when it fails.
-func (x *exchange) moveOn(c *custody, cause error) *apiError {
+func (x *exchange) moveOn(c *custody, cause error) *api.Error {
 	rs := x.out.resume
 	reason := moveReason(cause)
 	dead := x.legs.decode
@@ -252,7 +253,7 @@ func (x *exchange) moveOn(c *custody, cause error) *apiError {
 	if errors.Is(err, engine.ErrNothingLeft) {
 		x.s.m.migrations.WithLabelValues(reason, moveRefused).Inc()
 		x.s.m.migrationRefusals.WithLabelValues(refuseNothing).Inc()
-		return x.failWith(c, router.Result{}, fromBackend(cause, router.RoleDecode, errDecodeTimeout))
+		return x.failWith(c, router.Result{}, api.FromBackend(cause, router.RoleDecode, api.KindDecodeTimeout))
 	}
 	var fields *engine.Fields
 	if err == nil {
@@ -272,7 +273,7 @@ func (x *exchange) moveOn(c *custody, cause error) *apiError {
 	}
 	// Each attempt is a new request to the engines: an abort repeated for the last one must
 	// never reach this one.
-	x.engineID = newID()
+	x.engineID = api.NewID()
 	c.engineID = x.engineID
 	rs.attempt++
 	rs.left--
@@ -280,8 +281,8 @@ func (x *exchange) moveOn(c *custody, cause error) *apiError {
 	rs.errorEvent, rs.watching = false, false
 	rs.movable.Store(false)
 	rs.withIDs = nil
-	x.req = &genRequest{route: "/v1/completions", fields: fields, model: x.req.model, stream: true, prefix: x.req.prefix,
-		text: x.req.text, key: x.req.key, routeText: x.req.routeText, tokens: prompt, prompts: 1}
+	x.req = &api.Request{Route: "/v1/completions", Fields: fields, Model: x.req.Model, Stream: true, Prefix: x.req.Prefix,
+		Text: x.req.Text, Key: x.req.Key, RouteText: x.req.RouteText, Tokens: prompt, Prompts: 1}
 	x.legs = legs{named: x.legs.named}
 	return nil
 }

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
@@ -441,7 +442,7 @@ func TestAStreamLeavesADrainingDecoderBeforeItEnds(t *testing.T) {
 // The token ids are asked of the engines that report them only: an SGLang decoder, which
 // cannot continue a stream, never sees return_token_ids unless its client sent it.
 func TestTokenIDsAreAskedOnlyOfEnginesThatContinue(t *testing.T) {
-	req, e := completionsRequest([]byte(`{"model":"m","prompt":"a","stream":true}`))
+	req, e := api.ParseCompletions([]byte(`{"model":"m","prompt":"a","stream":true}`))
 	if e != nil {
 		t.Fatal(e)
 	}

@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -14,6 +13,7 @@ import (
 
 	"gopkg.in/yaml.v3"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -27,7 +27,7 @@ type modelList struct {
 func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
 	body, err := s.modelList(r.Context())
 	if err != nil {
-		writeError(w, newError(errNoBackend, "no decode backend answered /v1/models").with("", err, 1))
+		api.WriteError(w, api.NewError(api.KindNoBackend, "no decode backend answered /v1/models").With("", err, 1))
 		return
 	}
 	w.Header().Set("Content-Type", "application/json")
@@ -233,8 +233,8 @@ func (p *aliasPicker) pick() string {
 }
 
 // modelNotFound is a request for a model that no decoder serves and no alias names.
-func modelNotFound(model string) *apiError {
-	return newError(errModelNotFound, fmt.Sprintf("The model %q does not exist or is not served here; GET /v1/models lists those that are.", model)).with("model", nil, 0)
+func modelNotFound(model string) *api.Error {
+	return api.NewError(api.KindModelNotFound, fmt.Sprintf("The model %q does not exist or is not served here; GET /v1/models lists those that are.", model)).With("model", nil, 0)
 }
 
 // resolveModel turns the model a client named into the one the engines serve: an alias's
@@ -242,7 +242,7 @@ func modelNotFound(model string) *apiError {
 // models are known (configured, or listed by its engine); while some are not, the request
 // goes on and the engine answers for itself. label is the request's model label
 // (modelLabel), from the same look at the models.
-func (s *Server) resolveModel(name string) (served, label string, e *apiError) {
+func (s *Server) resolveModel(name string) (served, label string, e *api.Error) {
 	served, label = name, "other"
 	models, complete := s.router.Models(router.RoleDecode)
 	if p := s.aliases[name]; p != nil {
@@ -258,22 +258,22 @@ func (s *Server) resolveModel(name string) (served, label string, e *apiError) {
 
 // resolveModel resolves the request's model (resolveModel): an alias's body is rewritten to
 // the served model, and the answer renamed back.
-func (x *exchange) resolveModel() *apiError {
-	served, label, e := x.s.resolveModel(x.req.model)
+func (x *exchange) resolveModel() *api.Error {
+	served, label, e := x.s.resolveModel(x.req.Model)
 	x.names.label = label
 	if e != nil {
 		return e
 	}
-	if served == x.req.model {
+	if served == x.req.Model {
 		return nil
 	}
 	v, _ := json.Marshal(served)
-	f, err := x.req.fields.With("model", v)
+	f, err := x.req.Fields.With("model", v)
 	if err != nil {
 		return buildFailed(err, "engine")
 	}
-	x.names.client, x.req.model, x.req.fields = x.req.model, served, f
-	x.names.rename = newRenamer(served, x.names.client)
+	x.names.client, x.req.Model, x.req.Fields = x.req.Model, served, f
+	x.names.rename = api.NewRenamer(served, x.names.client)
 	return nil
 }
 
@@ -291,125 +291,4 @@ func (s *Server) modelLabel(name string) string {
 		return name
 	}
 	return "other"
-}
-
-// renamer puts the client's model name back into an answer an engine wrote with the served
-// one: every `"model":"<served>"` member becomes `"model":"<client>"`. The patterns have
-// unescaped quotes, so they never match inside a JSON string (generated text). Bytes that
-// may begin a match split across two reads are held back until the next read shows; an SSE
-// event ends in a blank line, so a stream is never held up by it.
-type renamer struct {
-	// olds are the served name's member as engines may spell it: raw, as Python's and Rust's
-	// JSON writers (vLLM's, SGLang's) put &, <, >, U+2028 and U+2029, and escaped, as Go's
-	// does. One pattern when the two are the same.
-	olds [][]byte
-	new  []byte
-	held []byte
-}
-
-func newRenamer(served, client string) *renamer {
-	member := func(v []byte) []byte { return append([]byte(`"model":`), v...) }
-	escaped, _ := json.Marshal(served)
-	named, _ := json.Marshal(client)
-	r := &renamer{olds: [][]byte{member(escaped)}, new: member(named)}
-	if raw := unescapeHTML(escaped); !bytes.Equal(raw, escaped) {
-		r.olds = append(r.olds, member(raw))
-	}
-	return r
-}
-
-// htmlEscapes are the escapes Go's encoding/json writes that other JSON writers leave raw.
-var htmlEscapes = map[string]string{`\u0026`: "&", `\u003c`: "<", `\u003e`: ">", `\u2028`: "\u2028", `\u2029`: "\u2029"}
-
-// unescapeHTML is the JSON string s (as json.Marshal writes it) with htmlEscapes raw. Every
-// backslash in s begins an escape, so they are walked one escape at a time: an escaped
-// backslash followed by "u0026" is left alone.
-func unescapeHTML(s []byte) []byte {
-	out := make([]byte, 0, len(s))
-	for i := 0; i < len(s); i++ {
-		if s[i] != '\\' || i+1 >= len(s) {
-			out = append(out, s[i])
-			continue
-		}
-		if s[i+1] == 'u' && i+6 <= len(s) {
-			if raw, ok := htmlEscapes[string(s[i:i+6])]; ok {
-				out = append(out, raw...)
-			} else {
-				out = append(out, s[i:i+6]...)
-			}
-			i += 5
-			continue
-		}
-		out = append(out, s[i:i+2]...)
-		i++
-	}
-	return out
-}
-
-// rewrite returns p renamed, with what was held before it; nil r passes p as it is.
-func (r *renamer) rewrite(p []byte) []byte {
-	if r == nil {
-		return p
-	}
-	if len(r.held) == 0 && r.next(p) < 0 && r.overlap(p) == 0 {
-		return p
-	}
-	data := append(r.held, p...)
-	out := make([]byte, 0, len(data)+len(r.new))
-	for {
-		i := r.next(data)
-		if i < 0 {
-			break
-		}
-		out = append(out, data[:i]...)
-		out = append(out, r.new...)
-		data = data[i+len(r.match(data[i:])):]
-	}
-	k := r.overlap(data)
-	out = append(out, data[:len(data)-k]...)
-	r.held = append([]byte(nil), data[len(data)-k:]...)
-	return out
-}
-
-// next is the index of the first pattern in p, or -1.
-func (r *renamer) next(p []byte) int {
-	first := -1
-	for _, old := range r.olds {
-		if i := bytes.Index(p, old); i >= 0 && (first < 0 || i < first) {
-			first = i
-		}
-	}
-	return first
-}
-
-// match is the pattern p begins with.
-func (r *renamer) match(p []byte) []byte {
-	for _, old := range r.olds {
-		if bytes.HasPrefix(p, old) {
-			return old
-		}
-	}
-	return nil
-}
-
-// overlap is the length of the longest end of p that begins a pattern.
-func (r *renamer) overlap(p []byte) int {
-	best := 0
-	for _, old := range r.olds {
-		k := min(len(p), len(old)-1)
-		for ; k > best && !bytes.HasPrefix(old, p[len(p)-k:]); k-- {
-		}
-		best = max(best, k)
-	}
-	return best
-}
-
-// flush returns what is held at the answer's end.
-func (r *renamer) flush() []byte {
-	if r == nil {
-		return nil
-	}
-	h := r.held
-	r.held = nil
-	return h
 }

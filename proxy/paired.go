@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sync/singleflight"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -25,10 +26,10 @@ import (
 // then every way out aborts the legs (abort.go), the decoder's first.
 //
 // It takes the custody.
-func (x *exchange) serveLegs(c *custody) *apiError {
-	if ti, ok := engineOf(x.legs.decode).(engine.TokensIn); x.req.api == engine.APIGenerate && (!ok || !ti.TokensIn()) {
+func (x *exchange) serveLegs(c *custody) *api.Error {
+	if ti, ok := engineOf(x.legs.decode).(engine.TokensIn); x.req.API == engine.APIGenerate && (!ok || !ti.TokensIn()) {
 		// SGLang has no token-in route: its engines would answer 404 to both legs.
-		return x.failWith(c, router.Result{Canceled: true}, newError(errNoRoute, fmt.Sprintf("the engines of model %s do not serve %s", x.model(), generateRoute)))
+		return x.failWith(c, router.Result{Canceled: true}, api.NewError(api.KindNoRoute, fmt.Sprintf("the engines of model %s do not serve %s", x.model(), api.GenerateRoute)))
 	}
 	lease, e := x.pickPair(c)
 	if e != nil {
@@ -43,10 +44,10 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 	}
 	if err != nil {
 		lease.Release(resultOf(err, x.ctx))
-		return x.failWith(c, router.Result{Canceled: true}, fromBackend(&engine.CallError{Err: err}, router.RolePrefill, errPrefillTimeout))
+		return x.failWith(c, router.Result{Canceled: true}, api.FromBackend(&engine.CallError{Err: err}, router.RolePrefill, api.KindPrefillTimeout))
 	}
-	leg := engine.Leg{Host: p.URL.Hostname(), Port: bs.Port, Room: engine.NewRoom(), RID: x.engineID, Prompts: x.req.prompts,
-		TransferID: "xfer-" + x.engineID, Rank: -1, API: x.req.api}
+	leg := engine.Leg{Host: p.URL.Hostname(), Port: bs.Port, Room: engine.NewRoom(), RID: x.engineID, Prompts: x.req.Prompts,
+		TransferID: "xfer-" + x.engineID, Rank: -1, API: x.req.API}
 	if len(bs.EngineIDs) > 0 {
 		leg.Rank = bs.Ranks()[0]
 		leg.EngineID = bs.EngineIDs[leg.Rank]
@@ -54,7 +55,7 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 		leg.Rank = r
 	}
 	var calls engine.LegCalls
-	route := x.req.route
+	route := x.req.Route
 	err = x.s.guard(x.id, func() (err error) {
 		f := x.fieldsFor(d)
 		if f, route, err = x.asChat(d, f, &leg); err != nil {
@@ -84,7 +85,7 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 	// the decoder's answer begins, and may come after the client has the whole of it, so the
 	// leg may outlive the handler (tracked as the server's background work, bounded by
 	// prefill_timeout): it is cut only when the request fails or the client leaves.
-	pctx, pcancel := context.WithTimeoutCause(context.WithoutCancel(x.ctx), x.s.cfg.PrefillTimeout, errPhaseTimeout)
+	pctx, pcancel := context.WithTimeoutCause(context.WithoutCancel(x.ctx), x.s.cfg.PrefillTimeout, api.ErrPhaseTimeout)
 	prefilled := make(chan error, 1)
 	pcall := withHeader(x.call(p, route, calls.Prefill), calls.PrefillHeader, nil)
 	clientCtx := x.ctx
@@ -110,12 +111,12 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 			}
 			return err
 		})
-		if err != nil && context.Cause(pctx) == errPhaseTimeout {
-			err = errors.Join(errPhaseTimeout, err)
+		if err != nil && context.Cause(pctx) == api.ErrPhaseTimeout {
+			err = errors.Join(api.ErrPhaseTimeout, err)
 		}
 		endSpan(pspan, err)
 		res := resultOf(err, clientCtx)
-		if err != nil && pctx.Err() != nil && context.Cause(pctx) != errPhaseTimeout {
+		if err != nil && pctx.Err() != nil && context.Cause(pctx) != api.ErrPhaseTimeout {
 			// The proxy cut the leg itself (the decode failed): not the prefiller's fault.
 			res = router.Result{Canceled: true}
 		}
@@ -182,7 +183,7 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 			// The decoder would wait for a room nobody fills: it is aborted with the prefill,
 			// and not blamed for it. A prefill leg that provably never started, or was
 			// refused as unavailable, is tried again on a fresh pair.
-			var fresh *apiError
+			var fresh *api.Error
 			if retriable(err, true) {
 				fresh = x.freshPair(c, router.Result{Canceled: true}, router.RolePrefill, retryReason(err), p)
 			}
@@ -197,7 +198,7 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 			if fresh != nil {
 				return fresh
 			}
-			return fromBackend(err, router.RolePrefill, errPrefillTimeout)
+			return api.FromBackend(err, router.RolePrefill, api.KindPrefillTimeout)
 		case ans = <-decoded:
 			waiting = false
 		}
@@ -230,7 +231,7 @@ func (x *exchange) serveLegs(c *custody) *apiError {
 // may eject one between the two picks, or while another request waits): the prefiller is
 // picked again, and the decoder, if it is the one, reserved again, a few times at most. On
 // failure it takes the custody.
-func (x *exchange) pickPair(c *custody) (*router.Lease, *apiError) {
+func (x *exchange) pickPair(c *custody) (*router.Lease, *api.Error) {
 	for try := 0; ; try++ {
 		d := x.legs.decode
 		h := x.hint(router.RolePrefill, nil)
@@ -238,7 +239,7 @@ func (x *exchange) pickPair(c *custody) (*router.Lease, *apiError) {
 		lease, err := x.s.router.Acquire(x.ctx, router.RolePrefill, h)
 		if err != nil {
 			// A decoder in disaggregated mode cannot serve alone: no decode-only fallback.
-			return nil, x.failWith(c, router.Result{Canceled: true}, fromRouter(err, router.RolePrefill))
+			return nil, x.failWith(c, router.Result{Canceled: true}, api.FromRouter(err, router.RolePrefill))
 		}
 		x.picked(router.RolePrefill, lease)
 		if x.s.router.Usable(d) && x.s.router.Usable(lease.Backend()) {
@@ -246,7 +247,7 @@ func (x *exchange) pickPair(c *custody) (*router.Lease, *apiError) {
 		}
 		lease.Release(router.Result{Canceled: true})
 		if try == pairPicks {
-			return nil, x.failWith(c, router.Result{Canceled: true}, fromRouter(router.ErrNoBackend, router.RoleDecode))
+			return nil, x.failWith(c, router.Result{Canceled: true}, api.FromRouter(router.ErrNoBackend, router.RoleDecode))
 		}
 		if !x.s.router.Usable(d) {
 			c.giveBackLease(router.Result{Canceled: true})
@@ -362,4 +363,23 @@ func (s *Server) DiscoverBootstrapPorts(ctx context.Context) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// asChat is the body and route of a request's legs on decoder d: a Messages request for an
+// engine whose Messages handler cannot take part in P/D goes as the chat completion it stands
+// for, its legs bounded as a chat's, and its answer translated (a translator for this
+// attempt); any other request as it came.
+func (x *exchange) asChat(d *router.Backend, f *engine.Fields, leg *engine.Leg) (*engine.Fields, string, error) {
+	x.out.translate = nil
+	mc, ok := engineOf(d).(engine.MessagesByChat)
+	if x.req.API != engine.APIMessages || !ok || !mc.MessagesByChat() {
+		return f, x.req.Route, nil
+	}
+	chat, err := x.req.ToChat()
+	if err != nil {
+		return nil, "", err
+	}
+	leg.API = engine.APIChat
+	x.out.translate = &api.ChatToMessages{Stream: x.req.Stream, Stops: x.req.Anthropic.Stops}
+	return chat, "/v1/chat/completions", nil
 }

@@ -6,11 +6,12 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/router"
 )
 
 // errPanic is what a client is told when serving its request panicked.
-var errPanic = newError(errPanicked, "the proxy failed while serving this request; it was aborted on its engines")
+var errPanic = api.NewError(api.KindPanicked, "the proxy failed while serving this request; it was aborted on its engines")
 
 // recoverRequest is the safety net of a request in flight: a panic while serving it still
 // finishes it. It is failed the way its mode fails (what it holds is released, its legs
@@ -18,7 +19,7 @@ var errPanic = newError(errPanicked, "the proxy failed while serving this reques
 // 502 when nothing was sent yet; an error event in a stream; a cut connection for a JSON
 // answer under way). The panic never reaches net/http, which would drop the connection and
 // leave the request uncounted.
-func (x *exchange) recoverRequest(c *custody, e **apiError) {
+func (x *exchange) recoverRequest(c *custody, e **api.Error) {
 	v := recover()
 	if v == nil {
 		return
@@ -41,11 +42,11 @@ func (x *exchange) recoverRequest(c *custody, e **apiError) {
 }
 
 // buildFailed is the answer to a request whose engine body could not be built.
-func buildFailed(err error, what string) *apiError {
+func buildFailed(err error, what string) *api.Error {
 	if errors.Is(err, errEnginePanic) {
 		return errPanic
 	}
-	return newError(errInternal, "could not build the "+what+" request").with("", err, 0)
+	return api.NewError(api.KindInternal, "could not build the "+what+" request").With("", err, 0)
 }
 
 // recoverAnswer is the handler's last safety net, for a panic outside a request's serving
@@ -62,10 +63,10 @@ func (x *exchange) recoverAnswer() {
 	x.s.m.panics.Inc()
 	x.s.logger.Error("panic answering a request", zap.String("request_id", x.id), zap.Any("panic", v), zap.StackSkip("stack", 1))
 	if !x.out.finished {
-		x.s.finish(x, errPanic.status, errPanic)
+		x.s.finish(x, errPanic.Status, errPanic)
 	}
 	if !x.out.wrote {
-		writeError(x.w, errPanic)
+		api.WriteError(x.w, errPanic)
 		return
 	}
 	// Part of the answer went out: only cutting the connection tells the client it failed.

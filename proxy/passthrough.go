@@ -12,6 +12,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -51,16 +52,16 @@ var passthroughRoutes = []passRoute{
 	{"/classify", passJSON},
 	{"/v1/audio/transcriptions", passMultipart},
 	// Anthropic's token count, which vLLM and SGLang serve beside /v1/messages.
-	{countTokensRoute, passJSON},
+	{api.CountTokensRoute, passJSON},
 }
 
 // passthrough serves a passthrough route as an exchange: the same body bounds, model
 // resolution, table entry, metrics, log line and disconnect handling as generation.
 func (s *Server) passthrough(p passRoute) http.HandlerFunc {
-	return s.exchangeHandler(p.path, func(x *exchange) *apiError { return x.runPass(p) })
+	return s.exchangeHandler(p.path, func(x *exchange) *api.Error { return x.runPass(p) })
 }
 
-func (x *exchange) runPass(p passRoute) *apiError {
+func (x *exchange) runPass(p passRoute) *api.Error {
 	body, e := readBody(x.w, x.r, x.s.cfg.MaxBodyBytes, x.s.cfg.ReadBodyTimeout)
 	if e != nil {
 		return e
@@ -78,14 +79,14 @@ func (x *exchange) runPass(p passRoute) *apiError {
 		if fields, e = parseObject(body); e != nil {
 			return e
 		}
-		if e := stringField(fields, "model", p.body == passJSON, &model); e != nil {
+		if e := api.StringField(fields, "model", p.body == passJSON, &model); e != nil {
 			return e
 		}
 		if model == "" && p.body == passJSON {
-			return badRequest("model", "model must not be empty")
+			return api.BadRequest("model", "model must not be empty")
 		}
 	}
-	x.req = &genRequest{model: model, fields: fields}
+	x.req = &api.Request{Model: model, Fields: fields}
 	if model != "" {
 		served, label, e := x.s.resolveModel(model)
 		x.names.label = label
@@ -105,15 +106,15 @@ func (x *exchange) runPass(p passRoute) *apiError {
 			if err != nil {
 				return buildFailed(err, "engine")
 			}
-			x.names.client, x.req.model, x.req.fields = model, served, fields
-			x.names.rename = newRenamer(served, model)
+			x.names.client, x.req.Model, x.req.Fields = model, served, fields
+			x.names.rename = api.NewRenamer(served, model)
 		}
 	}
 	x.hdr = x.s.engineHeader(x.r.Header)
 	// A decoder that failed before the first byte reached the client is replaced, as for a
 	// generation (freshpair.go): the body goes to another one.
-	return x.track(func(c *custody) *apiError {
-		return x.serve(c, func(c *custody) *apiError { return x.servePass(c, body, ctype) })
+	return x.track(func(c *custody) *api.Error {
+		return x.serve(c, func(c *custody) *api.Error { return x.servePass(c, body, ctype) })
 	})
 }
 
@@ -121,7 +122,7 @@ func (x *exchange) runPass(p passRoute) *apiError {
 // comes; it takes the custody. The call carries the client's context: a client that leaves
 // closes the engine's connection at once. decode_first_byte_timeout and decode_idle_timeout
 // bound the answer.
-func (x *exchange) servePass(c *custody, body []byte, ctype string) *apiError {
+func (x *exchange) servePass(c *custody, body []byte, ctype string) *api.Error {
 	if e := x.reserveDecoder(c, nil); e != nil {
 		return e
 	}
@@ -151,7 +152,7 @@ func (x *exchange) servePass(c *custody, body []byte, ctype string) *apiError {
 		return x.decodeFailed(c, err, wd)
 	}
 	h := x.w.Header()
-	for k, v := range upstreamHeader(resp.Header) {
+	for k, v := range api.UpstreamHeader(resp.Header) {
 		h[k] = v
 	}
 	if !renamable(resp.Header.Get("Content-Type")) {
@@ -180,28 +181,28 @@ func renamable(ct string) bool {
 }
 
 // parseObject validates a body as one JSON object.
-func parseObject(body []byte) (*engine.Fields, *apiError) {
+func parseObject(body []byte) (*engine.Fields, *api.Error) {
 	if len(bytes.TrimSpace(body)) == 0 {
-		return nil, badRequest("", "request body is empty; expected a JSON object")
+		return nil, api.BadRequest("", "request body is empty; expected a JSON object")
 	}
 	if !utf8.Valid(body) {
-		return nil, badRequest("", "request body is not valid UTF-8")
+		return nil, api.BadRequest("", "request body is not valid UTF-8")
 	}
 	f, err := engine.ParseFields(body)
 	if errors.Is(err, engine.ErrNullBody) {
-		return nil, badRequest("", "request body must be a JSON object, not null")
+		return nil, api.BadRequest("", "request body must be a JSON object, not null")
 	}
 	if err != nil {
-		return nil, badRequest("", "request body is not a valid JSON object: "+jsonProblem(err))
+		return nil, api.BadRequest("", "request body is not a valid JSON object: "+api.JSONProblem(err))
 	}
 	return f, nil
 }
 
 // multipartBoundary is the boundary of a multipart/form-data content type.
-func multipartBoundary(ctype string) (string, *apiError) {
+func multipartBoundary(ctype string) (string, *api.Error) {
 	mt, params, err := mime.ParseMediaType(ctype)
 	if err != nil || mt != "multipart/form-data" || params["boundary"] == "" {
-		return "", newError(errInvalidContentType, "this route takes a multipart/form-data body with a boundary")
+		return "", api.NewError(api.KindInvalidContentType, "this route takes a multipart/form-data body with a boundary")
 	}
 	return params["boundary"], nil
 }
@@ -211,13 +212,13 @@ const maxModelField = 4 << 10
 
 // multipartModel checks a multipart/form-data body part by part and returns its model form
 // field, which is required.
-func multipartModel(body []byte, ctype string) (string, *apiError) {
+func multipartModel(body []byte, ctype string) (string, *api.Error) {
 	boundary, e := multipartBoundary(ctype)
 	if e != nil {
 		return "", e
 	}
-	malformed := func(err error) *apiError {
-		return newError(errInvalidValue, "the multipart/form-data body is malformed").with("", err, 0)
+	malformed := func(err error) *api.Error {
+		return api.NewError(api.KindInvalidValue, "the multipart/form-data body is malformed").With("", err, 0)
 	}
 	mr := multipart.NewReader(bytes.NewReader(body), boundary)
 	model, found := "", false
@@ -241,15 +242,15 @@ func multipartModel(body []byte, ctype string) (string, *apiError) {
 			return "", malformed(err)
 		}
 		if len(v) > maxModelField {
-			return "", badRequest("model", "model is too long")
+			return "", api.BadRequest("model", "model is too long")
 		}
 		model, found = strings.TrimSpace(string(v)), true
 	}
 	switch {
 	case !found:
-		return "", badRequest("model", "model is required")
+		return "", api.BadRequest("model", "model is required")
 	case model == "":
-		return "", badRequest("model", "model must not be empty")
+		return "", api.BadRequest("model", "model must not be empty")
 	}
 	return model, nil
 }

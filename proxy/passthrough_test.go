@@ -350,8 +350,8 @@ func FuzzMultipartModel(f *testing.F) {
 		}
 		model, e := multipartModel(body, ctype)
 		if e != nil {
-			if e.status != http.StatusBadRequest {
-				t.Fatalf("status %d for a bad body", e.status)
+			if e.Status != http.StatusBadRequest {
+				t.Fatalf("status %d for a bad body", e.Status)
 			}
 			return
 		}

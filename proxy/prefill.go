@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
@@ -15,7 +16,7 @@ import (
 // prefill runs the prefill call, on another prefiller when one provably never started it,
 // and falls back to a decode-only request when no prefiller can serve and that is allowed.
 // On failure it takes the custody.
-func (x *exchange) prefill(c *custody) *apiError {
+func (x *exchange) prefill(c *custody) *api.Error {
 	start := time.Now()
 	defer func() { x.times.prefill = time.Since(start) }()
 	var (
@@ -47,7 +48,7 @@ func (x *exchange) prefill(c *custody) *apiError {
 				err = errors.New("the prefiller's engine does not serve a prefill on its own")
 			} else {
 				err = x.s.guard(x.id, func() (err error) {
-					body, err = eng.PrefillBody(x.req.fields, x.req.api)
+					body, err = eng.PrefillBody(x.req.Fields, x.req.API)
 					return err
 				})
 			}
@@ -109,7 +110,7 @@ func (x *exchange) prefill(c *custody) *apiError {
 	if errors.Is(lastErr, router.ErrTenantQueueFull) || errors.Is(lastErr, router.ErrPoolSaturated) {
 		// Flow control refused the tenant its prefill: a decode-only fallback would let it
 		// past its share on the decoders.
-		return x.failWith(c, router.Result{}, fromRouter(lastErr, router.RolePrefill))
+		return x.failWith(c, router.Result{}, api.FromRouter(lastErr, router.RolePrefill))
 	}
 	var se *engine.StatusError
 	clientFault := errors.As(lastErr, &se) && se.Status >= 400 && se.Status < 500
@@ -123,17 +124,17 @@ func (x *exchange) prefill(c *custody) *apiError {
 		return nil
 	}
 	if rerr := lastErr; rerr != nil && (errors.Is(rerr, router.ErrNoBackend) || errors.Is(rerr, router.ErrQueueFull) || errors.Is(rerr, router.ErrQueueTimeout)) {
-		return x.failWith(c, router.Result{}, fromRouter(rerr, router.RolePrefill))
+		return x.failWith(c, router.Result{}, api.FromRouter(rerr, router.RolePrefill))
 	}
-	return x.failWith(c, router.Result{}, fromBackend(lastErr, router.RolePrefill, errPrefillTimeout))
+	return x.failWith(c, router.Result{}, api.FromBackend(lastErr, router.RolePrefill, api.KindPrefillTimeout))
 }
 
 // prefillUnavailable serves a request the pool has no usable prefiller for, as
 // prefill_unavailable says: on a decoder alone, or not at all. It takes the custody when it
 // fails.
-func (x *exchange) prefillUnavailable(c *custody, err error) *apiError {
+func (x *exchange) prefillUnavailable(c *custody, err error) *api.Error {
 	if x.s.cfg.PrefillUnavailable != PrefillUnavailableDecode {
-		return x.failWith(c, router.Result{}, fromRouter(err, router.RolePrefill))
+		return x.failWith(c, router.Result{}, api.FromRouter(err, router.RolePrefill))
 	}
 	if !x.s.table.DecodeOnly(x.id) {
 		return x.gone(c)
@@ -155,11 +156,11 @@ type prefillAnswer struct {
 // its KV is released as soon as the prefiller answers (gone is then true: the client's leaving
 // has been handled, and the custody went with the call).
 func (x *exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backend, body []byte) (params json.RawMessage, err error, gone bool) {
-	call := withHeader(x.call(b, x.req.route, body), nil, lease)
+	call := withHeader(x.call(b, x.req.Route, body), nil, lease)
 	timeout := x.s.cfg.PrefillTimeout
 	span := x.callSpan(spanPrefill, b)
 	if x.s.cfg.AbortDuringPrefill == AbortPrefillCancel {
-		ctx, cancel := context.WithTimeoutCause(withSpan(x.ctx, span), timeout, errPhaseTimeout)
+		ctx, cancel := context.WithTimeoutCause(withSpan(x.ctx, span), timeout, api.ErrPhaseTimeout)
 		defer cancel()
 		var params json.RawMessage
 		err := x.s.guard(x.id, func() (err error) {
@@ -170,8 +171,8 @@ func (x *exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backen
 			lease.Prefilled() // the prefill's end, for the router's cost books
 		}
 		lease.Release(resultOf(err, x.ctx))
-		if err != nil && context.Cause(ctx) == errPhaseTimeout {
-			err = errors.Join(errPhaseTimeout, err)
+		if err != nil && context.Cause(ctx) == api.ErrPhaseTimeout {
+			err = errors.Join(api.ErrPhaseTimeout, err)
 		}
 		endSpan(span, err)
 		return params, err, false
@@ -184,7 +185,7 @@ func (x *exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backen
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
-		ctx, cancel := context.WithTimeoutCause(withSpan(context.WithoutCancel(x.ctx), span), timeout, errPhaseTimeout)
+		ctx, cancel := context.WithTimeoutCause(withSpan(context.WithoutCancel(x.ctx), span), timeout, api.ErrPhaseTimeout)
 		defer cancel()
 		var params json.RawMessage
 		err := s.guard(x.id, func() (err error) {
@@ -195,8 +196,8 @@ func (x *exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backen
 			lease.Prefilled()
 		}
 		lease.Release(resultOf(err, nil))
-		if err != nil && context.Cause(ctx) == errPhaseTimeout {
-			err = errors.Join(errPhaseTimeout, err)
+		if err != nil && context.Cause(ctx) == api.ErrPhaseTimeout {
+			err = errors.Join(api.ErrPhaseTimeout, err)
 		}
 		endSpan(span, err)
 		if taken.CompareAndSwap(false, true) {

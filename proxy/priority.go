@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 )
 
@@ -115,11 +116,11 @@ func newClasses(cfg PriorityConfig) *classes {
 
 // classify finds req's class and, when the class says so, writes its priority into the
 // body. It returns nil (no class) when no class is configured.
-func (c *classes) classify(r *http.Request, req *genRequest) (*PriorityClass, *apiError) {
+func (c *classes) classify(r *http.Request, req *api.Request) (*PriorityClass, *api.Error) {
 	if c == nil {
 		return nil, nil
 	}
-	prio, sent, e := countField(req.fields, "priority", math.MinInt64)
+	prio, sent, e := api.CountField(req.Fields, "priority", math.MinInt64)
 	if e != nil {
 		return nil, e
 	}
@@ -132,7 +133,7 @@ func (c *classes) classify(r *http.Request, req *genRequest) (*PriorityClass, *a
 				names = append(names, n)
 			}
 			slices.Sort(names)
-			return nil, badRequest(c.header, fmt.Sprintf("%s names no priority class; the classes are %s", c.header, strings.Join(names, ", ")))
+			return nil, api.BadRequest(c.header, fmt.Sprintf("%s names no priority class; the classes are %s", c.header, strings.Join(names, ", ")))
 		}
 		cl = named
 	} else if sent {
@@ -146,14 +147,14 @@ func (c *classes) classify(r *http.Request, req *genRequest) (*PriorityClass, *a
 		if sent {
 			// A body may rank its request lower than its class (a larger number), never
 			// ahead of it: the engines would serve a batch request before interactive ones.
-			fields, err = req.fields.With("priority", []byte(strconv.Itoa(cl.Priority)))
+			fields, err = req.Fields.With("priority", []byte(strconv.Itoa(cl.Priority)))
 		} else {
-			fields, err = withMember(req.fields, "priority", strconv.Itoa(cl.Priority))
+			fields, err = withMember(req.Fields, "priority", strconv.Itoa(cl.Priority))
 		}
 		if err != nil {
-			return nil, newError(errInternal, "internal error").with("", err, 0)
+			return nil, api.NewError(api.KindInternal, "internal error").With("", err, 0)
 		}
-		req.fields = fields
+		req.Fields = fields
 	}
 	return cl, nil
 }

@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -9,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 )
 
@@ -40,17 +40,17 @@ func nextOf(body io.Reader) func() ([]byte, bool, error) {
 // more of it has arrived, so a stream reaches the client chunk by chunk with nothing added in
 // between, and chunks the decoder sent together go out in one write.
 // It takes the custody when it fails; on success the caller still has it.
-func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiError {
+func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Error {
 	h := x.w.Header()
 	ct := resp.Header.Get("Content-Type")
 	if ct == "" {
 		ct = "application/json"
-		if x.req.stream {
+		if x.req.Stream {
 			ct = "text/event-stream"
 		}
 	}
 	h.Set("Content-Type", ct)
-	if x.req.stream {
+	if x.req.Stream {
 		h.Set("Cache-Control", "no-cache")
 		// Tells an nginx in front not to buffer the stream either.
 		h.Set("X-Accel-Buffering", "no")
@@ -64,7 +64,7 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 	next := nextOf(resp.Body)
 	if next == nil {
 		pool := &wholeBufPool
-		if x.req.stream {
+		if x.req.Stream {
 			pool = &streamBufPool
 		}
 		bufp := pool.Get().(*[]byte)
@@ -77,7 +77,7 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 	}
 	rs := x.out.resume
 	chain := x.relayStages()
-	x.out.end.api = x.req.api
+	x.out.end.API = x.req.API
 	answered := false
 	// delivered: the stream's end (its [DONE], or its API's last event) was written and
 	// flushed to the client, which then has the whole answer.
@@ -90,15 +90,13 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 				// A decoder back from an ejection is alive again from its first byte on.
 				answered = true
 				c.lease.Answered()
-				if x.req.stream {
+				if x.req.Stream {
 					// A stream's first byte is its first token: the prefill has ended.
 					c.lease.Prefilled()
 				}
 			}
 		}
-		for _, st := range chain {
-			data, rerr = st.pass(data, rerr)
-		}
+		data, rerr = api.Pass(chain, data, rerr)
 		if delivered && x.ctx.Err() != nil {
 			// The client has the whole answer, whatever it does next: one that closes its
 			// connection as soon as it reads the end (as scripts and load tools do) cancels
@@ -141,9 +139,9 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 				x.cancel(werr)
 				return x.gone(c)
 			}
-			x.out.end.note(data)
+			x.out.end.Note(data)
 			// Flushed when nothing more had arrived: the end is out once the client may read it.
-			delivered = x.req.stream && !more && x.out.end.complete()
+			delivered = x.req.Stream && !more && x.out.end.Complete()
 		}
 		if rerr == io.EOF {
 			// A decoder that ends its answer before any byte of it (a 200 closed at once), or
@@ -151,8 +149,8 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 			switch {
 			case !x.out.wrote:
 				rerr = errEmptyAnswer
-			case x.req.stream && !x.out.end.complete():
-				switch x.req.api {
+			case x.req.Stream && !x.out.end.Complete():
+				switch x.req.API {
 				case engine.APIResponses:
 					rerr = errResponsesUnfinished
 				case engine.APIMessages:
@@ -187,7 +185,7 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *apiErro
 
 // countAfterGone counts the stream chunks in data, read after the client left.
 func (x *exchange) countAfterGone(data []byte) {
-	n := countEvents(data)
+	n := api.CountEvents(data)
 	x.out.afterGone += n
 	x.s.m.tokensAfter.Add(float64(n))
 }
@@ -201,28 +199,6 @@ var (
 	errMessagesUnfinished  = errors.New("the decoder's stream ended before its message_stop")
 )
 
-// tailSize is how many of the answer's last bytes the relay keeps: enough for the line end
-// before "data: [DONE]", and the blank line after it; and for the longest line that ends a
-// Responses stream ("event: response.incomplete"), split across two reads.
-const tailSize = 32
-
-// streamDone reports whether a stream's last bytes are its [DONE] event: a line "data:
-// [DONE]" (the space is optional in SSE) that starts a line and ends the event with a blank
-// line.
-func streamDone(tail []byte) bool {
-	t := bytes.TrimRight(tail, "\r\n")
-	ends := tail[len(t):]
-	if bytes.Count(ends, []byte("\n"))+bytes.Count(ends, []byte("\r"))-bytes.Count(ends, []byte("\r\n")) < 2 {
-		return false
-	}
-	for _, done := range [][]byte{[]byte("data: [DONE]"), []byte("data:[DONE]")} {
-		if i := len(t) - len(done); i >= 0 && bytes.Equal(t[i:], done) {
-			return i == 0 || t[i-1] == '\n' || t[i-1] == '\r'
-		}
-	}
-	return false
-}
-
 // writeDeadline gives the next write to the client client_write_timeout from now.
 func (x *exchange) writeDeadline(rc *http.ResponseController) {
 	if x.s.cfg.ClientWriteTimeout > 0 {
@@ -235,23 +211,23 @@ func (x *exchange) writeDeadline(rc *http.ResponseController) {
 // in the OpenAI shape, and no [DONE], so clients see it failed. A decoder that broke
 // mid-event left a partial line: the error starts an event of its own, or the client would
 // read it as the end of that line. A whole JSON answer under way can only be cut.
-func (x *exchange) cut(e *apiError) *apiError {
+func (x *exchange) cut(e *api.Error) *api.Error {
 	switch {
 	case !x.out.wrote:
-	case x.req.stream:
+	case x.req.Stream:
 		rc := http.NewResponseController(x.w)
 		// The deadline of the last chunk may have passed during the decoder's silence: the
 		// error event gets a write deadline of its own.
 		x.writeDeadline(rc)
-		x.w.Write(x.out.end.eventBreak())
-		switch x.req.api {
+		x.w.Write(x.out.end.EventBreak())
+		switch x.req.API {
 		case engine.APIResponses:
-			x.w.Write(responsesErrorEvent(e))
+			x.w.Write(api.ResponsesErrorEvent(e))
 		case engine.APIMessages:
-			x.w.Write(anthropicErrorEvent(e))
+			x.w.Write(api.AnthropicErrorEvent(e))
 		default:
 			x.w.Write([]byte("data: "))
-			x.w.Write(e.body())
+			x.w.Write(e.Body())
 			x.w.Write([]byte("\n\n"))
 		}
 		rc.Flush()
@@ -259,28 +235,4 @@ func (x *exchange) cut(e *apiError) *apiError {
 		x.out.abortConn = true
 	}
 	return e
-}
-
-// eventBreak is what ends the partial SSE event a stream stopped in, given its last bytes:
-// nothing on an event boundary (a blank line), one more line end after a complete line.
-func eventBreak(tail []byte) []byte {
-	switch {
-	case len(tail) == 0 || bytes.HasSuffix(tail, []byte("\n\n")):
-		return nil
-	case tail[len(tail)-1] == '\n':
-		return []byte("\n")
-	}
-	// A lone CR ends a line too, but a CR followed by this LF is one line end: two LFs are
-	// needed either way.
-	return []byte("\n\n")
-}
-
-// countEvents counts the SSE events in p, which stand for tokens in a completion stream.
-func countEvents(p []byte) int {
-	n := bytes.Count(p, []byte("data:"))
-	n -= bytes.Count(p, []byte("data: [DONE]"))
-	if n < 0 {
-		return 0
-	}
-	return n
 }

@@ -16,6 +16,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/pdproxy/pdproxy/api"
+	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 )
 
@@ -103,7 +105,7 @@ var errDecoderCut = errors.New("decoder connection cut")
 // SSE parser reads as an event of its own, whatever partial line the decoder left; a
 // non-streaming answer is left truncated for the handler to cut the connection. An answer
 // that ends cleanly is broken all the same when it is empty, or a stream whose last event is
-// not its [DONE] (streamDone, tested on its own in TestStreamDone).
+// not its [DONE] (api.EndWatch, tested on its own in package api).
 func FuzzRelay(f *testing.F) {
 	for _, seed := range []struct {
 		data   string
@@ -147,7 +149,7 @@ func FuzzRelay(f *testing.F) {
 		ctx, cancel := context.WithCancelCause(context.Background())
 		defer cancel(nil)
 		rec := httptest.NewRecorder()
-		x := &exchange{s: srv, w: rec, ctx: ctx, cancel: cancel, id: id, route: "/v1/completions", req: &genRequest{stream: stream}}
+		x := &exchange{s: srv, w: rec, ctx: ctx, cancel: cancel, id: id, route: "/v1/completions", req: &api.Request{Stream: stream}}
 		x.times.start = time.Now()
 		wd := newWatchdog(ctx, false, false, time.Hour, time.Hour)
 		defer wd.stop()
@@ -156,7 +158,9 @@ func FuzzRelay(f *testing.F) {
 			end = errDecoderCut
 		}
 		in := append([]byte(nil), data...)
-		if !broken && (len(data) == 0 || stream && !streamDone(data[max(0, len(data)-tailSize):])) {
+		ends := api.EndWatch{API: engine.APICompletions}
+		ends.Note(data)
+		if !broken && (len(data) == 0 || stream && !ends.Complete()) {
 			broken = true
 		}
 		resp := &http.Response{StatusCode: http.StatusOK, Header: http.Header{}, Body: io.NopCloser(&chopReader{data: in, cuts: cuts, end: end})}
@@ -172,7 +176,7 @@ func FuzzRelay(f *testing.F) {
 			}
 			return
 		}
-		if e == nil || e.status != http.StatusBadGateway {
+		if e == nil || e.Status != http.StatusBadGateway {
 			t.Fatalf("a broken answer ended with %v, want a 502", e)
 		}
 		if len(data) == 0 {
@@ -195,7 +199,7 @@ func FuzzRelay(f *testing.F) {
 		if len(events) == 0 {
 			t.Fatalf("no event dispatched from %s", clip(got))
 		}
-		var body errorBody
+		var body api.ErrorBody
 		last := events[len(events)-1]
 		if err := json.Unmarshal([]byte(last), &body); err != nil || body.Error.Type == "" || body.Error.Message == "" {
 			t.Fatalf("last event %s is not an OpenAI error (%v); stream %s", clip([]byte(last)), err, clip(got))

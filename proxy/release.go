@@ -19,13 +19,14 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
 
 // gone handles the client leaving (leave), and ends what of the request was left to it.
-func (x *exchange) gone(c *custody) *apiError {
+func (x *exchange) gone(c *custody) *api.Error {
 	if c = x.leave(c); c != nil {
 		c.end(x.s)
 	}
@@ -79,17 +80,17 @@ func (x *exchange) leave(c *custody) *custody {
 // aborted: nothing for a client that left (499), but a client the proxy gives up on itself
 // (shutdown past its drain deadline) is told so, never left to take an empty answer for a
 // success.
-func (x *exchange) abandoned() *apiError {
-	if errors.Is(context.Cause(x.ctx), errShuttingDown) {
-		return x.cut(errShutdownAnswer)
+func (x *exchange) abandoned() *api.Error {
+	if errors.Is(context.Cause(x.ctx), api.ErrShuttingDown) {
+		return x.cut(api.ErrShutdownAnswer)
 	}
-	return errClientGone
+	return api.ErrClientGone
 }
 
 // failWith is how a step of the flow fails with e: a client that left is handled as gone;
 // else the request fails (fail, the decoder's lease given back with res) and the client is
 // told e in the way its answer so far allows (cut). It takes the custody.
-func (x *exchange) failWith(c *custody, res router.Result, e *apiError) *apiError {
+func (x *exchange) failWith(c *custody, res router.Result, e *api.Error) *api.Error {
 	if x.ctx.Err() != nil {
 		return x.gone(c)
 	}
@@ -143,7 +144,7 @@ func (x *exchange) letGo(c *custody, hold *lifecycle.Hold) {
 func (x *exchange) otherDecoder() *router.Backend {
 	d := x.legs.decode
 	for _, o := range x.s.router.Available(router.RoleDecode) {
-		if o != d && o.Engine.Kind() == d.Engine.Kind() && (x.req.model == "" || o.Serves(x.req.model)) {
+		if o != d && o.Engine.Kind() == d.Engine.Kind() && (x.req.Model == "" || o.Serves(x.req.Model)) {
 			return o
 		}
 	}
@@ -154,7 +155,7 @@ func (x *exchange) otherDecoder() *router.Backend {
 // answer or in the middle of it: a client that left is handled as gone; else the request fails
 // (fail) and the client is told, in the way its answer so far allows (cut). It takes the
 // custody.
-func (x *exchange) decodeFailed(c *custody, err error, wd *watchdog) *apiError {
+func (x *exchange) decodeFailed(c *custody, err error, wd *watchdog) *api.Error {
 	res := resultOf(err, x.ctx)
 	if x.ctx.Err() != nil && !wd.timedOut() {
 		c.res = res
@@ -170,7 +171,7 @@ func (x *exchange) decodeFailed(c *custody, err error, wd *watchdog) *apiError {
 		}
 	}
 	x.fail(c, res)
-	return x.cut(fromBackend(err, router.RoleDecode, errDecodeTimeout))
+	return x.cut(api.FromBackend(err, router.RoleDecode, api.KindDecodeTimeout))
 }
 
 // abortDecodeLeg aborts a paired request's decoder leg: its engine's explicit abort for each of
@@ -201,7 +202,7 @@ func (s *Server) abortDecodeLeg(parent trace.SpanContext, rids []string, d *rout
 // token, the output discarded) makes a decoder pull it: drainOn, when it is not nil. A prefill
 // that ended in the moment its connection closed holds its KV for the timer too (race R1:
 // nothing else frees it).
-func (s *Server) abortLegs(c *custody, pl *pairedLegs, p, d *router.Backend, hold *lifecycle.Hold, drain []byte, drainOn *router.Backend, req *genRequest) {
+func (s *Server) abortLegs(c *custody, pl *pairedLegs, p, d *router.Backend, hold *lifecycle.Hold, drain []byte, drainOn *router.Backend, req *api.Request) {
 	c.pass()
 	c.giveBackLease(c.res)
 	rids := pl.rids
@@ -340,7 +341,7 @@ func (s *Server) abortBrokenPrefill(parent trace.SpanContext, id string, p *rout
 
 // prefillAnswerAfterClientLeft ends a request whose prefill was let finish after its client
 // left (abort_during_prefill finish_then_release): the KV it now holds is released at once.
-func (s *Server) prefillAnswerAfterClientLeft(c *custody, req *genRequest, p *router.Backend, params json.RawMessage, err error) {
+func (s *Server) prefillAnswerAfterClientLeft(c *custody, req *api.Request, p *router.Backend, params json.RawMessage, err error) {
 	if err != nil || params == nil {
 		if err != nil {
 			s.abortBrokenPrefill(c.span, c.engineID, p, err)
@@ -448,7 +449,7 @@ const drainLegTimeout = 30 * time.Second
 
 // drainLeg sends decoder d a paired request's drain leg, on its own deadline (the client is
 // gone), and reports whether the decoder answered it: it pulled the held KV.
-func (s *Server) drainLeg(c *custody, d *router.Backend, req *genRequest, body []byte) bool {
+func (s *Server) drainLeg(c *custody, d *router.Backend, req *api.Request, body []byte) bool {
 	span := s.bgSpan(c.span, spanDrain, d, attrEngineRequestID.String(c.engineID))
 	timeout := drainLegTimeout
 	if t := s.cfg.DecodeFirstByteTimeout; t > 0 && t < timeout {
@@ -457,7 +458,7 @@ func (s *Server) drainLeg(c *custody, d *router.Backend, req *genRequest, body [
 	ctx, cancel := context.WithTimeout(withSpan(context.Background(), span), timeout)
 	defer cancel()
 	err := s.guard(c.id, func() error {
-		resp, err := backendCall(d, req.route, c.engineID, nil, body).Do(ctx)
+		resp, err := backendCall(d, req.Route, c.engineID, nil, body).Do(ctx)
 		if err == nil {
 			_, err = io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()
@@ -510,14 +511,14 @@ func (s *Server) drain(r release) bool {
 	ctx = withSpan(ctx, span)
 	var body []byte
 	err = s.guard(r.c.id, func() (err error) {
-		body, err = eng.DrainBody(r.req.fields, r.req.api, r.params)
+		body, err = eng.DrainBody(r.req.Fields, r.req.API, r.params)
 		return err
 	})
 	if err != nil {
 		lease.Release(router.Result{})
 		return false
 	}
-	path := r.req.route
+	path := r.req.Route
 	var delivered atomic.Bool
 	traced := httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
 		WroteRequest: func(i httptrace.WroteRequestInfo) { delivered.Store(i.Err == nil) },

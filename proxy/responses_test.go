@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 )
@@ -73,7 +74,7 @@ func TestResponsesStreamEndsOnlyAtItsEndEventLine(t *testing.T) {
 				ctx, cancel := context.WithCancelCause(context.Background())
 				rec := httptest.NewRecorder()
 				x := &exchange{s: srv, w: rec, ctx: ctx, cancel: cancel, id: id, route: "/v1/responses",
-					req: &genRequest{stream: true, api: engine.APIResponses}}
+					req: &api.Request{Stream: true, API: engine.APIResponses}}
 				x.times.start = time.Now()
 				wd := newWatchdog(ctx, false, false, time.Hour, time.Hour)
 				resp := &http.Response{StatusCode: http.StatusOK, Header: http.Header{},

@@ -1,7 +1,11 @@
-// Package proxy is pdproxy's HTTP front: the OpenAI-compatible routes, request parsing and
-// validation, the prefill/decode flow, the SSE relay, disconnect detection and error mapping.
-// It records every request in the lifecycle table and asks the router for backends; it never
-// keeps state beyond the requests it is serving.
+// Package proxy is pdproxy's HTTP front and its prefill/decode flow: the OpenAI- and
+// Anthropic-compatible routes (their bodies and errors are package api's), client keys,
+// limits, sessions, tenants and priority classes, the live view, and each request's way through
+// the engines: the prefill, the decode, paired legs, the relay, the KV hold's release,
+// migration and retries, with disconnect detection at every stage. Beyond the requests it
+// serves it keeps the clients' limits and sessions, a cache of the models the engines serve,
+// the bootstrap servers of paired prefillers and a ring of recent aborts; the requests
+// themselves are in the lifecycle table, and the backends are the router's.
 package proxy
 
 import (
@@ -21,6 +25,7 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/sync/singleflight"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -414,7 +419,7 @@ func (s *Server) Wait(ctx context.Context) error {
 func (s *Server) routes() http.Handler {
 	r := chi.NewRouter()
 	r.NotFound(func(w http.ResponseWriter, _ *http.Request) {
-		writeError(w, newError(errNoRoute, "no such route"))
+		api.WriteError(w, api.NewError(api.KindNoRoute, "no such route"))
 	})
 	r.MethodNotAllowed(func(w http.ResponseWriter, req *http.Request) {
 		// A 405 must say which methods the route takes (RFC 9110, section 15.5.6); chi sets
@@ -426,17 +431,17 @@ func (s *Server) routes() http.Handler {
 			}
 		}
 		w.Header().Set("Allow", strings.Join(allow, ", "))
-		writeError(w, newError(errMethodNotAllowed, "method not allowed on this route"))
+		api.WriteError(w, api.NewError(api.KindMethodNotAllowed, "method not allowed on this route"))
 	})
 	// The model routes: each client's limits apply to them, not to probes, metrics and
 	// inspection.
 	r.Group(func(r chi.Router) {
 		r.Use(s.limit)
-		r.Post("/v1/completions", s.generate("/v1/completions", completionsRequest))
-		r.Post("/v1/chat/completions", s.generate("/v1/chat/completions", chatRequest))
-		r.Post("/v1/responses", s.generate("/v1/responses", parseResponses))
-		r.Post(messagesRoute, s.generate(messagesRoute, parseMessagesRequest))
-		r.Post(generateRoute, s.generate(generateRoute, parseGenerateRequest))
+		r.Post("/v1/completions", s.generate("/v1/completions", api.ParseCompletions))
+		r.Post("/v1/chat/completions", s.generate("/v1/chat/completions", api.ParseChat))
+		r.Post("/v1/responses", s.generate("/v1/responses", api.ParseResponses))
+		r.Post(api.MessagesRoute, s.generate(api.MessagesRoute, api.ParseMessages))
+		r.Post(api.GenerateRoute, s.generate(api.GenerateRoute, api.ParseGenerate))
 		// The non-generation routes: one engine each, no P/D (passthrough.go).
 		for _, p := range passthroughRoutes {
 			r.Post(p.path, s.passthrough(p))
@@ -458,7 +463,7 @@ func (s *Server) routes() http.Handler {
 	if s.keys != nil {
 		h = s.requireKey(r, r)
 	}
-	return anthropicShape(s.bodyDeadline(h))
+	return api.AnthropicShape(s.bodyDeadline(h))
 }
 
 // bodyDeadline puts read_body_timeout on the body of every request that has one, whatever
@@ -479,9 +484,9 @@ func (s *Server) bodyDeadline(next http.Handler) http.Handler {
 func (s *Server) handleReady(w http.ResponseWriter, _ *http.Request) {
 	switch {
 	case s.draining.Load():
-		writeError(w, newError(errShutdown, "the proxy is shutting down"))
+		api.WriteError(w, api.NewError(api.KindShutdown, "the proxy is shutting down"))
 	case !s.router.Ready():
-		writeError(w, newError(errNoBackend, "no healthy decode backend"))
+		api.WriteError(w, api.NewError(api.KindNoBackend, "no healthy decode backend"))
 	default:
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ready"})
 	}

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/router"
 	"github.com/pdproxy/pdproxy/sharedstate"
 )
@@ -72,15 +73,15 @@ func isTokenRune(r rune) bool {
 // sessionOf is the session r names in the first of headers it carries, "" when none. A value
 // too long to be an id, or with bytes that are not printable ASCII, is refused: it would
 // become a key in shared state.
-func sessionOf(r *http.Request, headers []string) (string, *apiError) {
+func sessionOf(r *http.Request, headers []string) (string, *api.Error) {
 	for _, h := range headers {
 		v := r.Header.Get(h)
 		if v == "" {
 			continue
 		}
 		if len(v) > maxSessionKey || !printable(v) {
-			return "", newError(errInvalidValue, fmt.Sprintf("the %s header must be a session id of at most %d printable ASCII characters", h, maxSessionKey)).
-				with(h, nil, 0)
+			return "", api.NewError(api.KindInvalidValue, fmt.Sprintf("the %s header must be a session id of at most %d printable ASCII characters", h, maxSessionKey)).
+				With(h, nil, 0)
 		}
 		return v, nil
 	}
@@ -148,7 +149,7 @@ func (x *exchange) picked(role router.Role, lease *router.Lease) {
 
 // readSession reads the session the request names in the first of headers it carries, before
 // its body: a session header that cannot be an id refuses the request.
-func (x *exchange) readSession(headers []string) *apiError {
+func (x *exchange) readSession(headers []string) *api.Error {
 	key, e := sessionOf(x.r, headers)
 	if e != nil || key == "" {
 		return e

@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/net/http/httpguts"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -120,25 +121,25 @@ func (s *Server) CheckBackends(bs []router.BackendStatus) error {
 // namePrefiller reads the prefiller the request's header names, in the sidecar mode: x.named
 // is its backend, nil when the request names none. A value that is no host:port is a 400, one
 // the allowlist does not cover a 403; neither reaches an engine.
-func (x *exchange) namePrefiller() *apiError {
+func (x *exchange) namePrefiller() *api.Error {
 	sc := x.s.sidecar
 	values := x.r.Header.Values(sc.header)
 	p, named, err := parsePrefillerHeader(values)
 	if err != nil {
 		x.refusePrefiller(refusedMalformed, values, err)
-		return newError(errInvalidPrefiller, sc.header+" must name a prefiller as host:port: "+err.Error()).with(sc.header, err, 0)
+		return api.NewError(api.KindInvalidPrefiller, sc.header+" must name a prefiller as host:port: "+err.Error()).With(sc.header, err, 0)
 	}
 	if !named {
 		return nil
 	}
 	if !sc.allow.allows(p) {
 		x.refusePrefiller(refusedNotAllowed, values, nil)
-		return newError(errPrefillerNotAllowed, "the prefiller "+sc.header+" names is not one this proxy may call (prefiller_allow)").with(sc.header, nil, 0)
+		return api.NewError(api.KindPrefillerNotAllowed, "the prefiller "+sc.header+" names is not one this proxy may call (prefiller_allow)").With(sc.header, nil, 0)
 	}
 	b, err := router.NewDetached(router.BackendConfig{URL: "http://" + p.hostPort(), Role: router.RolePrefill}, sc.engine, sc.client)
 	if err != nil {
 		// parsePrefillerHeader let through only what makes a URL.
-		return newError(errInternal, "could not address the prefiller").with("", err, 0)
+		return api.NewError(api.KindInternal, "could not address the prefiller").With("", err, 0)
 	}
 	x.legs.named = b
 	return nil

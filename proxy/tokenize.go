@@ -28,26 +28,26 @@ type cacheRouter interface {
 // tokenizing fails is routed on its text.
 func (x *exchange) tokenize() {
 	cr, ok := x.s.router.(cacheRouter)
-	if !ok || x.legs.tokens != nil || x.req.key.media {
+	if !ok || x.legs.tokens != nil || x.req.Key.Media {
 		// A prompt with media is keyed by what the proxy cannot derive: no tokens match it.
 		return
 	}
 	if !cr.WantsTokens(router.RolePrefill) && !cr.WantsTokens(router.RoleDecode) && x.s.cfg.PDUncachedTokenThreshold <= 0 {
 		return
 	}
-	if x.req.tokens != nil {
-		x.legs.tokens = x.req.tokens
+	if x.req.Tokens != nil {
+		x.legs.tokens = x.req.Tokens
 		return
 	}
-	if x.req.text == "" || x.req.prompts > 1 || x.req.api == engine.APIResponses {
+	if x.req.Text == "" || x.req.Prompts > 1 || x.req.API == engine.APIResponses {
 		// A Responses input renders through the engine's own conversion: the text routes it.
 		return
 	}
-	req := router.TokenizeRequest{Model: x.req.model}
-	if x.req.api == engine.APIChat || x.req.api == engine.APIMessages {
-		req.Messages = x.req.messages
+	req := router.TokenizeRequest{Model: x.req.Model}
+	if x.req.API == engine.APIChat || x.req.API == engine.APIMessages {
+		req.Messages = x.req.Messages
 	} else {
-		req.Prompt = x.req.text
+		req.Prompt = x.req.Text
 	}
 	toks, err := cr.Tokens(x.ctx, req)
 	if err != nil {

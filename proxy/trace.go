@@ -9,6 +9,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -86,22 +87,22 @@ func (x *exchange) startRequest(ctx context.Context) context.Context {
 }
 
 // endRequest ends the request's span with the status the client got.
-func (x *exchange) endRequest(status int, e *apiError) {
+func (x *exchange) endRequest(status int, e *api.Error) {
 	if x.span == nil {
 		return
 	}
 	x.span.SetAttributes(attrStatus.Int(status))
 	if x.req != nil {
-		x.span.SetAttributes(attrStream.Bool(x.req.stream))
+		x.span.SetAttributes(attrStream.Bool(x.req.Stream))
 	}
-	if x.legs.fallback || x.req != nil && x.req.decodeOnly != "" {
+	if x.legs.fallback || x.req != nil && x.req.DecodeOnly != "" {
 		x.span.SetAttributes(attrDecodeOnly.Bool(true))
 	}
 	if x.out.afterGone > 0 {
 		x.span.SetAttributes(attrTokensAfter.Int(x.out.afterGone))
 	}
-	if e != nil && status >= 500 && status != StatusClientClosed {
-		x.span.SetStatus(codes.Error, e.message)
+	if e != nil && status >= 500 && status != api.StatusClientClosed {
+		x.span.SetStatus(codes.Error, e.Message)
 	}
 	x.span.End()
 }
@@ -142,7 +143,7 @@ func (x *exchange) startAttempt(n int) {
 
 // endAttempt ends the attempt's span with how the attempt ended: served, migrated (its stream
 // goes on elsewhere), fresh_pair (its pair failed before the first byte), or failed.
-func (x *exchange) endAttempt(e *apiError) {
+func (x *exchange) endAttempt(e *api.Error) {
 	span := x.tries.span
 	if span == nil {
 		return
@@ -160,7 +161,7 @@ func (x *exchange) endAttempt(e *apiError) {
 	span.SetAttributes(attrAttemptOutcome.String(outcome))
 	var err error
 	if e != nil {
-		err = e // a nil *apiError must not become a non-nil error
+		err = e // a nil *api.Error must not become a non-nil error
 	}
 	endSpan(span, err)
 }
@@ -196,8 +197,8 @@ func endSpan(span trace.Span, err error) {
 	if span == nil {
 		return
 	}
-	var ae *apiError
-	if errors.As(err, &ae) && ae.status == StatusClientClosed {
+	var ae *api.Error
+	if errors.As(err, &ae) && ae.Status == api.StatusClientClosed {
 		err = nil // the client left: the call did what it was asked, and was cut
 	}
 	if err != nil && !errors.Is(err, context.Canceled) {

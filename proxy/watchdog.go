@@ -7,11 +7,13 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/pdproxy/pdproxy/api"
 )
 
 var (
-	errFirstByteTimeout = fmt.Errorf("%w: no first byte from the decoder", errPhaseTimeout)
-	errIdleTimeout      = fmt.Errorf("%w: the decoder went silent", errPhaseTimeout)
+	errFirstByteTimeout = fmt.Errorf("%w: no first byte from the decoder", api.ErrPhaseTimeout)
+	errIdleTimeout      = fmt.Errorf("%w: the decoder went silent", api.ErrPhaseTimeout)
 )
 
 // ackGrace bounds how long a decode whose client left waits for the decoder's acknowledgement

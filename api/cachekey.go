@@ -1,4 +1,4 @@
-package proxy
+package api
 
 import (
 	"encoding/binary"
@@ -7,7 +7,6 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/pdproxy/pdproxy/engine"
-	"github.com/pdproxy/pdproxy/router"
 )
 
 // A request's cache key: what vLLM keys its prompt's KV blocks by beyond the tokens
@@ -19,28 +18,16 @@ import (
 // request with images, audio, video or embeddings is scored as holding nothing by a policy
 // that scores by tokens, never as a hit its items would make false.
 
-// adapterRouter is a router that knows which models its engines serve as LoRA adapters
-// (router.Router.Adapter). Checked by type assertion: without it every model is taken for a
-// base model.
-type adapterRouter interface {
-	Adapter(model string) bool
-}
-
 // cacheKey is what of a request's cache key the proxy knows.
 type cacheKey struct {
-	// salt is the request's cache_salt, empty for none (vLLM takes "" as none).
-	salt string
-	// lora is the request's model when the engines serve it as a LoRA adapter.
-	lora string
-	// media is set when the prompt holds items the engines key by identifiers the proxy
+	// Salt is the request's cache_salt, empty for none (vLLM takes "" as none).
+	Salt string
+	// LoRA is the request's model when the engines serve it as a LoRA adapter.
+	LoRA string
+	// Media is set when the prompt holds items the engines key by identifiers the proxy
 	// cannot derive: content parts other than text (images, audio, video, files,
 	// embeddings), or a completion's prompt_embeds.
-	media bool
-}
-
-// readCacheSalt reads the body's cache_salt, a string when given.
-func readCacheSalt(fields object, req *genRequest) *apiError {
-	return stringField(fields, "cache_salt", false, &req.key.salt)
+	Media bool
 }
 
 // textParts are the content part types that hold text, which the engines tokenize as any
@@ -86,50 +73,23 @@ func messagesHaveMedia(raw json.RawMessage) bool {
 	return false
 }
 
-// keyRequest completes the request's cache key once its model is resolved: the adapter it
-// names, and the text cache-aware policies match (routeText).
-func (x *exchange) keyRequest() {
-	req := x.req
-	if ar, ok := x.s.router.(adapterRouter); ok && ar.Adapter(req.model) {
-		req.key.lora = req.model
-	}
-	req.routeText = routeText(req.text, req.key)
-}
-
-// routeText is text as cache-aware policies match it: behind a tag of the request's LoRA
+// RouteText is text as cache-aware policies match it: behind a tag of the request's LoRA
 // and cache_salt when it has either, so that the approximate view, which knows nothing of
 // KV keys, never credits one adapter's or tenant's text to another's request (the tag's
 // first byte differs from the text's, or from another tag's, but one time in 256). A
 // request of neither routes on its text as it is.
-func routeText(text string, k cacheKey) string {
-	if k.lora == "" && k.salt == "" || text == "" {
+func RouteText(text string, k cacheKey) string {
+	if k.LoRA == "" && k.Salt == "" || text == "" {
 		return text
 	}
 	var d xxhash.Digest
 	d.Reset()
-	_, _ = d.WriteString(k.lora)
+	_, _ = d.WriteString(k.LoRA)
 	_, _ = d.Write([]byte{0})
-	_, _ = d.WriteString(k.salt)
+	_, _ = d.WriteString(k.Salt)
 	var tag [8]byte
 	binary.BigEndian.PutUint64(tag[:], d.Sum64())
 	return string(tag[:]) + text
-}
-
-// hintText is the text a pick for role matches: none for a request with media when role's
-// policy scores by tokens, so that it is scored as holding nothing rather than by a text
-// whose items the engines key otherwise.
-func (x *exchange) hintText(role router.Role) string {
-	if x.req.key.media {
-		if cr, ok := x.s.router.(cacheRouter); ok && cr.WantsTokens(role) {
-			return ""
-		}
-	}
-	return x.req.routeText
-}
-
-// cacheHint is what the router weighs a decoder's cache by for conditional disaggregation.
-func (x *exchange) cacheHint() router.Hint {
-	return router.Hint{Tokens: x.legs.tokens, LoRA: x.req.key.lora, CacheSalt: x.req.key.salt}
 }
 
 // completionMedia reports whether a completion's body carries prompt embeddings, which the

@@ -1,4 +1,4 @@
-package proxy
+package api
 
 import (
 	"bytes"
@@ -7,7 +7,6 @@ import (
 	"strings"
 
 	"github.com/pdproxy/pdproxy/engine"
-	"github.com/pdproxy/pdproxy/router"
 )
 
 // Anthropic's Messages API (POST /v1/messages), as vLLM and SGLang serve it: a system prompt
@@ -23,10 +22,10 @@ import (
 // Either way the conversation is read the way the engines render it, as chat messages: what
 // cache-aware routing matches and what /tokenize is asked.
 
-// messagesRoute and countTokensRoute are the Messages API's routes.
+// MessagesRoute and CountTokensRoute are the Messages API's routes.
 const (
-	messagesRoute    = "/v1/messages"
-	countTokensRoute = "/v1/messages/count_tokens"
+	MessagesRoute    = "/v1/messages"
+	CountTokensRoute = "/v1/messages/count_tokens"
 )
 
 // billingHeader starts a system block that some coding agents add to every request with a
@@ -72,27 +71,27 @@ type anthropicTool struct {
 var blockTypes = map[string]bool{"text": true, "image": true, "tool_use": true, "tool_result": true, "thinking": true,
 	"redacted_thinking": true, "tool_reference": true, "document": true}
 
-// parseMessagesRequest validates a Messages API body, and renders its conversation as chat
+// ParseMessages validates a Messages API body, and renders its conversation as chat
 // messages. Errors name the field.
-func parseMessagesRequest(body []byte) (*genRequest, *apiError) {
+func ParseMessages(body []byte) (*Request, *Error) {
 	req, e := parseGeneration(body)
 	if e != nil {
 		return nil, e
 	}
-	req.api = engine.APIMessages
-	req.prompts = 1
-	f := req.fields
-	if _, ok, e := countField(f, "max_tokens", 1); e != nil {
+	req.API = engine.APIMessages
+	req.Prompts = 1
+	f := req.Fields
+	if _, ok, e := CountField(f, "max_tokens", 1); e != nil {
 		return nil, e
 	} else if !ok {
-		return nil, badRequest("max_tokens", "max_tokens is required")
+		return nil, BadRequest("max_tokens", "max_tokens is required")
 	}
 	for _, name := range []string{"temperature", "top_p"} {
 		if e := numberField(f, name); e != nil {
 			return nil, e
 		}
 	}
-	if _, _, e := countField(f, "top_k", 0); e != nil {
+	if _, _, e := CountField(f, "top_k", 0); e != nil {
 		return nil, e
 	}
 	stops, e := stopSequences(f)
@@ -123,41 +122,41 @@ func parseMessagesRequest(body []byte) (*genRequest, *apiError) {
 	}
 	rendered, err := json.Marshal(chat)
 	if err != nil {
-		return nil, newError(errInternal, "the conversation could not be rendered").with("", err, 0)
+		return nil, NewError(KindInternal, "the conversation could not be rendered").With("", err, 0)
 	}
 	// The conversation as the engines render it grows at its end turn after turn, as a
 	// chat's messages array does: what a cache-aware policy matches, and what the engine's
 	// /tokenize renders.
-	req.text, req.messages = string(rendered), rendered
-	req.key.media = messagesHaveMedia(rendered)
-	req.prefix = system
-	if req.prefix == "" && len(chat) > 0 {
-		req.prefix = chat[0].text()
+	req.Text, req.Messages = string(rendered), rendered
+	req.Key.Media = messagesHaveMedia(rendered)
+	req.Prefix = system
+	if req.Prefix == "" && len(chat) > 0 {
+		req.Prefix = chat[0].text()
 	}
-	req.anthropic = &anthropicRequest{tools: tools, stops: stops}
+	req.Anthropic = &anthropicRequest{Tools: tools, Stops: stops}
 	return req, nil
 }
 
 // anthropicRequest is what a Messages request needs to go to an engine as a chat completion.
 type anthropicRequest struct {
-	tools []anthropicTool
-	stops []string
+	Tools []anthropicTool
+	Stops []string
 }
 
-func stopSequences(f object) ([]string, *apiError) {
+func stopSequences(f object) ([]string, *Error) {
 	raw, ok := f.Field("stop_sequences")
 	if !ok || isNull(raw) {
 		return nil, nil
 	}
 	var stops []string
 	if raw[0] != '[' || json.Unmarshal(raw, &stops) != nil {
-		return nil, badRequest("stop_sequences", "stop_sequences must be an array of strings")
+		return nil, BadRequest("stop_sequences", "stop_sequences must be an array of strings")
 	}
 	return stops, nil
 }
 
 // systemText is the system prompt: a string, or text blocks, joined.
-func systemText(f object) (string, *apiError) {
+func systemText(f object) (string, *Error) {
 	raw, ok := f.Field("system")
 	if !ok || isNull(raw) {
 		return "", nil
@@ -165,18 +164,18 @@ func systemText(f object) (string, *apiError) {
 	var s string
 	if raw[0] == '"' {
 		if decodeString(raw, &s) != nil {
-			return "", badRequest("system", "system must be a string or an array of text blocks")
+			return "", BadRequest("system", "system must be a string or an array of text blocks")
 		}
 		return s, nil
 	}
 	var blocks []anthropicBlock
 	if json.Unmarshal(raw, &blocks) != nil {
-		return "", badRequest("system", "system must be a string or an array of text blocks")
+		return "", BadRequest("system", "system must be a string or an array of text blocks")
 	}
 	var b strings.Builder
 	for i, bl := range blocks {
 		if bl.Type != "text" || bl.Text == nil {
-			return "", badRequest(fmt.Sprintf("system[%d]", i), fmt.Sprintf("system[%d] must be a text block with its text", i))
+			return "", BadRequest(fmt.Sprintf("system[%d]", i), fmt.Sprintf("system[%d] must be a text block with its text", i))
 		}
 		if strings.HasPrefix(*bl.Text, billingHeader) {
 			continue
@@ -186,80 +185,80 @@ func systemText(f object) (string, *apiError) {
 	return b.String(), nil
 }
 
-func anthropicMessages(f object) ([]anthropicMessage, *apiError) {
+func anthropicMessages(f object) ([]anthropicMessage, *Error) {
 	raw, ok := f.Field("messages")
 	if !ok || isNull(raw) {
-		return nil, badRequest("messages", "messages is required")
+		return nil, BadRequest("messages", "messages is required")
 	}
 	var msgs []anthropicMessage
 	if raw[0] != '[' || json.Unmarshal(raw, &msgs) != nil {
-		return nil, badRequest("messages", "messages must be an array of message objects, each with a role and a content")
+		return nil, BadRequest("messages", "messages must be an array of message objects, each with a role and a content")
 	}
 	if len(msgs) == 0 {
-		return nil, badRequest("messages", "messages must not be empty")
+		return nil, BadRequest("messages", "messages must not be empty")
 	}
 	for i, m := range msgs {
 		at := fmt.Sprintf("messages[%d]", i)
 		switch m.Role {
 		case "user", "assistant", "system":
 		case "":
-			return nil, badRequest(at+".role", at+".role is required: user or assistant")
+			return nil, BadRequest(at+".role", at+".role is required: user or assistant")
 		default:
-			return nil, badRequest(at+".role", fmt.Sprintf("%s.role %q is not user or assistant", at, m.Role))
+			return nil, BadRequest(at+".role", fmt.Sprintf("%s.role %q is not user or assistant", at, m.Role))
 		}
 		if len(m.Content) == 0 || isNull(m.Content) {
-			return nil, badRequest(at+".content", at+".content is required")
+			return nil, BadRequest(at+".content", at+".content is required")
 		}
 		if m.Content[0] == '"' {
 			continue
 		}
 		var blocks []anthropicBlock
 		if m.Content[0] != '[' || json.Unmarshal(m.Content, &blocks) != nil {
-			return nil, badRequest(at+".content", at+".content must be a string or an array of content blocks")
+			return nil, BadRequest(at+".content", at+".content must be a string or an array of content blocks")
 		}
 		for j, b := range blocks {
 			bat := fmt.Sprintf("%s.content[%d]", at, j)
 			if !blockTypes[b.Type] {
-				return nil, badRequest(bat+".type", fmt.Sprintf("%s.type %q is not a content block type (text, image, tool_use, tool_result, thinking)", bat, b.Type))
+				return nil, BadRequest(bat+".type", fmt.Sprintf("%s.type %q is not a content block type (text, image, tool_use, tool_result, thinking)", bat, b.Type))
 			}
 			switch {
 			case b.Type == "text" && b.Text == nil:
-				return nil, badRequest(bat+".text", bat+".text is required")
+				return nil, BadRequest(bat+".text", bat+".text is required")
 			case b.Type == "tool_use" && (b.ID == "" || b.Name == ""):
-				return nil, badRequest(bat, bat+" is a tool_use block without its id and name")
+				return nil, BadRequest(bat, bat+" is a tool_use block without its id and name")
 			case b.Type == "tool_use" && len(b.Input) > 0 && b.Input[0] != '{' && !isNull(b.Input):
-				return nil, badRequest(bat+".input", bat+".input must be an object")
+				return nil, BadRequest(bat+".input", bat+".input must be an object")
 			case b.Type == "tool_result" && b.ToolUseID == "":
-				return nil, badRequest(bat+".tool_use_id", bat+".tool_use_id is required")
+				return nil, BadRequest(bat+".tool_use_id", bat+".tool_use_id is required")
 			case b.Type == "image" && b.Source == nil:
-				return nil, badRequest(bat+".source", bat+".source is required")
+				return nil, BadRequest(bat+".source", bat+".source is required")
 			}
 		}
 	}
 	return msgs, nil
 }
 
-func anthropicTools(f object) ([]anthropicTool, *apiError) {
+func anthropicTools(f object) ([]anthropicTool, *Error) {
 	raw, ok := f.Field("tools")
 	if !ok || isNull(raw) {
 		return nil, nil
 	}
 	var tools []anthropicTool
 	if raw[0] != '[' || json.Unmarshal(raw, &tools) != nil {
-		return nil, badRequest("tools", "tools must be an array of tool objects")
+		return nil, BadRequest("tools", "tools must be an array of tool objects")
 	}
 	for i, t := range tools {
 		if t.Name == "" {
-			return nil, badRequest(fmt.Sprintf("tools[%d].name", i), fmt.Sprintf("tools[%d].name is required", i))
+			return nil, BadRequest(fmt.Sprintf("tools[%d].name", i), fmt.Sprintf("tools[%d].name is required", i))
 		}
 		if len(t.InputSchema) > 0 && t.InputSchema[0] != '{' && !isNull(t.InputSchema) {
-			return nil, badRequest(fmt.Sprintf("tools[%d].input_schema", i), fmt.Sprintf("tools[%d].input_schema must be an object", i))
+			return nil, BadRequest(fmt.Sprintf("tools[%d].input_schema", i), fmt.Sprintf("tools[%d].input_schema must be an object", i))
 		}
 	}
 	return tools, nil
 }
 
-func toolChoice(f object) *apiError {
+func toolChoice(f object) *Error {
 	raw, ok := f.Field("tool_choice")
 	if !ok || isNull(raw) {
 		return nil
@@ -269,21 +268,21 @@ func toolChoice(f object) *apiError {
 		Name string `json:"name"`
 	}
 	if raw[0] != '{' || json.Unmarshal(raw, &tc) != nil {
-		return badRequest("tool_choice", "tool_choice must be an object")
+		return BadRequest("tool_choice", "tool_choice must be an object")
 	}
 	switch tc.Type {
 	case "auto", "any", "none":
 	case "tool":
 		if tc.Name == "" {
-			return badRequest("tool_choice.name", "tool_choice.name is required when its type is tool")
+			return BadRequest("tool_choice.name", "tool_choice.name is required when its type is tool")
 		}
 	default:
-		return badRequest("tool_choice.type", "tool_choice.type must be auto, any, tool or none")
+		return BadRequest("tool_choice.type", "tool_choice.type must be auto, any, tool or none")
 	}
 	return nil
 }
 
-func thinking(f object) *apiError {
+func thinking(f object) *Error {
 	raw, ok := f.Field("thinking")
 	if !ok || isNull(raw) {
 		return nil
@@ -292,7 +291,7 @@ func thinking(f object) *apiError {
 		Type string `json:"type"`
 	}
 	if raw[0] != '{' || json.Unmarshal(raw, &th) != nil || th.Type != "enabled" && th.Type != "disabled" && th.Type != "adaptive" {
-		return badRequest("thinking", "thinking must be an object whose type is enabled or disabled")
+		return BadRequest("thinking", "thinking must be an object whose type is enabled or disabled")
 	}
 	return nil
 }
@@ -338,7 +337,7 @@ type chatPart struct {
 // (the top-level one, then any message with the system role) as one system message; then each
 // message in order, its text and images as content, its thinking as reasoning, its tool_use
 // blocks as tool calls, and each tool_result as a message of role tool after it.
-func chatMessages(system string, msgs []anthropicMessage) ([]chatMessage, *apiError) {
+func chatMessages(system string, msgs []anthropicMessage) ([]chatMessage, *Error) {
 	var out []chatMessage
 	sys := system
 	for _, m := range msgs {
@@ -415,13 +414,13 @@ func chatMessages(system string, msgs []anthropicMessage) ([]chatMessage, *apiEr
 		out = append(out, msg)
 	}
 	if len(out) == 0 {
-		return nil, badRequest("messages", "messages hold no content to answer")
+		return nil, BadRequest("messages", "messages hold no content to answer")
 	}
 	return out, nil
 }
 
 // plainText is a string content, or the text of its text blocks, joined by line ends.
-func plainText(raw json.RawMessage) (string, *apiError) {
+func plainText(raw json.RawMessage) (string, *Error) {
 	if len(raw) == 0 || isNull(raw) {
 		return "", nil
 	}
@@ -432,7 +431,7 @@ func plainText(raw json.RawMessage) (string, *apiError) {
 	}
 	var blocks []anthropicBlock
 	if json.Unmarshal(raw, &blocks) != nil {
-		return "", badRequest("content", "a tool result's content must be a string or an array of content blocks")
+		return "", BadRequest("content", "a tool result's content must be a string or an array of content blocks")
 	}
 	var texts []string
 	for _, b := range blocks {
@@ -459,45 +458,26 @@ func jsonString(s string) json.RawMessage {
 	return b
 }
 
-// asChat is the body and route of a request's legs on decoder d: a Messages request for an
-// engine whose Messages handler cannot take part in P/D goes as the chat completion it stands
-// for, its legs bounded as a chat's, and its answer translated (a translator for this
-// attempt); any other request as it came.
-func (x *exchange) asChat(d *router.Backend, f *engine.Fields, leg *engine.Leg) (*engine.Fields, string, error) {
-	x.out.translate = nil
-	mc, ok := engineOf(d).(engine.MessagesByChat)
-	if x.req.api != engine.APIMessages || !ok || !mc.MessagesByChat() {
-		return f, x.req.route, nil
-	}
-	chat, err := x.req.toChat()
-	if err != nil {
-		return nil, "", err
-	}
-	leg.API = engine.APIChat
-	x.out.translate = &chatToMessages{stream: x.req.stream, stops: x.req.anthropic.stops}
-	return chat, "/v1/chat/completions", nil
-}
-
 // anthropicOnly are the Messages API's own members, which a chat completion spells another
 // way or has not.
 var anthropicOnly = []string{"system", "messages", "stop_sequences", "tools", "tool_choice", "thinking", "metadata",
 	"stream", "max_tokens", "output_config", "kv_transfer_params", "container", "mcp_servers", "service_tier", "cache_control",
 	"speed", "diagnostics", "inference_geo", "context_management"}
 
-// toChat is the chat completion a Messages request stands for, for an engine whose Messages
+// ToChat is the chat completion a Messages request stands for, for an engine whose Messages
 // handler cannot take part in P/D: the conversation as chatMessages renders it, max_tokens,
 // stop_sequences as stop, the tools as functions and tool_choice as chat's, thinking as the
 // chat template's enable_thinking, metadata.user_id as user; a stream asks for its usage.
 // Every other member (sampling, and the engines' own extensions) passes as it came.
-func (req *genRequest) toChat() (*engine.Fields, error) {
-	f := req.fields
-	set := []engine.Member{{Key: "messages", Val: req.messages}}
+func (req *Request) ToChat() (*engine.Fields, error) {
+	f := req.Fields
+	set := []engine.Member{{Key: "messages", Val: req.Messages}}
 	maxTokens, _ := f.Field("max_tokens")
 	set = append(set, engine.Member{Key: "max_tokens", Val: maxTokens})
 	if raw, ok := f.Field("stop_sequences"); ok && !isNull(raw) {
 		set = append(set, engine.Member{Key: "stop", Val: raw})
 	}
-	if len(req.anthropic.tools) > 0 {
+	if len(req.Anthropic.Tools) > 0 {
 		type function struct {
 			Name        string          `json:"name"`
 			Description *string         `json:"description,omitempty"`
@@ -507,8 +487,8 @@ func (req *genRequest) toChat() (*engine.Fields, error) {
 			Type     string   `json:"type"`
 			Function function `json:"function"`
 		}
-		tools := make([]tool, len(req.anthropic.tools))
-		for i, t := range req.anthropic.tools {
+		tools := make([]tool, len(req.Anthropic.Tools))
+		for i, t := range req.Anthropic.Tools {
 			tools[i] = tool{"function", function{t.Name, t.Description, t.InputSchema}}
 		}
 		raw, err := json.Marshal(tools)
@@ -559,7 +539,7 @@ func (req *genRequest) toChat() (*engine.Fields, error) {
 			}
 		}
 	}
-	if req.stream {
+	if req.Stream {
 		set = append(set, engine.Member{Key: "stream", Val: []byte("true")},
 			engine.Member{Key: "stream_options", Val: []byte(`{"include_usage":true}`)})
 	}

@@ -1,4 +1,4 @@
-package proxy
+package api
 
 import (
 	"encoding/json"
@@ -41,22 +41,22 @@ func FuzzParseRequest(f *testing.F) {
 			if req != nil {
 				t.Fatalf("parseRequest returned both a request and an error")
 			}
-			if e.status != http.StatusBadRequest || e.message == "" || e.wire().typ != "invalid_request_error" {
+			if e.Status != http.StatusBadRequest || e.Message == "" || e.wire().typ != "invalid_request_error" {
 				t.Fatalf("refusal %+v, want a 400 invalid_request_error with a message", e)
 			}
 			return
 		}
-		if req.model == "" {
+		if req.Model == "" {
 			t.Fatalf("accepted %q with an empty model", body)
 		}
-		if (req.api == engine.APIChat) != chat {
-			t.Fatalf("api %d, want chat %v", req.api, chat)
+		if (req.API == engine.APIChat) != chat {
+			t.Fatalf("api %d, want chat %v", req.API, chat)
 		}
-		pre, err := engine.PrefillBody(req.fields, req.api)
+		pre, err := engine.PrefillBody(req.Fields, req.API)
 		if err != nil {
 			t.Fatalf("PrefillBody of accepted %q: %v", body, err)
 		}
-		dec, err := engine.DecodeBody(req.fields, json.RawMessage(`{"remote_host":"h"}`))
+		dec, err := engine.DecodeBody(req.Fields, json.RawMessage(`{"remote_host":"h"}`))
 		if err != nil {
 			t.Fatalf("DecodeBody of accepted %q: %v", body, err)
 		}
@@ -92,9 +92,9 @@ func TestParseRequestKeepsWhatRoutingNeeds(t *testing.T) {
 			if e != nil {
 				t.Fatalf("refused: %v", e)
 			}
-			if req.model != tc.model || req.stream != tc.stream || req.prefix != tc.prefix {
+			if req.Model != tc.model || req.Stream != tc.stream || req.Prefix != tc.prefix {
 				t.Errorf("got model %q stream %v prefix %q, want %q %v %q",
-					req.model, req.stream, req.prefix, tc.model, tc.stream, tc.prefix)
+					req.Model, req.Stream, req.Prefix, tc.model, tc.stream, tc.prefix)
 			}
 		})
 	}

@@ -1,4 +1,4 @@
-package proxy
+package api
 
 import (
 	"net/http"
@@ -15,11 +15,11 @@ var hopHeaders = map[string]bool{
 	"X-Client-Request-Id": true,
 }
 
-// upstreamHeader is what of the client's headers goes to the backends. Headers that other P/D
+// UpstreamHeader is what of the client's headers goes to the backends. Headers that other P/D
 // sidecars read to pick an upstream (x-prefiller-host-port and the like) are dropped:
 // upstreams come from config only, never from a request. So are the headers the client's
 // Connection header names: they were for the hop to the proxy alone (RFC 9110 section 7.6.1).
-func upstreamHeader(in http.Header) http.Header {
+func UpstreamHeader(in http.Header) http.Header {
 	out := make(http.Header, len(in))
 	for k, v := range in {
 		if hopHeaders[k] {

@@ -1,26 +1,19 @@
-package proxy
+package api
 
 import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"io"
 	"net/http"
 	"strings"
 )
 
-// anthropicWriter is the writer of an answer on a Messages route: the errors written to it
-// take Anthropic's shape ({"type":"error","error":{"type","message"}}), which Anthropic's
-// SDKs read, whoever refuses the request (the key check, the limits, the proxy, an engine).
-type anthropicWriter struct{ http.ResponseWriter }
-
-// Unwrap lets http.ResponseController reach the connection's writer (flushes, deadlines).
-func (w *anthropicWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
-
-// anthropicShape gives the Messages routes' answers Anthropic's error shape. A path sent
+// AnthropicShape gives the Messages routes' answers Anthropic's error shape. A path sent
 // escaped reaches no route (chi routes on it as sent), so the path as it came decides.
-func anthropicShape(next http.Handler) http.Handler {
+func AnthropicShape(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if p := r.URL.Path; r.URL.RawPath == "" && (p == messagesRoute || p == countTokensRoute) {
+		if p := r.URL.Path; r.URL.RawPath == "" && (p == MessagesRoute || p == CountTokensRoute) {
 			w = &anthropicWriter{w}
 		}
 		next.ServeHTTP(w, r)
@@ -63,11 +56,11 @@ type anthropicError struct {
 // that shape already (vLLM's and SGLang's Messages handlers answer so); an OpenAI-shaped one
 // (a chat completion's, when the route was served as one) is given Anthropic's shape with its
 // message.
-func (e *apiError) anthropicBody() []byte {
+func (e *Error) anthropicBody() []byte {
 	var b anthropicError
 	b.Type = "error"
-	b.Error.Type = anthropicType(e.status)
-	b.Error.Message = e.message
+	b.Error.Type = anthropicType(e.Status)
+	b.Error.Message = e.Message
 	if e.raw != nil {
 		var in struct {
 			Type  string          `json:"type"`
@@ -98,15 +91,11 @@ func cmpOr(s ...string) string {
 	return ""
 }
 
-// anthropicErrorEvent is the event that ends a Messages stream that failed.
-func anthropicErrorEvent(e *apiError) []byte {
+// AnthropicErrorEvent is the event that ends a Messages stream that failed.
+func AnthropicErrorEvent(e *Error) []byte {
 	out := append([]byte("event: error\ndata: "), e.anthropicBody()...)
 	return append(out, "\n\n"...)
 }
-
-// messagesEnds are the events that end a Messages stream: it has no [DONE]. An engine's
-// error event ends it too.
-var messagesEnds = [][]byte{[]byte("message_stop"), []byte("error")}
 
 // Bounds on what a translated answer holds at once: one event of the engine's chat stream,
 // and a whole chat answer, which is read to its end before its translation goes out.
@@ -120,19 +109,19 @@ var (
 	errTranslatedBad      = errors.New("the engine's chat answer could not be read as one")
 )
 
-// chatToMessages translates an engine's chat completion answer, streamed or whole, into the
+// ChatToMessages translates an engine's chat completion answer, streamed or whole, into the
 // Messages answer it stands for, as it arrives: each chat chunk becomes the Messages events
 // it means (text and reasoning into text and thinking blocks, tool calls into tool_use blocks
 // whose input streams as JSON), the end ([DONE]) the message_delta with the stop reason and
 // the usage, then message_stop. A whole answer is read to its end first. A chunk that is an
 // error, or that cannot be read, stops the translation: err says why.
-type chatToMessages struct {
-	stream bool
-	// stops are the request's stop_sequences: a stop the engine matched is named in the
+type ChatToMessages struct {
+	Stream bool
+	// Stops are the request's stop_sequences: a stop the engine matched is named in the
 	// answer's stop_sequence.
-	stops []string
+	Stops []string
 	buf   []byte // a partial line of the stream, or the whole answer so far
-	err   error
+	Err   error
 
 	started    bool
 	block      string // the open content block's type; "" when none is open
@@ -194,13 +183,13 @@ type chatAnswerBody struct {
 }
 
 // rewrite is what of p goes to the client now.
-func (t *chatToMessages) rewrite(p []byte) []byte {
-	if t.err != nil {
+func (t *ChatToMessages) rewrite(p []byte) []byte {
+	if t.Err != nil {
 		return nil
 	}
-	if !t.stream {
+	if !t.Stream {
 		if len(t.buf)+len(p) > maxTranslatedAnswer {
-			t.err = errTranslatedTooLarge
+			t.Err = errTranslatedTooLarge
 			return nil
 		}
 		t.buf = append(t.buf, p...)
@@ -211,7 +200,7 @@ func (t *chatToMessages) rewrite(p []byte) []byte {
 		i := bytes.IndexByte(p, '\n')
 		if i < 0 {
 			if len(t.buf)+len(p) > maxTranslatedEvent {
-				t.err = errTranslatedTooLarge
+				t.Err = errTranslatedTooLarge
 				return out
 			}
 			t.buf = append(t.buf, p...)
@@ -224,7 +213,7 @@ func (t *chatToMessages) rewrite(p []byte) []byte {
 		}
 		p = p[i+1:]
 		out = t.line(bytes.TrimSuffix(line, []byte("\r")), out)
-		if t.err != nil {
+		if t.Err != nil {
 			return out
 		}
 	}
@@ -233,13 +222,13 @@ func (t *chatToMessages) rewrite(p []byte) []byte {
 
 // flush is what goes to the client at the end of the engine's answer: a whole answer's
 // translation.
-func (t *chatToMessages) flush() []byte {
-	if t.stream || t.err != nil {
+func (t *ChatToMessages) flush() []byte {
+	if t.Stream || t.Err != nil {
 		return nil
 	}
 	var a chatAnswerBody
 	if json.Unmarshal(t.buf, &a) != nil || len(a.Choices) == 0 {
-		t.err = errTranslatedBad
+		t.Err = errTranslatedBad
 		return nil
 	}
 	c := a.Choices[0]
@@ -270,14 +259,14 @@ func (t *chatToMessages) flush() []byte {
 		"stop_reason": reason, "stop_sequence": seq, "usage": t.usageOut(),
 	})
 	if err != nil {
-		t.err = err
+		t.Err = err
 		return nil
 	}
 	return out
 }
 
 // line translates one line of the engine's chat stream.
-func (t *chatToMessages) line(l []byte, out []byte) []byte {
+func (t *ChatToMessages) line(l []byte, out []byte) []byte {
 	data, ok := bytes.CutPrefix(l, []byte("data:"))
 	if !ok {
 		return out // event names, comments, the blank lines between events
@@ -288,11 +277,11 @@ func (t *chatToMessages) line(l []byte, out []byte) []byte {
 	}
 	var ch chatAnswerBody
 	if json.Unmarshal(data, &ch) != nil {
-		t.err = errTranslatedBad
+		t.Err = errTranslatedBad
 		return out
 	}
 	if len(ch.Error) > 0 && !isNull(ch.Error) || ch.Object == "error" {
-		t.err = errors.New("the engine's stream failed: " + cmpOr(errorMessage(ch.Error), ch.Message, "an error event"))
+		t.Err = errors.New("the engine's stream failed: " + cmpOr(errorMessage(ch.Error), ch.Message, "an error event"))
 		return out
 	}
 	if !t.started {
@@ -331,7 +320,7 @@ func (t *chatToMessages) line(l []byte, out []byte) []byte {
 }
 
 // note keeps a choice's finish reason and matched stop.
-func (t *chatToMessages) note(c chatAnswerChoice) {
+func (t *ChatToMessages) note(c chatAnswerChoice) {
 	if c.FinishReason != nil && *c.FinishReason != "" {
 		t.finish = *c.FinishReason
 	}
@@ -343,7 +332,7 @@ func (t *chatToMessages) note(c chatAnswerChoice) {
 	}
 }
 
-func (t *chatToMessages) stopReason() (reason string, seq any) {
+func (t *ChatToMessages) stopReason() (reason string, seq any) {
 	switch t.finish {
 	case "length":
 		return "max_tokens", nil
@@ -351,7 +340,7 @@ func (t *chatToMessages) stopReason() (reason string, seq any) {
 		return "tool_use", nil
 	}
 	if t.stopSeq != "" {
-		for _, s := range t.stops {
+		for _, s := range t.Stops {
 			if s == t.stopSeq {
 				return "stop_sequence", s
 			}
@@ -360,7 +349,7 @@ func (t *chatToMessages) stopReason() (reason string, seq any) {
 	return "end_turn", nil
 }
 
-func (t *chatToMessages) usageOut() map[string]int {
+func (t *ChatToMessages) usageOut() map[string]int {
 	u := map[string]int{"input_tokens": t.usage.PromptTokens, "output_tokens": t.usage.CompletionTokens}
 	if d := t.usage.PromptTokensDetails; d != nil {
 		u["cache_read_input_tokens"] = d.CachedTokens
@@ -369,7 +358,7 @@ func (t *chatToMessages) usageOut() map[string]int {
 }
 
 // open starts a content block of typ, closing another one open.
-func (t *chatToMessages) open(out []byte, typ string, block map[string]any) []byte {
+func (t *ChatToMessages) open(out []byte, typ string, block map[string]any) []byte {
 	if t.block == typ {
 		return out
 	}
@@ -378,7 +367,7 @@ func (t *chatToMessages) open(out []byte, typ string, block map[string]any) []by
 	return event(out, "content_block_start", map[string]any{"type": "content_block_start", "index": t.next, "content_block": block})
 }
 
-func (t *chatToMessages) close(out *[]byte) {
+func (t *ChatToMessages) close(out *[]byte) {
 	if t.block == "" {
 		return
 	}
@@ -387,17 +376,17 @@ func (t *chatToMessages) close(out *[]byte) {
 	t.next++
 }
 
-func (t *chatToMessages) delta(out []byte, d map[string]any) []byte {
+func (t *ChatToMessages) delta(out []byte, d map[string]any) []byte {
 	return event(out, "content_block_delta", map[string]any{"type": "content_block_delta", "index": t.next, "delta": d})
 }
 
 // end is the stream's end: the open block closed, the stop reason and usage, message_stop.
-func (t *chatToMessages) end(out []byte) []byte {
+func (t *ChatToMessages) end(out []byte) []byte {
 	if t.stopIssued {
 		return out
 	}
 	if !t.started {
-		t.err = errTranslatedBad // a stream with no chunk before its end
+		t.Err = errTranslatedBad // a stream with no chunk before its end
 		return out
 	}
 	t.stopIssued = true
@@ -421,7 +410,7 @@ func event(out []byte, name string, v any) []byte {
 func messageID(id string) string {
 	id = strings.TrimPrefix(id, "chatcmpl-")
 	if id == "" {
-		id = newID()
+		id = NewID()
 	}
 	return "msg_" + id
 }
@@ -436,4 +425,17 @@ func errorMessage(raw json.RawMessage) string {
 	var s string
 	json.Unmarshal(raw, &s)
 	return s
+}
+
+// Pass is the Messages translation as a stage: the chat answer's events become the Messages
+// answer's, the last of them at the answer's end; an answer it cannot translate fails.
+func (t *ChatToMessages) Pass(data []byte, end error) ([]byte, error) {
+	data = t.rewrite(data)
+	if end == io.EOF {
+		data = append(data, t.flush()...)
+	}
+	if t.Err != nil && (end == nil || end == io.EOF) {
+		end = t.Err
+	}
+	return data, end
 }

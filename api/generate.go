@@ -1,4 +1,4 @@
-package proxy
+package api
 
 import (
 	"encoding/json"
@@ -18,22 +18,22 @@ import (
 // served model when a body has none). A stream of it does not move to another decoder
 // (migration): it fails as a completion that cannot move does.
 
-// generateRoute is the token-in route's path.
-const generateRoute = "/inference/v1/generate"
+// GenerateRoute is the token-in route's path.
+const GenerateRoute = "/inference/v1/generate"
 
-// parseGenerateRequest validates a body of the token-in route. Errors name the member, a
+// ParseGenerate validates a body of the token-in route. Errors name the member, a
 // member of sampling_params as sampling_params.<name>.
-func parseGenerateRequest(body []byte) (*genRequest, *apiError) {
+func ParseGenerate(body []byte) (*Request, *Error) {
 	req, e := parseGeneration(body)
 	if e != nil {
 		return nil, e
 	}
-	req.api = engine.APIGenerate
-	fields := req.fields
+	req.API = engine.APIGenerate
+	fields := req.Fields
 	if e := checkStreamOptions(fields); e != nil {
 		return nil, e
 	}
-	if _, _, e := countField(fields, "priority", math.MinInt64); e != nil {
+	if _, _, e := CountField(fields, "priority", math.MinInt64); e != nil {
 		return nil, e
 	}
 	if e := parseTokenIDs(fields, req); e != nil {
@@ -41,31 +41,31 @@ func parseGenerateRequest(body []byte) (*genRequest, *apiError) {
 	}
 	raw, ok := fields.Field("sampling_params")
 	if !ok || isNull(raw) {
-		return nil, badRequest("sampling_params", "sampling_params is required")
+		return nil, BadRequest("sampling_params", "sampling_params is required")
 	}
 	var sp rawObject
 	if err := json.Unmarshal(raw, &sp); err != nil || sp == nil {
-		return nil, badRequest("sampling_params", "sampling_params must be an object")
+		return nil, BadRequest("sampling_params", "sampling_params must be an object")
 	}
 	counts, e := checkSampling(sp)
 	if e != nil {
-		e.param = "sampling_params." + e.param
-		e.message = "sampling_params." + e.message
+		e.Param = "sampling_params." + e.Param
+		e.Message = "sampling_params." + e.Message
 		return nil, e
 	}
 	// Items of other modalities are placed and keyed by what the engine's renderer made of
 	// them: the proxy cannot match them.
 	for _, name := range []string{"features", "content_parts"} {
 		if raw, ok := fields.Field(name); ok && !isNull(raw) {
-			req.key.media = true
+			req.Key.Media = true
 		}
 	}
 	_, promptLogprobs := counts["prompt_logprobs"]
 	switch {
 	case counts["n"] > 1 || counts["best_of"] > 1:
-		req.decodeOnly = decodeOnlyN
+		req.DecodeOnly = DecodeOnlyN
 	case promptLogprobs:
-		req.decodeOnly = decodeOnlyPromptLogprobs
+		req.DecodeOnly = DecodeOnlyPromptLogprobs
 	}
 	return req, nil
 }
@@ -73,34 +73,34 @@ func parseGenerateRequest(body []byte) (*genRequest, *apiError) {
 // parseTokenIDs reads token_ids, the prompt: a non-empty array of token ids, each below 2^32
 // (no vocabulary is that large). The array as it came is the text cache-aware policies match:
 // a later turn's ids extend it.
-func parseTokenIDs(fields *engine.Fields, req *genRequest) *apiError {
+func parseTokenIDs(fields *engine.Fields, req *Request) *Error {
 	raw, ok := fields.Field("token_ids")
 	if !ok || isNull(raw) {
-		return badRequest("token_ids", "token_ids is required")
+		return BadRequest("token_ids", "token_ids is required")
 	}
 	var ids []json.RawMessage
 	if json.Unmarshal(raw, &ids) != nil || len(ids) == 0 {
-		return badRequest("token_ids", "token_ids must be a non-empty array of token ids")
+		return BadRequest("token_ids", "token_ids must be a non-empty array of token ids")
 	}
-	req.tokens = make([]uint32, len(ids))
+	req.Tokens = make([]uint32, len(ids))
 	for i, id := range ids {
 		v, ok := plainInt(id)
 		if !ok || v < 0 || v > math.MaxUint32 {
-			return badRequest("token_ids", fmt.Sprintf("token_ids[%d] must be a token id: an integer from 0 below 2^32", i))
+			return BadRequest("token_ids", fmt.Sprintf("token_ids[%d] must be a token id: an integer from 0 below 2^32", i))
 		}
-		req.tokens[i] = uint32(v)
+		req.Tokens[i] = uint32(v)
 	}
-	req.prefix, req.text, req.prompts = string(raw), string(raw), 1
+	req.Prefix, req.Text, req.Prompts = string(raw), string(raw), 1
 	return nil
 }
 
 // checkSampling checks the members of sampling_params the proxy knows, as a completion's are
 // checked at the top of its body (vLLM's SamplingParams takes the same names), and returns the
 // counts that are there.
-func checkSampling(sp rawObject) (map[string]int64, *apiError) {
+func checkSampling(sp rawObject) (map[string]int64, *Error) {
 	counts := make(map[string]int64, len(countFields))
 	for _, c := range countFields {
-		v, present, e := countField(sp, c.name, c.min)
+		v, present, e := CountField(sp, c.name, c.min)
 		if e != nil {
 			return nil, e
 		}
@@ -108,7 +108,7 @@ func checkSampling(sp rawObject) (map[string]int64, *apiError) {
 			counts[c.name] = v
 		}
 	}
-	if _, _, e := countField(sp, "logprobs", 0); e != nil {
+	if _, _, e := CountField(sp, "logprobs", 0); e != nil {
 		return nil, e
 	}
 	for _, name := range numberFields {
@@ -117,7 +117,7 @@ func checkSampling(sp rawObject) (map[string]int64, *apiError) {
 		}
 	}
 	for _, name := range intFields {
-		if _, _, e := countField(sp, name, math.MinInt64); e != nil {
+		if _, _, e := CountField(sp, name, math.MinInt64); e != nil {
 			return nil, e
 		}
 	}

@@ -1,4 +1,4 @@
-package proxy
+package api
 
 import (
 	"bytes"
@@ -51,12 +51,12 @@ func sseData(t *testing.T, stream []byte) (names []string, data []map[string]any
 func TestAChatStreamBecomesTheMessagesEventsItMeansWhereverItsReadsSplit(t *testing.T) {
 	var first []byte
 	for cut := 0; cut <= len(chatStream); cut++ {
-		tr := &chatToMessages{stream: true}
+		tr := &ChatToMessages{Stream: true}
 		out := tr.rewrite([]byte(chatStream[:cut]))
 		out = append(out, tr.rewrite([]byte(chatStream[cut:]))...)
 		out = append(out, tr.flush()...)
-		if tr.err != nil {
-			t.Fatalf("cut at %d: %v", cut, tr.err)
+		if tr.Err != nil {
+			t.Fatalf("cut at %d: %v", cut, tr.Err)
 		}
 		if first == nil {
 			first = out
@@ -123,13 +123,13 @@ func TestAWholeChatAnswerBecomesTheMessageItMeans(t *testing.T) {
 			"tool_use", nil, `[{"signature":"","thinking":"hm","type":"thinking"},{"id":"c1","input":{"a":1},"name":"f","type":"tool_use"}]`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			tr := &chatToMessages{stops: []string{"END"}}
+			tr := &ChatToMessages{Stops: []string{"END"}}
 			out := tr.rewrite([]byte(tc.answer[:10]))
 			out = append(out, tr.rewrite([]byte(tc.answer[10:]))...)
 			out = append(out, tr.flush()...)
 			var m map[string]json.RawMessage
-			if tr.err != nil || json.Unmarshal(out, &m) != nil {
-				t.Fatalf("%s: %v", out, tr.err)
+			if tr.Err != nil || json.Unmarshal(out, &m) != nil {
+				t.Fatalf("%s: %v", out, tr.Err)
 			}
 			seq, _ := json.Marshal(tc.stopSeq)
 			if string(m["type"]) != `"message"` || string(m["id"]) != `"msg_1"` || string(m["stop_reason"]) != `"`+tc.reason+`"` ||
@@ -153,10 +153,10 @@ func TestATranslationStopsAtWhatItCannotRead(t *testing.T) {
 		{"a whole answer that is not one", false, `{"object":"list"}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			tr := &chatToMessages{stream: tc.stream}
+			tr := &ChatToMessages{Stream: tc.stream}
 			out := tr.rewrite([]byte(tc.in))
 			out = append(out, tr.flush()...)
-			if tr.err == nil {
+			if tr.Err == nil {
 				t.Fatalf("no error; out %q", out)
 			}
 			if bytes.Contains(out, []byte("message_stop")) {
@@ -169,21 +169,21 @@ func TestATranslationStopsAtWhatItCannotRead(t *testing.T) {
 func TestMessagesRoutesAnswerErrorsInAnthropicsShape(t *testing.T) {
 	for _, tc := range []struct {
 		name string
-		e    *apiError
+		e    *Error
 		want string
 	}{
-		{"the proxy's own", newError(errQueueFull, "busy"), `{"type":"error","error":{"type":"rate_limit_error","message":"busy"}}`},
-		{"an engine's OpenAI-shaped refusal", &apiError{kind: errBackendRefused, status: 400, raw: []byte(`{"error":{"message":"too long","type":"BadRequestError"}}`)},
+		{"the proxy's own", NewError(KindQueueFull, "busy"), `{"type":"error","error":{"type":"rate_limit_error","message":"busy"}}`},
+		{"an engine's OpenAI-shaped refusal", &Error{Kind: KindBackendRefused, Status: 400, raw: []byte(`{"error":{"message":"too long","type":"BadRequestError"}}`)},
 			`{"type":"error","error":{"type":"invalid_request_error","message":"too long"}}`},
-		{"an engine's Anthropic-shaped refusal, as it came", &apiError{kind: errBackendRefused, status: 400, raw: []byte(`{"type":"error","error":{"type":"invalid_request_error","message":"x"}}`)},
+		{"an engine's Anthropic-shaped refusal, as it came", &Error{Kind: KindBackendRefused, Status: 400, raw: []byte(`{"type":"error","error":{"type":"invalid_request_error","message":"x"}}`)},
 			`{"type":"error","error":{"type":"invalid_request_error","message":"x"}}`},
-		{"an overloaded pool", newError(errNoBackend, "none"), `{"type":"error","error":{"type":"overloaded_error","message":"none"}}`},
+		{"an overloaded pool", NewError(KindNoBackend, "none"), `{"type":"error","error":{"type":"overloaded_error","message":"none"}}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rec := httptest.NewRecorder()
-			writeError(&anthropicWriter{rec}, tc.e)
-			if rec.Body.String() != tc.want || rec.Code != tc.e.status || rec.Header().Get("Content-Type") != "application/json" {
-				t.Errorf("%d %s, want %d %s", rec.Code, rec.Body.String(), tc.e.status, tc.want)
+			WriteError(&anthropicWriter{rec}, tc.e)
+			if rec.Body.String() != tc.want || rec.Code != tc.e.Status || rec.Header().Get("Content-Type") != "application/json" {
+				t.Errorf("%d %s, want %d %s", rec.Code, rec.Body.String(), tc.e.Status, tc.want)
 			}
 		})
 	}

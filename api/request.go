@@ -1,4 +1,4 @@
-package proxy
+package api
 
 import (
 	"bytes"
@@ -15,82 +15,82 @@ import (
 // below it. No model served today has a context anywhere near it.
 const maxTokensLimit = 1 << 24
 
-// genRequest is a completion or chat request, parsed once: its raw top-level fields (passed on
+// Request is a completion or chat request, parsed once: its raw top-level fields (passed on
 // untouched) and the few values the proxy itself needs.
-type genRequest struct {
-	// route is the path the request came on, and goes to the engines on.
-	route string
-	// api is the API the body is for: how a prefill bounds it, and how its answer ends.
-	api engine.API
-	// state names a member of a Responses API request that needs state on one engine
+type Request struct {
+	// Route is the path the request came on, and goes to the engines on.
+	Route string
+	// API is the API the body is for: how a prefill bounds it, and how its answer ends.
+	API engine.API
+	// State names a member of a Responses API request that needs State on one engine
 	// (previous_response_id, background, store), empty if none.
-	state  string
-	fields *engine.Fields
-	model  string
-	stream bool
-	// prefix is the start of the prompt, for prefix-affinity routing.
-	prefix string
-	// text is the whole prompt as it repeats across a session's turns, for cache-aware
+	State  string
+	Fields *engine.Fields
+	Model  string
+	Stream bool
+	// Prefix is the start of the prompt, for Prefix-affinity routing.
+	Prefix string
+	// Text is the whole prompt as it repeats across a session's turns, for cache-aware
 	// routing: a completion's prompt, or a chat's messages array as the client sent it.
-	text string
-	// key is what the engines key the prompt's KV blocks by beyond its tokens, as far as
-	// the proxy knows it (cachekey.go); routeText is text as cache-aware policies match it,
-	// tagged with the key (keyRequest).
-	key       cacheKey
-	routeText string
-	// messages is a chat's messages array as the client sent it, or a Messages request's
-	// conversation rendered as chat messages, to tokenize.
-	messages json.RawMessage
-	// anthropic is what a Messages request needs to go to an engine as a chat completion;
+	Text string
+	// Key is what the engines Key the prompt's KV blocks by beyond its tokens, as far as
+	// the proxy knows it (cachekey.go); RouteText is text as cache-aware policies match it,
+	// tagged with the Key (keyRequest).
+	Key       cacheKey
+	RouteText string
+	// Messages is a chat's Messages array as the client sent it, or a Messages request's
+	// conversation rendered as chat Messages, to tokenize.
+	Messages json.RawMessage
+	// Anthropic is what a Messages request needs to go to an engine as a chat completion;
 	// nil for the other APIs.
-	anthropic *anthropicRequest
-	// tokens is a completion prompt the client sent as token ids; nil else.
-	tokens []uint32
-	// decodeOnly, when set, is why the request must not be prefilled on another engine (the
+	Anthropic *anthropicRequest
+	// Tokens is a completion prompt the client sent as token ids; nil else.
+	Tokens []uint32
+	// DecodeOnly, when set, is why the request must not be prefilled on another engine (the
 	// pdproxy_decode_only_total reason): P/D cannot serve it safely, so a decoder computes the
 	// prompt itself.
-	decodeOnly string
-	// prompts counts a completion's prompts (a prompt array holds several).
-	prompts int
+	DecodeOnly string
+	// Prompts counts a completion's Prompts (a prompt array holds several).
+	Prompts int
 }
 
 // The reasons a request goes decode-only: what vLLM's P/D cannot serve safely.
 const (
-	// decodeOnlyN: n > 1 or best_of > 1. The prefiller makes a child request per sample and
+	// DecodeOnlyN: n > 1 or best_of > 1. The prefiller makes a child request per sample and
 	// returns params for one: the others' holds are invisible to the proxy (vLLM #38900).
-	decodeOnlyN = "n"
-	// decodeOnlyPromptArray: several prompts in one completion; only the first prompt's
+	DecodeOnlyN = "n"
+	// DecodeOnlyPromptArray: several prompts in one completion; only the first prompt's
 	// params come back (vLLM #54707), and decoders assert on shared block ids.
-	decodeOnlyPromptArray = "prompt_array"
-	// decodeOnlyPromptLogprobs: prompt_logprobs, or echo with logprobs, crash a decoder that
+	DecodeOnlyPromptArray = "prompt_array"
+	// DecodeOnlyPromptLogprobs: prompt_logprobs, or echo with logprobs, crash a decoder that
 	// is handed KV params (vLLM #50792).
-	decodeOnlyPromptLogprobs = "prompt_logprobs"
-	// decodeOnlyCached: the chosen decoder already holds all but fewer than
+	DecodeOnlyPromptLogprobs = "prompt_logprobs"
+	// DecodeOnlyCached: the chosen decoder already holds all but fewer than
 	// pd_uncached_token_threshold of the prompt's tokens (conditional disaggregation).
-	decodeOnlyCached = "cached"
+	DecodeOnlyCached = "cached"
 )
 
-// completionsRequest and chatRequest parse the bodies of their routes.
-func completionsRequest(body []byte) (*genRequest, *apiError) { return parseRequest(body, false) }
-func chatRequest(body []byte) (*genRequest, *apiError)        { return parseRequest(body, true) }
+// ParseCompletions and ParseChat parse the bodies of their routes.
+func ParseCompletions(body []byte) (*Request, *Error) { return parseRequest(body, false) }
+func ParseChat(body []byte) (*Request, *Error)        { return parseRequest(body, true) }
 
 // parseRequest validates a body as an OpenAI completions (chat false) or chat completions
 // request. Errors name the field.
-func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
+func parseRequest(body []byte, chat bool) (*Request, *Error) {
 	req, e := parseGeneration(body)
 	if e != nil {
 		return nil, e
 	}
 	if chat {
-		req.api = engine.APIChat
+		req.API = engine.APIChat
 	}
-	fields := req.fields
+	fields := req.Fields
 	if e := checkStreamOptions(fields); e != nil {
 		return nil, e
 	}
 	counts := make(map[string]int64, len(countFields))
 	for _, c := range countFields {
-		v, present, e := countField(fields, c.name, c.min)
+		v, present, e := CountField(fields, c.name, c.min)
 		if e != nil {
 			return nil, e
 		}
@@ -104,7 +104,7 @@ func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
 		}
 	}
 	for _, name := range intFields {
-		if _, _, e := countField(fields, name, math.MinInt64); e != nil {
+		if _, _, e := CountField(fields, name, math.MinInt64); e != nil {
 			return nil, e
 		}
 	}
@@ -128,40 +128,40 @@ func parseRequest(body []byte, chat bool) (*genRequest, *apiError) {
 			return nil, e
 		}
 	} else {
-		var e *apiError
-		if _, logprobs, e = countField(fields, "logprobs", 0); e != nil {
+		var e *Error
+		if _, logprobs, e = CountField(fields, "logprobs", 0); e != nil {
 			return nil, e
 		}
 		if e := parsePrompt(fields, req); e != nil {
 			return nil, e
 		}
-		req.key.media = completionMedia(fields)
+		req.Key.Media = completionMedia(fields)
 	}
 	_, promptLogprobs := counts["prompt_logprobs"]
 	switch {
 	case counts["n"] > 1 || counts["best_of"] > 1:
-		req.decodeOnly = decodeOnlyN
-	case req.prompts > 1:
-		req.decodeOnly = decodeOnlyPromptArray
+		req.DecodeOnly = DecodeOnlyN
+	case req.Prompts > 1:
+		req.DecodeOnly = DecodeOnlyPromptArray
 	case promptLogprobs || echo && logprobs:
-		req.decodeOnly = decodeOnlyPromptLogprobs
+		req.DecodeOnly = DecodeOnlyPromptLogprobs
 	}
 	return req, nil
 }
 
 // checkStreamOptions checks stream_options: an object whose include_usage is a boolean.
-func checkStreamOptions(fields *engine.Fields) *apiError {
+func checkStreamOptions(fields *engine.Fields) *Error {
 	raw, ok := fields.Field("stream_options")
 	if !ok || isNull(raw) {
 		return nil
 	}
 	var so rawObject
 	if err := json.Unmarshal(raw, &so); err != nil {
-		return badRequest("stream_options", "stream_options must be an object")
+		return BadRequest("stream_options", "stream_options must be an object")
 	}
 	var includeUsage bool // checked, not used: the decoder reads it
 	if e := boolField(so, "include_usage", &includeUsage); e != nil {
-		e.param = "stream_options.include_usage"
+		e.Param = "stream_options.include_usage"
 		return e
 	}
 	return nil
@@ -169,28 +169,28 @@ func checkStreamOptions(fields *engine.Fields) *apiError {
 
 // parseGeneration reads what every generation body has: a JSON object with a model, and
 // whether it streams.
-func parseGeneration(body []byte) (*genRequest, *apiError) {
+func parseGeneration(body []byte) (*Request, *Error) {
 	if len(bytes.TrimSpace(body)) == 0 {
-		return nil, badRequest("", "request body is empty; expected a JSON object")
+		return nil, BadRequest("", "request body is empty; expected a JSON object")
 	}
 	if !utf8.Valid(body) {
-		return nil, badRequest("", "request body is not valid UTF-8")
+		return nil, BadRequest("", "request body is not valid UTF-8")
 	}
 	fields, err := engine.ParseFields(body)
 	if errors.Is(err, engine.ErrNullBody) {
-		return nil, badRequest("", "request body must be a JSON object, not null")
+		return nil, BadRequest("", "request body must be a JSON object, not null")
 	}
 	if err != nil {
-		return nil, badRequest("", "request body is not a valid JSON object: "+jsonProblem(err))
+		return nil, BadRequest("", "request body is not a valid JSON object: "+JSONProblem(err))
 	}
-	req := &genRequest{fields: fields}
-	if e := stringField(fields, "model", true, &req.model); e != nil {
+	req := &Request{Fields: fields}
+	if e := StringField(fields, "model", true, &req.Model); e != nil {
 		return nil, e
 	}
-	if req.model == "" {
-		return nil, badRequest("model", "model must not be empty")
+	if req.Model == "" {
+		return nil, BadRequest("model", "model must not be empty")
 	}
-	if e := boolField(fields, "stream", &req.stream); e != nil {
+	if e := boolField(fields, "stream", &req.Stream); e != nil {
 		return nil, e
 	}
 	if e := readCacheSalt(fields, req); e != nil {
@@ -219,21 +219,21 @@ var (
 	boolFields   = []string{"echo", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "add_generation_prompt"}
 )
 
-func parsePrompt(fields *engine.Fields, req *genRequest) *apiError {
+func parsePrompt(fields *engine.Fields, req *Request) *Error {
 	raw, ok := fields.Field("prompt")
 	if !ok || isNull(raw) {
-		return badRequest("prompt", "prompt is required")
+		return BadRequest("prompt", "prompt is required")
 	}
 	var s string
 	if raw[0] == '"' && decodeString(raw, &s) == nil {
-		req.prefix, req.text, req.prompts = s, s, 1
+		req.Prefix, req.Text, req.Prompts = s, s, 1
 		return nil
 	}
 	// The other shapes OpenAI allows: an array of strings, of token ids (one prompt), or of
 	// arrays of ids. A null anywhere is none of them.
 	var many []json.RawMessage
 	if json.Unmarshal(raw, &many) != nil || len(many) == 0 {
-		return badRequest("prompt", "prompt must be a string, or a non-empty array of strings or token ids")
+		return BadRequest("prompt", "prompt must be a string, or a non-empty array of strings or token ids")
 	}
 	tokens := 0
 	for i, p := range many {
@@ -241,36 +241,36 @@ func parsePrompt(fields *engine.Fields, req *genRequest) *apiError {
 		switch {
 		case p[0] == '"' && json.Unmarshal(p, &ps) == nil:
 			if i == 0 {
-				req.prefix = ps
+				req.Prefix = ps
 			}
-			req.prompts++
+			req.Prompts++
 		case tokenID(p):
 			tokens++
 		case p[0] == '[' && tokenIDs(p):
-			req.prompts++
+			req.Prompts++
 		default:
-			return badRequest("prompt", fmt.Sprintf("prompt[%d] must be a string, a token id or a non-empty array of token ids", i))
+			return BadRequest("prompt", fmt.Sprintf("prompt[%d] must be a string, a token id or a non-empty array of token ids", i))
 		}
 	}
 	if tokens > 0 {
-		if req.prompts > 0 {
-			return badRequest("prompt", "prompt must not mix token ids with strings or arrays")
+		if req.Prompts > 0 {
+			return BadRequest("prompt", "prompt must not mix token ids with strings or arrays")
 		}
-		req.prompts = 1
-		req.tokens = make([]uint32, 0, len(many))
+		req.Prompts = 1
+		req.Tokens = make([]uint32, 0, len(many))
 		for _, p := range many {
 			v, _ := plainInt(p)
 			if v > math.MaxUint32 {
-				req.tokens = nil // no vocabulary is that large: route on the text
+				req.Tokens = nil // no vocabulary is that large: route on the text
 				break
 			}
-			req.tokens = append(req.tokens, uint32(v))
+			req.Tokens = append(req.Tokens, uint32(v))
 		}
 	}
-	if req.prefix == "" {
-		req.prefix = string(raw)
+	if req.Prefix == "" {
+		req.Prefix = string(raw)
 	}
-	req.text = req.prefix
+	req.Text = req.Prefix
 	return nil
 }
 
@@ -294,30 +294,30 @@ func tokenIDs(raw json.RawMessage) bool {
 	return true
 }
 
-func parseMessages(fields *engine.Fields, req *genRequest) *apiError {
+func parseMessages(fields *engine.Fields, req *Request) *Error {
 	raw, ok := fields.Field("messages")
 	if !ok || isNull(raw) {
-		return badRequest("messages", "messages is required")
+		return BadRequest("messages", "messages is required")
 	}
 	var msgs []rawObject
 	if err := json.Unmarshal(raw, &msgs); err != nil {
-		return badRequest("messages", "messages must be an array of message objects")
+		return BadRequest("messages", "messages must be an array of message objects")
 	}
 	if len(msgs) == 0 {
-		return badRequest("messages", "messages must not be empty")
+		return BadRequest("messages", "messages must not be empty")
 	}
 	// The array as it came grows at its end turn after turn, as the rendered conversation
 	// does: what a cache-aware policy matches, and what the engine's /tokenize renders.
-	req.text, req.messages = string(raw), raw
+	req.Text, req.Messages = string(raw), raw
 	for i, m := range msgs {
 		if m == nil {
-			return badRequest(fmt.Sprintf("messages[%d]", i), fmt.Sprintf("messages[%d] must be an object", i))
+			return BadRequest(fmt.Sprintf("messages[%d]", i), fmt.Sprintf("messages[%d] must be an object", i))
 		}
-		req.key.media = req.key.media || hasMedia(m["content"])
+		req.Key.Media = req.Key.Media || hasMedia(m["content"])
 		var role string
-		if e := stringField(m, "role", true, &role); e != nil {
-			e.param = fmt.Sprintf("messages[%d].role", i)
-			e.message = fmt.Sprintf("messages[%d].role is required and must be a string", i)
+		if e := StringField(m, "role", true, &role); e != nil {
+			e.Param = fmt.Sprintf("messages[%d].role", i)
+			e.Message = fmt.Sprintf("messages[%d].role is required and must be a string", i)
 			return e
 		}
 		if i == 0 {
@@ -325,9 +325,9 @@ func parseMessages(fields *engine.Fields, req *genRequest) *apiError {
 			// system prompt) is a good stand-in for the prompt's first tokens.
 			var content string
 			if decodeString(m["content"], &content) == nil {
-				req.prefix = content
+				req.Prefix = content
 			} else {
-				req.prefix = string(m["content"])
+				req.Prefix = string(m["content"])
 			}
 		}
 	}
@@ -350,16 +350,16 @@ func (o rawObject) Field(name string) (json.RawMessage, bool) {
 	return raw, ok
 }
 
-func stringField(f object, name string, required bool, dst *string) *apiError {
+func StringField(f object, name string, required bool, dst *string) *Error {
 	raw, ok := f.Field(name)
 	if !ok || isNull(raw) {
 		if required {
-			return badRequest(name, name+" is required")
+			return BadRequest(name, name+" is required")
 		}
 		return nil
 	}
 	if decodeString(raw, dst) != nil {
-		return badRequest(name, name+" must be a string")
+		return BadRequest(name, name+" must be a string")
 	}
 	return nil
 }
@@ -375,7 +375,7 @@ func decodeString(raw json.RawMessage, dst *string) error {
 	return json.Unmarshal(raw, dst)
 }
 
-func boolField(f object, name string, dst *bool) *apiError {
+func boolField(f object, name string, dst *bool) *Error {
 	raw, ok := f.Field(name)
 	if !ok || isNull(raw) {
 		return nil
@@ -389,14 +389,14 @@ func boolField(f object, name string, dst *bool) *apiError {
 		return nil
 	}
 	if err := json.Unmarshal(raw, dst); err != nil {
-		return badRequest(name, name+" must be a boolean")
+		return BadRequest(name, name+" must be a boolean")
 	}
 	return nil
 }
 
-// countField checks an optional integer field, at least min and below maxTokensLimit, and
+// CountField checks an optional integer field, at least min and below maxTokensLimit, and
 // returns it with whether it is there (not absent, not null).
-func countField(f object, name string, min int64) (int64, bool, *apiError) {
+func CountField(f object, name string, min int64) (int64, bool, *Error) {
 	raw, ok := f.Field(name)
 	if !ok || isNull(raw) {
 		return 0, false, nil
@@ -405,17 +405,17 @@ func countField(f object, name string, min int64) (int64, bool, *apiError) {
 	return v, e == nil, e
 }
 
-func checkCount(raw json.RawMessage, name string, min int64) (int64, *apiError) {
+func checkCount(raw json.RawMessage, name string, min int64) (int64, *Error) {
 	v, ok := plainInt(raw)
 	if !ok {
 		// json.Number also takes a quoted number ("5"), which the OpenAI API refuses as a string.
 		var n json.Number
 		if raw[0] == '"' || json.Unmarshal(raw, &n) != nil {
-			return 0, badRequest(name, name+" must be an integer")
+			return 0, BadRequest(name, name+" must be an integer")
 		}
 		var err error
 		if v, err = n.Int64(); err != nil {
-			return 0, badRequest(name, name+" must be an integer")
+			return 0, BadRequest(name, name+" must be an integer")
 		}
 	}
 	if min == math.MinInt64 {
@@ -423,31 +423,31 @@ func checkCount(raw json.RawMessage, name string, min int64) (int64, *apiError) 
 	}
 	if v < min {
 		if min == 0 {
-			return 0, badRequest(name, name+" must not be negative")
+			return 0, BadRequest(name, name+" must not be negative")
 		}
-		return 0, badRequest(name, fmt.Sprintf("%s must be at least %d", name, min))
+		return 0, BadRequest(name, fmt.Sprintf("%s must be at least %d", name, min))
 	}
 	if v >= maxTokensLimit {
-		return 0, badRequest(name, fmt.Sprintf("%s must be less than %d", name, maxTokensLimit))
+		return 0, BadRequest(name, fmt.Sprintf("%s must be less than %d", name, maxTokensLimit))
 	}
 	return v, nil
 }
 
 // numberField checks an optional JSON number field (a quoted number is a string).
-func numberField(f object, name string) *apiError {
+func numberField(f object, name string) *Error {
 	raw, ok := f.Field(name)
 	if !ok || isNull(raw) {
 		return nil
 	}
 	var v float64
 	if c := raw[0]; (c != '-' && (c < '0' || c > '9')) || json.Unmarshal(raw, &v) != nil {
-		return badRequest(name, name+" must be a number")
+		return BadRequest(name, name+" must be a number")
 	}
 	return nil
 }
 
 // stopField checks stop: a string or an array of strings.
-func stopField(f object) *apiError {
+func stopField(f object) *Error {
 	raw, ok := f.Field("stop")
 	if !ok || isNull(raw) {
 		return nil
@@ -465,7 +465,7 @@ func stopField(f object) *apiError {
 			return nil
 		}
 	}
-	return badRequest("stop", "stop must be a string or an array of strings")
+	return BadRequest("stop", "stop must be a string or an array of strings")
 }
 
 // plainInt reads a JSON number written as a plain integer short enough not to overflow, which
@@ -495,8 +495,8 @@ func isNull(raw json.RawMessage) bool {
 	return bytes.Equal(bytes.TrimSpace(raw), []byte("null"))
 }
 
-// jsonProblem turns a decoder error into a short sentence without Go type names.
-func jsonProblem(err error) string {
+// JSONProblem turns a decoder error into a short sentence without Go type names.
+func JSONProblem(err error) string {
 	// A truncated body is a *json.SyntaxError too: tell it apart first.
 	if err.Error() == "unexpected end of JSON input" {
 		return "the JSON is truncated"
@@ -508,4 +508,9 @@ func jsonProblem(err error) string {
 		return "expected a JSON object"
 	}
 	return err.Error()
+}
+
+// readCacheSalt reads the body's cache_salt, a string when given.
+func readCacheSalt(fields object, req *Request) *Error {
+	return StringField(fields, "cache_salt", false, &req.Key.Salt)
 }
