@@ -151,7 +151,7 @@ func (s *Server) requireKey(mux *chi.Mux, next http.Handler) http.Handler {
 		if route == "" {
 			route = "unmatched"
 		}
-		s.m.requests.WithLabelValues(route, "401", "").Inc()
+		s.m.Requests.WithLabelValues(route, "401", "").Inc()
 		msg := "invalid API key"
 		if !sent {
 			msg = "missing API key: send it as Authorization: Bearer <key>, or as x-api-key: <key>"

@@ -54,7 +54,7 @@ func (l *clientListener) Accept() (net.Conn, error) {
 			continue
 		}
 		l.open.Add(1)
-		l.s.m.connsOpen.Inc()
+		l.s.m.ConnsOpen.Inc()
 		boundUnsent(c)
 		cc := &clientConn{Conn: c, l: l, closed: make(chan struct{}), wake: make(chan struct{}, 1)}
 		cc.watch.Store(!l.tls)
@@ -69,7 +69,7 @@ func (l *clientListener) refuse(c net.Conn) {
 		_ = tc.SetLinger(0)
 	}
 	c.Close()
-	l.s.m.connsRefused.Inc()
+	l.s.m.ConnsRefused.Inc()
 	now := time.Now().UnixNano()
 	if last := l.warned.Load(); now-last >= int64(refusalLogEvery) && l.warned.CompareAndSwap(last, now) {
 		l.s.logger.Warn("max_connections reached: refusing new connections (pdproxy_connections_refused_total counts them)",
@@ -292,7 +292,7 @@ func (c *clientConn) Close() error {
 	c.closeOnce.Do(func() {
 		close(c.closed)
 		c.l.open.Add(-1)
-		c.l.s.m.connsOpen.Dec()
+		c.l.s.m.ConnsOpen.Dec()
 	})
 	return err
 }

@@ -453,8 +453,8 @@ func (s *Server) limit(next http.Handler) http.Handler {
 		a, e := s.lim.admit(r, s.lim.now())
 		if e != nil {
 			route := chi.RouteContext(r.Context()).RoutePattern()
-			s.m.requests.WithLabelValues(route, strconv.Itoa(e.Status), "").Inc()
-			s.m.limitRejected.WithLabelValues(a.key, a.tenant, e.Limit).Inc()
+			s.m.Requests.WithLabelValues(route, strconv.Itoa(e.Status), "").Inc()
+			s.m.LimitRejected.WithLabelValues(a.key, a.tenant, e.Limit).Inc()
 			id := requestID(r)
 			w.Header().Set("X-Request-Id", id)
 			api.WriteError(w, e)
@@ -470,7 +470,7 @@ func (s *Server) limit(next http.Handler) http.Handler {
 			if class == "" {
 				class = "none"
 			}
-			s.m.keyRequests.WithLabelValues(a.key, a.tenant, class).Inc()
+			s.m.KeyRequests.WithLabelValues(a.key, a.tenant, class).Inc()
 		}()
 		next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), admissionKey{}, a)))
 	})

@@ -7,10 +7,8 @@ import (
 	"sort"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
-
 	"github.com/pdproxy/pdproxy/lifecycle"
+	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -51,30 +49,14 @@ type LiveState struct {
 	// least once (attempts above 0), shown or not.
 	MigratedInFlight int `json:"migrated_in_flight"`
 	// Migrations are the streams that lost their decoder since the proxy started.
-	Migrations MigrationTotals `json:"migrations"`
+	Migrations pdflow.MigrationTotals `json:"migrations"`
 	// KVHolds are the holds per prefiller: every configured prefiller, and any other one a
 	// hold is on (a prefiller a request's header named).
 	KVHolds []PrefillerHolds `json:"kv_holds"`
 	// RecentAborts are the last 50 clients that left, newest first.
-	RecentAborts []AbortRecord `json:"recent_aborts"`
+	RecentAborts []pdflow.AbortRecord `json:"recent_aborts"`
 	// Backends are the engines, in the shape of GET /debug/backends.
 	Backends []router.BackendStatus `json:"backends"`
-}
-
-// MigrationTotals are the counts of pdproxy_migrations_total,
-// pdproxy_migrations_refused_total and pdproxy_migration_tokens_replayed_total, read from the
-// counters /metrics serves.
-type MigrationTotals struct {
-	// ByReason counts streams by why they left their decoder (decoder_failed, idle_timeout,
-	// error_event, drained), then by outcome (migrated, not_migratable, limit_reached); every
-	// reason and outcome is present, zero included.
-	ByReason map[string]map[string]int64 `json:"by_reason"`
-	// Refused counts the not_migratable ones by why they could not go on exactly (n,
-	// logprobs, engine, ...): the reasons counted so far.
-	Refused map[string]int64 `json:"refused"`
-	// TokensReplayed is the number of generated tokens sent again, as prompt, to the
-	// decoders streams went on on.
-	TokensReplayed int64 `json:"tokens_replayed"`
 }
 
 // PrefillerHolds is the KV one prefiller holds for the proxy's requests.
@@ -127,9 +109,9 @@ func (s *Server) liveState() LiveState {
 		RequestsTotal:   len(rows),
 		Requests:        rows[:min(len(rows), liveRequestsShown)],
 		KVHolds:         holdsByPrefiller(rows, backends),
-		RecentAborts:    s.aborts.list(),
+		RecentAborts:    s.flow.RecentAborts(),
 		Backends:        backends,
-		Migrations:      s.m.migrationTotals(),
+		Migrations:      s.m.MigrationTotals(),
 	}
 	for _, state := range lifecycle.States() {
 		st.RequestsByState[state.String()] = 0
@@ -141,43 +123,6 @@ func (s *Server) liveState() LiveState {
 		}
 	}
 	return st
-}
-
-// migrationTotals reads the migration counters.
-func (m *metrics) migrationTotals() MigrationTotals {
-	t := MigrationTotals{ByReason: map[string]map[string]int64{}, Refused: map[string]int64{}}
-	counted(m.migrations, func(labels map[string]string, n int64) {
-		by := t.ByReason[labels["reason"]]
-		if by == nil {
-			by = map[string]int64{}
-			t.ByReason[labels["reason"]] = by
-		}
-		by[labels["outcome"]] = n
-	})
-	counted(m.migrationRefusals, func(labels map[string]string, n int64) { t.Refused[labels["reason"]] = n })
-	counted(m.tokensReplayed, func(_ map[string]string, n int64) { t.TokensReplayed = n })
-	return t
-}
-
-// counted calls f with the labels and value of each of c's counters.
-func counted(c prometheus.Collector, f func(labels map[string]string, n int64)) {
-	ch := make(chan prometheus.Metric)
-	// Collect sends its series one by one and returns once it has sent them all.
-	go func() {
-		defer close(ch)
-		c.Collect(ch)
-	}()
-	for pm := range ch {
-		var d dto.Metric
-		if pm.Write(&d) != nil || d.Counter == nil {
-			continue
-		}
-		labels := make(map[string]string, len(d.Label))
-		for _, l := range d.Label {
-			labels[l.GetName()] = l.GetValue()
-		}
-		f(labels, int64(d.Counter.GetValue()))
-	}
 }
 
 // holdsByPrefiller groups the rows that hold KV by prefiller, the configured prefillers

@@ -441,7 +441,7 @@ func runCell(t *testing.T, c matrixCell) {
 
 	if c.leave {
 		if !got.left {
-			t.Errorf("the client was to leave as the fault struck, yet its call ended on its own: status %d (%v): %s", got.status, got.err, clip(got.body))
+			t.Errorf("the client was to leave as the fault struck, yet its call ended on its own: status %d (%v): %s", got.status, got.err, testutil.Clip(got.body))
 		}
 	} else {
 		want, status := c.expected()
@@ -596,9 +596,9 @@ func migrationChecks(t *testing.T, c matrixCell, h *harness, got matrixResult, f
 // chunks), one finish_reason, then [DONE].
 func oneAnswer(t *testing.T, c matrixCell, body []byte) {
 	t.Helper()
-	events := sseDispatched(body)
+	events := testutil.SSEDispatched(body)
 	if len(events) == 0 || events[len(events)-1] != "[DONE]" {
-		t.Fatalf("the stream did not end with [DONE]: %s", clip(body))
+		t.Fatalf("the stream did not end with [DONE]: %s", testutil.Clip(body))
 	}
 	var text strings.Builder
 	ids := map[string]bool{}
@@ -628,10 +628,10 @@ func oneAnswer(t *testing.T, c matrixCell, body []byte) {
 		}
 	}
 	if got := text.String(); got != "t0t1t2t3" {
-		t.Errorf("the client read %q, want the unbroken answer t0t1t2t3: %s", got, clip(body))
+		t.Errorf("the client read %q, want the unbroken answer t0t1t2t3: %s", got, testutil.Clip(body))
 	}
 	if len(ids) != 1 || finishes != 1 {
-		t.Errorf("%d ids and %d finish reasons, want one of each: %s", len(ids), finishes, clip(body))
+		t.Errorf("%d ids and %d finish reasons, want one of each: %s", len(ids), finishes, testutil.Clip(body))
 	}
 }
 
@@ -641,7 +641,7 @@ func oneAnswer(t *testing.T, c matrixCell, body []byte) {
 // and the generated ones (on each choice).
 func noUnaskedIDs(t *testing.T, body []byte) {
 	t.Helper()
-	for _, ev := range sseDispatched(body) {
+	for _, ev := range testutil.SSEDispatched(body) {
 		if ev == "[DONE]" {
 			continue
 		}
@@ -929,13 +929,13 @@ func (r matrixResult) check(t *testing.T, c matrixCell, want outcome, status int
 	ok := r.whole(c)
 	switch {
 	case want == served && !ok:
-		t.Fatalf("want a whole answer, got status %d (%v): %s", r.status, r.err, clip(r.body))
+		t.Fatalf("want a whole answer, got status %d (%v): %s", r.status, r.err, testutil.Clip(r.body))
 	case want == served:
 		return
 	case want == either && ok:
 		return
 	case ok:
-		t.Fatalf("the engine failed, yet the client got a whole answer: status %d: %s", r.status, clip(r.body))
+		t.Fatalf("the engine failed, yet the client got a whole answer: status %d: %s", r.status, testutil.Clip(r.body))
 	}
 	// A clear failure.
 	if r.status != 200 {
@@ -943,24 +943,24 @@ func (r matrixResult) check(t *testing.T, c matrixCell, want outcome, status int
 			t.Fatalf("error status %d could not be read: %v", r.status, r.err)
 		}
 		if !strings.HasPrefix(r.ctype, "application/json") || !routeError(c, r.body) {
-			t.Fatalf("status %d with %q is not an error in the route's shape: %s", r.status, r.ctype, clip(r.body))
+			t.Fatalf("status %d with %q is not an error in the route's shape: %s", r.status, r.ctype, testutil.Clip(r.body))
 		}
 		if status != 0 && r.status != status {
-			t.Fatalf("status %d, want %d: %s", r.status, status, clip(r.body))
+			t.Fatalf("status %d, want %d: %s", r.status, status, testutil.Clip(r.body))
 		}
 		return
 	}
 	if status != 0 && status != 200 {
-		t.Fatalf("status 200, want %d before any byte: %s", status, clip(r.body))
+		t.Fatalf("status 200, want %d before any byte: %s", status, testutil.Clip(r.body))
 	}
 	if !c.stream {
 		if r.err == nil {
-			t.Fatalf("a broken JSON answer was passed off as complete: %s", clip(r.body))
+			t.Fatalf("a broken JSON answer was passed off as complete: %s", testutil.Clip(r.body))
 		}
 		return
 	}
 	// A stream that failed: its last event is an OpenAI error, and no [DONE] came.
-	events := sseDispatched(r.body)
+	events := testutil.SSEDispatched(r.body)
 	if len(events) == 0 {
 		t.Fatalf("a failed stream with no event: %q (%v)", r.body, r.err)
 	}
@@ -982,18 +982,18 @@ func (r matrixResult) check(t *testing.T, c matrixCell, want outcome, status int
 func (r matrixResult) checkPassedOn(t *testing.T) {
 	t.Helper()
 	if r.status != 200 || r.err != nil {
-		t.Fatalf("status %d (%v), want the stream as its engine ended it: %s", r.status, r.err, clip(r.body))
+		t.Fatalf("status %d (%v), want the stream as its engine ended it: %s", r.status, r.err, testutil.Clip(r.body))
 	}
-	events := sseDispatched(r.body)
+	events := testutil.SSEDispatched(r.body)
 	for i, ev := range events {
 		if openAIError([]byte(ev)) {
 			if rest := events[i+1:]; i == 0 || len(rest) > 1 || len(rest) == 1 && rest[0] != "[DONE]" {
-				t.Fatalf("the engine's error event came at %d of %d events, want after the tokens, with at most its [DONE] after it: %s", i, len(events), clip(r.body))
+				t.Fatalf("the engine's error event came at %d of %d events, want after the tokens, with at most its [DONE] after it: %s", i, len(events), testutil.Clip(r.body))
 			}
 			return
 		}
 	}
-	t.Fatalf("the engine's error event did not reach the client: %s", clip(r.body))
+	t.Fatalf("the engine's error event did not reach the client: %s", testutil.Clip(r.body))
 }
 
 // openAIError reports whether b is an error in the OpenAI shape, as the SDKs read it: an
@@ -1033,7 +1033,7 @@ func (r matrixResult) whole(c matrixCell) bool {
 		}
 		return json.Unmarshal(r.body, &v) == nil && len(v.Choices) == 1
 	}
-	events := sseDispatched(r.body)
+	events := testutil.SSEDispatched(r.body)
 	if len(events) != 5 || events[4] != "[DONE]" {
 		return false
 	}
@@ -1079,7 +1079,7 @@ func wholeMessage(body []byte, stream bool) bool {
 		var v event
 		return json.Unmarshal(body, &v) == nil && v.Type == "message" && len(v.Content) == 1 && v.Content[0].Text != ""
 	}
-	events := sseDispatched(body)
+	events := testutil.SSEDispatched(body)
 	if len(events) < 3 {
 		return false
 	}
@@ -1111,7 +1111,7 @@ func wholeResponse(body []byte, stream bool) bool {
 		var v event
 		return json.Unmarshal(body, &v) == nil && v.Object == "response" && v.Status == "completed"
 	}
-	events := sseDispatched(body)
+	events := testutil.SSEDispatched(body)
 	if len(events) != 6 {
 		return false
 	}

@@ -12,10 +12,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdproxy/pdproxy/api"
-	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
+	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -439,32 +438,6 @@ func TestAStreamLeavesADrainingDecoderBeforeItEnds(t *testing.T) {
 	h.waitQuiet()
 }
 
-// The token ids are asked of the engines that report them only: an SGLang decoder, which
-// cannot continue a stream, never sees return_token_ids unless its client sent it.
-func TestTokenIDsAreAskedOnlyOfEnginesThatContinue(t *testing.T) {
-	req, e := api.ParseCompletions([]byte(`{"model":"m","prompt":"a","stream":true}`))
-	if e != nil {
-		t.Fatal(e)
-	}
-	x := &exchange{s: &Server{cfg: Config{MigrationLimit: 1, MigrationMaxTokens: 100}}, req: req}
-	if e := x.planResume(); e != nil {
-		t.Fatal(e)
-	}
-	for _, tc := range []struct {
-		eng  engine.Engine
-		want bool
-	}{{engine.VLLM, true}, {engine.Mooncake, true}, {engine.Sim, true}, {engine.SGLang, false}} {
-		b, err := router.NewDetached(router.BackendConfig{URL: "http://127.0.0.1:9", Role: router.RoleDecode}, tc.eng, http.DefaultClient)
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, got := x.fieldsFor(b).Field("return_token_ids")
-		if got != tc.want {
-			t.Errorf("%s decoder asked for token ids: %v, want %v", tc.eng.Kind(), got, tc.want)
-		}
-	}
-}
-
 // A moved stream's trace has a span per attempt under the request's: the first ended as
 // migrated, the second served, each with the decode it made.
 func TestTraceOfAMovedStreamHasASpanPerAttempt(t *testing.T) {
@@ -478,10 +451,10 @@ func TestTraceOfAMovedStreamHasASpanPerAttempt(t *testing.T) {
 	if resp.StatusCode != http.StatusOK || !strings.HasSuffix(string(body), "data: [DONE]\n\n") {
 		t.Fatalf("status %d: %s", resp.StatusCode, body)
 	}
-	tree := waitTrace(t, rcv, traceID, map[string]int{"POST /v1/completions": 1, spanAttempt: 2, spanDecode: 2})
+	tree := waitTrace(t, rcv, traceID, map[string]int{"POST /v1/completions": 1, pdflow.SpanAttempt: 2, pdflow.SpanDecode: 2})
 	srv := tree.one(t, "POST /v1/completions")
 	byNumber := map[string]testutil.Span{}
-	for _, a := range tree[spanAttempt] {
+	for _, a := range tree[pdflow.SpanAttempt] {
 		childOf(t, a, srv, nil)
 		byNumber[a.Attrs["pdproxy.attempt"]] = a
 	}
@@ -492,7 +465,7 @@ func TestTraceOfAMovedStreamHasASpanPerAttempt(t *testing.T) {
 		t.Errorf("attempt 1 ended %q, want served", got)
 	}
 	parents := map[string]bool{}
-	for _, d := range tree[spanDecode] {
+	for _, d := range tree[pdflow.SpanDecode] {
 		parents[d.ParentID] = true
 	}
 	if !parents[byNumber["0"].SpanID] || !parents[byNumber["1"].SpanID] {

@@ -14,6 +14,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"github.com/pdproxy/pdproxy/api"
+	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -67,7 +68,7 @@ func (s *Server) fetchModels(ctx context.Context) ([]byte, error) {
 	out := modelList{Object: "list", Data: []json.RawMessage{}}
 	answered := false
 	for _, b := range s.router.Available(router.RoleDecode) {
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, baseURL(b)+"/v1/models", nil)
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, pdflow.BaseURL(b)+"/v1/models", nil)
 		if err != nil {
 			continue
 		}
@@ -258,22 +259,22 @@ func (s *Server) resolveModel(name string) (served, label string, e *api.Error) 
 
 // resolveModel resolves the request's model (resolveModel): an alias's body is rewritten to
 // the served model, and the answer renamed back.
-func (x *exchange) resolveModel() *api.Error {
-	served, label, e := x.s.resolveModel(x.req.Model)
-	x.names.label = label
+func (s *Server) resolveRequestModel(x *pdflow.Exchange) *api.Error {
+	served, label, e := s.resolveModel(x.Req.Model)
+	x.Names.Label = label
 	if e != nil {
 		return e
 	}
-	if served == x.req.Model {
+	if served == x.Req.Model {
 		return nil
 	}
 	v, _ := json.Marshal(served)
-	f, err := x.req.Fields.With("model", v)
+	f, err := x.Req.Fields.With("model", v)
 	if err != nil {
-		return buildFailed(err, "engine")
+		return pdflow.BuildFailed(err, "engine")
 	}
-	x.names.client, x.req.Model, x.req.Fields = x.req.Model, served, f
-	x.names.rename = api.NewRenamer(served, x.names.client)
+	x.Names.Client, x.Req.Model, x.Req.Fields = x.Req.Model, served, f
+	x.Names.Rename = api.NewRenamer(served, x.Names.Client)
 	return nil
 }
 

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/lifecycle"
+	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/router"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
@@ -226,8 +227,8 @@ func TestSGLangAbortsThatNeverSucceedAreCounted(t *testing.T) {
 	if n := h.value("pdproxy_kv_hold_handoffs_total", map[string]string{"result": "left_to_engine"}); n != 1 {
 		t.Errorf("handoffs{left_to_engine} = %v, want 1", n)
 	}
-	if n := len(d.callsTo("/abort_request")); n < abortRetries {
-		t.Errorf("the decoder got %d aborts, want at least %d tries", n, abortRetries)
+	if n := len(d.callsTo("/abort_request")); n < pdflow.AbortRetries {
+		t.Errorf("the decoder got %d aborts, want at least %d tries", n, pdflow.AbortRetries)
 	}
 }
 

@@ -9,12 +9,11 @@ import (
 	"mime/multipart"
 	"net/http"
 	"strings"
-	"time"
 	"unicode/utf8"
 
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/pdflow"
 )
 
 // passBody is what a passthrough route's body is.
@@ -58,11 +57,11 @@ var passthroughRoutes = []passRoute{
 // passthrough serves a passthrough route as an exchange: the same body bounds, model
 // resolution, table entry, metrics, log line and disconnect handling as generation.
 func (s *Server) passthrough(p passRoute) http.HandlerFunc {
-	return s.exchangeHandler(p.path, func(x *exchange) *api.Error { return x.runPass(p) })
+	return s.exchangeHandler(p.path, func(x *pdflow.Exchange) *api.Error { return s.runPass(x, p) })
 }
 
-func (x *exchange) runPass(p passRoute) *api.Error {
-	body, e := readBody(x.w, x.r, x.s.cfg.MaxBodyBytes, x.s.cfg.ReadBodyTimeout)
+func (s *Server) runPass(x *pdflow.Exchange, p passRoute) *api.Error {
+	body, e := readBody(x.W, x.R, s.cfg.MaxBodyBytes, s.cfg.ReadBodyTimeout)
 	if e != nil {
 		return e
 	}
@@ -71,7 +70,7 @@ func (x *exchange) runPass(p passRoute) *api.Error {
 		fields       *engine.Fields
 	)
 	if p.body == passMultipart {
-		ctype = x.r.Header.Get("Content-Type")
+		ctype = x.R.Header.Get("Content-Type")
 		if model, e = multipartModel(body, ctype); e != nil {
 			return e
 		}
@@ -86,10 +85,10 @@ func (x *exchange) runPass(p passRoute) *api.Error {
 			return api.BadRequest("model", "model must not be empty")
 		}
 	}
-	x.req = &api.Request{Model: model, Fields: fields}
+	x.Req = &api.Request{Model: model, Fields: fields}
 	if model != "" {
-		served, label, e := x.s.resolveModel(model)
-		x.names.label = label
+		served, label, e := s.resolveModel(model)
+		x.Names.Label = label
 		if e != nil {
 			return e
 		}
@@ -104,80 +103,16 @@ func (x *exchange) runPass(p passRoute) *api.Error {
 				}
 			}
 			if err != nil {
-				return buildFailed(err, "engine")
+				return pdflow.BuildFailed(err, "engine")
 			}
-			x.names.client, x.req.Model, x.req.Fields = model, served, fields
-			x.names.rename = api.NewRenamer(served, model)
+			x.Names.Client, x.Req.Model, x.Req.Fields = model, served, fields
+			x.Names.Rename = api.NewRenamer(served, model)
 		}
 	}
-	x.hdr = x.s.engineHeader(x.r.Header)
+	x.Hdr = s.engineHeader(x.R.Header)
 	// A decoder that failed before the first byte reached the client is replaced, as for a
 	// generation (freshpair.go): the body goes to another one.
-	return x.track(func(c *custody) *api.Error {
-		return x.serve(c, func(c *custody) *api.Error { return x.servePass(c, body, ctype) })
-	})
-}
-
-// servePass sends the request to one decoder serving its model and relays the answer as it
-// comes; it takes the custody. The call carries the client's context: a client that leaves
-// closes the engine's connection at once. decode_first_byte_timeout and decode_idle_timeout
-// bound the answer.
-func (x *exchange) servePass(c *custody, body []byte, ctype string) *api.Error {
-	if e := x.reserveDecoder(c, nil); e != nil {
-		return e
-	}
-	start := time.Now()
-	defer func() { x.times.decode = time.Since(start) }()
-	b := x.legs.decode
-	if _, _, ok := x.s.table.StartDecode(x.id, b.Name); !ok {
-		return x.gone(c)
-	}
-	wd := newWatchdog(x.ctx, false, false, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
-	defer wd.stop()
-	span := x.callSpan(spanDecode, b)
-	var err error
-	defer func() { endSpan(span, err) }()
-	call := x.call(b, x.route, body)
-	call.ContentType = ctype
-	resp, err := x.send(c, call, wd, span, nil, func(b *router.Backend, _ *engine.Call) error {
-		if _, _, ok := x.s.table.StartDecode(x.id, b.Name); !ok {
-			return errNotInTable
-		}
-		return nil
-	})
-	if err != nil {
-		if e := x.retryDecode(c, err, wd); e != nil {
-			return e
-		}
-		return x.decodeFailed(c, err, wd)
-	}
-	h := x.w.Header()
-	for k, v := range api.UpstreamHeader(resp.Header) {
-		h[k] = v
-	}
-	if !renamable(resp.Header.Get("Content-Type")) {
-		// Only a JSON answer (or a stream of JSON events) names its model; a transcript in
-		// plain text or subtitles is the engine's words, never rewritten.
-		x.names.rename = nil
-	}
-	if e := x.relayAnswer(c, resp, wd); e != nil {
-		err = e
-		return e
-	}
-	return nil
-}
-
-// errNotInTable is a call the table no longer lets go out: the request was aborted (its
-// client left, or shutdown gave up on it) as it moved to another engine.
-var errNotInTable = errors.New("the request left the table")
-
-// renamable reports whether an answer of media type ct is JSON, or SSE events of JSON.
-func renamable(ct string) bool {
-	mt, _, err := mime.ParseMediaType(ct)
-	if err != nil {
-		return ct == ""
-	}
-	return mt == "application/json" || mt == "text/event-stream" || strings.HasSuffix(mt, "+json")
+	return x.ServePassTracked(body, ctype)
 }
 
 // parseObject validates a body as one JSON object.

@@ -1,11 +1,8 @@
-// Package proxy is pdproxy's HTTP front and its prefill/decode flow: the OpenAI- and
-// Anthropic-compatible routes (their bodies and errors are package api's), client keys,
-// limits, sessions, tenants and priority classes, the live view, and each request's way through
-// the engines: the prefill, the decode, paired legs, the relay, the KV hold's release,
-// migration and retries, with disconnect detection at every stage. Beyond the requests it
-// serves it keeps the clients' limits and sessions, a cache of the models the engines serve,
-// the bootstrap servers of paired prefillers and a ring of recent aborts; the requests
-// themselves are in the lifecycle table, and the backends are the router's.
+// Package proxy is pdproxy's HTTP front: the OpenAI- and Anthropic-compatible routes (their
+// bodies and errors are package api's), client keys and connections, limits, sessions,
+// tenants and priority classes, model aliases and the live view. It admits and parses each
+// request and hands it to the prefill/decode flow (package pdflow). Beyond the requests it
+// keeps the clients' limits and sessions and a cache of the models the engines serve.
 package proxy
 
 import (
@@ -22,47 +19,37 @@ import (
 	"github.com/go-chi/chi/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 	"golang.org/x/sync/singleflight"
 
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/lifecycle"
+	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/router"
 )
 
-// Router is what the proxy needs of the router: a backend lease per call, the backends
-// that may be picked now for calls outside a lease (listing models), and its view of the
-// pools for readiness and inspection.
-type Router interface {
-	Acquire(ctx context.Context, role router.Role, h router.Hint) (*router.Lease, error)
-	Available(role router.Role) []*router.Backend
-	Usable(b *router.Backend) bool
-	Has(role router.Role) bool
-	Ready() bool
-	Backends() []router.BackendStatus
-	Models(role router.Role) (models []string, complete bool)
-}
+// Router is what the proxy needs of the router (pdflow.Router).
+type Router = pdflow.Router
 
-var _ Router = (*router.Router)(nil)
-
-// Abort modes, release modes and pull modes: the values the config accepts.
+// Abort modes, release modes and pull modes: the values the config accepts (pdflow's).
 const (
-	AbortPrefillCancel          = "cancel"
-	AbortPrefillFinishThenFree  = "finish_then_release"
-	ReleaseDrain                = "drain"
-	ReleaseAbort                = "abort"
-	ReleaseWait                 = "wait"
-	PullAbortImmediate          = "immediate"
-	PullAbortAfterFirstToken    = "after_first_token"
-	ReserveBeforePrefill        = "before_prefill"
-	ReserveAfterPrefill         = "after_prefill"
-	PrefillUnavailableDecode    = "decode_only"
-	PrefillUnavailableFail      = "fail"
+	AbortPrefillCancel         = pdflow.AbortPrefillCancel
+	AbortPrefillFinishThenFree = pdflow.AbortPrefillFinishThenFree
+	ReleaseDrain               = pdflow.ReleaseDrain
+	ReleaseAbort               = pdflow.ReleaseAbort
+	ReleaseWait                = pdflow.ReleaseWait
+	PullAbortImmediate         = pdflow.PullAbortImmediate
+	PullAbortAfterFirstToken   = pdflow.PullAbortAfterFirstToken
+	ReserveBeforePrefill       = pdflow.ReserveBeforePrefill
+	ReserveAfterPrefill        = pdflow.ReserveAfterPrefill
+	PrefillUnavailableDecode   = pdflow.PrefillUnavailableDecode
+	PrefillUnavailableFail     = pdflow.PrefillUnavailableFail
+	// The defaults of the proxy's own keys.
 	defaultMaxBodyBytes         = 10 << 20
 	defaultReadBodyTimeout      = 30 * time.Second
 	defaultMaxConnections       = 10000
-	defaultPhaseTimeout         = 5 * time.Minute
-	defaultAbortCallTimeout     = 2 * time.Second
+	defaultPhaseTimeout         = pdflow.DefaultPhaseTimeout
 	defaultModelsCacheFreshness = 5 * time.Second
 )
 
@@ -301,26 +288,19 @@ type Server struct {
 	router  Router
 	table   *lifecycle.Table
 	logger  *zap.Logger
-	m       *metrics
+	m       *pdflow.Metrics
 	gather  prometheus.Gatherer
 	handler http.Handler
 
 	draining atomic.Bool
-	// bg tracks work that outlives a request on purpose (KV releases after the client left,
-	// prefills let finish); Wait waits for it.
-	bg sync.WaitGroup
+	// flow serves the requests across the engines.
+	flow *pdflow.Flow
 
 	models modelCache
-	// bootstraps caches what paired prefillers' bootstrap servers said.
-	bootstraps bootstrapCache
 	// keys are the client API keys; nil means none are required.
 	keys *keyring
 	// sidecar is llm-d's sidecar slot (prefiller_header); nil when it is off.
 	sidecar *sidecar
-	// tr traces requests (WithTracerProvider); nil when tracing is off.
-	tr *tracer
-	// aborts are the last clients that left, for the live view.
-	aborts *abortRing
 	// aliases pick each model alias's served model.
 	aliases map[string]*aliasPicker
 	// lim admits requests by their client's limits and counts them per key and class; nil
@@ -341,8 +321,15 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, router: rt, table: table, logger: logger, m: newMetrics(reg), gather: gather,
-		aborts: newAbortRing(recentAbortsKept)}
+	s := &Server{cfg: cfg, router: rt, table: table, logger: logger, m: pdflow.NewMetrics(reg), gather: gather}
+	s.flow = pdflow.New(pdflow.Config{AbortDuringPrefill: cfg.AbortDuringPrefill, KVRelease: cfg.KVRelease,
+		AbortDuringKVPull: cfg.AbortDuringKVPull, DecoderReservation: cfg.DecoderReservation,
+		PDUncachedTokenThreshold: cfg.PDUncachedTokenThreshold, MigrationLimit: cfg.MigrationLimit,
+		MigrationMaxTokens: cfg.MigrationMaxTokens, PrefillTimeout: cfg.PrefillTimeout,
+		DecodeFirstByteTimeout: cfg.DecodeFirstByteTimeout, DecodeIdleTimeout: cfg.DecodeIdleTimeout,
+		DrainTimeout: cfg.DrainTimeout, ClientWriteTimeout: cfg.ClientWriteTimeout, PrefillRetries: cfg.PrefillRetries,
+		DecodeRetries: cfg.DecodeRetries, DecodeOnlyFallback: cfg.DecodeOnlyFallback, PrefillUnavailable: cfg.PrefillUnavailable},
+		rt, table, logger, s.m, cfg.PrefillerHeader != "")
 	for _, o := range opts {
 		o(s)
 	}
@@ -405,16 +392,7 @@ func (s *Server) SetDraining() { s.draining.Store(true) }
 
 // Wait blocks until the work that outlives requests (KV releases, finishing prefills) is done
 // or ctx ends.
-func (s *Server) Wait(ctx context.Context) error {
-	done := make(chan struct{})
-	go func() { s.bg.Wait(); close(done) }()
-	select {
-	case <-done:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
+func (s *Server) Wait(ctx context.Context) error { return s.flow.Wait(ctx) }
 
 func (s *Server) routes() http.Handler {
 	r := chi.NewRouter()
@@ -513,3 +491,25 @@ type modelCache struct {
 }
 
 var errNoModels = errors.New("no backend answered /v1/models")
+
+// DiscoverBootstrapPorts asks every paired prefiller what its bootstrap server says, at start
+// and on reload (Flow.DiscoverBootstrapPorts).
+func (s *Server) DiscoverBootstrapPorts(ctx context.Context) error {
+	return s.flow.DiscoverBootstrapPorts(ctx)
+}
+
+// Option is an optional part of a Server, given to New.
+type Option func(*Server)
+
+// WithTracerProvider traces every request: a server span that continues the client's
+// traceparent and tracestate, with child spans for each engine call (the prefill, the decode,
+// SGLang's two legs), a drain, an engine abort and a KV release; every engine call carries the
+// trace on, so that an engine started with OpenTelemetry joins it. Without it nothing is
+// traced, and tracing costs a nil check per step.
+func WithTracerProvider(tp trace.TracerProvider) Option {
+	return func(s *Server) {
+		if tp != nil {
+			s.flow.Trace(tp)
+		}
+	}
+}

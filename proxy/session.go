@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/api"
+	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/router"
 	"github.com/pdproxy/pdproxy/sharedstate"
 )
@@ -88,33 +89,6 @@ func sessionOf(r *http.Request, headers []string) (string, *api.Error) {
 	return "", nil
 }
 
-// session is what a request knows of its session: its key ("" for none), and the engines it
-// was bound to for each role when the request arrived (from shared state; "" for none).
-type session struct {
-	key             string
-	prefill, decode string
-	// prefillText and decodeText are how many bytes of its text the session's latest request
-	// sent the engine it was bound to for each role (from shared state; 0 for unknown).
-	prefillText, decodeText int
-}
-
-// bound is the engine the session was bound to for role.
-func (s *session) bound(role router.Role) string {
-	if role == router.RolePrefill {
-		return s.prefill
-	}
-	return s.decode
-}
-
-// boundText is how many bytes of its text the session's latest request sent the engine it
-// was bound to for role.
-func (s *session) boundText(role router.Role) int {
-	if role == router.RolePrefill {
-		return s.prefillText
-	}
-	return s.decodeText
-}
-
 // textField is the field of a session's binding that keeps how many bytes of its text the
 // latest request sent the engine of role: what that engine holds of the conversation, for a
 // replica that did not route it.
@@ -132,45 +106,45 @@ func boundBytes(v string) int {
 // picked records where a pick for role went, for a request of a session: counted, and, with
 // shared state, the session bound to that engine for the TTL from now (a binding kept is
 // renewed).
-func (x *exchange) picked(role router.Role, lease *router.Lease) {
+func (s *Server) picked(x *pdflow.Exchange, role router.Role, lease *router.Lease) {
 	choice := lease.Session()
 	if choice == "" {
 		return
 	}
-	x.s.m.sessionPicks.WithLabelValues(string(role), string(choice)).Inc()
-	if x.s.shared != nil {
-		ttl := x.s.cfg.SessionAffinity.TTL
-		x.s.shared.Bind(x.sess.key, string(role), lease.Backend().Name, ttl)
-		if text := x.hintText(role); text != "" {
-			x.s.shared.Bind(x.sess.key, textField(role), strconv.Itoa(len(text)), ttl)
+	s.m.SessionPicks.WithLabelValues(string(role), string(choice)).Inc()
+	if s.shared != nil {
+		ttl := s.cfg.SessionAffinity.TTL
+		s.shared.Bind(x.Sess.Key, string(role), lease.Backend().Name, ttl)
+		if text := x.HintText(role); text != "" {
+			s.shared.Bind(x.Sess.Key, textField(role), strconv.Itoa(len(text)), ttl)
 		}
 	}
 }
 
 // readSession reads the session the request names in the first of headers it carries, before
 // its body: a session header that cannot be an id refuses the request.
-func (x *exchange) readSession(headers []string) *api.Error {
-	key, e := sessionOf(x.r, headers)
+func (s *Server) readSession(x *pdflow.Exchange, headers []string) *api.Error {
+	key, e := sessionOf(x.R, headers)
 	if e != nil || key == "" {
 		return e
 	}
-	x.sess.key = key
-	if x.s.shared == nil {
+	x.Sess.Key = key
+	if s.shared == nil {
 		return nil // the key alone places the session
 	}
 	b := map[string]string(nil)
-	if a := admissionOf(x.r.Context()); a != nil && a.read {
+	if a := admissionOf(x.R.Context()); a != nil && a.read {
 		b = a.bindings
 	} else {
 		// No limits' check read them: one round trip of its own, within the shared state's
 		// budget. When it fails (counted there), the key alone places the session.
-		d, err := x.s.shared.Check(x.r.Context(), sharedstate.Request{SessionKeys: []string{key}})
+		d, err := s.shared.Check(x.R.Context(), sharedstate.Request{SessionKeys: []string{key}})
 		if err != nil {
 			return nil
 		}
 		b = d.Bindings[key]
 	}
-	x.sess.prefill, x.sess.decode = b[string(router.RolePrefill)], b[string(router.RoleDecode)]
-	x.sess.prefillText, x.sess.decodeText = boundBytes(b[textField(router.RolePrefill)]), boundBytes(b[textField(router.RoleDecode)])
+	x.Sess.Prefill, x.Sess.Decode = b[string(router.RolePrefill)], b[string(router.RoleDecode)]
+	x.Sess.PrefillText, x.Sess.DecodeText = boundBytes(b[textField(router.RolePrefill)]), boundBytes(b[textField(router.RoleDecode)])
 	return nil
 }

@@ -17,6 +17,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
+	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -45,10 +46,6 @@ const (
 	refusedNotAllowed = "not_allowed"
 	refusedMalformed  = "malformed"
 )
-
-// reasonNoPrefiller is pdproxy_decode_only_total's reason for a request that came without a
-// prefiller in the sidecar mode.
-const reasonNoPrefiller = "no_prefiller_header"
 
 // validateSidecar checks prefiller_header and prefiller_allow, and returns the allowlist.
 func (c *Config) validateSidecar() (allowlist, error) {
@@ -121,19 +118,19 @@ func (s *Server) CheckBackends(bs []router.BackendStatus) error {
 // namePrefiller reads the prefiller the request's header names, in the sidecar mode: x.named
 // is its backend, nil when the request names none. A value that is no host:port is a 400, one
 // the allowlist does not cover a 403; neither reaches an engine.
-func (x *exchange) namePrefiller() *api.Error {
-	sc := x.s.sidecar
-	values := x.r.Header.Values(sc.header)
+func (s *Server) namePrefiller(x *pdflow.Exchange) *api.Error {
+	sc := s.sidecar
+	values := x.R.Header.Values(sc.header)
 	p, named, err := parsePrefillerHeader(values)
 	if err != nil {
-		x.refusePrefiller(refusedMalformed, values, err)
+		s.refusePrefiller(x, refusedMalformed, values, err)
 		return api.NewError(api.KindInvalidPrefiller, sc.header+" must name a prefiller as host:port: "+err.Error()).With(sc.header, err, 0)
 	}
 	if !named {
 		return nil
 	}
 	if !sc.allow.allows(p) {
-		x.refusePrefiller(refusedNotAllowed, values, nil)
+		s.refusePrefiller(x, refusedNotAllowed, values, nil)
 		return api.NewError(api.KindPrefillerNotAllowed, "the prefiller "+sc.header+" names is not one this proxy may call (prefiller_allow)").With(sc.header, nil, 0)
 	}
 	b, err := router.NewDetached(router.BackendConfig{URL: "http://" + p.hostPort(), Role: router.RolePrefill}, sc.engine, sc.client)
@@ -141,36 +138,19 @@ func (x *exchange) namePrefiller() *api.Error {
 		// parsePrefillerHeader let through only what makes a URL.
 		return api.NewError(api.KindInternal, "could not address the prefiller").With("", err, 0)
 	}
-	x.legs.named = b
+	x.Legs.Named = b
 	return nil
 }
 
-func (x *exchange) refusePrefiller(reason string, values []string, err error) {
-	x.s.m.prefillerRefused.WithLabelValues(reason).Inc()
+func (s *Server) refusePrefiller(x *pdflow.Exchange, reason string, values []string, err error) {
+	s.m.PrefillerRefused.WithLabelValues(reason).Inc()
 	v := strings.Join(values, ", ")
 	if len(v) > 256 {
 		v = v[:256] + "..."
 	}
-	fields := []zap.Field{zap.String("request_id", x.id), zap.String("reason", reason), zap.String("header", x.s.sidecar.header), zap.String("value", v)}
+	fields := []zap.Field{zap.String("request_id", x.ID), zap.String("reason", reason), zap.String("header", s.sidecar.header), zap.String("value", v)}
 	if err != nil {
 		fields = append(fields, zap.Error(err))
 	}
-	x.s.logger.Warn("prefiller header refused", fields...)
-}
-
-// pickPrefiller is the prefiller for a prefill attempt: the router's pick, or, in the sidecar
-// mode, the one the header named, for the first attempt only (there is no other to retry on).
-// A detached prefiller comes with no lease; a nil lease releases nothing.
-func (x *exchange) pickPrefiller(h router.Hint) (*router.Lease, *router.Backend, error) {
-	if x.s.sidecar != nil {
-		if len(h.Exclude) > 0 {
-			return nil, nil, router.ErrNoBackend
-		}
-		return nil, x.legs.named, nil
-	}
-	lease, err := x.s.router.Acquire(x.ctx, router.RolePrefill, h)
-	if err == nil {
-		x.picked(router.RolePrefill, lease)
-	}
-	return lease, lease.Backend(), err
+	s.logger.Warn("prefiller header refused", fields...)
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
+	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -113,8 +114,8 @@ func TestSidecarRequestNamingNoPrefillerIsDecodedAlone(t *testing.T) {
 			t.Errorf("the decode carries kv_transfer_params %s; want none", kv)
 		}
 	}
-	if n := h.value("pdproxy_decode_only_total", map[string]string{"reason": reasonNoPrefiller}); n != 3 {
-		t.Errorf("pdproxy_decode_only_total{reason=%s} = %v, want 3", reasonNoPrefiller, n)
+	if n := h.value("pdproxy_decode_only_total", map[string]string{"reason": pdflow.ReasonNoPrefiller}); n != 3 {
+		t.Errorf("pdproxy_decode_only_total{reason=%s} = %v, want 3", pdflow.ReasonNoPrefiller, n)
 	}
 	h.waitQuiet()
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
+	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -82,7 +83,7 @@ func (tr traceTree) one(t *testing.T, name string) testutil.Span {
 // srv: the calls of the attempt are its children.
 func (tr traceTree) attemptOf(t *testing.T, srv testutil.Span) testutil.Span {
 	t.Helper()
-	att := tr.one(t, spanAttempt)
+	att := tr.one(t, pdflow.SpanAttempt)
 	childOf(t, att, srv, map[string]string{"pdproxy.attempt": "0"})
 	return att
 }
@@ -121,7 +122,7 @@ func TestTraceOfAPDRequestContinuesTheClientsTraceOnBothCalls(t *testing.T) {
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("status %d", resp.StatusCode)
 	}
-	tree := waitTrace(t, rcv, traceID, map[string]int{"POST /v1/completions": 1, spanPrefill: 1, spanDecode: 1})
+	tree := waitTrace(t, rcv, traceID, map[string]int{"POST /v1/completions": 1, pdflow.SpanPrefill: 1, pdflow.SpanDecode: 1})
 	srv := tree.one(t, "POST /v1/completions")
 	if srv.ParentID != clientSpan {
 		t.Errorf("the request's span has parent %q, want the client's %q", srv.ParentID, clientSpan)
@@ -135,7 +136,7 @@ func TestTraceOfAPDRequestContinuesTheClientsTraceOnBothCalls(t *testing.T) {
 	if len(srv.Attrs["pdproxy.engine_request_id"]) != 32 {
 		t.Errorf("request span: engine_request_id %q", srv.Attrs["pdproxy.engine_request_id"])
 	}
-	pre, dec := tree.one(t, spanPrefill), tree.one(t, spanDecode)
+	pre, dec := tree.one(t, pdflow.SpanPrefill), tree.one(t, pdflow.SpanDecode)
 	att := tree.attemptOf(t, srv)
 	if att.Attrs["pdproxy.attempt.outcome"] != "served" {
 		t.Errorf("the attempt's outcome is %q, want served", att.Attrs["pdproxy.attempt.outcome"])
@@ -206,12 +207,12 @@ func TestTraceOfAClientThatLeftSaysAtWhichStage(t *testing.T) {
 			})
 			cancel()
 			<-done
-			want := map[string]int{"POST /v1/completions": 1, spanPrefill: 1}
+			want := map[string]int{"POST /v1/completions": 1, pdflow.SpanPrefill: 1}
 			switch stage {
 			case lifecycle.KVHeld:
-				want[spanRelease], want[spanDrain] = 1, 1
+				want[pdflow.SpanRelease], want[pdflow.SpanDrain] = 1, 1
 			case lifecycle.Decoding:
-				want[spanDecode] = 1
+				want[pdflow.SpanDecode] = 1
 			}
 			tree := waitTrace(t, rcv, traceID, want)
 			for _, sp := range rcv.Trace(traceID) {
@@ -224,14 +225,14 @@ func TestTraceOfAClientThatLeftSaysAtWhichStage(t *testing.T) {
 			if srv.Attrs["http.response.status_code"] != "499" || srv.Error {
 				t.Errorf("request span: status %q, error %v; want 499, not an error of the proxy", srv.Attrs["http.response.status_code"], srv.Error)
 			}
-			childOf(t, tree.one(t, spanPrefill), tree.attemptOf(t, srv), nil)
+			childOf(t, tree.one(t, pdflow.SpanPrefill), tree.attemptOf(t, srv), nil)
 			if stage == lifecycle.KVHeld {
-				rel := tree.one(t, spanRelease)
+				rel := tree.one(t, pdflow.SpanRelease)
 				childOf(t, rel, srv, map[string]string{"pdproxy.release_mode": "drain", "pdproxy.release_reason": "drained", "pdproxy.backend": "p0"})
 				if rel.Attrs["pdproxy.kv_held_seconds"] == "" {
 					t.Error("the release span does not say how long the KV was held")
 				}
-				childOf(t, tree.one(t, spanDrain), rel, map[string]string{"pdproxy.backend": "d0"})
+				childOf(t, tree.one(t, pdflow.SpanDrain), rel, map[string]string{"pdproxy.backend": "d0"})
 			}
 			closeOnce(release)
 			h.waitQuiet()
@@ -252,15 +253,15 @@ func TestTraceOfARetriedPrefillHasBothTries(t *testing.T) {
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("status %d", resp.StatusCode)
 	}
-	tree := waitTrace(t, rcv, traceID, map[string]int{"POST /v1/completions": 1, spanPrefill: 2, spanDecode: 1})
+	tree := waitTrace(t, rcv, traceID, map[string]int{"POST /v1/completions": 1, pdflow.SpanPrefill: 2, pdflow.SpanDecode: 1})
 	att := tree.attemptOf(t, tree.one(t, "POST /v1/completions"))
 	byBackend := map[string]testutil.Span{}
-	for _, s := range tree[spanPrefill] {
+	for _, s := range tree[pdflow.SpanPrefill] {
 		childOf(t, s, att, nil)
 		byBackend[s.Attrs["pdproxy.backend"]] = s
 	}
 	if !byBackend["p-dead"].Error || byBackend["p0"].Error {
-		t.Errorf("prefill spans %+v: want the dead prefiller's failed and p0's not", tree[spanPrefill])
+		t.Errorf("prefill spans %+v: want the dead prefiller's failed and p0's not", tree[pdflow.SpanPrefill])
 	}
 	engineGotSpan(t, "the prefiller", p.only(t, "prefiller"), traceID, byBackend["p0"])
 }
@@ -290,9 +291,9 @@ func TestTraceOfSGLangLegsCarriesOneTraceToBothEngines(t *testing.T) {
 		t.Fatalf("status %d", resp.StatusCode)
 	}
 	h.waitQuiet()
-	tree := waitTrace(t, rcv, traceID, map[string]int{"POST /v1/completions": 1, spanPrefillLeg: 1, spanDecodeLeg: 1})
+	tree := waitTrace(t, rcv, traceID, map[string]int{"POST /v1/completions": 1, pdflow.SpanPrefillLeg: 1, pdflow.SpanDecodeLeg: 1})
 	srv := tree.one(t, "POST /v1/completions")
-	pl, dl := tree.one(t, spanPrefillLeg), tree.one(t, spanDecodeLeg)
+	pl, dl := tree.one(t, pdflow.SpanPrefillLeg), tree.one(t, pdflow.SpanDecodeLeg)
 	att := tree.attemptOf(t, srv)
 	childOf(t, pl, att, map[string]string{"pdproxy.engine": "sglang", "pdproxy.backend": "p0"})
 	childOf(t, dl, att, map[string]string{"pdproxy.engine": "sglang", "pdproxy.backend": "d0"})

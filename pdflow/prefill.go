@@ -1,4 +1,4 @@
-package proxy
+package pdflow
 
 import (
 	"context"
@@ -16,9 +16,9 @@ import (
 // prefill runs the prefill call, on another prefiller when one provably never started it,
 // and falls back to a decode-only request when no prefiller can serve and that is allowed.
 // On failure it takes the custody.
-func (x *exchange) prefill(c *custody) *api.Error {
+func (x *Exchange) prefill(c *custody) *api.Error {
 	start := time.Now()
-	defer func() { x.times.prefill = time.Since(start) }()
+	defer func() { x.Times.Prefill = time.Since(start) }()
 	var (
 		body    []byte
 		bodyFor engine.Sequential // the engine body was built for
@@ -30,7 +30,7 @@ func (x *exchange) prefill(c *custody) *api.Error {
 		h.Accept = sequential
 		lease, b, err := x.pickPrefiller(h)
 		if err != nil {
-			if x.ctx.Err() != nil {
+			if x.Ctx.Err() != nil {
 				return x.gone(c)
 			}
 			if attempt == 0 && errors.Is(err, router.ErrNoBackend) && len(x.s.router.Available(router.RolePrefill)) == 0 {
@@ -42,32 +42,32 @@ func (x *exchange) prefill(c *custody) *api.Error {
 			}
 			break
 		}
-		x.legs.prefill = b
+		x.Legs.Prefill = b
 		if eng, _ := engineOf(b).(engine.Sequential); eng != bodyFor {
 			if eng == nil {
 				err = errors.New("the prefiller's engine does not serve a prefill on its own")
 			} else {
-				err = x.s.guard(x.id, func() (err error) {
-					body, err = eng.PrefillBody(x.req.Fields, x.req.API)
+				err = x.s.guard(x.ID, func() (err error) {
+					body, err = eng.PrefillBody(x.Req.Fields, x.Req.API)
 					return err
 				})
 			}
 			if err != nil {
 				lease.Release(router.Result{Canceled: true})
-				return x.failWith(c, router.Result{}, buildFailed(err, "prefill"))
+				return x.failWith(c, router.Result{}, BuildFailed(err, "prefill"))
 			}
 			bodyFor = eng
 		}
 		if attempt > 0 {
 			// Counted only now that another prefiller takes it: a retry with nobody left to
 			// try is no retry.
-			x.s.m.retries.WithLabelValues(string(router.RolePrefill), retryReason(lastErr)).Inc()
+			x.s.m.Retries.WithLabelValues(string(router.RolePrefill), retryReason(lastErr)).Inc()
 		}
 		var started bool
 		if attempt == 0 {
-			started = x.s.table.StartPrefill(x.id, b.Name)
+			started = x.s.table.StartPrefill(x.ID, b.Name)
 		} else {
-			started = x.s.table.PrefillRetry(x.id, b.Name)
+			started = x.s.table.PrefillRetry(x.ID, b.Name)
 		}
 		if !started {
 			lease.Release(router.Result{Canceled: true})
@@ -83,25 +83,25 @@ func (x *exchange) prefill(c *custody) *api.Error {
 			return x.abandoned()
 		}
 		if err == nil {
-			x.legs.params = params
+			x.Legs.params = params
 			if params != nil {
-				x.legs.heldAt = time.Now()
+				x.Legs.heldAt = time.Now()
 			}
-			if act, hold := x.s.table.Prefilled(x.id, params != nil); act == lifecycle.ReleaseKV {
+			if act, hold := x.s.table.Prefilled(x.ID, params != nil); act == lifecycle.ReleaseKV {
 				// The request was aborted while the prefill ran. Cannot happen while only
 				// this goroutine moves it; kept so that a hold is never dropped if that changes.
 				x.s.startRelease(x.s.cfg.KVRelease, c, x.held(hold))
 				return x.abandoned()
 			}
-			if x.ctx.Err() != nil {
+			if x.Ctx.Err() != nil {
 				return x.gone(c)
 			}
 			return nil
 		}
-		if x.ctx.Err() != nil {
+		if x.Ctx.Err() != nil {
 			return x.gone(c)
 		}
-		x.s.abortBrokenPrefill(x.traceParent(), x.engineID, b, err)
+		x.s.abortBrokenPrefill(x.traceParent(), x.EngineID, b, err)
 		lastErr = err
 		if !retriable(err, true) {
 			break
@@ -116,11 +116,11 @@ func (x *exchange) prefill(c *custody) *api.Error {
 	clientFault := errors.As(lastErr, &se) && se.Status >= 400 && se.Status < 500
 	if !clientFault && *x.s.cfg.DecodeOnlyFallback {
 		// Nobody prefilled: move on without KV, the decoder computes the prompt itself.
-		if !x.s.table.DecodeOnly(x.id) {
+		if !x.s.table.DecodeOnly(x.ID) {
 			return x.gone(c)
 		}
-		x.legs.fallback = true
-		x.s.m.fallbacks.Inc()
+		x.Legs.Fallback = true
+		x.s.m.Fallbacks.Inc()
 		return nil
 	}
 	if rerr := lastErr; rerr != nil && (errors.Is(rerr, router.ErrNoBackend) || errors.Is(rerr, router.ErrQueueFull) || errors.Is(rerr, router.ErrQueueTimeout)) {
@@ -132,15 +132,15 @@ func (x *exchange) prefill(c *custody) *api.Error {
 // prefillUnavailable serves a request the pool has no usable prefiller for, as
 // prefill_unavailable says: on a decoder alone, or not at all. It takes the custody when it
 // fails.
-func (x *exchange) prefillUnavailable(c *custody, err error) *api.Error {
+func (x *Exchange) prefillUnavailable(c *custody, err error) *api.Error {
 	if x.s.cfg.PrefillUnavailable != PrefillUnavailableDecode {
 		return x.failWith(c, router.Result{}, api.FromRouter(err, router.RolePrefill))
 	}
-	if !x.s.table.DecodeOnly(x.id) {
+	if !x.s.table.DecodeOnly(x.ID) {
 		return x.gone(c)
 	}
-	x.legs.fallback = true
-	x.s.m.fallbacks.Inc()
+	x.Legs.Fallback = true
+	x.s.m.Fallbacks.Inc()
 	return nil
 }
 
@@ -155,22 +155,22 @@ type prefillAnswer struct {
 // client leaves, the call goes on in the background and takes the request's custody, so that
 // its KV is released as soon as the prefiller answers (gone is then true: the client's leaving
 // has been handled, and the custody went with the call).
-func (x *exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backend, body []byte) (params json.RawMessage, err error, gone bool) {
-	call := withHeader(x.call(b, x.req.Route, body), nil, lease)
+func (x *Exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backend, body []byte) (params json.RawMessage, err error, gone bool) {
+	call := withHeader(x.call(b, x.Req.Route, body), nil, lease)
 	timeout := x.s.cfg.PrefillTimeout
-	span := x.callSpan(spanPrefill, b)
+	span := x.callSpan(SpanPrefill, b)
 	if x.s.cfg.AbortDuringPrefill == AbortPrefillCancel {
-		ctx, cancel := context.WithTimeoutCause(withSpan(x.ctx, span), timeout, api.ErrPhaseTimeout)
+		ctx, cancel := context.WithTimeoutCause(withSpan(x.Ctx, span), timeout, api.ErrPhaseTimeout)
 		defer cancel()
 		var params json.RawMessage
-		err := x.s.guard(x.id, func() (err error) {
+		err := x.s.guard(x.ID, func() (err error) {
 			params, err = call.Prefill(ctx)
 			return err
 		})
 		if err == nil {
 			lease.Prefilled() // the prefill's end, for the router's cost books
 		}
-		lease.Release(resultOf(err, x.ctx))
+		lease.Release(resultOf(err, x.Ctx))
 		if err != nil && context.Cause(ctx) == api.ErrPhaseTimeout {
 			err = errors.Join(api.ErrPhaseTimeout, err)
 		}
@@ -181,14 +181,14 @@ func (x *exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backen
 	var taken atomic.Bool // set by whichever side handles the answer: the handler, or the call
 	answer := make(chan prefillAnswer, 1)
 	adopt := make(chan *custody, 1)
-	s, req := x.s, x.req
+	s, req := x.s, x.Req
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
-		ctx, cancel := context.WithTimeoutCause(withSpan(context.WithoutCancel(x.ctx), span), timeout, api.ErrPhaseTimeout)
+		ctx, cancel := context.WithTimeoutCause(withSpan(context.WithoutCancel(x.Ctx), span), timeout, api.ErrPhaseTimeout)
 		defer cancel()
 		var params json.RawMessage
-		err := s.guard(x.id, func() (err error) {
+		err := s.guard(x.ID, func() (err error) {
 			params, err = call.Prefill(ctx)
 			return err
 		})
@@ -212,7 +212,7 @@ func (x *exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backen
 	select {
 	case res := <-answer:
 		return res.params, res.err, false
-	case <-x.ctx.Done():
+	case <-x.Ctx.Done():
 		if taken.CompareAndSwap(false, true) {
 			// The table learns first that the client left, so that the answer, whenever it
 			// comes, is taken for a hold nobody will decode.
@@ -227,4 +227,21 @@ func (x *exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backen
 		res := <-answer
 		return res.params, res.err, false
 	}
+}
+
+// pickPrefiller is the prefiller for a prefill attempt: the router's pick, or, in the sidecar
+// mode, the one the header named, for the first attempt only (there is no other to retry on).
+// A detached prefiller comes with no lease; a nil lease releases nothing.
+func (x *Exchange) pickPrefiller(h router.Hint) (*router.Lease, *router.Backend, error) {
+	if x.s.sidecar {
+		if len(h.Exclude) > 0 {
+			return nil, nil, router.ErrNoBackend
+		}
+		return nil, x.Legs.Named, nil
+	}
+	lease, err := x.s.router.Acquire(x.Ctx, router.RolePrefill, h)
+	if err == nil {
+		x.picked(router.RolePrefill, lease)
+	}
+	return lease, lease.Backend(), err
 }

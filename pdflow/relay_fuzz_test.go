@@ -1,4 +1,4 @@
-package proxy
+package pdflow
 
 import (
 	"bytes"
@@ -18,6 +18,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
 )
 
@@ -49,52 +50,6 @@ func (r *chopReader) Read(p []byte) (int, error) {
 		return n, r.end
 	}
 	return n, nil
-}
-
-// sseEvents parses an SSE stream as a client does (WHATWG event-stream: lines end in CRLF,
-// LF or CR; a blank line dispatches the data lines gathered so far) and returns the data of
-// every event dispatched.
-func sseDispatched(b []byte) []string {
-	var out []string
-	var data []string
-	for len(b) > 0 {
-		i := bytes.IndexAny(b, "\r\n")
-		if i < 0 {
-			break // an unterminated last line is never dispatched
-		}
-		line := b[:i]
-		if b[i] == '\r' && i+1 < len(b) && b[i+1] == '\n' {
-			i++
-		}
-		b = b[i+1:]
-		switch {
-		case len(line) == 0:
-			if data != nil {
-				out = append(out, string(bytes.Join(toBytes(data), []byte("\n"))))
-			}
-			data = nil
-		case bytes.HasPrefix(line, []byte("data:")):
-			v := bytes.TrimPrefix(line[5:], []byte(" "))
-			data = append(data, string(v))
-		}
-	}
-	return out
-}
-
-// clip shortens b for a failure message.
-func clip(b []byte) string {
-	if len(b) > 300 {
-		return strconv.Quote(string(b[:150])) + "..." + strconv.Quote(string(b[len(b)-150:]))
-	}
-	return strconv.Quote(string(b))
-}
-
-func toBytes(ss []string) [][]byte {
-	out := make([][]byte, len(ss))
-	for i, s := range ss {
-		out[i] = []byte(s)
-	}
-	return out
 }
 
 var errDecoderCut = errors.New("decoder connection cut")
@@ -132,7 +87,7 @@ func FuzzRelay(f *testing.F) {
 	}
 	reg := prometheus.NewRegistry()
 	table := lifecycle.New(lifecycle.Config{}, zap.NewNop(), reg)
-	srv, err := New(Config{}, stubRouter{}, table, zap.NewNop(), reg, nil)
+	srv, err := New(Config{}, noBackends{}, table, zap.NewNop(), NewMetrics(reg), false), error(nil)
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -149,8 +104,8 @@ func FuzzRelay(f *testing.F) {
 		ctx, cancel := context.WithCancelCause(context.Background())
 		defer cancel(nil)
 		rec := httptest.NewRecorder()
-		x := &exchange{s: srv, w: rec, ctx: ctx, cancel: cancel, id: id, route: "/v1/completions", req: &api.Request{Stream: stream}}
-		x.times.start = time.Now()
+		x := &Exchange{s: srv, W: rec, Ctx: ctx, Cancel: cancel, ID: id, Route: "/v1/completions", Req: &api.Request{Stream: stream}}
+		x.Times.Start = time.Now()
 		wd := newWatchdog(ctx, false, false, time.Hour, time.Hour)
 		defer wd.stop()
 		end := io.EOF
@@ -172,7 +127,7 @@ func FuzzRelay(f *testing.F) {
 				t.Fatalf("a complete answer ended in error %v", e)
 			}
 			if rec.Code != http.StatusOK || !bytes.Equal(got, data) {
-				t.Fatalf("status %d, relayed %s, want 200 and %s", rec.Code, clip(got), clip(data))
+				t.Fatalf("status %d, relayed %s, want 200 and %s", rec.Code, testutil.Clip(got), testutil.Clip(data))
 			}
 			return
 		}
@@ -181,31 +136,31 @@ func FuzzRelay(f *testing.F) {
 		}
 		if len(data) == 0 {
 			// Nothing went out: the handler answers with the error itself.
-			if x.out.wrote || len(got) != 0 {
-				t.Fatalf("wrote %s before any byte came from the decoder", clip(got))
+			if x.Out.Wrote || len(got) != 0 {
+				t.Fatalf("wrote %s before any byte came from the decoder", testutil.Clip(got))
 			}
 			return
 		}
 		if !bytes.HasPrefix(got, data) {
-			t.Fatalf("relayed %s, which does not start with the decoder's bytes %s", clip(got), clip(data))
+			t.Fatalf("relayed %s, which does not start with the decoder's bytes %s", testutil.Clip(got), testutil.Clip(data))
 		}
 		if !stream {
-			if !x.out.abortConn || len(got) != len(data) {
-				t.Fatalf("a broken non-streaming answer: abortConn %v, relayed %s; want the connection cut after %s", x.out.abortConn, clip(got), clip(data))
+			if !x.Out.AbortConn || len(got) != len(data) {
+				t.Fatalf("a broken non-streaming answer: abortConn %v, relayed %s; want the connection cut after %s", x.Out.AbortConn, testutil.Clip(got), testutil.Clip(data))
 			}
 			return
 		}
-		events := sseDispatched(got)
+		events := testutil.SSEDispatched(got)
 		if len(events) == 0 {
-			t.Fatalf("no event dispatched from %s", clip(got))
+			t.Fatalf("no event dispatched from %s", testutil.Clip(got))
 		}
 		var body api.ErrorBody
 		last := events[len(events)-1]
 		if err := json.Unmarshal([]byte(last), &body); err != nil || body.Error.Type == "" || body.Error.Message == "" {
-			t.Fatalf("last event %s is not an OpenAI error (%v); stream %s", clip([]byte(last)), err, clip(got))
+			t.Fatalf("last event %s is not an OpenAI error (%v); stream %s", testutil.Clip([]byte(last)), err, testutil.Clip(got))
 		}
 		if !bytes.HasSuffix(got, []byte("\n\n")) {
-			t.Fatalf("stream %s does not end with a blank line", clip(got))
+			t.Fatalf("stream %s does not end with a blank line", testutil.Clip(got))
 		}
 	})
 }

@@ -1,4 +1,4 @@
-package proxy
+package pdflow
 
 import (
 	"context"
@@ -40,17 +40,17 @@ func nextOf(body io.Reader) func() ([]byte, bool, error) {
 // more of it has arrived, so a stream reaches the client chunk by chunk with nothing added in
 // between, and chunks the decoder sent together go out in one write.
 // It takes the custody when it fails; on success the caller still has it.
-func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Error {
-	h := x.w.Header()
+func (x *Exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Error {
+	h := x.W.Header()
 	ct := resp.Header.Get("Content-Type")
 	if ct == "" {
 		ct = "application/json"
-		if x.req.Stream {
+		if x.Req.Stream {
 			ct = "text/event-stream"
 		}
 	}
 	h.Set("Content-Type", ct)
-	if x.req.Stream {
+	if x.Req.Stream {
 		h.Set("Cache-Control", "no-cache")
 		// Tells an nginx in front not to buffer the stream either.
 		h.Set("X-Accel-Buffering", "no")
@@ -60,11 +60,11 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Err
 	if d := resp.Header["Date"]; len(d) > 0 {
 		h["Date"] = d
 	}
-	rc := http.NewResponseController(x.w)
+	rc := http.NewResponseController(x.W)
 	next := nextOf(resp.Body)
 	if next == nil {
 		pool := &wholeBufPool
-		if x.req.Stream {
+		if x.Req.Stream {
 			pool = &streamBufPool
 		}
 		bufp := pool.Get().(*[]byte)
@@ -75,9 +75,9 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Err
 			return buf[:n], false, err
 		}
 	}
-	rs := x.out.resume
+	rs := x.Out.Resume
 	chain := x.relayStages()
-	x.out.end.API = x.req.API
+	x.Out.end.API = x.Req.API
 	answered := false
 	// delivered: the stream's end (its [DONE], or its API's last event) was written and
 	// flushed to the client, which then has the whole answer.
@@ -90,14 +90,14 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Err
 				// A decoder back from an ejection is alive again from its first byte on.
 				answered = true
 				c.lease.Answered()
-				if x.req.Stream {
+				if x.Req.Stream {
 					// A stream's first byte is its first token: the prefill has ended.
 					c.lease.Prefilled()
 				}
 			}
 		}
 		data, rerr = api.Pass(chain, data, rerr)
-		if delivered && x.ctx.Err() != nil {
+		if delivered && x.Ctx.Err() != nil {
 			// The client has the whole answer, whatever it does next: one that closes its
 			// connection as soon as it reads the end (as scripts and load tools do) cancels
 			// the call before the engine's response ends, which it does a moment after its
@@ -106,29 +106,29 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Err
 			data, rerr = nil, io.EOF
 		}
 		if n := len(data); n > 0 {
-			if x.ctx.Err() != nil {
+			if x.Ctx.Err() != nil {
 				x.countAfterGone(data)
 				return x.gone(c)
 			}
-			if !x.out.wrote {
+			if !x.Out.Wrote {
 				// A decoder generates only once it has the KV: paired legs have joined.
 				x.joinLegs()
-				x.w.WriteHeader(http.StatusOK)
-				x.out.wrote = true
-				x.times.ttft = time.Since(x.times.start)
+				x.W.WriteHeader(http.StatusOK)
+				x.Out.Wrote = true
+				x.Times.TTFT = time.Since(x.Times.Start)
 			}
 			if rs != nil && !rs.watching {
 				// From its first byte on, a stream that can go on elsewhere leaves a decoder
 				// that is going away before it breaks.
 				rs.watching = true
-				if continuable(x.legs.decode.Engine) {
-					wd.cutWhenLeaving(x.legs.decode.Leaving(), rs.movable.Load)
+				if continuable(x.Legs.Decode.Engine) {
+					wd.cutWhenLeaving(x.Legs.Decode.Leaving(), rs.movable.Load)
 				}
 			}
-			x.out.chunks++
+			x.Out.chunks++
 			// A client that stops reading must not pin a decoder and its memory forever.
 			x.writeDeadline(rc)
-			_, werr := x.w.Write(data)
+			_, werr := x.W.Write(data)
 			if werr == nil && !more {
 				// What the decoder sent in one burst goes out in one write and one flush.
 				werr = rc.Flush()
@@ -136,21 +136,21 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Err
 			if werr != nil {
 				// The client is gone, or too slow: what this read held was never delivered.
 				x.countAfterGone(data)
-				x.cancel(werr)
+				x.Cancel(werr)
 				return x.gone(c)
 			}
-			x.out.end.Note(data)
+			x.Out.end.Note(data)
 			// Flushed when nothing more had arrived: the end is out once the client may read it.
-			delivered = x.req.Stream && !more && x.out.end.Complete()
+			delivered = x.Req.Stream && !more && x.Out.end.Complete()
 		}
 		if rerr == io.EOF {
 			// A decoder that ends its answer before any byte of it (a 200 closed at once), or
 			// a stream before its [DONE], failed: the client must not take it for complete.
 			switch {
-			case !x.out.wrote:
+			case !x.Out.Wrote:
 				rerr = errEmptyAnswer
-			case x.req.Stream && !x.out.end.Complete():
-				switch x.req.API {
+			case x.Req.Stream && !x.Out.end.Complete():
+				switch x.Req.API {
 				case engine.APIResponses:
 					rerr = errResponsesUnfinished
 				case engine.APIMessages:
@@ -162,7 +162,7 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Err
 				// The deadline set for the last write may have passed while the decoder was
 				// silent: the response's end (HTTP/1.1's last chunk) must still go out.
 				x.writeDeadline(rc)
-				x.s.table.Finish(x.id)
+				x.s.table.Finish(x.ID)
 				return nil
 			}
 		}
@@ -172,7 +172,7 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Err
 				cause = errors.Join(why, rerr)
 			}
 			if x.canMove(cause) {
-				x.out.broke = cause
+				x.Out.broke = cause
 				return errMoveOn
 			}
 			if e := x.retryDecode(c, rerr, wd); e != nil {
@@ -184,10 +184,10 @@ func (x *exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Err
 }
 
 // countAfterGone counts the stream chunks in data, read after the client left.
-func (x *exchange) countAfterGone(data []byte) {
+func (x *Exchange) countAfterGone(data []byte) {
 	n := api.CountEvents(data)
-	x.out.afterGone += n
-	x.s.m.tokensAfter.Add(float64(n))
+	x.Out.afterGone += n
+	x.s.m.TokensAfter.Add(float64(n))
 }
 
 // errEmptyAnswer and errStreamUnfinished are answers a decoder ended too early.
@@ -200,7 +200,7 @@ var (
 )
 
 // writeDeadline gives the next write to the client client_write_timeout from now.
-func (x *exchange) writeDeadline(rc *http.ResponseController) {
+func (x *Exchange) writeDeadline(rc *http.ResponseController) {
 	if x.s.cfg.ClientWriteTimeout > 0 {
 		_ = rc.SetWriteDeadline(time.Now().Add(x.s.cfg.ClientWriteTimeout))
 	}
@@ -211,28 +211,28 @@ func (x *exchange) writeDeadline(rc *http.ResponseController) {
 // in the OpenAI shape, and no [DONE], so clients see it failed. A decoder that broke
 // mid-event left a partial line: the error starts an event of its own, or the client would
 // read it as the end of that line. A whole JSON answer under way can only be cut.
-func (x *exchange) cut(e *api.Error) *api.Error {
+func (x *Exchange) cut(e *api.Error) *api.Error {
 	switch {
-	case !x.out.wrote:
-	case x.req.Stream:
-		rc := http.NewResponseController(x.w)
+	case !x.Out.Wrote:
+	case x.Req.Stream:
+		rc := http.NewResponseController(x.W)
 		// The deadline of the last chunk may have passed during the decoder's silence: the
 		// error event gets a write deadline of its own.
 		x.writeDeadline(rc)
-		x.w.Write(x.out.end.EventBreak())
-		switch x.req.API {
+		x.W.Write(x.Out.end.EventBreak())
+		switch x.Req.API {
 		case engine.APIResponses:
-			x.w.Write(api.ResponsesErrorEvent(e))
+			x.W.Write(api.ResponsesErrorEvent(e))
 		case engine.APIMessages:
-			x.w.Write(api.AnthropicErrorEvent(e))
+			x.W.Write(api.AnthropicErrorEvent(e))
 		default:
-			x.w.Write([]byte("data: "))
-			x.w.Write(e.Body())
-			x.w.Write([]byte("\n\n"))
+			x.W.Write([]byte("data: "))
+			x.W.Write(e.Body())
+			x.W.Write([]byte("\n\n"))
 		}
 		rc.Flush()
 	default:
-		x.out.abortConn = true
+		x.Out.AbortConn = true
 	}
 	return e
 }

@@ -1,4 +1,4 @@
-package proxy
+package pdflow
 
 import (
 	"sync/atomic"
@@ -69,7 +69,7 @@ func (c *custody) split(res router.Result) *custody {
 // end ends the request: a hold no decoder acknowledged is released first (releaseUnsent, which
 // ends the custody once it is), then its lease is given back and its table entry goes (an
 // attempt's custody leaves the entry to the request).
-func (c *custody) end(s *Server) {
+func (c *custody) end(s *Flow) {
 	c.passed.Store(true)
 	if c.unsent != nil {
 		s.releaseUnsent(c)

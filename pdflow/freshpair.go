@@ -1,4 +1,4 @@
-package proxy
+package pdflow
 
 import (
 	"errors"
@@ -40,9 +40,9 @@ type tries struct {
 	avoid []avoided
 	// prefill and decode count the fresh pairs tried after a failure of that role.
 	prefill, decode int
-	// n counts the attempts begun; span is the one under way's trace span (nil when tracing
+	// N counts the attempts begun; span is the one under way's trace span (nil when tracing
 	// is off), the parent of its calls' spans.
-	n    int
+	N    int
 	span trace.Span
 }
 
@@ -94,12 +94,12 @@ const (
 // spent, the table moved on, or a failed engine has no other of its role to take its place
 // (a failed pull excepted); it then answers nil, and the caller fails the request as before,
 // with the custody.
-func (x *exchange) freshPair(c *custody, res router.Result, role router.Role, reason string, failed ...*router.Backend) *api.Error {
-	budget, used := x.s.cfg.DecodeRetries, &x.tries.decode
+func (x *Exchange) freshPair(c *custody, res router.Result, role router.Role, reason string, failed ...*router.Backend) *api.Error {
+	budget, used := x.s.cfg.DecodeRetries, &x.Tries.decode
 	if role == router.RolePrefill {
-		budget, used = x.s.cfg.PrefillRetries, &x.tries.prefill
+		budget, used = x.s.cfg.PrefillRetries, &x.Tries.prefill
 	}
-	if x.out.wrote || x.ctx.Err() != nil || *used >= budget || x.legs.decode == nil {
+	if x.Out.Wrote || x.Ctx.Err() != nil || *used >= budget || x.Legs.Decode == nil {
 		return nil
 	}
 	var avoid []avoided
@@ -115,21 +115,21 @@ func (x *exchange) freshPair(c *custody, res router.Result, role router.Role, re
 			return nil
 		}
 	}
-	hold, ok := x.s.table.Retry(x.id)
+	hold, ok := x.s.table.Retry(x.ID)
 	if !ok {
 		return nil
 	}
 	*used++
 	x.letGo(c.split(res), hold)
-	x.tries.avoid = append(x.tries.avoid, avoid...)
-	x.s.m.retries.WithLabelValues(string(role), reason).Inc()
+	x.Tries.avoid = append(x.Tries.avoid, avoid...)
+	x.s.m.Retries.WithLabelValues(string(role), reason).Inc()
 	if x.span != nil {
 		x.span.AddEvent("fresh_pair", trace.WithAttributes(attrRetryRole.String(string(role)), attrRetryReason.String(reason)))
 	}
-	x.engineID = api.NewID() // as in moveOn
-	c.engineID = x.engineID
-	x.legs = legs{named: x.legs.named, tokens: x.legs.tokens, lent: x.legs.lent}
-	if rs := x.out.resume; rs != nil {
+	x.EngineID = api.NewID() // as in moveOn
+	c.engineID = x.EngineID
+	x.Legs = legs{Named: x.Legs.Named, tokens: x.Legs.tokens, lent: x.Legs.lent}
+	if rs := x.Out.Resume; rs != nil {
 		// An error event the filter kept from the client belonged to the attempt.
 		rs.pending, rs.errorEvent, rs.watching = rs.pending[:0], false, false
 	}
@@ -139,9 +139,9 @@ func (x *exchange) freshPair(c *custody, res router.Result, role router.Role, re
 // othersUsable reports whether an engine of b's role other than b, and than those the
 // request already avoids, may take requests now and serves the request's model: only then is b left out of the next attempt
 // (with none, it is b or nothing).
-func (x *exchange) othersUsable(b *router.Backend) bool {
+func (x *Exchange) othersUsable(b *router.Backend) bool {
 	for _, o := range x.s.router.Available(b.Role) {
-		if o != b && !x.tries.avoids(o) && (x.req.Model == "" || o.Serves(x.req.Model)) {
+		if o != b && !x.Tries.avoids(o) && (x.Req.Model == "" || o.Serves(x.Req.Model)) {
 			return true
 		}
 	}
@@ -153,21 +153,21 @@ func (x *exchange) othersUsable(b *router.Backend) bool {
 // event failed its pull, and the request is prefilled again; one whose
 // connection broke or whose answer ended empty lost its decoder, which the next attempt
 // avoids. A decode that timed out, or that a client error refused, is not tried again.
-func (x *exchange) retryDecode(c *custody, err error, wd *watchdog) *api.Error {
-	if x.out.wrote || wd.timedOut() || x.ctx.Err() != nil || retriable(err, false) {
+func (x *Exchange) retryDecode(c *custody, err error, wd *watchdog) *api.Error {
+	if x.Out.Wrote || wd.timedOut() || x.Ctx.Err() != nil || retriable(err, false) {
 		// A decode its decoder provably never took was tried on other decoders already
 		// (send), with the same KV.
 		return nil
 	}
 	var se *engine.StatusError
 	if errors.As(err, &se) || errors.Is(err, errErrorEvent) {
-		if x.legs.params == nil || se != nil && se.Status < http.StatusInternalServerError {
+		if x.Legs.params == nil || se != nil && se.Status < http.StatusInternalServerError {
 			return nil
 		}
 		// The pull may have failed on either side: both are avoided where others can serve.
 		// The decoder's 5xx is charged to it as any other: one that fails every pull must
 		// still be ejected.
-		return x.freshPair(c, resultOf(err, x.ctx), router.RolePrefill, freshKVPull, x.legs.prefill, x.legs.decode)
+		return x.freshPair(c, resultOf(err, x.Ctx), router.RolePrefill, freshKVPull, x.Legs.Prefill, x.Legs.Decode)
 	}
-	return x.freshPair(c, resultOf(err, x.ctx), router.RoleDecode, freshDecoderFailed, x.legs.decode)
+	return x.freshPair(c, resultOf(err, x.Ctx), router.RoleDecode, freshDecoderFailed, x.Legs.Decode)
 }

@@ -1,4 +1,4 @@
-package proxy
+package pdflow
 
 import (
 	"bytes"
@@ -81,8 +81,8 @@ type resume struct {
 	prompt, sent []uint32
 	// id, created and model are the first answer's, raw: a continuation's events carry them.
 	id, created, model []byte
-	// attempt counts the attempts before the one under way.
-	attempt int
+	// Attempt counts the attempts before the one under way.
+	Attempt int
 	// pending is the start of an event whose end has not come yet.
 	pending []byte
 	// errorEvent: the decoder sent an error event, which was kept from the client.
@@ -104,38 +104,38 @@ type resume struct {
 
 // fieldsFor is the client's body as decoder b gets it: asking for the token ids where the
 // stream may move and b's engine reports them. Other engines never see the member.
-func (x *exchange) fieldsFor(b *router.Backend) *engine.Fields {
-	if rs := x.out.resume; rs != nil && rs.withIDs != nil && continuable(b.Engine) {
+func (x *Exchange) fieldsFor(b *router.Backend) *engine.Fields {
+	if rs := x.Out.Resume; rs != nil && rs.withIDs != nil && continuable(b.Engine) {
 		return rs.withIDs
 	}
-	return x.req.Fields
+	return x.Req.Fields
 }
 
 // planResume readies a stream for migration, when migration_limit allows it: the engines are
 // asked for the token ids, and what would keep the stream from going on exactly is noted.
-func (x *exchange) planResume() *api.Error {
-	switch x.req.API {
+func (x *Exchange) PlanResume() *api.Error {
+	switch x.Req.API {
 	case engine.APIResponses, engine.APIMessages, engine.APIGenerate:
 		// Only completion and chat streams are continued: a generate stream's continuation
 		// would extend token_ids and lower sampling_params' max_tokens, which the resume
 		// does not rewrite.
 		return nil
 	}
-	if x.s.cfg.MigrationLimit <= 0 || !x.req.Stream {
+	if x.s.cfg.MigrationLimit <= 0 || !x.Req.Stream {
 		return nil
 	}
-	rs := &resume{left: x.s.cfg.MigrationLimit, maxIDs: x.s.cfg.MigrationMaxTokens, chat: x.req.API == engine.APIChat, refused: unresumable(x.req),
-		client: x.req.Fields}
-	if raw, ok := x.req.Fields.Field("return_token_ids"); ok && string(raw) == "true" {
+	rs := &resume{left: x.s.cfg.MigrationLimit, maxIDs: x.s.cfg.MigrationMaxTokens, chat: x.Req.API == engine.APIChat, refused: unresumable(x.Req),
+		client: x.Req.Fields}
+	if raw, ok := x.Req.Fields.Field("return_token_ids"); ok && string(raw) == "true" {
 		rs.clientIDs = true
 	} else if rs.refused == "" {
-		f, err := x.req.Fields.With("return_token_ids", []byte("true"))
+		f, err := x.Req.Fields.With("return_token_ids", []byte("true"))
 		if err != nil {
-			return buildFailed(err, "engine")
+			return BuildFailed(err, "engine")
 		}
 		rs.withIDs = f
 	}
-	x.out.resume = rs
+	x.Out.Resume = rs
 	return nil
 }
 
@@ -198,15 +198,15 @@ func toolChoiceNone(f *engine.Fields) bool {
 
 // canMove reports whether the stream may go on elsewhere after its decoder failed with err,
 // counting the refusals of one that may not.
-func (x *exchange) canMove(err error) bool {
-	rs := x.out.resume
-	if rs == nil || !x.out.wrote || x.ctx.Err() != nil {
+func (x *Exchange) canMove(err error) bool {
+	rs := x.Out.Resume
+	if rs == nil || !x.Out.Wrote || x.Ctx.Err() != nil {
 		return false
 	}
 	reason := moveReason(err)
 	refuse := func(why string) bool {
-		x.s.m.migrations.WithLabelValues(reason, moveRefused).Inc()
-		x.s.m.migrationRefusals.WithLabelValues(why).Inc()
+		x.s.m.Migrations.WithLabelValues(reason, moveRefused).Inc()
+		x.s.m.MigrationRefusals.WithLabelValues(why).Inc()
 		return false
 	}
 	switch {
@@ -214,13 +214,13 @@ func (x *exchange) canMove(err error) bool {
 		return refuse(rs.refused)
 	case rs.finished:
 		return refuse(refuseFinished)
-	case !continuable(x.legs.decode.Engine):
+	case !continuable(x.Legs.Decode.Engine):
 		// Checked before the ids: such an engine is never asked for them.
 		return refuse(refuseEngine)
 	case rs.prompt == nil:
 		return refuse(refuseNoTokenIDs)
 	case rs.left <= 0:
-		x.s.m.migrations.WithLabelValues(reason, moveExceeded).Inc()
+		x.s.m.Migrations.WithLabelValues(reason, moveExceeded).Inc()
 		return false
 	}
 	return true
@@ -241,18 +241,18 @@ func moveReason(err error) string {
 // moveOn readies the next attempt of a stream whose decoder failed with cause: the decoder's
 // lease goes back charged with the failure, the table starts another attempt, and the request
 // becomes the continuation. It takes the custody when it fails.
-func (x *exchange) moveOn(c *custody, cause error) *api.Error {
-	rs := x.out.resume
+func (x *Exchange) moveOn(c *custody, cause error) *api.Error {
+	rs := x.Out.Resume
 	reason := moveReason(cause)
-	dead := x.legs.decode
+	dead := x.Legs.Decode
 	c.giveBackLease(resultOf(cause, nil))
-	x.tries.avoid = append(x.tries.avoid, avoidOf(dead))
+	x.Tries.avoid = append(x.Tries.avoid, avoidOf(dead))
 	prompt := make([]uint32, 0, len(rs.prompt)+len(rs.sent))
 	prompt = append(append(prompt, rs.prompt...), rs.sent...)
 	body, err := engineOf(dead).(engine.Continuer).ContinueBody(rs.client, rs.chat, prompt, len(rs.sent))
 	if errors.Is(err, engine.ErrNothingLeft) {
-		x.s.m.migrations.WithLabelValues(reason, moveRefused).Inc()
-		x.s.m.migrationRefusals.WithLabelValues(refuseNothing).Inc()
+		x.s.m.Migrations.WithLabelValues(reason, moveRefused).Inc()
+		x.s.m.MigrationRefusals.WithLabelValues(refuseNothing).Inc()
 		return x.failWith(c, router.Result{}, api.FromBackend(cause, router.RoleDecode, api.KindDecodeTimeout))
 	}
 	var fields *engine.Fields
@@ -260,30 +260,30 @@ func (x *exchange) moveOn(c *custody, cause error) *api.Error {
 		fields, err = engine.ParseFields(body)
 	}
 	if err != nil {
-		return x.failWith(c, router.Result{}, buildFailed(err, "continuation"))
+		return x.failWith(c, router.Result{}, BuildFailed(err, "continuation"))
 	}
-	if !x.s.table.Continue(x.id) {
+	if !x.s.table.Continue(x.ID) {
 		return x.gone(c)
 	}
-	x.s.m.migrations.WithLabelValues(reason, movedOn).Inc()
-	x.s.m.tokensReplayed.Add(float64(len(rs.sent)))
+	x.s.m.Migrations.WithLabelValues(reason, movedOn).Inc()
+	x.s.m.TokensReplayed.Add(float64(len(rs.sent)))
 	if x.span != nil {
 		x.span.AddEvent("migration", trace.WithAttributes(attrMigrationReason.String(reason), attrBackend.String(dead.Name),
 			attrMigrationTokens.Int(len(rs.sent))))
 	}
 	// Each attempt is a new request to the engines: an abort repeated for the last one must
 	// never reach this one.
-	x.engineID = api.NewID()
-	c.engineID = x.engineID
-	rs.attempt++
+	x.EngineID = api.NewID()
+	c.engineID = x.EngineID
+	rs.Attempt++
 	rs.left--
 	rs.pending = rs.pending[:0]
 	rs.errorEvent, rs.watching = false, false
 	rs.movable.Store(false)
 	rs.withIDs = nil
-	x.req = &api.Request{Route: "/v1/completions", Fields: fields, Model: x.req.Model, Stream: true, Prefix: x.req.Prefix,
-		Text: x.req.Text, Key: x.req.Key, RouteText: x.req.RouteText, Tokens: prompt, Prompts: 1}
-	x.legs = legs{named: x.legs.named}
+	x.Req = &api.Request{Route: "/v1/completions", Fields: fields, Model: x.Req.Model, Stream: true, Prefix: x.Req.Prefix,
+		Text: x.Req.Text, Key: x.Req.Key, RouteText: x.Req.RouteText, Tokens: prompt, Prompts: 1}
+	x.Legs = legs{Named: x.Legs.Named}
 	return nil
 }
 
@@ -350,7 +350,7 @@ func (rs *resume) event(ev []byte) ([]byte, bool) {
 	if obj, _ := f.Field("object"); string(obj) == `"error"` {
 		return nil, false
 	}
-	if rs.attempt == 0 {
+	if rs.Attempt == 0 {
 		if rs.id == nil {
 			rs.id, rs.created, rs.model = member(f, "id"), member(f, "created"), member(f, "model")
 		}
@@ -361,9 +361,9 @@ func (rs *resume) event(ev []byte) ([]byte, bool) {
 	choices, edited := rs.choices(f)
 	var body []byte
 	switch {
-	case rs.attempt == 0 && !edited && (rs.clientIDs || !hasAny(f, "prompt_token_ids")):
+	case rs.Attempt == 0 && !edited && (rs.clientIDs || !hasAny(f, "prompt_token_ids")):
 		return ev, true
-	case rs.attempt == 0:
+	case rs.Attempt == 0:
 		drop := []string{}
 		if !rs.clientIDs {
 			drop = append(drop, "prompt_token_ids")
@@ -398,7 +398,7 @@ func (rs *resume) choices(f *engine.Fields) (out []byte, edited bool) {
 	if json.Unmarshal(raw, &list) != nil {
 		return raw, false
 	}
-	edited = rs.attempt > 0
+	edited = rs.Attempt > 0
 	out = append(out, '[')
 	for i, c := range list {
 		cf, err := engine.ParseFields(c)
@@ -408,7 +408,7 @@ func (rs *resume) choices(f *engine.Fields) (out []byte, edited bool) {
 		if ids, ok := cf.Field("token_ids"); ok {
 			rs.sent = append(rs.sent, decodeIDs(ids)...)
 		}
-		if ids, ok := cf.Field("prompt_token_ids"); ok && rs.attempt == 0 && rs.prompt == nil {
+		if ids, ok := cf.Field("prompt_token_ids"); ok && rs.Attempt == 0 && rs.prompt == nil {
 			rs.prompt = decodeIDs(ids)
 		}
 		if fr, ok := cf.Field("finish_reason"); ok && string(fr) != "null" {
@@ -421,12 +421,12 @@ func (rs *resume) choices(f *engine.Fields) (out []byte, edited bool) {
 		if !rs.clientIDs {
 			drop = []string{"token_ids"}
 		}
-		if rs.attempt > 0 || !rs.clientIDs {
+		if rs.Attempt > 0 || !rs.clientIDs {
 			// A completion's prompt ids are on its choice: the client sees them only when it
 			// asked, and never a continuation's, whose prompt is not the client's.
 			drop = append(drop, "prompt_token_ids")
 		}
-		if rs.attempt > 0 && rs.chat {
+		if rs.Attempt > 0 && rs.chat {
 			out = append(out, chatChoice(cf, rs.clientIDs)...)
 			continue
 		}

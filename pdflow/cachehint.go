@@ -1,4 +1,4 @@
-package proxy
+package pdflow
 
 import (
 	"github.com/pdproxy/pdproxy/api"
@@ -14,8 +14,8 @@ type adapterRouter interface {
 
 // keyRequest completes the request's cache key once its model is resolved: the adapter it
 // names, and the text cache-aware policies match (api.RouteText).
-func (x *exchange) keyRequest() {
-	req := x.req
+func (x *Exchange) KeyRequest() {
+	req := x.Req
 	if ar, ok := x.s.router.(adapterRouter); ok && ar.Adapter(req.Model) {
 		req.Key.LoRA = req.Model
 	}
@@ -25,16 +25,16 @@ func (x *exchange) keyRequest() {
 // hintText is the text a pick for role matches: none for a request with media when role's
 // policy scores by tokens, so that it is scored as holding nothing rather than by a text
 // whose items the engines key otherwise.
-func (x *exchange) hintText(role router.Role) string {
-	if x.req.Key.Media {
+func (x *Exchange) HintText(role router.Role) string {
+	if x.Req.Key.Media {
 		if cr, ok := x.s.router.(cacheRouter); ok && cr.WantsTokens(role) {
 			return ""
 		}
 	}
-	return x.req.RouteText
+	return x.Req.RouteText
 }
 
 // cacheHint is what the router weighs a decoder's cache by for conditional disaggregation.
-func (x *exchange) cacheHint() router.Hint {
-	return router.Hint{Tokens: x.legs.tokens, LoRA: x.req.Key.LoRA, CacheSalt: x.req.Key.Salt}
+func (x *Exchange) cacheHint() router.Hint {
+	return router.Hint{Tokens: x.Legs.tokens, LoRA: x.Req.Key.LoRA, CacheSalt: x.Req.Key.Salt}
 }

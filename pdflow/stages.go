@@ -1,20 +1,20 @@
-package proxy
+package pdflow
 
 import "github.com/pdproxy/pdproxy/api"
 
 // relayStages is the chain of stages of the exchange's answer, in their order: whole events
 // for a stream that may go on elsewhere first, then the answer in its client's API, then its
 // model's name.
-func (x *exchange) relayStages() []api.Stage {
+func (x *Exchange) relayStages() []api.Stage {
 	var chain []api.Stage
-	if x.out.resume != nil {
-		chain = append(chain, x.out.resume)
+	if x.Out.Resume != nil {
+		chain = append(chain, x.Out.Resume)
 	}
-	if x.out.translate != nil {
-		chain = append(chain, x.out.translate)
+	if x.Out.translate != nil {
+		chain = append(chain, x.Out.translate)
 	}
-	if x.names.rename != nil {
-		chain = append(chain, x.names.rename)
+	if x.Names.Rename != nil {
+		chain = append(chain, x.Names.Rename)
 	}
 	return chain
 }

@@ -1,4 +1,4 @@
-package proxy
+package pdflow
 
 import (
 	"context"
@@ -26,28 +26,28 @@ import (
 // then every way out aborts the legs (abort.go), the decoder's first.
 //
 // It takes the custody.
-func (x *exchange) serveLegs(c *custody) *api.Error {
-	if ti, ok := engineOf(x.legs.decode).(engine.TokensIn); x.req.API == engine.APIGenerate && (!ok || !ti.TokensIn()) {
+func (x *Exchange) serveLegs(c *custody) *api.Error {
+	if ti, ok := engineOf(x.Legs.Decode).(engine.TokensIn); x.Req.API == engine.APIGenerate && (!ok || !ti.TokensIn()) {
 		// SGLang has no token-in route: its engines would answer 404 to both legs.
-		return x.failWith(c, router.Result{Canceled: true}, api.NewError(api.KindNoRoute, fmt.Sprintf("the engines of model %s do not serve %s", x.model(), api.GenerateRoute)))
+		return x.failWith(c, router.Result{Canceled: true}, api.NewError(api.KindNoRoute, fmt.Sprintf("the engines of model %s do not serve %s", x.Model(), api.GenerateRoute)))
 	}
 	lease, e := x.pickPair(c)
 	if e != nil {
 		return e
 	}
-	d, p := x.legs.decode, lease.Backend()
+	d, p := x.Legs.Decode, lease.Backend()
 	eng := engineOf(d).(engine.Paired)
-	x.legs.prefill = p
-	bs, err := x.s.bootstrap(x.ctx, p)
+	x.Legs.Prefill = p
+	bs, err := x.s.bootstrap(x.Ctx, p)
 	if err == nil && len(bs.EngineIDs) > 0 {
 		err = pickPrefillRank(&bs, lease)
 	}
 	if err != nil {
-		lease.Release(resultOf(err, x.ctx))
+		lease.Release(resultOf(err, x.Ctx))
 		return x.failWith(c, router.Result{Canceled: true}, api.FromBackend(&engine.CallError{Err: err}, router.RolePrefill, api.KindPrefillTimeout))
 	}
-	leg := engine.Leg{Host: p.URL.Hostname(), Port: bs.Port, Room: engine.NewRoom(), RID: x.engineID, Prompts: x.req.Prompts,
-		TransferID: "xfer-" + x.engineID, Rank: -1, API: x.req.API}
+	leg := engine.Leg{Host: p.URL.Hostname(), Port: bs.Port, Room: engine.NewRoom(), RID: x.EngineID, Prompts: x.Req.Prompts,
+		TransferID: "xfer-" + x.EngineID, Rank: -1, API: x.Req.API}
 	if len(bs.EngineIDs) > 0 {
 		leg.Rank = bs.Ranks()[0]
 		leg.EngineID = bs.EngineIDs[leg.Rank]
@@ -55,8 +55,8 @@ func (x *exchange) serveLegs(c *custody) *api.Error {
 		leg.Rank = r
 	}
 	var calls engine.LegCalls
-	route := x.req.Route
-	err = x.s.guard(x.id, func() (err error) {
+	route := x.Req.Route
+	err = x.s.guard(x.ID, func() (err error) {
 		f := x.fieldsFor(d)
 		if f, route, err = x.asChat(d, f, &leg); err != nil {
 			return err
@@ -66,30 +66,30 @@ func (x *exchange) serveLegs(c *custody) *api.Error {
 	})
 	if err != nil {
 		lease.Release(router.Result{})
-		return x.failWith(c, router.Result{}, buildFailed(err, "legs'"))
+		return x.failWith(c, router.Result{}, BuildFailed(err, "legs'"))
 	}
-	if !x.s.table.StartLegs(x.id, p.Name, d.Name) {
+	if !x.s.table.StartLegs(x.ID, p.Name, d.Name) {
 		lease.Release(router.Result{Canceled: true})
 		return x.gone(c)
 	}
 	pl := &pairedLegs{rids: leg.RIDs(), drain: calls.Drain, start: time.Now()}
-	x.legs.paired, x.legs.heldAt = pl, pl.start
+	x.Legs.paired, x.Legs.heldAt = pl, pl.start
 	defer func() {
-		if x.times.prefill == 0 {
-			x.times.prefill = time.Since(pl.start)
+		if x.Times.Prefill == 0 {
+			x.Times.Prefill = time.Since(pl.start)
 		}
-		x.times.decode = time.Since(pl.start)
+		x.Times.Decode = time.Since(pl.start)
 	}()
 
 	// The prefill leg: its answer only says whether the room was served. It comes about when
 	// the decoder's answer begins, and may come after the client has the whole of it, so the
 	// leg may outlive the handler (tracked as the server's background work, bounded by
 	// prefill_timeout): it is cut only when the request fails or the client leaves.
-	pctx, pcancel := context.WithTimeoutCause(context.WithoutCancel(x.ctx), x.s.cfg.PrefillTimeout, api.ErrPhaseTimeout)
+	pctx, pcancel := context.WithTimeoutCause(context.WithoutCancel(x.Ctx), x.s.cfg.PrefillTimeout, api.ErrPhaseTimeout)
 	prefilled := make(chan error, 1)
 	pcall := withHeader(x.call(p, route, calls.Prefill), calls.PrefillHeader, nil)
-	clientCtx := x.ctx
-	pspan := x.callSpan(spanPrefillLeg, p)
+	clientCtx := x.Ctx
+	pspan := x.callSpan(SpanPrefillLeg, p)
 	// prefillEnded is closed when the prefill leg's call is over; prefillOK records that it
 	// was answered: the prefill ended, and the prefiller holds the KV.
 	prefillEnded := make(chan struct{})
@@ -103,7 +103,7 @@ func (x *exchange) serveLegs(c *custody) *api.Error {
 		defer x.s.bg.Done()
 		defer close(prefillEnded)
 		defer pcancel()
-		err := x.s.guard(x.id, func() error {
+		err := x.s.guard(x.ID, func() error {
 			resp, err := pcall.Do(httptrace.WithClientTrace(withSpan(pctx, pspan), sentTrace))
 			if err == nil {
 				_, err = io.Copy(io.Discard, resp.Body)
@@ -132,7 +132,7 @@ func (x *exchange) serveLegs(c *custody) *api.Error {
 	}()
 
 	// The decode leg.
-	wd := newWatchdog(x.ctx, false, false, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
+	wd := newWatchdog(x.Ctx, false, false, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
 	defer wd.stop()
 	pl.cut = func() bool {
 		wd.cancel(errLegsAborted)
@@ -154,12 +154,12 @@ func (x *exchange) serveLegs(c *custody) *api.Error {
 	}
 	decoded := make(chan answer, 1)
 	dcall := withHeader(x.call(d, route, calls.Decode), calls.DecodeHeader, c.lease)
-	dspan := x.callSpan(spanDecodeLeg, d)
+	dspan := x.callSpan(SpanDecodeLeg, d)
 	var derr error
 	defer func() { endSpan(dspan, derr) }()
 	go func() {
 		var resp *http.Response
-		err := x.s.guard(x.id, func() (err error) {
+		err := x.s.guard(x.ID, func() (err error) {
 			resp, err = dcall.Do(withSpan(wd.ctx, dspan))
 			return err
 		})
@@ -177,7 +177,7 @@ func (x *exchange) serveLegs(c *custody) *api.Error {
 				}
 				continue
 			}
-			if x.ctx.Err() != nil {
+			if x.Ctx.Err() != nil {
 				continue // the decode leg ends on the same cancel
 			}
 			// The decoder would wait for a room nobody fills: it is aborted with the prefill,
@@ -209,7 +209,7 @@ func (x *exchange) serveLegs(c *custody) *api.Error {
 			// Its decoder provably never took the leg: the room goes, and a fresh pair
 			// serves the request.
 			pl.neverTaken = true
-			if e := x.freshPair(c, resultOf(ans.err, x.ctx), router.RoleDecode, retryReason(ans.err), d); e != nil {
+			if e := x.freshPair(c, resultOf(ans.err, x.Ctx), router.RoleDecode, retryReason(ans.err), d); e != nil {
 				return e
 			}
 		}
@@ -231,12 +231,12 @@ func (x *exchange) serveLegs(c *custody) *api.Error {
 // may eject one between the two picks, or while another request waits): the prefiller is
 // picked again, and the decoder, if it is the one, reserved again, a few times at most. On
 // failure it takes the custody.
-func (x *exchange) pickPair(c *custody) (*router.Lease, *api.Error) {
+func (x *Exchange) pickPair(c *custody) (*router.Lease, *api.Error) {
 	for try := 0; ; try++ {
-		d := x.legs.decode
+		d := x.Legs.Decode
 		h := x.hint(router.RolePrefill, nil)
 		h.Accept = pairedWith(d.Engine)
-		lease, err := x.s.router.Acquire(x.ctx, router.RolePrefill, h)
+		lease, err := x.s.router.Acquire(x.Ctx, router.RolePrefill, h)
 		if err != nil {
 			// A decoder in disaggregated mode cannot serve alone: no decode-only fallback.
 			return nil, x.failWith(c, router.Result{Canceled: true}, api.FromRouter(err, router.RolePrefill))
@@ -287,11 +287,11 @@ type pairedLegs struct {
 
 // joinLegs records, once, that a paired request's decoder has the room's KV: the prefill is
 // done. Sequential requests have nothing to join.
-func (x *exchange) joinLegs() {
-	if pl := x.legs.paired; pl != nil && !pl.joined {
+func (x *Exchange) joinLegs() {
+	if pl := x.Legs.paired; pl != nil && !pl.joined {
 		pl.joined = true
-		x.s.table.LegsJoined(x.id)
-		x.times.prefill = time.Since(pl.start)
+		x.s.table.LegsJoined(x.ID)
+		x.Times.Prefill = time.Since(pl.start)
 	}
 }
 
@@ -319,7 +319,7 @@ type bootstrapCache struct {
 
 // bootstrap is what p's bootstrap server says (its port; Mooncake's engine ids by rank),
 // asked of the engine once (DiscoverBootstrapPorts asks again at start and on reload).
-func (s *Server) bootstrap(ctx context.Context, p *router.Backend) (engine.Bootstrap, error) {
+func (s *Flow) bootstrap(ctx context.Context, p *router.Backend) (engine.Bootstrap, error) {
 	if bs, ok := s.bootstraps.known.Load(p.URLString); ok {
 		return bs.(engine.Bootstrap), nil
 	}
@@ -335,12 +335,12 @@ func (s *Server) bootstrap(ctx context.Context, p *router.Backend) (engine.Boots
 	return v.(engine.Bootstrap), nil
 }
 
-func (s *Server) discoverBootstrap(ctx context.Context, p *router.Backend) (engine.Bootstrap, error) {
+func (s *Flow) discoverBootstrap(ctx context.Context, p *router.Backend) (engine.Bootstrap, error) {
 	eng, ok := engineOf(p).(engine.Paired)
 	if !ok {
 		return engine.Bootstrap{}, errors.New("not a paired engine")
 	}
-	bs, err := eng.Bootstrap(ctx, p.Client(), baseURL(p), p.BootstrapPort)
+	bs, err := eng.Bootstrap(ctx, p.Client(), BaseURL(p), p.BootstrapPort)
 	if err != nil {
 		return engine.Bootstrap{}, err
 	}
@@ -352,7 +352,7 @@ func (s *Server) discoverBootstrap(ctx context.Context, p *router.Backend) (engi
 // its port, from GET /server_info, unless bootstrap_port is configured; Mooncake: its ranks'
 // engine ids, from GET /query), at start and after a reload. One that does not answer is
 // asked again by its first request.
-func (s *Server) DiscoverBootstrapPorts(ctx context.Context) error {
+func (s *Flow) DiscoverBootstrapPorts(ctx context.Context) error {
 	var errs []error
 	for _, p := range s.router.Available(router.RolePrefill) {
 		if _, ok := engineOf(p).(engine.Paired); !ok {
@@ -369,17 +369,17 @@ func (s *Server) DiscoverBootstrapPorts(ctx context.Context) error {
 // engine whose Messages handler cannot take part in P/D goes as the chat completion it stands
 // for, its legs bounded as a chat's, and its answer translated (a translator for this
 // attempt); any other request as it came.
-func (x *exchange) asChat(d *router.Backend, f *engine.Fields, leg *engine.Leg) (*engine.Fields, string, error) {
-	x.out.translate = nil
+func (x *Exchange) asChat(d *router.Backend, f *engine.Fields, leg *engine.Leg) (*engine.Fields, string, error) {
+	x.Out.translate = nil
 	mc, ok := engineOf(d).(engine.MessagesByChat)
-	if x.req.API != engine.APIMessages || !ok || !mc.MessagesByChat() {
-		return f, x.req.Route, nil
+	if x.Req.API != engine.APIMessages || !ok || !mc.MessagesByChat() {
+		return f, x.Req.Route, nil
 	}
-	chat, err := x.req.ToChat()
+	chat, err := x.Req.ToChat()
 	if err != nil {
 		return nil, "", err
 	}
 	leg.API = engine.APIChat
-	x.out.translate = &api.ChatToMessages{Stream: x.req.Stream, Stops: x.req.Anthropic.Stops}
+	x.Out.translate = &api.ChatToMessages{Stream: x.Req.Stream, Stops: x.Req.Anthropic.Stops}
 	return chat, "/v1/chat/completions", nil
 }

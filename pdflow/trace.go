@@ -1,4 +1,4 @@
-package proxy
+package pdflow
 
 import (
 	"context"
@@ -13,23 +13,6 @@ import (
 	"github.com/pdproxy/pdproxy/router"
 )
 
-// Option is an optional part of a Server, given to New.
-type Option func(*Server)
-
-// WithTracerProvider traces every request: a server span that continues the client's
-// traceparent and tracestate, with child spans for each engine call (the prefill, the decode,
-// SGLang's two legs), a drain, an engine abort and a KV release; every engine call carries the
-// trace on, so that an engine started with OpenTelemetry joins it. Without it nothing is
-// traced, and tracing costs a nil check per step.
-func WithTracerProvider(tp trace.TracerProvider) Option {
-	return func(s *Server) {
-		if tp != nil {
-			s.tr = &tracer{t: tp.Tracer("github.com/pdproxy/pdproxy/proxy"),
-				prop: propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})}
-		}
-	}
-}
-
 // tracer is the proxy's side of tracing; nil when tracing is off.
 type tracer struct {
 	t    trace.Tracer
@@ -38,14 +21,14 @@ type tracer struct {
 
 // Span names and attribute keys, a contract with the dashboards and queries built on them.
 const (
-	spanPrefill    = "pdproxy.prefill"
-	spanDecode     = "pdproxy.decode"
-	spanPrefillLeg = "pdproxy.prefill_leg"
-	spanDecodeLeg  = "pdproxy.decode_leg"
-	spanDrain      = "pdproxy.kv_drain"
-	spanAbort      = "pdproxy.engine_abort"
-	spanRelease    = "pdproxy.kv_release"
-	spanAttempt    = "pdproxy.attempt"
+	SpanPrefill    = "pdproxy.prefill"
+	SpanDecode     = "pdproxy.decode"
+	SpanPrefillLeg = "pdproxy.prefill_leg"
+	SpanDecodeLeg  = "pdproxy.decode_leg"
+	SpanDrain      = "pdproxy.kv_drain"
+	SpanAbort      = "pdproxy.engine_abort"
+	SpanRelease    = "pdproxy.kv_release"
+	SpanAttempt    = "pdproxy.attempt"
 
 	attrRequestID       = attribute.Key("pdproxy.request_id")
 	attrClientRequestID = attribute.Key("pdproxy.client_request_id")
@@ -71,35 +54,35 @@ const (
 
 // startRequest starts the request's server span, continuing the client's trace, and returns
 // the context the request's calls run under.
-func (x *exchange) startRequest(ctx context.Context) context.Context {
+func (x *Exchange) startRequest(ctx context.Context) context.Context {
 	tr := x.s.tr
 	if tr == nil {
 		return ctx
 	}
-	ctx = tr.prop.Extract(ctx, propagation.HeaderCarrier(x.r.Header))
-	attrs := []attribute.KeyValue{attrRequestID.String(x.id), attrEngineRequestID.String(x.engineID),
-		attribute.String("http.request.method", x.r.Method), attribute.String("http.route", x.route)}
-	if id := x.r.Header.Get("X-Request-Id"); id != "" {
+	ctx = tr.prop.Extract(ctx, propagation.HeaderCarrier(x.R.Header))
+	attrs := []attribute.KeyValue{attrRequestID.String(x.ID), attrEngineRequestID.String(x.EngineID),
+		attribute.String("http.request.method", x.R.Method), attribute.String("http.route", x.Route)}
+	if id := x.R.Header.Get("X-Request-Id"); id != "" {
 		attrs = append(attrs, attrClientRequestID.String(id))
 	}
-	ctx, x.span = tr.t.Start(ctx, x.r.Method+" "+x.route, trace.WithSpanKind(trace.SpanKindServer), trace.WithAttributes(attrs...))
+	ctx, x.span = tr.t.Start(ctx, x.R.Method+" "+x.Route, trace.WithSpanKind(trace.SpanKindServer), trace.WithAttributes(attrs...))
 	return ctx
 }
 
 // endRequest ends the request's span with the status the client got.
-func (x *exchange) endRequest(status int, e *api.Error) {
+func (x *Exchange) EndRequest(status int, e *api.Error) {
 	if x.span == nil {
 		return
 	}
 	x.span.SetAttributes(attrStatus.Int(status))
-	if x.req != nil {
-		x.span.SetAttributes(attrStream.Bool(x.req.Stream))
+	if x.Req != nil {
+		x.span.SetAttributes(attrStream.Bool(x.Req.Stream))
 	}
-	if x.legs.fallback || x.req != nil && x.req.DecodeOnly != "" {
+	if x.Legs.Fallback || x.Req != nil && x.Req.DecodeOnly != "" {
 		x.span.SetAttributes(attrDecodeOnly.Bool(true))
 	}
-	if x.out.afterGone > 0 {
-		x.span.SetAttributes(attrTokensAfter.Int(x.out.afterGone))
+	if x.Out.afterGone > 0 {
+		x.span.SetAttributes(attrTokensAfter.Int(x.Out.afterGone))
 	}
 	if e != nil && status >= 500 && status != api.StatusClientClosed {
 		x.span.SetStatus(codes.Error, e.Message)
@@ -109,7 +92,7 @@ func (x *exchange) endRequest(status int, e *api.Error) {
 
 // traceParent is the request's span, for the spans of work that outlives the request's
 // context (releases, aborts): the zero value when tracing is off.
-func (x *exchange) traceParent() trace.SpanContext {
+func (x *Exchange) traceParent() trace.SpanContext {
 	if x.span == nil {
 		return trace.SpanContext{}
 	}
@@ -118,13 +101,13 @@ func (x *exchange) traceParent() trace.SpanContext {
 
 // callSpan starts the span of a call to backend b under the request's span; nil when tracing
 // is off. withSpan puts it in the call's context, so that the call carries it to the engine.
-func (x *exchange) callSpan(name string, b *router.Backend, attrs ...attribute.KeyValue) trace.Span {
+func (x *Exchange) callSpan(name string, b *router.Backend, attrs ...attribute.KeyValue) trace.Span {
 	if x.s.tr == nil {
 		return nil
 	}
 	parent := x.span
-	if x.tries.span != nil {
-		parent = x.tries.span
+	if x.Tries.span != nil {
+		parent = x.Tries.span
 	}
 	_, span := x.s.tr.t.Start(trace.ContextWithSpan(context.Background(), parent), name,
 		trace.WithSpanKind(trace.SpanKindClient), trace.WithAttributes(backendAttrs(b, attrs)...))
@@ -133,22 +116,22 @@ func (x *exchange) callSpan(name string, b *router.Backend, attrs ...attribute.K
 
 // startAttempt starts the span of the request's attempt n (from 0), under the request's span:
 // the calls of the attempt go under it. Nothing when tracing is off.
-func (x *exchange) startAttempt(n int) {
+func (x *Exchange) startAttempt(n int) {
 	if x.s.tr == nil || x.span == nil {
 		return
 	}
-	_, x.tries.span = x.s.tr.t.Start(trace.ContextWithSpan(context.Background(), x.span), spanAttempt,
+	_, x.Tries.span = x.s.tr.t.Start(trace.ContextWithSpan(context.Background(), x.span), SpanAttempt,
 		trace.WithAttributes(attrAttempt.Int(n)))
 }
 
 // endAttempt ends the attempt's span with how the attempt ended: served, migrated (its stream
 // goes on elsewhere), fresh_pair (its pair failed before the first byte), or failed.
-func (x *exchange) endAttempt(e *api.Error) {
-	span := x.tries.span
+func (x *Exchange) endAttempt(e *api.Error) {
+	span := x.Tries.span
 	if span == nil {
 		return
 	}
-	x.tries.span = nil
+	x.Tries.span = nil
 	outcome := "failed"
 	switch e {
 	case nil:
@@ -168,7 +151,7 @@ func (x *exchange) endAttempt(e *api.Error) {
 
 // bgSpan starts the span of background work for the request whose span is parent; nil when
 // tracing is off.
-func (s *Server) bgSpan(parent trace.SpanContext, name string, b *router.Backend, attrs ...attribute.KeyValue) trace.Span {
+func (s *Flow) bgSpan(parent trace.SpanContext, name string, b *router.Backend, attrs ...attribute.KeyValue) trace.Span {
 	if s.tr == nil {
 		return nil
 	}

@@ -1,4 +1,4 @@
-package proxy
+package pdflow
 
 // Every abort and every KV release of the proxy starts in this file: what happens when a
 // client leaves at each stage, when a request fails with KV held, when a decode never reached
@@ -26,7 +26,7 @@ import (
 )
 
 // gone handles the client leaving (leave), and ends what of the request was left to it.
-func (x *exchange) gone(c *custody) *api.Error {
+func (x *Exchange) gone(c *custody) *api.Error {
 	if c = x.leave(c); c != nil {
 		c.end(x.s)
 	}
@@ -35,42 +35,42 @@ func (x *exchange) gone(c *custody) *api.Error {
 
 // leave handles the client leaving: one transition of the table says what to abort. It takes
 // the custody where that gives it a hold to release, and returns it otherwise.
-func (x *exchange) leave(c *custody) *custody {
-	act, hold, stage := x.s.table.ClientGone(x.id)
+func (x *Exchange) leave(c *custody) *custody {
+	act, hold, stage := x.s.table.ClientGone(x.ID)
 	if x.span != nil {
 		x.span.SetAttributes(attrClientLeftStage.String(stage.String()))
 	}
 	seen := time.Now()
-	if at := x.times.goneAt.Load(); at != 0 {
+	if at := x.Times.GoneAt.Load(); at != 0 {
 		seen = time.Unix(0, at)
 	}
 	x.s.aborts.add(x.abortRecord(stage, act, seen))
 	if act != lifecycle.None {
-		x.s.m.propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
+		x.s.m.Propagation.WithLabelValues(stage.String()).Observe(time.Since(seen).Seconds())
 	}
 	if ce := x.s.logger.Check(zap.DebugLevel, "client gone"); ce != nil {
-		ce.Write(zap.String("request_id", x.id), zap.Stringer("stage", stage), zap.Stringer("action", act))
+		ce.Write(zap.String("request_id", x.ID), zap.Stringer("stage", stage), zap.Stringer("action", act))
 	}
-	p, pl := x.legs.prefill, x.legs.paired
+	p, pl := x.Legs.Prefill, x.Legs.paired
 	switch act {
 	case lifecycle.CancelPrefill:
 		// The call's context is already cancelled, which closed the prefiller's connection.
 		if hold != nil {
 			// Paired legs: the room is held until both are aborted, the decoder's first.
-			x.s.abortLegs(c, pl, p, x.legs.decode, hold, pl.drain, x.legs.decode, x.req)
+			x.s.abortLegs(c, pl, p, x.Legs.Decode, hold, pl.drain, x.Legs.Decode, x.Req)
 			return nil
 		}
 		if p != nil && canAbort(p) {
 			// The engine may have finished its last step before the connection closed and
 			// now hold KV nobody will pull (race R1): its explicit abort frees that too.
-			x.s.abortOnEngine(x.traceParent(), x.engineID, p)
+			x.s.abortOnEngine(x.traceParent(), x.EngineID, p)
 		}
 	case lifecycle.ReleaseKV:
 		x.s.startRelease(x.s.cfg.KVRelease, c, x.held(hold))
 		return nil
 	case lifecycle.CancelDecode:
 		if pl != nil {
-			x.s.abortDecodeLeg(x.traceParent(), pl.rids, x.legs.decode)
+			x.s.abortDecodeLeg(x.traceParent(), pl.rids, x.Legs.Decode)
 		}
 	}
 	return c
@@ -80,8 +80,8 @@ func (x *exchange) leave(c *custody) *custody {
 // aborted: nothing for a client that left (499), but a client the proxy gives up on itself
 // (shutdown past its drain deadline) is told so, never left to take an empty answer for a
 // success.
-func (x *exchange) abandoned() *api.Error {
-	if errors.Is(context.Cause(x.ctx), api.ErrShuttingDown) {
+func (x *Exchange) abandoned() *api.Error {
+	if errors.Is(context.Cause(x.Ctx), api.ErrShuttingDown) {
 		return x.cut(api.ErrShutdownAnswer)
 	}
 	return api.ErrClientGone
@@ -90,8 +90,8 @@ func (x *exchange) abandoned() *api.Error {
 // failWith is how a step of the flow fails with e: a client that left is handled as gone;
 // else the request fails (fail, the decoder's lease given back with res) and the client is
 // told e in the way its answer so far allows (cut). It takes the custody.
-func (x *exchange) failWith(c *custody, res router.Result, e *api.Error) *api.Error {
-	if x.ctx.Err() != nil {
+func (x *Exchange) failWith(c *custody, res router.Result, e *api.Error) *api.Error {
+	if x.Ctx.Err() != nil {
 		return x.gone(c)
 	}
 	x.fail(c, res)
@@ -104,9 +104,9 @@ func (x *exchange) failWith(c *custody, res router.Result, e *api.Error) *api.Er
 // the room is held, both legs are aborted, the decoder's first, so that neither waits for a
 // partner that never comes; once they joined, the decoder's leg, which SGLang would otherwise
 // notice only seconds after its connection closed.
-func (x *exchange) fail(c *custody, res router.Result) {
+func (x *Exchange) fail(c *custody, res router.Result) {
 	c.res = res
-	act, hold := x.s.table.Fail(x.id)
+	act, hold := x.s.table.Fail(x.ID)
 	if act != lifecycle.ReleaseKV {
 		hold = nil
 	}
@@ -117,8 +117,8 @@ func (x *exchange) fail(c *custody, res router.Result) {
 // which it takes: hold (nil when none is left to release) is released as the mode releases a
 // failed request's, and paired legs are aborted. fail uses it for the request; a fresh pair
 // (freshPair) for the attempt it replaces, with the attempt's own custody.
-func (x *exchange) letGo(c *custody, hold *lifecycle.Hold) {
-	pl := x.legs.paired
+func (x *Exchange) letGo(c *custody, hold *lifecycle.Hold) {
+	pl := x.Legs.paired
 	switch {
 	case pl != nil && hold != nil:
 		// No drain on its decoder: the request failed because one of its engines did, and
@@ -128,9 +128,9 @@ func (x *exchange) letGo(c *custody, hold *lifecycle.Hold) {
 		if pl.neverTaken {
 			drainOn = x.otherDecoder()
 		}
-		x.s.abortLegs(c, pl, x.legs.prefill, x.legs.decode, hold, pl.drain, drainOn, x.req)
+		x.s.abortLegs(c, pl, x.Legs.Prefill, x.Legs.Decode, hold, pl.drain, drainOn, x.Req)
 	case pl != nil:
-		x.s.abortDecodeLeg(c.span, pl.rids, x.legs.decode)
+		x.s.abortDecodeLeg(c.span, pl.rids, x.Legs.Decode)
 		c.end(x.s)
 	case hold != nil:
 		x.s.startRelease(x.s.cfg.KVRelease, c, x.held(hold))
@@ -141,10 +141,10 @@ func (x *exchange) letGo(c *custody, hold *lifecycle.Hold) {
 
 // otherDecoder is a decoder of the request's decoder's kind other than it, usable now and
 // serving the request's model, for a drain of the legs it failed with; nil when there is none.
-func (x *exchange) otherDecoder() *router.Backend {
-	d := x.legs.decode
+func (x *Exchange) otherDecoder() *router.Backend {
+	d := x.Legs.Decode
 	for _, o := range x.s.router.Available(router.RoleDecode) {
-		if o != d && o.Engine.Kind() == d.Engine.Kind() && (x.req.Model == "" || o.Serves(x.req.Model)) {
+		if o != d && o.Engine.Kind() == d.Engine.Kind() && (x.Req.Model == "" || o.Serves(x.Req.Model)) {
 			return o
 		}
 	}
@@ -155,16 +155,16 @@ func (x *exchange) otherDecoder() *router.Backend {
 // answer or in the middle of it: a client that left is handled as gone; else the request fails
 // (fail) and the client is told, in the way its answer so far allows (cut). It takes the
 // custody.
-func (x *exchange) decodeFailed(c *custody, err error, wd *watchdog) *api.Error {
-	res := resultOf(err, x.ctx)
-	if x.ctx.Err() != nil && !wd.timedOut() {
+func (x *Exchange) decodeFailed(c *custody, err error, wd *watchdog) *api.Error {
+	res := resultOf(err, x.Ctx)
+	if x.Ctx.Err() != nil && !wd.timedOut() {
 		c.res = res
 		return x.gone(c)
 	}
 	if wd.timedOut() {
 		err = errors.Join(context.Cause(wd.ctx), err)
 		res = router.Result{Status: http.StatusGatewayTimeout}
-		if pl := x.legs.paired; pl != nil && !pl.joined {
+		if pl := x.Legs.paired; pl != nil && !pl.joined {
 			// A paired decoder starts only once the prefiller filled the room: silent
 			// before that, it waits on the prefiller, and is not blamed for it.
 			res = router.Result{Canceled: true}
@@ -176,7 +176,7 @@ func (x *exchange) decodeFailed(c *custody, err error, wd *watchdog) *api.Error 
 
 // abortDecodeLeg aborts a paired request's decoder leg: its engine's explicit abort for each of
 // its rids.
-func (s *Server) abortDecodeLeg(parent trace.SpanContext, rids []string, d *router.Backend) {
+func (s *Flow) abortDecodeLeg(parent trace.SpanContext, rids []string, d *router.Backend) {
 	if d == nil || !canAbort(d) {
 		return
 	}
@@ -202,7 +202,7 @@ func (s *Server) abortDecodeLeg(parent trace.SpanContext, rids []string, d *rout
 // token, the output discarded) makes a decoder pull it: drainOn, when it is not nil. A prefill
 // that ended in the moment its connection closed holds its KV for the timer too (race R1:
 // nothing else frees it).
-func (s *Server) abortLegs(c *custody, pl *pairedLegs, p, d *router.Backend, hold *lifecycle.Hold, drain []byte, drainOn *router.Backend, req *api.Request) {
+func (s *Flow) abortLegs(c *custody, pl *pairedLegs, p, d *router.Backend, hold *lifecycle.Hold, drain []byte, drainOn *router.Backend, req *api.Request) {
 	c.pass()
 	c.giveBackLease(c.res)
 	rids := pl.rids
@@ -224,7 +224,7 @@ func (s *Server) abortLegs(c *custody, pl *pairedLegs, p, d *router.Backend, hol
 					hold.Release(lifecycle.ReleaseDrained)
 					return
 				}
-				s.m.releaseFailure.WithLabelValues(ReleaseDrain).Inc()
+				s.m.ReleaseFailure.WithLabelValues(ReleaseDrain).Inc()
 				hold.Release(lifecycle.ReleaseExpired)
 			}()
 		}
@@ -256,7 +256,7 @@ func (s *Server) abortLegs(c *custody, pl *pairedLegs, p, d *router.Backend, hol
 			if _, held := pending[p]; !held {
 				hold.Release(lifecycle.ReleaseAborted) // the room is free; a no-op the second time
 			}
-			if len(pending) == 0 || i == abortRetries {
+			if len(pending) == 0 || i == AbortRetries {
 				break
 			}
 			time.Sleep(abortRetryBackoff << (i - 1))
@@ -278,7 +278,7 @@ func (s *Server) abortLegs(c *custody, pl *pairedLegs, p, d *router.Backend, hol
 			if _, failed := pending[b]; !failed {
 				continue
 			}
-			s.m.releaseFailure.WithLabelValues(ReleaseAbort).Inc()
+			s.m.ReleaseFailure.WithLabelValues(ReleaseAbort).Inc()
 			msg := "could not abort a request's decode leg: the decoder keeps what it reserved for the room until its waiting timeout"
 			if b == p {
 				msg = "could not abort a request's prefill leg: the prefiller may hold its room until it restarts"
@@ -289,10 +289,10 @@ func (s *Server) abortLegs(c *custody, pl *pairedLegs, p, d *router.Backend, hol
 	}()
 }
 
-// abortRetries and abortRetryBackoff bound the tries of an abort that frees KV: 3 tries
+// AbortRetries and abortRetryBackoff bound the tries of an abort that frees KV: 3 tries
 // within about a second.
 const (
-	abortRetries      = 3
+	AbortRetries      = 3
 	abortRetryBackoff = 150 * time.Millisecond
 )
 
@@ -302,7 +302,7 @@ const (
 // engine rather than drained through a second decoder. A drain does not go to a decoder that
 // could not be reached (avoid): it may be dead, and with nothing in flight it would be the
 // first pick. One that answered is alive, and may be the only one there is.
-func (s *Server) releaseUnsent(c *custody) {
+func (s *Flow) releaseUnsent(c *custody) {
 	u := c.unsent
 	c.unsent = nil
 	c.giveBackLease(c.res)
@@ -324,7 +324,7 @@ func (s *Server) releaseUnsent(c *custody) {
 // abortStaleHold frees a hold whose deadline passed before the decode went out (race R4):
 // its params are never forwarded, and an engine with an explicit abort can free it at once
 // rather than at its own timer.
-func (s *Server) abortStaleHold(parent trace.SpanContext, id string, p *router.Backend) {
+func (s *Flow) abortStaleHold(parent trace.SpanContext, id string, p *router.Backend) {
 	if p != nil && canAbort(p) {
 		s.abortOnEngine(parent, id, p)
 	}
@@ -333,7 +333,7 @@ func (s *Server) abortStaleHold(parent trace.SpanContext, id string, p *router.B
 // abortBrokenPrefill aborts a prefill whose call failed after the prefiller took it (its
 // answer broke or timed out): it may hold KV whose params never arrived, which the engine's
 // explicit abort frees.
-func (s *Server) abortBrokenPrefill(parent trace.SpanContext, id string, p *router.Backend, err error) {
+func (s *Flow) abortBrokenPrefill(parent trace.SpanContext, id string, p *router.Backend, err error) {
 	if mayHoldKV(err) && canAbort(p) {
 		s.abortOnEngine(parent, id, p)
 	}
@@ -341,7 +341,7 @@ func (s *Server) abortBrokenPrefill(parent trace.SpanContext, id string, p *rout
 
 // prefillAnswerAfterClientLeft ends a request whose prefill was let finish after its client
 // left (abort_during_prefill finish_then_release): the KV it now holds is released at once.
-func (s *Server) prefillAnswerAfterClientLeft(c *custody, req *api.Request, p *router.Backend, params json.RawMessage, err error) {
+func (s *Flow) prefillAnswerAfterClientLeft(c *custody, req *api.Request, p *router.Backend, params json.RawMessage, err error) {
 	if err != nil || params == nil {
 		if err != nil {
 			s.abortBrokenPrefill(c.span, c.engineID, p, err)
@@ -375,10 +375,10 @@ type release struct {
 // startRelease releases kv with mode and ends the custody c, which it takes: in the
 // background unless there is nothing to send (the client is gone and nothing waits for it).
 // A drain goes to none of the decoders exclude names.
-func (s *Server) startRelease(mode string, c *custody, kv heldKV, exclude ...string) {
+func (s *Flow) startRelease(mode string, c *custody, kv heldKV, exclude ...string) {
 	c.pass()
 	r := release{heldKV: kv, mode: mode, c: c, exclude: exclude, span: c.span}
-	span := s.bgSpan(c.span, spanRelease, r.prefill, attrReleaseMode.String(r.mode))
+	span := s.bgSpan(c.span, SpanRelease, r.prefill, attrReleaseMode.String(r.mode))
 	if span != nil {
 		r.span = span.SpanContext()
 		if !r.heldAt.IsZero() {
@@ -408,7 +408,7 @@ func (s *Server) startRelease(mode string, c *custody, kv heldKV, exclude ...str
 				reason = lifecycle.ReleaseAborted
 				return
 			}
-			s.m.releaseFailure.WithLabelValues(ReleaseAbort).Inc()
+			s.m.ReleaseFailure.WithLabelValues(ReleaseAbort).Inc()
 			r.hold.Release(lifecycle.ReleaseExpired)
 			return
 		}
@@ -417,7 +417,7 @@ func (s *Server) startRelease(mode string, c *custody, kv heldKV, exclude ...str
 			reason = lifecycle.ReleaseDrained
 			return
 		}
-		s.m.releaseFailure.WithLabelValues(ReleaseDrain).Inc()
+		s.m.ReleaseFailure.WithLabelValues(ReleaseDrain).Inc()
 		if canAbort && s.abortHold(r) {
 			reason = lifecycle.ReleaseAborted
 			return
@@ -435,7 +435,7 @@ func endRelease(span trace.Span, reason lifecycle.ReleaseReason) {
 	}
 }
 
-func (s *Server) abortHold(r release) bool {
+func (s *Flow) abortHold(r release) bool {
 	if !s.abortCall(r.span, r.c.engineID, r.prefill, "kv release by abort failed") {
 		return false
 	}
@@ -449,8 +449,8 @@ const drainLegTimeout = 30 * time.Second
 
 // drainLeg sends decoder d a paired request's drain leg, on its own deadline (the client is
 // gone), and reports whether the decoder answered it: it pulled the held KV.
-func (s *Server) drainLeg(c *custody, d *router.Backend, req *api.Request, body []byte) bool {
-	span := s.bgSpan(c.span, spanDrain, d, attrEngineRequestID.String(c.engineID))
+func (s *Flow) drainLeg(c *custody, d *router.Backend, req *api.Request, body []byte) bool {
+	span := s.bgSpan(c.span, SpanDrain, d, attrEngineRequestID.String(c.engineID))
 	timeout := drainLegTimeout
 	if t := s.cfg.DecodeFirstByteTimeout; t > 0 && t < timeout {
 		timeout = t // a drain waits for a pull and one token: no longer than a decode's first byte
@@ -480,13 +480,13 @@ func (s *Server) drainLeg(c *custody, d *router.Backend, req *api.Request, body 
 // A drain whose deadline passes after it reached the decoder still releases: the decoder
 // aborts a do_remote_prefill request that was never scheduled and notifies the prefiller,
 // which frees the blocks (vLLM does this; so does the simulator).
-func (s *Server) drain(r release) bool {
+func (s *Flow) drain(r release) bool {
 	timeout := s.cfg.DrainTimeout
 	if timeout <= 0 {
 		timeout = r.prefill.KVHoldTimeout
 	}
 	if timeout <= 0 {
-		timeout = defaultPhaseTimeout
+		timeout = DefaultPhaseTimeout
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
@@ -505,7 +505,7 @@ func (s *Server) drain(r release) bool {
 		lease.Release(router.Result{})
 		return false
 	}
-	span := s.bgSpan(r.span, spanDrain, b, attrEngineRequestID.String(r.c.engineID))
+	span := s.bgSpan(r.span, SpanDrain, b, attrEngineRequestID.String(r.c.engineID))
 	var err error
 	defer func() { endSpan(span, err) }()
 	ctx = withSpan(ctx, span)

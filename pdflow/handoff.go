@@ -1,4 +1,4 @@
-package proxy
+package pdflow
 
 import (
 	"encoding/json"
@@ -27,8 +27,8 @@ type heldKV struct {
 }
 
 // held is hold as the request's legs name it.
-func (x *exchange) held(hold *lifecycle.Hold) heldKV {
-	return heldKV{hold: hold, req: x.req, prefill: x.legs.prefill, params: x.legs.params, heldAt: x.legs.heldAt}
+func (x *Exchange) held(hold *lifecycle.Hold) heldKV {
+	return heldKV{hold: hold, req: x.Req, prefill: x.Legs.Prefill, params: x.Legs.params, heldAt: x.Legs.heldAt}
 }
 
 // unsentHold is a hold a decode handed over that no decoder acknowledged, with what its
@@ -68,7 +68,7 @@ const (
 )
 
 // handOver starts the handoff of hold (nil: the decode carries none, and so is the handoff).
-func (x *exchange) handOver(hold *lifecycle.Hold) *handoff {
+func (x *Exchange) handOver(hold *lifecycle.Hold) *handoff {
 	if hold == nil {
 		return nil
 	}
@@ -116,7 +116,7 @@ func (h *handoff) refused(err error) bool {
 // params: its engine tells the prefiller where RejectionFreesKV says so (vLLM #41269). Where
 // not, the hold, which went to the decoder, is freed by the prefiller's explicit abort, or
 // its lease: it may never go to a second decoder.
-func (s *Server) refusedAfterHandoff(parent trace.SpanContext, engineID string, p, d *router.Backend, err error) {
+func (s *Flow) refusedAfterHandoff(parent trace.SpanContext, engineID string, p, d *router.Backend, err error) {
 	var se *engine.StatusError
 	errors.As(err, &se)
 	status := se.Status

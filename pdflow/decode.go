@@ -1,4 +1,4 @@
-package proxy
+package pdflow
 
 import (
 	"encoding/json"
@@ -16,10 +16,10 @@ import (
 // hold StartDecode hands over goes to the decoder through a handoff (handoff.go): it is the
 // decoder's once the decoder acknowledges the decode, and until then the proxy's, which
 // releases it if the decode ends first.
-func (x *exchange) decode(c *custody) *api.Error {
+func (x *Exchange) decode(c *custody) *api.Error {
 	start := time.Now()
-	defer func() { x.times.decode = time.Since(start) }()
-	if !x.s.router.Usable(x.legs.decode) {
+	defer func() { x.Times.Decode = time.Since(start) }()
+	if !x.s.router.Usable(x.Legs.Decode) {
 		// The decoder reserved before the prefill was ejected or went down meanwhile: the
 		// decode goes to another one, with the same KV, not to an engine known to fail.
 		c.giveBackLease(router.Result{Canceled: true})
@@ -27,24 +27,24 @@ func (x *exchange) decode(c *custody) *api.Error {
 			return e
 		}
 	}
-	b := x.legs.decode
+	b := x.Legs.Decode
 	// The body is built while the table still has the hold: if building it fails (or
 	// panics), failing the request releases the hold as in kv_held.
-	params := x.legs.params
+	params := x.Legs.params
 	body, err := x.decodeBody(b, params)
 	if err != nil {
-		return x.failWith(c, router.Result{}, buildFailed(err, "decode"))
+		return x.failWith(c, router.Result{}, BuildFailed(err, "decode"))
 	}
-	forward, hold, ok := x.s.table.StartDecode(x.id, b.Name)
+	forward, hold, ok := x.s.table.StartDecode(x.ID, b.Name)
 	if !ok {
 		return x.gone(c)
 	}
 	if !forward && params != nil {
 		// Past the hold's deadline (race R4): the params are never forwarded.
 		params = nil
-		x.s.abortStaleHold(x.traceParent(), x.engineID, x.legs.prefill)
+		x.s.abortStaleHold(x.traceParent(), x.EngineID, x.Legs.Prefill)
 		if body, err = x.decodeBody(b, nil); err != nil {
-			return x.failWith(c, router.Result{}, buildFailed(err, "decode"))
+			return x.failWith(c, router.Result{}, BuildFailed(err, "decode"))
 		}
 	}
 	ho := x.handOver(hold)
@@ -52,12 +52,12 @@ func (x *exchange) decode(c *custody) *api.Error {
 	// the moment the client leaves, but at its first byte (or its first-byte timeout): engines
 	// that crash on an abort during the pull (race R3) never see one.
 	deferCancel := params != nil && x.s.cfg.AbortDuringKVPull == PullAbortAfterFirstToken
-	wd := newWatchdog(x.ctx, deferCancel, hold != nil, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
+	wd := newWatchdog(x.Ctx, deferCancel, hold != nil, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
 	defer wd.stop()
 
-	span := x.callSpan(spanDecode, b, attrKVParams.Bool(params != nil))
+	span := x.callSpan(SpanDecode, b, attrKVParams.Bool(params != nil))
 	defer func() { endSpan(span, err) }()
-	call := x.call(b, x.req.Route, body)
+	call := x.call(b, x.Req.Route, body)
 	if ho != nil {
 		call.OnAck = func() {
 			ho.ack()
@@ -65,7 +65,7 @@ func (x *exchange) decode(c *custody) *api.Error {
 		}
 	}
 	resp, err := x.send(c, call, wd, span, sequential, func(b *router.Backend, call *engine.Call) (err error) {
-		if _, _, ok := x.s.table.StartDecode(x.id, b.Name); !ok {
+		if _, _, ok := x.s.table.StartDecode(x.ID, b.Name); !ok {
 			// Already decoding, the table names the new decoder; it refuses once the
 			// client left.
 			return errNotInTable
@@ -73,7 +73,7 @@ func (x *exchange) decode(c *custody) *api.Error {
 		call.Body, err = x.decodeBody(b, params)
 		return err
 	})
-	b = x.legs.decode
+	b = x.Legs.Decode
 	if err == nil {
 		// Answered without a "100 Continue" first: the headers are the acknowledgement.
 		ho.ack()
@@ -83,7 +83,7 @@ func (x *exchange) decode(c *custody) *api.Error {
 	// allows; one acknowledged is the decoder's, even when the answer is a refusal.
 	c.unsent = ho.withdraw(err, b)
 	if ho.refused(err) {
-		x.s.refusedAfterHandoff(x.traceParent(), x.engineID, x.legs.prefill, b, err)
+		x.s.refusedAfterHandoff(x.traceParent(), x.EngineID, x.Legs.Prefill, b, err)
 	}
 	if err != nil {
 		if e := x.retryDecode(c, err, wd); e != nil {
@@ -102,32 +102,32 @@ func (x *exchange) decode(c *custody) *api.Error {
 // the client is there, to another one accept takes (nil: any), up to decode_retries times:
 // retarget readies the call for each new decoder (its body). The custody's lease and the
 // request's decoder follow the call; the one it last went to keeps them.
-func (x *exchange) send(c *custody, call engine.Call, wd *watchdog, span trace.Span, accept func(router.Engine) bool,
+func (x *Exchange) send(c *custody, call engine.Call, wd *watchdog, span trace.Span, accept func(router.Engine) bool,
 	retarget func(b *router.Backend, call *engine.Call) error) (*http.Response, error) {
 	call = withHeader(call, nil, c.lease)
 	var resp *http.Response
 	do := func() error {
-		return x.s.guard(x.id, func() (err error) {
+		return x.s.guard(x.ID, func() (err error) {
 			resp, err = call.Do(withSpan(wd.ctx, span))
 			return err
 		})
 	}
 	err := do()
-	tried := []string{x.legs.decode.Name}
-	for attempt := 0; err != nil && retriable(err, false) && x.ctx.Err() == nil && attempt < x.s.cfg.DecodeRetries; attempt++ {
+	tried := []string{x.Legs.Decode.Name}
+	for attempt := 0; err != nil && retriable(err, false) && x.Ctx.Err() == nil && attempt < x.s.cfg.DecodeRetries; attempt++ {
 		h := x.hint(router.RoleDecode, tried)
 		h.Accept = accept
-		lease, aerr := x.s.router.Acquire(x.ctx, router.RoleDecode, h)
+		lease, aerr := x.s.router.Acquire(x.Ctx, router.RoleDecode, h)
 		if aerr != nil {
 			break
 		}
 		x.picked(router.RoleDecode, lease)
-		c.giveBackLease(resultOf(err, x.ctx))
+		c.giveBackLease(resultOf(err, x.Ctx))
 		b := lease.Backend()
-		c.lease, x.legs.decode = lease, b
+		c.lease, x.Legs.Decode = lease, b
 		tried = append(tried, b.Name)
-		x.s.m.retries.WithLabelValues(string(router.RoleDecode), retryReason(err)).Inc()
-		call.Client, call.BaseURL, call.Engine, call.Header = b.Client(), baseURL(b), engineOf(b), x.hdr
+		x.s.m.Retries.WithLabelValues(string(router.RoleDecode), retryReason(err)).Inc()
+		call.Client, call.BaseURL, call.Engine, call.Header = b.Client(), BaseURL(b), engineOf(b), x.Hdr
 		if err = retarget(b, &call); err != nil {
 			break
 		}
@@ -142,7 +142,7 @@ func (x *exchange) send(c *custody, call engine.Call, wd *watchdog, span trace.S
 
 // relayAnswer relays a decoder's answer to the client, and ends the custody, which it takes,
 // however the relay ends.
-func (x *exchange) relayAnswer(c *custody, resp *http.Response, wd *watchdog) *api.Error {
+func (x *Exchange) relayAnswer(c *custody, resp *http.Response, wd *watchdog) *api.Error {
 	defer resp.Body.Close()
 	c.res = router.Result{Status: http.StatusOK}
 	if e := x.relay(c, resp, wd); e != nil {
@@ -154,8 +154,8 @@ func (x *exchange) relayAnswer(c *custody, resp *http.Response, wd *watchdog) *a
 
 // decodeBody is the decode's body for decoder b: its engine's, or for an engine without
 // sequential P/D the client's body as it came (params is then nil: no prefiller made any).
-func (x *exchange) decodeBody(b *router.Backend, params json.RawMessage) (body []byte, err error) {
-	err = x.s.guard(x.id, func() (err error) {
+func (x *Exchange) decodeBody(b *router.Backend, params json.RawMessage) (body []byte, err error) {
+	err = x.s.guard(x.ID, func() (err error) {
 		if eng, ok := engineOf(b).(engine.Sequential); ok {
 			body, err = eng.DecodeBody(x.fieldsFor(b), params)
 		} else {

@@ -1,4 +1,4 @@
-package proxy
+package pdflow
 
 // The engine calls a request's flow makes, and what their outcomes mean: which engine a
 // backend runs, the call to it, a call's result for passive health, whether it may go to
@@ -74,17 +74,17 @@ func retryReason(err error) string {
 	return "connect_error"
 }
 
-func baseURL(b *router.Backend) string { return strings.TrimRight(b.URLString, "/") }
+func BaseURL(b *router.Backend) string { return strings.TrimRight(b.URLString, "/") }
 
 // call is the request's call to backend b on path, with the client's headers.
-func (x *exchange) call(b *router.Backend, path string, body []byte) engine.Call {
-	c := backendCall(b, path, x.engineID, x.hdr, body)
-	c.ClientID = x.id
+func (x *Exchange) call(b *router.Backend, path string, body []byte) engine.Call {
+	c := backendCall(b, path, x.EngineID, x.Hdr, body)
+	c.ClientID = x.ID
 	return c
 }
 
 func backendCall(b *router.Backend, path, id string, hdr http.Header, body []byte) engine.Call {
-	return engine.Call{Client: b.Client(), BaseURL: baseURL(b), Path: path, ID: id, Header: hdr, Body: body, Engine: engineOf(b)}
+	return engine.Call{Client: b.Client(), BaseURL: BaseURL(b), Path: path, ID: id, Header: hdr, Body: body, Engine: engineOf(b)}
 }
 
 // canAbort reports whether b's engine has an explicit abort.
@@ -112,10 +112,10 @@ var errEnginePanic = errors.New("an engine call panicked")
 // guard runs an engine call for request id, turning a panic in it into errEnginePanic,
 // counted in pdproxy_panics_total and logged. Calls in background goroutines need it: a panic
 // there would end the process.
-func (s *Server) guard(id string, call func() error) (err error) {
+func (s *Flow) guard(id string, call func() error) (err error) {
 	defer func() {
 		if v := recover(); v != nil {
-			s.m.panics.Inc()
+			s.m.Panics.Inc()
 			s.logger.Error("panic in an engine call", zap.String("request_id", id), zap.Any("panic", v), zap.StackSkip("stack", 2))
 			err = fmt.Errorf("%w: %v", errEnginePanic, v)
 		}
@@ -164,7 +164,7 @@ func withHeader(call engine.Call, h http.Header, lease *router.Lease) engine.Cal
 
 // abortOnEngine sends an engine's explicit abort in the background, on its own short
 // deadline: the client's context is already done.
-func (s *Server) abortOnEngine(parent trace.SpanContext, id string, b *router.Backend) {
+func (s *Flow) abortOnEngine(parent trace.SpanContext, id string, b *router.Backend) {
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
@@ -185,15 +185,15 @@ func (s *Server) abortOnEngine(parent trace.SpanContext, id string, b *router.Ba
 
 // abortCall sends one explicit abort on its own short deadline (the client's context is done
 // by then) and logs a failure with msg.
-func (s *Server) abortCall(parent trace.SpanContext, id string, b *router.Backend, msg string) bool {
+func (s *Flow) abortCall(parent trace.SpanContext, id string, b *router.Backend, msg string) bool {
 	eng, ok := engineOf(b).(engine.Aborter)
 	if !ok {
 		return false
 	}
-	span := s.bgSpan(parent, spanAbort, b, attrEngineRequestID.String(id))
+	span := s.bgSpan(parent, SpanAbort, b, attrEngineRequestID.String(id))
 	ctx, cancel := context.WithTimeout(withSpan(context.Background(), span), defaultAbortCallTimeout)
 	defer cancel()
-	err := s.guard(id, func() error { return eng.Abort(ctx, b.AdminClient(), baseURL(b), id) })
+	err := s.guard(id, func() error { return eng.Abort(ctx, b.AdminClient(), BaseURL(b), id) })
 	endSpan(span, err)
 	if err != nil {
 		s.logger.Warn(msg, zap.String("engine_request_id", id), zap.String("backend", b.Name), zap.Error(err))

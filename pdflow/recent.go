@@ -1,4 +1,4 @@
-package proxy
+package pdflow
 
 import (
 	"sync"
@@ -79,10 +79,10 @@ func (r *abortRing) list() []AbortRecord {
 // abortRecord is the record of the client of x leaving while its request was in stage, seen
 // gone at seen, with act done about it; the propagation is measured now, at the same point
 // as pdproxy_abort_propagation_seconds.
-func (x *exchange) abortRecord(stage lifecycle.State, act lifecycle.Action, seen time.Time) AbortRecord {
+func (x *Exchange) abortRecord(stage lifecycle.State, act lifecycle.Action, seen time.Time) AbortRecord {
 	return AbortRecord{
-		ID: x.id, EngineRequestID: x.engineID, Route: x.route, Stage: stage, Action: act,
-		Prefill: backendName(x.legs.prefill), Decode: backendName(x.legs.decode),
+		ID: x.ID, EngineRequestID: x.EngineID, Route: x.Route, Stage: stage, Action: act,
+		Prefill: backendName(x.Legs.Prefill), Decode: backendName(x.Legs.Decode),
 		At: seen, PropagationSeconds: time.Since(seen).Seconds(),
 	}
 }

@@ -1,0 +1,49 @@
+package pdflow
+
+import (
+	"errors"
+
+	"go.uber.org/zap"
+
+	"github.com/pdproxy/pdproxy/api"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// ErrPanic is what a client is told when serving its request panicked.
+var ErrPanic = api.NewError(api.KindPanicked, "the proxy failed while serving this request; it was aborted on its engines")
+
+// recoverRequest is the safety net of a request in flight: a panic while serving it still
+// finishes it. It is failed the way its mode fails (what it holds is released, its legs
+// aborted), counted in pdproxy_panics_total, logged with its id, and its client is told (a
+// 502 when nothing was sent yet; an error event in a stream; a cut connection for a JSON
+// answer under way). The panic never reaches net/http, which would drop the connection and
+// leave the request uncounted.
+func (x *Exchange) recoverRequest(c *custody, e **api.Error) {
+	v := recover()
+	if v == nil {
+		return
+	}
+	x.s.m.Panics.Inc()
+	x.s.logger.Error("panic serving a request", zap.String("request_id", x.ID), zap.String("engine_request_id", x.EngineID),
+		zap.Any("panic", v), zap.StackSkip("stack", 1))
+	func() {
+		defer func() {
+			if v := recover(); v != nil {
+				x.s.m.Panics.Inc()
+				x.s.logger.Error("panic failing a request after a panic: its table entry ends as it is", zap.String("request_id", x.ID), zap.Any("panic", v))
+			}
+		}()
+		if !c.passed.Load() {
+			x.fail(c, router.Result{})
+		}
+	}()
+	*e = x.cut(ErrPanic)
+}
+
+// BuildFailed is the answer to a request whose engine body could not be built.
+func BuildFailed(err error, what string) *api.Error {
+	if errors.Is(err, errEnginePanic) {
+		return ErrPanic
+	}
+	return api.NewError(api.KindInternal, "could not build the "+what+" request").With("", err, 0)
+}

@@ -1,0 +1,82 @@
+package pdflow
+
+import (
+	"errors"
+	"mime"
+	"strings"
+	"time"
+
+	"github.com/pdproxy/pdproxy/api"
+	"github.com/pdproxy/pdproxy/engine"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// servePassTracked serves a passthrough request while the table has it, on another decoder
+// when one failed before the client got a byte.
+func (x *Exchange) ServePassTracked(body []byte, ctype string) *api.Error {
+	return x.track(func(c *custody) *api.Error {
+		return x.serve(c, func(c *custody) *api.Error { return x.servePass(c, body, ctype) })
+	})
+}
+
+// servePass sends the request to one decoder serving its model and relays the answer as it
+// comes; it takes the custody. The call carries the client's context: a client that leaves
+// closes the engine's connection at once. decode_first_byte_timeout and decode_idle_timeout
+// bound the answer.
+func (x *Exchange) servePass(c *custody, body []byte, ctype string) *api.Error {
+	if e := x.reserveDecoder(c, nil); e != nil {
+		return e
+	}
+	start := time.Now()
+	defer func() { x.Times.Decode = time.Since(start) }()
+	b := x.Legs.Decode
+	if _, _, ok := x.s.table.StartDecode(x.ID, b.Name); !ok {
+		return x.gone(c)
+	}
+	wd := newWatchdog(x.Ctx, false, false, x.s.cfg.DecodeFirstByteTimeout, x.s.cfg.DecodeIdleTimeout)
+	defer wd.stop()
+	span := x.callSpan(SpanDecode, b)
+	var err error
+	defer func() { endSpan(span, err) }()
+	call := x.call(b, x.Route, body)
+	call.ContentType = ctype
+	resp, err := x.send(c, call, wd, span, nil, func(b *router.Backend, _ *engine.Call) error {
+		if _, _, ok := x.s.table.StartDecode(x.ID, b.Name); !ok {
+			return errNotInTable
+		}
+		return nil
+	})
+	if err != nil {
+		if e := x.retryDecode(c, err, wd); e != nil {
+			return e
+		}
+		return x.decodeFailed(c, err, wd)
+	}
+	h := x.W.Header()
+	for k, v := range api.UpstreamHeader(resp.Header) {
+		h[k] = v
+	}
+	if !renamable(resp.Header.Get("Content-Type")) {
+		// Only a JSON answer (or a stream of JSON events) names its model; a transcript in
+		// plain text or subtitles is the engine's words, never rewritten.
+		x.Names.Rename = nil
+	}
+	if e := x.relayAnswer(c, resp, wd); e != nil {
+		err = e
+		return e
+	}
+	return nil
+}
+
+// errNotInTable is a call the table no longer lets go out: the request was aborted (its
+// client left, or shutdown gave up on it) as it moved to another engine.
+var errNotInTable = errors.New("the request left the table")
+
+// renamable reports whether an answer of media type ct is JSON, or SSE events of JSON.
+func renamable(ct string) bool {
+	mt, _, err := mime.ParseMediaType(ct)
+	if err != nil {
+		return ct == ""
+	}
+	return mt == "application/json" || mt == "text/event-stream" || strings.HasSuffix(mt, "+json")
+}
