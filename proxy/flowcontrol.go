@@ -47,7 +47,7 @@ type FlowControlConfig struct {
 	// may not take while another tenant, active within the last second, has nothing in
 	// flight and nothing waiting: a flood then leaves room for a quiet tenant's next request
 	// to start at once, at the cost of those slots idling while the quiet tenant is idle.
-	// [1; negative: none, every slot to whoever waits]
+	// [DefaultReservedSlots; negative: none, every slot to whoever waits]
 	ReservedSlots int `yaml:"reserved_slots"`
 }
 

@@ -63,7 +63,7 @@ type LimitsConfig struct {
 	// anyway); when the bound is reached the proxy drops those, then identities with
 	// nothing in flight (their buckets start full again when they come back); a new identity
 	// finding every kept one with requests in flight is refused with 429 (reason capacity).
-	// [10000]
+	// [DefaultMaxIdentities]
 	MaxIdentities int `yaml:"max_identities"`
 }
 
@@ -83,7 +83,8 @@ type KeyLimits struct {
 }
 
 const (
-	defaultMaxIdentities = 10000
+	// DefaultMaxIdentities is limits.max_identities when it is not set.
+	DefaultMaxIdentities = 10000
 	// labelsKept bounds the distinct keys (when no keys are configured) and tenants that
 	// metrics show by name; the others are counted as "other".
 	labelsKept = 64
@@ -120,7 +121,7 @@ func (c *LimitsConfig) setDefaults() error {
 		return fmt.Errorf("limits.max_identities: %d is negative", c.MaxIdentities)
 	}
 	if c.MaxIdentities == 0 {
-		c.MaxIdentities = defaultMaxIdentities
+		c.MaxIdentities = DefaultMaxIdentities
 	}
 	return nil
 }

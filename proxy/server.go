@@ -45,27 +45,37 @@ const (
 	ReserveAfterPrefill        = pdflow.ReserveAfterPrefill
 	PrefillUnavailableDecode   = pdflow.PrefillUnavailableDecode
 	PrefillUnavailableFail     = pdflow.PrefillUnavailableFail
-	// The defaults of the proxy's own keys.
-	defaultMaxBodyBytes         = 10 << 20
-	defaultReadBodyTimeout      = 30 * time.Second
-	defaultMaxConnections       = 10000
-	defaultPhaseTimeout         = pdflow.DefaultPhaseTimeout
+	// defaultModelsCacheFreshness is how long GET /v1/models answers from its cache.
 	defaultModelsCacheFreshness = 5 * time.Second
 )
 
-// Config tunes the HTTP front and the P/D flow. Zero values mean the defaults in brackets.
+// The defaults of the proxy's keys, each stated here once: a zero value in Config means the
+// default the key's comment names.
+const (
+	DefaultMaxBodyBytes       = 10 << 20
+	DefaultReadBodyTimeout    = 30 * time.Second
+	DefaultMaxConnections     = 10000
+	DefaultPhaseTimeout       = pdflow.DefaultPhaseTimeout
+	DefaultClientWriteTimeout = 60 * time.Second
+	DefaultPrefillRetries     = 1
+	DefaultDecodeRetries      = 1
+	DefaultMigrationMaxTokens = 65536
+)
+
+// Config tunes the HTTP front and the P/D flow. Zero values mean the defaults in brackets:
+// named constants (DefaultMaxBodyBytes...), or a value where the default is no constant's.
 type Config struct {
 	// MaxBodyBytes bounds a request body; larger gets 413, at once when the request
-	// announces its length. [10 MiB]
+	// announces its length. [DefaultMaxBodyBytes]
 	MaxBodyBytes int64 `yaml:"max_body_bytes"`
 	// ReadBodyTimeout bounds how long a client may take to send its request body, counted
 	// from the end of its headers: a body that stalls is answered 408 in the OpenAI shape
 	// and its connection (on HTTP/2, its stream) closed, so that it cannot hold a goroutine
-	// and a connection for as long as it likes. [30s]
+	// and a connection for as long as it likes. [DefaultReadBodyTimeout]
 	ReadBodyTimeout time.Duration `yaml:"read_body_timeout"`
 	// MaxConnections bounds the client connections the proxy's listener holds at once: one
 	// more is closed as soon as it is accepted (a reset), and counted in
-	// pdproxy_connections_refused_total. [10000]; negative means no bound.
+	// pdproxy_connections_refused_total. [DefaultMaxConnections]; negative means no bound.
 	MaxConnections int `yaml:"max_connections"`
 	// AbortDuringPrefill: cancel (close the prefill connection at once) or finish_then_release
 	// (let the prefill finish, then release its KV: for engines with no explicit abort). [cancel]
@@ -92,13 +102,13 @@ type Config struct {
 	// go on on another decoder, token-exact (migration.go, docs/engines.md). [0: never]
 	MigrationLimit int `yaml:"migration_limit"`
 	// MigrationMaxTokens bounds the token ids a stream keeps to go on elsewhere, its prompt's
-	// and its answer's: a longer one is not migrated. [65536]
+	// and its answer's: a longer one is not migrated. [DefaultMigrationMaxTokens]
 	MigrationMaxTokens int `yaml:"migration_max_tokens"`
-	// PrefillTimeout bounds the prefill call. [5m]
+	// PrefillTimeout bounds the prefill call. [DefaultPhaseTimeout]
 	PrefillTimeout time.Duration `yaml:"prefill_timeout"`
-	// DecodeFirstByteTimeout bounds the wait for a decode's first byte. [5m]
+	// DecodeFirstByteTimeout bounds the wait for a decode's first byte. [DefaultPhaseTimeout]
 	DecodeFirstByteTimeout time.Duration `yaml:"decode_first_byte_timeout"`
-	// DecodeIdleTimeout bounds the silence between two chunks of a decode. [5m]
+	// DecodeIdleTimeout bounds the silence between two chunks of a decode. [DefaultPhaseTimeout]
 	DecodeIdleTimeout time.Duration `yaml:"decode_idle_timeout"`
 	// DrainTimeout bounds a drain-only decode (it runs after the client left, on its own
 	// deadline). A drain cut while its decoder may be pulling the blocks is an abort during
@@ -106,13 +116,14 @@ type Config struct {
 	// the prefiller may hold them. [the prefiller's kv_hold_timeout: its lease]
 	DrainTimeout time.Duration `yaml:"drain_timeout"`
 	// ClientWriteTimeout bounds one write to the client: a client that stops reading its
-	// stream is given up on after it, and everything it held is released. [60s]
+	// stream is given up on after it, and everything it held is released. [DefaultClientWriteTimeout]
 	ClientWriteTimeout time.Duration `yaml:"client_write_timeout"`
 	// PrefillRetries is how many other prefillers a prefill that provably never started is
-	// tried on. [1]; negative means none.
+	// tried on. [DefaultPrefillRetries]; negative means none.
 	PrefillRetries int `yaml:"prefill_retries"`
 	// DecodeRetries is how many other decoders a decode whose connection could not be made
-	// is tried on (only then did the decoder provably never start it). [1]; negative: none.
+	// is tried on (only then did the decoder provably never start it). [DefaultDecodeRetries];
+	// negative: none.
 	DecodeRetries int `yaml:"decode_retries"`
 	// DecodeOnlyFallback sends a request straight to a decoder when its prefill failed on
 	// every prefiller it was tried on (or none could take it: busy, queue full). [true]
@@ -167,26 +178,34 @@ type Config struct {
 	FlowControl FlowControlConfig `yaml:"flow_control"`
 }
 
-// Validate checks c as New would, without changing it.
+// Validate checks cfg as New would: every key of the proxy's section, its defaults filled in
+// on a copy.
 func (c Config) Validate() error {
-	if err := c.setDefaults(); err != nil {
-		return err
-	}
-	if _, err := c.validateSidecar(); err != nil {
-		return err
-	}
-	return validateAliases(c.ModelAliases)
+	_, err := c.check()
+	return err
 }
 
-func (c *Config) setDefaults() error {
+// WithDefaults is cfg with its defaults filled in, as New runs with it; the error is
+// Validate's.
+func (c Config) WithDefaults() (Config, error) {
+	_, err := c.check()
+	return c, err
+}
+
+// check fills in c's defaults and checks every key of the proxy's section, in one place: its
+// own keys, then each subsection's (limits, priority, session_affinity, flow_control), the
+// sidecar slot's and the model aliases. It answers the sidecar slot's allowlist. The checks
+// against other sections (CheckEngines, CheckFlowControl's queue) need the router's config,
+// and are made where both are known.
+func (c *Config) check() (allowlist, error) {
 	if c.MaxBodyBytes <= 0 {
-		c.MaxBodyBytes = defaultMaxBodyBytes
+		c.MaxBodyBytes = DefaultMaxBodyBytes
 	}
 	if c.ReadBodyTimeout <= 0 {
-		c.ReadBodyTimeout = defaultReadBodyTimeout
+		c.ReadBodyTimeout = DefaultReadBodyTimeout
 	}
 	if c.MaxConnections == 0 {
-		c.MaxConnections = defaultMaxConnections
+		c.MaxConnections = DefaultMaxConnections
 	}
 	if c.AbortDuringPrefill == "" {
 		c.AbortDuringPrefill = AbortPrefillCancel
@@ -199,20 +218,20 @@ func (c *Config) setDefaults() error {
 	}
 	for _, d := range []*time.Duration{&c.PrefillTimeout, &c.DecodeFirstByteTimeout, &c.DecodeIdleTimeout} {
 		if *d <= 0 {
-			*d = defaultPhaseTimeout
+			*d = DefaultPhaseTimeout
 		}
 	}
 	if c.ClientWriteTimeout <= 0 {
-		c.ClientWriteTimeout = 60 * time.Second
+		c.ClientWriteTimeout = DefaultClientWriteTimeout
 	}
 	if c.PrefillRetries == 0 {
-		c.PrefillRetries = 1
+		c.PrefillRetries = DefaultPrefillRetries
 	}
 	if c.PrefillRetries < 0 {
 		c.PrefillRetries = 0
 	}
 	if c.DecodeRetries == 0 {
-		c.DecodeRetries = 1
+		c.DecodeRetries = DefaultDecodeRetries
 	}
 	if c.DecodeRetries < 0 {
 		c.DecodeRetries = 0
@@ -232,54 +251,58 @@ func (c *Config) setDefaults() error {
 		}
 	case PrefillUnavailableDecode, PrefillUnavailableFail:
 	default:
-		return fmt.Errorf("prefill_unavailable: %q is not one of decode_only, fail", c.PrefillUnavailable)
+		return allowlist{}, fmt.Errorf("prefill_unavailable: %q is not one of decode_only, fail", c.PrefillUnavailable)
 	}
 	if c.MigrationLimit < 0 {
-		return fmt.Errorf("migration_limit: %d is negative", c.MigrationLimit)
+		return allowlist{}, fmt.Errorf("migration_limit: %d is negative", c.MigrationLimit)
 	}
 	if c.MigrationMaxTokens < 0 {
-		return fmt.Errorf("migration_max_tokens: %d is negative", c.MigrationMaxTokens)
+		return allowlist{}, fmt.Errorf("migration_max_tokens: %d is negative", c.MigrationMaxTokens)
 	}
 	if c.MigrationMaxTokens == 0 {
-		c.MigrationMaxTokens = 65536
+		c.MigrationMaxTokens = DefaultMigrationMaxTokens
 	}
 	if err := c.Limits.setDefaults(); err != nil {
-		return err
+		return allowlist{}, err
 	}
 	if err := c.Priority.setDefaults(); err != nil {
-		return err
+		return allowlist{}, err
 	}
 	if err := c.SessionAffinity.setDefaults(); err != nil {
-		return err
+		return allowlist{}, err
 	}
 	if err := CheckFlowControl(c, nil); err != nil {
-		return err
+		return allowlist{}, err
 	}
 	switch c.DecoderReservation {
 	case ReserveBeforePrefill, ReserveAfterPrefill:
 	default:
-		return fmt.Errorf("decoder_reservation: %q is not one of before_prefill, after_prefill", c.DecoderReservation)
+		return allowlist{}, fmt.Errorf("decoder_reservation: %q is not one of before_prefill, after_prefill", c.DecoderReservation)
 	}
 	if c.PDUncachedTokenThreshold > 0 && c.DecoderReservation == ReserveAfterPrefill {
 		// Whose cache would be weighed is known only once a decoder is reserved.
-		return fmt.Errorf("pd_uncached_token_threshold: needs decoder_reservation before_prefill, so that the decoder is known before its prefill is skipped")
+		return allowlist{}, fmt.Errorf("pd_uncached_token_threshold: needs decoder_reservation before_prefill, so that the decoder is known before its prefill is skipped")
 	}
 	switch c.AbortDuringPrefill {
 	case AbortPrefillCancel, AbortPrefillFinishThenFree:
 	default:
-		return fmt.Errorf("abort_during_prefill: %q is not one of cancel, finish_then_release", c.AbortDuringPrefill)
+		return allowlist{}, fmt.Errorf("abort_during_prefill: %q is not one of cancel, finish_then_release", c.AbortDuringPrefill)
 	}
 	switch c.KVRelease {
 	case ReleaseDrain, ReleaseAbort, ReleaseWait:
 	default:
-		return fmt.Errorf("kv_release: %q is not one of drain, abort, wait", c.KVRelease)
+		return allowlist{}, fmt.Errorf("kv_release: %q is not one of drain, abort, wait", c.KVRelease)
 	}
 	switch c.AbortDuringKVPull {
 	case PullAbortImmediate, PullAbortAfterFirstToken:
 	default:
-		return fmt.Errorf("abort_during_kv_pull: %q is not one of immediate, after_first_token", c.AbortDuringKVPull)
+		return allowlist{}, fmt.Errorf("abort_during_kv_pull: %q is not one of immediate, after_first_token", c.AbortDuringKVPull)
 	}
-	return nil
+	allow, err := c.validateSidecar()
+	if err != nil {
+		return allowlist{}, err
+	}
+	return allow, validateAliases(c.ModelAliases)
 }
 
 // Server serves the OpenAI-compatible API in front of the router's pools.
@@ -318,7 +341,8 @@ type Server struct {
 // New builds a Server. reg receives the proxy's metrics; gather is served on /metrics (pass
 // the same registry, as a prometheus.Gatherer).
 func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg prometheus.Registerer, gather prometheus.Gatherer, opts ...Option) (*Server, error) {
-	if err := cfg.setDefaults(); err != nil {
+	allow, err := cfg.check()
+	if err != nil {
 		return nil, err
 	}
 	s := &Server{cfg: cfg, router: rt, table: table, logger: logger, m: pdflow.NewMetrics(reg), gather: gather}
@@ -350,13 +374,6 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 	}
 	s.classes = newClasses(cfg.Priority)
 	if s.tenants, err = newTenants(cfg.FlowControl, keys); err != nil {
-		return nil, err
-	}
-	allow, err := s.cfg.validateSidecar()
-	if err != nil {
-		return nil, err
-	}
-	if err := validateAliases(cfg.ModelAliases); err != nil {
 		return nil, err
 	}
 	s.aliases = make(map[string]*aliasPicker, len(cfg.ModelAliases))

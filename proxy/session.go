@@ -29,12 +29,13 @@ type SessionAffinityConfig struct {
 	// X-Opencode-Session (OpenCode). Empty, the default, means session affinity is off.
 	Headers []string `yaml:"headers"`
 	// TTL is how long a binding kept in shared_state outlives its session's last request.
-	// It takes effect only with shared_state. [30m]
+	// It takes effect only with shared_state. [DefaultSessionTTL]
 	TTL time.Duration `yaml:"ttl"`
 }
 
 const (
-	defaultSessionTTL = 30 * time.Minute
+	// DefaultSessionTTL is session_affinity.ttl when it is not set.
+	DefaultSessionTTL = 30 * time.Minute
 	// maxSessionKey bounds a session header's value: an id, not a payload. It becomes a
 	// key in shared state.
 	maxSessionKey = 256
@@ -57,7 +58,7 @@ func (c *SessionAffinityConfig) setDefaults() error {
 		c.Headers[i] = http.CanonicalHeaderKey(h)
 	}
 	if c.TTL == 0 {
-		c.TTL = defaultSessionTTL
+		c.TTL = DefaultSessionTTL
 	}
 	return nil
 }

@@ -14,10 +14,6 @@ import (
 
 	"go.uber.org/zap"
 	"gopkg.in/yaml.v3"
-
-	"github.com/pdproxy/pdproxy/lifecycle"
-	"github.com/pdproxy/pdproxy/proxy"
-	"github.com/pdproxy/pdproxy/router"
 )
 
 // The configuration's keys are written in docs/configuration.md as paths: "health.interval"
@@ -178,37 +174,14 @@ func defaultedConfig(t *testing.T, doc string) Config {
 	if err := rcfg.Validate(); err != nil {
 		t.Fatalf("router: %v", err)
 	}
-	rcfg.Engines = nil
-	// The router the proxy is built with; the tokenizers' files are not read here.
-	rt, err := router.New(router.Config{Backends: rcfg.Backends, Engines: EngineCatalog{}}, nil, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv, err := proxy.New(c.Proxy, rt, lifecycle.New(lifecycle.Config{}, zap.NewNop(), nil), zap.NewNop(), nil, nil)
-	if err != nil {
+	c.Router = rcfg
+	if c.Proxy, err = c.Proxy.WithDefaults(); err != nil {
 		t.Fatalf("proxy: %v", err)
 	}
-	c.Router = rcfg
-	c.Proxy = serverConfig(t, srv)
 	if c.SharedState, err = c.SharedState.WithDefaults(); err != nil {
 		t.Fatalf("shared_state: %v", err)
 	}
 	return c
-}
-
-// serverConfig is the config a proxy.Server runs with, its defaults filled in. The proxy
-// package has no way to hand it out, so it is read from the Server's field of that type.
-func serverConfig(t *testing.T, srv *proxy.Server) proxy.Config {
-	t.Helper()
-	v := reflect.ValueOf(srv).Elem()
-	ct := reflect.TypeFor[proxy.Config]()
-	for i := range v.NumField() {
-		if f := v.Field(i); f.Type() == ct {
-			return reflect.NewAt(ct, f.Addr().UnsafePointer()).Elem().Interface().(proxy.Config)
-		}
-	}
-	t.Fatal("proxy.Server has no field of type proxy.Config to read its defaults from")
-	return proxy.Config{}
 }
 
 // leaf is one key of the config: its type, and its value where the config walked has one.
