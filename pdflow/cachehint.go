@@ -1,6 +1,8 @@
 package pdflow
 
 import (
+	"context"
+
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/router"
 )
@@ -12,7 +14,7 @@ type adapterRouter interface {
 	Adapter(model string) bool
 }
 
-// keyRequest completes the request's cache key once its model is resolved: the adapter it
+// KeyRequest completes the request's cache key once its model is resolved: the adapter it
 // names, and the text cache-aware policies match (api.RouteText).
 func (x *Exchange) KeyRequest() {
 	req := x.Req
@@ -22,7 +24,7 @@ func (x *Exchange) KeyRequest() {
 	req.RouteText = api.RouteText(req.Text, req.Key)
 }
 
-// hintText is the text a pick for role matches: none for a request with media when role's
+// HintText is the text a pick for role matches: none for a request with media when role's
 // policy scores by tokens, so that it is scored as holding nothing rather than by a text
 // whose items the engines key otherwise.
 func (x *Exchange) HintText(role router.Role) string {
@@ -37,4 +39,16 @@ func (x *Exchange) HintText(role router.Role) string {
 // cacheHint is what the router weighs a decoder's cache by for conditional disaggregation.
 func (x *Exchange) cacheHint() router.Hint {
 	return router.Hint{Tokens: x.Legs.tokens, LoRA: x.Req.Key.LoRA, CacheSalt: x.Req.Key.Salt}
+}
+
+// cacheRouter is what a router that routes on the engines' prefix caches offers: whether a
+// role's policy wants the request's tokens, a tokenizer (the proxy's own for the models it
+// has one of, else an engine's /tokenize), and how many
+// of a prompt's leading tokens a backend holds. Checked by type assertion: a router without
+// it routes on the text alone.
+type cacheRouter interface {
+	WantsTokens(role router.Role) bool
+	Tokens(ctx context.Context, req router.TokenizeRequest) ([]uint32, error)
+	CachedTokens(backend string, h router.Hint) (int, bool)
+	ReturnTokens(tokens []uint32)
 }

@@ -65,18 +65,3 @@ func (c *custody) split(res router.Result) *custody {
 	c.lease, c.unsent = nil, nil
 	return a
 }
-
-// end ends the request: a hold no decoder acknowledged is released first (releaseUnsent, which
-// ends the custody once it is), then its lease is given back and its table entry goes (an
-// attempt's custody leaves the entry to the request).
-func (c *custody) end(s *Flow) {
-	c.passed.Store(true)
-	if c.unsent != nil {
-		s.releaseUnsent(c)
-		return
-	}
-	c.giveBackLease(c.res)
-	if !c.ofAttempt {
-		s.table.End(c.id)
-	}
-}

@@ -13,23 +13,13 @@ import (
 	"strings"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
-
-// engineOf is the engine a backend runs; the router carries it from config without knowing it.
-func engineOf(b *router.Backend) engine.Engine { return kvEngine(b.Engine) }
-
-// kvEngine is the engine the router carries: vLLM unless its config named another.
-func kvEngine(e router.Engine) engine.Engine {
-	if ke, ok := e.(engine.Engine); ok {
-		return ke
-	}
-	return engine.VLLM
-}
 
 // resultOf turns a call's outcome into the router's passive-health input; a call ended by
 // the client leaving says nothing about the backend.
@@ -76,38 +66,9 @@ func retryReason(err error) string {
 
 func BaseURL(b *router.Backend) string { return strings.TrimRight(b.URLString, "/") }
 
-// call is the request's call to backend b on path, with the client's headers.
-func (x *Exchange) call(b *router.Backend, path string, body []byte) engine.Call {
-	c := backendCall(b, path, x.EngineID, x.Hdr, body)
-	c.ClientID = x.ID
-	return c
-}
-
 func backendCall(b *router.Backend, path, id string, hdr http.Header, body []byte) engine.Call {
 	return engine.Call{Client: b.Client(), BaseURL: BaseURL(b), Path: path, ID: id, Header: hdr, Body: body, Engine: engineOf(b)}
 }
-
-// canAbort reports whether b's engine has an explicit abort.
-func canAbort(b *router.Backend) bool {
-	_, ok := engineOf(b).(engine.Aborter)
-	return ok
-}
-
-// sequential accepts the engines that serve a request as a prefill, then a decode (vLLM),
-// paired those that send both legs at once (SGLang, Mooncake), and pairedWith those that
-// speak the same paired protocol as e: one request never mixes the two.
-func sequential(e router.Engine) bool { return !paired(e) }
-
-func paired(e router.Engine) bool { _, p := e.(engine.Paired); return p }
-
-func pairedWith(d router.Engine) func(router.Engine) bool {
-	return func(e router.Engine) bool { return e.Kind() == d.Kind() }
-}
-
-// errEnginePanic is an engine call that panicked (an engine adapter's bug, or its
-// transport's), made an error so that the call's owner releases what it holds as for any
-// failed call.
-var errEnginePanic = errors.New("an engine call panicked")
 
 // guard runs an engine call for request id, turning a panic in it into errEnginePanic,
 // counted in pdproxy_panics_total and logged. Calls in background goroutines need it: a panic
@@ -204,3 +165,14 @@ func (s *Flow) abortCall(parent trace.SpanContext, id string, b *router.Backend,
 
 // abortRepeatDelay is when an explicit abort is sent again (see abortOnEngine).
 const abortRepeatDelay = 250 * time.Millisecond
+
+// bgSpan starts the span of background work for the request whose span is parent; nil when
+// tracing is off.
+func (s *Flow) bgSpan(parent trace.SpanContext, name string, b *router.Backend, attrs ...attribute.KeyValue) trace.Span {
+	if s.tr == nil {
+		return nil
+	}
+	ctx := trace.ContextWithRemoteSpanContext(context.Background(), parent)
+	_, span := s.tr.t.Start(ctx, name, trace.WithSpanKind(trace.SpanKindClient), trace.WithAttributes(backendAttrs(b, attrs)...))
+	return span
+}

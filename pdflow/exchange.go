@@ -121,7 +121,7 @@ type timings struct {
 	Decode  time.Duration
 }
 
-// model is the model the client named, once its request was parsed.
+// Model is the model the client named, once its request was parsed.
 func (x *Exchange) Model() string {
 	switch {
 	case x.Names.Client != "":
@@ -132,168 +132,11 @@ func (x *Exchange) Model() string {
 	return ""
 }
 
-// track serves a parsed request with serve while the table has it: the request's context
-// (ended when its client leaves), its table entry, and its custody, which serve takes and
-// ends, or gives on, however it ends. The safety net for a panic fails the request with the
-// custody if it is still the exchange's.
-func (x *Exchange) track(serve func(c *custody) *api.Error) (e *api.Error) {
-	ctx, cancel := context.WithCancelCause(x.R.Context())
-	defer cancel(nil)
-	x.Ctx, x.Cancel = x.startRequest(ctx), cancel
-	stop := context.AfterFunc(ctx, func() { x.Times.GoneAt.Store(time.Now().UnixNano()) })
-	defer stop()
-
-	if err := x.s.table.Begin(x.ID, x.Route, func() { cancel(api.ErrShuttingDown) }); err != nil {
-		return api.NewError(api.KindDuplicateID, "a request with this X-Request-Id is already in flight").With("X-Request-Id", err, 0)
-	}
-	c := &custody{id: x.ID, engineID: x.EngineID, span: x.traceParent()}
-	defer x.recoverRequest(c, &e)
-	return serve(c)
-}
-
-func (x *Exchange) hint(role router.Role, exclude []string) router.Hint {
-	if len(x.Tries.avoid) > 0 {
-		exclude = x.Tries.avoided(exclude[:len(exclude):len(exclude)])
-	}
-	h := router.Hint{RequestID: x.ID, Prefix: x.Req.Prefix, Text: x.HintText(role), Tokens: x.Legs.tokens, Model: x.Req.Model, Exclude: exclude,
-		LoRA: x.Req.Key.LoRA, CacheSalt: x.Req.Key.Salt, Session: x.Sess.Key, Bound: x.Sess.bound(role),
-		BoundText: x.Sess.boundText(role)}
-	h.Class, h.Slack, h.Flow, h.MaxWait = x.Class, x.Slack, x.Tenant, x.MaxWait
-	return h
-}
-
 // picked tells Picked where a pick for role went.
 func (x *Exchange) picked(role router.Role, lease *router.Lease) {
 	if x.Picked != nil {
 		x.Picked(role, lease)
 	}
-}
-
-// serveTracked serves the parsed request while the table has it (track), attempt after
-// attempt (serve).
-func (x *Exchange) ServeTracked() *api.Error {
-	return x.track(func(c *custody) *api.Error { return x.serve(c, x.attemptTraced) })
-}
-
-// serve serves the request, attempt after attempt while a stream goes on on other decoders
-// (migration.go) or a pair that failed before the client got anything is replaced by a fresh
-// one (freshpair.go). It takes the custody.
-func (x *Exchange) serve(c *custody, attempt func(c *custody) *api.Error) *api.Error {
-	for {
-		switch e := attempt(c); e {
-		case errMoveOn:
-			if e := x.moveOn(c, x.Out.broke); e != nil {
-				return e
-			}
-		case errFreshPair:
-		default:
-			return e
-		}
-	}
-}
-
-// attemptTraced is attempt under a span of its own.
-func (x *Exchange) attemptTraced(c *custody) (e *api.Error) {
-	x.startAttempt(x.Tries.N)
-	x.Tries.N++
-	defer func() { x.endAttempt(e) }()
-	return x.attempt(c)
-}
-
-// attempt serves the request on one decoder (and one prefiller, under P/D). It takes the
-// custody, except when the stream is to go on elsewhere (errMoveOn).
-func (x *Exchange) attempt(c *custody) *api.Error {
-	x.tokenize()
-	if x.Ctx.Err() != nil {
-		return x.gone(c)
-	}
-	before, accept := x.reservation()
-	if before {
-		// The decoder is reserved first, so that a prefilled request never waits for one and
-		// its KV is held only as long as sending the decode takes. Its engine says how the
-		// request is served: paired legs (SGLang) go out together with it.
-		if e := x.reserveDecoder(c, accept); e != nil {
-			return e
-		}
-		if _, ok := engineOf(x.Legs.Decode).(engine.Paired); ok {
-			return x.serveLegs(c)
-		}
-	}
-	switch {
-	case x.s.sidecar && x.Legs.Named == nil:
-		// llm-d's scheduler sends no prefiller when it chose no prefill: llm-d's sidecar
-		// then decodes the request alone, and so does this one.
-		if !x.s.table.DecodeOnly(x.ID) {
-			return x.gone(c)
-		}
-		x.s.m.DecodeOnly.WithLabelValues(ReasonNoPrefiller).Inc()
-	case !x.s.sidecar && !x.s.router.Has(router.RolePrefill):
-	case x.Req.DecodeOnly != "":
-		// P/D cannot serve this request safely: a decoder computes the prompt itself.
-		if !x.s.table.DecodeOnly(x.ID) {
-			return x.gone(c)
-		}
-		x.s.m.DecodeOnly.WithLabelValues(x.Req.DecodeOnly).Inc()
-	case before && x.cachedOnDecoder():
-		// Conditional disaggregation: the decoder computes the few uncached tokens itself.
-		if !x.s.table.DecodeOnly(x.ID) {
-			return x.gone(c)
-		}
-		x.s.m.DecodeOnly.WithLabelValues(api.DecodeOnlyCached).Inc()
-	default:
-		if e := x.prefill(c); e != nil {
-			return e
-		}
-	}
-	if !before {
-		// Waiting for a decoder happens here, in kv_held: a client leaving meanwhile gets its KV
-		// released, and the hold deadline keeps running. (Paired engines need their decoder
-		// with the prefill: reservation sent their requests the other way.)
-		if e := x.reserveDecoder(c, sequential); e != nil {
-			return e
-		}
-	}
-	return x.decode(c)
-}
-
-// reservation says whether the request's decoder is reserved before its prefill, and which
-// engines that reservation accepts (nil: any). Under before_prefill it always is. Under
-// after_prefill it is not, except for a request that only paired engines (SGLang, Mooncake)
-// can serve now, every usable decoder of its model being one: their legs go out together, so
-// the decoder is needed with the prefiller, and is reserved first as under before_prefill.
-// While a decoder of a sequential engine (vLLM's NixlConnector) may serve the request, it is
-// served by one, as after_prefill asks.
-func (x *Exchange) reservation() (before bool, accept func(router.Engine) bool) {
-	if x.s.cfg.DecoderReservation != ReserveAfterPrefill {
-		return true, nil
-	}
-	for _, d := range x.s.router.Available(router.RoleDecode) {
-		if x.Req.Model != "" && !d.Serves(x.Req.Model) {
-			continue
-		}
-		if sequential(d.Engine) {
-			return false, nil
-		}
-		before = true
-	}
-	return before, paired
-}
-
-// reserveDecoder takes a lease on a decoder for the request, into its custody c; one accept
-// takes, when set. On failure it takes the custody.
-func (x *Exchange) reserveDecoder(c *custody, accept func(router.Engine) bool) *api.Error {
-	h := x.hint(router.RoleDecode, nil)
-	h.Accept = accept
-	if rs := x.Out.Resume; rs != nil && rs.Attempt > 0 {
-		h.Accept = func(e router.Engine) bool { return continuable(e) && (accept == nil || accept(e)) }
-	}
-	lease, err := x.s.router.Acquire(x.Ctx, router.RoleDecode, h)
-	if err != nil {
-		return x.failWith(c, router.Result{}, api.FromRouter(err, router.RoleDecode))
-	}
-	x.picked(router.RoleDecode, lease)
-	c.lease, x.Legs.Decode = lease, lease.Backend()
-	return nil
 }
 
 // session is what a request knows of its session: its key ("" for none), and the engines it
@@ -326,3 +169,37 @@ func (s *session) boundText(role router.Role) int {
 // ReasonNoPrefiller is pdproxy_decode_only_total's reason for a request that came without a
 // prefiller in the sidecar mode.
 const ReasonNoPrefiller = "no_prefiller_header"
+
+// NewExchange begins the exchange of one client request on route, id being the client's
+// X-Request-Id (or one of the proxy's): the engines know it by a new random id of its own.
+func (f *Flow) NewExchange(w http.ResponseWriter, r *http.Request, route, id string) *Exchange {
+	x := &Exchange{s: f, W: w, R: r, Route: route, ID: id, EngineID: api.NewID()}
+	x.Times.Start = time.Now()
+	return x
+}
+
+// call is the request's call to backend b on path, with the client's headers.
+func (x *Exchange) call(b *router.Backend, path string, body []byte) engine.Call {
+	c := backendCall(b, path, x.EngineID, x.Hdr, body)
+	c.ClientID = x.ID
+	return c
+}
+
+// pairedLegs is the state of a request's paired legs, from the moment they went out.
+type pairedLegs struct {
+	// rids are the ids the request has on the engines, one per prompt.
+	rids []string
+	// neverTaken records that the decoder provably never took its leg (refused at connect):
+	// the room may be drained by another decoder.
+	neverTaken bool
+	// cut cuts both legs' calls, the decoder's first, and reports whether the prefill leg had
+	// been answered (the prefiller holds the KV); nil until the legs are under way.
+	cut func() bool
+	// drain is the engine's drain leg (engine.LegCalls.Drain); nil where an explicit abort
+	// frees a hold.
+	drain []byte
+	// start is when the legs went out.
+	start time.Time
+	// joined records that the decoder has the room's KV (joinLegs).
+	joined bool
+}

@@ -2,15 +2,13 @@ package pdflow
 
 import (
 	"context"
-	"net/http"
 	"sync"
-	"time"
 
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
+	"golang.org/x/sync/singleflight"
 
-	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/lifecycle"
 )
 
@@ -64,10 +62,9 @@ func (f *Flow) Wait(ctx context.Context) error {
 	}
 }
 
-// NewExchange begins the exchange of one client request on route, id being the client's
-// X-Request-Id (or one of the proxy's): the engines know it by a new random id of its own.
-func (f *Flow) NewExchange(w http.ResponseWriter, r *http.Request, route, id string) *Exchange {
-	x := &Exchange{s: f, W: w, R: r, Route: route, ID: id, EngineID: api.NewID()}
-	x.Times.Start = time.Now()
-	return x
+// bootstrapCache is what paired prefillers' bootstrap servers said, by URL (known), and the
+// discoveries under way (fetch), which concurrent first requests share.
+type bootstrapCache struct {
+	known sync.Map
+	fetch singleflight.Group
 }

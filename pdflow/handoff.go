@@ -26,11 +26,6 @@ type heldKV struct {
 	heldAt  time.Time
 }
 
-// held is hold as the request's legs name it.
-func (x *Exchange) held(hold *lifecycle.Hold) heldKV {
-	return heldKV{hold: hold, req: x.Req, prefill: x.Legs.Prefill, params: x.Legs.params, heldAt: x.Legs.heldAt}
-}
-
 // unsentHold is a hold a decode handed over that no decoder acknowledged, with what its
 // release may do.
 type unsentHold struct {
@@ -66,14 +61,6 @@ const (
 	handoffAcked
 	handoffWithdrawn
 )
-
-// handOver starts the handoff of hold (nil: the decode carries none, and so is the handoff).
-func (x *Exchange) handOver(hold *lifecycle.Hold) *handoff {
-	if hold == nil {
-		return nil
-	}
-	return &handoff{held: unsentHold{heldKV: x.held(hold)}}
-}
 
 // ack records the decoder's acknowledgement: the hold is the decoder's.
 func (h *handoff) ack() {
@@ -129,4 +116,17 @@ func (s *Flow) refusedAfterHandoff(parent trace.SpanContext, engineID string, p,
 	}
 	s.logger.Warn("a decoder refused a decode it had the kv params of, and its engine does not tell the prefiller: the blocks stay held until the prefiller's lease ends",
 		zap.String("engine_request_id", engineID), zap.String("decoder", d.Name), zap.Int("status", status))
+}
+
+// held is hold as the request's legs name it.
+func (x *Exchange) held(hold *lifecycle.Hold) heldKV {
+	return heldKV{hold: hold, req: x.Req, prefill: x.Legs.Prefill, params: x.Legs.params, heldAt: x.Legs.heldAt}
+}
+
+// handOver starts the handoff of hold (nil: the decode carries none, and so is the handoff).
+func (x *Exchange) handOver(hold *lifecycle.Hold) *handoff {
+	if hold == nil {
+		return nil
+	}
+	return &handoff{held: unsentHold{heldKV: x.held(hold)}}
 }

@@ -56,13 +56,6 @@ const (
 	refuseNothing    = "no_tokens_left"
 )
 
-// errMoveOn is what an attempt ends with when its stream is to go on on another decoder: the
-// custody is still the exchange's, and serve starts the next attempt.
-var errMoveOn = api.NewError(api.KindBackendUnreachable, "the decoder failed mid-answer; the stream goes on elsewhere")
-
-// errErrorEvent is a decoder's stream that carried an error event.
-var errErrorEvent = errors.New("the decoder's stream carried an error event")
-
 // resume is what a migratable stream keeps to go on elsewhere: the ids of its prompt and of
 // every token its client got, what the client's stream is called, and how many more times it
 // may move.
@@ -111,7 +104,7 @@ func (x *Exchange) fieldsFor(b *router.Backend) *engine.Fields {
 	return x.Req.Fields
 }
 
-// planResume readies a stream for migration, when migration_limit allows it: the engines are
+// PlanResume readies a stream for migration, when migration_limit allows it: the engines are
 // asked for the token ids, and what would keep the stream from going on exactly is noted.
 func (x *Exchange) PlanResume() *api.Error {
 	switch x.Req.API {
@@ -285,13 +278,6 @@ func (x *Exchange) moveOn(c *custody, cause error) *api.Error {
 		Text: x.Req.Text, Key: x.Req.Key, RouteText: x.Req.RouteText, Tokens: prompt, Prompts: 1}
 	x.Legs = legs{Named: x.Legs.Named}
 	return nil
-}
-
-// continuable accepts the decoders a continuation may go to: engines that continue from ids.
-// (The decoders the stream left are excluded by name: hint.)
-func continuable(e router.Engine) bool {
-	_, ok := kvEngine(e).(engine.Continuer)
-	return ok
 }
 
 // filter takes what a decoder sent and answers what of it goes to the client: whole events

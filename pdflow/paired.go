@@ -7,11 +7,8 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptrace"
-	"sync"
 	"sync/atomic"
 	"time"
-
-	"golang.org/x/sync/singleflight"
 
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
@@ -266,25 +263,6 @@ var (
 	errLegsAborted      = errors.New("the legs were aborted")
 )
 
-// pairedLegs is the state of a request's paired legs, from the moment they went out.
-type pairedLegs struct {
-	// rids are the ids the request has on the engines, one per prompt.
-	rids []string
-	// neverTaken records that the decoder provably never took its leg (refused at connect):
-	// the room may be drained by another decoder.
-	neverTaken bool
-	// cut cuts both legs' calls, the decoder's first, and reports whether the prefill leg had
-	// been answered (the prefiller holds the KV); nil until the legs are under way.
-	cut func() bool
-	// drain is the engine's drain leg (engine.LegCalls.Drain); nil where an explicit abort
-	// frees a hold.
-	drain []byte
-	// start is when the legs went out.
-	start time.Time
-	// joined records that the decoder has the room's KV (joinLegs).
-	joined bool
-}
-
 // joinLegs records, once, that a paired request's decoder has the room's KV: the prefill is
 // done. Sequential requests have nothing to join.
 func (x *Exchange) joinLegs() {
@@ -308,13 +286,6 @@ func pickPrefillRank(bs *engine.Bootstrap, lease *router.Lease) error {
 	}
 	bs.EngineIDs = map[int]string{rank: id}
 	return nil
-}
-
-// bootstrapCache is what paired prefillers' bootstrap servers said, by URL (known), and the
-// discoveries under way (fetch), which concurrent first requests share.
-type bootstrapCache struct {
-	known sync.Map
-	fetch singleflight.Group
 }
 
 // bootstrap is what p's bootstrap server says (its port; Mooncake's engine ids by rank),

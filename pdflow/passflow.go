@@ -1,7 +1,6 @@
 package pdflow
 
 import (
-	"errors"
 	"mime"
 	"strings"
 	"time"
@@ -11,7 +10,7 @@ import (
 	"github.com/pdproxy/pdproxy/router"
 )
 
-// servePassTracked serves a passthrough request while the table has it, on another decoder
+// ServePassTracked serves a passthrough request while the table has it, on another decoder
 // when one failed before the client got a byte.
 func (x *Exchange) ServePassTracked(body []byte, ctype string) *api.Error {
 	return x.track(func(c *custody) *api.Error {
@@ -67,10 +66,6 @@ func (x *Exchange) servePass(c *custody, body []byte, ctype string) *api.Error {
 	}
 	return nil
 }
-
-// errNotInTable is a call the table no longer lets go out: the request was aborted (its
-// client left, or shutdown gave up on it) as it moved to another engine.
-var errNotInTable = errors.New("the request left the table")
 
 // renamable reports whether an answer of media type ct is JSON, or SSE events of JSON.
 func renamable(ct string) bool {

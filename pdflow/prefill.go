@@ -228,20 +228,3 @@ func (x *Exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backen
 		return res.params, res.err, false
 	}
 }
-
-// pickPrefiller is the prefiller for a prefill attempt: the router's pick, or, in the sidecar
-// mode, the one the header named, for the first attempt only (there is no other to retry on).
-// A detached prefiller comes with no lease; a nil lease releases nothing.
-func (x *Exchange) pickPrefiller(h router.Hint) (*router.Lease, *router.Backend, error) {
-	if x.s.sidecar {
-		if len(h.Exclude) > 0 {
-			return nil, nil, router.ErrNoBackend
-		}
-		return nil, x.Legs.Named, nil
-	}
-	lease, err := x.s.router.Acquire(x.Ctx, router.RolePrefill, h)
-	if err == nil {
-		x.picked(router.RolePrefill, lease)
-	}
-	return lease, lease.Backend(), err
-}

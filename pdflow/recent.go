@@ -76,17 +76,6 @@ func (r *abortRing) list() []AbortRecord {
 	return out
 }
 
-// abortRecord is the record of the client of x leaving while its request was in stage, seen
-// gone at seen, with act done about it; the propagation is measured now, at the same point
-// as pdproxy_abort_propagation_seconds.
-func (x *Exchange) abortRecord(stage lifecycle.State, act lifecycle.Action, seen time.Time) AbortRecord {
-	return AbortRecord{
-		ID: x.ID, EngineRequestID: x.EngineID, Route: x.Route, Stage: stage, Action: act,
-		Prefill: backendName(x.Legs.Prefill), Decode: backendName(x.Legs.Decode),
-		At: seen, PropagationSeconds: time.Since(seen).Seconds(),
-	}
-}
-
 func backendName(b *router.Backend) string {
 	if b == nil {
 		return ""

@@ -205,34 +205,3 @@ func (x *Exchange) writeDeadline(rc *http.ResponseController) {
 		_ = rc.SetWriteDeadline(time.Now().Add(x.s.cfg.ClientWriteTimeout))
 	}
 }
-
-// cut ends an answer that fails with e while its client is still there: e is the answer when
-// nothing was sent yet. A stream whose status line went out long ago ends with an error event
-// in the OpenAI shape, and no [DONE], so clients see it failed. A decoder that broke
-// mid-event left a partial line: the error starts an event of its own, or the client would
-// read it as the end of that line. A whole JSON answer under way can only be cut.
-func (x *Exchange) cut(e *api.Error) *api.Error {
-	switch {
-	case !x.Out.Wrote:
-	case x.Req.Stream:
-		rc := http.NewResponseController(x.W)
-		// The deadline of the last chunk may have passed during the decoder's silence: the
-		// error event gets a write deadline of its own.
-		x.writeDeadline(rc)
-		x.W.Write(x.Out.end.EventBreak())
-		switch x.Req.API {
-		case engine.APIResponses:
-			x.W.Write(api.ResponsesErrorEvent(e))
-		case engine.APIMessages:
-			x.W.Write(api.AnthropicErrorEvent(e))
-		default:
-			x.W.Write([]byte("data: "))
-			x.W.Write(e.Body())
-			x.W.Write([]byte("\n\n"))
-		}
-		rc.Flush()
-	default:
-		x.Out.AbortConn = true
-	}
-	return e
-}

@@ -545,3 +545,60 @@ func (s *Flow) drain(r release) bool {
 	}
 	return true
 }
+
+// end ends the request: a hold no decoder acknowledged is released first (releaseUnsent, which
+// ends the custody once it is), then its lease is given back and its table entry goes (an
+// attempt's custody leaves the entry to the request).
+func (c *custody) end(s *Flow) {
+	c.passed.Store(true)
+	if c.unsent != nil {
+		s.releaseUnsent(c)
+		return
+	}
+	c.giveBackLease(c.res)
+	if !c.ofAttempt {
+		s.table.End(c.id)
+	}
+}
+
+// abortRecord is the record of the client of x leaving while its request was in stage, seen
+// gone at seen, with act done about it; the propagation is measured now, at the same point
+// as pdproxy_abort_propagation_seconds.
+func (x *Exchange) abortRecord(stage lifecycle.State, act lifecycle.Action, seen time.Time) AbortRecord {
+	return AbortRecord{
+		ID: x.ID, EngineRequestID: x.EngineID, Route: x.Route, Stage: stage, Action: act,
+		Prefill: backendName(x.Legs.Prefill), Decode: backendName(x.Legs.Decode),
+		At: seen, PropagationSeconds: time.Since(seen).Seconds(),
+	}
+}
+
+// cut ends an answer that fails with e while its client is still there: e is the answer when
+// nothing was sent yet. A stream whose status line went out long ago ends with an error event
+// in the OpenAI shape, and no [DONE], so clients see it failed. A decoder that broke
+// mid-event left a partial line: the error starts an event of its own, or the client would
+// read it as the end of that line. A whole JSON answer under way can only be cut.
+func (x *Exchange) cut(e *api.Error) *api.Error {
+	switch {
+	case !x.Out.Wrote:
+	case x.Req.Stream:
+		rc := http.NewResponseController(x.W)
+		// The deadline of the last chunk may have passed during the decoder's silence: the
+		// error event gets a write deadline of its own.
+		x.writeDeadline(rc)
+		x.W.Write(x.Out.end.EventBreak())
+		switch x.Req.API {
+		case engine.APIResponses:
+			x.W.Write(api.ResponsesErrorEvent(e))
+		case engine.APIMessages:
+			x.W.Write(api.AnthropicErrorEvent(e))
+		default:
+			x.W.Write([]byte("data: "))
+			x.W.Write(e.Body())
+			x.W.Write([]byte("\n\n"))
+		}
+		rc.Flush()
+	default:
+		x.Out.AbortConn = true
+	}
+	return e
+}

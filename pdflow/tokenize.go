@@ -1,25 +1,11 @@
 package pdflow
 
 import (
-	"context"
-
 	"go.uber.org/zap"
 
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
 )
-
-// cacheRouter is what a router that routes on the engines' prefix caches offers: whether a
-// role's policy wants the request's tokens, a tokenizer (the proxy's own for the models it
-// has one of, else an engine's /tokenize), and how many
-// of a prompt's leading tokens a backend holds. Checked by type assertion: a router without
-// it routes on the text alone.
-type cacheRouter interface {
-	WantsTokens(role router.Role) bool
-	Tokens(ctx context.Context, req router.TokenizeRequest) ([]uint32, error)
-	CachedTokens(backend string, h router.Hint) (int, bool)
-	ReturnTokens(tokens []uint32)
-}
 
 // tokenize gets the request's token ids once, before any backend is picked, when a policy
 // scores engines by them (precise_cache_aware) or conditional disaggregation weighs them: a
@@ -59,7 +45,7 @@ func (x *Exchange) tokenize() {
 	x.Legs.tokens, x.Legs.lent = toks, true
 }
 
-// returnTokens hands the tokens Tokens lent back to the router once the exchange is over:
+// ReturnTokens hands the tokens Tokens lent back to the router once the exchange is over:
 // no pick, and nothing else, reads them after it.
 func (x *Exchange) ReturnTokens() {
 	if !x.Legs.lent {

@@ -2,7 +2,6 @@ package pdflow
 
 import (
 	"context"
-	"errors"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -12,12 +11,6 @@ import (
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/router"
 )
-
-// tracer is the proxy's side of tracing; nil when tracing is off.
-type tracer struct {
-	t    trace.Tracer
-	prop propagation.TextMapPropagator
-}
 
 // Span names and attribute keys, a contract with the dashboards and queries built on them.
 const (
@@ -69,7 +62,7 @@ func (x *Exchange) startRequest(ctx context.Context) context.Context {
 	return ctx
 }
 
-// endRequest ends the request's span with the status the client got.
+// EndRequest ends the request's span with the status the client got.
 func (x *Exchange) EndRequest(status int, e *api.Error) {
 	if x.span == nil {
 		return
@@ -147,46 +140,4 @@ func (x *Exchange) endAttempt(e *api.Error) {
 		err = e // a nil *api.Error must not become a non-nil error
 	}
 	endSpan(span, err)
-}
-
-// bgSpan starts the span of background work for the request whose span is parent; nil when
-// tracing is off.
-func (s *Flow) bgSpan(parent trace.SpanContext, name string, b *router.Backend, attrs ...attribute.KeyValue) trace.Span {
-	if s.tr == nil {
-		return nil
-	}
-	ctx := trace.ContextWithRemoteSpanContext(context.Background(), parent)
-	_, span := s.tr.t.Start(ctx, name, trace.WithSpanKind(trace.SpanKindClient), trace.WithAttributes(backendAttrs(b, attrs)...))
-	return span
-}
-
-func backendAttrs(b *router.Backend, attrs []attribute.KeyValue) []attribute.KeyValue {
-	if b != nil {
-		attrs = append(attrs, attrBackend.String(b.Name), attrEngine.String(engineOf(b).Kind()))
-	}
-	return attrs
-}
-
-// withSpan is ctx carrying span, for a call that goes out under it.
-func withSpan(ctx context.Context, span trace.Span) context.Context {
-	if span == nil {
-		return ctx
-	}
-	return trace.ContextWithSpan(ctx, span)
-}
-
-// endSpan ends span with the outcome of its work.
-func endSpan(span trace.Span, err error) {
-	if span == nil {
-		return
-	}
-	var ae *api.Error
-	if errors.As(err, &ae) && ae.Status == api.StatusClientClosed {
-		err = nil // the client left: the call did what it was asked, and was cut
-	}
-	if err != nil && !errors.Is(err, context.Canceled) {
-		span.RecordError(err)
-		span.SetStatus(codes.Error, err.Error())
-	}
-	span.End()
 }

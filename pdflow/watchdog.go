@@ -2,7 +2,6 @@ package pdflow
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -96,10 +95,6 @@ func (wd *watchdog) onBytes() {
 }
 
 func (wd *watchdog) timedOut() bool { return wd.timeout.Load() }
-
-// errDecoderLeaving is the cause a decode is cut with when its decoder goes away mid-answer
-// (router.Backend.Leaving) and the stream can go on elsewhere.
-var errDecoderLeaving = errors.New("the decoder is going away")
 
 // cutWhenLeaving cuts the decode when leaving closes, if may still says so then: a stream that
 // can go on on another decoder leaves one that is draining or gone before it breaks. The wait

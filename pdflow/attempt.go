@@ -1,0 +1,116 @@
+package pdflow
+
+import (
+	"context"
+	"time"
+
+	"github.com/pdproxy/pdproxy/api"
+	"github.com/pdproxy/pdproxy/engine"
+	"github.com/pdproxy/pdproxy/router"
+)
+
+// track serves a parsed request with serve while the table has it: the request's context
+// (ended when its client leaves), its table entry, and its custody, which serve takes and
+// ends, or gives on, however it ends. The safety net for a panic fails the request with the
+// custody if it is still the exchange's.
+func (x *Exchange) track(serve func(c *custody) *api.Error) (e *api.Error) {
+	ctx, cancel := context.WithCancelCause(x.R.Context())
+	defer cancel(nil)
+	x.Ctx, x.Cancel = x.startRequest(ctx), cancel
+	stop := context.AfterFunc(ctx, func() { x.Times.GoneAt.Store(time.Now().UnixNano()) })
+	defer stop()
+
+	if err := x.s.table.Begin(x.ID, x.Route, func() { cancel(api.ErrShuttingDown) }); err != nil {
+		return api.NewError(api.KindDuplicateID, "a request with this X-Request-Id is already in flight").With("X-Request-Id", err, 0)
+	}
+	c := &custody{id: x.ID, engineID: x.EngineID, span: x.traceParent()}
+	defer x.recoverRequest(c, &e)
+	return serve(c)
+}
+
+// ServeTracked serves the parsed request while the table has it (track), attempt after
+// attempt (serve).
+func (x *Exchange) ServeTracked() *api.Error {
+	return x.track(func(c *custody) *api.Error { return x.serve(c, x.attemptTraced) })
+}
+
+// serve serves the request, attempt after attempt while a stream goes on on other decoders
+// (migration.go) or a pair that failed before the client got anything is replaced by a fresh
+// one (freshpair.go). It takes the custody.
+func (x *Exchange) serve(c *custody, attempt func(c *custody) *api.Error) *api.Error {
+	for {
+		switch e := attempt(c); e {
+		case errMoveOn:
+			if e := x.moveOn(c, x.Out.broke); e != nil {
+				return e
+			}
+		case errFreshPair:
+		default:
+			return e
+		}
+	}
+}
+
+// attemptTraced is attempt under a span of its own.
+func (x *Exchange) attemptTraced(c *custody) (e *api.Error) {
+	x.startAttempt(x.Tries.N)
+	x.Tries.N++
+	defer func() { x.endAttempt(e) }()
+	return x.attempt(c)
+}
+
+// attempt serves the request on one decoder (and one prefiller, under P/D). It takes the
+// custody, except when the stream is to go on elsewhere (errMoveOn).
+func (x *Exchange) attempt(c *custody) *api.Error {
+	x.tokenize()
+	if x.Ctx.Err() != nil {
+		return x.gone(c)
+	}
+	before, accept := x.reservation()
+	if before {
+		// The decoder is reserved first, so that a prefilled request never waits for one and
+		// its KV is held only as long as sending the decode takes. Its engine says how the
+		// request is served: paired legs (SGLang) go out together with it.
+		if e := x.reserveDecoder(c, accept); e != nil {
+			return e
+		}
+		if _, ok := engineOf(x.Legs.Decode).(engine.Paired); ok {
+			return x.serveLegs(c)
+		}
+	}
+	switch {
+	case x.s.sidecar && x.Legs.Named == nil:
+		// llm-d's scheduler sends no prefiller when it chose no prefill: llm-d's sidecar
+		// then decodes the request alone, and so does this one.
+		if !x.s.table.DecodeOnly(x.ID) {
+			return x.gone(c)
+		}
+		x.s.m.DecodeOnly.WithLabelValues(ReasonNoPrefiller).Inc()
+	case !x.s.sidecar && !x.s.router.Has(router.RolePrefill):
+	case x.Req.DecodeOnly != "":
+		// P/D cannot serve this request safely: a decoder computes the prompt itself.
+		if !x.s.table.DecodeOnly(x.ID) {
+			return x.gone(c)
+		}
+		x.s.m.DecodeOnly.WithLabelValues(x.Req.DecodeOnly).Inc()
+	case before && x.cachedOnDecoder():
+		// Conditional disaggregation: the decoder computes the few uncached tokens itself.
+		if !x.s.table.DecodeOnly(x.ID) {
+			return x.gone(c)
+		}
+		x.s.m.DecodeOnly.WithLabelValues(api.DecodeOnlyCached).Inc()
+	default:
+		if e := x.prefill(c); e != nil {
+			return e
+		}
+	}
+	if !before {
+		// Waiting for a decoder happens here, in kv_held: a client leaving meanwhile gets its KV
+		// released, and the hold deadline keeps running. (Paired engines need their decoder
+		// with the prefill: reservation sent their requests the other way.)
+		if e := x.reserveDecoder(c, sequential); e != nil {
+			return e
+		}
+	}
+	return x.decode(c)
+}
