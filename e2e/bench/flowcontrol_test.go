@@ -316,11 +316,17 @@ func TestFlowControlTargets(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), phase)
 		go func() {
 			defer close(satDone)
-			for ctx.Err() == nil {
+			tick := time.NewTicker(50 * time.Millisecond) // a scrape's view of the gauge
+			defer tick.Stop()
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case <-tick.C:
+				}
 				if v, ok := testutil.Lookup(t, reg, "pdproxy_pool_saturation", map[string]string{"role": "decode"}); ok {
 					sat = append(sat, v)
 				}
-				time.Sleep(50 * time.Millisecond)
 			}
 		}()
 		flowOpen(ctx, &wg, c, m.URL(), "a", 55, 200, &log)
@@ -330,13 +336,15 @@ func TestFlowControlTargets(t *testing.T) {
 		<-satDone
 		ended := time.Now()
 		fell := time.Duration(-1)
+		poll := time.NewTicker(20 * time.Millisecond)
 		for time.Since(ended) < 10*time.Second {
 			if v, _ := testutil.Lookup(t, reg, "pdproxy_pool_saturation", map[string]string{"role": "decode"}); v < 0.5 {
 				fell = time.Since(ended)
 				break
 			}
-			time.Sleep(20 * time.Millisecond)
+			<-poll.C
 		}
+		poll.Stop()
 		wg.Wait()
 		as := log.all()
 		ok, refused := checkFlowClean(t, "twice the capacity", engines, m, as)
