@@ -9,10 +9,6 @@ import (
 	"net/http"
 	"os"
 	"strings"
-
-	"github.com/go-chi/chi/v5"
-	"github.com/pdproxy/pdproxy/api"
-	"go.uber.org/zap"
 )
 
 // defaultAuthOpenPaths are served without a key when keys are configured: probes and the
@@ -26,34 +22,35 @@ type keyring struct {
 	open    map[string]bool
 }
 
-// loadKeyring reads the keys the config names. Naming a source that yields no key is an
-// error, never a quiet "no auth": an empty keys file would otherwise open the proxy to all.
-// It returns nil when no source is configured.
-func loadKeyring(cfg Config) (*keyring, error) {
-	if cfg.APIKeysFile == "" && cfg.APIKeysEnv == "" {
+// loadKeyring reads the keys the config names: its api_keys_file (file), api_keys_env (env)
+// and auth_open_paths (open). Naming a source that yields no key is an error, never a quiet
+// "no auth": an empty keys file would otherwise open the proxy to all. It returns nil when no
+// source is configured.
+func loadKeyring(file, env string, open []string) (*keyring, error) {
+	if file == "" && env == "" {
 		return nil, nil
 	}
 	var keys []string
-	if cfg.APIKeysFile != "" {
-		data, err := os.ReadFile(cfg.APIKeysFile)
+	if file != "" {
+		data, err := os.ReadFile(file)
 		if err != nil {
 			return nil, fmt.Errorf("api_keys_file: %w", err)
 		}
 		fromFile := parseKeysFile(data)
 		if len(fromFile) == 0 {
-			return nil, fmt.Errorf("api_keys_file: %s holds no key", cfg.APIKeysFile)
+			return nil, fmt.Errorf("api_keys_file: %s holds no key", file)
 		}
 		keys = append(keys, fromFile...)
 	}
-	if cfg.APIKeysEnv != "" {
+	if env != "" {
 		var fromEnv []string
-		for k := range strings.SplitSeq(os.Getenv(cfg.APIKeysEnv), ",") {
+		for k := range strings.SplitSeq(os.Getenv(env), ",") {
 			if k = strings.TrimSpace(k); k != "" {
 				fromEnv = append(fromEnv, k)
 			}
 		}
 		if len(fromEnv) == 0 {
-			return nil, fmt.Errorf("api_keys_env: environment variable %s is unset or holds no key", cfg.APIKeysEnv)
+			return nil, fmt.Errorf("api_keys_env: environment variable %s is unset or holds no key", env)
 		}
 		keys = append(keys, fromEnv...)
 	}
@@ -61,7 +58,6 @@ func loadKeyring(cfg Config) (*keyring, error) {
 	for _, k := range keys {
 		kr.digests = append(kr.digests, sha256.Sum256([]byte(k)))
 	}
-	open := cfg.AuthOpenPaths
 	if open == nil {
 		open = defaultAuthOpenPaths
 	}
@@ -126,43 +122,4 @@ func clientKey(r *http.Request) (string, bool) {
 	}
 	tok := strings.TrimSpace(r.Header.Get("X-Api-Key"))
 	return tok, tok != ""
-}
-
-// requireKey answers 401 to a request without a valid key, before any route sees it. The
-// key is never logged; only whether one was sent.
-func (s *Server) requireKey(mux *chi.Mux, next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if s.keys.isOpen(r) {
-			next.ServeHTTP(w, r)
-			return
-		}
-		tok, sent := clientKey(r)
-		if sent && s.keys.valid(tok) {
-			next.ServeHTTP(w, r)
-			return
-		}
-		// The route label comes from the router's own patterns, a closed set; an unknown
-		// path must not become a label. chi routes on the escaped path when there is one.
-		path := r.URL.Path
-		if r.URL.RawPath != "" {
-			path = r.URL.RawPath
-		}
-		route := mux.Find(chi.NewRouteContext(), r.Method, path)
-		if route == "" {
-			route = "unmatched"
-		}
-		s.m.Requests.WithLabelValues(route, "401", "").Inc()
-		msg := "invalid API key"
-		if !sent {
-			msg = "missing API key: send it as Authorization: Bearer <key>, or as x-api-key: <key>"
-		}
-		id := requestID(r)
-		w.Header().Set("X-Request-Id", id)
-		e := api.NewError(api.KindInvalidAPIKey, msg)
-		e.BearerChallenge = true
-		api.WriteError(w, e)
-		if ce := s.logger.Check(zap.InfoLevel, "request refused: no valid api key"); ce != nil {
-			ce.Write(zap.String("request_id", id), zap.String("route", route), zap.Bool("key_sent", sent))
-		}
-	})
 }

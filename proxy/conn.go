@@ -35,11 +35,6 @@ type clientListener struct {
 	warned atomic.Int64
 }
 
-// clientUnsentLimit is how many bytes written to a client may wait in the kernel unsent
-// (boundUnsent): a few SSE events. What the client's own kernel took and its application
-// has not read is beyond any server's sight.
-const clientUnsentLimit = 16 << 10
-
 // refusalLogEvery spaces the warnings about refused connections.
 const refusalLogEvery = 10 * time.Second
 
@@ -200,7 +195,7 @@ func (c *clientConn) peerStillThere() bool {
 	if err != nil {
 		return false
 	}
-	return awaitPeer(c.Conn, c.closed)
+	return awaitPeer(c.Conn, c.closed, halfCloseProbeTimeout)
 }
 
 // continueProbe is the interim answer written to a client whose input ended.

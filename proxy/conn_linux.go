@@ -7,6 +7,11 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// clientUnsentLimit is how many bytes written to a client may wait in the kernel unsent
+// (boundUnsent): a few SSE events. What the client's own kernel took and its application
+// has not read is beyond any server's sight.
+const clientUnsentLimit = 16 << 10
+
 // boundUnsent caps the bytes written to a client socket that the kernel has not sent yet
 // (TCP_NOTSENT_LOWAT): a write past it blocks, and so falls under client_write_timeout. Left
 // to itself the kernel grows a socket's send buffer to megabytes (tcp_wmem), which a client
@@ -30,10 +35,10 @@ func boundUnsent(c net.Conn) {
 
 // awaitPeer waits for a client's kernel to answer what was just written to it: an
 // acknowledgement of everything sent (the client only half-closed its connection, true) or
-// a reset (it closed both halves: false). Neither within halfCloseProbeTimeout, or the
-// connection closing meanwhile, is false. It polls the socket's state: a round trip, on
+// a reset (it closed both halves: false). Neither within timeout (halfCloseProbeTimeout), or
+// the connection closing meanwhile, is false. It polls the socket's state: a round trip, on
 // loopback microseconds, rarely more than a few milliseconds elsewhere.
-func awaitPeer(c net.Conn, closed <-chan struct{}) bool {
+func awaitPeer(c net.Conn, closed <-chan struct{}, timeout time.Duration) bool {
 	tc, ok := c.(*net.TCPConn)
 	if !ok {
 		return false
@@ -42,7 +47,7 @@ func awaitPeer(c net.Conn, closed <-chan struct{}) bool {
 	if err != nil {
 		return false
 	}
-	deadline := time.Now().Add(halfCloseProbeTimeout)
+	deadline := time.Now().Add(timeout)
 	pause := 50 * time.Microsecond
 	for {
 		var info *unix.TCPInfo

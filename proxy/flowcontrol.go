@@ -4,7 +4,6 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
-	"maps"
 	"net"
 	"net/http"
 	"slices"
@@ -83,93 +82,6 @@ var reservedTenants = []string{"default", "other", "none"}
 func (c FlowControlConfig) on() bool {
 	return c.TenantHeader != "" || len(c.Tenants) > 0 || c.DefaultWeight != 0 || c.QueueTimeout != 0 || c.MaxQueuePerTenant != 0 ||
 		c.SaturationTTFT != 0 || c.ReservedSlots != 0
-}
-
-// CheckFlowControl checks cfg's flow_control, filling its defaults, against the router's
-// queue (nil: checked as far as it goes without it). It refuses what could not take effect:
-// a queue that lets nothing wait, a per-tenant bound above the queue's size, a tenant header
-// another setting reads, a key digest that no configured key has.
-func CheckFlowControl(cfg *Config, queue *router.QueueConfig) error {
-	c := &cfg.FlowControl
-	if !c.on() {
-		return nil
-	}
-	switch {
-	case c.DefaultWeight < 0:
-		return fmt.Errorf("flow_control.default_weight: %d is negative", c.DefaultWeight)
-	case c.DefaultWeight == 0:
-		c.DefaultWeight = 1
-	}
-	if c.QueueTimeout < 0 {
-		return fmt.Errorf("flow_control.queue_timeout: %v is negative", c.QueueTimeout)
-	}
-	if c.ReservedSlots == 0 {
-		c.ReservedSlots = DefaultReservedSlots
-	}
-	if c.SaturationTTFT < 0 {
-		return fmt.Errorf("flow_control.saturation_ttft: %v is negative", c.SaturationTTFT)
-	}
-	if c.MaxQueuePerTenant < 0 {
-		return fmt.Errorf("flow_control.max_queue_per_tenant: %d is negative", c.MaxQueuePerTenant)
-	}
-	if h := http.CanonicalHeaderKey(c.TenantHeader); h != "" {
-		for _, other := range []struct{ key, header string }{
-			{"priority.header", cfg.Priority.Header}, {"prefiller_header", cfg.PrefillerHeader},
-		} {
-			if h == http.CanonicalHeaderKey(other.header) {
-				return fmt.Errorf("flow_control.tenant_header: %s is %s too; one header cannot name both", c.TenantHeader, other.key)
-			}
-		}
-		for _, s := range cfg.SessionAffinity.Headers {
-			if h == http.CanonicalHeaderKey(s) {
-				return fmt.Errorf("flow_control.tenant_header: %s is a session_affinity header too; one header cannot name both", c.TenantHeader)
-			}
-		}
-	}
-	digests := map[string]string{}
-	c.Tenants = maps.Clone(c.Tenants) // the defaults go into a map of this config's own
-	for _, name := range slices.Sorted(maps.Keys(c.Tenants)) {
-		t := c.Tenants[name]
-		f := "flow_control.tenants." + name
-		switch {
-		case !className.MatchString(name) || slices.Contains(reservedTenants, name):
-			return fmt.Errorf("%s: %q is not 1 to 32 of a-z, 0-9, _ and -, or is a reserved name (%s)", f, name, strings.Join(reservedTenants, ", "))
-		case t.Weight < 0:
-			return fmt.Errorf("%s.weight: %d is negative", f, t.Weight)
-		case t.Weight == 0:
-			t.Weight = c.DefaultWeight
-		}
-		if len(t.APIKeySHA256) == 0 && c.TenantHeader == "" {
-			return fmt.Errorf("%s: names no api_key_sha256 and there is no tenant_header: no request could be of it", f)
-		}
-		t.APIKeySHA256 = slices.Clone(t.APIKeySHA256)
-		for i, d := range t.APIKeySHA256 {
-			d = strings.ToLower(strings.TrimSpace(d))
-			if b, err := hex.DecodeString(d); err != nil || len(b) != sha256.Size {
-				return fmt.Errorf("%s.api_key_sha256[%d]: not a SHA-256 digest in hex (64 digits)", f, i)
-			}
-			if other, dup := digests[d]; dup {
-				return fmt.Errorf("%s.api_key_sha256[%d]: the key is %s's too", f, i, other)
-			}
-			digests[d] = name
-			t.APIKeySHA256[i] = d
-		}
-		c.Tenants[name] = t
-	}
-	if queue == nil {
-		return nil
-	}
-	size := queue.Size
-	if size == 0 {
-		size = router.DefaultQueueSize
-	}
-	switch {
-	case size < 0:
-		return fmt.Errorf("flow_control: set, but queue.size is %d: no request waits, so there is no queue to share; set queue.size", queue.Size)
-	case c.MaxQueuePerTenant > size:
-		return fmt.Errorf("flow_control.max_queue_per_tenant: %d is above queue.size (%d), which bounds every tenant first; lower it or raise queue.size", c.MaxQueuePerTenant, size)
-	}
-	return nil
 }
 
 // tenants finds each request's tenant, as a flow of the router's fair queue.

@@ -120,23 +120,6 @@ func (s *Server) finish(x *pdflow.Exchange, status int, err *api.Error) {
 // the fields as Write is called (the observer of the tests copies them) and keep none.
 var logFields = sync.Pool{New: func() any { b := make([]zap.Field, 0, 20); return &b }}
 
-// requestID is the client's X-Request-Id when it sent a usable one, else a new random id.
-func requestID(r *http.Request) string {
-	if id := r.Header.Get("X-Request-Id"); id != "" && len(id) <= 128 && printable(id) {
-		return id
-	}
-	return api.NewID()
-}
-
-func printable(s string) bool {
-	for i := 0; i < len(s); i++ {
-		if s[i] < 0x21 || s[i] > 0x7e {
-			return false
-		}
-	}
-	return true
-}
-
 func (s *Server) run(x *pdflow.Exchange, parse func([]byte) (*api.Request, *api.Error)) *api.Error {
 	if s.sidecar != nil {
 		// Before the body is read: a request naming a prefiller it may not is refused

@@ -8,12 +8,8 @@ import (
 	"math"
 	"net"
 	"net/http"
-	"strconv"
 	"sync"
 	"time"
-
-	"github.com/go-chi/chi/v5"
-	"go.uber.org/zap"
 
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/sharedstate"
@@ -33,12 +29,6 @@ type SharedState interface {
 }
 
 var _ SharedState = (*sharedstate.Store)(nil)
-
-// WithSharedState makes the per_key limits and the sessions' bindings hold across replicas
-// through st. Without either configured it changes nothing.
-func WithSharedState(st SharedState) Option {
-	return func(s *Server) { s.shared = st }
-}
 
 // LimitsConfig gives each client identity its own share of the proxy: a concurrency limit
 // and a token-bucket rate limit, refused with 429 (Retry-After) before the body is read and
@@ -441,38 +431,4 @@ func (n *labelSet) label(key, tenant string, tenants bool) (string, string) {
 		n.tenants[tenant] = true
 	}
 	return key, tenant
-}
-
-// limit wraps a model route: the request is admitted by its identity's limits before its
-// body is read, and counted per key and class when it ends. A refusal is answered here and
-// never reaches a backend.
-func (s *Server) limit(next http.Handler) http.Handler {
-	if s.lim == nil {
-		return next
-	}
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		a, e := s.lim.admit(r, s.lim.now())
-		if e != nil {
-			route := chi.RouteContext(r.Context()).RoutePattern()
-			s.m.Requests.WithLabelValues(route, strconv.Itoa(e.Status), "").Inc()
-			s.m.LimitRejected.WithLabelValues(a.key, a.tenant, e.Limit).Inc()
-			id := requestID(r)
-			w.Header().Set("X-Request-Id", id)
-			api.WriteError(w, e)
-			if ce := s.logger.Check(zap.InfoLevel, "request refused by its limits"); ce != nil {
-				ce.Write(zap.String("request_id", id), zap.String("route", route), zap.String("reason", e.Limit),
-					zap.String("key", a.key), zap.String("tenant", a.tenant))
-			}
-			return
-		}
-		defer func() {
-			s.lim.release(a, s.lim.now())
-			class := a.class
-			if class == "" {
-				class = "none"
-			}
-			s.m.KeyRequests.WithLabelValues(a.key, a.tenant, class).Inc()
-		}()
-		next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), admissionKey{}, a)))
-	})
 }

@@ -9,9 +9,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/api"
-	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/router"
-	"github.com/pdproxy/pdproxy/sharedstate"
 )
 
 // SessionAffinityConfig sends the requests of one session (a conversation, an agent's run) to
@@ -102,50 +100,4 @@ func boundBytes(v string) int {
 		return 0
 	}
 	return n
-}
-
-// picked records where a pick for role went, for a request of a session: counted, and, with
-// shared state, the session bound to that engine for the TTL from now (a binding kept is
-// renewed).
-func (s *Server) picked(x *pdflow.Exchange, role router.Role, lease *router.Lease) {
-	choice := lease.Session()
-	if choice == "" {
-		return
-	}
-	s.m.SessionPicks.WithLabelValues(string(role), string(choice)).Inc()
-	if s.shared != nil {
-		ttl := s.cfg.SessionAffinity.TTL
-		s.shared.Bind(x.Sess.Key, string(role), lease.Backend().Name, ttl)
-		if text := x.HintText(role); text != "" {
-			s.shared.Bind(x.Sess.Key, textField(role), strconv.Itoa(len(text)), ttl)
-		}
-	}
-}
-
-// readSession reads the session the request names in the first of headers it carries, before
-// its body: a session header that cannot be an id refuses the request.
-func (s *Server) readSession(x *pdflow.Exchange, headers []string) *api.Error {
-	key, e := sessionOf(x.R, headers)
-	if e != nil || key == "" {
-		return e
-	}
-	x.Sess.Key = key
-	if s.shared == nil {
-		return nil // the key alone places the session
-	}
-	b := map[string]string(nil)
-	if a := admissionOf(x.R.Context()); a != nil && a.read {
-		b = a.bindings
-	} else {
-		// No limits' check read them: one round trip of its own, within the shared state's
-		// budget. When it fails (counted there), the key alone places the session.
-		d, err := s.shared.Check(x.R.Context(), sharedstate.Request{SessionKeys: []string{key}})
-		if err != nil {
-			return nil
-		}
-		b = d.Bindings[key]
-	}
-	x.Sess.Prefill, x.Sess.Decode = b[string(router.RolePrefill)], b[string(router.RoleDecode)]
-	x.Sess.PrefillText, x.Sess.DecodeText = boundBytes(b[textField(router.RolePrefill)]), boundBytes(b[textField(router.RoleDecode)])
-	return nil
 }
