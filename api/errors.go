@@ -117,7 +117,7 @@ type Error struct {
 	// raw, when set, is a backend's own error answer, passed to the client as it came.
 	raw     []byte
 	rawType string
-	// Limit, for a refusal by a client's limits, is its reason (limits.go).
+	// Limit, for a refusal by a client's limits, is its reason (the proxy's limits).
 	Limit string
 	// BearerChallenge adds "WWW-Authenticate: Bearer", which a 401 must carry (RFC 9110
 	// section 15.5.2).

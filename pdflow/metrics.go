@@ -22,7 +22,7 @@ type Metrics struct {
 	// PrefillerRefused counts requests refused for their prefiller header (sidecar mode).
 	PrefillerRefused *prometheus.CounterVec
 	Panics           prometheus.Counter
-	// LimitRejected and keyRequests count per client identity (limits.go).
+	// LimitRejected and KeyRequests count per client identity (the proxy's limits).
 	LimitRejected *prometheus.CounterVec
 	KeyRequests   *prometheus.CounterVec
 	// Migrations, migrationRefusals and tokensReplayed count streams that left a failed
@@ -30,7 +30,7 @@ type Metrics struct {
 	Migrations        *prometheus.CounterVec
 	MigrationRefusals *prometheus.CounterVec
 	TokensReplayed    prometheus.Counter
-	// SessionPicks counts the picks of requests that named a session (session.go).
+	// SessionPicks counts the picks of requests that named a session (the proxy's session affinity).
 	SessionPicks *prometheus.CounterVec
 }
 

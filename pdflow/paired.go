@@ -20,7 +20,7 @@ import (
 // the prefiller; the decoder's answer goes to the client, the prefiller's is read and dropped.
 // The prefiller holds the request's KV in the room from the start until the decoder has it
 // (its first byte, or the prefiller's answer, which comes once the transfer is done): until
-// then every way out aborts the legs (abort.go), the decoder's first.
+// then every way out aborts the legs (release.go), the decoder's first.
 //
 // It takes the custody.
 func (x *Exchange) serveLegs(c *custody) *api.Error {

@@ -111,7 +111,7 @@ func (s *Server) runPass(x *pdflow.Exchange, p passRoute) *api.Error {
 	}
 	x.Hdr = s.engineHeader(x.R.Header)
 	// A decoder that failed before the first byte reached the client is replaced, as for a
-	// generation (freshpair.go): the body goes to another one.
+	// generation (pdflow's freshpair.go): the body goes to another one.
 	return x.ServePassTracked(body, ctype)
 }
 

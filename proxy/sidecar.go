@@ -5,7 +5,7 @@ package proxy
 // request in a header (x-prefiller-host-port, "ip:port"). In this mode the proxy takes that
 // place: the prefiller comes from the header, checked against prefiller_allow, and the
 // decode goes to the one decoder of the config, the local engine. Without the mode the
-// header is ignored and never forwarded (headers.go). Here are the mode's state and
+// header is ignored and never forwarded (api.UpstreamHeader). Here are the mode's state and
 // SidecarEngine; its keys are checked with the rest of Config's (validateSidecar, config.go),
 // and a request's header is read in steps.go (namePrefiller).
 
