@@ -462,3 +462,23 @@ func TestTheTTFTBoundKeepsInHandWhatPredictionsRunLateBy(t *testing.T) {
 		t.Errorf("lateness after prefills on time = %v, want 0", got)
 	}
 }
+
+func TestAReservedSlotIsKeptForATenantFirstSeenAfterAScanFoundNone(t *testing.T) {
+	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 3), Queue: QueueConfig{Size: 100, ReservedSlots: 1}}
+	r, _, _ := newTestRouter(t, cfg)
+	noisy, quiet := Hint{Flow: Flow{Key: "noisy"}}, Hint{Flow: Flow{Key: "quiet"}}
+	// The flood alone: its picks find no idle tenant, and remember that for a while.
+	a, b := mustAcquire(t, r, RoleDecode, noisy), mustAcquire(t, r, RoleDecode, noisy)
+	// A tenant first seen now, served and gone idle, is kept a slot at once, whatever the
+	// flood's last scan found.
+	mustAcquire(t, r, RoleDecode, quiet).Release(Result{Status: 200})
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if l, err := r.Acquire(ctx, RoleDecode, noisy); err == nil {
+		l.Release(Result{})
+		t.Error("the flood took the pool's last slot while a tenant active a moment ago had nothing running")
+	}
+	a.Release(Result{Status: 200})
+	b.Release(Result{Status: 200})
+	assertAllIdle(t, r)
+}

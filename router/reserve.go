@@ -9,6 +9,10 @@ const (
 	// maxTrackedFlows bounds the flows a pool remembers for its reserved slots; one beyond
 	// them is not remembered as active (it still gets its turn in the queue).
 	maxTrackedFlows = 4096
+	// idleScanEvery is how long a scan that found no idle flow stands, unless a flow goes
+	// idle or is first seen meanwhile: under a flood of many busy tenants, picks do not scan
+	// them all each time.
+	idleScanEvery = 10 * time.Millisecond
 )
 
 // flowSlots is what a pool knows of its flows' use of its slots, for the reserved slots: a
@@ -20,6 +24,10 @@ type flowSlots struct {
 	inflight map[string]int
 	// seen is when each flow last asked for a slot.
 	seen map[string]time.Time
+	// idle is the active idle flow the latest scan found, checked first by the next picks;
+	// "" for none. noneUntil is when a scan that found none runs again at the latest.
+	idle      string
+	noneUntil time.Time
 }
 
 // arrived records that flow key asked for a slot at now.
@@ -30,8 +38,12 @@ func (s *flowSlots) arrived(key string, now time.Time) {
 	if s.seen == nil {
 		s.seen = make(map[string]time.Time)
 	}
-	if _, ok := s.seen[key]; ok || len(s.seen) < maxTrackedFlows {
+	_, ok := s.seen[key]
+	if ok || len(s.seen) < maxTrackedFlows {
 		s.seen[key] = now
+	}
+	if !ok {
+		s.noneUntil = time.Time{} // a flow first seen may be the idle one
 	}
 }
 
@@ -52,6 +64,7 @@ func (s *flowSlots) gave(key string) {
 	}
 	if s.inflight[key] <= 1 {
 		delete(s.inflight, key)
+		s.noneUntil = time.Time{} // it went idle
 		return
 	}
 	s.inflight[key]--
@@ -64,18 +77,37 @@ func (s *flowSlots) gave(key string) {
 // longer are forgotten on the way.
 func (p *pool) reservedLocked(h Hint, now time.Time) int {
 	key := h.Flow.Key
-	if p.reservedSlots <= 0 || key == "" || h.Overcommit || p.flowSlots.inflight[key] == 0 {
+	fs := &p.flowSlots
+	if p.reservedSlots <= 0 || key == "" || h.Overcommit || fs.inflight[key] == 0 {
 		return 0
 	}
-	for k, at := range p.flowSlots.seen {
+	if k := fs.idle; k != "" {
+		if k != key && p.idleLocked(k, now) {
+			return p.reservedSlots
+		}
+		fs.idle = ""
+	}
+	if now.Before(fs.noneUntil) {
+		return 0
+	}
+	for k, at := range fs.seen {
 		switch {
 		case now.Sub(at) > tenantActiveWindow:
-			delete(p.flowSlots.seen, k)
-		case k != key && p.flowSlots.inflight[k] == 0 && p.waiters.depth(k) == 0:
+			delete(fs.seen, k)
+		case k != key && p.idleLocked(k, now):
+			fs.idle = k
 			return p.reservedSlots
 		}
 	}
+	fs.noneUntil = now.Add(idleScanEvery)
 	return 0
+}
+
+// idleLocked reports whether flow k is active (seen within tenantActiveWindow) with nothing
+// in flight and nothing waiting.
+func (p *pool) idleLocked(k string, now time.Time) bool {
+	at, seen := p.flowSlots.seen[k]
+	return seen && now.Sub(at) <= tenantActiveWindow && p.flowSlots.inflight[k] == 0 && p.waiters.depth(k) == 0
 }
 
 // freeSlots is how many more requests cands may take under their max_inflight.
