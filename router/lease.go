@@ -119,12 +119,10 @@ func (l *Lease) Prefilled() {
 		return
 	}
 	l.booked.settle(l.p.r, l.b, l.p.r.now(), true)
-	l.p.mu.Lock()
-	if l.p.ttftBound > 0 {
+	if l.p.bounded.Load() {
 		// The work left the books: a request held back by the TTFT bound may go now.
-		l.p.dispatchLocked()
+		l.p.kick()
 	}
-	l.p.mu.Unlock()
 }
 
 // Release ends the lease. Only the first call counts; later calls, from any goroutine,

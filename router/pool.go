@@ -3,6 +3,7 @@ package router
 import (
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -23,8 +24,10 @@ type pool struct {
 	loadFactor   float64
 	queueSize    int
 	queueTimeout time.Duration
-	// ttftBound is Queue.TTFTBound, reservedSlots Queue.ReservedSlots.
+	// ttftBound is Queue.TTFTBound, reservedSlots Queue.ReservedSlots; bounded says, without
+	// the lock, whether ttftBound is set.
 	ttftBound     time.Duration
+	bounded       atomic.Bool
 	reservedSlots int
 	// flowSlots is what the flows hold of the slots, for the reserved slots (reserve.go).
 	flowSlots flowSlots

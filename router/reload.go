@@ -128,6 +128,7 @@ func (r *Router) apply(cfg Config) error {
 		}
 		p.backends = mine
 		p.queueSize, p.queueTimeout, p.ttftBound, p.reservedSlots = cfg.Queue.Size, cfg.Queue.Timeout, cfg.Queue.TTFTBound, cfg.Queue.ReservedSlots
+		p.bounded.Store(cfg.Queue.TTFTBound > 0)
 		p.loadFactor = cfg.BoundedLoadFactor
 	}
 	var removed []*Backend
