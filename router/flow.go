@@ -82,6 +82,11 @@ type flowQueue struct {
 	waiters list.List // of *waiter, earliest deadline first
 	// vt is the virtual time at which the flow's next service starts.
 	vt float64
+	// remoteSeen is what the other replicas had served the flow in the share window when
+	// this queue last read it (flowshare.go); based says it has read it since the flow began
+	// to wait here.
+	remoteSeen float64
+	based      bool
 }
 
 // charge is what serving h at cost takes from its flow's turn: the prompt tokens it computes

@@ -482,3 +482,28 @@ func TestAReservedSlotIsKeptForATenantFirstSeenAfterAScanFoundNone(t *testing.T)
 	b.Release(Result{Status: 200})
 	assertAllIdle(t, r)
 }
+
+func TestServiceElsewhereCountsOnlyWhileATenantWaitsHere(t *testing.T) {
+	q := &fairQueue{share: flowShare{window: 7, unsent: map[string]float64{}, own: map[string]float64{}}}
+	w := &waiter{h: Hint{Flow: Flow{Key: "x"}}, ch: make(chan waitResult, 1)}
+	q.push(w)
+	f := q.flows["x"]
+	start := f.vt
+	// Other replicas served x a great deal before it waited here: no debt.
+	q.addRemote(RoleDecode, 7, map[string]float64{flowField(RoleDecode, "x"): 1000})
+	if f.vt != start {
+		t.Fatalf("vt = %v after the first reading, want %v: service before waiting here is no debt", f.vt, start)
+	}
+	// While it waits here, what they serve it counts, over its weight.
+	f.Weight = 2
+	q.addRemote(RoleDecode, 7, map[string]float64{flowField(RoleDecode, "x"): 1010})
+	if f.vt != start+5 {
+		t.Errorf("vt = %v, want %v: 10 tokens served elsewhere at weight 2", f.vt, start+5)
+	}
+	// A reading of another window counts nothing.
+	q.addRemote(RoleDecode, 8, map[string]float64{flowField(RoleDecode, "x"): 5000})
+	if f.vt != start+5 {
+		t.Errorf("vt = %v after another window's reading, want %v", f.vt, start+5)
+	}
+	q.remove(w)
+}

@@ -33,9 +33,8 @@ type flowShare struct {
 	window int64
 	// unsent is what this replica served since its last call, by flow key.
 	unsent map[string]float64
-	// own is what this replica served in the window, and remote what the others served as
-	// last read, by flow key.
-	own, remote map[string]float64
+	// own is what this replica served in the window, by flow key.
+	own map[string]float64
 }
 
 // note adds charge, served to flow key here, to what is to be sent.
@@ -58,7 +57,7 @@ func (r *Router) ShareFlows(fs FlowShares) {
 	for _, p := range []*pool{r.prefill, r.decode} {
 		if p != nil {
 			p.mu.Lock()
-			p.waiters.share = flowShare{unsent: map[string]float64{}, own: map[string]float64{}, remote: map[string]float64{}}
+			p.waiters.share = flowShare{unsent: map[string]float64{}, own: map[string]float64{}}
 			p.mu.Unlock()
 		}
 	}
@@ -94,7 +93,6 @@ func (r *Router) shareOnce(ctx context.Context) {
 		if s.window != window {
 			s.window = window
 			clear(s.own)
-			clear(s.remote)
 		}
 		for k, v := range s.unsent {
 			s.own[k] += v
@@ -129,7 +127,10 @@ func (r *Router) shareOnce(ctx context.Context) {
 }
 
 // addRemote adds to each waiting flow's virtual time what the other replicas served it since
-// the last reading of window's totals. Guarded by pool.mu.
+// the queue last read window's totals while the flow waited here. A flow that begins to wait
+// takes the totals as they stand as its start: what other replicas served it before, when it
+// did not compete here, is no debt here, as time spent idle is no credit. Guarded by
+// pool.mu.
 func (q *fairQueue) addRemote(role Role, window int64, totals map[string]float64) {
 	s := &q.share
 	if s.window != window {
@@ -137,13 +138,14 @@ func (q *fairQueue) addRemote(role Role, window int64, totals map[string]float64
 	}
 	for _, f := range q.active {
 		total, ok := totals[flowField(role, f.Key)]
-		if !ok || len(s.remote) >= maxSharedFlows {
+		if !ok {
 			continue
 		}
 		remote := total - s.own[f.Key]
-		if d := remote - s.remote[f.Key]; d > 0 {
-			s.remote[f.Key] = remote
+		if d := remote - f.remoteSeen; f.based && d > 0 {
 			f.vt += d / f.weight()
 		}
+		// A new window's totals start again below the last reading: they are its start.
+		f.remoteSeen, f.based = remote, true
 	}
 }
