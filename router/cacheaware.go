@@ -149,8 +149,13 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	tokens := hintTokens(h)
 	if p.unbalanced(bd.loads) {
 		b := leastLoadedOf(cands, now, &p.next, false)
+		cost := p.costOn(b, tokens, now)
+		if h.holds(cost) {
+			return b, heldCost
+		}
+		p.cm.noteUncached(tokens)
 		p.picked(b, h, -1)
-		return b, p.costOn(b, tokens, now)
+		return b, cost
 	}
 	scratch := p.match(h)
 	defer scratch.release()
@@ -185,11 +190,15 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	rank := func(i int) float64 { return rendezvousRank(key, cands[i].nameHash, cands[i].Weight, bd.evenWeights) }
 	pick := p.cm.choose(costs, ahead, rank, bound)
 	b := cands[pick]
+	uncached := tokens * (1 - shares[pick])
+	cost := Cost{Uncached: uncached, Ahead: ahead[pick], Predicted: secondsToDuration(costs[pick])}
+	if h.holds(cost) {
+		return b, heldCost
+	}
 	p.picked(b, h, shares[pick])
 	p.countTiers(p.viewOf(found, b, now))
-	uncached := tokens * (1 - shares[pick])
 	p.cm.noteUncached(uncached)
-	return b, Cost{Uncached: uncached, Ahead: ahead[pick], Predicted: secondsToDuration(costs[pick])}
+	return b, cost
 }
 
 // boundShare is the share of h's text that the session's latest request sent its bound
@@ -212,10 +221,10 @@ func (p *CacheAware) tieKey(h Hint) (key uint64, ok bool) {
 }
 
 // costOn is the cost of a request of tokens uncached tokens on b at now: a pick that did not
-// weigh the caches (the pool out of balance) books the whole prompt.
+// weigh the caches (the pool out of balance) books the whole prompt. The pick that takes it
+// notes its tokens (costModel.noteUncached).
 func (p *CacheAware) costOn(b *Backend, tokens float64, now time.Time) Cost {
 	a := p.cm.ahead(b, now)
-	p.cm.noteUncached(tokens)
 	return Cost{Uncached: tokens, Ahead: a, Predicted: secondsToDuration(p.cm.seconds(b, tokens+a))}
 }
 

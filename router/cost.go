@@ -114,6 +114,9 @@ type Cost struct {
 	Uncached  float64
 	Ahead     float64
 	Predicted time.Duration
+	// held: the pick was not taken, its hint's admit refusing it (the TTFT bound); the
+	// policy recorded nothing of it.
+	held bool
 }
 
 // costSelector is implemented by the policies that pick by cost: the pool hands the pick's

@@ -507,3 +507,66 @@ func TestServiceElsewhereCountsOnlyWhileATenantWaitsHere(t *testing.T) {
 	}
 	q.remove(w)
 }
+
+func TestUnderATTFTBoundARequestOfAnotherModelIsNotHeldBehindTheWaiters(t *testing.T) {
+	// Engine a serves model "a", engine b model "b". A request for "a" held back by the bound
+	// behind work on engine a does not keep a request for "b" from idle engine b.
+	cfg := Config{Backends: []BackendConfig{
+		{Name: "a", URL: "http://127.0.0.1:1", Role: RoleDecode, MaxInflight: 100, Models: []string{"a"}},
+		{Name: "b", URL: "http://127.0.0.1:2", Role: RoleDecode, MaxInflight: 100, Models: []string{"b"}},
+	}, DecodePolicy: PolicyCacheAware, Queue: QueueConfig{TTFTBound: 100 * time.Millisecond},
+		CacheAware: CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10 * time.Millisecond}}
+	r, _, _ := newTestRouter(t, cfg)
+	first := mustAcquire(t, r, RoleDecode, Hint{Model: "a", Text: distinctText(0, 200)})
+	out := make(chan servedBy, 1)
+	go func() {
+		l, err := r.Acquire(context.Background(), RoleDecode, Hint{Model: "a", Text: distinctText(1, 200), Flow: Flow{Key: "t"}})
+		out <- servedBy{"a", l, err}
+	}()
+	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == 1 }, "the second request for a to wait")
+	other := mustAcquire(t, r, RoleDecode, Hint{Model: "b", Text: distinctText(2, 200), Flow: Flow{Key: "u"}})
+	if other.Backend().Name != "b" {
+		t.Errorf("the request for b went to %s", other.Backend().Name)
+	}
+	other.Release(Result{Status: 200})
+	first.Prefilled()
+	s := testutil.Recv(t, testutil.Timeout, out, "the request for a, once the work ahead ended")
+	if s.err != nil {
+		t.Fatal(s.err)
+	}
+	s.lease.Release(Result{Status: 200})
+	first.Release(Result{Status: 200})
+}
+
+func TestAPickHeldBackByTheTTFTBoundTeachesTheTreeNothing(t *testing.T) {
+	// The request held back is picked again at each dispatch: were its text recorded as
+	// routed at each of those picks, it would look cached, and go past the bound.
+	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 100), DecodePolicy: PolicyCacheAware, Queue: QueueConfig{TTFTBound: 100 * time.Millisecond},
+		CacheAware: CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10 * time.Millisecond}}
+	r, _, _ := newTestRouter(t, cfg)
+	first := mustAcquire(t, r, RoleDecode, Hint{Text: distinctText(0, 200)})
+	text := distinctText(1, 200)
+	out := make(chan servedBy, 1)
+	go func() {
+		l, err := r.Acquire(context.Background(), RoleDecode, Hint{Text: text, Flow: Flow{Key: "t"}})
+		out <- servedBy{"t", l, err}
+	}()
+	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == 1 }, "the request to wait")
+	for range 3 {
+		r.decode.kick() // dispatches that find it still held back
+	}
+	if n := queued(r, RoleDecode); n != 1 {
+		t.Fatalf("%d waiting after the dispatches, want 1: held-back picks must not make its text look cached", n)
+	}
+	ca := r.decode.policy.(*CacheAware)
+	if got := ca.tree.MatchOne(text, "d0", time.Time{}); got != 0 {
+		t.Errorf("the tree credits %d bytes of the held-back request's text to d0, want 0", got)
+	}
+	first.Prefilled()
+	s := testutil.Recv(t, testutil.Timeout, out, "the request, once the work ahead ended")
+	if s.err != nil {
+		t.Fatal(s.err)
+	}
+	s.lease.Release(Result{Status: 200})
+	first.Release(Result{Status: 200})
+}

@@ -52,6 +52,9 @@ type Hint struct {
 	// waited is how long the request has waited in the queue when a dispatch picks for it:
 	// the TTFT bound counts it as part of the time to first token.
 	waited time.Duration
+	// admit, when set, decides whether a pick by cost is taken (the pool's TTFT bound): a
+	// policy asks it before it records anything of the pick (holds).
+	admit func(Cost) bool
 	// Class names the request's priority class, from the proxy's config (a closed set): the
 	// class label of pdproxy_queue_wait_seconds. Empty shows as "none".
 	Class string
@@ -69,3 +72,9 @@ type Hint struct {
 	// means the pool's queue.timeout.
 	MaxWait time.Duration
 }
+
+// holds reports whether a pick of cost for h is held back (admit refuses it).
+func (h Hint) holds(c Cost) bool { return h.admit != nil && !h.admit(c) }
+
+// heldCost is the Cost of a pick held back.
+var heldCost = Cost{held: true}

@@ -198,6 +198,10 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		i := v.leastLoaded(&p.next, now)
 		b := cands[i]
 		cost := p.costOn(b, tokens, now)
+		if h.holds(cost) {
+			return b, heldCost
+		}
+		p.cm.noteUncached(tokens)
 		v.took(i, cost.Uncached)
 		p.picked(b, h, -1)
 		return b, cost
@@ -283,6 +287,9 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 	sh := heldOf(shares, pick)
 	uncached := tokens * (1 - sh)
 	cost := Cost{Uncached: uncached, Ahead: v.ahead[pick], Predicted: secondsToDuration(costs[pick])}
+	if h.holds(cost) {
+		return b, heldCost
+	}
 	v.took(pick, uncached)
 	p.cm.noteUncached(uncached)
 	p.picked(b, h, sh)

@@ -155,7 +155,9 @@ func (l *Lease) Release(res Result) {
 func (p *pool) leaseLocked(b *Backend, choice SessionChoice, cost Cost, flow string) *Lease {
 	b.st.inflight.Add(1)
 	b.st.started.Add(1)
-	p.flowSlots.took(flow)
+	if p.reservedSlots > 0 {
+		p.flowSlots.took(flow) // gave, at the release, is a no-op for a flow not counted
+	}
 	l := &Lease{b: b, p: p, rank: -1, session: choice, flow: flow}
 	if m := p.costModelLocked(); m != nil && cost != (Cost{}) {
 		l.booked = book(m, b, cost, p.r.now())

@@ -78,15 +78,19 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool, choice SessionChoice,
 	}
 	if cs, ok := p.policy.(costSelector); ok {
 		// A session is placed by the same cost, its bound engine first among near-equals.
-		b, cost = cs.SelectCost(cands, h)
-		if b == nil || !slices.Contains(cands, b) {
-			b, cost = cands[0], Cost{}
+		if p.ttftBound > 0 && !h.Overcommit {
+			waited := h.waited // a copy: the closure must not move h to the heap on every pick
+			h.admit = func(c Cost) bool { return !p.overBound(c, waited) }
 		}
-		if p.overBoundLocked(cost, h) {
+		b, cost = cs.SelectCost(cands, h)
+		if cost.held {
 			// Even the cheapest candidate would make the request wait past the bound behind
 			// work already there: the pool is saturated, and the request waits its turn.
 			clear(cands)
 			return nil, true, "", Cost{}
+		}
+		if b == nil || !slices.Contains(cands, b) {
+			b, cost = cands[0], Cost{}
 		}
 		if h.Session != "" {
 			choice = sessionChoice(b, h, bound, boundEligible)
@@ -106,24 +110,22 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool, choice SessionChoice,
 	return b, true, choice, cost
 }
 
-// overBoundLocked reports whether a pick of cost for h would bring its first token past the
-// pool's TTFT bound: the time it waited in the queue, its predicted TTFT there, and what the
-// pool's predictions run late by (the 90th percentile of their lateness) together. A request
+// overBound reports whether a pick of cost, for a request that has waited so long, would bring
+// its first token past the pool's TTFT bound: its wait in the queue, its predicted TTFT
+// there, and what the pool's predictions run late by (the 90th percentile of their lateness)
+// together. It is called under the pool's lock, the policy asking it (Hint.admit). A request
 // that has not waited and whose own prefill alone takes longer than the bound is not held
 // back on an idle engine: waiting would not make it faster. One that waited past the bound
 // waits on to its queue timeout, and is refused then: admitted, it would be late.
-func (p *pool) overBoundLocked(cost Cost, h Hint) bool {
-	if p.ttftBound <= 0 || h.Overcommit {
-		return false
-	}
+func (p *pool) overBound(cost Cost, waited time.Duration) bool {
 	var late time.Duration
 	if m := p.costModelLocked(); m != nil {
 		late = m.lateness()
 	}
-	if cost.Predicted+h.waited+late <= p.ttftBound {
+	if cost.Predicted+waited+late <= p.ttftBound {
 		return false
 	}
-	return cost.Ahead > 0 || h.waited > 0
+	return cost.Ahead > 0 || waited > 0
 }
 
 // sessionChoice is how a pick of b for h's session went, where the policy picked by cost:

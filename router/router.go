@@ -162,7 +162,9 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 		return nil, fmt.Errorf("role %q: %w", role, ErrNoBackend)
 	}
 	p.mu.Lock()
-	p.flowSlots.arrived(h.Flow.Key, r.now())
+	if p.reservedSlots > 0 {
+		p.flowSlots.arrived(h.Flow.Key, r.now())
+	}
 	if p.waiters.Len() > 0 {
 		// A slot freed by an ejection ending or a check passing belongs to the
 		// waiters first.
@@ -193,6 +195,11 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 	// The deadline is on the router's clock, which tests move.
 	w := &waiter{h: h, ch: make(chan waitResult, 1), deadline: r.now().Add(max(h.Slack, 0)), since: start}
 	p.waiters.push(w)
+	if p.ttftBound > 0 {
+		// Under the bound it was not picked because others wait (above): in its tenant's
+		// turn it may go at once, where those held back are of other models or engines.
+		p.dispatchLocked()
+	}
 	timeout, depth := p.queueTimeout, p.waiters.Len()
 	if h.MaxWait > 0 {
 		timeout = h.MaxWait
