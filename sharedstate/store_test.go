@@ -317,8 +317,11 @@ func checkEnds(t *testing.T, r *replica, req Request) (Decision, error) {
 func TestRedisStoppedMidTestAnswersWithinTheBudgetAndComesBackShared(t *testing.T) {
 	srv := redistest.Start(t)
 	budget := DefaultTimeout
-	r := startReplica(t, srv.Addr(), Config{Redis: RedisConfig{Timeout: &budget}}, onlyTheBudget)
-	other := startReplica(t, srv.Addr(), Config{})
+	// The shortest slot TTL: a release that a loaded machine's send drops (it is counted, and
+	// the slot ends at its TTL, as Release says) then ends within the waits below; the slots
+	// of requests in flight are refreshed every second, and stay.
+	r := startReplica(t, srv.Addr(), Config{SlotTTL: minSlotTTL, Redis: RedisConfig{Timeout: &budget}}, onlyTheBudget)
+	other := startReplica(t, srv.Addr(), Config{SlotTTL: minSlotTTL})
 	req := Request{Key: "client", MaxConcurrent: 2, Rate: 100, Burst: 100}
 	// A loaded machine may miss a 5ms budget now and then: the replica then backs off for a
 	// moment; this waits until its first check goes through.
