@@ -189,7 +189,7 @@ func (d *driver) startPrefill() bool {
 }
 
 func (d *driver) prefilled(kv bool) bool {
-	act, h := d.tb().Prefilled(d.r.id, kv)
+	act, h := d.tb().Prefilled(d.r.id, paramsIf(kv))
 	d.r.mu.Lock()
 	first := !d.r.kvHeld && d.r.holdsCreated == 0
 	if act == ReleaseKV {
@@ -266,7 +266,7 @@ func (d *driver) lateAfterEnd() {
 	note := func(a answer) { a.by, a.afterEnd = "driver", true; d.r.record(a) }
 	note(answer{event: "prefill_start", ok: tb.StartPrefill(id, "p1")})
 	note(answer{event: "prefill_retry", ok: tb.PrefillRetry(id, "p2")})
-	act, h := tb.Prefilled(id, true)
+	act, h := tb.Prefilled(id, testParams)
 	note(answer{event: "prefilled", act: act, hold: h})
 	note(answer{event: "decode_only", ok: tb.DecodeOnly(id)})
 	fwd, h, ok := tb.StartDecode(id, "d1")

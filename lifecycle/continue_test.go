@@ -13,7 +13,7 @@ func TestContinueStartsAnotherAttemptOfTheSameRequest(t *testing.T) {
 	if !tb.StartPrefill("r", "p0") {
 		t.Fatal("StartPrefill refused")
 	}
-	act, hold := tb.Prefilled("r", true)
+	act, hold := tb.Prefilled("r", testParams)
 	if act != None || hold != nil {
 		t.Fatalf("Prefilled = %v %v", act, hold)
 	}
@@ -37,7 +37,7 @@ func TestContinueStartsAnotherAttemptOfTheSameRequest(t *testing.T) {
 	if !tb.StartPrefill("r", "p1") {
 		t.Fatal("second StartPrefill refused")
 	}
-	if act, _ := tb.Prefilled("r", true); act != None {
+	if act, _ := tb.Prefilled("r", testParams); act != None {
 		t.Fatalf("second Prefilled = %v", act)
 	}
 	// The client leaving now releases the second attempt's hold.
@@ -110,7 +110,7 @@ func TestRetryHandsBackTheFailedAttemptsHold(t *testing.T) {
 	if !tb.StartPrefill("r", "p1") {
 		t.Fatal("StartPrefill after Retry refused")
 	}
-	tb.Prefilled("r", true)
+	tb.Prefilled("r", testParams)
 	_, h, _ := tb.StartDecode("r", "d1")
 	h.Release(ReleaseDecoded)
 	if hold, ok := tb.Retry("r"); !ok || hold != nil {

@@ -119,7 +119,7 @@ func TestLatePrefillAnswerAfterTheDecodeMakesNoHold(t *testing.T) {
 				t.Fatalf("ClientGone = %v, want cancel_decode", act)
 			}
 			before := gather(t, f.reg)
-			if act, h := f.tb.Prefilled(reqID, true); act != None || h != nil {
+			if act, h := f.tb.Prefilled(reqID, testParams); act != None || h != nil {
 				t.Errorf("Prefilled(true) = %v, %v; want none, nil: no second hold", act, h)
 			}
 			after := gather(t, f.reg)

@@ -140,3 +140,14 @@ func assertDeltas(t *testing.T, before, after map[string]float64, want map[strin
 		}
 	}
 }
+
+// testParams are a prefiller's KV params, as an answer that holds blocks carries them.
+var testParams = []byte(`{"do_remote_decode":false,"remote_block_ids":[1,2],"remote_engine_id":"p1"}`)
+
+// paramsIf is testParams for an answer that holds KV (kv), nil for one that holds none.
+func paramsIf(kv bool) []byte {
+	if kv {
+		return testParams
+	}
+	return nil
+}

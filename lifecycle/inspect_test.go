@@ -40,11 +40,11 @@ func TestSnapshot(t *testing.T) {
 	begin("c", "/v1/chat/completions")
 	must("StartPrefill", tb.StartPrefill("c", "p1"))
 	must("PrefillRetry", tb.PrefillRetry("c", "p2"))
-	tb.Prefilled("c", true)
+	tb.Prefilled("c", testParams)
 	tick()
 	begin("d", "/v1/chat/completions")
 	must("StartPrefill", tb.StartPrefill("d", "p1"))
-	tb.Prefilled("d", true)
+	tb.Prefilled("d", testParams)
 	_, decodeHold, ok := tb.StartDecode("d", "d1")
 	must("StartDecode", ok)
 	// The decoder has the call: the caller releases the hold it was handed as decoded.
@@ -56,7 +56,7 @@ func TestSnapshot(t *testing.T) {
 	tick()
 	begin("f", "/v1/completions")
 	must("StartPrefill", tb.StartPrefill("f", "p1"))
-	tb.Prefilled("f", true)
+	tb.Prefilled("f", testParams)
 	_, hold, _ := tb.ClientGone("f")
 	tick()
 	begin("g", "/v1/completions")
@@ -143,7 +143,7 @@ func TestAbortAll(t *testing.T) {
 	tb.StartPrefill("prefilling", "p1")
 	begin("kv_held")
 	tb.StartPrefill("kv_held", "p1")
-	tb.Prefilled("kv_held", true)
+	tb.Prefilled("kv_held", testParams)
 	begin("decoding")
 	tb.StartDecode("decoding", "d1")
 	begin("finished")
@@ -328,13 +328,13 @@ func TestSnapshotShowsHowLongEachHoldHasLeft(t *testing.T) {
 		{name: "a prefill's hold counts down from the hold timeout", wait: 10 * time.Second,
 			hold: func(tb *Table, id string) {
 				tb.StartPrefill(id, "p1")
-				tb.Prefilled(id, true)
+				tb.Prefilled(id, testParams)
 			},
 			wantHeld: true, wantDeadline: true, wantLeft: (testHoldTimeout - 10*time.Second).Seconds()},
 		{name: "a hold past its deadline shows a negative time left", wait: testHoldTimeout + 5*time.Second,
 			hold: func(tb *Table, id string) {
 				tb.StartPrefill(id, "p1")
-				tb.Prefilled(id, true)
+				tb.Prefilled(id, testParams)
 			},
 			wantHeld: true, wantDeadline: true, wantLeft: -5},
 		{name: "paired legs' room has an age and no forwarding deadline", wait: 2 * time.Second,
@@ -343,12 +343,12 @@ func TestSnapshotShowsHowLongEachHoldHasLeft(t *testing.T) {
 		{name: "a prefill that answered without params shows no hold", wait: time.Second,
 			hold: func(tb *Table, id string) {
 				tb.StartPrefill(id, "p1")
-				tb.Prefilled(id, false)
+				tb.Prefilled(id, nil)
 			}},
 		{name: "a hold handed to the decode leaves the view", wait: time.Second,
 			hold: func(tb *Table, id string) {
 				tb.StartPrefill(id, "p1")
-				tb.Prefilled(id, true)
+				tb.Prefilled(id, testParams)
 				tb.StartDecode(id, "d1")
 			}},
 	} {

@@ -44,7 +44,7 @@ func TestPrefillAnswerOnPairedLegsMakesNoHold(t *testing.T) {
 			f := newFixture(t)
 			tc.setup(t, f)
 			before := gather(t, f.reg)
-			if act, h := f.tb.Prefilled(reqID, tc.kv); act != None || h != nil {
+			if act, h := f.tb.Prefilled(reqID, paramsIf(tc.kv)); act != None || h != nil {
 				t.Errorf("Prefilled(%v) = %v, %v; want none, nil", tc.kv, act, h)
 			}
 			after := gather(t, f.reg)

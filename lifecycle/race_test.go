@@ -41,7 +41,7 @@ func TestDecodeStartRacingFail(t *testing.T) {
 			t.Fatal(err)
 		}
 		tb.StartPrefill(id, "p1")
-		tb.Prefilled(id, true)
+		tb.Prefilled(id, testParams)
 		var (
 			fwd, ok          bool
 			act              Action
@@ -93,7 +93,7 @@ func TestEndRacingRelease(t *testing.T) {
 			t.Fatal(err)
 		}
 		tb.StartPrefill(id, "p1")
-		tb.Prefilled(id, true)
+		tb.Prefilled(id, testParams)
 		_, hold, _ := tb.ClientGone(id)
 		var won bool
 		together(func() { tb.End(id) }, func() { won = hold.Release(ReleaseDrained) })

@@ -83,13 +83,34 @@ func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) *Table {
 // KVHoldTimeout is the configured hold deadline.
 func (t *Table) KVHoldTimeout() time.Duration { return t.holdTimeout }
 
-// Hold is one KV hold on a prefiller. Release ends it; only the first call counts.
+// Hold is one KV hold on a prefiller, with what names its blocks: whoever the table hands it
+// to (a decode, a release) has the params with it. Release ends it; only the first call counts.
 type Hold struct {
 	t  *Table
 	id string
 	// since is when the hold was recorded: the prefiller's answer, or the paired legs' start.
-	since    time.Time
+	since time.Time
+	// params are the prefiller's KV params (kv_transfer_params) that name the blocks; nil on
+	// paired legs, whose params never pass through the proxy.
+	params   []byte
 	released atomic.Bool
+}
+
+// Params are the prefiller's KV params that name the held blocks, as its answer gave them;
+// nil on paired legs. They never change.
+func (h *Hold) Params() []byte {
+	if h == nil {
+		return nil
+	}
+	return h.params
+}
+
+// Since is when the prefiller began to hold the blocks: its answer, or the paired legs' start.
+func (h *Hold) Since() time.Time {
+	if h == nil {
+		return time.Time{}
+	}
+	return h.since
 }
 
 // Release records that the hold is over, for the given reason. It reports whether this call
@@ -234,13 +255,14 @@ func (t *Table) PrefillRetry(id, backend string) bool {
 	return true
 }
 
-// Prefilled records the prefiller's answer. holdsKV says it returned kv_transfer_params, i.e.
-// it now holds blocks for this request. In Prefilling that leads to KVHeld with a deadline
+// Prefilled records the prefiller's answer. params are the kv_transfer_params it returned (nil
+// for none): it now holds blocks for this request, and the hold keeps the params that name them. In Prefilling that leads to KVHeld with a deadline
 // (or, without a hold, straight on to the decode). If the request was aborted meanwhile (race
 // R1: the abort reached the engine after its final step), the hold is recorded and the answer
 // is ReleaseKV with the hold to release: the engine will not free it before its timer. For a
 // request on paired legs (StartLegs) it is a counted no-op: LegsJoined is their answer.
-func (t *Table) Prefilled(id string, holdsKV bool) (Action, *Hold) {
+func (t *Table) Prefilled(id string, params []byte) (Action, *Hold) {
+	holdsKV := params != nil
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	e := t.lookup(id, "prefill_done")
@@ -257,6 +279,7 @@ func (t *Table) Prefilled(id string, holdsKV bool) (Action, *Hold) {
 		return None, nil
 	case e.state == Prefilling && holdsKV:
 		e.hold = t.newHold(id)
+		e.hold.params = params
 		e.deadline = t.now().Add(t.holdTimeout)
 		t.setState(e, KVHeld)
 		return None, nil
@@ -267,6 +290,7 @@ func (t *Table) Prefilled(id string, holdsKV bool) (Action, *Hold) {
 		// Only when no prefill answer recorded a hold: after the decode went out (hold then
 		// nil) a repeated answer must not make a second hold for KV a decoder may be pulling.
 		e.hold = t.newHold(id)
+		e.hold.params = params
 		return ReleaseKV, e.hold
 	default:
 		t.late("prefill_done", id)

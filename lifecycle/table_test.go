@@ -59,9 +59,9 @@ func fire(f *fixture, event string, owned *Hold) outcome {
 	case evPrefillRetry:
 		o.ok = tb.PrefillRetry(reqID, "p2")
 	case evPrefilledKV:
-		o.act, o.hold = tb.Prefilled(reqID, true)
+		o.act, o.hold = tb.Prefilled(reqID, testParams)
 	case evPrefilledNoKV:
-		o.act, o.hold = tb.Prefilled(reqID, false)
+		o.act, o.hold = tb.Prefilled(reqID, nil)
 	case evDecodeOnly:
 		o.ok = tb.DecodeOnly(reqID)
 	case evDecodeStart:
@@ -121,7 +121,7 @@ func toPrefilling(t *testing.T, f *fixture) {
 func toKVHeld(t *testing.T, f *fixture) {
 	t.Helper()
 	toPrefilling(t, f)
-	if act, h := f.tb.Prefilled(reqID, true); act != None || h != nil {
+	if act, h := f.tb.Prefilled(reqID, testParams); act != None || h != nil {
 		t.Fatalf("setup: Prefilled(true) = %v, %v; want none, nil", act, h)
 	}
 }

@@ -87,7 +87,7 @@ func (x *Exchange) prefill(c *custody) *api.Error {
 			if params != nil {
 				x.Legs.heldAt = time.Now()
 			}
-			if act, hold := x.s.table.Prefilled(x.ID, params != nil); act == lifecycle.ReleaseKV {
+			if act, hold := x.s.table.Prefilled(x.ID, params); act == lifecycle.ReleaseKV {
 				// The request was aborted while the prefill ran. Cannot happen while only
 				// this goroutine moves it; kept so that a hold is never dropped if that changes.
 				x.s.startRelease(x.s.cfg.KVRelease, c, x.held(hold))

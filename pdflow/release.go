@@ -349,7 +349,7 @@ func (s *Flow) prefillAnswerAfterClientLeft(c *custody, req *api.Request, p *rou
 		c.end(s)
 		return
 	}
-	if act, hold := s.table.Prefilled(c.id, true); act == lifecycle.ReleaseKV {
+	if act, hold := s.table.Prefilled(c.id, params); act == lifecycle.ReleaseKV {
 		s.startRelease(s.cfg.KVRelease, c, heldKV{hold: hold, req: req, prefill: p, params: params, heldAt: time.Now()})
 		return
 	}
