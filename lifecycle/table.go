@@ -256,7 +256,9 @@ func (t *Table) PrefillRetry(id, backend string) bool {
 }
 
 // Prefilled records the prefiller's answer. params are the kv_transfer_params it returned (nil
-// for none): it now holds blocks for this request, and the hold keeps the params that name them. In Prefilling that leads to KVHeld with a deadline
+// for none): it now holds blocks for this request, and the hold keeps the params that name them.
+// The table keeps the hold until StartDecode hands it to the decode, or ClientGone, Fail or
+// Retry to a release. In Prefilling that leads to KVHeld with a deadline
 // (or, without a hold, straight on to the decode). If the request was aborted meanwhile (race
 // R1: the abort reached the engine after its final step), the hold is recorded and the answer
 // is ReleaseKV with the hold to release: the engine will not free it before its timer. For a

@@ -41,7 +41,7 @@ func BenchmarkRelay(b *testing.B) {
 		}
 		wd := newWatchdog(ctx, false, false, time.Minute, time.Minute)
 		resp := &http.Response{StatusCode: http.StatusOK, Header: backendHeader, Body: &chunkReader{chunks: chunks}}
-		if e := x.relay(&custody{id: x.ID}, resp, wd); e != nil {
+		if _, e := x.relay(custody{id: x.ID}, resp, wd); e != nil {
 			b.Fatal(e)
 		}
 		wd.stop()

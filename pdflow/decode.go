@@ -12,41 +12,43 @@ import (
 	"github.com/pdproxy/pdproxy/router"
 )
 
-// decode sends the decode call and relays its answer to the client; it takes the custody. A
+// decode sends the decode call, with what the prefill left (p), and relays its answer to the
+// client. It hands the custody back with errMoveOn and errFreshPair, and ends it otherwise. A
 // hold StartDecode hands over goes to the decoder through a handoff (handoff.go): it is the
 // decoder's once the decoder acknowledges the decode, and until then the proxy's, which
 // releases it if the decode ends first.
-func (x *Exchange) decode(c *custody) *api.Error {
+func (x *Exchange) decode(c custody, p prefilled) (custody, *api.Error) {
 	start := time.Now()
 	defer func() { x.Times.Decode = time.Since(start) }()
+	var e *api.Error
 	if !x.s.router.Usable(x.Legs.Decode) {
 		// The decoder reserved before the prefill was ejected or went down meanwhile: the
 		// decode goes to another one, with the same KV, not to an engine known to fail.
-		c.giveBackLease(router.Result{Canceled: true})
-		if e := x.reserveDecoder(c, sequential); e != nil {
-			return e
+		if c, e = x.reserveDecoder(c.withoutLease(router.Result{Canceled: true}), sequential); e != nil {
+			return c, e
 		}
 	}
 	b := x.Legs.Decode
 	// The body is built while the table still has the hold: if building it fails (or
 	// panics), failing the request releases the hold as in kv_held.
-	params := x.Legs.params
+	params := p.params
 	body, err := x.decodeBody(b, params)
 	if err != nil {
-		return x.failWith(c, router.Result{}, BuildFailed(err, "decode"))
+		return custody{}, x.failWith(c, router.Result{}, BuildFailed(err, "decode"))
 	}
 	forward, hold, ok := x.s.table.StartDecode(x.ID, b.Name)
 	if !ok {
-		return x.gone(c)
+		return custody{}, x.gone(c)
 	}
 	if !forward && params != nil {
 		// Past the hold's deadline (race R4): the params are never forwarded.
 		params = nil
 		x.s.abortStaleHold(x.traceParent(), x.EngineID, x.Legs.Prefill)
 		if body, err = x.decodeBody(b, nil); err != nil {
-			return x.failWith(c, router.Result{}, BuildFailed(err, "decode"))
+			return custody{}, x.failWith(c, router.Result{}, BuildFailed(err, "decode"))
 		}
 	}
+	x.Legs.withKV = params != nil
 	ho := x.handOver(hold)
 	// With abort_during_kv_pull after_first_token, a decode that is pulling KV is not cancelled
 	// the moment the client leaves, but at its first byte (or its first-byte timeout): engines
@@ -64,7 +66,8 @@ func (x *Exchange) decode(c *custody) *api.Error {
 			wd.onAck()
 		}
 	}
-	resp, err := x.send(c, call, wd, span, sequential, func(b *router.Backend, call *engine.Call) (err error) {
+	var resp *http.Response
+	c, resp, err = x.send(c, call, wd, span, sequential, func(b *router.Backend, call *engine.Call) (err error) {
 		if _, _, ok := x.s.table.StartDecode(x.ID, b.Name); !ok {
 			// Already decoding, the table names the new decoder; it refuses once the
 			// client left.
@@ -86,24 +89,24 @@ func (x *Exchange) decode(c *custody) *api.Error {
 		x.s.refusedAfterHandoff(x.traceParent(), x.EngineID, x.Legs.Prefill, b, err)
 	}
 	if err != nil {
-		if e := x.retryDecode(c, err, wd); e != nil {
-			return e
+		if c, e = x.retryDecode(c, err, wd); e != nil {
+			return c, e
 		}
-		return x.decodeFailed(c, err, wd)
+		return custody{}, x.decodeFailed(c, err, wd)
 	}
-	if e := x.relayAnswer(c, resp, wd); e != nil {
+	if c, e = x.relayAnswer(c, resp, wd); e != nil {
 		err = e
-		return e
 	}
-	return nil
+	return c, e
 }
 
 // send makes call to the request's decoder and, while a decoder provably never took it and
 // the client is there, to another one accept takes (nil: any), up to decode_retries times:
 // retarget readies the call for each new decoder (its body). The custody's lease and the
-// request's decoder follow the call; the one it last went to keeps them.
-func (x *Exchange) send(c *custody, call engine.Call, wd *watchdog, span trace.Span, accept func(router.Engine) bool,
-	retarget func(b *router.Backend, call *engine.Call) error) (*http.Response, error) {
+// request's decoder follow the call: the custody it returns holds the lease of the one it
+// last went to.
+func (x *Exchange) send(c custody, call engine.Call, wd *watchdog, span trace.Span, accept func(router.Engine) bool,
+	retarget func(b *router.Backend, call *engine.Call) error) (custody, *http.Response, error) {
 	call = withHeader(call, nil, c.lease)
 	var resp *http.Response
 	do := func() error {
@@ -122,7 +125,7 @@ func (x *Exchange) send(c *custody, call engine.Call, wd *watchdog, span trace.S
 			break
 		}
 		x.picked(router.RoleDecode, lease)
-		c.giveBackLease(resultOf(err, x.Ctx))
+		c = c.withoutLease(resultOf(err, x.Ctx))
 		b := lease.Backend()
 		c.lease, x.Legs.Decode = lease, b
 		tried = append(tried, b.Name)
@@ -137,19 +140,20 @@ func (x *Exchange) send(c *custody, call engine.Call, wd *watchdog, span trace.S
 		}
 		err = do()
 	}
-	return resp, err
+	return c, resp, err
 }
 
-// relayAnswer relays a decoder's answer to the client, and ends the custody, which it takes,
-// however the relay ends.
-func (x *Exchange) relayAnswer(c *custody, resp *http.Response, wd *watchdog) *api.Error {
+// relayAnswer relays a decoder's answer to the client. It hands the custody back with
+// errMoveOn and errFreshPair, and ends it otherwise.
+func (x *Exchange) relayAnswer(c custody, resp *http.Response, wd *watchdog) (custody, *api.Error) {
 	defer resp.Body.Close()
 	c.res = router.Result{Status: http.StatusOK}
-	if e := x.relay(c, resp, wd); e != nil {
-		return e
+	c, e := x.relay(c, resp, wd)
+	if e != nil {
+		return c, e
 	}
 	c.end(x.s)
-	return nil
+	return custody{}, nil
 }
 
 // decodeBody is the decode's body for decoder b: its engine's, or for an engine without

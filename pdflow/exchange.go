@@ -2,7 +2,6 @@ package pdflow
 
 import (
 	"context"
-	"encoding/json"
 	"net/http"
 	"sync/atomic"
 	"time"
@@ -73,11 +72,8 @@ type legs struct {
 	Named   *router.Backend
 	Prefill *router.Backend
 	Decode  *router.Backend
-	// params are the prefiller's KV params, for the decoder; nil when it holds nothing.
-	params json.RawMessage
-	// heldAt is when the prefiller began to hold the request's KV (its answer, or the legs'
-	// start), for the spans that release it.
-	heldAt time.Time
+	// withKV records that the decode carried the prefiller's KV params.
+	withKV bool
 	// Fallback: no prefiller served, and the decoder computes the prompt (decode_only_fallback).
 	Fallback bool
 	// tokens are the prompt's token ids, for the cache-aware policies and conditional
@@ -132,8 +128,9 @@ func (x *Exchange) Model() string {
 	return ""
 }
 
-// picked tells Picked where a pick for role went.
+// picked records a lease the request took for role, and tells Picked where it went.
 func (x *Exchange) picked(role router.Role, lease *router.Lease) {
+	x.Tries.taken.leases = append(x.Tries.taken.leases, lease)
 	if x.Picked != nil {
 		x.Picked(role, lease)
 	}

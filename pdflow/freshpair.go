@@ -40,17 +40,17 @@ const (
 // anything, the engines in failed having failed it: when that is allowed, what the attempt
 // holds goes as fail would let it go, with res for the decoder's lease, those engines are left
 // out of the next attempt, the attempt is counted, and the answer is errFreshPair, the custody
-// holding nothing. It is not allowed when the client got bytes or left, the role's budget is
-// spent, the table moved on, or a failed engine has no other of its role to take its place
-// (a failed pull excepted); it then answers nil, and the caller fails the request as before,
-// with the custody.
-func (x *Exchange) freshPair(c *custody, res router.Result, role router.Role, reason string, failed ...*router.Backend) *api.Error {
+// holding nothing, handed back. It is not allowed when the client got bytes or left, the
+// role's budget is spent, the table moved on, or a failed engine has no other of its role to
+// take its place (a failed pull excepted); it then answers nil with the custody as it was,
+// and the caller fails the request as before.
+func (x *Exchange) freshPair(c custody, res router.Result, role router.Role, reason string, failed ...*router.Backend) (custody, *api.Error) {
 	budget, used := x.s.cfg.DecodeRetries, &x.Tries.decode
 	if role == router.RolePrefill {
 		budget, used = x.s.cfg.PrefillRetries, &x.Tries.prefill
 	}
 	if x.Out.Wrote || x.Ctx.Err() != nil || *used >= budget || x.Legs.Decode == nil {
-		return nil
+		return c, nil
 	}
 	var avoid []avoided
 	for _, b := range failed {
@@ -62,15 +62,16 @@ func (x *Exchange) freshPair(c *custody, res router.Result, role router.Role, re
 			// With no other engine of its role, the next attempt would go to the one that
 			// just lost the request, or to none: the client is told of this failure rather
 			// than of a later one. A failed pull may go well on the same pair.
-			return nil
+			return c, nil
 		}
 	}
 	hold, ok := x.s.table.Retry(x.ID)
 	if !ok {
-		return nil
+		return c, nil
 	}
 	*used++
-	x.letGo(c.split(res), hold)
+	c, attempt := c.split(res)
+	x.letGo(attempt, hold)
 	x.Tries.avoid = append(x.Tries.avoid, avoid...)
 	x.s.m.Retries.WithLabelValues(string(role), reason).Inc()
 	if x.span != nil {
@@ -83,7 +84,7 @@ func (x *Exchange) freshPair(c *custody, res router.Result, role router.Role, re
 		// An error event the filter kept from the client belonged to the attempt.
 		rs.pending, rs.errorEvent, rs.watching = rs.pending[:0], false, false
 	}
-	return errFreshPair
+	return c, errFreshPair
 }
 
 // othersUsable reports whether an engine of b's role other than b, and than those the
@@ -102,17 +103,18 @@ func (x *Exchange) othersUsable(b *router.Backend) bool {
 // the client: one that carried the prefiller's KV and was answered with a 5xx or an error
 // event failed its pull, and the request is prefilled again; one whose
 // connection broke or whose answer ended empty lost its decoder, which the next attempt
-// avoids. A decode that timed out, or that a client error refused, is not tried again.
-func (x *Exchange) retryDecode(c *custody, err error, wd *watchdog) *api.Error {
+// avoids. A decode that timed out, or that a client error refused, is not tried again. It
+// answers as freshPair does.
+func (x *Exchange) retryDecode(c custody, err error, wd *watchdog) (custody, *api.Error) {
 	if x.Out.Wrote || wd.timedOut() || x.Ctx.Err() != nil || retriable(err, false) {
 		// A decode its decoder provably never took was tried on other decoders already
 		// (send), with the same KV.
-		return nil
+		return c, nil
 	}
 	var se *engine.StatusError
 	if errors.As(err, &se) || errors.Is(err, errErrorEvent) {
-		if x.Legs.params == nil || se != nil && se.Status < http.StatusInternalServerError {
-			return nil
+		if !x.Legs.withKV || se != nil && se.Status < http.StatusInternalServerError {
+			return c, nil
 		}
 		// The pull may have failed on either side: both are avoided where others can serve.
 		// The decoder's 5xx is charged to it as any other: one that fails every pull must

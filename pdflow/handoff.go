@@ -1,10 +1,8 @@
 package pdflow
 
 import (
-	"encoding/json"
 	"errors"
 	"sync/atomic"
-	"time"
 
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
@@ -15,15 +13,13 @@ import (
 	"github.com/pdproxy/pdproxy/router"
 )
 
-// heldKV is a KV hold with what its release needs: the request whose blocks they are, the
-// prefiller that holds them (nil when unknown: then only its timer frees them), the params
-// that name them, and since when it holds them.
+// heldKV is a KV hold (which names its blocks, and since when they are held) with what its
+// release needs besides: the request whose blocks they are, and the prefiller that holds them
+// (nil when unknown: then only its timer frees them).
 type heldKV struct {
 	hold    *lifecycle.Hold
 	req     *api.Request
 	prefill *router.Backend
-	params  json.RawMessage
-	heldAt  time.Time
 }
 
 // unsentHold is a hold a decode handed over that no decoder acknowledged, with what its
@@ -93,6 +89,16 @@ func (h *handoff) withdraw(err error, d *router.Backend) *unsentHold {
 	return &u
 }
 
+// abandon ends a handoff whose request failed with a panic: a hold no decoder acknowledged and
+// nothing released yet ends as expired. A withdrawn hold may be on its way to a release: only
+// the first end of a hold counts, so whichever comes second changes nothing.
+func (h *handoff) abandon() {
+	open := h.state.CompareAndSwap(handoffOpen, handoffWithdrawn)
+	if (open || h.state.Load() == handoffWithdrawn) && !h.held.hold.Released() {
+		h.held.hold.Release(lifecycle.ReleaseExpired)
+	}
+}
+
 // refused reports whether a decoder refused, with err, a decode it had acknowledged.
 func (h *handoff) refused(err error) bool {
 	var se *engine.StatusError
@@ -120,7 +126,7 @@ func (s *Flow) refusedAfterHandoff(parent trace.SpanContext, engineID string, p,
 
 // held is hold as the request's legs name it.
 func (x *Exchange) held(hold *lifecycle.Hold) heldKV {
-	return heldKV{hold: hold, req: x.Req, prefill: x.Legs.Prefill, params: x.Legs.params, heldAt: x.Legs.heldAt}
+	return heldKV{hold: hold, req: x.Req, prefill: x.Legs.Prefill}
 }
 
 // handOver starts the handoff of hold (nil: the decode carries none, and so is the handoff).
@@ -128,5 +134,7 @@ func (x *Exchange) handOver(hold *lifecycle.Hold) *handoff {
 	if hold == nil {
 		return nil
 	}
-	return &handoff{held: unsentHold{heldKV: x.held(hold)}}
+	h := &handoff{held: unsentHold{heldKV: x.held(hold)}}
+	x.Tries.taken.handoffs = append(x.Tries.taken.handoffs, h)
+	return h
 }

@@ -233,12 +233,13 @@ func moveReason(err error) string {
 
 // moveOn readies the next attempt of a stream whose decoder failed with cause: the decoder's
 // lease goes back charged with the failure, the table starts another attempt, and the request
-// becomes the continuation. It takes the custody when it fails.
-func (x *Exchange) moveOn(c *custody, cause error) *api.Error {
+// becomes the continuation. It returns the custody, holding nothing, for the next attempt; it
+// ends it when it fails.
+func (x *Exchange) moveOn(c custody, cause error) (custody, *api.Error) {
 	rs := x.Out.Resume
 	reason := moveReason(cause)
 	dead := x.Legs.Decode
-	c.giveBackLease(resultOf(cause, nil))
+	c = c.withoutLease(resultOf(cause, nil))
 	x.Tries.avoid = append(x.Tries.avoid, avoidOf(dead))
 	prompt := make([]uint32, 0, len(rs.prompt)+len(rs.sent))
 	prompt = append(append(prompt, rs.prompt...), rs.sent...)
@@ -246,17 +247,17 @@ func (x *Exchange) moveOn(c *custody, cause error) *api.Error {
 	if errors.Is(err, engine.ErrNothingLeft) {
 		x.s.m.Migrations.WithLabelValues(reason, moveRefused).Inc()
 		x.s.m.MigrationRefusals.WithLabelValues(refuseNothing).Inc()
-		return x.failWith(c, router.Result{}, api.FromBackend(cause, router.RoleDecode, api.KindDecodeTimeout))
+		return custody{}, x.failWith(c, router.Result{}, api.FromBackend(cause, router.RoleDecode, api.KindDecodeTimeout))
 	}
 	var fields *engine.Fields
 	if err == nil {
 		fields, err = engine.ParseFields(body)
 	}
 	if err != nil {
-		return x.failWith(c, router.Result{}, BuildFailed(err, "continuation"))
+		return custody{}, x.failWith(c, router.Result{}, BuildFailed(err, "continuation"))
 	}
 	if !x.s.table.Continue(x.ID) {
-		return x.gone(c)
+		return custody{}, x.gone(c)
 	}
 	x.s.m.Migrations.WithLabelValues(reason, movedOn).Inc()
 	x.s.m.TokensReplayed.Add(float64(len(rs.sent)))
@@ -277,7 +278,7 @@ func (x *Exchange) moveOn(c *custody, cause error) *api.Error {
 	x.Req = &api.Request{Route: "/v1/completions", Fields: fields, Model: x.Req.Model, Stream: true, Prefix: x.Req.Prefix,
 		Text: x.Req.Text, Key: x.Req.Key, RouteText: x.Req.RouteText, Tokens: prompt, Prompts: 1}
 	x.Legs = legs{Named: x.Legs.Named}
-	return nil
+	return c, nil
 }
 
 // filter takes what a decoder sent and answers what of it goes to the client: whole events

@@ -22,15 +22,15 @@ import (
 // (its first byte, or the prefiller's answer, which comes once the transfer is done): until
 // then every way out aborts the legs (release.go), the decoder's first.
 //
-// It takes the custody.
-func (x *Exchange) serveLegs(c *custody) *api.Error {
+// It hands the custody back with errMoveOn and errFreshPair, and ends it otherwise.
+func (x *Exchange) serveLegs(c custody) (custody, *api.Error) {
 	if ti, ok := engineOf(x.Legs.Decode).(engine.TokensIn); x.Req.API == engine.APIGenerate && (!ok || !ti.TokensIn()) {
 		// SGLang has no token-in route: its engines would answer 404 to both legs.
-		return x.failWith(c, router.Result{Canceled: true}, api.NewError(api.KindNoRoute, fmt.Sprintf("the engines of model %s do not serve %s", x.Model(), api.GenerateRoute)))
+		return custody{}, x.failWith(c, router.Result{Canceled: true}, api.NewError(api.KindNoRoute, fmt.Sprintf("the engines of model %s do not serve %s", x.Model(), api.GenerateRoute)))
 	}
-	lease, e := x.pickPair(c)
+	c, lease, e := x.pickPair(c)
 	if e != nil {
-		return e
+		return c, e
 	}
 	d, p := x.Legs.Decode, lease.Backend()
 	eng := engineOf(d).(engine.Paired)
@@ -41,7 +41,7 @@ func (x *Exchange) serveLegs(c *custody) *api.Error {
 	}
 	if err != nil {
 		lease.Release(resultOf(err, x.Ctx))
-		return x.failWith(c, router.Result{Canceled: true}, api.FromBackend(&engine.CallError{Err: err}, router.RolePrefill, api.KindPrefillTimeout))
+		return custody{}, x.failWith(c, router.Result{Canceled: true}, api.FromBackend(&engine.CallError{Err: err}, router.RolePrefill, api.KindPrefillTimeout))
 	}
 	leg := engine.Leg{Host: p.URL.Hostname(), Port: bs.Port, Room: engine.NewRoom(), RID: x.EngineID, Prompts: x.Req.Prompts,
 		TransferID: "xfer-" + x.EngineID, Rank: -1, API: x.Req.API}
@@ -63,14 +63,14 @@ func (x *Exchange) serveLegs(c *custody) *api.Error {
 	})
 	if err != nil {
 		lease.Release(router.Result{})
-		return x.failWith(c, router.Result{}, BuildFailed(err, "legs'"))
+		return custody{}, x.failWith(c, router.Result{}, BuildFailed(err, "legs'"))
 	}
 	if !x.s.table.StartLegs(x.ID, p.Name, d.Name) {
 		lease.Release(router.Result{Canceled: true})
-		return x.gone(c)
+		return custody{}, x.gone(c)
 	}
 	pl := &pairedLegs{rids: leg.RIDs(), drain: calls.Drain, start: time.Now()}
-	x.Legs.paired, x.Legs.heldAt = pl, pl.start
+	x.Legs.paired = pl
 	defer func() {
 		if x.Times.Prefill == 0 {
 			x.Times.Prefill = time.Since(pl.start)
@@ -182,10 +182,11 @@ func (x *Exchange) serveLegs(c *custody) *api.Error {
 			// refused as unavailable, is tried again on a fresh pair.
 			var fresh *api.Error
 			if retriable(err, true) {
-				fresh = x.freshPair(c, router.Result{Canceled: true}, router.RolePrefill, retryReason(err), p)
+				c, fresh = x.freshPair(c, router.Result{Canceled: true}, router.RolePrefill, retryReason(err), p)
 			}
 			if fresh == nil {
 				x.fail(c, router.Result{Canceled: true})
+				c = custody{}
 			}
 			wd.cancel(errPrefillLegFailed)
 			ans = <-decoded
@@ -193,9 +194,9 @@ func (x *Exchange) serveLegs(c *custody) *api.Error {
 				ans.resp.Body.Close()
 			}
 			if fresh != nil {
-				return fresh
+				return c, fresh
 			}
-			return api.FromBackend(err, router.RolePrefill, api.KindPrefillTimeout)
+			return custody{}, api.FromBackend(err, router.RolePrefill, api.KindPrefillTimeout)
 		case ans = <-decoded:
 			waiting = false
 		}
@@ -206,29 +207,29 @@ func (x *Exchange) serveLegs(c *custody) *api.Error {
 			// Its decoder provably never took the leg: the room goes, and a fresh pair
 			// serves the request.
 			pl.neverTaken = true
-			if e := x.freshPair(c, resultOf(ans.err, x.Ctx), router.RoleDecode, retryReason(ans.err), d); e != nil {
-				return e
+			if c, e = x.freshPair(c, resultOf(ans.err, x.Ctx), router.RoleDecode, retryReason(ans.err), d); e != nil {
+				return c, e
 			}
 		}
-		if e := x.retryDecode(c, ans.err, wd); e != nil {
-			return e
+		if c, e = x.retryDecode(c, ans.err, wd); e != nil {
+			return c, e
 		}
-		return x.decodeFailed(c, ans.err, wd)
+		return custody{}, x.decodeFailed(c, ans.err, wd)
 	}
-	e = x.relayAnswer(c, ans.resp, wd)
+	c, e = x.relayAnswer(c, ans.resp, wd)
 	served = e == nil
 	if e != nil {
 		derr = e
 	}
-	return e
+	return c, e
 }
 
 // pickPair takes a prefiller for the request's reserved decoder, and answers its lease. A pair
 // never goes out half to an engine ejected or gone down since it was picked (passive health
 // may eject one between the two picks, or while another request waits): the prefiller is
-// picked again, and the decoder, if it is the one, reserved again, a few times at most. On
-// failure it takes the custody.
-func (x *Exchange) pickPair(c *custody) (*router.Lease, *api.Error) {
+// picked again, and the decoder, if it is the one, reserved again, a few times at most. It
+// returns the custody (holding the decoder's lease); on failure it ends it.
+func (x *Exchange) pickPair(c custody) (custody, *router.Lease, *api.Error) {
 	for try := 0; ; try++ {
 		d := x.Legs.Decode
 		h := x.hint(router.RolePrefill, nil)
@@ -236,20 +237,20 @@ func (x *Exchange) pickPair(c *custody) (*router.Lease, *api.Error) {
 		lease, err := x.s.router.Acquire(x.Ctx, router.RolePrefill, h)
 		if err != nil {
 			// A decoder in disaggregated mode cannot serve alone: no decode-only fallback.
-			return nil, x.failWith(c, router.Result{Canceled: true}, api.FromRouter(err, router.RolePrefill))
+			return custody{}, nil, x.failWith(c, router.Result{Canceled: true}, api.FromRouter(err, router.RolePrefill))
 		}
 		x.picked(router.RolePrefill, lease)
 		if x.s.router.Usable(d) && x.s.router.Usable(lease.Backend()) {
-			return lease, nil
+			return c, lease, nil
 		}
 		lease.Release(router.Result{Canceled: true})
 		if try == pairPicks {
-			return nil, x.failWith(c, router.Result{Canceled: true}, api.FromRouter(router.ErrNoBackend, router.RoleDecode))
+			return custody{}, nil, x.failWith(c, router.Result{Canceled: true}, api.FromRouter(router.ErrNoBackend, router.RoleDecode))
 		}
 		if !x.s.router.Usable(d) {
-			c.giveBackLease(router.Result{Canceled: true})
-			if e := x.reserveDecoder(c, pairedWith(d.Engine)); e != nil {
-				return nil, e
+			var e *api.Error
+			if c, e = x.reserveDecoder(c.withoutLease(router.Result{Canceled: true}), pairedWith(d.Engine)); e != nil {
+				return c, nil, e
 			}
 		}
 	}

@@ -13,12 +13,11 @@ import (
 var ErrPanic = api.NewError(api.KindPanicked, "the proxy failed while serving this request; it was aborted on its engines")
 
 // recoverRequest is the safety net of a request in flight: a panic while serving it still
-// finishes it. It is failed the way its mode fails (what it holds is released, its legs
-// aborted), counted in pdproxy_panics_total, logged with its id, and its client is told (a
-// 502 when nothing was sent yet; an error event in a stream; a cut connection for a JSON
-// answer under way). The panic never reaches net/http, which would drop the connection and
-// leave the request uncounted.
-func (x *Exchange) recoverRequest(c *custody, e **api.Error) {
+// finishes it. It is failed with what it took (failTaken), counted in pdproxy_panics_total,
+// logged with its id, and its client is told (a 502 when nothing was sent yet; an error event
+// in a stream; a cut connection for a JSON answer under way). The panic never reaches
+// net/http, which would drop the connection and leave the request uncounted.
+func (x *Exchange) recoverRequest(e **api.Error) {
 	v := recover()
 	if v == nil {
 		return
@@ -33,11 +32,27 @@ func (x *Exchange) recoverRequest(c *custody, e **api.Error) {
 				x.s.logger.Error("panic failing a request after a panic: its table entry ends as it is", zap.String("request_id", x.ID), zap.Any("panic", v))
 			}
 		}()
-		if !c.passed.Load() {
-			x.fail(c, router.Result{})
-		}
+		x.failTaken()
 	}()
 	*e = x.cut(ErrPanic)
+}
+
+// failTaken fails a request after a panic. The panic may have come anywhere in the flow, with
+// the request's custody in any step's hands, so only steps that count once whoever takes them
+// first are taken: what the table still holds for the request goes as a failed request's does
+// (fail: a hold it still has released, paired legs aborted); every lease the request took is
+// given back; every hold it handed to a decode that no decoder took and nothing released yet
+// ends as expired, its blocks left to the prefiller's timer; and the entry ends. A panic after
+// the request went to background work (a release on its way) ends its entry early: that work
+// still runs, and its hold, if the net ends it first, is counted expired.
+func (x *Exchange) failTaken() {
+	x.fail(custody{id: x.ID, engineID: x.EngineID, span: x.traceParent()}, router.Result{})
+	for _, l := range x.Tries.taken.leases {
+		l.Release(router.Result{})
+	}
+	for _, ho := range x.Tries.taken.handoffs {
+		ho.abandon()
+	}
 }
 
 // BuildFailed is the answer to a request whose engine body could not be built.

@@ -39,9 +39,9 @@ func (x *Exchange) reservation() (before bool, accept func(router.Engine) bool) 
 	return before, paired
 }
 
-// reserveDecoder takes a lease on a decoder for the request, into its custody c; one accept
-// takes, when set. On failure it takes the custody.
-func (x *Exchange) reserveDecoder(c *custody, accept func(router.Engine) bool) *api.Error {
+// reserveDecoder takes a lease on a decoder for the request, one accept takes when set, and
+// returns the custody holding it; on failure it ends the custody.
+func (x *Exchange) reserveDecoder(c custody, accept func(router.Engine) bool) (custody, *api.Error) {
 	h := x.hint(router.RoleDecode, nil)
 	h.Accept = accept
 	if rs := x.Out.Resume; rs != nil && rs.Attempt > 0 {
@@ -49,11 +49,11 @@ func (x *Exchange) reserveDecoder(c *custody, accept func(router.Engine) bool) *
 	}
 	lease, err := x.s.router.Acquire(x.Ctx, router.RoleDecode, h)
 	if err != nil {
-		return x.failWith(c, router.Result{}, api.FromRouter(err, router.RoleDecode))
+		return custody{}, x.failWith(c, router.Result{}, api.FromRouter(err, router.RoleDecode))
 	}
 	x.picked(router.RoleDecode, lease)
 	c.lease, x.Legs.Decode = lease, lease.Backend()
-	return nil
+	return c, nil
 }
 
 // pickPrefiller is the prefiller for a prefill attempt: the router's pick, or, in the sidecar

@@ -14,9 +14,10 @@ import (
 )
 
 // prefill runs the prefill call, on another prefiller when one provably never started it,
-// and falls back to a decode-only request when no prefiller can serve and that is allowed.
-// On failure it takes the custody.
-func (x *Exchange) prefill(c *custody) *api.Error {
+// and falls back to a decode-only request when no prefiller can serve and that is allowed. It
+// returns the custody, and what the prefill left for the decode; on failure it ends the
+// custody.
+func (x *Exchange) prefill(c custody) (custody, prefilled, *api.Error) {
 	start := time.Now()
 	defer func() { x.Times.Prefill = time.Since(start) }()
 	var (
@@ -31,11 +32,12 @@ func (x *Exchange) prefill(c *custody) *api.Error {
 		lease, b, err := x.pickPrefiller(h)
 		if err != nil {
 			if x.Ctx.Err() != nil {
-				return x.gone(c)
+				return custody{}, prefilled{}, x.gone(c)
 			}
 			if attempt == 0 && errors.Is(err, router.ErrNoBackend) && len(x.s.router.Available(router.RolePrefill)) == 0 {
 				// No prefiller is usable at all: prefill_unavailable says what to do.
-				return x.prefillUnavailable(c, err)
+				c, e := x.prefillUnavailable(c, err)
+				return c, prefilled{}, e
 			}
 			if lastErr == nil {
 				lastErr = err
@@ -54,7 +56,7 @@ func (x *Exchange) prefill(c *custody) *api.Error {
 			}
 			if err != nil {
 				lease.Release(router.Result{Canceled: true})
-				return x.failWith(c, router.Result{}, BuildFailed(err, "prefill"))
+				return custody{}, prefilled{}, x.failWith(c, router.Result{}, BuildFailed(err, "prefill"))
 			}
 			bodyFor = eng
 		}
@@ -71,35 +73,34 @@ func (x *Exchange) prefill(c *custody) *api.Error {
 		}
 		if !started {
 			lease.Release(router.Result{Canceled: true})
-			return x.gone(c)
+			return custody{}, prefilled{}, x.gone(c)
 		}
-		params, err, gone := x.callPrefill(c, lease, b, body)
+		var params json.RawMessage
+		c, params, err = x.callPrefill(c, lease, b, body)
 		if !unprocessedAlive(err) {
 			// A prefiller that provably dropped the call on a kept-open connection is alive
 			// and may take it again; any other failure sends the retry elsewhere.
 			tried = append(tried, b.Name)
 		}
-		if gone {
-			return x.abandoned()
+		if !c.held() {
+			// The client left during the call, which took the custody with it.
+			return custody{}, prefilled{}, x.abandoned()
 		}
 		if err == nil {
-			x.Legs.params = params
-			if params != nil {
-				x.Legs.heldAt = time.Now()
-			}
-			if act, hold := x.s.table.Prefilled(x.ID, params); act == lifecycle.ReleaseKV {
+			act, hold := x.s.table.Prefilled(x.ID, params)
+			if act == lifecycle.ReleaseKV {
 				// The request was aborted while the prefill ran. Cannot happen while only
 				// this goroutine moves it; kept so that a hold is never dropped if that changes.
 				x.s.startRelease(x.s.cfg.KVRelease, c, x.held(hold))
-				return x.abandoned()
+				return custody{}, prefilled{}, x.abandoned()
 			}
 			if x.Ctx.Err() != nil {
-				return x.gone(c)
+				return custody{}, prefilled{}, x.gone(c)
 			}
-			return nil
+			return c, prefilled{params}, nil
 		}
 		if x.Ctx.Err() != nil {
-			return x.gone(c)
+			return custody{}, prefilled{}, x.gone(c)
 		}
 		x.s.abortBrokenPrefill(x.traceParent(), x.EngineID, b, err)
 		lastErr = err
@@ -110,38 +111,45 @@ func (x *Exchange) prefill(c *custody) *api.Error {
 	if errors.Is(lastErr, router.ErrTenantQueueFull) || errors.Is(lastErr, router.ErrPoolSaturated) {
 		// Flow control refused the tenant its prefill: a decode-only fallback would let it
 		// past its share on the decoders.
-		return x.failWith(c, router.Result{}, api.FromRouter(lastErr, router.RolePrefill))
+		return custody{}, prefilled{}, x.failWith(c, router.Result{}, api.FromRouter(lastErr, router.RolePrefill))
 	}
 	var se *engine.StatusError
 	clientFault := errors.As(lastErr, &se) && se.Status >= 400 && se.Status < 500
 	if !clientFault && *x.s.cfg.DecodeOnlyFallback {
 		// Nobody prefilled: move on without KV, the decoder computes the prompt itself.
 		if !x.s.table.DecodeOnly(x.ID) {
-			return x.gone(c)
+			return custody{}, prefilled{}, x.gone(c)
 		}
 		x.Legs.Fallback = true
 		x.s.m.Fallbacks.Inc()
-		return nil
+		return c, prefilled{}, nil
 	}
 	if rerr := lastErr; rerr != nil && (errors.Is(rerr, router.ErrNoBackend) || errors.Is(rerr, router.ErrQueueFull) || errors.Is(rerr, router.ErrQueueTimeout)) {
-		return x.failWith(c, router.Result{}, api.FromRouter(rerr, router.RolePrefill))
+		return custody{}, prefilled{}, x.failWith(c, router.Result{}, api.FromRouter(rerr, router.RolePrefill))
 	}
-	return x.failWith(c, router.Result{}, api.FromBackend(lastErr, router.RolePrefill, api.KindPrefillTimeout))
+	return custody{}, prefilled{}, x.failWith(c, router.Result{}, api.FromBackend(lastErr, router.RolePrefill, api.KindPrefillTimeout))
 }
 
 // prefillUnavailable serves a request the pool has no usable prefiller for, as
-// prefill_unavailable says: on a decoder alone, or not at all. It takes the custody when it
-// fails.
-func (x *Exchange) prefillUnavailable(c *custody, err error) *api.Error {
+// prefill_unavailable says: on a decoder alone, or not at all. It returns the custody, or ends
+// it when it fails.
+func (x *Exchange) prefillUnavailable(c custody, err error) (custody, *api.Error) {
 	if x.s.cfg.PrefillUnavailable != PrefillUnavailableDecode {
-		return x.failWith(c, router.Result{}, api.FromRouter(err, router.RolePrefill))
+		return custody{}, x.failWith(c, router.Result{}, api.FromRouter(err, router.RolePrefill))
 	}
 	if !x.s.table.DecodeOnly(x.ID) {
-		return x.gone(c)
+		return custody{}, x.gone(c)
 	}
 	x.Legs.Fallback = true
 	x.s.m.Fallbacks.Inc()
-	return nil
+	return c, nil
+}
+
+// prefilled is what a prefill left on its prefiller for the decode: the KV params that name
+// the blocks it holds for the request (nil: it holds none, or no prefill ran). The hold is the
+// table's until the decode takes it (StartDecode) or a release does, and names the same params.
+type prefilled struct {
+	params json.RawMessage
 }
 
 type prefillAnswer struct {
@@ -153,9 +161,10 @@ type prefillAnswer struct {
 // request's context, so the client leaving closes the prefiller's connection at once. With
 // finish_then_release it runs on a context detached from the client on purpose: if the
 // client leaves, the call goes on in the background and takes the request's custody, so that
-// its KV is released as soon as the prefiller answers (gone is then true: the client's leaving
-// has been handled, and the custody went with the call).
-func (x *Exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backend, body []byte) (params json.RawMessage, err error, gone bool) {
+// its KV is released as soon as the prefiller answers: the custody returned is then the zero
+// one (the client's leaving has been handled, and the custody went with the call). Else it is
+// c, with the prefiller's answer.
+func (x *Exchange) callPrefill(c custody, lease *router.Lease, b *router.Backend, body []byte) (custody, json.RawMessage, error) {
 	call := withHeader(x.call(b, x.Req.Route, body), nil, lease)
 	timeout := x.s.cfg.PrefillTimeout
 	span := x.callSpan(SpanPrefill, b)
@@ -175,12 +184,12 @@ func (x *Exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backen
 			err = errors.Join(api.ErrPhaseTimeout, err)
 		}
 		endSpan(span, err)
-		return params, err, false
+		return c, params, err
 	}
 
 	var taken atomic.Bool // set by whichever side handles the answer: the handler, or the call
 	answer := make(chan prefillAnswer, 1)
-	adopt := make(chan *custody, 1)
+	adopt := make(chan custody, 1)
 	s, req := x.s, x.Req
 	s.bg.Add(1)
 	go func() {
@@ -205,26 +214,22 @@ func (x *Exchange) callPrefill(c *custody, lease *router.Lease, b *router.Backen
 			return
 		}
 		// The handler gave up on the client and hands over the request's custody.
-		if c := <-adopt; c != nil {
+		if c := <-adopt; c.held() {
 			s.prefillAnswerAfterClientLeft(c, req, b, params, err)
 		}
 	}()
 	select {
 	case res := <-answer:
-		return res.params, res.err, false
+		return c, res.params, res.err
 	case <-x.Ctx.Done():
 		if taken.CompareAndSwap(false, true) {
 			// The table learns first that the client left, so that the answer, whenever it
-			// comes, is taken for a hold nobody will decode.
-			if c = x.leave(c); c != nil {
-				// The decoder reserved for the request is of no use to it any more.
-				c.giveBackLease(router.Result{Canceled: true})
-				c.pass()
-			}
-			adopt <- c
-			return nil, nil, true
+			// comes, is taken for a hold nobody will decode. The decoder reserved for the
+			// request is of no use to it any more.
+			adopt <- x.leave(c).withoutLease(router.Result{Canceled: true})
+			return custody{}, nil, nil
 		}
 		res := <-answer
-		return res.params, res.err, false
+		return c, res.params, res.err
 	}
 }

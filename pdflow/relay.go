@@ -39,8 +39,9 @@ func nextOf(body io.Reader) func() ([]byte, bool, error) {
 // relay copies the decoder's answer to the client as it arrives, flushing as soon as nothing
 // more of it has arrived, so a stream reaches the client chunk by chunk with nothing added in
 // between, and chunks the decoder sent together go out in one write.
-// It takes the custody when it fails; on success the caller still has it.
-func (x *Exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Error {
+// It returns the custody when the answer is whole, and hands it back with errMoveOn and
+// errFreshPair; it ends it otherwise.
+func (x *Exchange) relay(c custody, resp *http.Response, wd *watchdog) (custody, *api.Error) {
 	h := x.W.Header()
 	ct := resp.Header.Get("Content-Type")
 	if ct == "" {
@@ -108,7 +109,7 @@ func (x *Exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Err
 		if n := len(data); n > 0 {
 			if x.Ctx.Err() != nil {
 				x.countAfterGone(data)
-				return x.gone(c)
+				return custody{}, x.gone(c)
 			}
 			if !x.Out.Wrote {
 				// A decoder generates only once it has the KV: paired legs have joined.
@@ -137,7 +138,7 @@ func (x *Exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Err
 				// The client is gone, or too slow: what this read held was never delivered.
 				x.countAfterGone(data)
 				x.Cancel(werr)
-				return x.gone(c)
+				return custody{}, x.gone(c)
 			}
 			x.Out.end.Note(data)
 			// Flushed when nothing more had arrived: the end is out once the client may read it.
@@ -163,7 +164,7 @@ func (x *Exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Err
 				// silent: the response's end (HTTP/1.1's last chunk) must still go out.
 				x.writeDeadline(rc)
 				x.s.table.Finish(x.ID)
-				return nil
+				return c, nil
 			}
 		}
 		if rerr != nil {
@@ -173,12 +174,13 @@ func (x *Exchange) relay(c *custody, resp *http.Response, wd *watchdog) *api.Err
 			}
 			if x.canMove(cause) {
 				x.Out.broke = cause
-				return errMoveOn
+				return c, errMoveOn
 			}
-			if e := x.retryDecode(c, rerr, wd); e != nil {
-				return e
+			var e *api.Error
+			if c, e = x.retryDecode(c, rerr, wd); e != nil {
+				return c, e
 			}
-			return x.decodeFailed(c, rerr, wd)
+			return custody{}, x.decodeFailed(c, rerr, wd)
 		}
 	}
 }

@@ -119,7 +119,7 @@ func FuzzRelay(f *testing.F) {
 			broken = true
 		}
 		resp := &http.Response{StatusCode: http.StatusOK, Header: http.Header{}, Body: io.NopCloser(&chopReader{data: in, cuts: cuts, end: end})}
-		e := x.relay(&custody{id: id}, resp, wd)
+		_, e := x.relay(custody{id: id}, resp, wd)
 		got := rec.Body.Bytes()
 
 		if !broken {

@@ -26,16 +26,15 @@ import (
 )
 
 // gone handles the client leaving (leave), and ends what of the request was left to it.
-func (x *Exchange) gone(c *custody) *api.Error {
-	if c = x.leave(c); c != nil {
-		c.end(x.s)
-	}
+func (x *Exchange) gone(c custody) *api.Error {
+	x.leave(c).end(x.s)
 	return x.abandoned()
 }
 
-// leave handles the client leaving: one transition of the table says what to abort. It takes
-// the custody where that gives it a hold to release, and returns it otherwise.
-func (x *Exchange) leave(c *custody) *custody {
+// leave handles the client leaving: one transition of the table says what to abort. It ends
+// the custody where that gives it a hold to release (the zero custody comes back), and returns
+// it otherwise.
+func (x *Exchange) leave(c custody) custody {
 	act, hold, stage := x.s.table.ClientGone(x.ID)
 	if x.span != nil {
 		x.span.SetAttributes(attrClientLeftStage.String(stage.String()))
@@ -58,7 +57,7 @@ func (x *Exchange) leave(c *custody) *custody {
 		if hold != nil {
 			// Paired legs: the room is held until both are aborted, the decoder's first.
 			x.s.abortLegs(c, pl, p, x.Legs.Decode, hold, pl.drain, x.Legs.Decode, x.Req)
-			return nil
+			return custody{}
 		}
 		if p != nil && canAbort(p) {
 			// The engine may have finished its last step before the connection closed and
@@ -67,7 +66,7 @@ func (x *Exchange) leave(c *custody) *custody {
 		}
 	case lifecycle.ReleaseKV:
 		x.s.startRelease(x.s.cfg.KVRelease, c, x.held(hold))
-		return nil
+		return custody{}
 	case lifecycle.CancelDecode:
 		if pl != nil {
 			x.s.abortDecodeLeg(x.traceParent(), pl.rids, x.Legs.Decode)
@@ -89,8 +88,8 @@ func (x *Exchange) abandoned() *api.Error {
 
 // failWith is how a step of the flow fails with e: a client that left is handled as gone;
 // else the request fails (fail, the decoder's lease given back with res) and the client is
-// told e in the way its answer so far allows (cut). It takes the custody.
-func (x *Exchange) failWith(c *custody, res router.Result, e *api.Error) *api.Error {
+// told e in the way its answer so far allows (cut). It ends the custody.
+func (x *Exchange) failWith(c custody, res router.Result, e *api.Error) *api.Error {
 	if x.Ctx.Err() != nil {
 		return x.gone(c)
 	}
@@ -98,13 +97,13 @@ func (x *Exchange) failWith(c *custody, res router.Result, e *api.Error) *api.Er
 	return x.cut(e)
 }
 
-// fail ends the request as failed, the one way its mode fails, and takes its custody; res is
+// fail ends the request as failed, the one way its mode fails, and ends its custody; res is
 // what the decoder's lease is given back with. Sequential P/D (and aggregated serving, which
 // holds nothing): KV the prefiller still holds for the request is released. Paired legs: while
 // the room is held, both legs are aborted, the decoder's first, so that neither waits for a
 // partner that never comes; once they joined, the decoder's leg, which SGLang would otherwise
 // notice only seconds after its connection closed.
-func (x *Exchange) fail(c *custody, res router.Result) {
+func (x *Exchange) fail(c custody, res router.Result) {
 	c.res = res
 	act, hold := x.s.table.Fail(x.ID)
 	if act != lifecycle.ReleaseKV {
@@ -113,11 +112,11 @@ func (x *Exchange) fail(c *custody, res router.Result) {
 	x.letGo(c, hold)
 }
 
-// letGo lets go of what the request's legs hold once they failed, and ends the custody c,
-// which it takes: hold (nil when none is left to release) is released as the mode releases a
+// letGo lets go of what the request's legs hold once they failed, and ends the custody c:
+// hold (nil when none is left to release) is released as the mode releases a
 // failed request's, and paired legs are aborted. fail uses it for the request; a fresh pair
 // (freshPair) for the attempt it replaces, with the attempt's own custody.
-func (x *Exchange) letGo(c *custody, hold *lifecycle.Hold) {
+func (x *Exchange) letGo(c custody, hold *lifecycle.Hold) {
 	pl := x.Legs.paired
 	switch {
 	case pl != nil && hold != nil:
@@ -153,9 +152,9 @@ func (x *Exchange) otherDecoder() *router.Backend {
 
 // decodeFailed is how a decode ends that failed or timed out, in either mode, before its
 // answer or in the middle of it: a client that left is handled as gone; else the request fails
-// (fail) and the client is told, in the way its answer so far allows (cut). It takes the
+// (fail) and the client is told, in the way its answer so far allows (cut). It ends the
 // custody.
-func (x *Exchange) decodeFailed(c *custody, err error, wd *watchdog) *api.Error {
+func (x *Exchange) decodeFailed(c custody, err error, wd *watchdog) *api.Error {
 	res := resultOf(err, x.Ctx)
 	if x.Ctx.Err() != nil && !wd.timedOut() {
 		c.res = res
@@ -193,8 +192,8 @@ func (s *Flow) abortDecodeLeg(parent trace.SpanContext, rids []string, d *router
 // and logged: with NIXL nothing else frees a prefiller's room, and a decoder keeps the blocks
 // it reserved for the transfer until its waiting timeout. The hold (the prefiller's room) is
 // released as aborted once the prefiller's abort succeeded. Both are repeated a moment later,
-// as in abortOnEngine, in case an abort overtook its leg. abortLegs takes the request's
-// custody and ends it once the hold is released.
+// as in abortOnEngine, in case an abort overtook its leg. abortLegs ends the request's custody
+// once the hold is released.
 //
 // Engines without an explicit abort (vLLM's MooncakeConnector) are aborted by closing the
 // legs' connections, the decoder's first (cut): a prefill cut before it ended holds nothing;
@@ -202,9 +201,8 @@ func (s *Flow) abortDecodeLeg(parent trace.SpanContext, rids []string, d *router
 // token, the output discarded) makes a decoder pull it: drainOn, when it is not nil. A prefill
 // that ended in the moment its connection closed holds its KV for the timer too (race R1:
 // nothing else frees it).
-func (s *Flow) abortLegs(c *custody, pl *pairedLegs, p, d *router.Backend, hold *lifecycle.Hold, drain []byte, drainOn *router.Backend, req *api.Request) {
-	c.pass()
-	c.giveBackLease(c.res)
+func (s *Flow) abortLegs(c custody, pl *pairedLegs, p, d *router.Backend, hold *lifecycle.Hold, drain []byte, drainOn *router.Backend, req *api.Request) {
+	c = c.withoutLease(c.res)
 	rids := pl.rids
 	if !canAbort(d) || !canAbort(p) {
 		prefilled := pl.cut != nil && pl.cut()
@@ -302,10 +300,10 @@ const (
 // engine rather than drained through a second decoder. A drain does not go to a decoder that
 // could not be reached (avoid): it may be dead, and with nothing in flight it would be the
 // first pick. One that answered is alive, and may be the only one there is.
-func (s *Flow) releaseUnsent(c *custody) {
+func (s *Flow) releaseUnsent(c custody) {
 	u := c.unsent
 	c.unsent = nil
-	c.giveBackLease(c.res)
+	c = c.withoutLease(c.res)
 	mode := s.cfg.KVRelease
 	switch {
 	case mode == ReleaseWait:
@@ -341,7 +339,7 @@ func (s *Flow) abortBrokenPrefill(parent trace.SpanContext, id string, p *router
 
 // prefillAnswerAfterClientLeft ends a request whose prefill was let finish after its client
 // left (abort_during_prefill finish_then_release): the KV it now holds is released at once.
-func (s *Flow) prefillAnswerAfterClientLeft(c *custody, req *api.Request, p *router.Backend, params json.RawMessage, err error) {
+func (s *Flow) prefillAnswerAfterClientLeft(c custody, req *api.Request, p *router.Backend, params json.RawMessage, err error) {
 	if err != nil || params == nil {
 		if err != nil {
 			s.abortBrokenPrefill(c.span, c.engineID, p, err)
@@ -350,7 +348,7 @@ func (s *Flow) prefillAnswerAfterClientLeft(c *custody, req *api.Request, p *rou
 		return
 	}
 	if act, hold := s.table.Prefilled(c.id, params); act == lifecycle.ReleaseKV {
-		s.startRelease(s.cfg.KVRelease, c, heldKV{hold: hold, req: req, prefill: p, params: params, heldAt: time.Now()})
+		s.startRelease(s.cfg.KVRelease, c, heldKV{hold: hold, req: req, prefill: p})
 		return
 	}
 	c.end(s)
@@ -365,24 +363,23 @@ type release struct {
 	// mode is kv_release's: drain, abort (the engine's explicit abort; a drain where it has
 	// none) or wait (the engine's own timer).
 	mode string
-	c    *custody
+	c    custody
 	// exclude names decoders a drain must not go to.
 	exclude []string
 	// span is the release's span, the parent of its drain's or abort's.
 	span trace.SpanContext
 }
 
-// startRelease releases kv with mode and ends the custody c, which it takes: in the
-// background unless there is nothing to send (the client is gone and nothing waits for it).
-// A drain goes to none of the decoders exclude names.
-func (s *Flow) startRelease(mode string, c *custody, kv heldKV, exclude ...string) {
-	c.pass()
+// startRelease releases kv with mode and ends the custody c: in the background unless there
+// is nothing to send (the client is gone and nothing waits for it). A drain goes to none of
+// the decoders exclude names.
+func (s *Flow) startRelease(mode string, c custody, kv heldKV, exclude ...string) {
 	r := release{heldKV: kv, mode: mode, c: c, exclude: exclude, span: c.span}
 	span := s.bgSpan(c.span, SpanRelease, r.prefill, attrReleaseMode.String(r.mode))
 	if span != nil {
 		r.span = span.SpanContext()
-		if !r.heldAt.IsZero() {
-			span.SetAttributes(attrKVHeldSeconds.Float64(time.Since(r.heldAt).Seconds()))
+		if since := r.hold.Since(); !since.IsZero() {
+			span.SetAttributes(attrKVHeldSeconds.Float64(time.Since(since).Seconds()))
 		}
 	}
 	if r.mode == ReleaseWait || r.prefill == nil {
@@ -399,11 +396,11 @@ func (s *Flow) startRelease(mode string, c *custody, kv heldKV, exclude ...strin
 		defer func() { endRelease(span, reason) }()
 		// The entry ends only once the hold is released: an End before would release it as
 		// expired while the drain or abort is still on its way.
-		defer r.c.end(s)
 		r.c.res = router.Result{Canceled: true}
+		defer func() { r.c.end(s) }()
 		canAbort := canAbort(r.prefill)
 		if r.mode == ReleaseAbort && canAbort {
-			r.c.giveBackLease(r.c.res)
+			r.c = r.c.withoutLease(r.c.res)
 			if s.abortHold(r) {
 				reason = lifecycle.ReleaseAborted
 				return
@@ -412,7 +409,10 @@ func (s *Flow) startRelease(mode string, c *custody, kv heldKV, exclude ...strin
 			r.hold.Release(lifecycle.ReleaseExpired)
 			return
 		}
-		if s.drain(r) {
+		// The decoder reserved for the request, if it still is, takes the drain.
+		lease := r.c.lease
+		r.c.lease = nil
+		if s.drain(r, lease) {
 			r.hold.Release(lifecycle.ReleaseDrained)
 			reason = lifecycle.ReleaseDrained
 			return
@@ -449,7 +449,7 @@ const drainLegTimeout = 30 * time.Second
 
 // drainLeg sends decoder d a paired request's drain leg, on its own deadline (the client is
 // gone), and reports whether the decoder answered it: it pulled the held KV.
-func (s *Flow) drainLeg(c *custody, d *router.Backend, req *api.Request, body []byte) bool {
+func (s *Flow) drainLeg(c custody, d *router.Backend, req *api.Request, body []byte) bool {
 	span := s.bgSpan(c.span, SpanDrain, d, attrEngineRequestID.String(c.engineID))
 	timeout := drainLegTimeout
 	if t := s.cfg.DecodeFirstByteTimeout; t > 0 && t < timeout {
@@ -474,13 +474,13 @@ func (s *Flow) drainLeg(c *custody, d *router.Backend, req *api.Request, body []
 }
 
 // drain sends a decoder a one-token decode with the held params, so that it pulls the blocks
-// and the prefiller frees them: the decoder reserved for the request when the custody still
-// has it, else any but r.exclude. It runs on its own deadline: the client that asked is gone.
+// and the prefiller frees them: the decoder of lease, the one reserved for the request, which
+// drain gives back; else, with lease nil, any but r.exclude. It runs on its own deadline: the client that asked is gone.
 // It may go past the decoders' in-flight limit: it frees memory, it must not queue behind load.
 // A drain whose deadline passes after it reached the decoder still releases: the decoder
 // aborts a do_remote_prefill request that was never scheduled and notifies the prefiller,
 // which frees the blocks (vLLM does this; so does the simulator).
-func (s *Flow) drain(r release) bool {
+func (s *Flow) drain(r release, lease *router.Lease) bool {
 	timeout := s.cfg.DrainTimeout
 	if timeout <= 0 {
 		timeout = r.prefill.KVHoldTimeout
@@ -490,7 +490,6 @@ func (s *Flow) drain(r release) bool {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	lease := r.c.takeLease()
 	if lease == nil {
 		var err error
 		lease, err = s.router.Acquire(ctx, router.RoleDecode, router.Hint{RequestID: r.c.id, Overcommit: true, Exclude: r.exclude, Accept: sequential})
@@ -511,7 +510,7 @@ func (s *Flow) drain(r release) bool {
 	ctx = withSpan(ctx, span)
 	var body []byte
 	err = s.guard(r.c.id, func() (err error) {
-		body, err = eng.DrainBody(r.req.Fields, r.req.API, r.params)
+		body, err = eng.DrainBody(r.req.Fields, r.req.API, r.hold.Params())
 		return err
 	})
 	if err != nil {
@@ -548,16 +547,17 @@ func (s *Flow) drain(r release) bool {
 
 // end ends the request: a hold no decoder acknowledged is released first (releaseUnsent, which
 // ends the custody once it is), then its lease is given back and its table entry goes (an
-// attempt's custody leaves the entry to the request).
-func (c *custody) end(s *Flow) {
-	c.passed.Store(true)
-	if c.unsent != nil {
+// attempt's custody leaves the entry to the request). The zero custody has nothing to end.
+func (c custody) end(s *Flow) {
+	switch {
+	case !c.held():
+	case c.unsent != nil:
 		s.releaseUnsent(c)
-		return
-	}
-	c.giveBackLease(c.res)
-	if !c.ofAttempt {
-		s.table.End(c.id)
+	default:
+		c.withoutLease(c.res)
+		if !c.ofAttempt {
+			s.table.End(c.id)
+		}
 	}
 }
 

@@ -78,7 +78,7 @@ func TestResponsesStreamEndsOnlyAtItsEndEventLine(t *testing.T) {
 				wd := newWatchdog(ctx, false, false, time.Hour, time.Hour)
 				resp := &http.Response{StatusCode: http.StatusOK, Header: http.Header{},
 					Body: io.NopCloser(&reads{parts: []string{tt.stream[:cut], tt.stream[cut:]}})}
-				e := x.relay(&custody{id: id}, resp, wd)
+				_, e := x.relay(custody{id: id}, resp, wd)
 				wd.stop()
 				cancel(nil)
 				table.End(id)

@@ -16,6 +16,16 @@ type tries struct {
 	// is off), the parent of its calls' spans.
 	N    int
 	span trace.Span
+	// taken is what the request's attempts took on the engines, for the safety net of a panic.
+	taken taken
+}
+
+// taken records what a request took on the engines, so that the safety net of a panic
+// (failTaken) finds it wherever in the flow the panic came: every lease it was given and every
+// hold it handed to a decode. Only the handler's goroutine appends; the tries bound both.
+type taken struct {
+	leases   []*router.Lease
+	handoffs []*handoff
 }
 
 // avoided is an engine a request's attempt failed on, as it was then: the request keeps away

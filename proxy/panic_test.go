@@ -146,3 +146,64 @@ func TestAPanicInTheProxysFlowReleasesTheHeldKVAndAnswers502(t *testing.T) {
 		t.Errorf("panic log lines %v, want one naming request panics-2", lines)
 	}
 }
+
+// panicsOnDecodeRetry is a router whose first decode lease goes to the decoder named dead and
+// whose second panics: a bug in the proxy's flow while a decode, carrying the prefiller's KV,
+// is retried on another decoder.
+type panicsOnDecodeRetry struct {
+	*router.Router
+	dead  string
+	picks atomic.Int32
+}
+
+func (r *panicsOnDecodeRetry) Acquire(ctx context.Context, role router.Role, h router.Hint) (*router.Lease, error) {
+	if role == router.RoleDecode {
+		switch r.picks.Add(1) {
+		case 1:
+			for _, b := range r.Router.Backends() {
+				if b.Role == "decode" && b.Name != r.dead {
+					h.Exclude = append(h.Exclude, b.Name)
+				}
+			}
+		case 2:
+			panic("a bug picking a decoder for a retry")
+		}
+	}
+	return r.Router.Acquire(ctx, role, h)
+}
+
+// A panic while the decode has the hold (the table handed it over, no decoder acknowledged it)
+// still ends the hold, gives back every lease the request took and ends its entry.
+func TestAPanicWhileTheDecodeCarriesTheKVEndsItsHoldAndLeases(t *testing.T) {
+	p := newEngine(t, vllmPrefill(prefillerParams))
+	d := newEngine(t, vllmDecode)
+	reg := prometheus.NewRegistry()
+	rt, err := router.New(router.Config{Backends: []router.BackendConfig{prefiller("p0", p.URL()), decoder("dead", closedURL(t)), decoder("d1", d.URL())},
+		Engines: engineCatalog{}, Health: router.HealthConfig{Interval: -1}}, zaptest.NewLogger(t), reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); rt.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	core, _ := observer.New(zap.ErrorLevel)
+	h := newFrontTable(t, Config{}, &panicsOnDecodeRetry{Router: rt, dead: "dead"}, reg, lifecycle.Config{}, core)
+	h.rt = rt
+	resp, body := h.do(http.MethodPost, "/v1/completions", `{"model":"m","prompt":"hi","stream":true}`,
+		http.Header{"X-Request-Id": {"panics-3"}})
+	checkOpenAIError(t, resp, body, http.StatusBadGateway)
+	h.waitQuiet()
+	if n := h.value("pdproxy_panics_total", nil); n != 1 {
+		t.Errorf("pdproxy_panics_total = %v, want 1", n)
+	}
+	if n := h.table.OutstandingHolds(); n != 0 {
+		t.Errorf("%d holds outstanding, want the decode's hold ended", n)
+	}
+	if n := h.value("pdproxy_kv_releases_total", map[string]string{"reason": "expired"}); n != 1 {
+		t.Errorf("kv_releases_total{expired} = %v, want the hold left to the prefiller's timer", n)
+	}
+	if n := len(d.generations()); n != 0 {
+		t.Errorf("the live decoder got %d decodes, want none: the params went to no decoder", n)
+	}
+}
