@@ -98,12 +98,13 @@ func (x *Exchange) relay(c custody, resp *http.Response, wd *watchdog) (custody,
 			}
 		}
 		data, rerr = api.Pass(chain, data, rerr)
-		if delivered && x.Ctx.Err() != nil {
-			// The client has the whole answer, whatever it does next: one that closes its
-			// connection as soon as it reads the end (as scripts and load tools do) cancels
-			// the call before the engine's response ends, which it does a moment after its
-			// last event. The request was served, and the engine has finished it: nothing is
-			// aborted, and what it sends after the end is for nobody.
+		if delivered && (x.Ctx.Err() != nil || rerr != nil) {
+			// The client has the whole answer, whatever it or the decoder does next: one that
+			// closes its connection as soon as it reads the end (as scripts and load tools do)
+			// cancels the call before the engine's response ends, which it does a moment after
+			// its last event; a decoder may break, or fall silent past decode_idle_timeout,
+			// before that end. The request was served, and the engine has finished it: nothing
+			// is aborted, no error follows the end, and what it sends after it is for nobody.
 			data, rerr = nil, io.EOF
 		}
 		if n := len(data); n > 0 {

@@ -210,6 +210,20 @@ func TestDecoderGoingSilentMidAnswer(t *testing.T) {
 		}
 	})
 
+	t.Run("a stream whose end went out is served, though its decoder falls silent before closing", func(t *testing.T) {
+		var d *fakeEngine
+		d = newEngine(t, silentAfter(strings.Join(sseChunks(false), ""))(&d))
+		h := aggregated(t, cfg, d)
+		resp, body := h.post("/v1/completions", `{"model":"m","prompt":"hi","stream":true}`)
+		if want := strings.Join(sseChunks(false), ""); resp.StatusCode != http.StatusOK || string(body) != want {
+			t.Errorf("got %d %q, want the whole stream and nothing after its [DONE]: %q", resp.StatusCode, body, want)
+		}
+		h.waitQuiet()
+		if n := h.value("pdproxy_requests_total", map[string]string{"code": "200"}); n != 1 {
+			t.Errorf(`pdproxy_requests_total{code="200"} = %v, want the request counted as served`, n)
+		}
+	})
+
 	t.Run("a JSON answer is cut off, never passed off as complete", func(t *testing.T) {
 		var d *fakeEngine
 		d = newEngine(t, silentAfter(`{"id":"cmpl-d","choices":[`)(&d))
