@@ -98,13 +98,12 @@ func (x *Exchange) relay(c custody, resp *http.Response, wd *watchdog) (custody,
 			}
 		}
 		data, rerr = api.Pass(chain, data, rerr)
-		if delivered && (x.Ctx.Err() != nil || rerr != nil) {
-			// The client has the whole answer, whatever it or the decoder does next: one that
-			// closes its connection as soon as it reads the end (as scripts and load tools do)
-			// cancels the call before the engine's response ends, which it does a moment after
-			// its last event; a decoder may break, or fall silent past decode_idle_timeout,
-			// before that end. The request was served, and the engine has finished it: nothing
-			// is aborted, no error follows the end, and what it sends after it is for nobody.
+		if delivered && x.Ctx.Err() != nil {
+			// The client has the whole answer, whatever it does next: one that closes its
+			// connection as soon as it reads the end (as scripts and load tools do) cancels
+			// the call before the engine's response ends, which it does a moment after its
+			// last event. The request was served, and the engine has finished it: nothing is
+			// aborted, and what it sends after the end is for nobody.
 			data, rerr = nil, io.EOF
 		}
 		if n := len(data); n > 0 {
@@ -144,6 +143,11 @@ func (x *Exchange) relay(c custody, resp *http.Response, wd *watchdog) (custody,
 			x.Out.end.Note(data)
 			// Flushed when nothing more had arrived: the end is out once the client may read it.
 			delivered = x.Req.Stream && !more && x.Out.end.Complete()
+		}
+		if delivered && rerr != nil {
+			// So too when the decoder breaks, or falls silent past decode_idle_timeout, after
+			// the end went out and before its response's own end: no error follows the end.
+			rerr = io.EOF
 		}
 		if rerr == io.EOF {
 			// A decoder that ends its answer before any byte of it (a 200 closed at once), or

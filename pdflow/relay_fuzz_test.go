@@ -60,7 +60,8 @@ var errDecoderCut = errors.New("decoder connection cut")
 // SSE parser reads as an event of its own, whatever partial line the decoder left; a
 // non-streaming answer is left truncated for the handler to cut the connection. An answer
 // that ends cleanly is broken all the same when it is empty, or a stream whose last event is
-// not its [DONE] (api.EndWatch, tested on its own in package api).
+// not its [DONE] (api.EndWatch, tested on its own in package api); a stream whose last event
+// is its [DONE] is whole, however its connection ends.
 func FuzzRelay(f *testing.F) {
 	for _, seed := range []struct {
 		data   string
@@ -115,8 +116,13 @@ func FuzzRelay(f *testing.F) {
 		in := append([]byte(nil), data...)
 		ends := api.EndWatch{API: engine.APICompletions}
 		ends.Note(data)
-		if !broken && (len(data) == 0 || stream && !ends.Complete()) {
+		switch {
+		case !broken && (len(data) == 0 || stream && !ends.Complete()):
 			broken = true
+		case broken && stream && ends.Complete():
+			// The stream's end went out: the client has the whole answer, and whatever the
+			// decoder does after it is for nobody.
+			broken = false
 		}
 		resp := &http.Response{StatusCode: http.StatusOK, Header: http.Header{}, Body: io.NopCloser(&chopReader{data: in, cuts: cuts, end: end})}
 		_, e := x.relay(custody{id: id}, resp, wd)
