@@ -534,6 +534,11 @@ func (r *reader) hash() (h uint64, ok bool, err error) {
 	return 0, false, fmt.Errorf("want a block hash, got code %#x", c)
 }
 
+// noParent is a parent hash that names none: vLLM writes nil for the first block's parent, but
+// some publishers write 0, which no block's hash is in practice. Taken for a parent, it would
+// make every chain start at a block nobody stored, and the index drop it all.
+const noParent = 0
+
 // foldHash turns a hash given as bytes into 64 bits: vLLM's uint64 form is the digest's
 // last 8 bytes, so bytes up to 8 long are read as that integer and longer ones hashed.
 func foldHash(p []byte) uint64 {
@@ -1027,6 +1032,7 @@ func (r *reader) eventField(e *Event, s *span, ks *keysSeen, f field) error {
 		s.h0, s.h1, err = r.hashes()
 	case parentBlockHash:
 		e.Parent, e.HasParent, err = r.hash()
+		e.HasParent = e.HasParent && e.Parent != noParent
 	case tokenIDs:
 		s.t0, s.t1, err = r.tokens()
 	case blockSize:

@@ -684,6 +684,7 @@ func (r *refReader) eventField(e *Event, ks *keysSeen, name string) error {
 		e.Hashes, err = r.hashes()
 	case "parent_block_hash":
 		e.Parent, e.HasParent, err = r.hash()
+		e.HasParent = e.HasParent && e.Parent != 0
 	case "token_ids":
 		e.Tokens, err = r.tokens()
 	case "block_size":

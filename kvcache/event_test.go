@@ -25,6 +25,9 @@ func TestDecodeBatch(t *testing.T) {
 		{name: "an older BlockStored without medium and lora_name, and a parent",
 			payload: payload(t, []any{"BlockStored", []uint64{7}, uint64(6), tokensN(0, 16), 16, nil}),
 			want:    Batch{Events: []Event{{Kind: BlockStored, Hashes: []uint64{7}, Parent: 6, HasParent: true, Tokens: tokensN(0, 16), BlockSize: 16}}}},
+		{name: "a parent of 0 is none, as some publishers write the first block's",
+			payload: payload(t, []any{"BlockStored", []uint64{7}, uint64(0), tokensN(0, 16), 16, nil}),
+			want:    Batch{Events: []Event{{Kind: BlockStored, Hashes: []uint64{7}, Tokens: tokensN(0, 16), BlockSize: 16}}}},
 		{name: "map events with a type key, and a map batch",
 			payload: mustMarshal(t, map[string]any{"ts": 1.0, "data_parallel_rank": 2, "events": []any{
 				map[string]any{"type": "BlockStored", "block_hashes": []uint64{9}, "parent_block_hash": nil,
