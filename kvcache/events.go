@@ -829,8 +829,11 @@ func (e *Events) replay(ctx context.Context, endpoint string, from, until uint64
 			return nil, fmt.Errorf("receive replay: %w", err)
 		}
 		frames := msg.Frames
-		if len(frames) == 3 && len(frames[0]) == 0 {
-			frames = frames[1:]
+		if len(frames) > 2 && len(frames[0]) == 0 {
+			frames = frames[1:] // the ROUTER's empty delimiter
+		}
+		if len(frames) == 3 && len(frames[1]) == 8 {
+			frames = frames[1:] // a topic before the sequence, as a published message has
 		}
 		if len(frames) != 2 || len(frames[0]) != 8 {
 			return nil, fmt.Errorf("replay answer of %d frames", len(msg.Frames))

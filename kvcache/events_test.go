@@ -42,6 +42,9 @@ type pubEngine struct {
 	mu   sync.Mutex
 	seq  uint64
 	sent map[uint64][]byte
+	// replayTopic, when set, goes before each replay answer's sequence, as some publishers
+	// answer: [empty, topic, sequence, payload].
+	replayTopic []byte
 }
 
 // newPubEngine binds a PUB on a free loopback port (the engine's default, "tcp://*:5557"),
@@ -144,13 +147,19 @@ func (p *pubEngine) serveReplay() string {
 			p.mu.Lock()
 			end := p.seq
 			var replies [][][]byte
+			answer := func(seq uint64, pl []byte) [][]byte {
+				if p.replayTopic != nil {
+					return [][]byte{id, {}, p.replayTopic, seqBytes(seq), pl}
+				}
+				return [][]byte{id, {}, seqBytes(seq), pl}
+			}
 			for s := start; s < end; s++ {
 				if pl, ok := p.sent[s]; ok {
-					replies = append(replies, [][]byte{id, {}, seqBytes(s), pl})
+					replies = append(replies, answer(s, pl))
 				}
 			}
 			p.mu.Unlock()
-			replies = append(replies, [][]byte{id, {}, seqBytes(endSeq), {}})
+			replies = append(replies, answer(endSeq, []byte{}))
 			for _, f := range replies {
 				_ = r.SendMulti(zmq4.NewMsgFrom(f...))
 			}
@@ -341,6 +350,19 @@ func TestEventsDialedEngine(t *testing.T) {
 		p.publish(payload(t, stored(hashes[:1], nil, prompt[:4], bs)))
 		p.lose(payload(t, stored(hashes[1:2], hashes[0], prompt[4:8], bs)))
 		p.lose(payload(t, stored(hashes[2:3], hashes[1], prompt[8:12], bs)))
+		p.publish(payload(t, stored(hashes[3:], hashes[2], prompt[12:], bs)))
+		h.waitMatched("a", prompt, 16)
+		h.waitCounter(before+1, "replays", "a", "ok")
+	})
+
+	t.Run("a replay whose answers carry the topic fills the gap too", func(t *testing.T) {
+		p := newPubEngine(t, "", "")
+		p.replayTopic = []byte("kv@127.0.0.1@m")
+		h := startEvents(t, EventsConfig{}, Endpoint{Engine: "a", Dial: p.endpoint(), Replay: p.serveReplay()})
+		h.connect(p, "a")
+		before := h.counter("replays", "a", "ok")
+		p.publish(payload(t, stored(hashes[:1], nil, prompt[:4], bs)))
+		p.lose(payload(t, stored(hashes[1:3], hashes[0], prompt[4:12], bs)))
 		p.publish(payload(t, stored(hashes[3:], hashes[2], prompt[12:], bs)))
 		h.waitMatched("a", prompt, 16)
 		h.waitCounter(before+1, "replays", "a", "ok")

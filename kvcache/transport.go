@@ -25,9 +25,10 @@ const maxFrame = 32 << 20
 // MORE flag): zmq4 keeps every frame of a message until the last, so without them a peer holds
 // any memory it likes in frames each under maxFrame, or in millions of empty ones. A KV event
 // message is 3 frames (topic, 8-byte sequence, payload), a replay answer 3 (empty, sequence,
-// payload), a ZMTP command 1. maxMessageFrames leaves room for a publisher that adds a frame or
-// two: its messages are then dropped one by one as not [topic, sequence, payload], and counted,
-// rather than its connection. maxMessage lets a payload of maxFrame pass with its topic.
+// payload; 4 where a publisher puts the topic before the sequence), a ZMTP command 1.
+// maxMessageFrames leaves room for a publisher that adds a frame or two: its messages are then
+// dropped one by one as not [topic, sequence, payload], and counted, rather than its
+// connection. maxMessage lets a payload of maxFrame pass with its topic.
 const (
 	maxMessage       = maxFrame + 64<<10
 	maxMessageFrames = 8
