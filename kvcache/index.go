@@ -115,6 +115,54 @@ type Engine struct {
 	// whose rule narrows what a match of the full-attention blocks credits (prefixHeld).
 	groups []kvGroup
 	hybrid atomic.Bool
+	// fresh counts the GPU blocks of full attention that BlockStored events added since the
+	// last Touch, which folds them into stored.
+	fresh int
+	// stored is the blocks the engine computed lately (StoredLately).
+	stored decaying
+}
+
+// StoredLately is how many blocks the engine computed lately, as its BlockStored events
+// said: each block stored on the GPU counts 1 on the message's arrival, and halves every
+// StoredHalfLife. Every replica that reads the engine's events counts alike. A cache cleared
+// or forgotten keeps it: the work was done.
+func (e *Engine) StoredLately(now time.Time) float64 { return e.stored.value(now) }
+
+// StoredHalfLife is how fast an engine's count of blocks computed lately halves: long enough
+// to remember where the conversations and prompt groups of the last minutes went, short
+// enough that an engine restarted or added takes new ones at once.
+const StoredHalfLife = time.Minute
+
+// decaying is a count that halves every StoredHalfLife; safe for concurrent use.
+type decaying struct {
+	mu sync.Mutex
+	v  float64
+	at time.Time
+}
+
+// value is the count at now.
+func (d *decaying) value(now time.Time) float64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.valueLocked(now)
+}
+
+// valueLocked is the count at now; d.mu is held.
+func (d *decaying) valueLocked(now time.Time) float64 {
+	if d.v == 0 || !now.After(d.at) {
+		return d.v
+	}
+	return d.v * math.Exp2(-float64(now.Sub(d.at))/float64(StoredHalfLife))
+}
+
+// add counts n more at now.
+func (d *decaying) add(now time.Time, n float64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.v = d.valueLocked(now) + n
+	if now.After(d.at) {
+		d.at = now
+	}
 }
 
 // Hybrid reports whether e has a KV cache group of a kind other than full attention (a
@@ -450,6 +498,9 @@ func (x *Index) storeLocked(engine string, ev *Event) string {
 			continue
 		}
 		x.total++
+		if slot == slotGPU && ev.Attention == AttentionFull {
+			e.fresh++
+		}
 	}
 	return ""
 }
@@ -769,7 +820,12 @@ func (x *Index) holders(w uint64, one *[1]uint64) []uint64 {
 func (x *Index) Touch(engine string, t time.Time) {
 	x.mu.Lock()
 	e := x.engineLocked(engine)
+	fresh := e.fresh
+	e.fresh = 0
 	x.mu.Unlock()
+	if fresh > 0 && !t.IsZero() {
+		e.stored.add(t, float64(fresh))
+	}
 	n := int64(0)
 	if !t.IsZero() {
 		n = t.UnixNano()

@@ -160,11 +160,11 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	scratch := p.match(h)
 	defer scratch.release()
 	found := scratch.matches()
-	var shareBuf, costBuf, aheadBuf [candidatesOnStack]float64
+	var shareBuf, costBuf, aheadBuf, recentBuf [candidatesOnStack]float64
 	shares := p.score(cands, h, now, found, shareBuf[:0])
-	costs, ahead := costBuf[:0], aheadBuf[:0]
+	costs, ahead, recent := costBuf[:0], aheadBuf[:0], recentBuf[:0]
 	if n := len(cands); n > candidatesOnStack {
-		costs, ahead = make([]float64, 0, n), make([]float64, 0, n)
+		costs, ahead, recent = make([]float64, 0, n), make([]float64, 0, n), make([]float64, 0, n)
 	}
 	bound := -1
 	for i, b := range cands {
@@ -188,7 +188,7 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 		costs = append(costs, c)
 	}
 	rank := func(i int) float64 { return rendezvousRank(key, cands[i].nameHash, cands[i].Weight, bd.evenWeights) }
-	pick := p.cm.choose(costs, ahead, rank, bound)
+	pick := p.cm.choose(costs, ahead, p.storedLately(cands, now, recent), rank, bound)
 	b := cands[pick]
 	uncached := tokens * (1 - shares[pick])
 	cost := Cost{Uncached: uncached, Ahead: ahead[pick], Predicted: secondsToDuration(costs[pick])}
@@ -199,6 +199,23 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	p.countTiers(p.viewOf(found, b, now))
 	p.cm.noteUncached(uncached)
 	return b, cost
+}
+
+// storedLately appends to buf the blocks each candidate computed lately, as its KV events
+// tell, when every candidate's events are read and fresh; else it is nil, and ties are not
+// spread by it: a count for some engines only would send new work to those without one.
+func (p *CacheAware) storedLately(cands []*Backend, now time.Time, buf []float64) []float64 {
+	if p.index == nil {
+		return nil
+	}
+	for _, b := range cands {
+		e := b.kvEngineIn(p.index)
+		if e == nil || now.Sub(e.LastEvent()) >= p.staleAfter {
+			return nil
+		}
+		buf = append(buf, e.StoredLately(now))
+	}
+	return buf
 }
 
 // boundShare is the share of h's text that the session's latest request sent its bound

@@ -32,8 +32,12 @@ import (
 // Costs whose work (past the fixed part) is within tieShare of the lowest's, or within
 // tieTokens of it, are ties: the engine a session is bound to first, then those with the
 // least work ahead, within tieTokens (a hot prompt held on one engine spreads rather than
-// queue there for a saving too small to tell), then the rendezvous order of the request's
-// key (its session's, else its prompt's head), which every replica computes alike. With a
+// queue there for a saving too small to tell), then, where every candidate's KV events are
+// read, those that computed the fewest blocks lately (kvcache.Engine.StoredLately), within
+// spreadShare: conversations and prompt groups new to the pool go where the least work went,
+// so that none gets a double share by the luck of a hash; then the rendezvous order of the
+// request's key (its session's, else its prompt's head). Replicas compute all of it alike:
+// the events are the engines' own, read by every replica. With a
 // temperature the pick is instead drawn with weights exp(-(cost - lowest) / temperature), so
 // that replicas do not all herd onto one engine between two scrapes.
 
@@ -45,6 +49,10 @@ const (
 	// prompt's head (a chat's opening bytes, a block) save nothing a user would notice, and
 	// replicas whose views of the caches differ by so little must still place alike.
 	tieTokens = 64
+	// spreadShare: among ties, engines whose blocks computed lately are within this share of
+	// the fewest's are alike, and the rendezvous order decides between them: replicas whose
+	// reading of the events differs by the last moment's still place alike.
+	spreadShare = 0.1
 	// learnWeight is the weight of one observation in an engine's own rate (its metric) and
 	// in the pool's mean uncached tokens.
 	learnWeight = 0.1
@@ -276,9 +284,10 @@ func fold(bits *atomic.Uint64, sample, start float64) {
 
 // choose is the index of the candidate to pick among costs: the lowest, or with preferred
 // (-1 for none) among the near-equal ones, preferred; else among them those with the least
-// work ahead (within tieTokens: what the pick adds to is then spread), the highest rank of
-// those; with a temperature, drawn by weight.
-func (m *costModel) choose(costs, ahead []float64, rank func(i int) float64, preferred int) int {
+// work ahead (within tieTokens: what the pick adds to is then spread), of those the ones that
+// computed the least lately (within spreadShare; recent nil: all), the highest rank of those;
+// with a temperature, drawn by weight.
+func (m *costModel) choose(costs, ahead, recent []float64, rank func(i int) float64, preferred int) int {
 	lo := 0
 	for i, c := range costs {
 		if c < costs[lo] {
@@ -308,9 +317,15 @@ func (m *costModel) choose(costs, ahead []float64, rank func(i int) float64, pre
 			least = min(least, ahead[i])
 		}
 	}
+	fewest := math.Inf(1)
+	for i, c := range costs {
+		if recent != nil && c <= limit && ahead[i] <= least+tieTokens {
+			fewest = min(fewest, recent[i])
+		}
+	}
 	best, bestRank := -1, 0.0
 	for i, c := range costs {
-		if c > limit || ahead[i] > least+tieTokens {
+		if c > limit || ahead[i] > least+tieTokens || recent != nil && recent[i] > fewest*(1+spreadShare) {
 			continue
 		}
 		if r := rank(i); best < 0 || r > bestRank {
