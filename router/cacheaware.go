@@ -98,7 +98,7 @@ func NewCacheAware(cfg CacheAwareConfig, index *kvcache.Index, staleAfter time.D
 		staleAfter = DefaultKVEventsStaleAfter
 	}
 	return &CacheAware{cfg: c.CacheAware, tree: kvcache.NewTree(c.CacheAware.MaxTreeBytes), index: index, staleAfter: staleAfter,
-		keyTokens: DefaultPrefixTokens, loadFactor: DefaultBoundedLoadFactor, cm: newCostModel(c.CacheAware)}
+		keyTokens: DefaultPrefixTokens, loadFactor: DefaultBoundedLoadFactor, cm: newCostModel(c.CacheAware, index != nil)}
 }
 
 // SetPool forgets the engines no longer in the pool.
@@ -160,11 +160,11 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	scratch := p.match(h)
 	defer scratch.release()
 	found := scratch.matches()
-	var shareBuf, costBuf, aheadBuf, recentBuf [candidatesOnStack]float64
+	var shareBuf, costBuf, aheadBuf [candidatesOnStack]float64
 	shares := p.score(cands, h, now, found, shareBuf[:0])
-	costs, ahead, recent := costBuf[:0], aheadBuf[:0], recentBuf[:0]
+	costs, ahead := costBuf[:0], aheadBuf[:0]
 	if n := len(cands); n > candidatesOnStack {
-		costs, ahead, recent = make([]float64, 0, n), make([]float64, 0, n), make([]float64, 0, n)
+		costs, ahead = make([]float64, 0, n), make([]float64, 0, n)
 	}
 	bound := -1
 	for i, b := range cands {
@@ -188,7 +188,8 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 		costs = append(costs, c)
 	}
 	rank := func(i int) float64 { return rendezvousRank(key, cands[i].nameHash, cands[i].Weight, bd.evenWeights) }
-	pick := p.cm.choose(costs, ahead, p.storedLately(cands, now, recent), rank, bound)
+	recent := func(i int) (float64, bool) { return p.storedLately(cands[i], now) }
+	pick := p.cm.choose(costs, ahead, recent, rank, bound)
 	b := cands[pick]
 	uncached := tokens * (1 - shares[pick])
 	cost := Cost{Uncached: uncached, Ahead: ahead[pick], Predicted: secondsToDuration(costs[pick])}
@@ -201,21 +202,19 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	return b, cost
 }
 
-// storedLately appends to buf the blocks each candidate computed lately, as its KV events
-// tell, when every candidate's events are read and fresh; else it is nil, and ties are not
-// spread by it: a count for some engines only would send new work to those without one.
-func (p *CacheAware) storedLately(cands []*Backend, now time.Time, buf []float64) []float64 {
+// storedLately is the blocks b computed lately, as its KV events tell; ok is false when its
+// events are not read (neither dialed nor ever heard from): ties are then not spread by what
+// the engines computed, as a count for some engines only would send new work to those
+// without one. An engine whose events are read and that published nothing computed nothing.
+func (p *CacheAware) storedLately(b *Backend, now time.Time) (blocks float64, ok bool) {
 	if p.index == nil {
-		return nil
+		return 0, false
 	}
-	for _, b := range cands {
-		e := b.kvEngineIn(p.index)
-		if e == nil || now.Sub(e.LastEvent()) >= p.staleAfter {
-			return nil
-		}
-		buf = append(buf, e.StoredLately(now))
+	e := b.kvEngineIn(p.index)
+	if !b.eventsDialed() && e.LastEvent().IsZero() {
+		return 0, false
 	}
-	return buf
+	return e.StoredLately(now), true
 }
 
 // boundShare is the share of h's text that the session's latest request sent its bound

@@ -32,13 +32,17 @@ import (
 // Costs whose work (past the fixed part) is within tieShare of the lowest's, or within
 // tieTokens of it, are ties: the engine a session is bound to first, then those with the
 // least work ahead, within tieTokens (a hot prompt held on one engine spreads rather than
-// queue there for a saving too small to tell), then, where every candidate's KV events are
-// read, those that computed the fewest blocks lately (kvcache.Engine.StoredLately), within
-// spreadShare: conversations and prompt groups new to the pool go where the least work went,
-// so that none gets a double share by the luck of a hash; then the rendezvous order of the
-// request's key (its session's, else its prompt's head). Replicas compute all of it alike:
-// the events are the engines' own, read by every replica. With a
-// temperature the pick is instead drawn with weights exp(-(cost - lowest) / temperature), so
+// queue there for a saving too small to tell); then the rendezvous order of the request's key
+// (its session's, else its prompt's head), which every replica computes alike. Under
+// precise_cache_aware, where every candidate's KV events are read, that order is taken among
+// the spreadChoices first in it by the blocks each computed lately
+// (kvcache.Engine.StoredLately): the first within spreadShare of the fewest. Conversations and
+// prompt groups new to the pool so go where the least work went, and none gets a double share
+// by the luck of a hash; replicas still place alike, reading the same events, and a group that
+// went to an engine stays there by its blocks, which every replica sees. cache_aware sees only
+// the text it routed: to a replica, a group another replica routed looks new, and spread so it
+// would go elsewhere; it keeps the rendezvous order alone. With a temperature the pick is
+// instead drawn with weights exp(-(cost - lowest) / temperature), so
 // that replicas do not all herd onto one engine between two scrapes.
 
 const (
@@ -49,10 +53,14 @@ const (
 	// prompt's head (a chat's opening bytes, a block) save nothing a user would notice, and
 	// replicas whose views of the caches differ by so little must still place alike.
 	tieTokens = 64
-	// spreadShare: among ties, engines whose blocks computed lately are within this share of
-	// the fewest's are alike, and the rendezvous order decides between them: replicas whose
-	// reading of the events differs by the last moment's still place alike.
+	// spreadShare: under spreadTight, engines whose blocks computed lately are within this
+	// share of the fewest's are alike, and the rendezvous order decides between them:
+	// replicas whose reading of the events differs by the last moment's still place alike.
 	spreadShare = 0.1
+	// spreadChoices: ties are spread among this many engines, the first in the rendezvous
+	// order of the request's key, not the whole pool: as good a spread as all of them give
+	// (the power of a few choices), at the cost of a few reads in a pool of a thousand.
+	spreadChoices = 8
 	// learnWeight is the weight of one observation in an engine's own rate (its metric) and
 	// in the pool's mean uncached tokens.
 	learnWeight = 0.1
@@ -69,6 +77,9 @@ type costModel struct {
 	secPerToken  float64 // prefill_tokens_per_second's inverse
 	decodeTokens float64
 	temperature  float64 // seconds; 0 picks the lowest
+	// spread, for a policy that sees the engines' caches by their KV events, spreads ties by
+	// the blocks each engine computed lately (choose).
+	spread bool
 	// meanUncached is the mean uncached tokens of the pool's picks (float64 bits), what a
 	// request the engine reports and this replica did not send is taken to weigh.
 	meanUncached atomic.Uint64
@@ -104,12 +115,13 @@ func (m *costModel) lateness() time.Duration {
 	return time.Duration(math.Float64frombits(m.late.Load()) * float64(time.Second))
 }
 
-func newCostModel(cfg CacheAwareConfig) *costModel {
+func newCostModel(cfg CacheAwareConfig, spread bool) *costModel {
 	m := &costModel{
 		overhead:     cfg.PrefillOverhead,
 		secPerToken:  1 / cfg.PrefillTokensPerSecond,
 		decodeTokens: float64(cfg.DecodeCostTokens),
 		temperature:  cfg.Temperature.Seconds(),
+		spread:       spread,
 	}
 	m.fit.slope0, m.fit.intercept0 = m.secPerToken, m.overhead.Seconds()
 	return m
@@ -284,10 +296,12 @@ func fold(bits *atomic.Uint64, sample, start float64) {
 
 // choose is the index of the candidate to pick among costs: the lowest, or with preferred
 // (-1 for none) among the near-equal ones, preferred; else among them those with the least
-// work ahead (within tieTokens: what the pick adds to is then spread), of those the ones that
-// computed the least lately (within spreadShare; recent nil: all), the highest rank of those;
-// with a temperature, drawn by weight.
-func (m *costModel) choose(costs, ahead, recent []float64, rank func(i int) float64, preferred int) int {
+// work ahead (within tieTokens: what the pick adds to is then spread), and of those the
+// spreadChoices first in the rendezvous order (the highest ranks): where the model spreads
+// and recent (nil: none) says for each of them what it computed lately, the first of them
+// within spreadShare of the fewest blocks; else the first. With a temperature, drawn by
+// weight.
+func (m *costModel) choose(costs, ahead []float64, recent func(i int) (blocks float64, ok bool), rank func(i int) float64, preferred int) int {
 	lo := 0
 	for i, c := range costs {
 		if c < costs[lo] {
@@ -317,22 +331,48 @@ func (m *costModel) choose(costs, ahead, recent []float64, rank func(i int) floa
 			least = min(least, ahead[i])
 		}
 	}
-	fewest := math.Inf(1)
+	// The highest ranks among the ties, highest first.
+	var top [spreadChoices]ranked
+	n := 0
 	for i, c := range costs {
-		if recent != nil && c <= limit && ahead[i] <= least+tieTokens {
-			fewest = min(fewest, recent[i])
-		}
-	}
-	best, bestRank := -1, 0.0
-	for i, c := range costs {
-		if c > limit || ahead[i] > least+tieTokens || recent != nil && recent[i] > fewest*(1+spreadShare) {
+		if c > limit || ahead[i] > least+tieTokens {
 			continue
 		}
-		if r := rank(i); best < 0 || r > bestRank {
-			best, bestRank = i, r
+		r := ranked{i, rank(i)}
+		if n == len(top) && r.rank <= top[n-1].rank {
+			continue
+		}
+		k := min(n, len(top)-1)
+		for ; k > 0 && top[k-1].rank < r.rank; k-- {
+			top[k] = top[k-1]
+		}
+		top[k] = r
+		n = min(n+1, len(top))
+	}
+	if !m.spread || recent == nil || n == 1 {
+		return top[0].i
+	}
+	var blocks [spreadChoices]float64
+	fewest := math.Inf(1)
+	for k := range n {
+		v, ok := recent(top[k].i)
+		if !ok {
+			return top[0].i
+		}
+		blocks[k], fewest = v, min(fewest, v)
+	}
+	for k := range n {
+		if blocks[k] <= fewest*(1+spreadShare) {
+			return top[k].i
 		}
 	}
-	return best
+	return top[0].i
+}
+
+// ranked is a candidate's index and its rank in the rendezvous order.
+type ranked struct {
+	i    int
+	rank float64
 }
 
 // tieLimit is the highest cost that ties with lowest: within tieShare of its work (the part

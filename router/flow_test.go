@@ -446,7 +446,7 @@ func TestWithoutReservedSlotsAFloodTakesEverySlot(t *testing.T) {
 }
 
 func TestTheTTFTBoundKeepsInHandWhatPredictionsRunLateBy(t *testing.T) {
-	m := newCostModel(CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10 * time.Millisecond})
+	m := newCostModel(CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10 * time.Millisecond}, false)
 	// Prefills late by 0 to 99 ms, evenly: one in ten is later than 90 ms.
 	for i := range 20000 {
 		m.noteLate(float64((i*37)%100) / 1000)

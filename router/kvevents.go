@@ -206,6 +206,12 @@ func (b *Backend) kvEngineIn(x *kvcache.Index) *kvcache.Engine {
 	return e
 }
 
+// eventsDialed reports whether the router dials b's KV event publishers: configured, or
+// listed by the engine (kv_events_discover).
+func (b *Backend) eventsDialed() bool {
+	return b.kvEvents != "" || b.st.kvSources.Load() != nil
+}
+
 // weightedTokens is v's weighted match in whole tokens; the epsilon keeps a sum of weights
 // such as 0.1 that floats cannot hold from losing a token.
 func weightedTokens(v kvcache.View) int {

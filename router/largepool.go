@@ -266,7 +266,8 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 	}
 	defer func() { v.shares, v.costs = shares[:0], costs[:0] }()
 	rank := func(i int) float64 { return rendezvousRank(key, v.hash[i], v.weight[i], v.evenWeights) }
-	pick := p.cm.choose(costs, v.ahead, nil, rank, bound)
+	recent := func(i int) (float64, bool) { return p.storedLately(cands[i], now) }
+	pick := p.cm.choose(costs, v.ahead, recent, rank, bound)
 	for try := 0; try < 2; try++ {
 		// The pick, read afresh, must still be as cheap as the view said (other replicas'
 		// requests or this one's other pools may have filled it meanwhile), or the next is
@@ -281,7 +282,7 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		if costs[pick] <= p.cm.tieLimit(was) {
 			break
 		}
-		pick = p.cm.choose(costs, v.ahead, nil, rank, bound)
+		pick = p.cm.choose(costs, v.ahead, recent, rank, bound)
 	}
 	b := cands[pick]
 	sh := heldOf(shares, pick)

@@ -22,45 +22,51 @@ func storeOn(index *kvcache.Index, engine string, seed uint64, tokens []uint32, 
 }
 
 // Prompt groups new to the pool, placed one after another, each computed where it went (its
-// events say so before the next comes): each engine gets its share, none two by the luck of
-// a hash. Placed by the rendezvous order alone, these 12 groups fell 6/2/2/2 on 4 engines.
+// events say so before the next comes): under precise_cache_aware none gets two shares by the
+// luck of a hash. Placed by the rendezvous order alone, as cache_aware places them, these 12
+// groups fall 6/2/2/2 on 4 engines.
 func TestNewPromptGroupsSpreadByTheWorkEachEngineDidLately(t *testing.T) {
 	t0 := time.Unix(1_700_000_000, 0)
-	for _, policy := range []string{PolicyCacheAware, PolicyPreciseCacheAware} {
-		t.Run(policy, func(t *testing.T) {
+	for _, tc := range []struct {
+		policy string
+		spread bool
+	}{{PolicyPreciseCacheAware, true}, {PolicyCacheAware, false}} {
+		t.Run(tc.policy, func(t *testing.T) {
 			index := kvcache.NewIndex(0, kvBlock)
 			bs := testBackends(0, 0, 0, 0)
 			now := t0
 			for _, b := range bs {
 				index.Touch(b.Name, now) // every publisher alive, none holding anything
 			}
-			p := NewCacheAware(CacheAwareConfig{}, index, time.Hour)
+			p := NewCacheAware(CacheAwareConfig{}, nil, time.Hour)
+			if tc.spread {
+				p = NewCacheAware(CacheAwareConfig{}, index, time.Hour)
+			}
 			p.now = func() time.Time { return now }
 			per := map[string]int{}
 			for g := range 12 {
 				now = now.Add(50 * time.Millisecond)
 				text, tokens := groupPrompt(g)
-				h := Hint{Text: text}
-				if policy == PolicyPreciseCacheAware {
-					h.Tokens = tokens
-				}
-				b := p.Select(bs, h)
+				b := p.Select(bs, Hint{Text: text, Tokens: tokens})
 				per[b.Name]++
 				storeOn(index, b.Name, uint64(g+1), tokens, 64, now.Add(10*time.Millisecond))
 			}
+			even := true
 			for _, b := range bs {
-				if per[b.Name] != 3 {
-					t.Fatalf("12 new groups went %v, want 3 on each engine", per)
-				}
+				even = even && per[b.Name] == 3
+			}
+			if even != tc.spread {
+				t.Fatalf("12 new groups went %v; want 3 on each engine: %v", per, tc.spread)
 			}
 		})
 	}
 }
 
-// Ties are spread by the engines' events only where every candidate's are read and fresh: a
-// count for some engines only would send new work to those without one. Then the rendezvous
-// order decides, as it does without events.
-func TestTiesAreSpreadOnlyWhereEveryEnginesEventsAreFresh(t *testing.T) {
+// Ties are spread by the engines' events only where every candidate's are read: a count for
+// some engines only would send new work to those without one. Then the rendezvous order
+// decides, as it does without events. An engine whose events are read but that published
+// nothing lately computed nothing.
+func TestTiesAreSpreadOnlyWhereEveryEnginesEventsAreRead(t *testing.T) {
 	t0 := time.Unix(1_700_000_000, 0)
 	text, tokens := groupPrompt(7)
 	other := promptTokens(9_000_000, 64*kvBlock) // work that shares nothing with the prompt
@@ -98,17 +104,34 @@ func TestTiesAreSpreadOnlyWhereEveryEnginesEventsAreFresh(t *testing.T) {
 	if got := where(busyHome); got == home {
 		t.Errorf("the prompt went to %s, which computed 32 blocks lately while the others computed none", got)
 	}
-	// The same, but one other engine's events are stale: the count is not used.
+	// Long silent publishers are read all the same: they computed nothing.
 	if got := where(func(index *kvcache.Index, bs []*Backend) {
-		busyHome(index, bs)
 		for _, b := range bs {
-			if b.Name != home {
-				index.Touch(b.Name, t0.Add(-2*time.Minute))
-				break
+			if b.Name == home {
+				storeOn(index, b.Name, 1, other, 32, t0)
+			} else {
+				index.Touch(b.Name, t0.Add(-time.Hour))
+			}
+		}
+	}); got == home {
+		t.Errorf("the prompt went to %s, which computed 32 blocks lately while the others, silent for an hour, computed none", got)
+	}
+	// The same, but one other engine was never heard from and its events are not dialed:
+	// nothing says what it did, and the count is not used.
+	if got := where(func(index *kvcache.Index, bs []*Backend) {
+		skipped := false
+		for _, b := range bs {
+			switch {
+			case b.Name == home:
+				storeOn(index, b.Name, 1, other, 32, t0)
+			case !skipped:
+				skipped = true
+			default:
+				index.Touch(b.Name, t0)
 			}
 		}
 	}); got != home {
-		t.Errorf("with an engine's events stale the prompt went to %s, want %s by the rendezvous order", got, home)
+		t.Errorf("with an engine's events not read the prompt went to %s, want %s by the rendezvous order", got, home)
 	}
 }
 
