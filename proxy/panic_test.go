@@ -9,6 +9,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
 	"go.uber.org/zap/zaptest/observer"
 
@@ -115,19 +116,9 @@ func TestAPanicInTheProxysFlowReleasesTheHeldKVAndAnswers502(t *testing.T) {
 	d := newEngine(t, vllmDecode)
 	// After the prefill, the decoder is picked with the prefiller's KV held: the panic comes
 	// then, and the drain that releases the KV gets a decoder.
-	reg := prometheus.NewRegistry()
-	rt, err := router.New(router.Config{Backends: []router.BackendConfig{prefiller("p0", p.URL()), decoder("d0", d.URL())},
-		Engines: engineCatalog{}, Health: router.HealthConfig{Interval: -1}}, zaptest.NewLogger(t), reg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); rt.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
 	core, logs := observer.New(zap.ErrorLevel)
-	h := newFrontTable(t, Config{DecoderReservation: ReserveAfterPrefill}, &panicsOnce{Router: rt}, reg, lifecycle.Config{}, core)
-	h.rt = rt
+	h := newPanickyFront(t, Config{DecoderReservation: ReserveAfterPrefill}, core,
+		func(rt *router.Router) Router { return &panicsOnce{Router: rt} }, prefiller("p0", p.URL()), decoder("d0", d.URL()))
 	resp, body := h.do(http.MethodPost, "/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`,
 		http.Header{"X-Request-Id": {"panics-2"}})
 	checkOpenAIError(t, resp, body, http.StatusBadGateway)
@@ -177,19 +168,8 @@ func (r *panicsOnDecodeRetry) Acquire(ctx context.Context, role router.Role, h r
 func TestAPanicWhileTheDecodeCarriesTheKVEndsItsHoldAndLeases(t *testing.T) {
 	p := newEngine(t, vllmPrefill(prefillerParams))
 	d := newEngine(t, vllmDecode)
-	reg := prometheus.NewRegistry()
-	rt, err := router.New(router.Config{Backends: []router.BackendConfig{prefiller("p0", p.URL()), decoder("dead", closedURL(t)), decoder("d1", d.URL())},
-		Engines: engineCatalog{}, Health: router.HealthConfig{Interval: -1}}, zaptest.NewLogger(t), reg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); rt.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
-	core, _ := observer.New(zap.ErrorLevel)
-	h := newFrontTable(t, Config{}, &panicsOnDecodeRetry{Router: rt, dead: "dead"}, reg, lifecycle.Config{}, core)
-	h.rt = rt
+	h := newPanickyFront(t, Config{}, nil, func(rt *router.Router) Router { return &panicsOnDecodeRetry{Router: rt, dead: "dead"} },
+		prefiller("p0", p.URL()), decoder("dead", closedURL(t)), decoder("d1", d.URL()))
 	resp, body := h.do(http.MethodPost, "/v1/completions", `{"model":"m","prompt":"hi","stream":true}`,
 		http.Header{"X-Request-Id": {"panics-3"}})
 	checkOpenAIError(t, resp, body, http.StatusBadGateway)
@@ -206,4 +186,22 @@ func TestAPanicWhileTheDecodeCarriesTheKVEndsItsHoldAndLeases(t *testing.T) {
 	if n := len(d.generations()); n != 0 {
 		t.Errorf("the live decoder got %d decodes, want none: the params went to no decoder", n)
 	}
+}
+
+// newPanickyFront is a front over a real router of backends, which wrap turns into one with a
+// bug, its errors logged to logged as well (nil: only to the test).
+func newPanickyFront(t *testing.T, cfg Config, logged zapcore.Core, wrap func(*router.Router) Router, backends ...router.BackendConfig) *harness {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	rt, err := router.New(router.Config{Backends: backends, Engines: engineCatalog{}, Health: router.HealthConfig{Interval: -1}}, zaptest.NewLogger(t), reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); rt.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	h := newFrontTable(t, cfg, wrap(rt), reg, lifecycle.Config{}, logged)
+	h.rt = rt
+	return h
 }
