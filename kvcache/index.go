@@ -9,6 +9,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/pdproxy/pdproxy/internal/decay"
 )
 
 // DefaultMaxBlocks bounds how many blocks the index keeps per engine when its owner gives
@@ -119,51 +121,14 @@ type Engine struct {
 	// last Touch, which folds them into stored.
 	fresh int
 	// stored is the blocks the engine computed lately (StoredLately).
-	stored decaying
+	stored decay.Count
 }
 
 // StoredLately is how many blocks the engine computed lately, as its BlockStored events
 // said: each block stored on the GPU counts 1 on the message's arrival, and halves every
-// StoredHalfLife. Every replica that reads the engine's events counts alike. A cache cleared
+// decay.HalfLife. Every replica that reads the engine's events counts alike. A cache cleared
 // or forgotten keeps it: the work was done.
-func (e *Engine) StoredLately(now time.Time) float64 { return e.stored.value(now) }
-
-// StoredHalfLife is how fast an engine's count of blocks computed lately halves: long enough
-// to remember where the conversations and prompt groups of the last minutes went, short
-// enough that an engine restarted or added takes new ones at once.
-const StoredHalfLife = time.Minute
-
-// decaying is a count that halves every StoredHalfLife; safe for concurrent use.
-type decaying struct {
-	mu sync.Mutex
-	v  float64
-	at time.Time
-}
-
-// value is the count at now.
-func (d *decaying) value(now time.Time) float64 {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.valueLocked(now)
-}
-
-// valueLocked is the count at now; d.mu is held.
-func (d *decaying) valueLocked(now time.Time) float64 {
-	if d.v == 0 || !now.After(d.at) {
-		return d.v
-	}
-	return d.v * math.Exp2(-float64(now.Sub(d.at))/float64(StoredHalfLife))
-}
-
-// add counts n more at now.
-func (d *decaying) add(now time.Time, n float64) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	d.v = d.valueLocked(now) + n
-	if now.After(d.at) {
-		d.at = now
-	}
-}
+func (e *Engine) StoredLately(now time.Time) float64 { return e.stored.Value(now) }
 
 // Hybrid reports whether e has a KV cache group of a kind other than full attention (a
 // sliding window, Mamba): what it reuses of a prefix depends on where the prefix ends, so
@@ -204,6 +169,9 @@ func NewIndex(maxBlocks, blockSize int) *Index {
 	return &Index{maxBlocks: maxBlocks, maxTotal: DefaultMaxTotalBlocks, blockSize: blockSize,
 		engines: make(map[string]*Engine), sizes: make(map[int]int), tiers: defaultTiers()}
 }
+
+// BlockSize is the block size of a BlockStored that names none.
+func (x *Index) BlockSize() int { return x.blockSize }
 
 // SetMaxTotal bounds the blocks the index keeps in all, a block counted once per engine
 // (and medium) holding it (zero or negative: DefaultMaxTotalBlocks). A BlockStored that
@@ -824,7 +792,7 @@ func (x *Index) Touch(engine string, t time.Time) {
 	e.fresh = 0
 	x.mu.Unlock()
 	if fresh > 0 && !t.IsZero() {
-		e.stored.add(t, float64(fresh))
+		e.stored.Add(t, float64(fresh))
 	}
 	n := int64(0)
 	if !t.IsZero() {

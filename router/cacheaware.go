@@ -202,19 +202,24 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	return b, cost
 }
 
-// storedLately is the blocks b computed lately, as its KV events tell; ok is false when its
-// events are not read (neither dialed nor ever heard from): ties are then not spread by what
-// the engines computed, as a count for some engines only would send new work to those
-// without one. An engine whose events are read and that published nothing computed nothing.
+// storedLately is the blocks b computed lately, as its KV events tell, or as this replica's
+// picks sent it, whichever is more: an engine's events come a moment after its prefill ends,
+// and a group placed just before must count at once. ok is false when its events are not
+// known to be read (neither dialed nor ever heard from, though this replica sent it work):
+// ties are then not spread by what the engines computed, as a count for some engines only
+// would send all new work to one whose events never arrive. An engine whose events are read
+// and that published nothing computed nothing; so did one nobody heard from and this replica
+// never sent anything, as an engine that just joined a pool whose engines dial
+// kv_events.listen.
 func (p *CacheAware) storedLately(b *Backend, now time.Time) (blocks float64, ok bool) {
 	if p.index == nil {
 		return 0, false
 	}
 	e := b.kvEngineIn(p.index)
-	if !b.eventsDialed() && e.LastEvent().IsZero() {
+	if !b.eventsDialed() && e.LastEvent().IsZero() && b.st.started.Load() > 0 {
 		return 0, false
 	}
-	return e.StoredLately(now), true
+	return max(e.StoredLately(now), b.st.cost.sent.Value(now)/float64(p.index.BlockSize())), true
 }
 
 // boundShare is the share of h's text that the session's latest request sent its bound

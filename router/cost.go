@@ -7,6 +7,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/pdproxy/pdproxy/internal/decay"
 )
 
 // Placing a request by what its prefill will cost: the cache-aware policies give every
@@ -393,10 +395,12 @@ func hintTokens(h Hint) float64 {
 // costState is what the cost policies keep of one engine: this replica's books of the
 // requests picked by cost whose prefill has not ended there; the engine's prefill time per
 // token as its lessons show it (its metric: picks weigh the pool's) and the latest pick's
-// prediction in seconds (both float64 bits, 0 until the first).
+// prediction in seconds (both float64 bits, 0 until the first); and, where the pool spreads
+// its ties, the uncached tokens this replica sent it lately (storedLately).
 type costState struct {
 	books                      books
 	secPerToken, predictedTTFT atomic.Uint64
+	sent                       decay.Count
 }
 
 // books are one backend's entries of requests whose prefill has not ended, in the order
@@ -478,6 +482,9 @@ type booked struct {
 func book(m *costModel, b *Backend, cost Cost, now time.Time) *booked {
 	bk := &booked{m: m, cost: cost, at: now, tokens: int64(math.Round(cost.Uncached))}
 	b.st.cost.books.add(bk)
+	if m.spread && cost.Uncached > 0 {
+		b.st.cost.sent.Add(now, cost.Uncached)
+	}
 	b.st.cost.predictedTTFT.Store(math.Float64bits(cost.Predicted.Seconds()))
 	return bk
 }

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdproxy/pdproxy/internal/decay"
 	"github.com/pdproxy/pdproxy/kvcache"
 )
 
@@ -116,22 +117,32 @@ func TestTiesAreSpreadOnlyWhereEveryEnginesEventsAreRead(t *testing.T) {
 	}); got == home {
 		t.Errorf("the prompt went to %s, which computed 32 blocks lately while the others, silent for an hour, computed none", got)
 	}
-	// The same, but one other engine was never heard from and its events are not dialed:
-	// nothing says what it did, and the count is not used.
-	if got := where(func(index *kvcache.Index, bs []*Backend) {
-		skipped := false
-		for _, b := range bs {
-			switch {
-			case b.Name == home:
-				storeOn(index, b.Name, 1, other, 32, t0)
-			case !skipped:
-				skipped = true
-			default:
-				index.Touch(b.Name, t0)
+	// The same, but one other engine was sent work and never heard from, its events not
+	// dialed: nothing says what it did, and the count is not used.
+	silent := func(sentWork bool) func(index *kvcache.Index, bs []*Backend) {
+		return func(index *kvcache.Index, bs []*Backend) {
+			skipped := false
+			for _, b := range bs {
+				switch {
+				case b.Name == home:
+					storeOn(index, b.Name, 1, other, 32, t0)
+				case !skipped:
+					skipped = true
+					if sentWork {
+						b.st.started.Store(1)
+					}
+				default:
+					index.Touch(b.Name, t0)
+				}
 			}
 		}
-	}); got != home {
+	}
+	if got := where(silent(true)); got != home {
 		t.Errorf("with an engine's events not read the prompt went to %s, want %s by the rendezvous order", got, home)
+	}
+	// One never heard from and never sent anything (it just joined) computed nothing.
+	if got := where(silent(false)); got == home {
+		t.Errorf("the prompt went to %s, which computed 32 blocks lately, with an idle engine beside it", got)
 	}
 }
 
@@ -172,7 +183,48 @@ func TestStoredLatelyHalvesEveryHalfLife(t *testing.T) {
 	if got := e.StoredLately(t0); got != 40 {
 		t.Fatalf("stored lately %v at once, want 40", got)
 	}
-	if got := e.StoredLately(t0.Add(kvcache.StoredHalfLife)); got < 19.99 || got > 20.01 {
+	if got := e.StoredLately(t0.Add(decay.HalfLife)); got < 19.99 || got > 20.01 {
 		t.Errorf("stored lately %v after a half-life, want 20", got)
+	}
+}
+
+// An engine's events come a moment after its prefill ends: groups placed before the events
+// of the last one arrived still spread, by what this replica sent each engine.
+func TestNewPromptGroupsSpreadBeforeTheirEventsArrive(t *testing.T) {
+	t0 := time.Unix(1_700_000_000, 0)
+	index := kvcache.NewIndex(0, kvBlock)
+	bs := testBackends(0, 0, 0, 0)
+	now := t0
+	for _, b := range bs {
+		index.Touch(b.Name, now)
+	}
+	p := NewCacheAware(CacheAwareConfig{}, index, time.Hour)
+	p.now = func() time.Time { return now }
+	per := map[string]int{}
+	var late []func()
+	for g := range 12 {
+		now = now.Add(50 * time.Millisecond)
+		text, tokens := groupPrompt(g)
+		b, cost := p.SelectCost(bs, Hint{Text: text, Tokens: tokens})
+		book(p.cm, b, cost, now).settle(nil, b, now, false) // booked as the pool does, and done
+		per[b.Name]++
+		late = append(late, func() { storeOn(index, b.Name, uint64(g+1), tokens, 64, now.Add(time.Second)) })
+	}
+	for _, b := range bs {
+		if per[b.Name] != 3 {
+			t.Fatalf("12 new groups, their events not yet come, went %v; want 3 on each engine", per)
+		}
+	}
+	// The events, once they come, count about the same blocks (the picks' counts have faded
+	// for the moment between): the larger of the two counts a group once.
+	for _, f := range late {
+		f()
+	}
+	later := now.Add(time.Second)
+	for _, b := range bs {
+		events, sent := index.Engine(b.Name).StoredLately(later), b.st.cost.sent.Value(later)/kvBlock
+		if events < sent || events > sent*1.05 {
+			t.Errorf("%s: its events count %.1f blocks, this replica sent it %.1f", b.Name, events, sent)
+		}
 	}
 }
