@@ -554,7 +554,7 @@ func (c custody) end(s *Flow) {
 	case c.unsent != nil:
 		s.releaseUnsent(c)
 	default:
-		c.withoutLease(c.res)
+		c = c.withoutLease(c.res)
 		if !c.ofAttempt {
 			s.table.End(c.id)
 		}
