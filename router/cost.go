@@ -37,8 +37,9 @@ import (
 // queue there for a saving too small to tell); then the rendezvous order of the request's key
 // (its session's, else its prompt's head), which every replica computes alike. Under
 // precise_cache_aware, where every candidate's KV events are read, that order is taken among
-// the spreadChoices first in it by the blocks each computed lately
-// (kvcache.Engine.StoredLately): the first within spreadShare of the fewest. Conversations and
+// the spreadChoices first in it by the blocks each computed lately (kvcache.Engine.StoredLately,
+// or what this replica sent it where more, its events not told yet): the first within
+// spreadShare of the fewest. Conversations and
 // prompt groups new to the pool so go where the least work went, and none gets a double share
 // by the luck of a hash; replicas still place alike, reading the same events, and a group that
 // went to an engine stays there by its blocks, which every replica sees. cache_aware sees only
@@ -55,9 +56,9 @@ const (
 	// prompt's head (a chat's opening bytes, a block) save nothing a user would notice, and
 	// replicas whose views of the caches differ by so little must still place alike.
 	tieTokens = 64
-	// spreadShare: under spreadTight, engines whose blocks computed lately are within this
-	// share of the fewest's are alike, and the rendezvous order decides between them:
-	// replicas whose reading of the events differs by the last moment's still place alike.
+	// spreadShare: among the ties a model spreads, engines whose blocks computed lately are
+	// within this share of the fewest's are alike, and the rendezvous order decides between
+	// them: replicas whose reading of the events differs by the last moment's place alike.
 	spreadShare = 0.1
 	// spreadChoices: ties are spread among this many engines, the first in the rendezvous
 	// order of the request's key, not the whole pool: as good a spread as all of them give
