@@ -80,3 +80,36 @@ func TestAnAnswerWithoutParamsHoldsNothing(t *testing.T) {
 		t.Error("a nil hold names params or a time")
 	}
 }
+
+// A hold a release took on is the release's to end: the entry's end does not sweep it, and
+// only the first claim counts. An unclaimed hold the entry still names ends with the entry,
+// as expired.
+func TestAClaimedHoldIsLeftToItsRelease(t *testing.T) {
+	for _, claim := range []bool{true, false} {
+		f := newFixture(t)
+		if err := f.tb.Begin("r", "/v1/completions", nil); err != nil {
+			t.Fatal(err)
+		}
+		f.tb.StartPrefill("r", "p1")
+		f.tb.Prefilled("r", testParams)
+		_, h, _ := f.tb.ClientGone("r")
+		if claim {
+			if !h.Claim() || h.Claim() {
+				t.Fatal("a hold was claimed twice, or not at all")
+			}
+		}
+		f.tb.End("r")
+		if got := h.Released(); got == claim {
+			t.Errorf("claimed %v: released by the entry's end %v, want %v", claim, got, !claim)
+		}
+		if claim {
+			if !h.Release(ReleaseDrained) || f.tb.OutstandingHolds() != 0 {
+				t.Errorf("the release could not end the claimed hold: %d outstanding", f.tb.OutstandingHolds())
+			}
+		}
+	}
+	var none *Hold
+	if none.Claim() || none.Claimed() {
+		t.Error("a nil hold was claimed")
+	}
+}

@@ -94,7 +94,18 @@ type Hold struct {
 	// paired legs, whose params never pass through the proxy.
 	params   []byte
 	released atomic.Bool
+	// claimed: a release took the hold on (Claim), and ends it itself.
+	claimed atomic.Bool
 }
+
+// Claim records that a release takes the hold on: it ends it, by its drain, abort or the
+// engine's timer. It reports whether this call was the one that claimed it. A claimed hold is
+// left to its release: the table's End does not sweep it, nor does any other path that ends
+// the holds a request left (a panic's safety net). Nil claims nothing.
+func (h *Hold) Claim() bool { return h != nil && h.claimed.CompareAndSwap(false, true) }
+
+// Claimed reports whether a release took the hold on.
+func (h *Hold) Claimed() bool { return h != nil && h.claimed.Load() }
 
 // Params are the prefiller's KV params that name the held blocks, as its answer gave them;
 // nil on paired legs. They never change.
@@ -173,9 +184,12 @@ func (t *Table) End(id string) {
 		t.setState(e, Failed)
 	}
 	delete(t.reqs, id)
-	// An owner may be releasing this hold at the same moment: whoever loses the race changes
-	// nothing, and End losing it is no late event.
-	e.hold.release(ReleaseExpired, false)
+	// A hold a release claimed is the release's to end. An owner may be releasing an
+	// unclaimed one at the same moment: whoever loses the race changes nothing, and End losing
+	// it is no late event.
+	if !e.hold.Claimed() {
+		e.hold.release(ReleaseExpired, false)
+	}
 }
 
 // StartLegs moves a request from Received to Prefilling as its two legs go out together to

@@ -8,6 +8,10 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/pdproxy/pdproxy/lifecycle"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
 )
 
 // A step that may end the request's custody returns it, and its caller must take what comes
@@ -95,5 +99,40 @@ func TestNoCallDropsTheCustodyAStepReturns(t *testing.T) {
 			}
 			return true
 		})
+	}
+}
+
+// A panic's safety net ends the holds the request handed to decodes that no decoder
+// acknowledged, unless a release took one on: that one its release ends, as it would have.
+func TestAPanicLeavesAHoldAReleaseTookOnToIt(t *testing.T) {
+	table := lifecycle.New(lifecycle.Config{}, zap.NewNop(), prometheus.NewRegistry())
+	held := func(id string) *handoff {
+		if err := table.Begin(id, "/v1/completions", nil); err != nil {
+			t.Fatal(err)
+		}
+		table.StartPrefill(id, "p0")
+		table.Prefilled(id, []byte(`{"remote_block_ids":[1]}`))
+		_, hold, _ := table.StartDecode(id, "d0")
+		return &handoff{held: unsentHold{heldKV: heldKV{hold: hold}}}
+	}
+	open, withdrawn, claimed, acked := held("open"), held("withdrawn"), held("claimed"), held("acked")
+	withdrawn.withdraw(nil, nil)
+	claimed.withdraw(nil, nil)
+	claimed.held.hold.Claim() // a release took it on
+	acked.ack()
+	for _, ho := range []*handoff{open, withdrawn, claimed, acked} {
+		ho.abandon()
+	}
+	if !open.held.hold.Released() || !withdrawn.held.hold.Released() {
+		t.Error("a hold no decoder acknowledged and no release took on was left held")
+	}
+	if claimed.held.hold.Released() {
+		t.Error("the net ended a hold its release had taken on")
+	}
+	if !claimed.held.hold.Release(lifecycle.ReleaseDrained) {
+		t.Error("the release could not end the hold it took on")
+	}
+	if n := table.OutstandingHolds(); n != 0 {
+		t.Errorf("%d holds outstanding", n)
 	}
 }

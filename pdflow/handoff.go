@@ -90,11 +90,11 @@ func (h *handoff) withdraw(err error, d *router.Backend) *unsentHold {
 }
 
 // abandon ends a handoff whose request failed with a panic: a hold no decoder acknowledged and
-// nothing released yet ends as expired. A withdrawn hold may be on its way to a release: only
-// the first end of a hold counts, so whichever comes second changes nothing.
+// no release took on (lifecycle.Hold.Claim) ends as expired, its blocks left to the
+// prefiller's timer. One a release took on is the release's.
 func (h *handoff) abandon() {
 	open := h.state.CompareAndSwap(handoffOpen, handoffWithdrawn)
-	if (open || h.state.Load() == handoffWithdrawn) && !h.held.hold.Released() {
+	if (open || h.state.Load() == handoffWithdrawn) && h.held.hold.Claim() {
 		h.held.hold.Release(lifecycle.ReleaseExpired)
 	}
 }

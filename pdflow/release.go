@@ -202,6 +202,7 @@ func (s *Flow) abortDecodeLeg(parent trace.SpanContext, rids []string, d *router
 // that ended in the moment its connection closed holds its KV for the timer too (race R1:
 // nothing else frees it).
 func (s *Flow) abortLegs(c custody, pl *pairedLegs, p, d *router.Backend, hold *lifecycle.Hold, drain []byte, drainOn *router.Backend, req *api.Request) {
+	hold.Claim()
 	c = c.withoutLease(c.res)
 	rids := pl.rids
 	if !canAbort(d) || !canAbort(p) {
@@ -374,6 +375,7 @@ type release struct {
 // is nothing to send (the client is gone and nothing waits for it). A drain goes to none of
 // the decoders exclude names.
 func (s *Flow) startRelease(mode string, c custody, kv heldKV, exclude ...string) {
+	kv.hold.Claim()
 	r := release{heldKV: kv, mode: mode, c: c, exclude: exclude, span: c.span}
 	span := s.bgSpan(c.span, SpanRelease, r.prefill, attrReleaseMode.String(r.mode))
 	if span != nil {
