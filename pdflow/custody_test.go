@@ -1,6 +1,7 @@
 package pdflow
 
 import (
+	"context"
 	"go/ast"
 	"go/parser"
 	"go/token"
@@ -8,8 +9,13 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/pdproxy/pdproxy/api"
+	"github.com/pdproxy/pdproxy/engine"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
+	"github.com/pdproxy/pdproxy/router"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
@@ -135,4 +141,63 @@ func TestAPanicLeavesAHoldAReleaseTookOnToIt(t *testing.T) {
 	if n := table.OutstandingHolds(); n != 0 {
 		t.Errorf("%d holds outstanding", n)
 	}
+}
+
+// panicsOnAcquire is a router with a bug: every lease it is asked for panics.
+type panicsOnAcquire struct{ noBackends }
+
+func (panicsOnAcquire) Acquire(context.Context, router.Role, router.Hint) (*router.Lease, error) {
+	panic("a bug picking a decoder for a drain")
+}
+
+type engines struct{}
+
+func (engines) Engine(kind string) (router.Engine, bool) { return engine.Lookup(kind) }
+func (engines) Kinds() []string                          { return engine.Kinds() }
+
+// A panic in a release, which runs after its handler returned, does not take the proxy down:
+// it is counted, and the hold it was releasing ends as expired, with the request's entry.
+func TestAPanicInABackgroundReleaseEndsItsHoldAndEntry(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	rt, err := router.New(router.Config{Backends: []router.BackendConfig{{Name: "p0", URL: "http://127.0.0.1:1", Role: router.RolePrefill, Engine: "vllm"},
+		{Name: "d0", URL: "http://127.0.0.1:2", Role: router.RoleDecode, Engine: "vllm"}},
+		Engines: engines{}, Health: router.HealthConfig{Interval: -1}}, zap.NewNop(), reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := rt.Available(router.RolePrefill)[0]
+	table := lifecycle.New(lifecycle.Config{}, zap.NewNop(), reg)
+	m := NewMetrics(reg)
+	f := New(Config{KVRelease: ReleaseDrain}, panicsOnAcquire{}, table, zap.NewNop(), m, false)
+	if err := table.Begin("r", "/v1/completions", nil); err != nil {
+		t.Fatal(err)
+	}
+	table.StartPrefill("r", "p0")
+	table.Prefilled("r", []byte(`{"remote_block_ids":[1]}`))
+	_, hold, _ := table.ClientGone("r")
+	req := &api.Request{Route: "/v1/completions", API: engine.APICompletions, Fields: mustFields(t, `{"model":"m","prompt":"hi"}`)}
+	f.startRelease(ReleaseDrain, custody{id: "r", engineID: "e-r"}, heldKV{hold: hold, req: req, prefill: p})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := f.Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !hold.Released() || table.OutstandingHolds() != 0 || table.Len() != 0 {
+		t.Errorf("released %v, %d holds outstanding, %d entries; want the hold ended and the entry gone", hold.Released(), table.OutstandingHolds(), table.Len())
+	}
+	if n := testutil.Value(t, reg, "pdproxy_panics_total", nil); n != 1 {
+		t.Errorf("pdproxy_panics_total = %v, want 1", n)
+	}
+	if n := testutil.Value(t, reg, "pdproxy_kv_releases_total", map[string]string{"reason": "expired"}); n != 1 {
+		t.Errorf("kv_releases_total{expired} = %v, want 1", n)
+	}
+}
+
+func mustFields(t *testing.T, body string) *engine.Fields {
+	t.Helper()
+	f, err := engine.ParseFields([]byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
 }

@@ -6,6 +6,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pdproxy/pdproxy/api"
+	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
 )
 
@@ -52,6 +53,33 @@ func (x *Exchange) failTaken() {
 	}
 	for _, ho := range x.Tries.taken.handoffs {
 		ho.abandon()
+	}
+}
+
+// recoverBackground is the safety net of the work that outlives a request's handler (a KV
+// release, the abort of paired legs, a prefill let finish after its client left): a panic
+// there would take the whole proxy down with every request in it. It is counted in
+// pdproxy_panics_total and logged, and what the work held ends, each step counting once
+// whoever takes it first: the hold as expired (its blocks left to the prefiller's timer), the
+// decoder's lease, and the request's table entry (an attempt's custody leaves the entry).
+func (s *Flow) recoverBackground(c custody, hold *lifecycle.Hold) {
+	v := recover()
+	if v == nil {
+		return
+	}
+	s.m.Panics.Inc()
+	s.logger.Error("panic in a request's background work: its hold ends as expired", zap.String("request_id", c.id),
+		zap.String("engine_request_id", c.engineID), zap.Any("panic", v), zap.StackSkip("stack", 1))
+	defer func() {
+		if v := recover(); v != nil {
+			s.m.Panics.Inc()
+			s.logger.Error("panic ending a request's background work after a panic", zap.String("request_id", c.id), zap.Any("panic", v))
+		}
+	}()
+	hold.Release(lifecycle.ReleaseExpired)
+	c = c.withoutLease(router.Result{Canceled: true})
+	if !c.ofAttempt {
+		s.table.End(c.id)
 	}
 }
 

@@ -215,6 +215,7 @@ func (x *Exchange) callPrefill(c custody, lease *router.Lease, b *router.Backend
 		}
 		// The handler gave up on the client and hands over the request's custody.
 		if c := <-adopt; c.held() {
+			defer s.recoverBackground(c, nil)
 			s.prefillAnswerAfterClientLeft(c, req, b, params, err)
 		}
 	}()

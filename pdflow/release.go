@@ -218,6 +218,7 @@ func (s *Flow) abortLegs(c custody, pl *pairedLegs, p, d *router.Backend, hold *
 			s.bg.Add(1)
 			go func() {
 				defer s.bg.Done()
+				defer s.recoverBackground(c, hold)
 				defer c.end(s)
 				if s.drainLeg(c, drainOn, req, drain) {
 					hold.Release(lifecycle.ReleaseDrained)
@@ -232,6 +233,7 @@ func (s *Flow) abortLegs(c custody, pl *pairedLegs, p, d *router.Backend, hold *
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
+		defer s.recoverBackground(c, hold)
 		defer c.end(s)
 		legs := []*router.Backend{d, p}
 		pending := map[*router.Backend][]string{}
@@ -394,6 +396,7 @@ func (s *Flow) startRelease(mode string, c custody, kv heldKV, exclude ...string
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
+		defer s.recoverBackground(c, r.hold)
 		reason := lifecycle.ReleaseExpired
 		defer func() { endRelease(span, reason) }()
 		// The entry ends only once the hold is released: an End before would release it as
