@@ -130,7 +130,7 @@ func (x *Exchange) Model() string {
 
 // picked records a lease the request took for role, and tells Picked where it went.
 func (x *Exchange) picked(role router.Role, lease *router.Lease) {
-	x.Tries.taken.leases = append(x.Tries.taken.leases, lease)
+	x.Tries.taken.lease(lease)
 	if x.Picked != nil {
 		x.Picked(role, lease)
 	}

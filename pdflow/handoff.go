@@ -135,6 +135,6 @@ func (x *Exchange) handOver(hold *lifecycle.Hold) *handoff {
 		return nil
 	}
 	h := &handoff{held: unsentHold{heldKV: x.held(hold)}}
-	x.Tries.taken.handoffs = append(x.Tries.taken.handoffs, h)
+	x.Tries.taken.handoff(h)
 	return h
 }

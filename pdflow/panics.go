@@ -42,7 +42,8 @@ func (x *Exchange) recoverRequest(e **api.Error) {
 // the request's custody in any step's hands, so only steps that count once whoever takes them
 // first are taken: what the table still holds for the request goes as a failed request's does
 // (fail: a hold it still has released, paired legs aborted); every lease the request took is
-// given back; every hold it handed to a decode that no decoder acknowledged and no release
+// given back (a drain already under way on the decoder reserved for the request then runs
+// outside its lease); every hold it handed to a decode that no decoder acknowledged and no release
 // took on (lifecycle.Hold.Claim) ends as expired, its blocks left to the prefiller's timer;
 // and the entry ends. A hold a release took on is left to it: a panic after the request went
 // to a release ends its entry early, and the release still ends its hold as it would have.

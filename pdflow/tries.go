@@ -22,10 +22,30 @@ type tries struct {
 
 // taken records what a request took on the engines, so that the safety net of a panic
 // (failTaken) finds it wherever in the flow the panic came: every lease it was given and every
-// hold it handed to a decode. Only the handler's goroutine appends; the tries bound both.
+// hold it handed to a decode. Only the handler's goroutine appends; the tries bound both. A
+// request's usual few (a prefiller's lease and a decoder's, one decode) fit in the exchange
+// itself: recording them allocates nothing.
 type taken struct {
-	leases   []*router.Lease
-	handoffs []*handoff
+	leases     []*router.Lease
+	handoffs   []*handoff
+	leaseBuf   [2]*router.Lease
+	handoffBuf [1]*handoff
+}
+
+// lease records l.
+func (t *taken) lease(l *router.Lease) {
+	if t.leases == nil {
+		t.leases = t.leaseBuf[:0]
+	}
+	t.leases = append(t.leases, l)
+}
+
+// handoff records h.
+func (t *taken) handoff(h *handoff) {
+	if t.handoffs == nil {
+		t.handoffs = t.handoffBuf[:0]
+	}
+	t.handoffs = append(t.handoffs, h)
 }
 
 // avoided is an engine a request's attempt failed on, as it was then: the request keeps away
