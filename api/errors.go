@@ -11,6 +11,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // StatusClientClosed is the status logged and counted when the client left before the answer
@@ -230,7 +231,7 @@ func WriteError(w http.ResponseWriter, e *Error) {
 }
 
 // FromRouter maps a router's refusal to an answer.
-func FromRouter(err error, role router.Role) *Error {
+func FromRouter(err error, role routerconfig.Role) *Error {
 	switch {
 	case errors.Is(err, router.ErrQueueFull):
 		return NewError(KindQueueFull, "every "+string(role)+" backend is busy and the wait queue is full; retry later").With("", err, 1)
@@ -248,7 +249,7 @@ func FromRouter(err error, role router.Role) *Error {
 // FromBackend maps a failed backend call to an answer: a backend's 4xx goes to the client as
 // it came (it is about the client's request); anything else is the proxy's 502, or a 504 of
 // kind timeout.
-func FromBackend(err error, role router.Role, timeout Kind) *Error {
+func FromBackend(err error, role routerconfig.Role, timeout Kind) *Error {
 	var se *engine.StatusError
 	if errors.As(err, &se) {
 		if se.Status >= 400 && se.Status < 500 {
@@ -272,7 +273,7 @@ var ErrPhaseTimeout = errors.New("phase timeout")
 // backend's status: a body cut at the size bound, or an empty or non-JSON one, would leave
 // the client a body it cannot parse under a JSON content type. A short plain-text reason is
 // kept in the message.
-func clientFault(se *engine.StatusError, role router.Role, err error) *Error {
+func clientFault(se *engine.StatusError, role routerconfig.Role, err error) *Error {
 	body := bytes.TrimSpace(se.Body)
 	jsonType := se.ContentType == "" || strings.HasPrefix(strings.ToLower(strings.TrimSpace(se.ContentType)), "application/json")
 	if !se.Truncated && jsonType && len(body) > 0 && body[0] == '{' && json.Valid(body) {

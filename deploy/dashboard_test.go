@@ -22,7 +22,7 @@ import (
 	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/proxy"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 const dashboardFile = "grafana/pdproxy.json"
@@ -206,7 +206,7 @@ func scrapeExercisedProxy(t *testing.T) map[string]*dto.MetricFamily {
 	cfg.ShutdownTimeout = 2 * time.Second
 	cfg.Proxy.SessionAffinity.Headers = []string{sessionHeader}
 	cfg.SharedState.Redis.Addr = redistest.Start(t).Addr()
-	cfg.Router.PrefillPolicy = router.PolicyCacheAware
+	cfg.Router.PrefillPolicy = routerconfig.PolicyCacheAware
 	cfg.Proxy.FlowControl = proxy.FlowControlConfig{
 		TenantHeader: tenantHeader,
 		Tenants:      map[string]proxy.TenantConfig{tenant: {Weight: 2}},
@@ -214,7 +214,7 @@ func scrapeExercisedProxy(t *testing.T) map[string]*dto.MetricFamily {
 	for i := range cfg.Sims {
 		cfg.Sims[i].PrefillTime = 2 * time.Millisecond
 		cfg.Sims[i].ITL = 2 * time.Millisecond
-		if cfg.Sims[i].Role == string(router.RoleDecode) {
+		if cfg.Sims[i].Role == string(routerconfig.RoleDecode) {
 			// One stream fills the decoder, so that the next request waits as its tenant's.
 			cfg.Sims[i].MaxInflight = 1
 		}

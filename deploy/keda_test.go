@@ -18,7 +18,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // scaledObject is the part of KEDA's ScaledObject (keda.sh/v1alpha1) that the manifests use.
@@ -89,7 +89,7 @@ func TestScaledObjectsScaleEachRolesEnginesOnItsSaturation(t *testing.T) {
 	exported := saturationRoles(t)
 
 	sos, files := all[scaledObject](ms)
-	seen := map[router.Role]string{}
+	seen := map[routerconfig.Role]string{}
 	for i, so := range sos {
 		t.Run(files[i]+"/"+so.Name, func(t *testing.T) {
 			if len(so.Spec.Triggers) != 1 {
@@ -109,9 +109,9 @@ func TestScaledObjectsScaleEachRolesEnginesOnItsSaturation(t *testing.T) {
 			if m == nil {
 				t.Fatalf("query %q: want avg(pdproxy_pool_saturation{role=\"ROLE\"}), one element for KEDA", q)
 			}
-			role := router.Role(m[2])
-			if role != router.RolePrefill && role != router.RoleDecode {
-				t.Fatalf("query %q: role %q is neither %s nor %s", q, role, router.RolePrefill, router.RoleDecode)
+			role := routerconfig.Role(m[2])
+			if role != routerconfig.RolePrefill && role != routerconfig.RoleDecode {
+				t.Fatalf("query %q: role %q is neither %s nor %s", q, role, routerconfig.RolePrefill, routerconfig.RoleDecode)
 			}
 			if other, dup := seen[role]; dup {
 				t.Errorf("%s scales the %s engines too", other, role)
@@ -171,7 +171,7 @@ func TestScaledObjectsScaleEachRolesEnginesOnItsSaturation(t *testing.T) {
 			}
 		})
 	}
-	for _, role := range []router.Role{router.RolePrefill, router.RoleDecode} {
+	for _, role := range []routerconfig.Role{routerconfig.RolePrefill, routerconfig.RoleDecode} {
 		if _, ok := seen[role]; !ok {
 			t.Errorf("no ScaledObject scales the %s engines", role)
 		}
@@ -180,7 +180,7 @@ func TestScaledObjectsScaleEachRolesEnginesOnItsSaturation(t *testing.T) {
 
 // engineServices are the hosts of the URLs of the role's backends in the config of the
 // standalone proxy of dir: the Services whose engines the proxy discovers.
-func engineServices(t *testing.T, ms manifests, dir string, role router.Role) []string {
+func engineServices(t *testing.T, ms manifests, dir string, role routerconfig.Role) []string {
 	t.Helper()
 	var hosts []string
 	for _, p := range standalonePods(t, ms) {
@@ -212,7 +212,7 @@ func engineServices(t *testing.T, ms manifests, dir string, role router.Role) []
 
 // saturationRoles starts the embedded default (a simulated prefiller and decoder) and reads
 // which roles it exports pdproxy_pool_saturation for.
-func saturationRoles(t *testing.T) map[router.Role]bool {
+func saturationRoles(t *testing.T) map[routerconfig.Role]bool {
 	t.Helper()
 	cfg := app.DefaultConfig()
 	cfg.Listen = "127.0.0.1:0"
@@ -231,8 +231,8 @@ func saturationRoles(t *testing.T) map[router.Role]bool {
 			t.Errorf("shutdown: %v", err)
 		}
 	}()
-	out := map[router.Role]bool{}
-	for _, role := range []router.Role{router.RolePrefill, router.RoleDecode} {
+	out := map[routerconfig.Role]bool{}
+	for _, role := range []routerconfig.Role{routerconfig.RolePrefill, routerconfig.RoleDecode} {
 		_, out[role] = testutil.Lookup(t, m.Registry, "pdproxy_pool_saturation", map[string]string{"role": string(role)})
 	}
 	return out

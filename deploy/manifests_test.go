@@ -35,7 +35,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // manifestDir holds the Kubernetes manifests: the standalone proxy at the top, the llm-d
@@ -566,7 +566,7 @@ func TestProxyListensWhereThePodIsReached(t *testing.T) {
 			}
 			// The sidecar: its decoders are the engine in its own pod, on loopback.
 			for _, b := range cfg.Router.Backends {
-				if b.Role != router.RoleDecode {
+				if b.Role != routerconfig.RoleDecode {
 					t.Errorf("backend %s: role %s; the sidecar's only backend is its own decoder (prefillers come from the header)", b.Name, b.Role)
 					continue
 				}

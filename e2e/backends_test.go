@@ -20,7 +20,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // brokenEngine is an engine on a real port that answers completion calls with its handler,
@@ -103,7 +103,7 @@ func TestBrokenPrefillerAnswers(t *testing.T) {
 			s := startStack(t, func(c *app.Config) {
 				fastSims(c)
 				c.Sims = c.Sims[1:] // the simulated decoder only
-				c.Router.Backends = []router.BackendConfig{{Name: "broken-prefill", URL: p.URL, Role: router.RolePrefill, Engine: "vllm"}}
+				c.Router.Backends = []routerconfig.BackendConfig{{Name: "broken-prefill", URL: p.URL, Role: routerconfig.RolePrefill, Engine: "vllm"}}
 				c.Proxy.DecodeOnlyFallback = &fallback
 				noEjection(c)
 			})
@@ -203,7 +203,7 @@ func TestBrokenDecoderStreams(t *testing.T) {
 	})
 	s := startStack(t, func(c *app.Config) {
 		c.Sims = nil // the decoder alone computes the prompt: no prefiller
-		c.Router.Backends = []router.BackendConfig{{Name: "broken-decode", URL: d.URL, Role: router.RoleDecode, Engine: "vllm"}}
+		c.Router.Backends = []routerconfig.BackendConfig{{Name: "broken-decode", URL: d.URL, Role: routerconfig.RoleDecode, Engine: "vllm"}}
 		noEjection(c)
 	})
 	const stream = `{"model":"sim","prompt":"hi","stream":true}`

@@ -21,7 +21,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // openAIError is an error answer as an OpenAI client reads it.
@@ -263,7 +263,7 @@ func TestClientThatNeverReadsItsStreamIsGivenUpOn(t *testing.T) {
 		t.Cleanup(firehose.Close)
 		s := startStack(t, func(c *app.Config) {
 			c.Sims = nil
-			c.Router.Backends = []router.BackendConfig{{Name: "firehose", URL: firehose.URL, Role: router.RoleDecode, Engine: "vllm"}}
+			c.Router.Backends = []routerconfig.BackendConfig{{Name: "firehose", URL: firehose.URL, Role: routerconfig.RoleDecode, Engine: "vllm"}}
 			c.Proxy.ClientWriteTimeout = writeTimeout
 		})
 		conn := neverReads(t, s.m.Addr(), `{"model":"m","prompt":"everything","stream":true}`)

@@ -17,7 +17,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -76,10 +76,10 @@ func TestConditionalDisaggregationSkipsThePrefillADecoderDoesNotNeed(t *testing.
 
 			cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
 			cfg.Proxy.PDUncachedTokenThreshold = threshold
-			cfg.Router.DecodePolicy = router.PolicyPreciseCacheAware
-			cfg.Router.Backends = []router.BackendConfig{
-				{Name: "p0", URL: pURL, Role: router.RolePrefill, Engine: "sim"},
-				{Name: "d0", URL: dURL, Role: router.RoleDecode, Engine: "sim", KVEventsEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port)},
+			cfg.Router.DecodePolicy = routerconfig.PolicyPreciseCacheAware
+			cfg.Router.Backends = []routerconfig.BackendConfig{
+				{Name: "p0", URL: pURL, Role: routerconfig.RolePrefill, Engine: "sim"},
+				{Name: "d0", URL: dURL, Role: routerconfig.RoleDecode, Engine: "sim", KVEventsEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port)},
 			}
 			s := startConfig(t, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)), cfg)
 

@@ -19,7 +19,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -194,16 +194,16 @@ func TestDNSDiscoveryFollowsThePoolUnderLoadAndNoRequestFails(t *testing.T) {
 	const refresh = 100 * time.Millisecond
 	s := startStack(t, fastSims, func(c *app.Config) {
 		c.Sims = c.Sims[:1] // the prefiller; the decoders come from DNS
-		c.Router.Backends = []router.BackendConfig{{
-			Name: "decode", URL: "http://" + net.JoinHostPort(name, port), Role: router.RoleDecode,
-			Engine: "sim", Discover: router.DiscoverDNS, Refresh: refresh,
+		c.Router.Backends = []routerconfig.BackendConfig{{
+			Name: "decode", URL: "http://" + net.JoinHostPort(name, port), Role: routerconfig.RoleDecode,
+			Engine: "sim", Discover: routerconfig.DiscoverDNS, Refresh: refresh,
 		}}
 		c.Router.Resolver = ns.resolver()
 	})
 	decoders := func() []string {
 		var out []string
 		for _, b := range s.m.Router.Backends() {
-			if b.Role == router.RoleDecode {
+			if b.Role == routerconfig.RoleDecode {
 				out = append(out, b.Name)
 			}
 		}

@@ -13,7 +13,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // backendView is one backend of /debug/backends as a client reads the JSON.
@@ -54,9 +54,9 @@ func TestAKilledDecoderIsMarkedDownByOneRefusedCallAndBackByItsHealthCheck(t *te
 	const interval = time.Second
 	s := startStack(t, func(c *app.Config) {
 		c.Sims = nil // decode-only: the two decoder processes are the backends
-		c.Router.Backends = []router.BackendConfig{
-			{Name: "victim", URL: "http://" + victimAddr, Role: router.RoleDecode, Engine: "sim"},
-			{Name: "survivor", URL: "http://" + survivorAddr, Role: router.RoleDecode, Engine: "sim"},
+		c.Router.Backends = []routerconfig.BackendConfig{
+			{Name: "victim", URL: "http://" + victimAddr, Role: routerconfig.RoleDecode, Engine: "sim"},
+			{Name: "survivor", URL: "http://" + survivorAddr, Role: routerconfig.RoleDecode, Engine: "sim"},
 		}
 		// Failed checks alone would take a minute to notice the death; a check that passes
 		// brings the victim back within a second of its restart.

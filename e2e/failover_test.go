@@ -17,6 +17,7 @@ import (
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // withSecondPair adds a second simulated prefiller and decoder to the embedded default:
@@ -336,7 +337,7 @@ func TestFailingPrefillersAreRetriedThenSkipped(t *testing.T) {
 					c.Sims[i].FailStatus = http.StatusServiceUnavailable
 				}
 				// Turn by turn, so the failing prefiller is some request's first pick.
-				c.Router.PrefillPolicy = router.PolicyRoundRobin
+				c.Router.PrefillPolicy = routerconfig.PolicyRoundRobin
 			})
 			const n = 8
 			shapes := loadShapes(5)
@@ -406,7 +407,7 @@ func TestADecoderDyingWithTheParamsLeavesNoKVHeld(t *testing.T) {
 	dead := takeAndDie(t)
 	s := startStack(t, fastSims, func(c *app.Config) {
 		c.Sims = c.Sims[:1] // the prefiller only
-		c.Router.Backends = []router.BackendConfig{{Name: "dead", URL: dead, Role: router.RoleDecode, Engine: "sim"}}
+		c.Router.Backends = []routerconfig.BackendConfig{{Name: "dead", URL: dead, Role: routerconfig.RoleDecode, Engine: "sim"}}
 		c.Router.Health.Interval = -1
 	})
 	p := s.m.SimURLs("prefill")[0]

@@ -15,7 +15,7 @@ import (
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/proxy"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // flowAnswer is one answer as a client of the flood test sees it.
@@ -82,7 +82,7 @@ func TestAFloodingTenantIsRefusedWhileAQuietTenantIsServed(t *testing.T) {
 	)
 	s := startStack(t, fastSims, func(c *app.Config) {
 		c.Sims[1].MaxInflight = maxInflight
-		c.Router.Queue = router.QueueConfig{Size: 8}
+		c.Router.Queue = routerconfig.QueueConfig{Size: 8}
 		c.Proxy.FlowControl = proxy.FlowControlConfig{
 			TenantHeader:      "X-Tenant",
 			Tenants:           map[string]proxy.TenantConfig{"noisy": {}, "quiet": {}},

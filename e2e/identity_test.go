@@ -17,6 +17,7 @@ import (
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -98,11 +99,11 @@ func identityStack(t *testing.T, n int, policy string, tweak func(*sim.Config)) 
 		c.KVEventsEndpoint = fmt.Sprintf("tcp://*:%d", port)
 		e, url := startSim(t, c)
 		urls, engines = append(urls, url), append(engines, e)
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: url, Role: router.RoleDecode,
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: url, Role: routerconfig.RoleDecode,
 			Engine: "sim", KVEventsEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port)})
 	}
 	s := startConfig(t, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)), cfg)
-	if policy != router.PolicyPreciseCacheAware {
+	if policy != routerconfig.PolicyPreciseCacheAware {
 		return s, urls, engines
 	}
 	// The publishers drop what they send before the proxy's subscriptions arrive.
@@ -147,7 +148,7 @@ func TestAPromptComputedUnderAnotherIdentityIsPredictedAndServedUncached(t *test
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			s, _, _ := identityStack(t, 1, router.PolicyPreciseCacheAware, nil)
+			s, _, _ := identityStack(t, 1, routerconfig.PolicyPreciseCacheAware, nil)
 			prompt := "shared" + tieredText("p", 300) // 600 tokens
 			completeAs(t, s.url, tt.first, prompt)
 			toks, err := s.m.Router.Tokens(context.Background(), router.TokenizeRequest{Model: tt.first.model, Prompt: prompt})
@@ -210,12 +211,12 @@ func conversationsHitRatio(t *testing.T, url string, convs, turns int) (base, ad
 
 func TestConversationsOnAnAdapterHitTheCacheAsOftenAsOnTheBaseModel(t *testing.T) {
 	const convs, turns = 10, 4 // 10 conversations on 4 engines: a rotation does not keep them in place
-	s, _, _ := identityStack(t, 4, router.PolicyPreciseCacheAware, nil)
+	s, _, _ := identityStack(t, 4, routerconfig.PolicyPreciseCacheAware, nil)
 	base, adapter := conversationsHitRatio(t, s.url, convs, turns)
 	if d := metricSum(t, s.url, "pdproxy_kv_events_dropped_total{"); d != 0 {
 		t.Errorf("%v KV events dropped, want none", d)
 	}
-	li, _, _ := identityStack(t, 4, router.PolicyLeastInflight, nil)
+	li, _, _ := identityStack(t, 4, routerconfig.PolicyLeastInflight, nil)
 	liBase, liAdapter := conversationsHitRatio(t, li.url, convs, turns)
 	t.Logf("hit ratio: base %.3f, adapter %.3f; least_inflight: base %.3f, adapter %.3f", base, adapter, liBase, liAdapter)
 	if diff := base - adapter; diff > 0.05 || diff < -0.05 {
@@ -229,7 +230,7 @@ func TestConversationsOnAnAdapterHitTheCacheAsOftenAsOnTheBaseModel(t *testing.T
 func TestAHybridModelsPrefixIsCreditedOnlyAsFarAsItsWindowReaches(t *testing.T) {
 	// Blocks of 16 tokens, a sliding window of 64: the engine reuses a prefix only up to an
 	// end before which its window group holds 4 blocks, and caches only each prompt's last 4.
-	s, _, _ := identityStack(t, 1, router.PolicyPreciseCacheAware, func(c *sim.Config) { c.SlidingWindow = 64 })
+	s, _, _ := identityStack(t, 1, routerconfig.PolicyPreciseCacheAware, func(c *sim.Config) { c.SlidingWindow = 64 })
 	base := identity{model: "sim"}
 	prompt := "hybrid" + tieredText("h", 300) // 600 tokens, 37 blocks
 	completeAs(t, s.url, base, prompt)

@@ -14,7 +14,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -37,10 +37,10 @@ func TestADecoderThatCannotLoadTheKVIsReplacedByAFreshPair(t *testing.T) {
 	d1, d1URL := startSim(t, good)
 
 	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
-	cfg.Router.Backends = []router.BackendConfig{
-		{Name: "p0", URL: pURL, Role: router.RolePrefill, Engine: "sim"},
-		{Name: "d0", URL: d0URL, Role: router.RoleDecode, Engine: "sim", Weight: 2}, // the first pick
-		{Name: "d1", URL: d1URL, Role: router.RoleDecode, Engine: "sim"},
+	cfg.Router.Backends = []routerconfig.BackendConfig{
+		{Name: "p0", URL: pURL, Role: routerconfig.RolePrefill, Engine: "sim"},
+		{Name: "d0", URL: d0URL, Role: routerconfig.RoleDecode, Engine: "sim", Weight: 2}, // the first pick
+		{Name: "d1", URL: d1URL, Role: routerconfig.RoleDecode, Engine: "sim"},
 	}
 	s := startConfig(t, zaptest.NewLogger(t, zaptest.Level(zap.ErrorLevel)), cfg)
 

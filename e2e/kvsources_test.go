@@ -16,6 +16,7 @@ import (
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -47,9 +48,9 @@ func TestTheProxyDialsEveryRankOfAnEngineThatBindsPort0(t *testing.T) {
 	}
 
 	pcfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
-	pcfg.Router.DecodePolicy = router.PolicyPreciseCacheAware
+	pcfg.Router.DecodePolicy = routerconfig.PolicyPreciseCacheAware
 	pcfg.Router.Health.Interval = 100 * time.Millisecond
-	pcfg.Router.Backends = []router.BackendConfig{{Name: "d0", URL: url, Role: router.RoleDecode, Engine: "sim",
+	pcfg.Router.Backends = []routerconfig.BackendConfig{{Name: "d0", URL: url, Role: routerconfig.RoleDecode, Engine: "sim",
 		DataParallelSize: 2, KVEventsDiscover: true}}
 	s := startConfig(t, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)), pcfg)
 

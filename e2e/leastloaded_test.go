@@ -17,6 +17,7 @@ import (
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -124,11 +125,11 @@ func (sp *sharedPool) replica(t *testing.T, policy string) *stack {
 	cfg.Router.PrefillPolicy, cfg.Router.DecodePolicy = policy, policy
 	cfg.Router.ScrapeInterval = 250 * time.Millisecond
 	for _, name := range []string{"p0", "p1", "d0", "d1", "d2"} {
-		role := router.RoleDecode
+		role := routerconfig.RoleDecode
 		if name[0] == 'p' {
-			role = router.RolePrefill
+			role = routerconfig.RolePrefill
 		}
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: name, URL: sp.engines[name].URL, Role: role, Engine: "sim"})
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{Name: name, URL: sp.engines[name].URL, Role: role, Engine: "sim"})
 	}
 	return startConfig(t, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)), cfg)
 }
@@ -220,7 +221,7 @@ func TestTwoReplicasWithLeastLoadedSendTheirLoadWhereTheEnginesHaveRoom(t *testi
 
 	run := func(policy string) spread {
 		replicas := []*stack{sp.replica(t, policy), sp.replica(t, policy)}
-		if policy == router.PolicyLeastLoaded {
+		if policy == routerconfig.PolicyLeastLoaded {
 			for _, s := range replicas {
 				s.sees(t)
 			}
@@ -231,8 +232,8 @@ func TestTwoReplicasWithLeastLoadedSendTheirLoadWhereTheEnginesHaveRoom(t *testi
 		}
 		return got
 	}
-	loaded := run(router.PolicyLeastLoaded)
-	inflight := run(router.PolicyLeastInflight)
+	loaded := run(routerconfig.PolicyLeastLoaded)
+	inflight := run(routerconfig.PolicyLeastInflight)
 	t.Logf("least_loaded:   %v", loaded)
 	t.Logf("least_inflight: %v", inflight)
 

@@ -19,6 +19,7 @@ import (
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -100,16 +101,16 @@ func TestAnAdaptersRequestUnderPDGoesOnlyToEnginesServingItAndIsCachedUnderIt(t 
 	base := sim.DefaultConfig()
 	base.PrefillTime, base.ITL, base.KVHeartbeatInterval = time.Millisecond, time.Millisecond, 0
 	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
-	cfg.Router.PrefillPolicy, cfg.Router.DecodePolicy = router.PolicyPreciseCacheAware, router.PolicyPreciseCacheAware
+	cfg.Router.PrefillPolicy, cfg.Router.DecodePolicy = routerconfig.PolicyPreciseCacheAware, routerconfig.PolicyPreciseCacheAware
 	cfg.Router.Health.Interval = 100 * time.Millisecond
 	// p0 and d0 serve adapter ad beside the base model; p1 and d1 the base model alone.
 	recorders := map[string]*legRecorder{}
 	urls := map[string]string{}
 	for _, e := range []struct {
 		name    string
-		role    router.Role
+		role    routerconfig.Role
 		adapter bool
-	}{{"p0", router.RolePrefill, true}, {"p1", router.RolePrefill, false}, {"d0", router.RoleDecode, true}, {"d1", router.RoleDecode, false}} {
+	}{{"p0", routerconfig.RolePrefill, true}, {"p1", routerconfig.RolePrefill, false}, {"d0", routerconfig.RoleDecode, true}, {"d1", routerconfig.RoleDecode, false}} {
 		c := base
 		c.Role = string(e.role)
 		if e.adapter {
@@ -119,7 +120,7 @@ func TestAnAdaptersRequestUnderPDGoesOnlyToEnginesServingItAndIsCachedUnderIt(t 
 		c.KVEventsEndpoint = fmt.Sprintf("tcp://*:%d", port)
 		_, url, lr := startRecordedSim(t, c)
 		recorders[e.name], urls[e.name] = lr, url
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: e.name, URL: url, Role: e.role, Engine: "sim",
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{Name: e.name, URL: url, Role: e.role, Engine: "sim",
 			KVEventsEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port)})
 	}
 	s := startConfig(t, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)), cfg)

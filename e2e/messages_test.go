@@ -26,7 +26,7 @@ import (
 	"github.com/pdproxy/pdproxy/internal/faultengine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // anthropicClient is the SDK pointed at the stack, retrying nothing, with the sims' greedy
@@ -359,11 +359,11 @@ func faultyDecoderStack(t *testing.T, proto faultengine.Protocol, fault faulteng
 	p, d := start(true, faultengine.None), start(false, fault)
 	s := startStack(t, func(c *app.Config) {
 		c.Sims = nil
-		prefiller := router.BackendConfig{Name: "fault-prefill", URL: p.URL(), Role: router.RolePrefill, Engine: string(proto)}
+		prefiller := routerconfig.BackendConfig{Name: "fault-prefill", URL: p.URL(), Role: routerconfig.RolePrefill, Engine: string(proto)}
 		if proto == faultengine.SGLang {
 			prefiller.BootstrapPort = 8998 // what the fault engine's /server_info says
 		}
-		c.Router.Backends = []router.BackendConfig{prefiller, {Name: "fault-decode", URL: d.URL(), Role: router.RoleDecode, Engine: string(proto)}}
+		c.Router.Backends = []routerconfig.BackendConfig{prefiller, {Name: "fault-decode", URL: d.URL(), Role: routerconfig.RoleDecode, Engine: string(proto)}}
 		c.Proxy.PrefillTimeout = 300 * time.Millisecond
 		c.Proxy.DecodeFirstByteTimeout = 300 * time.Millisecond
 		c.Proxy.DecodeIdleTimeout = 300 * time.Millisecond

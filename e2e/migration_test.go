@@ -14,7 +14,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -45,7 +45,7 @@ func migrationPool(t *testing.T, protocol string, pd bool, edit ...func(*app.Con
 		pc.Role = "prefill"
 		pc.BootstrapPort = 0 // a free port, read back below
 		p = start(pc)
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: "p0", URL: p.URL(), Role: router.RolePrefill,
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{Name: "p0", URL: p.URL(), Role: routerconfig.RolePrefill,
 			Engine: kind, BootstrapPort: p.Engine().BootstrapPort()})
 	}
 	var ds []*sim.Server
@@ -56,7 +56,7 @@ func migrationPool(t *testing.T, protocol string, pd bool, edit ...func(*app.Con
 		}
 		d := start(dc)
 		ds = append(ds, d)
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: router.RoleDecode, Engine: kind})
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: routerconfig.RoleDecode, Engine: kind})
 	}
 	for _, e := range edit {
 		e(&cfg)

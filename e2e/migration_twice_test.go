@@ -15,7 +15,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -105,7 +105,7 @@ func readGreedy(t *testing.T, url, body string, kill func(chunk int)) (text stri
 // engine now, and ends with all 40 tokens, the unbroken answer's.
 func TestAStreamGoesBackToADecoderItLeftOnceThatDecoderIsBack(t *testing.T) {
 	s, ds := greedyDecoders(t, 2, func(c *app.Config) {
-		c.Router.Health = router.HealthConfig{Interval: 20 * time.Millisecond, Timeout: time.Second, HealthyThreshold: 1, UnhealthyThreshold: 1}
+		c.Router.Health = routerconfig.HealthConfig{Interval: 20 * time.Millisecond, Timeout: time.Second, HealthyThreshold: 1, UnhealthyThreshold: 1}
 	})
 	const n = 40
 	body := greedyBody(n)
@@ -164,7 +164,7 @@ func greedyDecoders(t *testing.T, n int, mutate func(*app.Config)) (*stack, []*s
 		}
 		t.Cleanup(func() { d.Close() })
 		ds = append(ds, d)
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: router.RoleDecode, Engine: "vllm"})
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: routerconfig.RoleDecode, Engine: "vllm"})
 	}
 	if mutate != nil {
 		mutate(&cfg)

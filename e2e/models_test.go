@@ -23,7 +23,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -121,8 +121,8 @@ func TestModelsFromATLSEngineWithItsOwnCAAndKey(t *testing.T) {
 	}
 	s := startStack(t, func(c *app.Config) {
 		c.Sims = nil
-		c.Router.Backends = []router.BackendConfig{{
-			Name: "tls-decode", URL: engine.URL, Role: router.RoleDecode, Engine: "sim",
+		c.Router.Backends = []routerconfig.BackendConfig{{
+			Name: "tls-decode", URL: engine.URL, Role: routerconfig.RoleDecode, Engine: "sim",
 			TLSCAFile: caFile, TLSServerName: serverName, APIKey: apiKey,
 		}}
 	})

@@ -18,7 +18,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -37,7 +37,7 @@ func mooncakePool(t *testing.T, np, nd, ranks int, hold time.Duration) (*stack, 
 		pc.Role, pc.BootstrapPort = "prefill", 0 // a free port, read back below
 		e, url := startSim(t, pc)
 		engines = append(engines, e)
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: url, Role: router.RolePrefill,
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: url, Role: routerconfig.RolePrefill,
 			Engine: "mooncake", BootstrapPort: e.BootstrapPort(), DataParallelSize: ranks})
 	}
 	for i := range nd {
@@ -45,7 +45,7 @@ func mooncakePool(t *testing.T, np, nd, ranks int, hold time.Duration) (*stack, 
 		dc.Role = "decode"
 		e, url := startSim(t, dc)
 		engines = append(engines, e)
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: url, Role: router.RoleDecode,
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: url, Role: routerconfig.RoleDecode,
 			Engine: "mooncake", DataParallelSize: ranks})
 	}
 	return startConfig(t, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)), cfg), engines

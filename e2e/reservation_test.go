@@ -14,7 +14,7 @@ import (
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/proxy"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -27,29 +27,29 @@ func afterPrefillBeside(t *testing.T, protocol string) (*stack, []*sim.Engine) {
 	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
 	cfg.Proxy.DecoderReservation = proxy.ReserveAfterPrefill
 	var engines []*sim.Engine
-	add := func(proto, kind, model string, role router.Role) {
+	add := func(proto, kind, model string, role routerconfig.Role) {
 		sc := sim.DefaultConfig()
 		sc.Protocol, sc.Role, sc.Model = proto, string(role), model
 		sc.PrefillTime, sc.ITL, sc.KVHeartbeatInterval = time.Millisecond, time.Millisecond, 0
-		b := router.BackendConfig{Name: fmt.Sprintf("%s-%s", model, role), Role: role, Engine: kind, Models: []string{model}}
+		b := routerconfig.BackendConfig{Name: fmt.Sprintf("%s-%s", model, role), Role: role, Engine: kind, Models: []string{model}}
 		if proto == sim.ProtocolMooncake {
 			sc.KVHoldTimeout = 480 * time.Second // what the backend's engine kind declares
 		}
-		if proto != sim.ProtocolVLLM && role == router.RolePrefill {
+		if proto != sim.ProtocolVLLM && role == routerconfig.RolePrefill {
 			sc.BootstrapPort = 0 // a free port, read back below
 		}
 		e, url := startSim(t, sc)
 		b.URL = url
-		if proto != sim.ProtocolVLLM && role == router.RolePrefill {
+		if proto != sim.ProtocolVLLM && role == routerconfig.RolePrefill {
 			b.BootstrapPort = e.BootstrapPort()
 		}
 		engines = append(engines, e)
 		cfg.Router.Backends = append(cfg.Router.Backends, b)
 	}
-	add(sim.ProtocolVLLM, "vllm", "nixl", router.RolePrefill)
-	add(sim.ProtocolVLLM, "vllm", "nixl", router.RoleDecode)
-	add(protocol, protocol, "paired", router.RolePrefill)
-	add(protocol, protocol, "paired", router.RoleDecode)
+	add(sim.ProtocolVLLM, "vllm", "nixl", routerconfig.RolePrefill)
+	add(sim.ProtocolVLLM, "vllm", "nixl", routerconfig.RoleDecode)
+	add(protocol, protocol, "paired", routerconfig.RolePrefill)
+	add(protocol, protocol, "paired", routerconfig.RoleDecode)
 	return startConfig(t, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)), cfg), engines
 }
 

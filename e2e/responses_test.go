@@ -18,7 +18,7 @@ import (
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -50,9 +50,9 @@ var responsesStacks = []struct {
 		pe, purl := startSim(t, pc)
 		_, durl := startSim(t, dc)
 		cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
-		cfg.Router.Backends = []router.BackendConfig{
-			{Name: "p0", URL: purl, Role: router.RolePrefill, Engine: "mooncake", BootstrapPort: pe.BootstrapPort()},
-			{Name: "d0", URL: durl, Role: router.RoleDecode, Engine: "mooncake"},
+		cfg.Router.Backends = []routerconfig.BackendConfig{
+			{Name: "p0", URL: purl, Role: routerconfig.RolePrefill, Engine: "mooncake", BootstrapPort: pe.BootstrapPort()},
+			{Name: "d0", URL: durl, Role: routerconfig.RoleDecode, Engine: "mooncake"},
 		}
 		s := startConfig(t, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)), cfg)
 		return s, purl, durl

@@ -30,7 +30,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -312,18 +312,18 @@ func TestHTTPSBackends(t *testing.T) {
 	engine, caFile := tlsSimDecoder(t)
 	for _, tc := range []struct {
 		name      string
-		backend   func(*router.BackendConfig)
+		backend   func(*routerconfig.BackendConfig)
 		want      int
 		logged    string // a warning that must be logged
 		loggedMsg string
 	}{
 		{name: "an engine whose certificate chains to tls_ca_file serves",
-			backend: func(b *router.BackendConfig) { b.TLSCAFile = caFile }, want: http.StatusOK},
+			backend: func(b *routerconfig.BackendConfig) { b.TLSCAFile = caFile }, want: http.StatusOK},
 		{name: "by default an engine with an untrusted certificate is a 502, and the log says why",
-			backend: func(*router.BackendConfig) {}, want: http.StatusBadGateway,
+			backend: func(*routerconfig.BackendConfig) {}, want: http.StatusBadGateway,
 			loggedMsg: "request", logged: "x509: certificate signed by unknown authority"},
 		{name: "tls_insecure_skip_verify serves, and warns that nothing is verified",
-			backend: func(b *router.BackendConfig) { b.TLSInsecureSkipVerify = true }, want: http.StatusOK,
+			backend: func(b *routerconfig.BackendConfig) { b.TLSInsecureSkipVerify = true }, want: http.StatusOK,
 			loggedMsg: "tls certificate verification is off", logged: "tls_insecure_skip_verify"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -331,9 +331,9 @@ func TestHTTPSBackends(t *testing.T) {
 			logger := zap.New(zapcore.NewTee(core, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)).Core()))
 			s := startStackWith(t, logger, func(c *app.Config) {
 				c.Sims = nil
-				b := router.BackendConfig{Name: "tls-decode", URL: engine.URL, Role: router.RoleDecode, Engine: "sim"}
+				b := routerconfig.BackendConfig{Name: "tls-decode", URL: engine.URL, Role: routerconfig.RoleDecode, Engine: "sim"}
 				tc.backend(&b)
-				c.Router.Backends = []router.BackendConfig{b}
+				c.Router.Backends = []routerconfig.BackendConfig{b}
 				c.Router.Health.Interval = -1 // the request, not a health check, meets the certificate
 			})
 			status, _, body := secRequest(t, http.DefaultClient, http.MethodPost, s.url+"/v1/completions", secCompletion, "")

@@ -15,7 +15,7 @@ import (
 	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/proxy"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sharedstate"
 	"github.com/pdproxy/pdproxy/sim"
 )
@@ -34,7 +34,7 @@ func startSessionFleet(t *testing.T, replicas int, redisAddr string) *sessionFle
 	base.PrefillTime, base.ITL, base.KVHeartbeatInterval = time.Millisecond, time.Millisecond, 0
 	logger := zaptest.NewLogger(t, zaptest.Level(zap.ErrorLevel))
 	f := &sessionFleet{}
-	var backends []router.BackendConfig
+	var backends []routerconfig.BackendConfig
 	for i := range 5 {
 		c := base
 		c.Role = "prefill"
@@ -48,18 +48,18 @@ func startSessionFleet(t *testing.T, replicas int, redisAddr string) *sessionFle
 		t.Cleanup(func() { s.Close() })
 		if i < 2 {
 			f.prefillers = append(f.prefillers, s)
-			backends = append(backends, router.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: s.URL(), Role: router.RolePrefill, Engine: "vllm"})
+			backends = append(backends, routerconfig.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: s.URL(), Role: routerconfig.RolePrefill, Engine: "vllm"})
 		} else {
 			f.decoders = append(f.decoders, s)
-			backends = append(backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i-2), URL: s.URL(), Role: router.RoleDecode, Engine: "vllm"})
+			backends = append(backends, routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i-2), URL: s.URL(), Role: routerconfig.RoleDecode, Engine: "vllm"})
 		}
 	}
 	budget := sharedstate.MaxTimeout
 	for range replicas {
 		cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
 		cfg.Router.Backends = backends
-		cfg.Router.PrefillPolicy, cfg.Router.DecodePolicy = router.PolicyRoundRobin, router.PolicyRoundRobin
-		cfg.Router.Health = router.HealthConfig{Interval: 20 * time.Millisecond, Timeout: time.Second, HealthyThreshold: 1, UnhealthyThreshold: 1}
+		cfg.Router.PrefillPolicy, cfg.Router.DecodePolicy = routerconfig.PolicyRoundRobin, routerconfig.PolicyRoundRobin
+		cfg.Router.Health = routerconfig.HealthConfig{Interval: 20 * time.Millisecond, Timeout: time.Second, HealthyThreshold: 1, UnhealthyThreshold: 1}
 		cfg.Proxy.SessionAffinity = proxy.SessionAffinityConfig{Headers: []string{"X-Session-ID"}}
 		if redisAddr != "" {
 			cfg.SharedState = sharedstate.Config{Redis: sharedstate.RedisConfig{Addr: redisAddr, Timeout: &budget}}

@@ -26,7 +26,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -249,7 +249,7 @@ func TestSGLangR1ClientLeavesWhileThePrefillerFinishesItsLastStep(t *testing.T) 
 		d := sglangEngine(t, "decode", door.wrap)
 		s := startStack(t, sglangSims, func(c *app.Config) {
 			c.Sims = c.Sims[:1]
-			c.Router.Backends = []router.BackendConfig{{Name: "late-decoder", URL: d, Role: router.RoleDecode, Engine: "sglang"}}
+			c.Router.Backends = []routerconfig.BackendConfig{{Name: "late-decoder", URL: d, Role: routerconfig.RoleDecode, Engine: "sglang"}}
 		})
 		p := s.m.SimURLs("prefill")[0]
 		ctx, cancel := context.WithCancel(context.Background())
@@ -544,7 +544,7 @@ func TestSGLangLostPrefillLegGetsTheWaitingDecoderAborted(t *testing.T) {
 			hp := newHeldEngine(t)
 			s := startStack(t, sglangSims, func(c *app.Config) {
 				c.Sims = c.Sims[1:]
-				c.Router.Backends = []router.BackendConfig{{Name: "held-prefiller", URL: hp.url, Role: router.RolePrefill,
+				c.Router.Backends = []routerconfig.BackendConfig{{Name: "held-prefiller", URL: hp.url, Role: routerconfig.RolePrefill,
 					Engine: "sglang", BootstrapPort: bootstrapPortOf(t, boot)}}
 				c.Router.Health.Interval = -1
 			})
@@ -588,7 +588,7 @@ func TestSGLangLostDecodeLegGetsThePrefillersRoomAborted(t *testing.T) {
 	hd := newHeldEngine(t)
 	s := startStack(t, sglangSims, func(c *app.Config) {
 		c.Sims = c.Sims[:1]
-		c.Router.Backends = []router.BackendConfig{{Name: "held-decoder", URL: hd.url, Role: router.RoleDecode, Engine: "sglang"}}
+		c.Router.Backends = []routerconfig.BackendConfig{{Name: "held-decoder", URL: hd.url, Role: routerconfig.RoleDecode, Engine: "sglang"}}
 		c.Router.Health.Interval = -1
 	})
 	p := s.m.SimURLs("prefill")[0]
@@ -641,7 +641,7 @@ func TestSGLangDeadDecoderDoesNotHoldUpThePrefillersAbort(t *testing.T) {
 			url, kill := tc.dead(t)
 			s := startStack(t, sglangSims, func(c *app.Config) {
 				c.Sims = c.Sims[:1]
-				c.Router.Backends = []router.BackendConfig{{Name: "dead-decoder", URL: url, Role: router.RoleDecode, Engine: "sglang"}}
+				c.Router.Backends = []routerconfig.BackendConfig{{Name: "dead-decoder", URL: url, Role: routerconfig.RoleDecode, Engine: "sglang"}}
 				c.Router.Health.Interval = -1
 			})
 			p := s.m.SimURLs("prefill")[0]

@@ -17,7 +17,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -47,7 +47,7 @@ func TestABurstSharingOnePreambleSpreadsOverTheEngines(t *testing.T) {
 	for i := range questions {
 		questions[i] = words(40)
 	}
-	for _, policy := range []string{router.PolicyCacheAware, router.PolicyPreciseCacheAware} {
+	for _, policy := range []string{routerconfig.PolicyCacheAware, routerconfig.PolicyPreciseCacheAware} {
 		t.Run(policy, func(t *testing.T) {
 			cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
 			cfg.Router.DecodePolicy = policy
@@ -65,7 +65,7 @@ func TestABurstSharingOnePreambleSpreadsOverTheEngines(t *testing.T) {
 				sc.KVEventsEndpoint = fmt.Sprintf("tcp://*:%d", port)
 				e, url := startSim(t, sc)
 				sims = append(sims, e)
-				cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: url, Role: router.RoleDecode,
+				cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: url, Role: routerconfig.RoleDecode,
 					Engine: "sim", KVEventsEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port)})
 			}
 			s := startConfig(t, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)), cfg)

@@ -15,7 +15,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -77,17 +77,17 @@ func TestASessionOnCPUGoesToItsEngineUnlessAnotherHoldsItOnGPU(t *testing.T) {
 			base.PrefillPerToken, base.CPUReloadPerBlock = 10*time.Microsecond, 20*time.Microsecond
 			urls, ports := map[string]string{}, map[string]int{}
 			engines := map[string]*sim.Engine{}
-			var backends []router.BackendConfig
+			var backends []routerconfig.BackendConfig
 			for _, name := range []string{"a", "b"} {
 				cfg := base
 				ports[name] = freePort(t)
 				cfg.KVEventsEndpoint = fmt.Sprintf("tcp://*:%d", ports[name])
 				engines[name], urls[name] = startSim(t, cfg)
-				backends = append(backends, router.BackendConfig{Name: name, URL: urls[name], Role: router.RoleDecode, Engine: "sim",
+				backends = append(backends, routerconfig.BackendConfig{Name: name, URL: urls[name], Role: routerconfig.RoleDecode, Engine: "sim",
 					KVEventsEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", ports[name])})
 			}
 			cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
-			cfg.Router.DecodePolicy = router.PolicyPreciseCacheAware
+			cfg.Router.DecodePolicy = routerconfig.PolicyPreciseCacheAware
 			cfg.Router.Backends = backends
 			s := startConfig(t, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)), cfg)
 			// The publishers drop what they send before the proxy's subscriptions arrive.

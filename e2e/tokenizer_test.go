@@ -18,7 +18,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -74,9 +74,9 @@ func TestPreciseRoutingWithTheProxysTokenizer(t *testing.T) {
 	p, pURL := startCountingSim(t, pcfg, &tokenizes)
 	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
 	cfg.Proxy.PDUncachedTokenThreshold = 64
-	cfg.Router.DecodePolicy = router.PolicyPreciseCacheAware
-	cfg.Router.Tokenizers = map[string]router.TokenizerFiles{"sim": {File: testTokenizer, ChatTemplate: testTemplate}}
-	cfg.Router.Backends = []router.BackendConfig{{Name: "p0", URL: pURL, Role: router.RolePrefill, Engine: "sim"}}
+	cfg.Router.DecodePolicy = routerconfig.PolicyPreciseCacheAware
+	cfg.Router.Tokenizers = map[string]routerconfig.TokenizerFiles{"sim": {File: testTokenizer, ChatTemplate: testTemplate}}
+	cfg.Router.Backends = []routerconfig.BackendConfig{{Name: "p0", URL: pURL, Role: routerconfig.RolePrefill, Engine: "sim"}}
 	decoders := map[string]*sim.Engine{}
 	for i := range 2 {
 		port := freePort(t)
@@ -86,7 +86,7 @@ func TestPreciseRoutingWithTheProxysTokenizer(t *testing.T) {
 		d, dURL := startCountingSim(t, dcfg, &tokenizes)
 		name := fmt.Sprintf("d%d", i)
 		decoders[name] = d
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{Name: name, URL: dURL, Role: router.RoleDecode, Engine: "sim",
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{Name: name, URL: dURL, Role: routerconfig.RoleDecode, Engine: "sim",
 			KVEventsEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", port)})
 	}
 	s := startConfig(t, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)), cfg)

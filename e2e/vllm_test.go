@@ -24,7 +24,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -117,7 +117,7 @@ func TestVLLMDecoderRefusingADecodeUnreadGetsTheDrainAndThePrefillerHoldsNothing
 	s := startStack(t, fastSims, func(c *app.Config) {
 		c.Sims = c.Sims[:1] // the simulated prefiller; the decoder is d
 		c.Sims[0].Engine = "vllm"
-		c.Router.Backends = []router.BackendConfig{{Name: "refusing-decode", URL: d.URL, Role: router.RoleDecode, Engine: "vllm"}}
+		c.Router.Backends = []routerconfig.BackendConfig{{Name: "refusing-decode", URL: d.URL, Role: routerconfig.RoleDecode, Engine: "vllm"}}
 	})
 	p := s.m.SimURLs("prefill")[0]
 	body := `{"model":"sim","prompt":"` + prompt(1000) + `","max_tokens":5,"ignore_eos":true}`
@@ -286,9 +286,9 @@ func TestVLLMOnlyAPrefillersExactKVTransferParamsAreForwarded(t *testing.T) {
 	})
 	s := startStack(t, func(c *app.Config) {
 		c.Sims = nil
-		c.Router.Backends = []router.BackendConfig{
-			{Name: "odd-prefill", URL: pre.URL, Role: router.RolePrefill, Engine: "vllm"},
-			{Name: "sim-decode", URL: d.URL, Role: router.RoleDecode, Engine: "vllm"},
+		c.Router.Backends = []routerconfig.BackendConfig{
+			{Name: "odd-prefill", URL: pre.URL, Role: routerconfig.RolePrefill, Engine: "vllm"},
+			{Name: "sim-decode", URL: d.URL, Role: routerconfig.RoleDecode, Engine: "vllm"},
 		}
 	})
 	resp := post(t, context.Background(), s.url+"/v1/completions", `{"model":"sim","prompt":"hello there","max_tokens":4,"ignore_eos":true}`)

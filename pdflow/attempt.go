@@ -6,7 +6,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // track serves a parsed request with serve while the table has it: the request's context
@@ -90,7 +90,7 @@ func (x *Exchange) attempt(c custody) (custody, *api.Error) {
 			return custody{}, x.gone(c)
 		}
 		x.s.m.DecodeOnly.WithLabelValues(ReasonNoPrefiller).Inc()
-	case !x.s.sidecar && !x.s.router.Has(router.RolePrefill):
+	case !x.s.sidecar && !x.s.router.Has(routerconfig.RolePrefill):
 	case x.Req.DecodeOnly != "":
 		// P/D cannot serve this request safely: a decoder computes the prompt itself.
 		if !x.s.table.DecodeOnly(x.ID) {

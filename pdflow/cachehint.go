@@ -5,6 +5,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // adapterRouter is a router that knows which models its engines serve as LoRA adapters
@@ -27,7 +28,7 @@ func (x *Exchange) KeyRequest() {
 // HintText is the text a pick for role matches: none for a request with media when role's
 // policy scores by tokens, so that it is scored as holding nothing rather than by a text
 // whose items the engines key otherwise.
-func (x *Exchange) HintText(role router.Role) string {
+func (x *Exchange) HintText(role routerconfig.Role) string {
 	if x.Req.Key.Media {
 		if cr, ok := x.s.router.(cacheRouter); ok && cr.WantsTokens(role) {
 			return ""
@@ -47,7 +48,7 @@ func (x *Exchange) cacheHint() router.Hint {
 // of a prompt's leading tokens a backend holds. Checked by type assertion: a router without
 // it routes on the text alone.
 type cacheRouter interface {
-	WantsTokens(role router.Role) bool
+	WantsTokens(role routerconfig.Role) bool
 	Tokens(ctx context.Context, req router.TokenizeRequest) ([]uint32, error)
 	CachedTokens(backend string, h router.Hint) (int, bool)
 	ReturnTokens(tokens []uint32)

@@ -5,18 +5,19 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // Router is what the flow needs of the router: a backend lease per call, the backends that
 // may be picked now for calls outside a lease, and its view of the pools.
 type Router interface {
-	Acquire(ctx context.Context, role router.Role, h router.Hint) (*router.Lease, error)
-	Available(role router.Role) []*router.Backend
+	Acquire(ctx context.Context, role routerconfig.Role, h router.Hint) (*router.Lease, error)
+	Available(role routerconfig.Role) []*router.Backend
 	Usable(b *router.Backend) bool
-	Has(role router.Role) bool
+	Has(role routerconfig.Role) bool
 	Ready() bool
 	Backends() []router.BackendStatus
-	Models(role router.Role) (models []string, complete bool)
+	Models(role routerconfig.Role) (models []string, complete bool)
 }
 
 var _ Router = (*router.Router)(nil)

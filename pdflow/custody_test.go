@@ -16,6 +16,7 @@ import (
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
@@ -146,26 +147,26 @@ func TestAPanicLeavesAHoldAReleaseTookOnToIt(t *testing.T) {
 // panicsOnAcquire is a router with a bug: every lease it is asked for panics.
 type panicsOnAcquire struct{ noBackends }
 
-func (panicsOnAcquire) Acquire(context.Context, router.Role, router.Hint) (*router.Lease, error) {
+func (panicsOnAcquire) Acquire(context.Context, routerconfig.Role, router.Hint) (*router.Lease, error) {
 	panic("a bug picking a decoder for a drain")
 }
 
 type engines struct{}
 
-func (engines) Engine(kind string) (router.Engine, bool) { return engine.Lookup(kind) }
-func (engines) Kinds() []string                          { return engine.Kinds() }
+func (engines) Engine(kind string) (routerconfig.Engine, bool) { return engine.Lookup(kind) }
+func (engines) Kinds() []string                                { return engine.Kinds() }
 
 // A panic in a release, which runs after its handler returned, does not take the proxy down:
 // it is counted, and the hold it was releasing ends as expired, with the request's entry.
 func TestAPanicInABackgroundReleaseEndsItsHoldAndEntry(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	rt, err := router.New(router.Config{Backends: []router.BackendConfig{{Name: "p0", URL: "http://127.0.0.1:1", Role: router.RolePrefill, Engine: "vllm"},
-		{Name: "d0", URL: "http://127.0.0.1:2", Role: router.RoleDecode, Engine: "vllm"}},
-		Engines: engines{}, Health: router.HealthConfig{Interval: -1}}, zap.NewNop(), reg)
+	rt, err := router.New(routerconfig.Config{Backends: []routerconfig.BackendConfig{{Name: "p0", URL: "http://127.0.0.1:1", Role: routerconfig.RolePrefill, Engine: "vllm"},
+		{Name: "d0", URL: "http://127.0.0.1:2", Role: routerconfig.RoleDecode, Engine: "vllm"}},
+		Engines: engines{}, Health: routerconfig.HealthConfig{Interval: -1}}, zap.NewNop(), reg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := rt.Available(router.RolePrefill)[0]
+	p := rt.Available(routerconfig.RolePrefill)[0]
 	table := lifecycle.New(lifecycle.Config{}, zap.NewNop(), reg)
 	m := NewMetrics(reg)
 	f := New(Config{KVRelease: ReleaseDrain}, panicsOnAcquire{}, table, zap.NewNop(), m, false)

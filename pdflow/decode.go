@@ -10,6 +10,7 @@ import (
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // decode sends the decode call, with what the prefill left (p), and relays its answer to the
@@ -105,7 +106,7 @@ func (x *Exchange) decode(c custody, p prefilled) (custody, *api.Error) {
 // retarget readies the call for each new decoder (its body). The custody's lease and the
 // request's decoder follow the call: the custody it returns holds the lease of the one it
 // last went to.
-func (x *Exchange) send(c custody, call engine.Call, wd *watchdog, span trace.Span, accept func(router.Engine) bool,
+func (x *Exchange) send(c custody, call engine.Call, wd *watchdog, span trace.Span, accept func(routerconfig.Engine) bool,
 	retarget func(b *router.Backend, call *engine.Call) error) (custody, *http.Response, error) {
 	call = withHeader(call, nil, c.lease)
 	var resp *http.Response
@@ -118,18 +119,18 @@ func (x *Exchange) send(c custody, call engine.Call, wd *watchdog, span trace.Sp
 	err := do()
 	tried := []string{x.Legs.Decode.Name}
 	for attempt := 0; err != nil && retriable(err, false) && x.Ctx.Err() == nil && attempt < x.s.cfg.DecodeRetries; attempt++ {
-		h := x.hint(router.RoleDecode, tried)
+		h := x.hint(routerconfig.RoleDecode, tried)
 		h.Accept = accept
-		lease, aerr := x.s.router.Acquire(x.Ctx, router.RoleDecode, h)
+		lease, aerr := x.s.router.Acquire(x.Ctx, routerconfig.RoleDecode, h)
 		if aerr != nil {
 			break
 		}
-		x.picked(router.RoleDecode, lease)
+		x.picked(routerconfig.RoleDecode, lease)
 		c = c.withoutLease(resultOf(err, x.Ctx))
 		b := lease.Backend()
 		c.lease, x.Legs.Decode = lease, b
 		tried = append(tried, b.Name)
-		x.s.m.Retries.WithLabelValues(string(router.RoleDecode), retryReason(err)).Inc()
+		x.s.m.Retries.WithLabelValues(string(routerconfig.RoleDecode), retryReason(err)).Inc()
 		call.Client, call.BaseURL, call.Engine, call.Header = b.Client(), BaseURL(b), engineOf(b), x.Hdr
 		if err = retarget(b, &call); err != nil {
 			break

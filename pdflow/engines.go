@@ -3,13 +3,14 @@ package pdflow
 import (
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // engineOf is the engine a backend runs; the router carries it from config without knowing it.
 func engineOf(b *router.Backend) engine.Engine { return kvEngine(b.Engine) }
 
 // kvEngine is the engine the router carries: vLLM unless its config named another.
-func kvEngine(e router.Engine) engine.Engine {
+func kvEngine(e routerconfig.Engine) engine.Engine {
 	if ke, ok := e.(engine.Engine); ok {
 		return ke
 	}
@@ -25,17 +26,17 @@ func canAbort(b *router.Backend) bool {
 // sequential accepts the engines that serve a request as a prefill, then a decode (vLLM),
 // paired those that send both legs at once (SGLang, Mooncake), and pairedWith those that
 // speak the same paired protocol as e: one request never mixes the two.
-func sequential(e router.Engine) bool { return !paired(e) }
+func sequential(e routerconfig.Engine) bool { return !paired(e) }
 
-func paired(e router.Engine) bool { _, p := e.(engine.Paired); return p }
+func paired(e routerconfig.Engine) bool { _, p := e.(engine.Paired); return p }
 
-func pairedWith(d router.Engine) func(router.Engine) bool {
-	return func(e router.Engine) bool { return e.Kind() == d.Kind() }
+func pairedWith(d routerconfig.Engine) func(routerconfig.Engine) bool {
+	return func(e routerconfig.Engine) bool { return e.Kind() == d.Kind() }
 }
 
 // continuable accepts the decoders a continuation may go to: engines that continue from ids.
 // (The decoders the stream left are excluded by name: hint.)
-func continuable(e router.Engine) bool {
+func continuable(e routerconfig.Engine) bool {
 	_, ok := kvEngine(e).(engine.Continuer)
 	return ok
 }

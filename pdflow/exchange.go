@@ -11,6 +11,7 @@ import (
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // Exchange is one client request on its way through the P/D flow: who asked and what, and a
@@ -43,7 +44,7 @@ type Exchange struct {
 	Tenant  router.Flow
 	MaxWait time.Duration
 	// Picked, when set, is told where each pick of a role went (a session's binding).
-	Picked func(role router.Role, lease *router.Lease)
+	Picked func(role routerconfig.Role, lease *router.Lease)
 	// span is the request's trace span; nil when tracing is off.
 	span  trace.Span
 	Names naming
@@ -129,7 +130,7 @@ func (x *Exchange) Model() string {
 }
 
 // picked records a lease the request took for role, and tells Picked where it went.
-func (x *Exchange) picked(role router.Role, lease *router.Lease) {
+func (x *Exchange) picked(role routerconfig.Role, lease *router.Lease) {
 	x.Tries.taken.lease(lease)
 	if x.Picked != nil {
 		x.Picked(role, lease)
@@ -147,8 +148,8 @@ type session struct {
 }
 
 // bound is the engine the session was bound to for role.
-func (s *session) bound(role router.Role) string {
-	if role == router.RolePrefill {
+func (s *session) bound(role routerconfig.Role) string {
+	if role == routerconfig.RolePrefill {
 		return s.Prefill
 	}
 	return s.Decode
@@ -156,8 +157,8 @@ func (s *session) bound(role router.Role) string {
 
 // boundText is how many bytes of its text the session's latest request sent the engine it
 // was bound to for role.
-func (s *session) boundText(role router.Role) int {
-	if role == router.RolePrefill {
+func (s *session) boundText(role routerconfig.Role) int {
+	if role == routerconfig.RolePrefill {
 		return s.PrefillText
 	}
 	return s.DecodeText

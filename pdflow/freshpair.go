@@ -9,6 +9,7 @@ import (
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // A pair that fails before the client got anything is replaced by a fresh one where that is
@@ -44,9 +45,9 @@ const (
 // role's budget is spent, the table moved on, or a failed engine has no other of its role to
 // take its place (a failed pull excepted); it then answers nil with the custody as it was,
 // and the caller fails the request as before.
-func (x *Exchange) freshPair(c custody, res router.Result, role router.Role, reason string, failed ...*router.Backend) (custody, *api.Error) {
+func (x *Exchange) freshPair(c custody, res router.Result, role routerconfig.Role, reason string, failed ...*router.Backend) (custody, *api.Error) {
 	budget, used := x.s.cfg.DecodeRetries, &x.Tries.decode
-	if role == router.RolePrefill {
+	if role == routerconfig.RolePrefill {
 		budget, used = x.s.cfg.PrefillRetries, &x.Tries.prefill
 	}
 	if x.Out.Wrote || x.Ctx.Err() != nil || *used >= budget || x.Legs.Decode == nil {
@@ -119,7 +120,7 @@ func (x *Exchange) retryDecode(c custody, err error, wd *watchdog) (custody, *ap
 		// The pull may have failed on either side: both are avoided where others can serve.
 		// The decoder's 5xx is charged to it as any other: one that fails every pull must
 		// still be ejected.
-		return x.freshPair(c, resultOf(err, x.Ctx), router.RolePrefill, freshKVPull, x.Legs.Prefill, x.Legs.Decode)
+		return x.freshPair(c, resultOf(err, x.Ctx), routerconfig.RolePrefill, freshKVPull, x.Legs.Prefill, x.Legs.Decode)
 	}
-	return x.freshPair(c, resultOf(err, x.Ctx), router.RoleDecode, freshDecoderFailed, x.Legs.Decode)
+	return x.freshPair(c, resultOf(err, x.Ctx), routerconfig.RoleDecode, freshDecoderFailed, x.Legs.Decode)
 }

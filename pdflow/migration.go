@@ -10,6 +10,7 @@ import (
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"go.opentelemetry.io/otel/trace"
 )
 
@@ -247,7 +248,7 @@ func (x *Exchange) moveOn(c custody, cause error) (custody, *api.Error) {
 	if errors.Is(err, engine.ErrNothingLeft) {
 		x.s.m.Migrations.WithLabelValues(reason, moveRefused).Inc()
 		x.s.m.MigrationRefusals.WithLabelValues(refuseNothing).Inc()
-		return custody{}, x.failWith(c, router.Result{}, api.FromBackend(cause, router.RoleDecode, api.KindDecodeTimeout))
+		return custody{}, x.failWith(c, router.Result{}, api.FromBackend(cause, routerconfig.RoleDecode, api.KindDecodeTimeout))
 	}
 	var fields *engine.Fields
 	if err == nil {

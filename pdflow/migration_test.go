@@ -7,6 +7,7 @@ import (
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // The token ids are asked of the engines that report them only: an SGLang decoder, which
@@ -24,7 +25,7 @@ func TestTokenIDsAreAskedOnlyOfEnginesThatContinue(t *testing.T) {
 		eng  engine.Engine
 		want bool
 	}{{engine.VLLM, true}, {engine.Mooncake, true}, {engine.Sim, true}, {engine.SGLang, false}} {
-		b, err := router.NewDetached(router.BackendConfig{URL: "http://127.0.0.1:9", Role: router.RoleDecode}, tc.eng, http.DefaultClient)
+		b, err := router.NewDetached(routerconfig.BackendConfig{URL: "http://127.0.0.1:9", Role: routerconfig.RoleDecode}, tc.eng, http.DefaultClient)
 		if err != nil {
 			t.Fatal(err)
 		}

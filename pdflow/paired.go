@@ -13,6 +13,7 @@ import (
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // serveLegs serves a request on an engine with paired legs (SGLang): the client's body goes
@@ -41,7 +42,7 @@ func (x *Exchange) serveLegs(c custody) (custody, *api.Error) {
 	}
 	if err != nil {
 		lease.Release(resultOf(err, x.Ctx))
-		return custody{}, x.failWith(c, router.Result{Canceled: true}, api.FromBackend(&engine.CallError{Err: err}, router.RolePrefill, api.KindPrefillTimeout))
+		return custody{}, x.failWith(c, router.Result{Canceled: true}, api.FromBackend(&engine.CallError{Err: err}, routerconfig.RolePrefill, api.KindPrefillTimeout))
 	}
 	leg := engine.Leg{Host: p.URL.Hostname(), Port: bs.Port, Room: engine.NewRoom(), RID: x.EngineID, Prompts: x.Req.Prompts,
 		TransferID: "xfer-" + x.EngineID, Rank: -1, API: x.Req.API}
@@ -182,7 +183,7 @@ func (x *Exchange) serveLegs(c custody) (custody, *api.Error) {
 			// refused as unavailable, is tried again on a fresh pair.
 			var fresh *api.Error
 			if retriable(err, true) {
-				c, fresh = x.freshPair(c, router.Result{Canceled: true}, router.RolePrefill, retryReason(err), p)
+				c, fresh = x.freshPair(c, router.Result{Canceled: true}, routerconfig.RolePrefill, retryReason(err), p)
 			}
 			if fresh == nil {
 				x.fail(c, router.Result{Canceled: true})
@@ -196,7 +197,7 @@ func (x *Exchange) serveLegs(c custody) (custody, *api.Error) {
 			if fresh != nil {
 				return c, fresh
 			}
-			return custody{}, api.FromBackend(err, router.RolePrefill, api.KindPrefillTimeout)
+			return custody{}, api.FromBackend(err, routerconfig.RolePrefill, api.KindPrefillTimeout)
 		case ans = <-decoded:
 			waiting = false
 		}
@@ -207,7 +208,7 @@ func (x *Exchange) serveLegs(c custody) (custody, *api.Error) {
 			// Its decoder provably never took the leg: the room goes, and a fresh pair
 			// serves the request.
 			pl.neverTaken = true
-			if c, e = x.freshPair(c, resultOf(ans.err, x.Ctx), router.RoleDecode, retryReason(ans.err), d); e != nil {
+			if c, e = x.freshPair(c, resultOf(ans.err, x.Ctx), routerconfig.RoleDecode, retryReason(ans.err), d); e != nil {
 				return c, e
 			}
 		}
@@ -232,20 +233,20 @@ func (x *Exchange) serveLegs(c custody) (custody, *api.Error) {
 func (x *Exchange) pickPair(c custody) (custody, *router.Lease, *api.Error) {
 	for try := 0; ; try++ {
 		d := x.Legs.Decode
-		h := x.hint(router.RolePrefill, nil)
+		h := x.hint(routerconfig.RolePrefill, nil)
 		h.Accept = pairedWith(d.Engine)
-		lease, err := x.s.router.Acquire(x.Ctx, router.RolePrefill, h)
+		lease, err := x.s.router.Acquire(x.Ctx, routerconfig.RolePrefill, h)
 		if err != nil {
 			// A decoder in disaggregated mode cannot serve alone: no decode-only fallback.
-			return custody{}, nil, x.failWith(c, router.Result{Canceled: true}, api.FromRouter(err, router.RolePrefill))
+			return custody{}, nil, x.failWith(c, router.Result{Canceled: true}, api.FromRouter(err, routerconfig.RolePrefill))
 		}
-		x.picked(router.RolePrefill, lease)
+		x.picked(routerconfig.RolePrefill, lease)
 		if x.s.router.Usable(d) && x.s.router.Usable(lease.Backend()) {
 			return c, lease, nil
 		}
 		lease.Release(router.Result{Canceled: true})
 		if try == pairPicks {
-			return custody{}, nil, x.failWith(c, router.Result{Canceled: true}, api.FromRouter(router.ErrNoBackend, router.RoleDecode))
+			return custody{}, nil, x.failWith(c, router.Result{Canceled: true}, api.FromRouter(router.ErrNoBackend, routerconfig.RoleDecode))
 		}
 		if !x.s.router.Usable(d) {
 			var e *api.Error
@@ -326,7 +327,7 @@ func (s *Flow) discoverBootstrap(ctx context.Context, p *router.Backend) (engine
 // asked again by its first request.
 func (s *Flow) DiscoverBootstrapPorts(ctx context.Context) error {
 	var errs []error
-	for _, p := range s.router.Available(router.RolePrefill) {
+	for _, p := range s.router.Available(routerconfig.RolePrefill) {
 		if _, ok := engineOf(p).(engine.Paired); !ok {
 			continue
 		}

@@ -3,9 +3,10 @@ package pdflow
 import (
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
-func (x *Exchange) hint(role router.Role, exclude []string) router.Hint {
+func (x *Exchange) hint(role routerconfig.Role, exclude []string) router.Hint {
 	if len(x.Tries.avoid) > 0 {
 		exclude = x.Tries.avoided(exclude[:len(exclude):len(exclude)])
 	}
@@ -23,11 +24,11 @@ func (x *Exchange) hint(role router.Role, exclude []string) router.Hint {
 // the decoder is needed with the prefiller, and is reserved first as under before_prefill.
 // While a decoder of a sequential engine (vLLM's NixlConnector) may serve the request, it is
 // served by one, as after_prefill asks.
-func (x *Exchange) reservation() (before bool, accept func(router.Engine) bool) {
+func (x *Exchange) reservation() (before bool, accept func(routerconfig.Engine) bool) {
 	if x.s.cfg.DecoderReservation != ReserveAfterPrefill {
 		return true, nil
 	}
-	for _, d := range x.s.router.Available(router.RoleDecode) {
+	for _, d := range x.s.router.Available(routerconfig.RoleDecode) {
 		if x.Req.Model != "" && !d.Serves(x.Req.Model) {
 			continue
 		}
@@ -41,17 +42,17 @@ func (x *Exchange) reservation() (before bool, accept func(router.Engine) bool) 
 
 // reserveDecoder takes a lease on a decoder for the request, one accept takes when set, and
 // returns the custody holding it; on failure it ends the custody.
-func (x *Exchange) reserveDecoder(c custody, accept func(router.Engine) bool) (custody, *api.Error) {
-	h := x.hint(router.RoleDecode, nil)
+func (x *Exchange) reserveDecoder(c custody, accept func(routerconfig.Engine) bool) (custody, *api.Error) {
+	h := x.hint(routerconfig.RoleDecode, nil)
 	h.Accept = accept
 	if rs := x.Out.Resume; rs != nil && rs.Attempt > 0 {
-		h.Accept = func(e router.Engine) bool { return continuable(e) && (accept == nil || accept(e)) }
+		h.Accept = func(e routerconfig.Engine) bool { return continuable(e) && (accept == nil || accept(e)) }
 	}
-	lease, err := x.s.router.Acquire(x.Ctx, router.RoleDecode, h)
+	lease, err := x.s.router.Acquire(x.Ctx, routerconfig.RoleDecode, h)
 	if err != nil {
-		return custody{}, x.failWith(c, router.Result{}, api.FromRouter(err, router.RoleDecode))
+		return custody{}, x.failWith(c, router.Result{}, api.FromRouter(err, routerconfig.RoleDecode))
 	}
-	x.picked(router.RoleDecode, lease)
+	x.picked(routerconfig.RoleDecode, lease)
 	c.lease, x.Legs.Decode = lease, lease.Backend()
 	return c, nil
 }
@@ -66,9 +67,9 @@ func (x *Exchange) pickPrefiller(h router.Hint) (*router.Lease, *router.Backend,
 		}
 		return nil, x.Legs.Named, nil
 	}
-	lease, err := x.s.router.Acquire(x.Ctx, router.RolePrefill, h)
+	lease, err := x.s.router.Acquire(x.Ctx, routerconfig.RolePrefill, h)
 	if err == nil {
-		x.picked(router.RolePrefill, lease)
+		x.picked(routerconfig.RolePrefill, lease)
 	}
 	return lease, lease.Backend(), err
 }

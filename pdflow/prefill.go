@@ -11,6 +11,7 @@ import (
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // prefill runs the prefill call, on another prefiller when one provably never started it,
@@ -27,14 +28,14 @@ func (x *Exchange) prefill(c custody) (custody, prefilled, *api.Error) {
 		lastErr error
 	)
 	for attempt := 0; attempt <= x.s.cfg.PrefillRetries; attempt++ {
-		h := x.hint(router.RolePrefill, tried)
+		h := x.hint(routerconfig.RolePrefill, tried)
 		h.Accept = sequential
 		lease, b, err := x.pickPrefiller(h)
 		if err != nil {
 			if x.Ctx.Err() != nil {
 				return custody{}, prefilled{}, x.gone(c)
 			}
-			if attempt == 0 && errors.Is(err, router.ErrNoBackend) && len(x.s.router.Available(router.RolePrefill)) == 0 {
+			if attempt == 0 && errors.Is(err, router.ErrNoBackend) && len(x.s.router.Available(routerconfig.RolePrefill)) == 0 {
 				// No prefiller is usable at all: prefill_unavailable says what to do.
 				c, e := x.prefillUnavailable(c, err)
 				return c, prefilled{}, e
@@ -63,7 +64,7 @@ func (x *Exchange) prefill(c custody) (custody, prefilled, *api.Error) {
 		if attempt > 0 {
 			// Counted only now that another prefiller takes it: a retry with nobody left to
 			// try is no retry.
-			x.s.m.Retries.WithLabelValues(string(router.RolePrefill), retryReason(lastErr)).Inc()
+			x.s.m.Retries.WithLabelValues(string(routerconfig.RolePrefill), retryReason(lastErr)).Inc()
 		}
 		var started bool
 		if attempt == 0 {
@@ -111,7 +112,7 @@ func (x *Exchange) prefill(c custody) (custody, prefilled, *api.Error) {
 	if errors.Is(lastErr, router.ErrTenantQueueFull) || errors.Is(lastErr, router.ErrPoolSaturated) {
 		// Flow control refused the tenant its prefill: a decode-only fallback would let it
 		// past its share on the decoders.
-		return custody{}, prefilled{}, x.failWith(c, router.Result{}, api.FromRouter(lastErr, router.RolePrefill))
+		return custody{}, prefilled{}, x.failWith(c, router.Result{}, api.FromRouter(lastErr, routerconfig.RolePrefill))
 	}
 	var se *engine.StatusError
 	clientFault := errors.As(lastErr, &se) && se.Status >= 400 && se.Status < 500
@@ -125,9 +126,9 @@ func (x *Exchange) prefill(c custody) (custody, prefilled, *api.Error) {
 		return c, prefilled{}, nil
 	}
 	if rerr := lastErr; rerr != nil && (errors.Is(rerr, router.ErrNoBackend) || errors.Is(rerr, router.ErrQueueFull) || errors.Is(rerr, router.ErrQueueTimeout)) {
-		return custody{}, prefilled{}, x.failWith(c, router.Result{}, api.FromRouter(rerr, router.RolePrefill))
+		return custody{}, prefilled{}, x.failWith(c, router.Result{}, api.FromRouter(rerr, routerconfig.RolePrefill))
 	}
-	return custody{}, prefilled{}, x.failWith(c, router.Result{}, api.FromBackend(lastErr, router.RolePrefill, api.KindPrefillTimeout))
+	return custody{}, prefilled{}, x.failWith(c, router.Result{}, api.FromBackend(lastErr, routerconfig.RolePrefill, api.KindPrefillTimeout))
 }
 
 // prefillUnavailable serves a request the pool has no usable prefiller for, as
@@ -135,7 +136,7 @@ func (x *Exchange) prefill(c custody) (custody, prefilled, *api.Error) {
 // it when it fails.
 func (x *Exchange) prefillUnavailable(c custody, err error) (custody, *api.Error) {
 	if x.s.cfg.PrefillUnavailable != PrefillUnavailableDecode {
-		return custody{}, x.failWith(c, router.Result{}, api.FromRouter(err, router.RolePrefill))
+		return custody{}, x.failWith(c, router.Result{}, api.FromRouter(err, routerconfig.RolePrefill))
 	}
 	if !x.s.table.DecodeOnly(x.ID) {
 		return custody{}, x.gone(c)

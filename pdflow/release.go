@@ -23,6 +23,7 @@ import (
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // gone handles the client leaving (leave), and ends what of the request was left to it.
@@ -142,7 +143,7 @@ func (x *Exchange) letGo(c custody, hold *lifecycle.Hold) {
 // serving the request's model, for a drain of the legs it failed with; nil when there is none.
 func (x *Exchange) otherDecoder() *router.Backend {
 	d := x.Legs.Decode
-	for _, o := range x.s.router.Available(router.RoleDecode) {
+	for _, o := range x.s.router.Available(routerconfig.RoleDecode) {
 		if o != d && o.Engine.Kind() == d.Engine.Kind() && (x.Req.Model == "" || o.Serves(x.Req.Model)) {
 			return o
 		}
@@ -170,7 +171,7 @@ func (x *Exchange) decodeFailed(c custody, err error, wd *watchdog) *api.Error {
 		}
 	}
 	x.fail(c, res)
-	return x.cut(api.FromBackend(err, router.RoleDecode, api.KindDecodeTimeout))
+	return x.cut(api.FromBackend(err, routerconfig.RoleDecode, api.KindDecodeTimeout))
 }
 
 // abortDecodeLeg aborts a paired request's decoder leg: its engine's explicit abort for each of
@@ -497,7 +498,7 @@ func (s *Flow) drain(r release, lease *router.Lease) bool {
 	defer cancel()
 	if lease == nil {
 		var err error
-		lease, err = s.router.Acquire(ctx, router.RoleDecode, router.Hint{RequestID: r.c.id, Overcommit: true, Exclude: r.exclude, Accept: sequential})
+		lease, err = s.router.Acquire(ctx, routerconfig.RoleDecode, router.Hint{RequestID: r.c.id, Overcommit: true, Exclude: r.exclude, Accept: sequential})
 		if err != nil {
 			s.logger.Warn("kv drain found no decoder", zap.String("request_id", r.c.id), zap.Error(err))
 			return false

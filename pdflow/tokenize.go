@@ -5,6 +5,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // tokenize gets the request's token ids once, before any backend is picked, when a policy
@@ -18,7 +19,7 @@ func (x *Exchange) tokenize() {
 		// A prompt with media is keyed by what the proxy cannot derive: no tokens match it.
 		return
 	}
-	if !cr.WantsTokens(router.RolePrefill) && !cr.WantsTokens(router.RoleDecode) && x.s.cfg.PDUncachedTokenThreshold <= 0 {
+	if !cr.WantsTokens(routerconfig.RolePrefill) && !cr.WantsTokens(routerconfig.RoleDecode) && x.s.cfg.PDUncachedTokenThreshold <= 0 {
 		return
 	}
 	if x.Req.Tokens != nil {

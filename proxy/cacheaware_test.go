@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // chatTurns is the messages array of a session's first n turns: a system prompt its group
@@ -42,13 +42,13 @@ func decoderOf(t *testing.T, ds []*fakeEngine, marker string) int {
 
 func TestCacheAwareSendsASessionsNextTurnWhereItsConversationIs(t *testing.T) {
 	var ds []*fakeEngine
-	var bs []router.BackendConfig
+	var bs []routerconfig.BackendConfig
 	for i := range 4 {
 		d := newEngine(t, vllmDecode)
 		ds = append(ds, d)
 		bs = append(bs, decoder(fmt.Sprintf("d%d", i), d.URL()))
 	}
-	h := newHarness(t, Config{}, router.Config{Backends: bs, DecodePolicy: router.PolicyCacheAware})
+	h := newHarness(t, Config{}, routerconfig.Config{Backends: bs, DecodePolicy: routerconfig.PolicyCacheAware})
 	// Four groups with a long system prompt each, two users in each: a session's turns
 	// must stay on the engine that has its conversation, whatever the others do.
 	// Each turn takes the sessions in another order, so that no rotation of the decoders

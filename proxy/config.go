@@ -18,7 +18,7 @@ import (
 	"golang.org/x/net/http/httpguts"
 
 	"github.com/pdproxy/pdproxy/pdflow"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // Abort modes, release modes and pull modes: the values the config accepts (pdflow's).
@@ -313,7 +313,7 @@ func (c *Config) validateSidecar() (allowlist, error) {
 // queue (nil: checked as far as it goes without it). It refuses what could not take effect:
 // a queue that lets nothing wait, a per-tenant bound above the queue's size, a tenant header
 // another setting reads, a key digest that no configured key has.
-func CheckFlowControl(cfg *Config, queue *router.QueueConfig) error {
+func CheckFlowControl(cfg *Config, queue *routerconfig.QueueConfig) error {
 	c := &cfg.FlowControl
 	if !c.on() {
 		return nil
@@ -385,7 +385,7 @@ func CheckFlowControl(cfg *Config, queue *router.QueueConfig) error {
 	}
 	size := queue.Size
 	if size == 0 {
-		size = router.DefaultQueueSize
+		size = routerconfig.DefaultQueueSize
 	}
 	switch {
 	case size < 0:

@@ -4,17 +4,17 @@ import (
 	"net/http"
 	"testing"
 
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 func TestDecodeThatCannotConnectIsRetriedOnAnotherDecoder(t *testing.T) {
 	p := newEngine(t, vllmPrefill(`{"remote_block_ids":[1,2],"remote_engine_id":"p0"}`))
 	d := newEngine(t, vllmDecode)
-	h := newHarness(t, Config{}, router.Config{
+	h := newHarness(t, Config{}, routerconfig.Config{
 		// round_robin makes the dead decoder the first pick half the time; two requests
 		// make sure it is picked once.
 		DecodePolicy: "round_robin",
-		Backends: []router.BackendConfig{
+		Backends: []routerconfig.BackendConfig{
 			prefiller("p0", p.URL()), decoder("dead", closedURL(t)), decoder("d1", d.URL()),
 		},
 	})

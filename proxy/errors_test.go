@@ -9,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 func TestBadRequestsAreRefusedWith400NamingTheField(t *testing.T) {
@@ -172,11 +173,11 @@ func TestBackendFailuresReachTheClientAsOpenAIErrors(t *testing.T) {
 				d = newEngine(t, tc.decode)
 				durl = d.URL()
 			}
-			bs := []router.BackendConfig{decoder("d0", durl)}
+			bs := []routerconfig.BackendConfig{decoder("d0", durl)}
 			if tc.prefill != nil {
 				bs = append(bs, prefiller("p0", newEngine(t, tc.prefill).URL()))
 			}
-			h := newHarness(t, tc.cfg, router.Config{Backends: bs})
+			h := newHarness(t, tc.cfg, routerconfig.Config{Backends: bs})
 			resp, body := h.post("/v1/completions", `{"model":"m","prompt":"hi","max_tokens":5}`)
 			if tc.wantBody != "" {
 				if resp.StatusCode != tc.status || string(body) != tc.wantBody {
@@ -228,9 +229,9 @@ func TestNoDecoderAvailableIs503WithRetryAfter(t *testing.T) {
 
 	t.Run("an ejected decoder is not sent requests; the client gets 503", func(t *testing.T) {
 		d := newEngine(t, answer(500, "text/plain", "boom"))
-		h := newHarness(t, Config{}, router.Config{
-			Backends: []router.BackendConfig{decoder("d0", d.URL())},
-			Ejection: router.EjectionConfig{ConsecutiveFailures: 1, BaseBackoff: time.Hour, MaxBackoff: time.Hour},
+		h := newHarness(t, Config{}, routerconfig.Config{
+			Backends: []routerconfig.BackendConfig{decoder("d0", d.URL())},
+			Ejection: routerconfig.EjectionConfig{ConsecutiveFailures: 1, BaseBackoff: time.Hour, MaxBackoff: time.Hour},
 		})
 		if resp, _ := h.post("/v1/completions", `{"model":"m","prompt":"hi"}`); resp.StatusCode != http.StatusBadGateway {
 			t.Fatalf("first request: status %d, want 502", resp.StatusCode)

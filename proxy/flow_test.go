@@ -8,7 +8,7 @@ import (
 	"reflect"
 	"testing"
 
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // The kv_transfer_params a prefiller must get (vLLM NixlConnector, docs/engines.md#how-a-request-flows).
@@ -318,13 +318,13 @@ func TestPrefillRetryAndDecodeOnlyFallback(t *testing.T) {
 				first = newEngine(t, tc.first)
 				firstURL = first.URL()
 			}
-			bs := []router.BackendConfig{{Name: "p-first", URL: firstURL, Role: router.RolePrefill, Weight: 2}}
+			bs := []routerconfig.BackendConfig{{Name: "p-first", URL: firstURL, Role: routerconfig.RolePrefill, Weight: 2}}
 			if !tc.noSecond {
 				second = newEngine(t, tc.second)
 				bs = append(bs, prefiller("p-second", second.URL()))
 			}
 			bs = append(bs, decoder("d0", d.URL()))
-			h := newHarness(t, Config{}, router.Config{Backends: bs})
+			h := newHarness(t, Config{}, routerconfig.Config{Backends: bs})
 
 			resp, body := h.post("/v1/completions", `{"model":"m","prompt":"hi","max_tokens":5}`)
 			if resp.StatusCode != http.StatusOK || string(body) != decodeJSONCompletion {

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 func tenant(name string) http.Header { return http.Header{"X-Tenant": {name}} }
@@ -38,8 +38,8 @@ func TestFlowControlRefusesTheTenantOverItsShareWith429AndASaturatedPoolWith503(
 	})
 	cfg := Config{FlowControl: FlowControlConfig{TenantHeader: "X-Tenant",
 		Tenants: map[string]TenantConfig{"noisy": {Weight: 1}, "quiet": {Weight: 1}}}}
-	h := newHarness(t, cfg, router.Config{Backends: []router.BackendConfig{{Name: "d0", URL: d.URL(), Role: router.RoleDecode, MaxInflight: 1}},
-		Queue: router.QueueConfig{Size: 2}})
+	h := newHarness(t, cfg, routerconfig.Config{Backends: []routerconfig.BackendConfig{{Name: "d0", URL: d.URL(), Role: routerconfig.RoleDecode, MaxInflight: 1}},
+		Queue: routerconfig.QueueConfig{Size: 2}})
 	statuses := make(chan int, 8)
 	send := func(who string) { go func() { statuses <- h.statusOf(plainCompletion, tenant(who)) }() }
 	depth := func(who string) float64 {
@@ -115,7 +115,7 @@ func TestFlowControlFindsTheTenantByHeaderThenKeyThenAddress(t *testing.T) {
 	digest := func(key string) string { d := sha256.Sum256([]byte(key)); return hex.EncodeToString(d[:]) }
 	cfg := Config{FlowControl: FlowControlConfig{TenantHeader: "X-Tenant", DefaultWeight: 2, MaxQueuePerTenant: 7,
 		Tenants: map[string]TenantConfig{"acme": {Weight: 3, APIKeySHA256: []string{strings.ToUpper(digest("sk-acme"))}}, "beta": {}}}}
-	if err := CheckFlowControl(&cfg, &router.QueueConfig{}); err != nil {
+	if err := CheckFlowControl(&cfg, &routerconfig.QueueConfig{}); err != nil {
 		t.Fatal(err)
 	}
 	ts, err := newTenants(cfg.FlowControl, nil)
@@ -163,18 +163,18 @@ func TestFlowControlConfigRefusesWhatCannotTakeEffect(t *testing.T) {
 	tests := []struct {
 		name  string
 		cfg   Config
-		queue router.QueueConfig
+		queue routerconfig.QueueConfig
 		want  string
 	}{
-		{"a queue that lets nothing wait", Config{FlowControl: FlowControlConfig{TenantHeader: "X-Tenant"}}, router.QueueConfig{Size: -1}, "queue.size"},
-		{"a per-tenant bound above the queue", Config{FlowControl: FlowControlConfig{MaxQueuePerTenant: 11}}, router.QueueConfig{Size: 10}, "max_queue_per_tenant"},
-		{"the priority header as the tenant header", Config{FlowControl: FlowControlConfig{TenantHeader: "x-priority"}, Priority: PriorityConfig{Header: "X-Priority"}}, router.QueueConfig{}, "priority.header"},
-		{"a tenant nobody can be of", Config{FlowControl: FlowControlConfig{Tenants: map[string]TenantConfig{"acme": {Weight: 2}}}}, router.QueueConfig{}, "no request could be of it"},
-		{"a reserved tenant name", Config{FlowControl: FlowControlConfig{TenantHeader: "X-Tenant", Tenants: map[string]TenantConfig{"default": {}}}}, router.QueueConfig{}, "reserved"},
-		{"a negative weight", Config{FlowControl: FlowControlConfig{TenantHeader: "X-Tenant", Tenants: map[string]TenantConfig{"a": {Weight: -1}}}}, router.QueueConfig{}, "weight"},
-		{"a digest that is not one", Config{FlowControl: FlowControlConfig{Tenants: map[string]TenantConfig{"a": {APIKeySHA256: []string{"abc"}}}}}, router.QueueConfig{}, "SHA-256"},
-		{"one key in two tenants", Config{FlowControl: FlowControlConfig{Tenants: map[string]TenantConfig{"a": {APIKeySHA256: []string{digest}}, "b": {APIKeySHA256: []string{digest}}}}}, router.QueueConfig{}, "a's too"},
-		{"a negative queue timeout", Config{FlowControl: FlowControlConfig{QueueTimeout: -1}}, router.QueueConfig{}, "queue_timeout"},
+		{"a queue that lets nothing wait", Config{FlowControl: FlowControlConfig{TenantHeader: "X-Tenant"}}, routerconfig.QueueConfig{Size: -1}, "queue.size"},
+		{"a per-tenant bound above the queue", Config{FlowControl: FlowControlConfig{MaxQueuePerTenant: 11}}, routerconfig.QueueConfig{Size: 10}, "max_queue_per_tenant"},
+		{"the priority header as the tenant header", Config{FlowControl: FlowControlConfig{TenantHeader: "x-priority"}, Priority: PriorityConfig{Header: "X-Priority"}}, routerconfig.QueueConfig{}, "priority.header"},
+		{"a tenant nobody can be of", Config{FlowControl: FlowControlConfig{Tenants: map[string]TenantConfig{"acme": {Weight: 2}}}}, routerconfig.QueueConfig{}, "no request could be of it"},
+		{"a reserved tenant name", Config{FlowControl: FlowControlConfig{TenantHeader: "X-Tenant", Tenants: map[string]TenantConfig{"default": {}}}}, routerconfig.QueueConfig{}, "reserved"},
+		{"a negative weight", Config{FlowControl: FlowControlConfig{TenantHeader: "X-Tenant", Tenants: map[string]TenantConfig{"a": {Weight: -1}}}}, routerconfig.QueueConfig{}, "weight"},
+		{"a digest that is not one", Config{FlowControl: FlowControlConfig{Tenants: map[string]TenantConfig{"a": {APIKeySHA256: []string{"abc"}}}}}, routerconfig.QueueConfig{}, "SHA-256"},
+		{"one key in two tenants", Config{FlowControl: FlowControlConfig{Tenants: map[string]TenantConfig{"a": {APIKeySHA256: []string{digest}}, "b": {APIKeySHA256: []string{digest}}}}}, routerconfig.QueueConfig{}, "a's too"},
+		{"a negative queue timeout", Config{FlowControl: FlowControlConfig{QueueTimeout: -1}}, routerconfig.QueueConfig{}, "queue_timeout"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -194,7 +194,7 @@ func TestFlowControlConfigRefusesWhatCannotTakeEffect(t *testing.T) {
 	})
 	t.Run("no flow_control is no flow control", func(t *testing.T) {
 		cfg := Config{}
-		if err := CheckFlowControl(&cfg, &router.QueueConfig{Size: -1}); err != nil {
+		if err := CheckFlowControl(&cfg, &routerconfig.QueueConfig{Size: -1}); err != nil {
 			t.Errorf("CheckFlowControl = %v", err)
 		}
 	})

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // A decode whose KV pull failed (the decoder answers 500, as vLLM's kv_load_failure_policy
@@ -36,7 +36,7 @@ func TestAFailedPullIsPrefilledAgainOnAnotherPrefiller(t *testing.T) {
 			})
 			p0b, p1b := prefiller("p0", p0.URL()), prefiller("p1", p1.URL())
 			p0b.Weight = 2 // the first pick
-			h := newHarness(t, Config{}, router.Config{Backends: []router.BackendConfig{p0b, p1b, decoder("d0", d.URL())}})
+			h := newHarness(t, Config{}, routerconfig.Config{Backends: []routerconfig.BackendConfig{p0b, p1b, decoder("d0", d.URL())}})
 			body := `{"model":"m","prompt":"hello","max_tokens":4`
 			if stream {
 				body += `,"stream":true`
@@ -77,7 +77,7 @@ func TestADecoderThatDiesBeforeItsFirstByteIsReplaced(t *testing.T) {
 	live := newEngine(t, vllmDecode)
 	d0 := decoder("d0", dead.URL())
 	d0.Weight = 2
-	h := newHarness(t, Config{}, router.Config{Backends: []router.BackendConfig{prefiller("p0", p.URL()), d0, decoder("d1", live.URL())}})
+	h := newHarness(t, Config{}, routerconfig.Config{Backends: []routerconfig.BackendConfig{prefiller("p0", p.URL()), d0, decoder("d1", live.URL())}})
 	resp, got := h.post("/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`)
 	if resp.StatusCode != http.StatusOK || !strings.HasSuffix(string(got), "data: [DONE]\n\n") {
 		t.Fatalf("status %d: %s; want the whole stream", resp.StatusCode, got)
@@ -149,14 +149,14 @@ func TestADecoderDownAfterItsReservationGetsNoDecode(t *testing.T) {
 	other := newEngine(t, vllmDecode)
 	d0 := decoder("d0", sickDecoder.URL())
 	d0.Weight = 2
-	backends := []router.BackendConfig{prefiller("p0", p.URL()), d0, decoder("d1", other.URL())}
+	backends := []routerconfig.BackendConfig{prefiller("p0", p.URL()), d0, decoder("d1", other.URL())}
 	for i := range backends {
 		// Named, so that the checks do not ask the fake engines for their models.
 		backends[i].Models = []string{"m"}
 	}
-	h := newHarness(t, Config{}, router.Config{
+	h := newHarness(t, Config{}, routerconfig.Config{
 		Backends: backends,
-		Health:   router.HealthConfig{Interval: 20 * time.Millisecond, Timeout: 100 * time.Millisecond, UnhealthyThreshold: 1},
+		Health:   routerconfig.HealthConfig{Interval: 20 * time.Millisecond, Timeout: 100 * time.Millisecond, UnhealthyThreshold: 1},
 	})
 	done := make(chan []byte, 1)
 	go func() {

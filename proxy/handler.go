@@ -10,6 +10,7 @@ import (
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"go.uber.org/zap"
 )
 
@@ -30,7 +31,7 @@ func (s *Server) exchangeHandler(route string, run func(x *pdflow.Exchange) *api
 			x.Tenant, x.MaxWait = s.tenants.flowOf(r), s.tenants.wait
 		}
 		if len(s.cfg.SessionAffinity.Headers) > 0 {
-			x.Picked = func(role router.Role, lease *router.Lease) { s.picked(x, role, lease) }
+			x.Picked = func(role routerconfig.Role, lease *router.Lease) { s.picked(x, role, lease) }
 		}
 		w.Header().Set("X-Request-Id", x.ID)
 		defer s.recoverAnswer(x)
@@ -192,7 +193,7 @@ func (s *Server) engineHeader(in http.Header) http.Header {
 // engine the next request may never reach. Without prefillers, the request goes to one
 // engine and passes.
 func (s *Server) refuseState(x *pdflow.Exchange) *api.Error {
-	if x.Req.State == "" || (s.sidecar == nil && !s.router.Has(router.RolePrefill)) {
+	if x.Req.State == "" || (s.sidecar == nil && !s.router.Has(routerconfig.RolePrefill)) {
 		return nil
 	}
 	how := map[string]string{

@@ -27,6 +27,7 @@ import (
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // testDeadline bounds every wait in these tests. It only turns a hang into a failure; no test
@@ -247,12 +248,12 @@ func closedURL(t *testing.T) string {
 	return "http://" + addr
 }
 
-func prefiller(name, url string) router.BackendConfig {
-	return router.BackendConfig{Name: name, URL: url, Role: router.RolePrefill}
+func prefiller(name, url string) routerconfig.BackendConfig {
+	return routerconfig.BackendConfig{Name: name, URL: url, Role: routerconfig.RolePrefill}
 }
 
-func decoder(name, url string) router.BackendConfig {
-	return router.BackendConfig{Name: name, URL: url, Role: router.RoleDecode}
+func decoder(name, url string) routerconfig.BackendConfig {
+	return routerconfig.BackendConfig{Name: name, URL: url, Role: routerconfig.RoleDecode}
 }
 
 // harness is a proxy on a real port in front of fake engines, with a real router and request
@@ -268,19 +269,19 @@ type harness struct {
 
 // newHarness builds the proxy with cfg over a router with rcfg's backends. Active health
 // checks are off unless rcfg sets them: a test decides who is healthy.
-func newHarness(t *testing.T, cfg Config, rcfg router.Config) *harness {
+func newHarness(t *testing.T, cfg Config, rcfg routerconfig.Config) *harness {
 	t.Helper()
 	return newHarnessTable(t, cfg, rcfg, lifecycle.Config{})
 }
 
 // newHarnessTable is newHarness with a request table built from lcfg (e.g. its clock).
-func newHarnessTable(t *testing.T, cfg Config, rcfg router.Config, lcfg lifecycle.Config) *harness {
+func newHarnessTable(t *testing.T, cfg Config, rcfg routerconfig.Config, lcfg lifecycle.Config) *harness {
 	t.Helper()
 	return newHarnessLogged(t, cfg, rcfg, lcfg, nil)
 }
 
 // newHarnessLogged is newHarnessTable with the proxy's logs going to logged too.
-func newHarnessLogged(t *testing.T, cfg Config, rcfg router.Config, lcfg lifecycle.Config, logged zapcore.Core, opts ...Option) *harness {
+func newHarnessLogged(t *testing.T, cfg Config, rcfg routerconfig.Config, lcfg lifecycle.Config, logged zapcore.Core, opts ...Option) *harness {
 	t.Helper()
 	if rcfg.Health.Interval == 0 {
 		rcfg.Health.Interval = -1
@@ -344,17 +345,17 @@ func newFrontTable(t *testing.T, cfg Config, rt Router, reg *prometheus.Registry
 // pd is a harness with one prefiller and one decoder.
 func pd(t *testing.T, cfg Config, p, d *fakeEngine) *harness {
 	t.Helper()
-	return newHarness(t, cfg, router.Config{Backends: []router.BackendConfig{prefiller("p0", p.URL()), decoder("d0", d.URL())}})
+	return newHarness(t, cfg, routerconfig.Config{Backends: []routerconfig.BackendConfig{prefiller("p0", p.URL()), decoder("d0", d.URL())}})
 }
 
 // aggregated is a harness with decoders only.
 func aggregated(t *testing.T, cfg Config, ds ...*fakeEngine) *harness {
 	t.Helper()
-	var bs []router.BackendConfig
+	var bs []routerconfig.BackendConfig
 	for i, d := range ds {
 		bs = append(bs, decoder("d"+string(rune('0'+i)), d.URL()))
 	}
-	return newHarness(t, cfg, router.Config{Backends: bs})
+	return newHarness(t, cfg, routerconfig.Config{Backends: bs})
 }
 
 // request builds a request to the proxy, bounded by the test deadline.
@@ -550,20 +551,20 @@ func readEvent(br *bufio.Reader) (string, error) {
 // stubRouter refuses every lease with err: for the answers to a router's refusals.
 type stubRouter struct{ err error }
 
-func (s stubRouter) Acquire(context.Context, router.Role, router.Hint) (*router.Lease, error) {
+func (s stubRouter) Acquire(context.Context, routerconfig.Role, router.Hint) (*router.Lease, error) {
 	return nil, s.err
 }
-func (stubRouter) Available(router.Role) []*router.Backend { return nil }
-func (stubRouter) Has(router.Role) bool                    { return false }
-func (stubRouter) Usable(*router.Backend) bool             { return false }
-func (stubRouter) Ready() bool                             { return false }
-func (stubRouter) Backends() []router.BackendStatus        { return nil }
-func (stubRouter) Models(router.Role) ([]string, bool)     { return nil, false }
+func (stubRouter) Available(routerconfig.Role) []*router.Backend { return nil }
+func (stubRouter) Has(routerconfig.Role) bool                    { return false }
+func (stubRouter) Usable(*router.Backend) bool                   { return false }
+func (stubRouter) Ready() bool                                   { return false }
+func (stubRouter) Backends() []router.BackendStatus              { return nil }
+func (stubRouter) Models(routerconfig.Role) ([]string, bool)     { return nil, false }
 
 // engineCatalog gives the router engine's engines, as cmd/proxy does.
 type engineCatalog struct{}
 
-func (engineCatalog) Engine(kind string) (router.Engine, bool) {
+func (engineCatalog) Engine(kind string) (routerconfig.Engine, bool) {
 	e, ok := engine.Lookup(kind)
 	return e, ok
 }

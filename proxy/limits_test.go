@@ -18,7 +18,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 const plainCompletion = `{"model":"m","prompt":"hi","max_tokens":2}`
@@ -434,8 +434,8 @@ func TestInteractiveOvertakesQueuedBatchAndNoBatchStarves(t *testing.T) {
 	g := newGate()
 	var d *fakeEngine
 	d = newEngine(t, g.handler(&d))
-	h := newHarness(t, Config{Priority: classesCfg(time.Minute)}, router.Config{Backends: []router.BackendConfig{
-		{Name: "d0", URL: d.URL(), Role: router.RoleDecode, MaxInflight: 1}}})
+	h := newHarness(t, Config{Priority: classesCfg(time.Minute)}, routerconfig.Config{Backends: []routerconfig.BackendConfig{
+		{Name: "d0", URL: d.URL(), Role: routerconfig.RoleDecode, MaxInflight: 1}}})
 	const batches = 8
 	type answer struct {
 		name string

@@ -10,6 +10,7 @@ import (
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // The live view: GET /debug/ui is one page, built into the binary with its CSS and script
@@ -140,7 +141,7 @@ func holdsByPrefiller(rows []lifecycle.Info, backends []router.BackendStatus) []
 		return &out[i]
 	}
 	for _, b := range backends {
-		if b.Role == router.RolePrefill {
+		if b.Role == routerconfig.RolePrefill {
 			group(b.Name)
 		}
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // liveStateBody is GET /debug/ui/state as the page reads it: by its JSON names, so that a
@@ -144,7 +145,7 @@ func TestLiveStateFollowsARequestFromHoldToAbort(t *testing.T) {
 	dcfg := decoder("d0", d.URL())
 	dcfg.MaxInflight = 1
 	h := newHarness(t, Config{DecoderReservation: ReserveAfterPrefill, KVRelease: ReleaseWait},
-		router.Config{Backends: []router.BackendConfig{prefiller("p0", p.URL()), dcfg}, Queue: router.QueueConfig{Timeout: testDeadline}})
+		routerconfig.Config{Backends: []routerconfig.BackendConfig{prefiller("p0", p.URL()), dcfg}, Queue: routerconfig.QueueConfig{Timeout: testDeadline}})
 
 	t.Run("idle: every state counted at zero, each prefiller listed with no hold", func(t *testing.T) {
 		st := h.liveState(nil)
@@ -401,7 +402,7 @@ func TestHoldsAreGroupedByPrefillerOldestFirst(t *testing.T) {
 	held := func(id, prefill string, age float64) lifecycle.Info {
 		return lifecycle.Info{ID: id, State: lifecycle.KVHeld, Prefill: prefill, KVHeld: true, KVHoldAgeSeconds: secs(age), KVHoldDeadlineInSeconds: secs(20 - age)}
 	}
-	backends := []router.BackendStatus{{Name: "p1", Role: router.RolePrefill}, {Name: "d0", Role: router.RoleDecode}, {Name: "p0", Role: router.RolePrefill}}
+	backends := []router.BackendStatus{{Name: "p1", Role: routerconfig.RolePrefill}, {Name: "d0", Role: routerconfig.RoleDecode}, {Name: "p0", Role: routerconfig.RolePrefill}}
 	summary := func(gs []PrefillerHolds) string {
 		var out []string
 		for _, g := range gs {

@@ -19,7 +19,7 @@ import (
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/internal/faultengine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // The failure matrix: every way an engine misbehaves (faultengine's faults, down to the byte
@@ -362,7 +362,7 @@ func runCell(t *testing.T, c matrixCell) {
 	engines := map[string]*faultengine.Engine{"p0": p, "d0": d0, "d1": d1}
 	faultyName := map[string]string{"prefill": "p0", "decode": "d0"}[c.leg]
 	faulty := engines[faultyName]
-	backends := []router.BackendConfig{prefiller("p0", p.URL()), decoder("d0", d0.URL()), decoder("d1", d1.URL())}
+	backends := []routerconfig.BackendConfig{prefiller("p0", p.URL()), decoder("d0", d0.URL()), decoder("d1", d1.URL())}
 	backends[1].Weight = 2 // least_inflight's ties go to the heavier: the faulty decoder is tried first
 	for i := range backends {
 		backends[i].Engine = c.kind
@@ -386,7 +386,7 @@ func runCell(t *testing.T, c matrixCell) {
 	if c.migrate {
 		cfg.MigrationLimit = 3
 	}
-	h := newHarness(t, cfg, router.Config{Backends: backends})
+	h := newHarness(t, cfg, routerconfig.Config{Backends: backends})
 
 	path := "/v1/completions"
 	body := `{"model":"m","prompt":"hello there","max_tokens":8`

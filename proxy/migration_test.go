@@ -15,7 +15,7 @@ import (
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/pdflow"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // greedy is a fake vLLM engine that decodes greedily: each token's id is a function of every id
@@ -359,7 +359,7 @@ func TestAStreamThatCannotGoOnExactlyFailsWithAnErrorEvent(t *testing.T) {
 // that it fails with an error event.
 func TestAStreamMovesAtMostItsLimit(t *testing.T) {
 	var ds []*fakeEngine
-	var bs []router.BackendConfig
+	var bs []routerconfig.BackendConfig
 	for i := range 3 {
 		// Every decoder dies, continuations too.
 		d := newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
@@ -368,7 +368,7 @@ func TestAStreamMovesAtMostItsLimit(t *testing.T) {
 		ds = append(ds, d)
 		bs = append(bs, decoder(fmt.Sprintf("d%d", i), d.URL()))
 	}
-	h := newHarness(t, Config{MigrationLimit: 1}, router.Config{Backends: bs})
+	h := newHarness(t, Config{MigrationLimit: 1}, routerconfig.Config{Backends: bs})
 	resp, err := http.DefaultClient.Do(h.request(t.Context(), http.MethodPost, "/v1/completions",
 		`{"model":"m","prompt":"a","max_tokens":8,"stream":true}`, nil))
 	if err != nil {
@@ -398,9 +398,9 @@ func TestAStreamLeavesADrainingDecoderBeforeItEnds(t *testing.T) {
 	var draining [2]atomic.Bool
 	d0 := newEngine(t, greedy{delay: 20 * time.Millisecond, draining: &draining[0]}.handler())
 	d1 := newEngine(t, greedy{delay: 20 * time.Millisecond, draining: &draining[1]}.handler())
-	h := newHarness(t, Config{MigrationLimit: 1}, router.Config{
-		Backends: []router.BackendConfig{decoder("d0", d0.URL()), decoder("d1", d1.URL())},
-		Health:   router.HealthConfig{Interval: 10 * time.Millisecond, Timeout: time.Second, UnhealthyThreshold: 1, HealthyThreshold: 1},
+	h := newHarness(t, Config{MigrationLimit: 1}, routerconfig.Config{
+		Backends: []routerconfig.BackendConfig{decoder("d0", d0.URL()), decoder("d1", d1.URL())},
+		Health:   routerconfig.HealthConfig{Interval: 10 * time.Millisecond, Timeout: time.Second, UnhealthyThreshold: 1, HealthyThreshold: 1},
 	})
 	resp, err := http.DefaultClient.Do(h.request(t.Context(), http.MethodPost, "/v1/completions",
 		`{"model":"m","prompt":"drain me","max_tokens":40,"stream":true,"temperature":0}`, nil))
@@ -443,7 +443,7 @@ func TestAStreamLeavesADrainingDecoderBeforeItEnds(t *testing.T) {
 func TestTraceOfAMovedStreamHasASpanPerAttempt(t *testing.T) {
 	rcv := testutil.NewOTLPHTTPReceiver(t)
 	d0, d1 := newEngine(t, greedy{dieAfter: 4}.handler()), newEngine(t, greedy{dieAfter: 4}.handler())
-	h := newHarnessLogged(t, Config{MigrationLimit: 1}, router.Config{Backends: []router.BackendConfig{decoder("d0", d0.URL()), decoder("d1", d1.URL())}},
+	h := newHarnessLogged(t, Config{MigrationLimit: 1}, routerconfig.Config{Backends: []routerconfig.BackendConfig{decoder("d0", d0.URL()), decoder("d1", d1.URL())}},
 		lifecycle.Config{}, nil, tracedBy(t, rcv))
 	tp, traceID, _ := clientTrace()
 	resp, body := h.do(http.MethodPost, "/v1/completions", `{"model":"m","prompt":"hello","max_tokens":9,"stream":true,"temperature":0}`,

@@ -14,7 +14,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/pdflow"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 type modelList struct {
@@ -66,7 +66,7 @@ func (s *Server) fetchModels(ctx context.Context) ([]byte, error) {
 	seen := map[string]bool{}
 	out := modelList{Object: "list", Data: []json.RawMessage{}}
 	answered := false
-	for _, b := range s.router.Available(router.RoleDecode) {
+	for _, b := range s.router.Available(routerconfig.RoleDecode) {
 		req, err := http.NewRequestWithContext(ctx, http.MethodGet, pdflow.BaseURL(b)+"/v1/models", nil)
 		if err != nil {
 			continue

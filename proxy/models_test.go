@@ -9,7 +9,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // An alias for a served name with characters Go's JSON escapes (&, <, >) comes back in the
@@ -39,7 +39,7 @@ func TestAliasOfANameWithHTMLCharactersIsRenamedBack(t *testing.T) {
 	p := newEngine(t, vllmPrefill(prefillerParams))
 	pb, db := prefiller("p0", p.URL()), decoder("d0", d.URL())
 	pb.Models, db.Models = []string{served}, []string{served}
-	h := newHarness(t, Config{ModelAliases: map[string]Alias{"chat": {{Model: served}}}}, router.Config{Backends: []router.BackendConfig{pb, db}})
+	h := newHarness(t, Config{ModelAliases: map[string]Alias{"chat": {{Model: served}}}}, routerconfig.Config{Backends: []routerconfig.BackendConfig{pb, db}})
 	for _, stream := range []bool{false, true} {
 		resp, got := h.post("/v1/chat/completions", fmt.Sprintf(`{"model":"chat","messages":[{"role":"user","content":"hi"}],"stream":%v}`, stream))
 		if resp.StatusCode != http.StatusOK {

@@ -14,14 +14,14 @@ import (
 
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/pdflow"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 )
 
 // sglangBackends are one SGLang prefiller and one decoder; the prefiller's bootstrap port is
 // configured unless discover is set.
-func sglangBackends(p, d *fakeEngine, discover bool) router.Config {
+func sglangBackends(p, d *fakeEngine, discover bool) routerconfig.Config {
 	pc := prefiller("p0", p.URL())
 	pc.Engine = "sglang"
 	if !discover {
@@ -29,7 +29,7 @@ func sglangBackends(p, d *fakeEngine, discover bool) router.Config {
 	}
 	dc := decoder("d0", d.URL())
 	dc.Engine = "sglang"
-	return router.Config{Backends: []router.BackendConfig{pc, dc}}
+	return routerconfig.Config{Backends: []routerconfig.BackendConfig{pc, dc}}
 }
 
 // sglangLeg answers a leg: an abort with 200 and no body, a server_info as a prefiller, else

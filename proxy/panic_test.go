@@ -16,6 +16,7 @@ import (
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // panicky is vLLM with a bug: building a decode that carries params, or any prefill, panics,
@@ -45,7 +46,7 @@ func (p panicky) DecodeBody(f *engine.Fields, params json.RawMessage) ([]byte, e
 // panickyCatalog adds the kinds panics_prefill and panics_decode to engine's.
 type panickyCatalog struct{ engineCatalog }
 
-func (c panickyCatalog) Engine(kind string) (router.Engine, bool) {
+func (c panickyCatalog) Engine(kind string) (routerconfig.Engine, bool) {
 	switch kind {
 	case "panics_prefill":
 		return panicky{Sequential: engine.VLLM, kind: kind, onPrefill: true}, true
@@ -71,7 +72,7 @@ func TestAPanicServingARequestStillFinishesIt(t *testing.T) {
 			pc, dc := prefiller("p0", p.URL()), decoder("d0", d.URL())
 			pc.Engine, dc.Engine = tc.prefill, tc.decod
 			core, logs := observer.New(zap.ErrorLevel)
-			h := newHarnessLogged(t, Config{}, router.Config{Backends: []router.BackendConfig{pc, dc}, Engines: panickyCatalog{}},
+			h := newHarnessLogged(t, Config{}, routerconfig.Config{Backends: []routerconfig.BackendConfig{pc, dc}, Engines: panickyCatalog{}},
 				lifecycle.Config{}, core)
 			resp, body := h.do(http.MethodPost, "/v1/completions", `{"model":"m","prompt":"hi","stream":true}`,
 				http.Header{"X-Request-Id": {"panics-1"}})
@@ -104,8 +105,8 @@ type panicsOnce struct {
 	done atomic.Bool
 }
 
-func (r *panicsOnce) Acquire(ctx context.Context, role router.Role, h router.Hint) (*router.Lease, error) {
-	if role == router.RoleDecode && !r.done.Swap(true) {
+func (r *panicsOnce) Acquire(ctx context.Context, role routerconfig.Role, h router.Hint) (*router.Lease, error) {
+	if role == routerconfig.RoleDecode && !r.done.Swap(true) {
 		panic("a bug picking a decoder")
 	}
 	return r.Router.Acquire(ctx, role, h)
@@ -147,8 +148,8 @@ type panicsOnDecodeRetry struct {
 	picks atomic.Int32
 }
 
-func (r *panicsOnDecodeRetry) Acquire(ctx context.Context, role router.Role, h router.Hint) (*router.Lease, error) {
-	if role == router.RoleDecode {
+func (r *panicsOnDecodeRetry) Acquire(ctx context.Context, role routerconfig.Role, h router.Hint) (*router.Lease, error) {
+	if role == routerconfig.RoleDecode {
 		switch r.picks.Add(1) {
 		case 1:
 			for _, b := range r.Router.Backends() {
@@ -190,10 +191,10 @@ func TestAPanicWhileTheDecodeCarriesTheKVEndsItsHoldAndLeases(t *testing.T) {
 
 // newPanickyFront is a front over a real router of backends, which wrap turns into one with a
 // bug, its errors logged to logged as well (nil: only to the test).
-func newPanickyFront(t *testing.T, cfg Config, logged zapcore.Core, wrap func(*router.Router) Router, backends ...router.BackendConfig) *harness {
+func newPanickyFront(t *testing.T, cfg Config, logged zapcore.Core, wrap func(*router.Router) Router, backends ...routerconfig.BackendConfig) *harness {
 	t.Helper()
 	reg := prometheus.NewRegistry()
-	rt, err := router.New(router.Config{Backends: backends, Engines: engineCatalog{}, Health: router.HealthConfig{Interval: -1}}, zaptest.NewLogger(t), reg)
+	rt, err := router.New(routerconfig.Config{Backends: backends, Engines: engineCatalog{}, Health: routerconfig.HealthConfig{Interval: -1}}, zaptest.NewLogger(t), reg)
 	if err != nil {
 		t.Fatal(err)
 	}

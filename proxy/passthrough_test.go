@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // twoModelHarness is a harness whose decoders serve one model each: d0 "m", d1 "n".
@@ -19,7 +19,7 @@ func twoModelHarness(t *testing.T, cfg Config, d0, d1 *fakeEngine) *harness {
 	t.Helper()
 	a, b := decoder("d0", d0.URL()), decoder("d1", d1.URL())
 	a.Models, b.Models = []string{"m"}, []string{"n"}
-	return newHarness(t, cfg, router.Config{Backends: []router.BackendConfig{a, b}})
+	return newHarness(t, cfg, routerconfig.Config{Backends: []routerconfig.BackendConfig{a, b}})
 }
 
 // passAnswer answers as a vLLM pooling route does: JSON naming the model it was asked for,
@@ -315,7 +315,7 @@ func TestPassthroughEngineFailures(t *testing.T) {
 			a, b := decoder("d0", bad.URL()), decoder("d1", good.URL())
 			a.Models, b.Models = []string{"m"}, []string{"n"}
 			h := newHarness(t, Config{DecodeFirstByteTimeout: 200 * time.Millisecond},
-				router.Config{Backends: []router.BackendConfig{a, b}})
+				routerconfig.Config{Backends: []routerconfig.BackendConfig{a, b}})
 			resp, body := h.post("/v1/rerank", `{"model":"m","query":"q","documents":["a"]}`)
 			checkOpenAIError(t, resp, body, c.status)
 			h.waitQuiet()
@@ -405,7 +405,7 @@ func TestPassthroughRetriesAnEngineThatNeverTookTheCall(t *testing.T) {
 	good := newEngine(t, passAnswer)
 	down := decoder("d0", closedURL(t))
 	down.Weight = 2 // least_inflight's ties go to the heavier: the dead engine is tried first
-	h := newHarness(t, Config{}, router.Config{Backends: []router.BackendConfig{down, decoder("d1", good.URL())}})
+	h := newHarness(t, Config{}, routerconfig.Config{Backends: []routerconfig.BackendConfig{down, decoder("d1", good.URL())}})
 	resp, body := h.post("/v1/embeddings", `{"model":"m","input":"x"}`)
 	if resp.StatusCode != 200 {
 		t.Fatalf("status %d: %s", resp.StatusCode, body)

@@ -14,7 +14,7 @@ import (
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // With abort_during_prefill finish_then_release the prefill is let finish after the client
@@ -63,8 +63,8 @@ func TestKVHeldForAGoneClientIsReleased(t *testing.T) {
 			d := newEngine(t, vllmDecode)
 			hmu.Lock()
 			h = newHarness(t, Config{AbortDuringPrefill: AbortPrefillFinishThenFree, KVRelease: tc.release},
-				router.Config{Backends: []router.BackendConfig{
-					{Name: "p0", URL: p.URL(), Role: router.RolePrefill, Engine: tc.engineKind},
+				routerconfig.Config{Backends: []routerconfig.BackendConfig{
+					{Name: "p0", URL: p.URL(), Role: routerconfig.RolePrefill, Engine: tc.engineKind},
 					decoder("d0", d.URL()),
 				}})
 			hmu.Unlock()
@@ -124,7 +124,7 @@ func TestKVHeldForAGoneClientIsReleased(t *testing.T) {
 func TestConcurrentRequestsAllCompleteAndLeaveNothingBehind(t *testing.T) {
 	p := newEngine(t, vllmPrefill(prefillerParams))
 	d0, d1 := newEngine(t, vllmDecode), newEngine(t, vllmDecode)
-	h := newHarness(t, Config{}, router.Config{Backends: []router.BackendConfig{
+	h := newHarness(t, Config{}, routerconfig.Config{Backends: []routerconfig.BackendConfig{
 		prefiller("p0", p.URL()), decoder("d0", d0.URL()), decoder("d1", d1.URL()),
 	}})
 	const n = 24
@@ -219,12 +219,12 @@ func TestPrefilledRequestFindingNoDecoderHasItsKVDrained(t *testing.T) {
 		vllmDecode(w, r, body)
 	})
 	p := newEngine(t, vllmPrefill(prefillerParams))
-	h := newHarness(t, Config{DecoderReservation: ReserveAfterPrefill}, router.Config{
-		Backends: []router.BackendConfig{
+	h := newHarness(t, Config{DecoderReservation: ReserveAfterPrefill}, routerconfig.Config{
+		Backends: []routerconfig.BackendConfig{
 			prefiller("p0", p.URL()),
-			{Name: "d0", URL: d.URL(), Role: router.RoleDecode, MaxInflight: 1},
+			{Name: "d0", URL: d.URL(), Role: routerconfig.RoleDecode, MaxInflight: 1},
 		},
-		Queue: router.QueueConfig{Size: -1},
+		Queue: routerconfig.QueueConfig{Size: -1},
 	})
 
 	first := make(chan int, 1)
@@ -289,10 +289,10 @@ func TestKVPastItsHoldDeadlineIsNeverForwarded(t *testing.T) {
 	})
 	clock := testutil.NewClock(time.Date(2026, 11, 30, 9, 0, 0, 0, time.UTC))
 	const holdTimeout = 30 * time.Second
-	h := newHarnessTable(t, Config{DecoderReservation: ReserveAfterPrefill}, router.Config{
-		Backends: []router.BackendConfig{
-			{Name: "p0", URL: p.URL(), Role: router.RolePrefill, Engine: engine.KindSim},
-			{Name: "d0", URL: d.URL(), Role: router.RoleDecode, MaxInflight: 1},
+	h := newHarnessTable(t, Config{DecoderReservation: ReserveAfterPrefill}, routerconfig.Config{
+		Backends: []routerconfig.BackendConfig{
+			{Name: "p0", URL: p.URL(), Role: routerconfig.RolePrefill, Engine: engine.KindSim},
+			{Name: "d0", URL: d.URL(), Role: routerconfig.RoleDecode, MaxInflight: 1},
 		},
 	}, lifecycle.Config{KVHoldTimeout: holdTimeout, Now: clock.Now})
 	t.Cleanup(func() { closeOnce(release) })
@@ -377,10 +377,10 @@ func TestClientLeavingWithKVHeldGetsItDrained(t *testing.T) {
 		vllmDecode(w, r, body)
 	})
 	p := newEngine(t, vllmPrefill(prefillerParams))
-	h := newHarness(t, Config{DecoderReservation: ReserveAfterPrefill}, router.Config{
-		Backends: []router.BackendConfig{
+	h := newHarness(t, Config{DecoderReservation: ReserveAfterPrefill}, routerconfig.Config{
+		Backends: []routerconfig.BackendConfig{
 			prefiller("p0", p.URL()),
-			{Name: "d0", URL: d.URL(), Role: router.RoleDecode, MaxInflight: 1},
+			{Name: "d0", URL: d.URL(), Role: routerconfig.RoleDecode, MaxInflight: 1},
 		},
 	})
 	t.Cleanup(func() { closeOnce(release) })
@@ -459,7 +459,7 @@ func TestAnAcknowledgedDecodeIsNeverSentToASecondDecoder(t *testing.T) {
 				})
 				decoders = append(decoders, d)
 			}
-			h := newHarness(t, Config{}, router.Config{Backends: []router.BackendConfig{
+			h := newHarness(t, Config{}, routerconfig.Config{Backends: []routerconfig.BackendConfig{
 				prefiller("p0", p.URL()), decoder("d0", decoders[0].URL()), decoder("d1", decoders[1].URL()),
 			}})
 			ctx, cancel := context.WithCancel(context.Background())

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 func TestHealthAndReadiness(t *testing.T) {
@@ -133,7 +133,7 @@ func TestModelsMergesTheDecodersLists(t *testing.T) {
 	d0 := newEngine(t, models("llama-8b", "llama-8b-lora"))
 	d1 := newEngine(t, models("llama-8b", "qwen-7b"))
 	p0 := newEngine(t, models("prefill-only"))
-	h := newHarness(t, Config{}, router.Config{Backends: []router.BackendConfig{
+	h := newHarness(t, Config{}, routerconfig.Config{Backends: []routerconfig.BackendConfig{
 		decoder("d0", d0.URL()), decoder("d1", d1.URL()), prefiller("p0", p0.URL()),
 	}})
 	resp, body := h.do(http.MethodGet, "/v1/models", "", nil)

@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/api"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // SessionAffinityConfig sends the requests of one session (a conversation, an agent's run) to
@@ -91,7 +91,7 @@ func sessionOf(r *http.Request, headers []string) (string, *api.Error) {
 // textField is the field of a session's binding that keeps how many bytes of its text the
 // latest request sent the engine of role: what that engine holds of the conversation, for a
 // replica that did not route it.
-func textField(role router.Role) string { return string(role) + "_text" }
+func textField(role routerconfig.Role) string { return string(role) + "_text" }
 
 // boundBytes reads a textField's value: a count of bytes, 0 for anything else.
 func boundBytes(v string) int {

@@ -6,7 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // A session's requests go to one prefiller and one decoder, where least_inflight alone would
@@ -14,7 +14,7 @@ import (
 func TestASessionsRequestsStayOnItsEngines(t *testing.T) {
 	ps := []*fakeEngine{newEngine(t, vllmPrefill(`{"remote_block_ids":[1]}`)), newEngine(t, vllmPrefill(`{"remote_block_ids":[1]}`))}
 	ds := []*fakeEngine{newEngine(t, vllmDecode), newEngine(t, vllmDecode), newEngine(t, vllmDecode)}
-	var bs []router.BackendConfig
+	var bs []routerconfig.BackendConfig
 	for i, p := range ps {
 		bs = append(bs, prefiller(fmt.Sprintf("p%d", i), p.URL()))
 	}
@@ -22,7 +22,7 @@ func TestASessionsRequestsStayOnItsEngines(t *testing.T) {
 		bs = append(bs, decoder(fmt.Sprintf("d%d", i), d.URL()))
 	}
 	cfg := Config{SessionAffinity: SessionAffinityConfig{Headers: []string{"x-session-id", "X-Claude-Code-Session-Id"}}}
-	h := newHarness(t, cfg, router.Config{Backends: bs, PrefillPolicy: router.PolicyLeastInflight, DecodePolicy: router.PolicyRoundRobin})
+	h := newHarness(t, cfg, routerconfig.Config{Backends: bs, PrefillPolicy: routerconfig.PolicyLeastInflight, DecodePolicy: routerconfig.PolicyRoundRobin})
 	const turns = 6
 	for i := range turns {
 		hdr := http.Header{"X-Claude-Code-Session-Id": {"agent-run-1"}}

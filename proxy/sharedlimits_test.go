@@ -15,7 +15,7 @@ import (
 	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sharedstate"
 )
 
@@ -55,7 +55,7 @@ func sharedStore(t *testing.T, addr string) (*sharedstate.Store, *prometheus.Reg
 // replicaOn is a proxy replica in front of d whose limits are shared through st.
 func replicaOn(t *testing.T, st SharedState, cfg Config, d *fakeEngine) *harness {
 	t.Helper()
-	return newHarnessLogged(t, cfg, router.Config{Backends: []router.BackendConfig{decoder("d0", d.URL())}}, lifecycle.Config{}, nil, WithSharedState(st))
+	return newHarnessLogged(t, cfg, routerconfig.Config{Backends: []routerconfig.BackendConfig{decoder("d0", d.URL())}}, lifecycle.Config{}, nil, WithSharedState(st))
 }
 
 // checkedState is a replica's shared state, with the error of its last Check kept: nil when

@@ -16,6 +16,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // sidecar is the mode's state; nil on a Server without it.
@@ -56,9 +57,9 @@ func SidecarEngine(cfg Config, bs []router.BackendStatus) (engine.Engine, error)
 	var prefillers []string
 	for _, b := range bs {
 		switch b.Role {
-		case router.RoleDecode:
+		case routerconfig.RoleDecode:
 			decoders = append(decoders, b)
-		case router.RolePrefill:
+		case routerconfig.RolePrefill:
 			prefillers = append(prefillers, b.Name)
 		}
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // llmdHeader is the header llm-d's scheduler names the prefiller in.
@@ -38,7 +39,7 @@ func sidecarHarness(t *testing.T, cfg Config, d *fakeEngine, kind string, allow 
 	t.Helper()
 	cfg.PrefillerHeader = llmdHeader
 	cfg.PrefillerAllow = allow
-	return newHarness(t, cfg, router.Config{Backends: []router.BackendConfig{{Name: "local", URL: d.URL(), Role: router.RoleDecode, Engine: kind}}})
+	return newHarness(t, cfg, routerconfig.Config{Backends: []routerconfig.BackendConfig{{Name: "local", URL: d.URL(), Role: routerconfig.RoleDecode, Engine: kind}}})
 }
 
 // named is a header naming the prefiller at hostPort.
@@ -174,20 +175,20 @@ func TestSidecarModeRefusesToStartOutsideItsSlot(t *testing.T) {
 		name     string
 		header   string
 		allow    []string
-		backends []router.BackendConfig
+		backends []routerconfig.BackendConfig
 		want     string
 	}{
-		{"no allowlist", llmdHeader, nil, []router.BackendConfig{decoder("local", d)}, "prefiller_allow: required"},
-		{"an allowlist without the header", "", allow, []router.BackendConfig{decoder("local", d)}, "prefiller_allow: set without prefiller_header"},
-		{"a header name that is none", "x prefiller", allow, []router.BackendConfig{decoder("local", d)}, "prefiller_header"},
-		{"an allowlist entry it cannot read", llmdHeader, []string{"10.0.0.0/8", "10.0.0.1"}, []router.BackendConfig{decoder("local", d)}, "prefiller_allow[1]"},
-		{"two decoders", llmdHeader, allow, []router.BackendConfig{decoder("d0", d), decoder("d1", "http://127.0.0.1:8201")}, "exactly one decode backend"},
-		{"a prefill backend", llmdHeader, allow, []router.BackendConfig{prefiller("p0", "http://10.0.0.1:8000"), decoder("local", d)}, "no prefill backend"},
-		{"a paired engine", llmdHeader, allow, []router.BackendConfig{{Name: "local", URL: d, Role: router.RoleDecode, Engine: engine.KindSGLang}}, "prefiller_header"},
+		{"no allowlist", llmdHeader, nil, []routerconfig.BackendConfig{decoder("local", d)}, "prefiller_allow: required"},
+		{"an allowlist without the header", "", allow, []routerconfig.BackendConfig{decoder("local", d)}, "prefiller_allow: set without prefiller_header"},
+		{"a header name that is none", "x prefiller", allow, []routerconfig.BackendConfig{decoder("local", d)}, "prefiller_header"},
+		{"an allowlist entry it cannot read", llmdHeader, []string{"10.0.0.0/8", "10.0.0.1"}, []routerconfig.BackendConfig{decoder("local", d)}, "prefiller_allow[1]"},
+		{"two decoders", llmdHeader, allow, []routerconfig.BackendConfig{decoder("d0", d), decoder("d1", "http://127.0.0.1:8201")}, "exactly one decode backend"},
+		{"a prefill backend", llmdHeader, allow, []routerconfig.BackendConfig{prefiller("p0", "http://10.0.0.1:8000"), decoder("local", d)}, "no prefill backend"},
+		{"a paired engine", llmdHeader, allow, []routerconfig.BackendConfig{{Name: "local", URL: d, Role: routerconfig.RoleDecode, Engine: engine.KindSGLang}}, "prefiller_header"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			reg := prometheus.NewRegistry()
-			rt, err := router.New(router.Config{Backends: tc.backends, Engines: engineCatalog{}, Health: router.HealthConfig{Interval: -1}}, zaptest.NewLogger(t), reg)
+			rt, err := router.New(routerconfig.Config{Backends: tc.backends, Engines: engineCatalog{}, Health: routerconfig.HealthConfig{Interval: -1}}, zaptest.NewLogger(t), reg)
 			if err != nil {
 				t.Fatal(err)
 			}

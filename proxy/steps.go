@@ -15,6 +15,7 @@ import (
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sharedstate"
 )
 
@@ -36,7 +37,7 @@ func (s *Server) namePrefiller(x *pdflow.Exchange) *api.Error {
 		s.refusePrefiller(x, refusedNotAllowed, values, nil)
 		return api.NewError(api.KindPrefillerNotAllowed, "the prefiller "+sc.header+" names is not one this proxy may call (prefiller_allow)").With(sc.header, nil, 0)
 	}
-	b, err := router.NewDetached(router.BackendConfig{URL: "http://" + p.hostPort(), Role: router.RolePrefill}, sc.engine, sc.client)
+	b, err := router.NewDetached(routerconfig.BackendConfig{URL: "http://" + p.hostPort(), Role: routerconfig.RolePrefill}, sc.engine, sc.client)
 	if err != nil {
 		// parsePrefillerHeader let through only what makes a URL.
 		return api.NewError(api.KindInternal, "could not address the prefiller").With("", err, 0)
@@ -61,7 +62,7 @@ func (s *Server) refusePrefiller(x *pdflow.Exchange, reason string, values []str
 // picked records where a pick for role went, for a request of a session: counted, and, with
 // shared state, the session bound to that engine for the TTL from now (a binding kept is
 // renewed).
-func (s *Server) picked(x *pdflow.Exchange, role router.Role, lease *router.Lease) {
+func (s *Server) picked(x *pdflow.Exchange, role routerconfig.Role, lease *router.Lease) {
 	choice := lease.Session()
 	if choice == "" {
 		return
@@ -99,8 +100,8 @@ func (s *Server) readSession(x *pdflow.Exchange, headers []string) *api.Error {
 		}
 		b = d.Bindings[key]
 	}
-	x.Sess.Prefill, x.Sess.Decode = b[string(router.RolePrefill)], b[string(router.RoleDecode)]
-	x.Sess.PrefillText, x.Sess.DecodeText = boundBytes(b[textField(router.RolePrefill)]), boundBytes(b[textField(router.RoleDecode)])
+	x.Sess.Prefill, x.Sess.Decode = b[string(routerconfig.RolePrefill)], b[string(routerconfig.RoleDecode)]
+	x.Sess.PrefillText, x.Sess.DecodeText = boundBytes(b[textField(routerconfig.RolePrefill)]), boundBytes(b[textField(routerconfig.RoleDecode)])
 	return nil
 }
 
@@ -111,7 +112,7 @@ func (s *Server) readSession(x *pdflow.Exchange, headers []string) *api.Error {
 // (modelLabel), from the same look at the models.
 func (s *Server) resolveModel(name string) (served, label string, e *api.Error) {
 	served, label = name, "other"
-	models, complete := s.router.Models(router.RoleDecode)
+	models, complete := s.router.Models(routerconfig.RoleDecode)
 	if p := s.aliases[name]; p != nil {
 		served, label = p.pick(), name
 	} else if slices.Contains(models, name) {
@@ -154,7 +155,7 @@ func (s *Server) modelLabel(name string) string {
 	if _, ok := s.aliases[name]; ok {
 		return name
 	}
-	if models, _ := s.router.Models(router.RoleDecode); slices.Contains(models, name) {
+	if models, _ := s.router.Models(routerconfig.RoleDecode); slices.Contains(models, name) {
 		return name
 	}
 	return "other"

@@ -16,6 +16,7 @@ import (
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // BenchmarkTracing is one whole P/D request through the proxy on loopback (a prefill, then a
@@ -55,8 +56,8 @@ func BenchmarkTracing(b *testing.B) {
 				opts = append(opts, WithTracerProvider(tp))
 			}
 			reg := prometheus.NewRegistry()
-			rt, err := router.New(router.Config{Backends: []router.BackendConfig{prefiller("p0", p), decoder("d0", d)},
-				Engines: engineCatalog{}, Health: router.HealthConfig{Interval: -1}}, zap.NewNop(), reg)
+			rt, err := router.New(routerconfig.Config{Backends: []routerconfig.BackendConfig{prefiller("p0", p), decoder("d0", d)},
+				Engines: engineCatalog{}, Health: routerconfig.HealthConfig{Interval: -1}}, zap.NewNop(), reg)
 			if err != nil {
 				b.Fatal(err)
 			}

@@ -17,7 +17,7 @@ import (
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/pdflow"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // tracedBy is a proxy option that exports every span, as it ends, over OTLP/HTTP to rcv.
@@ -114,7 +114,7 @@ func TestTraceOfAPDRequestContinuesTheClientsTraceOnBothCalls(t *testing.T) {
 	rcv := testutil.NewOTLPHTTPReceiver(t)
 	p := newEngine(t, vllmPrefill(prefillerParams))
 	d := newEngine(t, vllmDecode)
-	h := newHarnessLogged(t, Config{}, router.Config{Backends: []router.BackendConfig{prefiller("p0", p.URL()), decoder("d0", d.URL())}},
+	h := newHarnessLogged(t, Config{}, routerconfig.Config{Backends: []routerconfig.BackendConfig{prefiller("p0", p.URL()), decoder("d0", d.URL())}},
 		lifecycle.Config{}, nil, tracedBy(t, rcv))
 	tp, traceID, clientSpan := clientTrace()
 	resp, _ := h.do(http.MethodPost, "/v1/completions", `{"model":"m","prompt":"hi","max_tokens":5}`,
@@ -181,8 +181,8 @@ func TestTraceOfAClientThatLeftSaysAtWhichStage(t *testing.T) {
 			if stage == lifecycle.KVHeld {
 				cfg.DecoderReservation = ReserveAfterPrefill
 			}
-			h := newHarnessLogged(t, cfg, router.Config{Backends: []router.BackendConfig{prefiller("p0", p.URL()),
-				{Name: "d0", URL: d.URL(), Role: router.RoleDecode, MaxInflight: 1}}}, lifecycle.Config{}, nil, tracedBy(t, rcv))
+			h := newHarnessLogged(t, cfg, routerconfig.Config{Backends: []routerconfig.BackendConfig{prefiller("p0", p.URL()),
+				{Name: "d0", URL: d.URL(), Role: routerconfig.RoleDecode, MaxInflight: 1}}}, lifecycle.Config{}, nil, tracedBy(t, rcv))
 			if stage == lifecycle.KVHeld {
 				go h.statusOf(`{"model":"m","prompt":"first"}`, nil)
 				eventually(t, "the first request to occupy the decoder", func() bool { return len(d.generations()) == 1 })
@@ -246,7 +246,7 @@ func TestTraceOfARetriedPrefillHasBothTries(t *testing.T) {
 	d := newEngine(t, vllmDecode)
 	dead := prefiller("p-dead", closedURL(t))
 	dead.Weight = 2 // least_inflight's ties go to the heavier: the dead one is tried first
-	h := newHarnessLogged(t, Config{}, router.Config{Backends: []router.BackendConfig{dead, prefiller("p0", p.URL()), decoder("d0", d.URL())}},
+	h := newHarnessLogged(t, Config{}, routerconfig.Config{Backends: []routerconfig.BackendConfig{dead, prefiller("p0", p.URL()), decoder("d0", d.URL())}},
 		lifecycle.Config{}, nil, tracedBy(t, rcv))
 	tp, traceID, _ := clientTrace()
 	resp, _ := h.do(http.MethodPost, "/v1/completions", `{"model":"m","prompt":"hi"}`, http.Header{"Traceparent": {tp}})

@@ -22,7 +22,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/lifecycle"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -143,27 +143,27 @@ func TestAStreamWhoseEndReachedTheClientIsServedThoughTheClientClosesAtOnce(t *t
 		name string
 		// engines starts the mode's engines, its decoders' answers lingering, and returns
 		// them and the router's backends.
-		engines func(t *testing.T) ([]*sim.Engine, []router.BackendConfig)
+		engines func(t *testing.T) ([]*sim.Engine, []routerconfig.BackendConfig)
 	}{
-		{"sequential P/D", func(t *testing.T) ([]*sim.Engine, []router.BackendConfig) {
+		{"sequential P/D", func(t *testing.T) ([]*sim.Engine, []routerconfig.BackendConfig) {
 			p, pu := simEngine(t, fastSim(sim.ProtocolVLLM, "prefill"), nil)
 			d, du := simEngine(t, fastSim(sim.ProtocolVLLM, "decode"), lingering(linger))
 			pc, dc := prefiller("p0", pu), decoder("d0", du)
 			pc.Engine, dc.Engine = "sim", "sim"
-			return []*sim.Engine{p, d}, []router.BackendConfig{pc, dc}
+			return []*sim.Engine{p, d}, []routerconfig.BackendConfig{pc, dc}
 		}},
-		{"paired legs", func(t *testing.T) ([]*sim.Engine, []router.BackendConfig) {
+		{"paired legs", func(t *testing.T) ([]*sim.Engine, []routerconfig.BackendConfig) {
 			p, pu := simEngine(t, fastSim(sim.ProtocolSGLang, "prefill"), nil)
 			d, du := simEngine(t, fastSim(sim.ProtocolSGLang, "decode"), lingering(linger))
 			pc, dc := prefiller("p0", pu), decoder("d0", du)
 			pc.Engine, dc.Engine = "sglang", "sglang"
-			return []*sim.Engine{p, d}, []router.BackendConfig{pc, dc}
+			return []*sim.Engine{p, d}, []routerconfig.BackendConfig{pc, dc}
 		}},
-		{"aggregated", func(t *testing.T) ([]*sim.Engine, []router.BackendConfig) {
+		{"aggregated", func(t *testing.T) ([]*sim.Engine, []routerconfig.BackendConfig) {
 			d, du := simEngine(t, fastSim(sim.ProtocolVLLM, "both"), lingering(linger))
 			dc := decoder("d0", du)
 			dc.Engine = "sim"
-			return []*sim.Engine{d}, []router.BackendConfig{dc}
+			return []*sim.Engine{d}, []routerconfig.BackendConfig{dc}
 		}},
 	}
 	for _, mode := range modes {
@@ -174,7 +174,7 @@ func TestAStreamWhoseEndReachedTheClientIsServedThoughTheClientClosesAtOnce(t *t
 				tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
 				t.Cleanup(func() { tp.Shutdown(context.Background()) })
 				core, logs := observer.New(zap.InfoLevel)
-				h := newHarnessLogged(t, Config{}, router.Config{Backends: backends}, lifecycle.Config{}, core, WithTracerProvider(tp))
+				h := newHarnessLogged(t, Config{}, routerconfig.Config{Backends: backends}, lifecycle.Config{}, core, WithTracerProvider(tp))
 				addr := strings.TrimPrefix(h.front.URL, "http://")
 
 				var (

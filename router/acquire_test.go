@@ -14,11 +14,12 @@ import (
 
 	"github.com/pdproxy/pdproxy/internal/h1client"
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // newTestRouter builds a router over cfg with a fresh registry and a fake clock; checks
 // are off unless cfg turns them on, so tests drive health by hand.
-func newTestRouter(t *testing.T, cfg Config) (*Router, *prometheus.Registry, *testutil.Clock) {
+func newTestRouter(t *testing.T, cfg routerconfig.Config) (*Router, *prometheus.Registry, *testutil.Clock) {
 	t.Helper()
 	if cfg.Health.Interval == 0 {
 		cfg.Health.Interval = -1
@@ -44,14 +45,14 @@ func backendByName(t *testing.T, r *Router, name string) *Backend {
 	return nil
 }
 
-func queued(r *Router, role Role) int {
+func queued(r *Router, role routerconfig.Role) int {
 	p := r.pool(role)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.waiters.Len()
 }
 
-func mustAcquire(t *testing.T, r *Router, role Role, h Hint) *Lease {
+func mustAcquire(t *testing.T, r *Router, role routerconfig.Role, h Hint) *Lease {
 	t.Helper()
 	l, err := r.Acquire(context.Background(), role, h)
 	if err != nil {
@@ -70,9 +71,9 @@ func assertAllIdle(t *testing.T, r *Router) {
 }
 
 func TestAcquireCountsOneInflightUntilRelease(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 0)})
-	l1 := mustAcquire(t, r, RoleDecode, Hint{})
-	l2 := mustAcquire(t, r, RoleDecode, Hint{})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 0)})
+	l1 := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
+	l2 := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	if l1.Backend() == l2.Backend() {
 		t.Fatalf("least_inflight put both on %s", l1.Backend().Name)
 	}
@@ -115,9 +116,9 @@ func TestAcquireSkipsIneligibleBackends(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 1)})
+			r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 1)})
 			h := tt.setup(t, r)
-			l := mustAcquire(t, r, RoleDecode, h)
+			l := mustAcquire(t, r, routerconfig.RoleDecode, h)
 			defer l.Release(Result{Status: 200})
 			if got := l.Backend().Name; got != "d1" {
 				t.Errorf("picked %s, want d1", got)
@@ -129,34 +130,34 @@ func TestAcquireSkipsIneligibleBackends(t *testing.T) {
 func TestAcquireWithoutUsableBackendIsErrNoBackend(t *testing.T) {
 	tests := []struct {
 		name  string
-		role  Role
+		role  routerconfig.Role
 		setup func(r *Router) Hint
 	}{
-		{"every backend down", RoleDecode, func(r *Router) Hint {
+		{"every backend down", routerconfig.RoleDecode, func(r *Router) Hint {
 			for _, b := range r.backends() {
 				b.st.up.Store(false)
 			}
 			return Hint{}
 		}},
-		{"every backend ejected", RoleDecode, func(r *Router) Hint {
+		{"every backend ejected", routerconfig.RoleDecode, func(r *Router) Hint {
 			for _, b := range r.backends() {
 				b.st.ejectedUntil.Store(r.now().Add(time.Minute).UnixNano())
 			}
 			return Hint{}
 		}},
-		{"every backend excluded", RoleDecode, func(*Router) Hint { return Hint{Exclude: []string{"d0", "d1"}} }},
-		{"role not configured", RolePrefill, func(*Router) Hint { return Hint{} }},
-		{"unknown role", Role("embed"), func(*Router) Hint { return Hint{} }},
+		{"every backend excluded", routerconfig.RoleDecode, func(*Router) Hint { return Hint{Exclude: []string{"d0", "d1"}} }},
+		{"role not configured", routerconfig.RolePrefill, func(*Router) Hint { return Hint{} }},
+		{"unknown role", routerconfig.Role("embed"), func(*Router) Hint { return Hint{} }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 0)})
+			r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 0)})
 			h := tt.setup(r)
 			l, err := r.Acquire(context.Background(), tt.role, h)
 			if !errors.Is(err, ErrNoBackend) {
 				t.Fatalf("Acquire = %v, %v; want ErrNoBackend", l, err)
 			}
-			if queued(r, RoleDecode) != 0 {
+			if queued(r, routerconfig.RoleDecode) != 0 {
 				t.Error("a request with no backend was queued")
 			}
 		})
@@ -164,29 +165,29 @@ func TestAcquireWithoutUsableBackendIsErrNoBackend(t *testing.T) {
 }
 
 func TestAcquireWithDoneContextFailsAtOnce(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 0)})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 0)})
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	if _, err := r.Acquire(ctx, RoleDecode, Hint{}); !errors.Is(err, context.Canceled) {
+	if _, err := r.Acquire(ctx, routerconfig.RoleDecode, Hint{}); !errors.Is(err, context.Canceled) {
 		t.Fatalf("Acquire = %v, want context.Canceled", err)
 	}
 	assertAllIdle(t, r)
 }
 
 func TestHasReadyAndMinKVHoldTimeout(t *testing.T) {
-	cfg := Config{Backends: []BackendConfig{
-		{Name: "p0", URL: "http://p0:1", Role: RolePrefill, KVHoldTimeout: 90 * time.Second},
-		{Name: "p1", URL: "http://p1:1", Role: RolePrefill},
-		{Name: "d0", URL: "http://d0:1", Role: RoleDecode, Engine: "sim"},
+	cfg := routerconfig.Config{Backends: []routerconfig.BackendConfig{
+		{Name: "p0", URL: "http://p0:1", Role: routerconfig.RolePrefill, KVHoldTimeout: 90 * time.Second},
+		{Name: "p1", URL: "http://p1:1", Role: routerconfig.RolePrefill},
+		{Name: "d0", URL: "http://d0:1", Role: routerconfig.RoleDecode, Engine: "sim"},
 	}, Engines: testEngines{}}
 	r, _, _ := newTestRouter(t, cfg)
-	if !r.Has(RolePrefill) || !r.Has(RoleDecode) || r.Has("other") {
+	if !r.Has(routerconfig.RolePrefill) || !r.Has(routerconfig.RoleDecode) || r.Has("other") {
 		t.Error("Has disagrees with config")
 	}
-	if got := r.MinKVHoldTimeout(RolePrefill); got != 90*time.Second {
+	if got := r.MinKVHoldTimeout(routerconfig.RolePrefill); got != 90*time.Second {
 		t.Errorf("MinKVHoldTimeout(prefill) = %v, want 90s", got)
 	}
-	if got := r.MinKVHoldTimeout(RoleDecode); got != 480*time.Second {
+	if got := r.MinKVHoldTimeout(routerconfig.RoleDecode); got != 480*time.Second {
 		t.Errorf("MinKVHoldTimeout(decode) = %v, want 480s", got)
 	}
 	if !r.Ready() {
@@ -197,23 +198,23 @@ func TestHasReadyAndMinKVHoldTimeout(t *testing.T) {
 		t.Error("ready with the only decoder down")
 	}
 
-	r2, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 0)})
-	if r2.Has(RolePrefill) || r2.MinKVHoldTimeout(RolePrefill) != 0 {
+	r2, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 0)})
+	if r2.Has(routerconfig.RolePrefill) || r2.MinKVHoldTimeout(routerconfig.RolePrefill) != 0 {
 		t.Error("decode-only router claims prefill backends")
 	}
 }
 
 func TestBackendsReportsStatus(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: []BackendConfig{
-		{URL: "http://p0:8000", Role: RolePrefill, Engine: "sim"},
-		{Name: "d0", URL: "http://d0:8000", Role: RoleDecode, Weight: 2, MaxInflight: 8},
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: []routerconfig.BackendConfig{
+		{URL: "http://p0:8000", Role: routerconfig.RolePrefill, Engine: "sim"},
+		{Name: "d0", URL: "http://d0:8000", Role: routerconfig.RoleDecode, Weight: 2, MaxInflight: 8},
 	}, Engines: testEngines{}})
-	l := mustAcquire(t, r, RoleDecode, Hint{})
+	l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	defer l.Release(Result{})
 	got := r.Backends()
 	want := []BackendStatus{
-		{Name: "p0:8000", URL: "http://p0:8000", Role: RolePrefill, Healthy: true, MaxInflight: 256, Weight: 1, Engine: "sim"},
-		{Name: "d0", URL: "http://d0:8000", Role: RoleDecode, Healthy: true, Inflight: 1, MaxInflight: 8, Weight: 2, Engine: "vllm"},
+		{Name: "p0:8000", URL: "http://p0:8000", Role: routerconfig.RolePrefill, Healthy: true, MaxInflight: 256, Weight: 1, Engine: "sim"},
+		{Name: "d0", URL: "http://d0:8000", Role: routerconfig.RoleDecode, Healthy: true, Inflight: 1, MaxInflight: 8, Weight: 2, Engine: "vllm"},
 	}
 	if len(got) != len(want) {
 		t.Fatalf("Backends() = %+v", got)
@@ -228,30 +229,30 @@ func TestBackendsReportsStatus(t *testing.T) {
 func TestAvailableListsTheBackendsOfARoleThatMayBePicked(t *testing.T) {
 	tests := []struct {
 		name  string
-		role  Role
+		role  routerconfig.Role
 		setup func(t *testing.T, r *Router)
 		want  []string
 	}{
-		{"every healthy decoder in config order", RoleDecode, func(*testing.T, *Router) {}, []string{"d0", "d1", "d2"}},
-		{"only the role asked for", RolePrefill, func(*testing.T, *Router) {}, []string{"p0"}},
-		{"a backend failing active checks is left out", RoleDecode, func(t *testing.T, r *Router) {
+		{"every healthy decoder in config order", routerconfig.RoleDecode, func(*testing.T, *Router) {}, []string{"d0", "d1", "d2"}},
+		{"only the role asked for", routerconfig.RolePrefill, func(*testing.T, *Router) {}, []string{"p0"}},
+		{"a backend failing active checks is left out", routerconfig.RoleDecode, func(t *testing.T, r *Router) {
 			backendByName(t, r, "d0").st.up.Store(false)
 		}, []string{"d1", "d2"}},
-		{"an ejected backend is left out", RoleDecode, func(t *testing.T, r *Router) {
+		{"an ejected backend is left out", routerconfig.RoleDecode, func(t *testing.T, r *Router) {
 			backendByName(t, r, "d1").st.ejectedUntil.Store(r.now().Add(time.Second).UnixNano())
 		}, []string{"d0", "d2"}},
-		{"a backend whose ejection ended is back", RoleDecode, func(t *testing.T, r *Router) {
+		{"a backend whose ejection ended is back", routerconfig.RoleDecode, func(t *testing.T, r *Router) {
 			backendByName(t, r, "d1").st.ejectedUntil.Store(r.now().Add(-time.Second).UnixNano())
 		}, []string{"d0", "d1", "d2"}},
-		{"a full backend is still listed", RoleDecode, func(t *testing.T, r *Router) {
-			l := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d0", "d1"}})
+		{"a full backend is still listed", routerconfig.RoleDecode, func(t *testing.T, r *Router) {
+			l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d0", "d1"}})
 			t.Cleanup(func() { l.Release(Result{Status: 200}) })
 		}, []string{"d0", "d1", "d2"}},
-		{"no backend of the role", Role("embed"), func(*testing.T, *Router) {}, nil},
+		{"no backend of the role", routerconfig.Role("embed"), func(*testing.T, *Router) {}, nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			cfg := Config{Backends: append(backendsCfg(RolePrefill, "p", 1, 0), backendsCfg(RoleDecode, "d", 3, 1)...)}
+			cfg := routerconfig.Config{Backends: append(backendsCfg(routerconfig.RolePrefill, "p", 1, 0), backendsCfg(routerconfig.RoleDecode, "d", 3, 1)...)}
 			r, _, _ := newTestRouter(t, cfg)
 			tt.setup(t, r)
 			var got []string
@@ -269,31 +270,31 @@ func TestAvailableListsTheBackendsOfARoleThatMayBePicked(t *testing.T) {
 }
 
 func TestAvailableLeavesOutABackendThatAReloadRemoved(t *testing.T) {
-	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 2, 0)}
+	cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 0)}
 	r, _, _ := newTestRouter(t, cfg)
-	if err := r.Reload(Config{Backends: cfg.Backends[1:], Health: HealthConfig{Interval: -1}}); err != nil {
+	if err := r.Reload(routerconfig.Config{Backends: cfg.Backends[1:], Health: routerconfig.HealthConfig{Interval: -1}}); err != nil {
 		t.Fatal(err)
 	}
-	if got := r.Available(RoleDecode); len(got) != 1 || got[0].Name != "d1" {
+	if got := r.Available(routerconfig.RoleDecode); len(got) != 1 || got[0].Name != "d1" {
 		t.Errorf("Available(decode) after removing d0 = %v, want [d1]", got)
 	}
 }
 
 func TestClientTransportIsTunedPerBackend(t *testing.T) {
-	for _, tc := range []struct{ client string }{{EngineClientStdlib}, {EngineClientLean}} {
+	for _, tc := range []struct{ client string }{{routerconfig.EngineClientStdlib}, {routerconfig.EngineClientLean}} {
 		t.Run(tc.client, func(t *testing.T) {
-			r, _, _ := newTestRouter(t, Config{EngineClient: tc.client, Backends: []BackendConfig{{Name: "d0", URL: "http://d0:1", Role: RoleDecode, MaxInflight: 32}}})
+			r, _, _ := newTestRouter(t, routerconfig.Config{EngineClient: tc.client, Backends: []routerconfig.BackendConfig{{Name: "d0", URL: "http://d0:1", Role: routerconfig.RoleDecode, MaxInflight: 32}}})
 			c := backendByName(t, r, "d0").Client()
 			if c.Timeout != 0 {
 				t.Errorf("client Timeout = %v; streams need none", c.Timeout)
 			}
 			switch tr := c.Transport.(type) {
 			case *http.Transport:
-				if tc.client != EngineClientStdlib || tr.MaxIdleConnsPerHost != 32 || tr.MaxConnsPerHost != 0 || tr.ForceAttemptHTTP2 {
+				if tc.client != routerconfig.EngineClientStdlib || tr.MaxIdleConnsPerHost != 32 || tr.MaxConnsPerHost != 0 || tr.ForceAttemptHTTP2 {
 					t.Errorf("%s: transport = idle/host %d, conns/host %d, h2 %v", tc.client, tr.MaxIdleConnsPerHost, tr.MaxConnsPerHost, tr.ForceAttemptHTTP2)
 				}
 			case *h1client.Transport:
-				if o := tr.Options(); tc.client != EngineClientLean || o.MaxIdlePerHost != 32 || o.IdleTimeout != 90*time.Second || o.DialTimeout != 3*time.Second || o.MaxResponseHeaderBytes != h1client.DefaultMaxResponseHeaderBytes {
+				if o := tr.Options(); tc.client != routerconfig.EngineClientLean || o.MaxIdlePerHost != 32 || o.IdleTimeout != 90*time.Second || o.DialTimeout != 3*time.Second || o.MaxResponseHeaderBytes != h1client.DefaultMaxResponseHeaderBytes {
 					t.Errorf("%s: lean transport options %+v", tc.client, o)
 				}
 			default:
@@ -304,18 +305,18 @@ func TestClientTransportIsTunedPerBackend(t *testing.T) {
 }
 
 func TestOvercommitHintPicksAFullBackendInsteadOfWaiting(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{
-		Backends: []BackendConfig{{Name: "d", URL: "http://127.0.0.1:1", Role: RoleDecode, MaxInflight: 1}},
-		Queue:    QueueConfig{Size: -1},
+	r, _, _ := newTestRouter(t, routerconfig.Config{
+		Backends: []routerconfig.BackendConfig{{Name: "d", URL: "http://127.0.0.1:1", Role: routerconfig.RoleDecode, MaxInflight: 1}},
+		Queue:    routerconfig.QueueConfig{Size: -1},
 	})
-	first, err := r.Acquire(context.Background(), RoleDecode, Hint{})
+	first, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.Acquire(context.Background(), RoleDecode, Hint{}); !errors.Is(err, ErrQueueFull) {
+	if _, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{}); !errors.Is(err, ErrQueueFull) {
 		t.Fatalf("second plain acquire: %v, want ErrQueueFull", err)
 	}
-	over, err := r.Acquire(context.Background(), RoleDecode, Hint{Overcommit: true})
+	over, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Overcommit: true})
 	if err != nil {
 		t.Fatalf("overcommit acquire: %v", err)
 	}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/internal/h1client"
 	"github.com/pdproxy/pdproxy/kvcache"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // Backend is one engine. Its exported fields come from config and are read-only; the
@@ -31,9 +32,9 @@ type Backend struct {
 	// URLString is the engine's base URL as configured.
 	URLString string
 	// Role is prefill or decode.
-	Role Role
+	Role routerconfig.Role
 	// Engine is the backend's engine, from Config.Engines: opaque to the router.
-	Engine Engine
+	Engine routerconfig.Engine
 	// KVHoldTimeout is the engine's own KV hold timeout.
 	KVHoldTimeout time.Duration
 	// Weight biases selection; at least 1.
@@ -153,7 +154,7 @@ func (b *Backend) Leaving() <-chan struct{} {
 	return b.st.leaving.Load().ch
 }
 
-func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendState) *Backend {
+func newBackend(c routerconfig.BackendConfig, eng routerconfig.Engine, client *http.Client, st *backendState) *Backend {
 	u, _ := url.Parse(c.URL) // Validate parsed it already
 	if st == nil {
 		st = &backendState{}
@@ -205,13 +206,13 @@ func newBackend(c BackendConfig, eng Engine, client *http.Client, st *backendSta
 // checks, in-flight limit, ejection or metric series. c.URL must be an http(s) URL with a
 // host; an empty c.Name becomes its host:port, a zero c.KVHoldTimeout eng's. Its calls go
 // through client, which many detached backends may share (NewSharedClient).
-func NewDetached(c BackendConfig, eng Engine, client *http.Client) (*Backend, error) {
-	if err := checkURL(c.URL); err != nil {
+func NewDetached(c routerconfig.BackendConfig, eng routerconfig.Engine, client *http.Client) (*Backend, error) {
+	if err := routerconfig.CheckURL(c.URL); err != nil {
 		return nil, err
 	}
 	u, _ := url.Parse(c.URL) // checkURL parsed it
 	if c.Name == "" {
-		c.Name = hostPort(u)
+		c.Name = routerconfig.HostPort(u)
 	}
 	if c.KVHoldTimeout == 0 && eng != nil {
 		c.KVHoldTimeout = eng.KVHoldTimeout()
@@ -243,7 +244,7 @@ type clientOptions struct {
 
 // resolveClientOptions reads what c names outside the config: the API key's environment
 // variable and the CA file. Errors name the field.
-func resolveClientOptions(c BackendConfig) (clientOptions, error) {
+func resolveClientOptions(c routerconfig.BackendConfig) (clientOptions, error) {
 	o := clientOptions{maxInflight: c.MaxInflight, apiKey: c.APIKey, serverName: c.TLSServerName, skipVerify: c.TLSInsecureSkipVerify}
 	o.adminKey = c.AdminAPIKey
 	if c.AdminAPIKeyEnv != "" {
@@ -310,7 +311,7 @@ func newClient(o clientOptions) *http.Client {
 		// as past 4 KiB it would anyway), and saves 2 KiB of every open stream.
 		WriteBufferSize: 2 << 10,
 	}
-	if o.engineClient == EngineClientLean {
+	if o.engineClient == routerconfig.EngineClientLean {
 		// The proxy's own HTTP/1.1 client: the same pool size, timeouts and TLS, without
 		// net/http's per-connection goroutines (see h1client).
 		lt := h1client.New(h1client.Options{
@@ -458,7 +459,7 @@ const (
 // observe feeds one request's result to passive health and reports whether it ejected
 // the backend. Failures seen while the backend is already ejected or down are from
 // requests sent before and must not extend it.
-func (b *Backend) observe(failed bool, now time.Time, e EjectionConfig) (ejectedFor time.Duration) {
+func (b *Backend) observe(failed bool, now time.Time, e routerconfig.EjectionConfig) (ejectedFor time.Duration) {
 	s := b.st
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -516,7 +517,7 @@ func (b *Backend) Epoch() uint64 { return b.st.epoch.Load() }
 
 // ejectLocked takes the backend out for the next back-off and puts it on probation.
 // b.st.mu is held.
-func (b *Backend) ejectLocked(now time.Time, e EjectionConfig, why string) time.Duration {
+func (b *Backend) ejectLocked(now time.Time, e routerconfig.EjectionConfig, why string) time.Duration {
 	s := b.st
 	s.probation.Store(true)
 	d := e.BaseBackoff
@@ -556,7 +557,7 @@ func (b *Backend) markDownLocked(why string) bool {
 // ejectRefused is markDown for when no active check would ever bring the backend back: it
 // ejects it for the next back-off, on probation, whether or not passive ejection is on,
 // since a refused connection is proof enough. It reports the back-off, 0 when already out.
-func (b *Backend) ejectRefused(now time.Time, e EjectionConfig, refusal string) time.Duration {
+func (b *Backend) ejectRefused(now time.Time, e routerconfig.EjectionConfig, refusal string) time.Duration {
 	s := b.st
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -569,7 +570,7 @@ func (b *Backend) ejectRefused(now time.Time, e EjectionConfig, refusal string) 
 // check records one active check result and reports a state change (+1 up, -1 down) and,
 // for a change to down, why. A check refused at connect marks the backend down at once,
 // whatever unhealthy_threshold says: nothing listens there.
-func (b *Backend) check(ok bool, refusal string, h HealthConfig) (change int, why string) {
+func (b *Backend) check(ok bool, refusal string, h routerconfig.HealthConfig) (change int, why string) {
 	s := b.st
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pdproxy/pdproxy/kvcache"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // CacheAware sends a request where its prompt's prefix is cached, unless that would unbalance
@@ -37,7 +38,7 @@ import (
 // this replica's requests since. Every pick's text is recorded in the tree for the engine
 // picked.
 type CacheAware struct {
-	cfg  CacheAwareConfig
+	cfg  routerconfig.CacheAwareConfig
 	tree *kvcache.Tree
 	// next rotates ties among the least loaded.
 	next atomic.Uint64
@@ -91,14 +92,13 @@ type forgetter interface {
 // NewCacheAware returns a cache_aware policy; with index set, precise_cache_aware, which
 // counts an engine's blocks while its last event is more recent than staleAfter. cfg's zero
 // fields take their defaults, and so do prefix_tokens and bounded_load_factor.
-func NewCacheAware(cfg CacheAwareConfig, index *kvcache.Index, staleAfter time.Duration) *CacheAware {
-	c := Config{CacheAware: cfg}
-	c.setCacheDefaults()
+func NewCacheAware(cfg routerconfig.CacheAwareConfig, index *kvcache.Index, staleAfter time.Duration) *CacheAware {
+	cfg = cfg.WithDefaults()
 	if staleAfter <= 0 {
-		staleAfter = DefaultKVEventsStaleAfter
+		staleAfter = routerconfig.DefaultKVEventsStaleAfter
 	}
-	return &CacheAware{cfg: c.CacheAware, tree: kvcache.NewTree(c.CacheAware.MaxTreeBytes), index: index, staleAfter: staleAfter,
-		keyTokens: DefaultPrefixTokens, loadFactor: DefaultBoundedLoadFactor, cm: newCostModel(c.CacheAware, index != nil)}
+	return &CacheAware{cfg: cfg, tree: kvcache.NewTree(cfg.MaxTreeBytes), index: index, staleAfter: staleAfter,
+		keyTokens: routerconfig.DefaultPrefixTokens, loadFactor: routerconfig.DefaultBoundedLoadFactor, cm: newCostModel(cfg, index != nil)}
 }
 
 // SetPool forgets the engines no longer in the pool.
@@ -282,14 +282,7 @@ func (p *CacheAware) unbalanced(loads []loadView) bool {
 	for _, v := range loads[1:] {
 		lo, hi = min(lo, v.load), max(hi, v.load)
 	}
-	return p.cfg.outOfBalance(lo, hi)
-}
-
-// outOfBalance reports whether a pool whose least and most loaded candidates have lo and hi
-// in flight is out of balance: hi more than BalanceAbsThreshold above lo and more than
-// BalanceRelThreshold times it.
-func (c CacheAwareConfig) outOfBalance(lo, hi int64) bool {
-	return hi-lo > int64(c.BalanceAbsThreshold) && float64(hi) > c.BalanceRelThreshold*float64(lo)
+	return p.cfg.OutOfBalance(lo, hi)
 }
 
 // pendingGrace is how long text routed to an engine counts for it besides its KV events: the

@@ -10,6 +10,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/kvcache"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // longSystem is a system prompt of about 2,000 tokens (8 KB of text): what a cache saves
@@ -52,13 +53,13 @@ func TestCacheAwareSelect(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			bs := testBackends(tt.inflight...)
-			p := NewCacheAware(CacheAwareConfig{}, nil, 0)
+			p := NewCacheAware(routerconfig.CacheAwareConfig{}, nil, 0)
 			for _, r := range tt.routed {
 				p.tree.Insert(r[0], r[1])
 			}
 			if tt.placed {
 				// The first in the key's rendezvous order among the engines not busy.
-				key, _ := placementKey(Hint{Text: tt.text}, DefaultPrefixTokens*bytesPerToken, DefaultPrefixTokens)
+				key, _ := placementKey(Hint{Text: tt.text}, routerconfig.DefaultPrefixTokens*bytesPerToken, routerconfig.DefaultPrefixTokens)
 				order := rendezvousOrder(bs, key)
 				if tt.busyHome > 0 {
 					bs[order[0]].st.inflight.Store(tt.busyHome)
@@ -91,7 +92,7 @@ func rendezvousOrder(bs []*Backend, key uint64) []int {
 
 func TestCacheAwareRecordsWhereEachRequestWent(t *testing.T) {
 	bs := testBackends(0, 0, 0)
-	p := NewCacheAware(CacheAwareConfig{}, nil, 0)
+	p := NewCacheAware(routerconfig.CacheAwareConfig{}, nil, 0)
 	first := p.Select(bs, Hint{Text: longSystem + "then the user's first question"})
 	first.st.inflight.Add(12) // busier now, by more than a tie
 	if got := p.Select(bs, Hint{Text: longSystem + "then the user's first question, answered"}); got != first {
@@ -105,11 +106,11 @@ func TestCacheAwareRecordsWhereEachRequestWent(t *testing.T) {
 
 func TestCacheAwareBurstOfOneHotPrefixSpreads(t *testing.T) {
 	const engines, burst = 4, 400
-	r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", engines, 10_000), DecodePolicy: PolicyCacheAware})
+	r, reg, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", engines, 10_000), DecodePolicy: routerconfig.PolicyCacheAware})
 	hot := strings.Repeat("the same long system prompt for every request; ", 40)
 	var leases []*Lease
 	for i := range burst {
-		leases = append(leases, mustAcquire(t, r, RoleDecode, Hint{Text: hot + fmt.Sprint("question ", i)}))
+		leases = append(leases, mustAcquire(t, r, routerconfig.RoleDecode, Hint{Text: hot + fmt.Sprint("question ", i)}))
 	}
 	lo, hi := int64(burst), int64(0)
 	for _, b := range r.Backends() {
@@ -118,14 +119,14 @@ func TestCacheAwareBurstOfOneHotPrefixSpreads(t *testing.T) {
 	if lo == 0 {
 		t.Errorf("an engine got none of a burst of %d: the hot prefix did not spread", burst)
 	}
-	if hi-lo > DefaultBalanceAbsThreshold+1 {
-		t.Errorf("in flight ranges from %d to %d across engines: more apart than balance_abs_threshold %d", lo, hi, DefaultBalanceAbsThreshold)
+	if hi-lo > routerconfig.DefaultBalanceAbsThreshold+1 {
+		t.Errorf("in flight ranges from %d to %d across engines: more apart than balance_abs_threshold %d", lo, hi, routerconfig.DefaultBalanceAbsThreshold)
 	}
 	for _, l := range leases {
 		l.Release(Result{Status: 200})
 	}
 	assertAllIdle(t, r)
-	if n := testutil.Value(t, reg, "pdproxy_prefix_cache_match_ratio", map[string]string{"role": "decode", "policy": PolicyCacheAware}); n == 0 {
+	if n := testutil.Value(t, reg, "pdproxy_prefix_cache_match_ratio", map[string]string{"role": "decode", "policy": routerconfig.PolicyCacheAware}); n == 0 {
 		t.Error("no pick was observed in pdproxy_prefix_cache_match_ratio")
 	}
 }
@@ -134,7 +135,7 @@ func BenchmarkCacheAwareSelect(b *testing.B) {
 	for _, size := range []int{1 << 10, 16 << 10} {
 		b.Run(fmt.Sprintf("text=%dKiB", size>>10), func(b *testing.B) {
 			bs := testBackends(0, 0, 0, 0, 0, 0, 0, 0)
-			p := NewCacheAware(CacheAwareConfig{}, nil, 0)
+			p := NewCacheAware(routerconfig.CacheAwareConfig{}, nil, 0)
 			base := strings.Repeat("x", size)
 			texts := make([]string, 64)
 			for i := range texts {
@@ -171,7 +172,7 @@ func TestPreciseCountsTheTextRoutedSinceJustBeforeAnEnginesLatestEvent(t *testin
 			for _, b := range bs {
 				index.Touch(b.Name, t0) // every publisher alive, none holding the prompt
 			}
-			p := NewCacheAware(CacheAwareConfig{}, index, time.Hour)
+			p := NewCacheAware(routerconfig.CacheAwareConfig{}, index, time.Hour)
 			p.now = func() time.Time { return t0.Add(2 * time.Second) }
 			p.tree.InsertAt(text, "b1", tt.routedAt)
 			if got := p.Select(bs, Hint{Text: text + `,{"role":"user","content":"hi"}]`, Tokens: tokens}).Name; got != tt.want {

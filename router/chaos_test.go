@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // TestInflightNeverLeaksUnderChaos hammers Acquire, Release and Reload from many
@@ -19,28 +20,28 @@ import (
 // and passive ejections, then checks that every in-flight count went back to zero and
 // never went below it.
 func TestInflightNeverLeaksUnderChaos(t *testing.T) {
-	cfgA := Config{
-		Backends: []BackendConfig{
-			{Name: "p0", URL: "http://p0:1", Role: RolePrefill, MaxInflight: 2},
-			{Name: "p1", URL: "http://p1:1", Role: RolePrefill, MaxInflight: 2},
-			{Name: "d0", URL: "http://d0:1", Role: RoleDecode, MaxInflight: 2},
-			{Name: "d1", URL: "http://d1:1", Role: RoleDecode, MaxInflight: 2},
-			{Name: "d2", URL: "http://d2:1", Role: RoleDecode, MaxInflight: 1},
+	cfgA := routerconfig.Config{
+		Backends: []routerconfig.BackendConfig{
+			{Name: "p0", URL: "http://p0:1", Role: routerconfig.RolePrefill, MaxInflight: 2},
+			{Name: "p1", URL: "http://p1:1", Role: routerconfig.RolePrefill, MaxInflight: 2},
+			{Name: "d0", URL: "http://d0:1", Role: routerconfig.RoleDecode, MaxInflight: 2},
+			{Name: "d1", URL: "http://d1:1", Role: routerconfig.RoleDecode, MaxInflight: 2},
+			{Name: "d2", URL: "http://d2:1", Role: routerconfig.RoleDecode, MaxInflight: 1},
 		},
-		PrefillPolicy: PolicyPrefixAffinity,
-		Health:        HealthConfig{Interval: -1},
-		Ejection:      EjectionConfig{ConsecutiveFailures: 2, BaseBackoff: time.Millisecond, MaxBackoff: 4 * time.Millisecond},
-		Queue:         QueueConfig{Size: 4, Timeout: 5 * time.Millisecond},
+		PrefillPolicy: routerconfig.PolicyPrefixAffinity,
+		Health:        routerconfig.HealthConfig{Interval: -1},
+		Ejection:      routerconfig.EjectionConfig{ConsecutiveFailures: 2, BaseBackoff: time.Millisecond, MaxBackoff: 4 * time.Millisecond},
+		Queue:         routerconfig.QueueConfig{Size: 4, Timeout: 5 * time.Millisecond},
 	}
 	cfgB := cfgA
-	cfgB.Backends = []BackendConfig{
-		{Name: "p1", URL: "http://p1:1", Role: RolePrefill, MaxInflight: 3},
-		{Name: "p2", URL: "http://p2:1", Role: RolePrefill, MaxInflight: 1},
-		{Name: "d1", URL: "http://d1-moved:1", Role: RoleDecode, MaxInflight: 2},
-		{Name: "d3", URL: "http://d3:1", Role: RoleDecode, MaxInflight: 2},
+	cfgB.Backends = []routerconfig.BackendConfig{
+		{Name: "p1", URL: "http://p1:1", Role: routerconfig.RolePrefill, MaxInflight: 3},
+		{Name: "p2", URL: "http://p2:1", Role: routerconfig.RolePrefill, MaxInflight: 1},
+		{Name: "d1", URL: "http://d1-moved:1", Role: routerconfig.RoleDecode, MaxInflight: 2},
+		{Name: "d3", URL: "http://d3:1", Role: routerconfig.RoleDecode, MaxInflight: 2},
 	}
-	cfgB.PrefillPolicy, cfgB.DecodePolicy = PolicyRoundRobin, PolicyPowerOfTwo
-	invalid := Config{Backends: []BackendConfig{{URL: "nope"}}}
+	cfgB.PrefillPolicy, cfgB.DecodePolicy = routerconfig.PolicyRoundRobin, routerconfig.PolicyPowerOfTwo
+	invalid := routerconfig.Config{Backends: []routerconfig.BackendConfig{{URL: "nope"}}}
 
 	r, reg, _ := newTestRouter(t, cfgA)
 	r.now = time.Now // ejections must end on their own here
@@ -97,7 +98,7 @@ func TestInflightNeverLeaksUnderChaos(t *testing.T) {
 			if rng.IntN(4) == 0 {
 				refusal = "connection refused"
 			}
-			b.check(rng.IntN(3) > 0, refusal, HealthConfig{UnhealthyThreshold: 2, HealthyThreshold: 1})
+			b.check(rng.IntN(3) > 0, refusal, routerconfig.HealthConfig{UnhealthyThreshold: 2, HealthyThreshold: 1})
 			r.prefill.kick()
 			r.decode.kick()
 			time.Sleep(500 * time.Microsecond)
@@ -139,9 +140,9 @@ func TestInflightNeverLeaksUnderChaos(t *testing.T) {
 						timer := time.AfterFunc(time.Duration(rng.IntN(2000))*time.Microsecond, cancel)
 						defer timer.Stop()
 					}
-					role := RoleDecode
+					role := routerconfig.RoleDecode
 					if rng.IntN(2) == 0 {
-						role = RolePrefill
+						role = routerconfig.RolePrefill
 					}
 					var h Hint
 					h.RequestID = fmt.Sprintf("w%d-%d", w, i)
@@ -190,7 +191,7 @@ func TestInflightNeverLeaksUnderChaos(t *testing.T) {
 		return true
 	})
 	assertAllIdle(t, r)
-	for _, role := range []Role{RolePrefill, RoleDecode} {
+	for _, role := range []routerconfig.Role{routerconfig.RolePrefill, routerconfig.RoleDecode} {
 		if n := queued(r, role); n != 0 {
 			t.Errorf("%d %s waiters left", n, role)
 		}

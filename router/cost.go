@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/internal/decay"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // Placing a request by what its prefill will cost: the cache-aware policies give every
@@ -118,7 +119,7 @@ func (m *costModel) lateness() time.Duration {
 	return time.Duration(math.Float64frombits(m.late.Load()) * float64(time.Second))
 }
 
-func newCostModel(cfg CacheAwareConfig, spread bool) *costModel {
+func newCostModel(cfg routerconfig.CacheAwareConfig, spread bool) *costModel {
 	m := &costModel{
 		overhead:     cfg.PrefillOverhead,
 		secPerToken:  1 / cfg.PrefillTokensPerSecond,
@@ -237,7 +238,7 @@ func (m *costModel) ahead(b *Backend, now time.Time) float64 {
 			}
 			running := float64(extra) - waiting
 			mean := math.Float64frombits(m.meanUncached.Load())
-			if b.Role == RolePrefill {
+			if b.Role == routerconfig.RolePrefill {
 				// A prefiller's running requests are prefills, half done on average.
 				work += waiting*mean + running*mean/2
 			} else {

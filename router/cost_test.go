@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // preamble is an agent's system prompt and tool descriptions, about 6,000 tokens of text.
@@ -111,9 +112,9 @@ func TestTheCostRule(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r, _, clk := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 4, 0), DecodePolicy: PolicyCacheAware,
-				CacheAware: CacheAwareConfig{BalanceAbsThreshold: 1000}})
-			p := r.pool(RoleDecode).policy.(*CacheAware)
+			r, _, clk := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "b", 4, 0), DecodePolicy: routerconfig.PolicyCacheAware,
+				CacheAware: routerconfig.CacheAwareConfig{BalanceAbsThreshold: 1000}})
+			p := r.pool(routerconfig.RoleDecode).policy.(*CacheAware)
 			for _, rt := range tt.routed {
 				p.tree.InsertAt(rt.text, rt.engine, clk.Now().Add(-rt.ago))
 			}
@@ -123,7 +124,7 @@ func TestTheCostRule(t *testing.T) {
 			var got []string
 			var held []*Lease
 			for _, pk := range tt.picks {
-				l := mustAcquire(t, r, RoleDecode, Hint{Text: pk.text})
+				l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Text: pk.text})
 				got = append(got, l.Backend().Name)
 				if pk.hold {
 					held = append(held, l)
@@ -151,10 +152,10 @@ func TestReplicasAgreeWhereNearEqualCostsGo(t *testing.T) {
 	// still picks what the other picks.
 	rs := make([]*Router, 2)
 	for i := range rs {
-		rs[i], _, _ = newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 4, 0), DecodePolicy: PolicyCacheAware})
+		rs[i], _, _ = newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "b", 4, 0), DecodePolicy: routerconfig.PolicyCacheAware})
 	}
-	rs[1].pool(RoleDecode).policy.(*CacheAware).tree.Insert(`[{"role":"user","content":"question 1`, "b1")
-	m := rs[1].pool(RoleDecode).policy.(*CacheAware).cm
+	rs[1].pool(routerconfig.RoleDecode).policy.(*CacheAware).tree.Insert(`[{"role":"user","content":"question 1`, "b1")
+	m := rs[1].pool(routerconfig.RoleDecode).policy.(*CacheAware).cm
 	for i := range 20 {
 		m.fit.add(float64(500+100*i), 0.005+float64(500+100*i)*30e-6)
 	}
@@ -169,13 +170,13 @@ func TestReplicasAgreeWhereNearEqualCostsGo(t *testing.T) {
 }
 
 func TestAPrefillTeachesTheEnginesRateAndThePredictionsError(t *testing.T) {
-	r, reg, clk := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 2, 0), DecodePolicy: PolicyCacheAware})
+	r, reg, clk := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "b", 2, 0), DecodePolicy: routerconfig.PolicyCacheAware})
 	text := strings.Repeat("a prompt of about a thousand tokens. ", 110)
 	// The engine computes 2,500 tokens a second where the proxy starts from 10,000: each
 	// prefill of about 1,000 tokens takes 10ms + 400ms.
 	for i := range 40 {
 		h := Hint{Text: fmt.Sprintf("request %d of its own: %s", i, text)} // no engine holds it
-		l := mustAcquire(t, r, RoleDecode, h)
+		l := mustAcquire(t, r, routerconfig.RoleDecode, h)
 		clk.Advance(10*time.Millisecond + time.Duration(hintTokens(h)*400)*time.Microsecond)
 		l.Prefilled()
 		l.Release(Result{Status: 200})
@@ -194,8 +195,8 @@ func TestAPrefillTeachesTheEnginesRateAndThePredictionsError(t *testing.T) {
 }
 
 func TestAReleaseWithoutPrefillTakesTheWorkOffTheBooksAndTeachesNothing(t *testing.T) {
-	r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 1, 0), DecodePolicy: PolicyCacheAware})
-	l := mustAcquire(t, r, RoleDecode, Hint{Text: strings.Repeat("x", 4000)})
+	r, reg, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "b", 1, 0), DecodePolicy: routerconfig.PolicyCacheAware})
+	l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Text: strings.Repeat("x", 4000)})
 	b := l.Backend()
 	if got, _ := b.st.cost.books.totals(); got != 1000 {
 		t.Fatalf("pending tokens %d while the prefill runs, want 1,000", got)
@@ -249,10 +250,10 @@ func TestASessionsBoundEngineIsCreditedWithWhatItsLatestRequestSentIt(t *testing
 		{len(text) - 400, SessionKept},
 		{0, SessionYieldedLoad},
 	} {
-		r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "b", 4, 0), DecodePolicy: PolicyCacheAware})
+		r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "b", 4, 0), DecodePolicy: routerconfig.PolicyCacheAware})
 		busy := backendByName(t, r, "b2")
 		busy.st.inflight.Add(50) // 800 tokens of decodes: more than a tie, within balance
-		l := mustAcquire(t, r, RoleDecode, Hint{Text: text, Session: "s1", Bound: "b2", BoundText: tc.boundText})
+		l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Text: text, Session: "s1", Bound: "b2", BoundText: tc.boundText})
 		if got := l.Session(); got != tc.want {
 			t.Errorf("bound text %d bytes of %d: the pick went to %s (%q), want %q", tc.boundText, len(text), l.Backend().Name, got, tc.want)
 		}

@@ -3,81 +3,23 @@ package router
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net"
 	"net/netip"
 	"net/url"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
-
-// DiscoverDNS is the one value of BackendConfig.Discover: the entry is a pool, one backend per
-// A or AAAA record of its URL's host (a Kubernetes headless Service names every ready pod so).
-const DiscoverDNS = "dns"
-
-// DefaultRefresh is how often a discover entry's name is resolved again when refresh is unset.
-const DefaultRefresh = 5 * time.Second
 
 // discoveryLookupTimeout bounds one lookup, so that a DNS server that never answers delays a
 // refresh (and a config apply) by this much at most. Go's resolver alone could retry for
 // longer (resolv.conf's timeout times attempts, per search domain).
 const discoveryLookupTimeout = 5 * time.Second
-
-// Resolver looks up the addresses of a name. *net.Resolver is one; tests give one whose Dial
-// reaches their own DNS server, or a fake.
-type Resolver interface {
-	// LookupNetIP is net.Resolver's: network "ip" asks for A and AAAA records.
-	LookupNetIP(ctx context.Context, network, host string) ([]netip.Addr, error)
-}
-
-var _ Resolver = (*net.Resolver)(nil)
-
-// setDiscoveryDefaults fills the refresh of discover entries.
-func (c *Config) setDiscoveryDefaults() {
-	for i := range c.Backends {
-		if b := &c.Backends[i]; b.Discover != "" && b.Refresh == 0 {
-			b.Refresh = DefaultRefresh
-		}
-	}
-}
-
-// checkDiscovery names what is wrong with the discover entries, as Validate does.
-func (c *Config) checkDiscovery() []error {
-	var errs []error
-	for i, b := range c.Backends {
-		f := fmt.Sprintf("backends[%d]", i)
-		switch b.Discover {
-		case "":
-			if b.Refresh != 0 {
-				// Silently ignored, it would make the reader believe the url is re-resolved.
-				errs = append(errs, fmt.Errorf("%s.refresh: set, but discover is not: a plain url is never resolved again; set discover: %s, or remove refresh", f, DiscoverDNS))
-			}
-			continue
-		case DiscoverDNS:
-		default:
-			errs = append(errs, fmt.Errorf("%s.discover: %q is not %q (or empty for one url)", f, b.Discover, DiscoverDNS))
-			continue
-		}
-		if b.Refresh < 0 {
-			errs = append(errs, fmt.Errorf("%s.refresh: %v is negative", f, b.Refresh))
-		}
-		if b.Name == "" {
-			continue // Validate says so
-		}
-		for j, o := range c.Backends {
-			if j != i && strings.HasPrefix(o.Name, b.Name+"/") {
-				errs = append(errs, fmt.Errorf("backends[%d].name: %q is among the names of the backends that backends[%d] discovers (%s/<address>:<port>); choose another", j, o.Name, i, b.Name))
-			}
-		}
-	}
-	return errs
-}
 
 // discovery keeps the router's discover entries resolved. Every change of a name's addresses
 // applies through Router.apply, the path of Reload, so a discovered backend that goes away is
@@ -90,19 +32,19 @@ type discovery struct {
 	wake chan struct{}
 	// templates are the discover entries in force, for Has and MinKVHoldTimeout, which must
 	// not wait for mu (held across lookups).
-	templates atomic.Pointer[[]BackendConfig]
+	templates atomic.Pointer[[]routerconfig.BackendConfig]
 
 	// mu serializes installs and refreshes, and guards what follows.
 	mu sync.Mutex
 	// declared is the config in force as validated, with the discover entries unexpanded.
-	declared Config
-	resolver Resolver
+	declared routerconfig.Config
+	resolver routerconfig.Resolver
 	entries  map[string]*dnsEntry // by entry name
 }
 
 // dnsEntry is one discover entry and what its name resolved to.
 type dnsEntry struct {
-	cfg        BackendConfig // defaults filled
+	cfg        routerconfig.BackendConfig // defaults filled
 	u          *url.URL
 	host, port string
 	// addrs is the last good set, sorted and without duplicates.
@@ -125,7 +67,7 @@ func newDiscovery(r *Router) *discovery {
 }
 
 // backend is the config of the backend at address a: the entry's, with the address.
-func (e *dnsEntry) backend(a netip.Addr) BackendConfig {
+func (e *dnsEntry) backend(a netip.Addr) routerconfig.BackendConfig {
 	c := e.cfg
 	c.Discover, c.Refresh = "", 0
 	hp := net.JoinHostPort(a.String(), e.port)
@@ -143,9 +85,9 @@ func (e *dnsEntry) backend(a netip.Addr) BackendConfig {
 }
 
 // expand replaces every discover entry of cfg by its backends, in address order.
-func expand(cfg Config, entries map[string]*dnsEntry) Config {
+func expand(cfg routerconfig.Config, entries map[string]*dnsEntry) routerconfig.Config {
 	out := cfg
-	out.Backends = make([]BackendConfig, 0, len(cfg.Backends))
+	out.Backends = make([]routerconfig.BackendConfig, 0, len(cfg.Backends))
 	for _, b := range cfg.Backends {
 		if b.Discover == "" {
 			out.Backends = append(out.Backends, b)
@@ -168,7 +110,7 @@ type lookupResult struct {
 
 // lookup resolves host. A name with no record (NXDOMAIN, or no A nor AAAA) is an answer, not a
 // failure: a headless Service with no ready pod is such a name, and its pool is empty.
-func lookup(ctx context.Context, res Resolver, host string) lookupResult {
+func lookup(ctx context.Context, res routerconfig.Resolver, host string) lookupResult {
 	ctx, cancel := context.WithTimeout(ctx, discoveryLookupTimeout)
 	defer cancel()
 	ips, err := res.LookupNetIP(ctx, "ip", host)
@@ -187,7 +129,7 @@ func lookup(ctx context.Context, res Resolver, host string) lookupResult {
 }
 
 // lookupAll resolves the entries' names at once, so one slow name does not delay the others.
-func lookupAll(ctx context.Context, res Resolver, es []*dnsEntry) []lookupResult {
+func lookupAll(ctx context.Context, res routerconfig.Resolver, es []*dnsEntry) []lookupResult {
 	out := make([]lookupResult, len(es))
 	var wg sync.WaitGroup
 	for i, e := range es {
@@ -202,7 +144,7 @@ func lookupAll(ctx context.Context, res Resolver, es []*dnsEntry) []lookupResult
 // config applies with their backends. New and Reload take no context: those lookups are
 // bounded by discoveryLookupTimeout instead, and a name that does not resolve yet applies with
 // no backend, for run to try again.
-func (d *discovery) install(cfg Config) error {
+func (d *discovery) install(cfg routerconfig.Config) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	res := cfg.Resolver
@@ -211,7 +153,7 @@ func (d *discovery) install(cfg Config) error {
 	}
 	now := time.Now()
 	entries := make(map[string]*dnsEntry)
-	var templates []BackendConfig
+	var templates []routerconfig.BackendConfig
 	var fresh []*dnsEntry
 	for _, b := range cfg.Backends {
 		if b.Discover == "" {
@@ -219,7 +161,7 @@ func (d *discovery) install(cfg Config) error {
 		}
 		templates = append(templates, b)
 		u, _ := url.Parse(b.URL) // Validate parsed it
-		host, port, _ := net.SplitHostPort(hostPort(u))
+		host, port, _ := net.SplitHostPort(routerconfig.HostPort(u))
 		e := &dnsEntry{cfg: b, u: u, host: host, port: port, next: now.Add(b.Refresh)}
 		if o := d.entries[b.Name]; o != nil && o.cfg.URL == b.URL && o.cfg.Role == b.Role {
 			e.addrs, e.failing = o.addrs, o.failing
@@ -339,7 +281,7 @@ func (d *discovery) run(ctx context.Context) {
 
 // due returns the entries whose refresh has come, scheduling their next, the resolver, and how
 // long until the next one is due (0: no entry).
-func (d *discovery) due(now time.Time) (due []*dnsEntry, res Resolver, wait time.Duration) {
+func (d *discovery) due(now time.Time) (due []*dnsEntry, res routerconfig.Resolver, wait time.Duration) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for _, e := range d.entries {
@@ -356,7 +298,7 @@ func (d *discovery) due(now time.Time) (due []*dnsEntry, res Resolver, wait time
 
 // refresh resolves the names of es again and applies what changed. A failed lookup keeps its
 // entry's last good set.
-func (d *discovery) refresh(ctx context.Context, res Resolver, es []*dnsEntry) {
+func (d *discovery) refresh(ctx context.Context, res routerconfig.Resolver, es []*dnsEntry) {
 	results := lookupAll(ctx, res, es)
 	if ctx.Err() != nil {
 		return // shutting down: a lookup cut short says nothing about the name
@@ -393,7 +335,7 @@ func (d *discovery) refresh(ctx context.Context, res Resolver, es []*dnsEntry) {
 }
 
 // declares reports whether a discover entry of role is in force, whatever it resolves to.
-func (d *discovery) declares(role Role) bool {
+func (d *discovery) declares(role routerconfig.Role) bool {
 	for _, b := range d.entryTemplates() {
 		if b.Role == role {
 			return true
@@ -403,7 +345,7 @@ func (d *discovery) declares(role Role) bool {
 }
 
 // holds lists the kv_hold_timeout of the discover entries of role.
-func (d *discovery) holds(role Role) []time.Duration {
+func (d *discovery) holds(role routerconfig.Role) []time.Duration {
 	var out []time.Duration
 	for _, b := range d.entryTemplates() {
 		if b.Role == role {
@@ -413,7 +355,7 @@ func (d *discovery) holds(role Role) []time.Duration {
 	return out
 }
 
-func (d *discovery) entryTemplates() []BackendConfig {
+func (d *discovery) entryTemplates() []routerconfig.BackendConfig {
 	if p := d.templates.Load(); p != nil {
 		return *p
 	}

@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // dialErr is a dial that failed with errno, as net.Dialer reports it.
@@ -35,7 +36,7 @@ func statusByName(t *testing.T, r *Router, name string) BackendStatus {
 
 func TestARefusedCallMarksTheBackendDownUntilItsHealthCheckPasses(t *testing.T) {
 	victim, other := newEngine(t), newEngine(t)
-	cfg := healthCfg(HealthConfig{Interval: time.Hour, UnhealthyThreshold: 5, HealthyThreshold: 2}, victim, other)
+	cfg := healthCfg(routerconfig.HealthConfig{Interval: time.Hour, UnhealthyThreshold: 5, HealthyThreshold: 2}, victim, other)
 	core, logs := observer.New(zap.InfoLevel)
 	reg := prometheus.NewRegistry()
 	r, err := New(cfg, zap.New(core), reg)
@@ -52,7 +53,7 @@ func TestARefusedCallMarksTheBackendDownUntilItsHealthCheckPasses(t *testing.T) 
 	// Six requests on d0 when it dies: each finds the connection refused.
 	var leases []*Lease
 	for range 6 {
-		leases = append(leases, mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}}))
+		leases = append(leases, mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}}))
 	}
 	refused := refusedErr(t)
 	var wg sync.WaitGroup
@@ -79,14 +80,14 @@ func TestARefusedCallMarksTheBackendDownUntilItsHealthCheckPasses(t *testing.T) 
 	// health check does.
 	clk.Advance(24 * time.Hour)
 	for range 5 {
-		l := mustAcquire(t, r, RoleDecode, Hint{})
+		l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 		name := l.Backend().Name
 		l.Release(Result{Status: 200})
 		if name == "d0" {
 			t.Fatal("a request went to d0 while it was down")
 		}
 	}
-	if _, err := r.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"d1"}}); !errors.Is(err, ErrNoBackend) {
+	if _, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}}); !errors.Is(err, ErrNoBackend) {
 		t.Errorf("Acquire with only d0 left = %v, want ErrNoBackend", err)
 	}
 	h := r.settings.Load().health
@@ -99,8 +100,8 @@ func TestARefusedCallMarksTheBackendDownUntilItsHealthCheckPasses(t *testing.T) 
 		t.Fatalf("d0 after two passed checks = %+v, want healthy", st)
 	}
 	// Back in full: not on probation, requests go to it in parallel.
-	a := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}})
-	b := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}})
+	a := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}})
+	b := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}})
 	a.Release(Result{Status: 200})
 	b.Release(Result{Status: 200})
 	assertAllIdle(t, r)
@@ -108,7 +109,7 @@ func TestARefusedCallMarksTheBackendDownUntilItsHealthCheckPasses(t *testing.T) 
 
 func TestARefusedHealthCheckMarksTheBackendDownAtOnce(t *testing.T) {
 	e := newEngine(t)
-	r, reg, _ := newTestRouter(t, healthCfg(HealthConfig{Interval: time.Hour, UnhealthyThreshold: 3}, e))
+	r, reg, _ := newTestRouter(t, healthCfg(routerconfig.HealthConfig{Interval: time.Hour, UnhealthyThreshold: 3}, e))
 	defer r.CloseIdleConnections()
 	h := r.settings.Load().health
 	r.checkAll(context.Background(), h)
@@ -142,12 +143,12 @@ func TestOnlyAConnectionNobodyAnsweredIsProofABackendIsGone(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 0), Health: HealthConfig{Interval: time.Hour}})
+			r, reg, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 0), Health: routerconfig.HealthConfig{Interval: time.Hour}})
 			res := Result{Err: tt.err}
 			if tt.err == nil {
 				res = Result{Status: 503}
 			}
-			mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}}).Release(res)
+			mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}}).Release(res)
 			st := statusByName(t, r, "d0")
 			if st.DownReason != tt.reason || st.Healthy != (tt.reason == "") {
 				t.Errorf("after one call = %+v; want down_reason %q", st, tt.reason)
@@ -162,15 +163,15 @@ func TestOnlyAConnectionNobodyAnsweredIsProofABackendIsGone(t *testing.T) {
 }
 
 func TestARefusedCallWithChecksOffEjectsTheBackendAndItComesBackOnProbation(t *testing.T) {
-	for _, ej := range []EjectionConfig{{}, {ConsecutiveFailures: -1}} {
+	for _, ej := range []routerconfig.EjectionConfig{{}, {ConsecutiveFailures: -1}} {
 		name := "passive ejection on"
 		if ej.ConsecutiveFailures < 0 {
 			name = "passive ejection off"
 		}
 		t.Run(name, func(t *testing.T) {
-			r, reg, clk := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 0), Health: HealthConfig{Interval: -1}, Ejection: ej, Queue: QueueConfig{Size: -1}})
+			r, reg, clk := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 0), Health: routerconfig.HealthConfig{Interval: -1}, Ejection: ej, Queue: routerconfig.QueueConfig{Size: -1}})
 			refused := refusedErr(t)
-			mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}}).Release(Result{Err: refused})
+			mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}}).Release(Result{Err: refused})
 			st := statusByName(t, r, "d0")
 			if st.Healthy || !st.Ejected || st.DownReason != "ejected: connection refused" {
 				t.Fatalf("after a refused call = %+v; want ejected with down_reason \"ejected: connection refused\"", st)
@@ -178,26 +179,26 @@ func TestARefusedCallWithChecksOffEjectsTheBackendAndItComesBackOnProbation(t *t
 			if got := testutil.Value(t, reg, "pdproxy_backend_down_total", map[string]string{"backend": "d0", "reason": "connection_refused"}); got != 1 {
 				t.Errorf("pdproxy_backend_down_total = %v, want 1", got)
 			}
-			clk.Advance(DefaultBaseBackoff)
+			clk.Advance(routerconfig.DefaultBaseBackoff)
 			if st := statusByName(t, r, "d0"); !st.Healthy || st.DownReason != "" {
 				t.Fatalf("after the back-off = %+v; want back", st)
 			}
 			// On probation: one request at a time; refused again, out for twice as long.
-			probe := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}})
-			if l, err := r.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"d1"}}); !errors.Is(err, ErrQueueFull) {
+			probe := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}})
+			if l, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}}); !errors.Is(err, ErrQueueFull) {
 				l.Release(Result{})
 				t.Fatalf("a second request to d0 on probation: %v, want ErrQueueFull (no queue)", err)
 			}
 			probe.Release(Result{Err: refused})
-			clk.Advance(2*DefaultBaseBackoff - time.Millisecond)
+			clk.Advance(2*routerconfig.DefaultBaseBackoff - time.Millisecond)
 			if statusByName(t, r, "d0").Healthy {
 				t.Fatal("back before twice the base back-off")
 			}
 			clk.Advance(time.Millisecond)
-			probe = mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}})
+			probe = mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}})
 			probe.Release(Result{Status: 200})
-			a := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}})
-			b := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}})
+			a := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}})
+			b := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}})
 			a.Release(Result{Status: 200})
 			b.Release(Result{Status: 200})
 		})
@@ -206,7 +207,7 @@ func TestARefusedCallWithChecksOffEjectsTheBackendAndItComesBackOnProbation(t *t
 
 func TestDownReasonSaysWhyABackendIsOut(t *testing.T) {
 	t.Run("ejected after failures in a row", func(t *testing.T) {
-		r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 0)})
+		r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 0)})
 		for range 3 {
 			send(t, r, Result{Status: 500})
 		}
@@ -217,7 +218,7 @@ func TestDownReasonSaysWhyABackendIsOut(t *testing.T) {
 	t.Run("failed health checks", func(t *testing.T) {
 		e := newEngine(t)
 		e.failing.Store(true)
-		r, reg, _ := newTestRouter(t, healthCfg(HealthConfig{Interval: time.Hour, UnhealthyThreshold: 2}, e))
+		r, reg, _ := newTestRouter(t, healthCfg(routerconfig.HealthConfig{Interval: time.Hour, UnhealthyThreshold: 2}, e))
 		defer r.CloseIdleConnections()
 		h := r.settings.Load().health
 		r.checkAll(context.Background(), h)

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // errTransport is a call that broke after its connection was made, which counts toward
@@ -40,7 +41,7 @@ func refusedErr(t *testing.T) error {
 // send acquires the only decoder and releases it with res.
 func send(t *testing.T, r *Router, res Result) {
 	t.Helper()
-	mustAcquire(t, r, RoleDecode, Hint{}).Release(res)
+	mustAcquire(t, r, routerconfig.RoleDecode, Hint{}).Release(res)
 }
 
 func TestPassiveHealthCountsOnlyBackendFaults(t *testing.T) {
@@ -59,7 +60,7 @@ func TestPassiveHealthCountsOnlyBackendFaults(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 0)})
+			r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 0)})
 			for _, res := range tt.results {
 				send(t, r, res)
 			}
@@ -68,7 +69,7 @@ func TestPassiveHealthCountsOnlyBackendFaults(t *testing.T) {
 				t.Errorf("ejected = %v, ready = %v; want ejected %v", st.Ejected, r.Ready(), tt.wantEjected)
 			}
 			if tt.wantEjected {
-				if _, err := r.Acquire(context.Background(), RoleDecode, Hint{}); !errors.Is(err, ErrNoBackend) {
+				if _, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{}); !errors.Is(err, ErrNoBackend) {
 					t.Errorf("Acquire on ejected pool = %v, want ErrNoBackend", err)
 				}
 			}
@@ -77,9 +78,9 @@ func TestPassiveHealthCountsOnlyBackendFaults(t *testing.T) {
 }
 
 func TestEjectionBackoffDoublesUpToMax(t *testing.T) {
-	r, _, clk := newTestRouter(t, Config{
-		Backends: backendsCfg(RoleDecode, "d", 1, 0),
-		Ejection: EjectionConfig{ConsecutiveFailures: 2, BaseBackoff: time.Second, MaxBackoff: 3 * time.Second},
+	r, _, clk := newTestRouter(t, routerconfig.Config{
+		Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 0),
+		Ejection: routerconfig.EjectionConfig{ConsecutiveFailures: 2, BaseBackoff: time.Second, MaxBackoff: 3 * time.Second},
 	})
 	fail := func() {
 		send(t, r, Result{Status: 500})
@@ -114,11 +115,11 @@ func TestEjectionBackoffDoublesUpToMax(t *testing.T) {
 }
 
 func TestFailuresDuringEjectionDoNotExtendIt(t *testing.T) {
-	r, _, clk := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 0)})
+	r, _, clk := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 0)})
 	// Six requests in flight when the backend breaks: twice the threshold.
 	var leases []*Lease
 	for range 6 {
-		leases = append(leases, mustAcquire(t, r, RoleDecode, Hint{}))
+		leases = append(leases, mustAcquire(t, r, routerconfig.RoleDecode, Hint{}))
 	}
 	for _, l := range leases {
 		l.Release(Result{Status: 502})
@@ -126,7 +127,7 @@ func TestFailuresDuringEjectionDoNotExtendIt(t *testing.T) {
 	if got := r.Backends()[0].Ejections; got != 1 {
 		t.Errorf("ejections = %d, want 1 for one outage", got)
 	}
-	clk.Advance(DefaultBaseBackoff)
+	clk.Advance(routerconfig.DefaultBaseBackoff)
 	if !r.Ready() {
 		t.Error("late failures extended the ejection")
 	}
@@ -148,15 +149,15 @@ func TestPassiveEjectionCanBeDisabled(t *testing.T) {
 		{"disabled, the failing backend keeps its share", -1, rounds, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			r, _, _ := newTestRouter(t, Config{
-				Backends:     backendsCfg(RoleDecode, "d", 2, 0),
+			r, _, _ := newTestRouter(t, routerconfig.Config{
+				Backends:     backendsCfg(routerconfig.RoleDecode, "d", 2, 0),
 				DecodePolicy: "least_inflight",
-				Ejection:     EjectionConfig{ConsecutiveFailures: tc.failures},
+				Ejection:     routerconfig.EjectionConfig{ConsecutiveFailures: tc.failures},
 			})
 			d0 := backendByName(t, r, "d0")
 			picks := map[string]int{}
 			for i := range rounds {
-				a, b := mustAcquire(t, r, RoleDecode, Hint{}), mustAcquire(t, r, RoleDecode, Hint{})
+				a, b := mustAcquire(t, r, routerconfig.RoleDecode, Hint{}), mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 				for _, l := range []*Lease{a, b} {
 					picks[l.Backend().Name]++
 					switch {
@@ -186,22 +187,22 @@ func TestPassiveEjectionCanBeDisabled(t *testing.T) {
 }
 
 func TestEjectedBackendTrafficGoesElsewhere(t *testing.T) {
-	r, _, clk := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 0)})
+	r, _, clk := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 0)})
 	for range 3 {
-		l := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}})
+		l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}})
 		l.Release(Result{Err: errTransport})
 	}
 	for range 5 {
-		l := mustAcquire(t, r, RoleDecode, Hint{})
+		l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 		if l.Backend().Name != "d1" {
 			t.Fatalf("picked ejected %s", l.Backend().Name)
 		}
 		l.Release(Result{Status: 200})
 	}
-	clk.Advance(DefaultBaseBackoff)
+	clk.Advance(routerconfig.DefaultBaseBackoff)
 	seen := map[string]bool{}
 	for range 4 {
-		l := mustAcquire(t, r, RoleDecode, Hint{})
+		l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 		seen[l.Backend().Name] = true
 		l.Release(Result{Status: 200})
 	}
@@ -211,17 +212,17 @@ func TestEjectedBackendTrafficGoesElsewhere(t *testing.T) {
 }
 
 func TestABackendBackFromEjectionTakesOneRequestUntilItSucceeds(t *testing.T) {
-	r, _, clk := newTestRouter(t, Config{
-		Backends: []BackendConfig{
-			{Name: "flaky", URL: "http://127.0.0.1:1", Role: RoleDecode},
-			{Name: "steady", URL: "http://127.0.0.1:2", Role: RoleDecode},
+	r, _, clk := newTestRouter(t, routerconfig.Config{
+		Backends: []routerconfig.BackendConfig{
+			{Name: "flaky", URL: "http://127.0.0.1:1", Role: routerconfig.RoleDecode},
+			{Name: "steady", URL: "http://127.0.0.1:2", Role: routerconfig.RoleDecode},
 		},
-		Ejection: EjectionConfig{ConsecutiveFailures: 2, BaseBackoff: time.Second, MaxBackoff: 8 * time.Second},
+		Ejection: routerconfig.EjectionConfig{ConsecutiveFailures: 2, BaseBackoff: time.Second, MaxBackoff: 8 * time.Second},
 	})
 	flaky := backendByName(t, r, "flaky")
 	failOn := func(b *Backend) {
 		for flaky.Inflight() == 0 {
-			l, err := r.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"steady"}})
+			l, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Exclude: []string{"steady"}})
 			if err != nil {
 				t.Fatalf("acquire flaky: %v", err)
 			}
@@ -238,12 +239,12 @@ func TestABackendBackFromEjectionTakesOneRequestUntilItSucceeds(t *testing.T) {
 	clk.Advance(time.Second)
 
 	// Back, on probation: one request may go to it; the next ones go elsewhere.
-	probe, err := r.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"steady"}})
+	probe, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Exclude: []string{"steady"}})
 	if err != nil {
 		t.Fatalf("probe: %v", err)
 	}
 	for i := 0; i < 5; i++ {
-		l, err := r.Acquire(context.Background(), RoleDecode, Hint{})
+		l, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -259,16 +260,16 @@ func TestABackendBackFromEjectionTakesOneRequestUntilItSucceeds(t *testing.T) {
 	}
 	clk.Advance(2 * time.Second)
 	// A successful probe ends the probation: it takes requests in parallel again.
-	probe, err = r.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"steady"}})
+	probe, err = r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Exclude: []string{"steady"}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	probe.Release(Result{Status: 200})
-	a, err := r.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"steady"}})
+	a, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Exclude: []string{"steady"}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := r.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"steady"}})
+	b, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Exclude: []string{"steady"}})
 	if err != nil {
 		t.Fatalf("second parallel request after a good probe: %v", err)
 	}
@@ -280,9 +281,9 @@ func TestABackendBackFromEjectionTakesOneRequestUntilItSucceeds(t *testing.T) {
 // not when the stream does, and a request queued for it goes at once; a stream that then breaks
 // still counts against it.
 func TestABackendOnProbationTakesRequestsAgainFromItsFirstByte(t *testing.T) {
-	r, _, clk := newTestRouter(t, Config{
-		Backends: backendsCfg(RoleDecode, "d", 1, 0),
-		Ejection: EjectionConfig{ConsecutiveFailures: 1, BaseBackoff: time.Second, MaxBackoff: 8 * time.Second},
+	r, _, clk := newTestRouter(t, routerconfig.Config{
+		Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 0),
+		Ejection: routerconfig.EjectionConfig{ConsecutiveFailures: 1, BaseBackoff: time.Second, MaxBackoff: 8 * time.Second},
 	})
 	d := r.decode.backends[0]
 	send(t, r, Result{Status: 503})
@@ -291,7 +292,7 @@ func TestABackendOnProbationTakesRequestsAgainFromItsFirstByte(t *testing.T) {
 	}
 	before := d.Epoch()
 	clk.Advance(time.Second)
-	stream := mustAcquire(t, r, RoleDecode, Hint{})
+	stream := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	queuedAcquire := acquireAsync(t, r, context.Background(), Hint{})
 	stream.Answered()
 	second := testutil.Recv(t, testutil.Timeout, queuedAcquire, "the queued request to go after the stream's first byte")

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // servedBy is one waiter of a flow test, as Acquire answered it.
@@ -23,12 +24,12 @@ type servedBy struct {
 // queued; its answer comes on out.
 func queueFor(t *testing.T, r *Router, ctx context.Context, out chan<- servedBy, tenant string, w float64) {
 	t.Helper()
-	before := queued(r, RoleDecode)
+	before := queued(r, routerconfig.RoleDecode)
 	go func() {
-		l, err := r.Acquire(ctx, RoleDecode, Hint{RequestID: tenant, Flow: Flow{Key: "k-" + tenant, Label: tenant, Weight: w}})
+		l, err := r.Acquire(ctx, routerconfig.RoleDecode, Hint{RequestID: tenant, Flow: Flow{Key: "k-" + tenant, Label: tenant, Weight: w}})
 		out <- servedBy{tenant, l, err}
 	}()
-	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == before+1 }, "the request to queue")
+	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, routerconfig.RoleDecode) == before+1 }, "the request to queue")
 }
 
 // serveOneAtATime releases busy, then serves n waiters one after another on a pool of one
@@ -86,8 +87,8 @@ func withinShare(t *testing.T, tenant string, got int, want float64) {
 }
 
 func TestFairQueueGivesEachOfTenEqualTenantsItsShareWhileOneFloods(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1), Queue: QueueConfig{Size: 1000}})
-	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1), Queue: routerconfig.QueueConfig{Size: 1000}})
+	busy := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	ctx, cancel := context.WithCancel(context.Background())
 	out := make(chan servedBy, 300)
 	// The flood arrives first: first come, first served would give it the next 120 slots.
@@ -109,8 +110,8 @@ func TestFairQueueGivesEachOfTenEqualTenantsItsShareWhileOneFloods(t *testing.T)
 }
 
 func TestFairQueueServesWeightsThreeToOne(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1), Queue: QueueConfig{Size: 1000}})
-	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1), Queue: routerconfig.QueueConfig{Size: 1000}})
+	busy := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	ctx, cancel := context.WithCancel(context.Background())
 	out := make(chan servedBy, 400)
 	for range 150 {
@@ -126,17 +127,17 @@ func TestFairQueueServesWeightsThreeToOne(t *testing.T) {
 }
 
 func TestFairQueueKeepsPriorityClassesWithinATenant(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
-	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1)})
+	busy := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	out := make(chan servedBy, 4)
 	flow := Flow{Key: "a", Label: "a"}
 	for _, h := range []Hint{{RequestID: "batch", Slack: 1e9, Flow: flow}, {RequestID: "interactive", Flow: flow}} {
-		before := queued(r, RoleDecode)
+		before := queued(r, routerconfig.RoleDecode)
 		go func() {
-			l, err := r.Acquire(context.Background(), RoleDecode, h)
+			l, err := r.Acquire(context.Background(), routerconfig.RoleDecode, h)
 			out <- servedBy{h.RequestID, l, err}
 		}()
-		testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == before+1 }, "the request to queue")
+		testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, routerconfig.RoleDecode) == before+1 }, "the request to queue")
 	}
 	busy.Release(Result{Status: 200})
 	first := testutil.Recv(t, testutil.Timeout, out, "a waiter")
@@ -151,8 +152,8 @@ func TestFairQueueKeepsPriorityClassesWithinATenant(t *testing.T) {
 }
 
 func TestQueuedClientThatLeavesLeavesNoTrace(t *testing.T) {
-	r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
-	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	r, reg, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1)})
+	busy := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	ctx, cancel := context.WithCancel(context.Background())
 	out := make(chan servedBy, 1)
 	queueFor(t, r, ctx, out, "gone", 1)
@@ -195,8 +196,8 @@ func TestFairQueueRefusals(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1), Queue: QueueConfig{Size: size}})
-			busy := mustAcquire(t, r, RoleDecode, Hint{})
+			r, reg, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1), Queue: routerconfig.QueueConfig{Size: size}})
+			busy := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 			ctx, cancel := context.WithCancel(context.Background())
 			out := make(chan servedBy, size+1)
 			for _, k := range tt.queue {
@@ -209,7 +210,7 @@ func TestFairQueueRefusals(t *testing.T) {
 			acquireCtx, stop := context.WithCancel(context.Background())
 			res := make(chan servedBy, 1)
 			go func() {
-				l, err := r.Acquire(acquireCtx, RoleDecode, h)
+				l, err := r.Acquire(acquireCtx, routerconfig.RoleDecode, h)
 				res <- servedBy{"a", l, err}
 			}()
 			left := len(tt.queue)
@@ -223,7 +224,7 @@ func TestFairQueueRefusals(t *testing.T) {
 					t.Errorf("evicted %s with %v, want %s with %v", s.tenant, s.err, tt.evicted, ErrTenantQueueFull)
 				}
 				left--
-				testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == size }, "the request to queue")
+				testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, routerconfig.RoleDecode) == size }, "the request to queue")
 				stop()
 				if s := testutil.Recv(t, testutil.Timeout, res, "the queued request to leave"); s.lease != nil {
 					s.lease.Release(Result{})
@@ -250,29 +251,29 @@ func TestFairQueueRefusals(t *testing.T) {
 }
 
 func TestPoolSaturationRisesInAFloodAndFallsAfter(t *testing.T) {
-	cfg := Config{Backends: append(backendsCfg(RoleDecode, "d", 2, 2), backendsCfg(RolePrefill, "p", 1, 4)...)}
+	cfg := routerconfig.Config{Backends: append(backendsCfg(routerconfig.RoleDecode, "d", 2, 2), backendsCfg(routerconfig.RolePrefill, "p", 1, 4)...)}
 	r, reg, _ := newTestRouter(t, cfg)
-	saturation := func(role Role) float64 {
+	saturation := func(role routerconfig.Role) float64 {
 		return testutil.Value(t, reg, "pdproxy_pool_saturation", map[string]string{"role": string(role)})
 	}
-	if s := saturation(RoleDecode); s != 0 {
+	if s := saturation(routerconfig.RoleDecode); s != 0 {
 		t.Errorf("decode saturation idle = %v, want 0", s)
 	}
 	// The flood: every decode slot taken and as many requests again waiting.
 	var leases []*Lease
 	for range 4 {
-		leases = append(leases, mustAcquire(t, r, RoleDecode, Hint{}))
+		leases = append(leases, mustAcquire(t, r, routerconfig.RoleDecode, Hint{}))
 	}
-	leases = append(leases, mustAcquire(t, r, RolePrefill, Hint{}))
+	leases = append(leases, mustAcquire(t, r, routerconfig.RolePrefill, Hint{}))
 	ctx, cancel := context.WithCancel(context.Background())
 	out := make(chan servedBy, 4)
 	for range 4 {
 		queueFor(t, r, ctx, out, "noisy", 1)
 	}
-	if s := saturation(RoleDecode); s <= 0.9 || s != 2 {
+	if s := saturation(routerconfig.RoleDecode); s <= 0.9 || s != 2 {
 		t.Errorf("decode saturation in the flood = %v, want 2 (4 in flight and 4 waiting over 4 slots)", s)
 	}
-	if s := saturation(RolePrefill); s != 0.25 {
+	if s := saturation(routerconfig.RolePrefill); s != 0.25 {
 		t.Errorf("prefill saturation = %v, want 0.25", s)
 	}
 	// 1 prefiller at 0.25 against 2 decoders at 2: a prefiller for every 16 decoders would do.
@@ -294,7 +295,7 @@ func TestPoolSaturationRisesInAFloodAndFallsAfter(t *testing.T) {
 		s.lease.Release(Result{Status: 200})
 	}
 	cancel()
-	if s := saturation(RoleDecode); s >= 0.5 {
+	if s := saturation(routerconfig.RoleDecode); s >= 0.5 {
 		t.Errorf("decode saturation after the flood = %v, want below 0.5", s)
 	}
 	if _, ok := testutil.Lookup(t, reg, "pdproxy_pd_ratio_recommended", nil); ok {
@@ -309,15 +310,15 @@ func TestPoolSaturationRisesInAFloodAndFallsAfter(t *testing.T) {
 }
 
 func TestPoolPredictedTTFTIsTheLeastOverThePool(t *testing.T) {
-	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 2, 4), DecodePolicy: PolicyCacheAware,
-		CacheAware: CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10e6, DecodeCostTokens: 100}}
+	cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 4), DecodePolicy: routerconfig.PolicyCacheAware,
+		CacheAware: routerconfig.CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10e6, DecodeCostTokens: 100}}
 	r, reg, _ := newTestRouter(t, cfg)
 	if ttft := testutil.Value(t, reg, "pdproxy_pool_predicted_ttft_seconds", map[string]string{"role": "decode"}); math.Abs(ttft-0.01) > 1e-9 {
 		t.Errorf("predicted TTFT idle = %v, want 0.01 (the overhead)", ttft)
 	}
-	l := mustAcquire(t, r, RoleDecode, Hint{})
+	l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	defer l.Release(Result{Status: 200})
-	if ttft := r.Load(RoleDecode).PredictedTTFT; math.Abs(ttft-0.01) > 1e-9 {
+	if ttft := r.Load(routerconfig.RoleDecode).PredictedTTFT; math.Abs(ttft-0.01) > 1e-9 {
 		t.Errorf("predicted TTFT with one engine busy = %v, want 0.01: the other is idle", ttft)
 	}
 }
@@ -332,17 +333,17 @@ func TestFairQueueChargesTheTokensARequestComputes(t *testing.T) {
 	// Two tenants of one weight, both waiting all along: one sends prompts of 4,000 bytes,
 	// the other of 1,000. Served by their tokens, the short one gets four requests through
 	// for each of the long one's: the same engine time each.
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1), Queue: QueueConfig{Size: 1000}, DecodePolicy: PolicyCacheAware})
-	busy := mustAcquire(t, r, RoleDecode, Hint{Text: distinctText(-1, 100)})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1), Queue: routerconfig.QueueConfig{Size: 1000}, DecodePolicy: routerconfig.PolicyCacheAware})
+	busy := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Text: distinctText(-1, 100)})
 	ctx, cancel := context.WithCancel(context.Background())
 	out := make(chan servedBy, 200)
 	queue := func(tenant string, i, size int) {
-		before := queued(r, RoleDecode)
+		before := queued(r, routerconfig.RoleDecode)
 		go func() {
-			l, err := r.Acquire(ctx, RoleDecode, Hint{Text: distinctText(i, size), Flow: Flow{Key: tenant, Label: tenant}})
+			l, err := r.Acquire(ctx, routerconfig.RoleDecode, Hint{Text: distinctText(i, size), Flow: Flow{Key: tenant, Label: tenant}})
 			out <- servedBy{tenant, l, err}
 		}()
-		testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == before+1 }, "the request to queue")
+		testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, routerconfig.RoleDecode) == before+1 }, "the request to queue")
 	}
 	for i := range 60 {
 		queue("long", i, 4000)
@@ -359,16 +360,16 @@ func TestTTFTBoundHoldsRequestsBackUntilTheWorkAheadEnds(t *testing.T) {
 	// 1,000 tokens a second and 10 ms per prefill: a prompt of 50 tokens starts in 60 ms
 	// alone, 110 ms behind another. Under a bound of 100 ms the second waits for the first's
 	// prefill to end, though the engine has slots to spare.
-	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 100), DecodePolicy: PolicyCacheAware, Queue: QueueConfig{TTFTBound: 100 * time.Millisecond},
-		CacheAware: CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10 * time.Millisecond}}
+	cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 100), DecodePolicy: routerconfig.PolicyCacheAware, Queue: routerconfig.QueueConfig{TTFTBound: 100 * time.Millisecond},
+		CacheAware: routerconfig.CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10 * time.Millisecond}}
 	r, reg, _ := newTestRouter(t, cfg)
-	first := mustAcquire(t, r, RoleDecode, Hint{Text: distinctText(0, 200)})
+	first := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Text: distinctText(0, 200)})
 	out := make(chan servedBy, 1)
 	go func() {
-		l, err := r.Acquire(context.Background(), RoleDecode, Hint{Text: distinctText(1, 200), Flow: Flow{Key: "t", Label: "t"}})
+		l, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Text: distinctText(1, 200), Flow: Flow{Key: "t", Label: "t"}})
 		out <- servedBy{"t", l, err}
 	}()
-	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == 1 }, "the second request to wait")
+	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, routerconfig.RoleDecode) == 1 }, "the second request to wait")
 	if s := testutil.Value(t, reg, "pdproxy_pool_saturation", map[string]string{"role": "decode"}); s <= 0.9 {
 		t.Errorf("saturation with a request held back by the bound = %v, want above 0.9", s)
 	}
@@ -383,7 +384,7 @@ func TestTTFTBoundHoldsRequestsBackUntilTheWorkAheadEnds(t *testing.T) {
 	s.lease.Release(Result{Status: 200})
 	first.Release(Result{Status: 200})
 	// A prompt longer than the bound alone is not held back on an idle engine.
-	long := mustAcquire(t, r, RoleDecode, Hint{Text: distinctText(2, 4000)})
+	long := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Text: distinctText(2, 4000)})
 	long.Release(Result{Status: 200})
 	if s := testutil.Value(t, reg, "pdproxy_pool_saturation", map[string]string{"role": "decode"}); s >= 0.5 {
 		t.Errorf("saturation idle = %v, want below 0.5", s)
@@ -391,32 +392,32 @@ func TestTTFTBoundHoldsRequestsBackUntilTheWorkAheadEnds(t *testing.T) {
 }
 
 func TestTTFTBoundIsRefusedWhereNoPoolIsPlacedByCost(t *testing.T) {
-	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 1), Queue: QueueConfig{TTFTBound: time.Second}}
+	cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1), Queue: routerconfig.QueueConfig{TTFTBound: time.Second}}
 	err := cfg.Validate()
 	if err == nil || !strings.Contains(err.Error(), "flow_control.saturation_ttft") || !strings.Contains(err.Error(), "placed by cost") {
 		t.Errorf("Validate = %v, want flow_control.saturation_ttft refused: no pool is placed by cost", err)
 	}
-	cfg.DecodePolicy = PolicyCacheAware
+	cfg.DecodePolicy = routerconfig.PolicyCacheAware
 	if err := cfg.Validate(); err != nil {
 		t.Errorf("Validate with cache_aware = %v, want nil", err)
 	}
 }
 
 func TestReservedSlotLetsAnIdleTenantStartAtOnceWhileAnotherFloods(t *testing.T) {
-	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 2), Queue: QueueConfig{Size: 100, ReservedSlots: 1}}
+	cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 2), Queue: routerconfig.QueueConfig{Size: 100, ReservedSlots: 1}}
 	r, _, clk := newTestRouter(t, cfg)
 	noisy, quiet := Hint{Flow: Flow{Key: "noisy", Label: "noisy"}}, Hint{Flow: Flow{Key: "quiet", Label: "quiet"}}
-	mustAcquire(t, r, RoleDecode, quiet).Release(Result{Status: 200}) // the quiet tenant is active, and idle
-	first := mustAcquire(t, r, RoleDecode, noisy)                     // nothing of its own in flight: it may
+	mustAcquire(t, r, routerconfig.RoleDecode, quiet).Release(Result{Status: 200}) // the quiet tenant is active, and idle
+	first := mustAcquire(t, r, routerconfig.RoleDecode, noisy)                     // nothing of its own in flight: it may
 	out := make(chan servedBy, 1)
 	go func() {
-		l, err := r.Acquire(context.Background(), RoleDecode, noisy)
+		l, err := r.Acquire(context.Background(), routerconfig.RoleDecode, noisy)
 		out <- servedBy{"noisy", l, err}
 	}()
-	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == 1 }, "the flood's second request to wait, one slot free")
-	q := mustAcquire(t, r, RoleDecode, quiet) // the slot kept for it
+	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, routerconfig.RoleDecode) == 1 }, "the flood's second request to wait, one slot free")
+	q := mustAcquire(t, r, routerconfig.RoleDecode, quiet) // the slot kept for it
 	q.Release(Result{Status: 200})
-	if n := queued(r, RoleDecode); n != 1 {
+	if n := queued(r, routerconfig.RoleDecode); n != 1 {
 		t.Fatalf("%d waiting after the quiet tenant's request ended, want the flood's still waiting: the quiet tenant is active", n)
 	}
 	// A second later the quiet tenant is no longer active: the slot goes to the flood.
@@ -437,16 +438,16 @@ func TestReservedSlotLetsAnIdleTenantStartAtOnceWhileAnotherFloods(t *testing.T)
 }
 
 func TestWithoutReservedSlotsAFloodTakesEverySlot(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 2), Queue: QueueConfig{Size: 100}})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 2), Queue: routerconfig.QueueConfig{Size: 100}})
 	noisy, quiet := Hint{Flow: Flow{Key: "noisy"}}, Hint{Flow: Flow{Key: "quiet"}}
-	mustAcquire(t, r, RoleDecode, quiet).Release(Result{Status: 200})
-	a, b := mustAcquire(t, r, RoleDecode, noisy), mustAcquire(t, r, RoleDecode, noisy)
+	mustAcquire(t, r, routerconfig.RoleDecode, quiet).Release(Result{Status: 200})
+	a, b := mustAcquire(t, r, routerconfig.RoleDecode, noisy), mustAcquire(t, r, routerconfig.RoleDecode, noisy)
 	a.Release(Result{Status: 200})
 	b.Release(Result{Status: 200})
 }
 
 func TestTheTTFTBoundKeepsInHandWhatPredictionsRunLateBy(t *testing.T) {
-	m := newCostModel(CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10 * time.Millisecond}, false)
+	m := newCostModel(routerconfig.CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10 * time.Millisecond}, false)
 	// Prefills late by 0 to 99 ms, evenly: one in ten is later than 90 ms.
 	for i := range 20000 {
 		m.noteLate(float64((i*37)%100) / 1000)
@@ -464,17 +465,17 @@ func TestTheTTFTBoundKeepsInHandWhatPredictionsRunLateBy(t *testing.T) {
 }
 
 func TestAReservedSlotIsKeptForATenantFirstSeenAfterAScanFoundNone(t *testing.T) {
-	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 3), Queue: QueueConfig{Size: 100, ReservedSlots: 1}}
+	cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 3), Queue: routerconfig.QueueConfig{Size: 100, ReservedSlots: 1}}
 	r, _, _ := newTestRouter(t, cfg)
 	noisy, quiet := Hint{Flow: Flow{Key: "noisy"}}, Hint{Flow: Flow{Key: "quiet"}}
 	// The flood alone: its picks find no idle tenant, and remember that for a while.
-	a, b := mustAcquire(t, r, RoleDecode, noisy), mustAcquire(t, r, RoleDecode, noisy)
+	a, b := mustAcquire(t, r, routerconfig.RoleDecode, noisy), mustAcquire(t, r, routerconfig.RoleDecode, noisy)
 	// A tenant first seen now, served and gone idle, is kept a slot at once, whatever the
 	// flood's last scan found.
-	mustAcquire(t, r, RoleDecode, quiet).Release(Result{Status: 200})
+	mustAcquire(t, r, routerconfig.RoleDecode, quiet).Release(Result{Status: 200})
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
-	if l, err := r.Acquire(ctx, RoleDecode, noisy); err == nil {
+	if l, err := r.Acquire(ctx, routerconfig.RoleDecode, noisy); err == nil {
 		l.Release(Result{})
 		t.Error("the flood took the pool's last slot while a tenant active a moment ago had nothing running")
 	}
@@ -490,18 +491,18 @@ func TestServiceElsewhereCountsOnlyWhileATenantWaitsHere(t *testing.T) {
 	f := q.flows["x"]
 	start := f.vt
 	// Other replicas served x a great deal before it waited here: no debt.
-	q.addRemote(RoleDecode, 7, map[string]float64{flowField(RoleDecode, "x"): 1000})
+	q.addRemote(routerconfig.RoleDecode, 7, map[string]float64{flowField(routerconfig.RoleDecode, "x"): 1000})
 	if f.vt != start {
 		t.Fatalf("vt = %v after the first reading, want %v: service before waiting here is no debt", f.vt, start)
 	}
 	// While it waits here, what they serve it counts, over its weight.
 	f.Weight = 2
-	q.addRemote(RoleDecode, 7, map[string]float64{flowField(RoleDecode, "x"): 1010})
+	q.addRemote(routerconfig.RoleDecode, 7, map[string]float64{flowField(routerconfig.RoleDecode, "x"): 1010})
 	if f.vt != start+5 {
 		t.Errorf("vt = %v, want %v: 10 tokens served elsewhere at weight 2", f.vt, start+5)
 	}
 	// A reading of another window counts nothing.
-	q.addRemote(RoleDecode, 8, map[string]float64{flowField(RoleDecode, "x"): 5000})
+	q.addRemote(routerconfig.RoleDecode, 8, map[string]float64{flowField(routerconfig.RoleDecode, "x"): 5000})
 	if f.vt != start+5 {
 		t.Errorf("vt = %v after another window's reading, want %v", f.vt, start+5)
 	}
@@ -511,20 +512,20 @@ func TestServiceElsewhereCountsOnlyWhileATenantWaitsHere(t *testing.T) {
 func TestUnderATTFTBoundARequestOfAnotherModelIsNotHeldBehindTheWaiters(t *testing.T) {
 	// Engine a serves model "a", engine b model "b". A request for "a" held back by the bound
 	// behind work on engine a does not keep a request for "b" from idle engine b.
-	cfg := Config{Backends: []BackendConfig{
-		{Name: "a", URL: "http://127.0.0.1:1", Role: RoleDecode, MaxInflight: 100, Models: []string{"a"}},
-		{Name: "b", URL: "http://127.0.0.1:2", Role: RoleDecode, MaxInflight: 100, Models: []string{"b"}},
-	}, DecodePolicy: PolicyCacheAware, Queue: QueueConfig{TTFTBound: 100 * time.Millisecond},
-		CacheAware: CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10 * time.Millisecond}}
+	cfg := routerconfig.Config{Backends: []routerconfig.BackendConfig{
+		{Name: "a", URL: "http://127.0.0.1:1", Role: routerconfig.RoleDecode, MaxInflight: 100, Models: []string{"a"}},
+		{Name: "b", URL: "http://127.0.0.1:2", Role: routerconfig.RoleDecode, MaxInflight: 100, Models: []string{"b"}},
+	}, DecodePolicy: routerconfig.PolicyCacheAware, Queue: routerconfig.QueueConfig{TTFTBound: 100 * time.Millisecond},
+		CacheAware: routerconfig.CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10 * time.Millisecond}}
 	r, _, _ := newTestRouter(t, cfg)
-	first := mustAcquire(t, r, RoleDecode, Hint{Model: "a", Text: distinctText(0, 200)})
+	first := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Model: "a", Text: distinctText(0, 200)})
 	out := make(chan servedBy, 1)
 	go func() {
-		l, err := r.Acquire(context.Background(), RoleDecode, Hint{Model: "a", Text: distinctText(1, 200), Flow: Flow{Key: "t"}})
+		l, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Model: "a", Text: distinctText(1, 200), Flow: Flow{Key: "t"}})
 		out <- servedBy{"a", l, err}
 	}()
-	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == 1 }, "the second request for a to wait")
-	other := mustAcquire(t, r, RoleDecode, Hint{Model: "b", Text: distinctText(2, 200), Flow: Flow{Key: "u"}})
+	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, routerconfig.RoleDecode) == 1 }, "the second request for a to wait")
+	other := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Model: "b", Text: distinctText(2, 200), Flow: Flow{Key: "u"}})
 	if other.Backend().Name != "b" {
 		t.Errorf("the request for b went to %s", other.Backend().Name)
 	}
@@ -541,21 +542,21 @@ func TestUnderATTFTBoundARequestOfAnotherModelIsNotHeldBehindTheWaiters(t *testi
 func TestAPickHeldBackByTheTTFTBoundTeachesTheTreeNothing(t *testing.T) {
 	// The request held back is picked again at each dispatch: were its text recorded as
 	// routed at each of those picks, it would look cached, and go past the bound.
-	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 100), DecodePolicy: PolicyCacheAware, Queue: QueueConfig{TTFTBound: 100 * time.Millisecond},
-		CacheAware: CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10 * time.Millisecond}}
+	cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 100), DecodePolicy: routerconfig.PolicyCacheAware, Queue: routerconfig.QueueConfig{TTFTBound: 100 * time.Millisecond},
+		CacheAware: routerconfig.CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10 * time.Millisecond}}
 	r, _, _ := newTestRouter(t, cfg)
-	first := mustAcquire(t, r, RoleDecode, Hint{Text: distinctText(0, 200)})
+	first := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Text: distinctText(0, 200)})
 	text := distinctText(1, 200)
 	out := make(chan servedBy, 1)
 	go func() {
-		l, err := r.Acquire(context.Background(), RoleDecode, Hint{Text: text, Flow: Flow{Key: "t"}})
+		l, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Text: text, Flow: Flow{Key: "t"}})
 		out <- servedBy{"t", l, err}
 	}()
-	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == 1 }, "the request to wait")
+	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, routerconfig.RoleDecode) == 1 }, "the request to wait")
 	for range 3 {
 		r.decode.kick() // dispatches that find it still held back
 	}
-	if n := queued(r, RoleDecode); n != 1 {
+	if n := queued(r, routerconfig.RoleDecode); n != 1 {
 		t.Fatalf("%d waiting after the dispatches, want 1: held-back picks must not make its text look cached", n)
 	}
 	ca := r.decode.policy.(*CacheAware)

@@ -3,6 +3,8 @@ package router
 import (
 	"context"
 	"time"
+
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // FlowShares carries what the fair queues of the replicas behind one shared state served,
@@ -48,7 +50,7 @@ func (s *flowShare) note(key string, charge float64) {
 }
 
 // flowField is how role's flow key is named in the shared totals.
-func flowField(role Role, key string) string { return string(role) + ":" + key }
+func flowField(role routerconfig.Role, key string) string { return string(role) + ":" + key }
 
 // ShareFlows makes the router's fair queues share what they serve through fs, from the next
 // Run on. Call it before Run.
@@ -131,7 +133,7 @@ func (r *Router) shareOnce(ctx context.Context) {
 // takes the totals as they stand as its start: what other replicas served it before, when it
 // did not compete here, is no debt here, as time spent idle is no credit. Guarded by
 // pool.mu.
-func (q *fairQueue) addRemote(role Role, window int64, totals map[string]float64) {
+func (q *fairQueue) addRemote(role routerconfig.Role, window int64, totals map[string]float64) {
 	s := &q.share
 	if s.window != window {
 		return

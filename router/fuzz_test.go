@@ -3,6 +3,7 @@ package router
 import (
 	"testing"
 
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"gopkg.in/yaml.v3"
 )
 
@@ -16,7 +17,7 @@ func FuzzConfigYAML(f *testing.F) {
 	f.Add("health: {interval: [x]}\n")
 	f.Add("backends: [{url: 'http://pool:1', role: decode, discover: dns, refresh: 1s}]\n")
 	f.Fuzz(func(t *testing.T, text string) {
-		var c Config
+		var c routerconfig.Config
 		if err := yaml.Unmarshal([]byte(text), &c); err != nil {
 			return
 		}

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"go.uber.org/zap"
 )
 
@@ -64,7 +65,7 @@ func (r *Router) Run(ctx context.Context) error {
 
 // checkAll checks every backend at once, so one slow backend does not delay the others'
 // verdicts, and returns when all checks are done.
-func (r *Router) checkAll(ctx context.Context, h HealthConfig) {
+func (r *Router) checkAll(ctx context.Context, h routerconfig.HealthConfig) {
 	var wg sync.WaitGroup
 	for _, b := range r.backends() {
 		wg.Go(func() {
@@ -99,7 +100,7 @@ func (r *Router) checkAll(ctx context.Context, h HealthConfig) {
 }
 
 // probe is one GET {url}{path}; any 2xx passes (nil), anything else is the error.
-func (r *Router) probe(ctx context.Context, b *Backend, h HealthConfig) error {
+func (r *Router) probe(ctx context.Context, b *Backend, h routerconfig.HealthConfig) error {
 	ctx, cancel := context.WithTimeout(ctx, h.Timeout)
 	defer cancel()
 	u := strings.TrimSuffix(b.URLString, "/") + h.Path
@@ -126,7 +127,7 @@ func (r *Router) probe(ctx context.Context, b *Backend, h HealthConfig) error {
 // listModels asks a healthy engine which models it serves (GET /v1/models: its served
 // names and LoRA adapters) and keeps the answer. An engine that does not answer keeps what it
 // said last: a list is not forgotten because one call failed.
-func (r *Router) listModels(ctx context.Context, b *Backend, h HealthConfig) {
+func (r *Router) listModels(ctx context.Context, b *Backend, h routerconfig.HealthConfig) {
 	ctx, cancel := context.WithTimeout(ctx, h.Timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimSuffix(b.URLString, "/")+"/v1/models", nil)

@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // engine is an httptest server whose health endpoint fails or hangs on cue.
@@ -76,10 +77,10 @@ func runRouter(t *testing.T, r *Router) {
 	})
 }
 
-func healthCfg(h HealthConfig, engines ...*engine) Config {
-	cfg := Config{Health: h}
+func healthCfg(h routerconfig.HealthConfig, engines ...*engine) routerconfig.Config {
+	cfg := routerconfig.Config{Health: h}
 	for i, e := range engines {
-		cfg.Backends = append(cfg.Backends, BackendConfig{Name: "d" + string(rune('0'+i)), URL: e.URL, Role: RoleDecode})
+		cfg.Backends = append(cfg.Backends, routerconfig.BackendConfig{Name: "d" + string(rune('0'+i)), URL: e.URL, Role: routerconfig.RoleDecode})
 	}
 	return cfg
 }
@@ -98,14 +99,14 @@ func TestActiveHealthMarksDownAndUp(t *testing.T) {
 		name  string
 		sick  func(e *engine)
 		well  func(e *engine)
-		check HealthConfig
+		check routerconfig.HealthConfig
 	}{
 		{"5xx answers",
 			func(e *engine) { e.failing.Store(true) }, func(e *engine) { e.failing.Store(false) },
-			HealthConfig{Interval: 5 * time.Millisecond, UnhealthyThreshold: 2, HealthyThreshold: 2}},
+			routerconfig.HealthConfig{Interval: 5 * time.Millisecond, UnhealthyThreshold: 2, HealthyThreshold: 2}},
 		{"checks that time out",
 			func(e *engine) { e.hanging.Store(true) }, func(e *engine) { e.hanging.Store(false) },
-			HealthConfig{Interval: 5 * time.Millisecond, Timeout: 250 * time.Millisecond}},
+			routerconfig.HealthConfig{Interval: 5 * time.Millisecond, Timeout: 250 * time.Millisecond}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -121,7 +122,7 @@ func TestActiveHealthMarksDownAndUp(t *testing.T) {
 			if v, _ := testutil.Lookup(t, reg, "pdproxy_backend_healthy", map[string]string{"backend": "d0"}); v != 0 {
 				t.Errorf("backend_healthy = %v while down", v)
 			}
-			if _, err := r.Acquire(context.Background(), RoleDecode, Hint{}); err != ErrNoBackend {
+			if _, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{}); err != ErrNoBackend {
 				t.Errorf("Acquire while down = %v, want ErrNoBackend", err)
 			}
 			tt.well(e)
@@ -133,8 +134,8 @@ func TestActiveHealthMarksDownAndUp(t *testing.T) {
 
 func TestActiveHealthNeedsThresholdFailuresInARow(t *testing.T) {
 	e := newEngine(t)
-	r, _, _ := newTestRouter(t, healthCfg(HealthConfig{Interval: -1, UnhealthyThreshold: 3, HealthyThreshold: 2}, e))
-	h := HealthConfig{Timeout: time.Second, UnhealthyThreshold: 3, HealthyThreshold: 2, Path: "/health"}
+	r, _, _ := newTestRouter(t, healthCfg(routerconfig.HealthConfig{Interval: -1, UnhealthyThreshold: 3, HealthyThreshold: 2}, e))
+	h := routerconfig.HealthConfig{Timeout: time.Second, UnhealthyThreshold: 3, HealthyThreshold: 2, Path: "/health"}
 	round := func(fail bool) {
 		e.failing.Store(fail)
 		r.checkAll(context.Background(), h)
@@ -167,7 +168,7 @@ func TestActiveHealthNeedsThresholdFailuresInARow(t *testing.T) {
 
 func TestActiveHealthUsesConfiguredPath(t *testing.T) {
 	e := newEngine(t)
-	r, _, _ := newTestRouter(t, healthCfg(HealthConfig{Interval: 5 * time.Millisecond, Path: "/v1/ready"}, e))
+	r, _, _ := newTestRouter(t, healthCfg(routerconfig.HealthConfig{Interval: 5 * time.Millisecond, Path: "/v1/ready"}, e))
 	runRouter(t, r)
 	testutil.Eventually(t, testutil.Timeout, func() bool { return e.checks.Load() > 0 }, "a check")
 	if got := e.path.Load(); got != "/v1/ready" {
@@ -180,14 +181,14 @@ func TestActiveHealthUsesConfiguredPath(t *testing.T) {
 func TestActiveHealthChecksEachBackendOnItsOwn(t *testing.T) {
 	good, bad := newEngine(t), newEngine(t)
 	bad.failing.Store(true)
-	r, _, _ := newTestRouter(t, healthCfg(HealthConfig{Interval: 5 * time.Millisecond, UnhealthyThreshold: 1}, good, bad))
+	r, _, _ := newTestRouter(t, healthCfg(routerconfig.HealthConfig{Interval: 5 * time.Millisecond, UnhealthyThreshold: 1}, good, bad))
 	runRouter(t, r)
 	testutil.Eventually(t, testutil.Timeout, func() bool { return !healthy(r, "d1") }, "d1 down")
 	if !healthy(r, "d0") || !r.Ready() {
 		t.Error("a healthy backend was marked down with its neighbour")
 	}
 	for range 5 {
-		l := mustAcquire(t, r, RoleDecode, Hint{})
+		l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 		if l.Backend().Name != "d0" {
 			t.Errorf("picked down %s", l.Backend().Name)
 		}
@@ -206,7 +207,7 @@ func TestRunStopsWithItsContext(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			e := newEngine(t)
-			r, _, _ := newTestRouter(t, healthCfg(HealthConfig{Interval: tt.interval}, e))
+			r, _, _ := newTestRouter(t, healthCfg(routerconfig.HealthConfig{Interval: tt.interval}, e))
 			ctx, cancel := context.WithCancel(context.Background())
 			done := make(chan error, 1)
 			go func() { done <- r.Run(ctx) }()
@@ -220,7 +221,7 @@ func TestRunStopsWithItsContext(t *testing.T) {
 
 func TestReloadEnablesHealthChecksWhileRunning(t *testing.T) {
 	e := newEngine(t)
-	cfg := healthCfg(HealthConfig{Interval: -1}, e)
+	cfg := healthCfg(routerconfig.HealthConfig{Interval: -1}, e)
 	r, _, _ := newTestRouter(t, cfg)
 	runRouter(t, r)
 	cfg.Health.Interval = 5 * time.Millisecond

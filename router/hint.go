@@ -1,6 +1,10 @@
 package router
 
-import "time"
+import (
+	"time"
+
+	"github.com/pdproxy/pdproxy/router/routerconfig"
+)
 
 // Hint carries what a policy and the wait queue may use about a request. Only Class, a
 // name from the proxy's config, reaches a metric label.
@@ -44,7 +48,7 @@ type Hint struct {
 	BoundText int
 	// Accept, when set, restricts the pick to backends whose engine it accepts: one request
 	// never mixes engines that speak different protocols.
-	Accept func(Engine) bool
+	Accept func(routerconfig.Engine) bool
 	// Overcommit lets the pick go past max_inflight instead of waiting. It is for the
 	// proxy's own release traffic (a one-token drain that makes a decoder pull and free a
 	// prefiller's KV): that must never queue behind the load whose memory it frees.

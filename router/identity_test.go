@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // keyedStored is vLLM's BlockStored of a prompt's first blocks computed for a request of
@@ -116,8 +117,8 @@ func TestAnAdapterIsKnownByItsParentInTheModelList(t *testing.T) {
 		json.NewEncoder(w).Encode(map[string]any{"data": []model{{ID: "llama"}, {ID: "llama-alias"}, {ID: "sql", Parent: &parent}}})
 	}))
 	t.Cleanup(srv.Close)
-	r, _, _ := newTestRouter(t, Config{Backends: []BackendConfig{{Name: "d0", URL: srv.URL, Role: RoleDecode}},
-		Health: HealthConfig{Interval: 5 * time.Millisecond}})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: []routerconfig.BackendConfig{{Name: "d0", URL: srv.URL, Role: routerconfig.RoleDecode}},
+		Health: routerconfig.HealthConfig{Interval: 5 * time.Millisecond}})
 	runRouter(t, r)
 	testutil.Eventually(t, testutil.Timeout, func() bool { return r.Adapter("sql") }, "sql known as an adapter")
 	for _, m := range []string{"llama", "llama-alias", "mistral", ""} {

@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pdproxy/pdproxy/kvcache"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // kvEndpoints are the backends' KV event endpoints as the subscribers know them. Every
@@ -22,7 +23,7 @@ import (
 func kvEndpoints(all []*Backend) []kvcache.Endpoint {
 	out := make([]kvcache.Endpoint, 0, len(all))
 	for _, b := range all {
-		ep := kvcache.Endpoint{Engine: b.Name, HostPort: hostPort(b.URL), Dial: b.kvEvents, Replay: b.kvReplay}
+		ep := kvcache.Endpoint{Engine: b.Name, HostPort: routerconfig.HostPort(b.URL), Dial: b.kvEvents, Replay: b.kvReplay}
 		if s := b.st.kvSources.Load(); s != nil {
 			ep.Sources = *s
 		}
@@ -42,7 +43,7 @@ type kvEventSource struct {
 // GET /kv_event_sources: a JSON array, one entry per data parallel rank, of
 // data_parallel_rank, endpoint, replay_endpoint, topic), and dials them from then on. An
 // engine that does not answer keeps the sources it gave last.
-func (r *Router) listKVSources(ctx context.Context, b *Backend, h HealthConfig) {
+func (r *Router) listKVSources(ctx context.Context, b *Backend, h routerconfig.HealthConfig) {
 	ctx, cancel := context.WithTimeout(ctx, h.Timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimSuffix(b.URLString, "/")+"/kv_event_sources", nil)
@@ -102,7 +103,7 @@ func onEngineHost(ep string, engine *url.URL) string {
 }
 
 // setKVEndpoints hands the subscribers the backends and kv_events.allowed_sources.
-func (r *Router) setKVEndpoints(cfg Config, all []*Backend) {
+func (r *Router) setKVEndpoints(cfg routerconfig.Config, all []*Backend) {
 	allowed := make([]netip.Prefix, 0, len(cfg.KVEvents.AllowedSources))
 	for _, s := range cfg.KVEvents.AllowedSources {
 		if p, err := kvcache.ParseSource(s); err == nil { // Validate refused the others

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/kvcache"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // A large pool (more than largePool candidates) is picked from without reading every candidate
@@ -137,12 +138,12 @@ func (v *poolView) took(i int, uncached float64) {
 }
 
 // unbalanced is CacheAware.unbalanced over the view's loads.
-func (v *poolView) unbalanced(cfg CacheAwareConfig) bool {
+func (v *poolView) unbalanced(cfg routerconfig.CacheAwareConfig) bool {
 	lo, hi := v.loads[0], v.loads[0]
 	for _, l := range v.loads[1:] {
 		lo, hi = min(lo, l), max(hi, l)
 	}
-	return cfg.outOfBalance(lo, hi)
+	return cfg.OutOfBalance(lo, hi)
 }
 
 // better reports whether candidate i is less loaded than j, as leastLoadedOf ranks them.

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/kvcache"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // TestALargePoolPicksWhatReadingEveryCandidateWould runs the same picks through a large
@@ -51,7 +52,7 @@ func TestALargePoolPicksWhatReadingEveryCandidateWould(t *testing.T) {
 			for d := range heads {
 				heads[d] = promptTokens(100_000*(d+1), promptBlocks*kvBlock)
 			}
-			cfg := CacheAwareConfig{BalanceAbsThreshold: tc.balanceAbs}
+			cfg := routerconfig.CacheAwareConfig{BalanceAbsThreshold: tc.balanceAbs}
 			large := NewCacheAware(cfg, index, time.Minute)
 			exact := NewCacheAware(cfg, index, time.Minute)
 			exact.large = math.MaxInt
@@ -140,7 +141,7 @@ func TestALargePoolReadsLoadsItDidNotSeeChange(t *testing.T) {
 		b.st.inflight.Store(10) // bounds of ceil(1.25 × 1,001 / 100) = 13 each
 	}
 	clock := time.Now()
-	p := NewCacheAware(CacheAwareConfig{}, nil, time.Minute)
+	p := NewCacheAware(routerconfig.CacheAwareConfig{}, nil, time.Minute)
 	p.now = func() time.Time { return clock }
 	h := Hint{Text: "a prompt nobody was sent"}
 	home := p.Select(bs, h)
@@ -175,7 +176,7 @@ func TestALargePoolReadsLoadsItDidNotSeeChange(t *testing.T) {
 func TestALargePoolKeepsAViewOfEachCandidateSet(t *testing.T) {
 	all := testBackends(make([]int64, 200)...)
 	some := all[:100]
-	p := NewCacheAware(CacheAwareConfig{}, nil, time.Minute)
+	p := NewCacheAware(routerconfig.CacheAwareConfig{}, nil, time.Minute)
 	p.Select(all, Hint{Text: "first"})
 	p.Select(some, Hint{Text: "first"})
 	first := slices.Clone(p.views)
@@ -208,7 +209,7 @@ func BenchmarkLargePoolSelect(b *testing.B) {
 			for _, be := range bs {
 				index.Touch(be.Name, time.Now())
 			}
-			p := NewCacheAware(CacheAwareConfig{}, index, time.Hour)
+			p := NewCacheAware(routerconfig.CacheAwareConfig{}, index, time.Hour)
 			h := Hint{Tokens: prompt, Text: tokensText(prompt)}
 			b.ResetTimer()
 			for b.Loop() {

@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
@@ -32,12 +33,6 @@ import (
 
 // Load scraping parameters.
 const (
-	// DefaultScrapeInterval is how often each engine's /metrics is scraped, where a pool's
-	// policy weighs load.
-	DefaultScrapeInterval = time.Second
-	// minScrapeInterval keeps a typo ("1ms") from turning the proxy into a load generator
-	// against the engines' metrics endpoints.
-	minScrapeInterval = 10 * time.Millisecond
 	// staleScrapes intervals after the last good scrape, its figures are stale: the backend
 	// is weighed by this replica's in-flight count alone. Three tolerate a slow or
 	// lost scrape or two without flapping between the two ways of scoring.
@@ -69,7 +64,7 @@ var loadFamilies = []loadNames{
 	{"sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"},
 }
 
-func loadNamesOf(e Engine) []loadNames {
+func loadNamesOf(e routerconfig.Engine) []loadNames {
 	if lr, ok := e.(LoadReporter); ok {
 		w, r, u := lr.LoadMetrics()
 		return []loadNames{{w, r, u}}
@@ -121,7 +116,7 @@ func (b *Backend) loadScore(now time.Time) (score int64, full, fresh bool) {
 	started := b.st.started.Load()
 	startedSince, endedSince := started-l.started, started-n-l.ended
 	score = max(l.waiting+l.running+startedSince-endedSince, n)
-	return score, b.Role == RolePrefill && l.usage >= kvFullUsage, true
+	return score, b.Role == routerconfig.RolePrefill && l.usage >= kvFullUsage, true
 }
 
 // LeastLoaded picks the backend whose engine reports the least work (waiting plus running
@@ -238,7 +233,7 @@ func (r *Router) scrapeAll(ctx context.Context, interval time.Duration) {
 	var wg sync.WaitGroup
 	for _, p := range []*pool{r.prefill, r.decode} {
 		p.mu.Lock()
-		on := p.caps.scrapesLoad
+		on := p.caps.ScrapesLoad
 		backends := p.backends // replaced, never modified, by a reload
 		p.mu.Unlock()
 		if !on {

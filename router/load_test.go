@@ -16,6 +16,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // scrapedAs gives b a scrape of the engine reporting waiting and running requests and usage
@@ -117,7 +118,7 @@ func TestLeastLoadedScoresWhatTheEnginesReport(t *testing.T) {
 			name: "a prefiller near a full KV pool is avoided though it has the least work",
 			n:    2,
 			setup: func(bs []*Backend) {
-				bs[0].Role, bs[1].Role = RolePrefill, RolePrefill
+				bs[0].Role, bs[1].Role = routerconfig.RolePrefill, routerconfig.RolePrefill
 				scrapedAs(bs[0], 0, 0, 0.95, 0, true)
 				scrapedAs(bs[1], 3, 4, 0.3, 0, true)
 			},
@@ -127,7 +128,7 @@ func TestLeastLoadedScoresWhatTheEnginesReport(t *testing.T) {
 			name: "when every prefiller is near full, the least busy of them is picked",
 			n:    2,
 			setup: func(bs []*Backend) {
-				bs[0].Role, bs[1].Role = RolePrefill, RolePrefill
+				bs[0].Role, bs[1].Role = routerconfig.RolePrefill, routerconfig.RolePrefill
 				scrapedAs(bs[0], 2, 0, 0.99, 0, true)
 				scrapedAs(bs[1], 1, 0, 0.92, 0, true)
 			},
@@ -137,7 +138,7 @@ func TestLeastLoadedScoresWhatTheEnginesReport(t *testing.T) {
 			name: "a stale prefiller's last KV usage is not held against it",
 			n:    2,
 			setup: func(bs []*Backend) {
-				bs[0].Role, bs[1].Role = RolePrefill, RolePrefill
+				bs[0].Role, bs[1].Role = routerconfig.RolePrefill, routerconfig.RolePrefill
 				scrapedAs(bs[0], 0, 0, 0.99, 0, false)
 				scrapedAs(bs[1], 0, 1, 0.2, 0, true)
 			},
@@ -157,7 +158,7 @@ func TestLeastLoadedScoresWhatTheEnginesReport(t *testing.T) {
 			name: "an engine that reports no KV usage is never taken as full",
 			n:    2,
 			setup: func(bs []*Backend) {
-				bs[0].Role, bs[1].Role = RolePrefill, RolePrefill
+				bs[0].Role, bs[1].Role = routerconfig.RolePrefill, routerconfig.RolePrefill
 				scrapedAs(bs[0], 0, 0, -1, 0, true)
 				scrapedAs(bs[1], 0, 1, 0.2, 0, true)
 			},
@@ -279,14 +280,14 @@ sglang:token_usage{model_name="m",tp_rank="0"} %g
 
 // loadRouter is a router picking with least_loaded in both roles over engines, scraping every
 // 50ms, with the health checks off and its Run running until the test ends.
-func loadRouter(t *testing.T, reg prometheus.Registerer, backends ...BackendConfig) *Router {
+func loadRouter(t *testing.T, reg prometheus.Registerer, backends ...routerconfig.BackendConfig) *Router {
 	t.Helper()
-	r, err := New(Config{
+	r, err := New(routerconfig.Config{
 		Backends:       backends,
-		PrefillPolicy:  PolicyLeastLoaded,
-		DecodePolicy:   PolicyLeastLoaded,
+		PrefillPolicy:  routerconfig.PolicyLeastLoaded,
+		DecodePolicy:   routerconfig.PolicyLeastLoaded,
 		ScrapeInterval: 50 * time.Millisecond,
-		Health:         HealthConfig{Interval: -1},
+		Health:         routerconfig.HealthConfig{Interval: -1},
 	}, zaptest.NewLogger(t), reg)
 	if err != nil {
 		t.Fatal(err)
@@ -315,7 +316,7 @@ func waitLoad(t *testing.T, r *Router, name string, running int64) {
 	})
 }
 
-func pick(t *testing.T, r *Router, role Role) string {
+func pick(t *testing.T, r *Router, role routerconfig.Role) string {
 	t.Helper()
 	l, err := r.Acquire(context.Background(), role, Hint{})
 	if err != nil {
@@ -331,18 +332,18 @@ func TestLeastLoadedRoutesByScrapedLoad(t *testing.T) {
 	full := newMetricsEngine(t, vllmMetrics(0, 0, 0.95))
 	roomy := newMetricsEngine(t, vllmMetrics(1, 2, 0.4))
 	r := loadRouter(t, nil,
-		BackendConfig{Name: "busy", URL: busy.URL, Role: RoleDecode},
-		BackendConfig{Name: "idle", URL: idle.URL, Role: RoleDecode},
-		BackendConfig{Name: "full", URL: full.URL, Role: RolePrefill},
-		BackendConfig{Name: "roomy", URL: roomy.URL, Role: RolePrefill},
+		routerconfig.BackendConfig{Name: "busy", URL: busy.URL, Role: routerconfig.RoleDecode},
+		routerconfig.BackendConfig{Name: "idle", URL: idle.URL, Role: routerconfig.RoleDecode},
+		routerconfig.BackendConfig{Name: "full", URL: full.URL, Role: routerconfig.RolePrefill},
+		routerconfig.BackendConfig{Name: "roomy", URL: roomy.URL, Role: routerconfig.RolePrefill},
 	)
 	waitLoad(t, r, "busy", 8)
 	waitLoad(t, r, "full", 0)
 	for i := range 5 {
-		if got := pick(t, r, RoleDecode); got != "idle" {
+		if got := pick(t, r, routerconfig.RoleDecode); got != "idle" {
 			t.Errorf("decode pick %d = %s, want the engine with the least reported work", i, got)
 		}
-		if got := pick(t, r, RolePrefill); got != "roomy" {
+		if got := pick(t, r, routerconfig.RolePrefill); got != "roomy" {
 			t.Errorf("prefill pick %d = %s, want the prefiller whose KV pool is not nearly full", i, got)
 		}
 	}
@@ -353,7 +354,7 @@ func TestLeastLoadedRoutesByScrapedLoad(t *testing.T) {
 	// The busy engine's load goes away; the next scrape tells.
 	busy.set(http.StatusOK, vllmMetrics(0, 0, 0))
 	waitLoad(t, r, "busy", 0)
-	if got := pick(t, r, RoleDecode); got != "busy" {
+	if got := pick(t, r, routerconfig.RoleDecode); got != "busy" {
 		t.Errorf("decode pick after the busy engine drained = %s, want busy", got)
 	}
 }
@@ -363,13 +364,13 @@ func TestLeastLoadedSharesTheEnginesViewWithOtherReplicas(t *testing.T) {
 	// in the engines' figures, so A avoids the engine B loaded without being told.
 	e0 := newMetricsEngine(t, vllmMetrics(0, 0, 0))
 	e1 := newMetricsEngine(t, vllmMetrics(0, 0, 0))
-	cfg := func() []BackendConfig {
-		return []BackendConfig{{Name: "e0", URL: e0.URL, Role: RoleDecode}, {Name: "e1", URL: e1.URL, Role: RoleDecode}}
+	cfg := func() []routerconfig.BackendConfig {
+		return []routerconfig.BackendConfig{{Name: "e0", URL: e0.URL, Role: routerconfig.RoleDecode}, {Name: "e1", URL: e1.URL, Role: routerconfig.RoleDecode}}
 	}
 	a, b := loadRouter(t, nil, cfg()...), loadRouter(t, nil, cfg()...)
 	var held []*Lease
 	for range 4 {
-		l, err := b.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"e1"}})
+		l, err := b.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Exclude: []string{"e1"}})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -379,7 +380,7 @@ func TestLeastLoadedSharesTheEnginesViewWithOtherReplicas(t *testing.T) {
 	waitLoad(t, a, "e0", 4)
 	waitLoad(t, b, "e0", 4)
 	for i := range 3 {
-		if got := pick(t, a, RoleDecode); got != "e1" {
+		if got := pick(t, a, routerconfig.RoleDecode); got != "e1" {
 			t.Errorf("replica A pick %d = %s, want e1: e0 runs B's requests", i, got)
 		}
 		// B counts its four once, not twice (the engine's figure and its own leases).
@@ -411,11 +412,11 @@ func TestScrapeFailuresAreCountedAndGoStaleIntoInflight(t *testing.T) {
 			good := newMetricsEngine(t, vllmMetrics(0, 3, 0))
 			reg := prometheus.NewRegistry()
 			r := loadRouter(t, reg,
-				BackendConfig{Name: "bad", URL: bad.URL, Role: RoleDecode},
-				BackendConfig{Name: "good", URL: good.URL, Role: RoleDecode})
+				routerconfig.BackendConfig{Name: "bad", URL: bad.URL, Role: routerconfig.RoleDecode},
+				routerconfig.BackendConfig{Name: "good", URL: good.URL, Role: routerconfig.RoleDecode})
 			waitLoad(t, r, "bad", 0)
 			waitLoad(t, r, "good", 3)
-			if got := pick(t, r, RoleDecode); got != "bad" {
+			if got := pick(t, r, routerconfig.RoleDecode); got != "bad" {
 				t.Fatalf("pick with fresh figures = %s, want bad (0 running against 3)", got)
 			}
 			tt.fault(bad)
@@ -434,7 +435,7 @@ func TestScrapeFailuresAreCountedAndGoStaleIntoInflight(t *testing.T) {
 			staleBefore := testutil.Value(t, reg, "pdproxy_backend_scrape_stale_total", map[string]string{"backend": "bad"})
 			hold := func(n int) (held []*Lease) {
 				for range n {
-					l, err := r.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"good"}})
+					l, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Exclude: []string{"good"}})
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -443,12 +444,12 @@ func TestScrapeFailuresAreCountedAndGoStaleIntoInflight(t *testing.T) {
 				return held
 			}
 			held := hold(2)
-			if got := pick(t, r, RoleDecode); got != "bad" {
+			if got := pick(t, r, routerconfig.RoleDecode); got != "bad" {
 				t.Errorf("pick = %s, want bad: stale, it has 2 in flight against good's 3 running", got)
 			}
 			held = append(held, hold(2)...)
 			for i := range 3 {
-				if got := pick(t, r, RoleDecode); got != "good" {
+				if got := pick(t, r, routerconfig.RoleDecode); got != "good" {
 					t.Errorf("pick %d = %s, want good: bad, stale, has 4 in flight against good's 3 running", i, got)
 				}
 			}
@@ -468,7 +469,7 @@ func TestScrapeFailuresAreCountedAndGoStaleIntoInflight(t *testing.T) {
 
 func TestScrapesUseTheBackendsOwnClient(t *testing.T) {
 	e := newMetricsEngine(t, vllmMetrics(0, 2, 0))
-	r := loadRouter(t, nil, BackendConfig{Name: "d", URL: e.URL + "/", Role: RoleDecode, APIKey: "engine-key"})
+	r := loadRouter(t, nil, routerconfig.BackendConfig{Name: "d", URL: e.URL + "/", Role: routerconfig.RoleDecode, APIKey: "engine-key"})
 	waitLoad(t, r, "d", 2)
 	if a := e.auth.Load(); a == nil || *a != "Bearer engine-key" {
 		t.Errorf("scrape sent Authorization %v, want the backend's own key", a)
@@ -478,11 +479,11 @@ func TestScrapesUseTheBackendsOwnClient(t *testing.T) {
 func TestScrapingOnlyWhereLeastLoadedPicks(t *testing.T) {
 	p := newMetricsEngine(t, vllmMetrics(0, 0, 0))
 	d := newMetricsEngine(t, vllmMetrics(0, 0, 0))
-	r, err := New(Config{
-		Backends:       []BackendConfig{{Name: "p", URL: p.URL, Role: RolePrefill}, {Name: "d", URL: d.URL, Role: RoleDecode}},
-		DecodePolicy:   PolicyLeastLoaded,
+	r, err := New(routerconfig.Config{
+		Backends:       []routerconfig.BackendConfig{{Name: "p", URL: p.URL, Role: routerconfig.RolePrefill}, {Name: "d", URL: d.URL, Role: routerconfig.RoleDecode}},
+		DecodePolicy:   routerconfig.PolicyLeastLoaded,
 		ScrapeInterval: 20 * time.Millisecond,
-		Health:         HealthConfig{Interval: -1},
+		Health:         routerconfig.HealthConfig{Interval: -1},
 	}, zaptest.NewLogger(t), nil)
 	if err != nil {
 		t.Fatal(err)
@@ -616,11 +617,11 @@ func TestScrapeIntervalConfig(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			var c Config
+			var c routerconfig.Config
 			if err := yaml.Unmarshal([]byte(tt.yaml), &c); err != nil {
 				t.Fatal(err)
 			}
-			c.Backends = []BackendConfig{{URL: "http://127.0.0.1:1", Role: RoleDecode}}
+			c.Backends = []routerconfig.BackendConfig{{URL: "http://127.0.0.1:1", Role: routerconfig.RoleDecode}}
 			err := c.Validate()
 			if tt.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {

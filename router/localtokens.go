@@ -12,30 +12,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
-
-// LocalTokenizer tokenizes one model's requests in the proxy, as its engines do: cmd/proxy
-// passes one per entry of Config.Tokenizers, read from its files.
-type LocalTokenizer interface {
-	// Tokenize appends to dst prompt's tokens, or, when messages (a chat's messages array
-	// as the client sent it) is set, the tokens of the messages rendered through the
-	// model's chat template with the generation prompt. ErrNotLocal means this request is
-	// the engine's to tokenize (a chat without a template, content the template would see
-	// otherwise than the engine does). It appends at most max tokens: a request that has
-	// more answers ErrTooManyTokens, tokenized no further than that, time and memory alike.
-	Tokenize(dst []uint32, prompt string, messages json.RawMessage, max int) ([]uint32, error)
-	// Chats reports whether it renders chat messages (it has the model's template).
-	Chats() bool
-}
-
-// ErrNotLocal is a LocalTokenizer's answer for a request it leaves to the engine.
-var ErrNotLocal = errors.New("router: this request is tokenized by the engine")
-
-// ErrTooManyTokens is a LocalTokenizer's answer, and Router.Tokens', for a request of more
-// tokens than tokenize_max_tokens: no engine takes it whole, and it is scored by its text.
-var ErrTooManyTokens = errors.New("router: more tokens than tokenize_max_tokens")
 
 // tokenizerCheckInterval is how often the router tries again to check the tokenizers no
 // engine could check yet.
@@ -52,7 +32,7 @@ const (
 // localTokenizer is a model's LocalTokenizer and whether an engine agreed with it.
 type localTokenizer struct {
 	model string
-	tok   LocalTokenizer
+	tok   routerconfig.LocalTokenizer
 	state atomic.Int32
 	// maxTokens is tokenize_max_tokens in force.
 	maxTokens atomic.Int64
@@ -74,7 +54,7 @@ var CheckSamples = []TokenizeRequest{
 }
 
 // localTokenizers builds the router's view of cfg's LocalTokenizers.
-func newLocalTokenizers(cfg Config, reg prometheus.Registerer) (map[string]*localTokenizer, error) {
+func newLocalTokenizers(cfg routerconfig.Config, reg prometheus.Registerer) (map[string]*localTokenizer, error) {
 	if len(cfg.LocalTokenizers) == 0 {
 		return nil, nil
 	}
@@ -153,7 +133,7 @@ func (r *Router) checkTokenizer(ctx context.Context, lt *localTokenizer) error {
 		return nil
 	}
 	timeout := r.settings.Load().tokenizeTimeout
-	for _, role := range []Role{RolePrefill, RoleDecode} {
+	for _, role := range []routerconfig.Role{routerconfig.RolePrefill, routerconfig.RoleDecode} {
 	backends:
 		for _, b := range r.Available(role) {
 			if !b.Serves(lt.model) {
@@ -248,10 +228,10 @@ func (r *Router) localTokens(req TokenizeRequest) (_ []uint32, local bool, _ err
 		if *buf = toks[:0]; cap(*buf) <= maxReturnedTokens {
 			r.tokenBufs.Put(buf)
 		}
-		if errors.Is(err, ErrTooManyTokens) {
+		if errors.Is(err, routerconfig.ErrTooManyTokens) {
 			return nil, true, fmt.Errorf("tokenize in the proxy: %w", err)
 		}
-		if !errors.Is(err, ErrNotLocal) {
+		if !errors.Is(err, routerconfig.ErrNotLocal) {
 			if ce := r.logger.Check(zap.DebugLevel, "tokenizing in the proxy failed: asking an engine"); ce != nil {
 				ce.Write(zap.String("model", req.Model), zap.Error(err))
 			}

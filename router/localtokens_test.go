@@ -16,6 +16,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // byteEngine is an engine whose POST /tokenize answers a prompt's bytes as its tokens,
@@ -54,22 +55,22 @@ type byteTokenizer struct{ shift uint32 }
 
 func (b byteTokenizer) Tokenize(dst []uint32, prompt string, messages json.RawMessage, max int) ([]uint32, error) {
 	if messages != nil {
-		return dst, ErrNotLocal
+		return dst, routerconfig.ErrNotLocal
 	}
 	if len(prompt) > max {
-		return dst, ErrTooManyTokens
+		return dst, routerconfig.ErrTooManyTokens
 	}
 	return append(dst, byteTokens(prompt, b.shift)...), nil
 }
 
 func (byteTokenizer) Chats() bool { return false }
 
-func localConfig(e *byteEngine, shift uint32) Config {
-	return Config{
-		Backends:        []BackendConfig{{Name: "d0", URL: e.URL, Role: RoleDecode}},
+func localConfig(e *byteEngine, shift uint32) routerconfig.Config {
+	return routerconfig.Config{
+		Backends:        []routerconfig.BackendConfig{{Name: "d0", URL: e.URL, Role: routerconfig.RoleDecode}},
 		EngineTokenizer: engineTokenizer{},
-		Tokenizers:      map[string]TokenizerFiles{"m": {File: "tokenizer.json"}},
-		LocalTokenizers: map[string]LocalTokenizer{"m": byteTokenizer{shift: shift}},
+		Tokenizers:      map[string]routerconfig.TokenizerFiles{"m": {File: "tokenizer.json"}},
+		LocalTokenizers: map[string]routerconfig.LocalTokenizer{"m": byteTokenizer{shift: shift}},
 	}
 }
 
@@ -143,7 +144,7 @@ func TestAReloadMayNotChangeTheTokenizers(t *testing.T) {
 	if err := r.Reload(cfg); err != nil {
 		t.Fatalf("a reload of the same tokenizers: %v", err)
 	}
-	cfg.Tokenizers = map[string]TokenizerFiles{"m": {File: "other.json"}}
+	cfg.Tokenizers = map[string]routerconfig.TokenizerFiles{"m": {File: "other.json"}}
 	if err := r.Reload(cfg); err == nil || !strings.Contains(err.Error(), "tokenizers are read at start") {
 		t.Errorf("Reload = %v, want it refused", err)
 	}
@@ -171,7 +172,7 @@ func TestAPromptOfMoreTokensThanTheLimitIsScoredByItsText(t *testing.T) {
 			t.Errorf("%d bytes: an engine was asked for the tokens", len(prompt))
 		case wantTokens && (err != nil || !slices.Equal(got, byteTokens(prompt, 0))):
 			t.Errorf("%d bytes: Tokens %v, %v; want the prompt's", len(prompt), got, err)
-		case !wantTokens && (!errors.Is(err, ErrTooManyTokens) || got != nil):
+		case !wantTokens && (!errors.Is(err, routerconfig.ErrTooManyTokens) || got != nil):
 			t.Errorf("%d bytes: Tokens %v, %v; want ErrTooManyTokens", len(prompt), got, err)
 		}
 	}
@@ -192,14 +193,14 @@ func TestTokenizeMaxTokensFromYAML(t *testing.T) {
 		bad  bool
 	}{
 		{"tokenize_max_tokens: 262144\n", 262144, false},
-		{"tokenizer: engine\n", DefaultTokenizeMaxTokens, false},
+		{"tokenizer: engine\n", routerconfig.DefaultTokenizeMaxTokens, false},
 		{"tokenize_max_tokens: -1\n", 0, true},
 	} {
-		var c Config
+		var c routerconfig.Config
 		if err := yaml.Unmarshal([]byte(tc.doc), &c); err != nil {
 			t.Fatal(err)
 		}
-		c.Backends = backendsCfg(RoleDecode, "d", 1, 0)
+		c.Backends = backendsCfg(routerconfig.RoleDecode, "d", 1, 0)
 		err := c.Validate()
 		if tc.bad {
 			if err == nil || !strings.Contains(err.Error(), "tokenize_max_tokens") {
@@ -214,15 +215,15 @@ func TestTokenizeMaxTokensFromYAML(t *testing.T) {
 }
 
 func TestTokenizersFromYAML(t *testing.T) {
-	var c Config
+	var c routerconfig.Config
 	doc := "tokenizers:\n  llama-3-8b: {file: /m/tokenizer.json, chat_template: /m/tokenizer_config.json}\n  qwen: {chat_template: /q/chat.jinja}\n"
 	if err := yaml.Unmarshal([]byte(doc), &c); err != nil {
 		t.Fatal(err)
 	}
-	if want := (TokenizerFiles{File: "/m/tokenizer.json", ChatTemplate: "/m/tokenizer_config.json"}); c.Tokenizers["llama-3-8b"] != want {
+	if want := (routerconfig.TokenizerFiles{File: "/m/tokenizer.json", ChatTemplate: "/m/tokenizer_config.json"}); c.Tokenizers["llama-3-8b"] != want {
 		t.Errorf("tokenizers.llama-3-8b = %+v, want %+v", c.Tokenizers["llama-3-8b"], want)
 	}
-	c.Backends = backendsCfg(RoleDecode, "d", 1, 0)
+	c.Backends = backendsCfg(routerconfig.RoleDecode, "d", 1, 0)
 	if err := c.Validate(); err == nil || !strings.Contains(err.Error(), "tokenizers.qwen.file") {
 		t.Errorf("Validate = %v, want tokenizers.qwen.file refused", err)
 	}

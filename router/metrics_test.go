@@ -8,12 +8,13 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 func TestRequestsTotalCodes(t *testing.T) {
-	r, reg, _ := newTestRouter(t, Config{
-		Backends: backendsCfg(RoleDecode, "d", 1, 0),
-		Ejection: EjectionConfig{ConsecutiveFailures: -1},
+	r, reg, _ := newTestRouter(t, routerconfig.Config{
+		Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 0),
+		Ejection: routerconfig.EjectionConfig{ConsecutiveFailures: -1},
 	})
 	for _, res := range []Result{
 		{Status: 200}, {Status: 200}, {Status: 503}, {Status: 418},
@@ -33,8 +34,8 @@ func TestRequestsTotalCodes(t *testing.T) {
 }
 
 func TestBackendGauges(t *testing.T) {
-	r, reg, _ := newTestRouter(t, Config{Backends: append(backendsCfg(RoleDecode, "d", 2, 0), backendsCfg(RolePrefill, "p", 1, 0)...)})
-	l := mustAcquire(t, r, RolePrefill, Hint{})
+	r, reg, _ := newTestRouter(t, routerconfig.Config{Backends: append(backendsCfg(routerconfig.RoleDecode, "d", 2, 0), backendsCfg(routerconfig.RolePrefill, "p", 1, 0)...)})
+	l := mustAcquire(t, r, routerconfig.RolePrefill, Hint{})
 	backendByName(t, r, "d1").st.up.Store(false)
 	tests := []struct {
 		metric, backend, role string
@@ -60,7 +61,7 @@ func TestBackendGauges(t *testing.T) {
 }
 
 func TestMetricsRegisterOnTheInjectedRegistryOnly(t *testing.T) {
-	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 0)}
+	cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 0)}
 	reg := prometheus.NewRegistry()
 	if _, err := New(cfg, zaptest.NewLogger(t), reg); err != nil {
 		t.Fatal(err)
@@ -74,7 +75,7 @@ func TestMetricsRegisterOnTheInjectedRegistryOnly(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l, err := r.Acquire(context.Background(), RoleDecode, Hint{})
+	l, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,6 +2,8 @@ package router
 
 import (
 	"slices"
+
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // Models returns every model a backend of role serves, sorted, each once (shared: the caller
@@ -12,15 +14,15 @@ import (
 //
 // Every request asks it: the answer is kept until a backend's models, the backends or the
 // discover entries change (forgetModels).
-func (r *Router) Models(role Role) (models []string, complete bool) {
+func (r *Router) Models(role routerconfig.Role) (models []string, complete bool) {
 	views := r.modelViews.Load()
 	if gen := r.modelGen.Load(); views == nil || views.gen != gen {
 		// Read the generation before the state: a change while this runs makes the next
 		// call work it out again.
-		views = &modelViews{gen: gen, v: [2]modelView{r.modelsOf(RolePrefill), r.modelsOf(RoleDecode)}, adapters: r.adaptersOf()}
+		views = &modelViews{gen: gen, v: [2]modelView{r.modelsOf(routerconfig.RolePrefill), r.modelsOf(routerconfig.RoleDecode)}, adapters: r.adaptersOf()}
 		r.modelViews.Store(views)
 	}
-	if role == RoleDecode {
+	if role == routerconfig.RoleDecode {
 		return views.v[1].models, views.v[1].complete
 	}
 	return views.v[0].models, views.v[0].complete
@@ -34,7 +36,7 @@ func (r *Router) Adapter(model string) bool {
 	if model == "" {
 		return false
 	}
-	r.Models(RolePrefill) // brings the views up to date
+	r.Models(routerconfig.RolePrefill) // brings the views up to date
 	views := r.modelViews.Load()
 	return views != nil && views.adapters[model]
 }
@@ -76,7 +78,7 @@ func (r *Router) adaptersOf() map[string]bool {
 }
 
 // modelsOf is Models, worked out.
-func (r *Router) modelsOf(role Role) modelView {
+func (r *Router) modelsOf(role routerconfig.Role) modelView {
 	var models []string
 	complete := true
 	seen := map[string]bool{}

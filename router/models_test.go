@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // A request for a model goes only to the engines that serve it, whether the config names
@@ -21,13 +22,13 @@ func TestRequestsGoOnlyToEnginesServingTheirModel(t *testing.T) {
 	listed, quiet, named := newEngine(t), newEngine(t), newEngine(t)
 	listed.models.Store([]string{"llama", "llama-lora-sql"})
 	named.models.Store([]string{"ignored: the config wins"})
-	cfg := healthCfg(HealthConfig{Interval: 5 * time.Millisecond}, listed, quiet, named)
+	cfg := healthCfg(routerconfig.HealthConfig{Interval: 5 * time.Millisecond}, listed, quiet, named)
 	cfg.Backends[2].Models = []string{"qwen"}
 	r, _, _ := newTestRouter(t, cfg)
 
 	// Before the first check nothing is known of d0 and d1: a model absent from every list
 	// may still be served.
-	if _, complete := r.Models(RoleDecode); complete {
+	if _, complete := r.Models(routerconfig.RoleDecode); complete {
 		t.Fatal("models complete before any engine listed its models")
 	}
 	runRouter(t, r)
@@ -37,7 +38,7 @@ func TestRequestsGoOnlyToEnginesServingTheirModel(t *testing.T) {
 	}
 
 	pick := func(model string) (string, error) {
-		l, err := r.Acquire(context.Background(), RoleDecode, Hint{Model: model})
+		l, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Model: model})
 		if err != nil {
 			return "", err
 		}
@@ -55,8 +56,8 @@ func TestRequestsGoOnlyToEnginesServingTheirModel(t *testing.T) {
 
 	// Once d1 lists its models too, the set is complete, and a model outside it has nobody.
 	quiet.models.Store([]string{"llama"})
-	testutil.Eventually(t, testutil.Timeout, func() bool { _, c := r.Models(RoleDecode); return c }, "models complete")
-	models, _ := r.Models(RoleDecode)
+	testutil.Eventually(t, testutil.Timeout, func() bool { _, c := r.Models(routerconfig.RoleDecode); return c }, "models complete")
+	models, _ := r.Models(routerconfig.RoleDecode)
 	if want := []string{"llama", "llama-lora-sql", "qwen"}; !slices.Equal(models, want) {
 		t.Fatalf("models %v, want %v", models, want)
 	}
@@ -73,17 +74,17 @@ func TestRequestsGoOnlyToEnginesServingTheirModel(t *testing.T) {
 // A waiter for one model does not hold up a waiter behind it for another model whose engine
 // has room: each model's requests queue for their own engines.
 func TestAQueueForOneModelDoesNotBlockAnother(t *testing.T) {
-	cfg := Config{Backends: []BackendConfig{
-		{Name: "a", URL: "http://127.0.0.1:1", Role: RoleDecode, MaxInflight: 1, Models: []string{"ma"}},
-		{Name: "b", URL: "http://127.0.0.1:2", Role: RoleDecode, MaxInflight: 1, Models: []string{"mb"}},
+	cfg := routerconfig.Config{Backends: []routerconfig.BackendConfig{
+		{Name: "a", URL: "http://127.0.0.1:1", Role: routerconfig.RoleDecode, MaxInflight: 1, Models: []string{"ma"}},
+		{Name: "b", URL: "http://127.0.0.1:2", Role: routerconfig.RoleDecode, MaxInflight: 1, Models: []string{"mb"}},
 	}}
 	r, _, _ := newTestRouter(t, cfg)
 	ctx := context.Background()
-	la, err := r.Acquire(ctx, RoleDecode, Hint{Model: "ma"})
+	la, err := r.Acquire(ctx, routerconfig.RoleDecode, Hint{Model: "ma"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	lb, err := r.Acquire(ctx, RoleDecode, Hint{Model: "mb"})
+	lb, err := r.Acquire(ctx, routerconfig.RoleDecode, Hint{Model: "mb"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -92,14 +93,14 @@ func TestAQueueForOneModelDoesNotBlockAnother(t *testing.T) {
 	actx, cancelA := context.WithCancel(ctx)
 	defer cancelA()
 	go func() {
-		l, err := r.Acquire(actx, RoleDecode, Hint{Model: "ma"})
+		l, err := r.Acquire(actx, routerconfig.RoleDecode, Hint{Model: "ma"})
 		l.Release(Result{})
 		waitA <- err
 	}()
 	testutil.Eventually(t, testutil.Timeout, func() bool { r.decode.mu.Lock(); defer r.decode.mu.Unlock(); return r.decode.waiters.Len() == 1 }, "ma queued")
 	gotB := make(chan string, 1)
 	go func() {
-		l, err := r.Acquire(ctx, RoleDecode, Hint{Model: "mb"})
+		l, err := r.Acquire(ctx, routerconfig.RoleDecode, Hint{Model: "mb"})
 		if err != nil {
 			gotB <- err.Error()
 			return
@@ -158,17 +159,17 @@ func newLoRAEngine(t *testing.T, adapters ...string) *loraEngine {
 // one unloaded stops drawing them: the cost rule and the other policies pick only among the
 // engines that list it now.
 func TestAnAdapterLoadedOrUnloadedAtRuntimeJoinsOrLeavesItsCandidatesAtTheNextCheck(t *testing.T) {
-	for _, policy := range []string{PolicyLeastInflight, PolicyCacheAware} {
+	for _, policy := range []string{routerconfig.PolicyLeastInflight, routerconfig.PolicyCacheAware} {
 		t.Run(policy, func(t *testing.T) {
 			e0, e1 := newLoRAEngine(t, "sql"), newLoRAEngine(t)
-			r, _, _ := newTestRouter(t, Config{DecodePolicy: policy, Health: HealthConfig{Interval: 5 * time.Millisecond},
-				Backends: []BackendConfig{{Name: "d0", URL: e0.URL, Role: RoleDecode}, {Name: "d1", URL: e1.URL, Role: RoleDecode}}})
+			r, _, _ := newTestRouter(t, routerconfig.Config{DecodePolicy: policy, Health: routerconfig.HealthConfig{Interval: 5 * time.Millisecond},
+				Backends: []routerconfig.BackendConfig{{Name: "d0", URL: e0.URL, Role: routerconfig.RoleDecode}, {Name: "d1", URL: e1.URL, Role: routerconfig.RoleDecode}}})
 			runRouter(t, r)
 			// picks are where eight requests for sql went, each a prompt of its own.
 			picks := func() map[string]int {
 				out := map[string]int{}
 				for i := range 8 {
-					l, err := r.Acquire(context.Background(), RoleDecode, Hint{Model: "sql", LoRA: "sql", Text: fmt.Sprintf("prompt %d of the sql adapter", i)})
+					l, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Model: "sql", LoRA: "sql", Text: fmt.Sprintf("prompt %d of the sql adapter", i)})
 					if err != nil {
 						t.Fatalf("acquire: %v", err)
 					}

@@ -15,6 +15,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // filler makes prompts long enough that the JSON they all start with is a small share of each.
@@ -28,7 +29,7 @@ func conversation(i int) string {
 
 // replicas builds n routers from the same config, as proxy replicas behind one Service are,
 // each running (scrapes, KV events) until the test ends when run is set.
-func replicas(t *testing.T, n int, cfg func() Config, run bool) []*Router {
+func replicas(t *testing.T, n int, cfg func() routerconfig.Config, run bool) []*Router {
 	t.Helper()
 	var out []*Router
 	for range n {
@@ -46,12 +47,12 @@ func replicas(t *testing.T, n int, cfg func() Config, run bool) []*Router {
 }
 
 // enginesCfg is backends named d0.. over engines that report no load.
-func enginesCfg(t *testing.T, n int) []BackendConfig {
+func enginesCfg(t *testing.T, n int) []routerconfig.BackendConfig {
 	t.Helper()
-	var out []BackendConfig
+	var out []routerconfig.BackendConfig
 	for i := range n {
 		e := newMetricsEngine(t, vllmMetrics(0, 0, 0))
-		out = append(out, BackendConfig{Name: fmt.Sprintf("d%d", i), URL: e.URL, Role: RoleDecode})
+		out = append(out, routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: e.URL, Role: routerconfig.RoleDecode})
 	}
 	return out
 }
@@ -59,7 +60,7 @@ func enginesCfg(t *testing.T, n int) []BackendConfig {
 // pickOnce acquires for h and releases at once: where h went, and how its session's pick went.
 func pickOnce(t *testing.T, r *Router, h Hint) (string, SessionChoice) {
 	t.Helper()
-	l := mustAcquire(t, r, RoleDecode, h)
+	l := mustAcquire(t, r, routerconfig.RoleDecode, h)
 	defer l.Release(Result{Status: 200})
 	return l.Backend().Name, l.Session()
 }
@@ -71,20 +72,20 @@ func TestReplicasPlaceAPromptNoEngineCachesOnTheSameEngine(t *testing.T) {
 		policy string
 		hint   func(i int) Hint
 	}{
-		{"cache_aware", PolicyCacheAware, func(i int) Hint { return Hint{Text: conversation(i)} }},
-		{"precise_cache_aware, by text and tokens", PolicyPreciseCacheAware, func(i int) Hint {
+		{"cache_aware", routerconfig.PolicyCacheAware, func(i int) Hint { return Hint{Text: conversation(i)} }},
+		{"precise_cache_aware, by text and tokens", routerconfig.PolicyPreciseCacheAware, func(i int) Hint {
 			return Hint{Text: conversation(i), Tokens: promptTokens(i*1000, 3*kvBlock)}
 		}},
-		{"precise_cache_aware, by tokens alone", PolicyPreciseCacheAware, func(i int) Hint {
+		{"precise_cache_aware, by tokens alone", routerconfig.PolicyPreciseCacheAware, func(i int) Hint {
 			return Hint{Tokens: promptTokens(i*1000, 3*kvBlock)}
 		}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			backends := enginesCfg(t, 4)
-			rs := replicas(t, 3, func() Config {
-				return Config{Backends: backends, DecodePolicy: tt.policy, ScrapeInterval: 50 * time.Millisecond,
-					Health: HealthConfig{Interval: -1}, KVEvents: KVEventsConfig{Listen: "tcp://127.0.0.1:0"}}
+			rs := replicas(t, 3, func() routerconfig.Config {
+				return routerconfig.Config{Backends: backends, DecodePolicy: tt.policy, ScrapeInterval: 50 * time.Millisecond,
+					Health: routerconfig.HealthConfig{Interval: -1}, KVEvents: routerconfig.KVEventsConfig{Listen: "tcp://127.0.0.1:0"}}
 			}, true)
 			// Each replica sees the prompts in its own order, so that what each has routed
 			// before differs, as it does when a Service spreads clients.
@@ -118,9 +119,9 @@ func TestReplicasPlaceAPromptNoEngineCachesOnTheSameEngine(t *testing.T) {
 
 // placements is where each of n prompts goes from a fresh replica over backends, each picked
 // alone.
-func placements(t *testing.T, backends []BackendConfig, n int) []string {
+func placements(t *testing.T, backends []routerconfig.BackendConfig, n int) []string {
 	t.Helper()
-	r, _, _ := newTestRouter(t, Config{Backends: backends, DecodePolicy: PolicyCacheAware})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backends, DecodePolicy: routerconfig.PolicyCacheAware})
 	out := make([]string, n)
 	for i := range out {
 		out[i], _ = pickOnce(t, r, Hint{Text: conversation(i)})
@@ -130,11 +131,11 @@ func placements(t *testing.T, backends []BackendConfig, n int) []string {
 
 func TestPlacementMovesOnlyTheKeysItMust(t *testing.T) {
 	const prompts = 1000
-	four := backendsCfg(RoleDecode, "d", 4, 0)
+	four := backendsCfg(routerconfig.RoleDecode, "d", 4, 0)
 	before := placements(t, four, prompts)
 
 	t.Run("an engine leaving moves only the keys it had", func(t *testing.T) {
-		three := append(append([]BackendConfig(nil), four[:2]...), four[3])
+		three := append(append([]routerconfig.BackendConfig(nil), four[:2]...), four[3])
 		after := placements(t, three, prompts)
 		moved := 0
 		for i := range prompts {
@@ -150,7 +151,7 @@ func TestPlacementMovesOnlyTheKeysItMust(t *testing.T) {
 		}
 	})
 	t.Run("an engine joining takes about a fifth of the keys, all from the others", func(t *testing.T) {
-		five := append(append([]BackendConfig(nil), four...), backendsCfg(RoleDecode, "e", 1, 0)...)
+		five := append(append([]routerconfig.BackendConfig(nil), four...), backendsCfg(routerconfig.RoleDecode, "e", 1, 0)...)
 		after := placements(t, five, prompts)
 		moved := 0
 		for i := range prompts {
@@ -171,9 +172,9 @@ func TestAFloodSharingAHeadSpreadsByTheWorkQueuedOnEachEngine(t *testing.T) {
 	// Many requests sharing a 1 KiB head (the key) with long tails of their own: what the head
 	// saves is soon outweighed by the tails queued where it is held, and the flood spreads.
 	const engines, flood = 4, 40
-	head := strings.Repeat("a system prompt every request shares. ", 30)[:4*DefaultPrefixTokens]
+	head := strings.Repeat("a system prompt every request shares. ", 30)[:4*routerconfig.DefaultPrefixTokens]
 	text := func(i int) string { return head + strings.Repeat(fmt.Sprintf("tail %d of its own. ", i), 200) }
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", engines, 0), DecodePolicy: PolicyCacheAware})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", engines, 0), DecodePolicy: routerconfig.PolicyCacheAware})
 	home, _ := pickOnce(t, r, Hint{Text: text(-1)})
 
 	var held []*Lease
@@ -183,7 +184,7 @@ func TestAFloodSharingAHeadSpreadsByTheWorkQueuedOnEachEngine(t *testing.T) {
 		}
 	}()
 	for i := range flood {
-		l := mustAcquire(t, r, RoleDecode, Hint{Text: text(i)})
+		l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Text: text(i)})
 		held = append(held, l)
 		if i == 0 && l.Backend().Name != home {
 			t.Errorf("the first of the flood went to %s, want %s, where the idle pool places its key", l.Backend().Name, home)
@@ -198,11 +199,11 @@ func TestAFloodSharingAHeadSpreadsByTheWorkQueuedOnEachEngine(t *testing.T) {
 }
 
 func TestASessionGoesToOneEngineFromEveryReplica(t *testing.T) {
-	for _, policy := range []string{PolicyLeastInflight, PolicyCacheAware, PolicyRoundRobin} {
+	for _, policy := range []string{routerconfig.PolicyLeastInflight, routerconfig.PolicyCacheAware, routerconfig.PolicyRoundRobin} {
 		t.Run(policy, func(t *testing.T) {
 			backends := enginesCfg(t, 4)
-			rs := replicas(t, 3, func() Config {
-				return Config{Backends: backends, DecodePolicy: policy, ScrapeInterval: 50 * time.Millisecond, Health: HealthConfig{Interval: -1}}
+			rs := replicas(t, 3, func() routerconfig.Config {
+				return routerconfig.Config{Backends: backends, DecodePolicy: policy, ScrapeInterval: 50 * time.Millisecond, Health: routerconfig.HealthConfig{Interval: -1}}
 			}, true)
 			perEngine := map[string]int{}
 			for s := range 100 {
@@ -241,8 +242,8 @@ func TestASessionYieldsItsEngineWhenItCannotTakeIt(t *testing.T) {
 	const session = "a-session"
 	t.Run("marked down by its health checks, on every replica alike", func(t *testing.T) {
 		es := []*engine{newEngine(t), newEngine(t), newEngine(t), newEngine(t)}
-		rs := replicas(t, 3, func() Config {
-			return healthCfg(HealthConfig{Interval: 20 * time.Millisecond, UnhealthyThreshold: 1}, es...)
+		rs := replicas(t, 3, func() routerconfig.Config {
+			return healthCfg(routerconfig.HealthConfig{Interval: 20 * time.Millisecond, UnhealthyThreshold: 1}, es...)
 		}, true)
 		bound, _ := pickOnce(t, rs[0], Hint{Session: session})
 		victim := es[bound[1]-'0']
@@ -302,8 +303,8 @@ func TestASessionYieldsItsEngineWhenItCannotTakeIt(t *testing.T) {
 			return Hint{Exclude: []string{bound}}, SessionYieldedUnhealthy
 		}},
 		{"ejected after failures", 0, func(t *testing.T, r *Router, bound string) (Hint, SessionChoice) {
-			for range DefaultConsecutiveFailures {
-				mustAcquire(t, r, RoleDecode, Hint{Exclude: others(r, bound)}).Release(Result{Status: 503})
+			for range routerconfig.DefaultConsecutiveFailures {
+				mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: others(r, bound)}).Release(Result{Status: 503})
 			}
 			return Hint{}, SessionYieldedUnhealthy
 		}},
@@ -313,7 +314,7 @@ func TestASessionYieldsItsEngineWhenItCannotTakeIt(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			cfg := Config{Backends: backendsCfg(RoleDecode, "d", 4, 0)}
+			cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 4, 0)}
 			for i := range cfg.Backends {
 				cfg.Backends[i].Models = []string{"m"}
 			}
@@ -331,7 +332,7 @@ func TestASessionYieldsItsEngineWhenItCannotTakeIt(t *testing.T) {
 	}
 
 	t.Run("bound to an engine no longer in the config", func(t *testing.T) {
-		r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 4, 0)})
+		r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 4, 0)})
 		placed, _ := pickOnce(t, r, Hint{Session: session})
 		got, choice := pickOnce(t, r, Hint{Session: session, Bound: "gone"})
 		if got != placed || choice != SessionYieldedUnhealthy {
@@ -343,28 +344,28 @@ func TestASessionYieldsItsEngineWhenItCannotTakeIt(t *testing.T) {
 // hold keeps one request in flight on the backend called name until the test ends.
 func hold(t *testing.T, r *Router, name string) {
 	t.Helper()
-	l := mustAcquire(t, r, RoleDecode, Hint{Exclude: others(r, name)})
+	l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: others(r, name)})
 	t.Cleanup(func() { l.Release(Result{Status: 200}) })
 }
 
 func TestARequestWithoutASessionSaysNoSessionChoice(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 0)})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 0)})
 	if _, choice := pickOnce(t, r, Hint{Bound: "d0"}); choice != "" {
 		t.Errorf("a request of no session got the session choice %q, want none", choice)
 	}
 }
 
 func TestTheLoadIsTheEnginesReportPlusOnlyWhatThisReplicaSentSince(t *testing.T) {
-	for _, policy := range []string{PolicyCacheAware, PolicyLeastLoaded} {
+	for _, policy := range []string{routerconfig.PolicyCacheAware, routerconfig.PolicyLeastLoaded} {
 		t.Run(policy, func(t *testing.T) {
 			e := newMetricsEngine(t, vllmMetrics(0, 0, 0))
 			idle := newMetricsEngine(t, vllmMetrics(0, 0, 0))
-			r, err := New(Config{
-				Backends:     []BackendConfig{{Name: "e", URL: e.URL, Role: RoleDecode}, {Name: "idle", URL: idle.URL, Role: RoleDecode}},
+			r, err := New(routerconfig.Config{
+				Backends:     []routerconfig.BackendConfig{{Name: "e", URL: e.URL, Role: routerconfig.RoleDecode}, {Name: "idle", URL: idle.URL, Role: routerconfig.RoleDecode}},
 				DecodePolicy: policy,
 				// One scrape, at Run's start, and none while the test counts.
 				ScrapeInterval: time.Hour,
-				Health:         HealthConfig{Interval: -1},
+				Health:         routerconfig.HealthConfig{Interval: -1},
 			}, zaptest.NewLogger(t), nil)
 			if err != nil {
 				t.Fatal(err)
@@ -410,9 +411,9 @@ func TestRequestsSentWhileAScrapeIsAnsweredAreNotCountedTwice(t *testing.T) {
 	var once sync.Once
 	release := func() { once.Do(func() { close(answer) }) }
 	defer release()
-	r, err := New(Config{
-		Backends:     []BackendConfig{{Name: "e", URL: e.URL, Role: RoleDecode}},
-		DecodePolicy: PolicyCacheAware, ScrapeInterval: time.Hour, Health: HealthConfig{Interval: -1},
+	r, err := New(routerconfig.Config{
+		Backends:     []routerconfig.BackendConfig{{Name: "e", URL: e.URL, Role: routerconfig.RoleDecode}},
+		DecodePolicy: routerconfig.PolicyCacheAware, ScrapeInterval: time.Hour, Health: routerconfig.HealthConfig{Interval: -1},
 	}, zaptest.NewLogger(t), nil)
 	if err != nil {
 		t.Fatal(err)
@@ -433,8 +434,8 @@ func TestPlacementWeighsTheLoadOtherReplicasPutOnAnEngine(t *testing.T) {
 	// Replica A has sent nothing; the engines' reports show what others sent. The engine
 	// every replica would place A's prompts on, busy with others' requests, is over its bound.
 	backends := enginesCfg(t, 2)
-	cfg := func() Config {
-		return Config{Backends: backends, DecodePolicy: PolicyCacheAware, ScrapeInterval: 50 * time.Millisecond, Health: HealthConfig{Interval: -1}}
+	cfg := func() routerconfig.Config {
+		return routerconfig.Config{Backends: backends, DecodePolicy: routerconfig.PolicyCacheAware, ScrapeInterval: 50 * time.Millisecond, Health: routerconfig.HealthConfig{Interval: -1}}
 	}
 	probe := replicas(t, 1, cfg, false)[0]
 	perEngine := map[string][]int{}
@@ -473,11 +474,11 @@ func TestBoundedLoadFactorConfig(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			var c Config
+			var c routerconfig.Config
 			if err := yaml.Unmarshal([]byte(tt.yaml), &c); err != nil {
 				t.Fatal(err)
 			}
-			c.Backends = []BackendConfig{{URL: "http://127.0.0.1:1", Role: RoleDecode}}
+			c.Backends = []routerconfig.BackendConfig{{URL: "http://127.0.0.1:1", Role: routerconfig.RoleDecode}}
 			_, err := New(c, zaptest.NewLogger(t), nil)
 			if tt.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
@@ -498,12 +499,12 @@ func TestBoundedLoadFactorConfig(t *testing.T) {
 func TestPlacementAndSessionsPickWithoutAllocating(t *testing.T) {
 	bs := testBackends(1, 2, 3, 4, 5, 6, 7, 8)
 	now := time.Now()
-	if n := testing.AllocsPerRun(100, func() { place(bs, 42, DefaultBoundedLoadFactor, now) }); n != 0 {
+	if n := testing.AllocsPerRun(100, func() { place(bs, 42, routerconfig.DefaultBoundedLoadFactor, now) }); n != 0 {
 		t.Errorf("place allocates %v times per pick, want 0", n)
 	}
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 8, 0)})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 8, 0)})
 	h := Hint{Session: "a-session", Bound: "d3", Text: "a prompt"}
-	p := r.pool(RoleDecode)
+	p := r.pool(routerconfig.RoleDecode)
 	if n := testing.AllocsPerRun(100, func() {
 		p.mu.Lock()
 		p.pickLocked(h)
@@ -514,7 +515,7 @@ func TestPlacementAndSessionsPickWithoutAllocating(t *testing.T) {
 }
 
 func BenchmarkSessionAcquireRelease(b *testing.B) {
-	r, err := New(Config{Backends: backendsCfg(RoleDecode, "d", 8, 1<<20), Health: HealthConfig{Interval: -1}}, nil, nil)
+	r, err := New(routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 8, 1<<20), Health: routerconfig.HealthConfig{Interval: -1}}, nil, nil)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -524,7 +525,7 @@ func BenchmarkSessionAcquireRelease(b *testing.B) {
 		i := 0
 		for pb.Next() {
 			i++
-			l, err := r.Acquire(ctx, RoleDecode, Hint{Session: fmt.Sprint("session ", i%64), Bound: "d3"})
+			l, err := r.Acquire(ctx, routerconfig.RoleDecode, Hint{Session: fmt.Sprint("session ", i%64), Bound: "d3"})
 			if err != nil {
 				b.Error(err)
 				return

@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // Policy picks one backend among candidates. The router passes only candidates it may
@@ -23,22 +25,6 @@ type Policy interface {
 // rebuild.
 type poolWatcher interface {
 	SetPool(all []*Backend)
-}
-
-// policyCaps are what a policy needs beyond a pool of candidates. Code outside the table of
-// policies (registry.go) asks them, never a policy's name.
-type policyCaps struct {
-	// wantsTokens: it scores a request by its tokens (Hint.Tokens), which the proxy gets
-	// from Router.Tokens before Acquire, and so needs a tokenizer.
-	wantsTokens bool
-	// needsKVEvents: it reads the engines' KV events, so some must be configured.
-	needsKVEvents bool
-	// scrapesLoad: it weighs engines' load by their /metrics (Backend.loadScore), which
-	// Router.Run scrapes for its pool every scrape_interval.
-	scrapesLoad bool
-	// byCost: it places by the predicted cost of the prefill (cost.go), so its pool has a
-	// predicted time to first token.
-	byCost bool
 }
 
 // Interface guards.
@@ -192,9 +178,9 @@ type vnode struct {
 // NewPrefixAffinity returns a prefix_affinity policy hashing prefixTokens tokens.
 func NewPrefixAffinity(prefixTokens int) *PrefixAffinity {
 	if prefixTokens <= 0 {
-		prefixTokens = DefaultPrefixTokens
+		prefixTokens = routerconfig.DefaultPrefixTokens
 	}
-	return &PrefixAffinity{maxBytes: prefixTokens * bytesPerToken, factor: DefaultBoundedLoadFactor}
+	return &PrefixAffinity{maxBytes: prefixTokens * bytesPerToken, factor: routerconfig.DefaultBoundedLoadFactor}
 }
 
 // SetPool builds the ring over every backend of the pool, healthy or not, so that a

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 func TestLeastInflight(t *testing.T) {
@@ -221,7 +223,7 @@ func TestPrefixAffinityAgreesAcrossInstances(t *testing.T) {
 }
 
 func TestNewPolicyKnowsEveryConfiguredName(t *testing.T) {
-	for _, name := range policyNames() {
+	for _, name := range routerconfig.PolicyNames() {
 		if _, ok := NewPolicy(name, 0); !ok {
 			t.Errorf("NewPolicy(%q) failed", name)
 		}

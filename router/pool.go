@@ -5,11 +5,13 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // pool is the backends of one role, their policy and their wait queue.
 type pool struct {
-	role Role
+	role routerconfig.Role
 	r    *Router
 
 	mu         sync.Mutex
@@ -17,7 +19,7 @@ type pool struct {
 	policy     Policy
 	policyName string
 	// caps are what policy needs of the router, from its registry entry.
-	caps         policyCaps
+	caps         routerconfig.PolicyCaps
 	prefixTokens int
 	cache        cacheSettings
 	// loadFactor is bounded_load_factor, for sessions' picks.
@@ -37,7 +39,7 @@ type pool struct {
 
 // cacheSettings are what a cache-aware policy is built with: a change rebuilds it.
 type cacheSettings struct {
-	CacheAwareConfig
+	routerconfig.CacheAwareConfig
 	staleAfter time.Duration
 	loadFactor float64
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/kvcache"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // kvPublisher is an engine's KV event publisher as vLLM runs it: a PUB socket sending
@@ -162,9 +163,9 @@ type preciseRouter struct {
 	reg *prometheus.Registry
 }
 
-func startPrecise(t *testing.T, cfg Config) *preciseRouter {
+func startPrecise(t *testing.T, cfg routerconfig.Config) *preciseRouter {
 	t.Helper()
-	cfg.DecodePolicy = PolicyPreciseCacheAware
+	cfg.DecodePolicy = routerconfig.PolicyPreciseCacheAware
 	if cfg.Health.Interval == 0 {
 		cfg.Health.Interval = -1
 	}
@@ -228,10 +229,10 @@ func (r *preciseRouter) pick(t *testing.T, h Hint, inflight map[string]int) stri
 	var held []*Lease
 	for name, n := range inflight {
 		for range n {
-			held = append(held, mustAcquire(t, r.Router, RoleDecode, Hint{Exclude: others(r.Router, name)}))
+			held = append(held, mustAcquire(t, r.Router, routerconfig.RoleDecode, Hint{Exclude: others(r.Router, name)}))
 		}
 	}
-	l := mustAcquire(t, r.Router, RoleDecode, h)
+	l := mustAcquire(t, r.Router, routerconfig.RoleDecode, h)
 	name := l.Backend().Name
 	l.Release(Result{Status: 200})
 	for _, l := range held {
@@ -253,14 +254,14 @@ func others(r *Router, name string) []string {
 
 // listenCfg is three decoders whose engines dial the router's kv_events.listen, publishing
 // from loopback, as engines behind a NAT would from its address.
-func listenCfg() Config {
-	return Config{
-		Backends: []BackendConfig{
-			{Name: "d0", URL: "http://10.0.0.1:8000", Role: RoleDecode},
-			{Name: "d1", URL: "http://10.0.0.2:8000", Role: RoleDecode},
-			{Name: "d2", URL: "http://10.0.0.3:8000", Role: RoleDecode},
+func listenCfg() routerconfig.Config {
+	return routerconfig.Config{
+		Backends: []routerconfig.BackendConfig{
+			{Name: "d0", URL: "http://10.0.0.1:8000", Role: routerconfig.RoleDecode},
+			{Name: "d1", URL: "http://10.0.0.2:8000", Role: routerconfig.RoleDecode},
+			{Name: "d2", URL: "http://10.0.0.3:8000", Role: routerconfig.RoleDecode},
 		},
-		KVEvents: KVEventsConfig{Listen: "tcp://127.0.0.1:0", AllowedSources: []string{"127.0.0.1"}},
+		KVEvents: routerconfig.KVEventsConfig{Listen: "tcp://127.0.0.1:0", AllowedSources: []string{"127.0.0.1"}},
 	}
 }
 
@@ -288,7 +289,7 @@ func TestPreciseCacheAware(t *testing.T) {
 		if got := r.pick(t, Hint{Tokens: next}, busy); got != "d1" {
 			t.Errorf("picked %s, want d1, which holds 1,024 of the prompt's 1,040 tokens", got)
 		}
-		if n := testutil.Value(t, r.reg, "pdproxy_prefix_cache_match_ratio", map[string]string{"role": "decode", "policy": PolicyPreciseCacheAware}); n != 1 {
+		if n := testutil.Value(t, r.reg, "pdproxy_prefix_cache_match_ratio", map[string]string{"role": "decode", "policy": routerconfig.PolicyPreciseCacheAware}); n != 1 {
 			t.Errorf("match ratio observations = %v, want 1", n)
 		}
 	})
@@ -383,9 +384,9 @@ func TestPreciseCacheAwareFallsBackToTheRoutedTextWhenAPublisherGoesSilent(t *te
 
 func TestPreciseCacheAwareDialedEngineWithReplay(t *testing.T) {
 	pub := newKVPublisher(t, "", "")
-	cfg := Config{Backends: []BackendConfig{
-		{Name: "d0", URL: "http://10.0.0.1:8000", Role: RoleDecode, KVEventsEndpoint: pub.endpoint(), KVEventsReplayEndpoint: pub.serveReplay()},
-		{Name: "d1", URL: "http://10.0.0.2:8000", Role: RoleDecode},
+	cfg := routerconfig.Config{Backends: []routerconfig.BackendConfig{
+		{Name: "d0", URL: "http://10.0.0.1:8000", Role: routerconfig.RoleDecode, KVEventsEndpoint: pub.endpoint(), KVEventsReplayEndpoint: pub.serveReplay()},
+		{Name: "d1", URL: "http://10.0.0.2:8000", Role: routerconfig.RoleDecode},
 	}}
 	r := startPrecise(t, cfg)
 	r.connect(t, pub, "d0")
@@ -405,18 +406,18 @@ func TestPreciseCacheAwareDialedEngineWithReplay(t *testing.T) {
 
 func TestPreciseCacheAwareForgetsAnEngineThatGoesDown(t *testing.T) {
 	pub := newKVPublisher(t, "", "")
-	cfg := Config{
-		Backends: []BackendConfig{
-			{Name: "d0", URL: "http://10.0.0.1:8000", Role: RoleDecode, KVEventsEndpoint: pub.endpoint()},
-			{Name: "d1", URL: "http://10.0.0.2:8000", Role: RoleDecode},
+	cfg := routerconfig.Config{
+		Backends: []routerconfig.BackendConfig{
+			{Name: "d0", URL: "http://10.0.0.1:8000", Role: routerconfig.RoleDecode, KVEventsEndpoint: pub.endpoint()},
+			{Name: "d1", URL: "http://10.0.0.2:8000", Role: routerconfig.RoleDecode},
 		},
-		Health: HealthConfig{Interval: time.Hour},
+		Health: routerconfig.HealthConfig{Interval: time.Hour},
 	}
 	r := startPrecise(t, cfg)
 	r.connect(t, pub, "d0")
 	pub.publish(blockStored(hashesOf(1, 2), nil, promptTokens(0, 2*kvBlock)))
 	r.waitBlocks(t, "d0", 2)
-	l := mustAcquire(t, r.Router, RoleDecode, Hint{Exclude: []string{"d1"}})
+	l := mustAcquire(t, r.Router, routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}})
 	l.Release(Result{Err: refusedErr(t)}) // nothing listens at d0: down at once
 	if got := r.CachedBlocks("d0", 10); got != nil {
 		t.Errorf("the index still holds %d blocks of d0, which went down", len(got))
@@ -424,13 +425,13 @@ func TestPreciseCacheAwareForgetsAnEngineThatGoesDown(t *testing.T) {
 }
 
 func TestWantsTokensOnlyForPrecise(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{
-		Backends:      append(backendsCfg(RoleDecode, "d", 1, 0), backendsCfg(RolePrefill, "p", 1, 0)...),
-		PrefillPolicy: PolicyPreciseCacheAware, DecodePolicy: PolicyCacheAware,
-		KVEvents: KVEventsConfig{Listen: "tcp://127.0.0.1:0"},
+	r, _, _ := newTestRouter(t, routerconfig.Config{
+		Backends:      append(backendsCfg(routerconfig.RoleDecode, "d", 1, 0), backendsCfg(routerconfig.RolePrefill, "p", 1, 0)...),
+		PrefillPolicy: routerconfig.PolicyPreciseCacheAware, DecodePolicy: routerconfig.PolicyCacheAware,
+		KVEvents: routerconfig.KVEventsConfig{Listen: "tcp://127.0.0.1:0"},
 	})
-	if !r.WantsTokens(RolePrefill) || r.WantsTokens(RoleDecode) {
-		t.Errorf("WantsTokens(prefill) = %v, (decode) = %v; want true, false", r.WantsTokens(RolePrefill), r.WantsTokens(RoleDecode))
+	if !r.WantsTokens(routerconfig.RolePrefill) || r.WantsTokens(routerconfig.RoleDecode) {
+		t.Errorf("WantsTokens(prefill) = %v, (decode) = %v; want true, false", r.WantsTokens(routerconfig.RolePrefill), r.WantsTokens(routerconfig.RoleDecode))
 	}
 }
 
@@ -463,7 +464,7 @@ func BenchmarkPreciseCacheAwareSelect(b *testing.B) {
 		index.Apply(be.Name, &kvcache.Event{Kind: kvcache.BlockStored, Hashes: hashesOf(uint64(i), n), Tokens: prompt[:n*kvBlock], BlockSize: kvBlock})
 		index.Touch(be.Name, time.Now())
 	}
-	p := NewCacheAware(CacheAwareConfig{}, index, time.Hour)
+	p := NewCacheAware(routerconfig.CacheAwareConfig{}, index, time.Hour)
 	text := strings.Repeat("x", 16<<10)
 	b.ReportAllocs()
 	for b.Loop() {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 type acquired struct {
@@ -19,19 +20,19 @@ type acquired struct {
 // queue order.
 func acquireAsync(t *testing.T, r *Router, ctx context.Context, h Hint) <-chan acquired {
 	t.Helper()
-	before := queued(r, RoleDecode)
+	before := queued(r, routerconfig.RoleDecode)
 	ch := make(chan acquired, 1)
 	go func() {
-		l, err := r.Acquire(ctx, RoleDecode, h)
+		l, err := r.Acquire(ctx, routerconfig.RoleDecode, h)
 		ch <- acquired{l, err}
 	}()
-	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, RoleDecode) == before+1 }, "the request to queue")
+	testutil.Eventually(t, testutil.Timeout, func() bool { return queued(r, routerconfig.RoleDecode) == before+1 }, "the request to queue")
 	return ch
 }
 
 func TestQueueReleaseWakesWaitersInOrder(t *testing.T) {
-	r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
-	first := mustAcquire(t, r, RoleDecode, Hint{})
+	r, reg, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1)})
+	first := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	w1 := acquireAsync(t, r, context.Background(), Hint{RequestID: "w1"})
 	w2 := acquireAsync(t, r, context.Background(), Hint{RequestID: "w2"})
 
@@ -63,22 +64,22 @@ func TestQueueReleaseWakesWaitersInOrder(t *testing.T) {
 func TestQueueOutcomes(t *testing.T) {
 	tests := []struct {
 		name    string
-		queue   QueueConfig
+		queue   routerconfig.QueueConfig
 		waiting int // waiters queued before the one under test
 		ctx     func() (context.Context, context.CancelFunc)
 		want    error
 	}{
-		{"full queue rejects at once", QueueConfig{Size: 1, Timeout: time.Minute}, 1, nil, ErrQueueFull},
-		{"negative size never queues", QueueConfig{Size: -1, Timeout: time.Minute}, 0, nil, ErrQueueFull},
-		{"long wait times out", QueueConfig{Size: 4, Timeout: 20 * time.Millisecond}, 0, nil, ErrQueueTimeout},
-		{"client deadline ends the wait", QueueConfig{Size: 4, Timeout: time.Minute}, 0, func() (context.Context, context.CancelFunc) {
+		{"full queue rejects at once", routerconfig.QueueConfig{Size: 1, Timeout: time.Minute}, 1, nil, ErrQueueFull},
+		{"negative size never queues", routerconfig.QueueConfig{Size: -1, Timeout: time.Minute}, 0, nil, ErrQueueFull},
+		{"long wait times out", routerconfig.QueueConfig{Size: 4, Timeout: 20 * time.Millisecond}, 0, nil, ErrQueueTimeout},
+		{"client deadline ends the wait", routerconfig.QueueConfig{Size: 4, Timeout: time.Minute}, 0, func() (context.Context, context.CancelFunc) {
 			return context.WithTimeout(context.Background(), 20*time.Millisecond)
 		}, context.DeadlineExceeded},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1), Queue: tt.queue})
-			busy := mustAcquire(t, r, RoleDecode, Hint{})
+			r, reg, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1), Queue: tt.queue})
+			busy := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 			bg, cancelBg := context.WithCancel(context.Background())
 			var others []<-chan acquired
 			for range tt.waiting {
@@ -89,7 +90,7 @@ func TestQueueOutcomes(t *testing.T) {
 				ctx, cancel = tt.ctx()
 			}
 			defer cancel()
-			l, err := r.Acquire(ctx, RoleDecode, Hint{})
+			l, err := r.Acquire(ctx, routerconfig.RoleDecode, Hint{})
 			if !errors.Is(err, tt.want) || l != nil {
 				t.Fatalf("Acquire = %v, %v; want %v", l, err, tt.want)
 			}
@@ -99,7 +100,7 @@ func TestQueueOutcomes(t *testing.T) {
 					t.Errorf("canceled waiter got %+v", a)
 				}
 			}
-			if n := queued(r, RoleDecode); n != 0 {
+			if n := queued(r, routerconfig.RoleDecode); n != 0 {
 				t.Errorf("%d waiters left in the queue", n)
 			}
 			busy.Release(Result{Status: 200})
@@ -112,8 +113,8 @@ func TestQueueOutcomes(t *testing.T) {
 }
 
 func TestQueueCanceledWaiterLeavesAtOnceAndTakesNoSlot(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
-	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1)})
+	busy := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	ctx, cancel := context.WithCancel(context.Background())
 	gone := acquireAsync(t, r, ctx, Hint{RequestID: "gone"})
 	stays := acquireAsync(t, r, context.Background(), Hint{RequestID: "stays"})
@@ -121,7 +122,7 @@ func TestQueueCanceledWaiterLeavesAtOnceAndTakesNoSlot(t *testing.T) {
 	if a := testutil.Recv(t, testutil.Timeout, gone, "Acquire to return"); !errors.Is(a.err, context.Canceled) {
 		t.Fatalf("canceled waiter got %+v, want context.Canceled", a)
 	}
-	if n := queued(r, RoleDecode); n != 1 {
+	if n := queued(r, routerconfig.RoleDecode); n != 1 {
 		t.Fatalf("queue length after cancel = %d, want 1", n)
 	}
 	busy.Release(Result{Status: 200})
@@ -134,9 +135,9 @@ func TestQueueCanceledWaiterLeavesAtOnceAndTakesNoSlot(t *testing.T) {
 }
 
 func TestQueueExcludingWaiterDoesNotBlockOthers(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 1)})
-	l0 := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}})
-	l1 := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d0"}})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 1)})
+	l0 := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}})
+	l1 := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d0"}})
 	picky := acquireAsync(t, r, context.Background(), Hint{Exclude: []string{"d0"}})
 	other := acquireAsync(t, r, context.Background(), Hint{})
 	l0.Release(Result{Status: 200}) // frees d0, which picky refuses
@@ -155,8 +156,8 @@ func TestQueueExcludingWaiterDoesNotBlockOthers(t *testing.T) {
 }
 
 func TestQueueWaiterGetsErrNoBackendWhenPoolGoesDown(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
-	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1)})
+	busy := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	w := acquireAsync(t, r, context.Background(), Hint{})
 	backendByName(t, r, "d0").st.up.Store(false)
 	r.decode.kick() // what a health round does after a verdict
@@ -168,11 +169,11 @@ func TestQueueWaiterGetsErrNoBackendWhenPoolGoesDown(t *testing.T) {
 }
 
 func TestQueueWaiterServedByBackendAddedOnReload(t *testing.T) {
-	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)}
+	cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1)}
 	r, _, _ := newTestRouter(t, cfg)
-	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	busy := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	w := acquireAsync(t, r, context.Background(), Hint{})
-	cfg.Backends = backendsCfg(RoleDecode, "d", 2, 1)
+	cfg.Backends = backendsCfg(routerconfig.RoleDecode, "d", 2, 1)
 	cfg.Health.Interval = -1
 	if err := r.Reload(cfg); err != nil {
 		t.Fatal(err)
@@ -220,8 +221,8 @@ func serveInTurn(t *testing.T, busy *Lease, waiters map[string]<-chan acquired) 
 }
 
 func TestQueueServesTheEarliestDeadlineFirst(t *testing.T) {
-	r, reg, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
-	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	r, reg, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1)})
+	busy := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	batch := Hint{Class: "batch", Slack: time.Hour}
 	waiters := map[string]<-chan acquired{}
 	for _, name := range []string{"b1", "b2", "b3"} {
@@ -246,8 +247,8 @@ func TestQueueServesTheEarliestDeadlineFirst(t *testing.T) {
 }
 
 func TestQueueBatchWaiterPastItsSlackIsNotOvertaken(t *testing.T) {
-	r, _, clk := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)})
-	busy := mustAcquire(t, r, RoleDecode, Hint{})
+	r, _, clk := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1)})
+	busy := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	const slack = 20 * time.Millisecond
 	waiters := map[string]<-chan acquired{}
 	waiters["batch"] = acquireAsync(t, r, context.Background(), Hint{RequestID: "batch", Class: "batch", Slack: slack})
@@ -265,9 +266,9 @@ func TestQueueBatchWaiterPastItsSlackIsNotOvertaken(t *testing.T) {
 }
 
 func TestQueueExcludingWaiterOfAnEarlierDeadlineDoesNotBlockLaterOnes(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 1)})
-	l0 := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d1"}})
-	l1 := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d0"}})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 1)})
+	l0 := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d1"}})
+	l1 := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d0"}})
 	batch := acquireAsync(t, r, context.Background(), Hint{Class: "batch", Slack: time.Hour})
 	picky := acquireAsync(t, r, context.Background(), Hint{Class: "interactive", Exclude: []string{"d0"}})
 	l0.Release(Result{Status: 200}) // frees d0, which the interactive waiter refuses

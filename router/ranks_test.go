@@ -3,17 +3,19 @@ package router
 import (
 	"reflect"
 	"testing"
+
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 func TestLeasesSpreadOverADataParallelEnginesRanks(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: []BackendConfig{
-		{Name: "d0", URL: "http://d0:8000", Role: RoleDecode, DataParallelSize: 3},
-		{Name: "d1", URL: "http://d1:8000", Role: RoleDecode},
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: []routerconfig.BackendConfig{
+		{Name: "d0", URL: "http://d0:8000", Role: routerconfig.RoleDecode, DataParallelSize: 3},
+		{Name: "d1", URL: "http://d1:8000", Role: routerconfig.RoleDecode},
 	}})
 	var leases []*Lease
 	ranksOf := map[string][]int{}
 	for range 8 {
-		l := mustAcquire(t, r, RoleDecode, Hint{})
+		l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 		leases = append(leases, l)
 		if rank, ok := l.Rank(); ok {
 			ranksOf[l.Backend().Name] = append(ranksOf[l.Backend().Name], rank)

@@ -1,47 +1,22 @@
 package router
 
 import (
-	"strings"
 	"testing"
+
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
-func TestAnUnknownPolicyIsRefusedWithTheValidNames(t *testing.T) {
-	c := Config{Backends: backendsCfg(RoleDecode, "d", 1, 0), DecodePolicy: "fastest"}
-	err := c.Validate()
-	want := `decode_policy: unknown policy "fastest" (want least_inflight, round_robin, power_of_two, prefix_affinity, least_loaded, cache_aware, precise_cache_aware)`
-	if err == nil || !strings.Contains(err.Error(), want) {
-		t.Fatalf("Validate = %v, want it to say %q", err, want)
+// Every policy config may name is one the router builds, and the router builds no other:
+// the table of names and needs and the table of constructors are one list.
+func TestEveryPolicyConfigNamesIsBuilt(t *testing.T) {
+	for _, name := range routerconfig.PolicyNames() {
+		if p, ok := NewPolicy(name, 0); !ok || p == nil {
+			t.Errorf("NewPolicy(%q) = %v, %v; config accepts the name", name, p, ok)
+		}
 	}
-}
-
-// Only a policy that scores by tokens and KV events asks a config for them; any other is
-// valid without either, in either role.
-func TestOnlyTheKVEventPolicyNeedsKVEventsAndATokenizer(t *testing.T) {
-	for _, name := range policyNames() {
-		for _, role := range []Role{RolePrefill, RoleDecode} {
-			t.Run(name+"/"+string(role), func(t *testing.T) {
-				c := Config{Backends: append(backendsCfg(RoleDecode, "d", 1, 0), backendsCfg(RolePrefill, "p", 1, 0)...)}
-				if role == RolePrefill {
-					c.PrefillPolicy = name
-				} else {
-					c.DecodePolicy = name
-				}
-				err := c.Validate()
-				if name != PolicyPreciseCacheAware {
-					if err != nil || c.Tokenizer != "" {
-						t.Errorf("Validate = %v, tokenizer %q; want nil and none", err, c.Tokenizer)
-					}
-					return
-				}
-				want := "kv_events: precise_cache_aware reads the engines' KV events, and none are configured"
-				if err == nil || !strings.Contains(err.Error(), want) || c.Tokenizer != TokenizerEngine {
-					t.Errorf("Validate = %v, tokenizer %q; want %q and %q", err, c.Tokenizer, want, TokenizerEngine)
-				}
-				c.Tokenizer = "none"
-				if err := c.Validate(); err == nil || !strings.Contains(err.Error(), "tokenizer: precise_cache_aware needs the request's tokens") {
-					t.Errorf("Validate with no tokenizer = %v, want it refused", err)
-				}
-			})
+	for name := range constructors {
+		if _, ok := routerconfig.CapsOf(name); !ok {
+			t.Errorf("the router builds %q, which config refuses", name)
 		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"slices"
 
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"go.uber.org/zap"
 )
 
@@ -16,7 +17,7 @@ import (
 // entry kept under the same name, URL and role keeps the addresses it last resolved to; a new
 // one is resolved before Reload returns. An invalid cfg returns the error and leaves the
 // router as it was.
-func (r *Router) Reload(cfg Config) error {
+func (r *Router) Reload(cfg routerconfig.Config) error {
 	cfg.Backends = slices.Clone(cfg.Backends)
 	if err := cfg.Validate(); err != nil {
 		return fmt.Errorf("router config: %w", err)
@@ -25,7 +26,7 @@ func (r *Router) Reload(cfg Config) error {
 }
 
 // apply installs a validated config.
-func (r *Router) apply(cfg Config) error {
+func (r *Router) apply(cfg routerconfig.Config) error {
 	if start := kvStartOf(cfg); r.kvStart != start && r.kvStart.namedTiers != start.namedTiers {
 		return fmt.Errorf("router config: kv_events.tier_weights: the tiers besides gpu, cpu and disk are read at start (%q, not %q): the index counts each block's copies in a place per tier; restart the proxy to change them (their weights may change)",
 			r.kvStart.namedTiers, start.namedTiers)
@@ -35,8 +36,8 @@ func (r *Router) apply(cfg Config) error {
 	if !maps.Equal(r.tokenizerFiles, cfg.Tokenizers) {
 		return fmt.Errorf("router config: tokenizers are read at start; restart the proxy to change them")
 	}
-	pre, preCaps, ok1 := r.newPolicy(cfg.PrefillPolicy, cfg, RolePrefill)
-	dec, decCaps, ok2 := r.newPolicy(cfg.DecodePolicy, cfg, RoleDecode)
+	pre, preCaps, ok1 := r.newPolicy(cfg.PrefillPolicy, cfg, routerconfig.RolePrefill)
+	dec, decCaps, ok2 := r.newPolicy(cfg.DecodePolicy, cfg, routerconfig.RoleDecode)
 	if !ok1 || !ok2 { // Validate checked; keep apply honest anyway
 		return fmt.Errorf("router config: unknown policy")
 	}
@@ -82,7 +83,7 @@ func (r *Router) apply(cfg Config) error {
 					zap.String("backend", bc.Name), zap.String("url", bc.URL))
 			}
 		}
-		eng, _ := engineOf(cfg.Engines, bc.Engine)
+		eng, _ := routerconfig.EngineOf(cfg.Engines, bc.Engine)
 		b := newBackend(bc, eng, client, st)
 		b.opts = opts[i]
 		b.withAdmin(opts[i])
@@ -116,7 +117,7 @@ func (r *Router) apply(cfg Config) error {
 			}
 		}
 		policyName, pol, caps := cfg.DecodePolicy, dec, decCaps
-		if p.role == RolePrefill {
+		if p.role == routerconfig.RolePrefill {
 			policyName, pol, caps = cfg.PrefillPolicy, pre, preCaps
 		}
 		cache := cacheSettings{cfg.CacheAware, cfg.KVEvents.StaleAfter, cfg.BoundedLoadFactor}

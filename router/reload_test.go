@@ -6,27 +6,28 @@ import (
 	"testing"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 func TestReloadRemovedBackendDrainsCleanly(t *testing.T) {
-	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 2, 0)}
+	cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 0)}
 	r, reg, _ := newTestRouter(t, cfg)
-	old := mustAcquire(t, r, RoleDecode, Hint{Exclude: []string{"d0"}}) // on d1
+	old := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Exclude: []string{"d0"}}) // on d1
 	send(t, r, Result{Status: 200})
 
-	cfg.Backends = backendsCfg(RoleDecode, "d", 1, 0) // drops d1
+	cfg.Backends = backendsCfg(routerconfig.RoleDecode, "d", 1, 0) // drops d1
 	cfg.Health.Interval = -1
 	if err := r.Reload(cfg); err != nil {
 		t.Fatal(err)
 	}
 	for range 5 {
-		l := mustAcquire(t, r, RoleDecode, Hint{})
+		l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 		if l.Backend().Name != "d0" {
 			t.Fatalf("picked removed %s", l.Backend().Name)
 		}
 		l.Release(Result{Status: 200})
 	}
-	if _, err := r.Acquire(context.Background(), RoleDecode, Hint{Exclude: []string{"d0"}}); !errors.Is(err, ErrNoBackend) {
+	if _, err := r.Acquire(context.Background(), routerconfig.RoleDecode, Hint{Exclude: []string{"d0"}}); !errors.Is(err, ErrNoBackend) {
 		t.Errorf("Acquire excluding the only current backend = %v, want ErrNoBackend", err)
 	}
 	for _, b := range r.Backends() {
@@ -46,9 +47,9 @@ func TestReloadRemovedBackendDrainsCleanly(t *testing.T) {
 }
 
 func TestReloadKeepsStateOfKeptBackends(t *testing.T) {
-	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 4)}
+	cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 4)}
 	r, _, clk := newTestRouter(t, cfg)
-	l := mustAcquire(t, r, RoleDecode, Hint{})
+	l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	for range 3 {
 		send(t, r, Result{Status: 500}) // ejects d0
 	}
@@ -63,7 +64,7 @@ func TestReloadKeepsStateOfKeptBackends(t *testing.T) {
 		t.Errorf("after reload = %+v; want in-flight and ejection kept, weight and limit new", st)
 	}
 	l.Release(Result{Status: 200})
-	clk.Advance(DefaultBaseBackoff)
+	clk.Advance(routerconfig.DefaultBaseBackoff)
 	assertAllIdle(t, r)
 	if !r.Ready() {
 		t.Error("not ready after the ejection ended")
@@ -71,16 +72,16 @@ func TestReloadKeepsStateOfKeptBackends(t *testing.T) {
 }
 
 func TestReloadAddressChangeIsANewBackend(t *testing.T) {
-	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 1, 1)}
+	cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 1)}
 	r, _, _ := newTestRouter(t, cfg)
-	l := mustAcquire(t, r, RoleDecode, Hint{})
+	l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	cfg.Backends[0].URL = "http://elsewhere:9"
 	cfg.Health.Interval = -1
 	if err := r.Reload(cfg); err != nil {
 		t.Fatal(err)
 	}
 	// The new d0 is another engine: the old one's in-flight request does not fill it.
-	l2 := mustAcquire(t, r, RoleDecode, Hint{})
+	l2 := mustAcquire(t, r, routerconfig.RoleDecode, Hint{})
 	if l2.Backend().URLString != "http://elsewhere:9" {
 		t.Errorf("picked %s", l2.Backend().URLString)
 	}
@@ -93,30 +94,30 @@ func TestReloadAddressChangeIsANewBackend(t *testing.T) {
 }
 
 func TestReloadInvalidConfigKeepsTheOldOne(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 2, 0)})
-	bad := Config{Backends: backendsCfg(RolePrefill, "p", 1, 0)} // no decoder
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 0)})
+	bad := routerconfig.Config{Backends: backendsCfg(routerconfig.RolePrefill, "p", 1, 0)} // no decoder
 	if err := r.Reload(bad); err == nil {
 		t.Fatal("Reload accepted a config without decoders")
 	}
-	if got := len(r.Backends()); got != 2 || r.Has(RolePrefill) {
-		t.Errorf("after a failed reload: %d backends, prefill %v", got, r.Has(RolePrefill))
+	if got := len(r.Backends()); got != 2 || r.Has(routerconfig.RolePrefill) {
+		t.Errorf("after a failed reload: %d backends, prefill %v", got, r.Has(routerconfig.RolePrefill))
 	}
 	send(t, r, Result{Status: 200})
 }
 
 func TestReloadSwitchesPolicy(t *testing.T) {
-	cfg := Config{Backends: backendsCfg(RoleDecode, "d", 3, 0)}
+	cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 3, 0)}
 	r, _, _ := newTestRouter(t, cfg)
-	cfg.DecodePolicy = PolicyPrefixAffinity
+	cfg.DecodePolicy = routerconfig.PolicyPrefixAffinity
 	cfg.Health.Interval = -1
 	if err := r.Reload(cfg); err != nil {
 		t.Fatal(err)
 	}
 	h := Hint{Prefix: "the same long system prompt"}
-	first := mustAcquire(t, r, RoleDecode, h)
+	first := mustAcquire(t, r, routerconfig.RoleDecode, h)
 	first.Release(Result{Status: 200})
 	for range 5 {
-		l := mustAcquire(t, r, RoleDecode, h)
+		l := mustAcquire(t, r, routerconfig.RoleDecode, h)
 		if l.Backend() != first.Backend() {
 			t.Fatalf("prefix went to %s, then %s", first.Backend().Name, l.Backend().Name)
 		}

@@ -14,6 +14,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pdproxy/pdproxy/kvcache"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // Router owns the backend pools. Its methods are safe for concurrent use.
@@ -45,12 +46,12 @@ type Router struct {
 	events  *kvcache.Events
 	kvStart kvStart
 	// tokenizer is Config.EngineTokenizer, read at New; nil tokenizes nothing.
-	tokenizer Tokenizer
+	tokenizer routerconfig.Tokenizer
 	// local are Config.LocalTokenizers by model (localtokens.go), and tokenizerFiles the
 	// Config.Tokenizers they were read from, which a reload may not change.
 	local          map[string]*localTokenizer
 	tokenBufs      sync.Pool // of *[]uint32: the buffers Tokens tokenizes into in the proxy
-	tokenizerFiles map[string]TokenizerFiles
+	tokenizerFiles map[string]routerconfig.TokenizerFiles
 	// staleAfter is kv_events.stale_after in force.
 	staleAfter atomic.Pointer[time.Duration]
 	// modelViews are Models' answers, current while their generation is modelGen's, which
@@ -60,8 +61,8 @@ type Router struct {
 }
 
 type settings struct {
-	health          HealthConfig
-	ejection        EjectionConfig
+	health          routerconfig.HealthConfig
+	ejection        routerconfig.EjectionConfig
 	scrapeInterval  time.Duration
 	tokenizeTimeout time.Duration
 }
@@ -76,7 +77,7 @@ type kvStart struct {
 	namedTiers string
 }
 
-func kvStartOf(cfg Config) kvStart {
+func kvStartOf(cfg routerconfig.Config) kvStart {
 	kv := cfg.KVEvents
 	return kvStart{listen: kv.Listen, blockSize: cfg.BlockSize, maxBlocks: kv.MaxBlocksPerBackend, maxTotal: kv.MaxBlocks,
 		replayTimeout: kv.ReplayTimeout, namedTiers: strings.Join(kvcache.NamedTiers(kv.TierWeights), ",")}
@@ -85,7 +86,7 @@ func kvStartOf(cfg Config) kvStart {
 // New validates cfg (filling its defaults) and builds a router. It starts nothing: Run
 // runs the active health checks. A nil logger logs nothing; a nil reg registers no
 // metrics.
-func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) (*Router, error) {
+func New(cfg routerconfig.Config, logger *zap.Logger, reg prometheus.Registerer) (*Router, error) {
 	if logger == nil {
 		logger = zap.NewNop()
 	}
@@ -99,8 +100,8 @@ func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) (*Router, er
 		reloaded:  make(chan struct{}, 1),
 		tokenizer: cfg.EngineTokenizer,
 	}
-	r.prefill = &pool{role: RolePrefill, r: r}
-	r.decode = &pool{role: RoleDecode, r: r}
+	r.prefill = &pool{role: routerconfig.RolePrefill, r: r}
+	r.decode = &pool{role: routerconfig.RoleDecode, r: r}
 	r.metrics = newMetrics(r)
 	r.disc = newDiscovery(r)
 	r.kvStart = kvStartOf(cfg)
@@ -130,11 +131,11 @@ func New(cfg Config, logger *zap.Logger, reg prometheus.Registerer) (*Router, er
 	return r, nil
 }
 
-func (r *Router) pool(role Role) *pool {
+func (r *Router) pool(role routerconfig.Role) *pool {
 	switch role {
-	case RolePrefill:
+	case routerconfig.RolePrefill:
 		return r.prefill
-	case RoleDecode:
+	case routerconfig.RoleDecode:
 		return r.decode
 	}
 	return nil
@@ -153,7 +154,7 @@ func (r *Router) backends() []*Backend {
 // first come, first served among equal Slacks). Errors: ErrNoBackend (no healthy backend of
 // the role), ErrQueueFull, ErrTenantQueueFull, ErrPoolSaturated, ErrQueueTimeout, or
 // ctx.Err() as soon as ctx is done. The caller must Release the lease.
-func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error) {
+func (r *Router) Acquire(ctx context.Context, role routerconfig.Role, h Hint) (*Lease, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -237,7 +238,7 @@ func (r *Router) Acquire(ctx context.Context, role Role, h Hint) (*Lease, error)
 
 // Has reports whether any backend of role is configured, healthy or not: a discover entry
 // counts even while its name has no address.
-func (r *Router) Has(role Role) bool {
+func (r *Router) Has(role routerconfig.Role) bool {
 	for _, b := range r.backends() {
 		if b.Role == role {
 			return true
@@ -251,7 +252,7 @@ func (r *Router) Has(role Role) bool {
 func (r *Router) Ready() bool {
 	now := r.now()
 	for _, b := range r.backends() {
-		if b.Role == RoleDecode && b.available(now) {
+		if b.Role == routerconfig.RoleDecode && b.available(now) {
 			return true
 		}
 	}
@@ -263,7 +264,7 @@ func (r *Router) Ready() bool {
 // under max_inflight. It is for calls made outside a lease, such as listing models: make
 // them through each backend's Client, which carries its key and TLS settings. The
 // backends are shared and read-only.
-func (r *Router) Available(role Role) []*Backend {
+func (r *Router) Available(role routerconfig.Role) []*Backend {
 	now := r.now()
 	var out []*Backend
 	for _, b := range r.backends() {
@@ -282,7 +283,7 @@ func (r *Router) Usable(b *Backend) bool { return b.available(r.now()) }
 // MinKVHoldTimeout is the smallest engine KV hold timeout among the backends of role,
 // or 0 when there are none: a proxy hold longer than it would forward KV params that the
 // engine may already have freed. A discover entry counts for the backends it may add.
-func (r *Router) MinKVHoldTimeout(role Role) time.Duration {
+func (r *Router) MinKVHoldTimeout(role routerconfig.Role) time.Duration {
 	var m time.Duration
 	holds := r.disc.holds(role)
 	for _, b := range r.backends() {

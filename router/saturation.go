@@ -5,6 +5,7 @@ import (
 	"slices"
 	"sync"
 
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -173,7 +174,7 @@ func (p *pool) load(depth map[string]int) PoolLoad {
 
 // Load is role's load now: what pdproxy_pool_saturation and pdproxy_pool_predicted_ttft_seconds
 // show.
-func (r *Router) Load(role Role) PoolLoad {
+func (r *Router) Load(role routerconfig.Role) PoolLoad {
 	p := r.pool(role)
 	if p == nil {
 		return PoolLoad{PredictedTTFT: -1}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/kvcache"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // BenchmarkRoutingAtScale builds the precise index of a large pool from the KV events its
@@ -199,7 +200,7 @@ func benchRoutingAtScale(b *testing.B, engines, blocks int) {
 		prompts[i] = suffixTokens(uint64(1<<40+i), scalePrompt*scaleBlock-len(p), p)
 		texts[i] = tokensText(prompts[i])
 	}
-	p := NewCacheAware(CacheAwareConfig{}, index, time.Hour)
+	p := NewCacheAware(routerconfig.CacheAwareConfig{}, index, time.Hour)
 	durs := make([]time.Duration, 0, picks)
 	b.ResetTimer()
 	for b.Loop() {

@@ -7,6 +7,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/internal/decay"
 	"github.com/pdproxy/pdproxy/kvcache"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // groupPrompt is the first prompt of prompt group g: a system prompt of its own (no engine
@@ -31,7 +32,7 @@ func TestNewPromptGroupsSpreadByTheWorkEachEngineDidLately(t *testing.T) {
 	for _, tc := range []struct {
 		policy string
 		spread bool
-	}{{PolicyPreciseCacheAware, true}, {PolicyCacheAware, false}} {
+	}{{routerconfig.PolicyPreciseCacheAware, true}, {routerconfig.PolicyCacheAware, false}} {
 		t.Run(tc.policy, func(t *testing.T) {
 			index := kvcache.NewIndex(0, kvBlock)
 			bs := testBackends(0, 0, 0, 0)
@@ -39,9 +40,9 @@ func TestNewPromptGroupsSpreadByTheWorkEachEngineDidLately(t *testing.T) {
 			for _, b := range bs {
 				index.Touch(b.Name, now) // every publisher alive, none holding anything
 			}
-			p := NewCacheAware(CacheAwareConfig{}, nil, time.Hour)
+			p := NewCacheAware(routerconfig.CacheAwareConfig{}, nil, time.Hour)
 			if tc.spread {
-				p = NewCacheAware(CacheAwareConfig{}, index, time.Hour)
+				p = NewCacheAware(routerconfig.CacheAwareConfig{}, index, time.Hour)
 			}
 			p.now = func() time.Time { return now }
 			per := map[string]int{}
@@ -75,7 +76,7 @@ func TestTiesAreSpreadOnlyWhereEveryEnginesEventsAreRead(t *testing.T) {
 		index := kvcache.NewIndex(0, kvBlock)
 		bs := testBackends(0, 0, 0, 0)
 		touch(index, bs)
-		p := NewCacheAware(CacheAwareConfig{}, index, time.Minute)
+		p := NewCacheAware(routerconfig.CacheAwareConfig{}, index, time.Minute)
 		p.now = func() time.Time { return t0.Add(time.Second) }
 		return p.Select(bs, Hint{Text: text, Tokens: tokens}).Name
 	}
@@ -155,7 +156,7 @@ func TestReplicasReadingTheSameEventsSpreadAlike(t *testing.T) {
 		storeOn(index, b.Name, uint64(1000+i), promptTokens(1_000_000+i*10_000, 64*kvBlock), 8*(i+1), t0)
 	}
 	now := t0.Add(time.Second)
-	rs := []*CacheAware{NewCacheAware(CacheAwareConfig{}, index, time.Minute), NewCacheAware(CacheAwareConfig{}, index, time.Minute)}
+	rs := []*CacheAware{NewCacheAware(routerconfig.CacheAwareConfig{}, index, time.Minute), NewCacheAware(routerconfig.CacheAwareConfig{}, index, time.Minute)}
 	for _, p := range rs {
 		p.now = func() time.Time { return now }
 	}
@@ -198,7 +199,7 @@ func TestNewPromptGroupsSpreadBeforeTheirEventsArrive(t *testing.T) {
 	for _, b := range bs {
 		index.Touch(b.Name, now)
 	}
-	p := NewCacheAware(CacheAwareConfig{}, index, time.Hour)
+	p := NewCacheAware(routerconfig.CacheAwareConfig{}, index, time.Hour)
 	p.now = func() time.Time { return now }
 	per := map[string]int{}
 	var late []func()

@@ -1,5 +1,7 @@
 package router
 
+import "github.com/pdproxy/pdproxy/router/routerconfig"
+
 // BackendStatus is one backend as shown by GET /debug/backends.
 type BackendStatus struct {
 	// Name is the backend's configured or derived name.
@@ -7,7 +9,7 @@ type BackendStatus struct {
 	// URL is the backend's base URL as configured.
 	URL string `json:"url"`
 	// Role is prefill or decode.
-	Role Role `json:"role"`
+	Role routerconfig.Role `json:"role"`
 	// Healthy is true when the backend is neither down (failed checks, a refused
 	// connection) nor ejected, i.e. it may be picked when it has room.
 	Healthy bool `json:"healthy"`

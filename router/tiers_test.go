@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // blockStoredOn and blockRemovedOn are blockStored and blockRemoved on medium, as vLLM's
@@ -141,7 +142,7 @@ func TestReloadTierWeights(t *testing.T) {
 	r.waitBlocks(t, "d0", 4)
 
 	changed := listenCfg()
-	changed.DecodePolicy = PolicyPreciseCacheAware
+	changed.DecodePolicy = routerconfig.PolicyPreciseCacheAware
 	changed.Health.Interval = -1
 	changed.KVEvents.TierWeights = map[string]float64{"CPU": 0.5, "cpu_tier2": 0.1}
 	if err := r.Reload(changed); err != nil {
@@ -157,10 +158,10 @@ func TestReloadTierWeights(t *testing.T) {
 }
 
 func TestValidateTierWeights(t *testing.T) {
-	withEvents := []BackendConfig{{URL: "http://d:1", Role: RoleDecode, KVEventsEndpoint: "tcp://d:5557"}}
+	withEvents := []routerconfig.BackendConfig{{URL: "http://d:1", Role: routerconfig.RoleDecode, KVEventsEndpoint: "tcp://d:5557"}}
 	tests := []struct {
 		name    string
-		backend []BackendConfig
+		backend []routerconfig.BackendConfig
 		weights map[string]float64
 		want    string
 	}{
@@ -170,17 +171,17 @@ func TestValidateTierWeights(t *testing.T) {
 		{"a disk medium's name", withEvents, map[string]float64{"SSD": 0.5}, "a medium of tier disk, whose weight it takes: set disk"},
 		{"one tier in two cases", withEvents, map[string]float64{"cpu": 0.5, "Cpu": 0.5}, "the same tier"},
 		{"more tiers of their own than the index keeps", withEvents, map[string]float64{"a": 1, "b": 1, "c": 1, "d": 1, "e": 1, "f": 1}, "at most 5"},
-		{"weights without KV events", []BackendConfig{{URL: "http://d:1", Role: RoleDecode}}, map[string]float64{"cpu": 0.5}, "kv_events.tier_weights: set, but no KV events are read"},
+		{"weights without KV events", []routerconfig.BackendConfig{{URL: "http://d:1", Role: routerconfig.RoleDecode}}, map[string]float64{"cpu": 0.5}, "kv_events.tier_weights: set, but no KV events are read"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			cfg := Config{Backends: tt.backend, KVEvents: KVEventsConfig{TierWeights: tt.weights}}
+			cfg := routerconfig.Config{Backends: tt.backend, KVEvents: routerconfig.KVEventsConfig{TierWeights: tt.weights}}
 			if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("Validate() = %v, want it to contain %q", err, tt.want)
 			}
 		})
 	}
-	ok := Config{Backends: withEvents, KVEvents: KVEventsConfig{TierWeights: map[string]float64{"GPU": 1, "cpu": 0.5, "disk": 0, "cpu_tier2": 0.3}}}
+	ok := routerconfig.Config{Backends: withEvents, KVEvents: routerconfig.KVEventsConfig{TierWeights: map[string]float64{"GPU": 1, "cpu": 0.5, "disk": 0, "cpu_tier2": 0.3}}}
 	if err := ok.Validate(); err != nil {
 		t.Errorf("Validate() of good weights = %v", err)
 	}

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -72,27 +73,27 @@ func TestHTTPSBackendIsVerifiedAgainstItsCA(t *testing.T) {
 	e := newTLSEngine(t)
 	for _, tc := range []struct {
 		name    string
-		mutate  func(*BackendConfig)
+		mutate  func(*routerconfig.BackendConfig)
 		wantErr string // empty: the call succeeds
 		warns   bool   // a warning about skipped verification is logged
 	}{
-		{name: "tls_ca_file trusts the engine's certificate", mutate: func(b *BackendConfig) { b.TLSCAFile = e.caFile }},
-		{name: "without tls_ca_file the system roots refuse a self-signed engine", mutate: func(*BackendConfig) {},
+		{name: "tls_ca_file trusts the engine's certificate", mutate: func(b *routerconfig.BackendConfig) { b.TLSCAFile = e.caFile }},
+		{name: "without tls_ca_file the system roots refuse a self-signed engine", mutate: func(*routerconfig.BackendConfig) {},
 			wantErr: "certificate signed by unknown authority"},
-		{name: "tls_server_name is checked against the certificate", mutate: func(b *BackendConfig) {
+		{name: "tls_server_name is checked against the certificate", mutate: func(b *routerconfig.BackendConfig) {
 			b.TLSCAFile, b.TLSServerName = e.caFile, "example.com"
 		}},
-		{name: "a tls_server_name the certificate lacks is refused", mutate: func(b *BackendConfig) {
+		{name: "a tls_server_name the certificate lacks is refused", mutate: func(b *routerconfig.BackendConfig) {
 			b.TLSCAFile, b.TLSServerName = e.caFile, "engine.other.test"
 		}, wantErr: "not engine.other.test"},
-		{name: "tls_insecure_skip_verify accepts any certificate and says so", mutate: func(b *BackendConfig) { b.TLSInsecureSkipVerify = true },
+		{name: "tls_insecure_skip_verify accepts any certificate and says so", mutate: func(b *routerconfig.BackendConfig) { b.TLSInsecureSkipVerify = true },
 			warns: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			bc := BackendConfig{Name: "d0", URL: e.URL, Role: RoleDecode}
+			bc := routerconfig.BackendConfig{Name: "d0", URL: e.URL, Role: routerconfig.RoleDecode}
 			tc.mutate(&bc)
 			core, logs := observer.New(zapcore.WarnLevel)
-			r, err := New(Config{Backends: []BackendConfig{bc}, Health: HealthConfig{Interval: -1}}, zap.New(core), prometheus.NewRegistry())
+			r, err := New(routerconfig.Config{Backends: []routerconfig.BackendConfig{bc}, Health: routerconfig.HealthConfig{Interval: -1}}, zap.New(core), prometheus.NewRegistry())
 			if err != nil {
 				t.Fatalf("New: %v", err)
 			}
@@ -116,23 +117,23 @@ func TestBackendAPIKeyReplacesTheClientsKey(t *testing.T) {
 	t.Setenv("PDPROXY_TEST_ENGINE_KEY", "engine-key-from-env")
 	for _, tc := range []struct {
 		name   string
-		mutate func(*BackendConfig)
+		mutate func(*routerconfig.BackendConfig)
 		sent   http.Header
 		want   string
 	}{
-		{name: "api_key is sent as a bearer token", mutate: func(b *BackendConfig) { b.APIKey = "engine-key" },
+		{name: "api_key is sent as a bearer token", mutate: func(b *routerconfig.BackendConfig) { b.APIKey = "engine-key" },
 			want: "Bearer engine-key"},
-		{name: "api_key replaces the Authorization the request carried", mutate: func(b *BackendConfig) { b.APIKey = "engine-key" },
+		{name: "api_key replaces the Authorization the request carried", mutate: func(b *routerconfig.BackendConfig) { b.APIKey = "engine-key" },
 			sent: http.Header{"Authorization": {"Bearer client-key"}}, want: "Bearer engine-key"},
-		{name: "api_key_env reads the key from the environment", mutate: func(b *BackendConfig) { b.APIKeyEnv = "PDPROXY_TEST_ENGINE_KEY" },
+		{name: "api_key_env reads the key from the environment", mutate: func(b *routerconfig.BackendConfig) { b.APIKeyEnv = "PDPROXY_TEST_ENGINE_KEY" },
 			want: "Bearer engine-key-from-env"},
-		{name: "without a key the request's Authorization is left as it is", mutate: func(*BackendConfig) {},
+		{name: "without a key the request's Authorization is left as it is", mutate: func(*routerconfig.BackendConfig) {},
 			sent: http.Header{"Authorization": {"Bearer client-key"}}, want: "Bearer client-key"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			bc := BackendConfig{Name: "d0", URL: e.URL, Role: RoleDecode, TLSCAFile: e.caFile}
+			bc := routerconfig.BackendConfig{Name: "d0", URL: e.URL, Role: routerconfig.RoleDecode, TLSCAFile: e.caFile}
 			tc.mutate(&bc)
-			r, _, _ := newTestRouter(t, Config{Backends: []BackendConfig{bc}})
+			r, _, _ := newTestRouter(t, routerconfig.Config{Backends: []routerconfig.BackendConfig{bc}})
 			b := backendByName(t, r, "d0")
 			before := tc.sent.Clone()
 			if err := get(t, b, tc.sent); err != nil {
@@ -156,21 +157,21 @@ func TestBackendSecurityConfigErrorsNameTheField(t *testing.T) {
 	}
 	for _, tc := range []struct {
 		name string
-		bc   BackendConfig
+		bc   routerconfig.BackendConfig
 		want string
 	}{
-		{"tls_ca_file on an http url", BackendConfig{URL: "http://d:1", TLSCAFile: notPEM}, "backends[0].tls_ca_file: set, but the url"},
-		{"tls_server_name on an http url", BackendConfig{URL: "http://d:1", TLSServerName: "d"}, "backends[0].tls_server_name: set, but the url"},
-		{"tls_insecure_skip_verify on an http url", BackendConfig{URL: "http://d:1", TLSInsecureSkipVerify: true}, "backends[0].tls_insecure_skip_verify: set, but the url"},
-		{"skip verify together with a CA", BackendConfig{URL: "https://d:1", TLSCAFile: notPEM, TLSInsecureSkipVerify: true}, "backends[0].tls_insecure_skip_verify: contradicts tls_ca_file"},
-		{"both api_key and api_key_env", BackendConfig{URL: "http://d:1", APIKey: "k", APIKeyEnv: "K"}, "backends[0].api_key_env: set together with api_key"},
-		{"a missing CA file", BackendConfig{URL: "https://d:1", TLSCAFile: filepath.Join(dir, "missing.pem")}, "backends[0].tls_ca_file: open"},
-		{"a CA file with no certificate", BackendConfig{URL: "https://d:1", TLSCAFile: notPEM}, "backends[0].tls_ca_file: " + notPEM + " holds no PEM certificate"},
-		{"an unset key variable", BackendConfig{URL: "http://d:1", APIKeyEnv: "PDPROXY_TEST_UNSET_KEY"}, "backends[0].api_key_env: environment variable PDPROXY_TEST_UNSET_KEY is unset or empty"},
+		{"tls_ca_file on an http url", routerconfig.BackendConfig{URL: "http://d:1", TLSCAFile: notPEM}, "backends[0].tls_ca_file: set, but the url"},
+		{"tls_server_name on an http url", routerconfig.BackendConfig{URL: "http://d:1", TLSServerName: "d"}, "backends[0].tls_server_name: set, but the url"},
+		{"tls_insecure_skip_verify on an http url", routerconfig.BackendConfig{URL: "http://d:1", TLSInsecureSkipVerify: true}, "backends[0].tls_insecure_skip_verify: set, but the url"},
+		{"skip verify together with a CA", routerconfig.BackendConfig{URL: "https://d:1", TLSCAFile: notPEM, TLSInsecureSkipVerify: true}, "backends[0].tls_insecure_skip_verify: contradicts tls_ca_file"},
+		{"both api_key and api_key_env", routerconfig.BackendConfig{URL: "http://d:1", APIKey: "k", APIKeyEnv: "K"}, "backends[0].api_key_env: set together with api_key"},
+		{"a missing CA file", routerconfig.BackendConfig{URL: "https://d:1", TLSCAFile: filepath.Join(dir, "missing.pem")}, "backends[0].tls_ca_file: open"},
+		{"a CA file with no certificate", routerconfig.BackendConfig{URL: "https://d:1", TLSCAFile: notPEM}, "backends[0].tls_ca_file: " + notPEM + " holds no PEM certificate"},
+		{"an unset key variable", routerconfig.BackendConfig{URL: "http://d:1", APIKeyEnv: "PDPROXY_TEST_UNSET_KEY"}, "backends[0].api_key_env: environment variable PDPROXY_TEST_UNSET_KEY is unset or empty"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			tc.bc.Name, tc.bc.Role = "d0", RoleDecode
-			_, err := New(Config{Backends: []BackendConfig{tc.bc}}, nil, nil)
+			tc.bc.Name, tc.bc.Role = "d0", routerconfig.RoleDecode
+			_, err := New(routerconfig.Config{Backends: []routerconfig.BackendConfig{tc.bc}}, nil, nil)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("New error = %v, want one containing %q", err, tc.want)
 			}
@@ -180,7 +181,7 @@ func TestBackendSecurityConfigErrorsNameTheField(t *testing.T) {
 
 func TestReloadRebuildsTheClientOnlyWhenItsSecuritySettingsChange(t *testing.T) {
 	e := newTLSEngine(t)
-	cfg := Config{Backends: []BackendConfig{{Name: "d0", URL: e.URL, Role: RoleDecode, TLSCAFile: e.caFile, APIKey: "k1"}}}
+	cfg := routerconfig.Config{Backends: []routerconfig.BackendConfig{{Name: "d0", URL: e.URL, Role: routerconfig.RoleDecode, TLSCAFile: e.caFile, APIKey: "k1"}}}
 	r, _, _ := newTestRouter(t, cfg)
 	first := backendByName(t, r, "d0").Client()
 

@@ -5,28 +5,21 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net/http"
 	"strings"
-)
 
-// Tokenizer tokenizes a request at one engine: cmd/proxy passes engine's, which calls
-// the engine's POST /tokenize. The call goes to baseURL (scheme://host:port, no trailing
-// slash) through client, the backend's own (its key, its CA), within ctx. It tokenizes
-// prompt, or, when messages is set, the messages rendered as the engine renders the request.
-type Tokenizer interface {
-	Tokenize(ctx context.Context, client *http.Client, baseURL, model, prompt string, messages json.RawMessage) ([]uint32, error)
-}
+	"github.com/pdproxy/pdproxy/router/routerconfig"
+)
 
 // WantsTokens reports whether role's pool scores requests by their tokens
 // (precise_cache_aware): only then is Router.Tokens worth its round trip before Acquire.
-func (r *Router) WantsTokens(role Role) bool {
+func (r *Router) WantsTokens(role routerconfig.Role) bool {
 	p := r.pool(role)
 	if p == nil {
 		return false
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.caps.wantsTokens
+	return p.caps.WantsTokens
 }
 
 // TokenizeRequest is what Router.Tokens tokenizes: a completion's Prompt, or a chat's
@@ -57,7 +50,7 @@ func (r *Router) Tokens(ctx context.Context, req TokenizeRequest) ([]uint32, err
 		return nil, ErrNoTokenizer
 	}
 	var pick *Backend
-	for _, role := range []Role{RolePrefill, RoleDecode} {
+	for _, role := range []routerconfig.Role{routerconfig.RolePrefill, routerconfig.RoleDecode} {
 		for _, b := range r.Available(role) {
 			if pick == nil || b.Inflight() < pick.Inflight() {
 				pick = b

@@ -12,6 +12,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // engineTokenizer is a Tokenizer as cmd/proxy's calls an engine: a POST /tokenize through
@@ -76,10 +78,10 @@ func (e *tokenizeEngine) calls() []string {
 
 func TestTokensAskTheLeastLoadedBackendWithItsOwnKey(t *testing.T) {
 	busy, idle := newTokenizeEngine(t, false), newTokenizeEngine(t, false)
-	r, _, _ := newTestRouter(t, Config{
-		Backends: []BackendConfig{
-			{Name: "p0", URL: busy.URL, Role: RolePrefill, APIKey: "busy-key"},
-			{Name: "d0", URL: idle.URL + "/", Role: RoleDecode, APIKey: "idle-key"},
+	r, _, _ := newTestRouter(t, routerconfig.Config{
+		Backends: []routerconfig.BackendConfig{
+			{Name: "p0", URL: busy.URL, Role: routerconfig.RolePrefill, APIKey: "busy-key"},
+			{Name: "d0", URL: idle.URL + "/", Role: routerconfig.RoleDecode, APIKey: "idle-key"},
 		},
 		EngineTokenizer: engineTokenizer{},
 	})
@@ -99,8 +101,8 @@ func TestTokensAskTheLeastLoadedBackendWithItsOwnKey(t *testing.T) {
 
 func TestTokensGiveUpAfterTokenizeTimeout(t *testing.T) {
 	e := newTokenizeEngine(t, true)
-	r, _, _ := newTestRouter(t, Config{
-		Backends:        []BackendConfig{{Name: "d0", URL: e.URL, Role: RoleDecode}},
+	r, _, _ := newTestRouter(t, routerconfig.Config{
+		Backends:        []routerconfig.BackendConfig{{Name: "d0", URL: e.URL, Role: routerconfig.RoleDecode}},
 		TokenizeTimeout: 50 * time.Millisecond,
 		EngineTokenizer: engineTokenizer{},
 	})
@@ -116,7 +118,7 @@ func TestTokensGiveUpAfterTokenizeTimeout(t *testing.T) {
 }
 
 func TestTokensWithNoBackendAvailable(t *testing.T) {
-	r, _, _ := newTestRouter(t, Config{Backends: backendsCfg(RoleDecode, "d", 1, 0), EngineTokenizer: engineTokenizer{}})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 0), EngineTokenizer: engineTokenizer{}})
 	backendByName(t, r, "d0").st.up.Store(false)
 	if _, err := r.Tokens(context.Background(), TokenizeRequest{Prompt: "x"}); !errors.Is(err, ErrNoTokenizer) {
 		t.Errorf("Tokens = %v, want ErrNoTokenizer", err)
@@ -125,7 +127,7 @@ func TestTokensWithNoBackendAvailable(t *testing.T) {
 
 func TestTokensWithoutATokenizerAskNoEngine(t *testing.T) {
 	e := newTokenizeEngine(t, false)
-	r, _, _ := newTestRouter(t, Config{Backends: []BackendConfig{{Name: "d0", URL: e.URL, Role: RoleDecode}}})
+	r, _, _ := newTestRouter(t, routerconfig.Config{Backends: []routerconfig.BackendConfig{{Name: "d0", URL: e.URL, Role: routerconfig.RoleDecode}}})
 	defer r.CloseIdleConnections()
 	if _, err := r.Tokens(context.Background(), TokenizeRequest{Prompt: "x"}); !errors.Is(err, ErrNoTokenizer) {
 		t.Errorf("Tokens = %v, want ErrNoTokenizer", err)

@@ -11,6 +11,7 @@ import (
 	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 func TestShareFlowsAddsEachReplicasServiceAndAnswersTheTotals(t *testing.T) {
@@ -74,8 +75,8 @@ func quietShareOfA(t *testing.T, addr string, shared bool, rounds int) float64 {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	start := func() (*router.Router, chan served, *router.Lease) {
-		cfg := router.Config{Backends: []router.BackendConfig{{Name: "d", URL: "http://127.0.0.1:9", Role: router.RoleDecode, MaxInflight: 1}},
-			Health: router.HealthConfig{Interval: -1}, Queue: router.QueueConfig{Size: 1000}}
+		cfg := routerconfig.Config{Backends: []routerconfig.BackendConfig{{Name: "d", URL: "http://127.0.0.1:9", Role: routerconfig.RoleDecode, MaxInflight: 1}},
+			Health: routerconfig.HealthConfig{Interval: -1}, Queue: routerconfig.QueueConfig{Size: 1000}}
 		r, err := router.New(cfg, zaptest.NewLogger(t), prometheus.NewRegistry())
 		if err != nil {
 			t.Fatal(err)
@@ -86,7 +87,7 @@ func quietShareOfA(t *testing.T, addr string, shared bool, rounds int) float64 {
 		done := make(chan struct{})
 		go func() { r.Run(ctx); close(done) }()
 		t.Cleanup(func() { <-done })
-		busy, err := r.Acquire(ctx, router.RoleDecode, router.Hint{})
+		busy, err := r.Acquire(ctx, routerconfig.RoleDecode, router.Hint{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -94,14 +95,14 @@ func quietShareOfA(t *testing.T, addr string, shared bool, rounds int) float64 {
 	}
 	queue := func(r *router.Router, out chan served, tenant string, n int) {
 		for range n {
-			before := r.Load(router.RoleDecode).Queued
+			before := r.Load(routerconfig.RoleDecode).Queued
 			go func() {
-				l, err := r.Acquire(ctx, router.RoleDecode, router.Hint{Flow: router.Flow{Key: tenant, Label: tenant}})
+				l, err := r.Acquire(ctx, routerconfig.RoleDecode, router.Hint{Flow: router.Flow{Key: tenant, Label: tenant}})
 				if err == nil {
 					out <- served{tenant, l}
 				}
 			}()
-			testutil.Eventually(t, testutil.Timeout, func() bool { return r.Load(router.RoleDecode).Queued == before+1 }, "the request to queue")
+			testutil.Eventually(t, testutil.Timeout, func() bool { return r.Load(routerconfig.RoleDecode).Queued == before+1 }, "the request to queue")
 		}
 	}
 	ra, outA, busyA := start()

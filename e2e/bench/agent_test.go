@@ -16,7 +16,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/engine"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -119,12 +119,12 @@ type tierContender struct {
 // and least_inflight.
 func tierContenders() []tierContender {
 	return []tierContender{
-		{policy: router.PolicyPreciseCacheAware, label: "precise_cache_aware, tier weights gpu 1, cpu 0.75, disk 0.25 (defaults)"},
-		{policy: router.PolicyPreciseCacheAware, weights: map[string]float64{"gpu": 1, "cpu": 1, "disk": 1},
+		{policy: routerconfig.PolicyPreciseCacheAware, label: "precise_cache_aware, tier weights gpu 1, cpu 0.75, disk 0.25 (defaults)"},
+		{policy: routerconfig.PolicyPreciseCacheAware, weights: map[string]float64{"gpu": 1, "cpu": 1, "disk": 1},
 			label: "precise_cache_aware tier-blind: gpu, cpu, disk all weighted 1"},
-		{policy: router.PolicyPreciseCacheAware, weights: map[string]float64{"gpu": 1, "cpu": 0, "disk": 0},
+		{policy: routerconfig.PolicyPreciseCacheAware, weights: map[string]float64{"gpu": 1, "cpu": 0, "disk": 0},
 			label: "precise_cache_aware on the GPU alone: cpu and disk weighted 0 (an index blind to offloaded copies)"},
-		{policy: router.PolicyLeastInflight, label: "least_inflight"},
+		{policy: routerconfig.PolicyLeastInflight, label: "least_inflight"},
 	}
 }
 
@@ -350,7 +350,7 @@ func decodeOnlyProxy(t testing.TB, policy string, decoders []*simEngine) app.Con
 	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
 	cfg.Router.DecodePolicy = policy
 	for _, d := range decoders {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: d.srv.URL, Role: router.RoleDecode, Engine: engine.KindVLLM,
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{URL: d.srv.URL, Role: routerconfig.RoleDecode, Engine: engine.KindVLLM,
 			KVEventsEndpoint: kvDial(t, d.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, d.e.KVEventsReplayAddr())})
 	}
 	return cfg

@@ -17,7 +17,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/proxy"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sharedstate"
 	"github.com/pdproxy/pdproxy/sim"
 )
@@ -77,14 +77,14 @@ type agentContender struct {
 func agentContenders() []agentContender {
 	return []agentContender{
 		{label: "session-sticky reference: a hash of the session id, no proxy"},
-		{policy: router.PolicyLeastInflight, label: "least_inflight"},
-		{policy: router.PolicyLeastInflight, sessions: true, label: "least_inflight, session header: the session's hash through the proxy"},
-		{policy: router.PolicyCacheAware, label: "cache_aware, defaults"},
-		{policy: router.PolicyPreciseCacheAware, label: "precise_cache_aware, defaults"},
-		{policy: router.PolicyCacheAware, label: "cache_aware, session header", sessions: true},
-		{policy: router.PolicyPreciseCacheAware, label: "precise_cache_aware, session header", sessions: true},
-		{policy: router.PolicyCacheAware, label: "cache_aware, session header, 3 replicas, shared state", sessions: true, replicas: 3},
-		{policy: router.PolicyPreciseCacheAware, label: "precise_cache_aware, session header, 3 replicas, shared state", sessions: true, replicas: 3},
+		{policy: routerconfig.PolicyLeastInflight, label: "least_inflight"},
+		{policy: routerconfig.PolicyLeastInflight, sessions: true, label: "least_inflight, session header: the session's hash through the proxy"},
+		{policy: routerconfig.PolicyCacheAware, label: "cache_aware, defaults"},
+		{policy: routerconfig.PolicyPreciseCacheAware, label: "precise_cache_aware, defaults"},
+		{policy: routerconfig.PolicyCacheAware, label: "cache_aware, session header", sessions: true},
+		{policy: routerconfig.PolicyPreciseCacheAware, label: "precise_cache_aware, session header", sessions: true},
+		{policy: routerconfig.PolicyCacheAware, label: "cache_aware, session header, 3 replicas, shared state", sessions: true, replicas: 3},
+		{policy: routerconfig.PolicyPreciseCacheAware, label: "precise_cache_aware, session header, 3 replicas, shared state", sessions: true, replicas: 3},
 	}
 }
 

@@ -13,7 +13,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/engine"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // The Go benchmarks run client, proxy and backend in one process (the harness puts the proxy
@@ -83,9 +83,9 @@ func startInProcess(b *testing.B, prefill, decode *backend) *app.Main {
 	b.Helper()
 	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
 	if prefill != nil {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: prefill.URL(), Role: router.RolePrefill, Engine: engine.KindVLLM})
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{URL: prefill.URL(), Role: routerconfig.RolePrefill, Engine: engine.KindVLLM})
 	}
-	cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: decode.URL(), Role: router.RoleDecode, Engine: engine.KindVLLM})
+	cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{URL: decode.URL(), Role: routerconfig.RoleDecode, Engine: engine.KindVLLM})
 	return startMain(b, cfg)
 }
 

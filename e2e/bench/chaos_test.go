@@ -24,7 +24,7 @@ import (
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -184,19 +184,19 @@ func runChaos(t *testing.T, p chaosParams, c chaosContender) chaosRun {
 	var prefillers, decoders []*sim.Server
 	pc := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
 	pc.Proxy.MigrationLimit = c.migration
-	pc.Router.Health = router.HealthConfig{Interval: 200 * time.Millisecond}
+	pc.Router.Health = routerconfig.HealthConfig{Interval: 200 * time.Millisecond}
 	if c.noEject {
 		pc.Router.Ejection.ConsecutiveFailures = -1
 	}
 	for i := range p.prefillers {
 		pf := listen(cfg)
 		prefillers = append(prefillers, pf)
-		pc.Router.Backends = append(pc.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: pf.URL(), Role: router.RolePrefill, Engine: engine.KindVLLM})
+		pc.Router.Backends = append(pc.Router.Backends, routerconfig.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: pf.URL(), Role: routerconfig.RolePrefill, Engine: engine.KindVLLM})
 	}
 	for i := range p.decoders {
 		d := listen(cfg)
 		decoders = append(decoders, d)
-		pc.Router.Backends = append(pc.Router.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: router.RoleDecode, Engine: engine.KindVLLM})
+		pc.Router.Backends = append(pc.Router.Backends, routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: routerconfig.RoleDecode, Engine: engine.KindVLLM})
 	}
 	core, logs := observer.New(zap.InfoLevel)
 	m := startMainLogged(t, pc, zap.New(core))

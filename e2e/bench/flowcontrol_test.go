@@ -17,7 +17,7 @@ import (
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/proxy"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -66,7 +66,7 @@ func flowSend(ctx context.Context, c *http.Client, url, tenant string, i, prompt
 
 // flowStack is two simulated engines that compute 2 requests at once each, behind a proxy of
 // max_inflight 2 per engine, the flow control of fc.
-func flowStack(t *testing.T, fc proxy.FlowControlConfig, policy string, queue router.QueueConfig) ([]*simEngine, *app.Main) {
+func flowStack(t *testing.T, fc proxy.FlowControlConfig, policy string, queue routerconfig.QueueConfig) ([]*simEngine, *app.Main) {
 	t.Helper()
 	engines := startSims(t, 2, sim.Config{Role: "decode", PrefillTime: 10 * time.Millisecond, PrefillPerToken: 40 * time.Microsecond,
 		ITL: 3 * time.Millisecond, MaxRunning: 2, KVBlocks: 4096, BlockSize: 16, KVEventsEndpoint: "tcp://*:0", KVEventsReplayEndpoint: "tcp://*:0"})
@@ -205,7 +205,7 @@ func TestFlowControlTargets(t *testing.T) {
 			if on {
 				fc = proxy.FlowControlConfig{TenantHeader: "X-Tenant", Tenants: tenants("quiet", "noisy"), QueueTimeout: time.Minute}
 			}
-			engines, m := flowStack(t, fc, router.PolicyLeastInflight, router.QueueConfig{Size: 4096, Timeout: time.Minute})
+			engines, m := flowStack(t, fc, routerconfig.PolicyLeastInflight, routerconfig.QueueConfig{Size: 4096, Timeout: time.Minute})
 			c := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}
 			run := func(flood bool) []flowAnswer {
 				var log flowLog
@@ -258,7 +258,7 @@ func TestFlowControlTargets(t *testing.T) {
 				total += w
 			}
 			engines, m := flowStack(t, proxy.FlowControlConfig{TenantHeader: "X-Tenant", Tenants: tc, QueueTimeout: time.Minute},
-				router.PolicyLeastInflight, router.QueueConfig{Size: 4096, Timeout: time.Minute})
+				routerconfig.PolicyLeastInflight, routerconfig.QueueConfig{Size: 4096, Timeout: time.Minute})
 			c := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 128}}
 			var log flowLog
 			var wg sync.WaitGroup
@@ -305,7 +305,7 @@ func TestFlowControlTargets(t *testing.T) {
 		const bound = 300 * time.Millisecond
 		// The queue's limit is the bound: a request that waited that long could only be late.
 		fc := proxy.FlowControlConfig{TenantHeader: "X-Tenant", Tenants: tenants("a", "b"), QueueTimeout: bound, SaturationTTFT: bound}
-		engines, m := flowStack(t, fc, router.PolicyCacheAware, router.QueueConfig{Size: 64, Timeout: bound})
+		engines, m := flowStack(t, fc, routerconfig.PolicyCacheAware, routerconfig.QueueConfig{Size: 64, Timeout: bound})
 		c := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}}
 		// Capacity: about 4 requests at once of about 70 ms each, some 55 a second.
 		var log flowLog

@@ -19,7 +19,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/engine"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // params sizes a harness run. The tiny one runs with every `go test` (under -race in CI) and
@@ -139,8 +139,8 @@ func TestHarness(t *testing.T) {
 		h.proxy["pd"] = startProxy(t, childConfig{Prefill: []string{h.prefill.URL()}, Decode: []string{h.decode.URL()}, EngineClient: ec})
 	}
 	if (selected("throughput") || selected("long") || selected("latency")) && os.Getenv("PDPROXY_BENCH_STDLIB") != "0" {
-		h.stdlib["aggregated"] = startProxy(t, childConfig{Decode: []string{h.decode.URL()}, EngineClient: router.EngineClientStdlib})
-		h.stdlib["pd"] = startProxy(t, childConfig{Prefill: []string{h.prefill.URL()}, Decode: []string{h.decode.URL()}, EngineClient: router.EngineClientStdlib})
+		h.stdlib["aggregated"] = startProxy(t, childConfig{Decode: []string{h.decode.URL()}, EngineClient: routerconfig.EngineClientStdlib})
+		h.stdlib["pd"] = startProxy(t, childConfig{Prefill: []string{h.prefill.URL()}, Decode: []string{h.decode.URL()}, EngineClient: routerconfig.EngineClientStdlib})
 	}
 	if selected("throughput") || selected("long") || selected("latency") {
 		var note string

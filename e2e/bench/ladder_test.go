@@ -16,7 +16,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/proxy"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -66,10 +66,10 @@ type ladderContender struct {
 func ladderContenders() []ladderContender {
 	return []ladderContender{
 		{label: "client-side hash of the group, no proxy"},
-		{policy: router.PolicyLeastInflight, byGroup: true, label: "the group as the session, least_inflight: a hash of the group through the proxy"},
-		{policy: router.PolicyLeastInflight, label: "least_inflight"},
-		{policy: router.PolicyCacheAware, label: "cache_aware, defaults"},
-		{policy: router.PolicyPreciseCacheAware, label: "precise_cache_aware, defaults"},
+		{policy: routerconfig.PolicyLeastInflight, byGroup: true, label: "the group as the session, least_inflight: a hash of the group through the proxy"},
+		{policy: routerconfig.PolicyLeastInflight, label: "least_inflight"},
+		{policy: routerconfig.PolicyCacheAware, label: "cache_aware, defaults"},
+		{policy: routerconfig.PolicyPreciseCacheAware, label: "precise_cache_aware, defaults"},
 	}
 }
 

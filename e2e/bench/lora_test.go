@@ -19,7 +19,7 @@ import (
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -95,7 +95,7 @@ func TestLoRARouting(t *testing.T) {
 	cfg.LoRAModules = loraAdapter + "=/adapters/" + loraAdapter
 	cfg.KVEventsEndpoint, cfg.KVEventsReplayEndpoint, cfg.KVEventsFormat = "tcp://*:0", "tcp://*:0", "map"
 
-	contenders := []string{router.PolicyPreciseCacheAware, router.PolicyCacheAware, router.PolicyLeastInflight}
+	contenders := []string{routerconfig.PolicyPreciseCacheAware, routerconfig.PolicyCacheAware, routerconfig.PolicyLeastInflight}
 	runs := make([][]loraRun, len(contenders))
 	for round := range p.rounds {
 		t.Run(fmt.Sprintf("round %d", round), func(t *testing.T) {
@@ -128,7 +128,7 @@ func TestLoRARouting(t *testing.T) {
 		p.engines, cfg.KVBlocks, blockSize, 2*w.systemBlocks(blockSize), cfg.PrefillTime, cfg.PrefillPerToken, cfg.ITL, ratio(oh, oq), p.rounds)
 	fmt.Fprintf(&b, "| routing | hit ratio, base model | hit ratio, adapter | adapter - base | adapter - least_inflight's adapter | requests per engine max/min | KV events taken | dropped, all rounds |\n")
 	fmt.Fprintf(&b, "|---|---|---|---|---|---|---|---|\n")
-	liAdapter, _ := med(runs[slices.Index(contenders, router.PolicyLeastInflight)], func(r loraRun) float64 { return r.hit(1) })
+	liAdapter, _ := med(runs[slices.Index(contenders, routerconfig.PolicyLeastInflight)], func(r loraRun) float64 { return r.hit(1) })
 	for i, c := range contenders {
 		rs := runs[i]
 		if len(rs) == 0 {
@@ -138,11 +138,11 @@ func TestLoRARouting(t *testing.T) {
 		adapter, _ := med(rs, func(r loraRun) float64 { return r.hit(1) })
 		d, dSpan := med(rs, func(r loraRun) float64 { return r.hit(1) - r.hit(0) })
 		diff, over := fmt.Sprintf("%+.3f%s", d, dSpan), fmt.Sprintf("%+.3f", adapter-liAdapter)
-		if c == router.PolicyPreciseCacheAware {
+		if c == routerconfig.PolicyPreciseCacheAware {
 			diff += " " + loraMet(p, d <= 0.05 && d >= -0.05, "within 0.05")
 			over += " " + loraMet(p, adapter-liAdapter >= 0.1, "at least 0.1")
 		}
-		if c == router.PolicyLeastInflight {
+		if c == routerconfig.PolicyLeastInflight {
 			over = ""
 		}
 		most, _ := med(rs, func(r loraRun) float64 { return float64(slices.Max(r.perEngine)) })
@@ -184,7 +184,7 @@ func runLoRAContender(t *testing.T, w *chatWorkload, p loraParams, policy string
 	for _, e := range engines {
 		// Every proxy dials the events, whatever its policy: the dropped count is the
 		// same decoder's for all.
-		pcfg.Router.Backends = append(pcfg.Router.Backends, router.BackendConfig{URL: e.srv.URL, Role: router.RoleDecode, Engine: engine.KindVLLM,
+		pcfg.Router.Backends = append(pcfg.Router.Backends, routerconfig.BackendConfig{URL: e.srv.URL, Role: routerconfig.RoleDecode, Engine: engine.KindVLLM,
 			KVEventsEndpoint: kvDial(t, e.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, e.e.KVEventsReplayAddr())})
 	}
 	m := startMain(t, pcfg)

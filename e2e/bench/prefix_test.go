@@ -19,7 +19,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/engine"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -106,10 +106,10 @@ func startPolicyProxy(t testing.TB, policy string, prefillers, decoders []*simEn
 	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
 	cfg.Router.DecodePolicy = policy
 	for _, p := range prefillers {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: p.srv.URL, Role: router.RolePrefill, Engine: engine.KindVLLM})
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{URL: p.srv.URL, Role: routerconfig.RolePrefill, Engine: engine.KindVLLM})
 	}
 	for _, d := range decoders {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: d.srv.URL, Role: router.RoleDecode, Engine: engine.KindVLLM})
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{URL: d.srv.URL, Role: routerconfig.RoleDecode, Engine: engine.KindVLLM})
 	}
 	return startMain(t, cfg)
 }
@@ -200,13 +200,13 @@ func TestPrefixCacheRouting(t *testing.T) {
 	for round := range rounds {
 		// A subtest per round, so that its engines and proxies stop when it ends.
 		t.Run(fmt.Sprintf("round %d", round), func(t *testing.T) {
-			for _, policy := range []string{router.PolicyLeastInflight, router.PolicyRoundRobin} {
+			for _, policy := range []string{routerconfig.PolicyLeastInflight, routerconfig.PolicyRoundRobin} {
 				fleet := startSims(t, 4, bounded)
 				m := startPolicyProxy(t, policy, nil, fleet)
 				runWorkload(t, w, concurrency, func(turnRef) string { return m.URL() })
 				record("proxy "+policy+", 4 sims decode-only", fleet)
 			}
-			for _, policy := range []string{router.PolicyLeastInflight, router.PolicyRoundRobin} {
+			for _, policy := range []string{routerconfig.PolicyLeastInflight, routerconfig.PolicyRoundRobin} {
 				// 1P4D: the prefiller computes every prompt, its one cache bounded like
 				// the others; the decoders' hits are the blocks they did not pull.
 				prefill, decoders := startSims(t, 1, bounded), startSims(t, 4, bounded)

@@ -16,7 +16,7 @@ import (
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // childEnv, when set, makes the test binary run as the proxy process of a harness (see
@@ -51,10 +51,10 @@ func runChild() int {
 	cfg := app.Config{Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", LogFormat: "json", ShutdownTimeout: 5 * time.Second}
 	cfg.Router.EngineClient = cc.EngineClient
 	for _, u := range cc.Prefill {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: u, Role: router.RolePrefill, Engine: engine.KindVLLM, MaxInflight: cc.MaxInflight})
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{URL: u, Role: routerconfig.RolePrefill, Engine: engine.KindVLLM, MaxInflight: cc.MaxInflight})
 	}
 	for _, u := range cc.Decode {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: u, Role: router.RoleDecode, Engine: engine.KindVLLM, MaxInflight: cc.MaxInflight})
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{URL: u, Role: routerconfig.RoleDecode, Engine: engine.KindVLLM, MaxInflight: cc.MaxInflight})
 	}
 	logger, err := app.NewLogger("json", "info")
 	if err != nil {

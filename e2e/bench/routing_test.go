@@ -28,6 +28,7 @@ import (
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -67,11 +68,11 @@ func (c routingContender) name() string {
 // point at (a tighter balance, a higher threshold), and the group-affine reference.
 func routingContenders(threshold int) []routingContender {
 	var cs []routingContender
-	for _, p := range []string{router.PolicyRoundRobin, router.PolicyLeastInflight, router.PolicyPrefixAffinity,
-		router.PolicyLeastLoaded, router.PolicyCacheAware, router.PolicyPreciseCacheAware} {
+	for _, p := range []string{routerconfig.PolicyRoundRobin, routerconfig.PolicyLeastInflight, routerconfig.PolicyPrefixAffinity,
+		routerconfig.PolicyLeastLoaded, routerconfig.PolicyCacheAware, routerconfig.PolicyPreciseCacheAware} {
 		cs = append(cs, routingContender{policy: p, replicas: 1}, routingContender{policy: p, threshold: threshold, replicas: 1})
 	}
-	precise := router.PolicyPreciseCacheAware
+	precise := routerconfig.PolicyPreciseCacheAware
 	return append(cs,
 		routingContender{policy: precise, replicas: 2}, routingContender{policy: precise, threshold: threshold, replicas: 2},
 		routingContender{policy: precise, threshold: threshold, replicas: 1, balanceAbs: 1},
@@ -84,7 +85,7 @@ func routingContenders(threshold int) []routingContender {
 // alone lose of one replica's hit ratio and spread.
 func replicaContenders(threshold int) []routingContender {
 	var cs []routingContender
-	for _, p := range []string{router.PolicyCacheAware, router.PolicyPreciseCacheAware} {
+	for _, p := range []string{routerconfig.PolicyCacheAware, routerconfig.PolicyPreciseCacheAware} {
 		for _, th := range []int{0, threshold} {
 			for n := 1; n <= 3; n++ {
 				cs = append(cs, routingContender{policy: p, threshold: th, replicas: n})
@@ -412,15 +413,15 @@ func startRoutingProxy(t testing.TB, c routingContender, prefillers, decoders []
 	cfg.Router.PrefillPolicy, cfg.Router.DecodePolicy = c.policy, c.policy
 	cfg.Proxy.PDUncachedTokenThreshold = c.threshold
 	cfg.Router.CacheAware.BalanceAbsThreshold = c.balanceAbs
-	add := func(s *simEngine, role router.Role) {
-		cfg.Router.Backends = append(cfg.Router.Backends, router.BackendConfig{URL: s.srv.URL, Role: role, Engine: engine.KindVLLM,
+	add := func(s *simEngine, role routerconfig.Role) {
+		cfg.Router.Backends = append(cfg.Router.Backends, routerconfig.BackendConfig{URL: s.srv.URL, Role: role, Engine: engine.KindVLLM,
 			KVEventsEndpoint: kvDial(t, s.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(t, s.e.KVEventsReplayAddr())})
 	}
 	for _, p := range prefillers {
-		add(p, router.RolePrefill)
+		add(p, routerconfig.RolePrefill)
 	}
 	for _, d := range decoders {
-		add(d, router.RoleDecode)
+		add(d, routerconfig.RoleDecode)
 	}
 	return startMain(t, cfg)
 }
@@ -536,11 +537,11 @@ func BenchmarkRoutingCost(b *testing.B) {
 		name, policy      string
 		withFile, inProxy bool
 	}{
-		{router.PolicyPreciseCacheAware, router.PolicyPreciseCacheAware, false, false},
-		{router.PolicyPreciseCacheAware + "_file_engine", router.PolicyPreciseCacheAware, true, false},
-		{router.PolicyPreciseCacheAware + "_file_in_proxy", router.PolicyPreciseCacheAware, true, true},
-		{router.PolicyCacheAware, router.PolicyCacheAware, false, false},
-		{router.PolicyLeastInflight, router.PolicyLeastInflight, false, false},
+		{routerconfig.PolicyPreciseCacheAware, routerconfig.PolicyPreciseCacheAware, false, false},
+		{routerconfig.PolicyPreciseCacheAware + "_file_engine", routerconfig.PolicyPreciseCacheAware, true, false},
+		{routerconfig.PolicyPreciseCacheAware + "_file_in_proxy", routerconfig.PolicyPreciseCacheAware, true, true},
+		{routerconfig.PolicyCacheAware, routerconfig.PolicyCacheAware, false, false},
+		{routerconfig.PolicyLeastInflight, routerconfig.PolicyLeastInflight, false, false},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
 			cfg := cfg
@@ -548,16 +549,16 @@ func BenchmarkRoutingCost(b *testing.B) {
 				cfg.Tokenizer = tokenizerFile
 			}
 			decoders := startSims(b, 4, cfg)
-			rcfg := router.Config{DecodePolicy: bc.policy, Health: router.HealthConfig{Interval: -1}, EngineTokenizer: engine.Tokenizer{}}
+			rcfg := routerconfig.Config{DecodePolicy: bc.policy, Health: routerconfig.HealthConfig{Interval: -1}, EngineTokenizer: engine.Tokenizer{}}
 			if bc.inProxy {
-				rcfg.Tokenizers = map[string]router.TokenizerFiles{"sim": {File: tokenizerFile, ChatTemplate: templateFile}}
+				rcfg.Tokenizers = map[string]routerconfig.TokenizerFiles{"sim": {File: tokenizerFile, ChatTemplate: templateFile}}
 				var err error
 				if rcfg.LocalTokenizers, err = app.LoadTokenizers(proxy.Config{}, rcfg); err != nil {
 					b.Fatal(err)
 				}
 			}
 			for i, d := range decoders {
-				rcfg.Backends = append(rcfg.Backends, router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.srv.URL, Role: router.RoleDecode,
+				rcfg.Backends = append(rcfg.Backends, routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.srv.URL, Role: routerconfig.RoleDecode,
 					KVEventsEndpoint: kvDial(b, d.e.KVEventsAddr()), KVEventsReplayEndpoint: kvDial(b, d.e.KVEventsReplayAddr())})
 			}
 			reg := prometheus.NewRegistry()
@@ -591,7 +592,7 @@ func BenchmarkRoutingCost(b *testing.B) {
 			if v := testutil.Value(b, reg, "pdproxy_tokenizer_in_proxy", map[string]string{"model": "sim"}); bc.inProxy && v != 1 {
 				b.Fatalf("pdproxy_tokenizer_in_proxy %v: the proxy's tokenizer is not in use", v)
 			}
-			precise := r.WantsTokens(router.RoleDecode)
+			precise := r.WantsTokens(routerconfig.RoleDecode)
 			var total, tok, pick []time.Duration
 			i := 0
 			for b.Loop() {
@@ -619,7 +620,7 @@ func BenchmarkRoutingCost(b *testing.B) {
 					tok = append(tok, time.Since(t0))
 				}
 				t1 := time.Now()
-				l, err := r.Acquire(ctx, router.RoleDecode, h)
+				l, err := r.Acquire(ctx, routerconfig.RoleDecode, h)
 				if err != nil {
 					b.Fatal(err)
 				}

@@ -5,9 +5,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"go.uber.org/zap/zaptest"
-
-	"github.com/pdproxy/pdproxy/router"
 )
 
 // conditionalConfig is a 1P1D config with pd_uncached_token_threshold 64 on the decode
@@ -17,9 +16,9 @@ func conditionalConfig(policy string, edit func(c *Config)) Config {
 	c.Proxy.PDUncachedTokenThreshold = 64
 	c.Router.DecodePolicy = policy
 	c.Router.Health.Interval = -1
-	c.Router.Backends = []router.BackendConfig{
-		{Name: "p0", URL: "http://127.0.0.1:1", Role: router.RolePrefill, Engine: "vllm"},
-		{Name: "d0", URL: "http://127.0.0.1:2", Role: router.RoleDecode, Engine: "vllm"},
+	c.Router.Backends = []routerconfig.BackendConfig{
+		{Name: "p0", URL: "http://127.0.0.1:1", Role: routerconfig.RolePrefill, Engine: "vllm"},
+		{Name: "d0", URL: "http://127.0.0.1:2", Role: routerconfig.RoleDecode, Engine: "vllm"},
 	}
 	if edit != nil {
 		edit(&c)
@@ -37,12 +36,12 @@ func TestStartRefusesAnUncachedThresholdThatCouldNeverFire(t *testing.T) {
 		cfg  Config
 		want []string // in the error
 	}{
-		{"cache_aware, no KV events", conditionalConfig(router.PolicyCacheAware, nil),
+		{"cache_aware, no KV events", conditionalConfig(routerconfig.PolicyCacheAware, nil),
 			[]string{"pd_uncached_token_threshold", "KV events", "kv_events_endpoint", "kv_events.listen"}},
 		{"least_inflight, KV events of the prefiller only", conditionalConfig("", func(c *Config) {
 			c.Router.Backends[0].KVEventsEndpoint = "tcp://127.0.0.1:5557"
 		}), []string{"pd_uncached_token_threshold", "decoders' KV events"}},
-		{"the decoder reserved after the prefill", conditionalConfig(router.PolicyCacheAware, func(c *Config) {
+		{"the decoder reserved after the prefill", conditionalConfig(routerconfig.PolicyCacheAware, func(c *Config) {
 			c.Router.Backends[1].KVEventsEndpoint = "tcp://127.0.0.1:5557"
 			c.Proxy.DecoderReservation = "after_prefill"
 		}), []string{"pd_uncached_token_threshold", "decoder_reservation before_prefill"}},
@@ -71,12 +70,12 @@ func TestStartRefusesAnUncachedThresholdThatCouldNeverFire(t *testing.T) {
 // config with the threshold off.
 func TestAnUncachedThresholdWithTheDecodersEventsIsAccepted(t *testing.T) {
 	for name, c := range map[string]Config{
-		"a decoder's kv_events_endpoint": conditionalConfig(router.PolicyCacheAware, func(c *Config) {
+		"a decoder's kv_events_endpoint": conditionalConfig(routerconfig.PolicyCacheAware, func(c *Config) {
 			c.Router.Backends[1].KVEventsEndpoint = "tcp://127.0.0.1:5557"
 		}),
 		"a decoder's kv_events_port": conditionalConfig("", func(c *Config) { c.Router.Backends[1].KVEventsPort = 5557 }),
-		"kv_events.listen":           conditionalConfig(router.PolicyPreciseCacheAware, func(c *Config) { c.Router.KVEvents.Listen = "tcp://*:5557" }),
-		"the threshold off":          conditionalConfig(router.PolicyCacheAware, func(c *Config) { c.Proxy.PDUncachedTokenThreshold = 0 }),
+		"kv_events.listen":           conditionalConfig(routerconfig.PolicyPreciseCacheAware, func(c *Config) { c.Router.KVEvents.Listen = "tcp://*:5557" }),
+		"the threshold off":          conditionalConfig(routerconfig.PolicyCacheAware, func(c *Config) { c.Proxy.PDUncachedTokenThreshold = 0 }),
 	} {
 		if err := checkConditional(c.Proxy, c.Router); err != nil {
 			t.Errorf("%s: %v", name, err)
@@ -91,7 +90,7 @@ func TestPrefillUnavailableDecodeOnlyNeedsADecoderThatServesAlone(t *testing.T) 
 		c.Proxy.PDUncachedTokenThreshold = 0
 		c.Proxy.PrefillUnavailable = "decode_only"
 		c.Router.Backends[0].Engine, c.Router.Backends[1].Engine = "sglang", "sglang"
-		c.Router.Backends = append(c.Router.Backends, router.BackendConfig{Name: "d1", URL: "http://127.0.0.1:3", Role: router.RoleDecode, Engine: "mooncake"})
+		c.Router.Backends = append(c.Router.Backends, routerconfig.BackendConfig{Name: "d1", URL: "http://127.0.0.1:3", Role: routerconfig.RoleDecode, Engine: "mooncake"})
 	})
 	err := checkConditional(paired.Proxy, paired.Router)
 	if err == nil || !strings.Contains(err.Error(), "prefill_unavailable") || !strings.Contains(err.Error(), "mooncake, sglang") {
@@ -102,7 +101,7 @@ func TestPrefillUnavailableDecodeOnlyNeedsADecoderThatServesAlone(t *testing.T) 
 		"fail":                      func(c *Config) { c.Proxy.PrefillUnavailable = "fail" },
 	} {
 		c := paired
-		c.Router.Backends = append([]router.BackendConfig(nil), paired.Router.Backends...)
+		c.Router.Backends = append([]routerconfig.BackendConfig(nil), paired.Router.Backends...)
 		edit(&c)
 		if err := checkConditional(c.Proxy, c.Router); err != nil {
 			t.Errorf("%s: %v", name, err)

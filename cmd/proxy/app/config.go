@@ -21,7 +21,7 @@ import (
 	"github.com/pdproxy/pdproxy/configs"
 	"github.com/pdproxy/pdproxy/engine"
 	"github.com/pdproxy/pdproxy/proxy"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sharedstate"
 )
 
@@ -70,7 +70,7 @@ type Config struct {
 	// Proxy is the HTTP front and P/D flow.
 	Proxy proxy.Config `yaml:",inline"`
 	// Router is the backend pools.
-	Router router.Config `yaml:",inline"`
+	Router routerconfig.Config `yaml:",inline"`
 	// SharedState is the Redis where the replicas share the per_key limits; none by default:
 	// each replica works alone.
 	SharedState sharedstate.Config `yaml:"shared_state"`
@@ -131,10 +131,10 @@ func (s Source) load() (Config, error) {
 // apply puts the flags on top of a config read from the file.
 func (s Source) apply(c Config) (Config, error) {
 	for _, u := range s.Prefill {
-		c.Router.Backends = append(c.Router.Backends, router.BackendConfig{URL: u, Role: router.RolePrefill, Engine: s.engine()})
+		c.Router.Backends = append(c.Router.Backends, routerconfig.BackendConfig{URL: u, Role: routerconfig.RolePrefill, Engine: s.engine()})
 	}
 	for _, u := range s.Decode {
-		c.Router.Backends = append(c.Router.Backends, router.BackendConfig{URL: u, Role: router.RoleDecode, Engine: s.engine()})
+		c.Router.Backends = append(c.Router.Backends, routerconfig.BackendConfig{URL: u, Role: routerconfig.RoleDecode, Engine: s.engine()})
 	}
 	if s.Listen != "" {
 		c.Listen = s.Listen
@@ -176,7 +176,7 @@ func (c *Config) checkCommandLine() error {
 // check is the config's validation, before anything starts: the app's own keys here, and
 // each section by the check of the package that owns it (proxy.Config.Validate,
 // TracingConfig.validate, sharedstate.Config.Validate in checkSharedState). The router's
-// section is checked by router.New (router.Config.Validate), once the simulated engines
+// section is checked by router.New (routerconfig.Config.Validate), once the simulated engines
 // listen and their backends can be added, and what spans the proxy's and the router's
 // sections by checkConditional, as a reload does. Start calls it first.
 func (c *Config) check() error {
@@ -332,11 +332,11 @@ func LoadConfig(args []string, stderr io.Writer) (Config, error) {
 }
 
 // EngineCatalog gives the router engine's engine kinds, as the opaque values it hands back
-// on every backend (router.Config.Engines).
+// on every backend (routerconfig.Config.Engines).
 type EngineCatalog struct{}
 
 // Engine returns engine's engine of kind.
-func (EngineCatalog) Engine(kind string) (router.Engine, bool) {
+func (EngineCatalog) Engine(kind string) (routerconfig.Engine, bool) {
 	e, ok := engine.Lookup(kind)
 	return e, ok
 }
@@ -347,13 +347,13 @@ func (EngineCatalog) Kinds() []string { return engine.Kinds() }
 // checkPrefillUnavailable refuses prefill_unavailable: decode_only, said in so many words,
 // when every decoder is of a paired engine (SGLang, Mooncake): such a decoder waits for a
 // prefiller's room and never serves alone, so the choice could never take effect.
-func checkPrefillUnavailable(p proxy.Config, r router.Config) error {
+func checkPrefillUnavailable(p proxy.Config, r routerconfig.Config) error {
 	if p.PrefillUnavailable != proxy.PrefillUnavailableDecode {
 		return nil
 	}
 	var kinds []string
 	for _, b := range r.Backends {
-		if b.Role != router.RoleDecode {
+		if b.Role != routerconfig.RoleDecode {
 			continue
 		}
 		e, ok := engine.Lookup(b.Engine)
@@ -377,7 +377,7 @@ func checkPrefillUnavailable(p proxy.Config, r router.Config) error {
 // where events come from (kv_events.listen, which any engine may dial, or a decode
 // backend's own endpoint or port); the proxy's part holds the keys, so both are checked
 // here.
-func checkConditional(p proxy.Config, r router.Config) error {
+func checkConditional(p proxy.Config, r routerconfig.Config) error {
 	if err := checkPrefillUnavailable(p, r); err != nil {
 		return err
 	}
@@ -395,7 +395,7 @@ func checkConditional(p proxy.Config, r router.Config) error {
 		return nil
 	}
 	for _, b := range r.Backends {
-		if b.Role == router.RoleDecode && (b.KVEventsEndpoint != "" || b.KVEventsPort > 0) {
+		if b.Role == routerconfig.RoleDecode && (b.KVEventsEndpoint != "" || b.KVEventsPort > 0) {
 			return nil
 		}
 	}

@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 func TestParseConfigReadsTheCacheAwareKeys(t *testing.T) {
@@ -40,10 +40,10 @@ backends:
 	if err := rc.Validate(); err != nil {
 		t.Fatalf("Validate: %v", err)
 	}
-	if rc.PrefillPolicy != router.PolicyPreciseCacheAware || rc.DecodePolicy != router.PolicyCacheAware {
+	if rc.PrefillPolicy != routerconfig.PolicyPreciseCacheAware || rc.DecodePolicy != routerconfig.PolicyCacheAware {
 		t.Errorf("policies %q, %q", rc.PrefillPolicy, rc.DecodePolicy)
 	}
-	if want := (router.CacheAwareConfig{PrefillTokensPerSecond: 5000, PrefillOverhead: router.DefaultPrefillOverhead, DecodeCostTokens: router.DefaultDecodeCostTokens,
+	if want := (routerconfig.CacheAwareConfig{PrefillTokensPerSecond: 5000, PrefillOverhead: routerconfig.DefaultPrefillOverhead, DecodeCostTokens: routerconfig.DefaultDecodeCostTokens,
 		TreeTTL: 30 * time.Second, BalanceAbsThreshold: 16, BalanceRelThreshold: 1.25, MaxTreeBytes: 8 << 20}); rc.CacheAware != want {
 		t.Errorf("cache_aware = %+v, want %+v", rc.CacheAware, want)
 	}

@@ -8,9 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"go.uber.org/zap/zaptest"
-
-	"github.com/pdproxy/pdproxy/router"
 )
 
 // poolConfig is a config of one prefiller and one decoder of each engine kind given, at
@@ -19,8 +18,8 @@ func poolConfig(kinds ...string) Config {
 	c := Config{Listen: "127.0.0.1:0"}
 	c.Router.Health.Interval = -1
 	for i, k := range kinds {
-		p := router.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: fmt.Sprintf("http://127.0.0.1:%d", 2*i+1), Role: router.RolePrefill, Engine: k}
-		d := router.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: fmt.Sprintf("http://127.0.0.1:%d", 2*i+2), Role: router.RoleDecode, Engine: k}
+		p := routerconfig.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: fmt.Sprintf("http://127.0.0.1:%d", 2*i+1), Role: routerconfig.RolePrefill, Engine: k}
+		d := routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: fmt.Sprintf("http://127.0.0.1:%d", 2*i+2), Role: routerconfig.RoleDecode, Engine: k}
 		if k == "sglang" || k == "mooncake" {
 			p.BootstrapPort = 8998 // nothing to ask at start
 		}
@@ -132,7 +131,7 @@ func TestEveryExampleConfigPassesTheStartupChecksOfItsEngines(t *testing.T) {
 			}
 			rc := c.Router
 			for i, sc := range c.Sims {
-				rc.Backends = append(rc.Backends, router.BackendConfig{Name: fmt.Sprintf("sim-%d", i), Role: router.Role(sc.Role), Engine: engineKind(sc)})
+				rc.Backends = append(rc.Backends, routerconfig.BackendConfig{Name: fmt.Sprintf("sim-%d", i), Role: routerconfig.Role(sc.Role), Engine: engineKind(sc)})
 			}
 			if err := checkConditional(c.Proxy, rc); err != nil {
 				t.Error(err)

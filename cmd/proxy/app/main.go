@@ -21,6 +21,7 @@ import (
 	"github.com/pdproxy/pdproxy/lifecycle"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sharedstate"
 	"github.com/pdproxy/pdproxy/sim"
 )
@@ -135,7 +136,7 @@ func (m *Main) Start(ctx context.Context) error {
 	}
 
 	rcfg := m.cfg.Router
-	rcfg.Backends = append([]router.BackendConfig(nil), rcfg.Backends...)
+	rcfg.Backends = append([]routerconfig.BackendConfig(nil), rcfg.Backends...)
 	for i, sc := range m.cfg.Sims {
 		p, err := m.startSim(gctx, g, i, sc)
 		if err != nil {
@@ -197,8 +198,8 @@ func (m *Main) Start(ctx context.Context) error {
 		return nil
 	})
 	m.logger.Info("proxy listening", zap.String("addr", ln.Addr().String()), zap.Bool("tls", tlsConf != nil),
-		zap.Int("prefill_backends", countRole(rcfg.Backends, router.RolePrefill)),
-		zap.Int("decode_backends", countRole(rcfg.Backends, router.RoleDecode)))
+		zap.Int("prefill_backends", countRole(rcfg.Backends, routerconfig.RolePrefill)),
+		zap.Int("decode_backends", countRole(rcfg.Backends, routerconfig.RoleDecode)))
 	return nil
 }
 
@@ -235,7 +236,7 @@ func (m *Main) stopAdmin() {
 	}
 }
 
-func countRole(bs []router.BackendConfig, role router.Role) int {
+func countRole(bs []routerconfig.BackendConfig, role routerconfig.Role) int {
 	n := 0
 	for _, b := range bs {
 		if b.Role == role {
@@ -247,7 +248,7 @@ func countRole(bs []router.BackendConfig, role router.Role) int {
 
 // build makes the router, table and server, and checks that the proxy's hold deadline is
 // no longer than any prefiller's own (race R4 otherwise).
-func (m *Main) build(ctx context.Context, rcfg router.Config) error {
+func (m *Main) build(ctx context.Context, rcfg routerconfig.Config) error {
 	rcfg.Engines = EngineCatalog{}
 	rcfg.Queue.TTFTBound, rcfg.Queue.ReservedSlots = m.cfg.Proxy.FlowControl.SaturationTTFT, m.cfg.Proxy.FlowControl.Slots()
 	if err := checkConditional(m.cfg.Proxy, rcfg); err != nil {
@@ -271,7 +272,7 @@ func (m *Main) build(ctx context.Context, rcfg router.Config) error {
 		return fmt.Errorf("config: %w", err)
 	}
 	m.holdTimeout = m.cfg.KVHoldTimeout
-	min := rt.MinKVHoldTimeout(router.RolePrefill)
+	min := rt.MinKVHoldTimeout(routerconfig.RolePrefill)
 	// In llm-d's sidecar slot the prefillers come from a header, taken for the local
 	// decoder's engine: their hold is that engine's.
 	sidecarEngine, err := proxy.SidecarEngine(m.cfg.Proxy, rt.Backends())
@@ -409,9 +410,9 @@ func setIf[T comparable](dst *T, v T) {
 
 // simBackend is the router's entry for the i-th in-process engine: the same at startup and
 // on every reload, so a reload keeps it with its state.
-func simBackend(i int, p *simProcess) router.BackendConfig {
-	return router.BackendConfig{
-		Name: fmt.Sprintf("sim-%s-%d", p.cfg.Role, i), URL: p.URL(), Role: router.Role(p.cfg.Role),
+func simBackend(i int, p *simProcess) routerconfig.BackendConfig {
+	return routerconfig.BackendConfig{
+		Name: fmt.Sprintf("sim-%s-%d", p.cfg.Role, i), URL: p.URL(), Role: routerconfig.Role(p.cfg.Role),
 		Engine: engineKind(p.cfg), MaxInflight: p.cfg.MaxInflight, KVHoldTimeout: p.cfg.KVHoldTimeout,
 		AdminAPIKey: p.cfg.AdminAPIKey,
 	}

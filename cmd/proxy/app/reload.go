@@ -14,6 +14,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // Reload reads the config file at path again and applies its router part: the backends,
@@ -87,18 +88,18 @@ func (m *Main) Reload(path string) error {
 		m.logger.Warn("config reload ignored settings that need a restart", zap.String("file", path), zap.Strings("keys", keys))
 	}
 	m.logger.Info("config reloaded", zap.String("file", path),
-		zap.Int("prefill_backends", countRole(rcfg.Backends, router.RolePrefill)),
-		zap.Int("decode_backends", countRole(rcfg.Backends, router.RoleDecode)))
+		zap.Int("prefill_backends", countRole(rcfg.Backends, routerconfig.RolePrefill)),
+		zap.Int("decode_backends", countRole(rcfg.Backends, routerconfig.RoleDecode)))
 	return nil
 }
 
 // checkHolds is the rule Start checks, for the running kv_hold_timeout (a reload does not
 // change it): the proxy forwards a prefiller's KV params for that long, so no prefiller
 // may free its blocks sooner. bs have their defaults filled in.
-func (m *Main) checkHolds(bs []router.BackendConfig) error {
+func (m *Main) checkHolds(bs []routerconfig.BackendConfig) error {
 	var errs []error
 	for i, b := range bs {
-		if b.Role == router.RolePrefill && maxHoldTimeout(b.KVHoldTimeout) < m.holdTimeout {
+		if b.Role == routerconfig.RolePrefill && maxHoldTimeout(b.KVHoldTimeout) < m.holdTimeout {
 			errs = append(errs, fmt.Errorf("backends[%d].kv_hold_timeout: %s leaves less than the running kv_hold_timeout %s (which only a restart changes) plus its margin (it must be at least 3/2 of it): a decoder could read blocks the prefiller already freed",
 				i, b.KVHoldTimeout, m.holdTimeout))
 		}
@@ -110,7 +111,7 @@ func (m *Main) checkHolds(bs []router.BackendConfig) error {
 // running config and a reloaded one and that only a restart applies: everything but the
 // router's part. Both have their defaults filled in.
 func restartOnlyChanges(running, next Config) []string {
-	running.Router, next.Router = router.Config{}, router.Config{}
+	running.Router, next.Router = routerconfig.Config{}, routerconfig.Config{}
 	return changedKeys(reflect.ValueOf(running), reflect.ValueOf(next))
 }
 

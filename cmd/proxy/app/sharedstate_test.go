@@ -13,7 +13,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/internal/testutil"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 func TestParseConfigReadsTheSharedStateKeys(t *testing.T) {
@@ -156,7 +156,7 @@ backends:
 func decoderNames(m *Main) string {
 	var names []string
 	for _, b := range m.Router.Backends() {
-		if b.Role == router.RoleDecode {
+		if b.Role == routerconfig.RoleDecode {
 			names = append(names, b.Name)
 		}
 	}

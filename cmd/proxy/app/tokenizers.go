@@ -10,20 +10,20 @@ import (
 
 	"github.com/pdproxy/pdproxy/internal/hftok"
 	"github.com/pdproxy/pdproxy/proxy"
-	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
 // LoadTokenizers reads the files of the router config's tokenizers, one LocalTokenizer per
 // model, and refuses them where they cannot take effect: no policy routes by tokens and no
 // pd_uncached_token_threshold weighs them, so nothing would ever tokenize a request.
-func LoadTokenizers(p proxy.Config, r router.Config) (map[string]router.LocalTokenizer, error) {
+func LoadTokenizers(p proxy.Config, r routerconfig.Config) (map[string]routerconfig.LocalTokenizer, error) {
 	if len(r.Tokenizers) == 0 {
 		return nil, nil
 	}
 	if !r.UsesTokens() && p.PDUncachedTokenThreshold <= 0 {
 		return nil, fmt.Errorf("tokenizers: set, but no request is ever tokenized: neither policy is precise_cache_aware and pd_uncached_token_threshold is off")
 	}
-	out := make(map[string]router.LocalTokenizer, len(r.Tokenizers))
+	out := make(map[string]routerconfig.LocalTokenizer, len(r.Tokenizers))
 	for _, model := range slices.Sorted(maps.Keys(r.Tokenizers)) {
 		files := r.Tokenizers[model]
 		if files.File == "" {
@@ -44,7 +44,7 @@ func LoadTokenizers(p proxy.Config, r router.Config) (map[string]router.LocalTok
 	return out, nil
 }
 
-// localTokenizer is a model's tokenizer.json and chat template, as router.LocalTokenizer.
+// localTokenizer is a model's tokenizer.json and chat template, as routerconfig.LocalTokenizer.
 // A completion's prompt gets its post-processor's tokens, as vLLM's /tokenize and
 // completions add them; a rendered chat does not (its template writes them), as vLLM's
 // chat does not add them on top.
@@ -60,7 +60,7 @@ type localTokenizer struct {
 // chat's is left to the collector.
 const maxKeptText = 1 << 20
 
-var _ router.LocalTokenizer = (*localTokenizer)(nil)
+var _ routerconfig.LocalTokenizer = (*localTokenizer)(nil)
 
 func (t *localTokenizer) Chats() bool { return t.chat != nil }
 
@@ -69,11 +69,11 @@ func (t *localTokenizer) Tokenize(dst []uint32, prompt string, messages json.Raw
 		return encode(t.tok, dst, prompt, true, max)
 	}
 	if t.chat == nil {
-		return dst, router.ErrNotLocal
+		return dst, routerconfig.ErrNotLocal
 	}
 	msgs, ok := plainMessages(messages)
 	if !ok {
-		return dst, router.ErrNotLocal
+		return dst, routerconfig.ErrNotLocal
 	}
 	buf, _ := t.texts.Get().(*[]byte)
 	if buf == nil {
@@ -95,12 +95,12 @@ func (t *localTokenizer) Tokenize(dst []uint32, prompt string, messages json.Raw
 }
 
 // encode appends text's tokens to dst, at most max of them: a text of more answers
-// router.ErrTooManyTokens, and dst as it was.
+// routerconfig.ErrTooManyTokens, and dst as it was.
 func encode(tok *hftok.Tokenizer, dst []uint32, text string, addSpecialTokens bool, max int) ([]uint32, error) {
 	n := len(dst)
 	out, whole, err := tok.AppendEncodeMax(dst, text, addSpecialTokens, max)
 	if err == nil && !whole {
-		return out[:n], router.ErrTooManyTokens
+		return out[:n], routerconfig.ErrTooManyTokens
 	}
 	return out, err
 }

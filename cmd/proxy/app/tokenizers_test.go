@@ -26,6 +26,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/router"
+	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -39,10 +40,10 @@ const (
 // in the proxy for model sim.
 func tokenizerConfig(simTokenizer string) Config {
 	c := Config{Listen: "127.0.0.1:0"}
-	c.Router.DecodePolicy = router.PolicyPreciseCacheAware
+	c.Router.DecodePolicy = routerconfig.PolicyPreciseCacheAware
 	c.Router.Health.Interval = -1
 	c.Router.KVEvents.Listen = "tcp://127.0.0.1:0" // what precise_cache_aware reads; no engine publishes here
-	c.Router.Tokenizers = map[string]router.TokenizerFiles{"sim": {File: testTokenizer, ChatTemplate: testTemplate}}
+	c.Router.Tokenizers = map[string]routerconfig.TokenizerFiles{"sim": {File: testTokenizer, ChatTemplate: testTemplate}}
 	for _, role := range []string{"prefill", "decode"} {
 		c.Sims = append(c.Sims, SimConfig{Role: role, Tokenizer: simTokenizer})
 	}
@@ -114,18 +115,18 @@ func TestStartRefusesTokenizerFilesItCannotUse(t *testing.T) {
 		want []string
 	}{
 		{"a missing tokenizer.json", func(c *Config) {
-			c.Router.Tokenizers["sim"] = router.TokenizerFiles{File: filepath.Join(dir, "none.json")}
+			c.Router.Tokenizers["sim"] = routerconfig.TokenizerFiles{File: filepath.Join(dir, "none.json")}
 		}, []string{"tokenizers.sim.file", "none.json"}},
 		{"a model the proxy cannot reproduce", func(c *Config) {
-			c.Router.Tokenizers["sim"] = router.TokenizerFiles{File: notBPE}
+			c.Router.Tokenizers["sim"] = routerconfig.TokenizerFiles{File: notBPE}
 		}, []string{"tokenizers.sim.file", "wordpiece.json", "only BPE"}},
 		{"a tokenizer_config.json without a template", func(c *Config) {
-			c.Router.Tokenizers["sim"] = router.TokenizerFiles{File: testTokenizer, ChatTemplate: noTemplate}
+			c.Router.Tokenizers["sim"] = routerconfig.TokenizerFiles{File: testTokenizer, ChatTemplate: noTemplate}
 		}, []string{"tokenizers.sim.chat_template", "no chat_template"}},
 		{"a template that does not parse", func(c *Config) {
-			c.Router.Tokenizers["sim"] = router.TokenizerFiles{File: testTokenizer, ChatTemplate: badTemplate}
+			c.Router.Tokenizers["sim"] = routerconfig.TokenizerFiles{File: testTokenizer, ChatTemplate: badTemplate}
 		}, []string{"tokenizers.sim.chat_template", "chat.jinja"}},
-		{"no file", func(c *Config) { c.Router.Tokenizers["sim"] = router.TokenizerFiles{ChatTemplate: testTemplate} }, []string{"tokenizers.sim.file", "required"}},
+		{"no file", func(c *Config) { c.Router.Tokenizers["sim"] = routerconfig.TokenizerFiles{ChatTemplate: testTemplate} }, []string{"tokenizers.sim.file", "required"}},
 		{"nothing that tokenizes requests", func(c *Config) { c.Router.DecodePolicy = "" }, []string{"tokenizers", "precise_cache_aware", "pd_uncached_token_threshold"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -166,9 +167,9 @@ func TestWithNoEngineAtTheStartTheTokenizerIsCheckedAtTheFirst(t *testing.T) {
 			ln.Close() // nothing answers there until the engine starts
 			c := tokenizerConfig(testTokenizer)
 			c.Sims = nil
-			c.Router.Backends = []router.BackendConfig{
-				{Name: "p0", URL: "http://" + addr, Role: router.RolePrefill, Engine: "sim"},
-				{Name: "d0", URL: "http://" + addr, Role: router.RoleDecode, Engine: "sim"},
+			c.Router.Backends = []routerconfig.BackendConfig{
+				{Name: "p0", URL: "http://" + addr, Role: routerconfig.RolePrefill, Engine: "sim"},
+				{Name: "d0", URL: "http://" + addr, Role: routerconfig.RoleDecode, Engine: "sim"},
 			}
 			core, logs := observer.New(zap.InfoLevel)
 			m, err := startMain(t, c, zap.New(core))
@@ -246,13 +247,13 @@ func TestAPromptOfMegabytesCostsTheProxyCopiesOfItsBodyNotAGigabyte(t *testing.T
 		return srv.URL
 	}
 	c := Config{Listen: "127.0.0.1:0"}
-	c.Router.PrefillPolicy, c.Router.DecodePolicy = router.PolicyPreciseCacheAware, router.PolicyPreciseCacheAware
+	c.Router.PrefillPolicy, c.Router.DecodePolicy = routerconfig.PolicyPreciseCacheAware, routerconfig.PolicyPreciseCacheAware
 	c.Router.Health.Interval = -1
 	c.Router.KVEvents.Listen = "tcp://127.0.0.1:0"
-	c.Router.Tokenizers = map[string]router.TokenizerFiles{"sim": {File: testTokenizer, ChatTemplate: testTemplate}}
-	c.Router.Backends = []router.BackendConfig{
-		{Name: "p0", URL: engine(), Role: router.RolePrefill, Engine: "sim"},
-		{Name: "d0", URL: engine(), Role: router.RoleDecode, Engine: "sim"},
+	c.Router.Tokenizers = map[string]routerconfig.TokenizerFiles{"sim": {File: testTokenizer, ChatTemplate: testTemplate}}
+	c.Router.Backends = []routerconfig.BackendConfig{
+		{Name: "p0", URL: engine(), Role: routerconfig.RolePrefill, Engine: "sim"},
+		{Name: "d0", URL: engine(), Role: routerconfig.RoleDecode, Engine: "sim"},
 	}
 	m, err := startMain(t, c, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)))
 	if err != nil {
@@ -269,7 +270,7 @@ func TestAPromptOfMegabytesCostsTheProxyCopiesOfItsBodyNotAGigabyte(t *testing.T
 		total := allocated(func() {
 			toks, err = m.Router.Tokens(context.Background(), router.TokenizeRequest{Model: "sim", Prompt: prompt})
 		})
-		if !errors.Is(err, router.ErrTooManyTokens) || toks != nil {
+		if !errors.Is(err, routerconfig.ErrTooManyTokens) || toks != nil {
 			t.Errorf("Tokens: %d tokens, %v; want ErrTooManyTokens", len(toks), err)
 		}
 		if total > 8<<20 {
@@ -314,7 +315,7 @@ func allocated(f func()) int64 {
 }
 
 // testLocalTokenizer is the proxy's tokenizer of model sim: the test tokenizer and template.
-func testLocalTokenizer(t testing.TB) router.LocalTokenizer {
+func testLocalTokenizer(t testing.TB) routerconfig.LocalTokenizer {
 	t.Helper()
 	local, err := LoadTokenizers(tokenizerConfig("").Proxy, tokenizerConfig("").Router)
 	if err != nil {
@@ -401,7 +402,7 @@ func TestChatsOfMoreThanPlainMessagesAreTheEnginesToTokenize(t *testing.T) {
 		`{"role":"user"}`,
 	} {
 		t.Run(msgs, func(t *testing.T) {
-			if _, err := tok.Tokenize(nil, "", json.RawMessage(msgs), math.MaxInt); err != router.ErrNotLocal {
+			if _, err := tok.Tokenize(nil, "", json.RawMessage(msgs), math.MaxInt); err != routerconfig.ErrNotLocal {
 				t.Errorf("Tokenize: %v, want ErrNotLocal", err)
 			}
 		})

@@ -1,4 +1,4 @@
-package router
+package routerconfig
 
 import (
 	"errors"
@@ -7,9 +7,9 @@ import (
 	"net/url"
 )
 
-// hostPort names a backend after its address, adding the scheme's port when the URL
+// HostPort names a backend after its address, adding the scheme's port when the URL
 // has none so that "http://a" and "http://a:80" get the same name.
-func hostPort(u *url.URL) string {
+func HostPort(u *url.URL) string {
 	if u.Port() != "" {
 		return u.Host
 	}
@@ -20,7 +20,7 @@ func hostPort(u *url.URL) string {
 	return net.JoinHostPort(u.Hostname(), port)
 }
 
-func checkURL(raw string) error {
+func CheckURL(raw string) error {
 	if raw == "" {
 		return errors.New("required")
 	}

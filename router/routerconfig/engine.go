@@ -1,4 +1,4 @@
-package router
+package routerconfig
 
 import (
 	"time"
@@ -29,8 +29,8 @@ type opaqueEngine string
 func (e opaqueEngine) Kind() string               { return string(e) }
 func (opaqueEngine) KVHoldTimeout() time.Duration { return 0 }
 
-// engineOf resolves kind through c, or takes it as a bare name without a catalog.
-func engineOf(c EngineCatalog, kind string) (Engine, bool) {
+// EngineOf resolves kind through c, or takes it as a bare name without a catalog.
+func EngineOf(c EngineCatalog, kind string) (Engine, bool) {
 	if c == nil {
 		return opaqueEngine(kind), true
 	}

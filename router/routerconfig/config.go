@@ -1,4 +1,4 @@
-package router
+package routerconfig
 
 import (
 	"fmt"
@@ -53,7 +53,14 @@ const (
 	DefaultKVEventsStaleAfter  = 60 * time.Second
 	DefaultTokenizeTimeout     = time.Second
 	DefaultTokenizeMaxTokens   = 128 << 10
+	// DefaultScrapeInterval is how often each engine's /metrics is scraped, where a pool's
+	// policy weighs load.
+	DefaultScrapeInterval = time.Second
 )
+
+// minScrapeInterval keeps a typo ("1ms") from turning the proxy into a load generator
+// against the engines' metrics endpoints.
+const minScrapeInterval = 10 * time.Millisecond
 
 // TokenizerEngine is the one value of Config.Tokenizer: requests are tokenized by an
 // engine's POST /tokenize.
@@ -61,7 +68,7 @@ const TokenizerEngine = "engine"
 
 // BackendConfig is one engine from config.
 type BackendConfig struct {
-	// Name labels the backend in metrics, logs and Hint.Exclude. Empty means the URL's
+	// Name labels the backend in metrics, logs and router.Hint.Exclude. Empty means the URL's
 	// host:port, with the role in front ("decode-host:port") when unnamed backends of both
 	// roles share the address (one engine in both roles). Names are unique across the config.
 	Name string `yaml:"name"`
@@ -80,7 +87,7 @@ type BackendConfig struct {
 	Refresh time.Duration `yaml:"refresh"`
 	// Role is prefill or decode, required.
 	Role Role `yaml:"role"`
-	// Weight biases round_robin, prefix_affinity (virtual nodes), placement (placement.go)
+	// Weight biases round_robin, prefix_affinity (virtual nodes), placement (the router's rendezvous order)
 	// and least_inflight ties.
 	// Zero means DefaultWeight.
 	Weight int `yaml:"weight"`
@@ -254,7 +261,7 @@ type QueueConfig struct {
 // CacheAwareConfig tunes cache_aware and precise_cache_aware.
 type CacheAwareConfig struct {
 	// CacheThreshold is refused when set: a request goes where its prefill costs least
-	// (cost.go), whatever share of it an engine holds, so no share gates it. It is kept
+	// (the router's cost model), whatever share of it an engine holds, so no share gates it. It is kept
 	// only so that a config carrying it is told why it cannot take effect.
 	CacheThreshold float64 `yaml:"cache_threshold"`
 	// PrefillTokensPerSecond is an engine's prefill rate before the proxy has learned it
@@ -279,9 +286,9 @@ type CacheAwareConfig struct {
 	// DefaultTreeTTL.
 	TreeTTL time.Duration `yaml:"tree_ttl"`
 	// BalanceAbsThreshold and BalanceRelThreshold are an upper guard on the cost: when the
-	// pool is out of balance (its most loaded candidate has more than abs requests, its load
-	// Backend.loadScore, above the least loaded, and more than rel times as many), requests go
-	// to the least loaded whatever the costs say. Zero means DefaultBalanceAbsThreshold and
+	// pool is out of balance (its most loaded candidate has more than abs requests, its
+	// load as the router weighs it, above the least loaded, and more than rel times as
+	// many), requests go to the least loaded whatever the costs say. Zero means DefaultBalanceAbsThreshold and
 	// DefaultBalanceRelThreshold; a negative abs means any difference counts; rel may not be
 	// below 1.
 	BalanceAbsThreshold int     `yaml:"balance_abs_threshold"`
@@ -290,6 +297,13 @@ type CacheAwareConfig struct {
 	// engine, plus a fixed cost per node); the least recently routed texts go first. Zero
 	// means kvcache.DefaultMaxTreeBytes.
 	MaxTreeBytes int `yaml:"max_tree_bytes"`
+}
+
+// OutOfBalance reports whether a pool whose least and most loaded candidates have lo and hi
+// in flight is out of balance: hi more than BalanceAbsThreshold above lo and more than
+// BalanceRelThreshold times it.
+func (c CacheAwareConfig) OutOfBalance(lo, hi int64) bool {
+	return hi-lo > int64(c.BalanceAbsThreshold) && float64(hi) > c.BalanceRelThreshold*float64(lo)
 }
 
 // KVEventsConfig configures how the proxy reads the engines' KV events, for
@@ -338,12 +352,12 @@ type Config struct {
 	PrefillPolicy string `yaml:"prefill_policy"`
 	// DecodePolicy selects among decode backends; empty means DefaultPolicy.
 	DecodePolicy string `yaml:"decode_policy"`
-	// PrefixTokens is how much of Hint.Prefix prefix_affinity hashes, in tokens, where a token
-	// is taken as 4 bytes (a common average for English text with BPE tokenizers), so the
+	// PrefixTokens is how much of router.Hint.Prefix prefix_affinity hashes, in tokens, where
+	// a token is taken as 4 bytes (a common average for English text with BPE tokenizers), so the
 	// first 4*PrefixTokens bytes are hashed. The router has no tokenizer, and what matters is
 	// only that equal prompt heads land on the same backend. It is also the head a prompt no
-	// engine caches is placed by (placement.go): the first 4*PrefixTokens bytes of Hint.Text,
-	// or PrefixTokens of Hint.Tokens without text. Zero means DefaultPrefixTokens.
+	// engine caches is placed by: the first 4*PrefixTokens bytes of router.Hint.Text,
+	// or PrefixTokens of router.Hint.Tokens without text. Zero means DefaultPrefixTokens.
 	PrefixTokens int `yaml:"prefix_tokens"`
 	// BoundedLoadFactor is c of consistent hashing with bounded loads (Mirrokni et al.): a
 	// prompt no engine caches, or a session, goes to the first engine in the rendezvous order
@@ -378,7 +392,7 @@ type Config struct {
 	// KVEvents configures the KV event subscribers of precise_cache_aware.
 	KVEvents KVEventsConfig `yaml:"kv_events"`
 	// Tokenizer is how precise_cache_aware gets a request's tokens: "engine", an engine's
-	// POST /tokenize (Router.Tokens). Empty means engine when a pool uses
+	// POST /tokenize (router.Router.Tokens). Empty means engine when a pool uses
 	// precise_cache_aware.
 	Tokenizer string `yaml:"tokenizer"`
 	// Tokenizers are the models whose requests the proxy tokenizes itself, by model name
@@ -386,7 +400,7 @@ type Config struct {
 	// tokenized by an engine's /tokenize. Read at start: a reload may not change them.
 	Tokenizers map[string]TokenizerFiles `yaml:"tokenizers"`
 	// LocalTokenizers are Tokenizers' tokenizers, by model: cmd/proxy reads the files.
-	// A model's is used once an engine agreed with it on CheckSamples (CheckTokenizers).
+	// A model's is used once an engine agreed with it on its samples (router.Router.CheckTokenizers).
 	// Read at New.
 	LocalTokenizers map[string]LocalTokenizer `yaml:"-"`
 	// TokenizeTimeout bounds one /tokenize call; a request whose tokens do not come in time
@@ -397,8 +411,8 @@ type Config struct {
 	// that. No engine takes a prompt longer than its max_model_len, so the engines' largest
 	// max_model_len is all routing can use of one. Zero means DefaultTokenizeMaxTokens.
 	TokenizeMaxTokens int `yaml:"tokenize_max_tokens"`
-	// EngineTokenizer is how tokenizer: engine tokenizes, at the backend Router.Tokens picks
-	// (cmd/proxy passes engine's: the engine's POST /tokenize). Nil means Router.Tokens
+	// EngineTokenizer is how tokenizer: engine tokenizes, at the backend router.Router.Tokens picks
+	// (cmd/proxy passes engine's: the engine's POST /tokenize). Nil means router.Router.Tokens
 	// answers ErrNoTokenizer, and precise_cache_aware scores requests by their text. Read at
 	// New: a reload keeps the one the router was built with.
 	EngineTokenizer Tokenizer `yaml:"-"`

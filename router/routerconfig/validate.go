@@ -1,4 +1,4 @@
-package router
+package routerconfig
 
 import (
 	"errors"
@@ -16,7 +16,7 @@ import (
 func (c *Config) setDefaults() {
 	for i := range c.Backends {
 		b := &c.Backends[i]
-		if e, ok := engineOf(c.Engines, b.Engine); ok {
+		if e, ok := EngineOf(c.Engines, b.Engine); ok {
 			b.Engine = e.Kind()
 			if b.KVHoldTimeout == 0 {
 				b.KVHoldTimeout = e.KVHoldTimeout()
@@ -90,8 +90,9 @@ func (c *Config) setDefaults() {
 	}
 }
 
-func (c *Config) setCacheDefaults() {
-	ca := &c.CacheAware
+// WithDefaults is c with its zero fields' defaults.
+func (c CacheAwareConfig) WithDefaults() CacheAwareConfig {
+	ca := &c
 	if ca.PrefillTokensPerSecond == 0 {
 		ca.PrefillTokensPerSecond = DefaultPrefillTokensPerSecond
 	}
@@ -113,6 +114,11 @@ func (c *Config) setCacheDefaults() {
 	if ca.MaxTreeBytes == 0 {
 		ca.MaxTreeBytes = kvcache.DefaultMaxTreeBytes
 	}
+	return c
+}
+
+func (c *Config) setCacheDefaults() {
+	c.CacheAware = c.CacheAware.WithDefaults()
 	kv := &c.KVEvents
 	if kv.StaleAfter == 0 {
 		kv.StaleAfter = DefaultKVEventsStaleAfter
@@ -277,7 +283,7 @@ func (c *Config) deriveNames() {
 			continue
 		}
 		if u, err := url.Parse(b.URL); err == nil && u.Host != "" {
-			derived[i] = hostPort(u)
+			derived[i] = HostPort(u)
 			if roles[derived[i]] == nil {
 				roles[derived[i]] = make(map[Role]bool)
 			}
@@ -317,7 +323,7 @@ func (c *Config) Validate() error {
 	decoders := 0
 	for i, b := range c.Backends {
 		f := fmt.Sprintf("backends[%d]", i)
-		if err := checkURL(b.URL); err != nil {
+		if err := CheckURL(b.URL); err != nil {
 			bad(f+".url", "%v", err)
 		}
 		switch b.Role {
@@ -345,7 +351,7 @@ func (c *Config) Validate() error {
 		if b.DataParallelSize < 0 || b.DataParallelSize > maxDataParallelSize {
 			bad(f+".data_parallel_size", "%d is not between 0 and %d", b.DataParallelSize, maxDataParallelSize)
 		}
-		if _, ok := engineOf(c.Engines, b.Engine); !ok {
+		if _, ok := EngineOf(c.Engines, b.Engine); !ok {
 			bad(f+".engine", "unknown engine %q (want one of %s)", b.Engine, strings.Join(c.Engines.Kinds(), ", "))
 		}
 		if b.KVHoldTimeout < 0 {
@@ -388,8 +394,8 @@ func (c *Config) Validate() error {
 		{"prefill_policy", c.PrefillPolicy},
 		{"decode_policy", c.DecodePolicy},
 	} {
-		if !knownPolicy(p.name) {
-			bad(p.field, "unknown policy %q (want %s)", p.name, strings.Join(policyNames(), ", "))
+		if _, ok := CapsOf(p.name); !ok {
+			bad(p.field, "unknown policy %q (want %s)", p.name, strings.Join(PolicyNames(), ", "))
 		}
 	}
 	if c.PrefixTokens < 0 {

@@ -1,4 +1,4 @@
-package router
+package routerconfig
 
 import (
 	"strings"
@@ -9,7 +9,7 @@ import (
 )
 
 func TestValidateFillsDefaults(t *testing.T) {
-	cfg := Config{Backends: []BackendConfig{{URL: "http://engine:8000", Role: RoleDecode}}, Engines: testEngines{}}
+	cfg := Config{Backends: []BackendConfig{{URL: "http://engine:8000", Role: RoleDecode}}, Engines: testEngines}
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
@@ -153,7 +153,7 @@ func TestValidateNamesTheBadField(t *testing.T) {
 		{"no backends", Config{}, "backends: at least one"},
 		{"negative weight", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, Weight: -1}}}, "backends[0].weight:"},
 		{"negative max_inflight", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, MaxInflight: -2}}}, "backends[0].max_inflight:"},
-		{"unknown engine", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, Engine: "trt"}}, Engines: testEngines{}}, "backends[0].engine:"},
+		{"unknown engine", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, Engine: "trt"}}, Engines: testEngines}, "backends[0].engine:"},
 		{"negative kv_hold_timeout", Config{Backends: []BackendConfig{{URL: "http://d:1", Role: RoleDecode, KVHoldTimeout: -time.Second}}}, "backends[0].kv_hold_timeout:"},
 		{"unknown prefill policy", Config{Backends: []BackendConfig{decoder}, PrefillPolicy: "random"}, "prefill_policy: unknown policy"},
 		{"unknown decode policy", Config{Backends: []BackendConfig{decoder}, DecodePolicy: "fastest"}, "decode_policy: unknown policy"},
@@ -261,7 +261,7 @@ queue:
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			c := Config{Engines: testEngines{}}
+			c := Config{Engines: testEngines}
 			if err := yaml.Unmarshal([]byte(tt.yaml), &c); err != nil {
 				t.Fatalf("unmarshal: %v", err)
 			}
