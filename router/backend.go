@@ -33,7 +33,7 @@ type Backend struct {
 	URLString string
 	// Role is prefill or decode.
 	Role routerconfig.Role
-	// Engine is the backend's engine, from Config.Engines: opaque to the router.
+	// Engine is the backend's engine, from routerconfig.Config.Engines: opaque to the router.
 	Engine routerconfig.Engine
 	// KVHoldTimeout is the engine's own KV hold timeout.
 	KVHoldTimeout time.Duration
@@ -238,7 +238,7 @@ type clientOptions struct {
 	caPEM       string
 	serverName  string
 	skipVerify  bool
-	// engineClient is Config.EngineClient; empty means EngineClientStdlib.
+	// engineClient is routerconfig.Config.EngineClient; empty means routerconfig.EngineClientStdlib.
 	engineClient string
 }
 

@@ -29,7 +29,7 @@ const (
 	localDisagreed
 )
 
-// localTokenizer is a model's LocalTokenizer and whether an engine agreed with it.
+// localTokenizer is a model's routerconfig.LocalTokenizer and whether an engine agreed with it.
 type localTokenizer struct {
 	model string
 	tok   routerconfig.LocalTokenizer
@@ -212,7 +212,7 @@ func (r *Router) limitLocalTokens(max int) {
 
 // localTokens tokenizes req in the proxy when its model's tokenizer was checked and can,
 // into a buffer of the router's that ReturnTokens takes back; local reports that it did,
-// or that the request has more tokens than tokenize_max_tokens (ErrTooManyTokens), which
+// or that the request has more tokens than tokenize_max_tokens (routerconfig.ErrTooManyTokens), which
 // no engine need count either.
 func (r *Router) localTokens(req TokenizeRequest) (_ []uint32, local bool, _ error) {
 	lt := r.local[req.Model]

@@ -151,7 +151,7 @@ func TestAReloadMayNotChangeTheTokenizers(t *testing.T) {
 }
 
 // A prompt of more tokens than tokenize_max_tokens is no engine's to take whole: the proxy
-// tokenizes it no further than that, answers ErrTooManyTokens (the request is scored by its
+// tokenizes it no further than that, answers routerconfig.ErrTooManyTokens (the request is scored by its
 // text), and asks no engine for its tokens either. A reload changes the limit.
 func TestAPromptOfMoreTokensThanTheLimitIsScoredByItsText(t *testing.T) {
 	e := newByteEngine(t)

@@ -146,7 +146,7 @@ func (p *PowerOfTwo) Select(cands []*Backend, _ Hint) *Backend {
 
 // Prefix affinity parameters.
 const (
-	// bytesPerToken turns PrefixTokens into bytes; see Config.PrefixTokens.
+	// bytesPerToken turns PrefixTokens into bytes; see routerconfig.Config.PrefixTokens.
 	bytesPerToken = 4
 	// vnodesPerWeight virtual nodes per unit of weight keep the ring balanced within
 	// a few percent for small pools.

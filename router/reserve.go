@@ -4,7 +4,7 @@ import "time"
 
 const (
 	// tenantActiveWindow is how recently a flow must have asked for a slot to count as active
-	// for the reserved slots (QueueConfig.ReservedSlots).
+	// for the reserved slots (routerconfig.QueueConfig.ReservedSlots).
 	tenantActiveWindow = time.Second
 	// maxTrackedFlows bounds the flows a pool remembers for its reserved slots; one beyond
 	// them is not remembered as active (it still gets its turn in the queue).

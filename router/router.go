@@ -45,10 +45,10 @@ type Router struct {
 	index   *kvcache.Index
 	events  *kvcache.Events
 	kvStart kvStart
-	// tokenizer is Config.EngineTokenizer, read at New; nil tokenizes nothing.
+	// tokenizer is routerconfig.Config.EngineTokenizer, read at New; nil tokenizes nothing.
 	tokenizer routerconfig.Tokenizer
-	// local are Config.LocalTokenizers by model (localtokens.go), and tokenizerFiles the
-	// Config.Tokenizers they were read from, which a reload may not change.
+	// local are routerconfig.Config.LocalTokenizers by model (localtokens.go), and tokenizerFiles the
+	// routerconfig.Config.Tokenizers they were read from, which a reload may not change.
 	local          map[string]*localTokenizer
 	tokenBufs      sync.Pool // of *[]uint32: the buffers Tokens tokenizes into in the proxy
 	tokenizerFiles map[string]routerconfig.TokenizerFiles

@@ -32,7 +32,7 @@ type TokenizeRequest struct {
 }
 
 // ErrNoTokenizer means no backend is available to tokenize with, or the router was given
-// no Tokenizer (Config.EngineTokenizer).
+// no routerconfig.Tokenizer (routerconfig.Config.EngineTokenizer).
 var ErrNoTokenizer = errors.New("router: no backend available to tokenize")
 
 // Tokens tokenizes a request with the router's Tokenizer, on the least loaded available
@@ -41,7 +41,7 @@ var ErrNoTokenizer = errors.New("router: no backend available to tokenize")
 // not queue behind the load. On an error the proxy routes the request by its text alone.
 // The tokens may be handed back with ReturnTokens once nothing reads them. A request the
 // proxy tokenizes itself and finds longer than tokenize_max_tokens answers
-// ErrTooManyTokens, without asking an engine.
+// routerconfig.ErrTooManyTokens, without asking an engine.
 func (r *Router) Tokens(ctx context.Context, req TokenizeRequest) ([]uint32, error) {
 	if toks, local, err := r.localTokens(req); local {
 		return toks, err
