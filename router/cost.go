@@ -64,8 +64,8 @@ func (b *Backend) workAhead(m *costmodel.Model, now time.Time) float64 {
 		score, _, _ := b.loadScore(now)
 		if extra := score - inflight; extra > 0 {
 			waiting := float64(extra)
-			if total := l.waiting + l.running; total > 0 {
-				waiting = float64(extra) * float64(l.waiting) / float64(total)
+			if total := l.Waiting + l.Running; total > 0 {
+				waiting = float64(extra) * float64(l.Waiting) / float64(total)
 			}
 			running := float64(extra) - waiting
 			mean := m.MeanUncached()
