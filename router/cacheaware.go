@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pdproxy/pdproxy/kvcache"
+	"github.com/pdproxy/pdproxy/router/costmodel"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
@@ -49,7 +50,7 @@ type CacheAware struct {
 	loadFactor float64
 
 	// cm is the cost every candidate is weighed by (cost.go).
-	cm *costModel
+	cm *costmodel.Model
 
 	// index is the precise view; nil for cache_aware.
 	index      *kvcache.Index
@@ -97,8 +98,11 @@ func NewCacheAware(cfg routerconfig.CacheAwareConfig, index *kvcache.Index, stal
 	if staleAfter <= 0 {
 		staleAfter = routerconfig.DefaultKVEventsStaleAfter
 	}
+	// The precise view sees the engines' caches by their KV events: its model spreads ties
+	// by the blocks each computed lately.
+	cm := costmodel.New(cfg.PrefillOverhead, cfg.PrefillTokensPerSecond, float64(cfg.DecodeCostTokens), cfg.Temperature, index != nil)
 	return &CacheAware{cfg: cfg, tree: kvcache.NewTree(cfg.MaxTreeBytes), index: index, staleAfter: staleAfter,
-		keyTokens: routerconfig.DefaultPrefixTokens, loadFactor: routerconfig.DefaultBoundedLoadFactor, cm: newCostModel(cfg, index != nil)}
+		keyTokens: routerconfig.DefaultPrefixTokens, loadFactor: routerconfig.DefaultBoundedLoadFactor, cm: cm}
 }
 
 // SetPool forgets the engines no longer in the pool.
@@ -126,7 +130,7 @@ func (p *CacheAware) Select(cands []*Backend, h Hint) *Backend {
 	return b
 }
 
-func (p *CacheAware) model() *costModel { return p.cm }
+func (p *CacheAware) model() *costmodel.Model { return p.cm }
 
 // SelectCost picks the candidate where h's prefill costs least (cost.go) and says what it
 // predicted there.
@@ -153,7 +157,7 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 		if h.holds(cost) {
 			return b, heldCost
 		}
-		p.cm.noteUncached(tokens)
+		p.cm.NoteUncached(tokens)
 		p.picked(b, h, -1)
 		return b, cost
 	}
@@ -179,9 +183,9 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 		shares[bound] = max(slices.Max(shares), boundShare(h))
 	}
 	for i, b := range cands {
-		a := p.cm.ahead(b, now)
+		a := b.workAhead(p.cm, now)
 		ahead = append(ahead, a)
-		c := p.cm.seconds(b, tokens*(1-shares[i])+a)
+		c := p.cm.Seconds(tokens*(1-shares[i]) + a)
 		if bd.loads[i].full {
 			c = math.Inf(1) // a prefiller whose KV pool is nearly full: a last resort
 		}
@@ -189,7 +193,7 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	}
 	rank := func(i int) float64 { return rendezvousRank(key, cands[i].nameHash, cands[i].Weight, bd.evenWeights) }
 	recent := func(i int) (float64, bool) { return p.storedLately(cands[i], now) }
-	pick := p.cm.choose(costs, ahead, recent, rank, bound)
+	pick := p.cm.Choose(costs, ahead, recent, rank, bound)
 	b := cands[pick]
 	uncached := tokens * (1 - shares[pick])
 	cost := Cost{Uncached: uncached, Ahead: ahead[pick], Predicted: secondsToDuration(costs[pick])}
@@ -198,7 +202,7 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	}
 	p.picked(b, h, shares[pick])
 	p.countTiers(p.viewOf(found, b, now))
-	p.cm.noteUncached(uncached)
+	p.cm.NoteUncached(uncached)
 	return b, cost
 }
 
@@ -243,10 +247,10 @@ func (p *CacheAware) tieKey(h Hint) (key uint64, ok bool) {
 
 // costOn is the cost of a request of tokens uncached tokens on b at now: a pick that did not
 // weigh the caches (the pool out of balance) books the whole prompt. The pick that takes it
-// notes its tokens (costModel.noteUncached).
+// notes its tokens (costmodel.Model.NoteUncached).
 func (p *CacheAware) costOn(b *Backend, tokens float64, now time.Time) Cost {
-	a := p.cm.ahead(b, now)
-	return Cost{Uncached: tokens, Ahead: a, Predicted: secondsToDuration(p.cm.seconds(b, tokens+a))}
+	a := b.workAhead(p.cm, now)
+	return Cost{Uncached: tokens, Ahead: a, Predicted: secondsToDuration(p.cm.Seconds(tokens + a))}
 }
 
 func secondsToDuration(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }

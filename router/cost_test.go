@@ -2,7 +2,6 @@ package router
 
 import (
 	"fmt"
-	"math"
 	"strings"
 	"testing"
 	"time"
@@ -157,7 +156,8 @@ func TestReplicasAgreeWhereNearEqualCostsGo(t *testing.T) {
 	rs[1].pool(routerconfig.RoleDecode).policy.(*CacheAware).tree.Insert(`[{"role":"user","content":"question 1`, "b1")
 	m := rs[1].pool(routerconfig.RoleDecode).policy.(*CacheAware).cm
 	for i := range 20 {
-		m.fit.add(float64(500+100*i), 0.005+float64(500+100*i)*30e-6)
+		work := float64(500 + 100*i)
+		m.Learn(work, secondsToDuration(0.005+work*30e-6))
 	}
 	for i := range 200 {
 		h := Hint{Text: fmt.Sprintf(`[{"role":"user","content":"question %d: %s"}]`, i, strings.Repeat("words of its own ", 100))}
@@ -198,43 +198,16 @@ func TestAReleaseWithoutPrefillTakesTheWorkOffTheBooksAndTeachesNothing(t *testi
 	r, reg, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "b", 1, 0), DecodePolicy: routerconfig.PolicyCacheAware})
 	l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Text: strings.Repeat("x", 4000)})
 	b := l.Backend()
-	if got, _ := b.st.cost.books.totals(); got != 1000 {
+	if got, _ := b.st.cost.books.Totals(); got != 1000 {
 		t.Fatalf("pending tokens %d while the prefill runs, want 1,000", got)
 	}
 	l.Release(Result{Err: fmt.Errorf("connection reset")})
 	l.Prefilled() // late: the lease is gone
-	if tok, reqs := b.st.cost.books.totals(); tok != 0 || reqs != 0 {
+	if tok, reqs := b.st.cost.books.Totals(); tok != 0 || reqs != 0 {
 		t.Errorf("books hold %d tokens of %d requests after the release, want none", tok, reqs)
 	}
 	if _, ok := testutil.Lookup(t, reg, "pdproxy_backend_prefill_tokens_per_second", nil); ok {
 		t.Error("a failed request taught the engine's rate")
-	}
-}
-
-func TestTheBooksDrainAsTheEngineComputesThemOneAfterAnother(t *testing.T) {
-	t0 := time.Unix(1_700_000_000, 0)
-	var bs books
-	a := &booked{at: t0, tokens: 1000}
-	b := &booked{at: t0.Add(100 * time.Millisecond), tokens: 500}
-	bs.add(a)
-	bs.add(b)
-	const secPerToken = 1e-3 // a token a millisecond
-	for _, tc := range []struct {
-		after time.Duration
-		want  float64
-	}{
-		{0, 1500},                      // b not booked yet counts whole: it is in the books
-		{400 * time.Millisecond, 1100}, // a 400 in
-		{1200 * time.Millisecond, 300}, // a done at 1s, b 200 in
-		{2 * time.Second, 0},           // both done by the model, their ends not told yet
-	} {
-		if got, n := bs.remaining(t0.Add(tc.after), secPerToken); math.Abs(got-tc.want) > 1e-6 || n != 2 {
-			t.Errorf("%s after the first booking: %.1f tokens of %d entries remain, want %.0f of 2", tc.after, got, n, tc.want)
-		}
-	}
-	bs.remove(a)
-	if got, _ := bs.remaining(t0.Add(400*time.Millisecond), secPerToken); math.Abs(got-200) > 1e-6 {
-		t.Errorf("with the first gone, %.1f tokens remain 300ms after the second's booking, want 200", got)
 	}
 }
 
@@ -260,29 +233,5 @@ func TestASessionsBoundEngineIsCreditedWithWhatItsLatestRequestSentIt(t *testing
 		l.Release(Result{Status: 200})
 		busy.st.inflight.Add(-50)
 		assertAllIdle(t, r)
-	}
-}
-
-func TestThePoolsFitFindsTheRateAndTheFixedPart(t *testing.T) {
-	newFit := func() *fit { return &fit{slope0: 1e-4, intercept0: 0.01} }
-	f := newFit()
-	if s, c := f.line(); s != 1e-4 || c != 0.01 {
-		t.Errorf("with no lesson the line is %v, %v; want the configured 1e-4, 0.01", s, c)
-	}
-	// Prefills of 200 to 2,000 tokens taking 1ms + 5µs a token: a start of 10ms and 100µs a
-	// token is twenty times too slow.
-	for i := range 40 {
-		x := float64(200 + 45*i)
-		f.add(x, 0.001+x*5e-6)
-	}
-	if s, c := f.line(); math.Abs(s-5e-6) > 1e-7 || math.Abs(c-0.001) > 1e-4 {
-		t.Errorf("fitted %v s/token + %v s, want 5e-6 + 0.001", s, c)
-	}
-	same := newFit()
-	for range 40 {
-		same.add(1000, 0.015)
-	}
-	if s, c := same.line(); math.Abs(s-5e-6) > 1e-9 || c != 0.01 {
-		t.Errorf("prefills all of 1,000 tokens taking 15ms: %v s/token + %v s, want the configured 10ms and 5µs a token past it", s, c)
 	}
 }

@@ -446,24 +446,6 @@ func TestWithoutReservedSlotsAFloodTakesEverySlot(t *testing.T) {
 	b.Release(Result{Status: 200})
 }
 
-func TestTheTTFTBoundKeepsInHandWhatPredictionsRunLateBy(t *testing.T) {
-	m := newCostModel(routerconfig.CacheAwareConfig{PrefillTokensPerSecond: 1000, PrefillOverhead: 10 * time.Millisecond}, false)
-	// Prefills late by 0 to 99 ms, evenly: one in ten is later than 90 ms.
-	for i := range 20000 {
-		m.noteLate(float64((i*37)%100) / 1000)
-	}
-	if got := m.lateness(); got < 80*time.Millisecond || got > 100*time.Millisecond {
-		t.Errorf("lateness = %v, want about 90 ms, the 90th percentile", got)
-	}
-	// Predictions that come true bring it back down.
-	for range 2000 {
-		m.noteLate(-0.005)
-	}
-	if got := m.lateness(); got != 0 {
-		t.Errorf("lateness after prefills on time = %v, want 0", got)
-	}
-}
-
 func TestAReservedSlotIsKeptForATenantFirstSeenAfterAScanFoundNone(t *testing.T) {
 	cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 1, 3), Queue: routerconfig.QueueConfig{Size: 100, ReservedSlots: 1}}
 	r, _, _ := newTestRouter(t, cfg)

@@ -163,7 +163,7 @@ func (r *Router) costStatus(b *Backend, now time.Time) *CostStatus {
 	if m == nil {
 		return nil
 	}
-	return m.status(b, now)
+	return b.costStatus(m, now)
 }
 
 // CachedBlocks returns up to limit of the index's keys of the blocks that the backend called

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/kvcache"
+	"github.com/pdproxy/pdproxy/router/costmodel"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
@@ -48,7 +49,7 @@ type poolView struct {
 	// ahead is each candidate's work ahead of a new request, in prefill tokens (cost.go),
 	// as last read, for m, the policy's cost model.
 	ahead []float64
-	m     *costModel
+	m     *costmodel.Model
 	// at is a pick's scratch: each candidate's place in shares, -1 if not there; costs the
 	// candidates' costs.
 	at     []int32
@@ -62,7 +63,7 @@ type heldShare struct {
 	index, tree float64
 }
 
-func newPoolView(cands []*Backend, now time.Time, m *costModel) *poolView {
+func newPoolView(cands []*Backend, now time.Time, m *costmodel.Model) *poolView {
 	n := len(cands)
 	v := &poolView{
 		cands: slices.Clone(cands), hash: make([]uint64, n), weight: make([]int, n),
@@ -110,7 +111,7 @@ func (p *CacheAware) viewFor(cands []*Backend, now time.Time) *poolView {
 func (v *poolView) read(i int, now time.Time) {
 	load, full, _ := v.cands[i].loadScore(now)
 	v.loads[i], v.full[i] = load, full
-	v.ahead[i] = v.m.ahead(v.cands[i], now)
+	v.ahead[i] = v.cands[i].workAhead(v.m, now)
 }
 
 // refresh reads loadRefreshBatch candidates afresh, and as many more as the time since the
@@ -202,7 +203,7 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		if h.holds(cost) {
 			return b, heldCost
 		}
-		p.cm.noteUncached(tokens)
+		p.cm.NoteUncached(tokens)
 		v.took(i, cost.Uncached)
 		p.picked(b, h, -1)
 		return b, cost
@@ -251,8 +252,8 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		s.tree = max(s.tree, best, boundShare(h))
 	}
 	costs := v.costs[:0]
-	for i, b := range cands {
-		c := p.cm.seconds(b, tokens+v.ahead[i])
+	for i := range cands {
+		c := p.cm.Seconds(tokens + v.ahead[i])
 		if v.full[i] {
 			c = math.Inf(1)
 		}
@@ -262,13 +263,13 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		v.at[s.i] = -1
 		v.read(s.i, now)
 		if !v.full[s.i] {
-			costs[s.i] = p.cm.seconds(cands[s.i], tokens*(1-max(s.index, s.tree))+v.ahead[s.i])
+			costs[s.i] = p.cm.Seconds(tokens*(1-max(s.index, s.tree)) + v.ahead[s.i])
 		}
 	}
 	defer func() { v.shares, v.costs = shares[:0], costs[:0] }()
 	rank := func(i int) float64 { return rendezvousRank(key, v.hash[i], v.weight[i], v.evenWeights) }
 	recent := func(i int) (float64, bool) { return p.storedLately(cands[i], now) }
-	pick := p.cm.choose(costs, v.ahead, recent, rank, bound)
+	pick := p.cm.Choose(costs, v.ahead, recent, rank, bound)
 	for try := 0; try < 2; try++ {
 		// The pick, read afresh, must still be as cheap as the view said (other replicas'
 		// requests or this one's other pools may have filled it meanwhile), or the next is
@@ -276,14 +277,14 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		was := costs[pick]
 		v.read(pick, now)
 		if !v.full[pick] {
-			costs[pick] = p.cm.seconds(cands[pick], tokens*(1-heldOf(shares, pick))+v.ahead[pick])
+			costs[pick] = p.cm.Seconds(tokens*(1-heldOf(shares, pick)) + v.ahead[pick])
 		} else {
 			costs[pick] = math.Inf(1)
 		}
-		if costs[pick] <= p.cm.tieLimit(was) {
+		if costs[pick] <= p.cm.TieLimit(was) {
 			break
 		}
-		pick = p.cm.choose(costs, v.ahead, recent, rank, bound)
+		pick = p.cm.Choose(costs, v.ahead, recent, rank, bound)
 	}
 	b := cands[pick]
 	sh := heldOf(shares, pick)
@@ -293,7 +294,7 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		return b, heldCost
 	}
 	v.took(pick, uncached)
-	p.cm.noteUncached(uncached)
+	p.cm.NoteUncached(uncached)
 	p.picked(b, h, sh)
 	p.countTiers(p.viewOf(found, b, now))
 	return b, cost

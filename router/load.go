@@ -1,25 +1,17 @@
 package router
 
 import (
-	"bytes"
 	"context"
-	"errors"
-	"fmt"
-	"io"
-	"math"
-	"net/http"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 
 	"go.uber.org/zap"
+
+	"github.com/pdproxy/pdproxy/router/enginemetrics"
 )
 
 // Routing on the load the engines report: the one load picture. Every proxy replica scrapes
@@ -41,10 +33,6 @@ const (
 	// mostly KV held for decoders, which its waiting and running counts do not show, and a
 	// new prefill there would wait for blocks to be freed.
 	kvFullUsage = 0.9
-	// maxScrapeBytes bounds a /metrics body: vLLM's, histograms and all, is well under 1 MiB.
-	maxScrapeBytes = 8 << 20
-	// metricsPath is where vLLM and SGLang serve their metrics, on the API port.
-	metricsPath = "/metrics"
 )
 
 // LoadReporter is implemented by an Engine whose /metrics report its load under names it
@@ -55,30 +43,19 @@ type LoadReporter interface {
 	LoadMetrics() (waiting, running, kvUsage string)
 }
 
-// loadNames are the gauges of one engine family.
-type loadNames struct{ waiting, running, usage string }
-
-// loadFamilies are the families tried for an engine that is no LoadReporter.
-var loadFamilies = []loadNames{
-	{"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"},
-	{"sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"},
-}
-
-func loadNamesOf(e routerconfig.Engine) []loadNames {
+// loadNamesOf are the gauges e's load is read by: its own where it is a LoadReporter, else
+// the families enginemetrics knows.
+func loadNamesOf(e routerconfig.Engine) []enginemetrics.Names {
 	if lr, ok := e.(LoadReporter); ok {
 		w, r, u := lr.LoadMetrics()
-		return []loadNames{{w, r, u}}
+		return []enginemetrics.Names{{Waiting: w, Running: r, Usage: u}}
 	}
-	return loadFamilies
+	return enginemetrics.Families
 }
 
-// engineLoad is one good scrape of an engine.
+// engineLoad is one good scrape of an engine: the load it reported, and when.
 type engineLoad struct {
-	// waiting and running are the engine's gauges, summed over their series (one per data
-	// parallel rank or model).
-	waiting, running int64
-	// usage is the KV cache usage, averaged over its series; negative when not reported.
-	usage float64
+	enginemetrics.Load
 	// started is how many leases this replica had ever started on the backend when the answer
 	// came, ended how many it had ended when the scrape was sent: a request started during the
 	// scrape is taken as in the report (its figure is of the moment it answered), and so is
@@ -115,8 +92,8 @@ func (b *Backend) loadScore(now time.Time) (score int64, full, fresh bool) {
 	}
 	started := b.st.started.Load()
 	startedSince, endedSince := started-l.started, started-n-l.ended
-	score = max(l.waiting+l.running+startedSince-endedSince, n)
-	return score, b.Role == routerconfig.RolePrefill && l.usage >= kvFullUsage, true
+	score = max(l.Waiting+l.Running+startedSince-endedSince, n)
+	return score, b.Role == routerconfig.RolePrefill && l.Usage >= kvFullUsage, true
 }
 
 // LeastLoaded picks the backend whose engine reports the least work (waiting plus running
@@ -281,98 +258,11 @@ func (r *Router) scrape(ctx context.Context, b *Backend, interval time.Duration)
 func fetchLoad(ctx context.Context, b *Backend, timeout time.Duration) (*engineLoad, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	u := strings.TrimSuffix(b.URLString, "/") + metricsPath
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	l, err := enginemetrics.Fetch(ctx, b.client, b.URLString, loadNamesOf(b.Engine))
 	if err != nil {
 		return nil, err
 	}
-	// The classic text format: OpenMetrics or protobuf would need other parsers.
-	req.Header.Set("Accept", string(expfmt.NewFormat(expfmt.TypeTextPlain)))
-	resp, err := b.client.Do(req)
-	if err != nil {
-		return nil, fmt.Errorf("scrape %s: %w", u, err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 4<<10))
-		return nil, fmt.Errorf("scrape %s: answered %d", u, resp.StatusCode)
-	}
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxScrapeBytes+1))
-	if err != nil {
-		return nil, fmt.Errorf("scrape %s: %w", u, err)
-	}
-	if len(body) > maxScrapeBytes {
-		return nil, fmt.Errorf("scrape %s: body over %d bytes", u, maxScrapeBytes)
-	}
-	l, err := parseLoad(body, loadNamesOf(b.Engine))
-	if err != nil {
-		return nil, fmt.Errorf("scrape %s: %w", u, err)
-	}
-	return l, nil
-}
-
-var errNoLoadGauges = errors.New("no load gauges")
-
-// parseLoad reads an engine's load from a /metrics body in the Prometheus text format: the
-// first family of names whose waiting and running gauges are both there. Values that cannot
-// be counts (negative, NaN, infinite) are an error rather than a score.
-func parseLoad(body []byte, names []loadNames) (*engineLoad, error) {
-	parser := expfmt.NewTextParser(model.UTF8Validation) // vLLM's names have colons
-	fams, err := parser.TextToMetricFamilies(bytes.NewReader(body))
-	if err != nil {
-		return nil, fmt.Errorf("parse metrics: %w", err)
-	}
-	var tried []string
-	for _, n := range names {
-		waiting, okW := sumOf(fams[n.waiting])
-		running, okR := sumOf(fams[n.running])
-		if !okW || !okR {
-			tried = append(tried, n.waiting+" and "+n.running)
-			continue
-		}
-		l := &engineLoad{usage: -1}
-		if l.waiting, err = count(n.waiting, waiting); err != nil {
-			return nil, err
-		}
-		if l.running, err = count(n.running, running); err != nil {
-			return nil, err
-		}
-		if usage, ok := sumOf(fams[n.usage]); ok {
-			usage /= float64(len(fams[n.usage].GetMetric()))
-			if math.IsNaN(usage) || math.IsInf(usage, 0) || usage < 0 {
-				return nil, fmt.Errorf("%s is %v", n.usage, usage)
-			}
-			l.usage = usage
-		}
-		return l, nil
-	}
-	return nil, fmt.Errorf("%w: want %s", errNoLoadGauges, strings.Join(tried, ", or "))
-}
-
-// sumOf adds up a family's series; ok is false when it has none.
-func sumOf(f *dto.MetricFamily) (sum float64, ok bool) {
-	for _, m := range f.GetMetric() {
-		switch {
-		case m.Gauge != nil:
-			sum += m.Gauge.GetValue()
-		case m.Untyped != nil:
-			sum += m.Untyped.GetValue()
-		case m.Counter != nil:
-			sum += m.Counter.GetValue()
-		default:
-			continue
-		}
-		ok = true
-	}
-	return sum, ok
-}
-
-// count turns a gauge of requests into a count, refusing what cannot be one.
-func count(name string, v float64) (int64, error) {
-	if math.IsNaN(v) || v < 0 || v > math.MaxInt32 {
-		return 0, fmt.Errorf("%s is %v", name, v)
-	}
-	return int64(math.Round(v)), nil
+	return &engineLoad{Load: l}, nil
 }
 
 // LoadStatus is a backend's load as the policies that weigh load see it, in GET
@@ -402,10 +292,10 @@ func (b *Backend) loadStatus(now time.Time) *LoadStatus {
 		return nil
 	}
 	score, full, fresh := b.loadScore(now)
-	s := &LoadStatus{Waiting: l.waiting, Running: l.running, AgeSeconds: now.Sub(l.at).Seconds(),
+	s := &LoadStatus{Waiting: l.Waiting, Running: l.Running, AgeSeconds: now.Sub(l.at).Seconds(),
 		Stale: !fresh, Score: score, KVFull: full}
-	if l.usage >= 0 {
-		u := l.usage
+	if l.Usage >= 0 {
+		u := l.Usage
 		s.KVUsage = &u
 	}
 	return s

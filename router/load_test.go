@@ -16,6 +16,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/router/enginemetrics"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
@@ -28,7 +29,7 @@ func scrapedAs(b *Backend, waiting, running int64, usage float64, inflightThen i
 		at = time.Now()
 	}
 	started := b.st.started.Load()
-	b.st.load.last.Store(&engineLoad{waiting: waiting, running: running, usage: usage, started: started, ended: started - inflightThen,
+	b.st.load.last.Store(&engineLoad{Load: enginemetrics.Load{Waiting: waiting, Running: running, Usage: usage}, started: started, ended: started - inflightThen,
 		at: at, staleAt: at.Add(staleScrapes * time.Minute)})
 }
 
@@ -268,16 +269,6 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} %g
 `, running, waiting, usage)
 }
 
-func sglangMetrics(queued, running int, usage float64) string {
-	return fmt.Sprintf(`# TYPE sglang:num_queue_reqs gauge
-sglang:num_queue_reqs{model_name="m",tp_rank="0"} %d
-# TYPE sglang:num_running_reqs gauge
-sglang:num_running_reqs{model_name="m",tp_rank="0"} %d
-# TYPE sglang:token_usage gauge
-sglang:token_usage{model_name="m",tp_rank="0"} %g
-`, queued, running, usage)
-}
-
 // loadRouter is a router picking with least_loaded in both roles over engines, scraping every
 // 50ms, with the health checks off and its Run running until the test ends.
 func loadRouter(t *testing.T, reg prometheus.Registerer, backends ...routerconfig.BackendConfig) *Router {
@@ -505,102 +496,14 @@ func (sglangEngine) LoadMetrics() (waiting, running, kvUsage string) {
 	return "sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"
 }
 
-func TestParseLoad(t *testing.T) {
-	tests := []struct {
-		name    string
-		body    string
-		names   []loadNames
-		want    engineLoad
-		wantErr string
-	}{
-		{
-			name:  "vLLM's gauges",
-			body:  vllmMetrics(3, 5, 0.25),
-			names: loadFamilies,
-			want:  engineLoad{waiting: 3, running: 5, usage: 0.25},
-		},
-		{
-			name:  "SGLang's gauges, found by trying the families",
-			body:  sglangMetrics(2, 7, 0.5),
-			names: loadFamilies,
-			want:  engineLoad{waiting: 2, running: 7, usage: 0.5},
-		},
-		{
-			name:  "the engine's own names win over another family in the same body",
-			body:  vllmMetrics(9, 9, 0.9) + sglangMetrics(1, 2, 0.3),
-			names: loadNamesOf(sglangEngine{}),
-			want:  engineLoad{waiting: 1, running: 2, usage: 0.3},
-		},
-		{
-			name: "data parallel ranks add up their requests and average their KV usage",
-			body: vllmMetrics(1, 2, 0.2) + `vllm:num_requests_running{engine="1",model_name="m"} 4
-vllm:num_requests_waiting{engine="1",model_name="m"} 3
-vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.6
-`,
-			names: loadFamilies,
-			want:  engineLoad{waiting: 4, running: 6, usage: 0.4},
-		},
-		{
-			name:  "no KV usage gauge: usage unknown",
-			body:  "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n",
-			names: loadFamilies,
-			want:  engineLoad{waiting: 0, running: 1, usage: -1},
-		},
-		{
-			name:    "only one of the two request gauges",
-			body:    "vllm:num_requests_running 1\n",
-			names:   loadFamilies,
-			wantErr: "no load gauges: want vllm:num_requests_waiting and vllm:num_requests_running, or sglang:num_queue_reqs and sglang:num_running_reqs",
-		},
-		{
-			name:    "not the text format",
-			body:    "<html>",
-			names:   loadFamilies,
-			wantErr: "parse metrics",
-		},
-		{
-			name:    "a NaN count",
-			body:    "vllm:num_requests_running NaN\nvllm:num_requests_waiting 0\n",
-			names:   loadFamilies,
-			wantErr: "vllm:num_requests_running is NaN",
-		},
+func TestAnEngineThatNamesItsLoadGaugesIsReadByThoseAlone(t *testing.T) {
+	want := []enginemetrics.Names{{Waiting: "sglang:num_queue_reqs", Running: "sglang:num_running_reqs", Usage: "sglang:token_usage"}}
+	if got := loadNamesOf(sglangEngine{}); !slices.Equal(got, want) {
+		t.Errorf("an engine that names its gauges is read by %v, want %v", got, want)
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			got, err := parseLoad([]byte(tt.body), tt.names)
-			if tt.wantErr != "" {
-				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
-					t.Fatalf("parseLoad error = %v, want one saying %q", err, tt.wantErr)
-				}
-				return
-			}
-			if err != nil {
-				t.Fatalf("parseLoad: %v", err)
-			}
-			if got.waiting != tt.want.waiting || got.running != tt.want.running || fmt.Sprintf("%.6f", got.usage) != fmt.Sprintf("%.6f", tt.want.usage) {
-				t.Errorf("parseLoad = waiting %d running %d usage %v, want %d %d %v", got.waiting, got.running, got.usage, tt.want.waiting, tt.want.running, tt.want.usage)
-			}
-		})
+	if got := loadNamesOf(testEngine{}); !slices.Equal(got, enginemetrics.Families) {
+		t.Errorf("an engine that does not is read by %v, want every family enginemetrics knows", got)
 	}
-}
-
-func FuzzParseLoad(f *testing.F) {
-	f.Add(vllmMetrics(1, 2, 0.5))
-	f.Add(sglangMetrics(1, 2, 0.5))
-	f.Add("vllm:num_requests_running -1\nvllm:num_requests_waiting +Inf\n")
-	f.Add("# TYPE vllm:num_requests_running histogram\nvllm:num_requests_running_bucket{le=\"+Inf\"} 1\n")
-	f.Fuzz(func(t *testing.T, body string) {
-		l, err := parseLoad([]byte(body), loadFamilies)
-		if err != nil {
-			if l != nil {
-				t.Fatalf("parseLoad returned a load with error %v", err)
-			}
-			return
-		}
-		if l.waiting < 0 || l.running < 0 || (l.usage < 0 && l.usage != -1) {
-			t.Fatalf("parseLoad(%q) = %+v: a count below zero or a usage neither known nor -1", body, l)
-		}
-	})
 }
 
 func TestScrapeIntervalConfig(t *testing.T) {

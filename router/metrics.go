@@ -138,7 +138,7 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 		if bits := b.st.cost.predictedTTFT.Load(); bits != 0 {
 			ch <- prometheus.MustNewConstMetric(m.predictedTTFT, prometheus.GaugeValue, math.Float64frombits(bits), b.Name, role)
 		}
-		if s := math.Float64frombits(b.st.cost.secPerToken.Load()); s > 0 {
+		if s := b.st.cost.rate.SecondsPerToken(); s > 0 {
 			ch <- prometheus.MustNewConstMetric(m.prefillRate, prometheus.GaugeValue, 1/s, b.Name, role)
 		}
 	}

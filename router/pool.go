@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/pdproxy/pdproxy/router/costmodel"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
@@ -122,7 +123,7 @@ func (p *pool) pickLocked(h Hint) (b *Backend, avail bool, choice SessionChoice,
 func (p *pool) overBound(cost Cost, waited time.Duration) bool {
 	var late time.Duration
 	if m := p.costModelLocked(); m != nil {
-		late = m.lateness()
+		late = m.Lateness()
 	}
 	if cost.Predicted+waited+late <= p.ttftBound {
 		return false
@@ -146,7 +147,7 @@ func sessionChoice(b *Backend, h Hint, bound int, eligible bool) SessionChoice {
 }
 
 // costModelLocked is the pool's cost model; nil when its policy does not pick by cost.
-func (p *pool) costModelLocked() *costModel {
+func (p *pool) costModelLocked() *costmodel.Model {
 	if cs, ok := p.policy.(costSelector); ok {
 		return cs.model()
 	}

@@ -155,7 +155,7 @@ func (p *pool) load(depth map[string]int) PoolLoad {
 		l.Usable++
 		l.Capacity += b.MaxInflight
 		if m != nil {
-			if t := m.seconds(b, m.ahead(b, now)); l.PredictedTTFT < 0 || t < l.PredictedTTFT {
+			if t := m.Seconds(b.workAhead(m, now)); l.PredictedTTFT < 0 || t < l.PredictedTTFT {
 				l.PredictedTTFT = t
 			}
 		}

@@ -1,0 +1,130 @@
+package enginemetrics
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+)
+
+// vllmMetrics is a vLLM /metrics body reporting waiting and running requests and KV usage.
+func vllmMetrics(waiting, running int, usage float64) string {
+	return fmt.Sprintf(`# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} %d
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} %d
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} %g
+`, running, waiting, usage)
+}
+
+// sglangMetrics is an SGLang /metrics body reporting queued and running requests and KV usage.
+func sglangMetrics(queued, running int, usage float64) string {
+	return fmt.Sprintf(`# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m",tp_rank="0"} %d
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m",tp_rank="0"} %d
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="m",tp_rank="0"} %g
+`, queued, running, usage)
+}
+
+func TestParse(t *testing.T) {
+	tests := []struct {
+		name    string
+		body    string
+		names   []Names
+		want    Load
+		wantErr string
+	}{
+		{
+			name:  "vLLM's gauges",
+			body:  vllmMetrics(3, 5, 0.25),
+			names: Families,
+			want:  Load{Waiting: 3, Running: 5, Usage: 0.25},
+		},
+		{
+			name:  "SGLang's gauges, found by trying the families",
+			body:  sglangMetrics(2, 7, 0.5),
+			names: Families,
+			want:  Load{Waiting: 2, Running: 7, Usage: 0.5},
+		},
+		{
+			name:  "the engine's own names win over another family in the same body",
+			body:  vllmMetrics(9, 9, 0.9) + sglangMetrics(1, 2, 0.3),
+			names: []Names{{Waiting: "sglang:num_queue_reqs", Running: "sglang:num_running_reqs", Usage: "sglang:token_usage"}},
+			want:  Load{Waiting: 1, Running: 2, Usage: 0.3},
+		},
+		{
+			name: "data parallel ranks add up their requests and average their KV usage",
+			body: vllmMetrics(1, 2, 0.2) + `vllm:num_requests_running{engine="1",model_name="m"} 4
+vllm:num_requests_waiting{engine="1",model_name="m"} 3
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.6
+`,
+			names: Families,
+			want:  Load{Waiting: 4, Running: 6, Usage: 0.4},
+		},
+		{
+			name:  "no KV usage gauge: usage unknown",
+			body:  "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n",
+			names: Families,
+			want:  Load{Waiting: 0, Running: 1, Usage: -1},
+		},
+		{
+			name:    "only one of the two request gauges",
+			body:    "vllm:num_requests_running 1\n",
+			names:   Families,
+			wantErr: "no load gauges: want vllm:num_requests_waiting and vllm:num_requests_running, or sglang:num_queue_reqs and sglang:num_running_reqs",
+		},
+		{
+			name:    "not the text format",
+			body:    "<html>",
+			names:   Families,
+			wantErr: "parse metrics",
+		},
+		{
+			name:    "a NaN count",
+			body:    "vllm:num_requests_running NaN\nvllm:num_requests_waiting 0\n",
+			names:   Families,
+			wantErr: "vllm:num_requests_running is NaN",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := Parse([]byte(tt.body), tt.names)
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("Parse error = %v, want one saying %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("Parse: %v", err)
+			}
+			if got.Waiting != tt.want.Waiting || got.Running != tt.want.Running || fmt.Sprintf("%.6f", got.Usage) != fmt.Sprintf("%.6f", tt.want.Usage) {
+				t.Errorf("Parse = waiting %d running %d usage %v, want %d %d %v", got.Waiting, got.Running, got.Usage, tt.want.Waiting, tt.want.Running, tt.want.Usage)
+			}
+		})
+	}
+}
+
+func FuzzParse(f *testing.F) {
+	f.Add(vllmMetrics(1, 2, 0.5))
+	f.Add(sglangMetrics(1, 2, 0.5))
+	f.Add("vllm:num_requests_running -1\nvllm:num_requests_waiting +Inf\n")
+	f.Add("# TYPE vllm:num_requests_running histogram\nvllm:num_requests_running_bucket{le=\"+Inf\"} 1\n")
+	f.Fuzz(func(t *testing.T, body string) {
+		l, err := Parse([]byte(body), Families)
+		if err != nil {
+			if l != (Load{}) {
+				t.Fatalf("Parse returned a load with error %v", err)
+			}
+			return
+		}
+		if l.Waiting < 0 || l.Running < 0 || (l.Usage < 0 && l.Usage != -1) {
+			t.Fatalf("Parse(%q) = %+v: a count below zero or a usage neither known nor -1", body, l)
+		}
+	})
+}
