@@ -1,5 +1,7 @@
 // Package sharedstate owns what the proxy's replicas share and their engines cannot report:
-// each client key's rate and concurrency limits, and the engines each session is bound to.
+// each client key's rate and concurrency limits, the engines each session is bound to, and
+// the engines the heads of prompts were last sent to (Placements), for the routing that sees
+// only the text routed.
 // It lives in Redis (or Valkey); a Store is one replica's view of it.
 //
 // On a request's path a Store makes one round trip at most, bounded by a budget of a few
@@ -40,6 +42,9 @@ const (
 	opBind    = "bind"
 	opRefresh = "refresh"
 	opFlows   = "flows"
+	// opPlacements reads where the replicas placed a prompt's heads; opPlace writes one.
+	opPlacements = "placements"
+	opPlace      = "place"
 )
 
 // Reasons a Check refuses a request.
@@ -127,10 +132,11 @@ type slot struct {
 	sent bool
 }
 
-// op is an operation for the goroutine: a slot's release or a session's binding.
+// op is an operation for the goroutine: a slot's release, a session's binding or a prompt
+// head's placement.
 type op struct {
-	kind        string // opRelease or opBind
-	key, member string // the slot set and member; or the session hash and role
+	kind        string // opRelease, opBind or opPlace
+	key, member string // the slot set and member; or the session hash and role; or the head's key
 	engine      string
 	ttl         time.Duration
 }
@@ -446,7 +452,7 @@ func (s *Store) Run(ctx context.Context) error {
 		for _, o := range batch {
 			s.m.errors.WithLabelValues(o.kind).Inc()
 			if o.kind != opRelease {
-				continue // a binding is redone by the session's next request
+				continue // a binding or a placement is redone by the next request
 			}
 			if len(held) >= maxHeldReleases {
 				s.m.dropped.WithLabelValues(o.kind).Inc()
@@ -537,6 +543,8 @@ func (s *Store) send(ctx context.Context, batch []op) error {
 			case opBind:
 				p.HSet(ctx, o.key, o.member, o.engine)
 				p.PExpire(ctx, o.key, o.ttl)
+			case opPlace:
+				p.Set(ctx, o.key, o.engine, o.ttl)
 			}
 		}
 		return nil
