@@ -30,6 +30,13 @@ type sessionFleet struct {
 
 func startSessionFleet(t *testing.T, replicas int, redisAddr string) *sessionFleet {
 	t.Helper()
+	return startFleet(t, replicas, redisAddr, routerconfig.PolicyRoundRobin, []string{"X-Session-ID"})
+}
+
+// startFleet starts 2 prefillers, 3 decoders and replicas proxies on policy, with session
+// affinity on the headers given (none: off) and, with redisAddr, a shared state.
+func startFleet(t *testing.T, replicas int, redisAddr, policy string, sessionHeaders []string) *sessionFleet {
+	t.Helper()
 	base := sim.DefaultConfig()
 	base.PrefillTime, base.ITL, base.KVHeartbeatInterval = time.Millisecond, time.Millisecond, 0
 	logger := zaptest.NewLogger(t, zaptest.Level(zap.ErrorLevel))
@@ -58,9 +65,11 @@ func startSessionFleet(t *testing.T, replicas int, redisAddr string) *sessionFle
 	for range replicas {
 		cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 2 * time.Second}
 		cfg.Router.Backends = backends
-		cfg.Router.PrefillPolicy, cfg.Router.DecodePolicy = routerconfig.PolicyRoundRobin, routerconfig.PolicyRoundRobin
+		cfg.Router.PrefillPolicy, cfg.Router.DecodePolicy = policy, policy
 		cfg.Router.Health = routerconfig.HealthConfig{Interval: 20 * time.Millisecond, Timeout: time.Second, HealthyThreshold: 1, UnhealthyThreshold: 1}
-		cfg.Proxy.SessionAffinity = proxy.SessionAffinityConfig{Headers: []string{"X-Session-ID"}}
+		if len(sessionHeaders) > 0 {
+			cfg.Proxy.SessionAffinity = proxy.SessionAffinityConfig{Headers: sessionHeaders}
+		}
 		if redisAddr != "" {
 			cfg.SharedState = sharedstate.Config{Redis: sharedstate.RedisConfig{Addr: redisAddr, Timeout: &budget}}
 		}
@@ -72,6 +81,13 @@ func startSessionFleet(t *testing.T, replicas int, redisAddr string) *sessionFle
 // turn sends one turn of session to replica r and answers which prefiller and decoder served
 // it (the engine whose count of requests moved).
 func (f *sessionFleet) turn(t *testing.T, r int, session string, n int) (prefiller, decoder int) {
+	t.Helper()
+	return f.send(t, r, fmt.Sprintf(`{"model":"sim","prompt":"session %s, turn %d","max_tokens":2}`, session, n), "X-Session-ID", session)
+}
+
+// send posts a completion of body to replica r, with the header given if any, and answers
+// which prefiller and decoder served it.
+func (f *sessionFleet) send(t *testing.T, r int, body string, header ...string) (prefiller, decoder int) {
 	t.Helper()
 	count := func(ss []*sim.Server) []int {
 		var out []int
@@ -85,23 +101,22 @@ func (f *sessionFleet) turn(t *testing.T, r int, session string, n int) (prefill
 		for i, n := range count(ss) {
 			if n != before[i] {
 				if got >= 0 {
-					t.Fatalf("session %s turn %d ran on two engines of a role", session, n)
+					t.Fatalf("%s ran on two engines of a role", body)
 				}
 				got = i
 			}
 		}
 		if got < 0 {
-			t.Fatalf("session %s turn %d ran on no engine", session, n)
+			t.Fatalf("%s ran on no engine", body)
 		}
 		return got
 	}
 	bp, bd := count(f.prefillers), count(f.decoders)
-	resp := post(t, context.Background(), f.replicas[r].url+"/v1/completions",
-		fmt.Sprintf(`{"model":"sim","prompt":"session %s, turn %d","max_tokens":2}`, session, n), "X-Session-ID", session)
+	resp := post(t, context.Background(), f.replicas[r].url+"/v1/completions", body, header...)
 	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("session %s turn %d on replica %d: %d %s", session, n, r, resp.StatusCode, b)
+		t.Fatalf("%s on replica %d: %d %s", body, r, resp.StatusCode, b)
 	}
 	return which(f.prefillers, bp), which(f.decoders, bd)
 }

@@ -18,6 +18,7 @@ type Router interface {
 	Ready() bool
 	Backends() []router.BackendStatus
 	Models(role routerconfig.Role) (models []string, complete bool)
+	Heads(role routerconfig.Role, h router.Hint) ([]router.Head, time.Duration)
 }
 
 var _ Router = (*router.Router)(nil)

@@ -54,6 +54,9 @@ type Exchange struct {
 	Times timings
 	// Sess is the session the request named (session_affinity); its zero value is none.
 	Sess session
+	// Heads are where the replicas placed the heads of the request's text, for the prefill
+	// and the decode pools (SharePlacements).
+	Heads [2]heads
 }
 
 // naming is what the request's model is called: by the client, in its metrics, and how the
@@ -132,6 +135,7 @@ func (x *Exchange) Model() string {
 // picked records a lease the request took for role, and tells Picked where it went.
 func (x *Exchange) picked(role routerconfig.Role, lease *router.Lease) {
 	x.Tries.taken.lease(lease)
+	x.place(role, lease.Backend())
 	if x.Picked != nil {
 		x.Picked(role, lease)
 	}

@@ -32,6 +32,9 @@ type Flow struct {
 	// sidecar is set in llm-d's sidecar slot (prefiller_header): a request's prefiller is the
 	// one its header named.
 	sidecar bool
+	// placements is where replicas share where the heads of prompts went (SharePlacements);
+	// nil when they share nothing.
+	placements Placements
 }
 
 // New is the flow of cfg (its defaults filled in and checked by the proxy), over rt and table;

@@ -2,6 +2,7 @@ package pdflow
 
 import (
 	"context"
+	"time"
 
 	"github.com/pdproxy/pdproxy/router"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
@@ -20,3 +21,6 @@ func (noBackends) Usable(*router.Backend) bool                   { return false 
 func (noBackends) Ready() bool                                   { return false }
 func (noBackends) Backends() []router.BackendStatus              { return nil }
 func (noBackends) Models(routerconfig.Role) ([]string, bool)     { return nil, false }
+func (noBackends) Heads(routerconfig.Role, router.Hint) ([]router.Head, time.Duration) {
+	return nil, 0
+}

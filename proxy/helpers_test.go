@@ -560,6 +560,9 @@ func (stubRouter) Usable(*router.Backend) bool                   { return false 
 func (stubRouter) Ready() bool                                   { return false }
 func (stubRouter) Backends() []router.BackendStatus              { return nil }
 func (stubRouter) Models(routerconfig.Role) ([]string, bool)     { return nil, false }
+func (stubRouter) Heads(routerconfig.Role, router.Hint) ([]router.Head, time.Duration) {
+	return nil, 0
+}
 
 // engineCatalog gives the router engine's engines, as cmd/proxy does.
 type engineCatalog struct{}

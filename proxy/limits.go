@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/pdproxy/pdproxy/api"
+	"github.com/pdproxy/pdproxy/pdflow"
 	"github.com/pdproxy/pdproxy/sharedstate"
 )
 
@@ -26,6 +27,7 @@ type SharedState interface {
 	Check(ctx context.Context, req sharedstate.Request) (sharedstate.Decision, error)
 	Release(slot sharedstate.Slot)
 	Bind(session, role, engine string, ttl time.Duration)
+	pdflow.Placements
 }
 
 var _ SharedState = (*sharedstate.Store)(nil)

@@ -38,6 +38,9 @@ func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, reg 
 	for _, o := range opts {
 		o(s)
 	}
+	if s.shared != nil {
+		s.flow.SharePlacements(s.shared)
+	}
 	s.models.fresh = defaultModelsCacheFreshness
 	keys, err := loadKeyring(cfg.APIKeysFile, cfg.APIKeysEnv, cfg.AuthOpenPaths)
 	if err != nil {

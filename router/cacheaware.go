@@ -53,7 +53,11 @@ type CacheAware struct {
 	cm *costmodel.Model
 
 	// index is the precise view; nil for cache_aware.
-	index      *kvcache.Index
+	index *kvcache.Index
+	// bySent spreads cache_aware's ties by the uncached tokens this replica sent each engine
+	// lately: set where the replicas share placements (routerconfig.Config.SharedPlacements),
+	// which keep them together where a spread each its own way would part them.
+	bySent     bool
 	staleAfter time.Duration
 	// now is the clock staleness is judged by; nil means time.Now.
 	now func() time.Time
@@ -99,10 +103,15 @@ func NewCacheAware(cfg routerconfig.CacheAwareConfig, index *kvcache.Index, stal
 		staleAfter = routerconfig.DefaultKVEventsStaleAfter
 	}
 	// The precise view sees the engines' caches by their KV events: its model spreads ties
-	// by the blocks each computed lately.
-	cm := costmodel.New(cfg.PrefillOverhead, cfg.PrefillTokensPerSecond, float64(cfg.DecodeCostTokens), cfg.Temperature, index != nil)
+	// by the blocks each computed lately, which every replica reads alike.
 	return &CacheAware{cfg: cfg, tree: kvcache.NewTree(cfg.MaxTreeBytes), index: index, staleAfter: staleAfter,
-		keyTokens: routerconfig.DefaultPrefixTokens, loadFactor: routerconfig.DefaultBoundedLoadFactor, cm: cm}
+		keyTokens: routerconfig.DefaultPrefixTokens, loadFactor: routerconfig.DefaultBoundedLoadFactor, cm: newCostModel(cfg, index != nil)}
+}
+
+// newCostModel is the cost model of cfg; with spread, its ties are spread by the work each
+// engine did lately.
+func newCostModel(cfg routerconfig.CacheAwareConfig, spread bool) *costmodel.Model {
+	return costmodel.New(cfg.PrefillOverhead, cfg.PrefillTokensPerSecond, float64(cfg.DecodeCostTokens), cfg.Temperature, spread)
 }
 
 // SetPool forgets the engines no longer in the pool.
@@ -208,7 +217,8 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 
 // storedLately is the blocks b computed lately, as its KV events tell, or as this replica's
 // picks sent it, whichever is more: an engine's events come a moment after its prefill ends,
-// and a group placed just before must count at once. ok is false when its events are not
+// and a group placed just before must count at once. For cache_aware, which reads no events,
+// it is the uncached tokens this replica sent b lately, where it spreads by them (bySent). ok is false when its events are not
 // known to be read (neither dialed nor ever heard from, though this replica sent it work):
 // ties are then not spread by what the engines computed, as a count for some engines only
 // would send all new work to one whose events never arrive. An engine whose events are read
@@ -217,7 +227,7 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 // kv_events.listen.
 func (p *CacheAware) storedLately(b *Backend, now time.Time) (blocks float64, ok bool) {
 	if p.index == nil {
-		return 0, false
+		return b.st.cost.sent.Value(now), p.bySent
 	}
 	e := b.kvEngineIn(p.index)
 	if !b.eventsDialed() && e.LastEvent().IsZero() && b.st.started.Load() > 0 {
@@ -353,6 +363,9 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, found *kvcac
 	}
 	for i := range out {
 		out[i] = max(out[i], float64(matched[i])/float64(len(h.Text)))
+		if len(h.Placed) > 0 {
+			out[i] = max(out[i], placedShare(h, cands[i].Name))
+		}
 	}
 	return out
 }

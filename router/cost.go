@@ -34,7 +34,10 @@ import (
 // replicas still place alike, reading the same events, and a group that went to an engine
 // stays there by its blocks, which every replica sees. cache_aware sees only the text it
 // routed: to a replica, a group another replica routed looks new, and spread so it would go
-// elsewhere; it keeps the rendezvous order alone. A temperature draws the pick by weight.
+// elsewhere. It spreads its ties, by the uncached tokens this replica sent each engine
+// lately, only where the replicas share where the heads of prompts went (heads.go), which
+// brings a group back where it first went; else it keeps the rendezvous order alone. A
+// temperature draws the pick by weight.
 
 // Cost is what a pick predicted of the request on the backend it picked: the request's own
 // uncached prompt tokens there, the work ahead of it (in tokens), and the predicted time to

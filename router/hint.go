@@ -46,6 +46,10 @@ type Hint struct {
 	// from the same state; zero means unknown. The cost policies credit Bound with holding
 	// them, whichever replica routed that request.
 	BoundText int
+	// Placed is where the heads of Text were last sent by any replica, from state the
+	// replicas share (Router.Heads); cache_aware credits each engine named with its head,
+	// as it credits the text this replica routed. Empty means none known.
+	Placed []Placement
 	// Accept, when set, restricts the pick to backends whose engine it accepts: one request
 	// never mixes engines that speak different protocols.
 	Accept func(routerconfig.Engine) bool

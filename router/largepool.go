@@ -236,6 +236,12 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		s := share(m.i)
 		s.tree = max(s.tree, float64(m.depth)/float64(len(h.Text)))
 	}
+	for _, pl := range h.Placed {
+		if i, ok := v.names.At(pl.Engine); ok {
+			s := share(i)
+			s.tree = max(s.tree, placedShare(h, pl.Engine))
+		}
+	}
 	bound := -1
 	if h.Bound != "" {
 		if i, ok := v.names.At(h.Bound); ok {

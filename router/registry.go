@@ -29,6 +29,8 @@ type policyBuild struct {
 	// tierTokens makes the series precise_cache_aware counts its picks' matched tokens by
 	// tier in, called only by it. Nil counts nothing.
 	tierTokens func() *[4]prometheus.Counter
+	// sharedPlacements is Config.SharedPlacements.
+	sharedPlacements bool
 }
 
 // constructors build every policy config may name (routerconfig.Policies), by name. It is
@@ -72,6 +74,10 @@ func newCacheAware(b policyBuild, index *kvcache.Index) *CacheAware {
 	if index != nil && b.tierTokens != nil {
 		p.tierTokens = b.tierTokens()
 	}
+	if index == nil && b.sharedPlacements {
+		p.bySent = true
+		p.cm = newCostModel(p.cfg, true)
+	}
 	return p
 }
 
@@ -99,14 +105,15 @@ func (r *Router) newPolicy(name string, cfg routerconfig.Config, role routerconf
 		return nil, routerconfig.PolicyCaps{}, false
 	}
 	p := build(policyBuild{
-		prefixTokens: cfg.PrefixTokens,
-		loadFactor:   cfg.BoundedLoadFactor,
-		cache:        cfg.CacheAware,
-		staleAfter:   cfg.KVEvents.StaleAfter,
-		index:        r.index,
-		now:          func() time.Time { return r.now() },
-		ratio:        func() prometheus.Observer { return r.metrics.matchRatio.WithLabelValues(string(role), name) },
-		tierTokens:   r.metrics.tierCounters,
+		prefixTokens:     cfg.PrefixTokens,
+		loadFactor:       cfg.BoundedLoadFactor,
+		cache:            cfg.CacheAware,
+		staleAfter:       cfg.KVEvents.StaleAfter,
+		index:            r.index,
+		now:              func() time.Time { return r.now() },
+		ratio:            func() prometheus.Observer { return r.metrics.matchRatio.WithLabelValues(string(role), name) },
+		tierTokens:       r.metrics.tierCounters,
+		sharedPlacements: cfg.SharedPlacements,
 	})
 	return p, caps, true
 }

@@ -25,8 +25,8 @@ func storeOn(index *kvcache.Index, engine string, seed uint64, tokens []uint32, 
 
 // Prompt groups new to the pool, placed one after another, each computed where it went (its
 // events say so before the next comes): under precise_cache_aware none gets two shares by the
-// luck of a hash. Placed by the rendezvous order alone, as cache_aware places them, these 12
-// groups fall 6/2/2/2 on 4 engines.
+// luck of a hash. Placed by the rendezvous order alone, as a policy's Select with nothing
+// computed anywhere places them, these 12 groups fall 6/2/2/2 on 4 engines.
 func TestNewPromptGroupsSpreadByTheWorkEachEngineDidLately(t *testing.T) {
 	t0 := time.Unix(1_700_000_000, 0)
 	for _, tc := range []struct {

@@ -25,10 +25,12 @@ import (
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/engine"
+	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
+	"github.com/pdproxy/pdproxy/sharedstate"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -39,6 +41,8 @@ type routingContender struct {
 	policy    string
 	threshold int // pd_uncached_token_threshold; 0 always disaggregates
 	replicas  int
+	// shared gives the replicas a shared state (a Redis the run starts), as replicas are run.
+	shared bool
 	// balanceAbs, when set, is cache_aware.balance_abs_threshold.
 	balanceAbs int
 	// direct sends each group's requests straight to decoder group mod 4, decode-only: the
@@ -53,6 +57,9 @@ func (c routingContender) name() string {
 	s := c.policy
 	if c.replicas > 1 {
 		s = fmt.Sprintf("%s, %d replicas", s, c.replicas)
+		if c.shared {
+			s += ", shared state"
+		}
 	}
 	if c.balanceAbs != 0 {
 		s = fmt.Sprintf("%s, balance_abs_threshold %d", s, c.balanceAbs)
@@ -81,14 +88,18 @@ func routingContenders(threshold int) []routingContender {
 }
 
 // replicaContenders are the cache-aware policies, always P/D and with the threshold, behind
-// one, two and three replicas (PDPROXY_BENCH_ROUTING_ONLY=replicas): what replicas that route
-// alone lose of one replica's hit ratio and spread.
+// one, two and three replicas (PDPROXY_BENCH_ROUTING_ONLY=replicas), alone and, for a policy
+// whose replicas share where prompts went (cache_aware), sharing state: what replicas lose of
+// one replica's hit ratio and spread.
 func replicaContenders(threshold int) []routingContender {
 	var cs []routingContender
 	for _, p := range []string{routerconfig.PolicyCacheAware, routerconfig.PolicyPreciseCacheAware} {
 		for _, th := range []int{0, threshold} {
 			for n := 1; n <= 3; n++ {
 				cs = append(cs, routingContender{policy: p, threshold: th, replicas: n})
+				if caps, _ := routerconfig.CapsOf(p); n > 1 && caps.SharesPlacements {
+					cs = append(cs, routingContender{policy: p, threshold: th, replicas: n, shared: true})
+				}
 			}
 		}
 	}
@@ -302,8 +313,12 @@ func runContender(t *testing.T, w *chatWorkload, c routingContender, cfg sim.Con
 	decode := startSims(t, 4, cfg)
 	var proxies []*app.Main
 	var urls []string
+	redis := ""
+	if c.shared {
+		redis = redistest.Start(t).Addr()
+	}
 	for range c.replicas {
-		m := startRoutingProxy(t, c, prefill, decode)
+		m := startRoutingProxy(t, c, prefill, decode, redis)
 		proxies = append(proxies, m)
 		urls = append(urls, m.URL())
 	}
@@ -407,9 +422,12 @@ func kvDial(t testing.TB, addr string) string {
 
 // startRoutingProxy runs a proxy in this process in front of the P/D fleet with c's policy
 // on both pools, dialing every engine's KV events and replay endpoints.
-func startRoutingProxy(t testing.TB, c routingContender, prefillers, decoders []*simEngine) *app.Main {
+func startRoutingProxy(t testing.TB, c routingContender, prefillers, decoders []*simEngine, redis string) *app.Main {
 	t.Helper()
 	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}
+	if redis != "" {
+		cfg.SharedState = sharedstate.Config{Redis: sharedstate.RedisConfig{Addr: redis}}
+	}
 	cfg.Router.PrefillPolicy, cfg.Router.DecodePolicy = c.policy, c.policy
 	cfg.Proxy.PDUncachedTokenThreshold = c.threshold
 	cfg.Router.CacheAware.BalanceAbsThreshold = c.balanceAbs

@@ -416,6 +416,13 @@ type Config struct {
 	// answers ErrNoTokenizer, and precise_cache_aware scores requests by their text. Read at
 	// New: a reload keeps the one the router was built with.
 	EngineTokenizer Tokenizer `yaml:"-"`
+	// SharedPlacements says the replicas share where the heads of prompts went (the proxy's
+	// shared_state; router.Router.Heads): cache_aware then spreads the prompts no engine
+	// holds by what this replica sent each engine lately, the shared placements keeping every
+	// replica's later requests of a prompt where the first went. Without it cache_aware places
+	// them by the rendezvous order of their head alone, which every replica computes alike
+	// without a word. cmd/proxy sets it from shared_state, which a reload may not change.
+	SharedPlacements bool `yaml:"-"`
 	// BlockSize is the engines' KV block size in tokens (vLLM's --block-size), for events that
 	// do not give theirs; an event's own block_size wins. Zero means DefaultBlockSize. Read at
 	// start.

@@ -28,6 +28,9 @@ type PolicyCaps struct {
 	// ByCost: it places by the predicted cost of the prefill, so its pool has a predicted
 	// time to first token.
 	ByCost bool
+	// SharesPlacements: it sees the caches by the text each replica routed, so that replicas
+	// sharing state tell each other where the heads of prompts went.
+	SharesPlacements bool
 }
 
 // Policies is every policy config may name and what it needs, in the order an error lists
@@ -42,7 +45,7 @@ var Policies = []struct {
 	{Name: PolicyPowerOfTwo},
 	{Name: PolicyPrefixAffinity},
 	{Name: PolicyLeastLoaded, Caps: PolicyCaps{ScrapesLoad: true}},
-	{Name: PolicyCacheAware, Caps: PolicyCaps{ScrapesLoad: true, ByCost: true}},
+	{Name: PolicyCacheAware, Caps: PolicyCaps{ScrapesLoad: true, ByCost: true, SharesPlacements: true}},
 	{Name: PolicyPreciseCacheAware, Caps: PolicyCaps{WantsTokens: true, NeedsKVEvents: true, ScrapesLoad: true, ByCost: true}},
 }
 

@@ -404,8 +404,9 @@ func checkConditional(p proxy.Config, r routerconfig.Config) error {
 }
 
 // checkSharedState refuses a shared_state that cannot take effect: one that does not
-// validate, or one that nothing would use. The replicas share the per_key limits and the
-// sessions' bindings, so a shared_state with neither would be accepted and never asked.
+// validate, or one that nothing would use. The replicas share the per_key limits, the
+// sessions' bindings and, for a pool on cache_aware, where the heads of prompts went, so a
+// shared_state with none of them would be accepted and never asked.
 func checkSharedState(c Config) error {
 	if err := c.SharedState.Validate(); err != nil {
 		return err
@@ -413,8 +414,13 @@ func checkSharedState(c Config) error {
 	if !c.SharedState.Enabled() {
 		return nil
 	}
-	if l := c.Proxy.Limits.PerKey; l.RequestsPerSecond == 0 && l.MaxConcurrent == 0 && len(c.Proxy.SessionAffinity.Headers) == 0 {
-		return errors.New("shared_state: nothing would use it: the replicas share the limits of limits.per_key (requests_per_second, max_concurrent) and the bindings of session_affinity, and neither is set")
+	placements := false
+	for _, name := range []string{c.Router.PrefillPolicy, c.Router.DecodePolicy} {
+		caps, _ := routerconfig.CapsOf(name)
+		placements = placements || caps.SharesPlacements
+	}
+	if l := c.Proxy.Limits.PerKey; l.RequestsPerSecond == 0 && l.MaxConcurrent == 0 && len(c.Proxy.SessionAffinity.Headers) == 0 && !placements {
+		return errors.New("shared_state: nothing would use it: the replicas share the limits of limits.per_key (requests_per_second, max_concurrent), the bindings of session_affinity and, for a pool on cache_aware, where the heads of prompts went, and none is set")
 	}
 	return nil
 }

@@ -251,6 +251,7 @@ func countRole(bs []routerconfig.BackendConfig, role routerconfig.Role) int {
 func (m *Main) build(ctx context.Context, rcfg routerconfig.Config) error {
 	rcfg.Engines = EngineCatalog{}
 	rcfg.Queue.TTFTBound, rcfg.Queue.ReservedSlots = m.cfg.Proxy.FlowControl.SaturationTTFT, m.cfg.Proxy.FlowControl.Slots()
+	rcfg.SharedPlacements = m.cfg.SharedState.Enabled()
 	if err := checkConditional(m.cfg.Proxy, rcfg); err != nil {
 		return fmt.Errorf("config: %w", err)
 	}

@@ -56,6 +56,7 @@ func (m *Main) Reload(path string) error {
 	rcfg.Engines = EngineCatalog{}
 	rcfg.Resolver = m.cfg.Router.Resolver                                                                                    // not in the file: what the proxy was started with
 	rcfg.Queue.TTFTBound, rcfg.Queue.ReservedSlots = m.cfg.Proxy.FlowControl.SaturationTTFT, m.cfg.Proxy.FlowControl.Slots() // flow control is the proxy's, kept from the start
+	rcfg.SharedPlacements = m.cfg.SharedState.Enabled()                                                                      // shared_state, kept from the start
 	rcfg.Backends = slices.Clone(rcfg.Backends)
 	for i, p := range m.sims {
 		rcfg.Backends = append(rcfg.Backends, simBackend(i, p))

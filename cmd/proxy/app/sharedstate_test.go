@@ -41,6 +41,29 @@ shared_state:
 	}
 }
 
+// A pool on cache_aware uses a shared_state on its own: the replicas tell each other where
+// the heads of prompts went. One on precise_cache_aware does not (every replica reads the
+// engines' own events).
+func TestASharedStateIsUsedByACacheAwarePool(t *testing.T) {
+	for _, tt := range []struct {
+		prefill, decode string
+		used            bool
+	}{
+		{routerconfig.PolicyCacheAware, routerconfig.PolicyLeastInflight, true},
+		{routerconfig.PolicyLeastInflight, routerconfig.PolicyCacheAware, true},
+		{routerconfig.PolicyPreciseCacheAware, routerconfig.PolicyPreciseCacheAware, false},
+		{"", "", false},
+	} {
+		var c Config
+		c.SharedState.Redis.Addr = "127.0.0.1:6379"
+		c.Router.PrefillPolicy, c.Router.DecodePolicy = tt.prefill, tt.decode
+		err := checkSharedState(c)
+		if used := err == nil; used != tt.used {
+			t.Errorf("prefill %q, decode %q: checkSharedState = %v, want it used: %v", tt.prefill, tt.decode, err, tt.used)
+		}
+	}
+}
+
 // A shared_state that could not take effect is refused at startup, saying why.
 func TestStartRefusesASharedStateThatCannotTakeEffect(t *testing.T) {
 	zero := time.Duration(0)

@@ -1,0 +1,98 @@
+package router
+
+import (
+	"encoding/hex"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/pdproxy/pdproxy/router/routerconfig"
+)
+
+// Replicas of cache_aware each see only the text they routed: a prompt group one replica sent
+// to an engine looks new to the next, which would place it anew, elsewhere. With shared state
+// they tell each other where the heads of prompts went: the proxy reads, before a pick, which
+// engine each head of the request's text was last sent to by any replica (Router.Heads, then
+// Hint.Placed), and writes after it where they went now. An engine named for a head is
+// credited with holding that head, as the tree credits what this replica routed, within
+// tree_ttl; the cost decides as for any share. The heads are the text's first 4 ×
+// prefix_tokens bytes (the placement key's), and 4 and 16 times that, as far as the text goes:
+// a group's shared preamble, and a conversation's earlier turns, each count for what they are.
+
+const (
+	// headLevels is how many heads a text has at most; headGrowth how much longer each is
+	// than the one before.
+	headLevels = 3
+	headGrowth = 4
+)
+
+// Head is a leading part of a request's text whose placement replicas share: its length in
+// bytes, and its key, a hash of those bytes and of the request's model and cache identity.
+type Head struct {
+	Bytes int
+	Key   string
+}
+
+// Placement is where a head of the request's text was last sent by any replica: to Engine
+// (a backend's name), whose cache is taken to hold its first Bytes bytes.
+type Placement struct {
+	Engine string
+	Bytes  int
+}
+
+// Heads are the heads of h's text whose placements role's pool weighs (Hint.Placed), longest
+// last, and how long a placement counts (tree_ttl): none unless the pool's policy sees the
+// caches by the text routed (cache_aware), or for a text shorter than its first head.
+func (r *Router) Heads(role routerconfig.Role, h Hint) ([]Head, time.Duration) {
+	p := r.pool(role)
+	if p == nil {
+		return nil, 0
+	}
+	p.mu.Lock()
+	policy, caps := p.policy, p.caps
+	p.mu.Unlock()
+	ca, ok := policy.(*CacheAware)
+	if !ok || !caps.SharesPlacements {
+		return nil, 0
+	}
+	return ca.heads(h), ca.cfg.TreeTTL
+}
+
+// heads are h's heads, each headGrowth times longer than the one before, from the placement
+// key's length.
+func (p *CacheAware) heads(h Hint) []Head {
+	n := p.keyTokens * bytesPerToken
+	if n <= 0 || len(h.Text) < n {
+		return nil
+	}
+	var d xxhash.Digest
+	d.Reset()
+	for _, part := range []string{h.Model, h.LoRA, h.CacheSalt} {
+		_, _ = d.WriteString(part)
+		_, _ = d.WriteString("\x00")
+	}
+	heads := make([]Head, 0, headLevels)
+	done := 0
+	for range headLevels {
+		if n > len(h.Text) {
+			break
+		}
+		_, _ = d.WriteString(h.Text[done:n])
+		done = n
+		var sum [8]byte
+		heads = append(heads, Head{Bytes: n, Key: hex.EncodeToString(d.Sum(sum[:0]))})
+		n *= headGrowth
+	}
+	return heads
+}
+
+// placedShare is the share of h's text that the replicas' placements say name holds.
+func placedShare(h Hint, name string) float64 {
+	share := 0.0
+	for _, pl := range h.Placed {
+		if pl.Engine == name && len(h.Text) > 0 {
+			share = max(share, float64(min(pl.Bytes, len(h.Text)))/float64(len(h.Text)))
+		}
+	}
+	return share
+}
