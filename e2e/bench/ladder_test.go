@@ -15,8 +15,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
+	"github.com/pdproxy/pdproxy/sharedstate"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -61,6 +63,9 @@ func ladderParamsOf(t *testing.T) ladderParams {
 type ladderContender struct {
 	policy, label string
 	byGroup       bool
+	// shared gives the proxy a shared state (a Redis the run starts): cache_aware then
+	// spreads the prompt groups new to the pool.
+	shared bool
 }
 
 func ladderContenders() []ladderContender {
@@ -69,6 +74,7 @@ func ladderContenders() []ladderContender {
 		{policy: routerconfig.PolicyLeastInflight, byGroup: true, label: "the group as the session, least_inflight: a hash of the group through the proxy"},
 		{policy: routerconfig.PolicyLeastInflight, label: "least_inflight"},
 		{policy: routerconfig.PolicyCacheAware, label: "cache_aware, defaults"},
+		{policy: routerconfig.PolicyCacheAware, shared: true, label: "cache_aware, defaults, shared state"},
 		{policy: routerconfig.PolicyPreciseCacheAware, label: "precise_cache_aware, defaults"},
 	}
 }
@@ -189,6 +195,9 @@ func climbRung(t *testing.T, p ladderParams, c ladderContender, cfg sim.Config, 
 	}
 	if c.policy != "" {
 		pcfg := decodeOnlyProxy(t, c.policy, engines)
+		if c.shared {
+			pcfg.SharedState = sharedstate.Config{Redis: sharedstate.RedisConfig{Addr: redistest.Start(t).Addr()}}
+		}
 		if c.byGroup {
 			pcfg.Proxy.SessionAffinity = proxy.SessionAffinityConfig{Headers: []string{"X-Session-ID"}}
 		}
