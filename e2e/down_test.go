@@ -22,6 +22,11 @@ type backendView struct {
 	Healthy    bool   `json:"healthy"`
 	Ejected    bool   `json:"ejected"`
 	DownReason string `json:"down_reason"`
+	// Load is the engine's load at the replica's last scrape, where its pool scrapes.
+	Load *struct {
+		Waiting int64 `json:"waiting"`
+		Running int64 `json:"running"`
+	} `json:"load"`
 }
 
 func viewBackend(t *testing.T, base, name string) backendView {

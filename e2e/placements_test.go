@@ -2,8 +2,10 @@ package e2e
 
 import (
 	"fmt"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/internal/testutil"
@@ -11,29 +13,39 @@ import (
 )
 
 // With shared_state, replicas of cache_aware tell each other where the heads of prompts went:
-// a client alternating replicas gets every request of a prompt group on the prefiller and the
-// decoder its first request went to, though the other replicas never routed its text, and the
-// groups spread over the engines.
+// every later request of a prompt group reaches the prefiller and the decoder its first
+// request went to, through whichever replica, though the others never routed its text; and
+// the groups spread over the engines.
 func TestCacheAwareReplicasSendAPromptGroupWhereItFirstWent(t *testing.T) {
 	srv := redistest.Start(t)
 	f := startFleet(t, 3, srv.Addr(), routerconfig.PolicyCacheAware, nil)
-	preamble := strings.Repeat("You are the group's assistant; answer in one line. ", 40) // one head of 1 KiB
+	// 6 KB: two heads, of 1 and 4 KiB, so that what a head saves outweighs the load a scrape
+	// a moment old still shows for the group's previous request.
+	preamble := strings.Repeat("You are the group's assistant; answer in one line. ", 120)
+	body := func(g, u int) string {
+		return fmt.Sprintf(`{"model":"sim","prompt":"group %d: %s question %d","max_tokens":2}`, g, preamble, u)
+	}
+	// Replica 0 places the groups; the others then see them, in the other order, as new.
+	type engines struct{ p, d int }
+	first := make([]engines, 6)
 	decoders := map[int]int{}
-	for g := range 6 {
-		body := func(u int) string {
-			return fmt.Sprintf(`{"model":"sim","prompt":"group %d: %s question %d","max_tokens":2}`, g, preamble, u)
-		}
-		p0, d0 := f.send(t, g%3, body(0))
-		testutil.Eventually(t, testutil.Timeout, func() bool {
-			n, _ := srv.Do("DBSIZE")
-			return n == fmt.Sprintf(":%d", 2*(g+1)) // the group's head, for each role
-		}, "group %d's placements in the shared state", g)
+	for g := range first {
+		first[g].p, first[g].d = f.send(t, 0, body(g, 0))
+		decoders[first[g].d]++
+	}
+	testutil.Eventually(t, testutil.Timeout, func() bool {
+		n, _ := srv.Do("DBSIZE")
+		return n == fmt.Sprintf(":%d", 4*len(first)) // each group's two heads, for each role
+	}, "the groups' placements in the shared state")
+	f.settled(t)
+	for g := len(first) - 1; g >= 0; g-- {
 		for u := 1; u < 4; u++ {
-			if p, d := f.send(t, (g+u)%3, body(u)); p != p0 || d != d0 {
-				t.Errorf("group %d: its first request on p%d/d%d (replica %d), user %d's on p%d/d%d (replica %d)", g, p0, d0, g%3, u, p, d, (g+u)%3)
+			r := 1 + u%2
+			if p, d := f.send(t, r, body(g, u)); p != first[g].p || d != first[g].d {
+				t.Errorf("group %d: its first request on p%d/d%d (replica 0), user %d's on p%d/d%d (replica %d)", g, first[g].p, first[g].d, u, p, d, r)
 			}
+			f.settled(t)
 		}
-		decoders[d0]++
 	}
 	if len(decoders) < 3 {
 		t.Errorf("6 groups went to %d of 3 decoders: %v", len(decoders), decoders)
@@ -45,12 +57,31 @@ func TestCacheAwareReplicasSendAPromptGroupWhereItFirstWent(t *testing.T) {
 	}
 }
 
+// settled waits until every replica's latest scrape shows every engine idle: a scrape taken
+// while a request ran shows it running after it ended, and a replica that did not send it
+// weighs it as another replica's work there until the next scrape.
+func (f *sessionFleet) settled(t *testing.T) {
+	t.Helper()
+	names := []string{"p0", "p1"}
+	for i := range f.decoders {
+		names = append(names, fmt.Sprintf("d%d", i))
+	}
+	for i, r := range f.replicas {
+		for _, name := range names {
+			testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+				l := viewBackend(t, r.url, name).Load
+				return l != nil && l.Waiting == 0 && l.Running == 0, fmt.Sprintf("replica %d to see %s idle: %+v", i, name, l)
+			})
+		}
+	}
+}
+
 // With the shared state's Redis gone, cache_aware replicas serve every request on what each
 // routed, counting the reads that failed; once it is back they share placements again.
 func TestCacheAwareReplicasServeWithoutTheirPlacementsWhileRedisIsDown(t *testing.T) {
 	srv := redistest.Start(t)
 	f := startFleet(t, 3, srv.Addr(), routerconfig.PolicyCacheAware, nil)
-	preamble := strings.Repeat("An agent's long tool definitions, the same for every run. ", 40)
+	preamble := strings.Repeat("An agent's long tool definitions, the same for every run. ", 110) // two heads
 	body := func(g, u int) string {
 		return fmt.Sprintf(`{"model":"sim","prompt":"group %d: %s question %d","max_tokens":2}`, g, preamble, u)
 	}
@@ -74,12 +105,38 @@ func TestCacheAwareReplicasServeWithoutTheirPlacementsWhileRedisIsDown(t *testin
 			return v == 1, fmt.Sprintf("replica %d: pdproxy_shared_state_up = %v after Redis came back", i, v)
 		})
 	}
+	// A replica's first calls after the restart may meet connections Redis closed: each such
+	// call fails, counted, and a read's pick goes by the replica's own view. Each replica
+	// serves new groups until one read and wrote its placements without a failure.
+	failures := func(r *stack) float64 {
+		return testutil.Value(t, r.m.Registry, "pdproxy_shared_state_errors_total", map[string]string{"op": "placements"}) +
+			testutil.Value(t, r.m.Registry, "pdproxy_shared_state_errors_total", map[string]string{"op": "place"})
+	}
+	warm := 100
+	for i, r := range f.replicas {
+		testutil.WaitFor(t, testutil.Timeout, func() (bool, string) {
+			before := failures(r)
+			warm++
+			f.send(t, i, body(warm, 0))
+			time.Sleep(20 * time.Millisecond) // its placements written, or failed
+			up := testutil.Value(t, r.m.Registry, "pdproxy_shared_state_up", nil)
+			return failures(r) == before && up == 1, fmt.Sprintf("replica %d using Redis again (%v failures, up %v)", i, failures(r), up)
+		})
+	}
+	keys := func() int {
+		n, _ := srv.Do("DBSIZE")
+		k, _ := strconv.Atoi(strings.TrimPrefix(n, ":"))
+		return k
+	}
+	before := keys()
 	p0, d0 := f.send(t, 0, body(9, 0))
-	testutil.Eventually(t, testutil.Timeout, func() bool { n, _ := srv.Do("DBSIZE"); return n == ":2" },
+	testutil.Eventually(t, testutil.Timeout, func() bool { return keys() == before+4 },
 		"the new group's placements in the shared state")
+	f.settled(t)
 	for u := 1; u < 3; u++ {
 		if p, d := f.send(t, u, body(9, u)); p != p0 || d != d0 {
 			t.Errorf("after Redis came back: the group's first request on p%d/d%d, user %d's on p%d/d%d", p0, d0, u, p, d)
 		}
+		f.settled(t)
 	}
 }

@@ -67,6 +67,7 @@ func startFleet(t *testing.T, replicas int, redisAddr, policy string, sessionHea
 		cfg.Router.Backends = backends
 		cfg.Router.PrefillPolicy, cfg.Router.DecodePolicy = policy, policy
 		cfg.Router.Health = routerconfig.HealthConfig{Interval: 20 * time.Millisecond, Timeout: time.Second, HealthyThreshold: 1, UnhealthyThreshold: 1}
+		cfg.Router.ScrapeInterval = 20 * time.Millisecond // where the policy weighs the engines' load
 		if len(sessionHeaders) > 0 {
 			cfg.Proxy.SessionAffinity = proxy.SessionAffinityConfig{Headers: sessionHeaders}
 		}

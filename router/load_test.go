@@ -256,19 +256,6 @@ func (e *metricsEngine) set(status int, body string) {
 	e.body.Store(&body)
 }
 
-func vllmMetrics(waiting, running int, usage float64) string {
-	return fmt.Sprintf(`# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="m"} %d
-# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="m"} %d
-# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} %g
-`, running, waiting, usage)
-}
-
 // loadRouter is a router picking with least_loaded in both roles over engines, scraping every
 // 50ms, with the health checks off and its Run running until the test ends.
 func loadRouter(t *testing.T, reg prometheus.Registerer, backends ...routerconfig.BackendConfig) *Router {
@@ -318,10 +305,10 @@ func pick(t *testing.T, r *Router, role routerconfig.Role) string {
 }
 
 func TestLeastLoadedRoutesByScrapedLoad(t *testing.T) {
-	busy := newMetricsEngine(t, vllmMetrics(2, 8, 0.5))
-	idle := newMetricsEngine(t, vllmMetrics(0, 1, 0.1))
-	full := newMetricsEngine(t, vllmMetrics(0, 0, 0.95))
-	roomy := newMetricsEngine(t, vllmMetrics(1, 2, 0.4))
+	busy := newMetricsEngine(t, testutil.VLLMMetrics(2, 8, 0.5))
+	idle := newMetricsEngine(t, testutil.VLLMMetrics(0, 1, 0.1))
+	full := newMetricsEngine(t, testutil.VLLMMetrics(0, 0, 0.95))
+	roomy := newMetricsEngine(t, testutil.VLLMMetrics(1, 2, 0.4))
 	r := loadRouter(t, nil,
 		routerconfig.BackendConfig{Name: "busy", URL: busy.URL, Role: routerconfig.RoleDecode},
 		routerconfig.BackendConfig{Name: "idle", URL: idle.URL, Role: routerconfig.RoleDecode},
@@ -343,7 +330,7 @@ func TestLeastLoadedRoutesByScrapedLoad(t *testing.T) {
 	}
 
 	// The busy engine's load goes away; the next scrape tells.
-	busy.set(http.StatusOK, vllmMetrics(0, 0, 0))
+	busy.set(http.StatusOK, testutil.VLLMMetrics(0, 0, 0))
 	waitLoad(t, r, "busy", 0)
 	if got := pick(t, r, routerconfig.RoleDecode); got != "busy" {
 		t.Errorf("decode pick after the busy engine drained = %s, want busy", got)
@@ -353,8 +340,8 @@ func TestLeastLoadedRoutesByScrapedLoad(t *testing.T) {
 func TestLeastLoadedSharesTheEnginesViewWithOtherReplicas(t *testing.T) {
 	// Two replicas over the same two engines. Replica A has sent nothing; what B sent shows
 	// in the engines' figures, so A avoids the engine B loaded without being told.
-	e0 := newMetricsEngine(t, vllmMetrics(0, 0, 0))
-	e1 := newMetricsEngine(t, vllmMetrics(0, 0, 0))
+	e0 := newMetricsEngine(t, testutil.VLLMMetrics(0, 0, 0))
+	e1 := newMetricsEngine(t, testutil.VLLMMetrics(0, 0, 0))
 	cfg := func() []routerconfig.BackendConfig {
 		return []routerconfig.BackendConfig{{Name: "e0", URL: e0.URL, Role: routerconfig.RoleDecode}, {Name: "e1", URL: e1.URL, Role: routerconfig.RoleDecode}}
 	}
@@ -367,7 +354,7 @@ func TestLeastLoadedSharesTheEnginesViewWithOtherReplicas(t *testing.T) {
 		}
 		held = append(held, l)
 	}
-	e0.set(http.StatusOK, vllmMetrics(0, 4, 0.2)) // the engine runs B's four requests
+	e0.set(http.StatusOK, testutil.VLLMMetrics(0, 4, 0.2)) // the engine runs B's four requests
 	waitLoad(t, a, "e0", 4)
 	waitLoad(t, b, "e0", 4)
 	for i := range 3 {
@@ -394,13 +381,13 @@ func TestScrapeFailuresAreCountedAndGoStaleIntoInflight(t *testing.T) {
 		{"the engine reports no load gauges (SGLang without --enable-metrics)", func(e *metricsEngine) {
 			e.set(http.StatusOK, "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 3\n")
 		}},
-		{"a load gauge is negative", func(e *metricsEngine) { e.set(http.StatusOK, vllmMetrics(-1, 0, 0)) }},
+		{"a load gauge is negative", func(e *metricsEngine) { e.set(http.StatusOK, testutil.VLLMMetrics(-1, 0, 0)) }},
 		{"the engine is gone", func(e *metricsEngine) { e.Close() }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			bad := newMetricsEngine(t, vllmMetrics(0, 0, 0))
-			good := newMetricsEngine(t, vllmMetrics(0, 3, 0))
+			bad := newMetricsEngine(t, testutil.VLLMMetrics(0, 0, 0))
+			good := newMetricsEngine(t, testutil.VLLMMetrics(0, 3, 0))
 			reg := prometheus.NewRegistry()
 			r := loadRouter(t, reg,
 				routerconfig.BackendConfig{Name: "bad", URL: bad.URL, Role: routerconfig.RoleDecode},
@@ -459,7 +446,7 @@ func TestScrapeFailuresAreCountedAndGoStaleIntoInflight(t *testing.T) {
 }
 
 func TestScrapesUseTheBackendsOwnClient(t *testing.T) {
-	e := newMetricsEngine(t, vllmMetrics(0, 2, 0))
+	e := newMetricsEngine(t, testutil.VLLMMetrics(0, 2, 0))
 	r := loadRouter(t, nil, routerconfig.BackendConfig{Name: "d", URL: e.URL + "/", Role: routerconfig.RoleDecode, APIKey: "engine-key"})
 	waitLoad(t, r, "d", 2)
 	if a := e.auth.Load(); a == nil || *a != "Bearer engine-key" {
@@ -468,8 +455,8 @@ func TestScrapesUseTheBackendsOwnClient(t *testing.T) {
 }
 
 func TestScrapingOnlyWhereLeastLoadedPicks(t *testing.T) {
-	p := newMetricsEngine(t, vllmMetrics(0, 0, 0))
-	d := newMetricsEngine(t, vllmMetrics(0, 0, 0))
+	p := newMetricsEngine(t, testutil.VLLMMetrics(0, 0, 0))
+	d := newMetricsEngine(t, testutil.VLLMMetrics(0, 0, 0))
 	r, err := New(routerconfig.Config{
 		Backends:       []routerconfig.BackendConfig{{Name: "p", URL: p.URL, Role: routerconfig.RolePrefill}, {Name: "d", URL: d.URL, Role: routerconfig.RoleDecode}},
 		DecodePolicy:   routerconfig.PolicyLeastLoaded,

@@ -51,7 +51,7 @@ func enginesCfg(t *testing.T, n int) []routerconfig.BackendConfig {
 	t.Helper()
 	var out []routerconfig.BackendConfig
 	for i := range n {
-		e := newMetricsEngine(t, vllmMetrics(0, 0, 0))
+		e := newMetricsEngine(t, testutil.VLLMMetrics(0, 0, 0))
 		out = append(out, routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: e.URL, Role: routerconfig.RoleDecode})
 	}
 	return out
@@ -358,8 +358,8 @@ func TestARequestWithoutASessionSaysNoSessionChoice(t *testing.T) {
 func TestTheLoadIsTheEnginesReportPlusOnlyWhatThisReplicaSentSince(t *testing.T) {
 	for _, policy := range []string{routerconfig.PolicyCacheAware, routerconfig.PolicyLeastLoaded} {
 		t.Run(policy, func(t *testing.T) {
-			e := newMetricsEngine(t, vllmMetrics(0, 0, 0))
-			idle := newMetricsEngine(t, vllmMetrics(0, 0, 0))
+			e := newMetricsEngine(t, testutil.VLLMMetrics(0, 0, 0))
+			idle := newMetricsEngine(t, testutil.VLLMMetrics(0, 0, 0))
 			r, err := New(routerconfig.Config{
 				Backends:     []routerconfig.BackendConfig{{Name: "e", URL: e.URL, Role: routerconfig.RoleDecode}, {Name: "idle", URL: idle.URL, Role: routerconfig.RoleDecode}},
 				DecodePolicy: policy,
@@ -374,7 +374,7 @@ func TestTheLoadIsTheEnginesReportPlusOnlyWhatThisReplicaSentSince(t *testing.T)
 			// five, which already holds this replica's two.
 			hold(t, r, "e")
 			hold(t, r, "e")
-			e.set(http.StatusOK, vllmMetrics(1, 4, 0.2))
+			e.set(http.StatusOK, testutil.VLLMMetrics(1, 4, 0.2))
 			runRouter(t, r)
 			waitLoad(t, r, "e", 4)
 			const k = 3
@@ -403,7 +403,7 @@ func TestRequestsSentWhileAScrapeIsAnsweredAreNotCountedTwice(t *testing.T) {
 		default:
 		}
 		<-answer
-		fmt.Fprint(w, vllmMetrics(0, 3, 0.1))
+		fmt.Fprint(w, testutil.VLLMMetrics(0, 3, 0.1))
 	}))
 	defer e.Close()
 	// Released however the test ends, so that closing the engine does not wait on a scrape
@@ -446,7 +446,7 @@ func TestPlacementWeighsTheLoadOtherReplicasPutOnAnEngine(t *testing.T) {
 	if len(perEngine["d0"]) == 0 || len(perEngine["d1"]) == 0 {
 		t.Fatalf("an idle pool placed 40 prompts %v: want both engines used", perEngine)
 	}
-	busy := newMetricsEngine(t, vllmMetrics(2, 6, 0.5))
+	busy := newMetricsEngine(t, testutil.VLLMMetrics(2, 6, 0.5))
 	backends[0].URL = busy.URL // d0 runs 8 of other replicas' requests
 	a := replicas(t, 1, cfg, true)[0]
 	waitLoad(t, a, "d0", 6)

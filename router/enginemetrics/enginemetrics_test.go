@@ -4,21 +4,9 @@ import (
 	"fmt"
 	"strings"
 	"testing"
-)
 
-// vllmMetrics is a vLLM /metrics body reporting waiting and running requests and KV usage.
-func vllmMetrics(waiting, running int, usage float64) string {
-	return fmt.Sprintf(`# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="m"} %d
-# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="m"} %d
-# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} %g
-`, running, waiting, usage)
-}
+	"github.com/pdproxy/pdproxy/internal/testutil"
+)
 
 // sglangMetrics is an SGLang /metrics body reporting queued and running requests and KV usage.
 func sglangMetrics(queued, running int, usage float64) string {
@@ -41,7 +29,7 @@ func TestParse(t *testing.T) {
 	}{
 		{
 			name:  "vLLM's gauges",
-			body:  vllmMetrics(3, 5, 0.25),
+			body:  testutil.VLLMMetrics(3, 5, 0.25),
 			names: Families,
 			want:  Load{Waiting: 3, Running: 5, Usage: 0.25},
 		},
@@ -53,13 +41,13 @@ func TestParse(t *testing.T) {
 		},
 		{
 			name:  "the engine's own names win over another family in the same body",
-			body:  vllmMetrics(9, 9, 0.9) + sglangMetrics(1, 2, 0.3),
+			body:  testutil.VLLMMetrics(9, 9, 0.9) + sglangMetrics(1, 2, 0.3),
 			names: []Names{{Waiting: "sglang:num_queue_reqs", Running: "sglang:num_running_reqs", Usage: "sglang:token_usage"}},
 			want:  Load{Waiting: 1, Running: 2, Usage: 0.3},
 		},
 		{
 			name: "data parallel ranks add up their requests and average their KV usage",
-			body: vllmMetrics(1, 2, 0.2) + `vllm:num_requests_running{engine="1",model_name="m"} 4
+			body: testutil.VLLMMetrics(1, 2, 0.2) + `vllm:num_requests_running{engine="1",model_name="m"} 4
 vllm:num_requests_waiting{engine="1",model_name="m"} 3
 vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.6
 `,
@@ -111,7 +99,7 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.6
 }
 
 func FuzzParse(f *testing.F) {
-	f.Add(vllmMetrics(1, 2, 0.5))
+	f.Add(testutil.VLLMMetrics(1, 2, 0.5))
 	f.Add(sglangMetrics(1, 2, 0.5))
 	f.Add("vllm:num_requests_running -1\nvllm:num_requests_waiting +Inf\n")
 	f.Add("# TYPE vllm:num_requests_running histogram\nvllm:num_requests_running_bucket{le=\"+Inf\"} 1\n")
