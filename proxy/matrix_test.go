@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -16,10 +17,17 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/pdproxy/pdproxy/api"
 	"github.com/pdproxy/pdproxy/internal/faultengine"
+	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/internal/testutil"
+	"github.com/pdproxy/pdproxy/lifecycle"
+	"github.com/pdproxy/pdproxy/router"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
+	"github.com/pdproxy/pdproxy/sharedstate"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap/zaptest"
 )
 
 // The failure matrix: every way an engine misbehaves (faultengine's faults, down to the byte
@@ -65,6 +73,10 @@ type matrixCell struct {
 	// ("prefill" or "decode") whose arrival at its engine the client leaves on, rather than
 	// at the fault.
 	leaveIn string
+	// placed: both pools on cache_aware behind a shared state (a real Redis) whose placements
+	// name the faulty engine for the request's prompt, which is long enough to have heads:
+	// the pick the placements steer meets the fault (placedCells).
+	placed bool
 }
 
 func (c matrixCell) name() string {
@@ -85,6 +97,9 @@ func (c matrixCell) name() string {
 			route += "_" + c.unmovable
 		}
 		return fmt.Sprintf("migrate/%s/%s/%s/%s/%s/client_%s", c.kind, c.leg, c.fault, mode, route, client)
+	}
+	if c.placed {
+		return fmt.Sprintf("placed/%s/%s/%s/%s/%s/client_%s", c.kind, c.leg, c.fault, mode, route, client)
 	}
 	return fmt.Sprintf("%s/%s/%s/%s/%s/client_%s", c.kind, c.leg, c.fault, mode, route, client)
 }
@@ -157,7 +172,31 @@ func matrixCells(full bool) []matrixCell {
 			cells = append(cells, matrixCell{proto: faultengine.VLLM, kind: "vllm", leg: "decode", fault: fault, leave: leave, route: "embeddings", pass: true})
 		}
 	}
-	return append(cells, migrationCells(full)...)
+	return append(append(cells, migrationCells(full)...), placedCells()...)
+}
+
+// placedCells are every fault of either leg of a vLLM and an SGLang pair, with a client that
+// stays and one that leaves, on a completions stream, picked by cache_aware as the replicas'
+// shared placements steer it: to the faulty engine.
+func placedCells() []matrixCell {
+	var cells []matrixCell
+	for _, proto := range []faultengine.Protocol{faultengine.VLLM, faultengine.SGLang} {
+		for _, leg := range []string{"prefill", "decode"} {
+			for _, fault := range faultengine.Faults() {
+				if fault == faultengine.BadParams && (leg != "prefill" || proto != faultengine.VLLM) {
+					continue
+				}
+				for _, leave := range []bool{false, true} {
+					if leave && fault == faultengine.LateEnd && leg == "prefill" && proto != faultengine.VLLM {
+						continue // as in matrixCells: no client can leave on it
+					}
+					cells = append(cells, matrixCell{proto: proto, kind: string(proto), leg: leg, fault: fault, stream: true,
+						route: "completions", leave: leave, placed: true})
+				}
+			}
+		}
+	}
+	return cells
 }
 
 // midStreamFaults are the decoder's faults that strike after the client's first byte of a
@@ -230,16 +269,29 @@ func (c matrixCell) movesOn() bool {
 
 func TestFailureMatrix(t *testing.T) {
 	cells := matrixCells(os.Getenv("PDPROXY_MATRIX") == "full")
+	// The placed cells' shared state: one server, a key prefix per cell.
+	var redis struct {
+		once sync.Once
+		addr string
+	}
+	redisAddr := func() string {
+		redis.once.Do(func() { redis.addr = redistest.Start(t).Addr() })
+		return redis.addr
+	}
 	start := time.Now()
 	var ran atomic.Int64 // the cells -run selected
 	t.Cleanup(func() {
 		t.Logf("%d of %d cells in %v", ran.Load(), len(cells), time.Since(start).Round(time.Millisecond))
 	})
 	for _, c := range cells {
+		addr := ""
+		if c.placed {
+			addr = redisAddr() // started by the test, not by a parallel cell that ends first
+		}
 		t.Run(c.name(), func(t *testing.T) {
 			t.Parallel()
 			ran.Add(1)
-			runCell(t, c)
+			runCell(t, c, addr)
 		})
 	}
 }
@@ -337,7 +389,7 @@ func sendsHead(f faultengine.Fault) bool {
 	return true
 }
 
-func runCell(t *testing.T, c matrixCell) {
+func runCell(t *testing.T, c matrixCell, redisAddr string) {
 	rooms := faultengine.NewRooms()
 	lv := &leaver{}
 	start := func(prefill bool, fault faultengine.Fault) *faultengine.Engine {
@@ -386,7 +438,15 @@ func runCell(t *testing.T, c matrixCell) {
 	if c.migrate {
 		cfg.MigrationLimit = 3
 	}
-	h := newHarness(t, cfg, routerconfig.Config{Backends: backends})
+	rcfg := routerconfig.Config{Backends: backends}
+	var opts []Option
+	var store *sharedstate.Store
+	if c.placed {
+		rcfg.PrefillPolicy, rcfg.DecodePolicy, rcfg.SharedPlacements = routerconfig.PolicyCacheAware, routerconfig.PolicyCacheAware, true
+		store = placementStore(t, redisAddr, c.name())
+		opts = append(opts, WithSharedState(store))
+	}
+	h := newHarnessLogged(t, cfg, rcfg, lifecycle.Config{}, nil, opts...)
 
 	path := "/v1/completions"
 	body := `{"model":"m","prompt":"hello there","max_tokens":8`
@@ -423,6 +483,10 @@ func runCell(t *testing.T, c matrixCell) {
 	if c.pass {
 		path, body = "/v1/embeddings", `{"model":"m","input":"hello there"}`
 	}
+	if c.placed {
+		body = strings.Replace(body, `"hello there"`, strconv.Quote(placedPrompt), 1)
+		placeOn(t, h, store, map[routerconfig.Role]string{routerconfig.RolePrefill: "p0", routerconfig.RoleDecode: "d0"})
+	}
 
 	if c.fault == faultengine.KeepAliveReset {
 		// The connection the fault resets must be one kept open from an earlier request: the
@@ -456,6 +520,13 @@ func runCell(t *testing.T, c matrixCell) {
 	}
 	if c.migrate {
 		migrationChecks(t, c, h, got, d0)
+	}
+	if c.placed {
+		// The faulty engine's pool read the placements: its pick credited the engine they
+		// name with the prompt's head, most of the prompt.
+		if r, _ := testutil.HistogramOf(t, h.reg, "pdproxy_prefix_cache_match_ratio", map[string]string{"role": c.leg}); r.Sum < 0.5 {
+			t.Errorf("the %s picks' predicted shares add up to %v (of %d picks): the placements did not steer them", c.leg, r.Sum, r.Count)
+		}
 	}
 
 	// Nothing is left behind, whatever the client saw.
@@ -503,6 +574,51 @@ func runCell(t *testing.T, c matrixCell) {
 		case c.charged() == notBlamed && n != 0:
 			t.Errorf("backend %s was charged %v failures for a fault that is not its failure", b.Name, n)
 		}
+	}
+}
+
+// placedPrompt is the placed cells' prompt: long enough for a head of its own.
+var placedPrompt = "hello there. " + strings.Repeat("A preamble the replicas have placed before. ", 30)
+
+// placementStore is a shared state on the server at addr, under a key prefix of the cell's
+// own, its goroutine running until the test ends.
+func placementStore(t *testing.T, addr, cell string) *sharedstate.Store {
+	t.Helper()
+	budget := sharedstate.MaxTimeout
+	prefix := fmt.Sprintf("cell-%x:", xxhash.Sum64String(cell))
+	st, err := sharedstate.New(sharedstate.Config{Redis: sharedstate.RedisConfig{Addr: addr, Timeout: &budget, KeyPrefix: prefix}},
+		zaptest.NewLogger(t), prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		st.Run(ctx)
+	}()
+	t.Cleanup(func() { cancel(); <-done; st.Close() })
+	return st
+}
+
+// placeOn writes, as another replica's picks would have, that the placed prompt's heads went
+// to the engine given for each role, and waits until they read back.
+func placeOn(t *testing.T, h *harness, st *sharedstate.Store, on map[routerconfig.Role]string) {
+	t.Helper()
+	for role, engine := range on {
+		heads, ttl := h.rt.Heads(role, router.Hint{Text: placedPrompt, Model: "m"})
+		if len(heads) == 0 {
+			t.Fatalf("the placed prompt has no heads for the %s pool", role)
+		}
+		keys := make([]string, len(heads))
+		for i, hd := range heads {
+			keys[i] = hd.Key
+			st.Place(string(role), hd.Key, engine, ttl)
+		}
+		eventually(t, "the placements of the "+string(role)+" pool in the shared state", func() bool {
+			got, err := st.Placements(context.Background(), string(role), keys)
+			return err == nil && len(got) == len(keys) && !slices.ContainsFunc(got, func(e string) bool { return e != engine })
+		})
 	}
 }
 
