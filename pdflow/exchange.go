@@ -54,9 +54,9 @@ type Exchange struct {
 	Times timings
 	// Sess is the session the request named (session_affinity); its zero value is none.
 	Sess session
-	// Heads are where the replicas placed the heads of the request's text, for the prefill
+	// heads are where the replicas placed the heads of the request's text, for the prefill
 	// and the decode pools (SharePlacements).
-	Heads [2]heads
+	heads [2]heads
 }
 
 // naming is what the request's model is called: by the client, in its metrics, and how the

@@ -81,7 +81,7 @@ func (x *Exchange) headsOf(role routerconfig.Role) *heads {
 		return nil
 	}
 	if role == routerconfig.RolePrefill {
-		return &x.Heads[0]
+		return &x.heads[0]
 	}
-	return &x.Heads[1]
+	return &x.heads[1]
 }
