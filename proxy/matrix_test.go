@@ -26,8 +26,6 @@ import (
 	"github.com/pdproxy/pdproxy/router"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sharedstate"
-	"github.com/prometheus/client_golang/prometheus"
-	"go.uber.org/zap/zaptest"
 )
 
 // The failure matrix: every way an engine misbehaves (faultengine's faults, down to the byte
@@ -443,7 +441,7 @@ func runCell(t *testing.T, c matrixCell, redisAddr string) {
 	var store *sharedstate.Store
 	if c.placed {
 		rcfg.PrefillPolicy, rcfg.DecodePolicy, rcfg.SharedPlacements = routerconfig.PolicyCacheAware, routerconfig.PolicyCacheAware, true
-		store = placementStore(t, redisAddr, c.name())
+		store, _ = sharedStore(t, redisAddr, fmt.Sprintf("cell-%x:", xxhash.Sum64String(c.name()))) // a key prefix of the cell's own
 		opts = append(opts, WithSharedState(store))
 	}
 	h := newHarnessLogged(t, cfg, rcfg, lifecycle.Config{}, nil, opts...)
@@ -579,27 +577,6 @@ func runCell(t *testing.T, c matrixCell, redisAddr string) {
 
 // placedPrompt is the placed cells' prompt: long enough for a head of its own.
 var placedPrompt = "hello there. " + strings.Repeat("A preamble the replicas have placed before. ", 30)
-
-// placementStore is a shared state on the server at addr, under a key prefix of the cell's
-// own, its goroutine running until the test ends.
-func placementStore(t *testing.T, addr, cell string) *sharedstate.Store {
-	t.Helper()
-	budget := sharedstate.MaxTimeout
-	prefix := fmt.Sprintf("cell-%x:", xxhash.Sum64String(cell))
-	st, err := sharedstate.New(sharedstate.Config{Redis: sharedstate.RedisConfig{Addr: addr, Timeout: &budget, KeyPrefix: prefix}},
-		zaptest.NewLogger(t), prometheus.NewRegistry())
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		st.Run(ctx)
-	}()
-	t.Cleanup(func() { cancel(); <-done; st.Close() })
-	return st
-}
 
 // placeOn writes, as another replica's picks would have, that the placed prompt's heads went
 // to the engine given for each role, and waits until they read back.

@@ -23,18 +23,19 @@ import (
 // Store (running until the test ends) and harness.
 func sharedReplica(t *testing.T, addr string, cfg Config, d *fakeEngine) (*harness, *prometheus.Registry) {
 	t.Helper()
-	st, reg := sharedStore(t, addr)
+	st, reg := sharedStore(t, addr, "")
 	return replicaOn(t, st, cfg, d), reg
 }
 
-// sharedStore is a Store on the Redis at addr, running until the test ends, and its registry.
-func sharedStore(t *testing.T, addr string) (*sharedstate.Store, *prometheus.Registry) {
+// sharedStore is a Store on the Redis at addr, running until the test ends, and its registry;
+// its keys start with prefix ("" for the default).
+func sharedStore(t *testing.T, addr, prefix string) (*sharedstate.Store, *prometheus.Registry) {
 	t.Helper()
 	// The most the config allows: these tests are about what the replicas share, and a
 	// loaded machine should not make a check miss its budget.
 	budget := sharedstate.MaxTimeout
 	storeReg := prometheus.NewRegistry()
-	st, err := sharedstate.New(sharedstate.Config{Redis: sharedstate.RedisConfig{Addr: addr, Timeout: &budget}}, zaptest.NewLogger(t), storeReg)
+	st, err := sharedstate.New(sharedstate.Config{Redis: sharedstate.RedisConfig{Addr: addr, Timeout: &budget, KeyPrefix: prefix}}, zaptest.NewLogger(t), storeReg)
 	if err != nil {
 		t.Fatalf("sharedstate.New: %v", err)
 	}
@@ -156,7 +157,7 @@ func TestWithRedisStoppedEachReplicaServesOnItsOwnLimits(t *testing.T) {
 	srv := redistest.Start(t)
 	d := newEngine(t, vllmDecode)
 	cfg := Config{Limits: LimitsConfig{PerKey: KeyLimits{RequestsPerSecond: 0.02, Burst: 3}}}
-	st, aReg := sharedStore(t, srv.Addr())
+	st, aReg := sharedStore(t, srv.Addr(), "")
 	aState := &checkedState{SharedState: st}
 	a := replicaOn(t, aState, cfg, d)
 	b, _ := sharedReplica(t, srv.Addr(), cfg, d)
