@@ -53,11 +53,7 @@ type CacheAware struct {
 	cm *costmodel.Model
 
 	// index is the precise view; nil for cache_aware.
-	index *kvcache.Index
-	// bySent spreads cache_aware's ties by the uncached tokens this replica sent each engine
-	// lately: set where the replicas share placements (routerconfig.Config.SharedPlacements),
-	// which keep them together where a spread each its own way would part them.
-	bySent     bool
+	index      *kvcache.Index
 	staleAfter time.Duration
 	// now is the clock staleness is judged by; nil means time.Now.
 	now func() time.Time
@@ -218,8 +214,9 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 // storedLately is the blocks b computed lately, as its KV events tell, or as this replica's
 // picks sent it, whichever is more: an engine's events come a moment after its prefill ends,
 // and a group placed just before must count at once. For cache_aware, which reads no events,
-// it is the uncached tokens this replica sent b lately, where it spreads by them (bySent). ok is false when its events are not
-// known to be read (neither dialed nor ever heard from, though this replica sent it work):
+// it is the uncached tokens this replica sent b lately, ok where its model spreads (where the
+// replicas share placements: routerconfig.Config.SharedPlacements). ok is false when its
+// events are not known to be read (neither dialed nor ever heard from, though this replica sent it work):
 // ties are then not spread by what the engines computed, as a count for some engines only
 // would send all new work to one whose events never arrive. An engine whose events are read
 // and that published nothing computed nothing; so did one nobody heard from and this replica
@@ -227,7 +224,7 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 // kv_events.listen.
 func (p *CacheAware) storedLately(b *Backend, now time.Time) (blocks float64, ok bool) {
 	if p.index == nil {
-		return b.st.cost.sent.Value(now), p.bySent
+		return b.st.cost.sent.Value(now), p.cm.Spread()
 	}
 	e := b.kvEngineIn(p.index)
 	if !b.eventsDialed() && e.LastEvent().IsZero() && b.st.started.Load() > 0 {

@@ -75,7 +75,8 @@ func newCacheAware(b policyBuild, index *kvcache.Index) *CacheAware {
 		p.tierTokens = b.tierTokens()
 	}
 	if index == nil && b.sharedPlacements {
-		p.bySent = true
+		// The placements keep a group where it first went on every replica: cache_aware may
+		// spread its ties by what this replica sent each engine lately.
 		p.cm = newCostModel(p.cfg, true)
 	}
 	return p
