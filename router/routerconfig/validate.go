@@ -18,72 +18,36 @@ func (c *Config) setDefaults() {
 		b := &c.Backends[i]
 		if e, ok := EngineOf(c.Engines, b.Engine); ok {
 			b.Engine = e.Kind()
-			if b.KVHoldTimeout == 0 {
-				b.KVHoldTimeout = e.KVHoldTimeout()
-			}
+			orDefault(&b.KVHoldTimeout, e.KVHoldTimeout())
 		}
-		if b.Weight == 0 {
-			b.Weight = DefaultWeight
-		}
-		if b.MaxInflight == 0 {
-			b.MaxInflight = DefaultMaxInflight
-		}
+		orDefault(&b.Weight, DefaultWeight)
+		orDefault(&b.MaxInflight, DefaultMaxInflight)
 	}
 	c.deriveNames()
-	if c.EngineClient == "" {
-		c.EngineClient = DefaultEngineClient
-	}
-	if c.PrefillPolicy == "" {
-		c.PrefillPolicy = DefaultPolicy
-	}
-	if c.DecodePolicy == "" {
-		c.DecodePolicy = DefaultPolicy
-	}
-	if c.PrefixTokens == 0 {
-		c.PrefixTokens = DefaultPrefixTokens
-	}
-	if c.BoundedLoadFactor == 0 {
-		c.BoundedLoadFactor = DefaultBoundedLoadFactor
-	}
+	orDefault(&c.EngineClient, DefaultEngineClient)
+	orDefault(&c.PrefillPolicy, DefaultPolicy)
+	orDefault(&c.DecodePolicy, DefaultPolicy)
+	orDefault(&c.PrefixTokens, DefaultPrefixTokens)
+	orDefault(&c.BoundedLoadFactor, DefaultBoundedLoadFactor)
 	h := &c.Health
-	if h.Interval == 0 {
-		h.Interval = DefaultHealthInterval
-	}
-	if h.Timeout == 0 {
-		h.Timeout = DefaultHealthTimeout
-	}
-	if h.UnhealthyThreshold == 0 {
-		h.UnhealthyThreshold = DefaultUnhealthyThreshold
-	}
-	if h.HealthyThreshold == 0 {
-		h.HealthyThreshold = DefaultHealthyThreshold
-	}
-	if h.Path == "" {
-		h.Path = DefaultHealthPath
-	}
+	orDefault(&h.Interval, DefaultHealthInterval)
+	orDefault(&h.Timeout, DefaultHealthTimeout)
+	orDefault(&h.UnhealthyThreshold, DefaultUnhealthyThreshold)
+	orDefault(&h.HealthyThreshold, DefaultHealthyThreshold)
+	orDefault(&h.Path, DefaultHealthPath)
 	e := &c.Ejection
-	if e.ConsecutiveFailures == 0 {
-		e.ConsecutiveFailures = DefaultConsecutiveFailures
-	}
+	orDefault(&e.ConsecutiveFailures, DefaultConsecutiveFailures)
 	if e.BaseBackoff == 0 {
 		e.BaseBackoff = DefaultBaseBackoff
 		if h.Interval > 0 {
 			e.BaseBackoff = h.Interval
 		}
 	}
-	if e.MaxBackoff == 0 {
-		e.MaxBackoff = max(DefaultMaxBackoff, e.BaseBackoff)
-	}
-	if c.Queue.Size == 0 {
-		c.Queue.Size = DefaultQueueSize
-	}
-	if c.Queue.Timeout == 0 {
-		c.Queue.Timeout = DefaultQueueTimeout
-	}
+	orDefault(&e.MaxBackoff, max(DefaultMaxBackoff, e.BaseBackoff))
+	orDefault(&c.Queue.Size, DefaultQueueSize)
+	orDefault(&c.Queue.Timeout, DefaultQueueTimeout)
 	c.setDiscoveryDefaults()
-	if c.ScrapeInterval == 0 {
-		c.ScrapeInterval = DefaultScrapeInterval
-	}
+	orDefault(&c.ScrapeInterval, DefaultScrapeInterval)
 	c.setCacheDefaults()
 	if _, wants := c.policyWith(wantsTokens); c.Tokenizer == "" && wants {
 		c.Tokenizer = TokenizerEngine
@@ -92,51 +56,32 @@ func (c *Config) setDefaults() {
 
 // WithDefaults is c with its zero fields' defaults.
 func (c CacheAwareConfig) WithDefaults() CacheAwareConfig {
-	ca := &c
-	if ca.PrefillTokensPerSecond == 0 {
-		ca.PrefillTokensPerSecond = DefaultPrefillTokensPerSecond
-	}
-	if ca.PrefillOverhead == 0 {
-		ca.PrefillOverhead = DefaultPrefillOverhead
-	}
-	if ca.DecodeCostTokens == 0 {
-		ca.DecodeCostTokens = DefaultDecodeCostTokens
-	}
-	if ca.TreeTTL == 0 {
-		ca.TreeTTL = DefaultTreeTTL
-	}
-	if ca.BalanceAbsThreshold == 0 {
-		ca.BalanceAbsThreshold = DefaultBalanceAbsThreshold
-	}
-	if ca.BalanceRelThreshold == 0 {
-		ca.BalanceRelThreshold = DefaultBalanceRelThreshold
-	}
-	if ca.MaxTreeBytes == 0 {
-		ca.MaxTreeBytes = kvcache.DefaultMaxTreeBytes
-	}
+	orDefault(&c.PrefillTokensPerSecond, DefaultPrefillTokensPerSecond)
+	orDefault(&c.PrefillOverhead, DefaultPrefillOverhead)
+	orDefault(&c.DecodeCostTokens, DefaultDecodeCostTokens)
+	orDefault(&c.TreeTTL, DefaultTreeTTL)
+	orDefault(&c.BalanceAbsThreshold, DefaultBalanceAbsThreshold)
+	orDefault(&c.BalanceRelThreshold, DefaultBalanceRelThreshold)
+	orDefault(&c.MaxTreeBytes, kvcache.DefaultMaxTreeBytes)
 	return c
 }
 
 func (c *Config) setCacheDefaults() {
 	c.CacheAware = c.CacheAware.WithDefaults()
 	kv := &c.KVEvents
-	if kv.StaleAfter == 0 {
-		kv.StaleAfter = DefaultKVEventsStaleAfter
-	}
-	if kv.ReplayTimeout == 0 {
-		kv.ReplayTimeout = kvcache.DefaultReplayTimeout
-	}
-	if kv.MaxBlocksPerBackend == 0 {
-		kv.MaxBlocksPerBackend = kvcache.DefaultMaxBlocks
-	}
-	if c.TokenizeTimeout == 0 {
-		c.TokenizeTimeout = DefaultTokenizeTimeout
-	}
-	if c.TokenizeMaxTokens == 0 {
-		c.TokenizeMaxTokens = DefaultTokenizeMaxTokens
-	}
-	if c.BlockSize == 0 {
-		c.BlockSize = DefaultBlockSize
+	orDefault(&kv.StaleAfter, DefaultKVEventsStaleAfter)
+	orDefault(&kv.ReplayTimeout, kvcache.DefaultReplayTimeout)
+	orDefault(&kv.MaxBlocksPerBackend, kvcache.DefaultMaxBlocks)
+	orDefault(&c.TokenizeTimeout, DefaultTokenizeTimeout)
+	orDefault(&c.TokenizeMaxTokens, DefaultTokenizeMaxTokens)
+	orDefault(&c.BlockSize, DefaultBlockSize)
+}
+
+// orDefault sets *v to d when it is the zero value: a key left out takes its default.
+func orDefault[T comparable](v *T, d T) {
+	var zero T
+	if *v == zero {
+		*v = d
 	}
 }
 
