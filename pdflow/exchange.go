@@ -54,9 +54,10 @@ type Exchange struct {
 	Times timings
 	// Sess is the session the request named (session_affinity); its zero value is none.
 	Sess session
-	// heads are where the replicas placed the heads of the request's text, for the prefill
-	// and the decode pools (SharePlacements).
-	heads [2]heads
+	// heads are where the replicas placed the heads of the request's text, in the prefill
+	// and the decode pools (SharePlacements), read once (headsRead).
+	heads     [2]heads
+	headsRead bool
 }
 
 // naming is what the request's model is called: by the client, in its metrics, and how the

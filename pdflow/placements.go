@@ -6,82 +6,95 @@ import (
 
 	"github.com/pdproxy/pdproxy/router"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
+	"github.com/pdproxy/pdproxy/sharedstate"
 )
 
 // Placements is where the replicas tell each other which engine the heads of prompts went to
-// (sharedstate.Store): read before a pick of a pool that sees the caches by the text routed,
-// written after it.
+// (sharedstate.Store): read before a request's first pick, for both pools at once, where a
+// pool sees the caches by the text routed; written after each pick.
 type Placements interface {
-	// Placements answers the engine each of keys was last placed on for role, "" for none,
-	// within the shared state's budget.
-	Placements(ctx context.Context, role string, keys []string) ([]string, error)
-	// Place records, off the request path, that the head key of role went to engine for ttl.
-	Place(role, key, engine string, ttl time.Duration)
+	// Placements answers the engine each of heads was last placed on, "" for none, in one
+	// round trip within the shared state's budget.
+	Placements(ctx context.Context, heads []sharedstate.Head) ([]string, error)
+	// Place records, off the request path, that head went to engine for ttl.
+	Place(head sharedstate.Head, engine string, ttl time.Duration)
 }
 
 // SharePlacements makes the flow read and write, through p, where the heads of prompts went,
 // for the pools whose policy weighs them (router.Router.Heads).
 func (f *Flow) SharePlacements(p Placements) { f.placements = p }
 
-// heads is what a request knows of where its text's heads went, for one role: read once,
-// at its first pick of the role.
+// placedRoles are the pools whose placements a request reads, in the order of its heads.
+var placedRoles = [2]routerconfig.Role{routerconfig.RolePrefill, routerconfig.RoleDecode}
+
+// heads is what a request knows of where its text's heads went in one pool.
 type heads struct {
-	read   bool
 	heads  []router.Head
 	ttl    time.Duration
 	placed []router.Placement
 }
 
-// placed is where the replicas placed the heads of h's text for role, read from the shared
-// state at the request's first pick of the role. A read that fails (counted there) leaves the
-// pick to what this replica routed.
+// placed is where the replicas placed the heads of the request's text in role's pool, read
+// from the shared state, for both pools in one round trip, at the request's first pick; h is
+// that pick's hint. A read that fails (counted there) leaves the picks to what this replica
+// routed.
 func (x *Exchange) placed(role routerconfig.Role, h router.Hint) []router.Placement {
-	hs := x.headsOf(role)
-	if hs == nil {
-		return nil
-	}
-	if hs.read {
-		return hs.placed
-	}
-	hs.read = true
-	hs.heads, hs.ttl = x.s.router.Heads(role, h)
-	if len(hs.heads) == 0 {
-		return nil
-	}
-	keys := make([]string, len(hs.heads))
-	for i, hd := range hs.heads {
-		keys[i] = hd.Key
-	}
-	engines, err := x.s.placements.Placements(x.Ctx, string(role), keys)
-	if err != nil {
-		return nil
-	}
-	for i, e := range engines {
-		if e != "" && i < len(hs.heads) {
-			hs.placed = append(hs.placed, router.Placement{Engine: e, Bytes: hs.heads[i].Bytes})
-		}
-	}
-	return hs.placed
-}
-
-// place tells the other replicas where the request's heads went for role: to b.
-func (x *Exchange) place(role routerconfig.Role, b *router.Backend) {
-	hs := x.headsOf(role)
-	if hs == nil || b == nil {
-		return
-	}
-	for _, hd := range hs.heads {
-		x.s.placements.Place(string(role), hd.Key, b.Name, hs.ttl)
-	}
-}
-
-// headsOf is the request's heads for role; nil when the flow shares no placements.
-func (x *Exchange) headsOf(role routerconfig.Role) *heads {
 	if x.s.placements == nil {
 		return nil
 	}
-	if role == routerconfig.RolePrefill {
-		return &x.heads[0]
+	if !x.headsRead {
+		x.headsRead = true
+		x.readPlacements(h)
 	}
-	return &x.heads[1]
+	return x.heads[roleIndex(role)].placed
+}
+
+// readPlacements reads where the replicas placed the heads of the request's text in each
+// pool: h's model and cache identity are the request's, whichever pool its pick was for.
+func (x *Exchange) readPlacements(h router.Hint) {
+	var want []sharedstate.Head
+	for i, role := range placedRoles {
+		h.Text = x.HintText(role)
+		hs := &x.heads[i]
+		hs.heads, hs.ttl = x.s.router.Heads(role, h)
+		for _, hd := range hs.heads {
+			want = append(want, sharedstate.Head{Role: string(role), Key: hd.Key})
+		}
+	}
+	if len(want) == 0 {
+		return
+	}
+	engines, err := x.s.placements.Placements(x.Ctx, want)
+	if err != nil {
+		return
+	}
+	k := 0
+	for i := range x.heads {
+		hs := &x.heads[i]
+		for _, hd := range hs.heads {
+			if k < len(engines) && engines[k] != "" {
+				hs.placed = append(hs.placed, router.Placement{Engine: engines[k], Bytes: hd.Bytes})
+			}
+			k++
+		}
+	}
+}
+
+// place tells the other replicas where the request's heads went in role's pool: to b.
+func (x *Exchange) place(role routerconfig.Role, b *router.Backend) {
+	if x.s.placements == nil || b == nil {
+		return
+	}
+	hs := &x.heads[roleIndex(role)]
+	for _, hd := range hs.heads {
+		x.s.placements.Place(sharedstate.Head{Role: string(role), Key: hd.Key}, b.Name, hs.ttl)
+	}
+}
+
+// roleIndex is role's place in placedRoles.
+func roleIndex(role routerconfig.Role) int {
+	if role == routerconfig.RolePrefill {
+		return 0
+	}
+	return 1
 }

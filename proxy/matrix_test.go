@@ -587,13 +587,13 @@ func placeOn(t *testing.T, h *harness, st *sharedstate.Store, on map[routerconfi
 		if len(heads) == 0 {
 			t.Fatalf("the placed prompt has no heads for the %s pool", role)
 		}
-		keys := make([]string, len(heads))
+		keys := make([]sharedstate.Head, len(heads))
 		for i, hd := range heads {
-			keys[i] = hd.Key
-			st.Place(string(role), hd.Key, engine, ttl)
+			keys[i] = sharedstate.Head{Role: string(role), Key: hd.Key}
+			st.Place(keys[i], engine, ttl)
 		}
 		eventually(t, "the placements of the "+string(role)+" pool in the shared state", func() bool {
-			got, err := st.Placements(context.Background(), string(role), keys)
+			got, err := st.Placements(context.Background(), keys)
 			return err == nil && len(got) == len(keys) && !slices.ContainsFunc(got, func(e string) bool { return e != engine })
 		})
 	}
