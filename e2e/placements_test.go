@@ -15,10 +15,21 @@ import (
 // With shared_state, replicas of cache_aware tell each other where the heads of prompts went:
 // every later request of a prompt group reaches the prefiller and the decoder its first
 // request went to, through whichever replica, though the others never routed its text; and
-// the groups spread over the engines.
+// the groups spread over the engines. Replicas of precise_cache_aware tell each other too,
+// for the moment before the engines' KV events tell every replica (2 s); after it the
+// events keep the group together.
 func TestCacheAwareReplicasSendAPromptGroupWhereItFirstWent(t *testing.T) {
+	for _, tc := range []struct {
+		policy string
+		ttl    time.Duration
+	}{{routerconfig.PolicyCacheAware, routerconfig.DefaultTreeTTL}, {routerconfig.PolicyPreciseCacheAware, 2 * time.Second}} {
+		t.Run(tc.policy, func(t *testing.T) { replicasSendAPromptGroupWhereItFirstWent(t, tc.policy, tc.ttl) })
+	}
+}
+
+func replicasSendAPromptGroupWhereItFirstWent(t *testing.T, policy string, ttl time.Duration) {
 	srv := redistest.Start(t)
-	f := startFleet(t, 3, srv.Addr(), routerconfig.PolicyCacheAware, nil)
+	f := startFleet(t, 3, srv.Addr(), policy, nil)
 	// 6 KB: two heads, of 1 and 4 KiB, so that what a head saves outweighs the load a scrape
 	// a moment old still shows for the group's previous request.
 	preamble := strings.Repeat("You are the group's assistant; answer in one line. ", 120)
@@ -32,11 +43,25 @@ func TestCacheAwareReplicasSendAPromptGroupWhereItFirstWent(t *testing.T) {
 	for g := range first {
 		first[g].p, first[g].d = f.send(t, 0, body(g, 0))
 		decoders[first[g].d]++
+		if g == 0 {
+			// A placement is kept for as long as the policy counts it, and no longer.
+			var left int64
+			testutil.Eventually(t, testutil.Timeout, func() bool {
+				reply, _ := srv.Do("EVAL", "local k = redis.call('RANDOMKEY') if not k then return -3 end return redis.call('PTTL', k)", "0")
+				left = ms(reply)
+				return left > 0
+			}, "the first group's placements in the shared state")
+			if left > ttl.Milliseconds() {
+				t.Errorf("a placement expires in %d ms; want within %v", left, ttl)
+			}
+		}
 	}
-	testutil.Eventually(t, testutil.Timeout, func() bool {
-		n, _ := srv.Do("DBSIZE")
-		return n == fmt.Sprintf(":%d", 4*len(first)) // each group's two heads, for each role
-	}, "the groups' placements in the shared state")
+	if policy == routerconfig.PolicyCacheAware { // precise_cache_aware's may have expired by now
+		testutil.Eventually(t, testutil.Timeout, func() bool {
+			n, _ := srv.Do("DBSIZE")
+			return n == fmt.Sprintf(":%d", 4*len(first)) // each group's two heads, for each role
+		}, "the groups' placements in the shared state")
+	}
 	f.settled(t)
 	for g := len(first) - 1; g >= 0; g-- {
 		for u := 1; u < 4; u++ {
@@ -139,4 +164,10 @@ func TestCacheAwareReplicasServeWithoutTheirPlacementsWhileRedisIsDown(t *testin
 		}
 		f.settled(t)
 	}
+}
+
+// ms is the number in a Redis integer reply (":123").
+func ms(reply string) int64 {
+	n, _ := strconv.ParseInt(strings.TrimPrefix(reply, ":"), 10, 64)
+	return n
 }

@@ -34,7 +34,8 @@ func startSessionFleet(t *testing.T, replicas int, redisAddr string) *sessionFle
 }
 
 // startFleet starts 2 prefillers, 3 decoders and replicas proxies on policy, with session
-// affinity on the headers given (none: off) and, with redisAddr, a shared state.
+// affinity on the headers given (none: off) and, with redisAddr, a shared state. Where the
+// policy reads KV events, every engine publishes them and every replica dials them.
 func startFleet(t *testing.T, replicas int, redisAddr, policy string, sessionHeaders []string) *sessionFleet {
 	t.Helper()
 	base := sim.DefaultConfig()
@@ -42,11 +43,17 @@ func startFleet(t *testing.T, replicas int, redisAddr, policy string, sessionHea
 	logger := zaptest.NewLogger(t, zaptest.Level(zap.ErrorLevel))
 	f := &sessionFleet{}
 	var backends []routerconfig.BackendConfig
+	caps, _ := routerconfig.CapsOf(policy)
 	for i := range 5 {
 		c := base
 		c.Role = "prefill"
 		if i >= 2 {
 			c.Role = "decode"
+		}
+		events := ""
+		if caps.NeedsKVEvents {
+			port := freePort(t)
+			c.KVEventsEndpoint, events = fmt.Sprintf("tcp://*:%d", port), fmt.Sprintf("tcp://127.0.0.1:%d", port)
 		}
 		s, err := sim.Listen(c, "127.0.0.1:0", logger)
 		if err != nil {
@@ -55,10 +62,10 @@ func startFleet(t *testing.T, replicas int, redisAddr, policy string, sessionHea
 		t.Cleanup(func() { s.Close() })
 		if i < 2 {
 			f.prefillers = append(f.prefillers, s)
-			backends = append(backends, routerconfig.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: s.URL(), Role: routerconfig.RolePrefill, Engine: "vllm"})
+			backends = append(backends, routerconfig.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: s.URL(), Role: routerconfig.RolePrefill, Engine: "vllm", KVEventsEndpoint: events})
 		} else {
 			f.decoders = append(f.decoders, s)
-			backends = append(backends, routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i-2), URL: s.URL(), Role: routerconfig.RoleDecode, Engine: "vllm"})
+			backends = append(backends, routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i-2), URL: s.URL(), Role: routerconfig.RoleDecode, Engine: "vllm", KVEventsEndpoint: events})
 		}
 	}
 	budget := sharedstate.MaxTimeout

@@ -313,6 +313,13 @@ func pendingFrom(e *kvcache.Engine, last time.Time) time.Time {
 	return last.Add(-pendingGrace)
 }
 
+// creditsPlacements says whether b is credited with the heads the replicas' placements name
+// it for (Hint.Placed): as routed text counts, never for a hybrid model's engine whose
+// events are read (pendingFrom).
+func (p *CacheAware) creditsPlacements(b *Backend) bool {
+	return p.index == nil || !b.kvEngineIn(p.index).Hybrid()
+}
+
 // score appends each candidate's predicted share of h's prompt to out: for an engine whose
 // KV events are fresh, the larger of the share of h.Tokens they say it holds, each block
 // weighed by its tier (View.Weighted: a prompt on CPU scores below the same prompt on GPU

@@ -10,12 +10,14 @@ import (
 )
 
 // Replicas of cache_aware each see only the text they routed: a prompt group one replica sent
-// to an engine looks new to the next, which would place it anew, elsewhere. With shared state
+// to an engine looks new to the next, which would place it anew, elsewhere; under
+// precise_cache_aware so does one the engine has not yet told of by its KV events, a moment
+// after its prefill ends. With shared state
 // they tell each other where the heads of prompts went: the proxy reads, before a pick, which
 // engine each head of the request's text was last sent to by any replica (Router.Heads, then
 // Hint.Placed), and writes after it where they went now. An engine named for a head is
-// credited with holding that head, as the tree credits what this replica routed, within
-// tree_ttl; the cost decides as for any share. The heads are the text's first 4 ×
+// credited with holding that head, as the tree credits what this replica routed, for as long
+// as routed text counts (Heads); the cost decides as for any share. The heads are the text's first 4 ×
 // prefix_tokens bytes (the placement key's), and 4 and 16 times that, as far as the text goes:
 // a group's shared preamble, and a conversation's earlier turns, each count for what they are.
 
@@ -41,8 +43,11 @@ type Placement struct {
 }
 
 // Heads are the heads of h's text whose placements role's pool weighs (Hint.Placed), longest
-// last, and how long a placement counts (tree_ttl): none unless the pool's policy sees the
-// caches by the text routed (cache_aware), or for a text shorter than its first head.
+// last, and how long a placement counts: none unless the pool's policy weighs the text routed
+// (the cache-aware ones), or for a text shorter than its first head. Under cache_aware a
+// placement counts for tree_ttl, as the text a replica routed does; under
+// precise_cache_aware for pendingGrace, as routed text counts beside the engines' KV events,
+// which tell every replica the rest.
 func (r *Router) Heads(role routerconfig.Role, h Hint) ([]Head, time.Duration) {
 	p := r.pool(role)
 	if p == nil {
@@ -54,6 +59,9 @@ func (r *Router) Heads(role routerconfig.Role, h Hint) ([]Head, time.Duration) {
 	ca, ok := policy.(*CacheAware)
 	if !ok || !caps.SharesPlacements {
 		return nil, 0
+	}
+	if ca.index != nil {
+		return ca.heads(h), pendingGrace
 	}
 	return ca.heads(h), ca.cfg.TreeTTL
 }

@@ -4,7 +4,9 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/pdproxy/pdproxy/kvcache"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
@@ -95,18 +97,29 @@ func TestAReplicaSendsAGroupWhereTheSharedPlacementsSayItWent(t *testing.T) {
 	}
 }
 
-// Only a pool that sees the caches by the text it routed (cache_aware) shares placements. A
-// head's key is the text's first bytes under the request's model and cache identity, so that
-// a prompt cached for one model or salt is never credited for another.
-func TestHeadsAreCacheAwaresAndKeyedByModelAndIdentity(t *testing.T) {
-	for _, policy := range []string{routerconfig.PolicyPreciseCacheAware, routerconfig.PolicyLeastInflight, routerconfig.PolicyPrefixAffinity} {
-		cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 0), DecodePolicy: policy}
-		if policy == routerconfig.PolicyPreciseCacheAware {
+// Only a pool that weighs the text it routed (the cache-aware policies) shares placements:
+// under cache_aware for tree_ttl, under precise_cache_aware until the engines' events would
+// tell (pendingGrace). A head's key is the text's first bytes under the request's model and
+// cache identity, so that a prompt cached for one model or salt is never credited for
+// another.
+func TestHeadsAreTheCacheAwarePoliciesAndKeyedByModelAndIdentity(t *testing.T) {
+	for _, tc := range []struct {
+		policy string
+		heads  int
+		ttl    time.Duration
+	}{
+		{routerconfig.PolicyCacheAware, 2, routerconfig.DefaultTreeTTL},
+		{routerconfig.PolicyPreciseCacheAware, 2, pendingGrace},
+		{routerconfig.PolicyLeastInflight, 0, 0},
+		{routerconfig.PolicyPrefixAffinity, 0, 0},
+	} {
+		cfg := routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 2, 0), DecodePolicy: tc.policy}
+		if tc.policy == routerconfig.PolicyPreciseCacheAware {
 			cfg.KVEvents.Listen = "tcp://127.0.0.1:0"
 		}
 		r, _, _ := newTestRouter(t, cfg)
-		if heads, _ := r.Heads(routerconfig.RoleDecode, Hint{Text: groupTurn(0, 0)}); heads != nil {
-			t.Errorf("%s: heads %v, want none", policy, heads)
+		if heads, ttl := r.Heads(routerconfig.RoleDecode, Hint{Text: groupTurn(0, 0)}); len(heads) != tc.heads || ttl != tc.ttl {
+			t.Errorf("%s: heads %v for %v, want %d for %v", tc.policy, heads, ttl, tc.heads, tc.ttl)
 		}
 	}
 	r := cacheAwareReplica(t, true)
@@ -149,5 +162,94 @@ func TestAPlacementCreditsItsEngineWithItsHead(t *testing.T) {
 		if got := placedShare(h, tc.engine); got != tc.want {
 			t.Errorf("placedShare(%s) = %v, want %v", tc.engine, got, tc.want)
 		}
+	}
+}
+
+// Under precise_cache_aware an engine tells every replica what it computed by its KV events,
+// a moment after the prefill ends. Until then a group one replica placed looks new to the
+// next, which spreads it by what it sent each engine itself, elsewhere. With the placements
+// A's picks left in shared state, B sends each group's next request where A sent it before
+// any event came; an engine's events, once read, speak for themselves.
+func TestAPreciseReplicaSendsAGroupWhereThePlacementsSayBeforeItsEventsCome(t *testing.T) {
+	t0 := time.Unix(1_700_000_000, 0)
+	index := kvcache.NewIndex(0, kvBlock)
+	now := t0
+	for _, b := range testBackends(0, 0, 0, 0) {
+		index.Touch(b.Name, now) // every publisher alive, none holding anything
+	}
+	// A replica is its policy and its own backends (what it sent each), over the one index
+	// every replica reads.
+	replica := func() (*CacheAware, []*Backend) {
+		p := NewCacheAware(routerconfig.CacheAwareConfig{}, index, time.Hour)
+		p.now = func() time.Time { return now }
+		return p, testBackends(0, 0, 0, 0)
+	}
+	a, aBackends := replica()
+	went := make([]string, 12)
+	for g := range went {
+		now = now.Add(50 * time.Millisecond)
+		text, tokens := groupPrompt(g)
+		b, cost := a.SelectCost(aBackends, Hint{Text: text, Tokens: tokens})
+		book(a.cm, b, cost, now).settle(nil, b, now, false)
+		went[g] = b.Name
+	}
+	b, bBackends := replica()
+	alone, aloneBackends := replica()
+	moved, movedAlone := 0, 0
+	for g := len(went) - 1; g >= 0; g-- {
+		now = now.Add(50 * time.Millisecond)
+		text, tokens := groupPrompt(g)
+		h := Hint{Text: text, Tokens: tokens}
+		if alone.Select(aloneBackends, h).Name != went[g] {
+			movedAlone++
+		}
+		for _, hd := range a.heads(h) {
+			h.Placed = append(h.Placed, Placement{Engine: went[g], Bytes: hd.Bytes})
+		}
+		if b.Select(bBackends, h).Name != went[g] {
+			moved++
+		}
+	}
+	if moved != 0 {
+		t.Errorf("with the placements, %d of 12 groups went elsewhere than where replica A sent them", moved)
+	}
+	if movedAlone == 0 {
+		t.Errorf("without the placements every group went where replica A sent it: the test shows nothing")
+	}
+	// The events came: the engine A placed a group on holds it, and a replica that routed
+	// none of it finds it there without a placement.
+	for g, e := range went {
+		_, tokens := groupPrompt(g)
+		storeOn(index, e, uint64(g+1), tokens, 64, now)
+	}
+	now = now.Add(time.Second)
+	c, cBackends := replica()
+	for g := range went {
+		text, tokens := groupPrompt(g)
+		if got := c.Select(cBackends, Hint{Text: text, Tokens: tokens}).Name; got != went[g] {
+			t.Errorf("group %d, its events read, went to %s, not %s which holds it", g, got, went[g])
+		}
+	}
+}
+
+// A placement never credits a hybrid model's engine under precise_cache_aware: what it
+// reuses of a text depends on where a prompt ends, which only its events can say.
+func TestAPlacementDoesNotCreditAHybridEngine(t *testing.T) {
+	index := kvcache.NewIndex(0, kvBlock)
+	bs := testBackends(0, 0)
+	p := NewCacheAware(routerconfig.CacheAwareConfig{}, index, time.Hour)
+	if !p.creditsPlacements(bs[0]) {
+		t.Fatalf("a plain engine is not credited with its placements")
+	}
+	index.Apply(bs[0].Name, &kvcache.Event{Kind: kvcache.BlockStored, Hashes: hashesOf(1, 1), Tokens: promptTokens(0, kvBlock),
+		BlockSize: kvBlock, Group: 1, Attention: kvcache.AttentionSlidingWindow, Window: 4 * kvBlock})
+	if !index.Engine(bs[0].Name).Hybrid() {
+		t.Fatalf("an engine publishing a sliding-window group is not taken as hybrid")
+	}
+	if p.creditsPlacements(bs[0]) {
+		t.Errorf("a hybrid engine is credited with a placement")
+	}
+	if !NewCacheAware(routerconfig.CacheAwareConfig{}, nil, time.Hour).creditsPlacements(bs[0]) {
+		t.Errorf("under cache_aware, which reads no events, a placement credits no engine")
 	}
 }

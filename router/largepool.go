@@ -237,7 +237,7 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		s.tree = max(s.tree, float64(m.depth)/float64(len(h.Text)))
 	}
 	for _, pl := range h.Placed {
-		if i, ok := v.names.At(pl.Engine); ok {
+		if i, ok := v.names.At(pl.Engine); ok && p.creditsPlacements(cands[i]) {
 			s := share(i)
 			s.tree = max(s.tree, placedShare(h, pl.Engine))
 		}

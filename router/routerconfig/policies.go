@@ -28,8 +28,9 @@ type PolicyCaps struct {
 	// ByCost: it places by the predicted cost of the prefill, so its pool has a predicted
 	// time to first token.
 	ByCost bool
-	// SharesPlacements: it sees the caches by the text each replica routed, so that replicas
-	// sharing state tell each other where the heads of prompts went.
+	// SharesPlacements: it weighs the text each replica routed (cache_aware alone, and
+	// precise_cache_aware until the engines' KV events tell), so that replicas sharing state
+	// tell each other where the heads of prompts went.
 	SharesPlacements bool
 }
 
@@ -46,7 +47,7 @@ var Policies = []struct {
 	{Name: PolicyPrefixAffinity},
 	{Name: PolicyLeastLoaded, Caps: PolicyCaps{ScrapesLoad: true}},
 	{Name: PolicyCacheAware, Caps: PolicyCaps{ScrapesLoad: true, ByCost: true, SharesPlacements: true}},
-	{Name: PolicyPreciseCacheAware, Caps: PolicyCaps{WantsTokens: true, NeedsKVEvents: true, ScrapesLoad: true, ByCost: true}},
+	{Name: PolicyPreciseCacheAware, Caps: PolicyCaps{WantsTokens: true, NeedsKVEvents: true, ScrapesLoad: true, ByCost: true, SharesPlacements: true}},
 }
 
 // CapsOf is what the policy called name needs; ok is false for a name config may not use.

@@ -405,7 +405,7 @@ func checkConditional(p proxy.Config, r routerconfig.Config) error {
 
 // checkSharedState refuses a shared_state that cannot take effect: one that does not
 // validate, or one that nothing would use. The replicas share the per_key limits, the
-// sessions' bindings and, for a pool on cache_aware, where the heads of prompts went, so a
+// sessions' bindings and, for a pool on a cache-aware policy, where the heads of prompts went, so a
 // shared_state with none of them would be accepted and never asked.
 func checkSharedState(c Config) error {
 	if err := c.SharedState.Validate(); err != nil {
@@ -420,7 +420,7 @@ func checkSharedState(c Config) error {
 		placements = placements || caps.SharesPlacements
 	}
 	if l := c.Proxy.Limits.PerKey; l.RequestsPerSecond == 0 && l.MaxConcurrent == 0 && len(c.Proxy.SessionAffinity.Headers) == 0 && !placements {
-		return errors.New("shared_state: nothing would use it: the replicas share the limits of limits.per_key (requests_per_second, max_concurrent), the bindings of session_affinity and, for a pool on cache_aware, where the heads of prompts went, and none is set")
+		return errors.New("shared_state: nothing would use it: the replicas share the limits of limits.per_key (requests_per_second, max_concurrent), the bindings of session_affinity and, for a pool on cache_aware or precise_cache_aware, where the heads of prompts went, and none is set")
 	}
 	return nil
 }

@@ -41,9 +41,9 @@ shared_state:
 	}
 }
 
-// A pool on cache_aware uses a shared_state on its own: the replicas tell each other where
-// the heads of prompts went. One on precise_cache_aware does not (every replica reads the
-// engines' own events).
+// A pool on either cache-aware policy uses a shared_state on its own: the replicas tell each
+// other where the heads of prompts went (under precise_cache_aware, until the engines' events
+// tell). A pool on any other policy does not.
 func TestASharedStateIsUsedByACacheAwarePool(t *testing.T) {
 	for _, tt := range []struct {
 		prefill, decode string
@@ -51,7 +51,8 @@ func TestASharedStateIsUsedByACacheAwarePool(t *testing.T) {
 	}{
 		{routerconfig.PolicyCacheAware, routerconfig.PolicyLeastInflight, true},
 		{routerconfig.PolicyLeastInflight, routerconfig.PolicyCacheAware, true},
-		{routerconfig.PolicyPreciseCacheAware, routerconfig.PolicyPreciseCacheAware, false},
+		{routerconfig.PolicyPreciseCacheAware, routerconfig.PolicyPreciseCacheAware, true},
+		{routerconfig.PolicyLeastLoaded, routerconfig.PolicyPrefixAffinity, false},
 		{"", "", false},
 	} {
 		var c Config
