@@ -235,13 +235,7 @@ func TestAgentTiers(t *testing.T) {
 		if len(rs) == 0 {
 			continue
 		}
-		med := func(f func(tierRun) float64) float64 {
-			var xs []float64
-			for _, r := range rs {
-				xs = append(xs, f(r))
-			}
-			return median(xs)
-		}
+		med := func(f func(tierRun) float64) float64 { return medianOf(rs, f) }
 		fmt.Fprintf(&b, "| %s | %.0f | %.3f | %.0f | %.0f | %.2f ms | %.2f ms | %s |\n", c.label,
 			med(func(r tierRun) float64 { return float64(r.computed) }),
 			med(func(r tierRun) float64 { return ratio(r.computed, r.prompt) }),

@@ -15,8 +15,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/internal/redistest"
+	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/proxy"
+	"github.com/pdproxy/pdproxy/router"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
 	"github.com/pdproxy/pdproxy/sharedstate"
 	"github.com/pdproxy/pdproxy/sim"
@@ -91,8 +94,11 @@ func agentContenders() []agentContender {
 // agentRun is what one contender did with the workload in one round.
 type agentRun struct {
 	prompt, computed int
-	perEngine        []int
-	ttft             []time.Duration // sorted
+	// placed and moved are the sessions' picks (session header) that had no binding, and
+	// that left the engine the session was bound to.
+	placed, moved int
+	perEngine     []int
+	ttft          []time.Duration // sorted
 }
 
 // TestAgentRouting measures where each contender sends coding-agent sessions (agentWorkload:
@@ -153,30 +159,33 @@ func TestAgentRouting(t *testing.T) {
 		p.name, time.Now().UTC().Format(time.RFC3339), runtime.NumCPU(), runtime.Version(), w.sessions, p.turnsMin, w.turns, requests, p.concurrent, p.toolMin, p.toolMax,
 		p.shape.seed, p.shape.preambleTokens, p.shape.resultMin, p.shape.resultMax, p.engines, p.maxRunning, cfg.KVBlocks, blockSize,
 		100*float64(cfg.KVBlocks*p.engines)/float64(all), all, cfg.PrefillTime, cfg.PrefillPerToken, cfg.MaxNumBatchedTokens, cfg.ITL, p.rounds)
-	fmt.Fprintf(&b, "| contender | TTFT p50 | TTFT p99 | prompt tokens computed | of all prompt tokens | requests per engine max/min |\n")
-	fmt.Fprintf(&b, "|---|---|---|---|---|---|\n")
+	fmt.Fprintf(&b, "| contender | TTFT p50 | TTFT p99 (rounds' range) | prompt tokens computed (rounds' range) | of all prompt tokens | each round: requests per engine max/min, tokens computed | session picks placed/moved |\n")
+	fmt.Fprintf(&b, "|---|---|---|---|---|---|---|\n")
 	for i, c := range contenders {
 		rs := runs[i]
 		if len(rs) == 0 {
 			continue
 		}
-		med := func(f func(agentRun) float64) float64 {
-			var xs []float64
-			for _, r := range rs {
-				xs = append(xs, f(r))
-			}
-			return median(xs)
-		}
-		var spreads []string
+		med := func(f func(agentRun) float64) float64 { return medianOf(rs, f) }
+		var spreads, moves []string
 		for _, r := range rs {
-			spreads = append(spreads, fmt.Sprintf("%d/%d", slices.Max(r.perEngine), slices.Min(r.perEngine)))
+			spreads = append(spreads, fmt.Sprintf("%d/%d %.0fk", slices.Max(r.perEngine), slices.Min(r.perEngine), float64(r.computed)/1000))
+			moves = append(moves, fmt.Sprintf("%d/%d", r.placed, r.moved))
 		}
-		fmt.Fprintf(&b, "| %s | %.0f ms | %.0f ms | %.0f | %.3f | %s |\n", c.label,
+		if !c.sessions || c.policy == "" {
+			moves = nil
+		}
+		// The rounds' range beside the medians: the machine's noise and the order of the
+		// sessions move these figures a lot.
+		span := func(format string, f func(agentRun) float64) string { return spanOf(rs, format, f) }
+		p99 := func(r agentRun) float64 { return msf(q(r.ttft, 0.99)) }
+		computed := func(r agentRun) float64 { return float64(r.computed) }
+		fmt.Fprintf(&b, "| %s | %.0f ms | %.0f ms%s | %.0f%s | %.3f | %s | %s |\n", c.label,
 			med(func(r agentRun) float64 { return msf(q(r.ttft, 0.5)) }),
-			med(func(r agentRun) float64 { return msf(q(r.ttft, 0.99)) }),
-			med(func(r agentRun) float64 { return float64(r.computed) }),
+			med(p99), span("%.0f", p99),
+			med(computed), span("%.0f", computed),
 			med(func(r agentRun) float64 { return ratio(r.computed, r.prompt) }),
-			strings.Join(spreads, ", "))
+			strings.Join(spreads, ", "), strings.Join(moves, ", "))
 	}
 	t.Log("\n" + b.String())
 	if out := os.Getenv("PDPROXY_BENCH_AGENT_OUT"); out != "" {
@@ -190,6 +199,7 @@ func TestAgentRouting(t *testing.T) {
 // them, runs the sessions, and returns what the engines counted.
 func runAgentContender(t *testing.T, w *agentWorkload, turns []int, p agentRoutingParams, c agentContender, cfg sim.Config) agentRun {
 	engines := startSims(t, p.engines, cfg)
+	var mains []*app.Main
 	target := func(session int) string { // the reference: a hash of the session id
 		h := fnv.New32a()
 		fmt.Fprintf(h, "session-%d", session)
@@ -209,7 +219,9 @@ func runAgentContender(t *testing.T, w *agentWorkload, turns []int, p agentRouti
 			if redis != "" {
 				pcfg.SharedState = sharedstate.Config{Redis: sharedstate.RedisConfig{Addr: redis}}
 			}
-			urls = append(urls, startMain(t, pcfg).URL())
+			m := startMain(t, pcfg)
+			mains = append(mains, m)
+			urls = append(urls, m.URL())
 		}
 		var next atomic.Uint64
 		target = func(int) string { return urls[(next.Add(1)-1)%uint64(len(urls))] }
@@ -257,6 +269,12 @@ func runAgentContender(t *testing.T, w *agentWorkload, turns []int, p agentRouti
 	slices.Sort(ttft)
 
 	run := agentRun{ttft: ttft}
+	for _, m := range mains {
+		// How the sessions' picks went, over every replica.
+		run.moved += int(testutil.Value(t, m.Registry, "pdproxy_session_affinity_total", map[string]string{"outcome": string(router.SessionYieldedLoad)}))
+		run.moved += int(testutil.Value(t, m.Registry, "pdproxy_session_affinity_total", map[string]string{"outcome": string(router.SessionYieldedUnhealthy)}))
+		run.placed += int(testutil.Value(t, m.Registry, "pdproxy_session_affinity_total", map[string]string{"outcome": string(router.SessionPlaced)}))
+	}
 	want := 0
 	for _, n := range turns {
 		want += n

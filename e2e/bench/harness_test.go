@@ -760,6 +760,28 @@ func slowStream(ctx context.Context, c *http.Client, url string, body []byte, in
 	return resp, nil
 }
 
+// medianOf is the median over rounds of f of each.
+func medianOf[R any](rounds []R, f func(R) float64) float64 {
+	var xs []float64
+	for _, r := range rounds {
+		xs = append(xs, f(r))
+	}
+	return median(xs)
+}
+
+// spanOf is the lowest and highest over rounds of f of each, in format, bracketed, where
+// there is more than one round.
+func spanOf[R any](rounds []R, format string, f func(R) float64) string {
+	if len(rounds) < 2 {
+		return ""
+	}
+	lo, hi := f(rounds[0]), f(rounds[0])
+	for _, r := range rounds[1:] {
+		lo, hi = min(lo, f(r)), max(hi, f(r))
+	}
+	return fmt.Sprintf(" ("+format+"–"+format+")", lo, hi)
+}
+
 func median(xs []float64) float64 {
 	if len(xs) == 0 {
 		return 0

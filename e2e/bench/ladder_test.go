@@ -32,19 +32,22 @@ type ladderParams struct {
 	engines, maxRunning          int
 	prefill, perToken, itl       time.Duration
 	step, top                    int // rungs of step requests a second, up to top
-	kvShare                      float64
-	bound                        time.Duration // the TTFT p90 a rung must stay under
-	seed                         uint64
+	// batched is the engines' step budget (sim.Config.MaxNumBatchedTokens); 0 has each
+	// request compute on its own, as no GPU does.
+	batched int
+	kvShare float64
+	bound   time.Duration // the TTFT p90 a rung must stay under
+	seed    uint64
 }
 
 func ladderParamsOf(t *testing.T) ladderParams {
 	p := ladderParams{name: "tiny", groups: 4, perGroup: 5, systemTokens: 300, questionTokens: 60, outputTokens: 4,
 		engines: 2, maxRunning: 4, prefill: time.Millisecond, perToken: 5 * time.Microsecond, itl: time.Millisecond,
-		step: 40, top: 80, kvShare: 0.4, bound: time.Second, seed: 5}
+		step: 40, top: 80, batched: 2048, kvShare: 0.4, bound: time.Second, seed: 5}
 	if os.Getenv("PDPROXY_BENCH_LADDER") == "full" {
 		p = ladderParams{name: "full", groups: 50, perGroup: 5, systemTokens: 6000, questionTokens: 1200, outputTokens: 32,
 			engines: 4, maxRunning: 4, prefill: 10 * time.Millisecond, perToken: 5 * time.Microsecond, itl: 5 * time.Millisecond,
-			step: 16, top: 320, kvShare: 0.4, bound: time.Second, seed: 5}
+			step: 16, top: 320, batched: 2048, kvShare: 0.4, bound: time.Second, seed: 5}
 	}
 	if v := os.Getenv("PDPROXY_BENCH_LADDER_TOP"); v != "" {
 		n, err := strconv.Atoi(v)
@@ -52,6 +55,13 @@ func ladderParamsOf(t *testing.T) ladderParams {
 			t.Fatalf("PDPROXY_BENCH_LADDER_TOP=%q: want a positive integer", v)
 		}
 		p.top = n
+	}
+	if v := os.Getenv("PDPROXY_BENCH_LADDER_BATCHED"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			t.Fatalf("PDPROXY_BENCH_LADDER_BATCHED=%q: want a step budget in tokens, or 0 for engines that do not share their compute", v)
+		}
+		p.batched = n
 	}
 	return p
 }
@@ -96,7 +106,9 @@ type rung struct {
 //
 // PDPROXY_BENCH_LADDER=full is the measurement (50 groups x 5 prompts, 6,000-token system
 // prompts, 1,200-token questions, 4 engines of 4 running, rungs of 16/s);
-// PDPROXY_BENCH_LADDER_TOP caps the rate; PDPROXY_BENCH_LADDER_OUT=FILE also writes the table.
+// PDPROXY_BENCH_LADDER_TOP caps the rate; PDPROXY_BENCH_LADDER_BATCHED sets the engines' step
+// budget (2048; 0 for engines that do not share their compute); PDPROXY_BENCH_LADDER_OUT=FILE
+// also writes the table.
 // It asserts only what a user would notice: every request answered and streamed to its end.
 func TestQPSLadder(t *testing.T) {
 	const blockSize = 16
@@ -130,7 +142,7 @@ func TestQPSLadder(t *testing.T) {
 	longest := (p.systemTokens+p.questionTokens)/blockSize + 8
 	cfg := sim.DefaultConfig()
 	cfg.PrefillTime, cfg.PrefillPerToken, cfg.ITL, cfg.BlockSize = p.prefill, p.perToken, p.itl, blockSize
-	cfg.MaxRunning, cfg.MaxNumBatchedTokens, cfg.KVHeartbeatInterval = p.maxRunning, 2048, 0
+	cfg.MaxRunning, cfg.MaxNumBatchedTokens, cfg.KVHeartbeatInterval = p.maxRunning, p.batched, 0
 	cfg.KVBlocks = max(int(p.kvShare*float64(p.groups*p.systemTokens/blockSize))/p.engines, longest*p.maxRunning*2)
 	cfg.KVEventsEndpoint, cfg.KVEventsReplayEndpoint = "tcp://*:0", "tcp://*:0"
 
@@ -154,10 +166,10 @@ func TestQPSLadder(t *testing.T) {
 
 	var b strings.Builder
 	fmt.Fprintf(&b, "QPS ladder (%s run), %s, %d CPUs, %s: %d groups x %d prompts, system prompts %d tokens, questions %d tokens, %d output tokens; "+
-		"%d engines decode-only (sim, vllm protocol), each running at most %d, %d KV blocks, prefill %s + %s/computed token, compute shared, itl %s; "+
+		"%d engines decode-only (sim, vllm protocol), each running at most %d, %d KV blocks, prefill %s + %s/computed token, %s, itl %s; "+
 		"Poisson arrivals, rungs of %d/s; a rung passes while TTFT p90 < %s\n\n",
 		p.name, time.Now().UTC().Format(time.RFC3339), runtime.NumCPU(), runtime.Version(), p.groups, p.perGroup, p.systemTokens, p.questionTokens, p.outputTokens,
-		p.engines, p.maxRunning, cfg.KVBlocks, cfg.PrefillTime, cfg.PrefillPerToken, cfg.ITL, p.step, p.bound)
+		p.engines, p.maxRunning, cfg.KVBlocks, cfg.PrefillTime, cfg.PrefillPerToken, computeOf(p.batched), cfg.ITL, p.step, p.bound)
 	fmt.Fprintf(&b, "| contender | highest rate with TTFT p90 < %s | output tokens/s there | TTFT p50 / p90 there | prompt tokens computed there | TTFT p90 by rung |\n|---|---|---|---|---|---|\n", p.bound)
 	for i, c := range contenders {
 		var best *rung
@@ -249,4 +261,12 @@ func climbRung(t *testing.T, p ladderParams, c ladderContender, cfg sim.Config, 
 	// Every answer runs to max_tokens (ignore_eos).
 	r.outputPerSecond = float64(len(ttft)*p.outputTokens) / elapsed.Seconds()
 	return r
+}
+
+// computeOf says how engines of step budget batched compute.
+func computeOf(batched int) string {
+	if batched == 0 {
+		return "each request computing on its own (compute not shared)"
+	}
+	return fmt.Sprintf("compute shared (max_num_batched_tokens %d)", batched)
 }

@@ -212,24 +212,8 @@ func TestRoutingContenders(t *testing.T) {
 		if len(rs) == 0 {
 			continue
 		}
-		med := func(f func(routingRun) float64) float64 {
-			var xs []float64
-			for _, r := range rs {
-				xs = append(xs, f(r))
-			}
-			return median(xs)
-		}
-		// span is the rounds' lowest and highest, where there is more than one round.
-		span := func(format string, f func(routingRun) float64) string {
-			if len(rs) < 2 {
-				return ""
-			}
-			lo, hi := f(rs[0]), f(rs[0])
-			for _, r := range rs[1:] {
-				lo, hi = min(lo, f(r)), max(hi, f(r))
-			}
-			return fmt.Sprintf(" ("+format+"–"+format+")", lo, hi)
-		}
+		med := func(f func(routingRun) float64) float64 { return medianOf(rs, f) }
+		span := func(format string, f func(routingRun) float64) string { return spanOf(rs, format, f) }
 		savedOf := func(r routingRun) float64 { return 1 - float64(r.computed)/float64(oq) }
 		p99 := func(r routingRun) float64 { return msf(q(r.ttft, 0.99)) }
 		avg := func(r routingRun) float64 { return msf(mean(r.ttft)) }
