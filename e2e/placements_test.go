@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"fmt"
+	"maps"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -47,7 +49,7 @@ func replicasSendAPromptGroupWhereItFirstWent(t *testing.T, policy string, ttl t
 			// A placement is kept for as long as the policy counts it, and no longer.
 			var left int64
 			testutil.Eventually(t, testutil.Timeout, func() bool {
-				reply, _ := srv.Do("EVAL", "local k = redis.call('RANDOMKEY') if not k then return -3 end return redis.call('PTTL', k)", "0")
+				reply, _ := srv.Do("EVAL", "local k = redis.call('KEYS', 'pdproxy:head:*')[1] if not k then return -3 end return redis.call('PTTL', k)", "0")
 				left = ms(reply)
 				return left > 0
 			}, "the first group's placements in the shared state")
@@ -58,8 +60,7 @@ func replicasSendAPromptGroupWhereItFirstWent(t *testing.T, policy string, ttl t
 	}
 	if policy == routerconfig.PolicyCacheAware { // precise_cache_aware's may have expired by now
 		testutil.Eventually(t, testutil.Timeout, func() bool {
-			n, _ := srv.Do("DBSIZE")
-			return n == fmt.Sprintf(":%d", 4*len(first)) // each group's two heads, for each role
+			return headKeys(srv) == 4*len(first) // each group's two heads, for each role
 		}, "the groups' placements in the shared state")
 	}
 	f.settled(t)
@@ -148,14 +149,9 @@ func TestCacheAwareReplicasServeWithoutTheirPlacementsWhileRedisIsDown(t *testin
 			return failures(r) == before && up == 1, fmt.Sprintf("replica %d using Redis again (%v failures, up %v)", i, failures(r), up)
 		})
 	}
-	keys := func() int {
-		n, _ := srv.Do("DBSIZE")
-		k, _ := strconv.Atoi(strings.TrimPrefix(n, ":"))
-		return k
-	}
-	before := keys()
+	before := headKeys(srv)
 	p0, d0 := f.send(t, 0, body(9, 0))
-	testutil.Eventually(t, testutil.Timeout, func() bool { return keys() == before+4 },
+	testutil.Eventually(t, testutil.Timeout, func() bool { return headKeys(srv) == before+4 },
 		"the new group's placements in the shared state")
 	f.settled(t)
 	for u := 1; u < 3; u++ {
@@ -166,8 +162,46 @@ func TestCacheAwareReplicasServeWithoutTheirPlacementsWhileRedisIsDown(t *testin
 	}
 }
 
+// headKeys is how many placements of heads srv holds.
+func headKeys(srv *redistest.Server) int {
+	n, _ := srv.Do("EVAL", "return #redis.call('KEYS', 'pdproxy:head:*')", "0")
+	return int(ms(n))
+}
+
+// sentTokens is the sum of the uncached tokens the replicas told srv they sent the engines.
+func sentTokens(srv *redistest.Server) int64 {
+	n, _ := srv.Do("EVAL", "local n = 0 for _, k in ipairs(redis.call('KEYS', 'pdproxy:sent:*')) do for _, v in ipairs(redis.call('HVALS', k)) do n = n + tonumber(v) end end return n", "0")
+	return ms(n)
+}
+
 // ms is the number in a Redis integer reply (":123").
 func ms(reply string) int64 {
 	n, _ := strconv.ParseInt(strings.TrimPrefix(reply, ":"), 10, 64)
 	return n
+}
+
+// Replicas that share state spread the prompt groups new to the pool by the uncached tokens
+// every replica sent each engine lately, not each by its own: groups first sent through the
+// three replicas in turn fall as evenly over the prefillers and the decoders as through one.
+func TestReplicasSpreadNewGroupsByWhatEveryReplicaSent(t *testing.T) {
+	srv := redistest.Start(t)
+	f := startFleet(t, 3, srv.Addr(), routerconfig.PolicyCacheAware, nil)
+	preamble := strings.Repeat("Each group's own long instructions, the same for all its users. ", 90)
+	prefillers, decoders := map[int]int{}, map[int]int{}
+	for g := range 6 {
+		before := sentTokens(srv)
+		p, d := f.send(t, g%3, fmt.Sprintf(`{"model":"sim","prompt":"group %d: %s","max_tokens":2}`, g, preamble))
+		prefillers[p]++
+		decoders[d]++
+		// What the replica sent is in the shared state before the next group comes.
+		testutil.Eventually(t, testutil.Timeout, func() bool { return sentTokens(srv) > before },
+			"what the group's picks sent, in the shared state")
+		f.settled(t)
+	}
+	if len(decoders) != 3 || slices.Max(slices.Collect(maps.Values(decoders))) != 2 {
+		t.Errorf("6 new groups through 3 replicas in turn went to the decoders %v; want 2 on each of 3", decoders)
+	}
+	if len(prefillers) != 2 || prefillers[0] != 3 {
+		t.Errorf("6 new groups through 3 replicas in turn went to the prefillers %v; want 3 on each of 2", prefillers)
+	}
 }

@@ -19,6 +19,7 @@ type Router interface {
 	Backends() []router.BackendStatus
 	Models(role routerconfig.Role) (models []string, complete bool)
 	Heads(role routerconfig.Role, h router.Hint) ([]router.Head, time.Duration)
+	SpreadEngines(role routerconfig.Role, h router.Hint) []string
 }
 
 var _ Router = (*router.Router)(nil)

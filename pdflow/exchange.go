@@ -136,7 +136,7 @@ func (x *Exchange) Model() string {
 // picked records a lease the request took for role, and tells Picked where it went.
 func (x *Exchange) picked(role routerconfig.Role, lease *router.Lease) {
 	x.Tries.taken.lease(lease)
-	x.place(role, lease.Backend())
+	x.place(role, lease)
 	if x.Picked != nil {
 		x.Picked(role, lease)
 	}

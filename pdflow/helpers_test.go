@@ -24,3 +24,4 @@ func (noBackends) Models(routerconfig.Role) ([]string, bool)     { return nil, f
 func (noBackends) Heads(routerconfig.Role, router.Hint) ([]router.Head, time.Duration) {
 	return nil, 0
 }
+func (noBackends) SpreadEngines(routerconfig.Role, router.Hint) []string { return nil }

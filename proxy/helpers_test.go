@@ -563,6 +563,7 @@ func (stubRouter) Models(routerconfig.Role) ([]string, bool)     { return nil, f
 func (stubRouter) Heads(routerconfig.Role, router.Hint) ([]router.Head, time.Duration) {
 	return nil, 0
 }
+func (stubRouter) SpreadEngines(routerconfig.Role, router.Hint) []string { return nil }
 
 // engineCatalog gives the router engine's engines, as cmd/proxy does.
 type engineCatalog struct{}

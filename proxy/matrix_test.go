@@ -593,7 +593,7 @@ func placeOn(t *testing.T, h *harness, st *sharedstate.Store, on map[routerconfi
 			st.Place(keys[i], engine, ttl)
 		}
 		eventually(t, "the placements of the "+string(role)+" pool in the shared state", func() bool {
-			got, err := st.Placements(context.Background(), keys)
+			got, _, err := st.Placements(context.Background(), keys, nil)
 			return err == nil && len(got) == len(keys) && !slices.ContainsFunc(got, func(e string) bool { return e != engine })
 		})
 	}

@@ -197,7 +197,7 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 		costs = append(costs, c)
 	}
 	rank := func(i int) float64 { return rendezvousRank(key, cands[i].nameHash, cands[i].Weight, bd.evenWeights) }
-	recent := func(i int) (float64, bool) { return p.storedLately(cands[i], now) }
+	recent := func(i int) (float64, bool) { return p.storedLately(cands[i], h, now) }
 	pick := p.cm.Choose(costs, ahead, recent, rank, bound)
 	b := cands[pick]
 	uncached := tokens * (1 - shares[pick])
@@ -211,10 +211,11 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	return b, cost
 }
 
-// storedLately is the blocks b computed lately, as its KV events tell, or as this replica's
-// picks sent it, whichever is more: an engine's events come a moment after its prefill ends,
-// and a group placed just before must count at once. For cache_aware, which reads no events,
-// it is the uncached tokens this replica sent b lately, ok where its model spreads (where the
+// storedLately is the blocks b computed lately, as its KV events tell, or as the picks sent
+// it (this replica's, or every replica's where h.Sent has them), whichever is more: an
+// engine's events come a moment after its prefill ends, and a group placed just before must
+// count at once. For cache_aware, which reads no events, it is the uncached tokens sent b
+// lately, ok where its model spreads (where the
 // replicas share placements: routerconfig.Config.SharedPlacements). ok is false when its
 // events are not known to be read (neither dialed nor ever heard from, though this replica sent it work):
 // ties are then not spread by what the engines computed, as a count for some engines only
@@ -222,15 +223,16 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 // and that published nothing computed nothing; so did one nobody heard from and this replica
 // never sent anything, as an engine that just joined a pool whose engines dial
 // kv_events.listen.
-func (p *CacheAware) storedLately(b *Backend, now time.Time) (blocks float64, ok bool) {
+func (p *CacheAware) storedLately(b *Backend, h Hint, now time.Time) (blocks float64, ok bool) {
+	sent := max(b.st.cost.sent.Value(now), h.Sent[b.Name])
 	if p.index == nil {
-		return b.st.cost.sent.Value(now), p.cm.Spread()
+		return sent, p.cm.Spread()
 	}
 	e := b.kvEngineIn(p.index)
 	if !b.eventsDialed() && e.LastEvent().IsZero() && b.st.started.Load() > 0 {
 		return 0, false
 	}
-	return max(e.StoredLately(now), b.st.cost.sent.Value(now)/float64(p.index.BlockSize())), true
+	return max(e.StoredLately(now), sent/float64(p.index.BlockSize())), true
 }
 
 // boundShare is the share of h's text that the session's latest request sent its bound

@@ -2,10 +2,12 @@ package router
 
 import (
 	"encoding/hex"
+	"slices"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
 
+	"github.com/pdproxy/pdproxy/router/costmodel"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
@@ -64,6 +66,39 @@ func (r *Router) Heads(role routerconfig.Role, h Hint) ([]Head, time.Duration) {
 		return ca.heads(h), pendingGrace
 	}
 	return ca.heads(h), ca.cfg.TreeTTL
+}
+
+// SpreadEngines are the engines of role's pool whose work every replica sent lately h's pick
+// may weigh (Hint.Sent), where the pool spreads the prompts no engine holds by the work sent
+// each and its replicas share placements: the first costmodel.SpreadChoices in h's rank
+// order, among which those ties are spread. None for a pool that does not spread so.
+func (r *Router) SpreadEngines(role routerconfig.Role, h Hint) []string {
+	p := r.pool(role)
+	if p == nil {
+		return nil
+	}
+	p.mu.Lock()
+	ca, ok := p.policy.(*CacheAware)
+	backends, shares := p.backends, p.caps.SharesPlacements
+	p.mu.Unlock()
+	if !ok || !shares || !ca.cm.Spread() {
+		return nil
+	}
+	key, ok := ca.tieKey(h)
+	if !ok {
+		return nil
+	}
+	even := !slices.ContainsFunc(backends, func(b *Backend) bool { return b.Weight != backends[0].Weight })
+	rank := func(i int) float64 { return rendezvousRank(key, backends[i].nameHash, backends[i].Weight, even) }
+	var top costmodel.Top
+	for i := range backends {
+		top.Offer(i, rank)
+	}
+	var names []string
+	for _, i := range top.Indexes() {
+		names = append(names, backends[i].Name)
+	}
+	return names
 }
 
 // heads are h's heads, each headGrowth times longer than the one before, from the placement

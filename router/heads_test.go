@@ -253,3 +253,46 @@ func TestAPlacementDoesNotCreditAHybridEngine(t *testing.T) {
 		t.Errorf("under cache_aware, which reads no events, a placement credits no engine")
 	}
 }
+
+// Replicas that share placements spread the prompts no engine holds by what every replica
+// sent each engine lately (Hint.Sent, read from the shared state), not only by what this
+// one sent: a replica that sent nothing yet still sends a new group where the others sent
+// the least. SpreadEngines names the engines a pick may spread over, the first in the
+// request's rank order, and only where the pool spreads so.
+func TestNewGroupsSpreadByWhatEveryReplicaSent(t *testing.T) {
+	r := cacheAwareReplica(t, true)
+	h := Hint{Text: groupTurn(0, 0)}
+	engines := r.SpreadEngines(routerconfig.RoleDecode, h)
+	if len(engines) != 4 {
+		t.Fatalf("spread engines %v; want the pool's 4", engines)
+	}
+	home := decoderFor(t, r, h)
+	if home != engines[0] {
+		t.Errorf("an idle pool placed the group on %s, not the first of its rank order %v", home, engines)
+	}
+	// The other replicas sent every engine but the last in the order a group's worth.
+	h.Sent = map[string]float64{}
+	for _, e := range engines[:3] {
+		h.Sent[e] = 1000
+	}
+	fresh := cacheAwareReplica(t, true)
+	if got := decoderFor(t, fresh, h); got != engines[3] {
+		t.Errorf("with the other replicas' work on %v the group went to %s, want %s", engines[:3], got, engines[3])
+	}
+	for _, tc := range []struct {
+		name string
+		r    *Router
+	}{{"cache_aware without shared placements", cacheAwareReplica(t, false)}, {"least_inflight", func() *Router {
+		r, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 4, 0)})
+		return r
+	}()}} {
+		if got := tc.r.SpreadEngines(routerconfig.RoleDecode, h); got != nil {
+			t.Errorf("%s: spread engines %v, want none", tc.name, got)
+		}
+	}
+	big, _, _ := newTestRouter(t, routerconfig.Config{Backends: backendsCfg(routerconfig.RoleDecode, "d", 20, 0),
+		DecodePolicy: routerconfig.PolicyCacheAware, SharedPlacements: true})
+	if got := big.SpreadEngines(routerconfig.RoleDecode, h); len(got) != 8 || got[0] != decoderFor(t, big, Hint{Text: h.Text}) {
+		t.Errorf("a pool of 20: spread engines %v; want the 8 first in the rank order, the idle pool's pick first", got)
+	}
+}

@@ -50,6 +50,10 @@ type Hint struct {
 	// replicas share (Router.Heads); cache_aware credits each engine named with its head,
 	// as it credits the text this replica routed. Empty means none known.
 	Placed []Placement
+	// Sent is the uncached prompt tokens every replica sent each engine named lately, from
+	// the same state (Router.SpreadEngines): a pool that spreads prompts no engine holds by
+	// what was sent each engine weighs the larger of this and what this replica sent.
+	Sent map[string]float64
 	// Accept, when set, restricts the pick to backends whose engine it accepts: one request
 	// never mixes engines that speak different protocols.
 	Accept func(routerconfig.Engine) bool

@@ -88,6 +88,15 @@ func (l *Lease) Rank() (rank int, ok bool) {
 	return l.rank, true
 }
 
+// Uncached is how many of the request's prompt tokens its pick expected the backend to
+// compute (0 where the pool does not pick by cost).
+func (l *Lease) Uncached() float64 {
+	if l == nil || l.booked == nil {
+		return 0
+	}
+	return l.booked.cost.Uncached
+}
+
 // Backend is the backend the lease counts on.
 func (l *Lease) Backend() *Backend {
 	if l == nil {

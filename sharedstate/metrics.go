@@ -35,10 +35,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Buckets: []float64{0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1},
 		}),
 	}
-	for _, op := range []string{opCheck, opRelease, opBind, opRefresh, opPlacements, opPlace} {
+	for _, op := range []string{opCheck, opRelease, opBind, opRefresh, opPlacements, opPlace, opSent} {
 		m.errors.WithLabelValues(op)
 	}
-	for _, op := range []string{opRelease, opBind, opPlace} {
+	for _, op := range []string{opRelease, opBind, opPlace, opSent} {
 		m.dropped.WithLabelValues(op)
 	}
 	reg.MustRegister(m.errors, m.dropped, m.up, m.slots, m.checkSeconds)

@@ -45,6 +45,8 @@ const (
 	// opPlacements reads where the replicas placed a prompt's heads; opPlace writes one.
 	opPlacements = "placements"
 	opPlace      = "place"
+	// opSent adds the uncached tokens a replica sent an engine (AddSent).
+	opSent = "sent"
 )
 
 // Reasons a Check refuses a request.
@@ -135,9 +137,10 @@ type slot struct {
 // op is an operation for the goroutine: a slot's release, a session's binding or a prompt
 // head's placement.
 type op struct {
-	kind        string // opRelease, opBind or opPlace
-	key, member string // the slot set and member; or the session hash and role; or the head's key
+	kind        string // opRelease, opBind, opPlace or opSent
+	key, member string // the slot set and member; or the session hash and role; or the head's key; or the window's hash and the engine
 	engine      string
+	n           int64 // opSent's tokens
 	ttl         time.Duration
 }
 
@@ -545,6 +548,9 @@ func (s *Store) send(ctx context.Context, batch []op) error {
 				p.PExpire(ctx, o.key, o.ttl)
 			case opPlace:
 				p.Set(ctx, o.key, o.engine, o.ttl)
+			case opSent:
+				p.HIncrBy(ctx, o.key, o.member, o.n)
+				p.PExpire(ctx, o.key, o.ttl)
 			}
 		}
 		return nil

@@ -17,16 +17,16 @@ const (
 	// within this share of the fewest's are alike, and the rank order decides between them:
 	// replicas whose counts differ by the last moment's place alike.
 	spreadShare = 0.1
-	// spreadChoices: ties are spread among this many engines, the first in the rank order,
+	// SpreadChoices: ties are spread among this many engines, the first in the rank order,
 	// not the whole pool: as good a spread as all of them give (the power of a few choices),
 	// at the cost of a few reads in a pool of a thousand.
-	spreadChoices = 8
+	SpreadChoices = 8
 )
 
 // Choose is the index of the candidate to pick among costs (in seconds, Seconds), each with
 // the work ahead of it in tokens: the lowest, or with preferred (-1 for none) among the
 // near-equal ones (TieLimit), preferred; else among them those with the least work ahead
-// (within tieTokens: what the pick adds to is then spread), and of those the spreadChoices
+// (within tieTokens: what the pick adds to is then spread), and of those the SpreadChoices
 // first in the rank order (the highest ranks): where the Model spreads and recent (nil: none)
 // says for each of them how many blocks it computed lately, the first of them within
 // spreadShare of the fewest; else the first. recent's ok false for any of them leaves the
@@ -62,47 +62,66 @@ func (m *Model) Choose(costs, ahead []float64, recent func(i int) (blocks float6
 		}
 	}
 	// The highest ranks among the ties, highest first.
-	var top [spreadChoices]ranked
-	n := 0
+	var top Top
 	for i, c := range costs {
-		if c > limit || ahead[i] > least+tieTokens {
-			continue
+		if c <= limit && ahead[i] <= least+tieTokens {
+			top.Offer(i, rank)
 		}
-		r := ranked{i, rank(i)}
-		if n == len(top) && r.rank <= top[n-1].rank {
-			continue
-		}
-		k := min(n, len(top)-1)
-		for ; k > 0 && top[k-1].rank < r.rank; k-- {
-			top[k] = top[k-1]
-		}
-		top[k] = r
-		n = min(n+1, len(top))
 	}
+	n := top.n
 	if !m.spread || recent == nil || n == 1 {
-		return top[0].i
+		return top.top[0].i
 	}
-	var blocks [spreadChoices]float64
+	var blocks [SpreadChoices]float64
 	fewest := math.Inf(1)
 	for k := range n {
-		v, ok := recent(top[k].i)
+		v, ok := recent(top.top[k].i)
 		if !ok {
-			return top[0].i
+			return top.top[0].i
 		}
 		blocks[k], fewest = v, min(fewest, v)
 	}
 	for k := range n {
 		if blocks[k] <= fewest*(1+spreadShare) {
-			return top[k].i
+			return top.top[k].i
 		}
 	}
-	return top[0].i
+	return top.top[0].i
 }
 
 // ranked is a candidate's index and its rank.
 type ranked struct {
 	i    int
 	rank float64
+}
+
+// Top keeps the SpreadChoices candidates of the highest ranks offered, highest first.
+type Top struct {
+	top [SpreadChoices]ranked
+	n   int
+}
+
+// Offer offers candidate i, ranked by rank(i).
+func (t *Top) Offer(i int, rank func(i int) float64) {
+	r := ranked{i, rank(i)}
+	if t.n == len(t.top) && r.rank <= t.top[t.n-1].rank {
+		return
+	}
+	k := min(t.n, len(t.top)-1)
+	for ; k > 0 && t.top[k-1].rank < r.rank; k-- {
+		t.top[k] = t.top[k-1]
+	}
+	t.top[k] = r
+	t.n = min(t.n+1, len(t.top))
+}
+
+// Indexes are the candidates kept, highest rank first.
+func (t *Top) Indexes() []int {
+	out := make([]int, t.n)
+	for k := range t.n {
+		out[k] = t.top[k].i
+	}
+	return out
 }
 
 // TieLimit is the highest cost, in seconds, that ties with lowest: within tieShare of its

@@ -18,7 +18,7 @@
 // those with the least work ahead, within tieTokens (a hot prompt held on one engine spreads
 // rather than queue there for a saving too small to tell); then the order the caller ranks
 // them in, one every replica computes alike. A Model that spreads takes that order among the
-// spreadChoices first in it by the blocks each computed lately: the first within spreadShare
+// SpreadChoices first in it by the blocks each computed lately: the first within spreadShare
 // of the fewest, so that new work goes where the least work went and none gets a double share
 // by the luck of a hash. With a temperature the pick is instead drawn with weights
 // exp(-(cost - lowest) / temperature), so that replicas do not all herd onto one engine
