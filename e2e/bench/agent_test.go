@@ -11,12 +11,15 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/engine"
+	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
+	"github.com/pdproxy/pdproxy/sharedstate"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -339,6 +342,28 @@ func runTierContender(t *testing.T, w *agentWorkload, c tierContender, cfg sim.C
 
 // decodeOnlyProxy is the config of a proxy in this process that serves decoders decode-only
 // under policy, dialing each one's KV events and replay endpoints.
+// startReplicas starts n proxies (at least one) of the config cfg makes, each its own, behind
+// one Redis they share (a run of its own) where shared is set, and answers them and a target
+// that sends each request to the next in turn, as a client behind a Service does.
+func startReplicas(t testing.TB, n int, shared bool, cfg func() app.Config) (mains []*app.Main, next func() string) {
+	t.Helper()
+	redis := ""
+	if shared {
+		redis = redistest.Start(t).Addr()
+	}
+	var urls []string
+	for range max(n, 1) {
+		c := cfg()
+		if redis != "" {
+			c.SharedState = sharedstate.Config{Redis: sharedstate.RedisConfig{Addr: redis}}
+		}
+		m := startMain(t, c)
+		mains, urls = append(mains, m), append(urls, m.URL())
+	}
+	var turn atomic.Uint64
+	return mains, func() string { return urls[(turn.Add(1)-1)%uint64(len(urls))] }
+}
+
 func decodeOnlyProxy(t testing.TB, policy string, decoders []*simEngine) app.Config {
 	t.Helper()
 	cfg := app.Config{Listen: "127.0.0.1:0", ShutdownTimeout: 5 * time.Second}

@@ -11,17 +11,14 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/pdproxy/pdproxy/cmd/proxy/app"
-	"github.com/pdproxy/pdproxy/internal/redistest"
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
-	"github.com/pdproxy/pdproxy/sharedstate"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -86,6 +83,8 @@ func agentContenders() []agentContender {
 		{policy: routerconfig.PolicyPreciseCacheAware, label: "precise_cache_aware, defaults"},
 		{policy: routerconfig.PolicyCacheAware, label: "cache_aware, session header", sessions: true},
 		{policy: routerconfig.PolicyPreciseCacheAware, label: "precise_cache_aware, session header", sessions: true},
+		{policy: routerconfig.PolicyCacheAware, label: "cache_aware, defaults, 3 replicas, shared state", replicas: 3},
+		{policy: routerconfig.PolicyPreciseCacheAware, label: "precise_cache_aware, defaults, 3 replicas, shared state", replicas: 3},
 		{policy: routerconfig.PolicyCacheAware, label: "cache_aware, session header, 3 replicas, shared state", sessions: true, replicas: 3},
 		{policy: routerconfig.PolicyPreciseCacheAware, label: "precise_cache_aware, session header, 3 replicas, shared state", sessions: true, replicas: 3},
 	}
@@ -206,25 +205,15 @@ func runAgentContender(t *testing.T, w *agentWorkload, turns []int, p agentRouti
 		return engines[int(h.Sum32())%len(engines)].srv.URL
 	}
 	if c.policy != "" {
-		redis := ""
-		if c.replicas > 1 {
-			redis = redistest.Start(t).Addr()
-		}
-		var urls []string
-		for range max(c.replicas, 1) {
+		var next func() string
+		mains, next = startReplicas(t, c.replicas, c.replicas > 1, func() app.Config {
 			pcfg := decodeOnlyProxy(t, c.policy, engines)
 			if c.sessions {
 				pcfg.Proxy.SessionAffinity = proxy.SessionAffinityConfig{Headers: []string{"X-Session-ID"}}
 			}
-			if redis != "" {
-				pcfg.SharedState = sharedstate.Config{Redis: sharedstate.RedisConfig{Addr: redis}}
-			}
-			m := startMain(t, pcfg)
-			mains = append(mains, m)
-			urls = append(urls, m.URL())
-		}
-		var next atomic.Uint64
-		target = func(int) string { return urls[(next.Add(1)-1)%uint64(len(urls))] }
+			return pcfg
+		})
+		target = func(int) string { return next() }
 	}
 
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: p.concurrent}, Timeout: 5 * time.Minute}

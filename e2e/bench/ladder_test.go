@@ -15,10 +15,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdproxy/pdproxy/internal/redistest"
+	"github.com/pdproxy/pdproxy/cmd/proxy/app"
 	"github.com/pdproxy/pdproxy/proxy"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
-	"github.com/pdproxy/pdproxy/sharedstate"
 	"github.com/pdproxy/pdproxy/sim"
 )
 
@@ -76,6 +75,9 @@ type ladderContender struct {
 	// shared gives the proxy a shared state (a Redis the run starts): cache_aware then
 	// spreads the prompt groups new to the pool.
 	shared bool
+	// replicas, above 1, is how many proxies share the engines and a shared state; the
+	// client sends each request to the next in turn.
+	replicas int
 }
 
 func ladderContenders() []ladderContender {
@@ -86,6 +88,8 @@ func ladderContenders() []ladderContender {
 		{policy: routerconfig.PolicyCacheAware, label: "cache_aware, defaults"},
 		{policy: routerconfig.PolicyCacheAware, shared: true, label: "cache_aware, defaults, shared state"},
 		{policy: routerconfig.PolicyPreciseCacheAware, label: "precise_cache_aware, defaults"},
+		{policy: routerconfig.PolicyCacheAware, replicas: 3, label: "cache_aware, defaults, 3 replicas, shared state"},
+		{policy: routerconfig.PolicyPreciseCacheAware, replicas: 3, label: "precise_cache_aware, defaults, 3 replicas, shared state"},
 	}
 }
 
@@ -206,15 +210,14 @@ func climbRung(t *testing.T, p ladderParams, c ladderContender, cfg sim.Config, 
 		return engines[int(h.Sum32())%len(engines)].srv.URL
 	}
 	if c.policy != "" {
-		pcfg := decodeOnlyProxy(t, c.policy, engines)
-		if c.shared {
-			pcfg.SharedState = sharedstate.Config{Redis: sharedstate.RedisConfig{Addr: redistest.Start(t).Addr()}}
-		}
-		if c.byGroup {
-			pcfg.Proxy.SessionAffinity = proxy.SessionAffinityConfig{Headers: []string{"X-Session-ID"}}
-		}
-		url := startMain(t, pcfg).URL()
-		target = func(int) string { return url }
+		_, next := startReplicas(t, c.replicas, c.shared || c.replicas > 1, func() app.Config {
+			pcfg := decodeOnlyProxy(t, c.policy, engines)
+			if c.byGroup {
+				pcfg.Proxy.SessionAffinity = proxy.SessionAffinityConfig{Headers: []string{"X-Session-ID"}}
+			}
+			return pcfg
+		})
+		target = func(int) string { return next() }
 	}
 	header := func(group int) http.Header {
 		if !c.byGroup {
