@@ -196,33 +196,38 @@ func (r *Router) scrapeLoop(ctx context.Context) {
 			return
 		case <-timer.C:
 		}
-		interval := r.settings.Load().scrapeInterval
-		r.scrapeAll(ctx, interval)
-		timer.Reset(interval)
+		timer.Reset(r.scrapeAll(ctx, r.settings.Load().scrapeInterval))
 	}
 }
 
-// scrapeAll scrapes, once, every backend that may be picked in a pool whose policy weighs load. A
-// backend out of rotation is not scraped: nothing picks it, and a down engine would only
-// count errors. One back in rotation is scored by in-flight until its next round.
-func (r *Router) scrapeAll(ctx context.Context, interval time.Duration) {
+// scrapeAll scrapes, once, every backend that may be picked in a pool whose policy weighs load,
+// each read bounded by the interval it answers: interval, or where it is 0 (scrape_interval
+// left out) routerconfig.AutoScrapeInterval of the engines scraped. A backend out of rotation
+// is not scraped: nothing picks it, and a down engine would only count errors. One back in
+// rotation is scored by in-flight until its next round.
+func (r *Router) scrapeAll(ctx context.Context, interval time.Duration) time.Duration {
 	now := r.now()
-	var wg sync.WaitGroup
+	var scraped []*Backend
 	for _, p := range []*pool{r.prefill, r.decode} {
 		p.mu.Lock()
 		on := p.caps.ScrapesLoad
 		backends := p.backends // replaced, never modified, by a reload
 		p.mu.Unlock()
-		if !on {
-			continue
-		}
 		for _, b := range backends {
-			if b.available(now) {
-				wg.Go(func() { r.scrape(ctx, b, interval) })
+			if on && b.available(now) {
+				scraped = append(scraped, b)
 			}
 		}
 	}
+	if interval == 0 {
+		interval = routerconfig.AutoScrapeInterval(len(scraped))
+	}
+	var wg sync.WaitGroup
+	for _, b := range scraped {
+		wg.Go(func() { r.scrape(ctx, b, interval) })
+	}
 	wg.Wait()
+	return interval
 }
 
 // scrape reads b's load once and records it, or counts and logs the failure. The last good

@@ -500,7 +500,7 @@ func TestScrapeIntervalConfig(t *testing.T) {
 		want    time.Duration
 		wantErr string
 	}{
-		{name: "unset means 1s", yaml: "decode_policy: least_loaded\n", want: time.Second},
+		{name: "unset is left to the count of engines", yaml: "decode_policy: least_loaded\n", want: 0},
 		{name: "set in the file", yaml: "decode_policy: least_loaded\nscrape_interval: 250ms\n", want: 250 * time.Millisecond},
 		{name: "shorter than 10ms is refused", yaml: "scrape_interval: 1ms\n", wantErr: "scrape_interval: 1ms is shorter than 10ms"},
 		{name: "negative is refused", yaml: "scrape_interval: -1s\n", wantErr: "scrape_interval: -1s is shorter than 10ms"},
@@ -526,6 +526,30 @@ func TestScrapeIntervalConfig(t *testing.T) {
 				t.Errorf("scrape_interval = %v, want %v", c.ScrapeInterval, tt.want)
 			}
 		})
+	}
+}
+
+// With scrape_interval left out, each engine is read every 100ms, or every millisecond per
+// engine scraped where that is longer: replicas that learn of each other's requests from the
+// engines' reports see them soon, and no replica reads more than 1,000 reports a second.
+func TestScrapeIntervalLeftOutFollowsTheCountOfEngines(t *testing.T) {
+	for engines, want := range map[int]time.Duration{0: 100 * time.Millisecond, 4: 100 * time.Millisecond, 100: 100 * time.Millisecond,
+		250: 250 * time.Millisecond, 1000: time.Second, 4000: 4 * time.Second} {
+		if got := routerconfig.AutoScrapeInterval(engines); got != want {
+			t.Errorf("%d engines: every %v, want %v", engines, got, want)
+		}
+	}
+	e := newMetricsEngine(t, testutil.VLLMMetrics(0, 0, 0))
+	r, err := New(routerconfig.Config{Backends: []routerconfig.BackendConfig{{Name: "d0", URL: e.URL, Role: routerconfig.RoleDecode}},
+		DecodePolicy: routerconfig.PolicyLeastLoaded, Health: routerconfig.HealthConfig{Interval: -1}}, zaptest.NewLogger(t), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runRouter(t, r)
+	// At the 1s of an interval set by hand, a second and a half holds 2 reads.
+	time.Sleep(1500 * time.Millisecond)
+	if n := e.scrapes.Load(); n < 5 {
+		t.Errorf("one engine was read %d times in 1.5s with scrape_interval left out, want about 15 (every 100ms)", n)
 	}
 }
 

@@ -53,10 +53,16 @@ const (
 	DefaultKVEventsStaleAfter  = 60 * time.Second
 	DefaultTokenizeTimeout     = time.Second
 	DefaultTokenizeMaxTokens   = 128 << 10
-	// DefaultScrapeInterval is how often each engine's /metrics is scraped, where a pool's
-	// policy weighs load.
-	DefaultScrapeInterval = time.Second
 )
+
+// AutoScrapeInterval is how often each of engines engines' /metrics is scraped, where a pool's
+// policy weighs load and scrape_interval is left out: every 100ms, so that replicas that learn
+// of each other's requests only from the engines' reports place on a picture at most that old,
+// or every millisecond per engine where that is longer, so that a replica reads at most 1,000
+// reports a second whatever its pools (1s at 1,000 engines).
+func AutoScrapeInterval(engines int) time.Duration {
+	return max(100*time.Millisecond, time.Duration(engines)*time.Millisecond)
+}
 
 // minScrapeInterval keeps a typo ("1ms") from turning the proxy into a load generator
 // against the engines' metrics endpoints.
@@ -376,7 +382,8 @@ type Config struct {
 	// ScrapeInterval is how often least_loaded, cache_aware and precise_cache_aware read each
 	// engine's /metrics (and how long one read may take), the load they weigh; three intervals
 	// without a good read and they weigh the engine by in-flight requests. Zero means
-	// DefaultScrapeInterval; at least 10ms. Unused by the other policies.
+	// AutoScrapeInterval of the engines scraped; else at least 10ms. Unused by the other
+	// policies.
 	ScrapeInterval time.Duration `yaml:"scrape_interval"`
 	// Engines resolves each backend's engine kind. Nil takes any kind as a bare name, with
 	// no default kind and no default kv_hold_timeout.

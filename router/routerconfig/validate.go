@@ -47,7 +47,6 @@ func (c *Config) setDefaults() {
 	orDefault(&c.Queue.Size, DefaultQueueSize)
 	orDefault(&c.Queue.Timeout, DefaultQueueTimeout)
 	c.setDiscoveryDefaults()
-	orDefault(&c.ScrapeInterval, DefaultScrapeInterval)
 	c.setCacheDefaults()
 	if _, wants := c.policyWith(wantsTokens); c.Tokenizer == "" && wants {
 		c.Tokenizer = TokenizerEngine
@@ -385,7 +384,7 @@ func (c *Config) Validate() error {
 	}
 	errs = append(errs, c.checkDiscovery()...)
 	errs = append(errs, c.checkCache()...)
-	if c.ScrapeInterval < minScrapeInterval {
+	if c.ScrapeInterval != 0 && c.ScrapeInterval < minScrapeInterval {
 		bad("scrape_interval", "%v is shorter than %v", c.ScrapeInterval, minScrapeInterval)
 	}
 	return errors.Join(errs...)
