@@ -98,3 +98,43 @@ func completionMedia(fields *engine.Fields) bool {
 	raw, ok := fields.Field("prompt_embeds")
 	return ok && !isNull(raw)
 }
+
+// maxTurnEnds is how many of a conversation's last message ends a request keeps (TurnEnds).
+const maxTurnEnds = 5
+
+// messageEnds are the byte offsets in text, a JSON array of messages, just past each of its
+// last keep elements, oldest first: where the text an earlier request of the same
+// conversation sent ends, the array as it grew (a turn adds an answer and a message or a few
+// tool results). Nil for text that is not such an array.
+func messageEnds(text string, keep int) []int {
+	if len(text) == 0 || text[0] != '[' {
+		return nil
+	}
+	ends := make([]int, 0, keep)
+	depth, inString, escaped := 0, false, false
+	for i := 0; i < len(text); i++ {
+		c := text[i]
+		switch {
+		case escaped:
+			escaped = false
+		case inString:
+			escaped, inString = c == '\\', c != '"'
+		case c == '"':
+			inString = true
+		case c == '[' || c == '{':
+			depth++
+		case c == ']' || c == '}':
+			depth--
+			if depth == 1 {
+				if len(ends) == keep {
+					ends = append(ends[:0], ends[1:]...)
+				}
+				ends = append(ends, i+1)
+			}
+			if depth == 0 {
+				return ends
+			}
+		}
+	}
+	return nil // not a whole array
+}

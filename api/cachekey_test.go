@@ -70,3 +70,46 @@ func TestRouteTextKeepsIdentitiesApartAndPlainTextAsItIs(t *testing.T) {
 		}
 	}
 }
+
+// A conversation's request says where its last messages end in its text: the text its
+// earlier request sent, the array as it was, ends at one of them, however the contents nest
+// or quote brackets. A text that is no array, or not a whole one, has none; only the last 5
+// are kept.
+func TestAConversationsTurnEndsAreWhereItsEarlierRequestsTextEnds(t *testing.T) {
+	earlier := `[{"role":"system","content":"be brief [really] {always}"},{"role":"user","content":"a \"quoted\" ] brace }"}`
+	later := earlier + `,{"role":"assistant","content":[{"type":"text","text":"ok"}]},{"role":"tool","content":"{\"x\":[1,2]}"}]`
+	req, e := ParseChat([]byte(`{"model":"m","messages":` + later + `}`))
+	if e != nil {
+		t.Fatal(e)
+	}
+	if len(req.TurnEnds) != 4 {
+		t.Fatalf("turn ends %v of a 4-message chat", req.TurnEnds)
+	}
+	if got := req.Text[:req.TurnEnds[1]]; got != earlier {
+		t.Errorf("the text up to the second message's end is %q, want the earlier request's %q", got, earlier)
+	}
+	if req.TurnEnds[3] != len(req.Text)-1 {
+		t.Errorf("the last message ends at %d, want %d, before the array's end", req.TurnEnds[3], len(req.Text)-1)
+	}
+	msgs, _ := ParseMessages([]byte(`{"model":"m","max_tokens":4,"system":"sys","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo"},{"role":"user","content":"more"}]}`))
+	if msgs == nil || len(msgs.TurnEnds) != 4 || msgs.TurnEnds[3] != len(msgs.Text)-1 {
+		t.Errorf("a Messages request's rendered conversation: turn ends %v of %q", msgs.TurnEnds, msgs.Text)
+	}
+	var many strings.Builder
+	many.WriteString("[")
+	for i := range 40 {
+		if i > 0 {
+			many.WriteString(",")
+		}
+		many.WriteString(`{"role":"user","content":"m"}`)
+	}
+	many.WriteString("]")
+	if got := messageEnds(many.String(), maxTurnEnds); len(got) != maxTurnEnds || got[maxTurnEnds-1] != many.Len()-1 {
+		t.Errorf("40 messages: ends %v, want the last %d", got, maxTurnEnds)
+	}
+	for _, text := range []string{"", "a prompt", `[{"role":"user"`, `{"a":1}`} {
+		if got := messageEnds(text, maxTurnEnds); got != nil {
+			t.Errorf("messageEnds(%q) = %v, want none", text, got)
+		}
+	}
+}

@@ -128,6 +128,7 @@ func ParseMessages(body []byte) (*Request, *Error) {
 	// chat's messages array does: what a cache-aware policy matches, and what the engine's
 	// /tokenize renders.
 	req.Text, req.Messages = string(rendered), rendered
+	req.TurnEnds = messageEnds(req.Text, maxTurnEnds)
 	req.Key.Media = messagesHaveMedia(rendered)
 	req.Prefix = system
 	if req.Prefix == "" && len(chat) > 0 {

@@ -38,6 +38,10 @@ type Request struct {
 	// tagged with the Key (keyRequest).
 	Key       cacheKey
 	RouteText string
+	// TurnEnds are where in Text the last few messages of a conversation end (a chat's
+	// messages, a Messages request's rendered conversation), oldest first: the text an
+	// earlier request of the conversation sent ends at one of them. Nil for other requests.
+	TurnEnds []int
 	// Messages is a chat's Messages array as the client sent it, or a Messages request's
 	// conversation rendered as chat Messages, to tokenize.
 	Messages json.RawMessage
@@ -309,6 +313,7 @@ func parseMessages(fields *engine.Fields, req *Request) *Error {
 	// The array as it came grows at its end turn after turn, as the rendered conversation
 	// does: what a cache-aware policy matches, and what the engine's /tokenize renders.
 	req.Text, req.Messages = string(raw), raw
+	req.TurnEnds = messageEnds(req.Text, maxTurnEnds)
 	for i, m := range msgs {
 		if m == nil {
 			return BadRequest(fmt.Sprintf("messages[%d]", i), fmt.Sprintf("messages[%d] must be an object", i))

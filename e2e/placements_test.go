@@ -205,3 +205,45 @@ func TestReplicasSpreadNewGroupsByWhatEveryReplicaSent(t *testing.T) {
 		t.Errorf("6 new groups through 3 replicas in turn went to the prefillers %v; want 3 on each of 2", prefillers)
 	}
 }
+
+// Conversations that share a long system prompt, each turn reaching the next replica and no
+// session header naming them: with shared state, every replica finds where the conversation's
+// previous turn went by the text up to that turn's last message, and sends the next turn
+// there, to the prefiller and the decoder that hold its context.
+func TestAConversationsTurnsStayTogetherThroughReplicasWithoutASessionHeader(t *testing.T) {
+	srv := redistest.Start(t)
+	f := startFleet(t, 3, srv.Addr(), routerconfig.PolicyCacheAware, nil)
+	system := strings.Repeat("The agent's tools and rules, the same for every conversation. ", 100)
+	messages := func(c, turns int) string {
+		msgs := []string{fmt.Sprintf(`{"role":"system","content":%q}`, system),
+			fmt.Sprintf(`{"role":"user","content":%q}`, fmt.Sprintf("conversation %d: %s", c, strings.Repeat(fmt.Sprintf("a file of its own, %d. ", c), 90)))}
+		for k := 1; k < turns; k++ {
+			msgs = append(msgs, fmt.Sprintf(`{"role":"assistant","content":"step %d"}`, k), fmt.Sprintf(`{"role":"user","content":"tool output %d of conversation %d"}`, k, c))
+		}
+		return fmt.Sprintf(`{"model":"sim","max_tokens":2,"messages":[%s]}`, strings.Join(msgs, ","))
+	}
+	type engines struct{ p, d int }
+	first := make([]engines, 4)
+	// Each turn's placements are in the shared state before the next turn comes: at least its
+	// text up to its last message, in both pools.
+	placed := func(before int) {
+		testutil.Eventually(t, testutil.Timeout, func() bool { return headKeys(srv) >= before+2 },
+			"the turn's placements (its text up to its last message, in both pools) in the shared state")
+		f.settled(t)
+	}
+	for c := range first {
+		before := headKeys(srv)
+		first[c].p, first[c].d = f.sendTo(t, c%3, "/v1/chat/completions", messages(c, 1))
+		placed(before)
+	}
+	for turn := 2; turn <= 3; turn++ {
+		for c := range first {
+			r := (c + turn) % 3
+			before := headKeys(srv)
+			if p, d := f.sendTo(t, r, "/v1/chat/completions", messages(c, turn)); p != first[c].p || d != first[c].d {
+				t.Errorf("conversation %d: its first turn on p%d/d%d, turn %d through replica %d on p%d/d%d", c, first[c].p, first[c].d, turn, r, p, d)
+			}
+			placed(before)
+		}
+	}
+}

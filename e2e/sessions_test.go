@@ -97,6 +97,12 @@ func (f *sessionFleet) turn(t *testing.T, r int, session string, n int) (prefill
 // which prefiller and decoder served it.
 func (f *sessionFleet) send(t *testing.T, r int, body string, header ...string) (prefiller, decoder int) {
 	t.Helper()
+	return f.sendTo(t, r, "/v1/completions", body, header...)
+}
+
+// sendTo is send to the route at path.
+func (f *sessionFleet) sendTo(t *testing.T, r int, path, body string, header ...string) (prefiller, decoder int) {
+	t.Helper()
 	count := func(ss []*sim.Server) []int {
 		var out []int
 		for _, s := range ss {
@@ -120,7 +126,7 @@ func (f *sessionFleet) send(t *testing.T, r int, body string, header ...string) 
 		return got
 	}
 	bp, bd := count(f.prefillers), count(f.decoders)
-	resp := post(t, context.Background(), f.replicas[r].url+"/v1/completions", body, header...)
+	resp := post(t, context.Background(), f.replicas[r].url+path, body, header...)
 	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {

@@ -37,6 +37,19 @@ func (x *Exchange) HintText(role routerconfig.Role) string {
 	return x.Req.RouteText
 }
 
+// turnEnds are where in text, the hint text of a pick (HintText), the request's last messages
+// end (api.Request.TurnEnds); none where text is none.
+func (x *Exchange) turnEnds(text string) []int {
+	if text == "" || len(x.Req.TurnEnds) == 0 {
+		return nil
+	}
+	ends := make([]int, len(x.Req.TurnEnds))
+	for i, e := range x.Req.TurnEnds {
+		ends[i] = e + len(text) - len(x.Req.Text) // behind RouteText's tag, if any
+	}
+	return ends
+}
+
 // cacheHint is what the router weighs a decoder's cache by for conditional disaggregation.
 func (x *Exchange) cacheHint() router.Hint {
 	return router.Hint{Tokens: x.Legs.tokens, LoRA: x.Req.Key.LoRA, CacheSalt: x.Req.Key.Salt}

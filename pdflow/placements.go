@@ -65,6 +65,7 @@ func (x *Exchange) readPlacements(h router.Hint) {
 	var spread []sharedstate.Sent
 	for i, role := range placedRoles {
 		h.Text = x.HintText(role)
+		h.TurnEnds = x.turnEnds(h.Text)
 		hs := &x.heads[i]
 		hs.heads, hs.ttl = x.s.router.Heads(role, h)
 		for _, hd := range hs.heads {

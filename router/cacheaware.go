@@ -212,17 +212,15 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 }
 
 // storedLately is the blocks b computed lately, as its KV events tell, or as the picks sent
-// it (this replica's, or every replica's where h.Sent has them), whichever is more: an
-// engine's events come a moment after its prefill ends, and a group placed just before must
-// count at once. For cache_aware, which reads no events, it is the uncached tokens sent b
-// lately, ok where its model spreads (where the
-// replicas share placements: routerconfig.Config.SharedPlacements). ok is false when its
-// events are not known to be read (neither dialed nor ever heard from, though this replica sent it work):
-// ties are then not spread by what the engines computed, as a count for some engines only
-// would send all new work to one whose events never arrive. An engine whose events are read
-// and that published nothing computed nothing; so did one nobody heard from and this replica
-// never sent anything, as an engine that just joined a pool whose engines dial
-// kv_events.listen.
+// it (this replica's, or every replica's where h.Sent has them), whichever is more: events
+// come a moment after a prefill ends, and a group placed just before must count at once. For
+// cache_aware, which reads no events, it is the uncached tokens sent b lately, ok where its
+// model spreads (routerconfig.Config.SharedPlacements). ok is false when b's events are not
+// known to be read (neither dialed nor ever heard from, though this replica sent it work):
+// ties are then not spread, as a count for some engines only would send all new work to one
+// whose events never arrive. An engine whose events are read and that published nothing
+// computed nothing; so did one nobody heard from and this replica never sent anything (one
+// that just joined a pool whose engines dial kv_events.listen).
 func (p *CacheAware) storedLately(b *Backend, h Hint, now time.Time) (blocks float64, ok bool) {
 	sent := max(b.st.cost.sent.Value(now), h.Sent[b.Name])
 	if p.index == nil {
@@ -315,9 +313,8 @@ func pendingFrom(e *kvcache.Engine, last time.Time) time.Time {
 	return last.Add(-pendingGrace)
 }
 
-// creditsPlacements says whether b is credited with the heads the replicas' placements name
-// it for (Hint.Placed): as routed text counts, never for a hybrid model's engine whose
-// events are read (pendingFrom).
+// creditsPlacements: b is credited with the heads placements name it for (Hint.Placed), as
+// routed text counts: never a hybrid model's engine whose events are read (pendingFrom).
 func (p *CacheAware) creditsPlacements(b *Backend) bool {
 	return p.index == nil || !b.kvEngineIn(p.index).Hybrid()
 }

@@ -14,21 +14,18 @@ import (
 // Replicas of cache_aware each see only the text they routed: a prompt group one replica sent
 // to an engine looks new to the next, which would place it anew, elsewhere; under
 // precise_cache_aware so does one the engine has not yet told of by its KV events, a moment
-// after its prefill ends. With shared state
-// they tell each other where the heads of prompts went: the proxy reads, before a pick, which
-// engine each head of the request's text was last sent to by any replica (Router.Heads, then
-// Hint.Placed), and writes after it where they went now. An engine named for a head is
-// credited with holding that head, as the tree credits what this replica routed, for as long
-// as routed text counts (Heads); the cost decides as for any share. The heads are the text's first 4 ×
-// prefix_tokens bytes (the placement key's), and 4 and 16 times that, as far as the text goes:
-// a group's shared preamble, and a conversation's earlier turns, each count for what they are.
+// after its prefill ends. With shared state they tell each other where the heads of prompts
+// went: the proxy reads, before a pick, which engine each head of the request's text was last
+// sent to by any replica (Router.Heads, then Hint.Placed), and writes after it where they went
+// now. An engine named for a head is credited with holding that head, as the tree credits
+// what this replica routed, for as long as routed text counts (Heads); the cost decides as
+// for any share. The heads are the text's first 4 × prefix_tokens bytes (the placement
+// key's), and 4 and 16 times that, as far as the text goes (a group's shared preamble), and
+// the text up to each of the last few messages' ends of a conversation (its earlier turns,
+// whichever replica routed them).
 
-const (
-	// headLevels is how many heads a text has at most; headGrowth how much longer each is
-	// than the one before.
-	headLevels = 3
-	headGrowth = 4
-)
+// headLevels is how many heads of fixed lengths a text has, each 4 times the one before.
+const headLevels = 3
 
 // Head is a leading part of a request's text whose placement replicas share: its length in
 // bytes, and its key, a hash of those bytes and of the request's model and cache identity.
@@ -45,43 +42,40 @@ type Placement struct {
 }
 
 // Heads are the heads of h's text whose placements role's pool weighs (Hint.Placed), longest
-// last, and how long a placement counts: none unless the pool's policy weighs the text routed
-// (the cache-aware ones), or for a text shorter than its first head. Under cache_aware a
-// placement counts for tree_ttl, as the text a replica routed does; under
-// precise_cache_aware for pendingGrace, as routed text counts beside the engines' KV events,
-// which tell every replica the rest.
+// last, and how long a placement counts, as routed text does: tree_ttl under cache_aware,
+// pendingGrace under precise_cache_aware (its KV events tell every replica the rest). None
+// unless the pool is on a cache-aware policy, or for a text shorter than its first head.
 func (r *Router) Heads(role routerconfig.Role, h Hint) ([]Head, time.Duration) {
-	p := r.pool(role)
-	if p == nil {
+	ca, _ := r.sharing(role)
+	switch {
+	case ca == nil:
 		return nil, 0
-	}
-	p.mu.Lock()
-	policy, caps := p.policy, p.caps
-	p.mu.Unlock()
-	ca, ok := policy.(*CacheAware)
-	if !ok || !caps.SharesPlacements {
-		return nil, 0
-	}
-	if ca.index != nil {
+	case ca.index != nil:
 		return ca.heads(h), pendingGrace
 	}
 	return ca.heads(h), ca.cfg.TreeTTL
 }
 
-// SpreadEngines are the engines of role's pool whose work every replica sent lately h's pick
-// may weigh (Hint.Sent), where the pool spreads the prompts no engine holds by the work sent
-// each and its replicas share placements: the first costmodel.SpreadChoices in h's rank
-// order, among which those ties are spread. None for a pool that does not spread so.
-func (r *Router) SpreadEngines(role routerconfig.Role, h Hint) []string {
+// sharing is role's policy and backends where its replicas share placements; nil otherwise.
+func (r *Router) sharing(role routerconfig.Role) (*CacheAware, []*Backend) {
 	p := r.pool(role)
 	if p == nil {
-		return nil
+		return nil, nil
 	}
 	p.mu.Lock()
-	ca, ok := p.policy.(*CacheAware)
-	backends, shares := p.backends, p.caps.SharesPlacements
-	p.mu.Unlock()
-	if !ok || !shares || !ca.cm.Spread() {
+	defer p.mu.Unlock()
+	if ca, ok := p.policy.(*CacheAware); ok && p.caps.SharesPlacements {
+		return ca, p.backends
+	}
+	return nil, nil
+}
+
+// SpreadEngines are the engines whose work every replica sent lately h's pick in role's pool
+// may weigh (Hint.Sent) where it spreads ties so: the first costmodel.SpreadChoices in h's
+// rank order, among which ties are spread. None for a pool that does not.
+func (r *Router) SpreadEngines(role routerconfig.Role, h Hint) []string {
+	ca, backends := r.sharing(role)
+	if ca == nil || !ca.cm.Spread() {
 		return nil
 	}
 	key, ok := ca.tieKey(h)
@@ -89,10 +83,9 @@ func (r *Router) SpreadEngines(role routerconfig.Role, h Hint) []string {
 		return nil
 	}
 	even := !slices.ContainsFunc(backends, func(b *Backend) bool { return b.Weight != backends[0].Weight })
-	rank := func(i int) float64 { return rendezvousRank(key, backends[i].nameHash, backends[i].Weight, even) }
 	var top costmodel.Top
 	for i := range backends {
-		top.Offer(i, rank)
+		top.Offer(i, func(i int) float64 { return rendezvousRank(key, backends[i].nameHash, backends[i].Weight, even) })
 	}
 	var names []string
 	for _, i := range top.Indexes() {
@@ -101,22 +94,30 @@ func (r *Router) SpreadEngines(role routerconfig.Role, h Hint) []string {
 	return names
 }
 
-// heads are h's heads, each headGrowth times longer than the one before, from the placement
-// key's length.
+// heads are h's heads, each 4 times longer than the one before from the placement key's
+// length, and its text up to each of its turns' ends (Hint.TurnEnds) as long.
 func (p *CacheAware) heads(h Hint) []Head {
 	n := p.keyTokens * bytesPerToken
 	if n <= 0 || len(h.Text) < n {
 		return nil
 	}
+	cuts := make([]int, 0, headLevels+len(h.TurnEnds))
+	for k := range headLevels {
+		cuts = append(cuts, n<<(2*k))
+	}
+	for _, e := range h.TurnEnds {
+		cuts = append(cuts, max(e, n))
+	}
+	slices.Sort(cuts)
 	var d xxhash.Digest
 	d.Reset()
 	for _, part := range []string{h.Model, h.LoRA, h.CacheSalt} {
 		_, _ = d.WriteString(part)
 		_, _ = d.WriteString("\x00")
 	}
-	heads := make([]Head, 0, headLevels)
+	heads := make([]Head, 0, len(cuts))
 	done := 0
-	for range headLevels {
+	for _, n := range slices.Compact(cuts) {
 		if n > len(h.Text) {
 			break
 		}
@@ -124,7 +125,6 @@ func (p *CacheAware) heads(h Hint) []Head {
 		done = n
 		var sum [8]byte
 		heads = append(heads, Head{Bytes: n, Key: hex.EncodeToString(d.Sum(sum[:0]))})
-		n *= headGrowth
 	}
 	return heads
 }

@@ -296,3 +296,64 @@ func TestNewGroupsSpreadByWhatEveryReplicaSent(t *testing.T) {
 		t.Errorf("a pool of 20: spread engines %v; want the 8 first in the rank order, the idle pool's pick first", got)
 	}
 }
+
+// conversationTurn is turn (1 or 2) of conversation c, all sharing a long system prompt, each
+// with 2 KB of context of its own, and where its messages end in the text.
+func conversationTurn(c, turn int) Hint {
+	parts := []string{`[{"role":"system","content":"` + longSystem + `"}`,
+		fmt.Sprintf(`,{"role":"user","content":"conversation %d: %s"}`, c, strings.Repeat(fmt.Sprintf("its own context %d. ", c), 100))}
+	if turn == 2 {
+		parts = append(parts, `,{"role":"assistant","content":"an answer"}`, `,{"role":"user","content":"and then?"}`)
+	}
+	var h Hint
+	for _, p := range parts {
+		h.Text += p
+		h.TurnEnds = append(h.TurnEnds, len(h.Text))
+	}
+	h.Text += "]"
+	return h
+}
+
+// Conversations that share a long system prompt look alike to a replica that routed none of
+// them: the heads of fixed lengths name only the shared prompt. Their texts up to each
+// message's end are heads too, so that a conversation's next turn, through another replica,
+// goes where its previous turn went (here, as another replica's placements say, conversation
+// c's first turn to engine c mod 4).
+func TestAConversationsNextTurnGoesWhereItsPreviousWentThroughAnotherReplica(t *testing.T) {
+	for _, turns := range []bool{true, false} {
+		a, b := cacheAwareReplica(t, true), cacheAwareReplica(t, true)
+		shared := map[string]string{} // head key -> engine: what Redis would hold
+		for c := range 12 {
+			h := conversationTurn(c, 1)
+			if !turns {
+				h.TurnEnds = nil
+			}
+			heads, _ := a.Heads(routerconfig.RoleDecode, h)
+			for _, hd := range heads {
+				shared[hd.Key] = fmt.Sprintf("d%d", c%4)
+			}
+		}
+		moved := 0
+		for c := 11; c >= 0; c-- {
+			h := conversationTurn(c, 2)
+			if !turns {
+				h.TurnEnds = nil
+			}
+			heads, _ := b.Heads(routerconfig.RoleDecode, h)
+			for _, hd := range heads {
+				if e, ok := shared[hd.Key]; ok {
+					h.Placed = append(h.Placed, Placement{Engine: e, Bytes: hd.Bytes})
+				}
+			}
+			if decoderFor(t, b, h) != fmt.Sprintf("d%d", c%4) {
+				moved++
+			}
+		}
+		if turns && moved != 0 {
+			t.Errorf("%d of 12 conversations' second turns went elsewhere than their first", moved)
+		}
+		if !turns && moved == 0 {
+			t.Errorf("without the turns' heads every conversation stayed: the test shows nothing")
+		}
+	}
+}

@@ -88,8 +88,7 @@ func (l *Lease) Rank() (rank int, ok bool) {
 	return l.rank, true
 }
 
-// Uncached is how many of the request's prompt tokens its pick expected the backend to
-// compute (0 where the pool does not pick by cost).
+// Uncached is the prompt tokens its pick expected the backend to compute (0: not by cost).
 func (l *Lease) Uncached() float64 {
 	if l == nil || l.booked == nil {
 		return 0

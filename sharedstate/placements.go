@@ -10,8 +10,9 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// maxPlacementKeys bounds the heads one Placements call reads; the rest are not read.
-const maxPlacementKeys = 8
+// maxPlacementKeys bounds the heads one Placements call reads (both pools' 3 heads of fixed
+// lengths and 5 turns' ends); the rest are not read.
+const maxPlacementKeys = 16
 
 // Head names one head of a prompt in one pool: the pool's role, and the head's key, an opaque
 // string hashed before use.
@@ -39,7 +40,7 @@ const sentWindow = 30 * time.Second
 // Placements answers which engine the replicas last sent each of heads to ("" for a head no
 // replica placed within its TTL), and how many uncached prompt tokens every replica sent
 // each of engines within about the last 30 s (AddSent), whatever their roles, in one round
-// trip within the budget. It reads the first 8 heads and the first 16 engines. While Redis
+// trip within the budget. It reads the first 16 heads and the first 16 engines. While Redis
 // is down it answers ErrUnavailable at once: the replica then weighs what it routed alone.
 func (s *Store) Placements(ctx context.Context, heads []Head, engines []Sent) (placed []string, sent []float64, err error) {
 	heads = heads[:min(len(heads), maxPlacementKeys)]

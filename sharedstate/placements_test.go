@@ -40,7 +40,7 @@ func TestAPlacementOneReplicaMadeIsReadByAnother(t *testing.T) {
 }
 
 // A head is hashed under the prefix, bounded whatever its key, and a Placements call reads at
-// most 8 heads; an engine name too long to be one is not kept.
+// most 16 heads; an engine name too long to be one is not kept.
 func TestPlacementsAreBounded(t *testing.T) {
 	srv := redistest.Start(t)
 	r := startReplica(t, srv.Addr(), Config{})
