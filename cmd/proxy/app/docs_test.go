@@ -76,6 +76,7 @@ var docDerived = map[string]string{
 	"kv_events.max_blocks":             "applied by kvcache's index",
 	"kv_events.tier_weights":           "kvcache fills each tier left out",
 	"model_aliases.NAME[].weight":      "applied where the alias is built; absent is not 0",
+	"scrape_interval":                  "follows the count of engines scraped, each round",
 }
 
 // docSimFlags are the sims' keys that keep the simulator's own defaults (`proxy sim
