@@ -18,7 +18,7 @@ type Router interface {
 	Ready() bool
 	Backends() []router.BackendStatus
 	Models(role routerconfig.Role) (models []string, complete bool)
-	Heads(role routerconfig.Role, h router.Hint) ([]router.Head, time.Duration)
+	Heads(role routerconfig.Role, h router.Hint, turnEnds []int) ([]router.Head, time.Duration)
 	SpreadEngines(role routerconfig.Role, h router.Hint) []string
 }
 

@@ -21,7 +21,7 @@ func (noBackends) Usable(*router.Backend) bool                   { return false 
 func (noBackends) Ready() bool                                   { return false }
 func (noBackends) Backends() []router.BackendStatus              { return nil }
 func (noBackends) Models(routerconfig.Role) ([]string, bool)     { return nil, false }
-func (noBackends) Heads(routerconfig.Role, router.Hint) ([]router.Head, time.Duration) {
+func (noBackends) Heads(routerconfig.Role, router.Hint, []int) ([]router.Head, time.Duration) {
 	return nil, 0
 }
 func (noBackends) SpreadEngines(routerconfig.Role, router.Hint) []string { return nil }

@@ -14,7 +14,6 @@ func (x *Exchange) hint(role routerconfig.Role, exclude []string) router.Hint {
 		LoRA: x.Req.Key.LoRA, CacheSalt: x.Req.Key.Salt, Session: x.Sess.Key, Bound: x.Sess.bound(role),
 		BoundText: x.Sess.boundText(role)}
 	h.Class, h.Slack, h.Flow, h.MaxWait = x.Class, x.Slack, x.Tenant, x.MaxWait
-	h.TurnEnds = x.turnEnds(h.Text)
 	h.Placed, h.Sent = x.placed(role, h)
 	return h
 }

@@ -65,9 +65,8 @@ func (x *Exchange) readPlacements(h router.Hint) {
 	var spread []sharedstate.Sent
 	for i, role := range placedRoles {
 		h.Text = x.HintText(role)
-		h.TurnEnds = x.turnEnds(h.Text)
 		hs := &x.heads[i]
-		hs.heads, hs.ttl = x.s.router.Heads(role, h)
+		hs.heads, hs.ttl = x.s.router.Heads(role, h, x.turnEnds(h.Text))
 		for _, hd := range hs.heads {
 			want = append(want, sharedstate.Head{Role: string(role), Key: hd.Key})
 		}

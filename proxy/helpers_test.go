@@ -560,7 +560,7 @@ func (stubRouter) Usable(*router.Backend) bool                   { return false 
 func (stubRouter) Ready() bool                                   { return false }
 func (stubRouter) Backends() []router.BackendStatus              { return nil }
 func (stubRouter) Models(routerconfig.Role) ([]string, bool)     { return nil, false }
-func (stubRouter) Heads(routerconfig.Role, router.Hint) ([]router.Head, time.Duration) {
+func (stubRouter) Heads(routerconfig.Role, router.Hint, []int) ([]router.Head, time.Duration) {
 	return nil, 0
 }
 func (stubRouter) SpreadEngines(routerconfig.Role, router.Hint) []string { return nil }

@@ -583,7 +583,7 @@ var placedPrompt = "hello there. " + strings.Repeat("A preamble the replicas hav
 func placeOn(t *testing.T, h *harness, st *sharedstate.Store, on map[routerconfig.Role]string) {
 	t.Helper()
 	for role, engine := range on {
-		heads, ttl := h.rt.Heads(role, router.Hint{Text: placedPrompt, Model: "m"})
+		heads, ttl := h.rt.Heads(role, router.Hint{Text: placedPrompt, Model: "m"}, nil)
 		if len(heads) == 0 {
 			t.Fatalf("the placed prompt has no heads for the %s pool", role)
 		}

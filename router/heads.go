@@ -42,18 +42,19 @@ type Placement struct {
 }
 
 // Heads are the heads of h's text whose placements role's pool weighs (Hint.Placed), longest
-// last, and how long a placement counts, as routed text does: tree_ttl under cache_aware,
+// last, turnEnds (where in h.Text a conversation's last messages end, oldest first:
+// api.Request.TurnEnds) among them, and how long a placement counts, as routed text does: tree_ttl under cache_aware,
 // pendingGrace under precise_cache_aware (its KV events tell every replica the rest). None
 // unless the pool is on a cache-aware policy, or for a text shorter than its first head.
-func (r *Router) Heads(role routerconfig.Role, h Hint) ([]Head, time.Duration) {
+func (r *Router) Heads(role routerconfig.Role, h Hint, turnEnds []int) ([]Head, time.Duration) {
 	ca, _ := r.sharing(role)
 	switch {
 	case ca == nil:
 		return nil, 0
 	case ca.index != nil:
-		return ca.heads(h), pendingGrace
+		return ca.heads(h, turnEnds), pendingGrace
 	}
-	return ca.heads(h), ca.cfg.TreeTTL
+	return ca.heads(h, turnEnds), ca.cfg.TreeTTL
 }
 
 // sharing is role's policy and backends where its replicas share placements; nil otherwise.
@@ -95,17 +96,17 @@ func (r *Router) SpreadEngines(role routerconfig.Role, h Hint) []string {
 }
 
 // heads are h's heads, each 4 times longer than the one before from the placement key's
-// length, and its text up to each of its turns' ends (Hint.TurnEnds) as long.
-func (p *CacheAware) heads(h Hint) []Head {
+// length, and its text up to each of turnEnds as long.
+func (p *CacheAware) heads(h Hint, turnEnds []int) []Head {
 	n := p.keyTokens * bytesPerToken
 	if n <= 0 || len(h.Text) < n {
 		return nil
 	}
-	cuts := make([]int, 0, headLevels+len(h.TurnEnds))
+	cuts := make([]int, 0, headLevels+len(turnEnds))
 	for k := range headLevels {
 		cuts = append(cuts, n<<(2*k))
 	}
-	for _, e := range h.TurnEnds {
+	for _, e := range turnEnds {
 		cuts = append(cuts, max(e, n))
 	}
 	slices.Sort(cuts)

@@ -65,7 +65,7 @@ func TestAReplicaSendsAGroupWhereTheSharedPlacementsSayItWent(t *testing.T) {
 	for g := range 12 {
 		h := Hint{Text: groupTurn(g, 0)}
 		went[g] = decoderFor(t, a, h)
-		heads, ttl := a.Heads(routerconfig.RoleDecode, h)
+		heads, ttl := a.Heads(routerconfig.RoleDecode, h, nil)
 		if len(heads) != 2 || ttl != routerconfig.DefaultTreeTTL {
 			t.Fatalf("a %d-byte text has heads %v for %v; want 2 (1 KiB, 4 KiB) for tree_ttl", len(h.Text), heads, ttl)
 		}
@@ -79,7 +79,7 @@ func TestAReplicaSendsAGroupWhereTheSharedPlacementsSayItWent(t *testing.T) {
 		if decoderFor(t, alone, h) != went[g] {
 			moved++
 		}
-		heads, _ := b.Heads(routerconfig.RoleDecode, h)
+		heads, _ := b.Heads(routerconfig.RoleDecode, h, nil)
 		for _, hd := range heads {
 			if e, ok := shared[hd.Key]; ok {
 				h.Placed = append(h.Placed, Placement{Engine: e, Bytes: hd.Bytes})
@@ -118,13 +118,13 @@ func TestHeadsAreTheCacheAwarePoliciesAndKeyedByModelAndIdentity(t *testing.T) {
 			cfg.KVEvents.Listen = "tcp://127.0.0.1:0"
 		}
 		r, _, _ := newTestRouter(t, cfg)
-		if heads, ttl := r.Heads(routerconfig.RoleDecode, Hint{Text: groupTurn(0, 0)}); len(heads) != tc.heads || ttl != tc.ttl {
+		if heads, ttl := r.Heads(routerconfig.RoleDecode, Hint{Text: groupTurn(0, 0)}, nil); len(heads) != tc.heads || ttl != tc.ttl {
 			t.Errorf("%s: heads %v for %v, want %d for %v", tc.policy, heads, ttl, tc.heads, tc.ttl)
 		}
 	}
 	r := cacheAwareReplica(t, true)
 	keys := func(h Hint) []string {
-		heads, _ := r.Heads(routerconfig.RoleDecode, h)
+		heads, _ := r.Heads(routerconfig.RoleDecode, h, nil)
 		var ks []string
 		for _, hd := range heads {
 			ks = append(ks, fmt.Sprintf("%d:%s", hd.Bytes, hd.Key))
@@ -203,7 +203,7 @@ func TestAPreciseReplicaSendsAGroupWhereThePlacementsSayBeforeItsEventsCome(t *t
 		if alone.Select(aloneBackends, h).Name != went[g] {
 			movedAlone++
 		}
-		for _, hd := range a.heads(h) {
+		for _, hd := range a.heads(h, nil) {
 			h.Placed = append(h.Placed, Placement{Engine: went[g], Bytes: hd.Bytes})
 		}
 		if b.Select(bBackends, h).Name != went[g] {
@@ -299,19 +299,18 @@ func TestNewGroupsSpreadByWhatEveryReplicaSent(t *testing.T) {
 
 // conversationTurn is turn (1 or 2) of conversation c, all sharing a long system prompt, each
 // with 2 KB of context of its own, and where its messages end in the text.
-func conversationTurn(c, turn int) Hint {
+func conversationTurn(c, turn int) (h Hint, turnEnds []int) {
 	parts := []string{`[{"role":"system","content":"` + longSystem + `"}`,
 		fmt.Sprintf(`,{"role":"user","content":"conversation %d: %s"}`, c, strings.Repeat(fmt.Sprintf("its own context %d. ", c), 100))}
 	if turn == 2 {
 		parts = append(parts, `,{"role":"assistant","content":"an answer"}`, `,{"role":"user","content":"and then?"}`)
 	}
-	var h Hint
 	for _, p := range parts {
 		h.Text += p
-		h.TurnEnds = append(h.TurnEnds, len(h.Text))
+		turnEnds = append(turnEnds, len(h.Text))
 	}
 	h.Text += "]"
-	return h
+	return h, turnEnds
 }
 
 // Conversations that share a long system prompt look alike to a replica that routed none of
@@ -324,22 +323,22 @@ func TestAConversationsNextTurnGoesWhereItsPreviousWentThroughAnotherReplica(t *
 		a, b := cacheAwareReplica(t, true), cacheAwareReplica(t, true)
 		shared := map[string]string{} // head key -> engine: what Redis would hold
 		for c := range 12 {
-			h := conversationTurn(c, 1)
+			h, ends := conversationTurn(c, 1)
 			if !turns {
-				h.TurnEnds = nil
+				ends = nil
 			}
-			heads, _ := a.Heads(routerconfig.RoleDecode, h)
+			heads, _ := a.Heads(routerconfig.RoleDecode, h, ends)
 			for _, hd := range heads {
 				shared[hd.Key] = fmt.Sprintf("d%d", c%4)
 			}
 		}
 		moved := 0
 		for c := 11; c >= 0; c-- {
-			h := conversationTurn(c, 2)
+			h, ends := conversationTurn(c, 2)
 			if !turns {
-				h.TurnEnds = nil
+				ends = nil
 			}
-			heads, _ := b.Heads(routerconfig.RoleDecode, h)
+			heads, _ := b.Heads(routerconfig.RoleDecode, h, ends)
 			for _, hd := range heads {
 				if e, ok := shared[hd.Key]; ok {
 					h.Placed = append(h.Placed, Placement{Engine: e, Bytes: hd.Bytes})

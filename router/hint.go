@@ -50,9 +50,6 @@ type Hint struct {
 	// replicas share (Router.Heads); cache_aware credits each engine named with its head,
 	// as it credits the text this replica routed. Empty means none known.
 	Placed []Placement
-	// TurnEnds are where in Text the last few messages of a conversation end, oldest first
-	// (api.Request.TurnEnds): the replicas share where each prefix up to one went.
-	TurnEnds []int
 	// Sent is the uncached prompt tokens every replica sent each engine named lately, from
 	// the same state (Router.SpreadEngines): a pool that spreads prompts no engine holds by
 	// what was sent each engine weighs the larger of this and what this replica sent.
