@@ -42,10 +42,11 @@ type Placement struct {
 }
 
 // Heads are the heads of h's text whose placements role's pool weighs (Hint.Placed), longest
-// last, turnEnds (where in h.Text a conversation's last messages end, oldest first:
-// api.Request.TurnEnds) among them, and how long a placement counts, as routed text does: tree_ttl under cache_aware,
-// pendingGrace under precise_cache_aware (its KV events tell every replica the rest). None
-// unless the pool is on a cache-aware policy, or for a text shorter than its first head.
+// last, turnEnds (where in h.Text a conversation's last messages end: api.Request.TurnEnds)
+// among them, and how long a placement counts, as routed text does: tree_ttl under
+// cache_aware, pendingGrace under precise_cache_aware (its KV events tell every replica the
+// rest). None unless the pool is on a cache-aware policy, or for a text shorter than its
+// first head.
 func (r *Router) Heads(role routerconfig.Role, h Hint, turnEnds []int) ([]Head, time.Duration) {
 	ca, _ := r.sharing(role)
 	switch {
