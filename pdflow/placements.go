@@ -70,12 +70,15 @@ func (x *Exchange) readPlacements(h router.Hint) {
 		for _, hd := range hs.heads {
 			want = append(want, sharedstate.Head{Role: string(role), Key: hd.Key})
 		}
+		if len(hs.heads) == 0 {
+			continue // a prompt too short for a head: no round trip for its spread alone
+		}
 		hs.spread = x.s.router.SpreadEngines(role, h)
 		for _, e := range hs.spread {
 			spread = append(spread, sharedstate.Sent{Role: string(role), Engine: e})
 		}
 	}
-	if len(want) == 0 && len(spread) == 0 {
+	if len(want) == 0 {
 		return
 	}
 	engines, sent, err := x.s.placements.Placements(x.Ctx, want, spread)

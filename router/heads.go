@@ -85,9 +85,10 @@ func (r *Router) SpreadEngines(role routerconfig.Role, h Hint) []string {
 		return nil
 	}
 	even := !slices.ContainsFunc(backends, func(b *Backend) bool { return b.Weight != backends[0].Weight })
+	rank := func(i int) float64 { return rendezvousRank(key, backends[i].nameHash, backends[i].Weight, even) }
 	var top costmodel.Top
 	for i := range backends {
-		top.Offer(i, func(i int) float64 { return rendezvousRank(key, backends[i].nameHash, backends[i].Weight, even) })
+		top.Offer(i, rank)
 	}
 	var names []string
 	for _, i := range top.Indexes() {
