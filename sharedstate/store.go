@@ -1,13 +1,15 @@
 // Package sharedstate owns what the proxy's replicas share and their engines cannot report:
-// each client key's rate and concurrency limits, the engines each session is bound to, and
-// the engines the heads of prompts were last sent to (Placements), for the routing that sees
-// only the text routed.
+// each client key's rate and concurrency limits, the engines each session is bound to, the
+// engines the heads of prompts were last sent to and the uncached tokens each engine was sent
+// lately (Placements), for the cache-aware routing.
 // It lives in Redis (or Valkey); a Store is one replica's view of it.
 //
-// On a request's path a Store makes one round trip at most, bounded by a budget of a few
-// milliseconds: one script decides the key's limits and reads the session's bindings. What
-// can wait (a slot given back, a session bound, the slots' refresh) goes through a bounded
-// queue to one goroutine, off the path. When Redis fails or is slow, every call says so at
+// On a request's path a Store makes two round trips at most, each bounded by a budget of a
+// few milliseconds: one script decides the key's limits and reads the session's bindings, and
+// one pipeline reads the placements and counts of both pools before the first pick (only for
+// a prompt with a head, on a cache-aware pool). What can wait (a slot given back, a session
+// bound, a placement, the tokens sent, the slots' refresh) goes through a bounded queue to one
+// goroutine, off the path. When Redis fails or is slow, every call says so at
 // once and the caller decides on its own state; the Store stops asking Redis for a short
 // back-off, logs the outage once, and when Redis answers again logs that once and puts back
 // the slots of the requests still in flight.
