@@ -122,10 +122,10 @@ func (vllm) TokensIn() bool                                    { return true }
 // sends only bodies it validated, and a decoder acknowledges a decode only from its handler.
 func (vllm) RejectionFreesKV(int) bool { return true }
 
-// LoadMetrics names the gauges on vLLM's /metrics that the router's least_loaded policy
-// reads (router.LoadReporter); the simulator reports the same.
-func (vllm) LoadMetrics() (waiting, running, kvUsage string) {
-	return "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"
+// LoadMetrics names the series on vLLM's /metrics that the router reads (router.LoadReporter):
+// its load gauges, and its count of finished requests; the simulator reports the same.
+func (vllm) LoadMetrics() (waiting, running, kvUsage, requests string) {
+	return "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:request_success_total"
 }
 
 // legacy is vLLM before the lease and before #41269: a decoder that refuses a request tells

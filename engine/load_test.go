@@ -4,16 +4,16 @@ import "testing"
 
 // loadReporter is router.LoadReporter, which engine may not import.
 type loadReporter interface {
-	LoadMetrics() (waiting, running, kvUsage string)
+	LoadMetrics() (waiting, running, kvUsage, requests string)
 }
 
-func TestEveryEngineNamesTheLoadGaugesOfItsMetrics(t *testing.T) {
-	want := map[string][3]string{
-		KindVLLM:       {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"},
-		KindVLLMLegacy: {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"},
-		KindSim:        {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"},
-		KindSGLang:     {"sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"},
-		KindMooncake:   {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"},
+func TestEveryEngineNamesTheLoadSeriesOfItsMetrics(t *testing.T) {
+	want := map[string][4]string{
+		KindVLLM:       {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:request_success_total"},
+		KindVLLMLegacy: {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:request_success_total"},
+		KindSim:        {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:request_success_total"},
+		KindSGLang:     {"sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage", "sglang:num_requests_total"},
+		KindMooncake:   {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:request_success_total"},
 	}
 	for _, kind := range Kinds() {
 		t.Run(kind, func(t *testing.T) {
@@ -22,8 +22,8 @@ func TestEveryEngineNamesTheLoadGaugesOfItsMetrics(t *testing.T) {
 			if !ok {
 				t.Fatalf("engine %s does not name its load gauges: least_loaded would guess", kind)
 			}
-			w, r, u := lr.LoadMetrics()
-			if got := [3]string{w, r, u}; got != want[kind] {
+			w, r, u, n := lr.LoadMetrics()
+			if got := [4]string{w, r, u, n}; got != want[kind] {
 				t.Errorf("LoadMetrics() = %q, want %q", got, want[kind])
 			}
 		})

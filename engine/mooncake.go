@@ -54,7 +54,9 @@ func (mooncake) TokensIn() bool { return true }
 func (mooncake) RejectionFreesKV(int) bool { return false }
 
 // LoadMetrics are vLLM's: the MooncakeConnector changes nothing in its gauges.
-func (mooncake) LoadMetrics() (waiting, running, kvUsage string) { return VLLM.(vllm).LoadMetrics() }
+func (mooncake) LoadMetrics() (waiting, running, kvUsage, requests string) {
+	return VLLM.(vllm).LoadMetrics()
+}
 
 // Legs: the prefill leg asks for a remote decode under the transfer id, one token, not
 // streamed, on the rank the proxy chose (X-data-parallel-rank); the decode leg names the

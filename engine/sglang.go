@@ -84,10 +84,10 @@ func (sglang) Kind() string { return KindSGLang }
 // Messages request would not pair; its chat completions route has them.
 func (sglang) MessagesByChat() bool { return true }
 
-// LoadMetrics names the gauges on SGLang's /metrics (served with --enable-metrics) that the
-// router's least_loaded policy reads (router.LoadReporter).
-func (sglang) LoadMetrics() (waiting, running, kvUsage string) {
-	return "sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"
+// LoadMetrics names the series on SGLang's /metrics (served with --enable-metrics) that the
+// router reads (router.LoadReporter): its load gauges, and its count of requests served.
+func (sglang) LoadMetrics() (waiting, running, kvUsage, requests string) {
+	return "sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage", "sglang:num_requests_total"
 }
 
 // KVHoldTimeout is zero: with NIXL a prefiller holds a room nobody claims until it restarts,

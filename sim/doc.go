@@ -242,12 +242,13 @@
 // GET /metrics (the engine's own registry, one consistent snapshot per
 // scrape, with a model_name label: vllm:num_requests_running (requests
 // holding a running slot: prefilling, pulling or decoding),
-// vllm:num_requests_waiting (submitted, waiting for blocks or a slot) and
+// vllm:num_requests_waiting (submitted, waiting for blocks or a slot),
 // vllm:kv_cache_usage_perc (blocks not free, held ones included, over the
-// pool); with the sglang protocol the same under SGLang's names,
-// sglang:num_running_reqs, sglang:num_queue_reqs and sglang:token_usage, plus
-// sglang:num_decode_prealloc_queue_reqs (decodes waiting for their room); and
-// pdproxy_sim_* counters).
+// pool) and vllm:request_success_total (requests the scheduler took in, from
+// every client); with the sglang protocol the same under SGLang's names,
+// sglang:num_running_reqs, sglang:num_queue_reqs, sglang:token_usage and
+// sglang:num_requests_total, plus sglang:num_decode_prealloc_queue_reqs
+// (decodes waiting for their room); and pdproxy_sim_* counters).
 //
 // # Fault injection
 //

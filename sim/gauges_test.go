@@ -9,19 +9,20 @@ import (
 	"github.com/pdproxy/pdproxy/internal/testutil"
 )
 
-// loadGauges is what a router reads of an engine's load on /metrics.
-type loadGauges struct{ waiting, running, usage float64 }
+// loadGauges is what a router reads of an engine's load on /metrics: its load gauges and its
+// count of requests taken in.
+type loadGauges struct{ waiting, running, usage, requests float64 }
 
 // scrapeLoad reads the load gauges of family ("vllm" or "sglang") from url's /metrics, as a
 // proxy's router scrapes them, and fails if the other family is there too.
 func scrapeLoad(t *testing.T, client *http.Client, url, family string) loadGauges {
 	t.Helper()
-	names := map[string][3]string{
-		"vllm":   {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"},
-		"sglang": {"sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"},
+	names := map[string][4]string{
+		"vllm":   {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:request_success_total"},
+		"sglang": {"sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage", "sglang:num_requests_total"},
 	}
 	g := testutil.Scrape(client, url+"/metrics")
-	var out [3]float64
+	var out [4]float64
 	for i, name := range names[family] {
 		v, ok := testutil.Lookup(t, g, name, map[string]string{"model_name": "sim"})
 		if !ok {
@@ -39,7 +40,7 @@ func scrapeLoad(t *testing.T, client *http.Client, url, family string) loadGauge
 			}
 		}
 	}
-	return loadGauges{out[0], out[1], out[2]}
+	return loadGauges{out[0], out[1], out[2], out[3]}
 }
 
 func TestLoadGaugesFollowTheEnginesState(t *testing.T) {
@@ -55,7 +56,7 @@ func TestLoadGaugesFollowTheEnginesState(t *testing.T) {
 			script: func(*testing.T, *scripted) {},
 		},
 		{
-			name: "requests submitted before the scheduler's next step are waiting",
+			name: "requests submitted before the scheduler's next step are waiting, not yet counted",
 			script: func(t *testing.T, p *scripted) {
 				for _, rid := range []string{"a", "b", "c"} {
 					if err := p.submit(p.request(t, rid, kindAggregated, 32, 100, nil)); err != nil {
@@ -75,7 +76,7 @@ func TestLoadGaugesFollowTheEnginesState(t *testing.T) {
 				}
 				p.stepNow()
 			},
-			want: loadGauges{waiting: 1, running: 2, usage: 4.0 / 16},
+			want: loadGauges{waiting: 1, running: 2, usage: 4.0 / 16, requests: 3},
 		},
 		{
 			name: "a request waits for KV blocks while a slot is free",
@@ -87,14 +88,14 @@ func TestLoadGaugesFollowTheEnginesState(t *testing.T) {
 				}
 				p.stepNow()
 			},
-			want: loadGauges{waiting: 1, running: 1, usage: 13.0 / 16},
+			want: loadGauges{waiting: 1, running: 1, usage: 13.0 / 16, requests: 2},
 		},
 		{
 			name: "a prefill holding KV for a decoder runs nothing but uses its blocks",
 			script: func(t *testing.T, p *scripted) {
 				p.holdPrefill(t, "held")
 			},
-			want: loadGauges{usage: 2.0 / 16},
+			want: loadGauges{usage: 2.0 / 16, requests: 1},
 		},
 		{
 			name:     "an SGLang engine reports the same state under SGLang's names",
@@ -107,7 +108,7 @@ func TestLoadGaugesFollowTheEnginesState(t *testing.T) {
 				}
 				p.stepNow()
 			},
-			want: loadGauges{waiting: 1, running: 2, usage: 4.0 / 16},
+			want: loadGauges{waiting: 1, running: 2, usage: 4.0 / 16, requests: 3},
 		},
 	}
 	for _, tt := range tests {

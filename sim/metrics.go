@@ -69,16 +69,19 @@ func (e *Engine) metricList() []metric {
 
 	running := func(s KVStats) float64 { return float64(s.RunningRequests) }
 	waiting := func(s KVStats) float64 { return float64(s.WaitingRequests) }
+	requests := func(s KVStats) float64 { return float64(s.RequestsTotal) }
 	if e.cfg.Protocol == ProtocolSGLang {
 		gauge("sglang:num_running_reqs", "Requests prefilling, pulling KV or decoding (holding a running slot and KV blocks).", running)
 		gauge("sglang:num_queue_reqs", "Requests queued for KV blocks or a running slot.", waiting)
 		gauge("sglang:token_usage", "Fraction of KV blocks not free (in use or held for a decoder), 0 to 1.", kvUsage)
 		gauge("sglang:num_decode_prealloc_queue_reqs", "Decoder: requests waiting for their bootstrap room's KV (rooms_waiting).",
 			func(s KVStats) float64 { return float64(s.RoomsWaiting) })
+		counter("sglang:num_requests_total", "Requests the scheduler accepted, from every client.", requests)
 	} else {
 		gauge("vllm:num_requests_running", "Requests prefilling, pulling KV or decoding (holding a running slot and KV blocks).", running)
 		gauge("vllm:num_requests_waiting", "Requests queued for KV blocks or a running slot.", waiting)
 		gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks not free (in use or held for a decoder), 0 to 1.", kvUsage)
+		counter("vllm:request_success_total", "Requests the scheduler accepted, from every client (vLLM counts them as they finish).", requests)
 		// vLLM's own name for the hold expiries (PR #41383), so that a dashboard
 		// or a proxy test written against vLLM reads the sim unchanged.
 		counter("vllm:nixl_num_kv_expired_reqs_total", "Requests whose KV lease expired before a decoder read them.",

@@ -1,5 +1,5 @@
 // Package enginemetrics reads an engine's load, its requests waiting and running and its KV
-// cache usage, from its Prometheus /metrics.
+// cache usage, and the count of requests it has served, from its Prometheus /metrics.
 package enginemetrics
 
 import (
@@ -24,16 +24,16 @@ const (
 	metricsPath = "/metrics"
 )
 
-// Names are the gauges one engine family reports its load under: requests waiting (queued,
-// not yet running), requests running, and the KV cache usage as a fraction from 0 to 1 (""
-// if none).
-type Names struct{ Waiting, Running, Usage string }
+// Names are the series one engine family reports its load under: requests waiting (queued,
+// not yet running), requests running, the KV cache usage as a fraction from 0 to 1 (""
+// if none), and the counter of the requests it has served, from every client ("" if none).
+type Names struct{ Waiting, Running, Usage, Requests string }
 
 // Families are the families tried for an engine whose own names are not known: vLLM's, then
 // SGLang's.
 var Families = []Names{
-	{"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"},
-	{"sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"},
+	{"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:request_success_total"},
+	{"sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage", "sglang:num_requests_total"},
 }
 
 // Load is an engine's load as one /metrics body reports it.
@@ -43,6 +43,9 @@ type Load struct {
 	Waiting, Running int64
 	// Usage is the KV cache usage, averaged over its series; negative when not reported.
 	Usage float64
+	// Requests is the engine's count of the requests it has served (or taken in), summed
+	// over its series (finish reasons, ranks); negative when not reported.
+	Requests float64
 }
 
 // Doer sends an HTTP request and returns its answer, as an *http.Client does.
@@ -101,7 +104,7 @@ func Parse(body []byte, names []Names) (Load, error) {
 			tried = append(tried, n.Waiting+" and "+n.Running)
 			continue
 		}
-		l := Load{Usage: -1}
+		l := Load{Usage: -1, Requests: -1}
 		if l.Waiting, err = count(n.Waiting, waiting); err != nil {
 			return Load{}, err
 		}
@@ -114,6 +117,12 @@ func Parse(body []byte, names []Names) (Load, error) {
 				return Load{}, fmt.Errorf("%s is %v", n.Usage, usage)
 			}
 			l.Usage = usage
+		}
+		if served, ok := sumOf(fams[n.Requests]); ok {
+			if math.IsNaN(served) || math.IsInf(served, 0) || served < 0 {
+				return Load{}, fmt.Errorf("%s is %v", n.Requests, served)
+			}
+			l.Requests = served
 		}
 		return l, nil
 	}

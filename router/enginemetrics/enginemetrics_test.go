@@ -31,19 +31,19 @@ func TestParse(t *testing.T) {
 			name:  "vLLM's gauges",
 			body:  testutil.VLLMMetrics(3, 5, 0.25),
 			names: Families,
-			want:  Load{Waiting: 3, Running: 5, Usage: 0.25},
+			want:  Load{Waiting: 3, Running: 5, Usage: 0.25, Requests: -1},
 		},
 		{
 			name:  "SGLang's gauges, found by trying the families",
 			body:  sglangMetrics(2, 7, 0.5),
 			names: Families,
-			want:  Load{Waiting: 2, Running: 7, Usage: 0.5},
+			want:  Load{Waiting: 2, Running: 7, Usage: 0.5, Requests: -1},
 		},
 		{
 			name:  "the engine's own names win over another family in the same body",
 			body:  testutil.VLLMMetrics(9, 9, 0.9) + sglangMetrics(1, 2, 0.3),
 			names: []Names{{Waiting: "sglang:num_queue_reqs", Running: "sglang:num_running_reqs", Usage: "sglang:token_usage"}},
-			want:  Load{Waiting: 1, Running: 2, Usage: 0.3},
+			want:  Load{Waiting: 1, Running: 2, Usage: 0.3, Requests: -1},
 		},
 		{
 			name: "data parallel ranks add up their requests and average their KV usage",
@@ -52,13 +52,35 @@ vllm:num_requests_waiting{engine="1",model_name="m"} 3
 vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.6
 `,
 			names: Families,
-			want:  Load{Waiting: 4, Running: 6, Usage: 0.4},
+			want:  Load{Waiting: 4, Running: 6, Usage: 0.4, Requests: -1},
 		},
 		{
 			name:  "no KV usage gauge: usage unknown",
 			body:  "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n",
 			names: Families,
-			want:  Load{Waiting: 0, Running: 1, Usage: -1},
+			want:  Load{Waiting: 0, Running: 1, Usage: -1, Requests: -1},
+		},
+		{
+			name: "the count of requests served, summed over its finish reasons and ranks",
+			body: testutil.VLLMMetrics(0, 1, 0.1) + `# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 40
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 2
+vllm:request_success_total{engine="1",finished_reason="abort",model_name="m"} 3
+`,
+			names: Families,
+			want:  Load{Waiting: 0, Running: 1, Usage: 0.1, Requests: 45},
+		},
+		{
+			name:  "SGLang's count of requests",
+			body:  sglangMetrics(0, 0, 0) + "# TYPE sglang:num_requests_total counter\nsglang:num_requests_total{model_name=\"m\"} 7\n",
+			names: Families,
+			want:  Load{Usage: 0, Requests: 7},
+		},
+		{
+			name:    "a negative count of requests",
+			body:    "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\nvllm:request_success_total -2\n",
+			names:   Families,
+			wantErr: "vllm:request_success_total is -2",
 		},
 		{
 			name:    "only one of the two request gauges",
