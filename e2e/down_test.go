@@ -26,6 +26,8 @@ type backendView struct {
 	Load *struct {
 		Waiting int64 `json:"waiting"`
 		Running int64 `json:"running"`
+		// Alone: the engine served no request but this replica's lately.
+		Alone *bool `json:"alone"`
 	} `json:"load"`
 }
 

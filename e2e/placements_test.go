@@ -206,6 +206,34 @@ func TestReplicasSpreadNewGroupsByWhatEveryReplicaSent(t *testing.T) {
 	}
 }
 
+// One replica, without shared state, whose engines serve no one else: it spreads the prompt
+// groups new to the pool by the uncached tokens it sent each engine lately, as replicas that
+// share state do, since no other replica could place a group elsewhere. Its engines' counts
+// of the requests they served tell it that it is alone.
+func TestAReplicaAloneSpreadsNewGroupsEvenly(t *testing.T) {
+	f := startFleet(t, 1, "", routerconfig.PolicyCacheAware, nil)
+	f.settled(t) // every engine's load and count of requests read
+	preamble := strings.Repeat("Each group's own long instructions, the same for all its users. ", 90)
+	prefillers, decoders := map[int]int{}, map[int]int{}
+	for g := range 6 {
+		p, d := f.send(t, 0, fmt.Sprintf(`{"model":"sim","prompt":"group %d: %s","max_tokens":2}`, g, preamble))
+		prefillers[p]++
+		decoders[d]++
+		f.settled(t)
+	}
+	if len(decoders) != 3 || slices.Max(slices.Collect(maps.Values(decoders))) != 2 {
+		t.Errorf("6 new groups through one replica went to the decoders %v; want 2 on each of 3", decoders)
+	}
+	if len(prefillers) != 2 || prefillers[0] != 3 {
+		t.Errorf("6 new groups through one replica went to the prefillers %v; want 3 on each of 2", prefillers)
+	}
+	for _, name := range []string{"p0", "p1", "d0", "d1", "d2"} {
+		if l := viewBackend(t, f.replicas[0].url, name).Load; l == nil || l.Alone == nil || !*l.Alone {
+			t.Errorf("GET /debug/backends: %s's load %+v; want alone true", name, l)
+		}
+	}
+}
+
 // Conversations that share a long system prompt, each turn reaching the next replica and no
 // session header naming them: with shared state, every replica finds where the conversation's
 // previous turn went by the text up to that turn's last message, and sends the next turn

@@ -52,7 +52,7 @@ type Backend struct {
 	// asks the engine for them (kv_events_discover).
 	kvEvents, kvReplay string
 	kvDiscover         bool
-	// nameHash is the hash of Name that ranks the backend for placement (rendezvousScore).
+	// nameHash is the hash of Name that ranks the backend for placement (costmodel.RendezvousRank).
 	nameHash uint64
 
 	client *http.Client

@@ -51,6 +51,10 @@ type CacheAware struct {
 
 	// cm is the cost every candidate is weighed by (cost.go).
 	cm *costmodel.Model
+	// placementsShared: the replicas share where the heads of prompts went
+	// (routerconfig.Config.SharedPlacements), so cache_aware spreads its ties however many
+	// replicas there are.
+	placementsShared bool
 
 	// index is the precise view; nil for cache_aware.
 	index      *kvcache.Index
@@ -98,16 +102,11 @@ func NewCacheAware(cfg routerconfig.CacheAwareConfig, index *kvcache.Index, stal
 	if staleAfter <= 0 {
 		staleAfter = routerconfig.DefaultKVEventsStaleAfter
 	}
-	// The precise view sees the engines' caches by their KV events: its model spreads ties
-	// by the blocks each computed lately, which every replica reads alike.
+	// The model spreads ties by the work each engine did lately where storedLately knows it
+	// and may (cost.go).
 	return &CacheAware{cfg: cfg, tree: kvcache.NewTree(cfg.MaxTreeBytes), index: index, staleAfter: staleAfter,
-		keyTokens: routerconfig.DefaultPrefixTokens, loadFactor: routerconfig.DefaultBoundedLoadFactor, cm: newCostModel(cfg, index != nil)}
-}
-
-// newCostModel is the cost model of cfg; with spread, its ties are spread by the work each
-// engine did lately.
-func newCostModel(cfg routerconfig.CacheAwareConfig, spread bool) *costmodel.Model {
-	return costmodel.New(cfg.PrefillOverhead, cfg.PrefillTokensPerSecond, float64(cfg.DecodeCostTokens), cfg.Temperature, spread)
+		keyTokens: routerconfig.DefaultPrefixTokens, loadFactor: routerconfig.DefaultBoundedLoadFactor,
+		cm: costmodel.New(cfg.PrefillOverhead, cfg.PrefillTokensPerSecond, float64(cfg.DecodeCostTokens), cfg.Temperature)}
 }
 
 // SetPool forgets the engines no longer in the pool.
@@ -196,7 +195,9 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 		}
 		costs = append(costs, c)
 	}
-	rank := func(i int) float64 { return rendezvousRank(key, cands[i].nameHash, cands[i].Weight, bd.evenWeights) }
+	rank := func(i int) float64 {
+		return costmodel.RendezvousRank(key, cands[i].nameHash, cands[i].Weight, bd.evenWeights)
+	}
 	recent := func(i int) (float64, bool) { return p.storedLately(cands[i], h, now) }
 	pick := p.cm.Choose(costs, ahead, recent, rank, bound)
 	b := cands[pick]
@@ -214,8 +215,10 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 // storedLately is the blocks b computed lately, as its KV events tell, or as the picks sent
 // it (this replica's, or every replica's where h.Sent has them), whichever is more: events
 // come a moment after a prefill ends, and a group placed just before must count at once. For
-// cache_aware, which reads no events, it is the uncached tokens sent b lately, ok where its
-// model spreads (routerconfig.Config.SharedPlacements). ok is false when b's events are not
+// cache_aware, which reads no events, it is the uncached tokens sent b lately, ok where the
+// replicas share placements (routerconfig.Config.SharedPlacements) or where b's engine has
+// served no request but this replica's lately (Backend.sole): no other replica is there to
+// place the group elsewhere. ok is false when b's events are not
 // known to be read (neither dialed nor ever heard from, though this replica sent it work):
 // ties are then not spread, as a count for some engines only would send all new work to one
 // whose events never arrive. An engine whose events are read and that published nothing
@@ -224,7 +227,7 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 func (p *CacheAware) storedLately(b *Backend, h Hint, now time.Time) (blocks float64, ok bool) {
 	sent := max(b.st.cost.sent.Value(now), h.Sent[b.Name])
 	if p.index == nil {
-		return sent, p.cm.Spread()
+		return sent, p.placementsShared || b.sole(now)
 	}
 	e := b.kvEngineIn(p.index)
 	if !b.eventsDialed() && e.LastEvent().IsZero() && b.st.started.Load() > 0 {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/kvcache"
+	"github.com/pdproxy/pdproxy/router/costmodel"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
 
@@ -85,7 +86,7 @@ func rendezvousOrder(bs []*Backend, key uint64) []int {
 		order[i] = i
 	}
 	slices.SortFunc(order, func(a, b int) int {
-		return cmp.Compare(rendezvousRank(key, bs[b].nameHash, bs[b].Weight, true), rendezvousRank(key, bs[a].nameHash, bs[a].Weight, true))
+		return cmp.Compare(costmodel.RendezvousRank(key, bs[b].nameHash, bs[b].Weight, true), costmodel.RendezvousRank(key, bs[a].nameHash, bs[a].Weight, true))
 	})
 	return order
 }

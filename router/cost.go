@@ -36,8 +36,9 @@ import (
 // routed: to a replica, a group another replica routed looks new, and spread so it would go
 // elsewhere. It spreads its ties, by the uncached tokens this replica sent each engine
 // lately, only where the replicas share where the heads of prompts went (heads.go), which
-// brings a group back where it first went; else it keeps the rendezvous order alone. A
-// temperature draws the pick by weight.
+// brings a group back where it first went, or where no other replica sends the engines work:
+// their counts of the requests they served hold none but this replica's (Backend.sole). Else
+// it keeps the rendezvous order alone. A temperature draws the pick by weight.
 
 // Cost is what a pick predicted of the request on the backend it picked: the request's own
 // uncached prompt tokens there, the work ahead of it (in tokens), and the predicted time to
@@ -117,7 +118,7 @@ type booked struct {
 func book(m *costmodel.Model, b *Backend, cost Cost, now time.Time) *booked {
 	bk := &booked{entry: costmodel.Entry{At: now, Tokens: int64(math.Round(cost.Uncached))}, m: m, cost: cost}
 	b.st.cost.books.Add(&bk.entry)
-	if m.Spread() && cost.Uncached > 0 {
+	if cost.Uncached > 0 {
 		b.st.cost.sent.Add(now, cost.Uncached)
 	}
 	b.st.cost.predictedTTFT.Store(math.Float64bits(cost.Predicted.Seconds()))

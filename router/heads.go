@@ -77,7 +77,7 @@ func (r *Router) sharing(role routerconfig.Role) (*CacheAware, []*Backend) {
 // rank order, among which ties are spread. None for a pool that does not.
 func (r *Router) SpreadEngines(role routerconfig.Role, h Hint) []string {
 	ca, backends := r.sharing(role)
-	if ca == nil || !ca.cm.Spread() {
+	if ca == nil || (ca.index == nil && !ca.placementsShared) {
 		return nil
 	}
 	key, ok := ca.tieKey(h)
@@ -85,7 +85,9 @@ func (r *Router) SpreadEngines(role routerconfig.Role, h Hint) []string {
 		return nil
 	}
 	even := !slices.ContainsFunc(backends, func(b *Backend) bool { return b.Weight != backends[0].Weight })
-	rank := func(i int) float64 { return rendezvousRank(key, backends[i].nameHash, backends[i].Weight, even) }
+	rank := func(i int) float64 {
+		return costmodel.RendezvousRank(key, backends[i].nameHash, backends[i].Weight, even)
+	}
 	var top costmodel.Top
 	for i := range backends {
 		top.Offer(i, rank)

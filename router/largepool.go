@@ -273,7 +273,7 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		}
 	}
 	defer func() { v.shares, v.costs = shares[:0], costs[:0] }()
-	rank := func(i int) float64 { return rendezvousRank(key, v.hash[i], v.weight[i], v.evenWeights) }
+	rank := func(i int) float64 { return costmodel.RendezvousRank(key, v.hash[i], v.weight[i], v.evenWeights) }
 	recent := func(i int) (float64, bool) { return p.storedLately(cands[i], h, now) }
 	pick := p.cm.Choose(costs, v.ahead, recent, rank, bound)
 	for try := 0; try < 2; try++ {

@@ -39,16 +39,17 @@ const (
 // knows. Without it the router tries the vLLM names, then SGLang's.
 type LoadReporter interface {
 	// LoadMetrics names the gauges of requests waiting (queued, not yet running), requests
-	// running, and the KV cache usage as a fraction from 0 to 1 ("" if none).
-	LoadMetrics() (waiting, running, kvUsage string)
+	// running, and the KV cache usage as a fraction from 0 to 1 ("" if none), and the counter
+	// of the requests the engine has served ("" if none).
+	LoadMetrics() (waiting, running, kvUsage, requests string)
 }
 
 // loadNamesOf are the gauges e's load is read by: its own where it is a LoadReporter, else
 // the families enginemetrics knows.
 func loadNamesOf(e routerconfig.Engine) []enginemetrics.Names {
 	if lr, ok := e.(LoadReporter); ok {
-		w, r, u := lr.LoadMetrics()
-		return []enginemetrics.Names{{Waiting: w, Running: r, Usage: u}}
+		w, r, u, n := lr.LoadMetrics()
+		return []enginemetrics.Names{{Waiting: w, Running: r, Usage: u, Requests: n}}
 	}
 	return enginemetrics.Families
 }
@@ -63,6 +64,21 @@ type engineLoad struct {
 	started, ended int64
 	// at is when the answer came; staleAt is at plus staleScrapes intervals (router clock).
 	at, staleAt time.Time
+	// peers is what the engine's count of the requests it served says of other clients.
+	peers enginemetrics.Peers
+}
+
+// soleAfter is how long after its engine last counted a request this replica did not send a
+// backend is shared: the cache-aware policies then place a new prompt by its rendezvous order
+// alone, as every replica does, not by what this replica sent each engine (Backend.sole).
+const soleAfter = 10 * time.Minute
+
+// sole reports whether b's engine, by its fresh scrape, has served no request but this
+// replica's for soleAfter (or since this replica first read its count): no other replica
+// sends it work. An engine that does not count its requests is never sole.
+func (b *Backend) sole(now time.Time) bool {
+	l := b.st.load.last.Load()
+	return l != nil && now.Before(l.staleAt) && l.peers.Sole(now, soleAfter)
 }
 
 // loadState is a backend's scraped load and its counters. It lives in backendState, so that
@@ -255,6 +271,11 @@ func (r *Router) scrape(ctx context.Context, b *Backend, interval time.Duration)
 	now := r.now()
 	l.started, l.ended = b.st.started.Load(), ended
 	l.at, l.staleAt = now, now.Add(staleScrapes*interval)
+	var before enginemetrics.Peers
+	if prev := st.last.Load(); prev != nil {
+		before = prev.peers
+	}
+	l.peers = before.Next(l.Requests, l.started, l.ended, now)
 	st.last.Store(l)
 }
 
@@ -288,6 +309,9 @@ type LoadStatus struct {
 	Score int64 `json:"score"`
 	// KVFull is true for a prefiller avoided because its KV pool is nearly full.
 	KVFull bool `json:"kv_full,omitempty"`
+	// Alone is whether the engine has served no request but this replica's lately, by its
+	// count of requests (Backend.sole); absent when it reports no count.
+	Alone *bool `json:"alone,omitempty"`
 }
 
 // loadStatus is b's LoadStatus at now, nil before its first good scrape.
@@ -302,6 +326,10 @@ func (b *Backend) loadStatus(now time.Time) *LoadStatus {
 	if l.Usage >= 0 {
 		u := l.Usage
 		s.KVUsage = &u
+	}
+	if l.Requests >= 0 {
+		alone := b.sole(now)
+		s.Alone = &alone
 	}
 	return s
 }

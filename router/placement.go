@@ -2,10 +2,11 @@ package router
 
 import (
 	"encoding/binary"
-	"math"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/pdproxy/pdproxy/router/costmodel"
 )
 
 // Placement is where a request goes when nothing this replica knows says where it belongs: a
@@ -88,14 +89,7 @@ func (bd *bounds) within(i int) bool {
 	if v.full {
 		return false
 	}
-	return fitsBound(v.load, bd.total, max(bd.cands[i].Weight, 1), bd.weights, bd.c)
-}
-
-// fitsBound reports whether a candidate of load and weight may take one more request among
-// candidates of total load and total weight weights, under bounded loads with factor c.
-func fitsBound(load, total int64, weight, weights int, c float64) bool {
-	limit := math.Ceil(c * float64(total+1) * float64(weight) / float64(weights))
-	return float64(load+1) <= limit
+	return costmodel.FitsBound(v.load, bd.total, max(bd.cands[i].Weight, 1), bd.weights, bd.c)
 }
 
 // pick is the index of the first candidate in key's rendezvous order that is within its
@@ -104,7 +98,7 @@ func (bd *bounds) pick(key uint64) int {
 	best, home := -1, 0
 	var bestScore, homeScore float64
 	for i, b := range bd.cands {
-		s := rendezvousRank(key, b.nameHash, b.Weight, bd.evenWeights)
+		s := costmodel.RendezvousRank(key, b.nameHash, b.Weight, bd.evenWeights)
 		if i == 0 || s > homeScore {
 			home, homeScore = i, s
 		}
@@ -123,36 +117,6 @@ func place(cands []*Backend, key uint64, c float64, now time.Time) *Backend {
 	var buf [candidatesOnStack]loadView
 	bd := newBounds(cands, now, c, buf[:])
 	return cands[bd.pick(key)]
-}
-
-// rendezvousScore is the rank for key of the backend of nameHash and weight: the higher, the earlier. Weighted rendezvous hashing
-// (weight / -ln u, u uniform in (0, 1) from the hash) gives each engine a share of the keys in
-// proportion to its weight; with equal weights it is the plain order of the hashes. The hash
-// is of the key and the backend's name, never its address, so that every replica ranks alike
-// and an engine that moves keeps its keys.
-func rendezvousScore(key, nameHash uint64, weight int) float64 {
-	h := mix64(key ^ nameHash)
-	u := (float64(h>>11) + 0.5) / (1 << 53)
-	return float64(max(weight, 1)) / -math.Log(u)
-}
-
-// rendezvousRank is what orders candidates as rendezvousScore does: with even weights (every
-// candidate of the same weight) the hash alone, with no logarithm.
-func rendezvousRank(key, nameHash uint64, weight int, even bool) float64 {
-	if even {
-		return float64(mix64(key^nameHash) >> 11)
-	}
-	return rendezvousScore(key, nameHash, weight)
-}
-
-// mix64 is SplitMix64's finalizer: every bit of x reaches every bit of the result.
-func mix64(x uint64) uint64 {
-	x ^= x >> 30
-	x *= 0xbf58476d1ce4e5b9
-	x ^= x >> 27
-	x *= 0x94d049bb133111eb
-	x ^= x >> 31
-	return x
 }
 
 // placementKey is the key a prompt is placed by: a hash of its head, the first textBytes bytes

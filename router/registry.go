@@ -74,11 +74,9 @@ func newCacheAware(b policyBuild, index *kvcache.Index) *CacheAware {
 	if index != nil && b.tierTokens != nil {
 		p.tierTokens = b.tierTokens()
 	}
-	if index == nil && b.sharedPlacements {
-		// The placements keep a group where it first went on every replica: cache_aware may
-		// spread its ties by what this replica sent each engine lately.
-		p.cm = newCostModel(p.cfg, true)
-	}
+	// The placements keep a group where it first went on every replica: cache_aware may
+	// spread its ties by what this replica sent each engine lately.
+	p.placementsShared = index == nil && b.sharedPlacements
 	return p
 }
 

@@ -13,7 +13,7 @@ const (
 	// prompt's head (a chat's opening bytes, a block) save nothing a user would notice, and
 	// replicas whose views of the caches differ by so little must still place alike.
 	tieTokens = 64
-	// spreadShare: among the ties a model spreads, engines whose blocks computed lately are
+	// spreadShare: among the ties spread, engines whose blocks computed lately are
 	// within this share of the fewest's are alike, and the rank order decides between them:
 	// replicas whose counts differ by the last moment's place alike.
 	spreadShare = 0.1
@@ -27,9 +27,9 @@ const (
 // the work ahead of it in tokens: the lowest, or with preferred (-1 for none) among the
 // near-equal ones (TieLimit), preferred; else among them those with the least work ahead
 // (within tieTokens: what the pick adds to is then spread), and of those the SpreadChoices
-// first in the rank order (the highest ranks): where the Model spreads and recent (nil: none)
-// says for each of them how many blocks it computed lately, the first of them within
-// spreadShare of the fewest; else the first. recent's ok false for any of them leaves the
+// first in the rank order (the highest ranks): where recent (nil: none) says for each of them
+// how many blocks it computed lately, the first of them within spreadShare of the fewest;
+// else the first. recent's ok false for any of them leaves the
 // rank order alone. With a temperature, drawn by weight.
 func (m *Model) Choose(costs, ahead []float64, recent func(i int) (blocks float64, ok bool), rank func(i int) float64, preferred int) int {
 	lo := 0
@@ -69,7 +69,7 @@ func (m *Model) Choose(costs, ahead []float64, recent func(i int) (blocks float6
 		}
 	}
 	n := top.n
-	if !m.spread || recent == nil || n == 1 {
+	if recent == nil || n == 1 {
 		return top.top[0].i
 	}
 	var blocks [SpreadChoices]float64

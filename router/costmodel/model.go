@@ -17,12 +17,12 @@
 // tieTokens of it, are ties (Model.Choose): a preferred engine first (a session's), then
 // those with the least work ahead, within tieTokens (a hot prompt held on one engine spreads
 // rather than queue there for a saving too small to tell); then the order the caller ranks
-// them in, one every replica computes alike. A Model that spreads takes that order among the
-// SpreadChoices first in it by the blocks each computed lately: the first within spreadShare
-// of the fewest, so that new work goes where the least work went and none gets a double share
-// by the luck of a hash. With a temperature the pick is instead drawn with weights
-// exp(-(cost - lowest) / temperature), so that replicas do not all herd onto one engine
-// between two scrapes.
+// them in, one every replica computes alike. Where the caller knows the blocks each computed
+// lately, the SpreadChoices first in that order are taken by them: the first within
+// spreadShare of the fewest, so that new work goes where the least work went and none gets a
+// double share by the luck of a hash. With a temperature the pick is instead drawn with
+// weights exp(-(cost - lowest) / temperature), so that replicas do not all herd onto one
+// engine between two scrapes.
 package costmodel
 
 import (
@@ -49,8 +49,6 @@ const (
 type Model struct {
 	decodeTokens float64
 	temperature  float64 // seconds; 0 picks the lowest
-	// spread spreads ties by the blocks each engine computed lately (Choose).
-	spread bool
 	// meanUncached is the mean uncached tokens of the pool's picks (float64 bits).
 	meanUncached atomic.Uint64
 	// fit is the line through the pool's prefills: its time per token and fixed part.
@@ -63,14 +61,9 @@ type Model struct {
 // New is a Model whose line starts at overhead for the fixed part of a prefill's time and
 // tokensPerSecond for its rate. decodeTokens is what one request decoding on an engine weighs
 // in the work ahead there, in prefill tokens. With a positive temperature Choose draws the
-// pick by weight instead of taking the lowest; with spread it spreads ties by the blocks each
-// engine computed lately.
-func New(overhead time.Duration, tokensPerSecond, decodeTokens float64, temperature time.Duration, spread bool) *Model {
-	m := &Model{
-		decodeTokens: decodeTokens,
-		temperature:  temperature.Seconds(),
-		spread:       spread,
-	}
+// pick by weight instead of taking the lowest.
+func New(overhead time.Duration, tokensPerSecond, decodeTokens float64, temperature time.Duration) *Model {
+	m := &Model{decodeTokens: decodeTokens, temperature: temperature.Seconds()}
 	m.fit.slope0, m.fit.intercept0 = 1/tokensPerSecond, overhead.Seconds()
 	return m
 }
@@ -78,9 +71,6 @@ func New(overhead time.Duration, tokensPerSecond, decodeTokens float64, temperat
 // DecodeTokens is what one request decoding on an engine weighs in the work ahead there, in
 // prefill tokens.
 func (m *Model) DecodeTokens() float64 { return m.decodeTokens }
-
-// Spread reports whether Choose spreads ties by the blocks each engine computed lately.
-func (m *Model) Spread() bool { return m.spread }
 
 // Rate is the prefill time per token, in seconds, every engine of the pool is weighed at: the
 // pool's fit of its engines' prefills, the rate the Model was built with before there are

@@ -31,7 +31,7 @@ func TestThePoolsFitFindsTheRateAndTheFixedPart(t *testing.T) {
 }
 
 func TestLatenessSettlesAtThe90thPercentileOfHowLatePredictionsRun(t *testing.T) {
-	m := New(10*time.Millisecond, 1000, 0, 0, false)
+	m := New(10*time.Millisecond, 1000, 0, 0)
 	// Prefills late by 0 to 99 ms, evenly: one in ten is later than 90 ms.
 	for i := range 20000 {
 		m.NoteLate(time.Duration((i*37)%100) * time.Millisecond)
