@@ -212,7 +212,14 @@ func TestReplicasSpreadNewGroupsByWhatEveryReplicaSent(t *testing.T) {
 // of the requests they served tell it that it is alone.
 func TestAReplicaAloneSpreadsNewGroupsEvenly(t *testing.T) {
 	f := startFleet(t, 1, "", routerconfig.PolicyCacheAware, nil)
-	f.settled(t) // every engine's load and count of requests read
+	engines := []string{"p0", "p1", "d0", "d1", "d2"}
+	alone := func(name string) (bool, string) {
+		l := viewBackend(t, f.replicas[0].url, name).Load
+		return l != nil && l.Alone != nil && *l.Alone, fmt.Sprintf("GET /debug/backends: %s's load %+v; want alone true", name, l)
+	}
+	for _, name := range engines { // its count read
+		testutil.WaitFor(t, testutil.Timeout, func() (bool, string) { return alone(name) })
+	}
 	preamble := strings.Repeat("Each group's own long instructions, the same for all its users. ", 90)
 	prefillers, decoders := map[int]int{}, map[int]int{}
 	for g := range 6 {
@@ -227,9 +234,9 @@ func TestAReplicaAloneSpreadsNewGroupsEvenly(t *testing.T) {
 	if len(prefillers) != 2 || prefillers[0] != 3 {
 		t.Errorf("6 new groups through one replica went to the prefillers %v; want 3 on each of 2", prefillers)
 	}
-	for _, name := range []string{"p0", "p1", "d0", "d1", "d2"} {
-		if l := viewBackend(t, f.replicas[0].url, name).Load; l == nil || l.Alone == nil || !*l.Alone {
-			t.Errorf("GET /debug/backends: %s's load %+v; want alone true", name, l)
+	for _, name := range engines {
+		if ok, why := alone(name); !ok {
+			t.Error(why)
 		}
 	}
 }

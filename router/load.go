@@ -275,7 +275,7 @@ func (r *Router) scrape(ctx context.Context, b *Backend, interval time.Duration)
 	if prev := st.last.Load(); prev != nil {
 		before = prev.peers
 	}
-	l.peers = before.Next(l.Requests, l.started, l.ended, now)
+	l.peers = before.Next(enginemetrics.Scrape{Load: l.Load, Started: l.started, Ended: l.ended}, now)
 	st.last.Store(l)
 }
 

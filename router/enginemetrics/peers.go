@@ -4,11 +4,12 @@ import "time"
 
 // PeerSlack is how many requests an engine may count beyond one client's own before they are
 // taken for another client's: a request cancelled as it was sent may be counted after the
-// client took it for ended.
+// client took it for ended, and an engine's gauges may lag a step behind.
 const PeerSlack = 2.5
 
-// Peers tells from an engine's count of the requests it served (Load.Requests) whether
-// clients other than one (a proxy replica) send it requests. The zero Peers knows nothing.
+// Peers tells from an engine's scrapes whether clients other than one (a proxy replica) send
+// it requests: by its count of the requests it served (Load.Requests) and its requests waiting
+// and running. The zero Peers knows nothing.
 type Peers struct {
 	// base is the engine's count, and ended the client's ended requests when its scrape was
 	// sent, at the scrape from which the engine counted no request but the client's (the
@@ -20,28 +21,41 @@ type Peers struct {
 	othersAt time.Time
 }
 
-// Next is p after a scrape at now in which the engine counted served requests (negative: it
-// does not count them), the client having started started by the answer and ended ended
-// when it sent the scrape. Alone, the engine's count since the base is at most the client's
-// requests started by now less those it had ended when the base's scrape was sent: it counts
-// each once, as it takes it in or as it ends it, and those ended before the base it had
-// counted then. More (by PeerSlack) are another client's. A count lower than its base is an
-// engine restarted: the count starts again.
-func (p Peers) Next(served float64, started, ended int64, now time.Time) Peers {
-	switch {
-	case served < 0:
+// Scrape is what one scrape tells of an engine and of the client's requests to it.
+type Scrape struct {
+	// Load is the engine's report.
+	Load Load
+	// Started is how many requests the client had started on the engine by the answer;
+	// Ended, how many it had ended when it sent the scrape.
+	Started, Ended int64
+}
+
+// Next is p after s, a scrape at now. Alone, the engine's count since the base is at most the client's requests started by now
+// less those it had ended when the base's scrape was sent: it counts each once, as it takes
+// it in or as it ends it, and those ended before the base it had counted then; and it has no
+// more requests waiting and running than the client's started and not ended. More (by
+// PeerSlack) are another client's. A count lower than its base is an engine restarted: the
+// count starts again.
+func (p Peers) Next(s Scrape, now time.Time) Peers {
+	if s.Load.Requests < 0 {
 		return Peers{othersAt: p.othersAt}
-	case !p.known || served < p.base:
-		return Peers{base: served, ended: ended, known: true, othersAt: p.othersAt}
-	case served-p.base > float64(started-p.ended)+PeerSlack:
-		return Peers{base: served, ended: ended, known: true, othersAt: now}
 	}
-	return p
+	q := p
+	switch {
+	case !p.known:
+		q = Peers{base: s.Load.Requests, ended: s.Ended, known: true, othersAt: p.othersAt}
+	case s.Load.Requests < p.base:
+		q.base, q.ended = s.Load.Requests, s.Ended
+	}
+	inFlight := float64(s.Started - s.Ended)
+	if float64(s.Load.Waiting+s.Load.Running) > inFlight+PeerSlack || s.Load.Requests-q.base > float64(s.Started-q.ended)+PeerSlack {
+		q.othersAt, q.base, q.ended = now, s.Load.Requests, s.Ended
+	}
+	return q
 }
 
 // Sole reports whether, by the scrapes so far, the engine has served no request but the
-// client's for after (or ever, if it counted another's less than after ago). An engine that
-// does not count its requests is never sole.
+// client's for after, or ever. An engine that does not count its requests is never sole.
 func (p Peers) Sole(now time.Time, after time.Duration) bool {
 	return p.known && (p.othersAt.IsZero() || now.Sub(p.othersAt) >= after)
 }
