@@ -7,6 +7,12 @@ import "time"
 // client took it for ended, and an engine's gauges may lag a step behind.
 const PeerSlack = 2.5
 
+// PeerRebase is how often at most an engine idle at a scrape, with nothing of the client's in
+// flight, starts its count again: so that requests cancelled as they were sent, counted late,
+// do not add up over hours to another client's, while another client's few requests a minute
+// still add up to one.
+const PeerRebase = time.Minute
+
 // Peers tells from an engine's scrapes whether clients other than one (a proxy replica) send
 // it requests: by its count of the requests it served (Load.Requests) and its requests waiting
 // and running. The zero Peers knows nothing.
@@ -17,6 +23,8 @@ type Peers struct {
 	base  float64
 	ended int64
 	known bool
+	// since is when the base was taken.
+	since time.Time
 	// othersAt is when a scrape last counted another client's request (zero: never).
 	othersAt time.Time
 }
@@ -43,13 +51,18 @@ func (p Peers) Next(s Scrape, now time.Time) Peers {
 	q := p
 	switch {
 	case !p.known:
-		q = Peers{base: s.Load.Requests, ended: s.Ended, known: true, othersAt: p.othersAt}
+		q = Peers{base: s.Load.Requests, ended: s.Ended, known: true, since: now, othersAt: p.othersAt}
 	case s.Load.Requests < p.base:
-		q.base, q.ended = s.Load.Requests, s.Ended
+		q.base, q.ended, q.since = s.Load.Requests, s.Ended, now
 	}
 	inFlight := float64(s.Started - s.Ended)
-	if float64(s.Load.Waiting+s.Load.Running) > inFlight+PeerSlack || s.Load.Requests-q.base > float64(s.Started-q.ended)+PeerSlack {
-		q.othersAt, q.base, q.ended = now, s.Load.Requests, s.Ended
+	switch {
+	case float64(s.Load.Waiting+s.Load.Running) > inFlight+PeerSlack || s.Load.Requests-q.base > float64(s.Started-q.ended)+PeerSlack:
+		q.othersAt, q.base, q.ended, q.since = now, s.Load.Requests, s.Ended, now
+	case s.Started == s.Ended && s.Load.Waiting+s.Load.Running == 0 && now.Sub(q.since) >= PeerRebase:
+		// Nothing in flight on either side: the count holds every request the client sent
+		// that it will ever hold, and what cancellations put off counting starts again.
+		q.base, q.ended, q.since = s.Load.Requests, s.Ended, now
 	}
 	return q
 }

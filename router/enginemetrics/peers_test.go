@@ -39,6 +39,12 @@ func TestAnEngineIsSharedWhileItShowsAnotherClientsRequests(t *testing.T) {
 			{40, 3, 0, 0, 0, false}, {40, 0, 0, 0, watch, false}}},
 		{"the client's later requests do not hide another's", []scrape{
 			{0, 0, 0, 0, 0, true}, {8, 0, 5, 5, watch, false}, {20, 0, 17, 17, 2 * watch, false}}},
+		{"requests counted after the client ended them do not add up across idle minutes", []scrape{
+			{0, 0, 0, 0, 0, true}, {2, 0, 2, 2, time.Minute, true}, {4, 0, 2, 2, 2 * time.Minute, true},
+			{6, 0, 4, 4, 3 * time.Minute, true}, {8, 0, 4, 4, 4 * time.Minute, true}}},
+		{"another client's few requests between idle moments add up within a minute", []scrape{
+			{0, 0, 0, 0, 0, true}, {1, 0, 0, 0, watch, true}, {2, 0, 0, 0, 2 * watch, true},
+			{3, 0, 0, 0, 3 * watch, false}}},
 		{"an engine restarted counts from zero", []scrape{
 			{50, 0, 10, 10, 0, true}, {2, 0, 12, 12, watch, true}, {4, 0, 14, 14, 2 * watch, true}}},
 		{"an engine that does not count its requests is never sole", []scrape{
