@@ -68,8 +68,8 @@ type engineLoad struct {
 	peers enginemetrics.Peers
 }
 
-// soleAfter is how long after its engine last counted a request this replica did not send a
-// backend is shared: the cache-aware policies then place a new prompt by its rendezvous order
+// soleAfter is how long after its engine last showed a request this replica did not send (in
+// its count of requests served, or waiting or running) a backend is shared: the cache-aware policies then place a new prompt by its rendezvous order
 // alone, as every replica does, not by what this replica sent each engine (Backend.sole).
 const soleAfter = 10 * time.Minute
 
