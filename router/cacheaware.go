@@ -220,9 +220,10 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 // served no request but this replica's lately (Backend.sole): no other replica is there to
 // place the group elsewhere. ok is false when b's events are not known to be read (neither
 // dialed nor ever heard from, though this replica sent it work): ties are then not spread, as
-// a count for some engines only would send all new work to one whose events never arrive. An engine whose events are read and that published nothing
-// computed nothing; so did one nobody heard from and this replica never sent anything (one
-// that just joined a pool whose engines dial kv_events.listen).
+// a count for some engines only would send all new work to one whose events never arrive. An
+// engine whose events are read and that published nothing computed nothing; so did one
+// nobody heard from and this replica never sent anything (one that just joined a pool whose
+// engines dial kv_events.listen).
 func (p *CacheAware) storedLately(b *Backend, h Hint, now time.Time) (blocks float64, ok bool) {
 	sent := max(b.st.cost.sent.Value(now), h.Sent[b.Name])
 	if p.index == nil {

@@ -15,7 +15,7 @@ func FitsBound(load, total int64, weight, weights int, c float64) bool {
 // is of the key and the engine's name, never its address, so that every replica ranks alike
 // and an engine that moves keeps its keys.
 func rendezvousScore(key, nameHash uint64, weight int) float64 {
-	h := mix64(key ^ nameHash)
+	h := Mix64(key ^ nameHash)
 	u := (float64(h>>11) + 0.5) / (1 << 53)
 	return float64(max(weight, 1)) / -math.Log(u)
 }
@@ -24,13 +24,13 @@ func rendezvousScore(key, nameHash uint64, weight int) float64 {
 // candidate of the same weight) the hash alone, with no logarithm.
 func RendezvousRank(key, nameHash uint64, weight int, even bool) float64 {
 	if even {
-		return float64(mix64(key^nameHash) >> 11)
+		return float64(Mix64(key^nameHash) >> 11)
 	}
 	return rendezvousScore(key, nameHash, weight)
 }
 
-// mix64 is SplitMix64's finalizer: every bit of x reaches every bit of the result.
-func mix64(x uint64) uint64 {
+// Mix64 is SplitMix64's finalizer: every bit of x reaches every bit of the result.
+func Mix64(x uint64) uint64 {
 	x ^= x >> 30
 	x *= 0xbf58476d1ce4e5b9
 	x ^= x >> 27
