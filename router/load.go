@@ -327,7 +327,7 @@ func (b *Backend) loadStatus(now time.Time) *LoadStatus {
 		u := l.Usage
 		s.KVUsage = &u
 	}
-	if l.Requests >= 0 {
+	if l.peers.Counted() {
 		alone := b.sole(now)
 		s.Alone = &alone
 	}
