@@ -38,19 +38,15 @@ type Scrape struct {
 	Started, Ended int64
 }
 
-// Next is p after s, a scrape at now. An engine that shows no count once one of the client's
-// requests ended there does not count its requests. Alone, the engine's count since the base is at most the client's requests started by now
+// Next is p after s, a scrape at now. An engine that shows no count is not known to count
+// (one whose counter has a label, a finish reason, shows none until a request ended there).
+// Alone, the engine's count since the base is at most the client's requests started by now
 // less those it had ended when the base's scrape was sent: it counts each once, as it takes
 // it in or as it ends it, and those ended before the base it had counted then; and it has no
 // more requests waiting and running than the client's started and not ended. More (by
 // PeerSlack) are another client's. A count lower than its base is an engine restarted: the
 // count starts again.
 func (p Peers) Next(s Scrape, now time.Time) Peers {
-	if s.Load.Requests < 0 && s.Ended == 0 {
-		// A counter with labels (a finish reason) has no series until a request ends: an
-		// engine showing none yet, the client's requests none ended there, has served none.
-		s.Load.Requests = 0
-	}
 	if s.Load.Requests < 0 {
 		return Peers{othersAt: p.othersAt}
 	}

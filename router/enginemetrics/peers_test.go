@@ -47,13 +47,11 @@ func TestAnEngineIsSharedWhileItShowsAnotherClientsRequests(t *testing.T) {
 			{3, 0, 0, 0, 3 * watch, false}}},
 		{"an engine restarted counts from zero", []scrape{
 			{50, 0, 10, 10, 0, true}, {2, 0, 12, 12, watch, true}, {4, 0, 14, 14, 2 * watch, true}}},
-		{"an engine that does not count its requests is not sole once the client's ended there", []scrape{
-			{-1, 0, 0, 0, 0, true}, {-1, 0, 10, 10, watch, false}, {-1, 0, 12, 12, 2 * watch, false}}},
+		{"an engine that does not count its requests is never sole", []scrape{
+			{-1, 0, 0, 0, 0, false}, {-1, 0, 10, 10, watch, false}}},
 		{"an engine whose count shows once a request ended there", []scrape{
-			{-1, 0, 0, 0, 0, true}, {-1, 0, 1, 0, watch, true}, {1, 0, 1, 1, 2 * watch, true},
+			{-1, 0, 0, 0, 0, false}, {-1, 0, 1, 0, watch, false}, {1, 0, 1, 1, 2 * watch, true},
 			{5, 0, 2, 2, 3 * watch, false}}},
-		{"another client's requests running before the engine shows a count", []scrape{
-			{-1, 3, 0, 0, 0, false}}},
 		{"an engine that stops counting is not sole until it counts again", []scrape{
 			{0, 0, 0, 0, 0, true}, {1, 0, 1, 1, watch, true}, {-1, 0, 3, 3, 2 * watch, false},
 			{9, 0, 5, 5, 3 * watch, true}}},
