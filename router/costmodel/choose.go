@@ -29,8 +29,8 @@ const (
 // (within tieTokens: what the pick adds to is then spread), and of those the SpreadChoices
 // first in the rank order (the highest ranks): where recent (nil: none) says for each of them
 // how many blocks it computed lately, the first of them within spreadShare of the fewest;
-// else the first. recent's ok false for any of them leaves the
-// rank order alone. With a temperature, drawn by weight.
+// else the first. recent's ok false for any of them leaves the rank order alone. With a
+// temperature, drawn by weight.
 func (m *Model) Choose(costs, ahead []float64, recent func(i int) (blocks float64, ok bool), rank func(i int) float64, preferred int) int {
 	lo := 0
 	for i, c := range costs {

@@ -11,9 +11,10 @@ func FitsBound(load, total int64, weight, weights int, c float64) bool {
 
 // rendezvousScore is the rank for key of the engine whose name hashes to nameHash, of weight:
 // the higher, the earlier. Weighted rendezvous hashing (weight / -ln u, u uniform in (0, 1)
-// from the hash) gives each engine a share of the keys in proportion to its weight; with equal weights it is the plain order of the hashes. The hash
-// is of the key and the engine's name, never its address, so that every replica ranks alike
-// and an engine that moves keeps its keys.
+// from the hash) gives each engine a share of the keys in proportion to its weight; with
+// equal weights it is the plain order of the hashes. The hash is of the key and the engine's
+// name, never its address, so that every replica ranks alike and an engine that moves keeps
+// its keys.
 func rendezvousScore(key, nameHash uint64, weight int) float64 {
 	h := Mix64(key ^ nameHash)
 	u := (float64(h>>11) + 0.5) / (1 << 53)
