@@ -21,7 +21,8 @@ import (
 // not ended, less what the engine has computed of them since, one after another), the
 // requests the engine reports beyond those (other replicas', from its scraped waiting and
 // running counts, a waiting one at the pool's mean uncached tokens, a running decode at
-// decode_cost_tokens), and decode_cost_tokens for each of this replica's requests decoding
+// decode_cost_tokens; their prefills less what the engine has computed since the scrape, in
+// turn with the books), and decode_cost_tokens for each of this replica's requests decoding
 // there. The pool's line starts from prefill_tokens_per_second and prefill_overhead, and
 // learns from each prefill as the proxy sees it, to its end (Lease.Prefilled).
 //
@@ -61,28 +62,32 @@ type costSelector interface {
 
 // workAhead is the work b has ahead of a new request at now under m, in prefill tokens.
 func (b *Backend) workAhead(m *costmodel.Model, now time.Time) float64 {
-	remaining, pending := b.st.cost.books.Remaining(now, m.Rate())
-	inflight := b.Inflight()
-	work := remaining + m.DecodeTokens()*float64(max(inflight-pending, 0))
+	var others *costmodel.Entry
+	decoding := 0.0 // other replicas' requests decoding there, in tokens: they do not drain
 	if l := b.st.load.last.Load(); l != nil && now.Before(l.staleAt) {
 		// What the engine reports beyond this replica's own: other replicas' requests.
 		score, _, _ := b.loadScore(now)
-		if extra := score - inflight; extra > 0 {
+		if extra := score - b.Inflight(); extra > 0 {
 			waiting := float64(extra)
 			if total := l.Waiting + l.Running; total > 0 {
 				waiting = float64(extra) * float64(l.Waiting) / float64(total)
 			}
 			running := float64(extra) - waiting
 			mean := m.MeanUncached()
+			prefill := waiting * mean
 			if b.Role == routerconfig.RolePrefill {
 				// A prefiller's running requests are prefills, half done on average.
-				work += waiting*mean + running*mean/2
+				prefill += running * mean / 2
 			} else {
-				work += waiting*mean + running*m.DecodeTokens()
+				decoding = running * m.DecodeTokens()
 			}
+			// As of the scrape: the engine has computed since, as it computes the books.
+			others = &costmodel.Entry{At: l.at, Tokens: int64(math.Round(prefill))}
 		}
 	}
-	return work
+	remaining, pending := b.st.cost.books.Remaining(now, m.Rate(), others)
+	inflight := b.Inflight()
+	return remaining + decoding + m.DecodeTokens()*float64(max(inflight-pending, 0))
 }
 
 // hintTokens is how many tokens h's prompt has: its tokens where the proxy has them, else

@@ -2,6 +2,7 @@ package router
 
 import (
 	"fmt"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -233,5 +234,41 @@ func TestASessionsBoundEngineIsCreditedWithWhatItsLatestRequestSentIt(t *testing
 		l.Release(Result{Status: 200})
 		busy.st.inflight.Add(-50)
 		assertAllIdle(t, r)
+	}
+}
+
+// Other replicas' requests an engine reports weigh what they did at the scrape, less what
+// the engine has computed since: a report a scrape interval old does not count prefills the
+// engine has done by now. Requests decoding there weigh as long as the report stands.
+func TestOtherReplicasWorkDrainsFromTheScrape(t *testing.T) {
+	for _, role := range []routerconfig.Role{routerconfig.RolePrefill, routerconfig.RoleDecode} {
+		t.Run(string(role), func(t *testing.T) {
+			e := newMetricsEngine(t, testutil.VLLMMetrics(4, 2, 0.2)) // none of them this replica's
+			cfg := routerconfig.Config{Backends: []routerconfig.BackendConfig{{Name: "e", URL: e.URL, Role: role}},
+				PrefillPolicy: routerconfig.PolicyCacheAware, DecodePolicy: routerconfig.PolicyCacheAware, ScrapeInterval: time.Second}
+			if role == routerconfig.RolePrefill {
+				cfg.Backends = append(cfg.Backends, routerconfig.BackendConfig{Name: "d", URL: e.URL, Role: routerconfig.RoleDecode})
+			}
+			r, _, clk := newTestRouter(t, cfg)
+			m := r.pool(role).policy.(costSelector).model()
+			m.NoteUncached(1000) // the pool's picks computed 1,000 tokens each
+			b := backendByName(t, r, "e")
+			r.scrape(t.Context(), b, time.Second)
+			// 4 waiting at 1,000 tokens; 2 running: prefills half done, or decodes at 16.
+			prefill, decoding := 4000.0, 0.0
+			if role == routerconfig.RolePrefill {
+				prefill += 1000
+			} else {
+				decoding = 2 * routerconfig.DefaultDecodeCostTokens
+			}
+			rate := 1 / m.Rate() // tokens a second
+			for _, after := range []time.Duration{0, 100 * time.Millisecond, 300 * time.Millisecond, 2 * time.Second} {
+				want := max(prefill-after.Seconds()*rate, 0) + decoding
+				if got := b.workAhead(m, clk.Now().Add(after)); math.Abs(got-want) > 1 {
+					t.Errorf("%s after the scrape, the work ahead is %.0f tokens, want %.0f: %.0f of other replicas' prefill less what the engine computes at %.0f tokens/s, and %.0f of decodes",
+						after, got, want, prefill, rate, decoding)
+				}
+			}
+		})
 	}
 }
