@@ -18,13 +18,15 @@ import (
 // cache does not hold as the policy's view says, a block on a slower tier weighed by its
 // reload); ahead is the work queued or running there before it, in the same tokens: this
 // replica's own books (the uncached tokens of the requests it sent there whose prefill has
-// not ended, less what the engine has computed of them since, one after another), the
-// requests the engine reports beyond those (other replicas', from its scraped waiting and
-// running counts, a waiting one at the pool's mean uncached tokens, a running decode at
-// decode_cost_tokens; their prefills less what the engine has computed since the scrape, in
-// turn with the books), and decode_cost_tokens for each of this replica's requests decoding
-// there. The pool's line starts from prefill_tokens_per_second and prefill_overhead, and
-// learns from each prefill as the proxy sees it, to its end (Lease.Prefilled).
+// not ended, less what the engine has computed of them since, one after another),
+// decode_cost_tokens for each of this replica's requests decoding there, and the requests the
+// engine reports beyond those (other replicas', from its scraped waiting and running counts).
+// Another replica's request waiting there weighs what this replica's own pending requests
+// there weigh now on average, as they wait in the same queue; where this replica has none
+// there, the pool's mean uncached tokens, less what the engine has computed since the scrape.
+// A running one decoding weighs decode_cost_tokens. The pool's line starts from
+// prefill_tokens_per_second and prefill_overhead, and learns from each prefill as the proxy
+// sees it, to its end (Lease.Prefilled).
 //
 // Among ties, the engine a session is bound to is preferred, and the rank order is the
 // rendezvous order of the request's key (its session's, else its prompt's head), which every
@@ -62,32 +64,36 @@ type costSelector interface {
 
 // workAhead is the work b has ahead of a new request at now under m, in prefill tokens.
 func (b *Backend) workAhead(m *costmodel.Model, now time.Time) float64 {
-	var others *costmodel.Entry
-	decoding := 0.0 // other replicas' requests decoding there, in tokens: they do not drain
+	remaining, pending := b.st.cost.books.Remaining(now, m.Rate())
+	inflight := b.Inflight()
+	work := remaining + m.DecodeTokens()*float64(max(inflight-pending, 0))
 	if l := b.st.load.last.Load(); l != nil && now.Before(l.staleAt) {
 		// What the engine reports beyond this replica's own: other replicas' requests.
 		score, _, _ := b.loadScore(now)
-		if extra := score - b.Inflight(); extra > 0 {
+		if extra := score - inflight; extra > 0 {
 			waiting := float64(extra)
 			if total := l.Waiting + l.Running; total > 0 {
 				waiting = float64(extra) * float64(l.Waiting) / float64(total)
 			}
 			running := float64(extra) - waiting
-			mean := m.MeanUncached()
-			prefill := waiting * mean
+			each := m.MeanUncached()
+			if pending > 0 {
+				each = remaining / float64(pending)
+			}
+			prefill := waiting * each
 			if b.Role == routerconfig.RolePrefill {
 				// A prefiller's running requests are prefills, half done on average.
-				prefill += running * mean / 2
+				prefill += running * each / 2
 			} else {
-				decoding = running * m.DecodeTokens()
+				work += running * m.DecodeTokens()
 			}
-			// As of the scrape: the engine has computed since, as it computes the books.
-			others = &costmodel.Entry{At: l.at, Tokens: int64(math.Round(prefill))}
+			if pending == 0 {
+				prefill = max(prefill-now.Sub(l.at).Seconds()/m.Rate(), 0)
+			}
+			work += prefill
 		}
 	}
-	remaining, pending := b.st.cost.books.Remaining(now, m.Rate(), others)
-	inflight := b.Inflight()
-	return remaining + decoding + m.DecodeTokens()*float64(max(inflight-pending, 0))
+	return work
 }
 
 // hintTokens is how many tokens h's prompt has: its tokens where the proxy has them, else

@@ -29,15 +29,15 @@ type Entry struct {
 // shared: a prefill that began a while ago has done part of its work), and how many entries
 // there are. An entry the engine should have done by now but whose prefill has not ended
 // (waiting for a slot, or the engine slower than learned) counts for nothing: the lesson of
-// its end corrects the rate. others, when not nil, is work the engine reported at others.At
-// that is not in the books (other clients' requests): it takes its turn among the entries by
-// that time, and drains as they do.
-func (bs *Books) Remaining(now time.Time, secPerToken float64, others *Entry) (tokens float64, entries int64) {
-	if bs.n.Load() == 0 && others == nil {
+// its end corrects the rate.
+func (bs *Books) Remaining(now time.Time, secPerToken float64) (tokens float64, entries int64) {
+	if bs.n.Load() == 0 {
 		return 0, 0
 	}
-	var free time.Time // when the work before the one at hand is done
-	take := func(e *Entry) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	var free time.Time // when the entries before the one at hand are done
+	for _, e := range bs.entries {
 		start := e.At
 		if free.After(start) {
 			start = free
@@ -50,18 +50,6 @@ func (bs *Books) Remaining(now time.Time, secPerToken float64, others *Entry) (t
 				tokens += float64(e.Tokens)
 			}
 		}
-	}
-	bs.mu.Lock()
-	defer bs.mu.Unlock()
-	for _, e := range bs.entries {
-		if others != nil && others.At.Before(e.At) {
-			take(others)
-			others = nil
-		}
-		take(e)
-	}
-	if others != nil {
-		take(others)
 	}
 	return tokens, int64(len(bs.entries))
 }

@@ -23,42 +23,12 @@ func TestTheBooksDrainAsTheEngineComputesThemOneAfterAnother(t *testing.T) {
 		{1200 * time.Millisecond, 300}, // a done at 1s, b 200 in
 		{2 * time.Second, 0},           // both done by the model, their ends not told yet
 	} {
-		if got, n := bs.Remaining(t0.Add(tc.after), secPerToken, nil); math.Abs(got-tc.want) > 1e-6 || n != 2 {
+		if got, n := bs.Remaining(t0.Add(tc.after), secPerToken); math.Abs(got-tc.want) > 1e-6 || n != 2 {
 			t.Errorf("%s after the first booking: %.1f tokens of %d entries remain, want %.0f of 2", tc.after, got, n, tc.want)
 		}
 	}
 	bs.Remove(a)
-	if got, _ := bs.Remaining(t0.Add(400*time.Millisecond), secPerToken, nil); math.Abs(got-200) > 1e-6 {
+	if got, _ := bs.Remaining(t0.Add(400*time.Millisecond), secPerToken); math.Abs(got-200) > 1e-6 {
 		t.Errorf("with the first gone, %.1f tokens remain 300ms after the second's booking, want 200", got)
-	}
-}
-
-func TestWorkNotInTheBooksTakesItsTurnByItsTime(t *testing.T) {
-	t0 := time.Unix(1_700_000_000, 0)
-	const secPerToken = 1e-3
-	var bs Books
-	bs.Add(&Entry{At: t0, Tokens: 1000})
-	bs.Add(&Entry{At: t0.Add(time.Second), Tokens: 500})
-	for _, tc := range []struct {
-		name   string
-		others Entry
-		after  time.Duration
-		want   float64
-	}{
-		// Reported 500ms in: behind the first entry's remaining 500, it starts at 1s; the
-		// second entry follows it.
-		{"behind the first", Entry{At: t0.Add(500 * time.Millisecond), Tokens: 300}, 1200 * time.Millisecond, 100 + 500},
-		// Reported before any entry: computed first, the books' first entry waits for it.
-		{"ahead of all", Entry{At: t0.Add(-time.Second), Tokens: 1500}, 200 * time.Millisecond, 300 + 1000 + 500},
-		// Reported after both entries are done by the model: it drains on its own.
-		{"after all", Entry{At: t0.Add(3 * time.Second), Tokens: 400}, 3100 * time.Millisecond, 300},
-	} {
-		if got, n := bs.Remaining(t0.Add(tc.after), secPerToken, &tc.others); math.Abs(got-tc.want) > 1e-6 || n != 2 {
-			t.Errorf("%s: %.1f tokens of %d entries remain, want %.0f of 2", tc.name, got, n, tc.want)
-		}
-	}
-	var empty Books
-	if got, n := empty.Remaining(t0.Add(100*time.Millisecond), secPerToken, &Entry{At: t0, Tokens: 400}); math.Abs(got-300) > 1e-6 || n != 0 {
-		t.Errorf("empty books with 400 reported 100ms ago: %.1f tokens of %d entries, want 300 of 0", got, n)
 	}
 }
