@@ -69,8 +69,9 @@ type engineLoad struct {
 }
 
 // soleAfter is how long after its engine last showed a request this replica did not send (in
-// its count of requests served, or waiting or running) a backend is shared: the cache-aware policies then place a new prompt by its rendezvous order
-// alone, as every replica does, not by what this replica sent each engine (Backend.sole).
+// its count of requests served, or waiting or running) a backend is shared: the cache-aware
+// policies then place a new prompt by its rendezvous order alone, as every replica does, not
+// by what this replica sent each engine (Backend.sole).
 const soleAfter = 10 * time.Minute
 
 // sole reports whether b's engine, by its fresh scrape, has served no request but this
