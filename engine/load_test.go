@@ -7,6 +7,11 @@ type loadReporter interface {
 	LoadMetrics() (waiting, running, kvUsage, requests string)
 }
 
+// cacheReporter is router.CacheReporter.
+type cacheReporter interface {
+	CacheMetrics() (prompt, cached, capacity string)
+}
+
 func TestEveryEngineNamesTheLoadSeriesOfItsMetrics(t *testing.T) {
 	want := map[string][4]string{
 		KindVLLM:       {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:request_success_total"},
@@ -25,6 +30,27 @@ func TestEveryEngineNamesTheLoadSeriesOfItsMetrics(t *testing.T) {
 			w, r, u, n := lr.LoadMetrics()
 			if got := [4]string{w, r, u, n}; got != want[kind] {
 				t.Errorf("LoadMetrics() = %q, want %q", got, want[kind])
+			}
+		})
+	}
+}
+
+func TestEveryEngineNamesTheCacheSeriesOfItsMetrics(t *testing.T) {
+	vllm := [3]string{"vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:cache_config_info"}
+	want := map[string][3]string{
+		KindVLLM: vllm, KindVLLMLegacy: vllm, KindSim: vllm, KindMooncake: vllm,
+		KindSGLang: {"sglang:prompt_tokens_total", "sglang:cached_tokens_total", "sglang:max_total_num_tokens"},
+	}
+	for _, kind := range Kinds() {
+		t.Run(kind, func(t *testing.T) {
+			e, _ := Lookup(kind)
+			cr, ok := e.(cacheReporter)
+			if !ok {
+				t.Fatalf("engine %s does not name its prefix cache series: the cache-aware tree would credit it past its KV capacity", kind)
+			}
+			p, c, k := cr.CacheMetrics()
+			if got := [3]string{p, c, k}; got != want[kind] {
+				t.Errorf("CacheMetrics() = %q, want %q", got, want[kind])
 			}
 		})
 	}

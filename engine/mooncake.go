@@ -58,6 +58,11 @@ func (mooncake) LoadMetrics() (waiting, running, kvUsage, requests string) {
 	return VLLM.(vllm).LoadMetrics()
 }
 
+// CacheMetrics are vLLM's too.
+func (mooncake) CacheMetrics() (prompt, cached, capacity string) {
+	return VLLM.(vllm).CacheMetrics()
+}
+
 // Legs: the prefill leg asks for a remote decode under the transfer id, one token, not
 // streamed, on the rank the proxy chose (X-data-parallel-rank); the decode leg names the
 // prefiller's bootstrap server, engine id and rank, and the same transfer id. The rest is the

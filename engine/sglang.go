@@ -90,6 +90,12 @@ func (sglang) LoadMetrics() (waiting, running, kvUsage, requests string) {
 	return "sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage", "sglang:num_requests_total"
 }
 
+// CacheMetrics names the series on SGLang's /metrics that count the prompt tokens it was
+// sent and found cached (on every tier) and its KV capacity in tokens (router.CacheReporter).
+func (sglang) CacheMetrics() (prompt, cached, capacity string) {
+	return "sglang:prompt_tokens_total", "sglang:cached_tokens_total", "sglang:max_total_num_tokens"
+}
+
 // KVHoldTimeout is zero: with NIXL a prefiller holds a room nobody claims until it restarts,
 // so only the proxy's aborts free it. The proxy forwards no params, so it keeps no deadline.
 func (sglang) KVHoldTimeout() time.Duration { return 0 }

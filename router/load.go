@@ -44,12 +44,27 @@ type LoadReporter interface {
 	LoadMetrics() (waiting, running, kvUsage, requests string)
 }
 
+// CacheReporter is implemented by a LoadReporter whose /metrics also count the prompt
+// tokens it computed against its KV capacity (enginemetrics.CacheNames): from them the
+// cache-aware policies tell what text routed to it has been evicted since (turnover).
+type CacheReporter interface {
+	// CacheMetrics names the counter of prompt tokens sent (or looked up in the prefix cache),
+	// the counter of those found cached, and the KV capacity, a gauge of tokens or an info
+	// series with num_gpu_blocks and block_size labels.
+	CacheMetrics() (prompt, cached, capacity string)
+}
+
 // loadNamesOf are the gauges e's load is read by: its own where it is a LoadReporter, else
 // the families enginemetrics knows.
 func loadNamesOf(e routerconfig.Engine) []enginemetrics.Names {
 	if lr, ok := e.(LoadReporter); ok {
 		w, r, u, n := lr.LoadMetrics()
-		return []enginemetrics.Names{{Waiting: w, Running: r, Usage: u, Requests: n}}
+		names := enginemetrics.Names{Waiting: w, Running: r, Usage: u, Requests: n}
+		if cr, ok := e.(CacheReporter); ok {
+			p, c, k := cr.CacheMetrics()
+			names.Cache = enginemetrics.CacheNames{Prompt: p, Cached: c, Capacity: k}
+		}
+		return []enginemetrics.Names{names}
 	}
 	return enginemetrics.Families
 }

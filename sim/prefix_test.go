@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/pdproxy/pdproxy/router/enginemetrics"
 )
 
 // answerUsage posts a non-streaming body and returns its usage (a
@@ -94,6 +96,12 @@ func TestAPromptSentTwiceIsAPrefixCacheHitTheSecondTime(t *testing.T) {
 			}
 			if !strings.Contains(metrics, want) {
 				t.Errorf("/metrics lacks %q", want)
+			}
+			// A router reads from them what the KV pool took in against what it holds.
+			l, err := enginemetrics.Parse([]byte(metrics), enginemetrics.Families)
+			wantKV := enginemetrics.KV{Stored: float64(2*tt.tokens - tt.wantCached), Capacity: float64(cfg.KVBlocks * cfg.BlockSize)}
+			if err != nil || l.KV != wantKV {
+				t.Errorf("a router reads the KV pool as %+v (error %v), want %+v", l.KV, err, wantKV)
 			}
 		})
 	}

@@ -77,6 +77,48 @@ vllm:request_success_total{engine="1",finished_reason="abort",model_name="m"} 3
 			want:  Load{Usage: 0, Requests: 7},
 		},
 		{
+			name: "vLLM's prefix cache: tokens looked up less those found, against blocks times their size",
+			body: testutil.VLLMMetrics(0, 1, 0.1) + `# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000
+vllm:prefix_cache_queries_total{engine="1",model_name="m"} 500
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 400
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="100"} 1
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blocks="50"} 1
+`,
+			names: Families,
+			want:  Load{Running: 1, Usage: 0.1, Requests: -1, KV: KV{Stored: 1100, Capacity: 2400}},
+		},
+		{
+			name: "SGLang's prefix cache: tokens found on the host tier are stored again",
+			body: sglangMetrics(0, 0, 0) + `# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{model_name="m"} 5000
+# TYPE sglang:cached_tokens_total counter
+sglang:cached_tokens_total{cache_source="device",model_name="m"} 3000
+sglang:cached_tokens_total{cache_source="host",model_name="m"} 500
+# TYPE sglang:max_total_num_tokens gauge
+sglang:max_total_num_tokens{model_name="m"} 161721
+`,
+			names: Families,
+			want:  Load{Usage: 0, Requests: -1, KV: KV{Stored: 2000, Capacity: 161721}},
+		},
+		{
+			name: "vLLM's info series before it counted its blocks: no capacity, not its value of 1",
+			body: testutil.VLLMMetrics(0, 0, 0) + `vllm:prefix_cache_queries_total 10
+vllm:prefix_cache_hits_total 0
+vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1
+`,
+			names: Families,
+			want:  Load{Requests: -1},
+		},
+		{
+			name:  "the cache counters without a capacity say nothing",
+			body:  testutil.VLLMMetrics(0, 0, 0) + "vllm:prefix_cache_queries_total 10\nvllm:prefix_cache_hits_total 5\n",
+			names: Families,
+			want:  Load{Requests: -1},
+		},
+		{
 			name:    "a negative count of requests",
 			body:    "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\nvllm:request_success_total -2\n",
 			names:   Families,
@@ -116,6 +158,9 @@ vllm:request_success_total{engine="1",finished_reason="abort",model_name="m"} 3
 			if got.Waiting != tt.want.Waiting || got.Running != tt.want.Running || fmt.Sprintf("%.6f", got.Usage) != fmt.Sprintf("%.6f", tt.want.Usage) {
 				t.Errorf("Parse = waiting %d running %d usage %v, want %d %d %v", got.Waiting, got.Running, got.Usage, tt.want.Waiting, tt.want.Running, tt.want.Usage)
 			}
+			if got.KV != tt.want.KV {
+				t.Errorf("Parse KV = %+v, want %+v", got.KV, tt.want.KV)
+			}
 		})
 	}
 }
@@ -133,7 +178,7 @@ func FuzzParse(f *testing.F) {
 			}
 			return
 		}
-		if l.Waiting < 0 || l.Running < 0 || (l.Usage < 0 && l.Usage != -1) {
+		if l.Waiting < 0 || l.Running < 0 || (l.Usage < 0 && l.Usage != -1) || l.KV.Stored < 0 || l.KV.Capacity < 0 {
 			t.Fatalf("Parse(%q) = %+v: a count below zero or a usage neither known nor -1", body, l)
 		}
 	})
