@@ -122,14 +122,14 @@ func (vllm) TokensIn() bool                                    { return true }
 // sends only bodies it validated, and a decoder acknowledges a decode only from its handler.
 func (vllm) RejectionFreesKV(int) bool { return true }
 
-// LoadMetrics names the series on vLLM's /metrics that the router reads (router.LoadReporter):
+// LoadMetrics names the series on vLLM's /metrics that the router reads (enginemetrics.LoadReporter):
 // its load gauges, and its count of finished requests; the simulator reports the same.
 func (vllm) LoadMetrics() (waiting, running, kvUsage, requests string) {
 	return "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:request_success_total"
 }
 
 // CacheMetrics names the series on vLLM's /metrics that count the prompt tokens it computed
-// and its KV capacity (router.CacheReporter); the simulator reports the same.
+// and its KV capacity (enginemetrics.CacheReporter); the simulator reports the same.
 func (vllm) CacheMetrics() (prompt, cached, capacity string) {
 	return "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:cache_config_info"
 }

@@ -1,16 +1,10 @@
 package engine
 
-import "testing"
+import (
+	"testing"
 
-// loadReporter is router.LoadReporter, which engine may not import.
-type loadReporter interface {
-	LoadMetrics() (waiting, running, kvUsage, requests string)
-}
-
-// cacheReporter is router.CacheReporter.
-type cacheReporter interface {
-	CacheMetrics() (prompt, cached, capacity string)
-}
+	"github.com/pdproxy/pdproxy/router/enginemetrics"
+)
 
 func TestEveryEngineNamesTheLoadSeriesOfItsMetrics(t *testing.T) {
 	want := map[string][4]string{
@@ -23,7 +17,7 @@ func TestEveryEngineNamesTheLoadSeriesOfItsMetrics(t *testing.T) {
 	for _, kind := range Kinds() {
 		t.Run(kind, func(t *testing.T) {
 			e, _ := Lookup(kind)
-			lr, ok := e.(loadReporter)
+			lr, ok := e.(enginemetrics.LoadReporter)
 			if !ok {
 				t.Fatalf("engine %s does not name its load gauges: least_loaded would guess", kind)
 			}
@@ -44,7 +38,7 @@ func TestEveryEngineNamesTheCacheSeriesOfItsMetrics(t *testing.T) {
 	for _, kind := range Kinds() {
 		t.Run(kind, func(t *testing.T) {
 			e, _ := Lookup(kind)
-			cr, ok := e.(cacheReporter)
+			cr, ok := e.(enginemetrics.CacheReporter)
 			if !ok {
 				t.Fatalf("engine %s does not name its prefix cache series: the cache-aware tree would credit it past its KV capacity", kind)
 			}

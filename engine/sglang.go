@@ -85,13 +85,13 @@ func (sglang) Kind() string { return KindSGLang }
 func (sglang) MessagesByChat() bool { return true }
 
 // LoadMetrics names the series on SGLang's /metrics (served with --enable-metrics) that the
-// router reads (router.LoadReporter): its load gauges, and its count of requests served.
+// router reads (enginemetrics.LoadReporter): its load gauges, and its count of requests served.
 func (sglang) LoadMetrics() (waiting, running, kvUsage, requests string) {
 	return "sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage", "sglang:num_requests_total"
 }
 
 // CacheMetrics names the series on SGLang's /metrics that count the prompt tokens it was
-// sent and found cached (on every tier) and its KV capacity in tokens (router.CacheReporter).
+// sent and found cached (on every tier) and its KV capacity in tokens (enginemetrics.CacheReporter).
 func (sglang) CacheMetrics() (prompt, cached, capacity string) {
 	return "sglang:prompt_tokens_total", "sglang:cached_tokens_total", "sglang:max_total_num_tokens"
 }

@@ -356,7 +356,7 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, found *kvcac
 				names = append(names, b.Name)
 			}
 			matched = append(matched, 0)
-			since = append(since, p.treeSince(from, now))
+			since = append(since, p.treeSince(b, from, now))
 		}
 	}
 	if h.Text == "" {
@@ -376,14 +376,19 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, found *kvcac
 	return out
 }
 
-// treeSince is from where text routed to an engine counts as cached there: from, for an
-// engine whose KV events tell the rest, and never longer ago than tree_ttl, past which the
-// engine has likely evicted it.
-func (p *CacheAware) treeSince(from, now time.Time) time.Time {
-	if ttl := now.Add(-p.cfg.TreeTTL); from.Before(ttl) {
-		return ttl
+// treeSince is from where text routed to b counts as cached there: from, for an engine whose
+// KV events tell the rest; never longer ago than tree_ttl, past which the engine has likely
+// evicted it, nor than the engine's turnover horizon (its pool has stored a pool's worth of
+// tokens since, by its own counts).
+func (p *CacheAware) treeSince(b *Backend, from, now time.Time) time.Time {
+	since := now.Add(-p.cfg.TreeTTL)
+	if h := b.st.load.turnover.Horizon(); h.After(since) {
+		since = h
 	}
-	return from
+	if from.After(since) {
+		return from
+	}
+	return since
 }
 
 // matchScratch is one pick's matcher and what the index answered it, reused from pick to

@@ -11,6 +11,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/pdproxy/pdproxy/router/costmodel"
 	"github.com/pdproxy/pdproxy/router/enginemetrics"
 )
 
@@ -34,40 +35,6 @@ const (
 	// new prefill there would wait for blocks to be freed.
 	kvFullUsage = 0.9
 )
-
-// LoadReporter is implemented by an Engine whose /metrics report its load under names it
-// knows. Without it the router tries the vLLM names, then SGLang's.
-type LoadReporter interface {
-	// LoadMetrics names the gauges of requests waiting (queued, not yet running), requests
-	// running, and the KV cache usage as a fraction from 0 to 1 ("" if none), and the counter
-	// of the requests the engine has served ("" if none).
-	LoadMetrics() (waiting, running, kvUsage, requests string)
-}
-
-// CacheReporter is implemented by a LoadReporter whose /metrics also count the prompt
-// tokens it computed against its KV capacity (enginemetrics.CacheNames): from them the
-// cache-aware policies tell what text routed to it has been evicted since (turnover).
-type CacheReporter interface {
-	// CacheMetrics names the counter of prompt tokens sent (or looked up in the prefix cache),
-	// the counter of those found cached, and the KV capacity, a gauge of tokens or an info
-	// series with num_gpu_blocks and block_size labels.
-	CacheMetrics() (prompt, cached, capacity string)
-}
-
-// loadNamesOf are the gauges e's load is read by: its own where it is a LoadReporter, else
-// the families enginemetrics knows.
-func loadNamesOf(e routerconfig.Engine) []enginemetrics.Names {
-	if lr, ok := e.(LoadReporter); ok {
-		w, r, u, n := lr.LoadMetrics()
-		names := enginemetrics.Names{Waiting: w, Running: r, Usage: u, Requests: n}
-		if cr, ok := e.(CacheReporter); ok {
-			p, c, k := cr.CacheMetrics()
-			names.Cache = enginemetrics.CacheNames{Prompt: p, Cached: c, Capacity: k}
-		}
-		return []enginemetrics.Names{names}
-	}
-	return enginemetrics.Families
-}
 
 // engineLoad is one good scrape of an engine: the load it reported, and when.
 type engineLoad struct {
@@ -105,6 +72,8 @@ type loadState struct {
 	stale, errors atomic.Int64
 	// failing is set by a failed scrape and cleared by a good one: the change is logged once.
 	failing atomic.Bool
+	// turnover reads the engine's count of stored prompt tokens against its KV pool.
+	turnover costmodel.Turnover
 }
 
 // loadScore is b's load at now, the one load picture every policy that weighs load reads:
@@ -292,6 +261,7 @@ func (r *Router) scrape(ctx context.Context, b *Backend, interval time.Duration)
 		before = prev.peers
 	}
 	l.peers = before.Next(enginemetrics.Scrape{Load: l.Load, Started: l.started, Ended: l.ended}, now)
+	st.turnover.Observe(now, l.KV.Stored, l.KV.Capacity)
 	st.last.Store(l)
 }
 
@@ -300,7 +270,7 @@ func (r *Router) scrape(ctx context.Context, b *Backend, interval time.Duration)
 func fetchLoad(ctx context.Context, b *Backend, timeout time.Duration) (*engineLoad, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	l, err := enginemetrics.Fetch(ctx, b.client, b.URLString, loadNamesOf(b.Engine))
+	l, err := enginemetrics.Fetch(ctx, b.client, b.URLString, enginemetrics.NamesOf(b.Engine))
 	if err != nil {
 		return nil, err
 	}
@@ -353,8 +323,8 @@ func (b *Backend) loadStatus(now time.Time) *LoadStatus {
 // loadCollector exports the scrape counters, read from the backends' atomics at scrape time
 // like the other per-backend series, so a removed backend's series go with it.
 type loadCollector struct {
-	r             *Router
-	stale, errors *prometheus.Desc
+	r                       *Router
+	stale, errors, turnover *prometheus.Desc
 }
 
 func newLoadCollector(r *Router) *loadCollector {
@@ -365,6 +335,8 @@ func newLoadCollector(r *Router) *loadCollector {
 			"Picks by least_loaded that scored the backend by this replica's in-flight requests alone, because its last good /metrics scrape was older than 3 scrape_interval (or there was none yet).", labels, nil),
 		errors: prometheus.NewDesc("pdproxy_backend_scrape_errors_total",
 			"Failed scrapes of the backend's /metrics, for a policy that weighs load (least_loaded, cache_aware, precise_cache_aware): no answer within scrape_interval, a status other than 200, a body that is not the Prometheus text format, or without the engine's waiting and running gauges.", labels, nil),
+		turnover: prometheus.NewDesc("pdproxy_backend_kv_turnover_seconds",
+			"How long the engine took, by its scraped counters, to store a KV pool's worth of prompt tokens, to the latest scrape: text routed there longer ago, and not since, is no longer counted as cached there. Absent until the counters cover a pool's worth.", labels, nil),
 	}
 }
 
@@ -372,6 +344,7 @@ func newLoadCollector(r *Router) *loadCollector {
 func (c *loadCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.stale
 	ch <- c.errors
+	ch <- c.turnover
 }
 
 // Collect implements prometheus.Collector.
@@ -380,5 +353,8 @@ func (c *loadCollector) Collect(ch chan<- prometheus.Metric) {
 		role := string(b.Role)
 		ch <- prometheus.MustNewConstMetric(c.stale, prometheus.CounterValue, float64(b.st.load.stale.Load()), b.Name, role)
 		ch <- prometheus.MustNewConstMetric(c.errors, prometheus.CounterValue, float64(b.st.load.errors.Load()), b.Name, role)
+		if d := b.st.load.turnover.Period(); d > 0 {
+			ch <- prometheus.MustNewConstMetric(c.turnover, prometheus.GaugeValue, d.Seconds(), b.Name, role)
+		}
 	}
 }

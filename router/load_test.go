@@ -476,23 +476,6 @@ func TestScrapingOnlyWhereLeastLoadedPicks(t *testing.T) {
 	}
 }
 
-// sglangEngine is an engine kind that names SGLang's gauges.
-type sglangEngine struct{ testEngine }
-
-func (sglangEngine) LoadMetrics() (waiting, running, kvUsage, requests string) {
-	return "sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage", "sglang:num_requests_total"
-}
-
-func TestAnEngineThatNamesItsLoadGaugesIsReadByThoseAlone(t *testing.T) {
-	want := []enginemetrics.Names{{Waiting: "sglang:num_queue_reqs", Running: "sglang:num_running_reqs", Usage: "sglang:token_usage", Requests: "sglang:num_requests_total"}}
-	if got := loadNamesOf(sglangEngine{}); !slices.Equal(got, want) {
-		t.Errorf("an engine that names its gauges is read by %v, want %v", got, want)
-	}
-	if got := loadNamesOf(testEngine{}); !slices.Equal(got, enginemetrics.Families) {
-		t.Errorf("an engine that does not is read by %v, want every family enginemetrics knows", got)
-	}
-}
-
 func TestScrapeIntervalConfig(t *testing.T) {
 	tests := []struct {
 		name    string

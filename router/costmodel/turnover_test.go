@@ -1,0 +1,69 @@
+package costmodel
+
+import (
+	"testing"
+	"time"
+)
+
+func TestTheHorizonIsTheNewestScrapeAPoolsWorthOfStoredTokensAgo(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	at := func(s int) time.Time { return t0.Add(time.Duration(s) * time.Second) }
+	type scrape struct{ stored, capacity float64 }
+	tests := []struct {
+		name    string
+		scrapes []scrape // one a second from t0
+		want    time.Time
+	}{
+		{"less than a pool stored since the first scrape: nothing is known evicted",
+			[]scrape{{0, 1000}, {400, 1000}, {999, 1000}}, time.Time{}},
+		{"a pool's worth since the first scrape", []scrape{{0, 1000}, {500, 1000}, {1000, 1000}}, at(0)},
+		{"the newest scrape a pool behind, not an older one",
+			[]scrape{{0, 1000}, {500, 1000}, {1000, 1000}, {1600, 1000}}, at(1)},
+		{"an engine that stores nothing keeps its horizon",
+			[]scrape{{0, 1000}, {1200, 1000}, {1200, 1000}, {1200, 1000}}, at(0)},
+		{"a count lower than the last is a restart: its pool is empty, nothing known",
+			[]scrape{{0, 1000}, {2000, 1000}, {3000, 1000}, {10, 1000}, {500, 1000}}, time.Time{}},
+		{"a restart counts again from its first scrape",
+			[]scrape{{0, 1000}, {5000, 1000}, {10, 1000}, {1010, 1000}}, at(2)},
+		{"another capacity starts again", []scrape{{0, 1000}, {1000, 1000}, {1000, 4000}, {3000, 4000}}, time.Time{}},
+		{"no capacity reported: nothing", []scrape{{0, 1000}, {1000, 1000}, {2000, 0}}, time.Time{}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var tu Turnover
+			for i, s := range tt.scrapes {
+				tu.Observe(at(i), s.stored, s.capacity)
+			}
+			if got := tu.Horizon(); !got.Equal(tt.want) {
+				t.Errorf("Horizon = %v, want %v", got, tt.want)
+			}
+			wantPeriod := time.Duration(0)
+			if !tt.want.IsZero() {
+				wantPeriod = at(len(tt.scrapes) - 1).Sub(tt.want)
+			}
+			if got := tu.Period(); got != wantPeriod {
+				t.Errorf("Period = %v, want %v", got, wantPeriod)
+			}
+		})
+	}
+}
+
+func TestTurnoverKeepsABoundedNumberOfSamples(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	for _, step := range []float64{1, 1000, 1e6} { // tokens per scrape, against a pool of 64,000
+		var tu Turnover
+		for i := range 100_000 {
+			tu.Observe(t0.Add(time.Duration(i)*time.Millisecond), float64(i)*step, 64_000)
+			if n := len(tu.samples); n > maxTurnoverSamples {
+				t.Fatalf("%g tokens a scrape: %d samples kept after %d scrapes, want at most %d", step, n, i+1, maxTurnoverSamples)
+			}
+		}
+		// The horizon is the newest scrape a pool behind, to within the spacing of samples.
+		last := float64(100_000-1) * step
+		h := tu.Horizon()
+		behind := last - float64(h.Sub(t0)/time.Millisecond)*step
+		if h.IsZero() || behind < 64_000 || behind > 64_000+64_000/turnoverSpacing+step {
+			t.Errorf("%g tokens a scrape: horizon %v is %g tokens behind the last count, want a pool's worth (64000) to within a sample", step, h, behind)
+		}
+	}
+}
