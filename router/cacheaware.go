@@ -378,8 +378,8 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, found *kvcac
 
 // treeSince is from where text routed to b counts as cached there: from, for an engine whose
 // KV events tell the rest; never longer ago than tree_ttl, past which the engine has likely
-// evicted it, nor than the engine's turnover horizon (its pool has stored a pool's worth of
-// tokens since, by its own counts).
+// evicted it, nor than the engine's turnover horizon (its pool has stored as many tokens as
+// it has free since, by its own counts).
 func (p *CacheAware) treeSince(b *Backend, from, now time.Time) time.Time {
 	since := now.Add(-p.cfg.TreeTTL)
 	if h := b.st.load.turnover.Horizon(); h.After(since) {

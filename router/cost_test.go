@@ -238,9 +238,9 @@ func TestASessionsBoundEngineIsCreditedWithWhatItsLatestRequestSentIt(t *testing
 }
 
 // cacheCounters is a vLLM /metrics body whose prefix cache has stored stored prompt tokens in
-// a pool of 4,176 blocks of 16 (66,816 tokens).
-func cacheCounters(stored int) string {
-	return testutil.VLLMMetrics(0, 0, 0) + fmt.Sprintf(`# TYPE vllm:prefix_cache_queries_total counter
+// a pool of 4,176 blocks of 16 (66,816 tokens), of which usage (0 to 1) is held by requests.
+func cacheCounters(stored int, usage float64) string {
+	return testutil.VLLMMetrics(0, 0, usage) + fmt.Sprintf(`# TYPE vllm:prefix_cache_queries_total counter
 vllm:prefix_cache_queries_total{engine="0",model_name="m"} %d
 # TYPE vllm:prefix_cache_hits_total counter
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 0
@@ -251,18 +251,20 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="4176"} 1
 
 func TestAContextIsNotCreditedOnceItsEnginesPoolHasTurnedOver(t *testing.T) {
 	// A session's 8,000-token context went to an engine, now the busiest. If that engine has
-	// since stored a pool's worth of other prompts (by its own counters, whoever sent them),
-	// the context is gone and the next turn goes elsewhere; with less stored, it stays.
+	// since stored as many other prompt tokens as its pool has free (by its own counters,
+	// whoever sent them), the context is gone and the next turn goes elsewhere; with less
+	// stored, it stays.
 	for _, tc := range []struct {
 		storedSince int
+		usage       float64
 		stays       bool
-	}{{30_000, true}, {70_000, false}} {
-		t.Run(fmt.Sprintf("%d tokens stored since", tc.storedSince), func(t *testing.T) {
+	}{{30_000, 0, true}, {70_000, 0, false}, {30_000, 0.6, false}} {
+		t.Run(fmt.Sprintf("%d tokens stored since, %.0f%% of the pool held", tc.storedSince, 100*tc.usage), func(t *testing.T) {
 			var backends []routerconfig.BackendConfig
 			engines := map[string]*metricsEngine{}
 			for i := range 4 {
 				name := fmt.Sprintf("b%d", i)
-				engines[name] = newMetricsEngine(t, cacheCounters(0))
+				engines[name] = newMetricsEngine(t, cacheCounters(0, 0))
 				backends = append(backends, routerconfig.BackendConfig{Name: name, URL: engines[name].URL, Role: routerconfig.RoleDecode})
 			}
 			r, reg, clk := newTestRouter(t, routerconfig.Config{Backends: backends, DecodePolicy: routerconfig.PolicyCacheAware})
@@ -278,23 +280,23 @@ func TestAContextIsNotCreditedOnceItsEnginesPoolHasTurnedOver(t *testing.T) {
 			clk.Advance(400 * time.Millisecond)
 			l.Prefilled()
 			l.Release(Result{Status: 200})
-			engines[home.Name].set(http.StatusOK, cacheCounters(8000)) // the context, stored
+			engines[home.Name].set(http.StatusOK, cacheCounters(8000, 0)) // the context, stored
 			scrapeAll()
 			clk.Advance(time.Second)
-			engines[home.Name].set(http.StatusOK, cacheCounters(8000+tc.storedSince))
+			engines[home.Name].set(http.StatusOK, cacheCounters(8000+tc.storedSince, tc.usage))
 			scrapeAll()
 			home.st.inflight.Add(20) // decodes there: 320 tokens of work, well under the context
 			defer home.st.inflight.Add(-20)
 			got, _ := pickOnce(t, r, Hint{Text: agentTurn(1, 8100)})
 			if stays := got == home.Name; stays != tc.stays {
-				t.Errorf("the next turn went to %s, its context's engine %s; want it kept there %v, with %d tokens stored there since in a pool of 66,816",
-					got, home.Name, tc.stays, tc.storedSince)
+				t.Errorf("the next turn went to %s, its context's engine %s; want it kept there %v, with %d tokens stored there since in a pool of 66,816, %.0f%% held",
+					got, home.Name, tc.stays, tc.storedSince, 100*tc.usage)
 			}
 			// Operators see how long a context stays credited there: the second between the
-			// scrape that counted the context and the one that counted a pool's worth more.
+			// scrape that counted the context and the one that counted what was free stored.
 			v, shown := testutil.Lookup(t, reg, "pdproxy_backend_kv_turnover_seconds", map[string]string{"backend": home.Name})
 			if shown != !tc.stays || (shown && v != 1) {
-				t.Errorf("kv_turnover_seconds{%s} = %v (shown %v), want 1 shown only once a pool's worth was stored", home.Name, v, shown)
+				t.Errorf("kv_turnover_seconds{%s} = %v (shown %v), want 1 shown only once what was free was stored", home.Name, v, shown)
 			}
 		})
 	}

@@ -72,7 +72,7 @@ type loadState struct {
 	stale, errors atomic.Int64
 	// failing is set by a failed scrape and cleared by a good one: the change is logged once.
 	failing atomic.Bool
-	// turnover reads the engine's count of stored prompt tokens against its KV pool.
+	// turnover reads the engine's count of stored prompt tokens against its free KV pool.
 	turnover costmodel.Turnover
 }
 
@@ -261,7 +261,11 @@ func (r *Router) scrape(ctx context.Context, b *Backend, interval time.Duration)
 		before = prev.peers
 	}
 	l.peers = before.Next(enginemetrics.Scrape{Load: l.Load, Started: l.started, Ended: l.ended}, now)
-	st.turnover.Observe(now, l.KV.Stored, l.KV.Capacity)
+	free := l.KV.Capacity
+	if l.Usage >= 0 {
+		free *= 1 - min(l.Usage, 1)
+	}
+	st.turnover.Observe(now, l.KV.Stored, l.KV.Capacity, free)
 	st.last.Store(l)
 }
 
@@ -336,7 +340,7 @@ func newLoadCollector(r *Router) *loadCollector {
 		errors: prometheus.NewDesc("pdproxy_backend_scrape_errors_total",
 			"Failed scrapes of the backend's /metrics, for a policy that weighs load (least_loaded, cache_aware, precise_cache_aware): no answer within scrape_interval, a status other than 200, a body that is not the Prometheus text format, or without the engine's waiting and running gauges.", labels, nil),
 		turnover: prometheus.NewDesc("pdproxy_backend_kv_turnover_seconds",
-			"How long the engine took, by its scraped counters, to store a KV pool's worth of prompt tokens, to the latest scrape: text routed there longer ago, and not since, is no longer counted as cached there. Absent until the counters cover a pool's worth.", labels, nil),
+			"How long the engine took, by its scraped counters, to store as many prompt tokens as its KV pool has free (held by no request), to the latest scrape: text routed there longer ago, and not since, is evicted and no longer counted as cached there. Absent until the counters cover that many, and for an engine that does not report them.", labels, nil),
 	}
 }
 

@@ -16,11 +16,11 @@ const (
 
 // Turnover tells, from an engine's count of the prompt tokens it stored in its KV pool (those
 // it was sent and did not find there), from when text sent to it may still be cached there.
-// Once the pool has taken in a pool's worth of tokens after a text, the text has been
-// evicted, least recently used first, unless it was sent again since: a prefix cache keeps
-// what it is asked for. The count is the engine's, so every replica that reads it draws the
-// same horizon, whoever sent the tokens. The zero Turnover knows nothing; it is safe for
-// concurrent use, and Horizon takes no lock.
+// A prefix cache evicts the least recently used of its free blocks (those no running request
+// holds) to store new tokens: once the pool has stored as many tokens as it had free after a
+// text, the text is gone, unless it was sent again since. The count is the engine's, so every
+// replica that reads it draws the same horizon, whoever sent the tokens. The zero Turnover
+// knows nothing; it is safe for concurrent use, and Horizon takes no lock.
 type Turnover struct {
 	// horizon is Horizon's answer in Unix nanoseconds, 0 for none; period is Period's.
 	horizon, period atomic.Int64
@@ -39,9 +39,11 @@ type turnoverSample struct {
 }
 
 // Observe records a scrape at at: the engine had stored stored tokens since it started, in a
-// pool of capacity tokens. A capacity of 0 (not reported) forgets everything; a count lower
-// than the last (the engine restarted, its pool empty) or another capacity starts again.
-func (t *Turnover) Observe(at time.Time, stored, capacity float64) {
+// pool of capacity tokens of which free were free (cached or empty, held by no request; at
+// least capacity/turnoverSpacing is counted). A capacity of 0 (not reported) forgets
+// everything; a count lower than the last (the engine restarted, its pool empty) or another
+// capacity starts again.
+func (t *Turnover) Observe(at time.Time, stored, capacity, free float64) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if capacity <= 0 || stored < t.latest.stored || capacity != t.capacity {
@@ -56,29 +58,32 @@ func (t *Turnover) Observe(at time.Time, stored, capacity float64) {
 	if n := len(t.samples); n == 0 || stored-t.samples[n-1].stored >= capacity/turnoverSpacing {
 		t.samples = append(t.samples, t.latest)
 	}
-	// Only the newest sample a whole pool behind is needed: older ones say less.
+	// Only the newest sample a whole pool behind is needed: the free part is at most the pool.
 	drop := 0
 	for drop+1 < len(t.samples) && stored-t.samples[drop+1].stored >= capacity {
 		drop++
 	}
 	drop = max(drop, len(t.samples)-maxTurnoverSamples)
 	t.samples = append(t.samples[:0], t.samples[drop:]...)
-	if s := t.samples[0]; stored-s.stored >= capacity {
-		t.horizon.Store(s.at.UnixNano())
-		t.period.Store(int64(at.Sub(s.at)))
-	} else {
-		t.horizon.Store(0)
-		t.period.Store(0)
+	free = min(max(free, capacity/turnoverSpacing), capacity)
+	t.horizon.Store(0)
+	t.period.Store(0)
+	for i := len(t.samples) - 1; i >= 0; i-- {
+		if s := t.samples[i]; stored-s.stored >= free {
+			t.horizon.Store(s.at.UnixNano())
+			t.period.Store(int64(at.Sub(s.at)))
+			break
+		}
 	}
 }
 
-// Period is how long the engine took to store a pool's worth of tokens, from Horizon to the
-// latest scrape; 0 when not known.
+// Period is how long the engine took to store what it had free, from Horizon to the latest
+// scrape; 0 when not known.
 func (t *Turnover) Period() time.Duration { return time.Duration(t.period.Load()) }
 
-// Horizon is the newest scrape since which the engine has stored a pool's worth of tokens:
-// text sent to it before then, and not since, is no longer cached there. Zero when the
-// counts seen do not cover a pool's worth.
+// Horizon is the newest scrape since which the engine has stored as many tokens as it has
+// free: text sent to it before then, and not since, is no longer cached there. Zero when the
+// counts seen do not cover that many.
 func (t *Turnover) Horizon() time.Time {
 	if ns := t.horizon.Load(); ns != 0 {
 		return time.Unix(0, ns)

@@ -5,34 +5,37 @@ import (
 	"time"
 )
 
-func TestTheHorizonIsTheNewestScrapeAPoolsWorthOfStoredTokensAgo(t *testing.T) {
+func TestTheHorizonIsTheNewestScrapeBeforeThePoolStoredWhatItHadFree(t *testing.T) {
 	t0 := time.Unix(1000, 0)
 	at := func(s int) time.Time { return t0.Add(time.Duration(s) * time.Second) }
-	type scrape struct{ stored, capacity float64 }
+	type scrape struct{ stored, capacity, free float64 }
 	tests := []struct {
 		name    string
 		scrapes []scrape // one a second from t0
 		want    time.Time
 	}{
 		{"less than a pool stored since the first scrape: nothing is known evicted",
-			[]scrape{{0, 1000}, {400, 1000}, {999, 1000}}, time.Time{}},
-		{"a pool's worth since the first scrape", []scrape{{0, 1000}, {500, 1000}, {1000, 1000}}, at(0)},
+			[]scrape{{0, 1000, 1000}, {400, 1000, 1000}, {999, 1000, 1000}}, time.Time{}},
+		{"a pool's worth since the first scrape", []scrape{{0, 1000, 1000}, {500, 1000, 1000}, {1000, 1000, 1000}}, at(0)},
 		{"the newest scrape a pool behind, not an older one",
-			[]scrape{{0, 1000}, {500, 1000}, {1000, 1000}, {1600, 1000}}, at(1)},
+			[]scrape{{0, 1000, 1000}, {500, 1000, 1000}, {1000, 1000, 1000}, {1600, 1000, 1000}}, at(1)},
 		{"an engine that stores nothing keeps its horizon",
-			[]scrape{{0, 1000}, {1200, 1000}, {1200, 1000}, {1200, 1000}}, at(0)},
+			[]scrape{{0, 1000, 1000}, {1200, 1000, 1000}, {1200, 1000, 1000}, {1200, 1000, 1000}}, at(0)},
 		{"a count lower than the last is a restart: its pool is empty, nothing known",
-			[]scrape{{0, 1000}, {2000, 1000}, {3000, 1000}, {10, 1000}, {500, 1000}}, time.Time{}},
+			[]scrape{{0, 1000, 1000}, {2000, 1000, 1000}, {3000, 1000, 1000}, {10, 1000, 1000}, {500, 1000, 1000}}, time.Time{}},
 		{"a restart counts again from its first scrape",
-			[]scrape{{0, 1000}, {5000, 1000}, {10, 1000}, {1010, 1000}}, at(2)},
-		{"another capacity starts again", []scrape{{0, 1000}, {1000, 1000}, {1000, 4000}, {3000, 4000}}, time.Time{}},
-		{"no capacity reported: nothing", []scrape{{0, 1000}, {1000, 1000}, {2000, 0}}, time.Time{}},
+			[]scrape{{0, 1000, 1000}, {5000, 1000, 1000}, {10, 1000, 1000}, {1010, 1000, 1000}}, at(2)},
+		{"another capacity starts again", []scrape{{0, 1000, 1000}, {1000, 1000, 1000}, {1000, 4000, 4000}, {3000, 4000, 4000}}, time.Time{}},
+		{"a pool mostly held by running requests turns over in what it has free",
+			[]scrape{{0, 1000, 250}, {100, 1000, 250}, {400, 1000, 250}}, at(1)},
+		{"what it has free at the latest scrape", []scrape{{0, 1000, 1000}, {100, 1000, 1000}, {400, 1000, 400}}, at(0)},
+		{"no capacity reported: nothing", []scrape{{0, 1000, 1000}, {1000, 1000, 1000}, {2000, 0, 0}}, time.Time{}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			var tu Turnover
 			for i, s := range tt.scrapes {
-				tu.Observe(at(i), s.stored, s.capacity)
+				tu.Observe(at(i), s.stored, s.capacity, s.free)
 			}
 			if got := tu.Horizon(); !got.Equal(tt.want) {
 				t.Errorf("Horizon = %v, want %v", got, tt.want)
@@ -53,7 +56,7 @@ func TestTurnoverKeepsABoundedNumberOfSamples(t *testing.T) {
 	for _, step := range []float64{1, 1000, 1e6} { // tokens per scrape, against a pool of 64,000
 		var tu Turnover
 		for i := range 100_000 {
-			tu.Observe(t0.Add(time.Duration(i)*time.Millisecond), float64(i)*step, 64_000)
+			tu.Observe(t0.Add(time.Duration(i)*time.Millisecond), float64(i)*step, 64_000, 64_000)
 			if n := len(tu.samples); n > maxTurnoverSamples {
 				t.Fatalf("%g tokens a scrape: %d samples kept after %d scrapes, want at most %d", step, n, i+1, maxTurnoverSamples)
 			}
