@@ -18,12 +18,14 @@ import (
 // cache does not hold as the policy's view says, a block on a slower tier weighed by its
 // reload); ahead is the work queued or running there before it, in the same tokens: this
 // replica's own books (the uncached tokens of the requests it sent there whose prefill has
-// not ended, less what the engine has computed of them since, one after another), the
-// requests the engine reports beyond those (other replicas', from its scraped waiting and
-// running counts, a waiting one at the pool's mean uncached tokens, a running decode at
-// decode_cost_tokens), and decode_cost_tokens for each of this replica's requests decoding
-// there. The pool's line starts from prefill_tokens_per_second and prefill_overhead, and
-// learns from each prefill as the proxy sees it, to its end (Lease.Prefilled).
+// not ended, less what the engine has computed of them since, one after another),
+// decode_cost_tokens for each of this replica's requests decoding there, and the requests the
+// engine reports beyond those (other replicas', from its scraped waiting and running counts):
+// a waiting one weighs what this replica's own pending requests there weigh now on average,
+// as they wait in the same queue, or where it has none there the pool's mean uncached tokens
+// less what the engine has computed since the scrape; a running decode, decode_cost_tokens.
+// The pool's line starts from prefill_tokens_per_second and prefill_overhead, and learns from
+// each prefill as the proxy sees it, to its end (Lease.Prefilled).
 //
 // Among ties, the engine a session is bound to is preferred, and the rank order is the
 // rendezvous order of the request's key (its session's, else its prompt's head), which every
@@ -73,13 +75,21 @@ func (b *Backend) workAhead(m *costmodel.Model, now time.Time) float64 {
 				waiting = float64(extra) * float64(l.Waiting) / float64(total)
 			}
 			running := float64(extra) - waiting
-			mean := m.MeanUncached()
+			each := m.MeanUncached()
+			if pending > 0 {
+				each = remaining / float64(pending)
+			}
+			prefill := waiting * each
 			if b.Role == routerconfig.RolePrefill {
 				// A prefiller's running requests are prefills, half done on average.
-				work += waiting*mean + running*mean/2
+				prefill += running * each / 2
 			} else {
-				work += waiting*mean + running*m.DecodeTokens()
+				work += running * m.DecodeTokens()
 			}
+			if pending == 0 {
+				prefill = max(prefill-now.Sub(l.at).Seconds()/m.Rate(), 0)
+			}
+			work += prefill
 		}
 	}
 	return work

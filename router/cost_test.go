@@ -2,6 +2,7 @@ package router
 
 import (
 	"fmt"
+	"math"
 	"net/http"
 	"strings"
 	"testing"
@@ -297,6 +298,61 @@ func TestAContextIsNotCreditedOnceItsEnginesPoolHasTurnedOver(t *testing.T) {
 			v, shown := testutil.Lookup(t, reg, "pdproxy_backend_kv_turnover_seconds", map[string]string{"backend": home.Name})
 			if shown != !tc.stays || (shown && v != 1) {
 				t.Errorf("kv_turnover_seconds{%s} = %v (shown %v), want 1 shown only once what was free was stored", home.Name, v, shown)
+			}
+		})
+	}
+}
+
+// Other replicas' requests an engine reports weigh, where this replica has none pending
+// there, the pool's mean uncached tokens as of the scrape, less what the engine has computed
+// since: a report a scrape interval old does not count prefills the engine has done by now.
+// Where it has some pending there, each weighs what its own weigh now on average, as they
+// wait in the same queue. Requests decoding there weigh as long as the report stands.
+func TestOtherReplicasRequestsWeighAsTheQueueTheyWaitIn(t *testing.T) {
+	for _, role := range []routerconfig.Role{routerconfig.RolePrefill, routerconfig.RoleDecode} {
+		t.Run(string(role), func(t *testing.T) {
+			e := newMetricsEngine(t, testutil.VLLMMetrics(4, 2, 0.2)) // none of them this replica's
+			cfg := routerconfig.Config{Backends: []routerconfig.BackendConfig{{Name: "e", URL: e.URL, Role: role}},
+				PrefillPolicy: routerconfig.PolicyCacheAware, DecodePolicy: routerconfig.PolicyCacheAware, ScrapeInterval: time.Second}
+			if role == routerconfig.RolePrefill {
+				cfg.Backends = append(cfg.Backends, routerconfig.BackendConfig{Name: "d", URL: e.URL, Role: routerconfig.RoleDecode})
+			}
+			r, _, clk := newTestRouter(t, cfg)
+			m := r.pool(role).policy.(costSelector).model()
+			m.NoteUncached(1000) // the pool's picks computed 1,000 tokens each
+			b := backendByName(t, r, "e")
+			r.scrape(t.Context(), b, time.Second)
+			// 4 waiting; 2 running: prefills half done, or decodes at 16.
+			waiting, decoding := 4.0, 0.0
+			if role == routerconfig.RolePrefill {
+				waiting++
+			} else {
+				decoding = 2 * routerconfig.DefaultDecodeCostTokens
+			}
+			rate := 1 / m.Rate() // tokens a second
+			for _, after := range []time.Duration{0, 100 * time.Millisecond, 300 * time.Millisecond, 2 * time.Second} {
+				want := max(waiting*1000-after.Seconds()*rate, 0) + decoding
+				if got := b.workAhead(m, clk.Now().Add(after)); math.Abs(got-want) > 1 {
+					t.Errorf("%s after the scrape, none of this replica's pending there: the work ahead is %.0f tokens, want %.0f: %.0f of other replicas' prefill less what the engine computes at %.0f tokens/s, and %.0f of decodes",
+						after, got, want, waiting*1000, rate, decoding)
+				}
+			}
+
+			// This replica sends it one request of 3,000 uncached tokens, pending: each of the
+			// others' weighs what it weighs, as it drains.
+			l := mustAcquire(t, r, role, Hint{Text: strings.Repeat("x", 3000*bytesPerToken)})
+			defer l.Release(Result{Status: 200})
+			if l.Backend() != b {
+				t.Fatalf("picked %s", l.Backend().Name)
+			}
+			e.set(200, testutil.VLLMMetrics(5, 0, 0.2)) // others' 4 and this replica's, waiting
+			r.scrape(t.Context(), b, time.Second)
+			for _, after := range []time.Duration{0, 100 * time.Millisecond} {
+				own := 3000 - after.Seconds()*rate
+				if got, want := b.workAhead(m, clk.Now().Add(after)), 5*own; math.Abs(got-want) > 1 {
+					t.Errorf("%s after its booking, with this replica's own %.0f tokens pending: the work ahead is %.0f tokens, want %.0f: those and the others' 4 waiting at as much each",
+						after, own, got, want)
+				}
 			}
 		})
 	}
