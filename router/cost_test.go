@@ -254,13 +254,17 @@ func TestAContextIsNotCreditedOnceItsEnginesPoolHasTurnedOver(t *testing.T) {
 	// A session's 8,000-token context went to an engine, now the busiest. If that engine has
 	// since stored as many other prompt tokens as its pool has free (by its own counters,
 	// whoever sent them), the context is gone and the next turn goes elsewhere; with less
-	// stored, it stays.
+	// stored, it stays. An engine whose count went down has restarted, its pool empty.
 	for _, tc := range []struct {
 		storedSince int
 		usage       float64
 		stays       bool
-	}{{30_000, 0, true}, {70_000, 0, false}, {30_000, 0.6, false}} {
-		t.Run(fmt.Sprintf("%d tokens stored since, %.0f%% of the pool held", tc.storedSince, 100*tc.usage), func(t *testing.T) {
+	}{{30_000, 0, true}, {70_000, 0, false}, {30_000, 0.6, false}, {-7_900, 0, false}} {
+		name := fmt.Sprintf("%d tokens stored since, %.0f%% of the pool held", tc.storedSince, 100*tc.usage)
+		if tc.storedSince < 0 {
+			name = "the engine restarted since: its count went down"
+		}
+		t.Run(name, func(t *testing.T) {
 			var backends []routerconfig.BackendConfig
 			engines := map[string]*metricsEngine{}
 			for i := range 4 {
@@ -296,7 +300,7 @@ func TestAContextIsNotCreditedOnceItsEnginesPoolHasTurnedOver(t *testing.T) {
 			// Operators see how long a context stays credited there: the second between the
 			// scrape that counted the context and the one that counted what was free stored.
 			v, shown := testutil.Lookup(t, reg, "pdproxy_backend_kv_turnover_seconds", map[string]string{"backend": home.Name})
-			if shown != !tc.stays || (shown && v != 1) {
+			if turned := tc.storedSince > 0 && !tc.stays; shown != turned || (shown && v != 1) {
 				t.Errorf("kv_turnover_seconds{%s} = %v (shown %v), want 1 shown only once what was free was stored", home.Name, v, shown)
 			}
 		})

@@ -229,7 +229,7 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 	}
 	for _, m := range marks {
 		// Text routed since just before an engine's latest event counts for an engine whose
-		// events are fresh; for another, what tree_ttl has not retired.
+		// events are fresh; for another, what tree_ttl and its KV turnover have not retired.
 		if m.at < p.treeSince(cands[m.i], p.pendingSince(found, cands[m.i], now), now).UnixNano() {
 			continue
 		}

@@ -324,8 +324,8 @@ func (b *Backend) loadStatus(now time.Time) *LoadStatus {
 	return s
 }
 
-// loadCollector exports the scrape counters, read from the backends' atomics at scrape time
-// like the other per-backend series, so a removed backend's series go with it.
+// loadCollector exports the scrape counters and the KV turnover, read from the backends'
+// atomics at scrape time like the other per-backend series, so a removed backend's go with it.
 type loadCollector struct {
 	r                       *Router
 	stale, errors, turnover *prometheus.Desc

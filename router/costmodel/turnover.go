@@ -31,6 +31,9 @@ type Turnover struct {
 	samples  []turnoverSample
 	latest   turnoverSample
 	capacity float64
+	// restarted is the scrape that found the engine restarted (its count lower than the last,
+	// or its pool resized): its pool was empty then, so nothing sent before is cached.
+	restarted time.Time
 }
 
 type turnoverSample struct {
@@ -41,12 +44,16 @@ type turnoverSample struct {
 // Observe records a scrape at at: the engine had stored stored tokens since it started, in a
 // pool of capacity tokens of which free were free (cached or empty, held by no request; at
 // least capacity/turnoverSpacing is counted). A capacity of 0 (not reported) forgets
-// everything; a count lower than the last (the engine restarted, its pool empty) or another
-// capacity starts again.
+// everything; a count lower than the last or another capacity is a restart: counting starts
+// again, and the horizon is at least this scrape.
 func (t *Turnover) Observe(at time.Time, stored, capacity, free float64) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if capacity <= 0 || stored < t.latest.stored || capacity != t.capacity {
+		t.restarted = time.Time{}
+		if capacity > 0 && t.capacity > 0 {
+			t.restarted = at
+		}
 		t.samples, t.latest, t.capacity = t.samples[:0], turnoverSample{}, capacity
 		t.horizon.Store(0)
 		t.period.Store(0)
@@ -67,6 +74,9 @@ func (t *Turnover) Observe(at time.Time, stored, capacity, free float64) {
 	t.samples = append(t.samples[:0], t.samples[drop:]...)
 	free = min(max(free, capacity/turnoverSpacing), capacity)
 	t.horizon.Store(0)
+	if !t.restarted.IsZero() {
+		t.horizon.Store(t.restarted.UnixNano())
+	}
 	t.period.Store(0)
 	for i := len(t.samples) - 1; i >= 0; i-- {
 		if s := t.samples[i]; stored-s.stored >= free {
@@ -77,13 +87,13 @@ func (t *Turnover) Observe(at time.Time, stored, capacity, free float64) {
 	}
 }
 
-// Period is how long the engine took to store what it had free, from Horizon to the latest
-// scrape; 0 when not known.
+// Period is how long the engine took to store what it had free, to the latest scrape; 0 when
+// not known.
 func (t *Turnover) Period() time.Duration { return time.Duration(t.period.Load()) }
 
 // Horizon is the newest scrape since which the engine has stored as many tokens as it has
-// free: text sent to it before then, and not since, is no longer cached there. Zero when the
-// counts seen do not cover that many.
+// free, or that found it restarted: text sent to it before then, and not since, is no longer
+// cached there. Zero when neither is known.
 func (t *Turnover) Horizon() time.Time {
 	if ns := t.horizon.Load(); ns != 0 {
 		return time.Unix(0, ns)

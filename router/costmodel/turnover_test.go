@@ -13,23 +13,26 @@ func TestTheHorizonIsTheNewestScrapeBeforeThePoolStoredWhatItHadFree(t *testing.
 		name    string
 		scrapes []scrape // one a second from t0
 		want    time.Time
+		// restartOnly: want is the scrape that found a restart, not a turnover: no period.
+		restartOnly bool
 	}{
 		{"less than a pool stored since the first scrape: nothing is known evicted",
-			[]scrape{{0, 1000, 1000}, {400, 1000, 1000}, {999, 1000, 1000}}, time.Time{}},
-		{"a pool's worth since the first scrape", []scrape{{0, 1000, 1000}, {500, 1000, 1000}, {1000, 1000, 1000}}, at(0)},
+			[]scrape{{0, 1000, 1000}, {400, 1000, 1000}, {999, 1000, 1000}}, time.Time{}, false},
+		{"a pool's worth since the first scrape", []scrape{{0, 1000, 1000}, {500, 1000, 1000}, {1000, 1000, 1000}}, at(0), false},
 		{"the newest scrape a pool behind, not an older one",
-			[]scrape{{0, 1000, 1000}, {500, 1000, 1000}, {1000, 1000, 1000}, {1600, 1000, 1000}}, at(1)},
+			[]scrape{{0, 1000, 1000}, {500, 1000, 1000}, {1000, 1000, 1000}, {1600, 1000, 1000}}, at(1), false},
 		{"an engine that stores nothing keeps its horizon",
-			[]scrape{{0, 1000, 1000}, {1200, 1000, 1000}, {1200, 1000, 1000}, {1200, 1000, 1000}}, at(0)},
-		{"a count lower than the last is a restart: its pool is empty, nothing known",
-			[]scrape{{0, 1000, 1000}, {2000, 1000, 1000}, {3000, 1000, 1000}, {10, 1000, 1000}, {500, 1000, 1000}}, time.Time{}},
+			[]scrape{{0, 1000, 1000}, {1200, 1000, 1000}, {1200, 1000, 1000}, {1200, 1000, 1000}}, at(0), false},
+		{"a count lower than the last is a restart: its pool was empty, nothing sent before is cached",
+			[]scrape{{0, 1000, 1000}, {2000, 1000, 1000}, {3000, 1000, 1000}, {10, 1000, 1000}, {500, 1000, 1000}}, at(3), true},
 		{"a restart counts again from its first scrape",
-			[]scrape{{0, 1000, 1000}, {5000, 1000, 1000}, {10, 1000, 1000}, {1010, 1000, 1000}}, at(2)},
-		{"another capacity starts again", []scrape{{0, 1000, 1000}, {1000, 1000, 1000}, {1000, 4000, 4000}, {3000, 4000, 4000}}, time.Time{}},
+			[]scrape{{0, 1000, 1000}, {5000, 1000, 1000}, {10, 1000, 1000}, {1010, 1000, 1000}}, at(2), false},
+		{"another capacity is a restart too", []scrape{{0, 1000, 1000}, {1000, 1000, 1000}, {1000, 4000, 4000}, {3000, 4000, 4000}}, at(2), true},
+		{"the first capacity reported is no restart", []scrape{{0, 0, 0}, {0, 1000, 1000}, {500, 1000, 1000}}, time.Time{}, false},
 		{"a pool mostly held by running requests turns over in what it has free",
-			[]scrape{{0, 1000, 250}, {100, 1000, 250}, {400, 1000, 250}}, at(1)},
-		{"what it has free at the latest scrape", []scrape{{0, 1000, 1000}, {100, 1000, 1000}, {400, 1000, 400}}, at(0)},
-		{"no capacity reported: nothing", []scrape{{0, 1000, 1000}, {1000, 1000, 1000}, {2000, 0, 0}}, time.Time{}},
+			[]scrape{{0, 1000, 250}, {100, 1000, 250}, {400, 1000, 250}}, at(1), false},
+		{"what it has free at the latest scrape", []scrape{{0, 1000, 1000}, {100, 1000, 1000}, {400, 1000, 400}}, at(0), false},
+		{"no capacity reported: nothing", []scrape{{0, 1000, 1000}, {1000, 1000, 1000}, {2000, 0, 0}}, time.Time{}, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -41,7 +44,7 @@ func TestTheHorizonIsTheNewestScrapeBeforeThePoolStoredWhatItHadFree(t *testing.
 				t.Errorf("Horizon = %v, want %v", got, tt.want)
 			}
 			wantPeriod := time.Duration(0)
-			if !tt.want.IsZero() {
+			if !tt.want.IsZero() && !tt.restartOnly {
 				wantPeriod = at(len(tt.scrapes) - 1).Sub(tt.want)
 			}
 			if got := tu.Period(); got != wantPeriod {
