@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/pdproxy/pdproxy/router/enginemetrics"
 )
 
 func TestDataParallelHeaderPicksTheRank(t *testing.T) {
@@ -66,6 +68,11 @@ func TestDataParallelHeaderPicksTheRank(t *testing.T) {
 			s := ts.kv(t)
 			if s.BlocksTotal != 2*cfg.KVBlocks || s.Ranks[0].BlocksTotal != cfg.KVBlocks || s.Ranks[1].EngineID != "eng-dp1" || s.Ranks[0].EngineID != "eng" {
 				t.Errorf("/debug/kv = %+v, want two pools of %d blocks, engine ids eng and eng-dp1", s, cfg.KVBlocks)
+			}
+			// A router reads both ranks' pools, as it reads both ranks' stored tokens.
+			l, err := enginemetrics.Parse(ts.get(t, "/metrics"), enginemetrics.Families)
+			if want := float64(2 * cfg.KVBlocks * cfg.BlockSize); err != nil || l.KV.Capacity != want {
+				t.Errorf("a router reads the KV capacity as %v (error %v), want both ranks' %v", l.KV.Capacity, err, want)
 			}
 		})
 	}

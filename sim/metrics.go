@@ -68,7 +68,6 @@ func (e *Engine) metricList() []metric {
 	add := func(kind prometheus.ValueType, name, help string, f func(KVStats) float64) {
 		out = append(out, metric{prometheus.NewDesc(name, help, nil, labels), kind, f})
 	}
-	capacity := float64(e.cfg.KVBlocks * e.cfg.BlockSize)
 	gauge := func(name, help string, f func(KVStats) float64) { add(prometheus.GaugeValue, name, help, f) }
 	counter := func(name, help string, f func(KVStats) float64) { add(prometheus.CounterValue, name, help, f) }
 
@@ -86,7 +85,8 @@ func (e *Engine) metricList() []metric {
 			func(s KVStats) float64 { return float64(s.PrefixCacheQueriesTotal) })
 		counter("sglang:cached_tokens_total", "Prompt tokens found in the prefix cache.",
 			func(s KVStats) float64 { return float64(s.PrefixCacheHitsTotal) })
-		gauge("sglang:max_total_num_tokens", "Tokens the KV pool holds.", func(KVStats) float64 { return capacity })
+		gauge("sglang:max_total_num_tokens", "Tokens the KV pools of every data parallel rank hold.",
+			func(s KVStats) float64 { return float64(s.BlocksTotal * e.cfg.BlockSize) })
 	} else {
 		gauge("vllm:num_requests_running", "Requests prefilling, pulling KV or decoding (holding a running slot and KV blocks).", running)
 		gauge("vllm:num_requests_waiting", "Requests queued for KV blocks or a running slot.", waiting)
@@ -100,11 +100,14 @@ func (e *Engine) metricList() []metric {
 			func(s KVStats) float64 { return float64(s.PrefixCacheQueriesTotal) })
 		counter("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
 			func(s KVStats) float64 { return float64(s.PrefixCacheHitsTotal) })
-		// vLLM's info series: the pool's size in its labels, its value 1.
-		info := prometheus.Labels{"model_name": e.defaultModel(), "block_size": strconv.Itoa(e.cfg.BlockSize),
-			"num_gpu_blocks": strconv.Itoa(e.cfg.KVBlocks)}
-		out = append(out, metric{prometheus.NewDesc("vllm:cache_config_info", "The KV cache's configuration, in its labels.", nil, info),
-			prometheus.GaugeValue, func(KVStats) float64 { return 1 }})
+		// vLLM's info series, one per data parallel rank (its engine index): each rank's pool
+		// size in its labels, its value 1.
+		for rank := range max(e.cfg.DataParallelSize, 1) {
+			info := prometheus.Labels{"model_name": e.defaultModel(), "engine": strconv.Itoa(rank),
+				"block_size": strconv.Itoa(e.cfg.BlockSize), "num_gpu_blocks": strconv.Itoa(e.cfg.KVBlocks)}
+			out = append(out, metric{prometheus.NewDesc("vllm:cache_config_info", "The KV cache's configuration, in its labels.", nil, info),
+				prometheus.GaugeValue, func(KVStats) float64 { return 1 }})
+		}
 		if e.cfg.CPUOffloadBlocks > 0 {
 			// vLLM's names for what its KV connector loads, here the CPU tier.
 			counter("vllm:external_prefix_cache_queries_total", "Prompt tokens looked up in the CPU KV tier.",
