@@ -128,8 +128,9 @@ func (vllm) LoadMetrics() (waiting, running, kvUsage, requests string) {
 	return "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:request_success_total"
 }
 
-// CacheMetrics names the series on vLLM's /metrics that count the prompt tokens it computed
-// and its KV capacity (enginemetrics.CacheReporter); the simulator reports the same.
+// CacheMetrics names the series on vLLM's /metrics that count the prompt tokens it looked up
+// in its prefix cache and found there, and its KV pool's size (enginemetrics.CacheReporter);
+// the simulator reports the same.
 func (vllm) CacheMetrics() (prompt, cached, capacity string) {
 	return "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:cache_config_info"
 }

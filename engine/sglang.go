@@ -91,7 +91,8 @@ func (sglang) LoadMetrics() (waiting, running, kvUsage, requests string) {
 }
 
 // CacheMetrics names the series on SGLang's /metrics that count the prompt tokens it was
-// sent and found cached (on every tier) and its KV capacity in tokens (enginemetrics.CacheReporter).
+// sent and found cached (by cache_source; the router counts the device's) and its KV pool's
+// size in tokens (enginemetrics.CacheReporter).
 func (sglang) CacheMetrics() (prompt, cached, capacity string) {
 	return "sglang:prompt_tokens_total", "sglang:cached_tokens_total", "sglang:max_total_num_tokens"
 }

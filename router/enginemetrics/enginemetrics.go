@@ -1,6 +1,6 @@
 // Package enginemetrics reads an engine's load, its requests waiting and running and its KV
-// cache usage, the count of requests it has served, and the prompt tokens it has computed
-// against its KV capacity, from its Prometheus /metrics.
+// cache usage, the count of requests it has served, and the prompt tokens it has stored in
+// its KV pool against the pool's size, from its Prometheus /metrics.
 package enginemetrics
 
 import (
@@ -213,9 +213,7 @@ func capacityOf(f *dto.MetricFamily) (sum float64, ok bool) {
 		if info {
 			return 0, false
 		}
-		var one dto.MetricFamily
-		one.Metric = []*dto.Metric{m}
-		if v, found := sumOf(&one); found {
+		if v, found := valueOf(m); found {
 			sum, ok = sum+v, true
 		}
 	}
@@ -228,19 +226,24 @@ func countable(v float64) bool { return !math.IsNaN(v) && !math.IsInf(v, 0) && v
 // sumOf adds up a family's series; ok is false when it has none.
 func sumOf(f *dto.MetricFamily) (sum float64, ok bool) {
 	for _, m := range f.GetMetric() {
-		switch {
-		case m.Gauge != nil:
-			sum += m.Gauge.GetValue()
-		case m.Untyped != nil:
-			sum += m.Untyped.GetValue()
-		case m.Counter != nil:
-			sum += m.Counter.GetValue()
-		default:
-			continue
+		if v, found := valueOf(m); found {
+			sum, ok = sum+v, true
 		}
-		ok = true
 	}
 	return sum, ok
+}
+
+// valueOf is a gauge's, an untyped series' or a counter's value; ok is false for another kind.
+func valueOf(m *dto.Metric) (v float64, ok bool) {
+	switch {
+	case m.Gauge != nil:
+		return m.Gauge.GetValue(), true
+	case m.Untyped != nil:
+		return m.Untyped.GetValue(), true
+	case m.Counter != nil:
+		return m.Counter.GetValue(), true
+	}
+	return 0, false
 }
 
 // count turns a gauge of requests into a count, refusing what cannot be one.
