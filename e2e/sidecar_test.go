@@ -152,7 +152,7 @@ sims:
 
 	t.Run("a request without the header is decoded by the local decoder alone", func(t *testing.T) {
 		before0, before1, beforeD := kv(t, "http://"+p0), kv(t, "http://"+p1), kv(t, d)
-		readOK(t, post(t, context.Background(), completions, `{"model":"sim","prompt":"hi","max_tokens":4}`))
+		readOK(t, post(t, context.Background(), completions, `{"model":"sim","prompt":"hi","max_tokens":4,"ignore_eos":true}`))
 		after0, after1, afterD := kv(t, "http://"+p0), kv(t, "http://"+p1), kv(t, d)
 		if after0.RequestsTotal != before0.RequestsTotal || after1.RequestsTotal != before1.RequestsTotal {
 			t.Errorf("a prefiller served a request that named none")
