@@ -225,9 +225,11 @@ func (t *Tree) Match(text string, engines []string, matched []int) {
 
 // MatchSince is Match counting, for engines[i], only text routed to it at since[i] or later
 // (a nil since counts all): for an engine whose own KV events tell what it holds, the text
-// routed to it that its events may not have told yet.
-func (t *Tree) MatchSince(text string, engines []string, since []time.Time, matched []int) {
-	t.matchSince(text, engines, nil, since, matched)
+// routed to it that its events may not have told yet. It returns when text was last routed,
+// to any engine, through the deepest node of text's path that any was (zero for none): for
+// a conversation's next turn, when its previous turn was routed.
+func (t *Tree) MatchSince(text string, engines []string, since []time.Time, matched []int) time.Time {
+	return t.matchSince(text, engines, nil, since, matched)
 }
 
 // Names are engines' names and where each is among them, for MatchNames: made once for the
@@ -256,13 +258,14 @@ func (n *Names) At(name string) (int, bool) {
 func (n *Names) List() []string { return n.list }
 
 // MatchNames is MatchSince of the engines named by names.
-func (t *Tree) MatchNames(text string, names *Names, since []time.Time, matched []int) {
-	t.matchSince(text, names.list, names.at, since, matched)
+func (t *Tree) MatchNames(text string, names *Names, since []time.Time, matched []int) time.Time {
+	return t.matchSince(text, names.list, names.at, since, matched)
 }
 
 // matchSince is MatchSince; byName, if not nil, is where each of engines is among them.
-func (t *Tree) matchSince(text string, engines []string, byName map[string]int, since []time.Time, matched []int) {
+func (t *Tree) matchSince(text string, engines []string, byName map[string]int, since []time.Time, matched []int) time.Time {
 	clear(matched)
+	var last int64
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	// A node near the root may hold a mark of every engine of a large pool: past a few
@@ -274,8 +277,12 @@ func (t *Tree) matchSince(text string, engines []string, byName map[string]int, 
 				byName[e] = i
 			}
 		}
+		if len(c.marks) > 0 {
+			last = 0
+		}
 		// Engines deeper down were on every node above too: the deepest mark wins.
 		for _, m := range c.marks {
+			last = max(last, m.at)
 			if byName != nil {
 				if i, ok := byName[m.engine]; ok && (since == nil || m.at >= since[i].UnixNano()) {
 					matched[i] = depth
@@ -289,6 +296,10 @@ func (t *Tree) matchSince(text string, engines []string, byName map[string]int, 
 			}
 		}
 	}
+	if last == 0 {
+		return time.Time{}
+	}
+	return time.Unix(0, last)
 }
 
 // MatchDeep calls visit, under the tree's lock, for every mark of an engine that was sent at

@@ -263,3 +263,35 @@ func TestTreeMatchNamesInALargePoolAsOneByOne(t *testing.T) {
 		t.Errorf("the engine sent this very prompt's head matched %d bytes", got[25])
 	}
 }
+
+func TestTreeMatchSaysWhenTheTextItContinuesWasRouted(t *testing.T) {
+	// A conversation's next turn continues its last one, whichever engine that went to and
+	// whether or not it still counts there: the match says when it was routed. A prompt that
+	// shares only a head with others is told when that head was last routed.
+	tr := NewTree(0)
+	at := func(s int) time.Time { return time.Unix(int64(s), 0) }
+	const preamble = "you are an agent with these tools: read, write, run. "
+	tr.InsertAt(preamble+"task A", "e0", at(10))
+	tr.InsertAt(preamble+"task A, result 1", "e1", at(20))
+	tr.InsertAt(preamble+"task B", "e0", at(30))
+	engines := []string{"e0", "e1"}
+	for _, tc := range []struct {
+		text  string
+		since []time.Time
+		want  time.Time
+	}{
+		{preamble + "task A, result 1, result 2", nil, at(20)},
+		{preamble + "task A, result 1, result 2", []time.Time{at(25), at(25)}, at(20)}, // counted nowhere, known all the same
+		{preamble + "task A, other", nil, at(20)},                                      // the node of "task A" was last routed at 20
+		{preamble + "task C", nil, at(30)},
+		{"something else entirely", nil, time.Time{}},
+	} {
+		matched := make([]int, len(engines))
+		if got := tr.MatchSince(tc.text, engines, tc.since, matched); !got.Equal(tc.want) {
+			t.Errorf("MatchSince(%q) says it was routed at %v, want %v", tc.text, got, tc.want)
+		}
+		if got := tr.MatchNames(tc.text, NewNames(engines), tc.since, matched); !got.Equal(tc.want) {
+			t.Errorf("MatchNames(%q) says it was routed at %v, want %v", tc.text, got, tc.want)
+		}
+	}
+}
