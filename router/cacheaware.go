@@ -169,7 +169,7 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	defer scratch.release()
 	found := scratch.matches()
 	var shareBuf, costBuf, aheadBuf [candidatesOnStack]float64
-	shares := p.score(cands, h, now, found, shareBuf[:0])
+	shares, routed := p.score(cands, h, now, found, shareBuf[:0])
 	costs, ahead := costBuf[:0], aheadBuf[:0]
 	if n := len(cands); n > candidatesOnStack {
 		costs, ahead = make([]float64, 0, n), make([]float64, 0, n)
@@ -189,7 +189,7 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	for i, b := range cands {
 		a := b.workAhead(p.cm, now)
 		ahead = append(ahead, a)
-		c := p.cm.Seconds(tokens*(1-shares[i]) + a)
+		c := p.cm.Seconds(tokens*(1-shares[i]) + a + costmodel.AtRisk(tokens, b.st.load.turnover.Period(), routed, now))
 		if bd.loads[i].full {
 			c = math.Inf(1) // a prefiller whose KV pool is nearly full: a last resort
 		}
@@ -202,7 +202,7 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 	pick := p.cm.Choose(costs, ahead, recent, rank, bound)
 	b := cands[pick]
 	uncached := tokens * (1 - shares[pick])
-	cost := Cost{Uncached: uncached, Ahead: ahead[pick], Predicted: secondsToDuration(costs[pick])}
+	cost := Cost{Uncached: uncached, Ahead: ahead[pick], Predicted: secondsToDuration(p.cm.Seconds(uncached + ahead[pick]))}
 	if h.holds(cost) {
 		return b, heldCost
 	}
@@ -214,16 +214,13 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 
 // storedLately is the blocks b computed lately, as its KV events tell, or as the picks sent
 // it (this replica's, or every replica's where h.Sent has them), whichever is more: events
-// come a moment after a prefill ends, and a group placed just before must count at once. For
-// cache_aware, which reads no events, it is the uncached tokens sent b lately, ok where the
-// replicas share placements (routerconfig.Config.SharedPlacements) or where b's engine has
-// served no request but this replica's lately (Backend.sole): no other replica is there to
-// place the group elsewhere. ok is false when b's events are not known to be read (neither
-// dialed nor ever heard from, though this replica sent it work): ties are then not spread, as
-// a count for some engines only would send all new work to one whose events never arrive. An
-// engine whose events are read and that published nothing computed nothing; so did one
-// nobody heard from and this replica never sent anything (one that just joined a pool whose
-// engines dial kv_events.listen).
+// come a moment after a prefill ends. For cache_aware, which reads no events, it is the
+// uncached tokens sent b lately, ok where the replicas share placements or where b's engine
+// served no request but this replica's lately (Backend.sole). ok is false when b's events are
+// not known to be read (neither dialed nor heard from, though this replica sent it work): a
+// count for some engines only would send all new work to one whose events never arrive. One
+// nobody heard from and this replica never sent anything (just joined a pool whose engines
+// dial kv_events.listen) computed nothing.
 func (p *CacheAware) storedLately(b *Backend, h Hint, now time.Time) (blocks float64, ok bool) {
 	sent := max(b.st.cost.sent.Value(now), h.Sent[b.Name])
 	if p.index == nil {
@@ -327,9 +324,9 @@ func (p *CacheAware) creditsPlacements(b *Backend) bool {
 // weighed by its tier (View.Weighted: a prompt on CPU scores below the same prompt on GPU
 // and above nothing), and the share of h.Text routed to it since pendingGrace before its
 // latest event; for another, the share of h.Text ever routed to it (that the tree still
-// holds). found is what the index says of the request (p.match); nil without an index or
-// tokens.
-func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, found *kvcache.Matches, out []float64) []float64 {
+// holds). found is what the index says of the request (p.match), nil without an index or
+// tokens. It also returns when the text h continues was last routed (Tree.MatchSince).
+func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, found *kvcache.Matches, out []float64) ([]float64, time.Time) {
 	var textBuf [candidatesOnStack]int
 	var nameBuf [candidatesOnStack]string
 	var sinceBuf [candidatesOnStack]time.Time
@@ -360,12 +357,13 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, found *kvcac
 		}
 	}
 	if h.Text == "" {
-		return out
+		return out, time.Time{}
 	}
+	var routed time.Time
 	if large {
-		p.tree.MatchNames(h.Text, p.namesFor(cands), since, matched)
+		routed = p.tree.MatchNames(h.Text, p.namesFor(cands), since, matched)
 	} else {
-		p.tree.MatchSince(h.Text, names, since, matched)
+		routed = p.tree.MatchSince(h.Text, names, since, matched)
 	}
 	for i := range out {
 		out[i] = max(out[i], float64(matched[i])/float64(len(h.Text)))
@@ -373,7 +371,7 @@ func (p *CacheAware) score(cands []*Backend, h Hint, now time.Time, found *kvcac
 			out[i] = max(out[i], placedShare(h, cands[i].Name))
 		}
 	}
-	return out
+	return out, routed
 }
 
 // treeSince is from where text routed to b counts as cached there: from, for an engine whose

@@ -17,15 +17,18 @@ import (
 // uncached is the prompt tokens the engine would compute for this request (those its prefix
 // cache does not hold as the policy's view says, a block on a slower tier weighed by its
 // reload); ahead is the work queued or running there before it, in the same tokens: this
-// replica's own books (the uncached tokens of the requests it sent there whose prefill has
-// not ended, less what the engine has computed of them since, one after another),
+// replica's own books (the uncached tokens of the requests it sent there whose prefill has not
+// ended, less what the engine has computed of them since, one after another),
 // decode_cost_tokens for each of this replica's requests decoding there, and the requests the
 // engine reports beyond those (other replicas', from its scraped waiting and running counts):
-// a waiting one weighs what this replica's own pending requests there weigh now on average,
-// as they wait in the same queue, or where it has none there the pool's mean uncached tokens
-// less what the engine has computed since the scrape; a running decode, decode_cost_tokens.
-// The pool's line starts from prefill_tokens_per_second and prefill_overhead, and learns from
-// each prefill as the proxy sees it, to its end (Lease.Prefilled).
+// a waiting one weighs what this replica's own pending requests there weigh now on average, as
+// they wait in the same queue, or where it has none there the pool's mean uncached tokens less
+// what the engine has computed since the scrape; a running decode, decode_cost_tokens. The
+// pool's line starts from prefill_tokens_per_second and prefill_overhead, and learns from each
+// prefill as the proxy sees it, to its end (Lease.Prefilled). Beside the time, the pick weighs
+// what the prompt would lose there: its tokens the engine would evict before the
+// conversation's next turn (costmodel.AtRisk), by its KV turnover, which the prediction leaves
+// out.
 //
 // Among ties, the engine a session is bound to is preferred, and the rank order is the
 // rendezvous order of the request's key (its session's, else its prompt's head), which every
@@ -35,12 +38,10 @@ import (
 // yet). Conversations and prompt groups new to the pool so go where the least work went;
 // replicas still place alike, reading the same events, and a group that went to an engine
 // stays there by its blocks, which every replica sees. cache_aware sees only the text it
-// routed: to a replica, a group another replica routed looks new, and spread so it would go
-// elsewhere. It spreads its ties, by the uncached tokens this replica sent each engine
-// lately, only where the replicas share where the heads of prompts went (heads.go), which
-// brings a group back where it first went, or where no other replica sends the engines work:
-// their counts of the requests they served hold none but this replica's (Backend.sole). Else
-// it keeps the rendezvous order alone. A temperature draws the pick by weight.
+// routed: to a replica, a group another replica routed looks new. It spreads its ties, by the
+// uncached tokens this replica sent each engine lately, only where the replicas share where
+// the heads of prompts went (heads.go) or where no other replica sends the engines work
+// (Backend.sole); else it keeps the rendezvous order. A temperature draws the pick by weight.
 
 // Cost is what a pick predicted of the request on the backend it picked: the request's own
 // uncached prompt tokens there, the work ahead of it (in tokens), and the predicted time to

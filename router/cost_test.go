@@ -307,6 +307,59 @@ func TestAContextIsNotCreditedOnceItsEnginesPoolHasTurnedOver(t *testing.T) {
 	}
 }
 
+func TestAContextGoesWhereItWillLastTillTheNextTurn(t *testing.T) {
+	// A session's context went to b0 2.1 s ago, and b0 has since stored its whole free pool
+	// within a second (its counters): the context is gone, and is computed again wherever the
+	// next turn goes. b1 stores as much in 100 s. b0 has less work ahead, which would decide
+	// between two engines that compute alike; but on b0 this turn's context would be gone again
+	// before the next turn, and it goes to b1, where it lasts. A prompt that continues nothing
+	// routed (when it comes back is not known) goes where less work is ahead.
+	for _, tc := range []struct {
+		name, text string
+		want       string
+	}{
+		{"the session's next turn", agentTurn(1, 8100), "b1"},
+		{"a prompt that continues nothing routed", strings.Repeat("an unrelated question. ", 1400), "b0"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var backends []routerconfig.BackendConfig
+			engines := map[string]*metricsEngine{}
+			for i := range 2 {
+				name := fmt.Sprintf("b%d", i)
+				engines[name] = newMetricsEngine(t, cacheCounters(0, 0))
+				backends = append(backends, routerconfig.BackendConfig{Name: name, URL: engines[name].URL, Role: routerconfig.RoleDecode})
+			}
+			r, reg, clk := newTestRouter(t, routerconfig.Config{Backends: backends, DecodePolicy: routerconfig.PolicyCacheAware})
+			scrapeAll := func(b0, b1 int) {
+				engines["b0"].set(http.StatusOK, cacheCounters(b0, 0))
+				engines["b1"].set(http.StatusOK, cacheCounters(b1, 0))
+				for _, b := range r.backends() {
+					r.scrape(t.Context(), b, time.Second)
+				}
+			}
+			scrapeAll(0, 0)
+			clk.Advance(99900 * time.Millisecond)
+			l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Text: agentTurn(1, 8000), Exclude: []string{"b1"}})
+			l.Prefilled()
+			l.Release(Result{Status: 200})
+			clk.Advance(100 * time.Millisecond)
+			scrapeAll(2_000, 70_000) // b1 stored a pool's worth in 100 s
+			clk.Advance(time.Second)
+			scrapeAll(80_000, 70_000) // b0, the context and a pool's worth more in 1 s
+			clk.Advance(time.Second)
+			if v, _ := testutil.Lookup(t, reg, "pdproxy_backend_kv_turnover_seconds", map[string]string{"backend": "b0"}); v != 1 {
+				t.Fatalf("b0's turnover is %v s, want the 1 s this test sets up", v)
+			}
+			b1 := backendByName(t, r, "b1")
+			b1.st.inflight.Add(20) // decodes there: 320 tokens of work ahead, b0 none
+			defer b1.st.inflight.Add(-20)
+			if got, _ := pickOnce(t, r, Hint{Text: tc.text}); got != tc.want {
+				t.Errorf("went to %s, want %s", got, tc.want)
+			}
+		})
+	}
+}
+
 // Other replicas' requests an engine reports weigh, where this replica has none pending
 // there, the pool's mean uncached tokens as of the scrape, less what the engine has computed
 // since: a report a scrape interval old does not count prefills the engine has done by now.

@@ -47,9 +47,10 @@ type poolView struct {
 	cursor int
 	readAt time.Time
 	// ahead is each candidate's work ahead of a new request, in prefill tokens (cost.go),
-	// as last read, for m, the policy's cost model.
-	ahead []float64
-	m     *costmodel.Model
+	// as last read, for m, the policy's cost model; period its engine's KV turnover period.
+	ahead  []float64
+	period []time.Duration
+	m      *costmodel.Model
 	// at is a pick's scratch: each candidate's place in shares, -1 if not there; costs the
 	// candidates' costs.
 	at     []int32
@@ -68,7 +69,7 @@ func newPoolView(cands []*Backend, now time.Time, m *costmodel.Model) *poolView 
 	v := &poolView{
 		cands: slices.Clone(cands), hash: make([]uint64, n), weight: make([]int, n),
 		loads: make([]int64, n), full: make([]bool, n), at: make([]int32, n), evenWeights: true,
-		readAt: now, ahead: make([]float64, n), m: m, costs: make([]float64, 0, n),
+		readAt: now, ahead: make([]float64, n), period: make([]time.Duration, n), m: m, costs: make([]float64, 0, n),
 	}
 	names := make([]string, n)
 	for i, b := range cands {
@@ -111,7 +112,7 @@ func (p *CacheAware) viewFor(cands []*Backend, now time.Time) *poolView {
 func (v *poolView) read(i int, now time.Time) {
 	load, full, _ := v.cands[i].loadScore(now)
 	v.loads[i], v.full[i] = load, full
-	v.ahead[i] = v.cands[i].workAhead(v.m, now)
+	v.ahead[i], v.period[i] = v.cands[i].workAhead(v.m, now), v.cands[i].st.load.turnover.Period()
 }
 
 // refresh reads loadRefreshBatch candidates afresh, and as many more as the time since the
@@ -184,8 +185,13 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		at       int64
 	}
 	var marks []treeMark
+	var deepest int
+	var routed time.Time // the deepest node's latest mark: when the text h continues was routed
 	if h.Text != "" {
 		p.tree.MatchDeep(h.Text, 1, func(engine string, depth int, at int64) {
+			if t := time.Unix(0, at); depth > deepest || (depth == deepest && t.After(routed)) {
+				deepest, routed = depth, t
+			}
 			if i, ok := v.names.At(engine); ok {
 				marks = append(marks, treeMark{i, depth, at})
 			}
@@ -257,20 +263,20 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		s := share(bound)
 		s.tree = max(s.tree, best, boundShare(h))
 	}
+	costOf := func(i int, held float64) float64 {
+		if v.full[i] {
+			return math.Inf(1)
+		}
+		return p.cm.Seconds(tokens*(1-held) + v.ahead[i] + costmodel.AtRisk(tokens, v.period[i], routed, now))
+	}
 	costs := v.costs[:0]
 	for i := range cands {
-		c := p.cm.Seconds(tokens + v.ahead[i])
-		if v.full[i] {
-			c = math.Inf(1)
-		}
-		costs = append(costs, c)
+		costs = append(costs, costOf(i, 0))
 	}
 	for _, s := range shares {
 		v.at[s.i] = -1
 		v.read(s.i, now)
-		if !v.full[s.i] {
-			costs[s.i] = p.cm.Seconds(tokens*(1-max(s.index, s.tree)) + v.ahead[s.i])
-		}
+		costs[s.i] = costOf(s.i, max(s.index, s.tree))
 	}
 	defer func() { v.shares, v.costs = shares[:0], costs[:0] }()
 	rank := func(i int) float64 { return costmodel.RendezvousRank(key, v.hash[i], v.weight[i], v.evenWeights) }
@@ -282,12 +288,7 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		// looked for.
 		was := costs[pick]
 		v.read(pick, now)
-		if !v.full[pick] {
-			costs[pick] = p.cm.Seconds(tokens*(1-heldOf(shares, pick)) + v.ahead[pick])
-		} else {
-			costs[pick] = math.Inf(1)
-		}
-		if costs[pick] <= p.cm.TieLimit(was) {
+		if costs[pick] = costOf(pick, heldOf(shares, pick)); costs[pick] <= p.cm.TieLimit(was) {
 			break
 		}
 		pick = p.cm.Choose(costs, v.ahead, recent, rank, bound)
@@ -295,7 +296,7 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 	b := cands[pick]
 	sh := heldOf(shares, pick)
 	uncached := tokens * (1 - sh)
-	cost := Cost{Uncached: uncached, Ahead: v.ahead[pick], Predicted: secondsToDuration(costs[pick])}
+	cost := Cost{Uncached: uncached, Ahead: v.ahead[pick], Predicted: secondsToDuration(p.cm.Seconds(uncached + v.ahead[pick]))}
 	if h.holds(cost) {
 		return b, heldCost
 	}

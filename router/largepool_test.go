@@ -42,6 +42,15 @@ func TestALargePoolPicksWhatReadingEveryCandidateWould(t *testing.T) {
 				}
 			}
 			clock := time.Now()
+			// Some engines store what they have free within seconds: there, a prompt's tokens
+			// are at risk before its next turn (costmodel.AtRisk).
+			for _, b := range bs {
+				if r.IntN(3) == 0 {
+					period := time.Duration(500+r.IntN(20_000)) * time.Millisecond
+					b.st.load.turnover.Observe(clock.Add(-period), 0, 66_816, 66_816)
+					b.st.load.turnover.Observe(clock, 70_000, 66_816, 66_816)
+				}
+			}
 			var index *kvcache.Index
 			if tc.precise {
 				index = kvcache.NewIndex(0, kvBlock)

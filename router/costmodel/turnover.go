@@ -100,3 +100,18 @@ func (t *Turnover) Horizon() time.Time {
 	}
 	return time.Time{}
 }
+
+// AtRisk is how many of a prompt's tokens cached by an engine now it would have to compute
+// again at the conversation's next turn: the prompt's tokens, by the chance that the engine
+// evicts them first. The next turn is taken to come as long after now as this one came after
+// routed, when the text it continues was last routed (zero: none was, and nothing is known of
+// when it comes back). The engine stores as many tokens as it has free in period (its
+// Turnover's Period, 0 when not known): none is at risk where period is at least that gap,
+// all where it is nothing, and between, the share of the gap that period falls short of.
+func AtRisk(tokens float64, period time.Duration, routed, now time.Time) float64 {
+	gap := now.Sub(routed)
+	if period <= 0 || routed.IsZero() || gap <= period {
+		return 0
+	}
+	return tokens * (1 - period.Seconds()/gap.Seconds())
+}

@@ -1,6 +1,7 @@
 package costmodel
 
 import (
+	"math"
 	"testing"
 	"time"
 )
@@ -70,6 +71,27 @@ func TestTurnoverKeepsABoundedNumberOfSamples(t *testing.T) {
 		behind := last - float64(h.Sub(t0)/time.Millisecond)*step
 		if h.IsZero() || behind < 64_000 || behind > 64_000+64_000/turnoverSpacing+step {
 			t.Errorf("%g tokens a scrape: horizon %v is %g tokens behind the last count, want a pool's worth (64000) to within a sample", step, h, behind)
+		}
+	}
+}
+
+func TestAtRisk(t *testing.T) {
+	now := time.Unix(1000, 0)
+	for _, tc := range []struct {
+		period time.Duration
+		routed time.Time
+		want   float64
+	}{
+		{period: time.Second, routed: now.Add(-4 * time.Second), want: 7500},  // evicts what it holds each second: 3/4 of a 4 s gap
+		{period: 4 * time.Second, routed: now.Add(-4 * time.Second), want: 0}, // lasts the gap
+		{period: 10 * time.Second, routed: now.Add(-time.Second), want: 0},    // lasts it well
+		{period: 0, routed: now.Add(-time.Minute), want: 0},                   // not known
+		{period: time.Second, routed: time.Time{}, want: 0},                   // new text: when it comes back is not known
+		{period: time.Second, routed: now.Add(time.Second), want: 0},          // a clock step back
+		{period: time.Millisecond, routed: now.Add(-time.Second), want: 9990}, // nearly all
+	} {
+		if got := AtRisk(10_000, tc.period, tc.routed, now); math.Abs(got-tc.want) > 1e-6 {
+			t.Errorf("AtRisk(10000, period %s, routed %s before) = %v, want %v", tc.period, now.Sub(tc.routed), got, tc.want)
 		}
 	}
 }
