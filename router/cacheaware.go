@@ -186,6 +186,7 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 		// and what the session's latest request sent it.
 		shares[bound] = max(slices.Max(shares), boundShare(h))
 	}
+	routed = costmodel.Kept(routed, now, len(cands), func(i int) time.Duration { return cands[i].st.load.turnover.Period() })
 	for i, b := range cands {
 		a := b.workAhead(p.cm, now)
 		ahead = append(ahead, a)

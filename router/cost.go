@@ -25,10 +25,9 @@ import (
 // they wait in the same queue, or where it has none there the pool's mean uncached tokens less
 // what the engine has computed since the scrape; a running decode, decode_cost_tokens. The
 // pool's line starts from prefill_tokens_per_second and prefill_overhead, and learns from each
-// prefill as the proxy sees it, to its end (Lease.Prefilled). Beside the time, the pick weighs
-// what the prompt would lose there: its tokens the engine would evict before the
-// conversation's next turn (costmodel.AtRisk), by its KV turnover, which the prediction leaves
-// out.
+// prefill as the proxy sees it, to its end (Lease.Prefilled). Beside the time, a pick weighs
+// the prompt's tokens the engine would evict before the conversation's next turn
+// (costmodel.AtRisk, Kept); the prediction leaves them out.
 //
 // Among ties, the engine a session is bound to is preferred, and the rank order is the
 // rendezvous order of the request's key (its session's, else its prompt's head), which every

@@ -313,13 +313,16 @@ func TestAContextGoesWhereItWillLastTillTheNextTurn(t *testing.T) {
 	// next turn goes. b1 stores as much in 100 s. b0 has less work ahead, which would decide
 	// between two engines that compute alike; but on b0 this turn's context would be gone again
 	// before the next turn, and it goes to b1, where it lasts. A prompt that continues nothing
-	// routed (when it comes back is not known) goes where less work is ahead.
+	// routed (when it comes back is not known) goes where less work is ahead; so does the
+	// turn where b1 too stores its free pool within seconds, as it would be lost anywhere.
 	for _, tc := range []struct {
 		name, text string
+		b1Fast     bool
 		want       string
 	}{
-		{"the session's next turn", agentTurn(1, 8100), "b1"},
-		{"a prompt that continues nothing routed", strings.Repeat("an unrelated question. ", 1400), "b0"},
+		{"the session's next turn", agentTurn(1, 8100), false, "b1"},
+		{"a prompt that continues nothing routed", strings.Repeat("an unrelated question. ", 1400), false, "b0"},
+		{"the session's next turn, both engines turning over within seconds", agentTurn(1, 8100), true, "b0"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var backends []routerconfig.BackendConfig
@@ -338,21 +341,27 @@ func TestAContextGoesWhereItWillLastTillTheNextTurn(t *testing.T) {
 				}
 			}
 			scrapeAll(0, 0)
-			clk.Advance(99900 * time.Millisecond)
+			clk.Advance(99 * time.Second)
+			b1 := 0
+			if tc.b1Fast {
+				b1 = 1100
+				scrapeAll(0, b1)
+			}
+			clk.Advance(900 * time.Millisecond)
 			l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Text: agentTurn(1, 8000), Exclude: []string{"b1"}})
 			l.Prefilled()
 			l.Release(Result{Status: 200})
 			clk.Advance(100 * time.Millisecond)
-			scrapeAll(2_000, 70_000) // b1 stored a pool's worth in 100 s
+			scrapeAll(2_000, b1+70_000) // b1 stored a pool's worth in 100 s, or in 1
 			clk.Advance(time.Second)
-			scrapeAll(80_000, 70_000) // b0, the context and a pool's worth more in 1 s
+			scrapeAll(80_000, b1+70_000) // b0, the context and a pool's worth more in 1 s
 			clk.Advance(time.Second)
 			if v, _ := testutil.Lookup(t, reg, "pdproxy_backend_kv_turnover_seconds", map[string]string{"backend": "b0"}); v != 1 {
 				t.Fatalf("b0's turnover is %v s, want the 1 s this test sets up", v)
 			}
-			b1 := backendByName(t, r, "b1")
-			b1.st.inflight.Add(20) // decodes there: 320 tokens of work ahead, b0 none
-			defer b1.st.inflight.Add(-20)
+			busy := backendByName(t, r, "b1")
+			busy.st.inflight.Add(20) // decodes there: 320 tokens of work ahead, b0 none
+			defer busy.st.inflight.Add(-20)
 			if got, _ := pickOnce(t, r, Hint{Text: tc.text}); got != tc.want {
 				t.Errorf("went to %s, want %s", got, tc.want)
 			}

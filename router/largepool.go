@@ -185,8 +185,7 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		at       int64
 	}
 	var marks []treeMark
-	var deepest int
-	var routed time.Time // the deepest node's latest mark: when the text h continues was routed
+	deepest, routed := 0, time.Time{} // the deepest node's latest mark: when the text h continues was routed
 	if h.Text != "" {
 		p.tree.MatchDeep(h.Text, 1, func(engine string, depth int, at int64) {
 			if t := time.Unix(0, at); depth > deepest || (depth == deepest && t.After(routed)) {
@@ -263,6 +262,7 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		s := share(bound)
 		s.tree = max(s.tree, best, boundShare(h))
 	}
+	routed = costmodel.Kept(routed, now, len(cands), func(i int) time.Duration { return v.period[i] })
 	costOf := func(i int, held float64) float64 {
 		if v.full[i] {
 			return math.Inf(1)

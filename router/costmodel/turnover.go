@@ -115,3 +115,17 @@ func AtRisk(tokens float64, period time.Duration, routed, now time.Time) float64
 	}
 	return tokens * (1 - period.Seconds()/gap.Seconds())
 }
+
+// Kept is routed where at least one of a pick's n candidates (candidate i's Turnover Period
+// period(i)) would keep a prompt routed then till it comes back with room to spare, its
+// period at least twice the gap; zero, which puts nothing at risk anywhere, where none would.
+// Where the prompt is lost wherever it goes, the periods' differences, which move with every
+// scrape, tell less than their noise which engine would keep more of it.
+func Kept(routed, now time.Time, n int, period func(i int) time.Duration) time.Time {
+	for i := range n {
+		if AtRisk(1, period(i)/2, routed, now) == 0 {
+			return routed
+		}
+	}
+	return time.Time{}
+}

@@ -95,3 +95,28 @@ func TestAtRisk(t *testing.T) {
 		}
 	}
 }
+
+func TestKeptOnlyWhereAnEngineWouldKeepThePromptTillItComesBack(t *testing.T) {
+	now := time.Unix(1000, 0)
+	routed := now.Add(-2 * time.Second)
+	for _, tc := range []struct {
+		periods []time.Duration
+		kept    bool
+	}{
+		{[]time.Duration{time.Second, 10 * time.Second}, true},    // the second keeps it well
+		{[]time.Duration{time.Second, 3 * time.Second}, false},    // lasts the gap, but not with room to spare
+		{[]time.Duration{time.Second, 0}, true},                   // one reports no turnover: nothing at risk there
+		{[]time.Duration{time.Second, 2 * time.Second}, false},    // lost anywhere
+		{[]time.Duration{4 * time.Second, 4 * time.Second}, true}, // twice the gap
+		{[]time.Duration{time.Second}, false},                     // one engine, losing it
+		{[]time.Duration{}, false},                                // no candidates
+	} {
+		got := Kept(routed, now, len(tc.periods), func(i int) time.Duration { return tc.periods[i] })
+		if want := map[bool]time.Time{true: routed}[tc.kept]; !got.Equal(want) {
+			t.Errorf("Kept over periods %v, routed 2 s ago = %v, want %v", tc.periods, got, want)
+		}
+	}
+	if got := Kept(time.Time{}, now, 1, func(int) time.Duration { return time.Second }); !got.IsZero() {
+		t.Errorf("Kept of nothing routed = %v, want zero", got)
+	}
+}
