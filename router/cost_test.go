@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/pdproxy/pdproxy/internal/testutil"
 	"github.com/pdproxy/pdproxy/router/routerconfig"
 )
@@ -250,6 +252,27 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="4176"} 1
 `, stored)
 }
 
+// kvCountingPool is a cache_aware decode pool of n engines, b0 onwards, whose /metrics
+// report their KV counters (cacheCounters), none stored yet.
+func kvCountingPool(t *testing.T, n int) (*Router, *prometheus.Registry, *testutil.Clock, map[string]*metricsEngine) {
+	var backends []routerconfig.BackendConfig
+	engines := map[string]*metricsEngine{}
+	for i := range n {
+		name := fmt.Sprintf("b%d", i)
+		engines[name] = newMetricsEngine(t, cacheCounters(0, 0))
+		backends = append(backends, routerconfig.BackendConfig{Name: name, URL: engines[name].URL, Role: routerconfig.RoleDecode})
+	}
+	r, reg, clk := newTestRouter(t, routerconfig.Config{Backends: backends, DecodePolicy: routerconfig.PolicyCacheAware})
+	return r, reg, clk, engines
+}
+
+// scrapeEvery scrapes every backend of r once.
+func scrapeEvery(t *testing.T, r *Router) {
+	for _, b := range r.backends() {
+		r.scrape(t.Context(), b, time.Second)
+	}
+}
+
 func TestAContextIsNotCreditedOnceItsEnginesPoolHasTurnedOver(t *testing.T) {
 	// A session's 8,000-token context went to an engine, now the busiest. If that engine has
 	// since stored as many other prompt tokens as its pool has free (by its own counters,
@@ -265,19 +288,8 @@ func TestAContextIsNotCreditedOnceItsEnginesPoolHasTurnedOver(t *testing.T) {
 			name = "the engine restarted since: its count went down"
 		}
 		t.Run(name, func(t *testing.T) {
-			var backends []routerconfig.BackendConfig
-			engines := map[string]*metricsEngine{}
-			for i := range 4 {
-				name := fmt.Sprintf("b%d", i)
-				engines[name] = newMetricsEngine(t, cacheCounters(0, 0))
-				backends = append(backends, routerconfig.BackendConfig{Name: name, URL: engines[name].URL, Role: routerconfig.RoleDecode})
-			}
-			r, reg, clk := newTestRouter(t, routerconfig.Config{Backends: backends, DecodePolicy: routerconfig.PolicyCacheAware})
-			scrapeAll := func() {
-				for _, b := range r.backends() {
-					r.scrape(t.Context(), b, time.Second)
-				}
-			}
+			r, reg, clk, engines := kvCountingPool(t, 4)
+			scrapeAll := func() { scrapeEvery(t, r) }
 			scrapeAll()
 			clk.Advance(time.Second)
 			l := mustAcquire(t, r, routerconfig.RoleDecode, Hint{Text: agentTurn(1, 8000)})
@@ -325,20 +337,11 @@ func TestAContextGoesWhereItWillLastTillTheNextTurn(t *testing.T) {
 		{"the session's next turn, both engines turning over within seconds", agentTurn(1, 8100), true, "b0"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			var backends []routerconfig.BackendConfig
-			engines := map[string]*metricsEngine{}
-			for i := range 2 {
-				name := fmt.Sprintf("b%d", i)
-				engines[name] = newMetricsEngine(t, cacheCounters(0, 0))
-				backends = append(backends, routerconfig.BackendConfig{Name: name, URL: engines[name].URL, Role: routerconfig.RoleDecode})
-			}
-			r, reg, clk := newTestRouter(t, routerconfig.Config{Backends: backends, DecodePolicy: routerconfig.PolicyCacheAware})
+			r, reg, clk, engines := kvCountingPool(t, 2)
 			scrapeAll := func(b0, b1 int) {
 				engines["b0"].set(http.StatusOK, cacheCounters(b0, 0))
 				engines["b1"].set(http.StatusOK, cacheCounters(b1, 0))
-				for _, b := range r.backends() {
-					r.scrape(t.Context(), b, time.Second)
-				}
+				scrapeEvery(t, r)
 			}
 			scrapeAll(0, 0)
 			clk.Advance(99 * time.Second)
