@@ -186,11 +186,11 @@ func (p *CacheAware) SelectCost(cands []*Backend, h Hint) (*Backend, Cost) {
 		// and what the session's latest request sent it.
 		shares[bound] = max(slices.Max(shares), boundShare(h))
 	}
-	routed = costmodel.Kept(routed, now, len(cands), func(i int) time.Duration { return cands[i].st.load.turnover.Period() })
+	gap := costmodel.Kept(costmodel.Gap(routed, now), len(cands), func(i int) time.Duration { return cands[i].st.load.turnover.Period() })
 	for i, b := range cands {
 		a := b.workAhead(p.cm, now)
 		ahead = append(ahead, a)
-		c := p.cm.Seconds(tokens*(1-shares[i]) + a + costmodel.AtRisk(tokens, b.st.load.turnover.Period(), routed, now))
+		c := p.cm.Seconds(tokens*(1-shares[i]) + a + costmodel.AtRisk(tokens, b.st.load.turnover.Period(), gap))
 		if bd.loads[i].full {
 			c = math.Inf(1) // a prefiller whose KV pool is nearly full: a last resort
 		}

@@ -262,12 +262,12 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		s := share(bound)
 		s.tree = max(s.tree, best, boundShare(h))
 	}
-	routed = costmodel.Kept(routed, now, len(cands), func(i int) time.Duration { return v.period[i] })
+	gap := costmodel.Kept(costmodel.Gap(routed, now), len(cands), func(i int) time.Duration { return v.period[i] })
 	costOf := func(i int, held float64) float64 {
 		if v.full[i] {
 			return math.Inf(1)
 		}
-		return p.cm.Seconds(tokens*(1-held) + v.ahead[i] + costmodel.AtRisk(tokens, v.period[i], routed, now))
+		return p.cm.Seconds(tokens*(1-held) + v.ahead[i] + costmodel.AtRisk(tokens, v.period[i], gap))
 	}
 	costs := v.costs[:0]
 	for i := range cands {

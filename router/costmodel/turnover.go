@@ -101,31 +101,39 @@ func (t *Turnover) Horizon() time.Time {
 	return time.Time{}
 }
 
+// Gap is how long ago routed was, when the text a prompt continues was last routed: the
+// conversation's next turn is taken to come as long after this one. Zero where routed is zero
+// (none was, and nothing is known of when it comes back) or not before now.
+func Gap(routed, now time.Time) time.Duration {
+	if routed.IsZero() || !routed.Before(now) {
+		return 0
+	}
+	return now.Sub(routed)
+}
+
 // AtRisk is how many of a prompt's tokens cached by an engine now it would have to compute
-// again at the conversation's next turn: the prompt's tokens, by the chance that the engine
-// evicts them first. The next turn is taken to come as long after now as this one came after
-// routed, when the text it continues was last routed (zero: none was, and nothing is known of
-// when it comes back). The engine stores as many tokens as it has free in period (its
-// Turnover's Period, 0 when not known): none is at risk where period is at least that gap,
-// all where it is nothing, and between, the share of the gap that period falls short of.
-func AtRisk(tokens float64, period time.Duration, routed, now time.Time) float64 {
-	gap := now.Sub(routed)
-	if period <= 0 || routed.IsZero() || gap <= period {
+// again at the conversation's next turn, gap from now (Gap; 0 when not known): the prompt's
+// tokens, by the chance that the engine evicts them first. The engine stores as many tokens
+// as it has free in period (its Turnover's Period, 0 when not known): none is at risk where
+// period is at least the gap, all where it is nothing, and between, the share of the gap
+// that period falls short of.
+func AtRisk(tokens float64, period, gap time.Duration) float64 {
+	if period <= 0 || gap <= period {
 		return 0
 	}
 	return tokens * (1 - period.Seconds()/gap.Seconds())
 }
 
-// Kept is routed where at least one of a pick's n candidates (candidate i's Turnover Period
-// period(i)) would keep a prompt routed then till it comes back with room to spare, its
-// period at least twice the gap; zero, which puts nothing at risk anywhere, where none would.
-// Where the prompt is lost wherever it goes, the periods' differences, which move with every
-// scrape, tell less than their noise which engine would keep more of it.
-func Kept(routed, now time.Time, n int, period func(i int) time.Duration) time.Time {
+// Kept is gap where at least one of a pick's n candidates (candidate i's Turnover Period
+// period(i)) would keep a prompt till it comes back with room to spare, its period at least
+// twice the gap; 0, which puts nothing at risk anywhere, where none would. Where the prompt
+// is lost wherever it goes, the periods' differences, which move with every scrape, tell
+// less than their noise which engine would keep more of it.
+func Kept(gap time.Duration, n int, period func(i int) time.Duration) time.Duration {
 	for i := range n {
-		if AtRisk(1, period(i)/2, routed, now) == 0 {
-			return routed
+		if AtRisk(1, period(i)/2, gap) == 0 {
+			return gap
 		}
 	}
-	return time.Time{}
+	return 0
 }

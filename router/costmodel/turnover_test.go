@@ -90,15 +90,14 @@ func TestAtRisk(t *testing.T) {
 		{period: time.Second, routed: now.Add(time.Second), want: 0},          // a clock step back
 		{period: time.Millisecond, routed: now.Add(-time.Second), want: 9990}, // nearly all
 	} {
-		if got := AtRisk(10_000, tc.period, tc.routed, now); math.Abs(got-tc.want) > 1e-6 {
+		if got := AtRisk(10_000, tc.period, Gap(tc.routed, now)); math.Abs(got-tc.want) > 1e-6 {
 			t.Errorf("AtRisk(10000, period %s, routed %s before) = %v, want %v", tc.period, now.Sub(tc.routed), got, tc.want)
 		}
 	}
 }
 
 func TestKeptOnlyWhereAnEngineWouldKeepThePromptTillItComesBack(t *testing.T) {
-	now := time.Unix(1000, 0)
-	routed := now.Add(-2 * time.Second)
+	const gap = 2 * time.Second
 	for _, tc := range []struct {
 		periods []time.Duration
 		kept    bool
@@ -111,12 +110,12 @@ func TestKeptOnlyWhereAnEngineWouldKeepThePromptTillItComesBack(t *testing.T) {
 		{[]time.Duration{time.Second}, false},                     // one engine, losing it
 		{[]time.Duration{}, false},                                // no candidates
 	} {
-		got := Kept(routed, now, len(tc.periods), func(i int) time.Duration { return tc.periods[i] })
-		if want := map[bool]time.Time{true: routed}[tc.kept]; !got.Equal(want) {
-			t.Errorf("Kept over periods %v, routed 2 s ago = %v, want %v", tc.periods, got, want)
+		got := Kept(gap, len(tc.periods), func(i int) time.Duration { return tc.periods[i] })
+		if want := map[bool]time.Duration{true: gap}[tc.kept]; got != want {
+			t.Errorf("Kept over periods %v, a 2 s gap = %v, want %v", tc.periods, got, want)
 		}
 	}
-	if got := Kept(time.Time{}, now, 1, func(int) time.Duration { return time.Second }); !got.IsZero() {
-		t.Errorf("Kept of nothing routed = %v, want zero", got)
+	if got := Kept(0, 1, func(int) time.Duration { return time.Second }); got != 0 {
+		t.Errorf("Kept of no gap known = %v, want 0", got)
 	}
 }
