@@ -169,9 +169,7 @@ func (r *Router) costStatus(b *Backend, now time.Time) *CostStatus {
 // CachedBlocks returns up to limit of the index's keys of the blocks that the backend called
 // name holds as its KV events told, in no order: for showing an engine's cache as the proxy
 // sees it (its count is in Backends' PrefixCache). Nil when the proxy has none of its events.
-func (r *Router) CachedBlocks(name string, limit int) []uint64 {
-	return r.index.BlockKeys(name, limit)
-}
+func (r *Router) CachedBlocks(name string, limit int) []uint64 { return r.index.BlockKeys(name, limit) }
 
 // CachedTokens returns how many of h.Tokens' leading tokens the backend called name holds
 // in its prefix cache as its KV events tell, under h's LoRA and CacheSalt (the identity the
@@ -209,12 +207,8 @@ func (b *Backend) kvEngineIn(x *kvcache.Index) *kvcache.Engine {
 
 // eventsDialed reports whether the router dials b's KV event publishers: configured, or
 // listed by the engine (kv_events_discover).
-func (b *Backend) eventsDialed() bool {
-	return b.kvEvents != "" || b.st.kvSources.Load() != nil
-}
+func (b *Backend) eventsDialed() bool { return b.kvEvents != "" || b.st.kvSources.Load() != nil }
 
 // weightedTokens is v's weighted match in whole tokens; the epsilon keeps a sum of weights
 // such as 0.1 that floats cannot hold from losing a token.
-func weightedTokens(v kvcache.View) int {
-	return int(v.Weighted + 1e-9)
-}
+func weightedTokens(v kvcache.View) int { return int(v.Weighted + 1e-9) }

@@ -270,8 +270,11 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		return p.cm.Seconds(tokens*(1-held) + v.ahead[i] + costmodel.AtRisk(tokens, v.period[i], gap))
 	}
 	costs := v.costs[:0]
-	for i := range cands {
-		costs = append(costs, costOf(i, 0))
+	for i := range cands { // costOf inlined: a call a candidate costs a large pool's pick microseconds
+		costs = append(costs, p.cm.Seconds(tokens+v.ahead[i]+costmodel.AtRisk(tokens, v.period[i], gap)))
+		if v.full[i] {
+			costs[i] = math.Inf(1)
+		}
 	}
 	for _, s := range shares {
 		v.at[s.i] = -1
