@@ -277,12 +277,11 @@ func (t *Tree) matchSince(text string, engines []string, byName map[string]int, 
 				byName[e] = i
 			}
 		}
-		if len(c.marks) > 0 {
-			last = 0
+		if at := c.latest(); at != 0 {
+			last = at
 		}
 		// Engines deeper down were on every node above too: the deepest mark wins.
 		for _, m := range c.marks {
-			last = max(last, m.at)
 			if byName != nil {
 				if i, ok := byName[m.engine]; ok && (since == nil || m.at >= since[i].UnixNano()) {
 					matched[i] = depth
@@ -296,10 +295,23 @@ func (t *Tree) matchSince(text string, engines []string, byName map[string]int, 
 			}
 		}
 	}
-	if last == 0 {
+	return unixOrZero(last)
+}
+
+// latest is when text was last routed through n, to any engine; 0 for a node without marks.
+func (n *node) latest() int64 {
+	var at int64
+	for _, m := range n.marks {
+		at = max(at, m.at)
+	}
+	return at
+}
+
+func unixOrZero(ns int64) time.Time {
+	if ns == 0 {
 		return time.Time{}
 	}
-	return time.Unix(0, last)
+	return time.Unix(0, ns)
 }
 
 // MatchDeep calls visit, under the tree's lock, for every mark of an engine that was sent at
@@ -307,18 +319,24 @@ func (t *Tree) matchSince(text string, engines []string, byName map[string]int, 
 // the mark's node holds, and when text was last routed to the engine through it. Marks come
 // root first, so an engine's deepest mark comes last. Nodes above minDepth are not read: near
 // the root of a large pool's tree a node may hold a mark of every engine, and a caller that
-// needs only the engines holding much of a prompt does not pay for them.
-func (t *Tree) MatchDeep(text string, minDepth int, visit func(engine string, depth int, at int64)) {
+// needs only the engines holding much of a prompt does not pay for them. It returns what
+// MatchSince does, of the nodes it reads.
+func (t *Tree) MatchDeep(text string, minDepth int, visit func(engine string, depth int, at int64)) time.Time {
 	minDepth = max(minDepth, 1)
+	var last int64
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for c, depth := range t.path(text) {
 		if depth >= minDepth {
+			if at := c.latest(); at != 0 {
+				last = at
+			}
 			for _, m := range c.marks {
 				visit(m.engine, depth, m.at)
 			}
 		}
 	}
+	return unixOrZero(last)
 }
 
 // MatchOne is how many leading bytes of text were routed to engine at since or later (a zero

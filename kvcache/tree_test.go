@@ -293,5 +293,8 @@ func TestTreeMatchSaysWhenTheTextItContinuesWasRouted(t *testing.T) {
 		if got := tr.MatchNames(tc.text, NewNames(engines), tc.since, matched); !got.Equal(tc.want) {
 			t.Errorf("MatchNames(%q) says it was routed at %v, want %v", tc.text, got, tc.want)
 		}
+		if got := tr.MatchDeep(tc.text, 1, func(string, int, int64) {}); !got.Equal(tc.want) {
+			t.Errorf("MatchDeep(%q) says it was routed at %v, want %v", tc.text, got, tc.want)
+		}
 	}
 }

@@ -185,12 +185,9 @@ func (p *CacheAware) selectLarge(cands []*Backend, h Hint, key uint64, now time.
 		at       int64
 	}
 	var marks []treeMark
-	deepest, routed := 0, time.Time{} // the deepest node's latest mark: when the text h continues was routed
+	var routed time.Time // when the text h continues was routed
 	if h.Text != "" {
-		p.tree.MatchDeep(h.Text, 1, func(engine string, depth int, at int64) {
-			if t := time.Unix(0, at); depth > deepest || (depth == deepest && t.After(routed)) {
-				deepest, routed = depth, t
-			}
+		routed = p.tree.MatchDeep(h.Text, 1, func(engine string, depth int, at int64) {
 			if i, ok := v.names.At(engine); ok {
 				marks = append(marks, treeMark{i, depth, at})
 			}
