@@ -124,6 +124,16 @@ func (h *Hold) Since() time.Time {
 	return h.since
 }
 
+// Left is how much longer the hold's params may go to a decoder: until the hold deadline
+// (kv_hold_timeout after the prefiller's answer), by the table's clock; zero or less once it
+// passed, and for paired legs' holds, whose params never pass through the proxy.
+func (h *Hold) Left() time.Duration {
+	if h == nil || h.params == nil {
+		return 0
+	}
+	return h.since.Add(h.t.holdTimeout).Sub(h.t.now())
+}
+
 // Release records that the hold is over, for the given reason. It reports whether this call
 // was the one that released it; every later call is a counted late event and changes nothing.
 func (h *Hold) Release(reason ReleaseReason) bool {

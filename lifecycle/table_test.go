@@ -4,6 +4,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 )
 
 const (
@@ -532,4 +533,37 @@ func stateOfRow(t *testing.T, f *fixture) State {
 	t.Helper()
 	st, _ := f.tb.State(reqID)
 	return st
+}
+
+// Left says how long a hold's params may still go to a decoder, by the table's clock: the
+// whole kv_hold_timeout at the prefiller's answer, nothing once its deadline passed (the
+// point past which StartDecode no longer forwards them), and nothing for paired legs' holds.
+func TestHoldLeftCountsDownToTheHoldDeadline(t *testing.T) {
+	f := newFixture(t)
+	toKVHeld(t, f)
+	_, hold := f.tb.Fail(reqID)
+	if hold == nil {
+		t.Fatal("setup: Fail left no hold to release")
+	}
+	if got := hold.Left(); got != testHoldTimeout {
+		t.Errorf("Left at the prefiller's answer = %v, want %v", got, testHoldTimeout)
+	}
+	f.clk.Advance(10 * time.Second)
+	if got := hold.Left(); got != testHoldTimeout-10*time.Second {
+		t.Errorf("Left 10s later = %v, want %v", got, testHoldTimeout-10*time.Second)
+	}
+	f.clk.pastDeadline(f.tb)
+	if got := hold.Left(); got > 0 {
+		t.Errorf("Left past the deadline = %v, want none", got)
+	}
+	hold.Release(ReleaseDrained)
+
+	g := newFixture(t)
+	begin(t, g)
+	mustTrue(t, "StartLegs", g.tb.StartLegs(reqID, "p1", "d1"))
+	if _, room := g.tb.Fail(reqID); room == nil || room.Left() != 0 {
+		t.Errorf("paired legs' hold %v: Left = %v, want 0 (its params never pass through the proxy)", room, room.Left())
+	} else {
+		room.Release(ReleaseAborted)
+	}
 }

@@ -23,6 +23,10 @@ type Flow struct {
 	// bg tracks work that outlives a request on purpose (KV releases after the client left,
 	// prefills let finish); Server.Wait waits for it.
 	bg sync.WaitGroup
+	// stopping is closed once Wait is called (the proxy is shutting down): a drain that waits
+	// for a decoder to come back gives up then.
+	stopping chan struct{}
+	stopOnce sync.Once
 	// bootstraps caches what paired prefillers' bootstrap servers said.
 	bootstraps bootstrapCache
 	// tr traces requests (WithTracerProvider); nil when tracing is off.
@@ -40,7 +44,8 @@ type Flow struct {
 // New is the flow of cfg (its defaults filled in and checked by the proxy), over rt and table;
 // m are the proxy's metrics. sidecar says the flow is in llm-d's sidecar slot.
 func New(cfg Config, rt Router, table *lifecycle.Table, logger *zap.Logger, m *Metrics, sidecar bool) *Flow {
-	return &Flow{cfg: cfg, router: rt, table: table, logger: logger, m: m, aborts: newAbortRing(recentAbortsKept), sidecar: sidecar}
+	return &Flow{cfg: cfg, router: rt, table: table, logger: logger, m: m, aborts: newAbortRing(recentAbortsKept), sidecar: sidecar,
+		stopping: make(chan struct{})}
 }
 
 // Trace traces the flow's requests, their calls and releases with tp's tracer.
@@ -53,8 +58,10 @@ func (f *Flow) Trace(tp trace.TracerProvider) {
 func (f *Flow) RecentAborts() []AbortRecord { return f.aborts.list() }
 
 // Wait blocks until the work that outlives requests (KV releases, finishing prefills) is done
-// or ctx ends.
+// or ctx ends. Drains waiting for a decoder to be usable stop waiting: the proxy is stopping,
+// and their holds are left to the prefillers' timers.
 func (f *Flow) Wait(ctx context.Context) error {
+	f.stopOnce.Do(func() { close(f.stopping) })
 	done := make(chan struct{})
 	go func() { f.bg.Wait(); close(done) }()
 	select {

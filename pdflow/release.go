@@ -479,14 +479,77 @@ func (s *Flow) drainLeg(c custody, d *router.Backend, req *api.Request, body []b
 	return true
 }
 
+// drainPause is how long a drain waits before it tries again: for a decoder to be usable
+// when none is, or after one could not be reached.
+const drainPause = 100 * time.Millisecond
+
 // drain sends a decoder a one-token decode with the held params, so that it pulls the blocks
-// and the prefiller frees them: the decoder of lease, the one reserved for the request, which
-// drain gives back; else, with lease nil, any but r.exclude. It runs on its own deadline: the client that asked is gone.
-// It may go past the decoders' in-flight limit: it frees memory, it must not queue behind load.
-// A drain whose deadline passes after it reached the decoder still releases: the decoder
-// aborts a do_remote_prefill request that was never scheduled and notifies the prefiller,
-// which frees the blocks (vLLM does this; so does the simulator).
+// and the prefiller frees them, and reports whether one did: first the decoder of lease, the
+// one reserved for the request, which drain gives back; else, with lease nil, any but
+// r.exclude. A decoder that provably never read the drain (its connection refused, or dropped
+// unread) may be down: the drain goes to another, and while no decoder is usable it waits for
+// one, a pause at a time, for as long as the hold's params may go to a decoder (Hold.Left) and
+// the proxy is not stopping. The exclusions hold for one pick: a decoder that is the only one
+// usable once the others stay down gets the drain again, as a restarted one should. A decoder
+// that read the drain and failed may have read the params: no other decoder gets them.
 func (s *Flow) drain(r release, lease *router.Lease) bool {
+	until := time.Now().Add(r.hold.Left())
+	exclude := r.exclude
+	waiting := false
+	for try := 0; ; try++ {
+		if try > 0 {
+			select {
+			case <-time.After(drainPause):
+			case <-s.stopping:
+				s.logger.Warn("kv drain given up: the proxy is stopping", zap.String("request_id", r.c.id))
+				return false
+			}
+		}
+		if !time.Now().Before(until) {
+			// Past the hold deadline the params go to no decoder (race R4).
+			if lease != nil {
+				lease.Release(router.Result{Canceled: true})
+			}
+			s.logger.Warn("kv drain found no decoder before the hold deadline", zap.String("request_id", r.c.id))
+			return false
+		}
+		if lease == nil {
+			ctx, cancel := context.WithDeadline(context.Background(), until)
+			var err error
+			lease, err = s.router.Acquire(ctx, routerconfig.RoleDecode, router.Hint{RequestID: r.c.id, Overcommit: true, Exclude: exclude, Accept: sequential})
+			cancel()
+			if errors.Is(err, router.ErrNoBackend) {
+				if !waiting {
+					waiting = true
+					s.logger.Warn("kv drain waits for a decoder", zap.String("request_id", r.c.id), zap.Error(err))
+				}
+				exclude = nil
+				continue
+			}
+			if err != nil {
+				s.logger.Warn("kv drain found no decoder", zap.String("request_id", r.c.id), zap.Error(err))
+				return false
+			}
+		}
+		name := lease.Backend().Name
+		ok, unread := s.drainOn(r, lease)
+		if !unread {
+			return ok
+		}
+		lease, exclude = nil, []string{name}
+	}
+}
+
+// drainOn sends the drain to the decoder of lease, which it gives back, and reports whether
+// the decoder took it (it pulled the held KV), and when not, whether the decoder provably never
+// read it (unread), so that another may.
+func (s *Flow) drainOn(r release, lease *router.Lease) (ok, unread bool) {
+	b := lease.Backend()
+	eng, isSeq := engineOf(b).(engine.Sequential)
+	if !isSeq {
+		lease.Release(router.Result{})
+		return false, false
+	}
 	timeout := s.cfg.DrainTimeout
 	if timeout <= 0 {
 		timeout = r.prefill.KVHoldTimeout
@@ -496,20 +559,6 @@ func (s *Flow) drain(r release, lease *router.Lease) bool {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	if lease == nil {
-		var err error
-		lease, err = s.router.Acquire(ctx, routerconfig.RoleDecode, router.Hint{RequestID: r.c.id, Overcommit: true, Exclude: r.exclude, Accept: sequential})
-		if err != nil {
-			s.logger.Warn("kv drain found no decoder", zap.String("request_id", r.c.id), zap.Error(err))
-			return false
-		}
-	}
-	b := lease.Backend()
-	eng, ok := engineOf(b).(engine.Sequential)
-	if !ok {
-		lease.Release(router.Result{})
-		return false
-	}
 	span := s.bgSpan(r.span, SpanDrain, b, attrEngineRequestID.String(r.c.engineID))
 	var err error
 	defer func() { endSpan(span, err) }()
@@ -521,7 +570,7 @@ func (s *Flow) drain(r release, lease *router.Lease) bool {
 	})
 	if err != nil {
 		lease.Release(router.Result{})
-		return false
+		return false, false
 	}
 	path := r.req.Route
 	var delivered atomic.Bool
@@ -538,17 +587,21 @@ func (s *Flow) drain(r release, lease *router.Lease) bool {
 		return err
 	})
 	if err != nil && ctx.Err() != nil && delivered.Load() {
+		// A drain whose deadline passes after it reached the decoder still releases: the
+		// decoder aborts a do_remote_prefill request that was never scheduled and notifies
+		// the prefiller, which frees the blocks (vLLM does this; so does the simulator).
 		lease.Release(router.Result{Canceled: true})
-		return true
+		return true, false
 	}
 	// A drain says little about the decoder's health (it may find the blocks already freed, by
 	// design), so its outcome feeds no passive ejection.
 	lease.Release(router.Result{})
 	if err != nil {
 		s.logger.Warn("kv drain failed", zap.String("request_id", r.c.id), zap.String("backend", b.Name), zap.Error(err))
-		return false
+		var ce *engine.CallError
+		return false, errors.As(err, &ce) && ce.Unprocessed
 	}
-	return true
+	return true, false
 }
 
 // end ends the request: a hold no decoder acknowledged is released first (releaseUnsent, which

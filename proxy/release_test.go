@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -493,4 +494,172 @@ func TestAnAcknowledgedDecodeIsNeverSentToASecondDecoder(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A drain that finds no decoder usable waits for one to come back, for as long as the hold's
+// params may go to a decoder, rather than leave the blocks to the prefiller's lease: the only
+// decoder is down by its health checks when a prefilled request looks for one; the request
+// fails (503), its hold stays the proxy's, and the drain goes once the decoder is up again.
+func TestADrainWaitsForADecoderToComeBack(t *testing.T) {
+	var down atomic.Bool
+	d := newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		if r.Method != http.MethodPost {
+			if down.Load() {
+				w.WriteHeader(http.StatusServiceUnavailable)
+			}
+			return
+		}
+		vllmDecode(w, r, body)
+	})
+	// The decoder goes down while the prefill runs: the prefill answers once the proxy knows.
+	var hp atomic.Pointer[harness]
+	prefill := vllmPrefill(prefillerParams)
+	var p *fakeEngine
+	p = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		if r.Method != http.MethodPost {
+			return
+		}
+		down.Store(true)
+		if p.poll(r, func() bool {
+			return hp.Load().value("pdproxy_backend_healthy", map[string]string{"backend": "d0"}) == 0
+		}) {
+			prefill(w, r, body)
+		}
+	})
+	backends := []routerconfig.BackendConfig{prefiller("p0", p.URL()), decoder("d0", d.URL())}
+	for i := range backends {
+		// Named, so that the checks do not ask the fake engines for their models.
+		backends[i].Models = []string{"m"}
+	}
+	h := newHarness(t, Config{DecoderReservation: ReserveAfterPrefill}, routerconfig.Config{
+		Backends: backends,
+		Health:   routerconfig.HealthConfig{Interval: 20 * time.Millisecond, UnhealthyThreshold: 1, HealthyThreshold: 1},
+	})
+	hp.Store(h)
+	resp, body := h.post("/v1/completions", `{"model":"m","prompt":"held"}`)
+	checkOpenAIError(t, resp, body, http.StatusServiceUnavailable)
+	if n := len(p.generations()); n != 1 {
+		t.Fatalf("the prefiller got %d calls, want the one prefill (%s)", n, body)
+	}
+	// Several health checks later, the decoder still down: the hold is still the proxy's.
+	time.Sleep(200 * time.Millisecond)
+	if n := h.value("pdproxy_kv_releases_total", nil); n != 0 {
+		t.Fatalf("pdproxy_kv_releases_total = %v while no decoder could take the drain, want 0: the hold was given up", n)
+	}
+	if n := h.table.OutstandingHolds(); n != 1 {
+		t.Errorf("OutstandingHolds = %d while the drain waits, want 1", n)
+	}
+	down.Store(false)
+	eventually(t, "the held KV to be drained once the decoder is back", func() bool {
+		return h.value("pdproxy_kv_releases_total", map[string]string{"reason": "drained"}) == 1
+	})
+	drain := d.only(t, "the decoder")
+	if f := drain.fields(t); string(f["kv_transfer_params"]) != prefillerParams || string(f["max_tokens"]) != "1" {
+		t.Errorf("drain body %s, want the held params, one token", drain.Body)
+	}
+	if n := h.value("pdproxy_kv_releases_total", map[string]string{"reason": "expired"}); n != 0 {
+		t.Errorf(`pdproxy_kv_releases_total{reason="expired"} = %v, want 0`, n)
+	}
+	h.waitQuiet()
+}
+
+// A drain whose decoder is gone (its connection refused: the decoder reserved for the request
+// died while the prefill ran) goes to another decoder, which pulls the blocks; the dead one
+// never read the params, so they still reach one decoder only.
+func TestADrainWhoseDecoderIsGoneGoesToAnother(t *testing.T) {
+	release, prefilled := make(chan struct{}), make(chan struct{})
+	t.Cleanup(func() { closeOnce(release); closeOnce(prefilled) })
+	var decoders [2]*fakeEngine
+	for i := range decoders {
+		e := &decoders[i]
+		*e = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+			if strings.Contains(string(body), `"prompt":"first"`) && !(*e).wait(r, release) {
+				return
+			}
+			vllmDecode(w, r, body)
+		})
+	}
+	prefill := vllmPrefill(prefillerParams)
+	var p *fakeEngine
+	p = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		// The second prefill ends only after its client left: finish_then_release lets it.
+		if strings.Contains(string(body), `"prompt":"second"`) {
+			select {
+			case <-prefilled:
+			case <-p.stop:
+				return
+			}
+		}
+		prefill(w, r, body)
+	})
+	h := newHarness(t, Config{AbortDuringPrefill: AbortPrefillFinishThenFree}, routerconfig.Config{
+		Backends: []routerconfig.BackendConfig{
+			prefiller("p0", p.URL()),
+			{Name: "d0", URL: decoders[0].URL(), Role: routerconfig.RoleDecode, MaxInflight: 1},
+			{Name: "d1", URL: decoders[1].URL(), Role: routerconfig.RoleDecode, MaxInflight: 1},
+		},
+	})
+	first := make(chan int, 1)
+	go func() { first <- h.statusOf(`{"model":"m","prompt":"first"}`, nil) }()
+	busy := -1
+	eventually(t, "the first request to occupy a decoder", func() bool {
+		for i, d := range decoders {
+			if len(d.generations()) == 1 {
+				busy = i
+			}
+		}
+		return busy >= 0
+	})
+	// The second request reserves the other decoder, the only one with a free slot.
+	reserved, other := decoders[1-busy], decoders[busy]
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	gone := make(chan error, 1)
+	go func() {
+		resp, err := h.front.Client().Do(h.request(ctx, http.MethodPost, "/v1/completions", `{"model":"m","prompt":"second"}`, nil))
+		if err == nil {
+			resp.Body.Close()
+		}
+		gone <- err
+	}()
+	eventually(t, "the second prefill to reach the prefiller", func() bool { return len(p.generations()) == 2 })
+	// The reserved decoder dies: nothing listens at its address any more.
+	reserved.srv.CloseClientConnections()
+	reserved.srv.Close()
+	cancel()
+	if err := <-gone; err == nil {
+		t.Fatal("the second request was answered; want it cut by its client")
+	}
+	eventually(t, "the proxy to see the client leave during the prefill", func() bool {
+		return h.value("pdproxy_aborts_total", map[string]string{"stage": "prefilling"}) == 1
+	})
+	// The prefill ends while the first request still runs on the live decoder: the dead one,
+	// with nothing in flight, is the first pick for the drain.
+	closeOnce(prefilled)
+	eventually(t, "the held KV to be drained through the live decoder", func() bool {
+		return h.value("pdproxy_kv_releases_total", map[string]string{"reason": "drained"}) == 1
+	})
+	closeOnce(release)
+	if s := <-first; s != http.StatusOK {
+		t.Errorf("the first request got %d, want 200", s)
+	}
+	var drains []received
+	for _, g := range other.generations() {
+		if strings.Contains(string(g.Body), `"prompt":"second"`) {
+			drains = append(drains, g)
+		}
+	}
+	if len(drains) != 1 {
+		t.Fatalf("the live decoder got %d calls for the second request, want one drain", len(drains))
+	}
+	if f := drains[0].fields(t); string(f["kv_transfer_params"]) != prefillerParams || string(f["max_tokens"]) != "1" {
+		t.Errorf("drain body %s, want the held params, one token", drains[0].Body)
+	}
+	if n := len(reserved.generations()); n != 0 {
+		t.Errorf("the dead decoder read %d calls, want none", n)
+	}
+	if n := h.value("pdproxy_kv_release_failures_total", nil); n != 0 {
+		t.Errorf("pdproxy_kv_release_failures_total = %v, want 0", n)
+	}
+	h.waitQuiet()
 }
