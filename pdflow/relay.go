@@ -91,6 +91,10 @@ func (x *Exchange) relay(c custody, resp *http.Response, wd *watchdog) (custody,
 				// A decoder back from an ejection is alive again from its first byte on.
 				answered = true
 				c.lease.Answered()
+				// A decoder answers only once it has the KV: paired legs have joined, even
+				// where the client gets nothing before the whole answer (one converted
+				// to another API), and a decoder silent from then on is the one to blame.
+				x.joinLegs()
 				if x.Req.Stream {
 					// A stream's first byte is its first token: the prefill has ended.
 					c.lease.Prefilled()
@@ -112,8 +116,6 @@ func (x *Exchange) relay(c custody, resp *http.Response, wd *watchdog) (custody,
 				return custody{}, x.gone(c)
 			}
 			if !x.Out.Wrote {
-				// A decoder generates only once it has the KV: paired legs have joined.
-				x.joinLegs()
 				x.W.WriteHeader(http.StatusOK)
 				x.Out.Wrote = true
 				x.Times.TTFT = time.Since(x.Times.Start)
