@@ -374,8 +374,18 @@ func (c matrixCell) recovers() bool {
 		return true
 	case faultengine.Status500, faultengine.Status503:
 		return c.proto == faultengine.VLLM && !c.pass
+	case faultengine.MidClose, faultengine.MidReset:
+		// An answer the proxy converts only once it is whole (SGLang's Messages, served by
+		// its chat route) breaks before the client's first byte.
+		return c.convertedWhole()
 	}
 	return false
+}
+
+// convertedWhole reports whether cell c's answer reaches its client only once the decoder's is
+// whole: a Messages answer, not streamed, from an engine that serves Messages by chat (SGLang).
+func (c matrixCell) convertedWhole() bool {
+	return c.route == "messages" && !c.stream && c.proto == faultengine.SGLang
 }
 
 func sendsHead(f faultengine.Fault) bool {
