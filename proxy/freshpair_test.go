@@ -137,15 +137,7 @@ func TestADecoderDownAfterItsReservationGetsNoDecode(t *testing.T) {
 		vllmPrefill(`{"remote_engine_id":"p0","remote_block_ids":[1]}`)(w, r, body)
 	})
 	var sick atomic.Bool
-	sickDecoder := newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
-		if r.Method != http.MethodPost {
-			if sick.Load() {
-				w.WriteHeader(http.StatusServiceUnavailable)
-			}
-			return
-		}
-		vllmDecode(w, r, body)
-	})
+	sickDecoder := sickableDecoder(t, &sick)
 	other := newEngine(t, vllmDecode)
 	d0 := decoder("d0", sickDecoder.URL())
 	d0.Weight = 2

@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -225,6 +226,19 @@ func vllmDecode(w http.ResponseWriter, r *http.Request, body []byte) {
 		io.WriteString(w, c)
 		w.(http.Flusher).Flush()
 	}
+}
+
+// sickableDecoder is a vLLM decoder whose health check answers 503 while sick is set.
+func sickableDecoder(t *testing.T, sick *atomic.Bool) *fakeEngine {
+	return newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		if r.Method != http.MethodPost {
+			if sick.Load() {
+				w.WriteHeader(http.StatusServiceUnavailable)
+			}
+			return
+		}
+		vllmDecode(w, r, body)
+	})
 }
 
 // answer is a fixed answer.

@@ -502,15 +502,7 @@ func TestAnAcknowledgedDecodeIsNeverSentToASecondDecoder(t *testing.T) {
 // fails (503), its hold stays the proxy's, and the drain goes once the decoder is up again.
 func TestADrainWaitsForADecoderToComeBack(t *testing.T) {
 	var down atomic.Bool
-	d := newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
-		if r.Method != http.MethodPost {
-			if down.Load() {
-				w.WriteHeader(http.StatusServiceUnavailable)
-			}
-			return
-		}
-		vllmDecode(w, r, body)
-	})
+	d := sickableDecoder(t, &down)
 	// The decoder goes down while the prefill runs: the prefill answers once the proxy knows.
 	var hp atomic.Pointer[harness]
 	prefill := vllmPrefill(prefillerParams)
