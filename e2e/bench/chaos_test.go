@@ -43,6 +43,8 @@ type chaosParams struct {
 	killEvery            time.Duration // a live decoder is killed this often...
 	downFor              time.Duration // ...and restarted this much later
 	contenders           []chaosContender
+	// protocols are the engine protocols each contender runs on (sim.ProtocolVLLM, ...).
+	protocols []string
 }
 
 // chaosContender is one proxy configuration the chaos is run against.
@@ -59,6 +61,14 @@ func chaosParamsOf(t *testing.T) chaosParams {
 	p := chaosParams{name: "tiny", prefillers: 1, decoders: 2, clients: 6, minTokens: 16, maxTokens: 40, itl: 10 * time.Millisecond,
 		duration: 3 * time.Second, killEvery: time.Second, downFor: 300 * time.Millisecond,
 		contenders: []chaosContender{{name: "migration_limit 3", migration: 3, whole: true}}}
+	// Every protocol in CI's run; one, vLLM's unless PDPROXY_BENCH_CHAOS_PROTOCOL names
+	// another, in a measurement.
+	protocols := []string{sim.ProtocolVLLM, sim.ProtocolSGLang, sim.ProtocolMooncake}
+	if proto := os.Getenv("PDPROXY_BENCH_CHAOS_PROTOCOL"); proto != "" {
+		protocols = []string{proto}
+	} else if os.Getenv("PDPROXY_BENCH_CHAOS") != "" {
+		protocols = protocols[:1]
+	}
 	switch os.Getenv("PDPROXY_BENCH_CHAOS") {
 	case "full":
 		p = chaosParams{name: "full", prefillers: 2, decoders: 3, clients: 200, minTokens: 200, maxTokens: 2000, itl: 20 * time.Millisecond,
@@ -86,6 +96,7 @@ func chaosParamsOf(t *testing.T) chaosParams {
 				{name: "migration_limit 0", migration: 0},
 			}}
 	}
+	p.protocols = protocols
 	return p
 }
 
@@ -102,8 +113,13 @@ func chaosParamsOf(t *testing.T) chaosParams {
 // the largest gap within each stream (hit and not), and the KV the prefillers still hold once
 // the streams are over.
 //
-// It asserts what a user would notice: with migration on every stream is whole; under any
-// contender nothing is left held on the prefillers, in the proxy's table or on its leases.
+// CI's run goes through each engine protocol in turn (vLLM's NIXL, SGLang, vLLM's Mooncake);
+// a measurement through one, vLLM's unless PDPROXY_BENCH_CHAOS_PROTOCOL names another.
+//
+// It asserts what a user would notice: with migration on every stream is whole (an SGLang
+// stream does not move: one a kill hits fails); no stream that ends whole in form has another
+// answer's text; under any contender nothing is left held on the prefillers, in the proxy's
+// table or on its leases.
 // PDPROXY_BENCH_CHAOS=full is the measurement (2 prefillers, 3 decoders, 200 clients, streams
 // of 200 to 2,000 tokens at a 20 ms ITL for 60 s, a kill every 5 s, with and without
 // migration); =short the earlier, lighter one (1 prefiller, 24 clients, 48 tokens, a kill every
@@ -112,16 +128,26 @@ func chaosParamsOf(t *testing.T) chaosParams {
 func TestChaos(t *testing.T) {
 	p := chaosParamsOf(t)
 	var rows []string
-	for _, c := range p.contenders {
-		r := runChaos(t, p, c)
-		rows = append(rows, r.row(c.name))
-		if c.whole && r.whole != r.streams {
-			t.Errorf("%s: %d of %d streams reached their client whole (cut %d, refused %d, wrong text %d); migration promises all",
-				c.name, r.whole, r.streams, r.cut, r.refused, r.wrong)
-		}
-		if c.wholeOrLimit && (r.refused != 0 || r.wrong != 0 || r.cut != r.exceeded) {
-			t.Errorf("%s: %d of %d streams reached their client whole (cut %d, refused %d, wrong text %d), %d at the migration limit; "+
-				"migration promises every stream not at its limit", c.name, r.whole, r.streams, r.cut, r.refused, r.wrong, r.exceeded)
+	for _, proto := range p.protocols {
+		for _, c := range p.contenders {
+			if proto != sim.ProtocolVLLM {
+				c.name = proto + ", " + c.name
+			}
+			r := runChaos(t, p, proto, c)
+			rows = append(rows, r.row(c.name))
+			// SGLang's streams do not move: one a kill hits fails, whatever the limit.
+			moves := proto != sim.ProtocolSGLang
+			if moves && c.whole && r.whole != r.streams {
+				t.Errorf("%s: %d of %d streams reached their client whole (cut %d, refused %d, wrong text %d); migration promises all",
+					c.name, r.whole, r.streams, r.cut, r.refused, r.wrong)
+			}
+			if moves && c.wholeOrLimit && (r.refused != 0 || r.wrong != 0 || r.cut != r.exceeded) {
+				t.Errorf("%s: %d of %d streams reached their client whole (cut %d, refused %d, wrong text %d), %d at the migration limit; "+
+					"migration promises every stream not at its limit", c.name, r.whole, r.streams, r.cut, r.refused, r.wrong, r.exceeded)
+			}
+			if r.wrong != 0 {
+				t.Errorf("%s: %d streams ended with every token and [DONE], yet not the unbroken answer's text", c.name, r.wrong)
+			}
 		}
 	}
 	table := fmt.Sprintf("chaos (%s: %d prefillers, %d decoders, %d clients, %d-%d tokens at %v, completions and chat, %v, a kill every %v, down %v)\n\n",
@@ -175,7 +201,7 @@ type chaosAsk struct {
 	tokens int
 }
 
-func runChaos(t *testing.T, p chaosParams, c chaosContender) chaosRun {
+func runChaos(t *testing.T, p chaosParams, proto string, c chaosContender) chaosRun {
 	cfg := sim.DefaultConfig()
 	cfg.ITL, cfg.PrefillTime = p.itl, 10*time.Millisecond
 	// Room for every stream's prompt and answer on the decoders left up while one is down.
@@ -196,15 +222,24 @@ func runChaos(t *testing.T, p chaosParams, c chaosContender) chaosRun {
 	if c.noEject {
 		pc.Router.Ejection.ConsecutiveFailures = -1
 	}
+	kind := map[string]string{sim.ProtocolVLLM: engine.KindVLLM, sim.ProtocolSGLang: engine.KindSGLang, sim.ProtocolMooncake: engine.KindMooncake}[proto]
+	if kind == "" {
+		t.Fatalf("PDPROXY_BENCH_CHAOS_PROTOCOL=%q: want %s, %s or %s", proto, sim.ProtocolVLLM, sim.ProtocolSGLang, sim.ProtocolMooncake)
+	}
+	pcfg, dcfg := cfg, cfg
+	pcfg.Protocol, pcfg.Role = proto, "prefill"
+	dcfg.Protocol, dcfg.Role = proto, "decode"
+	pcfg.BootstrapPort, dcfg.BootstrapPort = 0, 0 // a free port, read back below
 	for i := range p.prefillers {
-		pf := listen(cfg)
+		pf := listen(pcfg)
 		prefillers = append(prefillers, pf)
-		pc.Router.Backends = append(pc.Router.Backends, routerconfig.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: pf.URL(), Role: routerconfig.RolePrefill, Engine: engine.KindVLLM})
+		pc.Router.Backends = append(pc.Router.Backends, routerconfig.BackendConfig{Name: fmt.Sprintf("p%d", i), URL: pf.URL(), Role: routerconfig.RolePrefill, Engine: kind,
+			BootstrapPort: pf.Engine().BootstrapPort()})
 	}
 	for i := range p.decoders {
-		d := listen(cfg)
+		d := listen(dcfg)
 		decoders = append(decoders, d)
-		pc.Router.Backends = append(pc.Router.Backends, routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: routerconfig.RoleDecode, Engine: engine.KindVLLM})
+		pc.Router.Backends = append(pc.Router.Backends, routerconfig.BackendConfig{Name: fmt.Sprintf("d%d", i), URL: d.URL(), Role: routerconfig.RoleDecode, Engine: kind})
 	}
 	core, logs := observer.New(zap.InfoLevel)
 	m := startMainLogged(t, pc, zap.New(core))
