@@ -510,7 +510,7 @@ func (s *Flow) drain(r release, lease *router.Lease) bool {
 			if lease != nil {
 				lease.Release(router.Result{Canceled: true})
 			}
-			s.logger.Warn("kv drain found no decoder before the hold deadline", zap.String("request_id", r.c.id))
+			s.logger.Warn("kv drain not sent: the hold deadline passed before a decoder could take it", zap.String("request_id", r.c.id))
 			return false
 		}
 		if lease == nil {

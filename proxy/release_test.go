@@ -501,33 +501,7 @@ func TestAnAcknowledgedDecodeIsNeverSentToASecondDecoder(t *testing.T) {
 // decoder is down by its health checks when a prefilled request looks for one; the request
 // fails (503), its hold stays the proxy's, and the drain goes once the decoder is up again.
 func TestADrainWaitsForADecoderToComeBack(t *testing.T) {
-	var down atomic.Bool
-	d := sickableDecoder(t, &down)
-	// The decoder goes down while the prefill runs: the prefill answers once the proxy knows.
-	var hp atomic.Pointer[harness]
-	prefill := vllmPrefill(prefillerParams)
-	var p *fakeEngine
-	p = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
-		if r.Method != http.MethodPost {
-			return
-		}
-		down.Store(true)
-		if p.poll(r, func() bool {
-			return hp.Load().value("pdproxy_backend_healthy", map[string]string{"backend": "d0"}) == 0
-		}) {
-			prefill(w, r, body)
-		}
-	})
-	backends := []routerconfig.BackendConfig{prefiller("p0", p.URL()), decoder("d0", d.URL())}
-	for i := range backends {
-		// Named, so that the checks do not ask the fake engines for their models.
-		backends[i].Models = []string{"m"}
-	}
-	h := newHarness(t, Config{DecoderReservation: ReserveAfterPrefill}, routerconfig.Config{
-		Backends: backends,
-		Health:   routerconfig.HealthConfig{Interval: 20 * time.Millisecond, UnhealthyThreshold: 1, HealthyThreshold: 1},
-	})
-	hp.Store(h)
+	h, p, d, down := decoderDownAfterPrefill(t, lifecycle.Config{})
 	resp, body := h.post("/v1/completions", `{"model":"m","prompt":"held"}`)
 	checkOpenAIError(t, resp, body, http.StatusServiceUnavailable)
 	if n := len(p.generations()); n != 1 {
@@ -553,6 +527,64 @@ func TestADrainWaitsForADecoderToComeBack(t *testing.T) {
 		t.Errorf(`pdproxy_kv_releases_total{reason="expired"} = %v, want 0`, n)
 	}
 	h.waitQuiet()
+}
+
+// A drain that waits for a decoder stops at the hold deadline: past it the params go to no
+// decoder (race R4), not even one that comes back, and the hold is left to the prefiller's
+// lease, counted as a failed drain.
+func TestADrainGivesUpAtTheHoldDeadline(t *testing.T) {
+	h, _, d, down := decoderDownAfterPrefill(t, lifecycle.Config{KVHoldTimeout: 300 * time.Millisecond})
+	resp, body := h.post("/v1/completions", `{"model":"m","prompt":"held"}`)
+	checkOpenAIError(t, resp, body, http.StatusServiceUnavailable)
+	eventually(t, "the hold to be given up at its deadline", func() bool {
+		return h.value("pdproxy_kv_releases_total", map[string]string{"reason": "expired"}) == 1
+	})
+	if n := h.value("pdproxy_kv_release_failures_total", map[string]string{"mode": "drain"}); n != 1 {
+		t.Errorf(`pdproxy_kv_release_failures_total{mode="drain"} = %v, want 1`, n)
+	}
+	down.Store(false)
+	eventually(t, "the decoder to be up again", func() bool {
+		return h.value("pdproxy_backend_healthy", map[string]string{"backend": "d0"}) == 1
+	})
+	h.waitQuiet()
+	if g := d.generations(); len(g) != 0 {
+		t.Errorf("the decoder got %d calls after the hold deadline, want none: %s", len(g), g[0].Body)
+	}
+	if n := h.value("pdproxy_kv_releases_total", map[string]string{"reason": "drained"}); n != 0 {
+		t.Errorf(`pdproxy_kv_releases_total{reason="drained"} = %v, want 0`, n)
+	}
+}
+
+// decoderDownAfterPrefill is a proxy (its table built from lcfg) with one prefiller and one
+// decoder, whose health checks fail while down is set: a prefill sets it, and answers once the
+// proxy has seen the decoder go down, so that the prefilled request finds no decoder.
+func decoderDownAfterPrefill(t *testing.T, lcfg lifecycle.Config) (h *harness, p, d *fakeEngine, down *atomic.Bool) {
+	down = new(atomic.Bool)
+	d = sickableDecoder(t, down)
+	var hp atomic.Pointer[harness]
+	prefill := vllmPrefill(prefillerParams)
+	p = newEngine(t, func(w http.ResponseWriter, r *http.Request, body []byte) {
+		if r.Method != http.MethodPost {
+			return
+		}
+		down.Store(true)
+		if p.poll(r, func() bool {
+			return hp.Load().value("pdproxy_backend_healthy", map[string]string{"backend": "d0"}) == 0
+		}) {
+			prefill(w, r, body)
+		}
+	})
+	backends := []routerconfig.BackendConfig{prefiller("p0", p.URL()), decoder("d0", d.URL())}
+	for i := range backends {
+		// Named, so that the checks do not ask the fake engines for their models.
+		backends[i].Models = []string{"m"}
+	}
+	h = newHarnessTable(t, Config{DecoderReservation: ReserveAfterPrefill}, routerconfig.Config{
+		Backends: backends,
+		Health:   routerconfig.HealthConfig{Interval: 20 * time.Millisecond, UnhealthyThreshold: 1, HealthyThreshold: 1},
+	}, lcfg)
+	hp.Store(h)
+	return h, p, d, down
 }
 
 // A drain whose decoder is gone (its connection refused: the decoder reserved for the request
