@@ -486,10 +486,12 @@ const drainPause = 100 * time.Millisecond
 // drain sends a decoder a one-token decode with the held params, so that it pulls the blocks
 // and the prefiller frees them, and reports whether one did: first the decoder of lease, the
 // one reserved for the request, which drain gives back; else, with lease nil, any but
-// r.exclude. A decoder that provably never read the drain (its connection refused, or dropped
-// unread) may be down: the drain goes to another, and while no decoder is usable it waits for
-// one, a pause at a time, for as long as the hold's params may go to a decoder (Hold.Left) and
-// the proxy is not stopping. The exclusions hold for one pick: a decoder that is the only one
+// r.exclude. Each try runs on its own deadline (the client that asked is gone), and may go
+// past the decoders' in-flight limit: it frees memory, it must not queue behind load. A
+// decoder that provably never read the drain (its connection refused, or dropped unread) may
+// be down: the drain goes to another, and while no decoder is usable it waits for one, a
+// pause at a time, for as long as the hold's params may go to a decoder (Hold.Left) and the
+// proxy is not stopping. The exclusions hold for one pick: a decoder that is the only one
 // usable once the others stay down gets the drain again, as a restarted one should. A decoder
 // that read the drain and failed may have read the params: no other decoder gets them.
 func (s *Flow) drain(r release, lease *router.Lease) bool {
