@@ -102,6 +102,17 @@ func (e *fakeEngine) generations() []received {
 	return out
 }
 
+// generationsWith are the completion calls the engine got whose body holds marker.
+func (e *fakeEngine) generationsWith(marker string) []received {
+	var out []received
+	for _, g := range e.generations() {
+		if strings.Contains(string(g.Body), marker) {
+			out = append(out, g)
+		}
+	}
+	return out
+}
+
 // callsTo are the calls the engine got on path.
 func (e *fakeEngine) callsTo(path string) []received {
 	e.mu.Lock()

@@ -416,12 +416,7 @@ func TestClientLeavingWithKVHeldGetsItDrained(t *testing.T) {
 	if n := h.value("pdproxy_aborts_total", map[string]string{"stage": "kv_held"}); n != 1 {
 		t.Errorf(`pdproxy_aborts_total{stage="kv_held"} = %v, want 1`, n)
 	}
-	var drains []received
-	for _, g := range d.generations() {
-		if strings.Contains(string(g.Body), `"prompt":"second"`) {
-			drains = append(drains, g)
-		}
-	}
+	drains := d.generationsWith(`"prompt":"second"`)
 	if len(drains) != 1 {
 		t.Fatalf("the decoder got %d calls for the second request, want one drain", len(drains))
 	}
@@ -667,12 +662,7 @@ func TestADrainWhoseDecoderIsGoneGoesToAnother(t *testing.T) {
 	if s := <-first; s != http.StatusOK {
 		t.Errorf("the first request got %d, want 200", s)
 	}
-	var drains []received
-	for _, g := range other.generations() {
-		if strings.Contains(string(g.Body), `"prompt":"second"`) {
-			drains = append(drains, g)
-		}
-	}
+	drains := other.generationsWith(`"prompt":"second"`)
 	if len(drains) != 1 {
 		t.Fatalf("the live decoder got %d calls for the second request, want one drain", len(drains))
 	}
